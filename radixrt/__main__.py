@@ -1,0 +1,3 @@
+from radixrt.cli import main
+
+main()

@@ -1,0 +1,65 @@
+"""`radixrt` command line: prepare-model, generate, bench."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+
+from radixrt.config import ServerArgs
+
+
+def _prepare_model(args: argparse.Namespace) -> None:
+    from radixrt.model_loader import resolve_model_path
+
+    print(resolve_model_path(args.model))
+
+
+def _generate(args: argparse.Namespace) -> None:
+    from radixrt.engine import Engine
+
+    server = ServerArgs.from_cli_args(args)
+    params = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature}
+    with Engine(**dataclasses.asdict(server)) as engine:
+        out = engine.generate(args.prompt, params)
+    print(out["text"])
+    print(json.dumps(out["meta_info"]), file=sys.stderr)
+
+
+def _bench(args: argparse.Namespace) -> None:
+    from radixrt.bench import run_bench
+
+    run_bench(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="radixrt", description="RadixAttention-centric LLM runtime")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    prep = sub.add_parser("prepare-model", help="convert a model (GGUF -> safetensors) once, print its folder")
+    prep.add_argument("--model", default="default")
+    prep.set_defaults(func=_prepare_model)
+
+    gen = sub.add_parser("generate", help="generate text in-process")
+    ServerArgs.add_cli_args(gen)
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.set_defaults(func=_generate)
+
+    bench = sub.add_parser("bench", help="serving benchmarks (see `radixrt bench --help`)")
+    from radixrt.bench import add_bench_args
+
+    add_bench_args(bench)
+    bench.set_defaults(func=_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    args.func(args)
+
+
+if __name__ == "__main__":
+    main()

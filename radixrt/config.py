@@ -1,0 +1,64 @@
+"""Server settings: one dataclass shared by the CLI, `rt.Engine` and `rt.Runtime`."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class ServerArgs:
+    model: str = field(default="default", metadata={"help": "'default' (SmolLM2-135M-Instruct), a Hugging Face model folder or a .gguf file"})
+    host: str = field(default="127.0.0.1", metadata={"help": "address to bind; loopback unless told otherwise"})
+    port: int = field(default=30000, metadata={"help": "TCP port of the ZeroMQ ROUTER socket"})
+    attention_backend: str = field(default="auto", metadata={"help": "auto (triton on CUDA, torch on CPU), torch or triton", "choices": ["auto", "torch", "triton"]})
+    dtype: str = field(default="auto", metadata={"help": "weights and KV dtype: auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16", "choices": ["auto", "float32", "bfloat16"]})
+    device: str = field(default="auto", metadata={"help": "auto, cpu or cuda"})
+    max_total_tokens: int | None = field(default=None, metadata={"help": "KV slots in the token pool; overrides --mem-fraction"})
+    mem_fraction: float | None = field(default=None, metadata={"help": "fraction of free memory given to the KV pool when --max-total-tokens is not set (default: 0.8 on CUDA, 0.1 on CPU)"})
+    page_size: int = field(default=1, metadata={"help": "tokens per KV page; the radix tree matches whole pages"})
+    context_length: int | None = field(default=None, metadata={"help": "max prompt+output tokens per request (default: the model's)"})
+    schedule_policy: str = field(default="lpm", metadata={"help": "lpm (longest prefix match), fcfs or dfs-weight", "choices": ["lpm", "fcfs", "dfs-weight"]})
+    chunked_prefill_size: int = field(default=2048, metadata={"help": "max prompt tokens of one request per step; longer prompts are prefilled in chunks (<=0 disables chunking)"})
+    max_prefill_tokens: int = field(default=8192, metadata={"help": "max new prompt tokens admitted per step over all requests"})
+    max_running_requests: int = field(default=256, metadata={"help": "max requests decoding at once"})
+    disable_radix_cache: bool = field(default=False, metadata={"help": "turn prefix matching off (same code path, no reuse)"})
+    random_seed: int = field(default=0, metadata={"help": "seed of the sampler for requests that set none"})
+    log_interval: int = field(default=40, metadata={"help": "decode steps between two throughput log lines"})
+    log_level: str = field(default="info", metadata={"help": "debug, info, warning or error"})
+
+    def __post_init__(self) -> None:
+        if self.page_size < 1:
+            raise ValueError("page_size must be >= 1")
+        if self.max_total_tokens is not None and self.max_total_tokens < 1:
+            raise ValueError("max_total_tokens must be >= 1")
+        if self.mem_fraction is not None and not 0 < self.mem_fraction < 1:
+            raise ValueError("mem_fraction must be in (0, 1)")
+        if self.max_running_requests < 1 or self.max_prefill_tokens < 1:
+            raise ValueError("max_running_requests and max_prefill_tokens must be >= 1")
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        for f in dataclasses.fields(cls):
+            flag = "--" + f.name.replace("_", "-")
+            helptext = f.metadata.get("help", "")
+            if f.type in ("bool", bool):
+                parser.add_argument(flag, action="store_true", help=helptext)
+                continue
+            kind = {"int": int, "float": float, "int | None": int, "float | None": float}.get(str(f.type), str)
+            parser.add_argument(flag, type=kind, default=f.default, choices=f.metadata.get("choices"),
+                                help=f"{helptext} (default: {f.default})")
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> "ServerArgs":
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> "ServerArgs":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(kwargs) - known
+        if unknown:
+            raise TypeError(f"unknown server arguments: {sorted(unknown)}")
+        return cls(**kwargs)

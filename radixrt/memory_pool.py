@@ -1,0 +1,116 @@
+"""The paged token pool: request->token table, per-layer K/V slots and the page allocator.
+
+Ownership of KV slots (every slot has exactly one owner at any time):
+- free slots belong to `PageAllocator` (its free page list plus frees not yet merged);
+- `row[:req.tree_len]` of a running request belongs to the radix tree; the request holds a
+  lock on the tree node that ends there, so the tree cannot evict it, and only reads it;
+- `row[req.tree_len:req.kv_len]` belongs to the request, which allocated it for its own tokens;
+- ownership moves request -> tree when the scheduler inserts the request's tokens into the tree
+  (after a prefill chunk, at finish, at retraction); slots the tree already had a copy of are
+  freed then, and the request's row is remapped to the tree's slots;
+- ownership moves tree -> allocator only by eviction of an unlocked leaf or by `flush_cache`.
+Page 0 (slot 0 in particular) is padding owned by nobody: padded gathers read it and masks hide it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class ReqToTokenPool:
+    """Rows of slot indices: row r, column i is the KV slot of token i of the request in row r."""
+
+    def __init__(self, rows: int, max_context: int, device: torch.device):
+        self.req_to_token = torch.zeros((rows, max_context), dtype=torch.int32, device=device)
+        self.rows = rows
+        self._free_rows = list(range(rows - 1, -1, -1))
+
+    def alloc(self) -> int | None:
+        return self._free_rows.pop() if self._free_rows else None
+
+    def free(self, row: int) -> None:
+        self._free_rows.append(row)
+
+    def available(self) -> int:
+        return len(self._free_rows)
+
+
+class PageAllocator:
+    """Hands out KV slots in pages of `page_size` consecutive slots; page 0 is reserved."""
+
+    def __init__(self, total_tokens: int, page_size: int, device: torch.device):
+        self.page_size = page_size
+        self.num_pages = total_tokens // page_size
+        self.total_tokens = self.num_pages * page_size
+        self.device = device
+        self._free_pages = torch.arange(1, self.num_pages + 1, dtype=torch.int64, device=device)
+        self._pending: list[torch.Tensor] = []
+
+    @property
+    def num_slots(self) -> int:
+        """Slots a KV buffer needs, the reserved page 0 included."""
+        return (self.num_pages + 1) * self.page_size
+
+    def available(self) -> int:
+        """Free slots (whole free pages)."""
+        self._merge_frees()
+        return len(self._free_pages) * self.page_size
+
+    def alloc_pages(self, num_pages: int) -> torch.Tensor | None:
+        self._merge_frees()
+        if num_pages > len(self._free_pages):
+            return None
+        pages, self._free_pages = self._free_pages[:num_pages], self._free_pages[num_pages:]
+        return pages
+
+    def alloc_extend(self, last_slot: int, cur_len: int, n: int) -> torch.Tensor | None:
+        """Slots for tokens cur_len..cur_len+n-1 of one request whose token cur_len-1 is at `last_slot`.
+
+        Tokens fill the request's last page first, so a page never mixes two owners' tokens.
+        """
+        p = self.page_size
+        in_last_page = min((-cur_len) % p, n) if cur_len else 0
+        head = torch.arange(last_slot + 1, last_slot + 1 + in_last_page, dtype=torch.int64, device=self.device)
+        rest = n - in_last_page
+        if rest == 0:
+            return head
+        pages = self.alloc_pages(-(-rest // p))
+        if pages is None:
+            return None
+        tail = (pages[:, None] * p + torch.arange(p, device=self.device)).flatten()[:rest]
+        return torch.cat([head, tail]) if in_last_page else tail
+
+    def free(self, slots: torch.Tensor) -> None:
+        """Free slots that start at a page boundary and cover whole pages (the last may be partial).
+
+        Frees are only queued here and merged on the next allocation or count (one cat for many).
+        """
+        if len(slots):
+            self._pending.append(slots[:: self.page_size] // self.page_size)
+
+    def _merge_frees(self) -> None:
+        if self._pending:
+            self._free_pages = torch.cat([self._free_pages, *self._pending])
+            self._pending.clear()
+
+    def free_page_ids(self) -> torch.Tensor:
+        self._merge_frees()
+        return self._free_pages
+
+
+class TokenToKVPool:
+    """Per-layer K and V buffers `[slots, kv_heads, head_dim]`, indexed by slot."""
+
+    def __init__(self, num_slots: int, num_layers: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device):
+        shape = (num_slots, num_kv_heads, head_dim)
+        self.k_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    def set_kv(self, layer_id: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k_buffers[layer_id][slots] = k
+        self.v_buffers[layer_id][slots] = v
+
+
+def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    return 2 * num_layers * num_kv_heads * head_dim * torch.tensor([], dtype=dtype).element_size()

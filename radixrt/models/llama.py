@@ -1,0 +1,155 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2, SmolLM) over a flattened ragged batch."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from radixrt.attention import AttentionBackend
+from radixrt.forward_batch import ForwardBatch
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for every position, using transformers' own rope-scaling formulas."""
+
+    def __init__(self, config, head_dim: int, max_positions: int):
+        super().__init__()
+        rope = getattr(config, "rope_parameters", None) or {"rope_type": "default",
+                                                            "rope_theta": getattr(config, "rope_theta", 10000.0)}
+        rope_type = rope.get("rope_type", "default")
+        if rope_type == "default":
+            inv_freq = 1.0 / (rope["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+            scaling = 1.0
+        else:
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+        freqs = torch.arange(max_positions, dtype=torch.float)[:, None] * inv_freq[None, :]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.register_buffer("cos", emb.cos() * scaling, persistent=False)
+        self.register_buffer("sin", emb.sin() * scaling, persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos = self.cos[positions].to(q.dtype)[:, None, :]
+        sin = self.sin[positions].to(q.dtype)[:, None, :]
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, config, layer_id: int, head_dim: int):
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = head_dim
+        bias = getattr(config, "attention_bias", False) or config.model_type == "qwen2"
+        self.q_size, self.kv_size = self.num_heads * head_dim, self.num_kv_heads * head_dim
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, rope: RotaryEmbedding,
+                attn: AttentionBackend) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q, k = rope(batch.positions, q, k)
+        o = attn.forward(self.layer_id, q, k, v, batch)
+        return self.o_proj(o.reshape(-1, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.intermediate = intermediate
+        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config, layer_id: int, head_dim: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer_id, head_dim)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config.hidden_size, config.intermediate_size)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, rope: RotaryEmbedding,
+                attn: AttentionBackend) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), batch, rope, attn)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config, max_positions: int):
+        super().__init__()
+        self.config = config
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.head_dim = head_dim
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, head_dim) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rope = RotaryEmbedding(config, head_dim, max_positions)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if not self.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
+        """Hidden states after the final norm, one row per new token."""
+        x = self.embed_tokens(batch.input_ids)
+        for layer in self.layers:
+            x = layer(x, batch, self.rope, attn)
+        return self.norm(x)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def load_weights(self, state: dict[str, torch.Tensor]) -> None:
+        """Load Hugging Face names, fusing q/k/v and gate/up projections."""
+        own = dict(self.named_parameters())
+        loaded = set()
+
+        def put(name: str, tensor: torch.Tensor) -> None:
+            own[name].data.copy_(tensor)
+            loaded.add(name)
+
+        for i in range(self.config.num_hidden_layers):
+            hf, me = f"model.layers.{i}.", f"layers.{i}."
+            for kind in ("weight", "bias"):
+                parts = [hf + f"self_attn.{p}_proj.{kind}" for p in "qkv"]
+                if parts[0] in state:
+                    put(me + f"self_attn.qkv_proj.{kind}", torch.cat([state.pop(p) for p in parts]))
+            put(me + "mlp.gate_up_proj.weight",
+                torch.cat([state.pop(hf + "mlp.gate_proj.weight"), state.pop(hf + "mlp.up_proj.weight")]))
+        for name, tensor in state.items():
+            target = name.removeprefix("model.")
+            if target in own:
+                put(target, tensor)
+        missing = set(own) - loaded
+        if missing:
+            raise ValueError(f"weights missing from the checkpoint: {sorted(missing)[:8]}")

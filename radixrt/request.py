@@ -1,0 +1,87 @@
+"""A generation request as the scheduler sees it."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from radixrt.detokenizer import IncrementalDetokenizer
+from radixrt.radix_cache import TreeNode
+from radixrt.sampling_params import SamplingParams
+
+
+@dataclass(eq=False)
+class Req:
+    rid: str
+    input_ids: list[int]
+    params: SamplingParams
+    detokenizer: IncrementalDetokenizer
+    generator: torch.Generator
+    arrival: float = field(default_factory=time.monotonic)
+
+    output_ids: list[int] = field(default_factory=list)
+    all_ids: list[int] = field(default_factory=list)  # input_ids + output_ids
+    text: str = ""
+    finish_reason: dict[str, Any] | None = None
+
+    # Memory state; see memory_pool.py for who owns which part of the row.
+    row: int | None = None
+    kv_len: int = 0  # tokens of all_ids whose K/V are in the pool
+    tree_len: int = 0  # row[:tree_len] belongs to the tree, locked through last_node
+    last_node: TreeNode | None = None
+
+    # Accounting
+    admitted_once: bool = False
+    cached_tokens: int = 0
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    num_preemptions: int = 0
+    input_token_logprobs: list[tuple[float, int]] = field(default_factory=list)
+    output_token_logprobs: list[tuple[float, int]] = field(default_factory=list)
+    output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.all_ids = list(self.input_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def tokens_to_compute(self) -> int:
+        return len(self.all_ids) - self.kv_len
+
+    @property
+    def is_decoding(self) -> bool:
+        return self.tokens_to_compute == 1 and bool(self.output_ids)
+
+    def remaining_new_tokens(self) -> int:
+        return max(self.params.max_new_tokens - len(self.output_ids), 0)
+
+    def wants_prompt_logprobs(self) -> bool:
+        return self.params.return_logprob and self.params.logprob_start_len >= 0
+
+    def meta_info(self) -> dict[str, Any]:
+        end = self.finish_time or time.monotonic()
+        meta = {
+            "id": self.rid,
+            "prompt_tokens": len(self.input_ids),
+            "cached_tokens": self.cached_tokens,
+            "completion_tokens": len(self.output_ids),
+            "finish_reason": self.finish_reason,
+            "e2e_latency": end - self.arrival,
+            "ttft": (self.first_token_time - self.arrival) if self.first_token_time else None,
+            "num_preemptions": self.num_preemptions,
+        }
+        if self.params.return_logprob:
+            meta["input_token_logprobs"] = self.input_token_logprobs
+            meta["output_token_logprobs"] = self.output_token_logprobs
+            if self.params.top_logprobs_num:
+                meta["output_top_logprobs"] = self.output_top_logprobs
+        return meta
+
+    def result(self) -> dict[str, Any]:
+        return {"text": self.text, "output_ids": list(self.output_ids), "meta_info": self.meta_info()}

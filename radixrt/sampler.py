@@ -1,0 +1,83 @@
+"""Batched sampling: penalties, temperature, top-k/top-p/min-p, greedy, logprobs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from radixrt.request import Req
+
+
+@dataclass
+class SampleOutput:
+    token_ids: list[int]
+    logprobs: list[float] | None  # of the chosen tokens, under the model's raw distribution
+    top_logprobs: list[list[tuple[float, int]]] | None
+
+
+def sample(logits: torch.Tensor, reqs: list[Req], banned: list[list[int]]) -> SampleOutput:
+    """Pick one token per row of `logits` [B, V] for `reqs`; `banned` ids get -inf (min_new_tokens)."""
+    raw = logits
+    logits = logits.clone()
+    for i, req in enumerate(reqs):
+        if req.params.penalized:
+            _apply_penalties(logits[i], req)
+        if banned[i]:
+            logits[i, banned[i]] = float("-inf")
+
+    greedy_rows = [i for i, r in enumerate(reqs) if r.params.greedy]
+    tokens = torch.empty(len(reqs), dtype=torch.long)
+    if greedy_rows:
+        tokens[greedy_rows] = logits[greedy_rows].argmax(dim=-1)
+    sampled_rows = [i for i, r in enumerate(reqs) if not r.params.greedy]
+    if sampled_rows:
+        probs = _filtered_probs(logits[sampled_rows], [reqs[i] for i in sampled_rows])
+        for j, i in enumerate(sampled_rows):
+            tokens[i] = torch.multinomial(probs[j], 1, generator=reqs[i].generator)[0]
+
+    token_ids = tokens.tolist()
+    want_logprobs = [r.params.return_logprob for r in reqs]
+    if not any(want_logprobs):
+        return SampleOutput(token_ids, None, None)
+    logprobs = torch.log_softmax(raw, dim=-1)
+    chosen = logprobs.gather(1, tokens[:, None]).squeeze(1).tolist()
+    k = max(r.params.top_logprobs_num for r in reqs)
+    top = None
+    if k:
+        vals, ids = logprobs.topk(k, dim=-1)
+        top = [list(zip(vals[i, : r.params.top_logprobs_num].tolist(), ids[i, : r.params.top_logprobs_num].tolist()))
+               for i, r in enumerate(reqs)]
+    return SampleOutput(token_ids, chosen, top)
+
+
+def _apply_penalties(row: torch.Tensor, req: Req) -> None:
+    p = req.params
+    if p.frequency_penalty or p.presence_penalty:
+        out = torch.tensor(req.output_ids, dtype=torch.long)
+        counts = torch.bincount(out, minlength=row.shape[0])[: row.shape[0]].to(row.dtype)
+        row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+    if p.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(req.all_ids)), dtype=torch.long)
+        vals = row[seen]
+        row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+
+
+def _filtered_probs(logits: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
+    temps = torch.tensor([r.params.temperature for r in reqs], dtype=logits.dtype)[:, None]
+    probs = torch.softmax(logits / temps, dim=-1)
+    top_ks = [r.params.top_k for r in reqs]
+    top_ps = [r.params.top_p for r in reqs]
+    min_ps = [r.params.min_p for r in reqs]
+    if all(k == -1 for k in top_ks) and all(p == 1.0 for p in top_ps) and not any(min_ps):
+        return probs
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    ranks = torch.arange(probs.shape[-1])[None, :]
+    k = torch.tensor([kk if kk > 0 else probs.shape[-1] for kk in top_ks])[:, None]
+    drop = ranks >= k
+    # top-p keeps the smallest head whose mass reaches p (the token crossing p included)
+    cum_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    drop |= cum_before > torch.tensor(top_ps, dtype=probs.dtype)[:, None]
+    drop |= sorted_probs < torch.tensor(min_ps, dtype=probs.dtype)[:, None] * sorted_probs[:, :1]
+    sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+    return torch.zeros_like(probs).scatter_(1, order, sorted_probs)

@@ -1,0 +1,96 @@
+"""Per-request sampling parameters, validated at the door."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+_INT_FIELDS = ("max_new_tokens", "min_new_tokens", "top_k", "n", "top_logprobs_num", "logprob_start_len")
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty")
+_BOOL_FIELDS = ("ignore_eos", "skip_special_tokens", "return_logprob")
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = 128
+    min_new_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    seed: int | None = None
+    n: int = 1
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    logprob_start_len: int = -1  # prompt logprobs from this position; -1: none
+
+    @classmethod
+    def from_dict(cls, params: dict[str, Any] | None) -> "SamplingParams":
+        params = dict(params or {})
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(params) - known
+        if unknown:
+            raise ValueError(f"unknown sampling parameters: {sorted(unknown)}")
+        if isinstance(params.get("stop"), str):
+            params["stop"] = [params["stop"]]
+        if isinstance(params.get("stop_token_ids"), int):
+            params["stop_token_ids"] = [params["stop_token_ids"]]
+        sp = cls(**params)
+        sp.validate()
+        return sp
+
+    def validate(self) -> None:
+        for name in _INT_FIELDS:
+            _check_type(name, getattr(self, name), int)
+        for name in _FLOAT_FIELDS:
+            _check_type(name, getattr(self, name), (int, float))
+        for name in _BOOL_FIELDS:
+            _check_type(name, getattr(self, name), bool)
+        if self.seed is not None:
+            _check_type("seed", self.seed, int)
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError("stop must be a non-empty string or a list of non-empty strings")
+        if not isinstance(self.stop_token_ids, list) or not all(
+                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
+            raise ValueError("stop_token_ids must be a list of non-negative ints")
+        _check_range("max_new_tokens", self.max_new_tokens, 0, 1 << 20)
+        _check_range("min_new_tokens", self.min_new_tokens, 0, self.max_new_tokens)
+        _check_range("temperature", self.temperature, 0.0, 100.0)
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k == 0 or self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (off) or >= 1, got {self.top_k}")
+        _check_range("min_p", self.min_p, 0.0, 1.0)
+        _check_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        _check_range("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+        _check_range("n", self.n, 1, 64)
+        _check_range("top_logprobs_num", self.top_logprobs_num, 0, 20)
+        _check_range("logprob_start_len", self.logprob_start_len, -1, 1 << 30)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        return self.frequency_penalty != 0.0 or self.presence_penalty != 0.0 or self.repetition_penalty != 1.0
+
+
+def _check_type(name: str, value: Any, kind: type | tuple[type, ...]) -> None:
+    if isinstance(value, bool) and kind is not bool or not isinstance(value, kind):
+        raise ValueError(f"{name} must be of type {getattr(kind, '__name__', 'number')}, got {value!r}")
+
+
+def _check_range(name: str, value: float, lo: float, hi: float) -> None:
+    if not lo <= value <= hi:
+        raise ValueError(f"{name} must be in [{lo}, {hi}], got {value}")

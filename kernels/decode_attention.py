@@ -1,0 +1,153 @@
+"""Decode attention: one query token per request over its whole context in the paged KV pool (split-KV)."""
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .extend_attention import _check_last_dim_contiguous, _scores, dot_precision
+
+
+@triton.jit
+def _decode_split_kernel(
+    Q, K_buf, V_buf, Mid_O, Mid_LSE,
+    kv_indptr, kv_indices,
+    sm_scale,
+    stride_qb, stride_qh, stride_kbs, stride_kbh, stride_vbs, stride_vbh,
+    stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    LOGIT_CAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Stage 1: one program per (request, kv head, split) serves all query heads of that kv head,
+    so each K/V block is read once per group. Writes the split's normalized output and its log2-sum-exp."""
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+
+    kv_start = tl.load(kv_indptr + b)
+    kv_len = tl.load(kv_indptr + b + 1) - kv_start
+    split_len = tl.cdiv(kv_len, tl.num_programs(2))
+    lo = split * split_len
+    hi = tl.minimum(lo + split_len, kv_len)
+    if lo >= hi:  # context shorter than the number of splits; stage 2 skips this split too
+        return
+
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    heads = kvh * GROUP + offs_h
+    mask_h = offs_h < GROUP
+    mask_d = offs_d < HEAD_DIM
+
+    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=mask_h[:, None] & mask_d[None, :], other=0.0)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    for start_n in range(lo, hi, BLOCK_N):
+        cols = start_n + offs_n
+        mask_n = cols < hi
+        slots = tl.load(kv_indices + kv_start + cols, mask=mask_n, other=0).to(tl.int64)
+        mask_nd = mask_n[:, None] & mask_d[None, :]
+        k = tl.load(K_buf + slots[:, None] * stride_kbs + kvh * stride_kbh + offs_d[None, :], mask=mask_nd, other=0.0)
+        qk = _scores(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION), sm_scale, LOGIT_CAP)
+        qk = tl.where(mask_n[None, :], qk, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(V_buf + slots[:, None] * stride_vbs + kvh * stride_vbh + offs_d[None, :], mask=mask_nd, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    tl.store(Mid_O + b * stride_mob + heads[:, None] * stride_moh + split * stride_mos + offs_d[None, :],
+             acc / l_i[:, None], mask=mask_h[:, None] & mask_d[None, :])
+    tl.store(Mid_LSE + b * stride_mlb + heads * stride_mlh + split, m_i + tl.log2(l_i), mask=mask_h)
+
+
+@triton.jit
+def _decode_merge_kernel(
+    Mid_O, Mid_LSE, O,
+    kv_indptr,
+    num_splits,
+    stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    """Stage 2: one program per (request, query head) combines the non-empty splits by their log-sum-exp."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+
+    kv_len = tl.load(kv_indptr + b + 1) - tl.load(kv_indptr + b)
+    split_len = tl.cdiv(kv_len, num_splits)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_s = (offs_s < num_splits) & (offs_s * split_len < kv_len)
+    mask_d = offs_d < HEAD_DIM
+
+    lse = tl.load(Mid_LSE + b * stride_mlb + h * stride_mlh + offs_s, mask=mask_s, other=float("-inf"))
+    w = tl.exp2(lse - tl.max(lse, 0))
+    parts = tl.load(Mid_O + b * stride_mob + h * stride_moh + offs_s[:, None] * stride_mos + offs_d[None, :],
+                    mask=mask_s[:, None] & mask_d[None, :], other=0.0)
+    out = tl.sum(w[:, None] * parts, 0) / tl.sum(w, 0)
+    tl.store(O + b * stride_ob + h * stride_oh + offs_d, out.to(O.dtype.element_ty), mask=mask_d)
+
+
+def _launch_config(block_d: int) -> dict:
+    # Untuned starting point; scripts/gpu_check.py sweeps alternatives by patching this function.
+    return dict(BLOCK_N=64 if block_d <= 128 else 32, num_warps=4, num_stages=2)
+
+
+def decode_attention_fwd(
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    o: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    num_kv_splits: int = 8,
+    sm_scale: float | None = None,
+    logit_cap: float = 0.0,
+) -> None:
+    """Attention for one new token per request, written into o [B, Hq, D].
+
+    q [B, Hq, D]; request b's context (its current token included) is at slots
+    kv_indices[kv_indptr[b]:kv_indptr[b+1]] of k_buffer/v_buffer [slots, Hkv, D]; it must be non-empty.
+    """
+    _check_last_dim_contiguous(q, k_buffer, v_buffer, o)
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads = k_buffer.shape[1]
+    assert num_heads % num_kv_heads == 0 and head_dim <= 256 and num_kv_splits >= 1
+    if sm_scale is None:
+        sm_scale = 1.0 / math.sqrt(head_dim)
+    if batch == 0:
+        return
+
+    group = num_heads // num_kv_heads
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    mid_o = torch.empty(batch, num_heads, num_kv_splits, head_dim, dtype=torch.float32, device=q.device)
+    mid_lse = torch.empty(batch, num_heads, num_kv_splits, dtype=torch.float32, device=q.device)
+
+    _decode_split_kernel[(batch, num_kv_heads, num_kv_splits)](
+        q, k_buffer, v_buffer, mid_o, mid_lse,
+        kv_indptr, kv_indices,
+        sm_scale,
+        q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
+        BLOCK_H=max(16, triton.next_power_of_2(group)),  # tl.dot needs at least 16 rows
+        LOGIT_CAP=logit_cap, DOT_PRECISION=dot_precision(q.dtype),
+        **_launch_config(block_d),
+    )
+    _decode_merge_kernel[(batch, num_heads)](
+        mid_o, mid_lse, o,
+        kv_indptr,
+        num_kv_splits,
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
+        o.stride(0), o.stride(1),
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(num_kv_splits),
+        num_warps=4,
+    )

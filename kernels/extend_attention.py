@@ -1,0 +1,161 @@
+"""Prefill ("extend") attention: new tokens attend to their cached prefix in the paged KV pool
+and causally to each other."""
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _scores(qk, sm_scale, LOGIT_CAP: tl.constexpr):
+    """Raw q.k products -> softmax logits in log2 units (so the kernels can use exp2)."""
+    qk = qk * sm_scale
+    if LOGIT_CAP > 0:
+        # cap * tanh(x / cap), with tanh(y) = 2 * sigmoid(2y) - 1
+        qk = LOGIT_CAP * (2.0 * tl.sigmoid(qk * (2.0 / LOGIT_CAP)) - 1.0)
+    return qk * 1.4426950408889634
+
+
+@triton.jit
+def _extend_kernel(
+    Q, K_ext, V_ext, O, K_buf, V_buf,
+    qo_indptr, kv_indptr, kv_indices,
+    sm_scale,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_ot, stride_oh, stride_kbs, stride_kbh, stride_vbs, stride_vbh,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    LOGIT_CAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    start_m = tl.program_id(2) * BLOCK_M
+    kvh = h // GROUP
+
+    q_start = tl.load(qo_indptr + b)
+    extend_len = tl.load(qo_indptr + b + 1) - q_start
+    if start_m >= extend_len:
+        return
+    kv_start = tl.load(kv_indptr + b)
+    prefix_len = tl.load(kv_indptr + b + 1) - kv_start
+
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_m = offs_m < extend_len
+    mask_d = offs_d < HEAD_DIM
+
+    rows = (q_start + offs_m).to(tl.int64)
+    q = tl.load(Q + rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
+                mask=mask_m[:, None] & mask_d[None, :], other=0.0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+
+    # Stage 1: the cached prefix, gathered slot by slot through kv_indices; no causal mask needed.
+    for start_n in range(0, prefix_len, BLOCK_N):
+        cols = start_n + offs_n
+        mask_n = cols < prefix_len
+        slots = tl.load(kv_indices + kv_start + cols, mask=mask_n, other=0).to(tl.int64)
+        mask_nd = mask_n[:, None] & mask_d[None, :]
+        k = tl.load(K_buf + slots[:, None] * stride_kbs + kvh * stride_kbh + offs_d[None, :], mask=mask_nd, other=0.0)
+        qk = _scores(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION), sm_scale, LOGIT_CAP)
+        qk = tl.where(mask_n[None, :], qk, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(V_buf + slots[:, None] * stride_vbs + kvh * stride_vbh + offs_d[None, :], mask=mask_nd, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    # Stage 2: the new tokens themselves, causal; only blocks up to this query block's end are visible.
+    end_n = tl.minimum(start_m + BLOCK_M, extend_len)
+    for start_n in range(0, end_n, BLOCK_N):
+        cols = start_n + offs_n
+        mask_n = cols < extend_len
+        mask_nd = mask_n[:, None] & mask_d[None, :]
+        kv_rows = (q_start + cols).to(tl.int64)
+        k = tl.load(K_ext + kv_rows[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :], mask=mask_nd, other=0.0)
+        qk = _scores(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION), sm_scale, LOGIT_CAP)
+        qk = tl.where(mask_n[None, :] & (offs_m[:, None] >= cols[None, :]), qk, float("-inf"))
+
+        # Every row has seen at least one visible key by now (prefix or column 0), so m_new is finite.
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(V_ext + kv_rows[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :], mask=mask_nd, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    out = acc / l_i[:, None]
+    tl.store(O + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
+             out.to(O.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
+
+
+def _check_last_dim_contiguous(*tensors: torch.Tensor) -> None:
+    for t in tensors:
+        assert t.stride(-1) == 1, "attention kernels need a contiguous head dim"
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    # fp32 inputs would silently get tf32 tensor-core dots on GPU; keep them exact.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _launch_config(block_d: int) -> dict:
+    # Untuned starting point; scripts/gpu_check.py sweeps alternatives by patching this function.
+    if block_d <= 128:
+        return dict(BLOCK_M=128, BLOCK_N=64, num_warps=4 if block_d <= 64 else 8, num_stages=2)
+    return dict(BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=2)
+
+
+def extend_attention_fwd(
+    q_extend: torch.Tensor,
+    k_extend: torch.Tensor,
+    v_extend: torch.Tensor,
+    o_extend: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    qo_indptr: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    max_len_extend: int,
+    sm_scale: float | None = None,
+    logit_cap: float = 0.0,
+) -> None:
+    """Attention for the new tokens of a batch of requests, written into o_extend.
+
+    q_extend [N, Hq, D], k_extend/v_extend [N, Hkv, D]: new tokens packed back to back, request b at
+    rows qo_indptr[b]:qo_indptr[b+1]. Its cached prefix is at slots kv_indices[kv_indptr[b]:kv_indptr[b+1]]
+    of k_buffer/v_buffer [slots, Hkv, D]. max_len_extend bounds qo_indptr[b+1] - qo_indptr[b].
+    """
+    _check_last_dim_contiguous(q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer)
+    batch = qo_indptr.numel() - 1
+    num_heads, head_dim = q_extend.shape[1], q_extend.shape[2]
+    num_kv_heads = k_extend.shape[1]
+    assert num_heads % num_kv_heads == 0 and head_dim <= 256
+    if sm_scale is None:
+        sm_scale = 1.0 / math.sqrt(head_dim)
+    if batch == 0 or max_len_extend == 0:
+        return
+
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    cfg = _launch_config(block_d)
+    grid = (batch, num_heads, triton.cdiv(max_len_extend, cfg["BLOCK_M"]))
+    _extend_kernel[grid](
+        q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer,
+        qo_indptr, kv_indptr, kv_indices,
+        sm_scale,
+        q_extend.stride(0), q_extend.stride(1), k_extend.stride(0), k_extend.stride(1),
+        v_extend.stride(0), v_extend.stride(1), o_extend.stride(0), o_extend.stride(1),
+        k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
+        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,
+        LOGIT_CAP=logit_cap, DOT_PRECISION=dot_precision(q_extend.dtype),
+        **cfg,
+    )

@@ -1,0 +1,306 @@
+"""GPU check of the Triton attention kernels (sized for one H200, well under 8 minutes).
+
+    OUT=/path/to/dir python scripts/gpu_check.py
+
+(a) correctness against the torch references on realistic bf16 shapes, (b) speed: decode HBM bandwidth and
+extend TFLOP/s against dense torch SDPA, plus small launch-config sweeps, (c) end to end: greedy outputs of
+radixrt.Engine with the triton and torch attention backends. Writes $OUT/gpu_check.json and $OUT/gpu_check.txt,
+rewritten after every section so a timeout still leaves the finished parts.
+"""
+
+import gc
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+from triton.testing import do_bench
+
+try:
+    from radixrt import kernels
+except ImportError:  # project not installed: import the kernels folder as a top-level package
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import kernels
+
+HBM_BYTES_PER_S = 4.8e12  # H200
+MODELS = {"smollm2": (9, 3, 64), "llama3-8b": (32, 8, 128)}  # (Hq, Hkv, D)
+DEVICE, DTYPE = "cuda", torch.bfloat16
+ATOL, RTOL = 1e-2, 2e-2
+# Correctness: extend (prefix lens, extend lens); decode: random contexts up to 4k plus a few long ones.
+CHECK_EXTEND = ([0, 1000, 30000, 5000, 0], [2048, 1, 777, 1500, 1])
+CHECK_DECODE = (252, 4096, [32768, 32767, 20000, 1])
+DECODE_SHAPES = [(64, 4096), (256, 2048), (8, 32768), (1, 8192)]  # (batch, ctx)
+DECODE_SPLITS = [4, 8, 16, 32]
+EXTEND_SHAPES = [(8, 0, 2048), (2, 0, 8192), (8, 4096, 512)]  # (batch, prefix, extend)
+SWEEP_DECODE_SHAPE, SWEEP_EXTEND_SHAPE = (64, 4096), (8, 2048)
+SWEEP_DEADLINE_S = 300  # skip the config sweeps if the run is already this far in
+
+OUT = Path(os.environ.get("OUT", "."))
+START = time.time()
+results: dict = {}
+lines: list[str] = []
+
+
+def log(line: str = "") -> None:
+    print(f"[{time.time() - START:6.1f}s] {line}", flush=True)
+    lines.append(line)
+
+
+def save() -> None:
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / "gpu_check.json").write_text(json.dumps(results, indent=2))
+    (OUT / "gpu_check.txt").write_text("\n".join(lines) + "\n")
+
+
+def indptr(lens: list[int]) -> torch.Tensor:
+    return torch.tensor([0] + lens, dtype=torch.int32, device=DEVICE).cumsum(0, dtype=torch.int32)
+
+
+def paged_batch(hq: int, hkv: int, d: int, prefix_lens: list[int], extend_lens: list[int]) -> dict:
+    """Extend inputs: prefixes scattered over a KV pool in random slot order, new tokens packed.
+    A decode batch is the same with extend_lens all 1, using q_extend as q and prefix_lens as the context."""
+    total = sum(prefix_lens)
+    pool = total + 1024
+    n = sum(extend_lens)
+    rand = lambda *shape: torch.randn(*shape, dtype=DTYPE, device=DEVICE)  # noqa: E731
+    return dict(
+        q_extend=rand(n, hq, d), k_extend=rand(n, hkv, d), v_extend=rand(n, hkv, d),
+        k_buffer=rand(pool, hkv, d), v_buffer=rand(pool, hkv, d),
+        qo_indptr=indptr(extend_lens), kv_indptr=indptr(prefix_lens),
+        kv_indices=torch.randperm(pool, device=DEVICE)[:total].to(torch.int32),
+        max_len_extend=max(extend_lens),
+    )
+
+
+def run_extend(fn, b: dict, logit_cap: float = 0.0) -> torch.Tensor:
+    o = torch.empty_like(b["q_extend"])
+    fn(b["q_extend"], b["k_extend"], b["v_extend"], o, b["k_buffer"], b["v_buffer"],
+       b["qo_indptr"], b["kv_indptr"], b["kv_indices"], b["max_len_extend"], logit_cap=logit_cap)
+    return o
+
+
+def run_decode(fn, b: dict, num_kv_splits: int = 8, logit_cap: float = 0.0) -> torch.Tensor:
+    o = torch.empty_like(b["q_extend"])
+    fn(b["q_extend"], b["k_buffer"], b["v_buffer"], o, b["kv_indptr"], b["kv_indices"],
+       num_kv_splits=num_kv_splits, logit_cap=logit_cap)
+    return o
+
+
+def compare(name: str, out: torch.Tensor, ref: torch.Tensor) -> None:
+    err = (out.float() - ref.float()).abs()
+    ok = bool(torch.isfinite(out).all()) and bool((err <= ATOL + RTOL * ref.float().abs()).all())
+    results["correctness"][name] = {"max_abs_err": err.max().item(), "ok": ok}
+    log(f"  {name:<58} max|err| {err.max().item():.2e}  {'ok' if ok else 'FAIL'}")
+
+
+def check_correctness() -> None:
+    log("== (a) correctness vs torch reference (bf16) ==")
+    results["correctness"] = {}
+    gen = torch.Generator().manual_seed(0)
+    for model, (hq, hkv, d) in MODELS.items():
+        # Extend: prefix 0 and long prefixes, extend lengths from 1 up; the reference materializes the scores.
+        prefix, extend = CHECK_EXTEND
+        b = paged_batch(hq, hkv, d, prefix, extend)
+        for cap in (0.0, 2.0):
+            compare(f"extend {model} prefix={prefix} extend={extend} cap={cap}",
+                    run_extend(kernels.extend_attention_fwd, b, cap), run_extend(kernels.extend_attention_ref, b, cap))
+        num_random, max_ctx, long_ctx = CHECK_DECODE
+        ctx = torch.randint(1, max_ctx + 1, (num_random,), generator=gen).tolist() + long_ctx
+        b = paged_batch(hq, hkv, d, ctx, [1] * len(ctx))
+        ref = run_decode(kernels.decode_attention_ref, b)
+        for splits in (1, 8, 32):
+            compare(f"decode {model} batch={len(ctx)} ctx<={max(ctx)} splits={splits}",
+                    run_decode(kernels.decode_attention_fwd, b, splits), ref)
+        compare(f"decode {model} batch={len(ctx)} ctx<={max(ctx)} splits=8 cap=2.0",
+                run_decode(kernels.decode_attention_fwd, b, 8, 2.0),
+                run_decode(kernels.decode_attention_ref, b, 8, 2.0))
+        del b, ref
+    torch.cuda.empty_cache()
+
+
+def bench_ms(fn) -> float:
+    return do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def sweep(module, configs: list[dict], fn) -> list[dict]:
+    """Time fn under each launch config by patching module._launch_config; configs that fail to compile are recorded as errors."""
+    rows, original = [], module._launch_config
+    try:
+        for cfg in configs:
+            module._launch_config = lambda block_d, cfg=cfg: dict(cfg)
+            try:
+                rows.append({**cfg, "ms": bench_ms(fn)})
+            except Exception as e:  # e.g. out of shared memory
+                rows.append({**cfg, "error": repr(e)[:200]})
+    finally:
+        module._launch_config = original
+    return rows
+
+
+def bench_decode() -> None:
+    log("== (b1) decode: K/V bytes read / time, against %.1f TB/s ==" % (HBM_BYTES_PER_S / 1e12))
+    results["decode_bench"] = []
+    log(f"  {'model':<10} {'batch':>5} {'ctx':>6} {'splits':>6} {'us':>9} {'TB/s':>6} {'%HBM':>6}")
+    for model, (hq, hkv, d) in MODELS.items():
+        for batch, ctx in DECODE_SHAPES:
+            b = paged_batch(hq, hkv, d, [ctx] * batch, [1] * batch)
+            kv_bytes = 2 * batch * ctx * hkv * d * b["k_buffer"].element_size()
+            for splits in DECODE_SPLITS:
+                o = torch.empty_like(b["q_extend"])
+                ms = bench_ms(lambda: kernels.decode_attention_fwd(
+                    b["q_extend"], b["k_buffer"], b["v_buffer"], o, b["kv_indptr"], b["kv_indices"], splits))
+                bw = kv_bytes / (ms * 1e-3)
+                row = dict(model=model, batch=batch, ctx=ctx, splits=splits, us=ms * 1e3, tb_s=bw / 1e12,
+                           frac_hbm=bw / HBM_BYTES_PER_S)
+                results["decode_bench"].append(row)
+                log(f"  {model:<10} {batch:>5} {ctx:>6} {splits:>6} {ms * 1e3:>9.1f} {bw / 1e12:>6.2f} "
+                    f"{100 * bw / HBM_BYTES_PER_S:>5.1f}%")
+            del b
+    best = max((r for r in results["decode_bench"]
+                if r["model"] == "llama3-8b" and (r["batch"], r["ctx"]) == DECODE_SHAPES[0]), key=lambda r: r["frac_hbm"])
+    results["decode_target"] = {"best": best, "target_frac": 0.7, "met": best["frac_hbm"] >= 0.7}
+    log(f"  target llama3-8b {DECODE_SHAPES[0]} >= 70% HBM: best {100 * best['frac_hbm']:.1f}% "
+        f"(splits={best['splits']}) -> {'MET' if best['frac_hbm'] >= 0.7 else 'NOT MET'}")
+    torch.cuda.empty_cache()
+
+
+def causal_flops(batch: int, hq: int, d: int, prefix: int, extend: int) -> float:
+    # QK^T and PV over the visible (query, key) pairs: the whole prefix plus the causal triangle.
+    pairs = extend * prefix + extend * (extend + 1) / 2
+    return 4 * batch * hq * d * pairs
+
+
+def bench_extend() -> None:
+    log("== (b2) extend: TFLOP/s vs dense causal torch SDPA (same shapes, prefix 0) ==")
+    results["extend_bench"] = []
+    log(f"  {'model':<10} {'batch':>5} {'prefix':>6} {'extend':>6} {'triton TF/s':>11} {'sdpa TF/s':>9} {'ratio':>6}")
+    for model, (hq, hkv, d) in MODELS.items():
+        for batch, prefix, extend in EXTEND_SHAPES:
+            b = paged_batch(hq, hkv, d, [prefix] * batch, [extend] * batch)
+            o = torch.empty_like(b["q_extend"])
+            args = (b["q_extend"], b["k_extend"], b["v_extend"], o, b["k_buffer"], b["v_buffer"],
+                    b["qo_indptr"], b["kv_indptr"], b["kv_indices"], b["max_len_extend"])
+            ms = bench_ms(lambda: kernels.extend_attention_fwd(*args))
+            tflops = causal_flops(batch, hq, d, prefix, extend) / (ms * 1e-3) / 1e12
+            row = dict(model=model, batch=batch, prefix=prefix, extend=extend, ms=ms, tflops=tflops)
+            if prefix == 0:
+                # Dense [B, H, L, D] layout with K/V expanded to Hq heads, as SDPA's fast kernels want it.
+                q = b["q_extend"].view(batch, extend, hq, d).transpose(1, 2).contiguous()
+                k, v = (b[x].view(batch, extend, hkv, d).transpose(1, 2).repeat_interleave(hq // hkv, 1).contiguous()
+                        for x in ("k_extend", "v_extend"))
+                sdpa_ms = bench_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
+                dense = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape_as(o)
+                kernels.extend_attention_fwd(*args)
+                row.update(sdpa_ms=sdpa_ms, sdpa_tflops=tflops * ms / sdpa_ms, ratio=sdpa_ms / ms,
+                           max_abs_err_vs_sdpa=(o.float() - dense.float()).abs().max().item())
+                del q, k, v, dense
+            results["extend_bench"].append(row)
+            sdpa = f"{row['sdpa_tflops']:>9.1f} {row['ratio']:>6.2f}" if "ratio" in row else f"{'-':>9} {'-':>6}"
+            log(f"  {model:<10} {batch:>5} {prefix:>6} {extend:>6} {tflops:>11.1f} {sdpa}")
+            del b
+    ratios = [r["ratio"] for r in results["extend_bench"] if "ratio" in r]
+    results["extend_target"] = {"min_ratio": min(ratios), "target_ratio": 0.5, "met": min(ratios) >= 0.5}
+    log(f"  target triton/SDPA >= 0.50: min ratio {min(ratios):.2f} -> {'MET' if min(ratios) >= 0.5 else 'NOT MET'}")
+    torch.cuda.empty_cache()
+
+
+def sweep_configs() -> None:
+    if time.time() - START > SWEEP_DEADLINE_S:
+        log("== (b3) config sweeps skipped: out of time ==")
+        return
+    log("== (b3) launch-config sweeps, llama3-8b (candidates for the _launch_config defaults) ==")
+    hq, hkv, d = MODELS["llama3-8b"]
+
+    batch, ctx = SWEEP_DECODE_SHAPE
+    b = paged_batch(hq, hkv, d, [ctx] * batch, [1] * batch)
+    o = torch.empty_like(b["q_extend"])
+    configs = [dict(BLOCK_N=n, num_warps=w, num_stages=s) for n in (32, 64, 128) for w in (4, 8) for s in (1, 2, 3)]
+    rows = sweep(kernels.decode_attention, configs, lambda: kernels.decode_attention_fwd(
+        b["q_extend"], b["k_buffer"], b["v_buffer"], o, b["kv_indptr"], b["kv_indices"], 8))
+    results["decode_sweep"] = rows
+    log(f"  decode {batch}x{ctx}, splits=8: " + ", ".join(
+        f"N{r['BLOCK_N']}/w{r['num_warps']}/s{r['num_stages']}={r['ms'] * 1e3:.0f}us" if "ms" in r else
+        f"N{r['BLOCK_N']}/w{r['num_warps']}/s{r['num_stages']}=err" for r in rows))
+    del b
+
+    batch, extend = SWEEP_EXTEND_SHAPE
+    b = paged_batch(hq, hkv, d, [0] * batch, [extend] * batch)
+    o = torch.empty_like(b["q_extend"])
+    configs = [dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s)
+               for m, n, w, s in [(128, 64, 8, 2), (128, 64, 4, 2), (128, 64, 8, 3), (128, 128, 8, 2),
+                                  (128, 32, 4, 2), (64, 64, 4, 2), (64, 64, 4, 3), (64, 128, 8, 2)]]
+    rows = sweep(kernels.extend_attention, configs, lambda: kernels.extend_attention_fwd(
+        b["q_extend"], b["k_extend"], b["v_extend"], o, b["k_buffer"], b["v_buffer"],
+        b["qo_indptr"], b["kv_indptr"], b["kv_indices"], b["max_len_extend"]))
+    flops = causal_flops(batch, hq, d, 0, extend)
+    results["extend_sweep"] = rows
+    log(f"  extend {batch}x{extend}: " + ", ".join(
+        f"M{r['BLOCK_M']}/N{r['BLOCK_N']}/w{r['num_warps']}/s{r['num_stages']}="
+        + (f"{flops / (r['ms'] * 1e-3) / 1e12:.0f}TF/s" if "ms" in r else "err") for r in rows))
+    del b
+    torch.cuda.empty_cache()
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def check_engine() -> None:
+    log("== (c) end to end: radixrt.Engine greedy outputs, triton vs torch attention ==")
+    try:
+        import radixrt as rt
+        rt.Engine  # noqa: B018
+    except (ImportError, AttributeError) as e:
+        results["engine"] = {"skipped": repr(e)}
+        log(f"  skipped: {e!r}")
+        return
+    prompts = ["The capital of France is", "def fibonacci(n):", "List three primary colors:",
+               "Once upon a time, in a small village,"]
+    outputs = {}
+    try:
+        for backend in ("triton", "torch"):
+            engine = rt.Engine(model="default", attention_backend=backend, dtype="bfloat16")
+            generated = engine.generate(prompts, {"max_new_tokens": 32, "temperature": 0})
+            outputs[backend] = [r["output_ids"] for r in generated]
+            if hasattr(engine, "shutdown"):
+                engine.shutdown()
+            del engine
+            gc.collect()
+            torch.cuda.empty_cache()
+    except Exception:
+        results["engine"] = {"error": traceback.format_exc()}
+        log("  FAILED:\n" + traceback.format_exc())
+        return
+    # bf16 near-ties can legitimately flip a greedy pick, so report where outputs first differ.
+    first_diff = [first_difference(a, b) for a, b in zip(outputs["triton"], outputs["torch"])]
+    equal = all(i is None for i in first_diff)
+    results["engine"] = {"equal": equal, "first_diff_index": first_diff, "outputs": outputs}
+    log(f"  greedy outputs equal: {equal}; first differing token per prompt: {first_diff}")
+
+
+def main() -> None:
+    results.update(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__)
+    log(f"device {results['device']}, torch {results['torch']}, triton {results['triton']}")
+    for section in (check_correctness, bench_decode, bench_extend, sweep_configs, check_engine):
+        try:
+            section()
+        except Exception:
+            results.setdefault("errors", {})[section.__name__] = traceback.format_exc()
+            log(f"  {section.__name__} crashed:\n" + traceback.format_exc())
+        save()
+    failed = [k for k, v in results.get("correctness", {}).items() if not v["ok"]]
+    results["summary"] = {"correctness_failures": failed, "elapsed_s": time.time() - START}
+    log(f"done in {time.time() - START:.0f}s; correctness failures: {len(failed)}")
+    save()
+
+
+if __name__ == "__main__":
+    main()

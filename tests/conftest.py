@@ -1,0 +1,35 @@
+"""Shared fixtures: the default model, a tiny seeded random Llama, and transformers references."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from radixrt.model_loader import resolve_model_path
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+
+@pytest.fixture(scope="session")
+def default_model_dir() -> Path:
+    return resolve_model_path("default")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, default_model_dir) -> Path:
+    """A 2-layer random Llama (GQA, seeded) with the default model's tokenizer, as safetensors."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                         initializer_range=0.4, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    for name in TOKENIZER_FILES:
+        if (default_model_dir / name).is_file():
+            shutil.copy(default_model_dir / name, folder / name)
+    return folder

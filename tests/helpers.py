@@ -1,0 +1,44 @@
+"""Helpers shared by tests: transformers references and prompt sets."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+
+@lru_cache(maxsize=4)
+def _hf_model(folder: str):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+def hf_greedy(folder: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """transformers' greedy continuation of each prompt with its own KV cache, one prompt at a
+    time (no padding), never stopping early: EOS is just another token here."""
+    model = _hf_model(str(folder))
+    outs = []
+    with torch.inference_mode():
+        for ids in prompts:
+            out = model(torch.tensor([ids]), use_cache=True)
+            tokens = []
+            for _ in range(max_new_tokens):
+                tokens.append(int(out.logits[0, -1].argmax()))
+                out = model(torch.tensor([[tokens[-1]]]), past_key_values=out.past_key_values, use_cache=True)
+            outs.append(tokens)
+    return outs
+
+
+def shared_prefix_prompts(tokenizer, n: int = 12) -> list[list[int]]:
+    """Prompts that share prefixes at several depths, so the tree branches and splits."""
+    system = "You are a careful assistant. Answer briefly and precisely. "
+    topics = ["the sea", "mountains", "rivers", "deserts", "forests", "the moon"]
+    prompts = []
+    for i in range(n):
+        topic = topics[i % len(topics)]
+        style = "Write a short poem about" if i % 2 else "Tell me one fact about"
+        prompts.append(tokenizer.encode(f"{system}{style} {topic}." + " Please." * (i // len(topics)),
+                                        add_special_tokens=False))
+    return prompts

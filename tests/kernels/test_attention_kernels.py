@@ -1,0 +1,129 @@
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton.jit runs on import of radixrt.kernels (conftest does it too)
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from radixrt.kernels import (  # noqa: E402
+    decode_attention_fwd,
+    decode_attention_ref,
+    extend_attention_fwd,
+    extend_attention_ref,
+)
+from radixrt.kernels import decode_attention, extend_attention  # noqa: E402
+
+# (Hq, Hkv, D): GQA ratios 1, 3, 8 and power-of-two plus padded head dims.
+HEAD_CASES = [(4, 4, 16), (6, 2, 32), (8, 1, 64), (3, 1, 128), (6, 2, 80), (3, 3, 48)]
+TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.float16: dict(atol=5e-3, rtol=5e-3)}
+
+
+def _indptr(lens: list[int]) -> torch.Tensor:
+    return torch.tensor([0] + lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+
+
+def _pool(total: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, gen: torch.Generator):
+    """A KV pool with spare slots, plus `total` distinct slots scattered over it in random order."""
+    slots = total + 17
+    k_buffer = torch.randn(slots, num_kv_heads, head_dim, generator=gen).to(dtype)
+    v_buffer = torch.randn(slots, num_kv_heads, head_dim, generator=gen).to(dtype)
+    kv_indices = torch.randperm(slots, generator=gen)[:total].to(torch.int32)
+    return k_buffer, v_buffer, kv_indices
+
+
+def _strided_q(rows: int, num_heads: int, head_dim: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    # A view into a wider tensor (like q sliced out of a fused qkv projection): row stride != Hq * D.
+    return torch.randn(rows, num_heads + 2, head_dim, generator=gen).to(dtype)[:, 1:num_heads + 1]
+
+
+def _run_extend(num_heads, num_kv_heads, head_dim, prefix_lens, extend_lens, logit_cap=0.0, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(sum(prefix_lens) * 31 + head_dim)
+    k_buffer, v_buffer, kv_indices = _pool(sum(prefix_lens), num_kv_heads, head_dim, dtype, gen)
+    n = sum(extend_lens)
+    q = _strided_q(n, num_heads, head_dim, dtype, gen)
+    k = torch.randn(n, num_kv_heads, head_dim, generator=gen).to(dtype)
+    v = torch.randn(n, num_kv_heads, head_dim, generator=gen).to(dtype)
+    args = (q, k, v)
+    meta = (k_buffer, v_buffer, _indptr(extend_lens), _indptr(prefix_lens), kv_indices, max(extend_lens))
+    out = torch.full((n, num_heads, head_dim), float("nan"), dtype=dtype)
+    ref = torch.empty_like(out)
+    extend_attention_fwd(*args, out, *meta, logit_cap=logit_cap)
+    extend_attention_ref(*args, ref, *meta, logit_cap=logit_cap)
+    torch.testing.assert_close(out, ref, **TOL[dtype])
+
+
+def _run_decode(num_heads, num_kv_heads, head_dim, context_lens, num_kv_splits, logit_cap=0.0, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(sum(context_lens) * 31 + head_dim + num_kv_splits)
+    k_buffer, v_buffer, kv_indices = _pool(sum(context_lens), num_kv_heads, head_dim, dtype, gen)
+    q = _strided_q(len(context_lens), num_heads, head_dim, dtype, gen)
+    out = torch.full((len(context_lens), num_heads, head_dim), float("nan"), dtype=dtype)
+    ref = torch.empty_like(out)
+    meta = (_indptr(context_lens), kv_indices, num_kv_splits)
+    decode_attention_fwd(q, k_buffer, v_buffer, out, *meta, logit_cap=logit_cap)
+    decode_attention_ref(q, k_buffer, v_buffer, ref, *meta, logit_cap=logit_cap)
+    torch.testing.assert_close(out, ref, **TOL[dtype])
+
+
+@pytest.mark.parametrize("logit_cap", [0.0, 5.0])
+@pytest.mark.parametrize("heads", HEAD_CASES, ids=lambda h: f"hq{h[0]}-hkv{h[1]}-d{h[2]}")
+def test_extend_matches_reference(heads, logit_cap):
+    _run_extend(*heads, prefix_lens=[0, 7, 29], extend_lens=[13, 1, 35], logit_cap=logit_cap)
+
+
+@pytest.mark.parametrize("block_m,block_n", [(16, 16), (32, 16), (16, 32)])
+def test_extend_multiple_blocks(monkeypatch, block_m, block_n):
+    # Small tiles so prefix and causal loops run several iterations, including tiles fully above the diagonal.
+    monkeypatch.setattr(extend_attention, "_launch_config", lambda block_d: dict(BLOCK_M=block_m, BLOCK_N=block_n))
+    _run_extend(6, 2, 32, prefix_lens=[0, 21, 40], extend_lens=[37, 1, 18], logit_cap=3.0)
+
+
+@pytest.mark.parametrize("logit_cap", [0.0, 5.0])
+@pytest.mark.parametrize("num_kv_splits", [1, 4])
+@pytest.mark.parametrize("heads", HEAD_CASES, ids=lambda h: f"hq{h[0]}-hkv{h[1]}-d{h[2]}")
+def test_decode_matches_reference(heads, num_kv_splits, logit_cap):
+    # Context 1 and 3 leave some of the 4 splits empty.
+    _run_decode(*heads, context_lens=[1, 37, 3], num_kv_splits=num_kv_splits, logit_cap=logit_cap)
+
+
+def test_decode_multiple_blocks_per_split(monkeypatch):
+    monkeypatch.setattr(decode_attention, "_launch_config", lambda block_d: dict(BLOCK_N=16))
+    _run_decode(8, 1, 64, context_lens=[39, 1, 70], num_kv_splits=3, logit_cap=4.0)
+    _run_decode(8, 1, 64, context_lens=[5, 2], num_kv_splits=7)  # splits > context, non-power-of-two
+
+
+def test_half_precision():
+    # fp16 stands in for bf16 here: the interpreter's tl.dot multiplies bf16 tensors as their raw uint16 bits.
+    # bf16 is checked on GPU by scripts/gpu_check.py.
+    _run_extend(8, 1, 64, prefix_lens=[0, 19], extend_lens=[9, 23], dtype=torch.float16)
+    _run_decode(8, 1, 64, context_lens=[1, 33], num_kv_splits=4, dtype=torch.float16)
+
+
+def test_references_agree_with_dense_sdpa():
+    """The references' paged layout gives the same result as dense causal attention over the whole sequence."""
+    gen = torch.Generator().manual_seed(0)
+    num_heads, num_kv_heads, head_dim, prefix, extend = 6, 2, 32, 11, 5
+    seq = prefix + extend
+    q = torch.randn(seq, num_heads, head_dim, generator=gen)
+    k = torch.randn(seq, num_kv_heads, head_dim, generator=gen)
+    v = torch.randn(seq, num_kv_heads, head_dim, generator=gen)
+    dense = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, enable_gqa=True
+    ).transpose(0, 1)
+
+    # Prefix in scattered pool slots, last `extend` tokens new.
+    slots = torch.randperm(seq + 4, generator=gen)[:prefix].to(torch.int32)
+    k_buffer = torch.zeros(seq + 4, num_kv_heads, head_dim)
+    v_buffer = torch.zeros_like(k_buffer)
+    k_buffer[slots.long()], v_buffer[slots.long()] = k[:prefix], v[:prefix]
+    out = torch.empty(extend, num_heads, head_dim)
+    extend_attention_ref(q[prefix:], k[prefix:], v[prefix:], out, k_buffer, v_buffer,
+                         _indptr([extend]), _indptr([prefix]), slots, extend)
+    torch.testing.assert_close(out, dense[prefix:], atol=1e-5, rtol=1e-5)
+
+    # Decoding the last token over the whole sequence in the pool.
+    all_slots = torch.randperm(seq + 4, generator=gen)[:seq].to(torch.int32)
+    k_buffer[all_slots.long()], v_buffer[all_slots.long()] = k, v
+    out = torch.empty(1, num_heads, head_dim)
+    decode_attention_ref(q[-1:], k_buffer, v_buffer, out, _indptr([seq]), all_slots)
+    torch.testing.assert_close(out[0], dense[-1], atol=1e-5, rtol=1e-5)

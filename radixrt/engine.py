@@ -39,13 +39,19 @@ class Engine:
 
     # ---- public API --------------------------------------------------------------------------
     def generate(self, prompt: Prompt | list[Prompt] | None = None, sampling_params: dict | list[dict] | None = None,
-                 input_ids: list[int] | list[list[int]] | None = None) -> dict | list:
-        """One prompt -> a result dict (a list of n dicts when n > 1); a list of prompts -> a list."""
+                 input_ids: list[int] | list[list[int]] | None = None,
+                 rid: str | list[str] | None = None) -> dict | list:
+        """One prompt -> a result dict (a list of n dicts when n > 1); a list of prompts -> a list.
+
+        `rid` names the request(s) for `abort`; by default each gets a fresh id.
+        """
         prompts, single = self._normalize(prompt, input_ids)
         params_list = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
-        if len(params_list) != len(prompts):
-            raise ValueError("sampling_params must be one dict or one per prompt")
-        groups = [self._make_requests(p, SamplingParams.from_dict(sp)) for p, sp in zip(prompts, params_list)]
+        rids = [rid] if isinstance(rid, str) else rid or [uuid.uuid4().hex for _ in prompts]
+        if len(params_list) != len(prompts) or len(rids) != len(prompts):
+            raise ValueError("sampling_params and rid must be one value or one per prompt")
+        groups = [self._make_requests(r, p, SamplingParams.from_dict(sp))
+                  for r, p, sp in zip(rids, prompts, params_list)]
         futures = [[self._submit(r) for r in group] for group in groups]
         results = [[f.result() for f in group] for group in futures]
         results = [group[0] if len(group) == 1 else group for group in results]
@@ -97,8 +103,7 @@ class Engine:
             return item
         raise ValueError(f"a prompt must be a string or a list of token ids, got {type(item).__name__}")
 
-    def _make_requests(self, ids: list[int], params: SamplingParams) -> list[Req]:
-        rid = uuid.uuid4().hex
+    def _make_requests(self, rid: str, ids: list[int], params: SamplingParams) -> list[Req]:
         if params.n == 1:
             return [self.scheduler.make_request(rid, ids, params)]
         return [self.scheduler.make_request(f"{rid}-{i}", ids, params, sample_index=i) for i in range(params.n)]

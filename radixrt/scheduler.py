@@ -48,6 +48,7 @@ class Scheduler:
         self.cached_tokens_total = 0
         self.num_preemptions = 0
         self.generated_tokens = 0
+        self.peak_used_tokens = 0
         self._decode_steps = 0
         self._log_mark = (time.monotonic(), 0)
         self._ended: list[Req] = []  # finished outside a forward (aborts), reported by step()
@@ -165,6 +166,7 @@ class Scheduler:
         if slots is None:
             return False
         row[req.kv_len: req.kv_len + n] = slots.to(torch.int32)
+        self.peak_used_tokens = max(self.peak_used_tokens, self.allocator.total_tokens - self.allocator.available())
         return True
 
     def _reserved_tokens(self) -> float:
@@ -369,11 +371,13 @@ class Scheduler:
             "evicted_tokens": self.tree.evicted_tokens,
             "free_request_rows": self.runner.req_to_token_pool.available(),
             "generated_tokens": self.generated_tokens,
+            "peak_used_tokens": self.peak_used_tokens,
         }
 
     def flush_cache(self) -> bool:
         if self.has_work():
             return False
+        self.peak_used_tokens = 0
         return self.tree.flush()
 
     def check_invariants(self) -> None:

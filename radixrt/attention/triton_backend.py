@@ -1,0 +1,70 @@
+"""Attention over the paged pool with the Triton kernels: the CUDA default.
+
+A step of decodes only (one new token each) runs the split-KV decode kernel over each request's
+whole context. Any other step, prefills and decodes mixed, runs the extend kernel once for the
+whole batch: a decode is just an extend of one token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from radixrt.forward_batch import ForwardBatch
+from radixrt.kernels import decode_attention_fwd, extend_attention_fwd
+from radixrt.memory_pool import TokenToKVPool
+
+MAX_KV_SPLITS = 8
+MIN_SPLIT_LEN = 64  # one decode-kernel KV block; shorter splits only add merge work
+
+
+@dataclass
+class TritonMetadata:
+    decode: bool  # every request has exactly one new token
+    qo_indptr: torch.Tensor  # [B+1] int32, new tokens of request b at rows qo_indptr[b]:qo_indptr[b+1]
+    kv_indptr: torch.Tensor  # [B+1] int32, into kv_indices
+    kv_indices: torch.Tensor  # pool slots: the whole context when decode, else only the cached prefix
+    max_extend_len: int
+    num_kv_splits: int
+
+
+def _indptr(lens: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor([0] + lens, dtype=torch.int32, device=device).cumsum(0, dtype=torch.int32)
+
+
+class TritonAttentionBackend:
+    def __init__(self, req_to_token: torch.Tensor, kv_pool: TokenToKVPool):
+        self.req_to_token = req_to_token
+        self.kv_pool = kv_pool
+
+    def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        device = self.req_to_token.device
+        decode = all(e == 1 for e in batch.extend_lens)
+        # The decode kernel reads the current token from the pool; the extend kernel reads new tokens from k/v.
+        kv_lens = batch.seq_lens if decode else batch.prefix_lens
+        max_kv_len = max(kv_lens)
+        table = self.req_to_token[batch.rows, :max_kv_len]
+        mask = torch.arange(max_kv_len, device=device)[None, :] < torch.tensor(kv_lens, device=device)[:, None]
+        num_kv_splits = max(1, min(MAX_KV_SPLITS, max_kv_len // MIN_SPLIT_LEN))
+        batch.attn_metadata = TritonMetadata(
+            decode=decode,
+            qo_indptr=_indptr(batch.extend_lens, device),
+            kv_indptr=_indptr(kv_lens, device),
+            kv_indices=table[mask],
+            max_extend_len=max(batch.extend_lens),
+            num_kv_splits=num_kv_splits,
+        )
+
+    def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                batch: ForwardBatch) -> torch.Tensor:
+        self.kv_pool.set_kv(layer_id, batch.out_slots, k, v)
+        k_buf, v_buf = self.kv_pool.k_buffers[layer_id], self.kv_pool.v_buffers[layer_id]
+        meta: TritonMetadata = batch.attn_metadata
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        if meta.decode:
+            decode_attention_fwd(q, k_buf, v_buf, out, meta.kv_indptr, meta.kv_indices, meta.num_kv_splits)
+        else:
+            extend_attention_fwd(q, k, v, out, k_buf, v_buf, meta.qo_indptr, meta.kv_indptr, meta.kv_indices,
+                                 meta.max_extend_len)
+        return out

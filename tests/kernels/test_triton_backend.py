@@ -18,7 +18,8 @@ def _run(model_dir, backend: str, **args) -> list[list[int]]:
     """Greedy tokens of every pass, cold then prefix-cached, and the pool's bookkeeping after."""
     with rt.Engine(model=str(model_dir), attention_backend=backend, max_total_tokens=512, log_level="warning",
                    **args) as engine:
-        outs = [o["output_ids"] for prompts in PASSES for o in engine.generate(input_ids=prompts, sampling_params=SAMPLING)]
+        outs = [o["output_ids"] for prompts in PASSES
+                for o in engine.generate(input_ids=prompts, sampling_params=SAMPLING)]
         engine.check_invariants()
         assert engine.flush_cache()
         stats = engine.stats()

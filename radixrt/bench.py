@@ -1,0 +1,161 @@
+"""`radixrt bench`: the shared-prefix serving benchmark against peers, in one run."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from tqdm import tqdm
+
+WORDS = ("river stone light cloud paper engine garden window silver market winter signal forest "
+         "harbor violet copper lantern meadow thunder canyon orbit velvet glacier ember quartz").split()
+
+
+@dataclass
+class BenchResult:
+    system: str
+    requests: int
+    duration_s: float
+    output_tokens: int
+    output_throughput: float  # tokens/s
+    ttft_mean_s: float
+    ttft_p99_s: float
+    cache_hit_rate: float | None = None
+    num_preemptions: int | None = None
+
+
+def percentile(values: list[float], q: float) -> float:
+    """q-th percentile (0..100) with linear interpolation between closest ranks."""
+    ordered = sorted(values)
+    if not ordered:
+        return float("nan")
+    pos = (len(ordered) - 1) * q / 100
+    lo = int(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def _text(rng: random.Random, tokenizer, num_tokens: int) -> str:
+    words = []
+    while len(tokenizer.encode(" ".join(words), add_special_tokens=False)) < num_tokens:
+        words.extend(rng.choice(WORDS) for _ in range(8))
+    return " ".join(words)
+
+
+def shared_prefix_workload(tokenizer, num_requests: int, prefix_tokens: int, question_tokens: int,
+                           seed: int = 0) -> list[list[int]]:
+    """One long system prompt shared by every request, each with its own short question."""
+    rng = random.Random(seed)
+    system = "System: you are a helpful assistant. " + _text(rng, tokenizer, prefix_tokens)
+    return [tokenizer.encode(f"{system}\nQuestion {i}: {_text(rng, tokenizer, question_tokens)}?\nAnswer:",
+                             add_special_tokens=False) for i in range(num_requests)]
+
+
+def run_radixrt(name: str, prompts: list[list[int]], max_new_tokens: int, **server_args) -> BenchResult:
+    from radixrt.engine import Engine
+
+    params = {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True}
+    with Engine(log_level="warning", **server_args) as engine:
+        engine.generate(input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 2})  # warm-up
+        engine.flush_cache()
+        start = time.monotonic()
+        results = []
+        with ThreadPoolExecutor(max_workers=len(prompts)) as pool:
+            futures = [pool.submit(engine.generate, input_ids=p, sampling_params=params) for p in prompts]
+            for f in tqdm(as_completed(futures), total=len(futures), desc=name, leave=False):
+                results.append(f.result())
+        duration = time.monotonic() - start
+        stats = engine.stats()
+    ttfts = [r["meta_info"]["ttft"] for r in results]
+    tokens = sum(len(r["output_ids"]) for r in results)
+    return BenchResult(name, len(prompts), duration, tokens, tokens / duration, statistics.mean(ttfts),
+                       percentile(ttfts, 99), stats["cache_hit_rate"], stats["num_preemptions"])
+
+
+def run_transformers(model_dir: Path, prompts: list[list[int]], max_new_tokens: int, dtype: str) -> BenchResult:
+    """What a user without a serving engine does: one padded batch through `generate`."""
+    import torch
+    from transformers import AutoModelForCausalLM, StoppingCriteria, StoppingCriteriaList
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16 if dtype == "bfloat16"
+                                                 else torch.float32).eval()
+    width = max(len(p) for p in prompts)
+    input_ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    first_token_at: list[float] = []
+
+    class FirstToken(StoppingCriteria):
+        def __call__(self, ids, scores, **kwargs):
+            first_token_at.append(time.monotonic())
+            return torch.zeros(ids.shape[0], dtype=torch.bool)
+
+    start = time.monotonic()
+    with torch.inference_mode():
+        out = model.generate(input_ids, attention_mask=mask, max_new_tokens=max_new_tokens,
+                             min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0,
+                             stopping_criteria=StoppingCriteriaList([FirstToken()]))
+    duration = time.monotonic() - start
+    tokens = (out.shape[1] - width) * len(prompts)
+    ttft = first_token_at[0] - start
+    return BenchResult("transformers", len(prompts), duration, tokens, tokens / duration, ttft, ttft)
+
+
+def print_table(results: list[BenchResult], baseline: str) -> None:
+    base = next((r for r in results if r.system == baseline), None)
+    head = f"{'system':<22}{'tok/s':>9}{'TTFT mean':>11}{'TTFT p99':>10}{'hit rate':>10}{'preempt':>9}{'x ' + baseline:>16}"
+    print(head)
+    print("-" * len(head))
+    for r in results:
+        ratio = f"{r.output_throughput / base.output_throughput:.2f}x" if base else "-"
+        hit = f"{r.cache_hit_rate:.2f}" if r.cache_hit_rate is not None else "-"
+        pre = str(r.num_preemptions) if r.num_preemptions is not None else "-"
+        print(f"{r.system:<22}{r.output_throughput:>9.1f}{r.ttft_mean_s:>10.2f}s{r.ttft_p99_s:>9.2f}s{hit:>10}{pre:>9}{ratio:>16}")
+
+
+def add_bench_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--workload", default="shared-prefix", choices=["shared-prefix"])
+    parser.add_argument("--model", default="default")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--prefix-tokens", type=int, default=500, help="length of the shared system prompt")
+    parser.add_argument("--question-tokens", type=int, default=30)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--max-total-tokens", type=int, default=65536)
+    parser.add_argument("--systems", default="radixrt,radixrt-no-cache,transformers",
+                        help="comma list of radixrt, radixrt-no-cache, transformers")
+    parser.add_argument("--output", default="bench_results/shared-prefix.json", help="JSON file for the results")
+
+
+def run_bench(args: argparse.Namespace) -> list[BenchResult]:
+    from transformers import AutoTokenizer
+
+    from radixrt.model_loader import resolve_model_path
+
+    model_dir = resolve_model_path(args.model)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    prompts = shared_prefix_workload(tokenizer, args.num_requests, args.prefix_tokens, args.question_tokens)
+    print(f"shared-prefix: {len(prompts)} requests, prompt ~{statistics.mean(map(len, prompts)):.0f} tokens "
+          f"(~{args.prefix_tokens} shared), {args.max_new_tokens} new tokens each, all submitted at once")
+    common = {"model": str(model_dir), "dtype": args.dtype, "max_total_tokens": args.max_total_tokens}
+    runners = {
+        "radixrt": lambda: run_radixrt("radixrt", prompts, args.max_new_tokens, **common),
+        "radixrt-no-cache": lambda: run_radixrt("radixrt-no-cache", prompts, args.max_new_tokens,
+                                                disable_radix_cache=True, **common),
+        "transformers": lambda: run_transformers(model_dir, prompts, args.max_new_tokens, args.dtype),
+    }
+    results = []
+    for name in tqdm(args.systems.split(","), desc="systems"):
+        results.append(runners[name]())
+    print_table(results, "transformers" if "transformers" in args.systems else results[0].system)
+    out = Path(args.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"workload": vars(args) | {"func": None}, "results": [asdict(r) for r in results]},
+                              indent=2, default=str))
+    print(f"results written to {out}")
+    return results

@@ -33,7 +33,8 @@ def hf_greedy(folder: Path, prompts: list[list[int]], max_new_tokens: int) -> li
 
 def shared_prefix_prompts(tokenizer, n: int = 12) -> list[list[int]]:
     """Prompts that share prefixes at several depths, so the tree branches and splits."""
-    system = "You are a careful assistant. Answer briefly and precisely. "
+    system = ("You are a careful assistant. Answer briefly and precisely, in plain words, "
+              "without lists, and say so when you do not know. ")
     topics = ["the sea", "mountains", "rivers", "deserts", "forests", "the moon"]
     prompts = []
     for i in range(n):

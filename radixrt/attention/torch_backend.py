@@ -1,8 +1,12 @@
-"""Attention over the paged pool with torch SDPA: the CPU default and the reference path.
+"""Attention over the paged pool in torch: the CPU default and the reference path.
 
 Decodes (one new token) are batched: their contexts are gathered into a padded
-`[B, Hkv, L, D]` view with a length mask. Extends (several new tokens) run one request at a
-time, each with a mask that sees its whole cached prefix and is causal over its new tokens.
+`[B, Hkv, L, D]` view with a length mask. When all decodes share a cached prefix (the slots
+are the same: the radix tree gave them the same pages), that prefix is read once and attended
+by every query in one matmul, and only the private suffixes are gathered per request; the two
+halves are merged by their log-sum-exp (cascade attention). Extends (several new tokens) run one
+request at a time, each with a mask that sees its whole cached prefix and is causal over its
+new tokens.
 """
 
 from __future__ import annotations
@@ -26,9 +30,13 @@ class _ExtendItem:
 @dataclass
 class TorchMetadata:
     decode_tokens: torch.Tensor  # [Bd] rows of q/o that are decodes
-    decode_slots: torch.Tensor  # [Bd, L] KV slots, padded with slot 0
-    decode_mask: torch.Tensor  # [Bd, 1, 1, L] bool
+    shared_slots: torch.Tensor  # [C] KV slots every decode shares at its start (C may be 0)
+    decode_slots: torch.Tensor  # [Bd, L] the rest of each decode's context, padded with slot 0
+    decode_mask: torch.Tensor  # [Bd, L] bool, True where decode_slots is real
     extends: list[_ExtendItem]
+
+
+MIN_SHARED_PREFIX = 16  # below this, reading the prefix once does not pay for the merge
 
 
 class TorchAttentionBackend:
@@ -53,17 +61,20 @@ class TorchAttentionBackend:
             if prefix:
                 mask = torch.ones(e, seq_lens[i], dtype=torch.bool, device=device).tril(diagonal=prefix)
             extends.append(_ExtendItem(slice(starts[i], starts[i + 1]), slots, mask))
-        if decodes:
-            lens = torch.tensor([seq_lens[i] for i in decodes], device=device)
-            max_len = int(lens.max())
-            slots = self.req_to_token[batch.rows[decodes], :max_len].long()
-            mask = torch.arange(max_len, device=device)[None, :] < lens[:, None]
-            slots = slots.masked_fill(~mask, 0)
-            decode_tokens = torch.tensor([starts[i] for i in decodes], device=device)
-            batch.attn_metadata = TorchMetadata(decode_tokens, slots, mask[:, None, None, :], extends)
-        else:
-            empty = torch.empty(0, dtype=torch.long, device=device)
-            batch.attn_metadata = TorchMetadata(empty, empty, empty, extends)
+        empty = torch.empty(0, dtype=torch.long, device=device)
+        if not decodes:
+            batch.attn_metadata = TorchMetadata(empty, empty, empty, empty, extends)
+            return
+        lens = torch.tensor([seq_lens[i] for i in decodes], device=device)
+        max_len = int(lens.max())
+        slots = self.req_to_token[batch.rows[decodes], :max_len].long()
+        mask = torch.arange(max_len, device=device)[None, :] < lens[:, None]
+        shared = _shared_prefix_len(slots, mask) if len(decodes) > 1 else 0
+        if shared < MIN_SHARED_PREFIX:
+            shared = 0
+        decode_tokens = torch.tensor([starts[i] for i in decodes], device=device)
+        slots, mask, shared_slots = slots[:, shared:], mask[:, shared:], slots[0, :shared]
+        batch.attn_metadata = TorchMetadata(decode_tokens, shared_slots, slots.masked_fill(~mask, 0), mask, extends)
 
     def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 batch: ForwardBatch) -> torch.Tensor:
@@ -80,9 +91,44 @@ class TorchAttentionBackend:
                                                 enable_gqa=gqa)
             out[item.tokens] = oi.transpose(0, 1)
         if len(meta.decode_tokens):
-            qd = q[meta.decode_tokens].unsqueeze(2)  # [Bd, Hq, 1, D]
-            kd = k_buf[meta.decode_slots].transpose(1, 2)  # [Bd, Hkv, L, D]
-            vd = v_buf[meta.decode_slots].transpose(1, 2)
-            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, enable_gqa=gqa)
-            out[meta.decode_tokens] = od.squeeze(2)
+            out[meta.decode_tokens] = self._decode(q[meta.decode_tokens], k_buf, v_buf, meta)
         return out
+
+    @staticmethod
+    def _decode(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, meta: TorchMetadata) -> torch.Tensor:
+        """q [B, Hq, D] -> [B, Hq, D] over the shared prefix and each private suffix."""
+        kd = k_buf[meta.decode_slots]  # [B, L, Hkv, D]
+        vd = v_buf[meta.decode_slots]
+        if not len(meta.shared_slots):
+            od = F.scaled_dot_product_attention(q.unsqueeze(2), kd.transpose(1, 2), vd.transpose(1, 2),
+                                                attn_mask=meta.decode_mask[:, None, None, :],
+                                                enable_gqa=q.shape[1] != kd.shape[2])
+            return od.squeeze(2)
+        b, hq, d = q.shape
+        hkv = kd.shape[2]
+        scale = d ** -0.5
+        qg = q.view(b, hkv, hq // hkv, d)
+        # shared prefix: every query of a KV head against the prefix in one batched matmul
+        ks, vs = k_buf[meta.shared_slots].transpose(0, 1), v_buf[meta.shared_slots].transpose(0, 1)  # [Hkv, C, D]
+        q_by_head = qg.permute(1, 0, 2, 3).reshape(hkv, -1, d)  # [Hkv, B*G, D]
+        o1, lse1 = _softmax_attend(torch.bmm(q_by_head, ks.transpose(1, 2)) * scale, vs)
+        o1 = o1.view(hkv, b, -1, d).permute(1, 0, 2, 3)
+        lse1 = lse1.view(hkv, b, -1).permute(1, 0, 2)
+        # private suffixes, padded
+        scores = torch.einsum("bhgd,blhd->bhgl", qg, kd) * scale
+        scores = scores.masked_fill(~meta.decode_mask[:, None, None, :], float("-inf"))
+        o2, lse2 = _softmax_attend(scores, vd.permute(0, 2, 1, 3))
+        w1 = torch.sigmoid(lse1 - lse2)[..., None]  # softmax weight of the prefix half
+        return (o1 * w1 + o2 * (1 - w1)).reshape(b, hq, d)
+
+
+def _softmax_attend(scores: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """softmax(scores) @ v and the log-sum-exp of scores over the last axis."""
+    lse = torch.logsumexp(scores, dim=-1)
+    return torch.matmul(torch.exp(scores - lse[..., None]), v), lse
+
+
+def _shared_prefix_len(slots: torch.Tensor, mask: torch.Tensor) -> int:
+    """How many leading slots every row has in common (and really holds)."""
+    same = (slots == slots[:1]) & mask
+    return int(same.int().cumprod(dim=1).sum(dim=1).min())

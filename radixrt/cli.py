@@ -1,4 +1,4 @@
-"""`radixrt` command line: prepare-model, generate, bench."""
+"""`radixrt` command line: serve, generate, bench, prepare-model."""
 
 from __future__ import annotations
 
@@ -14,6 +14,12 @@ def _prepare_model(args: argparse.Namespace) -> None:
     from radixrt.model_loader import resolve_model_path
 
     print(resolve_model_path(args.model))
+
+
+def _serve(args: argparse.Namespace) -> None:
+    from radixrt.server import run_server
+
+    run_server(ServerArgs.from_cli_args(args))
 
 
 def _generate(args: argparse.Namespace) -> None:
@@ -40,6 +46,10 @@ def build_parser() -> argparse.ArgumentParser:
     prep = sub.add_parser("prepare-model", help="convert a model (GGUF -> safetensors) once, print its folder")
     prep.add_argument("--model", default="default")
     prep.set_defaults(func=_prepare_model)
+
+    serve = sub.add_parser("serve", help="run the runtime behind a ZeroMQ ROUTER socket")
+    ServerArgs.add_cli_args(serve)
+    serve.set_defaults(func=_serve)
 
     gen = sub.add_parser("generate", help="generate text in-process")
     ServerArgs.add_cli_args(gen)

@@ -51,6 +51,23 @@ class ServerArgs:
             parser.add_argument(flag, type=kind, default=f.default, choices=f.metadata.get("choices"),
                                 help=f"{helptext} (default: {f.default})")
 
+    @property
+    def endpoint(self) -> str:
+        """ZeroMQ address to bind: `--host` may itself be an ipc:// path."""
+        return self.host if self.host.startswith("ipc://") else f"tcp://{self.host}:{self.port}"
+
+    def to_cli_args(self) -> list[str]:
+        """The flags that recreate these settings on a `radixrt serve` command line."""
+        argv = []
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if value is None or value is False:
+                continue
+            argv.append("--" + f.name.replace("_", "-"))
+            if value is not True:
+                argv.append(str(value))
+        return argv
+
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "ServerArgs":
         return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})

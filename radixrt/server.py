@@ -1,0 +1,196 @@
+"""The runtime process: a ZeroMQ ROUTER socket in front of the scheduler loop.
+
+The loop never blocks on the socket: it drains what has arrived, runs one step, and sends what
+the step produced. Every frame is one msgpack map; see docs/protocol.md.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import traceback
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import zmq
+
+from radixrt.config import ServerArgs
+from radixrt.request import Req
+from radixrt.sampling_params import SamplingParams
+from radixrt.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+IDLE_POLL_MS = 50
+
+
+def error_reply(rid: Any, kind: str, message: str) -> dict[str, Any]:
+    return {"rid": rid, "error": {"type": kind, "message": message}}
+
+
+class Server:
+    def __init__(self, args: ServerArgs, endpoint: str):
+        self.args = args
+        self.scheduler = Scheduler(args)
+        self.tokenizer = self.scheduler.tokenizer
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.bind(endpoint)
+        self.clients: dict[Req, tuple[bytes, str, bool, int]] = {}  # req -> (identity, client rid, stream, sample index)
+        self.sent: dict[Req, tuple[int, int]] = {}  # streamed text chars and token ids already sent
+        self.running = True
+
+    # ---- the loop ----------------------------------------------------------------------------
+    def serve_forever(self) -> None:
+        while self.running:
+            self._drain(block=not self.scheduler.has_work())
+            if self.scheduler.has_work():
+                self._publish(self.scheduler.step())
+        self.sock.close()
+        self.ctx.term()
+
+    def _drain(self, block: bool) -> None:
+        timeout = IDLE_POLL_MS if block else 0
+        while self.sock.poll(timeout):
+            timeout = 0
+            frames = self.sock.recv_multipart()
+            if len(frames) != 2:
+                logger.warning("dropped a message of %d frames (expected identity + one map)", len(frames))
+                continue
+            identity, payload = frames
+            try:
+                msg = msgpack.unpackb(payload, raw=False, strict_map_key=False)
+            except Exception as e:  # any undecodable frame
+                self._send(identity, error_reply(None, "bad_message", f"frame is not msgpack: {e}"))
+                continue
+            if not isinstance(msg, dict):
+                self._send(identity, error_reply(None, "bad_message", "a message must be a msgpack map"))
+                continue
+            self._handle(identity, msg)
+
+    def _handle(self, identity: bytes, msg: dict[str, Any]) -> None:
+        rid, op = msg.get("rid"), msg.get("op")
+        try:
+            if op == "generate":
+                self._generate(identity, msg)
+            elif op == "abort":
+                for req in self.scheduler.abort(str(rid)):
+                    self._publish([req])
+            elif op in CONTROL_OPS:
+                self._send(identity, {"rid": rid, "result": CONTROL_OPS[op](self)})
+            else:
+                self._send(identity, error_reply(rid, "unknown_op", f"unknown op {op!r}"))
+        except ValueError as e:
+            self._send(identity, error_reply(rid, "invalid_request", str(e)))
+        except AssertionError as e:
+            self._send(identity, error_reply(rid, "invariant_violated", str(e) or traceback.format_exc()))
+        except Exception as e:  # a bug must cost one request, not the server
+            logger.exception("op %r failed", op)
+            self._send(identity, error_reply(rid, "internal_error", f"{type(e).__name__}: {e}"))
+
+    def _generate(self, identity: bytes, msg: dict[str, Any]) -> None:
+        rid = msg.get("rid")
+        if not isinstance(rid, str) or not rid:
+            raise ValueError("generate needs a non-empty string rid")
+        params = msg.get("sampling_params") or {}
+        if not isinstance(params, dict):
+            raise ValueError("sampling_params must be a map")
+        params = SamplingParams.from_dict(params)
+        text, ids = msg.get("text"), msg.get("input_ids")
+        if (text is None) == (ids is None):
+            raise ValueError("give exactly one of text or input_ids")
+        if text is not None:
+            if not isinstance(text, str):
+                raise ValueError("text must be a string")
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
+        if not isinstance(ids, list):
+            raise ValueError("input_ids must be a list of ints")
+        rids = [rid] if params.n == 1 else [f"{rid}-{i}" for i in range(params.n)]
+        reqs = [self.scheduler.make_request(r, ids, params, sample_index=i) for i, r in enumerate(rids)]
+        for i, req in enumerate(reqs):
+            self.clients[req] = (identity, rid, bool(msg.get("stream")), i)
+            self.scheduler.add_request(req)
+
+    # ---- replies -----------------------------------------------------------------------------
+    def _publish(self, reqs: list[Req]) -> None:
+        for req in reqs:
+            if req not in self.clients:
+                continue
+            identity, rid, stream, index = self.clients[req]
+            if stream:
+                self._send_delta(identity, rid, index, req)
+            if req.finished:
+                del self.clients[req]
+                self.sent.pop(req, None)
+                self._send(identity, {"rid": rid, "index": index, "finished": True, **req.result()})
+
+    def _send_delta(self, identity: bytes, rid: str, index: int, req: Req) -> None:
+        text_sent, ids_sent = self.sent.get(req, (0, 0))
+        text_end = len(req.text) if req.finished else len(req.text) - _stop_holdback(req)
+        delta, ids = req.text[text_sent:text_end], req.output_ids[ids_sent:]
+        if delta or ids:
+            self.sent[req] = (max(text_end, text_sent), len(req.output_ids))
+            self._send(identity, {"rid": rid, "index": index, "finished": False, "delta": delta, "token_ids": ids})
+
+    def _send(self, identity: bytes, msg: dict[str, Any]) -> None:
+        try:
+            self.sock.send_multipart([identity, msgpack.packb(msg, use_bin_type=True)], zmq.NOBLOCK)
+        except zmq.Again:
+            logger.warning("client %s is not reading; dropped a reply", identity.hex())
+
+
+def _stop_holdback(req: Req) -> int:
+    """Characters at the end of the text that could be the start of a stop string."""
+    longest = 0
+    for stop in req.params.stop:
+        for k in range(min(len(stop) - 1, len(req.text)), longest, -1):
+            if req.text.endswith(stop[:k]):
+                longest = k
+                break
+    return longest
+
+
+def _model_info(server: Server) -> dict[str, Any]:
+    tok = server.tokenizer
+    return {
+        "model": server.args.model,
+        "model_path": str(server.scheduler.runner.model_path),
+        "context_length": server.scheduler.runner.context_length,
+        "chat_template": tok.chat_template,
+        "special_tokens": {k: v for k, v in tok.special_tokens_map.items() if isinstance(v, str)},
+        "eos_token_ids": sorted(server.scheduler.runner.eos_token_ids),
+        "vocab_size": server.scheduler.runner.vocab_size,
+    }
+
+
+def _shutdown(server: Server) -> bool:
+    server.running = False
+    return True
+
+
+CONTROL_OPS = {
+    "health": lambda s: True,
+    "stats": lambda s: s.scheduler.stats(),
+    "flush_cache": lambda s: s.scheduler.flush_cache(),
+    "check_invariants": lambda s: s.scheduler.check_invariants() or True,
+    "model_info": _model_info,
+    "shutdown": _shutdown,
+}
+
+
+def run_server(args: ServerArgs) -> None:
+    """Load the model, bind, serve until a `shutdown` op or SIGTERM/SIGINT."""
+    logging.basicConfig(level=args.log_level.upper(), format="[%(asctime)s %(name)s] %(message)s")
+    server = Server(args, args.endpoint)
+
+    def stop(*_: Any) -> None:
+        server.running = False
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    logger.info("serving on %s", args.endpoint)
+    server.serve_forever()
+    if args.endpoint.startswith("ipc://"):
+        Path(args.endpoint.removeprefix("ipc://")).unlink(missing_ok=True)

@@ -58,7 +58,7 @@ def shared_prefix_workload(tokenizer, num_requests: int, prefix_tokens: int, que
 
 
 def run_radixrt(name: str, prompts: list[list[int]], max_new_tokens: int, **server_args) -> BenchResult:
-    from radixrt.engine import Engine
+    from radixrt.runtime import Engine
 
     params = {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True}
     with Engine(log_level="warning", **server_args) as engine:

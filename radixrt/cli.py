@@ -23,14 +23,21 @@ def _serve(args: argparse.Namespace) -> None:
 
 
 def _generate(args: argparse.Namespace) -> None:
-    from radixrt.engine import Engine
+    from radixrt.endpoint import RuntimeEndpoint
+    from radixrt.runtime import Engine
 
-    server = ServerArgs.from_cli_args(args)
     params = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature}
-    with Engine(**dataclasses.asdict(server)) as engine:
-        out = engine.generate(args.prompt, params)
-    print(out["text"])
-    print(json.dumps(out["meta_info"]), file=sys.stderr)
+    backend = RuntimeEndpoint(args.url) if args.url else Engine(**dataclasses.asdict(ServerArgs.from_cli_args(args)))
+    with backend:
+        if args.stream:
+            for chunk in backend.generate(args.prompt, params, stream=True):
+                if not chunk["finished"]:  # the final map repeats the whole text
+                    print(chunk["delta"], end="", flush=True)
+            print()
+        else:
+            out = backend.generate(args.prompt, params)
+            print(out["text"])
+            print(json.dumps(out["meta_info"]), file=sys.stderr)
 
 
 def _bench(args: argparse.Namespace) -> None:
@@ -51,9 +58,11 @@ def build_parser() -> argparse.ArgumentParser:
     ServerArgs.add_cli_args(serve)
     serve.set_defaults(func=_serve)
 
-    gen = sub.add_parser("generate", help="generate text in-process")
+    gen = sub.add_parser("generate", help="generate text against a server (--url) or in-process")
     ServerArgs.add_cli_args(gen)
     gen.add_argument("--prompt", required=True)
+    gen.add_argument("--url", help="a running server, e.g. tcp://127.0.0.1:30000; in-process when absent")
+    gen.add_argument("--stream", action="store_true", help="print text as it is generated")
     gen.add_argument("--max-new-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.set_defaults(func=_generate)

@@ -2,24 +2,28 @@
 
 from __future__ import annotations
 
-import itertools
+import asyncio
 import queue
 import threading
+import time
 import uuid
 from concurrent.futures import Future
-from typing import Any, Iterator
+from typing import Any, AsyncIterator, Callable, Iterator
 
 import msgpack
 import zmq
 
-ERROR_TYPES = {"invalid_request": ValueError, "unknown_op": ValueError, "bad_message": ValueError}
+HEARTBEAT_S = 1.0  # ping period while requests are in flight; the runtime aborts a silent client's requests
+
+ERROR_TYPES = {"invalid_request": ValueError, "unknown_op": ValueError, "bad_message": ValueError,
+               "unauthorized": PermissionError, "connection_lost": ConnectionError}
 
 
 class RemoteError(RuntimeError):
     """A failure the runtime reported for one request."""
 
 
-def _raise_for(reply: dict[str, Any]) -> None:
+def raise_for(reply: dict[str, Any]) -> None:
     err = reply.get("error")
     if err:
         cls = ERROR_TYPES.get(err.get("type"), RemoteError)
@@ -30,18 +34,24 @@ class RuntimeClient:
     """Talks to a runtime's ROUTER socket.
 
     A single I/O thread owns the DEALER socket (ZeroMQ sockets are not thread-safe); callers hand
-    it frames through per-thread inproc PUSH sockets and receive replies through futures/queues.
+    it frames through per-thread inproc PUSH sockets and get replies through callbacks. While
+    requests are in flight it pings the runtime: a runtime that restarted (new `server_id`) or
+    went silent for `dead_after_s` fails those requests with a clear `connection_lost` error;
+    the socket reconnects by itself, so later requests work again.
     """
 
-    def __init__(self, endpoint: str):
+    def __init__(self, endpoint: str, api_key: str | None = None, dead_after_s: float = 120.0):
         self.endpoint = endpoint
+        self.api_key = api_key
+        self.dead_after_s = dead_after_s
         self._ctx = zmq.Context()
         self._inproc = f"inproc://radixrt-client-{uuid.uuid4().hex}"
         self._local = threading.local()
-        self._pending: dict[str, Future | queue.Queue] = {}
+        self._pending: dict[str, Callable[[dict[str, Any]], None]] = {}
         self._lock = threading.Lock()
-        self._ids = itertools.count()
         self._closed = threading.Event()
+        self._server_id: str | None = None
+        self._last_heard = time.monotonic()
         started = threading.Event()
         self._io = threading.Thread(target=self._io_loop, args=(started,), name="radixrt-client-io", daemon=True)
         self._io.start()
@@ -50,54 +60,62 @@ class RuntimeClient:
     # ---- calls -------------------------------------------------------------------------------
     def call(self, op: str, timeout: float | None = None, **fields: Any) -> Any:
         """A control op (stats, health, flush_cache, ...): its result, or the error raised."""
-        reply = self._request({"op": op, **fields}).result(timeout)
-        _raise_for(reply)
+        future: Future = Future()
+        rid = f"ctl-{uuid.uuid4().hex}"
+        self._register(rid, lambda reply: future.done() or future.set_result(reply))
+        try:
+            self.send({"op": op, "rid": rid, **fields})
+            reply = future.result(timeout)
+        finally:
+            self._forget(rid)
+        raise_for(reply)
         return reply.get("result")
 
     def submit(self, **fields: Any) -> "Submission":
         """Send one generate op now; read its replies from the returned handle."""
-        rid = fields.setdefault("rid", uuid.uuid4().hex)
-        replies: queue.Queue = queue.Queue()
-        self._register(rid, replies)
-        self._send({"op": "generate", **fields})
-        return Submission(self, rid, (fields.get("sampling_params") or {}).get("n", 1), replies)
+        sub = Submission(self, fields.setdefault("rid", uuid.uuid4().hex), _num_samples(fields))
+        self._register(sub.rid, sub.deliver)
+        self.send({"op": "generate", **fields})
+        return sub
 
-    def stream(self, timeout: float | None = None, **fields: Any) -> Iterator[dict[str, Any]]:
-        """Yield every reply of one generate op (deltas, then one final map per sample)."""
-        return self.submit(**fields).replies(timeout)
-
-    def generate(self, timeout: float | None = None, **fields: Any) -> list[dict[str, Any]]:
-        """The final reply of every sample (n of them), in sample order."""
-        return self.submit(**{**fields, "stream": False}).finals(timeout)
+    def submit_async(self, **fields: Any) -> "AsyncSubmission":
+        sub = AsyncSubmission(self, fields.setdefault("rid", uuid.uuid4().hex), _num_samples(fields))
+        self._register(sub.rid, sub.deliver)
+        self.send({"op": "generate", **fields})
+        return sub
 
     def abort(self, rid: str) -> None:
-        self._send({"op": "abort", "rid": rid})
+        self.send({"op": "abort", "rid": rid})
 
     def close(self) -> None:
-        if not self._closed.is_set():
-            self._closed.set()
-            self._io.join(timeout=5)
-            self._ctx.destroy(linger=0)  # also closes the callers' thread-local PUSH sockets
+        """Abort what is still in flight, then close the socket."""
+        if self._closed.is_set():
+            return
+        with self._lock:
+            rids = [r for r in self._pending if not r.startswith("ctl-")]
+        for rid in rids:
+            self.abort(rid)
+        time.sleep(0.05 if rids else 0)  # let the I/O thread flush the aborts
+        self._closed.set()
+        self._io.join(timeout=5)
+        self._ctx.destroy(linger=0)  # also closes the callers' thread-local PUSH sockets
 
     # ---- plumbing ----------------------------------------------------------------------------
+    def _register(self, rid: str, deliver: Callable[[dict[str, Any]], None]) -> None:
+        with self._lock:
+            if not self._pending:
+                self._last_heard = time.monotonic()
+            self._pending[rid] = deliver
+
     def _forget(self, rid: str) -> None:
         with self._lock:
             self._pending.pop(rid, None)
 
-    def _request(self, msg: dict[str, Any]) -> Future:
-        rid = f"ctl-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
-        future: Future = Future()
-        self._register(rid, future)
-        self._send({**msg, "rid": rid})
-        return future
-
-    def _register(self, rid: str, sink: Future | queue.Queue) -> None:
-        with self._lock:
-            self._pending[rid] = sink
-
-    def _send(self, msg: dict[str, Any]) -> None:
+    def send(self, msg: dict[str, Any]) -> None:
         if self._closed.is_set():
-            raise RemoteError("the client is closed")
+            raise ConnectionError("the client is closed")
+        if self.api_key is not None:
+            msg = {**msg, "api_key": self.api_key}
         push = getattr(self._local, "push", None)
         if push is None:
             push = self._local.push = self._ctx.socket(zmq.PUSH)
@@ -115,32 +133,56 @@ class RuntimeClient:
         poller.register(dealer, zmq.POLLIN)
         poller.register(pull, zmq.POLLIN)
         started.set()
+        next_ping = 0.0
         while not self._closed.is_set():
             for sock, _ in poller.poll(100):
                 if sock is pull:
                     dealer.send(pull.recv())
                 else:
                     self._dispatch(msgpack.unpackb(dealer.recv(), raw=False))
+            now = time.monotonic()
+            if self._pending and now >= next_ping:
+                next_ping = now + HEARTBEAT_S
+                ping = {"op": "ping", "rid": "ping"}
+                dealer.send(msgpack.packb({**ping, "api_key": self.api_key} if self.api_key else ping))
+            if self._pending and now - self._last_heard > self.dead_after_s:
+                self._fail_all(f"no reply from the runtime at {self.endpoint} for {self.dead_after_s:.0f}s")
         dealer.close()
         pull.close()
 
     def _dispatch(self, reply: dict[str, Any]) -> None:
+        self._last_heard = time.monotonic()
         rid = reply.get("rid")
+        if rid == "ping":
+            server_id = (reply.get("result") or {}).get("server_id")
+            if self._server_id is not None and server_id != self._server_id:
+                self._fail_all(f"the runtime at {self.endpoint} restarted; requests in flight were lost")
+            self._server_id = server_id
+            return
         with self._lock:
-            sink = self._pending.get(rid)
-            if isinstance(sink, Future):
-                del self._pending[rid]
-        if isinstance(sink, Future):
-            sink.set_result(reply)
-        elif sink is not None:
-            sink.put(reply)
+            deliver = self._pending.get(rid)
+        if deliver is not None:
+            deliver(reply)
+
+    def _fail_all(self, message: str) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, {}
+        for rid, deliver in pending.items():
+            deliver({"rid": rid, "error": {"type": "connection_lost", "message": message}})
+
+
+def _num_samples(fields: dict[str, Any]) -> int:
+    n = (fields.get("sampling_params") or {}).get("n", 1)
+    return n if isinstance(n, int) and n > 0 else 1
 
 
 class Submission:
     """The replies of one generate op; aborts the request if abandoned before it finished."""
 
-    def __init__(self, client: RuntimeClient, rid: str, n: int, replies: queue.Queue):
-        self.client, self.rid, self.n, self._replies = client, rid, n, replies
+    def __init__(self, client: RuntimeClient, rid: str, n: int):
+        self.client, self.rid, self.n = client, rid, n
+        self._replies: queue.Queue = queue.Queue()
+        self.deliver = self._replies.put
 
     def replies(self, timeout: float | None = None) -> Iterator[dict[str, Any]]:
         finished = 0
@@ -150,7 +192,7 @@ class Submission:
                     reply = self._replies.get(timeout=timeout)
                 except queue.Empty:
                     raise TimeoutError(f"request {self.rid} got no reply within {timeout}s") from None
-                _raise_for(reply)
+                raise_for(reply)
                 finished += bool(reply.get("finished"))
                 yield reply
         finally:
@@ -160,4 +202,34 @@ class Submission:
 
     def finals(self, timeout: float | None = None) -> list[dict[str, Any]]:
         finals = [r for r in self.replies(timeout) if r.get("finished")]
+        return sorted(finals, key=lambda r: r.get("index", 0))
+
+
+class AsyncSubmission:
+    """The same for asyncio: replies cross from the I/O thread into the caller's event loop."""
+
+    def __init__(self, client: RuntimeClient, rid: str, n: int):
+        self.client, self.rid, self.n = client, rid, n
+        self._loop = asyncio.get_running_loop()
+        self._replies: asyncio.Queue = asyncio.Queue()
+        self.deliver = lambda reply: self._loop.call_soon_threadsafe(self._replies.put_nowait, reply)
+
+    async def replies(self, timeout: float | None = None) -> AsyncIterator[dict[str, Any]]:
+        finished = 0
+        try:
+            while finished < self.n:
+                try:
+                    reply = await asyncio.wait_for(self._replies.get(), timeout)
+                except asyncio.TimeoutError:
+                    raise TimeoutError(f"request {self.rid} got no reply within {timeout}s") from None
+                raise_for(reply)
+                finished += bool(reply.get("finished"))
+                yield reply
+        finally:
+            self.client._forget(self.rid)
+            if finished < self.n:
+                self.client.abort(self.rid)
+
+    async def finals(self, timeout: float | None = None) -> list[dict[str, Any]]:
+        finals = [r async for r in self.replies(timeout) if r.get("finished")]
         return sorted(finals, key=lambda r: r.get("index", 0))

@@ -25,6 +25,8 @@ class ServerArgs:
     max_prefill_tokens: int = field(default=8192, metadata={"help": "max new prompt tokens admitted per step over all requests"})
     max_running_requests: int = field(default=256, metadata={"help": "max requests decoding at once"})
     disable_radix_cache: bool = field(default=False, metadata={"help": "turn prefix matching off (same code path, no reuse)"})
+    max_queued_requests: int = field(default=4096, metadata={"help": "waiting requests past which new ones get an 'overloaded' error"})
+    api_key: str | None = field(default=None, metadata={"help": "required in every message when set; needed to bind a non-loopback host"})
     random_seed: int = field(default=0, metadata={"help": "seed of the sampler for requests that set none"})
     log_interval: int = field(default=40, metadata={"help": "decode steps between two throughput log lines"})
     log_level: str = field(default="info", metadata={"help": "debug, info, warning or error"})
@@ -36,7 +38,7 @@ class ServerArgs:
             raise ValueError("max_total_tokens must be >= 1")
         if self.mem_fraction is not None and not 0 < self.mem_fraction < 1:
             raise ValueError("mem_fraction must be in (0, 1)")
-        if self.max_running_requests < 1 or self.max_prefill_tokens < 1:
+        if self.max_running_requests < 1 or self.max_prefill_tokens < 1 or self.max_queued_requests < 1:
             raise ValueError("max_running_requests and max_prefill_tokens must be >= 1")
 
     @classmethod
@@ -48,6 +50,8 @@ class ServerArgs:
                 parser.add_argument(flag, action="store_true", help=helptext)
                 continue
             kind = {"int": int, "float": float, "int | None": int, "float | None": float}.get(str(f.type), str)
+            if f.name == "api_key":
+                helptext += "; or set RADIXRT_API_KEY"
             parser.add_argument(flag, type=kind, default=f.default, choices=f.metadata.get("choices"),
                                 help=f"{helptext} (default: {f.default})")
 
@@ -56,12 +60,16 @@ class ServerArgs:
         """ZeroMQ address to bind: `--host` may itself be an ipc:// path."""
         return self.host if self.host.startswith("ipc://") else f"tcp://{self.host}:{self.port}"
 
+    @property
+    def is_loopback(self) -> bool:
+        return self.host.startswith("ipc://") or self.host in ("127.0.0.1", "localhost", "::1")
+
     def to_cli_args(self) -> list[str]:
         """The flags that recreate these settings on a `radixrt serve` command line."""
         argv = []
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if value is None or value is False:
+            if value is None or value is False or f.name == "api_key":  # secrets travel by environment
                 continue
             argv.append("--" + f.name.replace("_", "-"))
             if value is not True:

@@ -6,9 +6,13 @@ the step produced. Every frame is one msgpack map; see docs/protocol.md.
 
 from __future__ import annotations
 
+import hmac
 import logging
+import os
 import signal
+import time
 import traceback
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +27,7 @@ from radixrt.scheduler import Scheduler
 logger = logging.getLogger(__name__)
 
 IDLE_POLL_MS = 50
+CLIENT_SILENCE_S = 5.0  # a pinging client silent this long has vanished (clients ping every second)
 
 
 def error_reply(rid: Any, kind: str, message: str) -> dict[str, Any]:
@@ -40,12 +45,15 @@ class Server:
         self.sock.bind(endpoint)
         self.clients: dict[Req, tuple[bytes, str, bool, int]] = {}  # req -> (identity, client rid, stream, sample index)
         self.sent: dict[Req, tuple[int, int]] = {}  # streamed text chars and token ids already sent
+        self.heartbeats: dict[bytes, float] = {}  # last message time of clients that ping
+        self.server_id = uuid.uuid4().hex
         self.running = True
 
     # ---- the loop ----------------------------------------------------------------------------
     def serve_forever(self) -> None:
         while self.running:
             self._drain(block=not self.scheduler.has_work())
+            self._abort_vanished_clients()
             if self.scheduler.has_work():
                 self._publish(self.scheduler.step())
         self.sock.close()
@@ -70,16 +78,36 @@ class Server:
                 continue
             self._handle(identity, msg)
 
+    def _abort_vanished_clients(self) -> None:
+        """A client that pings and then falls silent (killed, unplugged) loses its requests."""
+        now = time.monotonic()
+        gone = {i for i, seen in self.heartbeats.items() if now - seen > CLIENT_SILENCE_S}
+        if not gone:
+            return
+        for identity in gone:
+            del self.heartbeats[identity]
+        for req, (identity, rid, _, _) in list(self.clients.items()):
+            if identity in gone:
+                logger.info("client %s went silent; aborting its request %s", identity.hex(), rid)
+                self.scheduler.abort(req.rid)
+                self.clients.pop(req, None)
+                self.sent.pop(req, None)
+
     def _handle(self, identity: bytes, msg: dict[str, Any]) -> None:
         rid, op = msg.get("rid"), msg.get("op")
+        if identity in self.heartbeats or op == "ping":
+            self.heartbeats[identity] = time.monotonic()
+        if self.args.api_key and not hmac.compare_digest(str(msg.get("api_key", "")).encode(),
+                                                         self.args.api_key.encode()):
+            self._send(identity, error_reply(rid, "unauthorized", "missing or wrong api_key"))
+            return
         try:
             if op == "generate":
                 self._generate(identity, msg)
             elif op == "abort":
-                for req in self.scheduler.abort(str(rid)):
-                    self._publish([req])
+                self._publish(self.scheduler.abort(_internal_rid(identity, str(rid))))
             elif op in CONTROL_OPS:
-                self._send(identity, {"rid": rid, "result": CONTROL_OPS[op](self)})
+                self._send(identity, {"rid": rid, "result": CONTROL_OPS[op](self, msg)})
             else:
                 self._send(identity, error_reply(rid, "unknown_op", f"unknown op {op!r}"))
         except ValueError as e:
@@ -94,6 +122,10 @@ class Server:
         rid = msg.get("rid")
         if not isinstance(rid, str) or not rid:
             raise ValueError("generate needs a non-empty string rid")
+        if len(self.scheduler.waiting) >= self.args.max_queued_requests:
+            self._send(identity, error_reply(rid, "overloaded", f"{len(self.scheduler.waiting)} requests are "
+                                             "already waiting; try again later"))
+            return
         params = msg.get("sampling_params") or {}
         if not isinstance(params, dict):
             raise ValueError("sampling_params must be a map")
@@ -107,7 +139,10 @@ class Server:
             ids = self.tokenizer.encode(text, add_special_tokens=False)
         if not isinstance(ids, list):
             raise ValueError("input_ids must be a list of ints")
-        rids = [rid] if params.n == 1 else [f"{rid}-{i}" for i in range(params.n)]
+        if any(i == identity and r == rid for i, r, _, _ in self.clients.values()):
+            raise ValueError(f"rid {rid!r} is already in flight on this connection")
+        base = _internal_rid(identity, rid)  # rids are the client's own: two clients may both use "r1"
+        rids = [base] if params.n == 1 else [f"{base}-{i}" for i in range(params.n)]
         reqs = [self.scheduler.make_request(r, ids, params, sample_index=i) for i, r in enumerate(rids)]
         for i, req in enumerate(reqs):
             self.clients[req] = (identity, rid, bool(msg.get("stream")), i)
@@ -141,6 +176,10 @@ class Server:
             logger.warning("client %s is not reading; dropped a reply", identity.hex())
 
 
+def _internal_rid(identity: bytes, rid: str) -> str:
+    return f"{identity.hex()}/{rid}"
+
+
 def _stop_holdback(req: Req) -> int:
     """Characters at the end of the text that could be the start of a stop string."""
     longest = 0
@@ -152,7 +191,7 @@ def _stop_holdback(req: Req) -> int:
     return longest
 
 
-def _model_info(server: Server) -> dict[str, Any]:
+def _model_info(server: Server, msg: dict[str, Any]) -> dict[str, Any]:
     tok = server.tokenizer
     return {
         "model": server.args.model,
@@ -165,16 +204,25 @@ def _model_info(server: Server) -> dict[str, Any]:
     }
 
 
-def _shutdown(server: Server) -> bool:
+def _shutdown(server: Server, msg: dict[str, Any]) -> bool:
     server.running = False
     return True
 
 
+def _tokenize(server: Server, msg: dict[str, Any]) -> list[int]:
+    text = msg.get("text")
+    if not isinstance(text, str):
+        raise ValueError("tokenize needs a string text")
+    return server.tokenizer.encode(text, add_special_tokens=False)
+
+
 CONTROL_OPS = {
-    "health": lambda s: True,
-    "stats": lambda s: s.scheduler.stats(),
-    "flush_cache": lambda s: s.scheduler.flush_cache(),
-    "check_invariants": lambda s: s.scheduler.check_invariants() or True,
+    "health": lambda s, m: True,
+    "ping": lambda s, m: {"server_id": s.server_id},
+    "tokenize": _tokenize,
+    "stats": lambda s, m: s.scheduler.stats(),
+    "flush_cache": lambda s, m: s.scheduler.flush_cache(),
+    "check_invariants": lambda s, m: s.scheduler.check_invariants() or True,
     "model_info": _model_info,
     "shutdown": _shutdown,
 }
@@ -183,6 +231,9 @@ CONTROL_OPS = {
 def run_server(args: ServerArgs) -> None:
     """Load the model, bind, serve until a `shutdown` op or SIGTERM/SIGINT."""
     logging.basicConfig(level=args.log_level.upper(), format="[%(asctime)s %(name)s] %(message)s")
+    args.api_key = args.api_key or os.environ.get("RADIXRT_API_KEY") or None
+    if not args.is_loopback and not args.api_key:
+        raise SystemExit(f"refusing to listen on {args.host} without --api-key (or RADIXRT_API_KEY)")
     server = Server(args, args.endpoint)
 
     def stop(*_: Any) -> None:

@@ -43,3 +43,19 @@ def shared_prefix_prompts(tokenizer, n: int = 12) -> list[list[int]]:
         prompts.append(tokenizer.encode(f"{system}{style} {topic}." + " Please." * (i // len(topics)),
                                         add_special_tokens=False))
     return prompts
+
+
+def run_in_process(scheduler, batches: list[list[list[int]]], params: dict) -> list[list[int]]:
+    """Drive a Scheduler directly (no runtime process), one batch of prompts after another,
+    so tests can observe its internals; returns every request's output ids in order."""
+    from radixrt.sampling_params import SamplingParams
+
+    outs = []
+    for b, prompts in enumerate(batches):
+        reqs = [scheduler.make_request(f"{b}-{i}", p, SamplingParams.from_dict(params)) for i, p in enumerate(prompts)]
+        for req in reqs:
+            scheduler.add_request(req)
+        while scheduler.has_work():
+            scheduler.step()
+        outs += [r.output_ids for r in reqs]
+    return outs

@@ -1,9 +1,11 @@
 """The runtime on the Triton backend (interpreted on CPU) gives the torch backend's greedy tokens."""
 
 import pytest
+from helpers import run_in_process
 
-import radixrt as rt
 from radixrt.attention.triton_backend import TritonAttentionBackend
+from radixrt.config import ServerArgs
+from radixrt.scheduler import Scheduler
 
 SAMPLING = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
 SHARED = list(range(300, 311))
@@ -15,15 +17,16 @@ CONFIGS = {"whole": {}, "chunked": {"chunked_prefill_size": 4}}
 
 
 def _run(model_dir, backend: str, **args) -> list[list[int]]:
-    """Greedy tokens of every pass, cold then prefix-cached, and the pool's bookkeeping after."""
-    with rt.Engine(model=str(model_dir), attention_backend=backend, max_total_tokens=512, log_level="warning",
-                   **args) as engine:
-        outs = [o["output_ids"] for prompts in PASSES
-                for o in engine.generate(input_ids=prompts, sampling_params=SAMPLING)]
-        engine.check_invariants()
-        assert engine.flush_cache()
-        stats = engine.stats()
-        assert stats["free_tokens"] == stats["total_tokens"]
+    """Greedy tokens of every pass, cold then prefix-cached, and the pool's bookkeeping after.
+
+    The scheduler runs in this process (not behind `rt.Engine`) so the test can watch its steps."""
+    scheduler = Scheduler(ServerArgs(model=str(model_dir), attention_backend=backend, max_total_tokens=512,
+                                     **args))
+    outs = run_in_process(scheduler, PASSES, SAMPLING)
+    scheduler.check_invariants()
+    assert scheduler.flush_cache()
+    stats = scheduler.stats()
+    assert stats["free_tokens"] == stats["total_tokens"]
     return outs
 
 

@@ -1,0 +1,119 @@
+"""`rt.RuntimeEndpoint`: the user API of a running runtime, blocking, streaming and asyncio."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any, AsyncIterator, Iterator
+
+from radixrt.client import RuntimeClient
+
+Prompt = str | list[int]
+
+
+class RuntimeEndpoint:
+    """A connection to `radixrt serve` (`tcp://host:port` or `ipc://path`); thread-safe, any
+    number of requests in flight over one socket."""
+
+    def __init__(self, url: str, api_key: str | None = None, timeout: float | None = None):
+        self.url = url
+        self.timeout = timeout
+        self.client = RuntimeClient(url, api_key=api_key)
+        self._model_info: dict[str, Any] | None = None
+
+    # ---- generation --------------------------------------------------------------------------
+    def generate(self, prompt: Prompt | list[Prompt] | None = None, sampling_params: dict | list[dict] | None = None,
+                 input_ids: list[int] | list[list[int]] | None = None, rid: str | list[str] | None = None,
+                 stream: bool = False) -> dict | list | Iterator[dict]:
+        """One prompt -> `{"text", "output_ids", "meta_info"}` (a list of n when n > 1); a list
+        of prompts -> a list. With `stream=True` (one prompt), an iterator of chunks
+        `{"delta", "token_ids", "index", "finished"}`, the last per sample with the result."""
+        requests, single = self._requests(prompt, input_ids, sampling_params, rid)
+        if stream:
+            if not single:
+                raise ValueError("stream=True takes one prompt")
+            return self.client.submit(**requests[0], stream=True).replies(self.timeout)
+        submissions = [self.client.submit(**r) for r in requests]
+        outs = [_results(s.finals(self.timeout)) for s in submissions]
+        return outs[0] if single else outs
+
+    async def async_generate(self, prompt: Prompt | list[Prompt] | None = None,
+                             sampling_params: dict | list[dict] | None = None,
+                             input_ids: list[int] | list[list[int]] | None = None,
+                             rid: str | list[str] | None = None) -> dict | list:
+        requests, single = self._requests(prompt, input_ids, sampling_params, rid)
+        submissions = [self.client.submit_async(**r) for r in requests]
+        outs = [_results(await s.finals(self.timeout)) for s in submissions]
+        return outs[0] if single else outs
+
+    def async_stream(self, prompt: Prompt | None = None, sampling_params: dict | None = None,
+                     input_ids: list[int] | None = None, rid: str | None = None) -> AsyncIterator[dict]:
+        """`async for chunk in endpoint.async_stream(...)`: the streamed chunks of one prompt."""
+        requests, single = self._requests(prompt, input_ids, sampling_params, rid)
+        if not single:
+            raise ValueError("async_stream takes one prompt")
+        return self.client.submit_async(**requests[0], stream=True).replies(self.timeout)
+
+    def abort(self, rid: str) -> None:
+        self.client.abort(rid)
+
+    # ---- introspection -----------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        return self.client.call("stats", self.timeout)
+
+    def flush_cache(self) -> bool:
+        return self.client.call("flush_cache", self.timeout)
+
+    def health(self, timeout: float | None = None) -> bool:
+        return self.client.call("health", timeout if timeout is not None else self.timeout)
+
+    def check_invariants(self) -> None:
+        """Raise if a KV slot, request row or lock count is out of place (see DESIGN.md)."""
+        self.client.call("check_invariants", self.timeout)
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.client.call("tokenize", self.timeout, text=text)
+
+    @property
+    def model_info(self) -> dict[str, Any]:
+        if self._model_info is None:
+            self._model_info = self.client.call("model_info", self.timeout)
+        return self._model_info
+
+    def close(self) -> None:
+        self.client.close()
+
+    def __enter__(self) -> "RuntimeEndpoint":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # ---- plumbing ----------------------------------------------------------------------------
+    @staticmethod
+    def _requests(prompt, input_ids, sampling_params, rid) -> tuple[list[dict[str, Any]], bool]:
+        items, single, key = _normalize(prompt, input_ids)
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(items)
+        rids = [rid] if isinstance(rid, str) else rid or [uuid.uuid4().hex for _ in items]
+        if len(params) != len(items) or len(rids) != len(items):
+            raise ValueError("sampling_params and rid must be one value or one per prompt")
+        return [{"rid": r, "sampling_params": p or {}, key: item} for r, item, p in zip(rids, items, params)], single
+
+
+def _normalize(prompt, input_ids) -> tuple[list, bool, str]:
+    if (prompt is None) == (input_ids is None):
+        raise ValueError("give exactly one of prompt or input_ids")
+    if prompt is not None:
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+            return [prompt], True, "input_ids"
+        items = [prompt] if isinstance(prompt, str) else prompt
+        if not isinstance(items, list) or not items or not all(isinstance(p, str) for p in items):
+            raise ValueError("prompt must be a string, a list of token ids, or a non-empty list of strings")
+        return items, isinstance(prompt, str), "text"
+    if isinstance(input_ids, list) and input_ids and isinstance(input_ids[0], list):
+        return input_ids, False, "input_ids"
+    return [input_ids], True, "input_ids"
+
+
+def _results(finals: list[dict]) -> dict | list[dict]:
+    outs = [{k: r[k] for k in ("text", "output_ids", "meta_info")} for r in finals]
+    return outs[0] if len(outs) == 1 else outs

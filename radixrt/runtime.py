@@ -1,0 +1,134 @@
+"""`rt.Runtime` and `rt.Engine`: start a runtime process and talk to it.
+
+The scheduler always runs in a process of its own, on that process's main thread. That keeps
+the forward loop off the caller's GIL and, on the CPU, gives it an OpenMP thread team of its own
+(parallel regions started from a second thread of a process whose main thread already used
+OpenMP run several times slower here: 0.1 ms instead of 0.02 ms for a small multiply).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import weakref
+from pathlib import Path
+from typing import Any
+
+from radixrt.config import ServerArgs
+from radixrt.endpoint import RuntimeEndpoint
+
+START_TIMEOUT_S = 600
+LOG_TAIL_LINES = 30
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Runtime(RuntimeEndpoint):
+    """Starts `radixrt serve` on a free loopback port (unless `port=` is given), waits until it
+    is healthy, and is a backend; `.shutdown()`, leaving a `with` block, interpreter exit or
+    garbage collection stop the process."""
+
+    def __init__(self, model: str = "default", **server_args: Any):
+        self.args = ServerArgs.from_kwargs(model=model, **server_args)
+        self._tmp = Path(tempfile.mkdtemp(prefix="radixrt-"))
+        self._configure_endpoint(port_given="port" in server_args)
+        self._log_path = self._tmp / "runtime.log"
+        self._proc = self._launch()
+        super().__init__(self.args.endpoint, api_key=self.args.api_key)
+        self._finalizer = weakref.finalize(self, _stop, self._proc, self.client, self._tmp)
+        self._wait_ready()
+
+    def _configure_endpoint(self, port_given: bool) -> None:
+        if not port_given:
+            self.args.port = free_port()
+
+    def _launch(self) -> subprocess.Popen:
+        with open(self._log_path, "wb") as log:
+            return subprocess.Popen(self._command(), stdout=log, stderr=subprocess.STDOUT, env=self._env())
+
+    def _command(self) -> list[str]:
+        return [sys.executable, "-m", "radixrt", "serve", *self.args.to_cli_args()]
+
+    def _env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        if self.args.api_key:
+            env["RADIXRT_API_KEY"] = self.args.api_key
+        return env
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                self._finalizer()
+                raise RuntimeError(f"the runtime exited with code {self._proc.returncode} while starting; "
+                                   f"last log lines:\n{self.log_tail()}")
+            try:
+                self.health(timeout=0.5)
+                return
+            except TimeoutError:
+                continue
+        self._finalizer()
+        raise RuntimeError(f"the runtime did not become healthy within {START_TIMEOUT_S}s; "
+                           f"last log lines:\n{self.log_tail()}")
+
+    def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
+        try:
+            return "\n".join(self._log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(the runtime's log is gone)"
+
+    @property
+    def tokenizer(self):
+        from transformers import AutoTokenizer
+
+        if not hasattr(self, "_tokenizer"):
+            self._tokenizer = AutoTokenizer.from_pretrained(self.model_info["model_path"])
+        return self._tokenizer
+
+    def shutdown(self) -> None:
+        if self._finalizer.alive:
+            try:
+                self.client.call("shutdown", timeout=30)
+                self._proc.wait(timeout=30)
+            except Exception:  # already gone, or stuck: the finalizer ends it
+                pass
+            self._finalizer()
+
+    close = shutdown
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+
+class Engine(Runtime):
+    """The runtime for one program: a private ipc:// socket, logs on this process's stderr."""
+
+    def _configure_endpoint(self, port_given: bool) -> None:
+        self.args.host = f"ipc://{self._tmp / 'runtime.sock'}"
+
+    def _launch(self) -> subprocess.Popen:
+        return subprocess.Popen(self._command(), env=self._env())
+
+    def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
+        return "(see the runtime's log above)"
+
+
+def _stop(proc: subprocess.Popen, client, tmp: Path) -> None:
+    client.close()
+    if proc.poll() is None:
+        proc.terminate()  # the runtime stops cleanly on SIGTERM
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=5)
+    shutil.rmtree(tmp, ignore_errors=True)

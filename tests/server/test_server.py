@@ -1,0 +1,264 @@
+"""The runtime as a real server process: concurrency, streaming, abort, bad input, lost peers."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import pickle
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import msgpack
+import pytest
+import zmq
+
+import radixrt as rt
+from radixrt.client import RemoteError
+
+LONG = {"max_new_tokens": 400, "temperature": 0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def runtime(tiny_model_dir):
+    with rt.Runtime(model=str(tiny_model_dir), max_total_tokens=2048, log_level="warning") as r:
+        yield r
+
+
+def _prompts(n: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    shared = [rng.randrange(3, 49152) for _ in range(20)]
+    return [shared + [rng.randrange(3, 49152) for _ in range(rng.randrange(1, 12))] for _ in range(n)]
+
+
+def _wait_idle(endpoint, timeout: float = 20.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        stats = endpoint.stats()
+        if stats["running"] == stats["waiting"] == 0:
+            return stats
+        time.sleep(0.1)
+    raise AssertionError(f"requests still running after {timeout}s: {stats}")
+
+
+def _assert_no_leak(endpoint) -> None:
+    _wait_idle(endpoint)
+    endpoint.check_invariants()
+    assert endpoint.flush_cache()
+    stats = endpoint.stats()
+    assert stats["free_tokens"] == stats["total_tokens"]
+
+
+def test_concurrent_threads_and_asyncio_get_their_own_replies(runtime):
+    prompts = _prompts(64)
+    params = [{"max_new_tokens": 4 + i % 5, "temperature": 0, "ignore_eos": True} for i in range(64)]
+    expected = [runtime.generate(input_ids=p, sampling_params=sp)["output_ids"] for p, sp in zip(prompts, params)]
+    got: dict[int, list[int]] = {}
+
+    def worker(indices: list[int]) -> None:
+        for i in indices:
+            got[i] = runtime.generate(input_ids=prompts[i], sampling_params=params[i])["output_ids"]
+
+    async def async_client(indices: list[int]) -> None:
+        outs = await asyncio.gather(*(runtime.async_generate(input_ids=prompts[i], sampling_params=params[i])
+                                      for i in indices))
+        got.update({i: o["output_ids"] for i, o in zip(indices, outs)})
+
+    threads = [threading.Thread(target=worker, args=(list(range(t, 48, 8)),)) for t in range(8)]
+    threads.append(threading.Thread(target=lambda: asyncio.run(async_client(list(range(48, 64))))))
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [got[i] for i in range(64)] == expected
+    _assert_no_leak(runtime)
+
+
+def test_streaming_deltas_join_to_the_final_text(default_model_dir):
+    with rt.Engine(model=str(default_model_dir), max_total_tokens=2048, log_level="warning") as engine:
+        prompt = engine.tokenizer.apply_chat_template(
+            [{"role": "user", "content": "Write 'café, 世界, 🎉' three times."}], add_generation_prompt=True,
+            tokenize=False)
+        chunks = list(engine.generate(prompt, {"max_new_tokens": 48, "temperature": 0}, stream=True))
+        final = chunks[-1]
+        deltas = [c["delta"] for c in chunks[:-1]]
+        assert final["finished"] and "".join(deltas) == final["text"]
+        assert all("\ufffd" not in d for d in deltas)
+        assert [t for c in chunks[:-1] for t in c["token_ids"]] == final["output_ids"]
+        assert final["text"] == engine.generate(prompt, {"max_new_tokens": 48, "temperature": 0})["text"]
+        # text that may begin a stop string is held back, so the stop never leaks into a delta
+        stop = final["text"][5:9]
+        chunks = list(engine.generate(prompt, {"max_new_tokens": 48, "temperature": 0, "stop": stop}, stream=True))
+        assert "".join(c["delta"] for c in chunks[:-1]) == chunks[-1]["text"] == final["text"][:5]
+
+
+def test_async_stream(runtime):
+    async def main() -> list[dict]:
+        return [c async for c in runtime.async_stream(input_ids=_prompts(1)[0],
+                                                      sampling_params={"max_new_tokens": 6, "temperature": 0})]
+    chunks = asyncio.run(main())
+    assert chunks[-1]["finished"] and len(chunks[-1]["output_ids"]) == 6
+
+
+def test_abort_waiting_and_running(tiny_model_dir):
+    with rt.Runtime(model=str(tiny_model_dir), max_total_tokens=1024, max_running_requests=1,
+                    log_level="warning") as r:
+        results = {}
+
+        def run(name: str) -> None:
+            results[name] = r.generate(input_ids=_prompts(1, seed=len(name))[0], sampling_params=LONG, rid=name)
+
+        threads = [threading.Thread(target=run, args=(name,)) for name in ("running", "waiting-one")]
+        threads[0].start()
+        while r.stats()["running"] == 0:
+            time.sleep(0.02)
+        threads[1].start()
+        while r.stats()["waiting"] == 0:
+            time.sleep(0.02)
+        r.abort("waiting-one")
+        r.abort("running")
+        for t in threads:
+            t.join(timeout=30)
+        assert {res["meta_info"]["finish_reason"]["type"] for res in results.values()} == {"abort"}
+        assert results["running"]["meta_info"]["completion_tokens"] < LONG["max_new_tokens"]
+        _assert_no_leak(r)
+
+
+def test_bad_frames_get_errors_and_the_server_goes_on(runtime):
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(runtime.url)
+    rng = random.Random(0)
+    bad = [bytes(rng.randrange(256) for _ in range(rng.randrange(1, 64))) for _ in range(20)]
+    bad.append(pickle.dumps({"op": "generate", "rid": "p", "text": "hi"}))
+    bad += [msgpack.packb(m) for m in [
+        [1, 2, 3], "just a string", {"op": 5}, {"op": "no_such_op", "rid": "a"},
+        {"op": "generate", "rid": ["not", "a", "string"], "text": "hi"},
+        {"op": "generate", "rid": "b", "text": 12},
+        {"op": "generate", "rid": "c", "input_ids": "abc"},
+        {"op": "generate", "rid": "d", "input_ids": [10**12]},
+        {"op": "generate", "rid": "e", "input_ids": [-1, 5]},
+        {"op": "generate", "rid": "f", "input_ids": [7] * 100_000},
+        {"op": "generate", "rid": "g", "text": "hi", "sampling_params": {"temperature": -3}},
+        {"op": "generate", "rid": "h", "text": "hi", "sampling_params": {"max_new_tokens": 10**12}},
+        {"op": "generate", "rid": "i", "text": "hi", "sampling_params": {"regex": "(unclosed"}},
+        {"op": "generate", "rid": "j", "text": "hi", "sampling_params": "not a map"},
+        {"op": "generate", "rid": "k", "text": "hi", "input_ids": [1]},
+        {"op": "tokenize", "rid": "l", "text": None},
+    ]]
+    for frame in bad:
+        sock.send(frame)
+    sock.send_multipart([b"two", b"frames"])
+    replies = []
+    deadline = time.monotonic() + 30
+    while len(replies) < len(bad) and time.monotonic() < deadline:
+        if sock.poll(1000):
+            replies.append(msgpack.unpackb(sock.recv(), raw=False))
+    sock.close()
+    ctx.term()
+    assert len(replies) == len(bad) and all("error" in r for r in replies)
+    out = runtime.generate(input_ids=_prompts(1)[0], sampling_params={"max_new_tokens": 3, "temperature": 0})
+    assert len(out["output_ids"]) == 3
+    _assert_no_leak(runtime)
+
+
+def test_killed_client_has_its_request_aborted(runtime):
+    script = (
+        "import sys, radixrt as rt\n"
+        f"e = rt.RuntimeEndpoint({runtime.url!r})\n"
+        "for chunk in e.generate(input_ids=[5, 6, 7, 8], sampling_params={'max_new_tokens': 100000,"
+        " 'temperature': 0, 'ignore_eos': True}, stream=True):\n"
+        "    print('streaming', flush=True)\n"
+    )
+    child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    assert child.stdout.readline().strip() == "streaming"
+    assert runtime.stats()["running"] == 1
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    start = time.monotonic()
+    _wait_idle(runtime, timeout=15)
+    assert time.monotonic() - start < 15
+    _assert_no_leak(runtime)
+
+
+def test_server_restart_fails_in_flight_requests_then_recovers(tiny_model_dir):
+    port = rt.runtime.free_port()
+    cmd = [sys.executable, "-m", "radixrt", "serve", "--model", str(tiny_model_dir), "--port", str(port),
+           "--max-total-tokens", "1024", "--log-level", "warning"]
+    server = subprocess.Popen(cmd)
+    endpoint = rt.RuntimeEndpoint(f"tcp://127.0.0.1:{port}", timeout=120)
+    try:
+        _wait_healthy(endpoint)
+        errors = []
+
+        def long_request() -> None:
+            try:
+                endpoint.generate(input_ids=[5, 6, 7], sampling_params={**LONG, "max_new_tokens": 100000})
+            except Exception as e:  # what the user sees
+                errors.append(e)
+
+        t = threading.Thread(target=long_request)
+        t.start()
+        while endpoint.stats()["running"] == 0:
+            time.sleep(0.05)
+        server.kill()
+        server.wait()
+        server = subprocess.Popen(cmd)
+        t.join(timeout=120)
+        assert len(errors) == 1 and isinstance(errors[0], ConnectionError) and "restarted" in str(errors[0])
+        _wait_healthy(endpoint)
+        assert len(endpoint.generate("hello", {"max_new_tokens": 2})["output_ids"]) == 2
+    finally:
+        endpoint.close()
+        server.terminate()
+        server.wait()
+
+
+def _wait_healthy(endpoint, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            endpoint.health(timeout=1)
+            return
+        except TimeoutError:
+            pass
+    raise AssertionError("server did not come up")
+
+
+def test_api_key_is_required_when_set(tiny_model_dir):
+    with rt.Runtime(model=str(tiny_model_dir), max_total_tokens=512, api_key="s3cret", log_level="warning") as r:
+        assert r.generate("hi", {"max_new_tokens": 2})["meta_info"]["completion_tokens"] == 2
+        with rt.RuntimeEndpoint(r.url) as anonymous:
+            with pytest.raises(PermissionError):
+                anonymous.generate("hi", {"max_new_tokens": 2})
+            with pytest.raises(PermissionError):
+                anonymous.stats()
+        with rt.RuntimeEndpoint(r.url, api_key="wrong") as wrong:
+            with pytest.raises(PermissionError):
+                wrong.stats()
+
+
+def test_non_loopback_bind_needs_an_api_key(tiny_model_dir):
+    env = {k: v for k, v in os.environ.items() if k != "RADIXRT_API_KEY"}
+    proc = subprocess.run([sys.executable, "-m", "radixrt", "serve", "--model", str(tiny_model_dir),
+                           "--host", "0.0.0.0", "--port", "1"], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode != 0 and "api-key" in proc.stderr
+
+
+def test_overloaded_queue_refuses_new_requests(tiny_model_dir):
+    with rt.Runtime(model=str(tiny_model_dir), max_total_tokens=1024, max_running_requests=1,
+                    max_queued_requests=1, log_level="warning") as r:
+        subs = [r.client.submit(input_ids=[5, 6, 7 + i], sampling_params=LONG) for i in range(4)]
+        outcomes = []
+        for s in subs:
+            try:
+                s.finals(timeout=60)
+                outcomes.append("ok")
+            except RemoteError as e:
+                outcomes.append("overloaded" if "overloaded" in str(e) else str(e))
+        assert "overloaded" in outcomes and "ok" in outcomes
+        _assert_no_leak(r)

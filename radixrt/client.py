@@ -40,9 +40,11 @@ class RuntimeClient:
     the socket reconnects by itself, so later requests work again.
     """
 
-    def __init__(self, endpoint: str, api_key: str | None = None, dead_after_s: float = 120.0):
+    def __init__(self, endpoint: str, api_key: str | None = None, curve_server_key: str | None = None,
+                 dead_after_s: float = 120.0):
         self.endpoint = endpoint
         self.api_key = api_key
+        self.curve_server_key = curve_server_key
         self.dead_after_s = dead_after_s
         self._ctx = zmq.Context()
         self._inproc = f"inproc://radixrt-client-{uuid.uuid4().hex}"
@@ -126,6 +128,9 @@ class RuntimeClient:
     def _io_loop(self, started: threading.Event) -> None:
         dealer = self._ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
+        if self.curve_server_key:
+            dealer.curve_publickey, dealer.curve_secretkey = zmq.curve_keypair()  # an ephemeral client key
+            dealer.curve_serverkey = self.curve_server_key.encode()
         dealer.connect(self.endpoint)
         pull = self._ctx.socket(zmq.PULL)
         pull.bind(self._inproc)

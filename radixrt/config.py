@@ -8,6 +8,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+SECRETS = {"api_key": "RADIXRT_API_KEY", "curve_secret_key": "RADIXRT_CURVE_SECRET_KEY"}  # field -> env var
+
+
 @dataclass
 class ServerArgs:
     model: str = field(default="default", metadata={"help": "'default' (SmolLM2-135M-Instruct), a Hugging Face model folder or a .gguf file"})
@@ -27,6 +30,7 @@ class ServerArgs:
     disable_radix_cache: bool = field(default=False, metadata={"help": "turn prefix matching off (same code path, no reuse)"})
     max_queued_requests: int = field(default=4096, metadata={"help": "waiting requests past which new ones get an 'overloaded' error"})
     api_key: str | None = field(default=None, metadata={"help": "required in every message when set; needed to bind a non-loopback host"})
+    curve_secret_key: str | None = field(default=None, metadata={"help": "Z85 CURVE secret key: encrypt and authenticate the socket (clients need the public key); or set RADIXRT_CURVE_SECRET_KEY"})
     random_seed: int = field(default=0, metadata={"help": "seed of the sampler for requests that set none"})
     log_interval: int = field(default=40, metadata={"help": "decode steps between two throughput log lines"})
     log_level: str = field(default="info", metadata={"help": "debug, info, warning or error"})
@@ -50,8 +54,6 @@ class ServerArgs:
                 parser.add_argument(flag, action="store_true", help=helptext)
                 continue
             kind = {"int": int, "float": float, "int | None": int, "float | None": float}.get(str(f.type), str)
-            if f.name == "api_key":
-                helptext += "; or set RADIXRT_API_KEY"
             parser.add_argument(flag, type=kind, default=f.default, choices=f.metadata.get("choices"),
                                 help=f"{helptext} (default: {f.default})")
 
@@ -69,7 +71,7 @@ class ServerArgs:
         argv = []
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if value is None or value is False or f.name == "api_key":  # secrets travel by environment
+            if value is None or value is False or f.name in SECRETS:  # secrets travel by environment
                 continue
             argv.append("--" + f.name.replace("_", "-"))
             if value is not True:

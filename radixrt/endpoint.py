@@ -12,12 +12,14 @@ Prompt = str | list[int]
 
 class RuntimeEndpoint:
     """A connection to `radixrt serve` (`tcp://host:port` or `ipc://path`); thread-safe, any
-    number of requests in flight over one socket."""
+    number of requests in flight over one socket. `api_key` and `curve_server_key` (the server's
+    Z85 public key) match the server's `--api-key` and `--curve-secret-key`."""
 
-    def __init__(self, url: str, api_key: str | None = None, timeout: float | None = None):
+    def __init__(self, url: str, api_key: str | None = None, timeout: float | None = None,
+                 curve_server_key: str | None = None):
         self.url = url
         self.timeout = timeout
-        self.client = RuntimeClient(url, api_key=api_key)
+        self.client = RuntimeClient(url, api_key=api_key, curve_server_key=curve_server_key)
         self._model_info: dict[str, Any] | None = None
 
     # ---- generation --------------------------------------------------------------------------

@@ -19,7 +19,9 @@ import weakref
 from pathlib import Path
 from typing import Any
 
-from radixrt.config import ServerArgs
+import zmq
+
+from radixrt.config import SECRETS, ServerArgs
 from radixrt.endpoint import RuntimeEndpoint
 
 START_TIMEOUT_S = 600
@@ -43,7 +45,9 @@ class Runtime(RuntimeEndpoint):
         self._configure_endpoint(port_given="port" in server_args)
         self._log_path = self._tmp / "runtime.log"
         self._proc = self._launch()
-        super().__init__(self.args.endpoint, api_key=self.args.api_key)
+        server_key = zmq.curve_public(self.args.curve_secret_key.encode()).decode() \
+            if self.args.curve_secret_key else None
+        super().__init__(self.args.endpoint, api_key=self.args.api_key, curve_server_key=server_key)
         self._finalizer = weakref.finalize(self, _stop, self._proc, self.client, self._tmp)
         self._wait_ready()
 
@@ -60,8 +64,9 @@ class Runtime(RuntimeEndpoint):
 
     def _env(self) -> dict[str, str]:
         env = dict(os.environ)
-        if self.args.api_key:
-            env["RADIXRT_API_KEY"] = self.args.api_key
+        for name, var in SECRETS.items():
+            if getattr(self.args, name):
+                env[var] = getattr(self.args, name)
         return env
 
     def _wait_ready(self) -> None:

@@ -19,7 +19,7 @@ from typing import Any
 import msgpack
 import zmq
 
-from radixrt.config import ServerArgs
+from radixrt.config import SECRETS, ServerArgs
 from radixrt.request import Req
 from radixrt.sampling_params import SamplingParams
 from radixrt.scheduler import Scheduler
@@ -42,6 +42,9 @@ class Server:
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        if args.curve_secret_key:
+            self.sock.curve_secretkey = args.curve_secret_key.encode()
+            self.sock.curve_server = True
         self.sock.bind(endpoint)
         self.clients: dict[Req, tuple[bytes, str, bool, int]] = {}  # req -> (identity, client rid, stream, sample index)
         self.sent: dict[Req, tuple[int, int]] = {}  # streamed text chars and token ids already sent
@@ -231,9 +234,13 @@ CONTROL_OPS = {
 def run_server(args: ServerArgs) -> None:
     """Load the model, bind, serve until a `shutdown` op or SIGTERM/SIGINT."""
     logging.basicConfig(level=args.log_level.upper(), format="[%(asctime)s %(name)s] %(message)s")
-    args.api_key = args.api_key or os.environ.get("RADIXRT_API_KEY") or None
-    if not args.is_loopback and not args.api_key:
-        raise SystemExit(f"refusing to listen on {args.host} without --api-key (or RADIXRT_API_KEY)")
+    for name, var in SECRETS.items():
+        setattr(args, name, getattr(args, name) or os.environ.get(var) or None)
+    if not args.is_loopback and not (args.api_key or args.curve_secret_key):
+        raise SystemExit(f"refusing to listen on {args.host} without --api-key or --curve-secret-key")
+    if args.curve_secret_key:
+        logger.info("CURVE on; clients need the server public key %s",
+                    zmq.curve_public(args.curve_secret_key.encode()).decode())
     server = Server(args, args.endpoint)
 
     def stop(*_: Any) -> None:

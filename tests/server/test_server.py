@@ -262,3 +262,15 @@ def test_overloaded_queue_refuses_new_requests(tiny_model_dir):
                 outcomes.append("overloaded" if "overloaded" in str(e) else str(e))
         assert "overloaded" in outcomes and "ok" in outcomes
         _assert_no_leak(r)
+
+
+def test_curve_encryption(tiny_model_dir):
+    public, secret = zmq.curve_keypair()
+    with rt.Runtime(model=str(tiny_model_dir), max_total_tokens=512, curve_secret_key=secret.decode(),
+                    log_level="warning") as r:
+        assert r.generate("hi", {"max_new_tokens": 2})["meta_info"]["completion_tokens"] == 2
+        with rt.RuntimeEndpoint(r.url, curve_server_key=public.decode()) as ok:
+            assert ok.health(timeout=10)
+        with rt.RuntimeEndpoint(r.url) as plain:  # the handshake fails: nothing ever answers
+            with pytest.raises(TimeoutError):
+                plain.health(timeout=2)

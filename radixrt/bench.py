@@ -24,7 +24,9 @@ class BenchResult:
     duration_s: float
     output_tokens: int
     output_throughput: float  # tokens/s
+    requests_per_s: float
     ttft_mean_s: float
+    ttft_p50_s: float
     ttft_p99_s: float
     cache_hit_rate: float | None = None
     num_preemptions: int | None = None
@@ -57,11 +59,19 @@ def shared_prefix_workload(tokenizer, num_requests: int, prefix_tokens: int, que
                              add_special_tokens=False) for i in range(num_requests)]
 
 
-def run_radixrt(name: str, prompts: list[list[int]], max_new_tokens: int, **server_args) -> BenchResult:
-    from radixrt.runtime import Engine
+def _result(name: str, duration: float, ttfts: list[float], tokens: int, stats: dict | None) -> BenchResult:
+    return BenchResult(name, len(ttfts), duration, tokens, tokens / duration, len(ttfts) / duration,
+                       statistics.mean(ttfts), percentile(ttfts, 50), percentile(ttfts, 99),
+                       stats["cache_hit_rate"] if stats else None, stats["num_preemptions"] if stats else None)
+
+
+def run_radixrt(name: str, prompts: list[list[int]], max_new_tokens: int, backend: str = "engine",
+                **server_args) -> BenchResult:
+    """Concurrent clients (one thread per request) against `rt.Engine` or a TCP `rt.Runtime`."""
+    from radixrt.runtime import Engine, Runtime
 
     params = {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True}
-    with Engine(log_level="warning", **server_args) as engine:
+    with (Runtime if backend == "server" else Engine)(log_level="warning", **server_args) as engine:
         engine.generate(input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 2})  # warm-up
         engine.flush_cache()
         start = time.monotonic()
@@ -72,10 +82,32 @@ def run_radixrt(name: str, prompts: list[list[int]], max_new_tokens: int, **serv
                 results.append(f.result())
         duration = time.monotonic() - start
         stats = engine.stats()
-    ttfts = [r["meta_info"]["ttft"] for r in results]
-    tokens = sum(len(r["output_ids"]) for r in results)
-    return BenchResult(name, len(prompts), duration, tokens, tokens / duration, statistics.mean(ttfts),
-                       percentile(ttfts, 99), stats["cache_hit_rate"], stats["num_preemptions"])
+    return _result(name, duration, [r["meta_info"]["ttft"] for r in results],
+                   sum(len(r["output_ids"]) for r in results), stats)
+
+
+def run_in_process(name: str, prompts: list[list[int]], max_new_tokens: int, **server_args) -> BenchResult:
+    """The scheduler stepped on this thread with no socket at all: the floor for the overhead."""
+    from radixrt.config import ServerArgs
+    from radixrt.sampling_params import SamplingParams
+    from radixrt.scheduler import Scheduler
+
+    scheduler = Scheduler(ServerArgs(log_level="warning", **server_args))
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0, ignore_eos=True)
+    scheduler.add_request(scheduler.make_request("warm-up", [1, 2, 3], SamplingParams(max_new_tokens=2)))
+    while scheduler.has_work():
+        scheduler.step()
+    scheduler.flush_cache()
+    start = time.monotonic()
+    reqs = [scheduler.make_request(str(i), p, params) for i, p in enumerate(prompts)]
+    for req in reqs:
+        scheduler.add_request(req)
+    with tqdm(total=len(reqs), desc=name, leave=False) as bar:
+        while scheduler.has_work():
+            bar.update(sum(r.finished for r in scheduler.step()))
+    duration = time.monotonic() - start
+    return _result(name, duration, [r.first_token_time - r.arrival for r in reqs],
+                   sum(len(r.output_ids) for r in reqs), scheduler.stats())
 
 
 def run_transformers(model_dir: Path, prompts: list[list[int]], max_new_tokens: int, dtype: str) -> BenchResult:
@@ -102,20 +134,22 @@ def run_transformers(model_dir: Path, prompts: list[list[int]], max_new_tokens: 
                              stopping_criteria=StoppingCriteriaList([FirstToken()]))
     duration = time.monotonic() - start
     tokens = (out.shape[1] - width) * len(prompts)
-    ttft = first_token_at[0] - start
-    return BenchResult("transformers", len(prompts), duration, tokens, tokens / duration, ttft, ttft)
+    return _result("transformers", duration, [first_token_at[0] - start] * len(prompts), tokens, None)
 
 
 def print_table(results: list[BenchResult], baseline: str) -> None:
     base = next((r for r in results if r.system == baseline), None)
-    head = f"{'system':<22}{'tok/s':>9}{'TTFT mean':>11}{'TTFT p99':>10}{'hit rate':>10}{'preempt':>9}{'x ' + baseline:>16}"
+    print(f"(ratio: output throughput over {baseline}'s)")
+    head = (f"{'system':<20}{'tok/s':>8}{'req/s':>7}{'TTFT mean':>10}{'p50':>8}{'p99':>8}{'hit rate':>9}"
+            f"{'preempt':>8}{'ratio':>8}")
     print(head)
     print("-" * len(head))
     for r in results:
         ratio = f"{r.output_throughput / base.output_throughput:.2f}x" if base else "-"
         hit = f"{r.cache_hit_rate:.2f}" if r.cache_hit_rate is not None else "-"
         pre = str(r.num_preemptions) if r.num_preemptions is not None else "-"
-        print(f"{r.system:<22}{r.output_throughput:>9.1f}{r.ttft_mean_s:>10.2f}s{r.ttft_p99_s:>9.2f}s{hit:>10}{pre:>9}{ratio:>16}")
+        print(f"{r.system:<20}{r.output_throughput:>8.1f}{r.requests_per_s:>7.2f}{r.ttft_mean_s:>9.2f}s"
+              f"{r.ttft_p50_s:>7.2f}s{r.ttft_p99_s:>7.2f}s{hit:>9}{pre:>8}{ratio:>8}")
 
 
 def add_bench_args(parser: argparse.ArgumentParser) -> None:
@@ -127,8 +161,12 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--question-tokens", type=int, default=30)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--max-total-tokens", type=int, default=65536)
-    parser.add_argument("--systems", default="radixrt,radixrt-no-cache,transformers",
-                        help="comma list of radixrt, radixrt-no-cache, transformers")
+    parser.add_argument("--backend", default="engine", choices=["engine", "server"],
+                        help="engine: the core comparison; server: the TCP server against the scheduler "
+                             "stepped in this process (the socket's overhead)")
+    parser.add_argument("--systems", default=None,
+                        help="comma list of radixrt, radixrt-no-cache, transformers, radixrt-server, "
+                             "radixrt-inprocess (default: by --backend)")
     parser.add_argument("--output", default="bench_results/shared-prefix.json", help="JSON file for the results")
 
 
@@ -143,16 +181,18 @@ def run_bench(args: argparse.Namespace) -> list[BenchResult]:
     print(f"shared-prefix: {len(prompts)} requests, prompt ~{statistics.mean(map(len, prompts)):.0f} tokens "
           f"(~{args.prefix_tokens} shared), {args.max_new_tokens} new tokens each, all submitted at once")
     common = {"model": str(model_dir), "dtype": args.dtype, "max_total_tokens": args.max_total_tokens}
+    new = args.max_new_tokens
     runners = {
-        "radixrt": lambda: run_radixrt("radixrt", prompts, args.max_new_tokens, **common),
-        "radixrt-no-cache": lambda: run_radixrt("radixrt-no-cache", prompts, args.max_new_tokens,
-                                                disable_radix_cache=True, **common),
-        "transformers": lambda: run_transformers(model_dir, prompts, args.max_new_tokens, args.dtype),
+        "radixrt": lambda: run_radixrt("radixrt", prompts, new, **common),
+        "radixrt-no-cache": lambda: run_radixrt("radixrt-no-cache", prompts, new, disable_radix_cache=True, **common),
+        "transformers": lambda: run_transformers(model_dir, prompts, new, args.dtype),
+        "radixrt-server": lambda: run_radixrt("radixrt-server", prompts, new, backend="server", **common),
+        "radixrt-inprocess": lambda: run_in_process("radixrt-inprocess", prompts, new, **common),
     }
-    results = []
-    for name in tqdm(args.systems.split(","), desc="systems"):
-        results.append(runners[name]())
-    print_table(results, "transformers" if "transformers" in args.systems else results[0].system)
+    systems = (args.systems or {"engine": "radixrt,radixrt-no-cache,transformers",
+                                "server": "radixrt-inprocess,radixrt-server"}[args.backend]).split(",")
+    results = [runners[name]() for name in tqdm(systems, desc="systems")]
+    print_table(results, "transformers" if "transformers" in systems else results[0].system)
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"workload": vars(args) | {"func": None}, "results": [asdict(r) for r in results]},

@@ -1,0 +1,285 @@
+"""Structured generation on top of outlines-core: regex / JSON schema / choices / dtype -> token masks.
+
+A constraint compiles to an `outlines_core.Index` (a DFA over token ids, shared and cached); each
+request walks it with a `TokenGuide`, which writes the allowed ids of its state into one row of an
+int32 bitmask (bit j of word i = token 32*i + j). `apply_bitmask` turns a batch of such rows into
+-inf logits.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor, TimeoutError as FutureTimeout
+from typing import Any, Callable
+
+import torch
+from outlines_core import Guide, Index, Vocabulary
+from outlines_core.json_schema import build_regex_from_schema
+
+JSON_WHITESPACE = r"[ ]?"
+DTYPE_REGEXES = {
+    "int": r"-?(0|[1-9][0-9]*)",
+    "float": r"-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?",
+    "bool": r"true|false",
+    "str": r'"([^"\\\x00-\x1F\x7F-\x9F]|\\["\\/bfnrt])*"',
+}
+MAX_SCHEMA_REPEAT = 1024  # bound on maxLength / maxItems / minItems: the DFA grows linearly with them
+
+_SP_BYTE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+_VOCAB_CACHE: dict[tuple, Vocabulary] = {}
+
+
+def _gpt2_unicode_to_byte() -> dict[str, int]:
+    """Inverse of GPT-2's bytes_to_unicode: printable bytes map to themselves, the rest to 256+n."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table = {chr(b): b for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            table[chr(256 + extra)] = b
+            extra += 1
+    return table
+
+
+def _token_decoder(tokenizer) -> Callable[[str], bytes]:
+    """How a vocabulary token string turns into the bytes it stands for."""
+    kind = ""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and backend.decoder is not None:
+        kind = backend.decoder.__getstate__().decode()
+    else:
+        tokens = tokenizer.get_vocab()
+        kind = "Metaspace" if any(t.startswith("▁") for t in tokens) else "ByteLevel" if "Ġ" in tokens else ""
+    if "ByteLevel" in kind:
+        table = _gpt2_unicode_to_byte()
+        return lambda token: bytes(table[c] for c in token) if all(c in table for c in token) else token.encode()
+    if "Metaspace" in kind or "ByteFallback" in kind or "▁" in kind:
+        def sentencepiece(token: str) -> bytes:
+            match = _SP_BYTE.fullmatch(token)
+            return bytes([int(match.group(1), 16)]) if match else token.replace("▁", " ").encode()
+        return sentencepiece
+    return str.encode
+
+
+def build_vocabulary(tokenizer) -> Vocabulary:
+    """The tokenizer's vocabulary as bytes, for outlines-core. Special tokens are left out (EOS is
+    given separately); non-special added tokens count as their literal UTF-8 text. Cached per tokenizer."""
+    key = (id(tokenizer), tokenizer.name_or_path, len(tokenizer))
+    if key in _VOCAB_CACHE:
+        return _VOCAB_CACHE[key]
+    eos = tokenizer.eos_token_id
+    if eos is None:
+        raise ValueError("constrained generation needs a tokenizer with an EOS token")
+    added = getattr(tokenizer, "added_tokens_decoder", {})
+    special = set(tokenizer.all_special_ids) | {i for i, t in added.items() if t.special}
+    decode = _token_decoder(tokenizer)
+    by_bytes: dict[bytes, list[int]] = {}
+    for token, token_id in tokenizer.get_vocab().items():
+        if token_id in special:
+            continue
+        data = added[token_id].content.encode() if token_id in added else decode(token)
+        if data:
+            by_bytes.setdefault(data, []).append(token_id)
+    vocabulary = Vocabulary(eos, by_bytes)
+    _VOCAB_CACHE[key] = vocabulary
+    return vocabulary
+
+
+def _check_schema(node: Any, path: str = "$") -> None:
+    """Reject, before compiling, schema shapes whose DFA is known to explode."""
+    if isinstance(node, list):
+        for i, item in enumerate(node):
+            _check_schema(item, f"{path}[{i}]")
+        return
+    if not isinstance(node, dict):
+        return
+    for bound in ("maxLength", "minLength", "maxItems", "minItems"):
+        if isinstance(node.get(bound), int) and node[bound] > MAX_SCHEMA_REPEAT:
+            raise ValueError(f"JSON schema at {path}: {bound}={node[bound]} is too large "
+                             f"(at most {MAX_SCHEMA_REPEAT} for constrained decoding)")
+    if node.get("type") == "object" and not node.get("properties") and node.get("additionalProperties", True):
+        raise ValueError(f"JSON schema at {path}: a free-form object (no 'properties') is too complex to "
+                         "constrain; list its properties or set additionalProperties to a schema")
+    for key, value in node.items():
+        if isinstance(value, (dict, list)) and key not in ("enum", "const", "examples", "default"):
+            _check_schema(value, f"{path}.{key}")
+
+
+class ConstraintCompiler:
+    """Compiles constraints to outlines-core Indexes for one tokenizer, with an LRU cache and a time budget.
+
+    Regexes use the Rust regex-automata dialect (no lookaround, no backreferences) and must match the
+    whole output. JSON schemas go through outlines-core with a compact whitespace pattern.
+    """
+
+    def __init__(self, tokenizer, vocab_size: int, cache_size: int = 64, max_compile_s: float = 10.0,
+                 whitespace_pattern: str = JSON_WHITESPACE):
+        if len(tokenizer) > vocab_size:
+            raise ValueError(f"tokenizer has {len(tokenizer)} tokens but the model only {vocab_size}")
+        self.vocabulary = build_vocabulary(tokenizer)
+        self.eos_token_id: int = self.vocabulary.get_eos_token_id()
+        self.vocab_size = vocab_size
+        self.cache_size = cache_size
+        self.max_compile_s = max_compile_s
+        self.whitespace_pattern = whitespace_pattern
+        # Builds finished or in flight, so concurrent requests for one constraint share one build.
+        self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
+        self._lock = threading.Lock()
+        self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="constraint-compile")
+
+    def compile(self, regex: str | None = None, json_schema: str | dict | None = None,
+                choices: list[str] | None = None, dtype: str | None = None) -> Index:
+        """Compile exactly one of: a regex; a JSON schema (str or dict); a list of literal choices;
+        or a dtype: "int" (JSON integer), "float" (JSON number), "bool" (true|false), "str" (a
+        double-quoted JSON string). Raises ValueError for bad or too complex constraints."""
+        given = {k: v for k, v in (("regex", regex), ("json_schema", json_schema), ("choices", choices),
+                                    ("dtype", dtype)) if v is not None}
+        if len(given) != 1:
+            raise ValueError(f"give exactly one of regex, json_schema, choices, dtype (got {sorted(given)})")
+        kind, value = given.popitem()
+        if kind == "json_schema":
+            source = value if isinstance(value, str) else json.dumps(value)
+        elif kind == "choices":
+            if not value or not all(isinstance(c, str) for c in value):
+                raise ValueError("choices must be a non-empty list of strings")
+            source = json.dumps(value)
+        else:
+            source = value
+        key = (kind, source)
+
+        with self._lock:
+            future = self._cache.get(key)
+            if future is None:
+                pattern = self._to_regex(kind, value, source)
+                future = Future()
+                threading.Thread(target=self._build, args=(future, kind, pattern), daemon=True).start()
+                self._cache[key] = future
+                while len(self._cache) > self.cache_size:
+                    self._cache.popitem(last=False)
+            else:
+                self._cache.move_to_end(key)
+        try:
+            return future.result(timeout=self.max_compile_s)
+        except FutureTimeout:
+            # The build cannot be cancelled; remember the verdict so retries fail fast.
+            error = ValueError(f"{kind} constraint is too complex: compiling took over {self.max_compile_s:g}s")
+            rejected = Future()
+            rejected.set_exception(error)
+            with self._lock:
+                if self._cache.get(key) is future:
+                    self._cache[key] = rejected
+            raise error from None
+
+    def compile_async(self, regex: str | None = None, json_schema: str | dict | None = None,
+                      choices: list[str] | None = None, dtype: str | None = None) -> Future:
+        """`compile` off the caller's thread; the Future holds the Index or the ValueError."""
+        return self._executor.submit(self.compile, regex=regex, json_schema=json_schema, choices=choices,
+                                     dtype=dtype)
+
+    def _to_regex(self, kind: str, value: Any, source: str) -> str:
+        if kind == "regex":
+            return value
+        if kind == "choices":
+            return "|".join(re.escape(c) for c in value)
+        if kind == "dtype":
+            if value not in DTYPE_REGEXES:
+                raise ValueError(f"unknown dtype {value!r}; expected one of {sorted(DTYPE_REGEXES)}")
+            return DTYPE_REGEXES[value]
+        try:
+            schema = json.loads(source)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"json_schema is not valid JSON: {e}") from None
+        _check_schema(schema)
+        try:
+            return build_regex_from_schema(source, self.whitespace_pattern)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"unsupported JSON schema: {e}") from None
+
+    def _build(self, future: Future, kind: str, pattern: str) -> None:
+        try:
+            future.set_result(Index(pattern, self.vocabulary))
+        except ValueError as e:
+            hint = " (regex-automata dialect: no lookaround or backreferences)" if "DFA" in str(e) else ""
+            future.set_exception(ValueError(f"cannot compile {kind} constraint {pattern[:200]!r}: {e}{hint}"))
+        except BaseException as e:  # anything else must still reach the waiter
+            future.set_exception(e)
+
+
+class TokenGuide:
+    """One request's position in a constraint's DFA."""
+
+    def __init__(self, index: Index, eos_token_id: int):
+        self.index = index
+        self.eos_token_id = eos_token_id
+        self.guide = Guide(index, max_rollback=0)
+        self.finished = False  # EOS was accepted
+        self._only_eos: dict[int, bool] = {}
+
+    def advance(self, token_id: int) -> None:
+        """Consume a sampled token; raises ValueError if the constraint does not allow it."""
+        if self.finished:
+            raise ValueError("constraint already ended with EOS")
+        if token_id == self.eos_token_id:
+            # outlines-core has no transition for EOS (Guide.advance raises); it just ends the walk.
+            if not self.guide.is_finished():
+                raise ValueError("EOS is not allowed before the constraint is satisfied")
+            self.finished = True
+            return
+        self.guide.advance(token_id, return_tokens=False)
+
+    def is_final(self) -> bool:
+        """The output so far fully matches the constraint, so EOS is allowed."""
+        return self.guide.is_finished()
+
+    def allowed_only_eos(self) -> bool:
+        """The output is complete and nothing but EOS may follow."""
+        if self.finished:
+            return True
+        if not self.guide.is_finished():
+            return False
+        state = self.guide.get_state()
+        if state not in self._only_eos:
+            self._only_eos[state] = len(self.index.get_allowed_tokens(state)) == 1
+        return self._only_eos[state]
+
+    def fill_mask(self, bitmask_row: torch.Tensor) -> None:
+        """Write the allowed ids of the current state into one contiguous int32 CPU bitmask row
+        (overwritten entirely; the EOS bit is set exactly when the output is final)."""
+        assert bitmask_row.dtype == torch.int32 and bitmask_row.is_contiguous() and bitmask_row.device.type == "cpu"
+        self.guide.write_mask_into(bitmask_row.data_ptr(), bitmask_row.numel(), 4)
+
+
+def allocate_bitmask(batch: int, vocab_size: int) -> torch.Tensor:
+    """A zeroed (nothing allowed) int32 bitmask of shape [batch, ceil(vocab_size / 32)] on the CPU."""
+    return torch.zeros(batch, (vocab_size + 31) // 32, dtype=torch.int32)
+
+
+_BIT_VALUES: dict[torch.device, torch.Tensor] = {}
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int] | None = None) -> None:
+    """Set logits[r, t] = -inf in place where bit t of bitmask[r] is 0, for r in `rows` (all rows if
+    None); bitmask rows line up with logits rows. Columns beyond the bitmask stay masked."""
+    device = logits.device
+    if device not in _BIT_VALUES:
+        # 1 << 31 wraps to the int32 sign bit, which is exactly the bit pattern wanted.
+        _BIT_VALUES[device] = torch.tensor([1 << i for i in range(31)] + [-(1 << 31)], dtype=torch.int32, device=device)
+    if rows is not None:
+        index = torch.tensor(rows, device=bitmask.device)
+        bitmask = bitmask.index_select(0, index)
+    words = bitmask.to(device, non_blocking=True)
+    vocab = logits.shape[1]
+    covered = min(vocab, 32 * words.shape[1])
+    disallowed = (words.unsqueeze(-1) & _BIT_VALUES[device]).eq(0).view(words.shape[0], -1)[:, :covered]
+    if rows is None:
+        target = logits
+    else:
+        index = index.to(device, non_blocking=True)
+        target = logits.index_select(0, index)
+    target[:, :covered].masked_fill_(disallowed, float("-inf"))
+    target[:, covered:] = float("-inf")
+    if rows is not None:
+        logits.index_copy_(0, index, target)

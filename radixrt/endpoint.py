@@ -72,6 +72,14 @@ class RuntimeEndpoint:
         """Raise if a KV slot, request row or lock count is out of place (see DESIGN.md)."""
         self.client.call("check_invariants", self.timeout)
 
+    def pin(self, pin_id: str, prompt: Prompt) -> int:
+        """Keep the cached prefix of `prompt` from eviction until `unpin`; returns tokens pinned."""
+        key = "text" if isinstance(prompt, str) else "input_ids"
+        return self.client.call("pin", self.timeout, pin_id=pin_id, **{key: prompt})
+
+    def unpin(self, pin_id: str) -> bool:
+        return self.client.call("unpin", self.timeout, pin_id=pin_id)
+
     def tokenize(self, text: str) -> list[int]:
         return self.client.call("tokenize", self.timeout, text=text)
 

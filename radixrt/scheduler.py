@@ -52,6 +52,7 @@ class Scheduler:
         self._decode_steps = 0
         self._log_mark = (time.monotonic(), 0)
         self._ended: list[Req] = []  # finished outside a forward (aborts), reported by step()
+        self.pins: dict[str, object] = {}  # pin id -> tree node locked on a client's behalf
 
     # ---- requests in and out ---------------------------------------------------------------
     def make_request(self, rid: str, input_ids: list[int], params: SamplingParams, sample_index: int = 0) -> Req:
@@ -82,6 +83,22 @@ class Scheduler:
             req.finish_reason = {"type": "abort", "message": "aborted by the client"}
             self._finish(req)
         return aborted
+
+    def pin(self, pin_id: str, input_ids: list[int]) -> int:
+        """Lock the cached prefix of `input_ids` so eviction cannot take it (fork's shared prefix).
+        Returns how many tokens are pinned (what the cache held)."""
+        if pin_id in self.pins:
+            raise ValueError(f"pin {pin_id!r} exists")
+        slots, node = self.tree.match_prefix(list(input_ids))
+        self.tree.inc_lock_ref(node)
+        self.pins[pin_id] = node
+        return len(slots)
+
+    def unpin(self, pin_id: str) -> bool:
+        node = self.pins.pop(pin_id, None)
+        if node is not None:
+            self.tree.dec_lock_ref(node)
+        return node is not None
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -249,12 +266,15 @@ class Scheduler:
             req.kv_len += n
             if n > 1 or not req.output_ids:
                 self._cache_unfinished(req)  # share the prompt with requests admitted after it
-            if req.tokens_to_compute == 0:
+            if req.tokens_to_compute == 0 and req.params.max_new_tokens == 0:  # scoring: prompt logprobs only
+                req.finish_reason = {"type": "length", "length": 0}
+                self._finish(req)
+            elif req.tokens_to_compute == 0:
                 sample_rows.append(offset + n - 1)
                 sample_reqs.append(req)
             offset += n
         if not sample_reqs:
-            return []
+            return [r for r, _ in plan if r.finished]
         logits = self.runner.logits(hidden[sample_rows])
         banned = [self._banned_ids(r) for r in sample_reqs]
         out = sample(logits, sample_reqs, banned)
@@ -269,6 +289,7 @@ class Scheduler:
             if req.finished:
                 self._finish(req)
         self.generated_tokens += len(sample_reqs)
+        sample_reqs += [r for r, _ in plan if r.finished and r not in sample_reqs]
         if all(n == 1 for _, n in plan):
             self._log_decode()
         return sample_reqs
@@ -372,6 +393,7 @@ class Scheduler:
             "free_request_rows": self.runner.req_to_token_pool.available(),
             "generated_tokens": self.generated_tokens,
             "peak_used_tokens": self.peak_used_tokens,
+            "pins": len(self.pins),
         }
 
     def flush_cache(self) -> bool:
@@ -395,8 +417,7 @@ class Scheduler:
         used_rows = {r.row for r in self.running}
         assert len(used_rows) + self.runner.req_to_token_pool.available() == self.runner.req_to_token_pool.rows
         locks: dict = {}
-        for req in self.running:
-            node = req.last_node
+        for node in [r.last_node for r in self.running] + list(self.pins.values()):
             while node is not self.tree.root:
                 locks[node] = locks.get(node, 0) + 1
                 node = node.parent

@@ -89,6 +89,8 @@ class Server:
             return
         for identity in gone:
             del self.heartbeats[identity]
+            for pin_id in [p for p in self.scheduler.pins if p.startswith(identity.hex() + "/")]:
+                self.scheduler.unpin(pin_id)
         for req, (identity, rid, _, _) in list(self.clients.items()):
             if identity in gone:
                 logger.info("client %s went silent; aborting its request %s", identity.hex(), rid)
@@ -110,7 +112,7 @@ class Server:
             elif op == "abort":
                 self._publish(self.scheduler.abort(_internal_rid(identity, str(rid))))
             elif op in CONTROL_OPS:
-                self._send(identity, {"rid": rid, "result": CONTROL_OPS[op](self, msg)})
+                self._send(identity, {"rid": rid, "result": CONTROL_OPS[op](self, {**msg, "_identity": identity})})
             else:
                 self._send(identity, error_reply(rid, "unknown_op", f"unknown op {op!r}"))
         except ValueError as e:
@@ -133,15 +135,7 @@ class Server:
         if not isinstance(params, dict):
             raise ValueError("sampling_params must be a map")
         params = SamplingParams.from_dict(params)
-        text, ids = msg.get("text"), msg.get("input_ids")
-        if (text is None) == (ids is None):
-            raise ValueError("give exactly one of text or input_ids")
-        if text is not None:
-            if not isinstance(text, str):
-                raise ValueError("text must be a string")
-            ids = self.tokenizer.encode(text, add_special_tokens=False)
-        if not isinstance(ids, list):
-            raise ValueError("input_ids must be a list of ints")
+        ids = _prompt_ids(self, msg)
         if any(i == identity and r == rid for i, r, _, _ in self.clients.values()):
             raise ValueError(f"rid {rid!r} is already in flight on this connection")
         base = _internal_rid(identity, rid)  # rids are the client's own: two clients may both use "r1"
@@ -212,6 +206,27 @@ def _shutdown(server: Server, msg: dict[str, Any]) -> bool:
     return True
 
 
+def _prompt_ids(server: Server, msg: dict[str, Any]) -> list[int]:
+    text, ids = msg.get("text"), msg.get("input_ids")
+    if (text is None) == (ids is None):
+        raise ValueError("give exactly one of text or input_ids")
+    if text is not None:
+        if not isinstance(text, str):
+            raise ValueError("text must be a string")
+        return server.tokenizer.encode(text, add_special_tokens=False)
+    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise ValueError("input_ids must be a list of ints")
+    return ids
+
+
+def _pin(server: Server, msg: dict[str, Any]) -> int:
+    return server.scheduler.pin(_internal_rid(msg["_identity"], str(msg.get("pin_id"))), _prompt_ids(server, msg))
+
+
+def _unpin(server: Server, msg: dict[str, Any]) -> bool:
+    return server.scheduler.unpin(_internal_rid(msg["_identity"], str(msg.get("pin_id"))))
+
+
 def _tokenize(server: Server, msg: dict[str, Any]) -> list[int]:
     text = msg.get("text")
     if not isinstance(text, str):
@@ -223,6 +238,8 @@ CONTROL_OPS = {
     "health": lambda s, m: True,
     "ping": lambda s, m: {"server_id": s.server_id},
     "tokenize": _tokenize,
+    "pin": _pin,
+    "unpin": _unpin,
     "stats": lambda s, m: s.scheduler.stats(),
     "flush_cache": lambda s, m: s.scheduler.flush_cache(),
     "check_invariants": lambda s, m: s.scheduler.check_invariants() or True,

@@ -1,0 +1,48 @@
+"""Role prefixes and suffixes derived from the model's own Jinja chat template."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+_MARK = "\x00RADIXRT\x00"
+
+
+@dataclass
+class ChatTemplate:
+    prefixes: dict[str, str]
+    suffixes: dict[str, str]
+    default_system: str  # what the template puts before a first message that is not a system one
+
+    @classmethod
+    def from_model_info(cls, info: dict) -> "ChatTemplate":
+        source = info.get("chat_template")
+        if not source:
+            return cls({}, {}, "")
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        template = env.from_string(source)
+        specials = info.get("special_tokens", {})
+
+        def render(messages: list[dict]) -> str:
+            return template.render(messages=messages, add_generation_prompt=False, **specials)
+
+        def around(before: list[dict], role: str) -> tuple[str, str]:
+            head = render(before) if before else ""
+            text = render(before + [{"role": role, "content": _MARK}])
+            prefix, suffix = text[len(head):].split(_MARK)
+            return prefix, suffix
+
+        system = around([], "system")
+        user = around([{"role": "system", "content": "S"}], "user")
+        assistant = around([{"role": "system", "content": "S"}, {"role": "user", "content": "U"}], "assistant")
+        lone_user = render([{"role": "user", "content": _MARK}])
+        default_system = lone_user[: lone_user.index(_MARK)].removesuffix(user[0])
+        return cls({"system": system[0], "user": user[0], "assistant": assistant[0]},
+                   {"system": system[1], "user": user[1], "assistant": assistant[1]}, default_system)
+
+    def prefix(self, role: str) -> str:
+        return self.prefixes.get(role, "")
+
+    def suffix(self, role: str) -> str:
+        return self.suffixes.get(role, "")

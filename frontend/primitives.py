@@ -1,0 +1,104 @@
+"""What a program appends to its state: text, gen, select and chat roles."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+DTYPE_NAMES = {int: "int", float: "float", str: "str", bool: "bool"}
+
+
+@dataclass
+class Gen:
+    name: str | None = None
+    max_tokens: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    ignore_eos: bool | None = None
+    regex: str | None = None
+    json_schema: str | dict | None = None
+    choices: list[str] | None = None
+    dtype: Any = None
+    return_logprob: bool | None = None
+    top_logprobs_num: int | None = None
+
+    def sampling_params(self, defaults: dict[str, Any]) -> dict[str, Any]:
+        """The runtime's sampling params: this gen's values over the run's defaults."""
+        params = dict(defaults)
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value is None or f.name == "name":
+                continue
+            if f.name == "max_tokens":
+                params["max_new_tokens"] = value
+            elif f.name == "dtype":
+                params["dtype"] = DTYPE_NAMES.get(value, value)
+            else:
+                params[f.name] = value
+        return params
+
+
+@dataclass
+class Select:
+    name: str | None
+    choices: list[str]
+    temperature: float = 0.0
+
+
+@dataclass
+class Role:
+    role: str
+    part: str  # "whole", "begin" or "end"
+    content: list[Any] = field(default_factory=list)
+
+
+def gen(name: str | None = None, max_tokens: int | None = None, stop: str | list[str] | None = None,
+        stop_token_ids: list[int] | None = None, temperature: float | None = None, top_p: float | None = None,
+        top_k: int | None = None, min_p: float | None = None, frequency_penalty: float | None = None,
+        presence_penalty: float | None = None, ignore_eos: bool | None = None, regex: str | None = None,
+        json_schema: str | dict | None = None, choices: list[str] | None = None, dtype: Any = None,
+        return_logprob: bool | None = None, top_logprobs_num: int | None = None) -> Gen | Select:
+    """Generate text into variable `name`. With `choices`, the same as `select`."""
+    if choices is not None and regex is None and json_schema is None:
+        return Select(name, list(choices), temperature or 0.0)
+    return Gen(name, max_tokens, stop, stop_token_ids, temperature, top_p, top_k, min_p, frequency_penalty,
+               presence_penalty, ignore_eos, regex, json_schema, choices, dtype, return_logprob, top_logprobs_num)
+
+
+def gen_int(name: str | None = None, **kwargs: Any) -> Gen:
+    return Gen(name=name, dtype=int, **kwargs)
+
+
+def gen_string(name: str | None = None, **kwargs: Any) -> Gen:
+    return Gen(name=name, dtype=str, **kwargs)
+
+
+def select(name: str | None = None, choices: list[str] | None = None, temperature: float = 0.0) -> Select:
+    """Pick the choice with the highest token-length-normalised log-probability after the prefix."""
+    if not choices:
+        raise ValueError("select needs a non-empty list of choices")
+    return Select(name, list(choices), temperature)
+
+
+def _role(role: str):
+    def whole(*content: Any) -> Role:
+        return Role(role, "whole", list(content))
+
+    def begin() -> Role:
+        return Role(role, "begin")
+
+    def end() -> Role:
+        return Role(role, "end")
+
+    return whole, begin, end
+
+
+system, system_begin, system_end = _role("system")
+user, user_begin, user_end = _role("user")
+assistant, assistant_begin, assistant_end = _role("assistant")

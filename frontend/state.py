@@ -1,0 +1,296 @@
+"""Program state: the text so far, variables, meta info, roles, forks and streaming.
+
+Expressions run as they are appended (`s += gen(...)` sends the request and waits), so a program
+is plain Python; concurrency comes from running many programs at once (`run_batch`) and from
+forks, whose branches run in parallel. The runtime batches all of them together.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import uuid
+import weakref
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
+
+from radixrt.endpoint import RuntimeEndpoint
+from radixrt.frontend.chat_template import ChatTemplate
+from radixrt.frontend.primitives import Gen, Role, Select
+
+_END = object()
+
+
+class ProgramState:
+    def __init__(self, backend: RuntimeEndpoint, template: ChatTemplate, defaults: dict[str, Any],
+                 stream: bool = False):
+        self.backend = backend
+        self.template = template
+        self.defaults = defaults
+        self._text = ""
+        self.variables: dict[str, Any] = {}
+        self.meta: dict[str, Any] = {}
+        self._messages: list[dict[str, str]] = []
+        self._role: tuple[str, int] | None = None  # open role and where its content starts
+        self._stream: queue.Queue | None = queue.Queue() if stream else None
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+        self.ret_value: Any = None
+
+    # ---- appending ---------------------------------------------------------------------------
+    def __iadd__(self, expr: Any) -> "ProgramState":
+        self._run(expr)
+        return self
+
+    def _run(self, expr: Any) -> None:
+        if isinstance(expr, str):
+            self._append(expr)
+        elif isinstance(expr, Gen):
+            self._gen(expr)
+        elif isinstance(expr, Select):
+            self._select(expr)
+        elif isinstance(expr, Role):
+            self._role_expr(expr)
+        elif isinstance(expr, (list, tuple)):
+            for item in expr:
+                self._run(item)
+        else:
+            raise TypeError(f"cannot append {type(expr).__name__} to a program state")
+
+    def _append(self, text: str, var: str | None = None) -> None:
+        self._text += text
+        if self._stream is not None and text:
+            self._stream.put((var, text))
+
+    def _gen(self, g: Gen) -> None:
+        params = g.sampling_params(self.defaults)
+        if self._role and self._role[0] == "assistant":
+            params.setdefault("stop_token_ids", self._end_of_turn_ids())
+        if self._stream is None:
+            out = self.backend.generate(self._text, params)
+            self._append(out["text"], g.name)
+        else:
+            pieces = []
+            for chunk in self.backend.generate(self._text, params, stream=True):
+                if chunk["finished"]:
+                    out = chunk
+                else:
+                    pieces.append(chunk["delta"])
+                    self._append(chunk["delta"], g.name)
+        self._set(g.name, _typed(out["text"], g.dtype), out["meta_info"])
+
+    def _select(self, sel: Select) -> None:
+        prefix = self.backend.tokenize(self._text) if self._text else []
+        requests = []
+        for choice in sel.choices:
+            ids = self.backend.tokenize(self._text + choice)
+            common = _common_prefix_len(prefix, ids)
+            if common == len(ids):  # the choice adds no token of its own: nothing to score
+                common = len(ids) - 1
+            requests.append((ids, max(common - 1, 0)))
+        outs = self.backend.generate(
+            input_ids=[ids for ids, _ in requests],
+            sampling_params=[{"max_new_tokens": 0, "return_logprob": True, "logprob_start_len": start}
+                             for _, start in requests])
+        # input_token_logprobs holds the logprob of every token after `start`: the choice's own tokens
+        scores = [sum(lp for lp, _ in lps) / max(len(lps), 1)
+                  for lps in (o["meta_info"]["input_token_logprobs"] for o in outs)]
+        best = max(range(len(scores)), key=scores.__getitem__)
+        self._append(sel.choices[best], sel.name)
+        self._set(sel.name, sel.choices[best], {"choices": sel.choices, "normalized_logprobs": scores,
+                                                "cached_tokens": [o["meta_info"]["cached_tokens"] for o in outs]})
+
+    def _role_expr(self, r: Role) -> None:
+        if r.part in ("whole", "begin"):
+            if self._role is not None:
+                raise ValueError(f"{r.role} role opened inside the open {self._role[0]} role")
+            if not self._messages and r.role != "system":
+                self._append(self.template.default_system)
+            self._append(self.template.prefix(r.role))
+            self._role = (r.role, len(self._text))
+        if r.part == "whole":
+            self._run(r.content)
+        if r.part in ("whole", "end"):
+            if self._role is None or self._role[0] != r.role:
+                raise ValueError(f"{r.role}_end() without {r.role}_begin()")
+            self._messages.append({"role": r.role, "content": self._text[self._role[1]:]})
+            self._role = None
+            self._append(self.template.suffix(r.role))
+
+    @contextmanager
+    def _scoped_role(self, role: str) -> Iterator["ProgramState"]:
+        self._role_expr(Role(role, "begin"))
+        yield self
+        self._role_expr(Role(role, "end"))
+
+    def system(self):
+        return self._scoped_role("system")
+
+    def user(self):
+        return self._scoped_role("user")
+
+    def assistant(self):
+        return self._scoped_role("assistant")
+
+    @contextmanager
+    def var_scope(self, name: str) -> Iterator["ProgramState"]:
+        """Everything appended inside the block becomes variable `name` too."""
+        start = len(self._text)
+        yield self
+        self._set(name, self._text[start:], None)
+
+    def _end_of_turn_ids(self) -> list[int]:
+        suffix = self.template.suffix("assistant").strip()
+        return self.backend.tokenize(suffix)[:1] if suffix else []
+
+    def _set(self, name: str | None, value: Any, meta: Any) -> None:
+        if name is not None:
+            self.variables[name] = value
+            self.meta[name] = meta
+
+    # ---- reading -----------------------------------------------------------------------------
+    def __getitem__(self, name: str) -> Any:
+        self._wait()
+        return self.variables[name]
+
+    def get_var(self, name: str) -> Any:
+        return self[name]
+
+    def get_meta_info(self, name: str) -> Any:
+        self._wait()
+        return self.meta.get(name)
+
+    def text(self) -> str:
+        self._wait()
+        return self._text
+
+    def messages(self) -> list[dict[str, str]]:
+        self._wait()
+        return list(self._messages)
+
+    def text_iter(self, var: str | None = None) -> Iterator[str]:
+        """Text as it is produced (a streamed run); only variable `var`'s when given."""
+        if self._stream is None:
+            yield self.variables[var] if var else self.text()
+            return
+        while (item := self._stream.get()) is not _END:
+            if var is None or item[0] == var:
+                yield item[1]
+        self._wait()
+
+    async def text_async_iter(self, var: str | None = None):
+        import asyncio
+
+        chunks = self.text_iter(var)
+        while (chunk := await asyncio.to_thread(next, chunks, _END)) is not _END:
+            yield chunk
+
+    def _wait(self) -> None:
+        self._done.wait()
+        if self._error is not None:
+            raise RuntimeError(f"the program failed: {self._error}") from self._error
+
+    def _finish(self, error: BaseException | None = None) -> None:
+        self._error = error
+        self._done.set()
+        if self._stream is not None:
+            self._stream.put(_END)
+
+    # ---- forks -------------------------------------------------------------------------------
+    def fork(self, n: int) -> "ForkGroup":
+        """n copies of this state that share its KV: the prefix is prefilled once and pinned in
+        the runtime's cache until the group is joined or garbage-collected."""
+        pin_id = None
+        if self._text:
+            self.backend.generate(self._text, {"max_new_tokens": 0})
+            pin_id = f"fork-{uuid.uuid4().hex}"
+            self.backend.pin(pin_id, self._text)
+        children = []
+        for _ in range(n):
+            child = ProgramState(self.backend, self.template, self.defaults)
+            child._text, child.variables, child.meta = self._text, dict(self.variables), dict(self.meta)
+            child._messages, child._role = list(self._messages), self._role
+            child._done.set()
+            children.append(child)
+        return ForkGroup(self, children, pin_id)
+
+
+class ForkGroup:
+    def __init__(self, parent: ProgramState, children: list[ProgramState], pin_id: str | None):
+        self.parent, self.children = parent, children
+        self._unpin = weakref.finalize(self, _unpin, parent.backend, pin_id) if pin_id else None
+
+    def __getitem__(self, i: int) -> ProgramState:
+        return self.children[i]
+
+    def __len__(self) -> int:
+        return len(self.children)
+
+    def __iter__(self):
+        return iter(self.children)
+
+    def __iadd__(self, expr: Any) -> "ForkGroup":
+        """One expression for all, a list (one each), or a function of the branch index."""
+        if isinstance(expr, list) and len(expr) == len(self.children):
+            exprs = expr
+        elif callable(expr):
+            exprs = [expr(i) for i in range(len(self.children))]
+        else:
+            exprs = [expr] * len(self.children)
+        with ThreadPoolExecutor(len(self.children)) as pool:
+            list(pool.map(lambda pair: pair[0]._run(pair[1]), zip(self.children, exprs)))
+        return self
+
+    def join(self) -> None:
+        """Release the shared prefix; each variable the branches made lands in the parent as a list."""
+        names = {k for c in self.children for k in c.variables if k not in self.parent.variables}
+        for name in names:
+            self.parent.variables[name] = [c.variables.get(name) for c in self.children]
+            self.parent.meta[name] = [c.meta.get(name) for c in self.children]
+        if self._unpin is not None:
+            self._unpin()
+
+
+def _unpin(backend: RuntimeEndpoint, pin_id: str) -> None:
+    try:
+        backend.unpin(pin_id)
+    except Exception:  # the runtime is gone: nothing left to release
+        pass
+
+
+def _common_prefix_len(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _typed(text: str, dtype: Any) -> Any:
+    if dtype in (int, "int"):
+        return int(text.strip())
+    if dtype in (float, "float"):
+        return float(text.strip())
+    if dtype in (bool, "bool"):
+        return text.strip().lower() == "true"
+    return text
+
+
+def run_program(func: Callable, backend: RuntimeEndpoint, template: ChatTemplate, defaults: dict[str, Any],
+                kwargs: dict[str, Any], stream: bool) -> ProgramState:
+    state = ProgramState(backend, template, defaults, stream=stream)
+
+    def body() -> None:
+        try:
+            state.ret_value = func(state, **kwargs)
+            state._finish()
+        except BaseException as e:  # surfaced from state[...] / text() / run
+            state._finish(e)
+
+    if stream:
+        threading.Thread(target=body, daemon=True, name="radixrt-program").start()
+    else:
+        body()
+    return state

@@ -47,8 +47,8 @@ class Function:
         """Run once. Keyword arguments that the function does not take (temperature,
         max_new_tokens, top_p, ...) are defaults for every gen inside it."""
         state = self._start(backend, kwargs, stream)
-        if not stream:
-            state._wait()
+        if not stream and state._error is not None:
+            raise state._error
         return state
 
     def _start(self, backend: RuntimeEndpoint | None, kwargs: dict[str, Any], stream: bool) -> ProgramState:

@@ -8,8 +8,26 @@ from typing import Any
 DTYPE_NAMES = {int: "int", float: "float", str: "str", bool: "bool"}
 
 
+class Expr:
+    """Anything appendable; `a + b` makes a sequence appended in order."""
+
+    def __add__(self, other: Any) -> "Concat":
+        return Concat([self, other])
+
+    def __radd__(self, other: Any) -> "Concat":
+        return Concat([other, self])
+
+
+class Concat(list):
+    def __add__(self, other: Any) -> "Concat":
+        return Concat([*self, other])
+
+    def __radd__(self, other: Any) -> "Concat":
+        return Concat([other, *self])
+
+
 @dataclass
-class Gen:
+class Gen(Expr):
     name: str | None = None
     max_tokens: int | None = None
     stop: str | list[str] | None = None
@@ -45,14 +63,14 @@ class Gen:
 
 
 @dataclass
-class Select:
+class Select(Expr):
     name: str | None
     choices: list[str]
     temperature: float = 0.0
 
 
 @dataclass
-class Role:
+class Role(Expr):
     role: str
     part: str  # "whole", "begin" or "end"
     content: list[Any] = field(default_factory=list)

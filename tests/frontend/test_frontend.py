@@ -1,0 +1,173 @@
+"""The DSL against a real server process and the real default model."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from helpers import hf_greedy
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import radixrt as rt
+
+FEW_SHOT = "Q: What is the capital of France?\nA: Paris\nQ: What is the capital of Spain?\nA: Madrid\n"
+
+
+@pytest.fixture(scope="module")
+def runtime(default_model_dir):
+    with rt.Runtime(model=str(default_model_dir), max_total_tokens=4096, log_level="warning") as r:
+        yield r
+
+
+@pytest.fixture(scope="module")
+def tokenizer(default_model_dir):
+    return AutoTokenizer.from_pretrained(default_model_dir)
+
+
+@rt.function
+def few_shot(s, country):
+    s += FEW_SHOT + f"Q: What is the capital of {country}?\nA:"
+    s += rt.gen("answer", max_tokens=6, ignore_eos=True)
+
+
+def test_few_shot_gen_equals_transformers(runtime, tokenizer, default_model_dir):
+    state = few_shot.run(country="Italy", backend=runtime, temperature=0)
+    prompt = FEW_SHOT + "Q: What is the capital of Italy?\nA:"
+    expected = hf_greedy(default_model_dir, [tokenizer.encode(prompt, add_special_tokens=False)], 6)[0]
+    assert state["answer"] == tokenizer.decode(expected)
+    assert state.text() == prompt + state["answer"]
+
+
+def test_run_batch_equals_one_by_one(runtime):
+    countries = ["Italy", "Germany", "Japan", "Peru", "Kenya"]
+    batch = few_shot.run_batch([{"country": c} for c in countries], backend=runtime, temperature=0,
+                               progress_bar=False)
+    single = [few_shot.run(country=c, backend=runtime, temperature=0) for c in countries]
+    assert [b["answer"] for b in batch] == [s["answer"] for s in single]
+
+
+def test_roles_render_exactly_as_the_models_template(runtime, tokenizer):
+    @rt.function
+    def chat(s, with_system):
+        if with_system:
+            s += rt.system("Be brief.")
+        s += rt.user("Hi there")
+        with s.assistant():
+            s += "Hello!"
+        s += rt.user_begin() + "Bye" + rt.user_end()
+
+    for with_system in (True, False):
+        state = chat.run(with_system=with_system, backend=runtime)
+        expected = tokenizer.apply_chat_template(state.messages(), tokenize=False)
+        assert state.text() == expected
+        assert ("You are a helpful AI assistant" in state.text()) is (not with_system)
+
+
+def test_select_is_the_argmax_of_normalised_logprobs(runtime, tokenizer, default_model_dir):
+    choices = ["Paris", "London", "a city in France", "Berlin"]
+
+    @rt.function
+    def pick(s):
+        s += "The capital of France is "
+        s += rt.select("city", choices=choices)
+
+    state = pick.run(backend=runtime)
+    model = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).eval()
+    prefix = tokenizer.encode("The capital of France is ", add_special_tokens=False)
+    scores = []
+    for choice in choices:
+        ids = tokenizer.encode("The capital of France is " + choice, add_special_tokens=False)
+        common = next((i for i, (a, b) in enumerate(zip(prefix, ids)) if a != b), min(len(prefix), len(ids)))
+        with torch.inference_mode():
+            logprobs = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+        scores.append(sum(logprobs[p - 1, ids[p]].item() for p in range(common, len(ids))) / (len(ids) - common))
+    assert state["city"] == choices[max(range(len(choices)), key=scores.__getitem__)]
+    got = state.get_meta_info("city")["normalized_logprobs"]
+    assert all(abs(a - b) < 1e-3 for a, b in zip(got, scores))
+
+
+def test_streaming_deltas_join_to_the_value(runtime):
+    @rt.function
+    def story(s):
+        s += rt.user("Tell me a one-line story about a cat.")
+        s += rt.assistant(rt.gen("story", max_tokens=24))
+
+    state = story.run(backend=runtime, stream=True, temperature=0)
+    pieces = list(state.text_iter(var="story"))
+    assert len(pieces) > 1 and "".join(pieces) == state["story"]
+
+    async def collect():
+        state = story.run(backend=runtime, stream=True, temperature=0)
+        return [p async for p in state.text_async_iter("story")], state
+
+    pieces, state = asyncio.run(collect())
+    assert "".join(pieces) == state["story"]
+
+
+def test_fork_branches_find_the_pinned_prefix_under_cache_pressure(default_model_dir, tokenizer):
+    prefix = "Here is a long shared context about the sea. " * 12
+    with rt.Runtime(model=str(default_model_dir), max_total_tokens=400, log_level="warning") as r:
+        @rt.function
+        def branches(s):
+            s += prefix
+            forks = s.fork(3)
+            for i in range(3):  # unrelated traffic that would evict an unpinned prefix
+                r.generate(f"Unrelated prompt {i}: " + "filler words here " * 40, {"max_new_tokens": 2})
+            assert r.stats()["protected_tokens"] >= len(tokenizer.encode(prefix)) - 1
+            forks += lambda i: f" Point {i}:" + rt.gen("point", max_tokens=4, ignore_eos=True)
+            forks.join()
+
+        state = branches.run(backend=r, temperature=0)
+        n_prefix = len(tokenizer.encode(prefix))
+        assert all(m["cached_tokens"] >= n_prefix - 2 for m in state.get_meta_info("point"))
+        assert len(state["point"]) == 3
+        stats = r.stats()
+        assert stats["pins"] == 0 and stats["protected_tokens"] == 0
+
+
+def test_agent_loop_turns_hit_the_previous_turn(runtime):
+    @rt.function
+    def loop(s, turns):
+        s += rt.system("You are a calculator. Reply with a number.")
+        for k in range(turns):
+            s += rt.user(f"Add {k} to the last number.")
+            s += rt.assistant(rt.gen(f"turn{k}", max_tokens=6))
+
+    runtime.flush_cache()
+    state = loop.run(turns=4, backend=runtime, temperature=0)
+    metas = [state.get_meta_info(f"turn{k}") for k in range(4)]
+    for prev, cur in zip(metas, metas[1:]):
+        assert cur["cached_tokens"] >= prev["prompt_tokens"]
+
+
+def test_errors_surface_as_exceptions(runtime):
+    @rt.function
+    def bad_param(s):
+        s += "x" + rt.gen("y", max_tokens=4, temperature=-1)
+
+    @rt.function
+    def user_bug(s):
+        s += "x"
+        raise KeyError("boom")
+
+    with pytest.raises(ValueError):
+        bad_param.run(backend=runtime)
+    with pytest.raises(KeyError):
+        user_bug.run(backend=runtime)
+    states = user_bug.run_batch([{}, {}], backend=runtime, progress_bar=False)
+    with pytest.raises(RuntimeError, match="boom"):
+        states[0].text()
+
+
+def test_run_async_runs_200_programs(tiny_model_dir):
+    @rt.function
+    def tiny(s, i):
+        s += f"Program {i}:" + rt.gen("out", max_tokens=2, ignore_eos=True)
+
+    async def main(r):
+        return await asyncio.gather(*(tiny.run_async(i=i, backend=r, temperature=0) for i in range(200)))
+
+    with rt.Runtime(model=str(tiny_model_dir), max_total_tokens=4096, log_level="warning") as r:
+        states = asyncio.run(main(r))
+        assert len(states) == 200 and all(s.get_meta_info("out")["completion_tokens"] == 2 for s in states)

@@ -21,7 +21,7 @@ model: $(STAMP)
 	$(BIN)/python -m radixrt prepare-model
 
 demo: model
-	$(BIN)/python examples/quickstart.py
+	$(BIN)/python examples/demo.py
 
 test: model
 	$(BIN)/python -m pytest -q

@@ -35,6 +35,7 @@ class ProgramState:
         self._role: tuple[str, int] | None = None  # open role and where its content starts
         self._stream: queue.Queue | None = queue.Queue() if stream else None
         self._done = threading.Event()
+        self._runner: int | None = None  # the thread running the program
         self._error: BaseException | None = None
         self.ret_value: Any = None
 
@@ -187,7 +188,8 @@ class ProgramState:
             yield chunk
 
     def _wait(self) -> None:
-        self._done.wait()
+        if threading.get_ident() != self._runner:  # the program itself reads what it has so far
+            self._done.wait()
         if self._error is not None:
             raise RuntimeError(f"the program failed: {self._error}") from self._error
 
@@ -283,6 +285,7 @@ def run_program(func: Callable, backend: RuntimeEndpoint, template: ChatTemplate
     state = ProgramState(backend, template, defaults, stream=stream)
 
     def body() -> None:
+        state._runner = threading.get_ident()
         try:
             state.ret_value = func(state, **kwargs)
             state._finish()

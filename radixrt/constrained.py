@@ -23,10 +23,13 @@ JSON_WHITESPACE = r"[ ]?"
 DTYPE_REGEXES = {
     "int": r"-?(0|[1-9][0-9]*)",
     "float": r"-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?",
-    "bool": r"true|false",
+    "bool": r"(true|false)",
     "str": r'"([^"\\\x00-\x1F\x7F-\x9F]|\\["\\/bfnrt])*"',
 }
-MAX_SCHEMA_REPEAT = 1024  # bound on maxLength / maxItems / minItems: the DFA grows linearly with them
+# Cheap up-front bounds on schema repetition counts (the automaton grows with them).
+MAX_SCHEMA_LENGTH = 256
+MAX_SCHEMA_ITEMS = 64
+_SCHEMA_KEYWORDS = ("type", "enum", "const", "$ref", "anyOf", "oneOf", "allOf")
 
 _SP_BYTE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 _VOCAB_CACHE: dict[tuple, Vocabulary] = {}
@@ -46,7 +49,6 @@ def _gpt2_unicode_to_byte() -> dict[str, int]:
 
 def _token_decoder(tokenizer) -> Callable[[str], bytes]:
     """How a vocabulary token string turns into the bytes it stands for."""
-    kind = ""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None and backend.decoder is not None:
         kind = backend.decoder.__getstate__().decode()
@@ -64,48 +66,60 @@ def _token_decoder(tokenizer) -> Callable[[str], bytes]:
     return str.encode
 
 
-def build_vocabulary(tokenizer) -> Vocabulary:
-    """The tokenizer's vocabulary as bytes, for outlines-core. Special tokens are left out (EOS is
-    given separately); non-special added tokens count as their literal UTF-8 text. Cached per tokenizer."""
-    key = (id(tokenizer), tokenizer.name_or_path, len(tokenizer))
-    if key in _VOCAB_CACHE:
-        return _VOCAB_CACHE[key]
-    eos = tokenizer.eos_token_id
-    if eos is None:
-        raise ValueError("constrained generation needs a tokenizer with an EOS token")
+def token_bytes(tokenizer) -> dict[int, bytes]:
+    """id -> the bytes a token stands for, for every token but the special ones (EOS included);
+    non-special added tokens count as their literal UTF-8 text."""
     added = getattr(tokenizer, "added_tokens_decoder", {})
     special = set(tokenizer.all_special_ids) | {i for i, t in added.items() if t.special}
     decode = _token_decoder(tokenizer)
+    return {token_id: added[token_id].content.encode() if token_id in added else decode(token)
+            for token, token_id in tokenizer.get_vocab().items() if token_id not in special}
+
+
+def build_vocabulary(tokenizer) -> Vocabulary:
+    """The tokenizer's vocabulary for outlines-core: `token_bytes` grouped by bytes, EOS given
+    separately. Cached per tokenizer."""
+    key = (id(tokenizer), tokenizer.name_or_path, len(tokenizer))
+    if key in _VOCAB_CACHE:
+        return _VOCAB_CACHE[key]
+    if tokenizer.eos_token_id is None:
+        raise ValueError("constrained generation needs a tokenizer with an EOS token")
     by_bytes: dict[bytes, list[int]] = {}
-    for token, token_id in tokenizer.get_vocab().items():
-        if token_id in special:
-            continue
-        data = added[token_id].content.encode() if token_id in added else decode(token)
+    for token_id, data in token_bytes(tokenizer).items():
         if data:
             by_bytes.setdefault(data, []).append(token_id)
-    vocabulary = Vocabulary(eos, by_bytes)
+    vocabulary = Vocabulary(tokenizer.eos_token_id, by_bytes)
     _VOCAB_CACHE[key] = vocabulary
     return vocabulary
 
 
 def _check_schema(node: Any, path: str = "$") -> None:
-    """Reject, before compiling, schema shapes whose DFA is known to explode."""
-    if isinstance(node, list):
-        for i, item in enumerate(node):
-            _check_schema(item, f"{path}[{i}]")
-        return
+    """Reject up front, cheaply, schema shapes whose DFA is known to explode; the compile-time
+    budget catches the rest (e.g. a top-level string with maxLength 20 already takes minutes)."""
     if not isinstance(node, dict):
         return
-    for bound in ("maxLength", "minLength", "maxItems", "minItems"):
-        if isinstance(node.get(bound), int) and node[bound] > MAX_SCHEMA_REPEAT:
-            raise ValueError(f"JSON schema at {path}: {bound}={node[bound]} is too large "
-                             f"(at most {MAX_SCHEMA_REPEAT} for constrained decoding)")
-    if node.get("type") == "object" and not node.get("properties") and node.get("additionalProperties", True):
-        raise ValueError(f"JSON schema at {path}: a free-form object (no 'properties') is too complex to "
-                         "constrain; list its properties or set additionalProperties to a schema")
-    for key, value in node.items():
-        if isinstance(value, (dict, list)) and key not in ("enum", "const", "examples", "default"):
-            _check_schema(value, f"{path}.{key}")
+    if not any(k in node for k in _SCHEMA_KEYWORDS):
+        raise ValueError(f"JSON schema at {path} accepts any JSON value, which is too complex to constrain; "
+                         "give it a type")
+    types = node["type"] if isinstance(node.get("type"), list) else [node.get("type")]
+    if "object" in types and not node.get("properties") and not isinstance(node.get("additionalProperties"), dict):
+        raise ValueError(f"JSON schema at {path} is a free-form object, which is too complex to constrain; "
+                         "list its properties")
+    if "array" in types and "items" not in node and "prefixItems" not in node:
+        raise ValueError(f"JSON schema at {path} is an array of any values, which is too complex to constrain; "
+                         "give its items")
+    for bound, limit in (("minLength", MAX_SCHEMA_LENGTH), ("maxLength", MAX_SCHEMA_LENGTH),
+                         ("minItems", MAX_SCHEMA_ITEMS), ("maxItems", MAX_SCHEMA_ITEMS)):
+        if isinstance(node.get(bound), int) and node[bound] > limit:
+            raise ValueError(f"JSON schema at {path}: {bound}={node[bound]} is too large to constrain "
+                             f"(at most {limit}); the automaton grows with it")
+    for key in ("properties", "$defs", "definitions"):
+        for name, sub in (node.get(key) or {}).items():
+            _check_schema(sub, f"{path}.{key}.{name}")
+    for key in ("items", "prefixItems", "additionalProperties", "anyOf", "oneOf", "allOf", "not"):
+        subs = node.get(key)
+        for i, sub in enumerate(subs if isinstance(subs, list) else [subs]):
+            _check_schema(sub, f"{path}.{key}[{i}]" if isinstance(subs, list) else f"{path}.{key}")
 
 
 class ConstraintCompiler:
@@ -183,7 +197,7 @@ class ConstraintCompiler:
         if kind == "regex":
             return value
         if kind == "choices":
-            return "|".join(re.escape(c) for c in value)
+            return "(" + "|".join(re.escape(c) for c in value) + ")"
         if kind == "dtype":
             if value not in DTYPE_REGEXES:
                 raise ValueError(f"unknown dtype {value!r}; expected one of {sorted(DTYPE_REGEXES)}")
@@ -200,12 +214,30 @@ class ConstraintCompiler:
 
     def _build(self, future: Future, kind: str, pattern: str) -> None:
         try:
-            future.set_result(Index(pattern, self.vocabulary))
+            if kind == "regex":
+                _check_regex_syntax(pattern)
+            # outlines-core 0.2.x drops every token edge from an accepting state into a non-accepting
+            # one (regex-automata reports matches one byte late), so `1(\.5)?` could never reach
+            # "1.5". Anchoring at end of input makes no state before the end a match state.
+            future.set_result(Index(f"(?:{pattern})\\z", self.vocabulary))
         except ValueError as e:
-            hint = " (regex-automata dialect: no lookaround or backreferences)" if "DFA" in str(e) else ""
-            future.set_exception(ValueError(f"cannot compile {kind} constraint {pattern[:200]!r}: {e}{hint}"))
+            future.set_exception(ValueError(f"cannot compile {kind} constraint {pattern[:200]!r}: {e}"))
         except BaseException as e:  # anything else must still reach the waiter
             future.set_exception(e)
+
+
+_PROBE_VOCABULARY = Vocabulary(1, {b"\x00": [0]})
+
+
+def _check_regex_syntax(regex: str) -> None:
+    """Parse the regex alone (an unbalanced one could turn valid once wrapped) against a one-token
+    vocabulary: a syntax error fails to build the DFA, anything else only mismatches the vocabulary."""
+    try:
+        Index(regex, _PROBE_VOCABULARY)
+    except ValueError as e:
+        if "DFA" in str(e):
+            raise ValueError(f"invalid regex (Rust regex-automata syntax: no lookaround or backreferences): {e}") \
+                from None
 
 
 class TokenGuide:
@@ -253,7 +285,7 @@ class TokenGuide:
 
 
 def allocate_bitmask(batch: int, vocab_size: int) -> torch.Tensor:
-    """A zeroed (nothing allowed) int32 bitmask of shape [batch, ceil(vocab_size / 32)] on the CPU."""
+    """A zeroed (nothing allowed) int32 CPU bitmask of shape [batch, ceil(vocab_size / 32)]."""
     return torch.zeros(batch, (vocab_size + 31) // 32, dtype=torch.int32)
 
 
@@ -261,25 +293,28 @@ _BIT_VALUES: dict[torch.device, torch.Tensor] = {}
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int] | None = None) -> None:
-    """Set logits[r, t] = -inf in place where bit t of bitmask[r] is 0, for r in `rows` (all rows if
-    None); bitmask rows line up with logits rows. Columns beyond the bitmask stay masked."""
+    """In place, set logits[r, t] = -inf where bit t of bitmask[r] is 0, for r in `rows` (every row
+    if None). Bitmask rows line up with logits rows; logits columns beyond the bitmask are masked too."""
+    if rows is not None and not rows:
+        return
     device = logits.device
     if device not in _BIT_VALUES:
-        # 1 << 31 wraps to the int32 sign bit, which is exactly the bit pattern wanted.
-        _BIT_VALUES[device] = torch.tensor([1 << i for i in range(31)] + [-(1 << 31)], dtype=torch.int32, device=device)
+        # 1 << 31 as int32 is the sign bit: exactly the bit pattern wanted.
+        _BIT_VALUES[device] = torch.tensor([1 << i for i in range(31)] + [-(1 << 31)], dtype=torch.int32,
+                                           device=device)
     if rows is not None:
-        index = torch.tensor(rows, device=bitmask.device)
-        bitmask = bitmask.index_select(0, index)
-    words = bitmask.to(device, non_blocking=True)
+        bitmask = bitmask[rows]
+    words = bitmask.to(device)
     vocab = logits.shape[1]
     covered = min(vocab, 32 * words.shape[1])
     disallowed = (words.unsqueeze(-1) & _BIT_VALUES[device]).eq(0).view(words.shape[0], -1)[:, :covered]
     if rows is None:
         target = logits
     else:
-        index = index.to(device, non_blocking=True)
+        index = torch.tensor(rows, device=device)
         target = logits.index_select(0, index)
     target[:, :covered].masked_fill_(disallowed, float("-inf"))
-    target[:, covered:] = float("-inf")
+    if covered < vocab:
+        target[:, covered:] = float("-inf")
     if rows is not None:
         logits.index_copy_(0, index, target)

@@ -62,11 +62,15 @@ class Gen(Expr):
         return params
 
 
+CHOICE_METHODS = ("token_length_normalized", "greedy", "unconditional")
+
+
 @dataclass
 class Select(Expr):
     name: str | None
     choices: list[str]
     temperature: float = 0.0
+    method: str = "token_length_normalized"
 
 
 @dataclass
@@ -97,11 +101,17 @@ def gen_string(name: str | None = None, **kwargs: Any) -> Gen:
     return Gen(name=name, dtype=str, **kwargs)
 
 
-def select(name: str | None = None, choices: list[str] | None = None, temperature: float = 0.0) -> Select:
-    """Pick the choice with the highest token-length-normalised log-probability after the prefix."""
+def select(name: str | None = None, choices: list[str] | None = None, temperature: float = 0.0,
+           choices_method: str = "token_length_normalized") -> Select:
+    """Pick a choice by its log-probability after the prefix, all choices scored in one batch:
+    `token_length_normalized` (mean token logprob, the default), `greedy` (the choice a greedy
+    decoder restricted to the choices would take: best first token, then the next, ...), or
+    `unconditional` (mean logprob minus the choice's mean logprob without the prefix)."""
     if not choices:
         raise ValueError("select needs a non-empty list of choices")
-    return Select(name, list(choices), temperature)
+    if choices_method not in CHOICE_METHODS:
+        raise ValueError(f"choices_method must be one of {CHOICE_METHODS}")
+    return Select(name, list(choices), temperature, choices_method)
 
 
 def _role(role: str):

@@ -82,25 +82,35 @@ class ProgramState:
         self._set(g.name, _typed(out["text"], g.dtype), out["meta_info"])
 
     def _select(self, sel: Select) -> None:
-        prefix = self.backend.tokenize(self._text) if self._text else []
+        token_logprobs = self._score(self._text, sel.choices)
+        means = [sum(lps) / max(len(lps), 1) for lps in token_logprobs]
+        if sel.method == "greedy":
+            keys = [tuple(lps) for lps in token_logprobs]  # compared first token first
+        elif sel.method == "unconditional":
+            alone = self._score("", sel.choices)
+            keys = [m - sum(a) / max(len(a), 1) for m, a in zip(means, alone)]
+        else:
+            keys = means
+        best = max(range(len(keys)), key=keys.__getitem__)
+        self._append(sel.choices[best], sel.name)
+        self._set(sel.name, sel.choices[best], {"choices": sel.choices, "method": sel.method,
+                                                "normalized_logprobs": means, "token_logprobs": token_logprobs})
+
+    def _score(self, prefix_text: str, choices: list[str]) -> list[list[float]]:
+        """Logprob of each choice's own tokens after `prefix_text`: one scoring request per
+        choice, sent together, so the runtime prefills the shared prefix once."""
+        prefix = self.backend.tokenize(prefix_text) if prefix_text else []
         requests = []
-        for choice in sel.choices:
-            ids = self.backend.tokenize(self._text + choice)
-            common = _common_prefix_len(prefix, ids)
-            if common == len(ids):  # the choice adds no token of its own: nothing to score
-                common = len(ids) - 1
+        for choice in choices:
+            ids = self.backend.tokenize(prefix_text + choice)
+            # the choice's tokens start after the longest common token prefix with the prefix alone
+            common = min(_common_prefix_len(prefix, ids), len(ids) - 1)
             requests.append((ids, max(common - 1, 0)))
         outs = self.backend.generate(
             input_ids=[ids for ids, _ in requests],
             sampling_params=[{"max_new_tokens": 0, "return_logprob": True, "logprob_start_len": start}
                              for _, start in requests])
-        # input_token_logprobs holds the logprob of every token after `start`: the choice's own tokens
-        scores = [sum(lp for lp, _ in lps) / max(len(lps), 1)
-                  for lps in (o["meta_info"]["input_token_logprobs"] for o in outs)]
-        best = max(range(len(scores)), key=scores.__getitem__)
-        self._append(sel.choices[best], sel.name)
-        self._set(sel.name, sel.choices[best], {"choices": sel.choices, "normalized_logprobs": scores,
-                                                "cached_tokens": [o["meta_info"]["cached_tokens"] for o in outs]})
+        return [[lp for lp, _ in out["meta_info"]["input_token_logprobs"]] for out in outs]
 
     def _role_expr(self, r: Role) -> None:
         if r.part in ("whole", "begin"):

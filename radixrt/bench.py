@@ -1,4 +1,4 @@
-"""`radixrt bench`: the shared-prefix serving benchmark against peers, in one run."""
+"""`radixrt bench`: serving benchmarks against peers and baselines, in one run."""
 
 from __future__ import annotations
 
@@ -137,6 +137,78 @@ def run_transformers(model_dir: Path, prompts: list[list[int]], max_new_tokens: 
     return _result("transformers", duration, [first_token_at[0] - start] * len(prompts), tokens, None)
 
 
+def _program_workloads():
+    """Frontend programs shaped like the real thing: (name, program, list of kwargs)."""
+    import radixrt as rt
+
+    rng = random.Random(0)
+    shots = "".join(f"Question: {' '.join(rng.choice(WORDS) for _ in range(12))}?\n(A) {rng.choice(WORDS)} "
+                    f"(B) {rng.choice(WORDS)} (C) {rng.choice(WORDS)} (D) {rng.choice(WORDS)}\nAnswer: "
+                    f"{rng.choice('ABCD')}\n\n" for _ in range(5))
+
+    @rt.function
+    def few_shot(s, question):
+        s += shots + f"Question: {question}?\n(A) one (B) two (C) three (D) four\nAnswer: "
+        s += rt.select("answer", choices=["A", "B", "C", "D"])
+
+    tools = "You are an agent. Think, then act with one tool per turn.\n" + "".join(
+        f"Tool {name}: {' '.join(rng.choice(WORDS) for _ in range(40))}. Input: {rng.choice(WORDS)}.\n"
+        for name in ("search", "calculate", "lookup", "translate", "finish"))
+
+    @rt.function
+    def agent(s, task, turns=4):
+        s += rt.system(tools)
+        s += rt.user(task)
+        for t in range(turns):
+            s += rt.assistant("Thought: " + rt.gen(f"thought{t}", max_tokens=12, stop="\n"))
+            s += rt.user(f"Observation {t}: the tool returned {rng.randrange(100)}.")
+
+    @rt.function
+    def tree_of_thought(s, question):
+        s += rt.user(question)
+        s += rt.assistant_begin()
+        ideas = s.fork(3)
+        ideas += lambda i: f"Idea {i}: " + rt.gen("idea", max_tokens=8)
+        for idea in ideas:
+            branches = idea.fork(3)
+            branches += lambda j: f" Step {j}: " + rt.gen("step", max_tokens=8)
+            branches.join()
+        ideas.join()
+
+    questions = [" ".join(rng.choice(WORDS) for _ in range(10)) for _ in range(64)]
+    return {
+        "few-shot": (few_shot, [{"question": q} for q in questions]),
+        "agent": (agent, [{"task": f"Task {i}: {q}"} for i, q in enumerate(questions[:16])]),
+        "tree-of-thought": (tree_of_thought, [{"question": q} for q in questions[:6]]),
+    }
+
+
+def run_programs(workload: str, args: argparse.Namespace) -> list[BenchResult]:
+    """The same programs over the socket, with the radix cache and without, in one run."""
+    from radixrt.runtime import Runtime
+
+    program, batch = _program_workloads()[workload]
+    results = []
+    for name, extra in (("radixrt", {}), ("radixrt-no-cache", {"disable_radix_cache": True})):
+        with Runtime(model=args.model, dtype=args.dtype, max_total_tokens=args.max_total_tokens,
+                     log_level="warning", **extra) as runtime:
+            start = time.monotonic()
+            states = program.run_batch(batch, backend=runtime, temperature=0, progress_bar=True)
+            for state in states:
+                state.text()  # raises if the program failed
+            duration = time.monotonic() - start
+            stats = runtime.stats()
+        results.append(BenchResult(name, len(batch), duration, stats["generated_tokens"],
+                                   stats["generated_tokens"] / duration, len(batch) / duration, float("nan"),
+                                   float("nan"), float("nan"), stats["cache_hit_rate"], stats["num_preemptions"]))
+    print(f"{workload}: {len(batch)} programs")
+    print(f"{'system':<20}{'programs/s':>11}{'hit rate':>10}{'ratio':>8}")
+    for r in results:
+        print(f"{r.system:<20}{r.requests_per_s:>11.2f}{r.cache_hit_rate:>10.2f}"
+              f"{r.requests_per_s / results[-1].requests_per_s:>7.2f}x")
+    return results
+
+
 def print_table(results: list[BenchResult], baseline: str) -> None:
     base = next((r for r in results if r.system == baseline), None)
     print(f"(ratio: output throughput over {baseline}'s)")
@@ -153,7 +225,9 @@ def print_table(results: list[BenchResult], baseline: str) -> None:
 
 
 def add_bench_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--workload", default="shared-prefix", choices=["shared-prefix"])
+    parser.add_argument("--workload", default="shared-prefix",
+                        choices=["shared-prefix", "few-shot", "agent", "tree-of-thought"],
+                        help="shared-prefix: raw requests; the others run frontend programs over the socket")
     parser.add_argument("--model", default="default")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     parser.add_argument("--num-requests", type=int, default=64)
@@ -175,6 +249,10 @@ def run_bench(args: argparse.Namespace) -> list[BenchResult]:
 
     from radixrt.model_loader import resolve_model_path
 
+    if args.workload != "shared-prefix":
+        results = run_programs(args.workload, args)
+        _save(args, results)
+        return results
     model_dir = resolve_model_path(args.model)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     prompts = shared_prefix_workload(tokenizer, args.num_requests, args.prefix_tokens, args.question_tokens)
@@ -193,9 +271,13 @@ def run_bench(args: argparse.Namespace) -> list[BenchResult]:
                                 "server": "radixrt-inprocess,radixrt-server"}[args.backend]).split(",")
     results = [runners[name]() for name in tqdm(systems, desc="systems")]
     print_table(results, "transformers" if "transformers" in systems else results[0].system)
+    _save(args, results)
+    return results
+
+
+def _save(args: argparse.Namespace, results: list[BenchResult]) -> None:
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"workload": vars(args) | {"func": None}, "results": [asdict(r) for r in results]},
                               indent=2, default=str))
     print(f"results written to {out}")
-    return results

@@ -171,3 +171,18 @@ def test_run_async_runs_200_programs(tiny_model_dir):
     with rt.Runtime(model=str(tiny_model_dir), max_total_tokens=4096, log_level="warning") as r:
         states = asyncio.run(main(r))
         assert len(states) == 200 and all(s.get_meta_info("out")["completion_tokens"] == 2 for s in states)
+
+
+def test_select_methods(runtime):
+    @rt.function
+    def pick(s, method):
+        s += "Is water wet? Answer: "
+        s += rt.select("a", choices=["yes", "no", "maybe so"], choices_method=method)
+
+    metas = {m: pick.run(method=m, backend=runtime).get_meta_info("a") for m in
+             ("token_length_normalized", "greedy", "unconditional")}
+    greedy = metas["greedy"]
+    first = [lps[0] for lps in greedy["token_logprobs"]]
+    assert greedy["choices"][first.index(max(first))] == pick.run(method="greedy", backend=runtime)["a"]
+    with pytest.raises(ValueError):
+        rt.select("a", choices=["x"], choices_method="nope")

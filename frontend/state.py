@@ -7,6 +7,7 @@ forks, whose branches run in parallel. The runtime batches all of them together.
 
 from __future__ import annotations
 
+import json
 import queue
 import threading
 import uuid
@@ -287,6 +288,8 @@ def _typed(text: str, dtype: Any) -> Any:
         return float(text.strip())
     if dtype in (bool, "bool"):
         return text.strip().lower() == "true"
+    if dtype in (str, "str") and text.startswith('"'):
+        return json.loads(text)  # the str dtype generates a JSON string literal
     return text
 
 

@@ -33,6 +33,11 @@ class Req:
     tree_len: int = 0  # row[:tree_len] belongs to the tree, locked through last_node
     last_node: TreeNode | None = None
 
+    # Structured output: the compiled constraint (a Future while it compiles) and the walk in it
+    constraint: Any = None
+    guide: Any = None
+    error: str | None = None  # a per-request failure reported instead of a result (bad constraint)
+
     # Accounting
     admitted_once: bool = False
     cached_tokens: int = 0

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from radixrt.constrained import apply_bitmask
 from radixrt.request import Req
 
 
@@ -16,10 +17,14 @@ class SampleOutput:
     top_logprobs: list[list[tuple[float, int]]] | None
 
 
-def sample(logits: torch.Tensor, reqs: list[Req], banned: list[list[int]]) -> SampleOutput:
-    """Pick one token per row of `logits` [B, V] for `reqs`; `banned` ids get -inf (min_new_tokens)."""
+def sample(logits: torch.Tensor, reqs: list[Req], banned: list[list[int]],
+           masks: tuple[torch.Tensor, list[int]] | None = None) -> SampleOutput:
+    """Pick one token per row of `logits` [B, V] for `reqs`; `banned` ids get -inf (min_new_tokens);
+    `masks` is a constraint bitmask and the rows it applies to."""
     raw = logits
     logits = logits.clone()
+    if masks is not None:
+        apply_bitmask(logits, *masks)
     for i, req in enumerate(reqs):
         if req.params.penalized:
             _apply_penalties(logits[i], req)

@@ -31,6 +31,10 @@ class SamplingParams:
     return_logprob: bool = False
     top_logprobs_num: int = 0
     logprob_start_len: int = -1  # prompt logprobs from this position; -1: none
+    regex: str | None = None  # constraints (at most one): see radixrt/constrained.py
+    json_schema: str | dict | None = None
+    choices: list[str] | None = None
+    dtype: str | None = None  # "int", "float", "bool" or "str"
 
     @classmethod
     def from_dict(cls, params: dict[str, Any] | None) -> "SamplingParams":
@@ -76,6 +80,24 @@ class SamplingParams:
         _check_range("n", self.n, 1, 64)
         _check_range("top_logprobs_num", self.top_logprobs_num, 0, 20)
         _check_range("logprob_start_len", self.logprob_start_len, -1, 1 << 30)
+        constraints = self.constraint()
+        if constraints is not None:
+            kind, value = constraints
+            if kind in ("regex", "dtype") and not isinstance(value, str):
+                raise ValueError(f"{kind} must be a string")
+            if kind == "json_schema" and not isinstance(value, (str, dict)):
+                raise ValueError("json_schema must be a JSON string or a map")
+            if kind == "choices" and (not isinstance(value, list) or not value
+                                      or not all(isinstance(c, str) for c in value)):
+                raise ValueError("choices must be a non-empty list of strings")
+
+    def constraint(self) -> tuple[str, object] | None:
+        """The one structured-output constraint, as (kind, value), or None."""
+        given = [(k, getattr(self, k)) for k in ("regex", "json_schema", "choices", "dtype")
+                 if getattr(self, k) is not None]
+        if len(given) > 1:
+            raise ValueError(f"give at most one of regex, json_schema, choices, dtype (got {[k for k, _ in given]})")
+        return given[0] if given else None
 
     @property
     def greedy(self) -> bool:

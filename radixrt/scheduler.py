@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from radixrt.config import ServerArgs
+from radixrt.constrained import ConstraintCompiler, TokenGuide, allocate_bitmask
 from radixrt.detokenizer import IncrementalDetokenizer
 from radixrt.forward_batch import ForwardBatch
 from radixrt.model_runner import ModelRunner
@@ -53,6 +54,8 @@ class Scheduler:
         self._log_mark = (time.monotonic(), 0)
         self._ended: list[Req] = []  # finished outside a forward (aborts), reported by step()
         self.pins: dict[str, object] = {}  # pin id -> tree node locked on a client's behalf
+        self.compiler: ConstraintCompiler | None = None
+        self.stalled = False
 
     # ---- requests in and out ---------------------------------------------------------------
     def make_request(self, rid: str, input_ids: list[int], params: SamplingParams, sample_index: int = 0) -> Req:
@@ -67,9 +70,33 @@ class Scheduler:
                              f"(context length {self.runner.context_length}, pool {self.allocator.total_tokens})")
         seed = params.seed + sample_index if params.seed is not None else \
             int(torch.randint(0, 2**62, (1,), generator=self._seeds))
-        return Req(rid, list(input_ids), params,
-                   IncrementalDetokenizer(self.tokenizer, input_ids, params.skip_special_tokens),
-                   torch.Generator().manual_seed(seed))
+        req = Req(rid, list(input_ids), params,
+                  IncrementalDetokenizer(self.tokenizer, input_ids, params.skip_special_tokens),
+                  torch.Generator().manual_seed(seed))
+        constraint = params.constraint()
+        if constraint is not None:  # compiled off this thread; admission waits for it
+            req.constraint = self._compiler().compile_async(**{constraint[0]: constraint[1]})
+        return req
+
+    def _compiler(self) -> ConstraintCompiler:
+        if self.compiler is None:
+            self.compiler = ConstraintCompiler(self.tokenizer, self.runner.vocab_size)
+        return self.compiler
+
+    def _constraint_ready(self, req: Req) -> bool:
+        """False while the request's constraint compiles; a failed compile ends the request."""
+        if req.constraint is None or req.guide is not None:
+            return True
+        if not req.constraint.done():
+            return False
+        try:
+            req.guide = TokenGuide(req.constraint.result(), self.compiler.eos_token_id)
+            return True
+        except ValueError as e:
+            req.error = str(e)
+            req.finish_reason = {"type": "abort", "message": str(e)}
+            self._finish(req)
+            return False
 
     def add_request(self, req: Req) -> None:
         self.waiting.append(req)
@@ -108,6 +135,7 @@ class Scheduler:
         """Run one forward; returns the requests that got a new token or finished."""
         self._ended: list[Req] = []
         plan = self._schedule()
+        self.stalled = not plan  # e.g. every waiting request's constraint is still compiling
         updated = self._process(plan, self.runner.forward(self._build_batch(plan))) if plan else []
         return updated + [r for r in self._ended if r not in updated]
 
@@ -198,6 +226,8 @@ class Scheduler:
         for req in order_waiting(self.args.schedule_policy, self.waiting, self.tree):
             if len(self.running) >= self.args.max_running_requests or budget <= 0:
                 break
+            if not self._constraint_ready(req):
+                continue
             if self.runner.req_to_token_pool.available() == 0:
                 break
             slots, node = self.tree.match_prefix(match_key(req))
@@ -277,7 +307,7 @@ class Scheduler:
             return [r for r, _ in plan if r.finished]
         logits = self.runner.logits(hidden[sample_rows])
         banned = [self._banned_ids(r) for r in sample_reqs]
-        out = sample(logits, sample_reqs, banned)
+        out = sample(logits, sample_reqs, banned, self._constraint_masks(sample_reqs, logits.shape[1]))
         now = time.monotonic()
         for i, req in enumerate(sample_reqs):
             if out.logprobs is not None and req.params.return_logprob:
@@ -293,6 +323,15 @@ class Scheduler:
         if all(n == 1 for _, n in plan):
             self._log_decode()
         return sample_reqs
+
+    def _constraint_masks(self, reqs: list[Req], vocab: int) -> tuple[torch.Tensor, list[int]] | None:
+        rows = [i for i, r in enumerate(reqs) if r.guide is not None]
+        if not rows:
+            return None
+        bitmask = allocate_bitmask(len(reqs), vocab)
+        for i in rows:
+            reqs[i].guide.fill_mask(bitmask[i])
+        return bitmask, rows
 
     def _prompt_logprobs(self, req: Req, hidden: torch.Tensor) -> None:
         """Logprob of each prompt token from `logprob_start_len` on, given the tokens before it."""
@@ -318,6 +357,13 @@ class Scheduler:
         req.output_ids.append(token)
         req.all_ids.append(token)
         params = req.params
+        if req.guide is not None:
+            req.guide.advance(token)
+            if token != self.compiler.eos_token_id and req.guide.allowed_only_eos():
+                # the constraint is complete: finish without a forward that could only yield EOS
+                req.text += req.detokenizer.add(token) + req.detokenizer.flush()
+                req.finish_reason = {"type": "stop", "matched": self.compiler.eos_token_id}
+                return
         if token in self._stop_ids(req):
             req.finish_reason = {"type": "stop", "matched": token}
             req.text += req.detokenizer.flush()

@@ -27,6 +27,7 @@ from radixrt.scheduler import Scheduler
 logger = logging.getLogger(__name__)
 
 IDLE_POLL_MS = 50
+STALLED_POLL_MS = 5  # work is waiting on something else (a constraint compiling): do not spin
 CLIENT_SILENCE_S = 5.0  # a pinging client silent this long has vanished (clients ping every second)
 
 
@@ -63,7 +64,7 @@ class Server:
         self.ctx.term()
 
     def _drain(self, block: bool) -> None:
-        timeout = IDLE_POLL_MS if block else 0
+        timeout = IDLE_POLL_MS if block else STALLED_POLL_MS if self.scheduler.stalled else 0
         while self.sock.poll(timeout):
             timeout = 0
             frames = self.sock.recv_multipart()
@@ -156,7 +157,10 @@ class Server:
             if req.finished:
                 del self.clients[req]
                 self.sent.pop(req, None)
-                self._send(identity, {"rid": rid, "index": index, "finished": True, **req.result()})
+                if req.error is not None:
+                    self._send(identity, error_reply(rid, "invalid_request", req.error))
+                else:
+                    self._send(identity, {"rid": rid, "index": index, "finished": True, **req.result()})
 
     def _send_delta(self, identity: bytes, rid: str, index: int, req: Req) -> None:
         text_sent, ids_sent = self.sent.get(req, (0, 0))

@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .extend_attention import _check_last_dim_contiguous, _scores, dot_precision
+from .extend_attention import _attend_block, _check_last_dim_contiguous, dot_precision
 
 
 @triton.jit
@@ -53,16 +53,8 @@ def _decode_split_kernel(
         slots = tl.load(kv_indices + kv_start + cols, mask=mask_n, other=0).to(tl.int64)
         mask_nd = mask_n[:, None] & mask_d[None, :]
         k = tl.load(K_buf + slots[:, None] * stride_kbs + kvh * stride_kbh + offs_d[None, :], mask=mask_nd, other=0.0)
-        qk = _scores(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION), sm_scale, LOGIT_CAP)
-        qk = tl.where(mask_n[None, :], qk, float("-inf"))
-
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(V_buf + slots[:, None] * stride_vbs + kvh * stride_vbh + offs_d[None, :], mask=mask_nd, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = _attend_block(q, k, v, mask_n[None, :], m_i, l_i, acc, sm_scale, LOGIT_CAP, DOT_PRECISION)
 
     tl.store(Mid_O + b * stride_mob + heads[:, None] * stride_moh + split * stride_mos + offs_d[None, :],
              acc / l_i[:, None], mask=mask_h[:, None] & mask_d[None, :])

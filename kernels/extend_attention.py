@@ -19,6 +19,21 @@ def _scores(qk, sm_scale, LOGIT_CAP: tl.constexpr):
 
 
 @triton.jit
+def _attend_block(q, k, v, visible, m_i, l_i, acc, sm_scale, LOGIT_CAP: tl.constexpr,
+                  DOT_PRECISION: tl.constexpr):
+    """Fold one key/value block into an online softmax: the running max m_i (log2 units), the
+    running sum l_i and the unnormalised output acc; `visible` masks the keys a query may see."""
+    qk = _scores(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION), sm_scale, LOGIT_CAP)
+    qk = tl.where(visible, qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _extend_kernel(
     Q, K_ext, V_ext, O, K_buf, V_buf,
     qo_indptr, kv_indptr, kv_indices,
@@ -62,16 +77,8 @@ def _extend_kernel(
         slots = tl.load(kv_indices + kv_start + cols, mask=mask_n, other=0).to(tl.int64)
         mask_nd = mask_n[:, None] & mask_d[None, :]
         k = tl.load(K_buf + slots[:, None] * stride_kbs + kvh * stride_kbh + offs_d[None, :], mask=mask_nd, other=0.0)
-        qk = _scores(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION), sm_scale, LOGIT_CAP)
-        qk = tl.where(mask_n[None, :], qk, float("-inf"))
-
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(V_buf + slots[:, None] * stride_vbs + kvh * stride_vbh + offs_d[None, :], mask=mask_nd, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = _attend_block(q, k, v, mask_n[None, :], m_i, l_i, acc, sm_scale, LOGIT_CAP, DOT_PRECISION)
 
     # Stage 2: the new tokens themselves, causal; only blocks up to this query block's end are visible.
     end_n = tl.minimum(start_m + BLOCK_M, extend_len)
@@ -81,17 +88,10 @@ def _extend_kernel(
         mask_nd = mask_n[:, None] & mask_d[None, :]
         kv_rows = (q_start + cols).to(tl.int64)
         k = tl.load(K_ext + kv_rows[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :], mask=mask_nd, other=0.0)
-        qk = _scores(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION), sm_scale, LOGIT_CAP)
-        qk = tl.where(mask_n[None, :] & (offs_m[:, None] >= cols[None, :]), qk, float("-inf"))
-
-        # Every row has seen at least one visible key by now (prefix or column 0), so m_new is finite.
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(V_ext + kv_rows[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :], mask=mask_nd, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        # Every row has seen at least one visible key by now (prefix or column 0), so the max stays finite.
+        visible = mask_n[None, :] & (offs_m[:, None] >= cols[None, :])
+        m_i, l_i, acc = _attend_block(q, k, v, visible, m_i, l_i, acc, sm_scale, LOGIT_CAP, DOT_PRECISION)
 
     out = acc / l_i[:, None]
     tl.store(O + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :],

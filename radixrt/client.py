@@ -181,59 +181,67 @@ def _num_samples(fields: dict[str, Any]) -> int:
     return n if isinstance(n, int) and n > 0 else 1
 
 
-class Submission:
+class _Submission:
     """The replies of one generate op; aborts the request if abandoned before it finished."""
 
     def __init__(self, client: RuntimeClient, rid: str, n: int):
         self.client, self.rid, self.n = client, rid, n
+        self.finished = 0
+
+    def _accept(self, reply: dict[str, Any]) -> dict[str, Any]:
+        raise_for(reply)
+        self.finished += bool(reply.get("finished"))
+        return reply
+
+    def _close(self) -> None:
+        self.client._forget(self.rid)
+        if self.finished < self.n:
+            self.client.abort(self.rid)
+
+    def _timed_out(self, timeout: float | None) -> TimeoutError:
+        return TimeoutError(f"request {self.rid} got no reply within {timeout}s")
+
+
+class Submission(_Submission):
+    def __init__(self, client: RuntimeClient, rid: str, n: int):
+        super().__init__(client, rid, n)
         self._replies: queue.Queue = queue.Queue()
         self.deliver = self._replies.put
 
     def replies(self, timeout: float | None = None) -> Iterator[dict[str, Any]]:
-        finished = 0
         try:
-            while finished < self.n:
+            while self.finished < self.n:
                 try:
-                    reply = self._replies.get(timeout=timeout)
+                    yield self._accept(self._replies.get(timeout=timeout))
                 except queue.Empty:
-                    raise TimeoutError(f"request {self.rid} got no reply within {timeout}s") from None
-                raise_for(reply)
-                finished += bool(reply.get("finished"))
-                yield reply
+                    raise self._timed_out(timeout) from None
         finally:
-            self.client._forget(self.rid)
-            if finished < self.n:
-                self.client.abort(self.rid)
+            self._close()
 
     def finals(self, timeout: float | None = None) -> list[dict[str, Any]]:
         finals = [r for r in self.replies(timeout) if r.get("finished")]
         return sorted(finals, key=lambda r: r.get("index", 0))
 
 
-class AsyncSubmission:
+class AsyncSubmission(_Submission):
     """The same for asyncio: replies cross from the I/O thread into the caller's event loop."""
 
     def __init__(self, client: RuntimeClient, rid: str, n: int):
-        self.client, self.rid, self.n = client, rid, n
+        super().__init__(client, rid, n)
         self._loop = asyncio.get_running_loop()
         self._replies: asyncio.Queue = asyncio.Queue()
         self.deliver = lambda reply: self._loop.call_soon_threadsafe(self._replies.put_nowait, reply)
 
     async def replies(self, timeout: float | None = None) -> AsyncIterator[dict[str, Any]]:
-        finished = 0
         try:
-            while finished < self.n:
+            while self.finished < self.n:
                 try:
                     reply = await asyncio.wait_for(self._replies.get(), timeout)
                 except asyncio.TimeoutError:
-                    raise TimeoutError(f"request {self.rid} got no reply within {timeout}s") from None
-                raise_for(reply)
-                finished += bool(reply.get("finished"))
-                yield reply
+                    raise self._timed_out(timeout) from None
+                yield self._accept(reply)
         finally:
-            self.client._forget(self.rid)
-            if finished < self.n:
-                self.client.abort(self.rid)
+            self._close()
 
     async def finals(self, timeout: float | None = None) -> list[dict[str, Any]]:
         finals = [r async for r in self.replies(timeout) if r.get("finished")]

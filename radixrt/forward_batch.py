@@ -21,7 +21,3 @@ class ForwardBatch:
     @property
     def seq_lens(self) -> list[int]:
         return [p + e for p, e in zip(self.prefix_lens, self.extend_lens)]
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.input_ids)

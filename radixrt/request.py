@@ -59,10 +59,6 @@ class Req:
     def tokens_to_compute(self) -> int:
         return len(self.all_ids) - self.kv_len
 
-    @property
-    def is_decoding(self) -> bool:
-        return self.tokens_to_compute == 1 and bool(self.output_ids)
-
     def remaining_new_tokens(self) -> int:
         return max(self.params.max_new_tokens - len(self.output_ids), 0)
 

@@ -7,6 +7,7 @@ import queue
 import threading
 import time
 import uuid
+from collections import deque
 from concurrent.futures import Future
 from typing import Any, AsyncIterator, Callable, Iterator
 
@@ -100,7 +101,8 @@ class RuntimeClient:
         time.sleep(0.05 if rids else 0)  # let the I/O thread flush the aborts
         self._closed.set()
         self._io.join(timeout=5)
-        self._ctx.destroy(linger=0)  # also closes the callers' thread-local PUSH sockets
+        if not self._io.is_alive():  # never pull sockets from under a running thread
+            self._ctx.destroy(linger=0)  # also closes the callers' thread-local PUSH sockets
 
     # ---- plumbing ----------------------------------------------------------------------------
     def _register(self, rid: str, deliver: Callable[[dict[str, Any]], None]) -> None:
@@ -139,17 +141,26 @@ class RuntimeClient:
         poller.register(pull, zmq.POLLIN)
         started.set()
         next_ping = 0.0
+        # Never block on the DEALER: with no live peer (runtime down, handshake refused) a send
+        # would wait forever, so frames wait here and go out when a peer takes them.
+        outbox: deque[bytes] = deque()
         while not self._closed.is_set():
             for sock, _ in poller.poll(100):
                 if sock is pull:
-                    dealer.send(pull.recv())
+                    outbox.append(pull.recv())
                 else:
                     self._dispatch(msgpack.unpackb(dealer.recv(), raw=False))
             now = time.monotonic()
-            if self._pending and now >= next_ping:
+            if self._pending and now >= next_ping and not outbox:
                 next_ping = now + HEARTBEAT_S
                 ping = {"op": "ping", "rid": "ping"}
-                dealer.send(msgpack.packb({**ping, "api_key": self.api_key} if self.api_key else ping))
+                outbox.append(msgpack.packb({**ping, "api_key": self.api_key} if self.api_key else ping))
+            while outbox:
+                try:
+                    dealer.send(outbox[0], zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                outbox.popleft()
             if self._pending and now - self._last_heard > self.dead_after_s:
                 self._fail_all(f"no reply from the runtime at {self.endpoint} for {self.dead_after_s:.0f}s")
         dealer.close()

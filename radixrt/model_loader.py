@@ -51,8 +51,9 @@ def resolve_model_path(model: str) -> Path:
 
 def convert_gguf(gguf: Path) -> Path:
     """Dequantize a GGUF file with transformers, once; later loads read the safetensors copy."""
-    stat = gguf.stat()
-    digest = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    # Keyed by content, not path: every virtualenv holding the same wheel shares one conversion.
+    with open(gguf, "rb") as f:
+        digest = hashlib.sha256(f.read(1 << 22) + str(gguf.stat().st_size).encode()).hexdigest()[:12]
     out = cache_dir() / "models" / f"{gguf.stem}-{digest}"
     if (out / _READY_MARKER).is_file():
         return out

@@ -186,3 +186,15 @@ def test_select_methods(runtime):
     assert greedy["choices"][first.index(max(first))] == pick.run(method="greedy", backend=runtime)["a"]
     with pytest.raises(ValueError):
         rt.select("a", choices=["x"], choices_method="nope")
+
+
+def test_fork_of_an_empty_state(runtime):
+    @rt.function
+    def empty(s):
+        forks = s.fork(2)
+        forks += ["Hello", "Goodbye"]
+        forks += rt.gen("rest", max_tokens=3, ignore_eos=True)
+        forks.join()
+
+    state = empty.run(backend=runtime, temperature=0)
+    assert len(state["rest"]) == 2 and runtime.stats()["pins"] == 0

@@ -381,18 +381,24 @@ class Scheduler:
             req.text += req.detokenizer.flush()
 
     # ---- moving slots between the request and the tree --------------------------------------
+    def _insert_computed(self, req: Req) -> int:
+        """Give the tree the request's computed whole pages, freeing the ones it already had;
+        returns how many tokens that covers."""
+        aligned = req.kv_len - req.kv_len % self.page_size
+        if aligned > req.tree_len:
+            row = self.req_to_token[req.row]
+            already = self.tree.insert(req.all_ids[:aligned], row[:aligned].long())
+            if already > req.tree_len:
+                self.allocator.free(row[req.tree_len: already].long())
+        return aligned
+
     def _cache_unfinished(self, req: Req) -> None:
         """Hand the request's computed pages to the tree and keep using the tree's copies."""
-        aligned = req.kv_len - req.kv_len % self.page_size
-        if self.tree.disable or aligned <= req.tree_len:
+        if self.tree.disable or req.kv_len - req.kv_len % self.page_size <= req.tree_len:
             return  # with matching off nobody could reuse the pages before the request ends
-        key = req.all_ids[:aligned]
-        row = self.req_to_token[req.row]
-        already = self.tree.insert(key, row[:aligned].long())
-        if already > req.tree_len:
-            self.allocator.free(row[req.tree_len: already].long())
-        slots, node = self.tree.match_prefix(key)
-        row[:aligned] = slots.to(torch.int32)
+        aligned = self._insert_computed(req)
+        slots, node = self.tree.match_prefix(req.all_ids[:aligned])
+        self.req_to_token[req.row, :aligned] = slots.to(torch.int32)
         self.tree.inc_lock_ref(node)
         self.tree.dec_lock_ref(req.last_node)
         req.last_node, req.tree_len = node, aligned
@@ -401,15 +407,9 @@ class Scheduler:
         """Give everything the request holds back: computed pages to the tree, the rest freed."""
         if req.row is None:
             return
-        row = self.req_to_token[req.row]
-        aligned = req.kv_len - req.kv_len % self.page_size
-        if aligned > req.tree_len:
-            already = self.tree.insert(req.all_ids[:aligned], row[:aligned].long())
-            if already > req.tree_len:
-                self.allocator.free(row[req.tree_len: already].long())
-        start = max(aligned, req.tree_len)
+        start = max(self._insert_computed(req), req.tree_len)
         if req.kv_len > start:
-            self.allocator.free(row[start: req.kv_len].long())
+            self.allocator.free(self.req_to_token[req.row, start: req.kv_len].long())
         self.tree.dec_lock_ref(req.last_node)
         self.runner.req_to_token_pool.free(req.row)
         req.row, req.last_node = None, None

@@ -5,9 +5,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 
-from radixrt.config import ServerArgs
+from radixrt.config import SECRETS, ServerArgs
 
 
 def _prepare_model(args: argparse.Namespace) -> None:
@@ -20,6 +21,13 @@ def _serve(args: argparse.Namespace) -> None:
     from radixrt.server import run_server
 
     run_server(ServerArgs.from_cli_args(args))
+
+
+def _http_gateway(args: argparse.Namespace) -> None:
+    from radixrt.http_gateway import run_gateway
+
+    run_gateway(args.url, args.fd, args.parent_pid, os.environ.get(SECRETS["api_key"]), args.curve_server_key,
+                args.log_level)
 
 
 def _generate(args: argparse.Namespace) -> None:
@@ -57,6 +65,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="run the runtime behind a ZeroMQ ROUTER socket")
     ServerArgs.add_cli_args(serve)
     serve.set_defaults(func=_serve)
+
+    gateway = sub.add_parser("http-gateway", help="the OpenAI-compatible HTTP front that `serve --http-port` starts")
+    gateway.add_argument("--url", required=True, help="the runtime's ZeroMQ address")
+    gateway.add_argument("--fd", type=int, required=True, help="listening socket inherited from `serve`")
+    gateway.add_argument("--parent-pid", type=int, help="exit when this process is gone")
+    gateway.add_argument("--curve-server-key", help="the runtime's CURVE public key")
+    gateway.add_argument("--log-level", default="info")
+    gateway.set_defaults(func=_http_gateway)
 
     gen = sub.add_parser("generate", help="generate text against a server (--url) or in-process")
     ServerArgs.add_cli_args(gen)

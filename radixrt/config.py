@@ -29,6 +29,7 @@ class ServerArgs:
     max_running_requests: int = field(default=256, metadata={"help": "max requests decoding at once"})
     disable_radix_cache: bool = field(default=False, metadata={"help": "turn prefix matching off (same code path, no reuse)"})
     max_queued_requests: int = field(default=4096, metadata={"help": "waiting requests past which new ones get an 'overloaded' error"})
+    http_port: int | None = field(default=None, metadata={"help": "also serve the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /metrics, ...) on this port of --host (off when unset)"})
     api_key: str | None = field(default=None, metadata={"help": "required in every message when set; needed to bind a non-loopback host"})
     curve_secret_key: str | None = field(default=None, metadata={"help": "Z85 CURVE secret key: encrypt and authenticate the socket (clients need the public key); or set RADIXRT_CURVE_SECRET_KEY"})
     random_seed: int = field(default=0, metadata={"help": "seed of the sampler for requests that set none"})
@@ -65,6 +66,11 @@ class ServerArgs:
     @property
     def is_loopback(self) -> bool:
         return self.host.startswith("ipc://") or self.host in ("127.0.0.1", "localhost", "::1")
+
+    @property
+    def http_host(self) -> str:
+        """Where `--http-port` listens: `--host`, or loopback when that is an ipc:// path."""
+        return "127.0.0.1" if self.host.startswith("ipc://") else self.host
 
     def to_cli_args(self) -> list[str]:
         """The flags that recreate these settings on a `radixrt serve` command line."""

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 import weakref
 from pathlib import Path
 from typing import Any
@@ -78,12 +79,19 @@ class Runtime(RuntimeEndpoint):
                                    f"last log lines:\n{self.log_tail()}")
             try:
                 self.health(timeout=0.5)
-                return
             except TimeoutError:
                 continue
+            if self.http_url is None or _http_ok(f"{self.http_url}/health"):
+                return
+            time.sleep(0.1)
         self._finalizer()
         raise RuntimeError(f"the runtime did not become healthy within {START_TIMEOUT_S}s; "
                            f"last log lines:\n{self.log_tail()}")
+
+    @property
+    def http_url(self) -> str | None:
+        """Base URL of the HTTP gateway when `http_port` is set (the OpenAI API is under /v1)."""
+        return f"http://{self.args.http_host}:{self.args.http_port}" if self.args.http_port else None
 
     def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
         try:
@@ -125,6 +133,14 @@ class Engine(Runtime):
 
     def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
         return "(see the runtime's log above)"
+
+
+def _http_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as reply:
+            return reply.status == 200
+    except OSError:
+        return False
 
 
 def _stop(proc: subprocess.Popen, client, tmp: Path) -> None:

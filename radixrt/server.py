@@ -262,6 +262,11 @@ def run_server(args: ServerArgs) -> None:
     if args.curve_secret_key:
         logger.info("CURVE on; clients need the server public key %s",
                     zmq.curve_public(args.curve_secret_key.encode()).decode())
+    gateway = None
+    if args.http_port:  # before loading the model: a busy port fails at once, and the child starts meanwhile
+        from radixrt import http_gateway  # fastapi and uvicorn only when asked for
+
+        gateway = http_gateway.start_gateway(args)  # it also exits by itself if this process dies
     server = Server(args, args.endpoint)
 
     def stop(*_: Any) -> None:
@@ -270,6 +275,10 @@ def run_server(args: ServerArgs) -> None:
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     logger.info("serving on %s", args.endpoint)
-    server.serve_forever()
+    try:
+        server.serve_forever()
+    finally:
+        if gateway is not None:
+            http_gateway.stop_gateway(gateway)
     if args.endpoint.startswith("ipc://"):
         Path(args.endpoint.removeprefix("ipc://")).unlink(missing_ok=True)

@@ -28,6 +28,7 @@ class ServerArgs:
     max_prefill_tokens: int = field(default=8192, metadata={"help": "max new prompt tokens admitted per step over all requests"})
     max_running_requests: int = field(default=256, metadata={"help": "max requests decoding at once"})
     disable_radix_cache: bool = field(default=False, metadata={"help": "turn prefix matching off (same code path, no reuse)"})
+    enable_jump_forward: bool = field(default=True, metadata={"help": "append text a constraint forces (JSON keys and punctuation) in one extend instead of decoding it token by token; --no-enable-jump-forward decodes every token"})
     max_queued_requests: int = field(default=4096, metadata={"help": "waiting requests past which new ones get an 'overloaded' error"})
     http_port: int | None = field(default=None, metadata={"help": "also serve the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /metrics, ...) on this port of --host (off when unset)"})
     api_key: str | None = field(default=None, metadata={"help": "required in every message when set; needed to bind a non-loopback host"})
@@ -52,7 +53,7 @@ class ServerArgs:
             flag = "--" + f.name.replace("_", "-")
             helptext = f.metadata.get("help", "")
             if f.type in ("bool", bool):
-                parser.add_argument(flag, action="store_true", help=helptext)
+                parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=helptext)
                 continue
             kind = {"int": int, "float": float, "int | None": int, "float | None": float}.get(str(f.type), str)
             parser.add_argument(flag, type=kind, default=f.default, choices=f.metadata.get("choices"),
@@ -77,11 +78,13 @@ class ServerArgs:
         argv = []
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if value is None or value is False or f.name in SECRETS:  # secrets travel by environment
+            if value is None or f.name in SECRETS:  # secrets travel by environment
                 continue
-            argv.append("--" + f.name.replace("_", "-"))
-            if value is not True:
-                argv.append(str(value))
+            flag = f.name.replace("_", "-")
+            if isinstance(value, bool):
+                argv.append(f"--{flag}" if value else f"--no-{flag}")
+            else:
+                argv += [f"--{flag}", str(value)]
         return argv
 
     @classmethod

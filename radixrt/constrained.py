@@ -3,7 +3,8 @@
 A constraint compiles to an `outlines_core.Index` (a DFA over token ids, shared and cached); each
 request walks it with a `TokenGuide`, which writes the allowed ids of its state into one row of an
 int32 bitmask (bit j of word i = token 32*i + j). `apply_bitmask` turns a batch of such rows into
--inf logits.
+-inf logits. Where the constraint leaves only one way on (`{"name": "` in a JSON object), jump-forward
+decoding appends the forced text at once instead of decoding it token by token.
 """
 
 from __future__ import annotations
@@ -15,11 +16,12 @@ from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor, TimeoutError as FutureTimeout
 from typing import Any, Callable
 
+import numpy as np
 import torch
 from outlines_core import Guide, Index, Vocabulary
 from outlines_core.json_schema import build_regex_from_schema
 
-JSON_WHITESPACE = r"[ ]?"
+JSON_WHITESPACE = ""  # compact, as json.dumps(separators=(",", ":")): short outputs, long forced runs
 DTYPE_REGEXES = {
     "int": r"-?(0|[1-9][0-9]*)",
     "float": r"-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?",
@@ -29,6 +31,7 @@ DTYPE_REGEXES = {
 # Cheap up-front bounds on schema repetition counts (the automaton grows with them).
 MAX_SCHEMA_LENGTH = 256
 MAX_SCHEMA_ITEMS = 64
+MAX_JUMP_BYTES = 512
 _SCHEMA_KEYWORDS = ("type", "enum", "const", "$ref", "anyOf", "oneOf", "allOf")
 
 _SP_BYTE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
@@ -76,16 +79,16 @@ def token_bytes(tokenizer) -> dict[int, bytes]:
             for token, token_id in tokenizer.get_vocab().items() if token_id not in special}
 
 
-def build_vocabulary(tokenizer) -> Vocabulary:
-    """The tokenizer's vocabulary for outlines-core: `token_bytes` grouped by bytes, EOS given
-    separately. Cached per tokenizer."""
+def build_vocabulary(tokenizer, mapping: dict[int, bytes] | None = None) -> Vocabulary:
+    """The tokenizer's vocabulary for outlines-core: `token_bytes` (or the `mapping` already made
+    from it) grouped by bytes, EOS given separately. Cached per tokenizer."""
     key = (id(tokenizer), tokenizer.name_or_path, len(tokenizer))
     if key in _VOCAB_CACHE:
         return _VOCAB_CACHE[key]
     if tokenizer.eos_token_id is None:
         raise ValueError("constrained generation needs a tokenizer with an EOS token")
     by_bytes: dict[bytes, list[int]] = {}
-    for token_id, data in token_bytes(tokenizer).items():
+    for token_id, data in (mapping or token_bytes(tokenizer)).items():
         if data:
             by_bytes.setdefault(data, []).append(token_id)
     vocabulary = Vocabulary(tokenizer.eos_token_id, by_bytes)
@@ -133,7 +136,8 @@ class ConstraintCompiler:
                  whitespace_pattern: str = JSON_WHITESPACE):
         if len(tokenizer) > vocab_size:
             raise ValueError(f"tokenizer has {len(tokenizer)} tokens but the model only {vocab_size}")
-        self.vocabulary = build_vocabulary(tokenizer)
+        self.tokens = TokenTable(tokenizer, vocab_size)
+        self.vocabulary = build_vocabulary(tokenizer, self.tokens.mapping)
         self.eos_token_id: int = self.vocabulary.get_eos_token_id()
         self.vocab_size = vocab_size
         self.cache_size = cache_size
@@ -141,6 +145,7 @@ class ConstraintCompiler:
         self.whitespace_pattern = whitespace_pattern
         # Builds finished or in flight, so concurrent requests for one constraint share one build.
         self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
+        self._forced: OrderedDict[int, ForcedStrings] = OrderedDict()  # by id(index); each holds its index
         self._lock = threading.Lock()
         self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="constraint-compile")
 
@@ -193,6 +198,17 @@ class ConstraintCompiler:
         return self._executor.submit(self.compile, regex=regex, json_schema=json_schema, choices=choices,
                                      dtype=dtype)
 
+    def guide(self, index: Index, jump_forward: bool = False) -> "TokenGuide":
+        """A new walk through `index`; with `jump_forward`, one that can append forced text at once."""
+        forced = None
+        if jump_forward:
+            with self._lock:
+                forced = self._forced.pop(id(index), None) or ForcedStrings(index, self.tokens)
+                self._forced[id(index)] = forced
+                while len(self._forced) > self.cache_size:
+                    self._forced.popitem(last=False)
+        return TokenGuide(index, self.eos_token_id, forced)
+
     def _to_regex(self, kind: str, value: Any, source: str) -> str:
         if kind == "regex":
             return value
@@ -240,12 +256,79 @@ def _check_regex_syntax(regex: str) -> None:
                 from None
 
 
+class TokenTable:
+    """What jump-forward needs to know of a tokenizer's tokens, as bytes."""
+
+    def __init__(self, tokenizer, vocab_size: int):
+        self.tokenizer = tokenizer
+        self.mapping = token_bytes(tokenizer)
+        self.bytes_of = [self.mapping.get(i, b"") for i in range(vocab_size)]
+        self.first_byte = np.array([data[0] if data else -1 for data in self.bytes_of], dtype=np.int16)
+        self.lengths = np.array([len(data) for data in self.bytes_of], dtype=np.int32)
+        self.byte_token = {data[0]: i for i, data in self.mapping.items() if len(data) == 1}
+
+    def encode(self, data: bytes) -> list[int] | None:
+        """The tokenizer's own ids for `data`, or None when they would not spell exactly these bytes."""
+        try:
+            text = data.decode()
+        except UnicodeDecodeError:
+            return None
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        return ids if b"".join(self.bytes_of[i] for i in ids) == data else None
+
+
+class ForcedStrings:
+    """For one Index, per state: the bytes every continuation must start with, and the state after
+    them. They stop at a final state (EOS could come instead) and at a whole UTF-8 character."""
+
+    def __init__(self, index: Index, tokens: TokenTable):
+        self.index = index
+        self.tokens = tokens
+        self._cache: dict[int, tuple[bytes, int]] = {}
+
+    def allowed(self, state: int) -> np.ndarray:
+        return np.asarray(self.index.get_allowed_tokens(state), dtype=np.int64)
+
+    def after(self, state: int) -> tuple[bytes, int]:
+        if state not in self._cache:
+            self._cache[state] = self._walk(state)
+        return self._cache[state]
+
+    def _walk(self, state: int) -> tuple[bytes, int]:
+        forced, states = bytearray(), [state]
+        while len(forced) < MAX_JUMP_BYTES and not self.index.is_final_state(states[-1]):
+            firsts = np.unique(self.tokens.first_byte[self.allowed(states[-1])])
+            if len(firsts) != 1 or firsts[0] < 0 or int(firsts[0]) not in self.tokens.byte_token:
+                break
+            nxt = self.index.get_next_state(states[-1], self.tokens.byte_token[int(firsts[0])])
+            if nxt is None:
+                break
+            forced.append(int(firsts[0]))
+            states.append(nxt)
+        while forced:  # never end inside a character: the text is re-tokenized
+            try:
+                forced.decode()
+                break
+            except UnicodeDecodeError:
+                forced.pop()
+                states.pop()
+        return bytes(forced), states[-1]
+
+    def extendable(self, state: int, token_id: int) -> bool:
+        """Whether a longer token than `token_id`, spelling its bytes first, is allowed in `state`."""
+        data = self.tokens.bytes_of[token_id]
+        ids = self.allowed(state)
+        longer = ids[(self.tokens.lengths[ids] > len(data)) & (self.tokens.first_byte[ids] == data[0])]
+        return any(self.tokens.bytes_of[i].startswith(data) for i in longer.tolist())
+
+
 class TokenGuide:
     """One request's position in a constraint's DFA."""
 
-    def __init__(self, index: Index, eos_token_id: int):
+    def __init__(self, index: Index, eos_token_id: int, forced: ForcedStrings | None = None):
         self.index = index
         self.eos_token_id = eos_token_id
+        self.forced = forced
         self.guide = Guide(index, max_rollback=0)
         self.finished = False  # EOS was accepted
         self._only_eos: dict[int, bool] = {}
@@ -261,6 +344,29 @@ class TokenGuide:
             self.finished = True
             return
         self.guide.advance(token_id, return_tokens=False)
+
+    def jump_forward(self, token_id: int) -> list[int]:
+        """The tokens to append for a sampled `token_id`: itself, or, when the constraint then forces
+        a string, the tokenizer's own tokens for both (the boundary re-tokenized), without a last
+        token that an allowed longer token could extend (the model picks that one). Does not advance."""
+        if self.forced is None or token_id == self.eos_token_id:
+            return [token_id]
+        state = self.guide.get_state()
+        after = self.index.get_next_state(state, token_id)
+        forced = self.forced.after(after)[0] if after is not None else b""
+        if not forced:
+            return [token_id]
+        ids = self.forced.tokens.encode(self.forced.tokens.bytes_of[token_id] + forced)
+        states = [state]
+        for token in ids or []:
+            states.append(self.index.get_next_state(states[-1], token))
+            if states[-1] is None:
+                return [token_id]
+        if not ids:
+            return [token_id]
+        if len(ids) > 1 and self.forced.extendable(states[-2], ids[-1]):
+            ids.pop()
+        return ids
 
     def is_final(self) -> bool:
         """The output so far fully matches the constraint, so EOS is allowed."""

@@ -44,6 +44,7 @@ class Req:
     first_token_time: float | None = None
     finish_time: float | None = None
     num_preemptions: int = 0
+    forward_passes: int = 0  # forwards this request took part in (prefill chunks and decode steps)
     input_token_logprobs: list[tuple[float, int]] = field(default_factory=list)
     output_token_logprobs: list[tuple[float, int]] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
@@ -76,6 +77,7 @@ class Req:
             "e2e_latency": end - self.arrival,
             "ttft": (self.first_token_time - self.arrival) if self.first_token_time else None,
             "num_preemptions": self.num_preemptions,
+            "forward_passes": self.forward_passes,
         }
         if self.params.return_logprob:
             meta["input_token_logprobs"] = self.input_token_logprobs

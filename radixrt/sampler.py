@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from radixrt.constrained import apply_bitmask
 from radixrt.request import Req
 
 
@@ -18,13 +18,13 @@ class SampleOutput:
 
 
 def sample(logits: torch.Tensor, reqs: list[Req], banned: list[list[int]],
-           masks: tuple[torch.Tensor, list[int]] | None = None) -> SampleOutput:
+           constrain: Callable[[torch.Tensor], None] | None = None) -> SampleOutput:
     """Pick one token per row of `logits` [B, V] for `reqs`; `banned` ids get -inf (min_new_tokens);
-    `masks` is a constraint bitmask and the rows it applies to."""
+    `constrain` masks a copy of the logits in place (constraints). Logprobs use the raw logits."""
     raw = logits
     logits = logits.clone()
-    if masks is not None:
-        apply_bitmask(logits, *masks)
+    if constrain is not None:
+        constrain(logits)
     for i, req in enumerate(reqs):
         if req.params.penalized:
             _apply_penalties(logits[i], req)

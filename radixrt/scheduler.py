@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from radixrt.config import ServerArgs
-from radixrt.constrained import ConstraintCompiler, TokenGuide, allocate_bitmask
+from radixrt.constrained import ConstraintCompiler, allocate_bitmask, apply_bitmask
 from radixrt.detokenizer import IncrementalDetokenizer
 from radixrt.forward_batch import ForwardBatch
 from radixrt.model_runner import ModelRunner
@@ -50,6 +50,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.generated_tokens = 0
         self.peak_used_tokens = 0
+        self.step_time = 0.0  # seconds in forward + sampling
+        self.mask_time = 0.0  # of which, building and applying constraint masks
         self._decode_steps = 0
         self._log_mark = (time.monotonic(), 0)
         self._ended: list[Req] = []  # finished outside a forward (aborts), reported by step()
@@ -90,7 +92,8 @@ class Scheduler:
         if not req.constraint.done():
             return False
         try:
-            req.guide = TokenGuide(req.constraint.result(), self.compiler.eos_token_id)
+            jump = self.args.enable_jump_forward and not req.params.return_logprob  # forced tokens get no logprobs
+            req.guide = self.compiler.guide(req.constraint.result(), jump_forward=jump)
             return True
         except ValueError as e:
             req.error = str(e)
@@ -136,7 +139,9 @@ class Scheduler:
         self._ended: list[Req] = []
         plan = self._schedule()
         self.stalled = not plan  # e.g. every waiting request's constraint is still compiling
+        start = time.perf_counter()
         updated = self._process(plan, self.runner.forward(self._build_batch(plan))) if plan else []
+        self.step_time += time.perf_counter() - start
         return updated + [r for r in self._ended if r not in updated]
 
     def _schedule(self) -> list[tuple[Req, int]]:
@@ -291,6 +296,7 @@ class Scheduler:
         sample_rows, sample_reqs = [], []
         offset = 0
         for req, n in plan:
+            req.forward_passes += 1
             if req.wants_prompt_logprobs():
                 self._prompt_logprobs(req, hidden[offset: offset + n])
             req.kv_len += n
@@ -307,7 +313,9 @@ class Scheduler:
             return [r for r, _ in plan if r.finished]
         logits = self.runner.logits(hidden[sample_rows])
         banned = [self._banned_ids(r) for r in sample_reqs]
-        out = sample(logits, sample_reqs, banned, self._constraint_masks(sample_reqs, logits.shape[1]))
+        constrained = [i for i, r in enumerate(sample_reqs) if r.guide is not None]
+        out = sample(logits, sample_reqs, banned,
+                     (lambda masked: self._apply_constraints(masked, sample_reqs, constrained)) if constrained else None)
         now = time.monotonic()
         for i, req in enumerate(sample_reqs):
             if out.logprobs is not None and req.params.return_logprob:
@@ -315,23 +323,25 @@ class Scheduler:
                 if req.params.top_logprobs_num:
                     req.output_top_logprobs.append(out.top_logprobs[i])
             req.first_token_time = req.first_token_time or now
-            self._append_token(req, out.token_ids[i])
-            if req.finished:
-                self._finish(req)
+            for token in req.guide.jump_forward(out.token_ids[i]) if req.guide else [out.token_ids[i]]:
+                self._append_token(req, token)
+                if req.finished:
+                    self._finish(req)
+                    break
         self.generated_tokens += len(sample_reqs)
         sample_reqs += [r for r, _ in plan if r.finished and r not in sample_reqs]
         if all(n == 1 for _, n in plan):
             self._log_decode()
         return sample_reqs
 
-    def _constraint_masks(self, reqs: list[Req], vocab: int) -> tuple[torch.Tensor, list[int]] | None:
-        rows = [i for i, r in enumerate(reqs) if r.guide is not None]
-        if not rows:
-            return None
-        bitmask = allocate_bitmask(len(reqs), vocab)
+    def _apply_constraints(self, logits: torch.Tensor, reqs: list[Req], rows: list[int]) -> None:
+        """Set the disallowed tokens of the constrained `rows` to -inf, in place, in one batched op."""
+        start = time.perf_counter()
+        bitmask = allocate_bitmask(len(reqs), logits.shape[1])
         for i in rows:
             reqs[i].guide.fill_mask(bitmask[i])
-        return bitmask, rows
+        apply_bitmask(logits, bitmask, rows)
+        self.mask_time += time.perf_counter() - start
 
     def _prompt_logprobs(self, req: Req, hidden: torch.Tensor) -> None:
         """Logprob of each prompt token from `logprob_start_len` on, given the tokens before it."""
@@ -440,6 +450,8 @@ class Scheduler:
             "generated_tokens": self.generated_tokens,
             "peak_used_tokens": self.peak_used_tokens,
             "pins": len(self.pins),
+            "step_time_s": self.step_time,
+            "constraint_mask_time_s": self.mask_time,
         }
 
     def flush_cache(self) -> bool:

@@ -34,11 +34,13 @@ def allowed_ids(row: torch.Tensor) -> list[int]:
     return bits.view(-1).nonzero().view(-1).tolist()
 
 
-def random_walk(compiler: ConstraintCompiler, tokenizer, seed: int, max_steps: int = 300, **constraint) -> str:
+def random_walk(compiler: ConstraintCompiler, tokenizer, seed: int, max_steps: int = 300, jump: bool = False,
+                **constraint) -> str:
     """Sample uniformly among the allowed tokens until the constraint is complete (stopping at a
-    final state that allows more with probability 1/3), checking the mask against outlines-core."""
+    final state that allows more with probability 1/3), checking the mask against outlines-core.
+    With `jump`, each sampled token is replaced by what jump-forward appends for it."""
     index = compiler.compile(**constraint)
-    guide = TokenGuide(index, compiler.eos_token_id)
+    guide = compiler.guide(index, jump_forward=jump)
     rng = random.Random(seed)
     row = allocate_bitmask(1, MODEL_VOCAB)[0]
     ids: list[int] = []
@@ -53,8 +55,9 @@ def random_walk(compiler: ConstraintCompiler, tokenizer, seed: int, max_steps: i
             assert guide.allowed_only_eos()
             return tokenizer.decode(ids)
         token = rng.choice([i for i in allowed if i != compiler.eos_token_id])
-        guide.advance(token)
-        ids.append(token)
+        for forced in guide.jump_forward(token):
+            guide.advance(forced)
+            ids.append(forced)
     raise AssertionError(f"no final state after {max_steps} tokens: {tokenizer.decode(ids)!r}")
 
 
@@ -93,10 +96,11 @@ REGEXES = [
 ]
 
 
+@pytest.mark.parametrize("jump", [False, True], ids=["token-by-token", "jump-forward"])
 @pytest.mark.parametrize("pattern", REGEXES)
-def test_regex_walk(compiler, tokenizer, pattern):
+def test_regex_walk(compiler, tokenizer, pattern, jump):
     for seed in range(3):
-        text = random_walk(compiler, tokenizer, seed, regex=pattern)
+        text = random_walk(compiler, tokenizer, seed, jump=jump, regex=pattern)
         assert re.fullmatch(pattern, text), text
 
 
@@ -114,7 +118,7 @@ ACCEPTED = [
     ({"dtype": "float"}, "-12.5e+3"),
     ({"regex": r"(\[[0-9]\])+"}, "[1][2][3]"),
     ({"choices": ["yes", "yes, please"]}, "yes, please"),
-    ({"json_schema": {"type": "object", "properties": {"v": {"type": "number"}}, "required": ["v"]}}, '{"v": 0.25}'),
+    ({"json_schema": {"type": "object", "properties": {"v": {"type": "number"}}, "required": ["v"]}}, '{"v":0.25}'),
 ]
 
 
@@ -178,13 +182,36 @@ def check(value, schema: dict, root: dict) -> None:
         assert isinstance(value, bool)
 
 
+@pytest.mark.parametrize("jump", [False, True], ids=["token-by-token", "jump-forward"])
 @pytest.mark.parametrize("name", SCHEMAS)
-def test_json_schema_walk(compiler, tokenizer, name):
+def test_json_schema_walk(compiler, tokenizer, name, jump):
     schema = SCHEMAS[name]
     for seed in range(3):
-        text = random_walk(compiler, tokenizer, seed, json_schema=schema if seed else json.dumps(schema))
+        text = random_walk(compiler, tokenizer, seed, jump=jump, json_schema=schema if seed else json.dumps(schema))
         check(json.loads(text), schema, schema)
     assert compiler.compile(json_schema=schema) is compiler.compile(json_schema=schema)
+
+
+def test_jump_forward_appends_forced_text_retokenized(compiler, tokenizer):
+    guide = compiler.guide(compiler.compile(json_schema=SCHEMAS["nested"]), jump_forward=True)
+    brace = tokenizer.encode("{", add_special_tokens=False)
+    ids = guide.jump_forward(brace[0])
+    text = tokenizer.decode(ids)
+    assert len(ids) > 1 and text != "{" and '{"name":"'.startswith(text)
+    assert ids == tokenizer.encode(text, add_special_tokens=False)  # the tokenizer's own split
+    for token in ids:
+        guide.advance(token)
+    # Inside a string nothing is forced; a token that ends the string forces the next key.
+    assert guide.jump_forward(tokenizer.encode("Bob", add_special_tokens=False)[0]) == \
+        tokenizer.encode("Bob", add_special_tokens=False)
+    quote = tokenizer.encode('"', add_special_tokens=False)[0]
+    assert tokenizer.decode(guide.jump_forward(quote)).startswith('","address')
+    # Choices sharing a prefix: only the common part is forced, and a final state forces nothing.
+    choices = compiler.guide(compiler.compile(choices=["Mount Everest", "Mount Fuji"]), jump_forward=True)
+    assert tokenizer.decode(choices.jump_forward(tokenizer.encode("M", add_special_tokens=False)[0])) in \
+        ("Mount", "Mount ")
+    plain = TokenGuide(compiler.compile(choices=["Mount Everest", "Mount Fuji"]), compiler.eos_token_id)
+    assert plain.jump_forward(brace[0]) == brace
 
 
 def test_bad_constraints(compiler):

@@ -1,9 +1,11 @@
-"""Constrained generation end to end on the default model: outputs always match / validate."""
+"""Constrained generation end to end on the default model: outputs always match / validate, with
+jump-forward decoding on and off."""
 
 from __future__ import annotations
 
 import json
 import re
+import threading
 
 import pytest
 
@@ -16,7 +18,8 @@ REGEXES = {
     "choice": r"(red|green|blue)",
 }
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 16},
-                                           "age": {"type": "integer"}}, "required": ["name", "age"]}
+                                           "age": {"type": "integer", "maxDigits": 3}},  # outlines' own bound
+          "required": ["name", "age"]}
 SCHEMAS = {
     "nested": {"type": "object", "properties": {"person": PERSON, "city": {"type": "string", "maxLength": 12}},
                "required": ["person", "city"]},
@@ -47,9 +50,13 @@ def _valid(value, schema, defs) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-@pytest.fixture(scope="module")
-def engine(default_model_dir):
-    with rt.Engine(model=str(default_model_dir), max_total_tokens=8192, log_level="warning") as e:
+SAMPLES = 20
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["jump-forward", "token-by-token"])
+def engine(request, default_model_dir):
+    with rt.Engine(model=str(default_model_dir), max_total_tokens=8192, enable_jump_forward=request.param,
+                   log_level="warning") as e:
         yield e
 
 
@@ -62,8 +69,8 @@ def _prompt(engine, request: str) -> str:
 def test_regex_outputs_always_match(engine, name):
     prompt = _prompt(engine, f"Write one {name}.")
     greedy = engine.generate(prompt, {"temperature": 0, "max_new_tokens": 32, "regex": REGEXES[name]})
-    sampled = engine.generate(prompt, {"temperature": 1.0, "max_new_tokens": 32, "regex": REGEXES[name], "n": 8,
-                                       "seed": 3})
+    sampled = engine.generate(prompt, {"temperature": 1.0, "max_new_tokens": 32, "regex": REGEXES[name],
+                                       "n": SAMPLES, "seed": 3})
     for out in [greedy, *sampled]:
         assert re.fullmatch(REGEXES[name], out["text"]), out["text"]
         assert out["meta_info"]["finish_reason"]["type"] == "stop"
@@ -75,7 +82,7 @@ def test_json_outputs_parse_and_validate(engine, name):
     prompt = _prompt(engine, "Reply with JSON.")
     outs = [engine.generate(prompt, {"temperature": 0, "max_new_tokens": 96, "json_schema": schema})]
     outs += engine.generate(prompt, {"temperature": 1.0, "max_new_tokens": 96, "json_schema": json.dumps(schema),
-                                     "n": 6, "seed": 5})
+                                     "n": SAMPLES, "seed": 5})
     for out in outs:
         assert _valid(json.loads(out["text"]), schema, schema.get("$defs", {})), out["text"]
 
@@ -107,7 +114,54 @@ def test_constrained_decoding_survives_preemption(default_model_dir):
     with rt.Engine(model=str(default_model_dir), max_total_tokens=160, max_running_requests=8,
                    log_level="warning") as engine:
         prompt = _prompt(engine, "List some numbers.")
-        outs = engine.generate([prompt] * 6, {"temperature": 0.7, "seed": 1, "max_new_tokens": 40,
-                                              "regex": r"[0-9]{2}(, [0-9]{2}){4,8}"})
+        pattern = r"[0-9]{2}(, [0-9]{2}){10,14}"
+        outs = engine.generate(prompt, {"temperature": 0.7, "seed": 1, "n": 6, "max_new_tokens": 60, "regex": pattern})
         assert engine.stats()["num_preemptions"] > 0
-        assert all(re.fullmatch(r"[0-9]{2}(, [0-9]{2}){4,8}", o["text"]) for o in outs)
+        assert all(re.fullmatch(pattern, o["text"]) for o in outs)
+
+
+FLAT = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                         "age": {"type": "integer", "maxDigits": 3},
+                                         "city": {"type": "string", "maxLength": 12}}, "required": ["name", "age", "city"]}
+
+
+def test_jump_forward_saves_forward_passes(default_model_dir):
+    """Forced keys and punctuation come in one extend: fewer forwards than output tokens."""
+    with rt.Engine(model=str(default_model_dir), log_level="warning") as engine:
+        out = engine.generate(_prompt(engine, "A person as JSON."), {"temperature": 0, "max_new_tokens": 64,
+                                                                      "json_schema": FLAT})
+    meta = out["meta_info"]
+    assert meta["forward_passes"] < meta["completion_tokens"] - 6, meta
+    assert set(json.loads(out["text"])) == {"name", "age", "city"}
+
+
+def test_streamed_deltas_join_to_the_constrained_result(engine):
+    prompt = _prompt(engine, "A person as JSON.")
+    params = {"temperature": 0, "max_new_tokens": 64, "json_schema": FLAT}
+    chunks = list(engine.generate(prompt, params, stream=True))
+    final = chunks[-1]
+    assert final["finished"] and "".join(c["delta"] for c in chunks[:-1]) == final["text"]
+    assert final["text"] == engine.generate(prompt, params)["text"]
+    json.loads(final["text"])
+
+
+def test_stop_string_inside_forced_text(engine):
+    out = engine.generate(_prompt(engine, "A person as JSON."), {"temperature": 0, "max_new_tokens": 64,
+                                                                  "json_schema": FLAT, "stop": '"age"'})
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": '"age"'}
+    assert out["text"].startswith('{"name":"') and '"age"' not in out["text"]
+
+
+def test_abort_constrained_stream_frees_its_slots(engine):
+    rid = f"json-abort-{id(engine)}"
+    stream = engine.generate(_prompt(engine, "Many numbers."), {"temperature": 1.0, "max_new_tokens": 400,
+                                                                "regex": r"[0-9]{1,3}(,[0-9]{1,3}){150,}"},
+                             stream=True, rid=rid)
+    next(stream)
+    threading.Thread(target=engine.abort, args=(rid,)).start()
+    final = [c for c in stream if c["finished"]][0]
+    assert final["meta_info"]["finish_reason"]["type"] == "abort"
+    assert engine.flush_cache()
+    stats = engine.stats()
+    assert stats["free_tokens"] == stats["total_tokens"]
+    engine.check_invariants()

@@ -15,12 +15,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import numpy as np
 from tqdm import tqdm
 
-from radixrt.bench import WORDS, percentile
 from radixrt.http_gateway import render_chat
 from radixrt.runtime import Runtime, free_port
 
+TOPICS = ("river", "stone", "cloud", "engine", "garden", "window", "market", "winter", "signal", "forest", "harbor",
+          "copper", "lantern", "meadow", "thunder", "canyon", "orbit", "glacier", "ember", "quartz")
 SYSTEM = ("You are a concise assistant for a field research team. Answer in one or two sentences, "
           "name concrete places and materials, and never repeat the question.")
 
@@ -77,7 +79,7 @@ def run_http_bench(args: argparse.Namespace | HttpBenchConfig) -> dict[str, Any]
 
 def _conversations(config: HttpBenchConfig) -> list[list[str]]:
     rng = random.Random(config.seed)
-    return [[f"Question {t + 1}: what about the {' '.join(rng.choice(WORDS) for _ in range(12))}?"
+    return [[f"Question {t + 1}: what about the {' '.join(rng.choice(TOPICS) for _ in range(12))}?"
              for t in range(config.num_turns)] for _ in range(config.num_conversations)]
 
 
@@ -98,11 +100,10 @@ def _run_pass(name: str, conversations: list[list[str]], turn: Turn) -> PassResu
         with ThreadPoolExecutor(max_workers=len(conversations)) as pool:
             records = [r for records in pool.map(converse, conversations) for r in records]
         duration = time.monotonic() - start
-    first = [ttft for index, ttft, _ in records if index == 0]
-    later = [ttft for index, ttft, _ in records if index > 0]
+    first = np.percentile([ttft for index, ttft, _ in records if index == 0], [50, 99])
+    later = np.percentile([ttft for index, ttft, _ in records if index > 0] or [np.nan], [50, 99])
     prompt, cached, output = (sum(usage[i] for _, _, usage in records) for i in range(3))
-    return PassResult(name, duration, output, output / duration, cached / max(prompt, 1),
-                      percentile(first, 50), percentile(first, 99), percentile(later, 50), percentile(later, 99))
+    return PassResult(name, duration, output, output / duration, cached / max(prompt, 1), *map(float, [*first, *later]))
 
 
 def _zmq_turn(runtime: Runtime, max_new_tokens: int) -> Turn:

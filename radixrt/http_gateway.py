@@ -19,6 +19,7 @@ import sys
 import threading
 import time
 import uuid
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Literal
 
@@ -41,6 +42,7 @@ logger = logging.getLogger(__name__)
 
 DISCONNECT_POLL_S = 0.25  # how often a waiting non-streamed request checks that its client is still there
 PARENT_POLL_S = 1.0
+HEALTH_TIMEOUT_S = 5.0
 STOP_TIMEOUT_S = 10
 ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
 RUNTIME_EXCEPTIONS = (RemoteError, ValueError, PermissionError, ConnectionError)
@@ -291,7 +293,7 @@ class Gateway:
         self._model_lock = asyncio.Lock()
 
     async def model(self) -> _Model:
-        # Loaded on first use: the runtime only answers once `serve` has started its loop.
+        # Loaded once, from start-up on (see build_app): the runtime answers once `serve` runs its loop.
         async with self._model_lock:
             if self._model is None:
                 self._model = await asyncio.to_thread(self._load_model)
@@ -387,9 +389,11 @@ class Gateway:
         yield "data: [DONE]\n\n"
 
     async def health(self) -> dict:
+        """200 once the runtime answers and this gateway has what it needs to serve."""
         try:
-            await asyncio.to_thread(self.endpoint.health, 5.0)
-        except Exception as e:
+            await asyncio.wait_for(asyncio.shield(self.model()), HEALTH_TIMEOUT_S)
+            await asyncio.to_thread(self.endpoint.health, HEALTH_TIMEOUT_S)
+        except (TimeoutError, asyncio.TimeoutError, *RUNTIME_EXCEPTIONS) as e:
             raise APIError(503, f"the runtime does not answer: {e}", "server_error") from e
         return {"status": "ok"}
 
@@ -433,7 +437,13 @@ class _Guard:
 
 
 def build_app(gateway: Gateway) -> FastAPI:
-    app = FastAPI(title="radixrt", docs_url=None, redoc_url=None)
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        warm_up = asyncio.create_task(gateway.model())  # the tokenizer loads while the runtime starts
+        yield
+        warm_up.cancel()
+
+    app = FastAPI(title="radixrt", docs_url=None, redoc_url=None, lifespan=lifespan)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError) -> JSONResponse:

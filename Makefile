@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test model gpu-check clean
+.PHONY: demo test model bench bench-peers gpu-check clean
 
 # torch is pinned to the CPU wheel that lies on this kind of machine's disk; a bare
 # `pip install torch` would pull a multi-GB CUDA build.
@@ -25,6 +25,16 @@ demo: model
 
 test: model
 	$(BIN)/python -m pytest -q
+
+# The figures in docs/benchmarks.md: every workload at a size this 2-core CPU runs in about half an hour.
+bench: model
+	$(BIN)/radixrt bench --workload all --num-requests 32
+	$(BIN)/radixrt bench --workload shared-prefix --num-requests 24 --sweep-rate 0.25,0.5,1,2 \
+		--systems radixrt,radixrt-static,radixrt-no-cache --output-dir bench_results/sweep
+
+# llama.cpp as a peer in `radixrt bench`: llama-cpp-python compiles llama.cpp (several minutes).
+bench-peers: $(STAMP)
+	$(BIN)/pip install llama-cpp-python
 
 gpu-check: $(STAMP)
 	$(BIN)/python scripts/gpu_check.py

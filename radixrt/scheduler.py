@@ -155,7 +155,10 @@ class Scheduler:
                 budget -= n if n > 1 else 0
         retractions = self.num_preemptions
         plan = self._allocate_running(plan)
-        if self.num_preemptions == retractions:  # memory is tight right after a retraction
+        if self.args.schedule_mode == "static":
+            if not self.running:  # the whole next batch boards at once, its prompts chunked as usual
+                plan += self._admit(budget=1 << 62, busy=False, defer_shared=False)
+        elif self.num_preemptions == retractions:  # memory is tight right after a retraction
             plan += self._admit(budget, bool(plan))
         return plan
 
@@ -222,7 +225,7 @@ class Scheduler:
     def _reserved_tokens(self) -> float:
         return sum(r.tokens_to_compute - 1 + r.remaining_new_tokens() * self.new_token_ratio for r in self.running)
 
-    def _admit(self, budget: int, busy: bool) -> list[tuple[Req, int]]:
+    def _admit(self, budget: int, busy: bool, defer_shared: bool = True) -> list[tuple[Req, int]]:
         admitted: list[tuple[Req, int]] = []
         if not self.waiting:
             return admitted
@@ -238,7 +241,7 @@ class Scheduler:
             slots, node = self.tree.match_prefix(match_key(req))
             m = len(slots)
             extend = len(req.all_ids) - m
-            if not self.tree.disable and extend - 1 >= IN_BATCH_SHARE_TOKENS:
+            if defer_shared and not self.tree.disable and extend - 1 >= IN_BATCH_SHARE_TOKENS:
                 key = tuple(req.all_ids[m: m + IN_BATCH_SHARE_TOKENS])
                 if key in shared_keys:
                     continue  # prefilled next step, on top of what this step caches

@@ -1,0 +1,90 @@
+"""What a user would pick instead of radixrt, run on the same weights: transformers `generate`
+(batched, padded) and llama.cpp (through llama-cpp-python, on the same GGUF file)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+from radixrt.bench.metrics import RequestTrace
+from radixrt.bench.workloads import Session
+
+LLAMA_CPP_MISSING = ("llama.cpp skipped: llama-cpp-python is not installed (`make bench-peers` installs it; "
+                     "it compiles llama.cpp, which takes several minutes)")
+
+
+def run_transformers(model_dir: Path, sessions: list[Session], tokenizer, dtype: str,
+                     batch_size: int = 64) -> tuple[list[RequestTrace], float]:
+    """Batches of single-turn prompts through one padded `generate` each, as a script without a
+    serving engine would; each request's tokens are credited at the step that produced them."""
+    import torch
+    from transformers import AutoModelForCausalLM, StoppingCriteria, StoppingCriteriaList
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16 if dtype == "bfloat16"
+                                                 else torch.float32).eval()
+    traces: list[RequestTrace] = []
+    start = time.monotonic()
+    for first in range(0, len(sessions), batch_size):
+        batch = sessions[first: first + batch_size]
+        prompts = [tokenizer.encode(s.turns[0].text, add_special_tokens=False) for s in batch]
+        lengths = [s.turns[0].params["max_new_tokens"] for s in batch]
+        width = max(map(len, prompts))
+        pad = tokenizer.pad_token_id or 0
+        input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        sent = time.monotonic()
+        step_times: list[float] = []
+
+        class StepClock(StoppingCriteria):
+            def __call__(self, ids, scores, **kwargs):
+                step_times.append(time.monotonic())
+                return torch.zeros(ids.shape[0], dtype=torch.bool)
+
+        with torch.inference_mode():
+            model.generate(input_ids, attention_mask=mask, max_new_tokens=max(lengths), min_new_tokens=max(lengths),
+                           do_sample=False, pad_token_id=pad, stopping_criteria=StoppingCriteriaList([StepClock()]))
+        for p, n in zip(prompts, lengths):
+            traces.append(RequestTrace(sent=sent, chunk_times=step_times[:n], chunk_tokens=[1] * n,
+                                       done=step_times[n - 1], prompt_tokens=len(p), forward_passes=n))
+    return traces, time.monotonic() - start
+
+
+class LlamaCppTarget:
+    """llama.cpp behind the same `generate(prompt, params, stream=True)` as radixrt's backends.
+    It serves one request at a time (others queue), reusing the KV of the previous prompt's
+    common prefix as llama-cpp-python does."""
+
+    def __init__(self, gguf: Path, context_length: int = 8192, threads: int | None = None):
+        from llama_cpp import Llama
+
+        self.llm = Llama(model_path=str(gguf), n_ctx=context_length, n_threads=threads, verbose=False)
+        self.lock = threading.Lock()
+
+    def generate(self, prompt: str, params: dict, stream: bool = True) -> Iterator[dict[str, Any]]:
+        with self.lock:
+            ids = self.llm.tokenize(prompt.encode(), add_bos=False, special=True)
+            bias = {self.llm.token_eos(): float("-inf")} if params.get("ignore_eos") else None
+            count, text = 0, ""
+            for piece in self.llm.create_completion(ids, max_tokens=params["max_new_tokens"],
+                                                    temperature=params.get("temperature", 0), logit_bias=bias,
+                                                    stream=True):
+                count += 1
+                delta = piece["choices"][0]["text"]
+                text += delta
+                yield {"finished": False, "delta": delta, "token_ids": [0]}
+            yield {"finished": True, "text": text, "output_ids": [0] * count,
+                   "meta_info": {"prompt_tokens": len(ids), "cached_tokens": 0, "forward_passes": count,
+                                 "finish_reason": {"type": "length"}}}
+
+    def close(self) -> None:
+        self.llm.close()
+
+
+def llama_cpp_available() -> bool:
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        return False
+    return True

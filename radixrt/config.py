@@ -25,7 +25,7 @@ class ServerArgs:
     context_length: int | None = field(default=None, metadata={"help": "max prompt+output tokens per request (default: the model's)"})
     schedule_policy: str = field(default="lpm", metadata={"help": "lpm (longest prefix match), fcfs or dfs-weight", "choices": ["lpm", "fcfs", "dfs-weight"]})
     schedule_mode: str = field(default="continuous", metadata={"help": "continuous (requests join and leave at every step) or static (a new batch is admitted only once the previous one has fully finished: the baseline continuous batching is measured against)", "choices": ["continuous", "static"]})
-    chunked_prefill_size: int = field(default=2048, metadata={"help": "max prompt tokens of one request per step; longer prompts are prefilled in chunks (<=0 disables chunking)"})
+    chunked_prefill_size: int = field(default=2048, metadata={"help": "max prompt tokens per step (of one request and of all together); longer prompts are prefilled in chunks, so decodes are never stalled behind a long prefill (<=0 disables chunking)"})
     max_prefill_tokens: int = field(default=8192, metadata={"help": "max new prompt tokens admitted per step over all requests"})
     max_running_requests: int = field(default=256, metadata={"help": "max requests decoding at once"})
     disable_radix_cache: bool = field(default=False, metadata={"help": "turn prefix matching off (same code path, no reuse)"})

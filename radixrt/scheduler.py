@@ -146,7 +146,9 @@ class Scheduler:
 
     def _schedule(self) -> list[tuple[Req, int]]:
         self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
-        budget = self.args.max_prefill_tokens
+        chunk = self.args.chunked_prefill_size
+        # with chunking on, a step's prompt tokens are bounded too, so decodes never wait on a long prefill
+        budget = min(self.args.max_prefill_tokens, chunk) if chunk > 0 else self.args.max_prefill_tokens
         plan = []
         for req in self.running:
             n = self._chunk(req.tokens_to_compute, budget) if req.tokens_to_compute > 1 else 1

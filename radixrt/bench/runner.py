@@ -87,8 +87,9 @@ def _radixrt_target(args: argparse.Namespace, system: str):
     from radixrt.runtime import Engine, Runtime
 
     kind = Runtime if args.backend == "server" else Engine
+    tuned = {"chunked_prefill_size": args.chunked_prefill_size} if args.chunked_prefill_size else {}
     return kind(model=args.model, dtype=args.dtype, max_total_tokens=args.max_total_tokens, log_level="warning",
-                **VARIANTS[system])
+                **{**tuned, **VARIANTS[system]})
 
 
 def _result(system: str, load: Load, traces: list[RequestTrace], duration: float, slo: SLO,
@@ -119,7 +120,7 @@ def run_system(system: str, sessions: list[Session], loads: list[Load], args: ar
         if any(s.chat or len(s.turns) > 1 for s in sessions):
             print("transformers skipped: it runs single-turn raw prompts only")
             return []
-        traces, duration = run_transformers(model_dir, sessions, tokenizer, args.dtype)
+        traces, duration = run_transformers(model_dir, sessions, tokenizer, args.dtype, args.concurrency or 64)
         return [_result(system, Load(), traces, duration, slo)]
     if system == "llama.cpp":
         gguf = _gguf_of(args.model)
@@ -216,6 +217,7 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="default")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     parser.add_argument("--max-total-tokens", type=int, default=65536)
+    parser.add_argument("--chunked-prefill-size", type=int, help="radixrt's prefill chunk (default: the server's)")
     load = parser.add_argument_group("load")
     load.add_argument("--request-rate", type=float, help="open loop: Poisson arrivals per second (default: all at once)")
     load.add_argument("--concurrency", type=int, help="closed loop: this many clients, each sending its next "

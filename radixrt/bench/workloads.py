@@ -37,7 +37,7 @@ class Session:
 @dataclass
 class WorkloadConfig:
     num_requests: int = 64  # sessions (conversations for multi-turn)
-    max_new_tokens: int = 64  # mean output length; outputs vary from 1/4 to 7/4 of it unless fixed
+    max_new_tokens: int = 64  # mean output length; lengths are long-tailed (exponential, 4 to 4x) unless fixed
     fixed_output: bool = False
     prefix_tokens: int = 500  # shared system prompt (shared-prefix)
     question_tokens: int = 30
@@ -62,7 +62,7 @@ def text_of_tokens(rng: random.Random, tokenizer, num_tokens: int) -> str:
 def _new_tokens(rng: random.Random, cfg: WorkloadConfig) -> int:
     if cfg.fixed_output:
         return cfg.max_new_tokens
-    return rng.randint(max(cfg.max_new_tokens // 4, 1), max(cfg.max_new_tokens * 7 // 4, 1))
+    return min(max(round(rng.expovariate(1 / cfg.max_new_tokens)), 4), 4 * cfg.max_new_tokens)
 
 
 def _params(rng: random.Random, cfg: WorkloadConfig) -> dict:

@@ -26,11 +26,16 @@ demo: model
 test: model
 	$(BIN)/python -m pytest -q
 
-# The figures in docs/benchmarks.md: every workload at a size this 2-core CPU runs in about half an hour.
+# The figures in docs/benchmarks.md (about 30 minutes on a 2-core CPU; llama.cpp joins after `make bench-peers`).
 bench: model
-	$(BIN)/radixrt bench --workload all --num-requests 32
-	$(BIN)/radixrt bench --workload shared-prefix --num-requests 24 --sweep-rate 0.25,0.5,1,2 \
-		--systems radixrt,radixrt-static,radixrt-no-cache --output-dir bench_results/sweep
+	$(BIN)/radixrt bench --workload all --num-requests 16 --max-new-tokens 32 --long-tokens 2000 \
+		--chunked-prefill-size 512 --output-dir bench_results/all
+	$(BIN)/radixrt bench --workload shared-prefix --concurrency 32 --output-dir bench_results
+	$(BIN)/radixrt bench --workload json --output-dir bench_results
+	$(BIN)/radixrt bench --workload long-prompt --num-requests 16 --chunked-prefill-size 512 --output-dir bench_results
+	$(BIN)/radixrt bench --workload shared-prefix --num-requests 24 --sweep-rate 0.5,1,2,4 \
+		--systems radixrt,radixrt-static --output-dir bench_results
+	$(BIN)/radixrt bench --backend http --output-dir bench_results
 
 # llama.cpp as a peer in `radixrt bench`: llama-cpp-python compiles llama.cpp (several minutes).
 bench-peers: $(STAMP)

@@ -120,8 +120,10 @@ def run_system(system: str, sessions: list[Session], loads: list[Load], args: ar
         if any(s.chat or len(s.turns) > 1 for s in sessions):
             print("transformers skipped: it runs single-turn raw prompts only")
             return []
-        traces, duration = run_transformers(model_dir, sessions, tokenizer, args.dtype, args.concurrency or 64)
-        return [_result(system, Load(), traces, duration, slo)]
+        batch = args.concurrency or 64
+        result = _result(system, Load(), *run_transformers(model_dir, sessions, tokenizer, args.dtype, batch), slo)
+        result.load = f"padded batches of {batch}"
+        return [result]
     if system == "llama.cpp":
         gguf = _gguf_of(args.model)
         if not llama_cpp_available() or gguf is None:

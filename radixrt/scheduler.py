@@ -330,10 +330,10 @@ class Scheduler:
             req.first_token_time = req.first_token_time or now
             for token in req.guide.jump_forward(out.token_ids[i]) if req.guide else [out.token_ids[i]]:
                 self._append_token(req, token)
+                self.generated_tokens += 1
                 if req.finished:
                     self._finish(req)
                     break
-        self.generated_tokens += len(sample_reqs)
         sample_reqs += [r for r, _ in plan if r.finished and r not in sample_reqs]
         if all(n == 1 for _, n in plan):
             self._log_decode()

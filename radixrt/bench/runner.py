@@ -95,7 +95,7 @@ def _radixrt_target(args: argparse.Namespace, system: str):
 def _result(system: str, load: Load, traces: list[RequestTrace], duration: float, slo: SLO,
             stats_delta: dict[str, float] | None = None) -> RunResult:
     prompt = sum(t.prompt_tokens for t in traces)
-    tags = sorted({t.tag for t in traces if t.tag and not t.tag.startswith("conversation")})
+    tags = sorted({t.tag for t in traces if t.tag})
     result = RunResult(system, load.describe(), load.request_rate, load.concurrency, summarize(traces, duration, slo),
                        by_tag={tag: summarize([t for t in traces if t.tag == tag], duration, slo) for tag in tags},
                        short_itls=[gap for t in traces if t.tag == "short" for gap in t.itls()])

@@ -83,8 +83,8 @@ def multi_turn(tokenizer, cfg: WorkloadConfig) -> list[Session]:
     system = "You are a concise assistant for travellers. " + text_of_tokens(rng, tokenizer, 60)
     return [Session([Turn(f"Turn {t}: tell me about the {words(rng, 3)} of {rng.choice(CITIES)}. "
                           + text_of_tokens(rng, tokenizer, cfg.question_tokens), _params(rng, cfg))
-                     for t in range(cfg.turns)], system=system, chat=True, tag=f"conversation-{i}")
-            for i in range(cfg.num_requests)]
+                     for t in range(cfg.turns)], system=system, chat=True)
+            for _ in range(cfg.num_requests)]
 
 
 def long_prompt(tokenizer, cfg: WorkloadConfig) -> list[Session]:

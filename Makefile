@@ -26,11 +26,13 @@ demo: model
 test: model
 	$(BIN)/python -m pytest -q
 
-# The figures in docs/benchmarks.md (about 30 minutes on a 2-core CPU; llama.cpp joins after `make bench-peers`).
+# The figures in docs/benchmarks.md (about 55 minutes on a 2-core CPU; llama.cpp joins after `make bench-peers`).
 bench: model
 	$(BIN)/radixrt bench --workload all --num-requests 16 --max-new-tokens 32 --long-tokens 2000 \
 		--chunked-prefill-size 512 --output-dir bench_results/all
 	$(BIN)/radixrt bench --workload shared-prefix --concurrency 32 --output-dir bench_results
+	$(BIN)/radixrt bench --workload shared-prefix --systems radixrt,transformers,llama.cpp \
+		--output-dir bench_results/all-at-once
 	$(BIN)/radixrt bench --workload json --output-dir bench_results
 	$(BIN)/radixrt bench --workload long-prompt --num-requests 16 --chunked-prefill-size 512 --output-dir bench_results
 	$(BIN)/radixrt bench --workload shared-prefix --num-requests 24 --sweep-rate 0.5,1,2,4 \

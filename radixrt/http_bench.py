@@ -15,9 +15,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable
 
-import numpy as np
 from tqdm import tqdm
 
+from radixrt.bench.load import stream_into
+from radixrt.bench.metrics import RequestTrace, percentile
 from radixrt.http_gateway import render_chat
 from radixrt.runtime import Runtime, free_port
 
@@ -100,8 +101,8 @@ def _run_pass(name: str, conversations: list[list[str]], turn: Turn) -> PassResu
         with ThreadPoolExecutor(max_workers=len(conversations)) as pool:
             records = [r for records in pool.map(converse, conversations) for r in records]
         duration = time.monotonic() - start
-    first = np.percentile([ttft for index, ttft, _ in records if index == 0], [50, 99])
-    later = np.percentile([ttft for index, ttft, _ in records if index > 0] or [np.nan], [50, 99])
+    first = [percentile([ttft for index, ttft, _ in records if index == 0], q) for q in (50, 99)]
+    later = [percentile([ttft for index, ttft, _ in records if index > 0], q) for q in (50, 99)]
     prompt, cached, output = (sum(usage[i] for _, _, usage in records) for i in range(3))
     return PassResult(name, duration, output, output / duration, cached / max(prompt, 1), *map(float, [*first, *later]))
 
@@ -110,14 +111,11 @@ def _zmq_turn(runtime: Runtime, max_new_tokens: int) -> Turn:
     params = {"max_new_tokens": max_new_tokens, "temperature": 0}
 
     def turn(messages: list[dict[str, str]]) -> tuple[str, float, tuple[int, int, int]]:
-        start, ttft = time.monotonic(), None
-        for chunk in runtime.generate(render_chat(runtime.tokenizer, messages), params, stream=True):
-            if ttft is None and (chunk["finished"] or chunk["delta"]):
-                ttft = time.monotonic() - start
-            if chunk["finished"]:
-                meta = chunk["meta_info"]
-                return chunk["text"], ttft, (meta["prompt_tokens"], meta["cached_tokens"], meta["completion_tokens"])
-        raise RuntimeError("the stream ended without a final reply")
+        trace = RequestTrace(sent=time.monotonic())
+        text = stream_into(trace, runtime.generate(render_chat(runtime.tokenizer, messages), params, stream=True))
+        if trace.error or trace.done is None:
+            raise RuntimeError(trace.error or "the stream ended without a final reply")
+        return text, trace.ttft, (trace.prompt_tokens, trace.cached_tokens, trace.output_tokens)
 
     return turn
 

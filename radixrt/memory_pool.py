@@ -108,8 +108,8 @@ class TokenToKVPool:
         self.v_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
     def set_kv(self, layer_id: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.k_buffers[layer_id][slots] = k
-        self.v_buffers[layer_id][slots] = v
+        self.k_buffers[layer_id].index_copy_(0, slots, k)
+        self.v_buffers[layer_id].index_copy_(0, slots, v)
 
 
 def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

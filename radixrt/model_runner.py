@@ -14,6 +14,7 @@ from radixrt.forward_batch import ForwardBatch
 from radixrt.memory_pool import PageAllocator, ReqToTokenPool, TokenToKVPool, bytes_per_token
 from radixrt.model_loader import load_state_dict, resolve_model_path
 from radixrt.models import model_class
+from radixrt.models.prepacked_linear import prepack_available, prepack_linears
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +55,8 @@ class ModelRunner:
         model.load_weights(load_state_dict(self.model_path))
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
         self.model.rope.to(torch.float32)  # cos/sin tables stay exact; cast per use
+        if prepack_available(self.device, self.dtype):
+            prepack_linears(self.model)
         self.vocab_size = self.config.vocab_size
 
         self._init_pools()

@@ -85,8 +85,8 @@ class TorchAttentionBackend:
         gqa = q.shape[1] != k.shape[1]
         for item in meta.extends:
             qi = q[item.tokens].transpose(0, 1)
-            ki = k_buf[item.slots].transpose(0, 1)
-            vi = v_buf[item.slots].transpose(0, 1)
+            ki = gather_slots(k_buf, item.slots).transpose(0, 1)
+            vi = gather_slots(v_buf, item.slots).transpose(0, 1)
             oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=item.mask, is_causal=item.mask is None,
                                                 enable_gqa=gqa)
             out[item.tokens] = oi.transpose(0, 1)
@@ -97,8 +97,8 @@ class TorchAttentionBackend:
     @staticmethod
     def _decode(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, meta: TorchMetadata) -> torch.Tensor:
         """q [B, Hq, D] -> [B, Hq, D] over the shared prefix and each private suffix."""
-        kd = k_buf[meta.decode_slots]  # [B, L, Hkv, D]
-        vd = v_buf[meta.decode_slots]
+        kd = gather_slots(k_buf, meta.decode_slots)  # [B, L, Hkv, D]
+        vd = gather_slots(v_buf, meta.decode_slots)
         if not len(meta.shared_slots):
             od = F.scaled_dot_product_attention(q.unsqueeze(2), kd.transpose(1, 2), vd.transpose(1, 2),
                                                 attn_mask=meta.decode_mask[:, None, None, :],
@@ -109,7 +109,8 @@ class TorchAttentionBackend:
         scale = d ** -0.5
         qg = q.view(b, hkv, hq // hkv, d)
         # shared prefix: every query of a KV head against the prefix in one batched matmul
-        ks, vs = k_buf[meta.shared_slots].transpose(0, 1), v_buf[meta.shared_slots].transpose(0, 1)  # [Hkv, C, D]
+        ks = gather_slots(k_buf, meta.shared_slots).transpose(0, 1)  # [Hkv, C, D]
+        vs = gather_slots(v_buf, meta.shared_slots).transpose(0, 1)
         q_by_head = qg.permute(1, 0, 2, 3).reshape(hkv, -1, d)  # [Hkv, B*G, D]
         o1, lse1 = _softmax_attend(torch.bmm(q_by_head, ks.transpose(1, 2)) * scale, vs)
         o1 = o1.view(hkv, b, -1, d).permute(1, 0, 2, 3)
@@ -120,6 +121,12 @@ class TorchAttentionBackend:
         o2, lse2 = _softmax_attend(scores, vd.permute(0, 2, 1, 3))
         w1 = torch.sigmoid(lse1 - lse2)[..., None]  # softmax weight of the prefix half
         return (o1 * w1 + o2 * (1 - w1)).reshape(b, hq, d)
+
+
+def gather_slots(buf: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """`buf[slots]` for a pool buffer `[slots, H, D]`; index_select copies whole rows, 2-4x faster
+    than advanced indexing on the CPU."""
+    return buf.index_select(0, slots.flatten()).view(*slots.shape, *buf.shape[1:])
 
 
 def _softmax_attend(scores: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -18,10 +18,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
 class RotaryEmbedding(nn.Module):
@@ -42,10 +39,15 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos() * scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * scaling, persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos.index_select(0, positions).to(q.dtype)[:, None, :]
-        sin = self.sin.index_select(0, positions).to(q.dtype)[:, None, :]
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin `[tokens, 1, head_dim]` at `positions`, looked up once per forward for every layer."""
+        return (self.cos.index_select(0, positions).to(dtype)[:, None, :],
+                self.sin.index_select(0, positions).to(dtype)[:, None, :])
+
+
+def apply_rotary(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    cos, sin = cos_sin
+    return x * cos + _rotate_half(x) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -65,13 +67,12 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, rope: RotaryEmbedding,
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, cos_sin: tuple[torch.Tensor, torch.Tensor],
                 attn: AttentionBackend) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        q = apply_rotary(q.view(-1, self.num_heads, self.head_dim), cos_sin)
+        k = apply_rotary(k.view(-1, self.num_kv_heads, self.head_dim), cos_sin)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = rope(batch.positions, q, k)
         o = attn.forward(self.layer_id, q, k, v, batch)
         return self.o_proj(o.reshape(-1, self.q_size))
 
@@ -96,9 +97,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config.hidden_size, config.intermediate_size)
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, rope: RotaryEmbedding,
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, cos_sin: tuple[torch.Tensor, torch.Tensor],
                 attn: AttentionBackend) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), batch, rope, attn)
+        x = x + self.self_attn(self.input_layernorm(x), batch, cos_sin, attn)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -120,8 +121,9 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
         """Hidden states after the final norm, one row per new token."""
         x = self.embed_tokens(batch.input_ids)
+        cos_sin = self.rope(batch.positions, x.dtype)
         for layer in self.layers:
-            x = layer(x, batch, self.rope, attn)
+            x = layer(x, batch, cos_sin, attn)
         return self.norm(x)
 
     @torch.inference_mode()

@@ -3,7 +3,7 @@
 Decodes (one new token) are batched: their contexts are gathered into a padded
 `[B, Hkv, L, D]` view with a length mask. When all decodes share a cached prefix (the slots
 are the same: the radix tree gave them the same pages), that prefix is read once and attended
-by every query in one matmul, and only the private suffixes are gathered per request; the two
+by every query in one call, and only the private suffixes are gathered per request; the two
 halves are merged by their log-sum-exp (cascade attention). Extends (several new tokens) run one
 request at a time, each with a mask that sees its whole cached prefix and is causal over its
 new tokens.

@@ -48,6 +48,7 @@ class RunResult:
     cache_hit_rate: float | None = None  # cached prompt tokens / prompt tokens, over this run
     num_preemptions: int | None = None
     evicted_tokens: int | None = None
+    peak_used_tokens: int | None = None  # most KV slots in use at once (the cache is flushed before each load)
     mask_time_share: float | None = None  # constraint masks / step time
     by_tag: dict[str, Summary] = field(default_factory=dict)
     short_itls: list[float] = field(default_factory=list)  # long-prompt: every ITL gap of the short requests
@@ -103,6 +104,7 @@ def _result(system: str, load: Load, traces: list[RequestTrace], duration: float
         result.cache_hit_rate = sum(t.cached_tokens for t in traces) / max(prompt, 1)
         result.num_preemptions = int(stats_delta["num_preemptions"])
         result.evicted_tokens = int(stats_delta["evicted_tokens"])
+        result.peak_used_tokens = int(stats_delta["peak_used_tokens"])
         if stats_delta["constraint_mask_time_s"]:
             result.mask_time_share = stats_delta["constraint_mask_time_s"] / max(stats_delta["step_time_s"], 1e-9)
     return result
@@ -110,7 +112,7 @@ def _result(system: str, load: Load, traces: list[RequestTrace], duration: float
 
 def _stats_delta(before: dict, after: dict) -> dict[str, float]:
     keys = ("num_preemptions", "evicted_tokens", "constraint_mask_time_s", "step_time_s")
-    return {k: after[k] - before[k] for k in keys}
+    return {**{k: after[k] - before[k] for k in keys}, "peak_used_tokens": after["peak_used_tokens"]}
 
 
 def run_system(system: str, sessions: list[Session], loads: list[Load], args: argparse.Namespace, render,

@@ -115,6 +115,7 @@ def test_shared_prefix_against_baselines_and_peers(tiny_model_dir, tmp_path, cap
     results = json.loads((tmp_path / "shared-prefix.json").read_text())["results"]
     assert [r["system"] for r in results][:4] == ["radixrt", "radixrt-no-cache", "radixrt-static", "transformers"]
     assert results[0]["cache_hit_rate"] > 0.5 and results[1]["cache_hit_rate"] == 0
+    assert 0 < results[0]["peak_used_tokens"] < results[1]["peak_used_tokens"]  # shared pages held once
     assert all(r["summary"]["output_tokens"] > 0 for r in results)
     out = capsys.readouterr().out
     assert "llama.cpp" in out and "ratio: output throughput over transformers" in out  # llama.cpp run or skipped

@@ -33,6 +33,8 @@ bench: model
 	$(BIN)/radixrt bench --workload shared-prefix --concurrency 32 --output-dir bench_results
 	$(BIN)/radixrt bench --workload shared-prefix --systems radixrt,transformers,llama.cpp \
 		--output-dir bench_results/all-at-once
+	$(BIN)/radixrt bench --workload multi-turn --num-requests 16 --systems radixrt,radixrt-no-cache \
+		--output-dir bench_results
 	$(BIN)/radixrt bench --workload json --output-dir bench_results
 	$(BIN)/radixrt bench --workload long-prompt --num-requests 16 --chunked-prefill-size 512 --output-dir bench_results
 	$(BIN)/radixrt bench --workload shared-prefix --num-requests 24 --sweep-rate 0.5,1,2,4 \

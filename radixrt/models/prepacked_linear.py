@@ -21,7 +21,6 @@ def prepack_available(device: torch.device, dtype: torch.dtype) -> bool:
 class PrepackedLinear(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
-        self.out_features = weight.shape[0]
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), BATCH_HINT)
         self.bias = None if bias is None else bias.detach().clone()
 

@@ -51,3 +51,19 @@ def test_incremental_detokenizer_never_splits_a_character(default_model_dir):
     assert all("\ufffd" not in d for d in deltas)
     assert "".join(deltas) == tokenizer.decode(ids)
     assert sum(1 for d in deltas if d == "") > 0  # some tokens were only parts of a character
+
+
+
+def test_prepacked_linear_matches_f_linear_and_replaces_every_linear():
+    from radixrt.models.prepacked_linear import PrepackedLinear, prepack_available, prepack_linears
+
+    if not prepack_available(torch.device("cpu"), torch.float32):
+        pytest.skip("this torch has no oneDNN")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.Sequential(torch.nn.Linear(96, 8, bias=False)))
+    weight, bias = model[0].weight.detach().clone(), model[0].bias.detach().clone()
+    prepack_linears(model)
+    assert isinstance(model[0], PrepackedLinear) and isinstance(model[1][0], PrepackedLinear)
+    for rows in (1, 5, 70):  # any row count, not only the one the layout was tuned for
+        x = torch.randn(rows, 64)
+        torch.testing.assert_close(model[0](x), torch.nn.functional.linear(x, weight, bias), rtol=1e-5, atol=1e-5)

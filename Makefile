@@ -26,7 +26,7 @@ demo: model
 test: model
 	$(BIN)/python -m pytest -q
 
-# The figures in docs/benchmarks.md (about 70 minutes on a 2-core CPU; llama.cpp joins after `make bench-peers`).
+# The figures in docs/benchmarks.md (about 50 minutes on a 2-core CPU; llama.cpp joins after `make bench-peers`).
 bench: model
 	$(BIN)/radixrt bench --workload all --num-requests 16 --max-new-tokens 32 --long-tokens 2000 \
 		--chunked-prefill-size 512 --output-dir bench_results/all

@@ -30,8 +30,7 @@ class _ExtendItem:
 @dataclass
 class TorchMetadata:
     decode_tokens: torch.Tensor  # [Bd] rows of q/o that are decodes
-    shared_slots: torch.Tensor | slice  # KV slots every decode shares at its start (a slice when contiguous)
-    shared_len: int  # how many (0: no shared prefix)
+    shared_slots: torch.Tensor | slice | None  # KV slots all decodes start with; a slice if contiguous, None if few
     decode_slots: torch.Tensor  # [Bd, L] the rest of each decode's context, padded with slot 0
     decode_bias: torch.Tensor  # [Bd, 1, 1, L] 0 where decode_slots is real, -inf on the padding
     extends: list[_ExtendItem]
@@ -64,7 +63,7 @@ class TorchAttentionBackend:
             extends.append(_ExtendItem(slice(starts[i], starts[i + 1]), slots, mask))
         empty = torch.empty(0, dtype=torch.long, device=device)
         if not decodes:
-            batch.attn_metadata = TorchMetadata(empty, empty, 0, empty, empty, extends)
+            batch.attn_metadata = TorchMetadata(empty, None, empty, empty, extends)
             return
         lens = torch.tensor([seq_lens[i] for i in decodes], device=device)
         max_len = int(lens.max())
@@ -74,10 +73,11 @@ class TorchAttentionBackend:
         if shared < MIN_SHARED_PREFIX:
             shared = 0
         decode_tokens = torch.tensor([starts[i] for i in decodes], device=device)
-        slots, mask, shared_slots = slots[:, shared:], mask[:, shared:], _as_run(slots[0, :shared])
+        shared_slots = _as_run(slots[0, :shared]) if shared else None
+        slots, mask = slots[:, shared:], mask[:, shared:]
         bias = torch.zeros(mask.shape, dtype=self.kv_pool.k_buffers[0].dtype, device=device)
         bias.masked_fill_(~mask, float("-inf"))
-        batch.attn_metadata = TorchMetadata(decode_tokens, shared_slots, shared, slots.masked_fill(~mask, 0),
+        batch.attn_metadata = TorchMetadata(decode_tokens, shared_slots, slots.masked_fill(~mask, 0),
                                             bias[:, None, None, :], extends)
 
     def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -103,7 +103,7 @@ class TorchAttentionBackend:
         """q [B, Hq, D] -> [B, Hq, D] over the shared prefix and each private suffix."""
         kd = gather_slots(k_buf, meta.decode_slots)  # [B, L, Hkv, D]
         vd = gather_slots(v_buf, meta.decode_slots)
-        if not meta.shared_len:
+        if meta.shared_slots is None:
             od = F.scaled_dot_product_attention(q.unsqueeze(2), kd.transpose(1, 2), vd.transpose(1, 2),
                                                 attn_mask=meta.decode_bias,
                                                 enable_gqa=q.shape[1] != kd.shape[2])
@@ -133,7 +133,7 @@ def gather_slots(buf: torch.Tensor, slots: torch.Tensor | slice) -> torch.Tensor
 
 def _as_run(slots: torch.Tensor) -> torch.Tensor | slice:
     """`slots` as a slice when they are consecutive (a prefix written by one prefill usually is)."""
-    if len(slots) and bool((slots.diff() == 1).all()):
+    if bool((slots.diff() == 1).all()):
         return slice(int(slots[0]), int(slots[-1]) + 1)
     return slots
 

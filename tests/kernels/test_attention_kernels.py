@@ -19,6 +19,63 @@ HEAD_CASES = [(4, 4, 16), (6, 2, 32), (8, 1, 64), (3, 1, 128), (6, 2, 80), (3, 3
 TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.float16: dict(atol=5e-3, rtol=5e-3)}
 
 
+class LaunchSpy:
+    """Stands in for a @triton.jit kernel in its module: records the grid and keyword arguments
+    (the tile sizes among them) of every launch, then launches the real kernel with them."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+        self.launches: list[tuple[tuple, dict]] = []
+
+    def __getitem__(self, grid):
+        launch = self.kernel[grid]
+
+        def run(*args, **kwargs):
+            self.launches.append((tuple(grid), kwargs))
+            return launch(*args, **kwargs)
+
+        return run
+
+
+def _spy(monkeypatch, module, name: str) -> LaunchSpy:
+    spy = LaunchSpy(getattr(module, name))
+    monkeypatch.setattr(module, name, spy)
+    return spy
+
+
+class TileSpy:
+    """Stands in for `_attend_block`, which every key/value tile of both kernels passes through
+    (the interpreter runs kernels as Python): records each tile's (query rows, key rows)."""
+
+    def __init__(self, attend_block):
+        self.attend_block = attend_block
+        self.tiles: list[tuple[int, int]] = []
+
+    def __call__(self, q, k, *rest):
+        self.tiles.append((int(q.shape[0]), int(k.shape[0])))
+        return self.attend_block(q, k, *rest)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _extend_tiles(prefix_lens, extend_lens, block_m, block_n) -> list[tuple[int, int]]:
+    """Per query tile of every request: the tiles its prefix loop and its causal loop run."""
+    return [(_cdiv(p, block_n), _cdiv(min(m + block_m, e), block_n))
+            for p, e in zip(prefix_lens, extend_lens) for m in range(0, e, block_m)]
+
+
+def _decode_tiles(context_lens, num_splits, block_n) -> list[int]:
+    """Per non-empty split of every request: the tiles its loop runs."""
+    tiles = []
+    for n in context_lens:
+        split_len = _cdiv(n, num_splits)
+        for lo in range(0, n, split_len):
+            tiles.append(_cdiv(min(lo + split_len, n) - lo, block_n))
+    return tiles
+
+
 def _indptr(lens: list[int]) -> torch.Tensor:
     return torch.tensor([0] + lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
 
@@ -73,9 +130,22 @@ def test_extend_matches_reference(heads, logit_cap):
 
 @pytest.mark.parametrize("block_m,block_n", [(16, 16), (32, 16), (16, 32)])
 def test_extend_multiple_blocks(monkeypatch, block_m, block_n):
-    # Small tiles so prefix and causal loops run several iterations, including tiles fully above the diagonal.
+    """Small tiles so the query, prefix and causal loops each run several tiles; the kernel was
+    launched with the patched tile sizes (so the interpreter really covered those loops)."""
     monkeypatch.setattr(extend_attention, "_launch_config", lambda block_d: dict(BLOCK_M=block_m, BLOCK_N=block_n))
-    _run_extend(6, 2, 32, prefix_lens=[0, 21, 40], extend_lens=[37, 1, 18], logit_cap=3.0)
+    spy = _spy(monkeypatch, extend_attention, "_extend_kernel")
+    tiles = TileSpy(extend_attention._attend_block)
+    monkeypatch.setattr(extend_attention, "_attend_block", tiles)
+    heads, prefix_lens, extend_lens = 6, [0, 21, 40], [37, 1, 18]
+    _run_extend(heads, 2, 32, prefix_lens=prefix_lens, extend_lens=extend_lens, logit_cap=3.0)
+
+    [(grid, kwargs)] = spy.launches
+    assert (kwargs["BLOCK_M"], kwargs["BLOCK_N"]) == (block_m, block_n)
+    assert grid == (3, heads, _cdiv(max(extend_lens), block_m)) and grid[2] > 1, "one query tile per request"
+    assert set(tiles.tiles) == {(block_m, block_n)}, "the kernel ran with other tile sizes than patched"
+    expected = _extend_tiles(prefix_lens, extend_lens, block_m, block_n)
+    assert max(p for p, _ in expected) > 1 and max(c for _, c in expected) > 1, "a loop ran one tile only"
+    assert len(tiles.tiles) == heads * sum(p + c for p, c in expected), "tiles skipped or repeated"
 
 
 @pytest.mark.parametrize("logit_cap", [0.0, 5.0])
@@ -87,9 +157,21 @@ def test_decode_matches_reference(heads, num_kv_splits, logit_cap):
 
 
 def test_decode_multiple_blocks_per_split(monkeypatch):
+    """A 16-key tile so a split spans several tiles; the kernel was launched with that tile and
+    the requested splits, and some split's loop ran more than one tile."""
     monkeypatch.setattr(decode_attention, "_launch_config", lambda block_d: dict(BLOCK_N=16))
+    spy = _spy(monkeypatch, decode_attention, "_decode_split_kernel")
+    tiles = TileSpy(decode_attention._attend_block)
+    monkeypatch.setattr(decode_attention, "_attend_block", tiles)
     _run_decode(8, 1, 64, context_lens=[39, 1, 70], num_kv_splits=3, logit_cap=4.0)
     _run_decode(8, 1, 64, context_lens=[5, 2], num_kv_splits=7)  # splits > context, non-power-of-two
+
+    assert [grid for grid, _ in spy.launches] == [(3, 1, 3), (2, 1, 7)]
+    assert all(kwargs["BLOCK_N"] == 16 for _, kwargs in spy.launches)
+    assert set(tiles.tiles) == {(16, 16)}, "the kernel ran with another key tile than patched"  # 16 query rows: BLOCK_H
+    expected = _decode_tiles([39, 1, 70], 3, 16) + _decode_tiles([5, 2], 7, 16)
+    assert max(expected) > 1, "no split runs more than one tile"
+    assert len(tiles.tiles) == sum(expected), "tiles skipped or repeated"
 
 
 def test_half_precision():

@@ -3,8 +3,10 @@
 import pytest
 from helpers import run_in_process
 
+from radixrt.attention import triton_backend
 from radixrt.attention.triton_backend import TritonAttentionBackend
 from radixrt.config import ServerArgs
+from radixrt.kernels import decode_attention, extend_attention
 from radixrt.scheduler import Scheduler
 
 SAMPLING = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
@@ -49,3 +51,42 @@ def test_triton_backend_matches_torch(tiny_model_dir, monkeypatch, config):
     assert any(p > 0 and e > 1 for pre, ext in steps for p, e in zip(pre, ext)), "no extend over a cached prefix"
     if config == "chunked":
         assert any(1 in ext and max(ext) > 1 for _, ext in steps), "no mixed decode + extend step"
+
+
+class LaunchSpy:
+    """Stands in for a @triton.jit kernel in its module: records the grid and keyword arguments
+    of every launch, then launches the real kernel with them."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+        self.launches: list[tuple[tuple, dict]] = []
+
+    def __getitem__(self, grid):
+        launch = self.kernel[grid]
+
+        def run(*args, **kwargs):
+            self.launches.append((tuple(grid), kwargs))
+            return launch(*args, **kwargs)
+
+        return run
+
+
+def test_triton_backend_small_tiles_matches_torch(tiny_model_dir, monkeypatch):
+    """With 16-token tiles and a split every 8 keys, the model's prompts span several query and key
+    tiles and decodes several KV splits; the kernels ran with those sizes, and the greedy tokens
+    still equal the torch backend's."""
+    expected = _run(tiny_model_dir, "torch", **CONFIGS["whole"])
+    monkeypatch.setattr(extend_attention, "_launch_config", lambda block_d: dict(BLOCK_M=16, BLOCK_N=16))
+    monkeypatch.setattr(decode_attention, "_launch_config", lambda block_d: dict(BLOCK_N=16))
+    monkeypatch.setattr(triton_backend, "MIN_SPLIT_LEN", 8)
+    extend = LaunchSpy(extend_attention._extend_kernel)
+    decode = LaunchSpy(decode_attention._decode_split_kernel)
+    monkeypatch.setattr(extend_attention, "_extend_kernel", extend)
+    monkeypatch.setattr(decode_attention, "_decode_split_kernel", decode)
+    assert _run(tiny_model_dir, "triton", **CONFIGS["whole"]) == expected
+
+    assert extend.launches and decode.launches
+    assert all((kw["BLOCK_M"], kw["BLOCK_N"]) == (16, 16) for _, kw in extend.launches)
+    assert all(kw["BLOCK_N"] == 16 for _, kw in decode.launches)
+    assert max(grid[2] for grid, _ in extend.launches) > 1, "no extend spanned two query tiles"
+    assert max(grid[2] for grid, _ in decode.launches) > 1, "no decode ran several KV splits"

@@ -38,9 +38,10 @@ def free_port() -> int:
 class Runtime(RuntimeEndpoint):
     """Starts `radixrt serve` on a free loopback port (unless `port=` is given), waits until it
     is healthy, and is a backend; `.shutdown()`, leaving a `with` block, interpreter exit or
-    garbage collection stop the process."""
+    garbage collection stop the process. `timeout` bounds each wait for a reply (as on
+    `RuntimeEndpoint`); every other keyword is a server setting (`ServerArgs`)."""
 
-    def __init__(self, model: str = "default", **server_args: Any):
+    def __init__(self, model: str = "default", timeout: float | None = None, **server_args: Any):
         self.args = ServerArgs.from_kwargs(model=model, **server_args)
         self._tmp = Path(tempfile.mkdtemp(prefix="radixrt-"))
         self._configure_endpoint(port_given="port" in server_args)
@@ -48,7 +49,8 @@ class Runtime(RuntimeEndpoint):
         self._proc = self._launch()
         server_key = zmq.curve_public(self.args.curve_secret_key.encode()).decode() \
             if self.args.curve_secret_key else None
-        super().__init__(self.args.endpoint, api_key=self.args.api_key, curve_server_key=server_key)
+        super().__init__(self.args.endpoint, api_key=self.args.api_key, timeout=timeout,
+                         curve_server_key=server_key)
         self._finalizer = weakref.finalize(self, _stop, self._proc, self.client, self._tmp)
         self._wait_ready()
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 import radixrt as rt
+from timeouts import REPLY_TIMEOUT_S
 from helpers import hf_greedy, shared_prefix_prompts
 
 MAX_NEW = 12
@@ -21,7 +22,7 @@ CONFIGS = {
 
 
 def _run_twice(folder, prompts, expected, overrides):
-    with rt.Engine(model=str(folder), log_level="warning", **{"max_total_tokens": 4096, **overrides}) as engine:
+    with rt.Engine(model=str(folder), log_level="warning", timeout=REPLY_TIMEOUT_S, **{"max_total_tokens": 4096, **overrides}) as engine:
         for attempt in ("cold", "warm"):
             outs = engine.generate(input_ids=prompts, sampling_params={
                 "max_new_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True})

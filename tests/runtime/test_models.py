@@ -8,6 +8,7 @@ from helpers import hf_greedy
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 import radixrt as rt
+from timeouts import REPLY_TIMEOUT_S
 from radixrt.detokenizer import IncrementalDetokenizer
 
 SMALL = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -36,7 +37,7 @@ def test_variant_matches_transformers(name, tmp_path, tiny_model_dir):
     prompts = [tokenizer.encode(t, add_special_tokens=False) for t in
                ["The quick brown fox jumps over the lazy dog and then", "The quick brown fox sleeps", "Hello"]]
     expected = hf_greedy(tmp_path, prompts, 8)
-    with rt.Engine(model=str(tmp_path), max_total_tokens=1024, log_level="warning") as engine:
+    with rt.Engine(model=str(tmp_path), max_total_tokens=1024, log_level="warning", timeout=REPLY_TIMEOUT_S) as engine:
         outs = engine.generate(input_ids=prompts, sampling_params={"max_new_tokens": 8, "temperature": 0,
                                                                    "ignore_eos": True})
     assert [o["output_ids"] for o in outs] == expected

@@ -10,6 +10,7 @@ import threading
 import pytest
 
 import radixrt as rt
+from timeouts import REPLY_TIMEOUT_S
 
 REGEXES = {
     "integer": r"-?[0-9]{1,6}",
@@ -56,7 +57,7 @@ SAMPLES = 20
 @pytest.fixture(scope="module", params=[True, False], ids=["jump-forward", "token-by-token"])
 def engine(request, default_model_dir):
     with rt.Engine(model=str(default_model_dir), max_total_tokens=8192, enable_jump_forward=request.param,
-                   log_level="warning") as e:
+                   log_level="warning", timeout=REPLY_TIMEOUT_S) as e:
         yield e
 
 
@@ -112,7 +113,7 @@ def test_bad_constraints_fail_only_their_request(engine):
 
 def test_constrained_decoding_survives_preemption(default_model_dir):
     with rt.Engine(model=str(default_model_dir), max_total_tokens=160, max_running_requests=8,
-                   log_level="warning") as engine:
+                   log_level="warning", timeout=REPLY_TIMEOUT_S) as engine:
         prompt = _prompt(engine, "List some numbers.")
         pattern = r"[0-9]{2}(, [0-9]{2}){10,14}"
         outs = engine.generate(prompt, {"temperature": 0.7, "seed": 1, "n": 6, "max_new_tokens": 60, "regex": pattern})
@@ -127,7 +128,7 @@ FLAT = {"type": "object", "properties": {"name": {"type": "string", "maxLength":
 
 def test_jump_forward_saves_forward_passes(default_model_dir):
     """Forced keys and punctuation come in one extend: fewer forwards than output tokens."""
-    with rt.Engine(model=str(default_model_dir), log_level="warning") as engine:
+    with rt.Engine(model=str(default_model_dir), log_level="warning", timeout=REPLY_TIMEOUT_S) as engine:
         out = engine.generate(_prompt(engine, "A person as JSON."), {"temperature": 0, "max_new_tokens": 64,
                                                                       "json_schema": FLAT})
     meta = out["meta_info"]

@@ -14,21 +14,43 @@ from typing import Any, AsyncIterator, Callable, Iterator
 import msgpack
 import zmq
 
+from radixrt.protocol import ErrorCode, error_reply
+
 HEARTBEAT_S = 1.0  # ping period while requests are in flight; the runtime aborts a silent client's requests
 
-ERROR_TYPES = {"invalid_request": ValueError, "unknown_op": ValueError, "bad_message": ValueError,
-               "unauthorized": PermissionError, "connection_lost": ConnectionError}
 
 
 class RemoteError(RuntimeError):
-    """A failure the runtime reported for one request."""
+    """A failure the runtime reported for one request; `.code` is its stable `ErrorCode` value
+    (a plain string for a code this client does not know), `.message` the runtime's words."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(f"{code}: {message}")
+        self.code, self.message = code, message
+
+
+class InvalidRequestError(RemoteError, ValueError):
+    """The request itself is wrong (a field, a constraint, a prompt too long); resending it fails again."""
+
+
+class AuthenticationError(RemoteError, PermissionError):
+    pass
+
+
+class ConnectionLostError(RemoteError, ConnectionError):
+    pass
+
+
+_ERROR_CLASSES = {ErrorCode.INVALID_REQUEST: InvalidRequestError, ErrorCode.CONTEXT_LENGTH_EXCEEDED: InvalidRequestError,
+                  ErrorCode.INVALID_CONSTRAINT: InvalidRequestError, ErrorCode.UNAUTHORIZED: AuthenticationError,
+                  ErrorCode.CONNECTION_LOST: ConnectionLostError, ErrorCode.WORKER_LOST: ConnectionLostError}
 
 
 def raise_for(reply: dict[str, Any]) -> None:
     err = reply.get("error")
     if err:
-        cls = ERROR_TYPES.get(err.get("type"), RemoteError)
-        raise cls(f"{err.get('type')}: {err.get('message')}")
+        code = err.get("code") or err.get("type")
+        raise _ERROR_CLASSES.get(ErrorCode.parse(code), RemoteError)(code, err.get("message"))
 
 
 class RuntimeClient:
@@ -184,7 +206,7 @@ class RuntimeClient:
         with self._lock:
             pending, self._pending = self._pending, {}
         for rid, deliver in pending.items():
-            deliver({"rid": rid, "error": {"type": "connection_lost", "message": message}})
+            deliver(error_reply(rid, ErrorCode.CONNECTION_LOST, message))
 
 
 def _num_samples(fields: dict[str, Any]) -> int:

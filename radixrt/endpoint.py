@@ -72,6 +72,10 @@ class RuntimeEndpoint:
         """Raise if a KV slot, request row or lock count is out of place (see DESIGN.md)."""
         self.client.call("check_invariants", self.timeout)
 
+    def memory_snapshot(self) -> dict[str, Any]:
+        """Who holds which KV slot (free pages, tree nodes, requests, pins), as plain data."""
+        return self.client.call("memory_snapshot", self.timeout)
+
     def pin(self, pin_id: str, prompt: Prompt) -> int:
         """Keep the cached prefix of `prompt` from eviction until `unpin`; returns tokens pinned."""
         key = "text" if isinstance(prompt, str) else "input_ids"

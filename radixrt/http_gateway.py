@@ -37,6 +37,7 @@ from radixrt.config import SECRETS, ServerArgs
 from radixrt.constrained import DTYPE_REGEXES, JSON_WHITESPACE
 from radixrt.endpoint import Prompt, RuntimeEndpoint
 from radixrt.prometheus_metrics import GatewayMetrics
+from radixrt.protocol import ErrorCode
 
 logger = logging.getLogger(__name__)
 
@@ -45,10 +46,22 @@ PARENT_POLL_S = 1.0
 HEALTH_TIMEOUT_S = 5.0
 STOP_TIMEOUT_S = 10
 ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
-RUNTIME_EXCEPTIONS = (RemoteError, ValueError, PermissionError, ConnectionError)
-# runtime error type -> (HTTP status, OpenAI error type)
-RUNTIME_ERRORS = {"invalid_request": (400, "invalid_request_error"), "unauthorized": (401, "authentication_error"),
-                  "overloaded": (503, "overloaded_error"), "connection_lost": (503, "server_error")}
+RUNTIME_EXCEPTIONS = (RemoteError, ValueError, ConnectionError)
+# the runtime's error code -> (HTTP status, OpenAI error type); never decided from message text
+HTTP_ERRORS = {
+    ErrorCode.INVALID_REQUEST: (400, "invalid_request_error"),
+    ErrorCode.CONTEXT_LENGTH_EXCEEDED: (400, "invalid_request_error"),
+    ErrorCode.INVALID_CONSTRAINT: (400, "invalid_request_error"),
+    ErrorCode.UNAUTHORIZED: (401, "authentication_error"),
+    ErrorCode.RATE_LIMITED: (429, "rate_limit_error"),
+    ErrorCode.ABORTED: (499, "client_disconnected"),
+    ErrorCode.OVERLOADED: (503, "overloaded_error"),
+    ErrorCode.DRAINING: (503, "overloaded_error"),
+    ErrorCode.CONNECTION_LOST: (503, "server_error"),
+    ErrorCode.WORKER_LOST: (503, "server_error"),
+    ErrorCode.TIMEOUT: (504, "timeout_error"),
+    ErrorCode.INTERNAL_ERROR: (500, "server_error"),
+}
 
 
 def _json_object_regex() -> str:
@@ -88,10 +101,14 @@ class APIError(Exception):
 
 
 def _from_runtime(e: Exception) -> APIError:
-    kind, _, message = str(e).partition(": ")  # radixrt.client.raise_for words it "type: message"
-    status, api_kind = RUNTIME_ERRORS.get(kind, (500, "server_error"))
-    code = "context_length_exceeded" if message.startswith("the prompt has") else None
-    return APIError(status, message or str(e), api_kind, code=code)
+    """The runtime's error as OpenAI's, by its code; a ValueError raised on this side (before any
+    request was sent) is the caller's mistake, any other failure a lost runtime."""
+    if isinstance(e, RemoteError):
+        status, api_kind = HTTP_ERRORS.get(ErrorCode.parse(e.code), (500, "server_error"))
+        return APIError(status, e.message, api_kind, code=e.code)
+    if isinstance(e, ValueError):
+        return APIError(400, str(e), code=ErrorCode.INVALID_REQUEST.value)
+    return APIError(503, str(e), "server_error", code=ErrorCode.CONNECTION_LOST.value)
 
 
 # ---- requests ----------------------------------------------------------------------------------

@@ -9,8 +9,40 @@ from typing import Any
 import torch
 
 from radixrt.detokenizer import IncrementalDetokenizer
+from radixrt.protocol import ErrorCode
 from radixrt.radix_cache import TreeNode
 from radixrt.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class FinishReason:
+    """Why a request ended. `stop` carries the matched token id or string, `length` the tokens
+    generated, `abort` a message; an abort with an `error` code reaches the client as that
+    error instead of a result (a constraint that does not compile)."""
+
+    type: str  # "stop" | "length" | "abort"
+    matched: int | str | None = None
+    length: int | None = None
+    message: str | None = None
+    error: ErrorCode | None = None
+
+    @classmethod
+    def stop(cls, matched: int | str) -> "FinishReason":
+        return cls("stop", matched=matched)
+
+    @classmethod
+    def at_length(cls, length: int) -> "FinishReason":
+        return cls("length", length=length)
+
+    @classmethod
+    def abort(cls, message: str, error: ErrorCode | None = None) -> "FinishReason":
+        return cls("abort", message=message, error=error)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The wire form, `meta_info["finish_reason"]`."""
+        fields = {"matched": self.matched, "length": self.length, "message": self.message}
+        return {"type": self.type, **{k: v for k, v in fields.items() if v is not None or
+                                      (k == "matched" and self.type == "stop")}}
 
 
 @dataclass(eq=False)
@@ -25,7 +57,7 @@ class Req:
     output_ids: list[int] = field(default_factory=list)
     all_ids: list[int] = field(default_factory=list)  # input_ids + output_ids
     text: str = ""
-    finish_reason: dict[str, Any] | None = None
+    finish_reason: FinishReason | None = None
 
     # Memory state; see memory_pool.py for who owns which part of the row.
     row: int | None = None
@@ -36,7 +68,6 @@ class Req:
     # Structured output: the compiled constraint (a Future while it compiles) and the walk in it
     constraint: Any = None
     guide: Any = None
-    error: str | None = None  # a per-request failure reported instead of a result (bad constraint)
 
     # Accounting
     admitted_once: bool = False
@@ -73,7 +104,7 @@ class Req:
             "prompt_tokens": len(self.input_ids),
             "cached_tokens": self.cached_tokens,
             "completion_tokens": len(self.output_ids),
-            "finish_reason": self.finish_reason,
+            "finish_reason": self.finish_reason.to_dict() if self.finish_reason else None,
             "e2e_latency": end - self.arrival,
             "ttft": (self.first_token_time - self.arrival) if self.first_token_time else None,
             "num_preemptions": self.num_preemptions,

@@ -19,7 +19,8 @@ from radixrt.detokenizer import IncrementalDetokenizer
 from radixrt.forward_batch import ForwardBatch
 from radixrt.model_runner import ModelRunner
 from radixrt.radix_cache import RadixCache
-from radixrt.request import Req
+from radixrt.protocol import ErrorCode, RequestError
+from radixrt.request import FinishReason, Req
 from radixrt.sampler import sample
 from radixrt.sampling_params import SamplingParams
 from radixrt.schedule_policy import match_key, order_waiting
@@ -49,6 +50,7 @@ class Scheduler:
         self.cached_tokens_total = 0
         self.num_preemptions = 0
         self.generated_tokens = 0
+        self.aborted_requests = 0  # by their clients (an abort op or a client gone silent)
         self.peak_used_tokens = 0
         self.step_time = 0.0  # seconds in forward + sampling
         self.mask_time = 0.0  # of which, building and applying constraint masks
@@ -68,7 +70,7 @@ class Scheduler:
             raise ValueError(f"token ids must be ints in [0, {self.runner.vocab_size})")
         limit = min(self.runner.context_length, self.allocator.total_tokens)
         if len(input_ids) >= limit:
-            raise ValueError(f"the prompt has {len(input_ids)} tokens; this server takes at most {limit - 1} "
+            raise RequestError(ErrorCode.CONTEXT_LENGTH_EXCEEDED, f"the prompt has {len(input_ids)} tokens; this server takes at most {limit - 1} "
                              f"(context length {self.runner.context_length}, pool {self.allocator.total_tokens})")
         seed = params.seed + sample_index if params.seed is not None else \
             int(torch.randint(0, 2**62, (1,), generator=self._seeds))
@@ -96,8 +98,7 @@ class Scheduler:
             req.guide = self.compiler.guide(req.constraint.result(), jump_forward=jump)
             return True
         except ValueError as e:
-            req.error = str(e)
-            req.finish_reason = {"type": "abort", "message": str(e)}
+            req.finish_reason = FinishReason.abort(str(e), ErrorCode.INVALID_CONSTRAINT)
             self._finish(req)
             return False
 
@@ -109,8 +110,9 @@ class Scheduler:
         def hit(r: Req) -> bool:
             return r.rid == rid or r.rid.startswith(rid + "-")
         aborted = [r for r in self.waiting + self.running if hit(r)]
+        self.aborted_requests += len(aborted)
         for req in aborted:
-            req.finish_reason = {"type": "abort", "message": "aborted by the client"}
+            req.finish_reason = FinishReason.abort("aborted by the client")
             self._finish(req)
         return aborted
 
@@ -188,7 +190,7 @@ class Scheduler:
             if self._alloc_slots(req, n):
                 kept.append((req, n))
             else:  # a lone request larger than the whole pool
-                req.finish_reason = {"type": "abort", "message": "the KV pool cannot hold this request"}
+                req.finish_reason = FinishReason.abort("the KV pool cannot hold this request")
                 self._finish(req)
         return kept
 
@@ -308,7 +310,7 @@ class Scheduler:
             if n > 1 or not req.output_ids:
                 self._cache_unfinished(req)  # share the prompt with requests admitted after it
             if req.tokens_to_compute == 0 and req.params.max_new_tokens == 0:  # scoring: prompt logprobs only
-                req.finish_reason = {"type": "length", "length": 0}
+                req.finish_reason = FinishReason.at_length(0)
                 self._finish(req)
             elif req.tokens_to_compute == 0:
                 sample_rows.append(offset + n - 1)
@@ -377,10 +379,10 @@ class Scheduler:
             if token != self.compiler.eos_token_id and req.guide.allowed_only_eos():
                 # the constraint is complete: finish without a forward that could only yield EOS
                 req.text += req.detokenizer.add(token) + req.detokenizer.flush()
-                req.finish_reason = {"type": "stop", "matched": self.compiler.eos_token_id}
+                req.finish_reason = FinishReason.stop(self.compiler.eos_token_id)
                 return
         if token in self._stop_ids(req):
-            req.finish_reason = {"type": "stop", "matched": token}
+            req.finish_reason = FinishReason.stop(token)
             req.text += req.detokenizer.flush()
             return
         delta = req.detokenizer.add(token)
@@ -389,10 +391,10 @@ class Scheduler:
             pos = req.text.find(stop, max(0, len(req.text) - len(delta) - len(stop) + 1))
             if pos != -1:
                 req.text = req.text[:pos]
-                req.finish_reason = {"type": "stop", "matched": stop}
+                req.finish_reason = FinishReason.stop(stop)
                 return
         if len(req.output_ids) >= params.max_new_tokens or len(req.all_ids) >= self.runner.context_length:
-            req.finish_reason = {"type": "length", "length": len(req.output_ids)}
+            req.finish_reason = FinishReason.at_length(len(req.output_ids))
             req.text += req.detokenizer.flush()
 
     # ---- moving slots between the request and the tree --------------------------------------
@@ -453,6 +455,7 @@ class Scheduler:
             "evicted_tokens": self.tree.evicted_tokens,
             "free_request_rows": self.runner.req_to_token_pool.available(),
             "generated_tokens": self.generated_tokens,
+            "aborted_requests": self.aborted_requests,
             "peak_used_tokens": self.peak_used_tokens,
             "pins": len(self.pins),
             "step_time_s": self.step_time,
@@ -464,6 +467,29 @@ class Scheduler:
             return False
         self.peak_used_tokens = 0
         return self.tree.flush()
+
+    def memory_snapshot(self) -> dict[str, Any]:
+        """Who holds which KV slot, as plain data, for checkers that must not share this code:
+        the free pages, every tree node (its slots, lock count, parent), every running request's
+        row split at tree_len and kv_len (and its partly filled last page), and the pinned nodes."""
+        p = self.page_size
+        nodes = [n for n in self.tree.all_nodes() if n is not self.tree.root]
+        return {
+            "page_size": p,
+            "num_pages": self.allocator.num_pages,
+            "free_pages": self.allocator.free_page_ids().tolist(),
+            "root": self.tree.root.id,
+            "nodes": [{"id": n.id, "parent": n.parent.id, "slots": n.value.tolist(), "lock_ref": n.lock_ref}
+                      for n in nodes],
+            "requests": [{"rid": r.rid, "last_node": r.last_node.id,
+                          "tree_slots": self.req_to_token[r.row, :r.tree_len].tolist(),
+                          "own_slots": self.req_to_token[r.row, r.tree_len:r.kv_len].tolist()}
+                         for r in self.running],
+            "pinned_nodes": [n.id for n in self.pins.values()],
+            "rows": self.runner.req_to_token_pool.rows,
+            "free_rows": self.runner.req_to_token_pool.available(),
+            "running_rows": [r.row for r in self.running],
+        }
 
     def check_invariants(self) -> None:
         """Invariants 2 and 3: every page has one owner, the tree is consistent, locks add up."""

@@ -20,6 +20,7 @@ import msgpack
 import zmq
 
 from radixrt.config import SECRETS, ServerArgs
+from radixrt.protocol import ErrorCode, RequestError, error_reply
 from radixrt.request import Req
 from radixrt.sampling_params import SamplingParams
 from radixrt.scheduler import Scheduler
@@ -29,10 +30,6 @@ logger = logging.getLogger(__name__)
 IDLE_POLL_MS = 50
 STALLED_POLL_MS = 5  # work is waiting on something else (a constraint compiling): do not spin
 CLIENT_SILENCE_S = 5.0  # a pinging client silent this long has vanished (clients ping every second)
-
-
-def error_reply(rid: Any, kind: str, message: str) -> dict[str, Any]:
-    return {"rid": rid, "error": {"type": kind, "message": message}}
 
 
 class Server:
@@ -75,10 +72,10 @@ class Server:
             try:
                 msg = msgpack.unpackb(payload, raw=False, strict_map_key=False)
             except Exception as e:  # any undecodable frame
-                self._send(identity, error_reply(None, "bad_message", f"frame is not msgpack: {e}"))
+                self._send(identity, error_reply(None, ErrorCode.INVALID_REQUEST, f"frame is not msgpack: {e}"))
                 continue
             if not isinstance(msg, dict):
-                self._send(identity, error_reply(None, "bad_message", "a message must be a msgpack map"))
+                self._send(identity, error_reply(None, ErrorCode.INVALID_REQUEST, "a message must be a msgpack map"))
                 continue
             self._handle(identity, msg)
 
@@ -105,7 +102,7 @@ class Server:
             self.heartbeats[identity] = time.monotonic()
         if self.args.api_key and not hmac.compare_digest(str(msg.get("api_key", "")).encode(),
                                                          self.args.api_key.encode()):
-            self._send(identity, error_reply(rid, "unauthorized", "missing or wrong api_key"))
+            self._send(identity, error_reply(rid, ErrorCode.UNAUTHORIZED, "missing or wrong api_key"))
             return
         try:
             if op == "generate":
@@ -115,21 +112,23 @@ class Server:
             elif op in CONTROL_OPS:
                 self._send(identity, {"rid": rid, "result": CONTROL_OPS[op](self, {**msg, "_identity": identity})})
             else:
-                self._send(identity, error_reply(rid, "unknown_op", f"unknown op {op!r}"))
+                self._send(identity, error_reply(rid, ErrorCode.INVALID_REQUEST, f"unknown op {op!r}"))
+        except RequestError as e:
+            self._send(identity, error_reply(rid, e.code, str(e)))
         except ValueError as e:
-            self._send(identity, error_reply(rid, "invalid_request", str(e)))
-        except AssertionError as e:
-            self._send(identity, error_reply(rid, "invariant_violated", str(e) or traceback.format_exc()))
+            self._send(identity, error_reply(rid, ErrorCode.INVALID_REQUEST, str(e)))
+        except AssertionError as e:  # check_invariants found a broken invariant: a bug
+            self._send(identity, error_reply(rid, ErrorCode.INTERNAL_ERROR, str(e) or traceback.format_exc()))
         except Exception as e:  # a bug must cost one request, not the server
             logger.exception("op %r failed", op)
-            self._send(identity, error_reply(rid, "internal_error", f"{type(e).__name__}: {e}"))
+            self._send(identity, error_reply(rid, ErrorCode.INTERNAL_ERROR, f"{type(e).__name__}: {e}"))
 
     def _generate(self, identity: bytes, msg: dict[str, Any]) -> None:
         rid = msg.get("rid")
         if not isinstance(rid, str) or not rid:
             raise ValueError("generate needs a non-empty string rid")
         if len(self.scheduler.waiting) >= self.args.max_queued_requests:
-            self._send(identity, error_reply(rid, "overloaded", f"{len(self.scheduler.waiting)} requests are "
+            self._send(identity, error_reply(rid, ErrorCode.OVERLOADED, f"{len(self.scheduler.waiting)} requests are "
                                              "already waiting; try again later"))
             return
         params = msg.get("sampling_params") or {}
@@ -157,8 +156,8 @@ class Server:
             if req.finished:
                 del self.clients[req]
                 self.sent.pop(req, None)
-                if req.error is not None:
-                    self._send(identity, error_reply(rid, "invalid_request", req.error))
+                if req.finish_reason.error is not None:
+                    self._send(identity, error_reply(rid, req.finish_reason.error, req.finish_reason.message))
                 else:
                     self._send(identity, {"rid": rid, "index": index, "finished": True, **req.result()})
 
@@ -247,6 +246,7 @@ CONTROL_OPS = {
     "stats": lambda s, m: s.scheduler.stats(),
     "flush_cache": lambda s, m: s.scheduler.flush_cache(),
     "check_invariants": lambda s, m: s.scheduler.check_invariants() or True,
+    "memory_snapshot": lambda s, m: s.scheduler.memory_snapshot(),
     "model_info": _model_info,
     "shutdown": _shutdown,
 }

@@ -1,0 +1,44 @@
+"""What both ends of the wire agree on: stable error codes (docs/protocol.md lists them).
+
+Imported by the client side and the HTTP gateway too, so it needs neither torch nor the engine.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Any
+
+
+class ErrorCode(str, Enum):
+    """The machine-readable `error.code` of a failed request; never reworded once published."""
+
+    INVALID_REQUEST = "invalid_request"  # malformed frame, unknown op, bad field or value
+    CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # the prompt does not fit the context or pool
+    INVALID_CONSTRAINT = "invalid_constraint"  # a regex, JSON schema or choice list that does not compile
+    UNAUTHORIZED = "unauthorized"  # missing or wrong api_key
+    OVERLOADED = "overloaded"  # the waiting queue is full; try again later
+    RATE_LIMITED = "rate_limited"
+    ABORTED = "aborted"
+    TIMEOUT = "timeout"
+    DRAINING = "draining"
+    WORKER_LOST = "worker_lost"
+    CONNECTION_LOST = "connection_lost"  # said by the client itself: the runtime restarted or went silent
+    INTERNAL_ERROR = "internal_error"  # a bug: it costs one request, never the server
+
+    @classmethod
+    def parse(cls, value: object) -> "ErrorCode | None":
+        """The code named by `value`, or None for one this side does not know (a newer peer's)."""
+        return cls._value2member_map_.get(value)  # type: ignore[return-value]
+
+
+class RequestError(ValueError):
+    """A request the runtime refuses, with the code its client gets."""
+
+    def __init__(self, code: ErrorCode, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+def error_reply(rid: Any, code: ErrorCode, message: str) -> dict[str, Any]:
+    """The one shape of a failure on the wire; `type` repeats `code` for older clients."""
+    return {"rid": rid, "error": {"code": code.value, "type": code.value, "message": message}}

@@ -9,13 +9,15 @@ import time
 import pytest
 
 import radixrt as rt
+from ownership import assert_all_free, assert_slot_ownership
+from timeouts import REPLY_TIMEOUT_S
 
 GREEDY = {"temperature": 0, "max_new_tokens": 16}
 
 
 @pytest.fixture(scope="module")
 def engine(default_model_dir):
-    with rt.Engine(model=str(default_model_dir), max_total_tokens=2048, log_level="warning") as e:
+    with rt.Engine(model=str(default_model_dir), max_total_tokens=2048, log_level="warning", timeout=REPLY_TIMEOUT_S) as e:
         yield e
 
 
@@ -114,7 +116,7 @@ def test_no_leaks_after_mixed_traffic(tiny_model_dir):
     """Aborts, preemptions, n > 1 and stop strings, from several threads; then every slot is free."""
     rng = random.Random(0)
     with rt.Engine(model=str(tiny_model_dir), max_total_tokens=96, max_running_requests=6,
-                   chunked_prefill_size=16, log_level="warning") as engine:
+                   chunked_prefill_size=16, log_level="warning", timeout=REPLY_TIMEOUT_S) as engine:
         rids: list[str] = []
 
         def client(i: int) -> None:
@@ -142,8 +144,10 @@ def test_no_leaks_after_mixed_traffic(tiny_model_dir):
         assert stats["running"] == stats["waiting"] == 0
         assert stats["num_preemptions"] > 0
         engine.check_invariants()
+        assert_slot_ownership(engine.memory_snapshot())
         assert engine.flush_cache()
         engine.check_invariants()
+        assert_all_free(engine.memory_snapshot())
         stats = engine.stats()
         assert stats["free_tokens"] == stats["total_tokens"]
         assert stats["cached_tokens"] == stats["protected_tokens"] == 0

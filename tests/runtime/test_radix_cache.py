@@ -6,6 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ownership import assert_slot_ownership
 from radixrt.memory_pool import PageAllocator
 from radixrt.radix_cache import RadixCache
 
@@ -75,8 +76,19 @@ class Harness:
             node = node.parent
         return depth
 
+    def snapshot(self) -> dict:
+        """The pool and tree as `memory_snapshot` data (no requests; held locks act as pins)."""
+        nodes = [n for n in self.tree.all_nodes() if n is not self.tree.root]
+        return {"page_size": self.page, "num_pages": self.alloc.num_pages,
+                "free_pages": self.alloc.free_page_ids().tolist(), "root": self.tree.root.id,
+                "nodes": [{"id": n.id, "parent": n.parent.id, "slots": n.value.tolist(), "lock_ref": n.lock_ref}
+                          for n in nodes],
+                "requests": [], "pinned_nodes": [node.id for _, node in self.locks],
+                "rows": 0, "free_rows": 0, "running_rows": []}
+
     def check(self) -> None:
         self.tree.check()
+        assert_slot_ownership(self.snapshot())
         held = sum(len(n.value) for n in self.tree.all_nodes())
         assert held == self.tree.evictable_size + self.tree.protected_size
         assert self.alloc.available() + held == self.alloc.total_tokens, "slots leaked"

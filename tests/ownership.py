@@ -1,0 +1,93 @@
+"""A KV-slot ownership checker that lives in the tests, apart from the runtime's own checks.
+
+It reads the plain-data `memory_snapshot` (from `Scheduler.memory_snapshot()` in-process or the
+`memory_snapshot` op of a server) and asserts, with none of the runtime's code:
+- every page of the pool is free, or held by exactly one tree node, or by exactly one running
+  request's private range (`row[tree_len:kv_len]`, filled from the start of each page);
+- a tree node holds whole pages; page 0 (padding) belongs to nobody;
+- a request's tree part is exactly the slots of the tree path that ends at its locked node;
+- every node's lock count equals the requests and pins whose locked node lies in its subtree;
+- request-table rows are each used once, and used + free rows add up.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+
+def _claim(owners: dict[int, str], page: int, who: str) -> None:
+    assert page != 0, f"{who} holds the padding page"
+    assert page not in owners, f"page {page} is held by {owners[page]} and by {who}"
+    owners[page] = who
+
+
+def _claim_pages(owners: dict[int, str], slots: list[int], page_size: int, who: str, whole: bool) -> None:
+    """Claim the pages of `slots`, which must fill each page from its first slot on, in order."""
+    for start in range(0, len(slots), page_size):
+        chunk = slots[start: start + page_size]
+        page = chunk[0] // page_size
+        assert chunk == list(range(page * page_size, page * page_size + len(chunk))), \
+            f"{who} holds slots {chunk} that do not fill page {page} in order"
+        assert not whole or len(chunk) == page_size, f"{who} holds a partial page {page}"
+        _claim(owners, page, who)
+
+
+def _paths(snapshot: dict[str, Any]) -> tuple[dict[int, list[int]], dict[int, list[int]]]:
+    """Each node's slots from the root down to it, and its ancestors (itself included)."""
+    nodes = {n["id"]: n for n in snapshot["nodes"]}
+    slots_to: dict[int, list[int]] = {snapshot["root"]: []}
+    up: dict[int, list[int]] = {snapshot["root"]: []}
+
+    def resolve(node_id: int) -> None:
+        if node_id in slots_to:
+            return
+        parent = nodes[node_id]["parent"]
+        assert parent in nodes or parent == snapshot["root"], f"node {node_id} hangs off a missing parent"
+        resolve(parent)
+        slots_to[node_id] = slots_to[parent] + nodes[node_id]["slots"]
+        up[node_id] = [node_id, *up[parent]]
+
+    for node_id in nodes:
+        resolve(node_id)
+    return slots_to, up
+
+
+def assert_slot_ownership(snapshot: dict[str, Any]) -> None:
+    p = snapshot["page_size"]
+    owners: dict[int, str] = {}
+    for page in snapshot["free_pages"]:
+        _claim(owners, page, "the free list")
+    for node in snapshot["nodes"]:
+        assert node["slots"], f"tree node {node['id']} holds no tokens"
+        _claim_pages(owners, node["slots"], p, f"tree node {node['id']}", whole=True)
+    for req in snapshot["requests"]:
+        _claim_pages(owners, req["own_slots"], p, f"request {req['rid']}", whole=False)
+    missing = set(range(1, snapshot["num_pages"] + 1)) - set(owners)
+    assert not missing, f"pages held by nobody (leaked): {sorted(missing)[:10]}"
+    assert len(owners) == snapshot["num_pages"], "a page outside the pool is held"
+
+    slots_to, up = _paths(snapshot)
+    locks: Counter = Counter()
+    for req in snapshot["requests"]:
+        assert req["last_node"] in slots_to, f"request {req['rid']} locks a node not in the tree"
+        assert req["tree_slots"] == slots_to[req["last_node"]], \
+            f"request {req['rid']} reads slots that are not the tree's copy of its prefix"
+        locks.update(up[req["last_node"]])
+    for node_id in snapshot["pinned_nodes"]:
+        assert node_id in slots_to, "a pin locks a node not in the tree"
+        locks.update(up[node_id])
+    for node in snapshot["nodes"]:
+        assert node["lock_ref"] == locks[node["id"]], \
+            f"node {node['id']} counts {node['lock_ref']} locks, {locks[node['id']]} are held"
+
+    rows = snapshot["running_rows"]
+    assert len(set(rows)) == len(rows), "two running requests share a request-table row"
+    assert len(rows) + snapshot["free_rows"] == snapshot["rows"], "request-table rows leaked"
+
+
+def assert_all_free(snapshot: dict[str, Any]) -> None:
+    """Nothing runs, nothing is cached or pinned: every page and row is free."""
+    assert_slot_ownership(snapshot)
+    assert not snapshot["nodes"] and not snapshot["requests"] and not snapshot["pinned_nodes"]
+    assert len(snapshot["free_pages"]) == snapshot["num_pages"]

@@ -2,11 +2,11 @@
 
 import pytest
 from helpers import run_in_process
+from radixrt.kernels import decode_attention, extend_attention
 
 from radixrt.attention import triton_backend
 from radixrt.attention.triton_backend import TritonAttentionBackend
 from radixrt.config import ServerArgs
-from radixrt.kernels import decode_attention, extend_attention
 from radixrt.scheduler import Scheduler
 
 SAMPLING = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
@@ -76,8 +76,8 @@ def test_triton_backend_small_tiles_matches_torch(tiny_model_dir, monkeypatch):
     tiles and decodes several KV splits; the kernels ran with those sizes, and the greedy tokens
     still equal the torch backend's."""
     expected = _run(tiny_model_dir, "torch", **CONFIGS["whole"])
-    monkeypatch.setattr(extend_attention, "_launch_config", lambda block_d: dict(BLOCK_M=16, BLOCK_N=16))
-    monkeypatch.setattr(decode_attention, "_launch_config", lambda block_d: dict(BLOCK_N=16))
+    monkeypatch.setattr(extend_attention, "_launch_config", lambda block_d: {"BLOCK_M": 16, "BLOCK_N": 16})
+    monkeypatch.setattr(decode_attention, "_launch_config", lambda block_d: {"BLOCK_N": 16})
     monkeypatch.setattr(triton_backend, "MIN_SPLIT_LEN", 8)
     extend = LaunchSpy(extend_attention._extend_kernel)
     decode = LaunchSpy(decode_attention._decode_split_kernel)

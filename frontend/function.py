@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 from tqdm import tqdm
 
-from radixrt.endpoint import RuntimeEndpoint
+from radixrt.client.endpoint import RuntimeEndpoint
 from radixrt.frontend.chat_template import ChatTemplate
 from radixrt.frontend.state import ProgramState, run_program
 

@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
-from radixrt.endpoint import RuntimeEndpoint
+from radixrt.client.endpoint import RuntimeEndpoint
 from radixrt.frontend.chat_template import ChatTemplate
 from radixrt.frontend.primitives import Gen, Role, Select
 

@@ -4,8 +4,8 @@ from radixrt.config import ServerArgs
 from radixrt.frontend import (ForkGroup, Function, ProgramState, assistant, assistant_begin, assistant_end, function,
                               gen, gen_int, gen_string, select, set_default_backend, system, system_begin, system_end,
                               user, user_begin, user_end)
-from radixrt.endpoint import RuntimeEndpoint
-from radixrt.runtime import Engine, Runtime
+from radixrt.client.endpoint import RuntimeEndpoint
+from radixrt.client.launcher import Engine, Runtime
 from radixrt.sampling_params import SamplingParams
 
 __all__ = ["Engine", "ForkGroup", "Function", "ProgramState", "Runtime", "RuntimeEndpoint", "SamplingParams",

@@ -12,27 +12,27 @@ from radixrt.config import SECRETS, ServerArgs
 
 
 def _prepare_model(args: argparse.Namespace) -> None:
-    from radixrt.model_loader import resolve_model_path
+    from radixrt.executor.model_loader import resolve_model_path
 
     print(resolve_model_path(args.model))
 
 
 def _serve(args: argparse.Namespace) -> None:
-    from radixrt.server import run_server
+    from radixrt.server.zmq_server import run_server
 
     run_server(ServerArgs.from_cli_args(args))
 
 
 def _http_gateway(args: argparse.Namespace) -> None:
-    from radixrt.http_gateway import run_gateway
+    from radixrt.server.http.process import run_gateway
 
     run_gateway(args.url, args.fd, args.parent_pid, os.environ.get(SECRETS["api_key"]), args.curve_server_key,
                 args.log_level)
 
 
 def _generate(args: argparse.Namespace) -> None:
-    from radixrt.endpoint import RuntimeEndpoint
-    from radixrt.runtime import Engine
+    from radixrt.client.endpoint import RuntimeEndpoint
+    from radixrt.client.launcher import Engine
 
     params = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature}
     backend = RuntimeEndpoint(args.url) if args.url else Engine(**dataclasses.asdict(ServerArgs.from_cli_args(args)))

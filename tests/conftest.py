@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from radixrt.model_loader import resolve_model_path
+from radixrt.executor.model_loader import resolve_model_path
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Protocol, TYPE_CHECKING
 
 import torch
 
-from radixrt.forward_batch import ForwardBatch
+if TYPE_CHECKING:  # types only: the executor and the pools import this package, not the reverse
+    from radixrt.executor.forward_batch import ForwardBatch
+
+
 
 
 class AttentionBackend(Protocol):

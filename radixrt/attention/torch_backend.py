@@ -11,13 +11,18 @@ new tokens.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from radixrt.forward_batch import ForwardBatch
-from radixrt.memory_pool import TokenToKVPool
+if TYPE_CHECKING:  # types only: the executor and the pools import this package, not the reverse
+    from radixrt.executor.forward_batch import ForwardBatch
+    from radixrt.mem_cache.memory_pool import TokenToKVPool
+
+
 
 
 @dataclass

@@ -7,13 +7,18 @@ whole batch: a decode is just an extend of one token.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from dataclasses import dataclass
 
 import torch
 
-from radixrt.forward_batch import ForwardBatch
 from radixrt.kernels import decode_attention_fwd, extend_attention_fwd
-from radixrt.memory_pool import TokenToKVPool
+
+if TYPE_CHECKING:  # types only: the executor and the pools import this package, not the reverse
+    from radixrt.executor.forward_batch import ForwardBatch
+    from radixrt.mem_cache.memory_pool import TokenToKVPool
+
 
 MAX_KV_SPLITS = 8
 MIN_SPLIT_LEN = 64  # one decode-kernel KV block; shorter splits only add merge work

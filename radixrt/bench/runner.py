@@ -85,7 +85,7 @@ def setup_info(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
 
 
 def _radixrt_target(args: argparse.Namespace, system: str):
-    from radixrt.runtime import Engine, Runtime
+    from radixrt.client.launcher import Engine, Runtime
 
     kind = Runtime if args.backend == "server" else Engine
     tuned = {"chunked_prefill_size": args.chunked_prefill_size} if args.chunked_prefill_size else {}
@@ -149,7 +149,7 @@ def run_system(system: str, sessions: list[Session], loads: list[Load], args: ar
 
 
 def _gguf_of(model: str) -> Path | None:
-    from radixrt.model_loader import default_gguf_path
+    from radixrt.executor.model_loader import default_gguf_path
 
     if model == "default":
         return default_gguf_path()
@@ -159,7 +159,7 @@ def _gguf_of(model: str) -> Path | None:
 def run_programs(workload: str, systems: list[str], args: argparse.Namespace, slo: SLO) -> list[RunResult]:
     """DSL programs over the socket with `run_batch`: programs/s and cache hit rate per system."""
     from radixrt.bench.programs import program_workloads
-    from radixrt.runtime import Runtime
+    from radixrt.client.launcher import Runtime
 
     program, batch = program_workloads(args.num_requests or 64, args.seed)[workload]
     results = []
@@ -248,14 +248,14 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
 def run_bench(args: argparse.Namespace) -> dict[str, list[RunResult]]:
     from transformers import AutoTokenizer
 
-    from radixrt.model_loader import resolve_model_path
+    from radixrt.executor.model_loader import resolve_model_path
 
     out_dir = Path(args.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     model_dir = resolve_model_path(args.model)
     setup = setup_info(args, model_dir)
     if args.backend == "http":
-        from radixrt.http_bench import run_http_bench
+        from radixrt.bench.http_bench import run_http_bench
 
         result = run_http_bench(argparse.Namespace(model=args.model, dtype=args.dtype, seed=args.seed,
                                                    max_total_tokens=args.max_total_tokens, num_turns=args.turns,

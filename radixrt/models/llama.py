@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from radixrt.attention import AttentionBackend
-from radixrt.forward_batch import ForwardBatch
+
+if TYPE_CHECKING:  # types only: the executor and the pools import this package, not the reverse
+    from radixrt.executor.forward_batch import ForwardBatch
+
 
 
 class RMSNorm(nn.Module):

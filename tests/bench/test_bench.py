@@ -72,7 +72,7 @@ def test_workloads_are_seeded_and_shaped(tokenizer):
 def test_static_mode_admits_a_batch_only_when_the_last_one_ended(tiny_model_dir):
     from radixrt.config import ServerArgs
     from radixrt.sampling_params import SamplingParams
-    from radixrt.scheduler import Scheduler
+    from radixrt.engine.scheduler import Scheduler
 
     outputs = {}
     for mode in ("continuous", "static"):

@@ -7,7 +7,7 @@ from radixrt.kernels import decode_attention, extend_attention
 from radixrt.attention import triton_backend
 from radixrt.attention.triton_backend import TritonAttentionBackend
 from radixrt.config import ServerArgs
-from radixrt.scheduler import Scheduler
+from radixrt.engine.scheduler import Scheduler
 
 SAMPLING = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
 SHARED = list(range(300, 311))

@@ -19,7 +19,7 @@ import zmq
 import radixrt as rt
 from timeouts import REPLY_TIMEOUT_S
 from ownership import assert_all_free, assert_slot_ownership
-from radixrt.client import RemoteError
+from radixrt.client.transport import RemoteError
 
 LONG = {"max_new_tokens": 400, "temperature": 0, "ignore_eos": True}
 

@@ -7,8 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ownership import assert_slot_ownership
-from radixrt.memory_pool import PageAllocator
-from radixrt.radix_cache import RadixCache
+from radixrt.mem_cache.memory_pool import PageAllocator
+from radixrt.mem_cache.radix_cache import RadixCache
 
 TOTAL = 256
 

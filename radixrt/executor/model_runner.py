@@ -10,9 +10,9 @@ from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
 from radixrt.attention import create_backend
 from radixrt.config import ServerArgs
-from radixrt.forward_batch import ForwardBatch
-from radixrt.memory_pool import PageAllocator, ReqToTokenPool, TokenToKVPool, bytes_per_token
-from radixrt.model_loader import load_state_dict, resolve_model_path
+from radixrt.executor.forward_batch import ForwardBatch
+from radixrt.mem_cache.memory_pool import PageAllocator, ReqToTokenPool, TokenToKVPool, bytes_per_token
+from radixrt.executor.model_loader import load_state_dict, resolve_model_path
 from radixrt.models import model_class
 from radixrt.models.prepacked_linear import prepack_available, prepack_linears
 

@@ -9,7 +9,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 import radixrt as rt
 from timeouts import REPLY_TIMEOUT_S
-from radixrt.detokenizer import IncrementalDetokenizer
+from radixrt.engine.detokenizer import IncrementalDetokenizer
 
 SMALL = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.4, bos_token_id=1,

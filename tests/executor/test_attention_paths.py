@@ -13,7 +13,7 @@ from radixrt.attention import torch_backend
 from radixrt.attention.torch_backend import MIN_SHARED_PREFIX, TorchAttentionBackend
 from radixrt.config import ServerArgs
 from radixrt.sampling_params import SamplingParams
-from radixrt.scheduler import Scheduler
+from radixrt.engine.scheduler import Scheduler
 
 MAX_NEW = 8
 MAX_STEPS = 200

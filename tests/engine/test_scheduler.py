@@ -12,10 +12,10 @@ from helpers import hf_greedy
 from ownership import assert_slot_ownership
 
 from radixrt.config import ServerArgs
-from radixrt.request import Req
+from radixrt.engine.request import Req
 from radixrt.sampling_params import SamplingParams
-from radixrt.schedule_policy import AGING_TOKENS_PER_SECOND, order_waiting
-from radixrt.scheduler import Scheduler
+from radixrt.engine.schedule_policy import AGING_TOKENS_PER_SECOND, order_waiting
+from radixrt.engine.scheduler import Scheduler
 
 MAX_STEPS = 400  # far more than any test here needs; a scheduler that stops progressing fails instead of hanging
 

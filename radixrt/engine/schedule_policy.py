@@ -5,8 +5,8 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 
-from radixrt.radix_cache import RadixCache, TreeNode
-from radixrt.request import Req
+from radixrt.mem_cache.radix_cache import RadixCache, TreeNode
+from radixrt.engine.request import Req
 
 LPM_FALLBACK_QUEUE_LEN = 128  # past this, matching every waiting request costs more than it saves
 AGING_TOKENS_PER_SECOND = 256  # a request waiting 1 s ranks as if 256 more tokens were cached

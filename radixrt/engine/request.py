@@ -8,9 +8,9 @@ from typing import Any
 
 import torch
 
-from radixrt.detokenizer import IncrementalDetokenizer
+from radixrt.engine.detokenizer import IncrementalDetokenizer
 from radixrt.protocol import ErrorCode
-from radixrt.radix_cache import TreeNode
+from radixrt.mem_cache.radix_cache import TreeNode
 from radixrt.sampling_params import SamplingParams
 
 

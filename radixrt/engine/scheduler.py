@@ -14,16 +14,17 @@ from typing import Any
 import torch
 
 from radixrt.config import ServerArgs
-from radixrt.constrained import ConstraintCompiler, allocate_bitmask, apply_bitmask
-from radixrt.detokenizer import IncrementalDetokenizer
-from radixrt.forward_batch import ForwardBatch
-from radixrt.model_runner import ModelRunner
-from radixrt.radix_cache import RadixCache
+from radixrt.structured.bitmask import allocate_bitmask, apply_bitmask
+from radixrt.structured.compiler import ConstraintCompiler
+from radixrt.engine.detokenizer import IncrementalDetokenizer
+from radixrt.executor.forward_batch import ForwardBatch
+from radixrt.executor.model_runner import ModelRunner
+from radixrt.mem_cache.radix_cache import RadixCache
 from radixrt.protocol import ErrorCode, RequestError
-from radixrt.request import FinishReason, Req
-from radixrt.sampler import sample
+from radixrt.engine.request import FinishReason, Req
+from radixrt.engine.sampler import sample
 from radixrt.sampling_params import SamplingParams
-from radixrt.schedule_policy import match_key, order_waiting
+from radixrt.engine.schedule_policy import match_key, order_waiting
 
 logger = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import uuid
 from typing import Any, AsyncIterator, Iterator
 
-from radixrt.client import RuntimeClient
+from radixrt.client.transport import RuntimeClient
 
 Prompt = str | list[int]
 

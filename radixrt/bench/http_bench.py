@@ -19,8 +19,8 @@ from tqdm import tqdm
 
 from radixrt.bench.load import stream_into
 from radixrt.bench.metrics import RequestTrace, percentile
-from radixrt.http_gateway import render_chat
-from radixrt.runtime import Runtime, free_port
+from radixrt.server.http.schemas import render_chat
+from radixrt.client.launcher import Runtime, free_port
 
 TOPICS = ("river", "stone", "cloud", "engine", "garden", "window", "market", "winter", "signal", "forest", "harbor",
           "copper", "lantern", "meadow", "thunder", "canyon", "orbit", "glacier", "ember", "quartz")

@@ -12,8 +12,10 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from radixrt.constrained import (ConstraintCompiler, TokenGuide, allocate_bitmask, apply_bitmask,
-                                 build_vocabulary, token_bytes)
+from radixrt.structured.bitmask import allocate_bitmask, apply_bitmask
+from radixrt.structured.compiler import ConstraintCompiler
+from radixrt.structured.guide import TokenGuide
+from radixrt.structured.vocabulary import build_vocabulary, token_bytes
 
 VOCAB = 49152
 MODEL_VOCAB = VOCAB + 64  # a model whose embedding is padded past the tokenizer

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from radixrt.request import Req
+from radixrt.engine.request import Req
 
 
 @dataclass

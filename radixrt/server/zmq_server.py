@@ -21,9 +21,9 @@ import zmq
 
 from radixrt.config import SECRETS, ServerArgs
 from radixrt.protocol import ErrorCode, RequestError, error_reply
-from radixrt.request import Req
+from radixrt.engine.request import Req
 from radixrt.sampling_params import SamplingParams
-from radixrt.scheduler import Scheduler
+from radixrt.engine.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -264,7 +264,7 @@ def run_server(args: ServerArgs) -> None:
                     zmq.curve_public(args.curve_secret_key.encode()).decode())
     gateway = None
     if args.http_port:  # before loading the model: a busy port fails at once, and the child starts meanwhile
-        from radixrt import http_gateway  # fastapi and uvicorn only when asked for
+        from radixrt.server.http import process as http_gateway  # fastapi and uvicorn only when asked for
 
         gateway = http_gateway.start_gateway(args)  # it also exits by itself if this process dies
     server = Server(args, args.endpoint)

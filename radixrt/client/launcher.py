@@ -23,7 +23,7 @@ from typing import Any
 import zmq
 
 from radixrt.config import SECRETS, ServerArgs
-from radixrt.endpoint import RuntimeEndpoint
+from radixrt.client.endpoint import RuntimeEndpoint
 
 START_TIMEOUT_S = 600
 LOG_TAIL_LINES = 30

@@ -1,0 +1,1 @@
+"""Requests, the scheduler and its policies, admission budgets, the sampler, the detokenizer."""

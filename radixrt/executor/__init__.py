@@ -1,0 +1,1 @@
+"""Runs the model: loading weights, the per-step forward batch, the model runner."""

@@ -1,0 +1,251 @@
+"""The gateway's FastAPI app: routes, the API-key guard, request metrics; each route speaks to the
+runtime through `RuntimeEndpoint` like any other client."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import time
+import uuid
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from jinja2 import TemplateError
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from radixrt.client.endpoint import Prompt, RuntimeEndpoint
+from radixrt.server.http.errors import RUNTIME_EXCEPTIONS, APIError, from_runtime_error
+from radixrt.server.http.responses import ResponseShape, response_body, sse_event, usage_of
+from radixrt.server.http.schemas import (ChatCompletionRequest, CompletionRequest, GenerateRequest, constraint_params,
+                                         message_dict, prompt_list, render_chat)
+from radixrt.server.metrics import GatewayMetrics
+
+
+DISCONNECT_POLL_S = 0.25  # how often a waiting non-streamed request checks that its client is still there
+HEALTH_TIMEOUT_S = 5.0
+ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+
+
+async def unless_disconnected(request: Request, coros: list) -> list:
+    """Await the coroutines; cancel them all (which aborts their runtime requests) when one fails
+    or the client goes away."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        while True:
+            done, pending = await asyncio.wait(tasks, timeout=DISCONNECT_POLL_S, return_when=asyncio.FIRST_EXCEPTION)
+            for task in done:
+                if (error := task.exception()) is not None:
+                    raise from_runtime_error(error) if isinstance(error, RUNTIME_EXCEPTIONS) else error
+            if not pending:
+                return [task.result() for task in tasks]
+            if await request.is_disconnected():
+                raise APIError(499, "the client closed the connection", "client_disconnected")
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def prepend(first: dict, rest: AsyncIterator[dict]) -> AsyncIterator[dict]:
+    yield first
+    async for reply in rest:
+        yield reply
+
+
+@dataclass
+class _Model:
+    name: str
+    context_length: int
+    tokenizer: Any
+
+
+class Gateway:
+    def __init__(self, endpoint: RuntimeEndpoint, api_key: str | None = None):
+        self.endpoint = endpoint
+        self.api_key = api_key
+        self.metrics = GatewayMetrics()
+        self.started = int(time.time())
+        self._model: _Model | None = None
+        self._model_lock = asyncio.Lock()
+
+    async def model(self) -> _Model:
+        # Loaded once, from start-up on (see build_app): the runtime answers once `serve` runs its loop.
+        async with self._model_lock:
+            if self._model is None:
+                self._model = await asyncio.to_thread(self._load_model)
+        return self._model
+
+    def _load_model(self) -> _Model:
+        from transformers import AutoTokenizer
+
+        info = self.endpoint.model_info
+        return _Model(info["model"], info["context_length"], AutoTokenizer.from_pretrained(info["model_path"]))
+
+    def authorized(self, headers: dict[bytes, bytes]) -> bool:
+        if self.api_key is None:
+            return True
+        given = headers.get(b"authorization", b"").removeprefix(b"Bearer ").strip()
+        return hmac.compare_digest(given, self.api_key.encode())
+
+    async def complete(self, request: Request, req: CompletionRequest) -> Response:
+        model = await self.model()
+        params = req.sampling_params(req.max_tokens)
+        if req.logprobs is not None:
+            params.update(return_logprob=True, top_logprobs_num=req.logprobs)
+        shape = ResponseShape(chat=False, tokenizer=model.tokenizer, logprobs=req.logprobs is not None)
+        return await self._respond(request, req, model, prompt_list(req.prompt), params, shape)
+
+    async def chat(self, request: Request, req: ChatCompletionRequest) -> Response:
+        model = await self.model()
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        limits = [v for v in (req.max_completion_tokens, req.max_tokens) if v is not None]
+        params = req.sampling_params(limits[0] if limits else model.context_length)
+        if req.logprobs:
+            params.update(return_logprob=True, top_logprobs_num=req.top_logprobs or 0)
+        params.update(constraint_params(req.response_format))
+        messages = [message_dict(m) for m in req.messages]
+        try:
+            prompt = render_chat(model.tokenizer, messages)
+        except (TemplateError, ValueError) as e:  # the template's own checks (roles must alternate, ...)
+            raise APIError(400, f"cannot render the messages with the chat template: {e}", param="messages") from e
+        shape = ResponseShape(chat=True, tokenizer=model.tokenizer, logprobs=req.logprobs)
+        return await self._respond(request, req, model, [prompt], params, shape)
+
+    async def _respond(self, request: Request, req: GenerateRequest, model: _Model, prompts: list[Prompt],
+                       params: dict[str, Any], shape: ResponseShape) -> Response:
+        rid = f"{shape.id_prefix}{uuid.uuid4().hex}"
+        if req.stream:
+            if len(prompts) != 1:
+                raise APIError(400, "stream: true takes one prompt", param="prompt")
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return await self._stream(request, rid, model, prompts[0], params, shape, include_usage)
+        samples = await unless_disconnected(request, [self._generate(p, params) for p in prompts])
+        choices = [shape.choice(i * len(per_prompt) + j, s["text"], s["meta_info"])
+                   for i, per_prompt in enumerate(samples) for j, s in enumerate(per_prompt)]
+        return JSONResponse(response_body(shape, rid, model.name, choices, usage_of(samples)))
+
+    async def _generate(self, prompt: Prompt, params: dict[str, Any]) -> list[dict[str, Any]]:
+        out = await self.endpoint.async_generate(prompt, params)
+        samples = out if isinstance(out, list) else [out]
+        for j, s in enumerate(samples):
+            self.metrics.observe(s["meta_info"], count_prompt=j == 0)
+        return samples
+
+    async def _stream(self, request: Request, rid: str, model: _Model, prompt: Prompt, params: dict[str, Any],
+                      shape: ResponseShape, include_usage: bool) -> StreamingResponse:
+        replies = self.endpoint.async_stream(prompt, params)
+        # Wait for the first reply before sending headers, so a rejected request gets its 4xx.
+        first, = await unless_disconnected(request, [replies.__anext__()])
+        events = self._events(rid, model.name, prepend(first, replies), shape, params.get("n", 1), include_usage)
+        return StreamingResponse(events, media_type="text/event-stream")
+
+    async def _events(self, rid: str, model: str, replies: AsyncIterator[dict], shape: ResponseShape, n: int,
+                      include_usage: bool) -> AsyncIterator[str]:
+        # A client that disconnects cancels this generator inside `replies`, which aborts the request.
+        if shape.chat:
+            yield sse_event(response_body(shape, rid, model, [shape.delta(i, "", first=True) for i in range(n)], chunk=True))
+        finals = []
+        try:
+            async for reply in replies:
+                index = reply.get("index", 0)
+                if reply["finished"]:
+                    finals.append(reply)
+                    self.metrics.observe(reply["meta_info"], count_prompt=index == 0)
+                    yield sse_event(response_body(shape, rid, model, [shape.choice(index, "", reply["meta_info"], stream=True)],
+                                       chunk=True))
+                elif reply["delta"]:
+                    yield sse_event(response_body(shape, rid, model, [shape.delta(index, reply["delta"])], chunk=True))
+        except RUNTIME_EXCEPTIONS as e:
+            yield sse_event(from_runtime_error(e).body())
+            return
+        if include_usage:
+            finals.sort(key=lambda r: r.get("index", 0))
+            yield sse_event(response_body(shape, rid, model, [], usage=usage_of([finals]), chunk=True))
+        yield "data: [DONE]\n\n"
+
+    async def health(self) -> dict:
+        """200 once the runtime answers and this gateway has what it needs to serve."""
+        try:
+            await asyncio.wait_for(asyncio.shield(self.model()), HEALTH_TIMEOUT_S)
+            await asyncio.to_thread(self.endpoint.health, HEALTH_TIMEOUT_S)
+        except (TimeoutError, asyncio.TimeoutError, *RUNTIME_EXCEPTIONS) as e:
+            raise APIError(503, f"the runtime does not answer: {e}", "server_error") from e
+        return {"status": "ok"}
+
+    async def render_metrics(self) -> Response:
+        stats = await asyncio.to_thread(self.endpoint.stats)
+        return Response(self.metrics.render(stats), media_type=CONTENT_TYPE_LATEST)
+
+    async def models(self) -> dict:
+        model = await self.model()
+        return {"object": "list", "data": [{"id": model.name, "object": "model", "created": self.started,
+                                            "owned_by": "radixrt", "max_model_len": model.context_length}]}
+
+
+class _Guard:
+    """Pure ASGI middleware (BaseHTTPMiddleware would get between streams and disconnects):
+    Bearer key on /v1/*, request counts by route and status."""
+
+    def __init__(self, app, gateway: Gateway):
+        self.app, self.gateway = app, gateway
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope["path"]
+        status = 500
+
+        async def send_observed(message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            if path.startswith("/v1/") and not self.gateway.authorized(dict(scope["headers"])):
+                error = APIError(401, "missing or wrong API key (Authorization: Bearer ...)", "authentication_error",
+                                 code="invalid_api_key")
+                return await error.response()(scope, receive, send_observed)
+            await self.app(scope, receive, send_observed)
+        finally:
+            self.gateway.metrics.requests.labels(path if path in ROUTES else "other", str(status)).inc()
+
+
+def build_app(gateway: Gateway) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        warm_up = asyncio.create_task(gateway.model())  # the tokenizer loads while the runtime starts
+        yield
+        warm_up.cancel()
+
+    app = FastAPI(title="radixrt", docs_url=None, redoc_url=None, lifespan=lifespan)
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, e: APIError) -> JSONResponse:
+        return e.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_request(request: Request, e: RequestValidationError) -> JSONResponse:
+        first = e.errors()[0] if e.errors() else {}
+        param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
+        message = "; ".join(f"{'.'.join(map(str, err.get('loc', ())[1:])) or 'body'}: {err.get('msg')}"
+                            for err in e.errors())
+        return APIError(400, message or "bad request", param=param).response()
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, request: Request) -> Response:
+        return await gateway.complete(request, req)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
+        return await gateway.chat(request, req)
+
+    app.get("/v1/models")(gateway.models)
+    app.get("/health")(gateway.health)
+    app.get("/metrics")(gateway.render_metrics)
+    app.add_middleware(_Guard, gateway=gateway)
+    return app

@@ -1,0 +1,55 @@
+"""Errors in OpenAI's shape, and the runtime's error codes mapped to HTTP statuses (never from
+message text)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi.responses import JSONResponse
+
+from radixrt.client.transport import RemoteError
+from radixrt.protocol import ErrorCode
+
+
+RUNTIME_EXCEPTIONS = (RemoteError, ValueError, ConnectionError)
+# the runtime's error code -> (HTTP status, OpenAI error type); never decided from message text
+HTTP_ERRORS = {
+    ErrorCode.INVALID_REQUEST: (400, "invalid_request_error"),
+    ErrorCode.CONTEXT_LENGTH_EXCEEDED: (400, "invalid_request_error"),
+    ErrorCode.INVALID_CONSTRAINT: (400, "invalid_request_error"),
+    ErrorCode.UNAUTHORIZED: (401, "authentication_error"),
+    ErrorCode.RATE_LIMITED: (429, "rate_limit_error"),
+    ErrorCode.ABORTED: (499, "client_disconnected"),
+    ErrorCode.OVERLOADED: (503, "overloaded_error"),
+    ErrorCode.DRAINING: (503, "overloaded_error"),
+    ErrorCode.CONNECTION_LOST: (503, "server_error"),
+    ErrorCode.WORKER_LOST: (503, "server_error"),
+    ErrorCode.TIMEOUT: (504, "timeout_error"),
+    ErrorCode.INTERNAL_ERROR: (500, "server_error"),
+}
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's shape."""
+
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.kind, self.param, self.code = status, kind, param, code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+def from_runtime_error(e: Exception) -> APIError:
+    """The runtime's error as OpenAI's, by its code; a ValueError raised on this side (before any
+    request was sent) is the caller's mistake, any other failure a lost runtime."""
+    if isinstance(e, RemoteError):
+        status, api_kind = HTTP_ERRORS.get(ErrorCode.parse(e.code), (500, "server_error"))
+        return APIError(status, e.message, api_kind, code=e.code)
+    if isinstance(e, ValueError):
+        return APIError(400, str(e), code=ErrorCode.INVALID_REQUEST.value)
+    return APIError(503, str(e), "server_error", code=ErrorCode.CONNECTION_LOST.value)

@@ -1,0 +1,77 @@
+"""The gateway's process: `serve --http-port` binds the port and hands it to a `radixrt http-gateway`
+child, which serves until SIGTERM or until its parent, the runtime, is gone."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import uvicorn
+import zmq
+
+from radixrt.client.endpoint import RuntimeEndpoint
+from radixrt.config import SECRETS, ServerArgs
+from radixrt.server.http.app import Gateway, build_app
+
+logger = logging.getLogger(__name__)
+
+
+PARENT_POLL_S = 1.0
+STOP_TIMEOUT_S = 10
+
+
+def start_gateway(args: ServerArgs) -> subprocess.Popen:
+    """Bind the HTTP port here (a busy port fails `serve` at once) and hand it to a gateway child."""
+    host = args.http_host
+    if not args.is_loopback and not args.api_key:
+        raise SystemExit(f"refusing to serve HTTP on {host} without --api-key")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.create_server((host, args.http_port), family=family, backlog=1024)
+    command = [sys.executable, "-m", "radixrt", "http-gateway", "--url", args.endpoint, "--fd", str(sock.fileno()),
+               "--parent-pid", str(os.getpid()), "--log-level", args.log_level]
+    if args.curve_secret_key:
+        command += ["--curve-server-key", zmq.curve_public(args.curve_secret_key.encode()).decode()]
+    env = dict(os.environ)
+    if args.api_key:
+        env[SECRETS["api_key"]] = args.api_key
+    with sock:
+        proc = subprocess.Popen(command, pass_fds=[sock.fileno()], env=env)
+    logger.info("OpenAI-compatible HTTP gateway on http://%s:%d/v1", host, args.http_port)
+    return proc
+
+
+def stop_gateway(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def run_gateway(url: str, fd: int, parent_pid: int | None = None, api_key: str | None = None,
+                curve_server_key: str | None = None, log_level: str = "info") -> None:
+    """Serve HTTP on the inherited listening socket `fd` until SIGTERM/SIGINT or the parent exits."""
+    logging.basicConfig(level=log_level.upper(), format="[%(asctime)s %(name)s] %(message)s")
+    endpoint = RuntimeEndpoint(url, api_key=api_key, curve_server_key=curve_server_key)
+    config = uvicorn.Config(build_app(Gateway(endpoint, api_key)), log_level=log_level, timeout_graceful_shutdown=5)
+    server = uvicorn.Server(config)
+
+    def watch_parent() -> None:
+        while not server.should_exit:
+            if parent_pid is not None and os.getppid() != parent_pid:
+                logger.warning("the runtime process is gone; stopping the HTTP gateway")
+                server.should_exit = True
+            time.sleep(PARENT_POLL_S)
+
+    threading.Thread(target=watch_parent, daemon=True).start()
+    try:
+        server.run(sockets=[socket.socket(fileno=fd)])
+    finally:
+        endpoint.close()

@@ -1,0 +1,185 @@
+"""Constraints (regex, JSON schema, choices, dtype) compiled to outlines-core Indexes: checked up
+front, built off the caller's thread under a time budget, cached (LRU) and shared by concurrent
+requests for the same constraint."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor, TimeoutError as FutureTimeout
+from typing import Any
+
+from outlines_core import Index, Vocabulary
+from outlines_core.json_schema import build_regex_from_schema
+
+from radixrt.structured.guide import TokenGuide
+from radixrt.structured.jump_forward import ForcedStrings
+from radixrt.structured.regexes import DTYPE_REGEXES, JSON_WHITESPACE
+from radixrt.structured.vocabulary import TokenTable, build_vocabulary
+
+# Cheap up-front bounds on schema repetition counts (the automaton grows with them).
+MAX_SCHEMA_LENGTH = 256
+MAX_SCHEMA_ITEMS = 64
+_SCHEMA_KEYWORDS = ("type", "enum", "const", "$ref", "anyOf", "oneOf", "allOf")
+
+
+def _check_schema(node: Any, path: str = "$") -> None:
+    """Reject up front, cheaply, schema shapes whose DFA is known to explode; the compile-time
+    budget catches the rest (e.g. a top-level string with maxLength 20 already takes minutes)."""
+    if not isinstance(node, dict):
+        return
+    if not any(k in node for k in _SCHEMA_KEYWORDS):
+        raise ValueError(f"JSON schema at {path} accepts any JSON value, which is too complex to constrain; "
+                         "give it a type")
+    types = node["type"] if isinstance(node.get("type"), list) else [node.get("type")]
+    if "object" in types and not node.get("properties") and not isinstance(node.get("additionalProperties"), dict):
+        raise ValueError(f"JSON schema at {path} is a free-form object, which is too complex to constrain; "
+                         "list its properties")
+    if "array" in types and "items" not in node and "prefixItems" not in node:
+        raise ValueError(f"JSON schema at {path} is an array of any values, which is too complex to constrain; "
+                         "give its items")
+    for bound, limit in (("minLength", MAX_SCHEMA_LENGTH), ("maxLength", MAX_SCHEMA_LENGTH),
+                         ("minItems", MAX_SCHEMA_ITEMS), ("maxItems", MAX_SCHEMA_ITEMS)):
+        if isinstance(node.get(bound), int) and node[bound] > limit:
+            raise ValueError(f"JSON schema at {path}: {bound}={node[bound]} is too large to constrain "
+                             f"(at most {limit}); the automaton grows with it")
+    for key in ("properties", "$defs", "definitions"):
+        for name, sub in (node.get(key) or {}).items():
+            _check_schema(sub, f"{path}.{key}.{name}")
+    for key in ("items", "prefixItems", "additionalProperties", "anyOf", "oneOf", "allOf", "not"):
+        subs = node.get(key)
+        for i, sub in enumerate(subs if isinstance(subs, list) else [subs]):
+            _check_schema(sub, f"{path}.{key}[{i}]" if isinstance(subs, list) else f"{path}.{key}")
+
+
+class ConstraintCompiler:
+    """Compiles constraints to outlines-core Indexes for one tokenizer, with an LRU cache and a time budget.
+
+    Regexes use the Rust regex-automata dialect (no lookaround, no backreferences) and must match the
+    whole output. JSON schemas go through outlines-core with a compact whitespace pattern.
+    """
+
+    def __init__(self, tokenizer, vocab_size: int, cache_size: int = 64, max_compile_s: float = 10.0,
+                 whitespace_pattern: str = JSON_WHITESPACE):
+        if len(tokenizer) > vocab_size:
+            raise ValueError(f"tokenizer has {len(tokenizer)} tokens but the model only {vocab_size}")
+        self.tokens = TokenTable(tokenizer, vocab_size)
+        self.vocabulary = build_vocabulary(tokenizer, self.tokens.mapping)
+        self.eos_token_id: int = self.vocabulary.get_eos_token_id()
+        self.vocab_size = vocab_size
+        self.cache_size = cache_size
+        self.max_compile_s = max_compile_s
+        self.whitespace_pattern = whitespace_pattern
+        # Builds finished or in flight, so concurrent requests for one constraint share one build.
+        self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
+        self._forced: OrderedDict[int, ForcedStrings] = OrderedDict()  # by id(index); each holds its index
+        self._lock = threading.Lock()
+        self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="constraint-compile")
+
+    def compile(self, regex: str | None = None, json_schema: str | dict | None = None,
+                choices: list[str] | None = None, dtype: str | None = None) -> Index:
+        """Compile exactly one of: a regex; a JSON schema (str or dict); a list of literal choices;
+        or a dtype: "int" (JSON integer), "float" (JSON number), "bool" (true|false), "str" (a
+        double-quoted JSON string). Raises ValueError for bad or too complex constraints."""
+        given = {k: v for k, v in (("regex", regex), ("json_schema", json_schema), ("choices", choices),
+                                    ("dtype", dtype)) if v is not None}
+        if len(given) != 1:
+            raise ValueError(f"give exactly one of regex, json_schema, choices, dtype (got {sorted(given)})")
+        kind, value = given.popitem()
+        if kind == "json_schema":
+            source = value if isinstance(value, str) else json.dumps(value)
+        elif kind == "choices":
+            if not value or not all(isinstance(c, str) for c in value):
+                raise ValueError("choices must be a non-empty list of strings")
+            source = json.dumps(value)
+        else:
+            source = value
+        key = (kind, source)
+
+        with self._lock:
+            future = self._cache.get(key)
+            if future is None:
+                pattern = self._to_regex(kind, value, source)
+                future = Future()
+                threading.Thread(target=self._build, args=(future, kind, pattern), daemon=True).start()
+                self._cache[key] = future
+                while len(self._cache) > self.cache_size:
+                    self._cache.popitem(last=False)
+            else:
+                self._cache.move_to_end(key)
+        try:
+            return future.result(timeout=self.max_compile_s)
+        except FutureTimeout:
+            # The build cannot be cancelled; remember the verdict so retries fail fast.
+            error = ValueError(f"{kind} constraint is too complex: compiling took over {self.max_compile_s:g}s")
+            rejected = Future()
+            rejected.set_exception(error)
+            with self._lock:
+                if self._cache.get(key) is future:
+                    self._cache[key] = rejected
+            raise error from None
+
+    def compile_async(self, regex: str | None = None, json_schema: str | dict | None = None,
+                      choices: list[str] | None = None, dtype: str | None = None) -> Future:
+        """`compile` off the caller's thread; the Future holds the Index or the ValueError."""
+        return self._executor.submit(self.compile, regex=regex, json_schema=json_schema, choices=choices,
+                                     dtype=dtype)
+
+    def guide(self, index: Index, jump_forward: bool = False) -> "TokenGuide":
+        """A new walk through `index`; with `jump_forward`, one that can append forced text at once."""
+        forced = None
+        if jump_forward:
+            with self._lock:
+                forced = self._forced.pop(id(index), None) or ForcedStrings(index, self.tokens)
+                self._forced[id(index)] = forced
+                while len(self._forced) > self.cache_size:
+                    self._forced.popitem(last=False)
+        return TokenGuide(index, self.eos_token_id, forced)
+
+    def _to_regex(self, kind: str, value: Any, source: str) -> str:
+        if kind == "regex":
+            return value
+        if kind == "choices":
+            return "(" + "|".join(re.escape(c) for c in value) + ")"
+        if kind == "dtype":
+            if value not in DTYPE_REGEXES:
+                raise ValueError(f"unknown dtype {value!r}; expected one of {sorted(DTYPE_REGEXES)}")
+            return DTYPE_REGEXES[value]
+        try:
+            schema = json.loads(source)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"json_schema is not valid JSON: {e}") from None
+        _check_schema(schema)
+        try:
+            return build_regex_from_schema(source, self.whitespace_pattern)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"unsupported JSON schema: {e}") from None
+
+    def _build(self, future: Future, kind: str, pattern: str) -> None:
+        try:
+            if kind == "regex":
+                _check_regex_syntax(pattern)
+            # outlines-core 0.2.x drops every token edge from an accepting state into a non-accepting
+            # one (regex-automata reports matches one byte late), so `1(\.5)?` could never reach
+            # "1.5". Anchoring at end of input makes no state before the end a match state.
+            future.set_result(Index(f"(?:{pattern})\\z", self.vocabulary))
+        except ValueError as e:
+            future.set_exception(ValueError(f"cannot compile {kind} constraint {pattern[:200]!r}: {e}"))
+        except BaseException as e:  # anything else must still reach the waiter
+            future.set_exception(e)
+
+
+_PROBE_VOCABULARY = Vocabulary(1, {b"\x00": [0]})
+
+
+def _check_regex_syntax(regex: str) -> None:
+    """Parse the regex alone (an unbalanced one could turn valid once wrapped) against a one-token
+    vocabulary: a syntax error fails to build the DFA, anything else only mismatches the vocabulary."""
+    try:
+        Index(regex, _PROBE_VOCABULARY)
+    except ValueError as e:
+        if "DFA" in str(e):
+            raise ValueError(f"invalid regex (Rust regex-automata syntax: no lookaround or backreferences): {e}") \
+                from None

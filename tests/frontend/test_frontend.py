@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 
 import pytest
 import torch
 from helpers import hf_greedy
+from timeouts import REPLY_TIMEOUT_S
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import radixrt as rt
@@ -16,13 +18,39 @@ FEW_SHOT = "Q: What is the capital of France?\nA: Paris\nQ: What is the capital 
 
 @pytest.fixture(scope="module")
 def runtime(default_model_dir):
-    with rt.Runtime(model=str(default_model_dir), max_total_tokens=4096, log_level="warning") as r:
+    with rt.Runtime(model=str(default_model_dir), max_total_tokens=4096, log_level="warning",
+                    timeout=REPLY_TIMEOUT_S) as r:
         yield r
 
 
 @pytest.fixture(scope="module")
 def tokenizer(default_model_dir):
     return AutoTokenizer.from_pretrained(default_model_dir)
+
+
+@pytest.fixture(scope="module")
+def hf_model(default_model_dir):
+    return AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).eval()
+
+
+def _hf_choice_logprobs(model, tokenizer, prefix: str, choices: list[str]) -> list[list[float]]:
+    """transformers' logprob of each token of each choice after `prefix`: the tokens of
+    prefix + choice past their longest common token prefix with the prefix alone (the last token
+    at least), each given all the tokens before it."""
+    prefix_ids = tokenizer.encode(prefix, add_special_tokens=False)
+    scores = []
+    for choice in choices:
+        ids = tokenizer.encode(prefix + choice, add_special_tokens=False)
+        common = next((i for i, (a, b) in enumerate(zip(prefix_ids, ids)) if a != b), min(len(prefix_ids), len(ids)))
+        common = min(common, len(ids) - 1)
+        with torch.inference_mode():
+            logprobs = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+        scores.append([logprobs[p - 1, ids[p]].item() for p in range(common, len(ids))])
+    return scores
+
+
+def _close(got: list[float], expected: list[float], tol: float = 1e-3) -> bool:
+    return len(got) == len(expected) and all(abs(a - b) < tol for a, b in zip(got, expected))
 
 
 @rt.function
@@ -64,7 +92,9 @@ def test_roles_render_exactly_as_the_models_template(runtime, tokenizer):
         assert ("You are a helpful AI assistant" in state.text()) is (not with_system)
 
 
-def test_select_is_the_argmax_of_normalised_logprobs(runtime, tokenizer, default_model_dir):
+def test_select_is_the_argmax_of_normalised_logprobs(runtime, tokenizer, hf_model):
+    """The default method picks the choice with the best mean token logprob, as transformers
+    computes it, and reports those means."""
     choices = ["Paris", "London", "a city in France", "Berlin"]
 
     @rt.function
@@ -73,18 +103,10 @@ def test_select_is_the_argmax_of_normalised_logprobs(runtime, tokenizer, default
         s += rt.select("city", choices=choices)
 
     state = pick.run(backend=runtime)
-    model = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).eval()
-    prefix = tokenizer.encode("The capital of France is ", add_special_tokens=False)
-    scores = []
-    for choice in choices:
-        ids = tokenizer.encode("The capital of France is " + choice, add_special_tokens=False)
-        common = next((i for i, (a, b) in enumerate(zip(prefix, ids)) if a != b), min(len(prefix), len(ids)))
-        with torch.inference_mode():
-            logprobs = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
-        scores.append(sum(logprobs[p - 1, ids[p]].item() for p in range(common, len(ids))) / (len(ids) - common))
+    scores = [sum(lps) / len(lps) for lps in _hf_choice_logprobs(hf_model, tokenizer, "The capital of France is ",
+                                                                  choices)]
     assert state["city"] == choices[max(range(len(choices)), key=scores.__getitem__)]
-    got = state.get_meta_info("city")["normalized_logprobs"]
-    assert all(abs(a - b) < 1e-3 for a, b in zip(got, scores))
+    assert _close(state.get_meta_info("city")["normalized_logprobs"], scores)
 
 
 def test_streaming_deltas_join_to_the_value(runtime):
@@ -137,7 +159,7 @@ def test_agent_loop_turns_hit_the_previous_turn(runtime):
     runtime.flush_cache()
     state = loop.run(turns=4, backend=runtime, temperature=0)
     metas = [state.get_meta_info(f"turn{k}") for k in range(4)]
-    for prev, cur in zip(metas, metas[1:]):
+    for prev, cur in itertools.pairwise(metas):
         assert cur["cached_tokens"] >= prev["prompt_tokens"]
 
 
@@ -173,19 +195,56 @@ def test_run_async_runs_200_programs(tiny_model_dir):
         assert len(states) == 200 and all(s.get_meta_info("out")["completion_tokens"] == 2 for s in states)
 
 
-def test_select_methods(runtime):
-    @rt.function
-    def pick(s, method):
-        s += "Is water wet? Answer: "
-        s += rt.select("a", choices=["yes", "no", "maybe so"], choices_method=method)
+@rt.function
+def pick_with(s, prefix, choices, method):
+    s += prefix
+    s += rt.select("a", choices=choices, choices_method=method)
 
-    metas = {m: pick.run(method=m, backend=runtime).get_meta_info("a") for m in
-             ("token_length_normalized", "greedy", "unconditional")}
-    greedy = metas["greedy"]
-    first = [lps[0] for lps in greedy["token_logprobs"]]
-    assert greedy["choices"][first.index(max(first))] == pick.run(method="greedy", backend=runtime)["a"]
+
+METHODS = ("token_length_normalized", "greedy", "unconditional")
+EAT = "I like to eat"
+# means: " apple pie" best (its second token is nearly certain); first tokens: " apples" best
+FOODS = [" apple sauce", " apple pie", " apples", " bananas"]
+
+
+def test_select_methods_disagree_and_each_follows_its_rule(runtime, tokenizer, hf_model):
+    """On the same choices the default method picks the best mean token logprob (" apple pie") and
+    greedy the best first token (" apples"); every method reports the same choices and the
+    conditional token logprobs transformers computes, and appends its pick to the text."""
+    expected = _hf_choice_logprobs(hf_model, tokenizer, EAT, FOODS)
+    means = [sum(lps) / len(lps) for lps in expected]
+    states = {m: pick_with.run(prefix=EAT, choices=FOODS, method=m, backend=runtime) for m in METHODS}
+    assert states["token_length_normalized"]["a"] == FOODS[means.index(max(means))] == " apple pie"
+    assert states["greedy"]["a"] == max(FOODS, key=lambda c: expected[FOODS.index(c)]) == " apples"
+    for method, state in states.items():
+        meta = state.get_meta_info("a")
+        assert meta["method"] == method and meta["choices"] == FOODS
+        assert all(_close(got, want) for got, want in zip(meta["token_logprobs"], expected, strict=True))
+        assert _close(meta["normalized_logprobs"], means)
+        assert state.text() == EAT + state["a"]
     with pytest.raises(ValueError):
         rt.select("a", choices=["x"], choices_method="nope")
+
+
+@pytest.mark.parametrize("choices", [FOODS[:2], FOODS[1::-1]])
+def test_greedy_select_decides_a_shared_first_token_by_the_next(runtime, choices):
+    """Two choices that start with the same token (" apple") get exactly the same first logprob,
+    so greedy decides by the second token, whatever the order: " apple pie"."""
+    state = pick_with.run(prefix=EAT, choices=choices, method="greedy", backend=runtime)
+    sauce, pie = sorted(state.get_meta_info("a")["token_logprobs"], key=lambda lps: lps[1])
+    assert sauce[0] == pie[0] and pie[1] > sauce[1]
+    assert state["a"] == " apple pie"
+
+
+@pytest.mark.xfail(strict=True, reason="unconditional select scores each choice alone from its second token on "
+                   "(nothing to condition the first on), so a one-token choice gets no normalisation at all and "
+                   "a long rare word, whose first-token logprob is never counted, beats the answer")
+def test_unconditional_select_keeps_the_obvious_answer(runtime):
+    """Normalising by the choice's likelihood without the prefix must not make
+    " Antidisestablishmentarianism" the capital of France."""
+    choices = [" Paris", " Antidisestablishmentarianism"]
+    assert pick_with.run(prefix="The capital of France is", choices=choices, method="unconditional",
+                         backend=runtime)["a"] == " Paris"
 
 
 def test_fork_of_an_empty_state(runtime):

@@ -13,64 +13,66 @@ import pytest
 
 import radixrt as rt
 
-REPLY_TIMEOUT_S = 120.0
+from timeouts import REPLY_TIMEOUT_S
+
 TOP = 20  # the most top logprobs the runtime returns per step
 EPS = 1e-4
 SEEDS = range(4)
 PROMPT = "Once upon a time"
+GREEDY = {"temperature": 0}
+
+Step = tuple[int, list[tuple[float, int]]]  # a sampled token; its step's raw top-20 [logprob, id]
 
 
 @pytest.fixture(scope="module")
 def tiny(tiny_model_dir):
     """The tiny random model: flat next-token distributions, so filters have much to remove."""
-    with rt.Engine(model=str(tiny_model_dir), max_total_tokens=1024, log_level="warning") as e:
-        e.timeout = REPLY_TIMEOUT_S
+    with rt.Engine(model=str(tiny_model_dir), max_total_tokens=1024, log_level="warning",
+                   timeout=REPLY_TIMEOUT_S) as e:
         yield e
 
 
 @pytest.fixture(scope="module")
 def smol(default_model_dir):
     """The default model: a real LM, whose greedy continuations repeat themselves."""
-    with rt.Engine(model=str(default_model_dir), max_total_tokens=1024, log_level="warning") as e:
-        e.timeout = REPLY_TIMEOUT_S
+    with rt.Engine(model=str(default_model_dir), max_total_tokens=1024, log_level="warning",
+                   timeout=REPLY_TIMEOUT_S) as e:
         yield e
 
 
-def _ids(engine, prompt: str, **params) -> list[int]:
-    return _many(engine, prompt, [params])[0]
+def _generate(engine, prompt: str, variants: list[dict], **common) -> list[dict]:
+    """One request per variant of the sampling parameters (plus `common`), all sent at once, so
+    they run in one batch."""
+    base = {"max_new_tokens": 16, "ignore_eos": True, **common}
+    return engine.generate([prompt] * len(variants), [{**base, **v} for v in variants])
 
 
-def _many(engine, prompt: str, variants: list[dict]) -> list[list[int]]:
-    """The output ids of one request per variant of the sampling parameters, all sent at once
-    (they run in one batch)."""
-    outs = engine.generate([prompt] * len(variants),
-                           [{"max_new_tokens": 16, "ignore_eos": True, **v} for v in variants])
-    return [out["output_ids"] for out in outs]
-
-
-Step = tuple[int, list[tuple[float, int]]]  # a sampled token, and the raw top-20 [logprob, id] pairs of its step
+def _many(engine, prompt: str, variants: list[dict], **common) -> list[list[int]]:
+    """The output ids of each variant."""
+    return [out["output_ids"] for out in _generate(engine, prompt, variants, **common)]
 
 
 def _steps(engine, prompt: str, variants: list[dict]) -> list[list[Step]]:
-    """The steps of one request per variant, all sent at once."""
-    outs = engine.generate([prompt] * len(variants),
-                           [{"max_new_tokens": 16, "ignore_eos": True, "return_logprob": True,
-                             "top_logprobs_num": TOP, **v} for v in variants])
-    return [list(zip(out["output_ids"], out["meta_info"]["output_top_logprobs"])) for out in outs]
+    """The steps of each variant."""
+    outs = _generate(engine, prompt, variants, return_logprob=True, top_logprobs_num=TOP)
+    return [list(zip(out["output_ids"], out["meta_info"]["output_top_logprobs"], strict=True))
+            for out in outs]
 
 
 def _seeded_steps(engine, prompt: str, **params) -> list[Step]:
     """The steps of one seeded sample per seed, in one list."""
-    return [step for steps in _steps(engine, prompt, [dict(seed=seed, **params) for seed in SEEDS]) for step in steps]
+    per_seed = _steps(engine, prompt, [{"seed": seed, **params} for seed in SEEDS])
+    return [step for steps in per_seed for step in steps]
 
 
 # ---- filters that leave only the top token --------------------------------------------------
-@pytest.mark.parametrize("only_top", [{"min_p": 1.0}, {"min_p": 0.99}, {"top_p": 1e-6}, {"top_k": 1}])
+@pytest.mark.parametrize("only_top",
+                         [{"min_p": 1.0}, {"min_p": 0.99}, {"top_p": 1e-6}, {"top_k": 1}])
 def test_filters_that_keep_one_token_sample_the_greedy_tokens(tiny, only_top):
     """min_p ~ 1, a tiny top_p or top_k 1 keep only the most likely token: whatever the seed, at
     temperature 2, the sample is exactly the greedy continuation."""
-    greedy, *samples = _many(tiny, PROMPT, [{"temperature": 0}] + [dict(temperature=2.0, seed=seed, **only_top)
-                                                                    for seed in SEEDS])
+    variants = [{"temperature": 2.0, "seed": seed, **only_top} for seed in SEEDS]
+    greedy, *samples = _many(tiny, PROMPT, [GREEDY, *variants])
     assert samples == [greedy] * len(SEEDS)
 
 
@@ -78,9 +80,9 @@ def test_unfiltered_high_temperature_varies_with_the_seed(tiny):
     """top_p 1 at temperature 2: the four seeds give four different samples, none greedy, and a
     seed gives the same sample again."""
     variants = [{"temperature": 2.0, "top_p": 1.0, "seed": seed} for seed in SEEDS]
-    greedy, *samples = _many(tiny, PROMPT, [{"temperature": 0}, *variants])
+    greedy, *samples = _many(tiny, PROMPT, [GREEDY, *variants])
     assert len({tuple(s) for s in samples}) == len(SEEDS) and greedy not in samples
-    assert _ids(tiny, PROMPT, temperature=2.0, top_p=1.0, seed=0) == samples[0]
+    assert _many(tiny, PROMPT, variants[:1]) == samples[:1]
 
 
 # ---- filters checked token by token against the raw distribution ---------------------------
@@ -102,7 +104,7 @@ def test_top_p_samples_only_inside_the_nucleus(tiny):
     p, ranks = 0.2, []
     for token, top in _seeded_steps(tiny, PROMPT, temperature=1.0, top_p=p):
         ids = [tid for _, tid in top]
-        above = ids.index(token) if token in ids else len(ids)  # beyond the top 20: all 20 are above
+        above = ids.index(token) if token in ids else len(ids)  # beyond the top 20: all 20 above
         assert sum(math.exp(lp) for lp, _ in top[:above]) <= p + EPS
         ranks.append(above)
     assert max(ranks) > 0
@@ -122,17 +124,13 @@ def test_min_p_samples_only_tokens_near_the_top(tiny):
 REPETITIVE = "The capital of France is"  # the default model's greedy answer soon repeats itself
 
 
-def _distinct(ids: list[int]) -> int:
-    return len(set(ids))
-
-
 def test_penalties_reduce_repetition(smol):
     """Greedy over 24 tokens repeats itself; frequency, presence and repetition penalties of 2
     give more distinct tokens, a frequency penalty of -2 fewer."""
-    penalties = [{}, {"frequency_penalty": 2.0}, {"presence_penalty": 2.0}, {"repetition_penalty": 2.0},
-                 {"frequency_penalty": -2.0}]
-    base, *penalised, negative = map(_distinct, _many(smol, REPETITIVE, [dict(temperature=0, max_new_tokens=24, **p)
-                                                                          for p in penalties]))
+    penalties = [{}, {"frequency_penalty": 2.0}, {"presence_penalty": 2.0},
+                 {"repetition_penalty": 2.0}, {"frequency_penalty": -2.0}]
+    outs = _many(smol, REPETITIVE, penalties, temperature=0, max_new_tokens=24)
+    base, *penalised, negative = (len(set(ids)) for ids in outs)
     assert base < 20  # the premise: plain greedy repeats
     assert all(d > base for d in penalised), (base, penalised)
     assert negative < base
@@ -144,14 +142,13 @@ def test_greedy_with_an_additive_penalty_takes_the_best_penalised_token(smol):
     raw top 20 scores at most the 20th's raw logprob, as the penalty is positive. Both answers
     differ from plain greedy's."""
     f = 1.5
-    variants = [{"temperature": 0}, {"temperature": 0, "frequency_penalty": f},
-                {"temperature": 0, "presence_penalty": f}]
+    variants = [GREEDY, {**GREEDY, "frequency_penalty": f}, {**GREEDY, "presence_penalty": f}]
     greedy, frequency, presence = _steps(smol, REPETITIVE, variants)
-    for steps, weight in ((frequency, lambda count: count), (presence, lambda count: min(count, 1))):
+    for steps, weight in ((frequency, lambda n: n), (presence, lambda n: min(n, 1))):
         seen: list[int] = []
         for token, top in steps:
             scores = {tid: lp - f * weight(seen.count(tid)) for lp, tid in top}
-            chosen = scores[token] if token in scores else top[-1][0]  # an upper bound beyond the top 20
+            chosen = scores[token] if token in scores else top[-1][0]  # beyond the top 20: a bound
             assert chosen >= max(scores.values()) - EPS, (token, seen)
             seen.append(token)
         assert seen != [token for token, _ in greedy]  # the premise: the penalty changed the answer
@@ -162,10 +159,11 @@ def test_penalties_on_output_leave_the_first_token_alone(smol):
     the repetition penalty also covers prompt tokens and changes the first token of a prompt whose
     greedy continuation repeats a prompt token."""
     counting = "1, 2, 3, 1, 2, 3,"
-    variants = [{}, {"frequency_penalty": 2.0}, {"presence_penalty": 2.0}, {"repetition_penalty": 2.0}]
+    variants = [{}, {"frequency_penalty": 2.0}, {"presence_penalty": 2.0},
+                {"repetition_penalty": 2.0}]
     for prompt in (REPETITIVE, counting):
-        greedy, frequency, presence, repetition = _many(smol, prompt, [dict(temperature=0, max_new_tokens=1, **v)
-                                                                       for v in variants])
+        greedy, frequency, presence, repetition = _many(smol, prompt, variants, temperature=0,
+                                                        max_new_tokens=1)
         assert frequency == presence == greedy
     assert greedy[0] in smol.tokenize(counting)  # the premise: greedy continues with a prompt token
     assert repetition != greedy

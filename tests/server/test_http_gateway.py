@@ -1,4 +1,5 @@
-"""The OpenAI-compatible HTTP gateway, through the official `openai` client, against real servers."""
+"""The OpenAI-compatible HTTP gateway, through the official `openai` client and plain HTTP,
+against real servers."""
 
 from __future__ import annotations
 
@@ -18,28 +19,32 @@ import radixrt as rt
 from radixrt.bench.http_bench import HttpBenchConfig, run_http_bench
 from radixrt.client.launcher import free_port
 
+from timeouts import REPLY_TIMEOUT_S
+
 GREEDY = {"temperature": 0, "max_tokens": 8}
 QUESTION = [{"role": "system", "content": "You are a helpful assistant."},
             {"role": "user", "content": "What is the capital of France?"}]
 KEY = "sesame"
+HTTP_TIMEOUT_S = 60.0  # one reply from the gateway on a loaded 2-core machine, with room to spare
 
 
 @pytest.fixture(scope="module")
 def runtime(tiny_model_dir):
-    with rt.Runtime(model=str(tiny_model_dir), http_port=free_port(), api_key=KEY, max_total_tokens=4096,
-                    log_level="warning") as r:
+    with rt.Runtime(model=str(tiny_model_dir), http_port=free_port(), api_key=KEY,
+                    max_total_tokens=4096, log_level="warning", timeout=REPLY_TIMEOUT_S) as r:
         yield r
 
 
 @pytest.fixture(scope="module")
 def client(runtime):
-    with openai.OpenAI(base_url=f"{runtime.http_url}/v1", api_key=KEY, max_retries=0) as c:
+    with openai.OpenAI(base_url=f"{runtime.http_url}/v1", api_key=KEY, max_retries=0,
+                       timeout=HTTP_TIMEOUT_S) as c:
         yield c
 
 
 def _metrics(runtime) -> dict[str, float]:
     """Every sample of /metrics, which must parse as Prometheus text."""
-    with urllib.request.urlopen(f"{runtime.http_url}/metrics") as reply:
+    with urllib.request.urlopen(f"{runtime.http_url}/metrics", timeout=HTTP_TIMEOUT_S) as reply:
         assert reply.headers["Content-Type"].startswith("text/plain")
         text = reply.read().decode()
     samples = {}
@@ -60,12 +65,14 @@ def _wait_idle(runtime, timeout: float = 10.0) -> float:
 
 
 def test_completion_matches_the_zmq_path(runtime, client):
-    out = client.completions.create(model="default", prompt="The capital of France is", logprobs=2, **GREEDY)
-    expected = runtime.generate("The capital of France is", {"temperature": 0, "max_new_tokens": 8})
+    prompt = "The capital of France is"
+    out = client.completions.create(model="default", prompt=prompt, logprobs=2, **GREEDY)
+    expected = runtime.generate(prompt, {"temperature": 0, "max_new_tokens": 8})
     choice = out.choices[0]
     assert choice.text == expected["text"] and choice.finish_reason in ("stop", "length")
     assert out.usage.prompt_tokens == expected["meta_info"]["prompt_tokens"]
-    assert out.usage.completion_tokens == len(choice.logprobs.tokens) == len(choice.logprobs.top_logprobs)
+    logprobs = choice.logprobs
+    assert out.usage.completion_tokens == len(logprobs.tokens) == len(logprobs.top_logprobs)
     assert all(lp <= 0 for lp in choice.logprobs.token_logprobs)
 
 
@@ -76,13 +83,14 @@ def test_chat_stream_joins_to_the_greedy_answer(client):
     chunks = list(client.chat.completions.create(model="default", messages=QUESTION, stream=True,
                                                  stream_options={"include_usage": True}, **GREEDY))
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == answer.content
-    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
+    finish_reasons = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finish_reasons[-1] == whole.choices[0].finish_reason
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
 
 
 def test_n_samples_and_logprobs(client):
-    out = client.chat.completions.create(model="default", messages=QUESTION, n=2, temperature=0.8, seed=1,
-                                         max_tokens=4, logprobs=True, top_logprobs=2)
+    out = client.chat.completions.create(model="default", messages=QUESTION, n=2, temperature=0.8,
+                                         seed=1, max_tokens=4, logprobs=True, top_logprobs=2)
     assert sorted(c.index for c in out.choices) == [0, 1]
     for choice in out.choices:
         assert all(len(t.top_logprobs) == 2 for t in choice.logprobs.content)
@@ -90,13 +98,15 @@ def test_n_samples_and_logprobs(client):
 
 
 def test_json_response_formats(client):
-    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"]}
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
+              "required": ["city"]}
     out = client.chat.completions.create(
         model="default", messages=QUESTION, temperature=0, max_tokens=24,
-        response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}})
+        response_format={"type": "json_schema",
+                         "json_schema": {"name": "answer", "schema": schema}})
     assert set(json.loads(out.choices[0].message.content)) == {"city"}
-    out = client.chat.completions.create(model="default", messages=QUESTION, temperature=0, max_tokens=12,
-                                         response_format={"type": "json_object"})
+    out = client.chat.completions.create(model="default", messages=QUESTION, temperature=0,
+                                         max_tokens=12, response_format={"type": "json_object"})
     text = out.choices[0].message.content
     assert text.startswith("{")
     if out.choices[0].finish_reason == "stop":
@@ -120,10 +130,12 @@ def test_metrics_parse_and_move(runtime, client):
     after = _metrics(runtime)
     key = 'radixrt_http_requests_total{"code": "200", "endpoint": "/v1/completions"}'
     assert after[key] == before.get(key, 0) + 1
-    assert after["radixrt_generation_tokens_total{}"] > before["radixrt_generation_tokens_total{}"]
-    assert after["radixrt_time_to_first_token_seconds_count{}"] > before["radixrt_time_to_first_token_seconds_count{}"]
-    for name in ("radixrt_inter_token_latency_seconds_count", "radixrt_cache_hit_rate", "radixrt_num_requests_waiting",
-                 "radixrt_num_requests_running", "radixrt_preemptions_total", "radixrt_evicted_tokens_total",
+    for moved in ("radixrt_generation_tokens_total{}",
+                  "radixrt_time_to_first_token_seconds_count{}"):
+        assert after[moved] > before[moved], moved
+    for name in ("radixrt_inter_token_latency_seconds_count", "radixrt_cache_hit_rate",
+                 "radixrt_num_requests_waiting", "radixrt_num_requests_running",
+                 "radixrt_preemptions_total", "radixrt_evicted_tokens_total",
                  "radixrt_kv_free_tokens", "radixrt_cached_prompt_tokens_total"):
         assert name + "{}" in after, name
 
@@ -132,14 +144,17 @@ def test_models(runtime, client):
     assert [m.id for m in client.models.list()] == [runtime.model_info["model"]]
 
 
+def _chat(c, **kwargs):
+    return c.chat.completions.create(model="default", **{"messages": QUESTION, **kwargs})
+
+
 @pytest.mark.parametrize("call, status, words", [
-    (lambda c: c.chat.completions.create(model="default", messages=[]), 400, "messages"),
-    (lambda c: c.chat.completions.create(model="default", messages=QUESTION, temperature=-1), 400, "temperature"),
+    (lambda c: _chat(c, messages=[]), 400, "messages"),
+    (lambda c: _chat(c, temperature=-1), 400, "temperature"),
     (lambda c: c.completions.create(model="default", prompt="hello " * 9000), 400, "prompt has"),
-    (lambda c: c.chat.completions.create(model="default", messages=QUESTION,
-                                         response_format={"type": "json_schema", "json_schema": {"name": "x"}}),
+    (lambda c: _chat(c, response_format={"type": "json_schema", "json_schema": {"name": "x"}}),
      400, "schema"),
-    (lambda c: c.chat.completions.create(model="default", messages=QUESTION, top_logprobs=2), 400, "logprobs"),
+    (lambda c: _chat(c, top_logprobs=2), 400, "logprobs"),
 ])
 def test_bad_requests_get_4xx_in_openai_shape(client, call, status, words):
     with pytest.raises(openai.APIStatusError) as info:
@@ -149,9 +164,9 @@ def test_bad_requests_get_4xx_in_openai_shape(client, call, status, words):
     assert set(error) == {"message", "type", "param", "code"}
 
 
-def _post(runtime, path: str, body: bytes, timeout: float | None = None):
-    request = urllib.request.Request(f"{runtime.http_url}{path}", data=body,
-                                     headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
+def _post(runtime, path: str, body: bytes, timeout: float = HTTP_TIMEOUT_S):
+    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"}
+    request = urllib.request.Request(f"{runtime.http_url}{path}", data=body, headers=headers)
     return urllib.request.urlopen(request, timeout=timeout)
 
 
@@ -165,11 +180,13 @@ def test_client_disconnect_aborts(runtime):
     """A client that hangs up (streaming, or not) stops its request long before its 1000 tokens."""
     body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 1000, "temperature": 0}
     generated = runtime.stats()["generated_tokens"]
-    conn = http.client.HTTPConnection(runtime.args.http_host, runtime.args.http_port)
+    conn = http.client.HTTPConnection(runtime.args.http_host, runtime.args.http_port,
+                                      timeout=HTTP_TIMEOUT_S)
     conn.request("POST", "/v1/completions", json.dumps({**body, "stream": True}),
                  {"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
     reply = conn.getresponse()
-    assert reply.status == 200 and reply.readline().startswith(b"data: ")  # the first token came; hang up
+    # the first token came; hang up
+    assert reply.status == 200 and reply.readline().startswith(b"data: ")
     conn.close()
     _wait_idle(runtime)
     with pytest.raises(TimeoutError):
@@ -180,22 +197,23 @@ def test_client_disconnect_aborts(runtime):
 
 def test_api_key_is_enforced(runtime):
     with pytest.raises(openai.AuthenticationError) as info:
-        openai.OpenAI(base_url=f"{runtime.http_url}/v1", api_key="wrong", max_retries=0).models.list()
+        openai.OpenAI(base_url=f"{runtime.http_url}/v1", api_key="wrong", max_retries=0,
+                      timeout=HTTP_TIMEOUT_S).models.list()
     assert info.value.response.json()["error"]["type"] == "authentication_error"
-    with urllib.request.urlopen(f"{runtime.http_url}/health") as reply:  # probes need no key
+    # probes need no key
+    with urllib.request.urlopen(f"{runtime.http_url}/health", timeout=HTTP_TIMEOUT_S) as reply:
         assert reply.status == 200
 
 
 def test_http_bench_smoke(tiny_model_dir):
-    result = run_http_bench(HttpBenchConfig(model=str(tiny_model_dir), num_conversations=2, num_turns=2,
-                                            max_new_tokens=4, max_total_tokens=4096))
+    result = run_http_bench(HttpBenchConfig(model=str(tiny_model_dir), num_conversations=2,
+                                            num_turns=2, max_new_tokens=4, max_total_tokens=4096))
     for path in ("zmq", "http"):
         assert result[path]["output_tokens"] > 0 and 0 < result[path]["cache_hit_rate"] < 1
     assert result["zmq"]["output_tokens"] == result["http"]["output_tokens"]
 
 
 # ---- errors in OpenAI's shape, end to end --------------------------------------------------------
-HTTP_TIMEOUT_S = 60.0  # one reply from the gateway on a loaded 2-core machine, with room to spare
 
 
 def _request(url: str, path: str, body: dict, headers: dict[str, str]) -> tuple[int, dict]:
@@ -221,21 +239,22 @@ def test_no_authorization_header_is_401(runtime):
                             {"model": "tiny", "messages": QUESTION, "max_tokens": 2}, {})
     assert status == 401
     assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
-    assert body["error"]["type"] == "authentication_error" and body["error"]["code"] == "invalid_api_key"
+    assert body["error"]["type"] == "authentication_error"
+    assert body["error"]["code"] == "invalid_api_key"
     assert runtime.stats()["generated_tokens"] == generated
 
 
-@pytest.mark.parametrize("path, body", [
-    ("/v1/completions", {"prompt": [5] * 1100, "max_tokens": 2}),
-    ("/v1/completions", {"prompt": [5] * 1100, "max_tokens": 2, "stream": True}),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hello " * 1100}], "max_tokens": 2}),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hello " * 1100}], "max_tokens": 2,
-                              "stream": True}),
-])
-def test_prompt_beyond_the_context_is_context_length_exceeded(runtime, path, body):
+LONG_CHAT = [{"role": "user", "content": "hello " * 1100}]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("path, body", [("/v1/completions", {"prompt": [5] * 1100}),
+                                        ("/v1/chat/completions", {"messages": LONG_CHAT})])
+def test_prompt_beyond_the_context_is_context_length_exceeded(runtime, path, body, stream):
     """A prompt longer than the tiny model's 1024-token context (token ids, or chat text), streamed
     or not, gets 400 before any stream starts, with code context_length_exceeded."""
-    status, reply = _authorized(runtime.http_url, path, {"model": "tiny", **body})
+    request = {"model": "tiny", "max_tokens": 2, "stream": stream, **body}
+    status, reply = _authorized(runtime.http_url, path, request)
     assert status == 400
     assert reply["error"]["type"] == "invalid_request_error"
     assert reply["error"]["code"] == "context_length_exceeded"
@@ -253,15 +272,15 @@ def test_overloaded_runtime_answers_503(tiny_model_dir):
     """With one request running and one queued (max_running_requests=1, max_queued_requests=1), a
     completion gets 503 with type overloaded_error instead of waiting."""
     long = {"max_new_tokens": 1000, "ignore_eos": True, "temperature": 0}
-    with rt.Runtime(model=str(tiny_model_dir), http_port=free_port(), max_total_tokens=2048, max_running_requests=1,
-                    max_queued_requests=1, log_level="warning") as r:
-        r.timeout = HTTP_TIMEOUT_S
+    with rt.Runtime(model=str(tiny_model_dir), http_port=free_port(), max_total_tokens=2048,
+                    max_running_requests=1, max_queued_requests=1, log_level="warning",
+                    timeout=REPLY_TIMEOUT_S) as r:
         running = r.client.submit(input_ids=[5, 6, 7], sampling_params=long)
         _wait_for(lambda: r.stats()["running"] == 1, 30, "running")
         queued = r.client.submit(input_ids=[5, 6, 8], sampling_params=long)
         _wait_for(lambda: r.stats()["waiting"] == 1, 30, "queued")
-        status, reply = _request(r.http_url, "/v1/completions", {"model": "tiny", "prompt": "hello", "max_tokens": 2},
-                                 {})
+        status, reply = _request(r.http_url, "/v1/completions",
+                                 {"model": "tiny", "prompt": "hello", "max_tokens": 2}, {})
         assert r.stats()["running"] == 1  # still full when the refusal came
         for sub in (running, queued):
             r.client.abort(sub.rid)
@@ -312,12 +331,14 @@ def test_runtime_death_mid_stream_ends_the_stream_and_the_gateway(tiny_model_dir
     """Killing the runtime while a stream is in flight: the stream ends within 15 s, without
     `data: [DONE]` (the answer is incomplete), the gateway process exits by itself within 15 s,
     and the stream's last event should be an OpenAI error (xfail while it is not)."""
-    r = rt.Runtime(model=str(tiny_model_dir), http_port=free_port(), max_total_tokens=2048, log_level="warning")
+    r = rt.Runtime(model=str(tiny_model_dir), http_port=free_port(), max_total_tokens=2048,
+                   log_level="warning", timeout=REPLY_TIMEOUT_S)
     gateway = _gateway_pid(r._proc.pid)
     conn = http.client.HTTPConnection(r.args.http_host, r.args.http_port, timeout=HTTP_TIMEOUT_S)
     try:
-        conn.request("POST", "/v1/completions", json.dumps({"model": "tiny", "prompt": "Once upon a time",
-                                                             "max_tokens": 1000, "temperature": 0, "stream": True}),
+        body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 1000,
+                "temperature": 0, "stream": True}
+        conn.request("POST", "/v1/completions", json.dumps(body),
                      {"Content-Type": "application/json"})
         reply = conn.getresponse()
         assert reply.status == 200 and reply.readline().startswith(b"data: {")
@@ -336,6 +357,6 @@ def test_runtime_death_mid_stream_ends_the_stream_and_the_gateway(tiny_model_dir
     events = [line.removeprefix("data: ").strip() for line in lines if line.startswith("data: ")]
     assert ended_after < 15 and "[DONE]" not in events
     if not events or "error" not in json.loads(events[-1]):
-        pytest.xfail("a stream cut by the runtime's death ends without an error event (the gateway stops "
-                     "before its client notices the runtime is gone)")
+        pytest.xfail("a stream cut by the runtime's death ends without an error event (the "
+                     "gateway stops before its client notices the runtime is gone)")
     assert set(json.loads(events[-1])["error"]) == {"message", "type", "param", "code"}

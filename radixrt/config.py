@@ -1,9 +1,16 @@
-"""Server settings: one dataclass shared by the CLI, `rt.Engine` and `rt.Runtime`."""
+"""Server settings: one dataclass shared by the CLI, `rt.Engine` and `rt.Runtime`.
+
+`ServerArgs` is what users set (flags, keywords); it is frozen, so nothing changes it after launch
+(launchers make a new one with `dataclasses.replace`). Each component receives only its part:
+`ExecutorArgs` (the model and its pools), `SchedulerArgs` (batching and caching); the server
+keeps the rest (addresses, keys, queue limits).
+"""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -11,7 +18,41 @@ from typing import Any
 SECRETS = {"api_key": "RADIXRT_API_KEY", "curve_secret_key": "RADIXRT_CURVE_SECRET_KEY"}  # field -> env var
 
 
-@dataclass
+@dataclass(frozen=True)
+class ExecutorArgs:
+    """What the model runner needs: which weights, where, and how large a KV pool."""
+
+    model: str
+    dtype: str
+    device: str
+    attention_backend: str
+    max_total_tokens: int | None
+    mem_fraction: float | None
+    page_size: int
+    context_length: int | None
+    max_running_requests: int  # sizes the request->token table
+
+
+@dataclass(frozen=True)
+class SchedulerArgs:
+    """What the scheduler needs: batching, chunking, cache and sampling-seed settings."""
+
+    schedule_policy: str
+    schedule_mode: str
+    chunked_prefill_size: int
+    max_prefill_tokens: int
+    max_running_requests: int
+    disable_radix_cache: bool
+    enable_jump_forward: bool
+    random_seed: int
+    log_interval: int
+
+
+def _part(cls: type, args: "ServerArgs") -> Any:
+    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+
+@dataclass(frozen=True)
 class ServerArgs:
     model: str = field(default="default", metadata={"help": "'default' (SmolLM2-135M-Instruct), a Hugging Face model folder or a .gguf file"})
     host: str = field(default="127.0.0.1", metadata={"help": "address to bind; loopback unless told otherwise"})
@@ -59,6 +100,19 @@ class ServerArgs:
             kind = {"int": int, "float": float, "int | None": int, "float | None": float}.get(str(f.type), str)
             parser.add_argument(flag, type=kind, default=f.default, choices=f.metadata.get("choices"),
                                 help=f"{helptext} (default: {f.default})")
+
+    @property
+    def executor(self) -> ExecutorArgs:
+        return _part(ExecutorArgs, self)
+
+    @property
+    def scheduler(self) -> SchedulerArgs:
+        return _part(SchedulerArgs, self)
+
+    def with_secrets_from_env(self) -> "ServerArgs":
+        """These settings with unset secrets taken from their environment variables."""
+        return dataclasses.replace(self, **{name: getattr(self, name) or os.environ.get(var) or None
+                                            for name, var in SECRETS.items()})
 
     @property
     def endpoint(self) -> str:

@@ -8,6 +8,7 @@ OpenMP run several times slower here: 0.1 ms instead of 0.02 ms for a small mult
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import socket
@@ -27,6 +28,10 @@ from radixrt.client.endpoint import RuntimeEndpoint
 
 START_TIMEOUT_S = 600
 LOG_TAIL_LINES = 30
+
+
+class RuntimeStartError(RuntimeError):
+    """The runtime process exited, or never became healthy, while starting."""
 
 
 def free_port() -> int:
@@ -56,7 +61,7 @@ class Runtime(RuntimeEndpoint):
 
     def _configure_endpoint(self, port_given: bool) -> None:
         if not port_given:
-            self.args.port = free_port()
+            self.args = dataclasses.replace(self.args, port=free_port())
 
     def _launch(self) -> subprocess.Popen:
         with open(self._log_path, "wb") as log:
@@ -77,7 +82,7 @@ class Runtime(RuntimeEndpoint):
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
                 self._finalizer()
-                raise RuntimeError(f"the runtime exited with code {self._proc.returncode} while starting; "
+                raise RuntimeStartError(f"the runtime exited with code {self._proc.returncode} while starting; "
                                    f"last log lines:\n{self.log_tail()}")
             try:
                 self.health(timeout=0.5)
@@ -87,7 +92,7 @@ class Runtime(RuntimeEndpoint):
                 return
             time.sleep(0.1)
         self._finalizer()
-        raise RuntimeError(f"the runtime did not become healthy within {START_TIMEOUT_S}s; "
+        raise RuntimeStartError(f"the runtime did not become healthy within {START_TIMEOUT_S}s; "
                            f"last log lines:\n{self.log_tail()}")
 
     @property
@@ -128,7 +133,7 @@ class Engine(Runtime):
     """The runtime for one program: a private ipc:// socket, logs on this process's stderr."""
 
     def _configure_endpoint(self, port_given: bool) -> None:
-        self.args.host = f"ipc://{self._tmp / 'runtime.sock'}"
+        self.args = dataclasses.replace(self.args, host=f"ipc://{self._tmp / 'runtime.sock'}")
 
     def _launch(self) -> subprocess.Popen:
         return subprocess.Popen(self._command(), env=self._env())

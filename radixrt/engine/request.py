@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -59,7 +59,7 @@ class Req:
     text: str = ""
     finish_reason: FinishReason | None = None
 
-    # Memory state; see memory_pool.py for who owns which part of the row.
+    # Memory state; see mem_cache/slot_manager.py for who owns which part of the row.
     row: int | None = None
     kv_len: int = 0  # tokens of all_ids whose K/V are in the pool
     tree_len: int = 0  # row[:tree_len] belongs to the tree, locked through last_node
@@ -119,3 +119,10 @@ class Req:
 
     def result(self) -> dict[str, Any]:
         return {"text": self.text, "output_ids": list(self.output_ids), "meta_info": self.meta_info()}
+
+
+class Scheduled(NamedTuple):
+    """One request's part of a step: its next n tokens (1 for a decode, a chunk for a prefill)."""
+
+    req: Req
+    n: int

@@ -53,3 +53,11 @@ def _dfs_weight(waiting: list[Req], last_nodes: dict[int, TreeNode], root: TreeN
         order.extend(at_node[node])
         stack.extend(sorted(children[node], key=lambda n: weight[n]))  # heaviest popped first
     return order
+
+
+def pick_victim(candidates: list[Req]) -> Req | None:
+    """The running request whose retraction loses least: fewest generated tokens, then the
+    longest prompt (most of it comes back from the cache). None when there is no other choice."""
+    if len(candidates) <= 1:
+        return None
+    return min(candidates, key=lambda r: (len(r.output_ids), -len(r.input_ids)))

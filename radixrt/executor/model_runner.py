@@ -9,7 +9,7 @@ import torch
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
 from radixrt.attention import create_backend
-from radixrt.config import ServerArgs
+from radixrt.config import ExecutorArgs
 from radixrt.executor.forward_batch import ForwardBatch
 from radixrt.mem_cache.memory_pool import PageAllocator, ReqToTokenPool, TokenToKVPool, bytes_per_token
 from radixrt.executor.model_loader import load_state_dict, resolve_model_path
@@ -40,7 +40,7 @@ def available_memory(device: torch.device) -> int:
 
 
 class ModelRunner:
-    def __init__(self, args: ServerArgs):
+    def __init__(self, args: ExecutorArgs):
         start = time.monotonic()
         self.args = args
         self.device = resolve_device(args.device)

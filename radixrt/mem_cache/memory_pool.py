@@ -1,15 +1,7 @@
 """The paged token pool: request->token table, per-layer K/V slots and the page allocator.
 
-Ownership of KV slots (every slot has exactly one owner at any time):
-- free slots belong to `PageAllocator` (its free page list plus frees not yet merged);
-- `row[:req.tree_len]` of a running request belongs to the radix tree; the request holds a
-  lock on the tree node that ends there, so the tree cannot evict it, and only reads it;
-- `row[req.tree_len:req.kv_len]` belongs to the request, which allocated it for its own tokens;
-- ownership moves request -> tree when the scheduler inserts the request's tokens into the tree
-  (after a prefill chunk, at finish, at retraction); slots the tree already had a copy of are
-  freed then, and the request's row is remapped to the tree's slots;
-- ownership moves tree -> allocator only by eviction of an unlocked leaf or by `flush_cache`.
-Page 0 (slot 0 in particular) is padding owned by nobody: padded gathers read it and masks hide it.
+Who owns which slot, and how ownership moves between requests and the radix tree, is stated
+and enforced in one place: `radixrt.mem_cache.slot_manager`. Page 0 is padding owned by nobody.
 """
 
 from __future__ import annotations

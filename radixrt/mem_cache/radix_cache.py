@@ -5,7 +5,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import time
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -26,6 +26,13 @@ class TreeNode:
     @property
     def is_leaf(self) -> bool:
         return not self.children
+
+
+class PrefixMatch(NamedTuple):
+    """The longest cached page-aligned prefix of a key: its KV slots and the node that ends it."""
+
+    slots: torch.Tensor
+    node: TreeNode
 
 
 class RadixCache:
@@ -63,10 +70,10 @@ class RadixCache:
             n += 1
         return n - n % self.page_size
 
-    def match_prefix(self, key: list[int]) -> tuple[torch.Tensor, TreeNode]:
+    def match_prefix(self, key: list[int]) -> PrefixMatch:
         """Slots of the longest cached page-aligned prefix of `key`, and the node ending it."""
         if self.disable:
-            return self.root.value, self.root
+            return PrefixMatch(self.root.value, self.root)
         node, values = self.root, []
         now = time.monotonic()
         key = key[: len(key) - len(key) % self.page_size]
@@ -80,8 +87,7 @@ class RadixCache:
             self._touch(child, now)
             values.append(child.value)
             node, key = child, key[n:]
-        value = torch.cat(values) if values else self.root.value
-        return value, node
+        return PrefixMatch(torch.cat(values) if values else self.root.value, node)
 
     def insert(self, key: list[int], value: torch.Tensor) -> int:
         """Cache `key` -> `value` (page-aligned length). Returns how many leading tokens were

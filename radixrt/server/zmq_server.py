@@ -8,22 +8,23 @@ from __future__ import annotations
 
 import hmac
 import logging
-import os
 import signal
 import time
 import traceback
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import msgpack
 import zmq
 
-from radixrt.config import SECRETS, ServerArgs
+from radixrt.config import ServerArgs
 from radixrt.protocol import ErrorCode, RequestError, error_reply
 from radixrt.engine.request import Req
 from radixrt.sampling_params import SamplingParams
 from radixrt.engine.scheduler import Scheduler
+from radixrt.executor.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -32,10 +33,23 @@ STALLED_POLL_MS = 5  # work is waiting on something else (a constraint compiling
 CLIENT_SILENCE_S = 5.0  # a pinging client silent this long has vanished (clients ping every second)
 
 
+@dataclass(eq=False)
+class ClientRequest:
+    """Whom a runtime request answers: the client's socket identity, its own rid, whether it
+    streams, which of its n samples this is, and how much of a stream has gone out."""
+
+    identity: bytes
+    rid: str
+    stream: bool
+    index: int
+    text_sent: int = 0  # characters of the text already streamed
+    ids_sent: int = 0  # output token ids already streamed
+
+
 class Server:
     def __init__(self, args: ServerArgs, endpoint: str):
         self.args = args
-        self.scheduler = Scheduler(args)
+        self.scheduler = Scheduler(args.scheduler, ModelRunner(args.executor))
         self.tokenizer = self.scheduler.tokenizer
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
@@ -44,8 +58,7 @@ class Server:
             self.sock.curve_secretkey = args.curve_secret_key.encode()
             self.sock.curve_server = True
         self.sock.bind(endpoint)
-        self.clients: dict[Req, tuple[bytes, str, bool, int]] = {}  # req -> (identity, client rid, stream, sample index)
-        self.sent: dict[Req, tuple[int, int]] = {}  # streamed text chars and token ids already sent
+        self.clients: dict[Req, ClientRequest] = {}
         self.heartbeats: dict[bytes, float] = {}  # last message time of clients that ping
         self.server_id = uuid.uuid4().hex
         self.running = True
@@ -87,14 +100,12 @@ class Server:
             return
         for identity in gone:
             del self.heartbeats[identity]
-            for pin_id in [p for p in self.scheduler.pins if p.startswith(identity.hex() + "/")]:
-                self.scheduler.unpin(pin_id)
-        for req, (identity, rid, _, _) in list(self.clients.items()):
-            if identity in gone:
-                logger.info("client %s went silent; aborting its request %s", identity.hex(), rid)
+            self.scheduler.unpin_all(_internal_rid(identity, ""))
+        for req, client in list(self.clients.items()):
+            if client.identity in gone:
+                logger.info("client %s went silent; aborting its request %s", client.identity.hex(), client.rid)
                 self.scheduler.abort(req.rid)
                 self.clients.pop(req, None)
-                self.sent.pop(req, None)
 
     def _handle(self, identity: bytes, msg: dict[str, Any]) -> None:
         rid, op = msg.get("rid"), msg.get("op")
@@ -136,13 +147,13 @@ class Server:
             raise ValueError("sampling_params must be a map")
         params = SamplingParams.from_dict(params)
         ids = _prompt_ids(self, msg)
-        if any(i == identity and r == rid for i, r, _, _ in self.clients.values()):
+        if any(c.identity == identity and c.rid == rid for c in self.clients.values()):
             raise ValueError(f"rid {rid!r} is already in flight on this connection")
         base = _internal_rid(identity, rid)  # rids are the client's own: two clients may both use "r1"
         rids = [base] if params.n == 1 else [f"{base}-{i}" for i in range(params.n)]
         reqs = [self.scheduler.make_request(r, ids, params, sample_index=i) for i, r in enumerate(rids)]
         for i, req in enumerate(reqs):
-            self.clients[req] = (identity, rid, bool(msg.get("stream")), i)
+            self.clients[req] = ClientRequest(identity, rid, bool(msg.get("stream")), i)
             self.scheduler.add_request(req)
 
     # ---- replies -----------------------------------------------------------------------------
@@ -150,24 +161,25 @@ class Server:
         for req in reqs:
             if req not in self.clients:
                 continue
-            identity, rid, stream, index = self.clients[req]
-            if stream:
-                self._send_delta(identity, rid, index, req)
+            client = self.clients[req]
+            if client.stream:
+                self._send_delta(client, req)
             if req.finished:
                 del self.clients[req]
-                self.sent.pop(req, None)
-                if req.finish_reason.error is not None:
-                    self._send(identity, error_reply(rid, req.finish_reason.error, req.finish_reason.message))
+                reason = req.finish_reason
+                if reason.error is not None:
+                    self._send(client.identity, error_reply(client.rid, reason.error, reason.message))
                 else:
-                    self._send(identity, {"rid": rid, "index": index, "finished": True, **req.result()})
+                    self._send(client.identity, {"rid": client.rid, "index": client.index, "finished": True,
+                                                 **req.result()})
 
-    def _send_delta(self, identity: bytes, rid: str, index: int, req: Req) -> None:
-        text_sent, ids_sent = self.sent.get(req, (0, 0))
+    def _send_delta(self, client: ClientRequest, req: Req) -> None:
         text_end = len(req.text) if req.finished else len(req.text) - _stop_holdback(req)
-        delta, ids = req.text[text_sent:text_end], req.output_ids[ids_sent:]
+        delta, ids = req.text[client.text_sent:text_end], req.output_ids[client.ids_sent:]
         if delta or ids:
-            self.sent[req] = (max(text_end, text_sent), len(req.output_ids))
-            self._send(identity, {"rid": rid, "index": index, "finished": False, "delta": delta, "token_ids": ids})
+            client.text_sent, client.ids_sent = max(text_end, client.text_sent), len(req.output_ids)
+            self._send(client.identity, {"rid": client.rid, "index": client.index, "finished": False,
+                                         "delta": delta, "token_ids": ids})
 
     def _send(self, identity: bytes, msg: dict[str, Any]) -> None:
         try:
@@ -255,8 +267,7 @@ CONTROL_OPS = {
 def run_server(args: ServerArgs) -> None:
     """Load the model, bind, serve until a `shutdown` op or SIGTERM/SIGINT."""
     logging.basicConfig(level=args.log_level.upper(), format="[%(asctime)s %(name)s] %(message)s")
-    for name, var in SECRETS.items():
-        setattr(args, name, getattr(args, name) or os.environ.get(var) or None)
+    args = args.with_secrets_from_env()
     if not args.is_loopback and not (args.api_key or args.curve_secret_key):
         raise SystemExit(f"refusing to listen on {args.host} without --api-key or --curve-secret-key")
     if args.curve_secret_key:

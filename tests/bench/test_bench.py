@@ -76,7 +76,7 @@ def test_static_mode_admits_a_batch_only_when_the_last_one_ended(tiny_model_dir)
 
     outputs = {}
     for mode in ("continuous", "static"):
-        scheduler = Scheduler(ServerArgs(model=str(tiny_model_dir), max_total_tokens=2048, schedule_mode=mode))
+        scheduler = Scheduler.from_server_args(ServerArgs(model=str(tiny_model_dir), max_total_tokens=2048, schedule_mode=mode))
         params = [SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True) for n in (2, 12, 4)]
         reqs = [scheduler.make_request(str(i), [5 + i, 6, 7, 8], p) for i, p in enumerate(params)]
         for req in reqs[:2]:

@@ -28,7 +28,7 @@ def _prompt(seed: int, n: int) -> list[int]:
 
 def _scheduler(model_dir, **overrides) -> Scheduler:
     args = {"model": str(model_dir), "attention_backend": "torch", "max_total_tokens": 256, **overrides}
-    return Scheduler(ServerArgs(**args))
+    return Scheduler.from_server_args(ServerArgs(**args))
 
 
 def _params(max_new_tokens: int) -> SamplingParams:

@@ -57,7 +57,7 @@ def test_cascade_decode_runs_and_matches_transformers(tiny_model_dir, monkeypatc
     monkeypatch.setattr(TorchAttentionBackend, "init_forward_metadata", recording_init)
     monkeypatch.setattr(torch_backend, "_attend", counting_attend)
 
-    scheduler = Scheduler(ServerArgs(model=str(tiny_model_dir), attention_backend="torch", max_total_tokens=512,
+    scheduler = Scheduler.from_server_args(ServerArgs(model=str(tiny_model_dir), attention_backend="torch", max_total_tokens=512,
                                      page_size=page_size))
     assert isinstance(scheduler.runner.attn_backend, TorchAttentionBackend)
     prompts = _prompts()

@@ -22,7 +22,7 @@ def _run(model_dir, backend: str, **args) -> list[list[int]]:
     """Greedy tokens of every pass, cold then prefix-cached, and the pool's bookkeeping after.
 
     The scheduler runs in this process (not behind `rt.Engine`) so the test can watch its steps."""
-    scheduler = Scheduler(ServerArgs(model=str(model_dir), attention_backend=backend, max_total_tokens=512,
+    scheduler = Scheduler.from_server_args(ServerArgs(model=str(model_dir), attention_backend=backend, max_total_tokens=512,
                                      **args))
     outs = run_in_process(scheduler, PASSES, SAMPLING)
     scheduler.check_invariants()

@@ -1,0 +1,224 @@
+"""The hand-over of KV slots between requests and the radix tree, in one place.
+
+Ownership of KV pages (every page of the pool has exactly one owner at any time):
+
+| owner                        | what it holds                                  | how it gets it / gives it up          |
+|------------------------------|------------------------------------------------|---------------------------------------|
+| the allocator (free)         | its free page list (frees merged lazily)       | `free` from the others / `alloc_*`    |
+| the radix tree               | every node's `value`: whole pages              | `cache_unfinished`, `release` (insert) / eviction of an unlocked leaf, `flush` |
+| one request, privately       | `row[tree_len:kv_len]`, filled from a page's start; its partly filled last page | `extend` (allocation) / `release` |
+
+- `row[:tree_len]` of a running request points at the tree's slots of its prefix; it only reads
+  them, and holds a lock on the node that ends there (`last_node`), so eviction cannot take them.
+- Moving request -> tree (after a prefill chunk, at finish, at retraction) inserts the computed
+  whole pages; pages the tree already had a copy of are freed then, and the row is remapped to
+  the tree's copy.
+- Tree -> allocator only by eviction of an unlocked leaf (LRU) or by `flush`.
+- A pin (a fork's shared prefix) is a lock on a node held for a client, not for a request.
+- Page 0 (slot 0 in particular) is padding owned by nobody: padded gathers read it, masks hide it.
+
+The manager needs no model: the tests drive it with a pool, a tree and token ids.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+
+from radixrt.mem_cache.memory_pool import PageAllocator, ReqToTokenPool
+from radixrt.mem_cache.radix_cache import PrefixMatch, RadixCache, TreeNode
+
+
+class SlotHolder(Protocol):
+    """What the manager reads and writes of a request (`engine.request.Req` is one)."""
+
+    all_ids: list[int]  # the tokens whose KV the request needs, prompt then output
+    row: int | None  # its row in the request->token table while it holds slots
+    kv_len: int  # tokens of all_ids whose K/V are in the pool
+    tree_len: int  # row[:tree_len] belongs to the tree, locked through last_node
+    last_node: TreeNode | None
+
+
+class KVSlotManager:
+    """Allocates, hands over and frees KV slots for requests; owns the tree's locks and pins."""
+
+    def __init__(self, allocator: PageAllocator, req_to_token_pool: ReqToTokenPool, tree: RadixCache):
+        self.allocator = allocator
+        self.rows = req_to_token_pool
+        self.req_to_token = req_to_token_pool.req_to_token
+        self.tree = tree
+        self.page_size = allocator.page_size
+        self.pins: dict[str, TreeNode] = {}  # pin id -> node locked on a client's behalf
+        self.peak_used_tokens = 0
+
+    # ---- room ------------------------------------------------------------------------------
+    def slots_needed(self, holder: SlotHolder, n: int) -> int:
+        """Slots the holder must take from the allocator for n more tokens (whole pages)."""
+        p = self.page_size
+        room = min((-holder.kv_len) % p, n)  # the holder's own partly filled last page
+        return -(-(n - room) // p) * p
+
+    def available(self) -> int:
+        """Slots that could be had now: free, or held by unlocked tree nodes."""
+        return self.allocator.available() + self.tree.evictable_size
+
+    def used_tokens(self) -> int:
+        return self.allocator.total_tokens - self.allocator.available()
+
+    # ---- a request's life ------------------------------------------------------------------
+    def match_prefix(self, key: list[int]) -> PrefixMatch:
+        return self.tree.match_prefix(key)
+
+    def lock(self, node: TreeNode) -> None:
+        """Protect a matched prefix from eviction while admission decides (see `admit`)."""
+        self.tree.inc_lock_ref(node)
+
+    def unlock(self, node: TreeNode) -> None:
+        self.tree.dec_lock_ref(node)
+
+    def admit(self, holder: SlotHolder, match: PrefixMatch, n: int) -> bool:
+        """Give the holder a row that starts with the matched prefix (whose node the caller has
+        locked: the lock passes to the holder) and slots for its next n tokens. On failure the
+        holder holds nothing again, the lock included."""
+        holder.row = self.rows.alloc()
+        if holder.row is None:
+            self.unlock(match.node)
+            return False
+        m = len(match.slots)
+        self.req_to_token[holder.row, :m] = match.slots.to(torch.int32)
+        holder.kv_len = holder.tree_len = m
+        holder.last_node = match.node
+        if self.extend(holder, n):
+            return True
+        self.release(holder)
+        return False
+
+    def extend(self, holder: SlotHolder, n: int) -> bool:
+        """Slots for the holder's next n tokens, evicting unlocked leaves if the free list is short;
+        False (nothing taken) when even that is not enough."""
+        short = self.slots_needed(holder, n) - self.allocator.available()
+        if short > 0:
+            self.tree.evict(short)
+        row = self.req_to_token[holder.row]
+        last = int(row[holder.kv_len - 1]) if holder.kv_len else 0
+        slots = self.allocator.alloc_extend(last, holder.kv_len, n)
+        if slots is None:
+            return False
+        row[holder.kv_len: holder.kv_len + n] = slots.to(torch.int32)
+        self.peak_used_tokens = max(self.peak_used_tokens, self.used_tokens())
+        return True
+
+    def cache_unfinished(self, holder: SlotHolder) -> None:
+        """Hand the holder's computed whole pages to the tree and keep reading the tree's copies,
+        so requests admitted after it share them."""
+        if self.tree.disable or holder.kv_len - holder.kv_len % self.page_size <= holder.tree_len:
+            return  # with matching off nobody could reuse the pages before the request ends
+        aligned = self._insert_computed(holder)
+        match = self.tree.match_prefix(holder.all_ids[:aligned])
+        self.req_to_token[holder.row, :aligned] = match.slots.to(torch.int32)
+        self.tree.inc_lock_ref(match.node)
+        self.tree.dec_lock_ref(holder.last_node)
+        holder.last_node, holder.tree_len = match.node, aligned
+
+    def release(self, holder: SlotHolder) -> None:
+        """Give back everything: computed whole pages to the tree, the rest freed, the lock and
+        the row dropped. The holder keeps kv_len (what it had computed) for its caller to read."""
+        if holder.row is None:
+            return
+        start = max(self._insert_computed(holder), holder.tree_len)
+        if holder.kv_len > start:
+            self.allocator.free(self.req_to_token[holder.row, start: holder.kv_len].long())
+        self.tree.dec_lock_ref(holder.last_node)
+        self.rows.free(holder.row)
+        holder.row, holder.last_node = None, None
+
+    def retract(self, holder: SlotHolder) -> None:
+        """Release, and forget what was computed: the holder starts over (mostly from the tree)."""
+        self.release(holder)
+        holder.kv_len = holder.tree_len = 0
+
+    def _insert_computed(self, holder: SlotHolder) -> int:
+        """Insert the holder's computed whole pages into the tree, freeing the ones it already
+        had; returns how many tokens that covers."""
+        aligned = holder.kv_len - holder.kv_len % self.page_size
+        if aligned > holder.tree_len:
+            row = self.req_to_token[holder.row]
+            already = self.tree.insert(holder.all_ids[:aligned], row[:aligned].long())
+            if already > holder.tree_len:
+                self.allocator.free(row[holder.tree_len: already].long())
+        return aligned
+
+    # ---- pins ------------------------------------------------------------------------------
+    def pin(self, pin_id: str, key: list[int]) -> int:
+        """Lock the cached prefix of `key` until `unpin`; returns how many tokens that is."""
+        if pin_id in self.pins:
+            raise ValueError(f"pin {pin_id!r} exists")
+        match = self.tree.match_prefix(list(key))
+        self.tree.inc_lock_ref(match.node)
+        self.pins[pin_id] = match.node
+        return len(match.slots)
+
+    def unpin(self, pin_id: str) -> bool:
+        node = self.pins.pop(pin_id, None)
+        if node is not None:
+            self.tree.dec_lock_ref(node)
+        return node is not None
+
+    def unpin_all(self, prefix: str) -> int:
+        """Release every pin whose id starts with `prefix` (a vanished client's); returns how many."""
+        ids = [pin_id for pin_id in self.pins if pin_id.startswith(prefix)]
+        for pin_id in ids:
+            self.unpin(pin_id)
+        return len(ids)
+
+    def flush(self) -> bool:
+        """Drop every cached prefix; only when nothing holds a lock."""
+        if not self.tree.flush():
+            return False
+        self.peak_used_tokens = 0
+        return True
+
+    # ---- checks ----------------------------------------------------------------------------
+    def snapshot(self, holders: list[SlotHolder], names: list[str]) -> dict[str, Any]:
+        """Who holds which slot, as plain data, for checkers that must not share this code: the
+        free pages, every tree node (slots, lock count, parent), every holder's row split at
+        tree_len and kv_len, the pinned nodes, the request-table rows."""
+        nodes = [n for n in self.tree.all_nodes() if n is not self.tree.root]
+        return {
+            "page_size": self.page_size,
+            "num_pages": self.allocator.num_pages,
+            "free_pages": self.allocator.free_page_ids().tolist(),
+            "root": self.tree.root.id,
+            "nodes": [{"id": n.id, "parent": n.parent.id, "slots": n.value.tolist(), "lock_ref": n.lock_ref}
+                      for n in nodes],
+            "requests": [{"rid": name, "last_node": h.last_node.id,
+                          "tree_slots": self.req_to_token[h.row, :h.tree_len].tolist(),
+                          "own_slots": self.req_to_token[h.row, h.tree_len:h.kv_len].tolist()}
+                         for h, name in zip(holders, names)],
+            "pinned_nodes": [n.id for n in self.pins.values()],
+            "rows": self.rows.rows,
+            "free_rows": self.rows.available(),
+            "running_rows": [h.row for h in holders],
+        }
+
+    def check(self, holders: list[SlotHolder]) -> None:
+        """Invariants 2 and 3: every page has one owner, the tree is consistent, locks add up."""
+        self.tree.check()
+        p = self.page_size
+        owners = [self.allocator.free_page_ids()]
+        owners += [n.value[::p] // p for n in self.tree.all_nodes() if len(n.value)]
+        for h in holders:
+            owners.append(self.req_to_token[h.row, h.tree_len: h.kv_len][::p].long() // p)
+        pages = torch.cat(owners).sort().values
+        expected = torch.arange(1, self.allocator.num_pages + 1, device=pages.device)
+        assert len(pages) == len(expected) and bool((pages == expected).all()), "KV pages leaked or owned twice"
+        assert len({h.row for h in holders}) + self.rows.available() == self.rows.rows, "request rows leaked"
+        locks: dict[TreeNode, int] = {}
+        for node in [h.last_node for h in holders] + list(self.pins.values()):
+            while node is not self.tree.root:
+                locks[node] = locks.get(node, 0) + 1
+                node = node.parent
+        for node in self.tree.all_nodes():
+            if node is not self.tree.root:
+                assert node.lock_ref == locks.get(node, 0), "lock count differs from the holders of locks"

@@ -8,6 +8,9 @@ import json
 import os
 import sys
 
+import zmq
+
+from radixrt.client.launcher import RuntimeStartError
 from radixrt.config import SECRETS, ServerArgs
 
 
@@ -92,8 +95,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Run a command; bad input (a setting, a model path, a busy port, a runtime that cannot
+    start) is one line on stderr and exit status 2, not a traceback."""
     args = build_parser().parse_args(argv)
-    args.func(args)
+    try:
+        args.func(args)
+    except (ValueError, OSError, RuntimeStartError, zmq.ZMQError) as e:
+        print(f"radixrt {args.command}: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

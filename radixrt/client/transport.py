@@ -184,7 +184,7 @@ class RuntimeClient:
                     break
                 outbox.popleft()
             if self._pending and now - self._last_heard > self.dead_after_s:
-                self._fail_all(f"no reply from the runtime at {self.endpoint} for {self.dead_after_s:.0f}s")
+                self.fail_pending(f"no reply from the runtime at {self.endpoint} for {self.dead_after_s:.0f}s")
         dealer.close()
         pull.close()
 
@@ -194,7 +194,7 @@ class RuntimeClient:
         if rid == "ping":
             server_id = (reply.get("result") or {}).get("server_id")
             if self._server_id is not None and server_id != self._server_id:
-                self._fail_all(f"the runtime at {self.endpoint} restarted; requests in flight were lost")
+                self.fail_pending(f"the runtime at {self.endpoint} restarted; requests in flight were lost")
             self._server_id = server_id
             return
         with self._lock:
@@ -202,7 +202,8 @@ class RuntimeClient:
         if deliver is not None:
             deliver(reply)
 
-    def _fail_all(self, message: str) -> None:
+    def fail_pending(self, message: str) -> None:
+        """End every request in flight with a `connection_lost` error saying `message`."""
         with self._lock:
             pending, self._pending = self._pending, {}
         for rid, deliver in pending.items():

@@ -67,6 +67,8 @@ def run_gateway(url: str, fd: int, parent_pid: int | None = None, api_key: str |
         while not server.should_exit:
             if parent_pid is not None and os.getppid() != parent_pid:
                 logger.warning("the runtime process is gone; stopping the HTTP gateway")
+                # open streams end with an error event rather than just stopping
+                endpoint.client.fail_pending("the runtime process is gone")
                 server.should_exit = True
             time.sleep(PARENT_POLL_S)
 

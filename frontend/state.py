@@ -14,7 +14,7 @@ import uuid
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, NamedTuple
 
 from radixrt.client.endpoint import RuntimeEndpoint
 from radixrt.frontend.chat_template import ChatTemplate
@@ -83,13 +83,13 @@ class ProgramState:
         self._set(g.name, _typed(out["text"], g.dtype), out["meta_info"])
 
     def _select(self, sel: Select) -> None:
-        token_logprobs = self._score(self._text, sel.choices)
-        means = [sum(lps) / max(len(lps), 1) for lps in token_logprobs]
+        prompts = self._choice_prompts(self._text, sel.choices)
+        token_logprobs = self._logprobs(prompts)
+        means = [_mean(lps) for lps in token_logprobs]
         if sel.method == "greedy":
             keys = [tuple(lps) for lps in token_logprobs]  # compared first token first
         elif sel.method == "unconditional":
-            alone = self._score("", sel.choices)
-            keys = [m - sum(a) / max(len(a), 1) for m, a in zip(means, alone)]
+            keys = [m - _mean(a) for m, a in zip(means, self._logprobs(self._unconditional(prompts)))]
         else:
             keys = means
         best = max(range(len(keys)), key=keys.__getitem__)
@@ -97,20 +97,31 @@ class ProgramState:
         self._set(sel.name, sel.choices[best], {"choices": sel.choices, "method": sel.method,
                                                 "normalized_logprobs": means, "token_logprobs": token_logprobs})
 
-    def _score(self, prefix_text: str, choices: list[str]) -> list[list[float]]:
-        """Logprob of each choice's own tokens after `prefix_text`: one scoring request per
-        choice, sent together, so the runtime prefills the shared prefix once."""
+    def _choice_prompts(self, prefix_text: str, choices: list[str]) -> list[ChoicePrompt]:
+        """Each choice after `prefix_text` as token ids, with the position its own tokens start at
+        (after the longest common token prefix with the prefix alone)."""
         prefix = self.backend.tokenize(prefix_text) if prefix_text else []
-        requests = []
+        prompts = []
         for choice in choices:
             ids = self.backend.tokenize(prefix_text + choice)
-            # the choice's tokens start after the longest common token prefix with the prefix alone
-            common = min(_common_prefix_len(prefix, ids), len(ids) - 1)
-            requests.append((ids, max(common - 1, 0)))
+            prompts.append(ChoicePrompt(ids, min(_common_prefix_len(prefix, ids), len(ids) - 1)))
+        return prompts
+
+    def _unconditional(self, prompts: list[ChoicePrompt]) -> list[ChoicePrompt]:
+        """The same choice tokens (split as in context) after nothing but a start-of-text token,
+        so every one of them, the first included, gets a logprob to normalise by."""
+        info = self.backend.model_info
+        bos = info["special_tokens"].get("bos_token")
+        start = self.backend.tokenize(bos)[:1] if bos else info["eos_token_ids"][:1]
+        return [ChoicePrompt(start + ids[first:], len(start)) for ids, first in prompts]
+
+    def _logprobs(self, prompts: list[ChoicePrompt]) -> list[list[float]]:
+        """Logprob of each prompt's tokens from its start position on: one scoring request per
+        prompt, sent together, so the runtime prefills their shared prefix once."""
         outs = self.backend.generate(
-            input_ids=[ids for ids, _ in requests],
-            sampling_params=[{"max_new_tokens": 0, "return_logprob": True, "logprob_start_len": start}
-                             for _, start in requests])
+            input_ids=[ids for ids, _ in prompts],
+            sampling_params=[{"max_new_tokens": 0, "return_logprob": True, "logprob_start_len": max(first - 1, 0)}
+                             for _, first in prompts])
         return [[lp for lp, _ in out["meta_info"]["input_token_logprobs"]] for out in outs]
 
     def _role_expr(self, r: Role) -> None:
@@ -270,6 +281,17 @@ def _unpin(backend: RuntimeEndpoint, pin_id: str) -> None:
         backend.unpin(pin_id)
     except Exception:  # the runtime is gone: nothing left to release
         pass
+
+
+class ChoicePrompt(NamedTuple):
+    """A select choice as a scoring prompt: token ids, and where the choice's own tokens start."""
+
+    ids: list[int]
+    first: int
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / max(len(values), 1)
 
 
 def _common_prefix_len(a: list[int], b: list[int]) -> int:

@@ -248,10 +248,6 @@ def test_greedy_select_decides_a_shared_first_token_by_the_next(runtime, choices
     assert state["a"] == " apple pie"
 
 
-@pytest.mark.xfail(strict=True, reason="unconditional select scores each choice alone from "
-                   "its second token on (nothing to condition the first on), so a one-token "
-                   "choice gets no normalisation at all and a long rare word, whose first-token "
-                   "logprob is never counted, beats the answer")
 def test_unconditional_select_keeps_the_obvious_answer(runtime):
     """Normalising by the choice's likelihood without the prefix must not make
     " Antidisestablishmentarianism" the capital of France."""

@@ -31,7 +31,7 @@ class SamplingParams:
     return_logprob: bool = False
     top_logprobs_num: int = 0
     logprob_start_len: int = -1  # prompt logprobs from this position; -1: none
-    regex: str | None = None  # constraints (at most one): see radixrt/constrained.py
+    regex: str | None = None  # constraints (at most one): see radixrt/structured/
     json_schema: str | dict | None = None
     choices: list[str] | None = None
     dtype: str | None = None  # "int", "float", "bool" or "str"

@@ -12,21 +12,20 @@ from radixrt.protocol import ErrorCode
 
 
 RUNTIME_EXCEPTIONS = (RemoteError, ValueError, ConnectionError)
-# the runtime's error code -> (HTTP status, OpenAI error type); never decided from message text
-HTTP_ERRORS = {
-    ErrorCode.INVALID_REQUEST: (400, "invalid_request_error"),
-    ErrorCode.CONTEXT_LENGTH_EXCEEDED: (400, "invalid_request_error"),
-    ErrorCode.INVALID_CONSTRAINT: (400, "invalid_request_error"),
-    ErrorCode.UNAUTHORIZED: (401, "authentication_error"),
-    ErrorCode.RATE_LIMITED: (429, "rate_limit_error"),
-    ErrorCode.ABORTED: (499, "client_disconnected"),
-    ErrorCode.OVERLOADED: (503, "overloaded_error"),
-    ErrorCode.DRAINING: (503, "overloaded_error"),
-    ErrorCode.CONNECTION_LOST: (503, "server_error"),
-    ErrorCode.WORKER_LOST: (503, "server_error"),
-    ErrorCode.TIMEOUT: (504, "timeout_error"),
-    ErrorCode.INTERNAL_ERROR: (500, "server_error"),
+# (HTTP status, OpenAI error type) -> the runtime's error codes answered with it; statuses are
+# never decided from message text
+_STATUSES = {
+    (400, "invalid_request_error"): (ErrorCode.INVALID_REQUEST, ErrorCode.CONTEXT_LENGTH_EXCEEDED,
+                                     ErrorCode.INVALID_CONSTRAINT),
+    (401, "authentication_error"): (ErrorCode.UNAUTHORIZED,),
+    (429, "rate_limit_error"): (ErrorCode.RATE_LIMITED,),
+    (499, "client_disconnected"): (ErrorCode.ABORTED,),
+    (503, "overloaded_error"): (ErrorCode.OVERLOADED, ErrorCode.DRAINING),
+    (503, "server_error"): (ErrorCode.CONNECTION_LOST, ErrorCode.WORKER_LOST),
+    (504, "timeout_error"): (ErrorCode.TIMEOUT,),
+    (500, "server_error"): (ErrorCode.INTERNAL_ERROR,),
 }
+HTTP_ERRORS = {code: status for status, codes in _STATUSES.items() for code in codes}
 
 
 class APIError(Exception):

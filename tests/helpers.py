@@ -59,3 +59,37 @@ def run_in_process(scheduler, batches: list[list[list[int]]], params: dict) -> l
             scheduler.step()
         outs += [r.output_ids for r in reqs]
     return outs
+
+
+class LaunchSpy:
+    """Stands in for a @triton.jit kernel in its module: records the grid and keyword arguments
+    (the tile sizes among them) of every launch, then launches the real kernel with them."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+        self.launches: list[tuple[tuple, dict]] = []
+
+    def __getitem__(self, grid):
+        launch = self.kernel[grid]
+
+        def run(*args, **kwargs):
+            self.launches.append((tuple(grid), kwargs))
+            return launch(*args, **kwargs)
+
+        return run
+
+
+def run_script(harness, script: list[tuple[str, object]]) -> None:
+    """Apply each (operation, argument) of a hypothesis-drawn script to a harness, checking its
+    invariants after every one."""
+    for op, arg in script:
+        getattr(harness, op)(arg)
+        harness.check()
+
+
+def scripts(operations: list[tuple[str, object]], max_size: int):
+    """A hypothesis strategy of operation scripts: lists of (name, argument), each argument drawn
+    from its operation's strategy. Name an operation twice to draw it twice as often."""
+    from hypothesis import strategies as st
+
+    return st.lists(st.one_of(*(st.tuples(st.just(name), arg) for name, arg in operations)), max_size=max_size)

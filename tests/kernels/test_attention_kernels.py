@@ -13,28 +13,11 @@ from radixrt.kernels import (  # noqa: E402
     extend_attention_ref,
 )
 from radixrt.kernels import decode_attention, extend_attention  # noqa: E402
+from helpers import LaunchSpy  # noqa: E402
 
 # (Hq, Hkv, D): GQA ratios 1, 3, 8 and power-of-two plus padded head dims.
 HEAD_CASES = [(4, 4, 16), (6, 2, 32), (8, 1, 64), (3, 1, 128), (6, 2, 80), (3, 3, 48)]
 TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.float16: dict(atol=5e-3, rtol=5e-3)}
-
-
-class LaunchSpy:
-    """Stands in for a @triton.jit kernel in its module: records the grid and keyword arguments
-    (the tile sizes among them) of every launch, then launches the real kernel with them."""
-
-    def __init__(self, kernel):
-        self.kernel = kernel
-        self.launches: list[tuple[tuple, dict]] = []
-
-    def __getitem__(self, grid):
-        launch = self.kernel[grid]
-
-        def run(*args, **kwargs):
-            self.launches.append((tuple(grid), kwargs))
-            return launch(*args, **kwargs)
-
-        return run
 
 
 def _spy(monkeypatch, module, name: str) -> LaunchSpy:

@@ -1,7 +1,7 @@
 """The runtime on the Triton backend (interpreted on CPU) gives the torch backend's greedy tokens."""
 
 import pytest
-from helpers import run_in_process
+from helpers import LaunchSpy, run_in_process
 from radixrt.kernels import decode_attention, extend_attention
 
 from radixrt.attention import triton_backend
@@ -51,24 +51,6 @@ def test_triton_backend_matches_torch(tiny_model_dir, monkeypatch, config):
     assert any(p > 0 and e > 1 for pre, ext in steps for p, e in zip(pre, ext)), "no extend over a cached prefix"
     if config == "chunked":
         assert any(1 in ext and max(ext) > 1 for _, ext in steps), "no mixed decode + extend step"
-
-
-class LaunchSpy:
-    """Stands in for a @triton.jit kernel in its module: records the grid and keyword arguments
-    of every launch, then launches the real kernel with them."""
-
-    def __init__(self, kernel):
-        self.kernel = kernel
-        self.launches: list[tuple[tuple, dict]] = []
-
-    def __getitem__(self, grid):
-        launch = self.kernel[grid]
-
-        def run(*args, **kwargs):
-            self.launches.append((tuple(grid), kwargs))
-            return launch(*args, **kwargs)
-
-        return run
 
 
 def test_triton_backend_small_tiles_matches_torch(tiny_model_dir, monkeypatch):

@@ -6,6 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from helpers import run_script, scripts
 from ownership import assert_slot_ownership
 from radixrt.mem_cache.memory_pool import PageAllocator
 from radixrt.mem_cache.radix_cache import RadixCache
@@ -95,22 +96,15 @@ class Harness:
 
 
 keys = st.lists(st.integers(0, 3), min_size=1, max_size=24)
-ops = st.lists(st.one_of(
-    st.tuples(st.just("insert"), keys),
-    st.tuples(st.just("match"), keys),
-    st.tuples(st.just("lock"), keys),
-    st.tuples(st.just("unlock"), st.integers(0, 100)),
-    st.tuples(st.just("evict"), st.integers(1, 64)),
-), max_size=60)
+ops = scripts([("insert", keys), ("match", keys), ("lock", keys), ("unlock", st.integers(0, 100)),
+               ("evict", st.integers(1, 64))], max_size=60)
 
 
 @settings(max_examples=150, deadline=None)
 @given(page_size=st.sampled_from([1, 2, 4]), script=ops)
 def test_random_operations_keep_invariants(page_size, script):
     h = Harness(page_size)
-    for op, arg in script:
-        getattr(h, op)(arg)
-        h.check()
+    run_script(h, script)
     while h.locks:
         h.unlock(0)
     assert h.tree.protected_size == 0

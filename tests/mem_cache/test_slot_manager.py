@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from helpers import run_script, scripts
 from ownership import assert_all_free, assert_slot_ownership
 
 from radixrt.mem_cache.memory_pool import PageAllocator, ReqToTokenPool
@@ -126,25 +127,16 @@ class Harness:
 
 
 tokens = st.lists(st.integers(0, 3), min_size=1, max_size=40)
-ops = st.lists(st.one_of(
-    st.tuples(st.just("admit"), tokens),
-    st.tuples(st.just("step"), st.integers(0, 100)),
-    st.tuples(st.just("step"), st.integers(0, 100)),
-    st.tuples(st.just("finish"), st.integers(0, 100)),
-    st.tuples(st.just("retract"), st.integers(0, 100)),
-    st.tuples(st.just("pin"), tokens),
-    st.tuples(st.just("unpin"), st.integers(0, 100)),
-    st.tuples(st.just("evict"), st.integers(1, 48)),
-), max_size=80)
+index = st.integers(0, 100)
+ops = scripts([("admit", tokens), ("step", index), ("step", index), ("finish", index), ("retract", index),
+               ("pin", tokens), ("unpin", index), ("evict", st.integers(1, 48))], max_size=80)
 
 
 @settings(max_examples=200, deadline=None)
 @given(page_size=st.sampled_from([1, 2, 4]), script=ops)
 def test_random_hand_overs_keep_ownership_and_contents(page_size, script):
     h = Harness(page_size)
-    for op, arg in script:
-        getattr(h, op)(arg)
-        h.check()
+    run_script(h, script)
     h.drain()
 
 

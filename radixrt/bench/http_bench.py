@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 from tqdm import tqdm
 
-from radixrt.bench.load import stream_into
+from radixrt.bench.load import REPLY_TIMEOUT_S, stream_into
 from radixrt.bench.metrics import RequestTrace, percentile
 from radixrt.server.http.schemas import render_chat
 from radixrt.client.launcher import Runtime, free_port
@@ -61,7 +61,7 @@ def run_http_bench(args: argparse.Namespace | HttpBenchConfig) -> dict[str, Any]
                                 if getattr(args, f.name, None) is not None})
     conversations = _conversations(config)
     with Runtime(model=config.model, http_port=free_port(), dtype=config.dtype,
-                 max_total_tokens=config.max_total_tokens, log_level="warning") as runtime:
+                 max_total_tokens=config.max_total_tokens, log_level="warning", timeout=REPLY_TIMEOUT_S) as runtime:
         import openai
 
         client = openai.OpenAI(base_url=f"{runtime.http_url}/v1", api_key="none")

@@ -15,6 +15,9 @@ from tqdm import tqdm
 from radixrt.bench.metrics import RequestTrace
 from radixrt.bench.workloads import Session
 
+# The longest wait for one reply: minutes on a loaded 2-core CPU, never half an hour; a stuck
+# runtime fails the run instead of hanging it.
+REPLY_TIMEOUT_S = 1800.0
 
 @dataclass
 class Load:

@@ -22,6 +22,16 @@ def run_transformers(model_dir: Path, sessions: list[Session], tokenizer, dtype:
     import torch
     from transformers import AutoModelForCausalLM, StoppingCriteria, StoppingCriteriaList
 
+    class _StepClock(StoppingCriteria):
+        """Records when each generation step ends; never stops generation."""
+
+        def __init__(self):
+            self.times: list[float] = []
+
+        def __call__(self, ids, scores, **kwargs):
+            self.times.append(time.monotonic())
+            return torch.zeros(ids.shape[0], dtype=torch.bool)
+
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16 if dtype == "bfloat16"
                                                  else torch.float32).eval()
     traces: list[RequestTrace] = []
@@ -35,16 +45,11 @@ def run_transformers(model_dir: Path, sessions: list[Session], tokenizer, dtype:
         input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
         sent = time.monotonic()
-        step_times: list[float] = []
-
-        class StepClock(StoppingCriteria):
-            def __call__(self, ids, scores, **kwargs):
-                step_times.append(time.monotonic())
-                return torch.zeros(ids.shape[0], dtype=torch.bool)
-
+        clock = _StepClock()
         with torch.inference_mode():
             model.generate(input_ids, attention_mask=mask, max_new_tokens=max(lengths), min_new_tokens=max(lengths),
-                           do_sample=False, pad_token_id=pad, stopping_criteria=StoppingCriteriaList([StepClock()]))
+                           do_sample=False, pad_token_id=pad, stopping_criteria=StoppingCriteriaList([clock]))
+        step_times = clock.times
         for p, n in zip(prompts, lengths):
             traces.append(RequestTrace(sent=sent, chunk_times=step_times[:n], chunk_tokens=[1] * n,
                                        done=step_times[n - 1], prompt_tokens=len(p), forward_passes=n))

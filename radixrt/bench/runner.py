@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from radixrt.bench.load import Load, run_load
+from radixrt.bench.load import REPLY_TIMEOUT_S, Load, run_load
 from radixrt.bench.metrics import SLO, RequestTrace, Summary, summarize
 from radixrt.bench.peers import LLAMA_CPP_MISSING, LlamaCppTarget, llama_cpp_available, run_transformers
 from radixrt.bench.workloads import REQUEST_WORKLOADS, Session, WorkloadConfig
@@ -90,7 +90,7 @@ def _radixrt_target(args: argparse.Namespace, system: str):
     kind = Runtime if args.backend == "server" else Engine
     tuned = {"chunked_prefill_size": args.chunked_prefill_size} if args.chunked_prefill_size else {}
     return kind(model=args.model, dtype=args.dtype, max_total_tokens=args.max_total_tokens, log_level="warning",
-                **{**tuned, **VARIANTS[system]})
+                timeout=REPLY_TIMEOUT_S, **{**tuned, **VARIANTS[system]})
 
 
 def _result(system: str, load: Load, traces: list[RequestTrace], duration: float, slo: SLO,
@@ -165,7 +165,7 @@ def run_programs(workload: str, systems: list[str], args: argparse.Namespace, sl
     results = []
     for system in systems:
         with Runtime(model=args.model, dtype=args.dtype, max_total_tokens=args.max_total_tokens, log_level="warning",
-                     **VARIANTS[system]) as runtime:
+                     timeout=REPLY_TIMEOUT_S, **VARIANTS[system]) as runtime:
             start = time.monotonic()
             for state in program.run_batch(batch, backend=runtime, temperature=0, progress_bar=True):
                 state.text()  # raises if the program failed

@@ -7,7 +7,7 @@ client. Chat sessions resend the whole history each turn, rendered with the mode
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 WORDS = ("river stone light cloud paper engine garden window silver market winter signal forest "

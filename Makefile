@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test model bench bench-peers gpu-check clean
+.PHONY: demo test lint format model bench bench-peers gpu-check clean
 
 # torch is pinned to the CPU wheel that lies on this kind of machine's disk; a bare
 # `pip install torch` would pull a multi-GB CUDA build.
@@ -25,6 +25,15 @@ demo: model
 
 test: model
 	$(BIN)/python -m pytest -q
+
+# ruff: lint and format check (settings in pyproject.toml); `make format` rewrites in place.
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: $(STAMP)
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
 
 # The figures in docs/benchmarks.md (about 50 minutes on a 2-core CPU; llama.cpp joins after `make bench-peers`).
 bench: model

@@ -1,16 +1,23 @@
 """A ReAct-style agent: `select` the action, Python runs the tool, the result goes back in."""
 
-import radixrt as rt
 from _common import run_example
 
-TOOLS = {"calculator": lambda arg: str(eval(arg, {"__builtins__": {}})),  # demo only: arithmetic on our own strings
-         "clock": lambda arg: "It is 10:42."}
+import radixrt as rt
+
+TOOLS = {
+    "calculator": lambda arg: str(
+        eval(arg, {"__builtins__": {}})
+    ),  # demo only: arithmetic on our own strings
+    "clock": lambda arg: "It is 10:42.",
+}
 
 
 @rt.function
 def agent(s, task, steps=3):
-    s += rt.system("You solve tasks with tools: calculator (arithmetic), clock (the time). "
-                   "Answer 'finish' when done.")
+    s += rt.system(
+        "You solve tasks with tools: calculator (arithmetic), clock (the time). "
+        "Answer 'finish' when done."
+    )
     s += rt.user(task)
     for step in range(steps):
         s += rt.assistant_begin() + "Action: "

@@ -1,7 +1,8 @@
 """run_batch over 100 questions: the runtime batches them and shares the system prompt."""
 
-import radixrt as rt
 from _common import run_example
+
+import radixrt as rt
 
 
 @rt.function
@@ -12,7 +13,9 @@ def answer(s, a, b):
 
 
 def main(backend) -> None:
-    states = answer.run_batch([{"a": i, "b": 2 * i} for i in range(100)], backend=backend, temperature=0)
+    states = answer.run_batch(
+        [{"a": i, "b": 2 * i} for i in range(100)], backend=backend, temperature=0
+    )
     right = sum(s["sum"].strip().startswith(str(3 * i)) for i, s in enumerate(states))
     print(f"{right}/100 sums right; first three: {[s['sum'].strip() for s in states[:3]]}")
 

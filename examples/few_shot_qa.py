@@ -1,13 +1,17 @@
 """Few-shot QA: every question reuses the cached examples."""
 
-import radixrt as rt
 from _common import run_example
 
-EXAMPLES = "".join(f"Q: {q}\nA: {a}\n" for q, a in [
-    ("What is the capital of France?", "Paris"),
-    ("What is 3 + 4?", "7"),
-    ("What color is the sky on a clear day?", "Blue"),
-])
+import radixrt as rt
+
+EXAMPLES = "".join(
+    f"Q: {q}\nA: {a}\n"
+    for q, a in [
+        ("What is the capital of France?", "Paris"),
+        ("What is 3 + 4?", "7"),
+        ("What color is the sky on a clear day?", "Blue"),
+    ]
+)
 
 
 @rt.function
@@ -19,7 +23,9 @@ def qa(s, question):
 def main(backend) -> None:
     for question in ["What is the capital of Japan?", "What is 10 - 3?"]:
         state = qa.run(question=question, backend=backend, temperature=0)
-        print(f"Q: {question}\nA:{state['answer']}  ({state.get_meta_info('answer')['cached_tokens']} tokens cached)")
+        print(
+            f"Q: {question}\nA:{state['answer']}  ({state.get_meta_info('answer')['cached_tokens']} tokens cached)"
+        )
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """Multi-turn chat: each turn resends the history, which the radix cache already holds."""
 
-import radixrt as rt
 from _common import run_example
+
+import radixrt as rt
 
 
 @rt.function
@@ -13,12 +14,18 @@ def chat(s, turns):
 
 
 def main(backend) -> None:
-    turns = ["Hi! I'm planning a trip to Rome.", "What should I see first?", "And where should I eat?"]
+    turns = [
+        "Hi! I'm planning a trip to Rome.",
+        "What should I see first?",
+        "And where should I eat?",
+    ]
     state = chat.run(turns=turns, backend=backend, temperature=0)
     for i, message in enumerate(turns):
         meta = state.get_meta_info(f"reply{i}")
-        print(f"user: {message}\nassistant: {state[f'reply{i}'].strip()}\n"
-              f"   ({meta['cached_tokens']}/{meta['prompt_tokens']} prompt tokens cached)")
+        print(
+            f"user: {message}\nassistant: {state[f'reply{i}'].strip()}\n"
+            f"   ({meta['cached_tokens']}/{meta['prompt_tokens']} prompt tokens cached)"
+        )
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """Skeleton-of-thought: write an outline, then expand every point in parallel forks."""
 
-import radixrt as rt
 from _common import run_example
+
+import radixrt as rt
 
 
 @rt.function

@@ -1,7 +1,8 @@
 """Tree of thought: fork 3 ideas, fork each into 2 critiques; every branch shares its parent's KV."""
 
-import radixrt as rt
 from _common import run_example
+
+import radixrt as rt
 
 
 @rt.function
@@ -12,7 +13,9 @@ def tree(s, question):
     ideas += lambda i: f"Idea {i + 1}: " + rt.gen("idea", max_tokens=24, stop="\n", temperature=0.8)
     for idea in ideas:
         critiques = idea.fork(2)
-        critiques += lambda j: f"\nCritique {j + 1}: " + rt.gen("critique", max_tokens=20, stop="\n", temperature=0.8)
+        critiques += lambda j: (
+            f"\nCritique {j + 1}: " + rt.gen("critique", max_tokens=20, stop="\n", temperature=0.8)
+        )
         critiques.join()
     ideas.join()
     s += rt.assistant_end()
@@ -21,7 +24,9 @@ def tree(s, question):
 def main(backend) -> None:
     state = tree.run(question="How can a small town reduce traffic?", backend=backend)
     for i, idea in enumerate(state["idea"]):
-        print(f"idea {i + 1}: {idea.strip()}  ({state.get_meta_info('idea')[i]['cached_tokens']} tokens cached)")
+        print(
+            f"idea {i + 1}: {idea.strip()}  ({state.get_meta_info('idea')[i]['cached_tokens']} tokens cached)"
+        )
 
 
 if __name__ == "__main__":

@@ -1,10 +1,40 @@
 """The radixrt DSL: programs of gen/select/roles/fork over a runtime (see radixrt.Runtime)."""
 
 from radixrt.frontend.function import Function, function, set_default_backend
-from radixrt.frontend.primitives import (assistant, assistant_begin, assistant_end, gen, gen_int, gen_string, select,
-                                         system, system_begin, system_end, user, user_begin, user_end)
+from radixrt.frontend.primitives import (
+    assistant,
+    assistant_begin,
+    assistant_end,
+    gen,
+    gen_int,
+    gen_string,
+    select,
+    system,
+    system_begin,
+    system_end,
+    user,
+    user_begin,
+    user_end,
+)
 from radixrt.frontend.state import ForkGroup, ProgramState
 
-__all__ = ["ForkGroup", "Function", "ProgramState", "assistant", "assistant_begin", "assistant_end", "function", "gen",
-           "gen_int", "gen_string", "select", "set_default_backend", "system", "system_begin", "system_end", "user",
-           "user_begin", "user_end"]
+__all__ = [
+    "ForkGroup",
+    "Function",
+    "ProgramState",
+    "assistant",
+    "assistant_begin",
+    "assistant_end",
+    "function",
+    "gen",
+    "gen_int",
+    "gen_string",
+    "select",
+    "set_default_backend",
+    "system",
+    "system_begin",
+    "system_end",
+    "user",
+    "user_begin",
+    "user_end",
+]

@@ -16,7 +16,7 @@ class ChatTemplate:
     default_system: str  # what the template puts before a first message that is not a system one
 
     @classmethod
-    def from_model_info(cls, info: dict) -> "ChatTemplate":
+    def from_model_info(cls, info: dict) -> ChatTemplate:
         source = info.get("chat_template")
         if not source:
             return cls({}, {}, "")
@@ -30,16 +30,21 @@ class ChatTemplate:
         def around(before: list[dict], role: str) -> tuple[str, str]:
             head = render(before) if before else ""
             text = render(before + [{"role": role, "content": _MARK}])
-            prefix, suffix = text[len(head):].split(_MARK)
+            prefix, suffix = text[len(head) :].split(_MARK)
             return prefix, suffix
 
         system = around([], "system")
         user = around([{"role": "system", "content": "S"}], "user")
-        assistant = around([{"role": "system", "content": "S"}, {"role": "user", "content": "U"}], "assistant")
+        assistant = around(
+            [{"role": "system", "content": "S"}, {"role": "user", "content": "U"}], "assistant"
+        )
         lone_user = render([{"role": "user", "content": _MARK}])
         default_system = lone_user[: lone_user.index(_MARK)].removesuffix(user[0])
-        return cls({"system": system[0], "user": user[0], "assistant": assistant[0]},
-                   {"system": system[1], "user": user[1], "assistant": assistant[1]}, default_system)
+        return cls(
+            {"system": system[0], "user": user[0], "assistant": assistant[0]},
+            {"system": system[1], "user": user[1], "assistant": assistant[1]},
+            default_system,
+        )
 
     def prefix(self, role: str) -> str:
         return self.prefixes.get(role, "")

@@ -5,8 +5,9 @@ from __future__ import annotations
 import asyncio
 import functools
 import os
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, as_completed
-from typing import Any, Callable
+from typing import Any
 
 from tqdm import tqdm
 
@@ -43,7 +44,9 @@ class Function:
         self.func = func
         functools.update_wrapper(self, func)
 
-    def run(self, *, backend: RuntimeEndpoint | None = None, stream: bool = False, **kwargs: Any) -> ProgramState:
+    def run(
+        self, *, backend: RuntimeEndpoint | None = None, stream: bool = False, **kwargs: Any
+    ) -> ProgramState:
         """Run once. Keyword arguments that the function does not take (temperature,
         max_new_tokens, top_p, ...) are defaults for every gen inside it."""
         state = self._start(backend, kwargs, stream)
@@ -51,29 +54,53 @@ class Function:
             raise state._error
         return state
 
-    def _start(self, backend: RuntimeEndpoint | None, kwargs: dict[str, Any], stream: bool) -> ProgramState:
+    def _start(
+        self, backend: RuntimeEndpoint | None, kwargs: dict[str, Any], stream: bool
+    ) -> ProgramState:
         args, defaults = self._split(kwargs)
         backend = _backend(backend)
         return run_program(self.func, backend, _template(backend), defaults, args, stream)
 
-    def run_batch(self, batch_kwargs: list[dict[str, Any]], *, backend: RuntimeEndpoint | None = None,
-                  num_threads: int | str = "auto", progress_bar: bool = True, **defaults: Any) -> list[ProgramState]:
+    def run_batch(
+        self,
+        batch_kwargs: list[dict[str, Any]],
+        *,
+        backend: RuntimeEndpoint | None = None,
+        num_threads: int | str = "auto",
+        progress_bar: bool = True,
+        **defaults: Any,
+    ) -> list[ProgramState]:
         """Run many programs concurrently (so the runtime batches them); states in input order.
         A program that failed raises when its state is read."""
-        workers = min(len(batch_kwargs), 64, 4 * (os.cpu_count() or 1) + 16) if num_threads == "auto" else num_threads
+        workers = (
+            min(len(batch_kwargs), 64, 4 * (os.cpu_count() or 1) + 16)
+            if num_threads == "auto"
+            else num_threads
+        )
         with ThreadPoolExecutor(max(int(workers), 1)) as pool:
-            futures = [pool.submit(self._start, backend, {**defaults, **kw}, False) for kw in batch_kwargs]
-            for _ in tqdm(as_completed(futures), total=len(futures), desc=self.func.__name__,
-                          disable=not progress_bar):
+            futures = [
+                pool.submit(self._start, backend, {**defaults, **kw}, False) for kw in batch_kwargs
+            ]
+            for _ in tqdm(
+                as_completed(futures),
+                total=len(futures),
+                desc=self.func.__name__,
+                disable=not progress_bar,
+            ):
                 pass
             return [f.result() for f in futures]
 
-    async def run_async(self, *, backend: RuntimeEndpoint | None = None, **kwargs: Any) -> ProgramState:
+    async def run_async(
+        self, *, backend: RuntimeEndpoint | None = None, **kwargs: Any
+    ) -> ProgramState:
         """Await a program; thousands can be awaited at once on one event loop."""
         global _async_pool
-        _async_pool = _async_pool or ThreadPoolExecutor(ASYNC_WORKERS, thread_name_prefix="radixrt-program")
+        _async_pool = _async_pool or ThreadPoolExecutor(
+            ASYNC_WORKERS, thread_name_prefix="radixrt-program"
+        )
         return await asyncio.get_running_loop().run_in_executor(
-            _async_pool, functools.partial(self.run, backend=backend, **kwargs))
+            _async_pool, functools.partial(self.run, backend=backend, **kwargs)
+        )
 
     def _split(self, kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
         import inspect
@@ -81,7 +108,11 @@ class Function:
         params = inspect.signature(self.func).parameters
         takes_all = any(p.kind is p.VAR_KEYWORD for p in params.values())
         args = {k: v for k, v in kwargs.items() if takes_all or k in params}
-        defaults = {("max_new_tokens" if k == "max_tokens" else k): v for k, v in kwargs.items() if k not in args}
+        defaults = {
+            ("max_new_tokens" if k == "max_tokens" else k): v
+            for k, v in kwargs.items()
+            if k not in args
+        }
         return args, defaults
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

@@ -11,18 +11,18 @@ DTYPE_NAMES = {int: "int", float: "float", str: "str", bool: "bool"}
 class Expr:
     """Anything appendable; `a + b` makes a sequence appended in order."""
 
-    def __add__(self, other: Any) -> "Concat":
+    def __add__(self, other: Any) -> Concat:
         return Concat([self, other])
 
-    def __radd__(self, other: Any) -> "Concat":
+    def __radd__(self, other: Any) -> Concat:
         return Concat([other, self])
 
 
 class Concat(list):
-    def __add__(self, other: Any) -> "Concat":
+    def __add__(self, other: Any) -> Concat:
         return Concat([*self, other])
 
-    def __radd__(self, other: Any) -> "Concat":
+    def __radd__(self, other: Any) -> Concat:
         return Concat([other, *self])
 
 
@@ -80,17 +80,47 @@ class Role(Expr):
     content: list[Any] = field(default_factory=list)
 
 
-def gen(name: str | None = None, max_tokens: int | None = None, stop: str | list[str] | None = None,
-        stop_token_ids: list[int] | None = None, temperature: float | None = None, top_p: float | None = None,
-        top_k: int | None = None, min_p: float | None = None, frequency_penalty: float | None = None,
-        presence_penalty: float | None = None, ignore_eos: bool | None = None, regex: str | None = None,
-        json_schema: str | dict | None = None, choices: list[str] | None = None, dtype: Any = None,
-        return_logprob: bool | None = None, top_logprobs_num: int | None = None) -> Gen | Select:
+def gen(
+    name: str | None = None,
+    max_tokens: int | None = None,
+    stop: str | list[str] | None = None,
+    stop_token_ids: list[int] | None = None,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    top_k: int | None = None,
+    min_p: float | None = None,
+    frequency_penalty: float | None = None,
+    presence_penalty: float | None = None,
+    ignore_eos: bool | None = None,
+    regex: str | None = None,
+    json_schema: str | dict | None = None,
+    choices: list[str] | None = None,
+    dtype: Any = None,
+    return_logprob: bool | None = None,
+    top_logprobs_num: int | None = None,
+) -> Gen | Select:
     """Generate text into variable `name`. With `choices`, the same as `select`."""
     if choices is not None and regex is None and json_schema is None:
         return Select(name, list(choices), temperature or 0.0)
-    return Gen(name, max_tokens, stop, stop_token_ids, temperature, top_p, top_k, min_p, frequency_penalty,
-               presence_penalty, ignore_eos, regex, json_schema, choices, dtype, return_logprob, top_logprobs_num)
+    return Gen(
+        name,
+        max_tokens,
+        stop,
+        stop_token_ids,
+        temperature,
+        top_p,
+        top_k,
+        min_p,
+        frequency_penalty,
+        presence_penalty,
+        ignore_eos,
+        regex,
+        json_schema,
+        choices,
+        dtype,
+        return_logprob,
+        top_logprobs_num,
+    )
 
 
 def gen_int(name: str | None = None, **kwargs: Any) -> Gen:
@@ -101,8 +131,12 @@ def gen_string(name: str | None = None, **kwargs: Any) -> Gen:
     return Gen(name=name, dtype=str, **kwargs)
 
 
-def select(name: str | None = None, choices: list[str] | None = None, temperature: float = 0.0,
-           choices_method: str = "token_length_normalized") -> Select:
+def select(
+    name: str | None = None,
+    choices: list[str] | None = None,
+    temperature: float = 0.0,
+    choices_method: str = "token_length_normalized",
+) -> Select:
     """Pick a choice by its log-probability after the prefix, all choices scored in one batch:
     `token_length_normalized` (mean token logprob, the default), `greedy` (the choice a greedy
     decoder restricted to the choices would take: best first token, then the next, ...), or

@@ -12,9 +12,10 @@ import queue
 import threading
 import uuid
 import weakref
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, NamedTuple
+from typing import Any, NamedTuple
 
 from radixrt.client.endpoint import RuntimeEndpoint
 from radixrt.frontend.chat_template import ChatTemplate
@@ -24,8 +25,13 @@ _END = object()
 
 
 class ProgramState:
-    def __init__(self, backend: RuntimeEndpoint, template: ChatTemplate, defaults: dict[str, Any],
-                 stream: bool = False):
+    def __init__(
+        self,
+        backend: RuntimeEndpoint,
+        template: ChatTemplate,
+        defaults: dict[str, Any],
+        stream: bool = False,
+    ):
         self.backend = backend
         self.template = template
         self.defaults = defaults
@@ -41,7 +47,7 @@ class ProgramState:
         self.ret_value: Any = None
 
     # ---- appending ---------------------------------------------------------------------------
-    def __iadd__(self, expr: Any) -> "ProgramState":
+    def __iadd__(self, expr: Any) -> ProgramState:
         self._run(expr)
         return self
 
@@ -89,13 +95,23 @@ class ProgramState:
         if sel.method == "greedy":
             keys = [tuple(lps) for lps in token_logprobs]  # compared first token first
         elif sel.method == "unconditional":
-            keys = [m - _mean(a) for m, a in zip(means, self._logprobs(self._unconditional(prompts)))]
+            keys = [
+                m - _mean(a) for m, a in zip(means, self._logprobs(self._unconditional(prompts)))
+            ]
         else:
             keys = means
         best = max(range(len(keys)), key=keys.__getitem__)
         self._append(sel.choices[best], sel.name)
-        self._set(sel.name, sel.choices[best], {"choices": sel.choices, "method": sel.method,
-                                                "normalized_logprobs": means, "token_logprobs": token_logprobs})
+        self._set(
+            sel.name,
+            sel.choices[best],
+            {
+                "choices": sel.choices,
+                "method": sel.method,
+                "normalized_logprobs": means,
+                "token_logprobs": token_logprobs,
+            },
+        )
 
     def _choice_prompts(self, prefix_text: str, choices: list[str]) -> list[ChoicePrompt]:
         """Each choice after `prefix_text` as token ids, with the position its own tokens start at
@@ -120,8 +136,15 @@ class ProgramState:
         prompt, sent together, so the runtime prefills their shared prefix once."""
         outs = self.backend.generate(
             input_ids=[ids for ids, _ in prompts],
-            sampling_params=[{"max_new_tokens": 0, "return_logprob": True, "logprob_start_len": max(first - 1, 0)}
-                             for _, first in prompts])
+            sampling_params=[
+                {
+                    "max_new_tokens": 0,
+                    "return_logprob": True,
+                    "logprob_start_len": max(first - 1, 0),
+                }
+                for _, first in prompts
+            ],
+        )
         return [[lp for lp, _ in out["meta_info"]["input_token_logprobs"]] for out in outs]
 
     def _role_expr(self, r: Role) -> None:
@@ -137,12 +160,12 @@ class ProgramState:
         if r.part in ("whole", "end"):
             if self._role is None or self._role[0] != r.role:
                 raise ValueError(f"{r.role}_end() without {r.role}_begin()")
-            self._messages.append({"role": r.role, "content": self._text[self._role[1]:]})
+            self._messages.append({"role": r.role, "content": self._text[self._role[1] :]})
             self._role = None
             self._append(self.template.suffix(r.role))
 
     @contextmanager
-    def _scoped_role(self, role: str) -> Iterator["ProgramState"]:
+    def _scoped_role(self, role: str) -> Iterator[ProgramState]:
         self._role_expr(Role(role, "begin"))
         yield self
         self._role_expr(Role(role, "end"))
@@ -157,7 +180,7 @@ class ProgramState:
         return self._scoped_role("assistant")
 
     @contextmanager
-    def var_scope(self, name: str) -> Iterator["ProgramState"]:
+    def var_scope(self, name: str) -> Iterator[ProgramState]:
         """Everything appended inside the block becomes variable `name` too."""
         start = len(self._text)
         yield self
@@ -222,7 +245,7 @@ class ProgramState:
             self._stream.put(_END)
 
     # ---- forks -------------------------------------------------------------------------------
-    def fork(self, n: int) -> "ForkGroup":
+    def fork(self, n: int) -> ForkGroup:
         """n copies of this state that share its KV: the prefix is prefilled once and pinned in
         the runtime's cache until the group is joined or garbage-collected."""
         pin_id = None
@@ -233,7 +256,11 @@ class ProgramState:
         children = []
         for _ in range(n):
             child = ProgramState(self.backend, self.template, self.defaults)
-            child._text, child.variables, child.meta = self._text, dict(self.variables), dict(self.meta)
+            child._text, child.variables, child.meta = (
+                self._text,
+                dict(self.variables),
+                dict(self.meta),
+            )
             child._messages, child._role = list(self._messages), self._role
             child._done.set()
             children.append(child)
@@ -254,7 +281,7 @@ class ForkGroup:
     def __iter__(self):
         return iter(self.children)
 
-    def __iadd__(self, expr: Any) -> "ForkGroup":
+    def __iadd__(self, expr: Any) -> ForkGroup:
         """One expression for all, a list (one each), or a function of the branch index."""
         if isinstance(expr, list) and len(expr) == len(self.children):
             exprs = expr
@@ -315,8 +342,14 @@ def _typed(text: str, dtype: Any) -> Any:
     return text
 
 
-def run_program(func: Callable, backend: RuntimeEndpoint, template: ChatTemplate, defaults: dict[str, Any],
-                kwargs: dict[str, Any], stream: bool) -> ProgramState:
+def run_program(
+    func: Callable,
+    backend: RuntimeEndpoint,
+    template: ChatTemplate,
+    defaults: dict[str, Any],
+    kwargs: dict[str, Any],
+    stream: bool,
+) -> ProgramState:
     state = ProgramState(backend, template, defaults, stream=stream)
 
     def body() -> None:

@@ -4,4 +4,9 @@ from .decode_attention import decode_attention_fwd
 from .extend_attention import extend_attention_fwd
 from .reference import decode_attention_ref, extend_attention_ref
 
-__all__ = ["decode_attention_fwd", "extend_attention_fwd", "decode_attention_ref", "extend_attention_ref"]
+__all__ = [
+    "decode_attention_fwd",
+    "extend_attention_fwd",
+    "decode_attention_ref",
+    "extend_attention_ref",
+]

@@ -11,14 +11,32 @@ from .extend_attention import _attend_block, _check_last_dim_contiguous, dot_pre
 
 @triton.jit
 def _decode_split_kernel(
-    Q, K_buf, V_buf, Mid_O, Mid_LSE,
-    kv_indptr, kv_indices,
+    Q,
+    K_buf,
+    V_buf,
+    Mid_O,
+    Mid_LSE,
+    kv_indptr,
+    kv_indices,
     sm_scale,
-    stride_qb, stride_qh, stride_kbs, stride_kbh, stride_vbs, stride_vbh,
-    stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    LOGIT_CAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    stride_qb,
+    stride_qh,
+    stride_kbs,
+    stride_kbh,
+    stride_vbs,
+    stride_vbh,
+    stride_mob,
+    stride_moh,
+    stride_mos,
+    stride_mlb,
+    stride_mlh,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    LOGIT_CAP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """Stage 1: one program per (request, kv head, split) serves all query heads of that kv head,
     so each K/V block is read once per group. Writes the split's normalized output and its log2-sum-exp."""
@@ -41,8 +59,11 @@ def _decode_split_kernel(
     mask_h = offs_h < GROUP
     mask_d = offs_d < HEAD_DIM
 
-    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=mask_h[:, None] & mask_d[None, :], other=0.0)
+    q = tl.load(
+        Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=mask_h[:, None] & mask_d[None, :],
+        other=0.0,
+    )
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -52,22 +73,45 @@ def _decode_split_kernel(
         mask_n = cols < hi
         slots = tl.load(kv_indices + kv_start + cols, mask=mask_n, other=0).to(tl.int64)
         mask_nd = mask_n[:, None] & mask_d[None, :]
-        k = tl.load(K_buf + slots[:, None] * stride_kbs + kvh * stride_kbh + offs_d[None, :], mask=mask_nd, other=0.0)
-        v = tl.load(V_buf + slots[:, None] * stride_vbs + kvh * stride_vbh + offs_d[None, :], mask=mask_nd, other=0.0)
-        m_i, l_i, acc = _attend_block(q, k, v, mask_n[None, :], m_i, l_i, acc, sm_scale, LOGIT_CAP, DOT_PRECISION)
+        k = tl.load(
+            K_buf + slots[:, None] * stride_kbs + kvh * stride_kbh + offs_d[None, :],
+            mask=mask_nd,
+            other=0.0,
+        )
+        v = tl.load(
+            V_buf + slots[:, None] * stride_vbs + kvh * stride_vbh + offs_d[None, :],
+            mask=mask_nd,
+            other=0.0,
+        )
+        m_i, l_i, acc = _attend_block(
+            q, k, v, mask_n[None, :], m_i, l_i, acc, sm_scale, LOGIT_CAP, DOT_PRECISION
+        )
 
-    tl.store(Mid_O + b * stride_mob + heads[:, None] * stride_moh + split * stride_mos + offs_d[None, :],
-             acc / l_i[:, None], mask=mask_h[:, None] & mask_d[None, :])
+    tl.store(
+        Mid_O + b * stride_mob + heads[:, None] * stride_moh + split * stride_mos + offs_d[None, :],
+        acc / l_i[:, None],
+        mask=mask_h[:, None] & mask_d[None, :],
+    )
     tl.store(Mid_LSE + b * stride_mlb + heads * stride_mlh + split, m_i + tl.log2(l_i), mask=mask_h)
 
 
 @triton.jit
 def _decode_merge_kernel(
-    Mid_O, Mid_LSE, O,
+    Mid_O,
+    Mid_LSE,
+    O,
     kv_indptr,
     num_splits,
-    stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+    stride_mob,
+    stride_moh,
+    stride_mos,
+    stride_mlb,
+    stride_mlh,
+    stride_ob,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
 ):
     """Stage 2: one program per (request, query head) combines the non-empty splits by their log-sum-exp."""
     b = tl.program_id(0)
@@ -80,10 +124,15 @@ def _decode_merge_kernel(
     mask_s = (offs_s < num_splits) & (offs_s * split_len < kv_len)
     mask_d = offs_d < HEAD_DIM
 
-    lse = tl.load(Mid_LSE + b * stride_mlb + h * stride_mlh + offs_s, mask=mask_s, other=float("-inf"))
+    lse = tl.load(
+        Mid_LSE + b * stride_mlb + h * stride_mlh + offs_s, mask=mask_s, other=float("-inf")
+    )
     w = tl.exp2(lse - tl.max(lse, 0))
-    parts = tl.load(Mid_O + b * stride_mob + h * stride_moh + offs_s[:, None] * stride_mos + offs_d[None, :],
-                    mask=mask_s[:, None] & mask_d[None, :], other=0.0)
+    parts = tl.load(
+        Mid_O + b * stride_mob + h * stride_moh + offs_s[:, None] * stride_mos + offs_d[None, :],
+        mask=mask_s[:, None] & mask_d[None, :],
+        other=0.0,
+    )
     out = tl.sum(w[:, None] * parts, 0) / tl.sum(w, 0)
     tl.store(O + b * stride_ob + h * stride_oh + offs_d, out.to(O.dtype.element_ty), mask=mask_d)
 
@@ -120,26 +169,54 @@ def decode_attention_fwd(
 
     group = num_heads // num_kv_heads
     block_d = max(16, triton.next_power_of_2(head_dim))
-    mid_o = torch.empty(batch, num_heads, num_kv_splits, head_dim, dtype=torch.float32, device=q.device)
+    mid_o = torch.empty(
+        batch, num_heads, num_kv_splits, head_dim, dtype=torch.float32, device=q.device
+    )
     mid_lse = torch.empty(batch, num_heads, num_kv_splits, dtype=torch.float32, device=q.device)
 
     _decode_split_kernel[(batch, num_kv_heads, num_kv_splits)](
-        q, k_buffer, v_buffer, mid_o, mid_lse,
-        kv_indptr, kv_indices,
+        q,
+        k_buffer,
+        v_buffer,
+        mid_o,
+        mid_lse,
+        kv_indptr,
+        kv_indices,
         sm_scale,
-        q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
-        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
-        GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
+        q.stride(0),
+        q.stride(1),
+        k_buffer.stride(0),
+        k_buffer.stride(1),
+        v_buffer.stride(0),
+        v_buffer.stride(1),
+        mid_o.stride(0),
+        mid_o.stride(1),
+        mid_o.stride(2),
+        mid_lse.stride(0),
+        mid_lse.stride(1),
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
         BLOCK_H=max(16, triton.next_power_of_2(group)),  # tl.dot needs at least 16 rows
-        LOGIT_CAP=logit_cap, DOT_PRECISION=dot_precision(q.dtype),
+        LOGIT_CAP=logit_cap,
+        DOT_PRECISION=dot_precision(q.dtype),
         **_launch_config(block_d),
     )
     _decode_merge_kernel[(batch, num_heads)](
-        mid_o, mid_lse, o,
+        mid_o,
+        mid_lse,
+        o,
         kv_indptr,
         num_kv_splits,
-        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
-        o.stride(0), o.stride(1),
-        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(num_kv_splits),
+        mid_o.stride(0),
+        mid_o.stride(1),
+        mid_o.stride(2),
+        mid_lse.stride(0),
+        mid_lse.stride(1),
+        o.stride(0),
+        o.stride(1),
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        BLOCK_S=triton.next_power_of_2(num_kv_splits),
         num_warps=4,
     )

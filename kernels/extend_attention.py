@@ -19,8 +19,9 @@ def _scores(qk, sm_scale, LOGIT_CAP: tl.constexpr):
 
 
 @triton.jit
-def _attend_block(q, k, v, visible, m_i, l_i, acc, sm_scale, LOGIT_CAP: tl.constexpr,
-                  DOT_PRECISION: tl.constexpr):
+def _attend_block(
+    q, k, v, visible, m_i, l_i, acc, sm_scale, LOGIT_CAP: tl.constexpr, DOT_PRECISION: tl.constexpr
+):
     """Fold one key/value block into an online softmax: the running max m_i (log2 units), the
     running sum l_i and the unnormalised output acc; `visible` masks the keys a query may see."""
     qk = _scores(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION), sm_scale, LOGIT_CAP)
@@ -35,14 +36,35 @@ def _attend_block(q, k, v, visible, m_i, l_i, acc, sm_scale, LOGIT_CAP: tl.const
 
 @triton.jit
 def _extend_kernel(
-    Q, K_ext, V_ext, O, K_buf, V_buf,
-    qo_indptr, kv_indptr, kv_indices,
+    Q,
+    K_ext,
+    V_ext,
+    O,
+    K_buf,
+    V_buf,
+    qo_indptr,
+    kv_indptr,
+    kv_indices,
     sm_scale,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_ot, stride_oh, stride_kbs, stride_kbh, stride_vbs, stride_vbh,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    LOGIT_CAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    stride_kbs,
+    stride_kbh,
+    stride_vbs,
+    stride_vbh,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    LOGIT_CAP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -63,8 +85,11 @@ def _extend_kernel(
     mask_d = offs_d < HEAD_DIM
 
     rows = (q_start + offs_m).to(tl.int64)
-    q = tl.load(Q + rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
-                mask=mask_m[:, None] & mask_d[None, :], other=0.0)
+    q = tl.load(
+        Q + rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
+        mask=mask_m[:, None] & mask_d[None, :],
+        other=0.0,
+    )
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -76,9 +101,19 @@ def _extend_kernel(
         mask_n = cols < prefix_len
         slots = tl.load(kv_indices + kv_start + cols, mask=mask_n, other=0).to(tl.int64)
         mask_nd = mask_n[:, None] & mask_d[None, :]
-        k = tl.load(K_buf + slots[:, None] * stride_kbs + kvh * stride_kbh + offs_d[None, :], mask=mask_nd, other=0.0)
-        v = tl.load(V_buf + slots[:, None] * stride_vbs + kvh * stride_vbh + offs_d[None, :], mask=mask_nd, other=0.0)
-        m_i, l_i, acc = _attend_block(q, k, v, mask_n[None, :], m_i, l_i, acc, sm_scale, LOGIT_CAP, DOT_PRECISION)
+        k = tl.load(
+            K_buf + slots[:, None] * stride_kbs + kvh * stride_kbh + offs_d[None, :],
+            mask=mask_nd,
+            other=0.0,
+        )
+        v = tl.load(
+            V_buf + slots[:, None] * stride_vbs + kvh * stride_vbh + offs_d[None, :],
+            mask=mask_nd,
+            other=0.0,
+        )
+        m_i, l_i, acc = _attend_block(
+            q, k, v, mask_n[None, :], m_i, l_i, acc, sm_scale, LOGIT_CAP, DOT_PRECISION
+        )
 
     # Stage 2: the new tokens themselves, causal; only blocks up to this query block's end are visible.
     end_n = tl.minimum(start_m + BLOCK_M, extend_len)
@@ -87,15 +122,28 @@ def _extend_kernel(
         mask_n = cols < extend_len
         mask_nd = mask_n[:, None] & mask_d[None, :]
         kv_rows = (q_start + cols).to(tl.int64)
-        k = tl.load(K_ext + kv_rows[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :], mask=mask_nd, other=0.0)
-        v = tl.load(V_ext + kv_rows[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :], mask=mask_nd, other=0.0)
+        k = tl.load(
+            K_ext + kv_rows[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :],
+            mask=mask_nd,
+            other=0.0,
+        )
+        v = tl.load(
+            V_ext + kv_rows[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :],
+            mask=mask_nd,
+            other=0.0,
+        )
         # Every row has seen at least one visible key by now (prefix or column 0), so the max stays finite.
         visible = mask_n[None, :] & (offs_m[:, None] >= cols[None, :])
-        m_i, l_i, acc = _attend_block(q, k, v, visible, m_i, l_i, acc, sm_scale, LOGIT_CAP, DOT_PRECISION)
+        m_i, l_i, acc = _attend_block(
+            q, k, v, visible, m_i, l_i, acc, sm_scale, LOGIT_CAP, DOT_PRECISION
+        )
 
     out = acc / l_i[:, None]
-    tl.store(O + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
-             out.to(O.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
+    tl.store(
+        O + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
+        out.to(O.dtype.element_ty),
+        mask=mask_m[:, None] & mask_d[None, :],
+    )
 
 
 def _check_last_dim_contiguous(*tensors: torch.Tensor) -> None:
@@ -149,13 +197,32 @@ def extend_attention_fwd(
     cfg = _launch_config(block_d)
     grid = (batch, num_heads, triton.cdiv(max_len_extend, cfg["BLOCK_M"]))
     _extend_kernel[grid](
-        q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer,
-        qo_indptr, kv_indptr, kv_indices,
+        q_extend,
+        k_extend,
+        v_extend,
+        o_extend,
+        k_buffer,
+        v_buffer,
+        qo_indptr,
+        kv_indptr,
+        kv_indices,
         sm_scale,
-        q_extend.stride(0), q_extend.stride(1), k_extend.stride(0), k_extend.stride(1),
-        v_extend.stride(0), v_extend.stride(1), o_extend.stride(0), o_extend.stride(1),
-        k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
-        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,
-        LOGIT_CAP=logit_cap, DOT_PRECISION=dot_precision(q_extend.dtype),
+        q_extend.stride(0),
+        q_extend.stride(1),
+        k_extend.stride(0),
+        k_extend.stride(1),
+        v_extend.stride(0),
+        v_extend.stride(1),
+        o_extend.stride(0),
+        o_extend.stride(1),
+        k_buffer.stride(0),
+        k_buffer.stride(1),
+        v_buffer.stride(0),
+        v_buffer.stride(1),
+        GROUP=num_heads // num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        LOGIT_CAP=logit_cap,
+        DOT_PRECISION=dot_precision(q_extend.dtype),
         **cfg,
     )

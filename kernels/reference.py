@@ -5,8 +5,14 @@ import math
 import torch
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float, logit_cap: float,
-            causal_offset: int | None) -> torch.Tensor:
+def _attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    sm_scale: float,
+    logit_cap: float,
+    causal_offset: int | None,
+) -> torch.Tensor:
     """q [Lq, Hq, D], k/v [Lk, Hkv, D] -> [Lq, Hq, D] in fp32.
     With causal_offset, query i sees keys 0..causal_offset + i; without, it sees all keys."""
     group = q.shape[1] // k.shape[1]
@@ -42,10 +48,12 @@ def extend_attention_ref(
     sm_scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(q_extend.shape[-1])
     for b in range(qo_indptr.numel() - 1):
         qs, qe = qo_indptr[b].item(), qo_indptr[b + 1].item()
-        slots = kv_indices[kv_indptr[b].item():kv_indptr[b + 1].item()].long()
+        slots = kv_indices[kv_indptr[b].item() : kv_indptr[b + 1].item()].long()
         k = torch.cat([k_buffer[slots], k_extend[qs:qe]])
         v = torch.cat([v_buffer[slots], v_extend[qs:qe]])
-        o_extend[qs:qe] = _attend(q_extend[qs:qe], k, v, sm_scale, logit_cap, causal_offset=len(slots))
+        o_extend[qs:qe] = _attend(
+            q_extend[qs:qe], k, v, sm_scale, logit_cap, causal_offset=len(slots)
+        )
 
 
 def decode_attention_ref(
@@ -63,5 +71,7 @@ def decode_attention_ref(
     num_kv_splits only affects how the kernel parallelizes, not the result."""
     sm_scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     for b in range(q.shape[0]):
-        slots = kv_indices[kv_indptr[b].item():kv_indptr[b + 1].item()].long()
-        o[b] = _attend(q[b:b + 1], k_buffer[slots], v_buffer[slots], sm_scale, logit_cap, causal_offset=None)[0]
+        slots = kv_indices[kv_indptr[b].item() : kv_indptr[b + 1].item()].long()
+        o[b] = _attend(
+            q[b : b + 1], k_buffer[slots], v_buffer[slots], sm_scale, logit_cap, causal_offset=None
+        )[0]

@@ -29,8 +29,14 @@ def _serve(args: argparse.Namespace) -> None:
 def _http_gateway(args: argparse.Namespace) -> None:
     from radixrt.server.http.process import run_gateway
 
-    run_gateway(args.url, args.fd, args.parent_pid, os.environ.get(SECRETS["api_key"]), args.curve_server_key,
-                args.log_level)
+    run_gateway(
+        args.url,
+        args.fd,
+        args.parent_pid,
+        os.environ.get(SECRETS["api_key"]),
+        args.curve_server_key,
+        args.log_level,
+    )
 
 
 def _generate(args: argparse.Namespace) -> None:
@@ -38,7 +44,11 @@ def _generate(args: argparse.Namespace) -> None:
     from radixrt.client.launcher import Engine
 
     params = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature}
-    backend = RuntimeEndpoint(args.url) if args.url else Engine(**dataclasses.asdict(ServerArgs.from_cli_args(args)))
+    backend = (
+        RuntimeEndpoint(args.url)
+        if args.url
+        else Engine(**dataclasses.asdict(ServerArgs.from_cli_args(args)))
+    )
     with backend:
         if args.stream:
             for chunk in backend.generate(args.prompt, params, stream=True):
@@ -58,10 +68,14 @@ def _bench(args: argparse.Namespace) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="radixrt", description="RadixAttention-centric LLM runtime")
+    parser = argparse.ArgumentParser(
+        prog="radixrt", description="RadixAttention-centric LLM runtime"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
-    prep = sub.add_parser("prepare-model", help="convert a model (GGUF -> safetensors) once, print its folder")
+    prep = sub.add_parser(
+        "prepare-model", help="convert a model (GGUF -> safetensors) once, print its folder"
+    )
     prep.add_argument("--model", default="default")
     prep.set_defaults(func=_prepare_model)
 
@@ -69,9 +83,13 @@ def build_parser() -> argparse.ArgumentParser:
     ServerArgs.add_cli_args(serve)
     serve.set_defaults(func=_serve)
 
-    gateway = sub.add_parser("http-gateway", help="the OpenAI-compatible HTTP front that `serve --http-port` starts")
+    gateway = sub.add_parser(
+        "http-gateway", help="the OpenAI-compatible HTTP front that `serve --http-port` starts"
+    )
     gateway.add_argument("--url", required=True, help="the runtime's ZeroMQ address")
-    gateway.add_argument("--fd", type=int, required=True, help="listening socket inherited from `serve`")
+    gateway.add_argument(
+        "--fd", type=int, required=True, help="listening socket inherited from `serve`"
+    )
     gateway.add_argument("--parent-pid", type=int, help="exit when this process is gone")
     gateway.add_argument("--curve-server-key", help="the runtime's CURVE public key")
     gateway.add_argument("--log-level", default="info")
@@ -80,7 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate text against a server (--url) or in-process")
     ServerArgs.add_cli_args(gen)
     gen.add_argument("--prompt", required=True)
-    gen.add_argument("--url", help="a running server, e.g. tcp://127.0.0.1:30000; in-process when absent")
+    gen.add_argument(
+        "--url", help="a running server, e.g. tcp://127.0.0.1:30000; in-process when absent"
+    )
     gen.add_argument("--stream", action="store_true", help="print text as it is generated")
     gen.add_argument("--max-new-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)

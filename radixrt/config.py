@@ -14,8 +14,10 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-
-SECRETS = {"api_key": "RADIXRT_API_KEY", "curve_secret_key": "RADIXRT_CURVE_SECRET_KEY"}  # field -> env var
+SECRETS = {
+    "api_key": "RADIXRT_API_KEY",
+    "curve_secret_key": "RADIXRT_CURVE_SECRET_KEY",
+}  # field -> env var
 
 
 @dataclass(frozen=True)
@@ -48,35 +50,114 @@ class SchedulerArgs:
     log_interval: int
 
 
-def _part(cls: type, args: "ServerArgs") -> Any:
+def _part(cls: type, args: ServerArgs) -> Any:
     return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
 
 
 @dataclass(frozen=True)
 class ServerArgs:
-    model: str = field(default="default", metadata={"help": "'default' (SmolLM2-135M-Instruct), a Hugging Face model folder or a .gguf file"})
-    host: str = field(default="127.0.0.1", metadata={"help": "address to bind; loopback unless told otherwise"})
+    model: str = field(
+        default="default",
+        metadata={
+            "help": "'default' (SmolLM2-135M-Instruct), a Hugging Face model folder or a .gguf file"
+        },
+    )
+    host: str = field(
+        default="127.0.0.1", metadata={"help": "address to bind; loopback unless told otherwise"}
+    )
     port: int = field(default=30000, metadata={"help": "TCP port of the ZeroMQ ROUTER socket"})
-    attention_backend: str = field(default="auto", metadata={"help": "auto (triton on CUDA, torch on CPU), torch or triton", "choices": ["auto", "torch", "triton"]})
-    dtype: str = field(default="auto", metadata={"help": "weights and KV dtype: auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16", "choices": ["auto", "float32", "bfloat16"]})
+    attention_backend: str = field(
+        default="auto",
+        metadata={
+            "help": "auto (triton on CUDA, torch on CPU), torch or triton",
+            "choices": ["auto", "torch", "triton"],
+        },
+    )
+    dtype: str = field(
+        default="auto",
+        metadata={
+            "help": "weights and KV dtype: auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16",
+            "choices": ["auto", "float32", "bfloat16"],
+        },
+    )
     device: str = field(default="auto", metadata={"help": "auto, cpu or cuda"})
-    max_total_tokens: int | None = field(default=None, metadata={"help": "KV slots in the token pool; overrides --mem-fraction"})
-    mem_fraction: float | None = field(default=None, metadata={"help": "fraction of free memory given to the KV pool when --max-total-tokens is not set (default: 0.8 on CUDA, 0.1 on CPU)"})
-    page_size: int = field(default=1, metadata={"help": "tokens per KV page; the radix tree matches whole pages"})
-    context_length: int | None = field(default=None, metadata={"help": "max prompt+output tokens per request (default: the model's)"})
-    schedule_policy: str = field(default="lpm", metadata={"help": "lpm (longest prefix match), fcfs or dfs-weight", "choices": ["lpm", "fcfs", "dfs-weight"]})
-    schedule_mode: str = field(default="continuous", metadata={"help": "continuous (requests join and leave at every step) or static (a new batch is admitted only once the previous one has fully finished: the baseline continuous batching is measured against)", "choices": ["continuous", "static"]})
-    chunked_prefill_size: int = field(default=2048, metadata={"help": "max prompt tokens per step (of one request and of all together); longer prompts are prefilled in chunks, so decodes are never stalled behind a long prefill (<=0 disables chunking)"})
-    max_prefill_tokens: int = field(default=8192, metadata={"help": "max new prompt tokens admitted per step over all requests"})
-    max_running_requests: int = field(default=256, metadata={"help": "max requests decoding at once"})
-    disable_radix_cache: bool = field(default=False, metadata={"help": "turn prefix matching off (same code path, no reuse)"})
-    enable_jump_forward: bool = field(default=True, metadata={"help": "append text a constraint forces (JSON keys and punctuation) in one extend instead of decoding it token by token; --no-enable-jump-forward decodes every token"})
-    max_queued_requests: int = field(default=4096, metadata={"help": "waiting requests past which new ones get an 'overloaded' error"})
-    http_port: int | None = field(default=None, metadata={"help": "also serve the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /metrics, ...) on this port of --host (off when unset)"})
-    api_key: str | None = field(default=None, metadata={"help": "required in every message when set; needed to bind a non-loopback host"})
-    curve_secret_key: str | None = field(default=None, metadata={"help": "Z85 CURVE secret key: encrypt and authenticate the socket (clients need the public key); or set RADIXRT_CURVE_SECRET_KEY"})
-    random_seed: int = field(default=0, metadata={"help": "seed of the sampler for requests that set none"})
-    log_interval: int = field(default=40, metadata={"help": "decode steps between two throughput log lines"})
+    max_total_tokens: int | None = field(
+        default=None, metadata={"help": "KV slots in the token pool; overrides --mem-fraction"}
+    )
+    mem_fraction: float | None = field(
+        default=None,
+        metadata={
+            "help": "fraction of free memory given to the KV pool when --max-total-tokens is not set (default: 0.8 on CUDA, 0.1 on CPU)"
+        },
+    )
+    page_size: int = field(
+        default=1, metadata={"help": "tokens per KV page; the radix tree matches whole pages"}
+    )
+    context_length: int | None = field(
+        default=None,
+        metadata={"help": "max prompt+output tokens per request (default: the model's)"},
+    )
+    schedule_policy: str = field(
+        default="lpm",
+        metadata={
+            "help": "lpm (longest prefix match), fcfs or dfs-weight",
+            "choices": ["lpm", "fcfs", "dfs-weight"],
+        },
+    )
+    schedule_mode: str = field(
+        default="continuous",
+        metadata={
+            "help": "continuous (requests join and leave at every step) or static (a new batch is admitted only once the previous one has fully finished: the baseline continuous batching is measured against)",
+            "choices": ["continuous", "static"],
+        },
+    )
+    chunked_prefill_size: int = field(
+        default=2048,
+        metadata={
+            "help": "max prompt tokens per step (of one request and of all together); longer prompts are prefilled in chunks, so decodes are never stalled behind a long prefill (<=0 disables chunking)"
+        },
+    )
+    max_prefill_tokens: int = field(
+        default=8192, metadata={"help": "max new prompt tokens admitted per step over all requests"}
+    )
+    max_running_requests: int = field(
+        default=256, metadata={"help": "max requests decoding at once"}
+    )
+    disable_radix_cache: bool = field(
+        default=False, metadata={"help": "turn prefix matching off (same code path, no reuse)"}
+    )
+    enable_jump_forward: bool = field(
+        default=True,
+        metadata={
+            "help": "append text a constraint forces (JSON keys and punctuation) in one extend instead of decoding it token by token; --no-enable-jump-forward decodes every token"
+        },
+    )
+    max_queued_requests: int = field(
+        default=4096,
+        metadata={"help": "waiting requests past which new ones get an 'overloaded' error"},
+    )
+    http_port: int | None = field(
+        default=None,
+        metadata={
+            "help": "also serve the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /metrics, ...) on this port of --host (off when unset)"
+        },
+    )
+    api_key: str | None = field(
+        default=None,
+        metadata={"help": "required in every message when set; needed to bind a non-loopback host"},
+    )
+    curve_secret_key: str | None = field(
+        default=None,
+        metadata={
+            "help": "Z85 CURVE secret key: encrypt and authenticate the socket (clients need the public key); or set RADIXRT_CURVE_SECRET_KEY"
+        },
+    )
+    random_seed: int = field(
+        default=0, metadata={"help": "seed of the sampler for requests that set none"}
+    )
+    log_interval: int = field(
+        default=40, metadata={"help": "decode steps between two throughput log lines"}
+    )
     log_level: str = field(default="info", metadata={"help": "debug, info, warning or error"})
 
     def __post_init__(self) -> None:
@@ -86,7 +167,11 @@ class ServerArgs:
             raise ValueError("max_total_tokens must be >= 1")
         if self.mem_fraction is not None and not 0 < self.mem_fraction < 1:
             raise ValueError("mem_fraction must be in (0, 1)")
-        if self.max_running_requests < 1 or self.max_prefill_tokens < 1 or self.max_queued_requests < 1:
+        if (
+            self.max_running_requests < 1
+            or self.max_prefill_tokens < 1
+            or self.max_queued_requests < 1
+        ):
             raise ValueError("max_running_requests and max_prefill_tokens must be >= 1")
 
     @classmethod
@@ -95,11 +180,20 @@ class ServerArgs:
             flag = "--" + f.name.replace("_", "-")
             helptext = f.metadata.get("help", "")
             if f.type in ("bool", bool):
-                parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=helptext)
+                parser.add_argument(
+                    flag, action=argparse.BooleanOptionalAction, default=f.default, help=helptext
+                )
                 continue
-            kind = {"int": int, "float": float, "int | None": int, "float | None": float}.get(str(f.type), str)
-            parser.add_argument(flag, type=kind, default=f.default, choices=f.metadata.get("choices"),
-                                help=f"{helptext} (default: {f.default})")
+            kind = {"int": int, "float": float, "int | None": int, "float | None": float}.get(
+                str(f.type), str
+            )
+            parser.add_argument(
+                flag,
+                type=kind,
+                default=f.default,
+                choices=f.metadata.get("choices"),
+                help=f"{helptext} (default: {f.default})",
+            )
 
     @property
     def executor(self) -> ExecutorArgs:
@@ -109,10 +203,15 @@ class ServerArgs:
     def scheduler(self) -> SchedulerArgs:
         return _part(SchedulerArgs, self)
 
-    def with_secrets_from_env(self) -> "ServerArgs":
+    def with_secrets_from_env(self) -> ServerArgs:
         """These settings with unset secrets taken from their environment variables."""
-        return dataclasses.replace(self, **{name: getattr(self, name) or os.environ.get(var) or None
-                                            for name, var in SECRETS.items()})
+        return dataclasses.replace(
+            self,
+            **{
+                name: getattr(self, name) or os.environ.get(var) or None
+                for name, var in SECRETS.items()
+            },
+        )
 
     @property
     def endpoint(self) -> str:
@@ -143,11 +242,11 @@ class ServerArgs:
         return argv
 
     @classmethod
-    def from_cli_args(cls, args: argparse.Namespace) -> "ServerArgs":
+    def from_cli_args(cls, args: argparse.Namespace) -> ServerArgs:
         return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
 
     @classmethod
-    def from_kwargs(cls, **kwargs: Any) -> "ServerArgs":
+    def from_kwargs(cls, **kwargs: Any) -> ServerArgs:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = set(kwargs) - known
         if unknown:

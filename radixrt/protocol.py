@@ -13,8 +13,10 @@ class ErrorCode(str, Enum):
     """The machine-readable `error.code` of a failed request; never reworded once published."""
 
     INVALID_REQUEST = "invalid_request"  # malformed frame, unknown op, bad field or value
-    CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # the prompt does not fit the context or pool
-    INVALID_CONSTRAINT = "invalid_constraint"  # a regex, JSON schema or choice list that does not compile
+    # the prompt does not fit the context or pool
+    CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+    # a regex, JSON schema or choice list that does not compile
+    INVALID_CONSTRAINT = "invalid_constraint"
     UNAUTHORIZED = "unauthorized"  # missing or wrong api_key
     OVERLOADED = "overloaded"  # the waiting queue is full; try again later
     RATE_LIMITED = "rate_limited"
@@ -22,11 +24,12 @@ class ErrorCode(str, Enum):
     TIMEOUT = "timeout"
     DRAINING = "draining"
     WORKER_LOST = "worker_lost"
-    CONNECTION_LOST = "connection_lost"  # said by the client itself: the runtime restarted or went silent
+    # said by the client itself: the runtime restarted or went silent
+    CONNECTION_LOST = "connection_lost"
     INTERNAL_ERROR = "internal_error"  # a bug: it costs one request, never the server
 
     @classmethod
-    def parse(cls, value: object) -> "ErrorCode | None":
+    def parse(cls, value: object) -> ErrorCode | None:
         """The code named by `value`, or None for one this side does not know (a newer peer's)."""
         return cls._value2member_map_.get(value)  # type: ignore[return-value]
 

@@ -6,8 +6,22 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-_INT_FIELDS = ("max_new_tokens", "min_new_tokens", "top_k", "n", "top_logprobs_num", "logprob_start_len")
-_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty")
+_INT_FIELDS = (
+    "max_new_tokens",
+    "min_new_tokens",
+    "top_k",
+    "n",
+    "top_logprobs_num",
+    "logprob_start_len",
+)
+_FLOAT_FIELDS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "frequency_penalty",
+    "presence_penalty",
+    "repetition_penalty",
+)
 _BOOL_FIELDS = ("ignore_eos", "skip_special_tokens", "return_logprob")
 
 
@@ -37,7 +51,7 @@ class SamplingParams:
     dtype: str | None = None  # "int", "float", "bool" or "str"
 
     @classmethod
-    def from_dict(cls, params: dict[str, Any] | None) -> "SamplingParams":
+    def from_dict(cls, params: dict[str, Any] | None) -> SamplingParams:
         params = dict(params or {})
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = set(params) - known
@@ -63,7 +77,8 @@ class SamplingParams:
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError("stop must be a non-empty string or a list of non-empty strings")
         if not isinstance(self.stop_token_ids, list) or not all(
-                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids
+        ):
             raise ValueError("stop_token_ids must be a list of non-negative ints")
         _check_range("max_new_tokens", self.max_new_tokens, 0, 1 << 20)
         _check_range("min_new_tokens", self.min_new_tokens, 0, self.max_new_tokens)
@@ -87,16 +102,24 @@ class SamplingParams:
                 raise ValueError(f"{kind} must be a string")
             if kind == "json_schema" and not isinstance(value, (str, dict)):
                 raise ValueError("json_schema must be a JSON string or a map")
-            if kind == "choices" and (not isinstance(value, list) or not value
-                                      or not all(isinstance(c, str) for c in value)):
+            if kind == "choices" and (
+                not isinstance(value, list)
+                or not value
+                or not all(isinstance(c, str) for c in value)
+            ):
                 raise ValueError("choices must be a non-empty list of strings")
 
     def constraint(self) -> tuple[str, object] | None:
         """The one structured-output constraint, as (kind, value), or None."""
-        given = [(k, getattr(self, k)) for k in ("regex", "json_schema", "choices", "dtype")
-                 if getattr(self, k) is not None]
+        given = [
+            (k, getattr(self, k))
+            for k in ("regex", "json_schema", "choices", "dtype")
+            if getattr(self, k) is not None
+        ]
         if len(given) > 1:
-            raise ValueError(f"give at most one of regex, json_schema, choices, dtype (got {[k for k, _ in given]})")
+            raise ValueError(
+                f"give at most one of regex, json_schema, choices, dtype (got {[k for k, _ in given]})"
+            )
         return given[0] if given else None
 
     @property
@@ -105,12 +128,18 @@ class SamplingParams:
 
     @property
     def penalized(self) -> bool:
-        return self.frequency_penalty != 0.0 or self.presence_penalty != 0.0 or self.repetition_penalty != 1.0
+        return (
+            self.frequency_penalty != 0.0
+            or self.presence_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
 
 
 def _check_type(name: str, value: Any, kind: type | tuple[type, ...]) -> None:
     if isinstance(value, bool) and kind is not bool or not isinstance(value, kind):
-        raise ValueError(f"{name} must be of type {getattr(kind, '__name__', 'number')}, got {value!r}")
+        raise ValueError(
+            f"{name} must be of type {getattr(kind, '__name__', 'number')}, got {value!r}"
+        )
 
 
 def _check_range(name: str, value: float, lo: float, hi: float) -> None:

@@ -69,9 +69,13 @@ def paged_batch(hq: int, hkv: int, d: int, prefix_lens: list[int], extend_lens: 
     n = sum(extend_lens)
     rand = lambda *shape: torch.randn(*shape, dtype=DTYPE, device=DEVICE)  # noqa: E731
     return dict(
-        q_extend=rand(n, hq, d), k_extend=rand(n, hkv, d), v_extend=rand(n, hkv, d),
-        k_buffer=rand(pool, hkv, d), v_buffer=rand(pool, hkv, d),
-        qo_indptr=indptr(extend_lens), kv_indptr=indptr(prefix_lens),
+        q_extend=rand(n, hq, d),
+        k_extend=rand(n, hkv, d),
+        v_extend=rand(n, hkv, d),
+        k_buffer=rand(pool, hkv, d),
+        v_buffer=rand(pool, hkv, d),
+        qo_indptr=indptr(extend_lens),
+        kv_indptr=indptr(prefix_lens),
         kv_indices=torch.randperm(pool, device=DEVICE)[:total].to(torch.int32),
         max_len_extend=max(extend_lens),
     )
@@ -79,15 +83,34 @@ def paged_batch(hq: int, hkv: int, d: int, prefix_lens: list[int], extend_lens: 
 
 def run_extend(fn, b: dict, logit_cap: float = 0.0) -> torch.Tensor:
     o = torch.empty_like(b["q_extend"])
-    fn(b["q_extend"], b["k_extend"], b["v_extend"], o, b["k_buffer"], b["v_buffer"],
-       b["qo_indptr"], b["kv_indptr"], b["kv_indices"], b["max_len_extend"], logit_cap=logit_cap)
+    fn(
+        b["q_extend"],
+        b["k_extend"],
+        b["v_extend"],
+        o,
+        b["k_buffer"],
+        b["v_buffer"],
+        b["qo_indptr"],
+        b["kv_indptr"],
+        b["kv_indices"],
+        b["max_len_extend"],
+        logit_cap=logit_cap,
+    )
     return o
 
 
 def run_decode(fn, b: dict, num_kv_splits: int = 8, logit_cap: float = 0.0) -> torch.Tensor:
     o = torch.empty_like(b["q_extend"])
-    fn(b["q_extend"], b["k_buffer"], b["v_buffer"], o, b["kv_indptr"], b["kv_indices"],
-       num_kv_splits=num_kv_splits, logit_cap=logit_cap)
+    fn(
+        b["q_extend"],
+        b["k_buffer"],
+        b["v_buffer"],
+        o,
+        b["kv_indptr"],
+        b["kv_indices"],
+        num_kv_splits=num_kv_splits,
+        logit_cap=logit_cap,
+    )
     return o
 
 
@@ -107,18 +130,26 @@ def check_correctness() -> None:
         prefix, extend = CHECK_EXTEND
         b = paged_batch(hq, hkv, d, prefix, extend)
         for cap in (0.0, 2.0):
-            compare(f"extend {model} prefix={prefix} extend={extend} cap={cap}",
-                    run_extend(kernels.extend_attention_fwd, b, cap), run_extend(kernels.extend_attention_ref, b, cap))
+            compare(
+                f"extend {model} prefix={prefix} extend={extend} cap={cap}",
+                run_extend(kernels.extend_attention_fwd, b, cap),
+                run_extend(kernels.extend_attention_ref, b, cap),
+            )
         num_random, max_ctx, long_ctx = CHECK_DECODE
         ctx = torch.randint(1, max_ctx + 1, (num_random,), generator=gen).tolist() + long_ctx
         b = paged_batch(hq, hkv, d, ctx, [1] * len(ctx))
         ref = run_decode(kernels.decode_attention_ref, b)
         for splits in (1, 8, 32):
-            compare(f"decode {model} batch={len(ctx)} ctx<={max(ctx)} splits={splits}",
-                    run_decode(kernels.decode_attention_fwd, b, splits), ref)
-        compare(f"decode {model} batch={len(ctx)} ctx<={max(ctx)} splits=8 cap=2.0",
-                run_decode(kernels.decode_attention_fwd, b, 8, 2.0),
-                run_decode(kernels.decode_attention_ref, b, 8, 2.0))
+            compare(
+                f"decode {model} batch={len(ctx)} ctx<={max(ctx)} splits={splits}",
+                run_decode(kernels.decode_attention_fwd, b, splits),
+                ref,
+            )
+        compare(
+            f"decode {model} batch={len(ctx)} ctx<={max(ctx)} splits=8 cap=2.0",
+            run_decode(kernels.decode_attention_fwd, b, 8, 2.0),
+            run_decode(kernels.decode_attention_ref, b, 8, 2.0),
+        )
         del b, ref
     torch.cuda.empty_cache()
 
@@ -152,20 +183,46 @@ def bench_decode() -> None:
             kv_bytes = 2 * batch * ctx * hkv * d * b["k_buffer"].element_size()
             for splits in DECODE_SPLITS:
                 o = torch.empty_like(b["q_extend"])
-                ms = bench_ms(lambda: kernels.decode_attention_fwd(
-                    b["q_extend"], b["k_buffer"], b["v_buffer"], o, b["kv_indptr"], b["kv_indices"], splits))
+                ms = bench_ms(
+                    lambda: kernels.decode_attention_fwd(
+                        b["q_extend"],
+                        b["k_buffer"],
+                        b["v_buffer"],
+                        o,
+                        b["kv_indptr"],
+                        b["kv_indices"],
+                        splits,
+                    )
+                )
                 bw = kv_bytes / (ms * 1e-3)
-                row = dict(model=model, batch=batch, ctx=ctx, splits=splits, us=ms * 1e3, tb_s=bw / 1e12,
-                           frac_hbm=bw / HBM_BYTES_PER_S)
+                row = dict(
+                    model=model,
+                    batch=batch,
+                    ctx=ctx,
+                    splits=splits,
+                    us=ms * 1e3,
+                    tb_s=bw / 1e12,
+                    frac_hbm=bw / HBM_BYTES_PER_S,
+                )
                 results["decode_bench"].append(row)
-                log(f"  {model:<10} {batch:>5} {ctx:>6} {splits:>6} {ms * 1e3:>9.1f} {bw / 1e12:>6.2f} "
-                    f"{100 * bw / HBM_BYTES_PER_S:>5.1f}%")
+                log(
+                    f"  {model:<10} {batch:>5} {ctx:>6} {splits:>6} {ms * 1e3:>9.1f} {bw / 1e12:>6.2f} "
+                    f"{100 * bw / HBM_BYTES_PER_S:>5.1f}%"
+                )
             del b
-    best = max((r for r in results["decode_bench"]
-                if r["model"] == "llama3-8b" and (r["batch"], r["ctx"]) == DECODE_SHAPES[0]), key=lambda r: r["frac_hbm"])
+    best = max(
+        (
+            r
+            for r in results["decode_bench"]
+            if r["model"] == "llama3-8b" and (r["batch"], r["ctx"]) == DECODE_SHAPES[0]
+        ),
+        key=lambda r: r["frac_hbm"],
+    )
     results["decode_target"] = {"best": best, "target_frac": 0.7, "met": best["frac_hbm"] >= 0.7}
-    log(f"  target llama3-8b {DECODE_SHAPES[0]} >= 70% HBM: best {100 * best['frac_hbm']:.1f}% "
-        f"(splits={best['splits']}) -> {'MET' if best['frac_hbm'] >= 0.7 else 'NOT MET'}")
+    log(
+        f"  target llama3-8b {DECODE_SHAPES[0]} >= 70% HBM: best {100 * best['frac_hbm']:.1f}% "
+        f"(splits={best['splits']}) -> {'MET' if best['frac_hbm'] >= 0.7 else 'NOT MET'}"
+    )
     torch.cuda.empty_cache()
 
 
@@ -178,34 +235,70 @@ def causal_flops(batch: int, hq: int, d: int, prefix: int, extend: int) -> float
 def bench_extend() -> None:
     log("== (b2) extend: TFLOP/s vs dense causal torch SDPA (same shapes, prefix 0) ==")
     results["extend_bench"] = []
-    log(f"  {'model':<10} {'batch':>5} {'prefix':>6} {'extend':>6} {'triton TF/s':>11} {'sdpa TF/s':>9} {'ratio':>6}")
+    log(
+        f"  {'model':<10} {'batch':>5} {'prefix':>6} {'extend':>6} {'triton TF/s':>11} {'sdpa TF/s':>9} {'ratio':>6}"
+    )
     for model, (hq, hkv, d) in MODELS.items():
         for batch, prefix, extend in EXTEND_SHAPES:
             b = paged_batch(hq, hkv, d, [prefix] * batch, [extend] * batch)
             o = torch.empty_like(b["q_extend"])
-            args = (b["q_extend"], b["k_extend"], b["v_extend"], o, b["k_buffer"], b["v_buffer"],
-                    b["qo_indptr"], b["kv_indptr"], b["kv_indices"], b["max_len_extend"])
+            args = (
+                b["q_extend"],
+                b["k_extend"],
+                b["v_extend"],
+                o,
+                b["k_buffer"],
+                b["v_buffer"],
+                b["qo_indptr"],
+                b["kv_indptr"],
+                b["kv_indices"],
+                b["max_len_extend"],
+            )
             ms = bench_ms(lambda: kernels.extend_attention_fwd(*args))
             tflops = causal_flops(batch, hq, d, prefix, extend) / (ms * 1e-3) / 1e12
             row = dict(model=model, batch=batch, prefix=prefix, extend=extend, ms=ms, tflops=tflops)
             if prefix == 0:
                 # Dense [B, H, L, D] layout with K/V expanded to Hq heads, as SDPA's fast kernels want it.
                 q = b["q_extend"].view(batch, extend, hq, d).transpose(1, 2).contiguous()
-                k, v = (b[x].view(batch, extend, hkv, d).transpose(1, 2).repeat_interleave(hq // hkv, 1).contiguous()
-                        for x in ("k_extend", "v_extend"))
+                k, v = (
+                    b[x]
+                    .view(batch, extend, hkv, d)
+                    .transpose(1, 2)
+                    .repeat_interleave(hq // hkv, 1)
+                    .contiguous()
+                    for x in ("k_extend", "v_extend")
+                )
                 sdpa_ms = bench_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
-                dense = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape_as(o)
+                dense = (
+                    F.scaled_dot_product_attention(q, k, v, is_causal=True)
+                    .transpose(1, 2)
+                    .reshape_as(o)
+                )
                 kernels.extend_attention_fwd(*args)
-                row.update(sdpa_ms=sdpa_ms, sdpa_tflops=tflops * ms / sdpa_ms, ratio=sdpa_ms / ms,
-                           max_abs_err_vs_sdpa=(o.float() - dense.float()).abs().max().item())
+                row.update(
+                    sdpa_ms=sdpa_ms,
+                    sdpa_tflops=tflops * ms / sdpa_ms,
+                    ratio=sdpa_ms / ms,
+                    max_abs_err_vs_sdpa=(o.float() - dense.float()).abs().max().item(),
+                )
                 del q, k, v, dense
             results["extend_bench"].append(row)
-            sdpa = f"{row['sdpa_tflops']:>9.1f} {row['ratio']:>6.2f}" if "ratio" in row else f"{'-':>9} {'-':>6}"
+            sdpa = (
+                f"{row['sdpa_tflops']:>9.1f} {row['ratio']:>6.2f}"
+                if "ratio" in row
+                else f"{'-':>9} {'-':>6}"
+            )
             log(f"  {model:<10} {batch:>5} {prefix:>6} {extend:>6} {tflops:>11.1f} {sdpa}")
             del b
     ratios = [r["ratio"] for r in results["extend_bench"] if "ratio" in r]
-    results["extend_target"] = {"min_ratio": min(ratios), "target_ratio": 0.5, "met": min(ratios) >= 0.5}
-    log(f"  target triton/SDPA >= 0.50: min ratio {min(ratios):.2f} -> {'MET' if min(ratios) >= 0.5 else 'NOT MET'}")
+    results["extend_target"] = {
+        "min_ratio": min(ratios),
+        "target_ratio": 0.5,
+        "met": min(ratios) >= 0.5,
+    }
+    log(
+        f"  target triton/SDPA >= 0.50: min ratio {min(ratios):.2f} -> {'MET' if min(ratios) >= 0.5 else 'NOT MET'}"
+    )
     torch.cuda.empty_cache()
 
 
@@ -219,29 +312,73 @@ def sweep_configs() -> None:
     batch, ctx = SWEEP_DECODE_SHAPE
     b = paged_batch(hq, hkv, d, [ctx] * batch, [1] * batch)
     o = torch.empty_like(b["q_extend"])
-    configs = [dict(BLOCK_N=n, num_warps=w, num_stages=s) for n in (32, 64, 128) for w in (4, 8) for s in (1, 2, 3)]
-    rows = sweep(kernels.decode_attention, configs, lambda: kernels.decode_attention_fwd(
-        b["q_extend"], b["k_buffer"], b["v_buffer"], o, b["kv_indptr"], b["kv_indices"], 8))
+    configs = [
+        dict(BLOCK_N=n, num_warps=w, num_stages=s)
+        for n in (32, 64, 128)
+        for w in (4, 8)
+        for s in (1, 2, 3)
+    ]
+    rows = sweep(
+        kernels.decode_attention,
+        configs,
+        lambda: kernels.decode_attention_fwd(
+            b["q_extend"], b["k_buffer"], b["v_buffer"], o, b["kv_indptr"], b["kv_indices"], 8
+        ),
+    )
     results["decode_sweep"] = rows
-    log(f"  decode {batch}x{ctx}, splits=8: " + ", ".join(
-        f"N{r['BLOCK_N']}/w{r['num_warps']}/s{r['num_stages']}={r['ms'] * 1e3:.0f}us" if "ms" in r else
-        f"N{r['BLOCK_N']}/w{r['num_warps']}/s{r['num_stages']}=err" for r in rows))
+    log(
+        f"  decode {batch}x{ctx}, splits=8: "
+        + ", ".join(
+            f"N{r['BLOCK_N']}/w{r['num_warps']}/s{r['num_stages']}={r['ms'] * 1e3:.0f}us"
+            if "ms" in r
+            else f"N{r['BLOCK_N']}/w{r['num_warps']}/s{r['num_stages']}=err"
+            for r in rows
+        )
+    )
     del b
 
     batch, extend = SWEEP_EXTEND_SHAPE
     b = paged_batch(hq, hkv, d, [0] * batch, [extend] * batch)
     o = torch.empty_like(b["q_extend"])
-    configs = [dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s)
-               for m, n, w, s in [(128, 64, 8, 2), (128, 64, 4, 2), (128, 64, 8, 3), (128, 128, 8, 2),
-                                  (128, 32, 4, 2), (64, 64, 4, 2), (64, 64, 4, 3), (64, 128, 8, 2)]]
-    rows = sweep(kernels.extend_attention, configs, lambda: kernels.extend_attention_fwd(
-        b["q_extend"], b["k_extend"], b["v_extend"], o, b["k_buffer"], b["v_buffer"],
-        b["qo_indptr"], b["kv_indptr"], b["kv_indices"], b["max_len_extend"]))
+    configs = [
+        dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s)
+        for m, n, w, s in [
+            (128, 64, 8, 2),
+            (128, 64, 4, 2),
+            (128, 64, 8, 3),
+            (128, 128, 8, 2),
+            (128, 32, 4, 2),
+            (64, 64, 4, 2),
+            (64, 64, 4, 3),
+            (64, 128, 8, 2),
+        ]
+    ]
+    rows = sweep(
+        kernels.extend_attention,
+        configs,
+        lambda: kernels.extend_attention_fwd(
+            b["q_extend"],
+            b["k_extend"],
+            b["v_extend"],
+            o,
+            b["k_buffer"],
+            b["v_buffer"],
+            b["qo_indptr"],
+            b["kv_indptr"],
+            b["kv_indices"],
+            b["max_len_extend"],
+        ),
+    )
     flops = causal_flops(batch, hq, d, 0, extend)
     results["extend_sweep"] = rows
-    log(f"  extend {batch}x{extend}: " + ", ".join(
-        f"M{r['BLOCK_M']}/N{r['BLOCK_N']}/w{r['num_warps']}/s{r['num_stages']}="
-        + (f"{flops / (r['ms'] * 1e-3) / 1e12:.0f}TF/s" if "ms" in r else "err") for r in rows))
+    log(
+        f"  extend {batch}x{extend}: "
+        + ", ".join(
+            f"M{r['BLOCK_M']}/N{r['BLOCK_N']}/w{r['num_warps']}/s{r['num_stages']}="
+            + (f"{flops / (r['ms'] * 1e-3) / 1e12:.0f}TF/s" if "ms" in r else "err")
+            for r in rows
+        )
+    )
     del b
     torch.cuda.empty_cache()
 
@@ -257,13 +394,18 @@ def check_engine() -> None:
     log("== (c) end to end: radixrt.Engine greedy outputs, triton vs torch attention ==")
     try:
         import radixrt as rt
+
         rt.Engine  # noqa: B018
     except (ImportError, AttributeError) as e:
         results["engine"] = {"skipped": repr(e)}
         log(f"  skipped: {e!r}")
         return
-    prompts = ["The capital of France is", "def fibonacci(n):", "List three primary colors:",
-               "Once upon a time, in a small village,"]
+    prompts = [
+        "The capital of France is",
+        "def fibonacci(n):",
+        "List three primary colors:",
+        "Once upon a time, in a small village,",
+    ]
     outputs = {}
     try:
         for backend in ("triton", "torch"):
@@ -287,7 +429,9 @@ def check_engine() -> None:
 
 
 def main() -> None:
-    results.update(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__)
+    results.update(
+        device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__
+    )
     log(f"device {results['device']}, torch {results['torch']}, triton {results['triton']}")
     for section in (check_correctness, bench_decode, bench_extend, sweep_configs, check_engine):
         try:

@@ -24,9 +24,19 @@ def tiny_model_dir(tmp_path_factory, default_model_dir) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     folder = tmp_path_factory.mktemp("tiny-llama")
-    config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                         initializer_range=0.4, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+    config = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        initializer_range=0.4,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(folder)
     for name in TOKENIZER_FILES:

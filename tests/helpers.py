@@ -26,22 +26,32 @@ def hf_greedy(folder: Path, prompts: list[list[int]], max_new_tokens: int) -> li
             tokens = []
             for _ in range(max_new_tokens):
                 tokens.append(int(out.logits[0, -1].argmax()))
-                out = model(torch.tensor([[tokens[-1]]]), past_key_values=out.past_key_values, use_cache=True)
+                out = model(
+                    torch.tensor([[tokens[-1]]]),
+                    past_key_values=out.past_key_values,
+                    use_cache=True,
+                )
             outs.append(tokens)
     return outs
 
 
 def shared_prefix_prompts(tokenizer, n: int = 12) -> list[list[int]]:
     """Prompts that share prefixes at several depths, so the tree branches and splits."""
-    system = ("You are a careful assistant. Answer briefly and precisely, in plain words, "
-              "without lists, and say so when you do not know. ")
+    system = (
+        "You are a careful assistant. Answer briefly and precisely, in plain words, "
+        "without lists, and say so when you do not know. "
+    )
     topics = ["the sea", "mountains", "rivers", "deserts", "forests", "the moon"]
     prompts = []
     for i in range(n):
         topic = topics[i % len(topics)]
         style = "Write a short poem about" if i % 2 else "Tell me one fact about"
-        prompts.append(tokenizer.encode(f"{system}{style} {topic}." + " Please." * (i // len(topics)),
-                                        add_special_tokens=False))
+        prompts.append(
+            tokenizer.encode(
+                f"{system}{style} {topic}." + " Please." * (i // len(topics)),
+                add_special_tokens=False,
+            )
+        )
     return prompts
 
 
@@ -52,7 +62,10 @@ def run_in_process(scheduler, batches: list[list[list[int]]], params: dict) -> l
 
     outs = []
     for b, prompts in enumerate(batches):
-        reqs = [scheduler.make_request(f"{b}-{i}", p, SamplingParams.from_dict(params)) for i, p in enumerate(prompts)]
+        reqs = [
+            scheduler.make_request(f"{b}-{i}", p, SamplingParams.from_dict(params))
+            for i, p in enumerate(prompts)
+        ]
         for req in reqs:
             scheduler.add_request(req)
         while scheduler.has_work():
@@ -92,4 +105,6 @@ def scripts(operations: list[tuple[str, object]], max_size: int):
     from its operation's strategy. Name an operation twice to draw it twice as often."""
     from hypothesis import strategies as st
 
-    return st.lists(st.one_of(*(st.tuples(st.just(name), arg) for name, arg in operations)), max_size=max_size)
+    return st.lists(
+        st.one_of(*(st.tuples(st.just(name), arg) for name, arg in operations)), max_size=max_size
+    )

@@ -22,13 +22,16 @@ def _claim(owners: dict[int, str], page: int, who: str) -> None:
     owners[page] = who
 
 
-def _claim_pages(owners: dict[int, str], slots: list[int], page_size: int, who: str, whole: bool) -> None:
+def _claim_pages(
+    owners: dict[int, str], slots: list[int], page_size: int, who: str, whole: bool
+) -> None:
     """Claim the pages of `slots`, which must fill each page from its first slot on, in order."""
     for start in range(0, len(slots), page_size):
-        chunk = slots[start: start + page_size]
+        chunk = slots[start : start + page_size]
         page = chunk[0] // page_size
-        assert chunk == list(range(page * page_size, page * page_size + len(chunk))), \
+        assert chunk == list(range(page * page_size, page * page_size + len(chunk))), (
             f"{who} holds slots {chunk} that do not fill page {page} in order"
+        )
         assert not whole or len(chunk) == page_size, f"{who} holds a partial page {page}"
         _claim(owners, page, who)
 
@@ -43,7 +46,9 @@ def _paths(snapshot: dict[str, Any]) -> tuple[dict[int, list[int]], dict[int, li
         if node_id in slots_to:
             return
         parent = nodes[node_id]["parent"]
-        assert parent in nodes or parent == snapshot["root"], f"node {node_id} hangs off a missing parent"
+        assert parent in nodes or parent == snapshot["root"], (
+            f"node {node_id} hangs off a missing parent"
+        )
         resolve(parent)
         slots_to[node_id] = slots_to[parent] + nodes[node_id]["slots"]
         up[node_id] = [node_id, *up[parent]]
@@ -71,15 +76,17 @@ def assert_slot_ownership(snapshot: dict[str, Any]) -> None:
     locks: Counter = Counter()
     for req in snapshot["requests"]:
         assert req["last_node"] in slots_to, f"request {req['rid']} locks a node not in the tree"
-        assert req["tree_slots"] == slots_to[req["last_node"]], \
+        assert req["tree_slots"] == slots_to[req["last_node"]], (
             f"request {req['rid']} reads slots that are not the tree's copy of its prefix"
+        )
         locks.update(up[req["last_node"]])
     for node_id in snapshot["pinned_nodes"]:
         assert node_id in slots_to, "a pin locks a node not in the tree"
         locks.update(up[node_id])
     for node in snapshot["nodes"]:
-        assert node["lock_ref"] == locks[node["id"]], \
+        assert node["lock_ref"] == locks[node["id"]], (
             f"node {node['id']} counts {node['lock_ref']} locks, {locks[node['id']]} are held"
+        )
 
     rows = snapshot["running_rows"]
     assert len(set(rows)) == len(rows), "two running requests share a request-table row"

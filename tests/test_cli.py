@@ -8,14 +8,19 @@ import sys
 import pytest
 
 
-@pytest.mark.parametrize("argv, words", [
-    (["serve", "--model", "/nonexistent"], "/nonexistent"),
-    (["serve", "--page-size", "0"], "page_size"),
-    (["serve", "--max-total-tokens", "-5"], "max_total_tokens"),
-    (["prepare-model", "--model", "/nonexistent"], "/nonexistent"),
-])
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["serve", "--model", "/nonexistent"], "/nonexistent"),
+        (["serve", "--page-size", "0"], "page_size"),
+        (["serve", "--max-total-tokens", "-5"], "max_total_tokens"),
+        (["prepare-model", "--model", "/nonexistent"], "/nonexistent"),
+    ],
+)
 def test_bad_input_is_one_line(argv, words):
-    proc = subprocess.run([sys.executable, "-m", "radixrt", *argv], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "radixrt", *argv], capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr

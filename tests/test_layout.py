@@ -15,7 +15,15 @@ ROOT = Path(__file__).resolve().parent.parent
 # package -> the radixrt packages it may import (at run time; type-checking-only imports aside)
 ALLOWED = {
     "client": {"protocol", "config"},
-    "server": {"client", "engine", "executor", "structured", "protocol", "config", "sampling_params"},
+    "server": {
+        "client",
+        "engine",
+        "executor",
+        "structured",
+        "protocol",
+        "config",
+        "sampling_params",
+    },
     "engine": {"mem_cache", "executor", "structured", "protocol", "config", "sampling_params"},
     "mem_cache": set(),
     "executor": {"models", "attention", "mem_cache", "config"},
@@ -35,14 +43,23 @@ def _package_dir(name: str) -> Path:
 def _runtime_imports(path: Path) -> set[str]:
     """The radixrt sub-packages a module imports, outside `if TYPE_CHECKING:` blocks."""
     tree = ast.parse(path.read_text())
-    skipped = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
-               and getattr(node.test, "id", None) == "TYPE_CHECKING" for n in ast.walk(node)}
+    skipped = {
+        id(n)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING"
+        for n in ast.walk(node)
+    }
     found = set()
     for node in ast.walk(tree):
         if id(node) in skipped:
             continue
-        names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
-            [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
+        names = (
+            [a.name for a in node.names]
+            if isinstance(node, ast.Import)
+            else [node.module]
+            if isinstance(node, ast.ImportFrom) and node.module
+            else []
+        )
         for name in names:
             parts = name.split(".")
             if parts[0] == "radixrt" and len(parts) > 1:
@@ -57,22 +74,43 @@ def test_imports_run_one_way(package):
         assert not wrong, f"{path.relative_to(ROOT)} imports radixrt.{sorted(wrong)}"
 
 
-@pytest.mark.parametrize("modules", [
-    "radixrt",  # the user API: DSL, endpoint, launchers
-    "radixrt.server.http.process, radixrt.server.http.app",  # the HTTP gateway's process
-])
+@pytest.mark.parametrize(
+    "modules",
+    [
+        "radixrt",  # the user API: DSL, endpoint, launchers
+        "radixrt.server.http.process, radixrt.server.http.app",  # the HTTP gateway's process
+    ],
+)
 def test_client_side_loads_no_torch(modules):
     code = f"import sys, {modules}; sys.exit('torch' in sys.modules or 'radixrt.engine' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == 0
 
 
 def test_wheel_holds_every_sub_package(tmp_path):
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
-                    str(tmp_path), str(ROOT)], check=True, timeout=300, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path),
+            str(ROOT),
+        ],
+        check=True,
+        timeout=300,
+        capture_output=True,
+    )
     names = zipfile.ZipFile(next(tmp_path.glob("radixrt-*.whl"))).namelist()
     packages = {p.parent.relative_to(ROOT) for p in (ROOT / "radixrt").rglob("__init__.py")}
-    packages |= {Path("radixrt") / p.parent.relative_to(ROOT) for top in ("frontend", "kernels")
-                 for p in (ROOT / top).rglob("__init__.py")}
+    packages |= {
+        Path("radixrt") / p.parent.relative_to(ROOT)
+        for top in ("frontend", "kernels")
+        for p in (ROOT / top).rglob("__init__.py")
+    }
     expected = {str(p) for p in packages}
     shipped = {n.rsplit("/", 1)[0] for n in names if n.endswith("/__init__.py")}
     assert expected <= shipped, f"missing from the wheel: {sorted(expected - shipped)}"

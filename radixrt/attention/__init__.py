@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Protocol, TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -10,24 +10,27 @@ if TYPE_CHECKING:  # types only: the executor and the pools import this package,
     from radixrt.executor.forward_batch import ForwardBatch
 
 
-
-
 class AttentionBackend(Protocol):
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         """Build index/mask metadata once per step into `batch.attn_metadata`."""
 
-    def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                batch: ForwardBatch) -> torch.Tensor:
+    def forward(
+        self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch
+    ) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] of the new tokens -> attention output [T, Hq, D]."""
 
 
-def create_backend(name: str, device: torch.device, req_to_token: torch.Tensor, kv_pool) -> AttentionBackend:
+def create_backend(
+    name: str, device: torch.device, req_to_token: torch.Tensor, kv_pool
+) -> AttentionBackend:
     if name == "auto":
         name = "triton" if device.type == "cuda" else "torch"
     if name == "torch":
         from radixrt.attention.torch_backend import TorchAttentionBackend
+
         return TorchAttentionBackend(req_to_token, kv_pool)
     if name == "triton":
         from radixrt.attention.triton_backend import TritonAttentionBackend
+
         return TritonAttentionBackend(req_to_token, kv_pool)
     raise ValueError(f"unknown attention backend {name!r}")

@@ -11,9 +11,8 @@ new tokens.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -21,8 +20,6 @@ import torch.nn.functional as F
 if TYPE_CHECKING:  # types only: the executor and the pools import this package, not the reverse
     from radixrt.executor.forward_batch import ForwardBatch
     from radixrt.mem_cache.memory_pool import TokenToKVPool
-
-
 
 
 @dataclass
@@ -35,7 +32,9 @@ class _ExtendItem:
 @dataclass
 class TorchMetadata:
     decode_tokens: torch.Tensor  # [Bd] rows of q/o that are decodes
-    shared_slots: torch.Tensor | slice | None  # KV slots all decodes start with; a slice if contiguous, None if few
+    shared_slots: (
+        torch.Tensor | slice | None
+    )  # KV slots all decodes start with; a slice if contiguous, None if few
     decode_slots: torch.Tensor  # [Bd, L] the rest of each decode's context, padded with slot 0
     decode_bias: torch.Tensor  # [Bd, 1, 1, L] 0 where decode_slots is real, -inf on the padding
     extends: list[_ExtendItem]
@@ -64,7 +63,9 @@ class TorchAttentionBackend:
             prefix = batch.prefix_lens[i]
             mask = None
             if prefix:
-                mask = torch.ones(e, seq_lens[i], dtype=torch.bool, device=device).tril(diagonal=prefix)
+                mask = torch.ones(e, seq_lens[i], dtype=torch.bool, device=device).tril(
+                    diagonal=prefix
+                )
             extends.append(_ExtendItem(slice(starts[i], starts[i + 1]), slots, mask))
         empty = torch.empty(0, dtype=torch.long, device=device)
         if not decodes:
@@ -82,11 +83,17 @@ class TorchAttentionBackend:
         slots, mask = slots[:, shared:], mask[:, shared:]
         bias = torch.zeros(mask.shape, dtype=self.kv_pool.k_buffers[0].dtype, device=device)
         bias.masked_fill_(~mask, float("-inf"))
-        batch.attn_metadata = TorchMetadata(decode_tokens, shared_slots, slots.masked_fill(~mask, 0),
-                                            bias[:, None, None, :], extends)
+        batch.attn_metadata = TorchMetadata(
+            decode_tokens,
+            shared_slots,
+            slots.masked_fill(~mask, 0),
+            bias[:, None, None, :],
+            extends,
+        )
 
-    def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                batch: ForwardBatch) -> torch.Tensor:
+    def forward(
+        self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch
+    ) -> torch.Tensor:
         self.kv_pool.set_kv(layer_id, batch.out_slots, k, v)
         k_buf, v_buf = self.kv_pool.k_buffers[layer_id], self.kv_pool.v_buffers[layer_id]
         meta: TorchMetadata = batch.attn_metadata
@@ -96,22 +103,29 @@ class TorchAttentionBackend:
             qi = q[item.tokens].transpose(0, 1)
             ki = gather_slots(k_buf, item.slots).transpose(0, 1)
             vi = gather_slots(v_buf, item.slots).transpose(0, 1)
-            oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=item.mask, is_causal=item.mask is None,
-                                                enable_gqa=gqa)
+            oi = F.scaled_dot_product_attention(
+                qi, ki, vi, attn_mask=item.mask, is_causal=item.mask is None, enable_gqa=gqa
+            )
             out[item.tokens] = oi.transpose(0, 1)
         if len(meta.decode_tokens):
             out[meta.decode_tokens] = self._decode(q[meta.decode_tokens], k_buf, v_buf, meta)
         return out
 
     @staticmethod
-    def _decode(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, meta: TorchMetadata) -> torch.Tensor:
+    def _decode(
+        q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, meta: TorchMetadata
+    ) -> torch.Tensor:
         """q [B, Hq, D] -> [B, Hq, D] over the shared prefix and each private suffix."""
         kd = gather_slots(k_buf, meta.decode_slots)  # [B, L, Hkv, D]
         vd = gather_slots(v_buf, meta.decode_slots)
         if meta.shared_slots is None:
-            od = F.scaled_dot_product_attention(q.unsqueeze(2), kd.transpose(1, 2), vd.transpose(1, 2),
-                                                attn_mask=meta.decode_bias,
-                                                enable_gqa=q.shape[1] != kd.shape[2])
+            od = F.scaled_dot_product_attention(
+                q.unsqueeze(2),
+                kd.transpose(1, 2),
+                vd.transpose(1, 2),
+                attn_mask=meta.decode_bias,
+                enable_gqa=q.shape[1] != kd.shape[2],
+            )
             return od.squeeze(2)
         b, hq, d = q.shape
         hkv = kd.shape[2]
@@ -143,8 +157,9 @@ def _as_run(slots: torch.Tensor) -> torch.Tensor | slice:
     return slots
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-            bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def _attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """softmax(q k^T / sqrt(D) + bias) v, [B, H, Lq, D], and the log-sum-exp of those scores, [B, H, Lq].
 
     On the CPU, ATen's fused flash kernel returns both (2x faster than the unfused ops here).

@@ -7,9 +7,8 @@ whole batch: a decode is just an extend of one token.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -27,9 +26,13 @@ MIN_SPLIT_LEN = 64  # one decode-kernel KV block; shorter splits only add merge 
 @dataclass
 class TritonMetadata:
     decode: bool  # every request has exactly one new token
-    qo_indptr: torch.Tensor  # [B+1] int32, new tokens of request b at rows qo_indptr[b]:qo_indptr[b+1]
+    qo_indptr: (
+        torch.Tensor
+    )  # [B+1] int32, new tokens of request b at rows qo_indptr[b]:qo_indptr[b+1]
     kv_indptr: torch.Tensor  # [B+1] int32, into kv_indices
-    kv_indices: torch.Tensor  # pool slots: the whole context when decode, else only the cached prefix
+    kv_indices: (
+        torch.Tensor
+    )  # pool slots: the whole context when decode, else only the cached prefix
     max_extend_len: int
     num_kv_splits: int
 
@@ -50,7 +53,10 @@ class TritonAttentionBackend:
         kv_lens = batch.seq_lens if decode else batch.prefix_lens
         max_kv_len = max(kv_lens)
         table = self.req_to_token[batch.rows, :max_kv_len]
-        mask = torch.arange(max_kv_len, device=device)[None, :] < torch.tensor(kv_lens, device=device)[:, None]
+        mask = (
+            torch.arange(max_kv_len, device=device)[None, :]
+            < torch.tensor(kv_lens, device=device)[:, None]
+        )
         num_kv_splits = max(1, min(MAX_KV_SPLITS, max_kv_len // MIN_SPLIT_LEN))
         batch.attn_metadata = TritonMetadata(
             decode=decode,
@@ -61,15 +67,28 @@ class TritonAttentionBackend:
             num_kv_splits=num_kv_splits,
         )
 
-    def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                batch: ForwardBatch) -> torch.Tensor:
+    def forward(
+        self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch
+    ) -> torch.Tensor:
         self.kv_pool.set_kv(layer_id, batch.out_slots, k, v)
         k_buf, v_buf = self.kv_pool.k_buffers[layer_id], self.kv_pool.v_buffers[layer_id]
         meta: TritonMetadata = batch.attn_metadata
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if meta.decode:
-            decode_attention_fwd(q, k_buf, v_buf, out, meta.kv_indptr, meta.kv_indices, meta.num_kv_splits)
+            decode_attention_fwd(
+                q, k_buf, v_buf, out, meta.kv_indptr, meta.kv_indices, meta.num_kv_splits
+            )
         else:
-            extend_attention_fwd(q, k, v, out, k_buf, v_buf, meta.qo_indptr, meta.kv_indptr, meta.kv_indices,
-                                 meta.max_extend_len)
+            extend_attention_fwd(
+                q,
+                k,
+                v,
+                out,
+                k_buf,
+                v_buf,
+                meta.qo_indptr,
+                meta.kv_indptr,
+                meta.kv_indices,
+                meta.max_extend_len,
+            )
         return out

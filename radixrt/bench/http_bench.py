@@ -11,23 +11,48 @@ import argparse
 import dataclasses
 import random
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from tqdm import tqdm
 
 from radixrt.bench.load import REPLY_TIMEOUT_S, stream_into
 from radixrt.bench.metrics import RequestTrace, percentile
-from radixrt.server.http.schemas import render_chat
 from radixrt.client.launcher import Runtime, free_port
+from radixrt.server.http.schemas import render_chat
 
-TOPICS = ("river", "stone", "cloud", "engine", "garden", "window", "market", "winter", "signal", "forest", "harbor",
-          "copper", "lantern", "meadow", "thunder", "canyon", "orbit", "glacier", "ember", "quartz")
-SYSTEM = ("You are a concise assistant for a field research team. Answer in one or two sentences, "
-          "name concrete places and materials, and never repeat the question.")
+TOPICS = (
+    "river",
+    "stone",
+    "cloud",
+    "engine",
+    "garden",
+    "window",
+    "market",
+    "winter",
+    "signal",
+    "forest",
+    "harbor",
+    "copper",
+    "lantern",
+    "meadow",
+    "thunder",
+    "canyon",
+    "orbit",
+    "glacier",
+    "ember",
+    "quartz",
+)
+SYSTEM = (
+    "You are a concise assistant for a field research team. Answer in one or two sentences, "
+    "name concrete places and materials, and never repeat the question."
+)
 
-Turn = Callable[[list[dict[str, str]]], tuple[str, float, tuple[int, int, int]]]  # -> text, ttft, usage
+Turn = Callable[
+    [list[dict[str, str]]], tuple[str, float, tuple[int, int, int]]
+]  # -> text, ttft, usage
 
 
 @dataclass
@@ -57,36 +82,60 @@ class PassResult:
 def run_http_bench(args: argparse.Namespace | HttpBenchConfig) -> dict[str, Any]:
     """Run both paths; `args` may carry any of HttpBenchConfig's fields (the rest keep defaults).
     Prints a table and returns `{"config", "zmq", "http", "throughput_overhead"}`."""
-    config = HttpBenchConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(HttpBenchConfig)
-                                if getattr(args, f.name, None) is not None})
+    config = HttpBenchConfig(
+        **{
+            f.name: getattr(args, f.name)
+            for f in dataclasses.fields(HttpBenchConfig)
+            if getattr(args, f.name, None) is not None
+        }
+    )
     conversations = _conversations(config)
-    with Runtime(model=config.model, http_port=free_port(), dtype=config.dtype,
-                 max_total_tokens=config.max_total_tokens, log_level="warning", timeout=REPLY_TIMEOUT_S) as runtime:
+    with Runtime(
+        model=config.model,
+        http_port=free_port(),
+        dtype=config.dtype,
+        max_total_tokens=config.max_total_tokens,
+        log_level="warning",
+        timeout=REPLY_TIMEOUT_S,
+    ) as runtime:
         import openai
 
         client = openai.OpenAI(base_url=f"{runtime.http_url}/v1", api_key="none")
-        paths = {"zmq": _zmq_turn(runtime, config.max_new_tokens),
-                 "http": _http_turn(client, runtime.model_info["model"], config.max_new_tokens)}
+        paths = {
+            "zmq": _zmq_turn(runtime, config.max_new_tokens),
+            "http": _http_turn(client, runtime.model_info["model"], config.max_new_tokens),
+        }
         results = {}
         for name, turn in paths.items():
-            turn([{"role": "user", "content": "Hello"}])  # warm-up (the gateway loads its tokenizer)
+            turn(
+                [{"role": "user", "content": "Hello"}]
+            )  # warm-up (the gateway loads its tokenizer)
             runtime.flush_cache()
             results[name] = _run_pass(name, conversations, turn)
     overhead = 1 - results["http"].output_throughput / results["zmq"].output_throughput
     _print_table(list(results.values()), overhead)
-    return {"config": dataclasses.asdict(config), **{k: dataclasses.asdict(v) for k, v in results.items()},
-            "throughput_overhead": overhead}
+    return {
+        "config": dataclasses.asdict(config),
+        **{k: dataclasses.asdict(v) for k, v in results.items()},
+        "throughput_overhead": overhead,
+    }
 
 
 def _conversations(config: HttpBenchConfig) -> list[list[str]]:
     rng = random.Random(config.seed)
-    return [[f"Question {t + 1}: what about the {' '.join(rng.choice(TOPICS) for _ in range(12))}?"
-             for t in range(config.num_turns)] for _ in range(config.num_conversations)]
+    return [
+        [
+            f"Question {t + 1}: what about the {' '.join(rng.choice(TOPICS) for _ in range(12))}?"
+            for t in range(config.num_turns)
+        ]
+        for _ in range(config.num_conversations)
+    ]
 
 
 def _run_pass(name: str, conversations: list[list[str]], turn: Turn) -> PassResult:
     """All conversations at once (one thread each), each turn after the previous answer."""
     with tqdm(total=sum(map(len, conversations)), desc=f"chat over {name}") as bar:
+
         def converse(questions: list[str]) -> list[tuple[int, float, tuple[int, int, int]]]:
             messages, records = [{"role": "system", "content": SYSTEM}], []
             for index, question in enumerate(questions):
@@ -104,7 +153,14 @@ def _run_pass(name: str, conversations: list[list[str]], turn: Turn) -> PassResu
     first = [percentile([ttft for index, ttft, _ in records if index == 0], q) for q in (50, 99)]
     later = [percentile([ttft for index, ttft, _ in records if index > 0], q) for q in (50, 99)]
     prompt, cached, output = (sum(usage[i] for _, _, usage in records) for i in range(3))
-    return PassResult(name, duration, output, output / duration, cached / max(prompt, 1), *map(float, [*first, *later]))
+    return PassResult(
+        name,
+        duration,
+        output,
+        output / duration,
+        cached / max(prompt, 1),
+        *map(float, [*first, *later]),
+    )
 
 
 def _zmq_turn(runtime: Runtime, max_new_tokens: int) -> Turn:
@@ -112,7 +168,9 @@ def _zmq_turn(runtime: Runtime, max_new_tokens: int) -> Turn:
 
     def turn(messages: list[dict[str, str]]) -> tuple[str, float, tuple[int, int, int]]:
         trace = RequestTrace(sent=time.monotonic())
-        text = stream_into(trace, runtime.generate(render_chat(runtime.tokenizer, messages), params, stream=True))
+        text = stream_into(
+            trace, runtime.generate(render_chat(runtime.tokenizer, messages), params, stream=True)
+        )
         if trace.error or trace.done is None:
             raise RuntimeError(trace.error or "the stream ended without a final reply")
         return text, trace.ttft, (trace.prompt_tokens, trace.cached_tokens, trace.output_tokens)
@@ -123,25 +181,38 @@ def _zmq_turn(runtime: Runtime, max_new_tokens: int) -> Turn:
 def _http_turn(client, model: str, max_new_tokens: int) -> Turn:
     def turn(messages: list[dict[str, str]]) -> tuple[str, float, tuple[int, int, int]]:
         start, ttft, parts, usage = time.monotonic(), None, [], None
-        stream = client.chat.completions.create(model=model, messages=messages, max_tokens=max_new_tokens,
-                                                temperature=0, stream=True, stream_options={"include_usage": True})
+        stream = client.chat.completions.create(
+            model=model,
+            messages=messages,
+            max_tokens=max_new_tokens,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
         for chunk in stream:
             content = chunk.choices[0].delta.content if chunk.choices else None
             if ttft is None and (content or chunk.choices and chunk.choices[0].finish_reason):
                 ttft = time.monotonic() - start
             parts.append(content or "")
             if chunk.usage is not None:
-                usage = (chunk.usage.prompt_tokens, chunk.usage.prompt_tokens_details.cached_tokens,
-                         chunk.usage.completion_tokens)
+                usage = (
+                    chunk.usage.prompt_tokens,
+                    chunk.usage.prompt_tokens_details.cached_tokens,
+                    chunk.usage.completion_tokens,
+                )
         return "".join(parts), ttft, usage
 
     return turn
 
 
 def _print_table(results: list[PassResult], overhead: float) -> None:
-    print(f"{'path':<6} {'tok/s':>8} {'hit rate':>9} {'TTFT t1 p50':>12} {'t1 p99':>8} {'later p50':>10} "
-          f"{'later p99':>10}")
+    print(
+        f"{'path':<6} {'tok/s':>8} {'hit rate':>9} {'TTFT t1 p50':>12} {'t1 p99':>8} {'later p50':>10} "
+        f"{'later p99':>10}"
+    )
     for r in results:
-        print(f"{r.path:<6} {r.output_throughput:>8.1f} {r.cache_hit_rate:>9.2f} {r.ttft_turn1_p50_s:>11.3f}s "
-              f"{r.ttft_turn1_p99_s:>7.3f}s {r.ttft_later_p50_s:>9.3f}s {r.ttft_later_p99_s:>9.3f}s")
+        print(
+            f"{r.path:<6} {r.output_throughput:>8.1f} {r.cache_hit_rate:>9.2f} {r.ttft_turn1_p50_s:>11.3f}s "
+            f"{r.ttft_turn1_p99_s:>7.3f}s {r.ttft_later_p50_s:>9.3f}s {r.ttft_later_p99_s:>9.3f}s"
+        )
     print(f"HTTP throughput overhead against ZeroMQ: {overhead:.1%}")

@@ -7,8 +7,9 @@ import queue
 import random
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from tqdm import tqdm
 
@@ -19,9 +20,11 @@ from radixrt.bench.workloads import Session
 # runtime fails the run instead of hanging it.
 REPLY_TIMEOUT_S = 1800.0
 
+
 @dataclass
 class Load:
-    request_rate: float | None = None  # open loop: sessions per second (None: every session at once)
+    # open loop: sessions per second (None: every session at once)
+    request_rate: float | None = None
     concurrency: int | None = None  # closed loop: this many clients (overrides request_rate)
     max_duration_s: float | None = None  # start no session after this
     seed: int = 0
@@ -29,13 +32,19 @@ class Load:
     def describe(self) -> str:
         if self.concurrency:
             return f"closed loop, {self.concurrency} clients"
-        return f"open loop, Poisson at {self.request_rate:g} req/s" if self.request_rate else "all at once"
+        return (
+            f"open loop, Poisson at {self.request_rate:g} req/s"
+            if self.request_rate
+            else "all at once"
+        )
 
 
 Render = Callable[[list[dict[str, str]]], str]
 
 
-def run_session(target: Any, session: Session, render: Render, sent: float | None = None) -> list[RequestTrace]:
+def run_session(
+    target: Any, session: Session, render: Render, sent: float | None = None
+) -> list[RequestTrace]:
     """Run one session's turns in order over `target.generate(..., stream=True)`; a chat session
     resends its history, answers included, every turn."""
     traces = []
@@ -46,8 +55,10 @@ def run_session(target: Any, session: Session, render: Render, sent: float | Non
             prompt = render(messages)
         else:
             prompt = turn.text
-        trace = RequestTrace(sent=sent if i == 0 and sent is not None else time.monotonic(),
-                             tag=session.tag if len(session.turns) == 1 else f"turn-{i + 1}")
+        trace = RequestTrace(
+            sent=sent if i == 0 and sent is not None else time.monotonic(),
+            tag=session.tag if len(session.turns) == 1 else f"turn-{i + 1}",
+        )
         text = stream_into(trace, target.generate(prompt, turn.params, stream=True))
         traces.append(trace)
         if trace.error:
@@ -67,7 +78,9 @@ def stream_into(trace: RequestTrace, chunks) -> str:
                     trace.chunk_tokens.append(len(chunk["token_ids"]))
                 continue
             meta = chunk["meta_info"]
-            held = len(chunk["output_ids"]) - trace.output_tokens  # tokens only the final map carried
+            held = (
+                len(chunk["output_ids"]) - trace.output_tokens
+            )  # tokens only the final map carried
             if held > 0:
                 trace.chunk_times.append(now)
                 trace.chunk_tokens.append(held)
@@ -83,8 +96,9 @@ def stream_into(trace: RequestTrace, chunks) -> str:
     return ""
 
 
-def run_load(target: Any, sessions: list[Session], load: Load, render: Render,
-             desc: str = "requests") -> tuple[list[RequestTrace], float]:
+def run_load(
+    target: Any, sessions: list[Session], load: Load, render: Render, desc: str = "requests"
+) -> tuple[list[RequestTrace], float]:
     """Drive `sessions` against `target` under `load`; returns every request's trace and the wall time."""
     traces: list[RequestTrace] = []
     lock = threading.Lock()
@@ -109,6 +123,7 @@ def run_load(target: Any, sessions: list[Session], load: Load, render: Render,
                     run(todo.get_nowait())
                 except queue.Empty:
                     return
+
         threads = [threading.Thread(target=client, daemon=True) for _ in range(load.concurrency)]
         for t in threads:
             t.start()

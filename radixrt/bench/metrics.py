@@ -10,8 +10,11 @@ from dataclasses import dataclass, field
 @dataclass
 class RequestTrace:
     """What one request did, seen from the client: times are `time.monotonic()` seconds."""
+
     sent: float  # when the client sent it (an open loop's scheduled arrival)
-    chunk_times: list[float] = field(default_factory=list)  # arrival of each streamed piece with tokens
+    chunk_times: list[float] = field(
+        default_factory=list
+    )  # arrival of each streamed piece with tokens
     chunk_tokens: list[int] = field(default_factory=list)  # tokens in each piece
     done: float | None = None
     prompt_tokens: int = 0
@@ -47,8 +50,12 @@ class SLO:
     tpot_s: float = 0.05
 
     def met(self, trace: RequestTrace) -> bool:
-        return (trace.error is None and trace.ttft is not None and trace.ttft <= self.ttft_s
-                and (trace.tpot is None or trace.tpot <= self.tpot_s))
+        return (
+            trace.error is None
+            and trace.ttft is not None
+            and trace.ttft <= self.ttft_s
+            and (trace.tpot is None or trace.tpot <= self.tpot_s)
+        )
 
 
 @dataclass
@@ -59,10 +66,15 @@ class Distribution:
     p99: float
 
     @classmethod
-    def of(cls, values: list[float]) -> "Distribution":
+    def of(cls, values: list[float]) -> Distribution:
         if not values:
             return cls(*[math.nan] * 4)
-        return cls(statistics.fmean(values), percentile(values, 50), percentile(values, 90), percentile(values, 99))
+        return cls(
+            statistics.fmean(values),
+            percentile(values, 50),
+            percentile(values, 90),
+            percentile(values, 99),
+        )
 
 
 @dataclass
@@ -99,12 +111,19 @@ def summarize(traces: list[RequestTrace], duration_s: float, slo: SLO) -> Summar
     tokens = sum(t.output_tokens for t in ok)
     met = sum(slo.met(t) for t in traces)
     return Summary(
-        requests=len(traces), errors=len(traces) - len(ok), duration_s=duration_s, output_tokens=tokens,
-        output_throughput=tokens / duration_s, request_throughput=len(ok) / duration_s,
-        goodput=met / duration_s, slo_attainment=met / max(len(traces), 1),
+        requests=len(traces),
+        errors=len(traces) - len(ok),
+        duration_s=duration_s,
+        output_tokens=tokens,
+        output_throughput=tokens / duration_s,
+        request_throughput=len(ok) / duration_s,
+        goodput=met / duration_s,
+        slo_attainment=met / max(len(traces), 1),
         ttft=Distribution.of([t.ttft for t in ok if t.ttft is not None]),
         tpot=Distribution.of([t.tpot for t in ok if t.tpot is not None]),
         itl=Distribution.of([gap for t in ok for gap in t.itls()]),
         e2e=Distribution.of([t.done - t.sent for t in ok if t.done is not None]),
-        forward_passes_per_request=statistics.fmean([t.forward_passes for t in ok]) if ok else math.nan,
+        forward_passes_per_request=statistics.fmean([t.forward_passes for t in ok])
+        if ok
+        else math.nan,
     )

@@ -5,18 +5,22 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from radixrt.bench.metrics import RequestTrace
 from radixrt.bench.workloads import Session
 
-LLAMA_CPP_MISSING = ("llama.cpp skipped: llama-cpp-python is not installed (`make bench-peers` installs it; "
-                     "it compiles llama.cpp, which takes several minutes)")
+LLAMA_CPP_MISSING = (
+    "llama.cpp skipped: llama-cpp-python is not installed (`make bench-peers` installs it; "
+    "it compiles llama.cpp, which takes several minutes)"
+)
 
 
-def run_transformers(model_dir: Path, sessions: list[Session], tokenizer, dtype: str,
-                     batch_size: int = 64) -> tuple[list[RequestTrace], float]:
+def run_transformers(
+    model_dir: Path, sessions: list[Session], tokenizer, dtype: str, batch_size: int = 64
+) -> tuple[list[RequestTrace], float]:
     """Batches of single-turn prompts through one padded `generate` each, as a script without a
     serving engine would; each request's tokens are credited at the step that produced them."""
     import torch
@@ -32,12 +36,13 @@ def run_transformers(model_dir: Path, sessions: list[Session], tokenizer, dtype:
             self.times.append(time.monotonic())
             return torch.zeros(ids.shape[0], dtype=torch.bool)
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16 if dtype == "bfloat16"
-                                                 else torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.bfloat16 if dtype == "bfloat16" else torch.float32
+    ).eval()
     traces: list[RequestTrace] = []
     start = time.monotonic()
     for first in range(0, len(sessions), batch_size):
-        batch = sessions[first: first + batch_size]
+        batch = sessions[first : first + batch_size]
         prompts = [tokenizer.encode(s.turns[0].text, add_special_tokens=False) for s in batch]
         lengths = [s.turns[0].params["max_new_tokens"] for s in batch]
         width = max(map(len, prompts))
@@ -47,12 +52,27 @@ def run_transformers(model_dir: Path, sessions: list[Session], tokenizer, dtype:
         sent = time.monotonic()
         clock = _StepClock()
         with torch.inference_mode():
-            model.generate(input_ids, attention_mask=mask, max_new_tokens=max(lengths), min_new_tokens=max(lengths),
-                           do_sample=False, pad_token_id=pad, stopping_criteria=StoppingCriteriaList([clock]))
+            model.generate(
+                input_ids,
+                attention_mask=mask,
+                max_new_tokens=max(lengths),
+                min_new_tokens=max(lengths),
+                do_sample=False,
+                pad_token_id=pad,
+                stopping_criteria=StoppingCriteriaList([clock]),
+            )
         step_times = clock.times
         for p, n in zip(prompts, lengths):
-            traces.append(RequestTrace(sent=sent, chunk_times=step_times[:n], chunk_tokens=[1] * n,
-                                       done=step_times[n - 1], prompt_tokens=len(p), forward_passes=n))
+            traces.append(
+                RequestTrace(
+                    sent=sent,
+                    chunk_times=step_times[:n],
+                    chunk_tokens=[1] * n,
+                    done=step_times[n - 1],
+                    prompt_tokens=len(p),
+                    forward_passes=n,
+                )
+            )
     return traces, time.monotonic() - start
 
 
@@ -64,7 +84,9 @@ class LlamaCppTarget:
     def __init__(self, gguf: Path, context_length: int = 8192, threads: int | None = None):
         from llama_cpp import Llama
 
-        self.llm = Llama(model_path=str(gguf), n_ctx=context_length, n_threads=threads, verbose=False)
+        self.llm = Llama(
+            model_path=str(gguf), n_ctx=context_length, n_threads=threads, verbose=False
+        )
         self.lock = threading.Lock()
 
     def generate(self, prompt: str, params: dict, stream: bool = True) -> Iterator[dict[str, Any]]:
@@ -72,16 +94,28 @@ class LlamaCppTarget:
             ids = self.llm.tokenize(prompt.encode(), add_bos=False, special=True)
             bias = {self.llm.token_eos(): float("-inf")} if params.get("ignore_eos") else None
             count, text = 0, ""
-            for piece in self.llm.create_completion(ids, max_tokens=params["max_new_tokens"],
-                                                    temperature=params.get("temperature", 0), logit_bias=bias,
-                                                    stream=True):
+            for piece in self.llm.create_completion(
+                ids,
+                max_tokens=params["max_new_tokens"],
+                temperature=params.get("temperature", 0),
+                logit_bias=bias,
+                stream=True,
+            ):
                 count += 1
                 delta = piece["choices"][0]["text"]
                 text += delta
                 yield {"finished": False, "delta": delta, "token_ids": [0]}
-            yield {"finished": True, "text": text, "output_ids": [0] * count,
-                   "meta_info": {"prompt_tokens": len(ids), "cached_tokens": 0, "forward_passes": count,
-                                 "finish_reason": {"type": "length"}}}
+            yield {
+                "finished": True,
+                "text": text,
+                "output_ids": [0] * count,
+                "meta_info": {
+                    "prompt_tokens": len(ids),
+                    "cached_tokens": 0,
+                    "forward_passes": count,
+                    "finish_reason": {"type": "length"},
+                },
+            }
 
     def close(self) -> None:
         self.llm.close()

@@ -14,20 +14,34 @@ def _pyplot():
     return plt
 
 
-def plot_sweep(points: dict[str, list[tuple[float, float, float, float]]], slo_ttft: float, path: Path,
-               title: str) -> Path:
+def plot_sweep(
+    points: dict[str, list[tuple[float, float, float, float]]],
+    slo_ttft: float,
+    path: Path,
+    title: str,
+) -> Path:
     """points: system -> [(request rate, output tok/s, TTFT p50, TTFT p99)]."""
     plt = _pyplot()
     fig, (tput, ttft) = plt.subplots(1, 2, figsize=(11, 4.2))
     for system, rows in points.items():
         rates = [r[0] for r in rows]
-        line, = tput.plot(rates, [r[1] for r in rows], marker="o", label=system)
-        ttft.plot(rates, [r[2] for r in rows], marker="o", color=line.get_color(), label=f"{system} p50")
-        ttft.plot(rates, [r[3] for r in rows], marker="x", linestyle="--", color=line.get_color(),
-                  label=f"{system} p99")
+        (line,) = tput.plot(rates, [r[1] for r in rows], marker="o", label=system)
+        ttft.plot(
+            rates, [r[2] for r in rows], marker="o", color=line.get_color(), label=f"{system} p50"
+        )
+        ttft.plot(
+            rates,
+            [r[3] for r in rows],
+            marker="x",
+            linestyle="--",
+            color=line.get_color(),
+            label=f"{system} p99",
+        )
     ttft.axhline(slo_ttft, color="grey", linewidth=1, label="TTFT SLO")
     tput.set(xlabel="request rate (req/s)", ylabel="output throughput (tok/s)", title="throughput")
-    ttft.set(xlabel="request rate (req/s)", ylabel="TTFT (s)", title="time to first token", yscale="log")
+    ttft.set(
+        xlabel="request rate (req/s)", ylabel="TTFT (s)", title="time to first token", yscale="log"
+    )
     tput.legend()
     ttft.legend(fontsize=7)
     fig.suptitle(title)
@@ -42,7 +56,12 @@ def plot_cdf(samples: dict[str, list[float]], path: Path, xlabel: str, title: st
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
     for system, values in samples.items():
         ordered = sorted(values)
-        ax.step(ordered, [(i + 1) / len(ordered) for i in range(len(ordered))], where="post", label=system)
+        ax.step(
+            ordered,
+            [(i + 1) / len(ordered) for i in range(len(ordered))],
+            where="post",
+            label=system,
+        )
     ax.set(xlabel=xlabel, ylabel="fraction", title=title, xscale="log")
     ax.legend()
     fig.tight_layout()

@@ -13,9 +13,11 @@ def program_workloads(num_programs: int, seed: int = 0) -> dict[str, tuple[Any, 
     import radixrt as rt
 
     rng = random.Random(seed)
-    shots = "".join(f"Question: {words(rng, 12)}?\n(A) {rng.choice(WORDS)} (B) {rng.choice(WORDS)} "
-                    f"(C) {rng.choice(WORDS)} (D) {rng.choice(WORDS)}\nAnswer: {rng.choice('ABCD')}\n\n"
-                    for _ in range(5))
+    shots = "".join(
+        f"Question: {words(rng, 12)}?\n(A) {rng.choice(WORDS)} (B) {rng.choice(WORDS)} "
+        f"(C) {rng.choice(WORDS)} (D) {rng.choice(WORDS)}\nAnswer: {rng.choice('ABCD')}\n\n"
+        for _ in range(5)
+    )
 
     @rt.function
     def few_shot_select(s, question):
@@ -24,7 +26,8 @@ def program_workloads(num_programs: int, seed: int = 0) -> dict[str, tuple[Any, 
 
     tools = "You are an agent. Think, then act with one tool per turn.\n" + "".join(
         f"Tool {name}: {words(rng, 40)}. Input: {rng.choice(WORDS)}.\n"
-        for name in ("search", "calculate", "lookup", "translate", "finish"))
+        for name in ("search", "calculate", "lookup", "translate", "finish")
+    )
 
     @rt.function
     def agent(s, task, observations):
@@ -49,7 +52,15 @@ def program_workloads(num_programs: int, seed: int = 0) -> dict[str, tuple[Any, 
     questions = [words(rng, 10) for _ in range(num_programs)]
     return {
         "few-shot-select": (few_shot_select, [{"question": q} for q in questions]),
-        "agent": (agent, [{"task": f"Task {i}: {q}", "observations": [rng.randrange(100) for _ in range(4)]}
-                          for i, q in enumerate(questions[: max(num_programs // 4, 1)])]),
-        "tree-of-thought": (tree_of_thought, [{"question": q} for q in questions[: max(num_programs // 10, 1)]]),
+        "agent": (
+            agent,
+            [
+                {"task": f"Task {i}: {q}", "observations": [rng.randrange(100) for _ in range(4)]}
+                for i, q in enumerate(questions[: max(num_programs // 4, 1)])
+            ],
+        ),
+        "tree-of-thought": (
+            tree_of_thought,
+            [{"question": q} for q in questions[: max(num_programs // 10, 1)]],
+        ),
     }

@@ -15,7 +15,12 @@ from typing import Any
 
 from radixrt.bench.load import REPLY_TIMEOUT_S, Load, run_load
 from radixrt.bench.metrics import SLO, RequestTrace, Summary, summarize
-from radixrt.bench.peers import LLAMA_CPP_MISSING, LlamaCppTarget, llama_cpp_available, run_transformers
+from radixrt.bench.peers import (
+    LLAMA_CPP_MISSING,
+    LlamaCppTarget,
+    llama_cpp_available,
+    run_transformers,
+)
 from radixrt.bench.workloads import REQUEST_WORKLOADS, Session, WorkloadConfig
 
 # radixrt configurations compared with each other: name -> server arguments
@@ -48,10 +53,13 @@ class RunResult:
     cache_hit_rate: float | None = None  # cached prompt tokens / prompt tokens, over this run
     num_preemptions: int | None = None
     evicted_tokens: int | None = None
-    peak_used_tokens: int | None = None  # most KV slots in use at once (the cache is flushed before each load)
+    # most KV slots in use at once (the cache is flushed before each load)
+    peak_used_tokens: int | None = None
     mask_time_share: float | None = None  # constraint masks / step time
     by_tag: dict[str, Summary] = field(default_factory=dict)
-    short_itls: list[float] = field(default_factory=list)  # long-prompt: every ITL gap of the short requests
+    short_itls: list[float] = field(
+        default_factory=list
+    )  # long-prompt: every ITL gap of the short requests
 
 
 def setup_info(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
@@ -61,26 +69,58 @@ def setup_info(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
     import torch
 
     versions = {}
-    for package in ("radixrt", "torch", "transformers", "outlines-core", "pyzmq", "triton", "llama-cpp-python"):
+    for package in (
+        "radixrt",
+        "torch",
+        "transformers",
+        "outlines-core",
+        "pyzmq",
+        "triton",
+        "llama-cpp-python",
+    ):
         try:
             versions[package] = md.version(package)
         except md.PackageNotFoundError:
             pass
     cpu = platform.processor() or platform.machine()
     if Path("/proc/cpuinfo").exists():
-        cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                    if line.startswith("model name")), cpu)
+        cpu = next(
+            (
+                line.split(":", 1)[1].strip()
+                for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")
+            ),
+            cpu,
+        )
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=Path(__file__).parent, timeout=5).stdout.strip() or None
+        commit = (
+            subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"],
+                capture_output=True,
+                text=True,
+                cwd=Path(__file__).parent,
+                timeout=5,
+            ).stdout.strip()
+            or None
+        )
     except OSError:
         commit = None
     return {
-        "command": "radixrt bench " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
-                                                if k != "func" and v is not None),
-        "model": str(model_dir), "dtype": args.dtype, "max_total_tokens": args.max_total_tokens,
-        "cpu": cpu, "cores": os.cpu_count(), "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-        "versions": versions, "git_commit": commit, "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "command": "radixrt bench "
+        + " ".join(
+            f"--{k.replace('_', '-')} {v}"
+            for k, v in vars(args).items()
+            if k != "func" and v is not None
+        ),
+        "model": str(model_dir),
+        "dtype": args.dtype,
+        "max_total_tokens": args.max_total_tokens,
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "versions": versions,
+        "git_commit": commit,
+        "time": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
 
 
@@ -89,41 +129,77 @@ def _radixrt_target(args: argparse.Namespace, system: str):
 
     kind = Runtime if args.backend == "server" else Engine
     tuned = {"chunked_prefill_size": args.chunked_prefill_size} if args.chunked_prefill_size else {}
-    return kind(model=args.model, dtype=args.dtype, max_total_tokens=args.max_total_tokens, log_level="warning",
-                timeout=REPLY_TIMEOUT_S, **{**tuned, **VARIANTS[system]})
+    return kind(
+        model=args.model,
+        dtype=args.dtype,
+        max_total_tokens=args.max_total_tokens,
+        log_level="warning",
+        timeout=REPLY_TIMEOUT_S,
+        **{**tuned, **VARIANTS[system]},
+    )
 
 
-def _result(system: str, load: Load, traces: list[RequestTrace], duration: float, slo: SLO,
-            stats_delta: dict[str, float] | None = None) -> RunResult:
+def _result(
+    system: str,
+    load: Load,
+    traces: list[RequestTrace],
+    duration: float,
+    slo: SLO,
+    stats_delta: dict[str, float] | None = None,
+) -> RunResult:
     prompt = sum(t.prompt_tokens for t in traces)
     tags = sorted({t.tag for t in traces if t.tag})
-    result = RunResult(system, load.describe(), load.request_rate, load.concurrency, summarize(traces, duration, slo),
-                       by_tag={tag: summarize([t for t in traces if t.tag == tag], duration, slo) for tag in tags},
-                       short_itls=[gap for t in traces if t.tag == "short" for gap in t.itls()])
+    result = RunResult(
+        system,
+        load.describe(),
+        load.request_rate,
+        load.concurrency,
+        summarize(traces, duration, slo),
+        by_tag={tag: summarize([t for t in traces if t.tag == tag], duration, slo) for tag in tags},
+        short_itls=[gap for t in traces if t.tag == "short" for gap in t.itls()],
+    )
     if stats_delta is not None:
         result.cache_hit_rate = sum(t.cached_tokens for t in traces) / max(prompt, 1)
         result.num_preemptions = int(stats_delta["num_preemptions"])
         result.evicted_tokens = int(stats_delta["evicted_tokens"])
         result.peak_used_tokens = int(stats_delta["peak_used_tokens"])
         if stats_delta["constraint_mask_time_s"]:
-            result.mask_time_share = stats_delta["constraint_mask_time_s"] / max(stats_delta["step_time_s"], 1e-9)
+            result.mask_time_share = stats_delta["constraint_mask_time_s"] / max(
+                stats_delta["step_time_s"], 1e-9
+            )
     return result
 
 
 def _stats_delta(before: dict, after: dict) -> dict[str, float]:
     keys = ("num_preemptions", "evicted_tokens", "constraint_mask_time_s", "step_time_s")
-    return {**{k: after[k] - before[k] for k in keys}, "peak_used_tokens": after["peak_used_tokens"]}
+    return {
+        **{k: after[k] - before[k] for k in keys},
+        "peak_used_tokens": after["peak_used_tokens"],
+    }
 
 
-def run_system(system: str, sessions: list[Session], loads: list[Load], args: argparse.Namespace, render,
-               tokenizer, model_dir: Path, slo: SLO) -> list[RunResult]:
+def run_system(
+    system: str,
+    sessions: list[Session],
+    loads: list[Load],
+    args: argparse.Namespace,
+    render,
+    tokenizer,
+    model_dir: Path,
+    slo: SLO,
+) -> list[RunResult]:
     """One system under each load in turn (a sweep reuses the server, its cache flushed between loads)."""
     if system == "transformers":
         if any(s.chat or len(s.turns) > 1 for s in sessions):
             print("transformers skipped: it runs single-turn raw prompts only")
             return []
         batch = args.concurrency or 64
-        result = _result(system, Load(), *run_transformers(model_dir, sessions, tokenizer, args.dtype, batch), slo)
+        result = _result(
+            system,
+            Load(),
+            *run_transformers(model_dir, sessions, tokenizer, args.dtype, batch),
+            slo,
+        )
         result.load = f"padded batches of {batch}"
         return [result]
     if system == "llama.cpp":
@@ -133,8 +209,10 @@ def run_system(system: str, sessions: list[Session], loads: list[Load], args: ar
             return []
         target = LlamaCppTarget(gguf, threads=os.cpu_count())
         try:
-            return [_result(system, load, *run_load(target, sessions, load, render, desc=system), slo)
-                    for load in loads]
+            return [
+                _result(system, load, *run_load(target, sessions, load, render, desc=system), slo)
+                for load in loads
+            ]
         finally:
             target.close()
     results = []
@@ -143,8 +221,12 @@ def run_system(system: str, sessions: list[Session], loads: list[Load], args: ar
         for load in loads:
             target.flush_cache()
             before = target.stats()
-            traces, duration = run_load(target, sessions, load, render, desc=f"{system} ({load.describe()})")
-            results.append(_result(system, load, traces, duration, slo, _stats_delta(before, target.stats())))
+            traces, duration = run_load(
+                target, sessions, load, render, desc=f"{system} ({load.describe()})"
+            )
+            results.append(
+                _result(system, load, traces, duration, slo, _stats_delta(before, target.stats()))
+            )
     return results
 
 
@@ -156,7 +238,9 @@ def _gguf_of(model: str) -> Path | None:
     return Path(model) if model.endswith(".gguf") else None
 
 
-def run_programs(workload: str, systems: list[str], args: argparse.Namespace, slo: SLO) -> list[RunResult]:
+def run_programs(
+    workload: str, systems: list[str], args: argparse.Namespace, slo: SLO
+) -> list[RunResult]:
     """DSL programs over the socket with `run_batch`: programs/s and cache hit rate per system."""
     from radixrt.bench.programs import program_workloads
     from radixrt.client.launcher import Runtime
@@ -164,10 +248,18 @@ def run_programs(workload: str, systems: list[str], args: argparse.Namespace, sl
     program, batch = program_workloads(args.num_requests or 64, args.seed)[workload]
     results = []
     for system in systems:
-        with Runtime(model=args.model, dtype=args.dtype, max_total_tokens=args.max_total_tokens, log_level="warning",
-                     timeout=REPLY_TIMEOUT_S, **VARIANTS[system]) as runtime:
+        with Runtime(
+            model=args.model,
+            dtype=args.dtype,
+            max_total_tokens=args.max_total_tokens,
+            log_level="warning",
+            timeout=REPLY_TIMEOUT_S,
+            **VARIANTS[system],
+        ) as runtime:
             start = time.monotonic()
-            for state in program.run_batch(batch, backend=runtime, temperature=0, progress_bar=True):
+            for state in program.run_batch(
+                batch, backend=runtime, temperature=0, progress_bar=True
+            ):
                 state.text()  # raises if the program failed
             duration = time.monotonic() - start
             stats = runtime.stats()
@@ -175,74 +267,140 @@ def run_programs(workload: str, systems: list[str], args: argparse.Namespace, sl
         summary.requests, summary.request_throughput = len(batch), len(batch) / duration
         summary.output_tokens = stats["generated_tokens"]
         summary.output_throughput = stats["generated_tokens"] / duration
-        results.append(RunResult(system, f"run_batch of {len(batch)} programs", None, None, summary,
-                                 stats["cache_hit_rate"], stats["num_preemptions"], stats["evicted_tokens"]))
+        results.append(
+            RunResult(
+                system,
+                f"run_batch of {len(batch)} programs",
+                None,
+                None,
+                summary,
+                stats["cache_hit_rate"],
+                stats["num_preemptions"],
+                stats["evicted_tokens"],
+            )
+        )
     return results
 
 
 def _fmt(value: float | None, spec: str = ".2f") -> str:
-    return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
+    return (
+        "-"
+        if value is None or (isinstance(value, float) and math.isnan(value))
+        else format(value, spec)
+    )
 
 
 def print_table(workload: str, results: list[RunResult], baseline: str | None) -> None:
     base = next((r for r in results if r.system == baseline), None)
     programs = any(r.load.startswith("run_batch") for r in results)
-    metric = "request_throughput" if programs else "output_throughput"  # a select-only program generates nothing
-    head = (f"{'system':<24}{'load':<26}{'req/s':>7}{'tok/s':>8}{'goodput':>8}{'TTFT p50':>9}{'p99':>7}"
-            f"{'TPOT p50':>9}{'ITL p99':>8}{'hit':>6}{'preempt':>8}{'fwd/req':>8}{'ratio':>7}")
-    print(f"\n{workload}" + (f" (ratio: {metric.replace('_', ' ')} over {baseline})" if base else ""))
+    metric = (
+        "request_throughput" if programs else "output_throughput"
+    )  # a select-only program generates nothing
+    head = (
+        f"{'system':<24}{'load':<26}{'req/s':>7}{'tok/s':>8}{'goodput':>8}{'TTFT p50':>9}{'p99':>7}"
+        f"{'TPOT p50':>9}{'ITL p99':>8}{'hit':>6}{'preempt':>8}{'fwd/req':>8}{'ratio':>7}"
+    )
+    print(
+        f"\n{workload}" + (f" (ratio: {metric.replace('_', ' ')} over {baseline})" if base else "")
+    )
     print(head)
     print("-" * len(head))
     for r in results:
         s = r.summary
         ratio = f"{getattr(s, metric) / getattr(base.summary, metric):.2f}x" if base else "-"
-        print(f"{r.system:<24}{r.load[:25]:<26}{s.request_throughput:>7.2f}{s.output_throughput:>8.1f}"
-              f"{s.goodput:>8.2f}{_fmt(s.ttft.p50):>8}s{_fmt(s.ttft.p99):>6}s{_fmt(s.tpot.p50 * 1e3, '.0f'):>7}ms"
-              f"{_fmt(s.itl.p99 * 1e3, '.0f'):>6}ms{_fmt(r.cache_hit_rate):>6}{_fmt(r.num_preemptions, 'd'):>8}"
-              f"{_fmt(s.forward_passes_per_request, '.1f'):>8}{ratio:>7}")
+        print(
+            f"{r.system:<24}{r.load[:25]:<26}{s.request_throughput:>7.2f}{s.output_throughput:>8.1f}"
+            f"{s.goodput:>8.2f}{_fmt(s.ttft.p50):>8}s{_fmt(s.ttft.p99):>6}s{_fmt(s.tpot.p50 * 1e3, '.0f'):>7}ms"
+            f"{_fmt(s.itl.p99 * 1e3, '.0f'):>6}ms{_fmt(r.cache_hit_rate):>6}{_fmt(r.num_preemptions, 'd'):>8}"
+            f"{_fmt(s.forward_passes_per_request, '.1f'):>8}{ratio:>7}"
+        )
         for tag, t in r.by_tag.items():
-            print(f"  {tag:<48}{t.request_throughput:>7.2f}{t.output_throughput:>8.1f}{t.goodput:>8.2f}"
-                  f"{_fmt(t.ttft.p50):>8}s{_fmt(t.ttft.p99):>6}s{_fmt(t.tpot.p50 * 1e3, '.0f'):>7}ms"
-                  f"{_fmt(t.itl.p99 * 1e3, '.0f'):>6}ms")
+            print(
+                f"  {tag:<48}{t.request_throughput:>7.2f}{t.output_throughput:>8.1f}{t.goodput:>8.2f}"
+                f"{_fmt(t.ttft.p50):>8}s{_fmt(t.ttft.p99):>6}s{_fmt(t.tpot.p50 * 1e3, '.0f'):>7}ms"
+                f"{_fmt(t.itl.p99 * 1e3, '.0f'):>6}ms"
+            )
         if r.mask_time_share is not None:
             print(f"  constraint masks: {100 * r.mask_time_share:.2f}% of step time")
 
 
 def add_bench_args(parser: argparse.ArgumentParser) -> None:
     workloads = [*REQUEST_WORKLOADS, *PROGRAM_WORKLOADS, "all"]
-    parser.add_argument("--workload", default="shared-prefix", choices=workloads,
-                        help="request workloads: shared-prefix, multi-turn, long-prompt, random, json; DSL programs: "
-                             "agent, few-shot-select, tree-of-thought; all: every one in turn, plus a hit-rate plot")
-    parser.add_argument("--systems", help="comma list of " + ", ".join([*VARIANTS, *PEERS])
-                        + " (default: the workload's own comparison)")
-    parser.add_argument("--backend", default="engine", choices=["engine", "server", "http"],
-                        help="engine: rt.Engine (ipc socket); server: rt.Runtime over TCP; http: multi-turn chat "
-                             "through the OpenAI API against the same conversations over ZeroMQ")
+    parser.add_argument(
+        "--workload",
+        default="shared-prefix",
+        choices=workloads,
+        help="request workloads: shared-prefix, multi-turn, long-prompt, random, json; DSL programs: "
+        "agent, few-shot-select, tree-of-thought; all: every one in turn, plus a hit-rate plot",
+    )
+    parser.add_argument(
+        "--systems",
+        help="comma list of "
+        + ", ".join([*VARIANTS, *PEERS])
+        + " (default: the workload's own comparison)",
+    )
+    parser.add_argument(
+        "--backend",
+        default="engine",
+        choices=["engine", "server", "http"],
+        help="engine: rt.Engine (ipc socket); server: rt.Runtime over TCP; http: multi-turn chat "
+        "through the OpenAI API against the same conversations over ZeroMQ",
+    )
     parser.add_argument("--model", default="default")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     parser.add_argument("--max-total-tokens", type=int, default=65536)
-    parser.add_argument("--chunked-prefill-size", type=int, help="radixrt's prefill chunk (default: the server's)")
+    parser.add_argument(
+        "--chunked-prefill-size", type=int, help="radixrt's prefill chunk (default: the server's)"
+    )
     load = parser.add_argument_group("load")
-    load.add_argument("--request-rate", type=float, help="open loop: Poisson arrivals per second (default: all at once)")
-    load.add_argument("--concurrency", type=int, help="closed loop: this many clients, each sending its next "
-                                                      "session when one ends")
-    load.add_argument("--sweep-rate", help="comma list of request rates: run each system at each, plot throughput and "
-                                           "TTFT against rate, and report where median TTFT crosses the SLO")
-    load.add_argument("--max-duration", type=float, help="seconds after which no new session starts")
-    load.add_argument("--slo-ttft", type=float, default=1.0, help="goodput SLO: time to first token (s)")
-    load.add_argument("--slo-tpot", type=float, default=0.05, help="goodput SLO: time per output token (s)")
+    load.add_argument(
+        "--request-rate",
+        type=float,
+        help="open loop: Poisson arrivals per second (default: all at once)",
+    )
+    load.add_argument(
+        "--concurrency",
+        type=int,
+        help="closed loop: this many clients, each sending its next session when one ends",
+    )
+    load.add_argument(
+        "--sweep-rate",
+        help="comma list of request rates: run each system at each, plot throughput and "
+        "TTFT against rate, and report where median TTFT crosses the SLO",
+    )
+    load.add_argument(
+        "--max-duration", type=float, help="seconds after which no new session starts"
+    )
+    load.add_argument(
+        "--slo-ttft", type=float, default=1.0, help="goodput SLO: time to first token (s)"
+    )
+    load.add_argument(
+        "--slo-tpot", type=float, default=0.05, help="goodput SLO: time per output token (s)"
+    )
     shape = parser.add_argument_group("workload shape")
-    shape.add_argument("--num-requests", type=int, help="requests (conversations, programs) per run (default: 64; "
-                                                         "10 conversations with --backend http)")
+    shape.add_argument(
+        "--num-requests",
+        type=int,
+        help="requests (conversations, programs) per run (default: 64; "
+        "10 conversations with --backend http)",
+    )
     shape.add_argument("--max-new-tokens", type=int, default=64, help="mean output length")
-    shape.add_argument("--fixed-output-len", action="store_true", help="every output exactly --max-new-tokens long")
-    shape.add_argument("--prefix-tokens", type=int, default=500, help="shared-prefix: shared system prompt length")
+    shape.add_argument(
+        "--fixed-output-len", action="store_true", help="every output exactly --max-new-tokens long"
+    )
+    shape.add_argument(
+        "--prefix-tokens", type=int, default=500, help="shared-prefix: shared system prompt length"
+    )
     shape.add_argument("--question-tokens", type=int, default=30)
     shape.add_argument("--turns", type=int, default=6, help="multi-turn: turns per conversation")
-    shape.add_argument("--long-prompts", type=int, default=4, help="long-prompt: long prompts among the short ones")
+    shape.add_argument(
+        "--long-prompts", type=int, default=4, help="long-prompt: long prompts among the short ones"
+    )
     shape.add_argument("--long-tokens", type=int, default=4000)
     shape.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--output-dir", default="bench_results", help="JSON results and PNG plots go here")
+    parser.add_argument(
+        "--output-dir", default="bench_results", help="JSON results and PNG plots go here"
+    )
 
 
 def run_bench(args: argparse.Namespace) -> dict[str, list[RunResult]]:
@@ -257,10 +415,19 @@ def run_bench(args: argparse.Namespace) -> dict[str, list[RunResult]]:
     if args.backend == "http":
         from radixrt.bench.http_bench import run_http_bench
 
-        result = run_http_bench(argparse.Namespace(model=args.model, dtype=args.dtype, seed=args.seed,
-                                                   max_total_tokens=args.max_total_tokens, num_turns=args.turns,
-                                                   num_conversations=args.num_requests))
-        _write(out_dir / "http.json", {"setup": setup, "workload": "multi-turn over HTTP", **result})
+        result = run_http_bench(
+            argparse.Namespace(
+                model=args.model,
+                dtype=args.dtype,
+                seed=args.seed,
+                max_total_tokens=args.max_total_tokens,
+                num_turns=args.turns,
+                num_conversations=args.num_requests,
+            )
+        )
+        _write(
+            out_dir / "http.json", {"setup": setup, "workload": "multi-turn over HTTP", **result}
+        )
         return {}
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
 
@@ -268,11 +435,23 @@ def run_bench(args: argparse.Namespace) -> dict[str, list[RunResult]]:
         return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
     slo = SLO(args.slo_ttft, args.slo_tpot)
-    cfg = WorkloadConfig(args.num_requests or 64, args.max_new_tokens, args.fixed_output_len, args.prefix_tokens,
-                         args.question_tokens, args.turns, args.long_prompts, args.long_tokens, args.seed)
+    cfg = WorkloadConfig(
+        args.num_requests or 64,
+        args.max_new_tokens,
+        args.fixed_output_len,
+        args.prefix_tokens,
+        args.question_tokens,
+        args.turns,
+        args.long_prompts,
+        args.long_tokens,
+        args.seed,
+    )
     rates = [float(r) for r in args.sweep_rate.split(",")] if args.sweep_rate else None
-    loads = [Load(r, None, args.max_duration, args.seed) for r in rates] if rates else \
-        [Load(args.request_rate, args.concurrency, args.max_duration, args.seed)]
+    loads = (
+        [Load(r, None, args.max_duration, args.seed) for r in rates]
+        if rates
+        else [Load(args.request_rate, args.concurrency, args.max_duration, args.seed)]
+    )
     names = [*REQUEST_WORKLOADS, *PROGRAM_WORKLOADS] if args.workload == "all" else [args.workload]
     everything = {}
     for workload in names:
@@ -284,43 +463,85 @@ def run_bench(args: argparse.Namespace) -> dict[str, list[RunResult]]:
             results = run_programs(workload, [s for s in systems if s in VARIANTS], args, slo)
         else:
             sessions = REQUEST_WORKLOADS[workload](tokenizer, cfg)
-            results = [r for system in systems
-                       for r in run_system(system, sessions, loads, args, render, tokenizer, model_dir, slo)]
-        baseline = "transformers" if any(r.system == "transformers" for r in results) else \
-            systems[1] if len(systems) > 1 else None
+            results = [
+                r
+                for system in systems
+                for r in run_system(
+                    system, sessions, loads, args, render, tokenizer, model_dir, slo
+                )
+            ]
+        baseline = (
+            "transformers"
+            if any(r.system == "transformers" for r in results)
+            else systems[1]
+            if len(systems) > 1
+            else None
+        )
         print_table(workload, results, baseline)
         name = f"{workload}-sweep" if rates else workload
-        _write(out_dir / f"{name}.json", {"setup": setup, "workload": workload, "config": asdict(cfg),
-                                          "slo": asdict(slo), "results": [asdict(r) for r in results]})
+        _write(
+            out_dir / f"{name}.json",
+            {
+                "setup": setup,
+                "workload": workload,
+                "config": asdict(cfg),
+                "slo": asdict(slo),
+                "results": [asdict(r) for r in results],
+            },
+        )
         _plot(workload, results, rates, slo, out_dir)
         everything[workload] = results
     if len(names) > 1:
         from radixrt.bench.plots import plot_bars
 
-        hits = {w: r[0].cache_hit_rate for w, r in everything.items() if r and r[0].cache_hit_rate is not None}
-        print(f"plot: {plot_bars(hits, out_dir / 'cache-hit-rate.png', 'cache hit rate', 'radixrt: cache hit rate per workload')}")
+        hits = {
+            w: r[0].cache_hit_rate
+            for w, r in everything.items()
+            if r and r[0].cache_hit_rate is not None
+        }
+        print(
+            f"plot: {plot_bars(hits, out_dir / 'cache-hit-rate.png', 'cache hit rate', 'radixrt: cache hit rate per workload')}"
+        )
     return everything
 
 
-def _plot(workload: str, results: list[RunResult], rates: list[float] | None, slo: SLO, out_dir: Path) -> None:
+def _plot(
+    workload: str, results: list[RunResult], rates: list[float] | None, slo: SLO, out_dir: Path
+) -> None:
     from radixrt.bench.plots import plot_cdf, plot_sweep
 
     if rates:
         points: dict[str, list] = {}
         for r in results:
             if r.request_rate is not None:
-                points.setdefault(r.system, []).append((r.request_rate, r.summary.output_throughput,
-                                                        r.summary.ttft.p50, r.summary.ttft.p99))
+                points.setdefault(r.system, []).append(
+                    (
+                        r.request_rate,
+                        r.summary.output_throughput,
+                        r.summary.ttft.p50,
+                        r.summary.ttft.p99,
+                    )
+                )
         for system, rows in points.items():
             knee = next((rate for rate, _, p50, _ in rows if p50 > slo.ttft_s), None)
-            print(f"{system}: median TTFT " + (f"crosses the {slo.ttft_s:g}s SLO at {knee:g} req/s" if knee
-                                               else f"stays under {slo.ttft_s:g}s up to {rows[-1][0]:g} req/s"))
-        path = plot_sweep(points, slo.ttft_s, out_dir / f"{workload}-sweep.png", f"{workload}: request-rate sweep")
+            print(
+                f"{system}: median TTFT "
+                + (
+                    f"crosses the {slo.ttft_s:g}s SLO at {knee:g} req/s"
+                    if knee
+                    else f"stays under {slo.ttft_s:g}s up to {rows[-1][0]:g} req/s"
+                )
+            )
+        path = plot_sweep(
+            points, slo.ttft_s, out_dir / f"{workload}-sweep.png", f"{workload}: request-rate sweep"
+        )
         print(f"plot: {path}")
     if workload == "long-prompt":
         itls = {r.system: r.short_itls for r in results if r.short_itls}
         if itls:
-            print(f"plot: {plot_cdf(itls, out_dir / 'long-prompt-itl.png', 'inter-token latency (s)', 'short requests: ITL CDF')}")
+            print(
+                f"plot: {plot_cdf(itls, out_dir / 'long-prompt-itl.png', 'inter-token latency (s)', 'short requests: ITL CDF')}"
+            )
 
 
 def _write(path: Path, payload: dict) -> None:

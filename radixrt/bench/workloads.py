@@ -7,17 +7,25 @@ client. Chat sessions resend the whole history each turn, rendered with the mode
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
-WORDS = ("river stone light cloud paper engine garden window silver market winter signal forest "
-         "harbor violet copper lantern meadow thunder canyon orbit velvet glacier ember quartz").split()
+WORDS = (
+    "river stone light cloud paper engine garden window silver market winter signal forest "
+    "harbor violet copper lantern meadow thunder canyon orbit velvet glacier ember quartz"
+).split()
 NAMES = "Ada Bruno Chen Dara Emil Farah Goran Hana Ivo Jun Kofi Lena Mateo Nia Omar Priya".split()
 CITIES = "Lisbon Osaka Lagos Quito Oslo Hanoi Perth Cusco Tunis Riga Accra Porto".split()
-PERSON_SCHEMA = {"type": "object", "properties": {
-    "name": {"type": "string", "maxLength": 16}, "age": {"type": "integer", "maxDigits": 3},
-    "city": {"type": "string", "maxLength": 16}, "member": {"type": "boolean"}},
-    "required": ["name", "age", "city", "member"]}
+PERSON_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 16},
+        "age": {"type": "integer", "maxDigits": 3},
+        "city": {"type": "string", "maxLength": 16},
+        "member": {"type": "boolean"},
+    },
+    "required": ["name", "age", "city", "member"],
+}
 
 
 @dataclass
@@ -37,7 +45,8 @@ class Session:
 @dataclass
 class WorkloadConfig:
     num_requests: int = 64  # sessions (conversations for multi-turn)
-    max_new_tokens: int = 64  # mean output length; lengths are long-tailed (exponential, 4 to 4x) unless fixed
+    # mean output length; lengths are long-tailed (exponential, 4 to 4x) unless fixed
+    max_new_tokens: int = 64
     fixed_output: bool = False
     prefix_tokens: int = 500  # shared system prompt (shared-prefix)
     question_tokens: int = 30
@@ -55,7 +64,9 @@ def text_of_tokens(rng: random.Random, tokenizer, num_tokens: int) -> str:
     """Random words that tokenize to about `num_tokens` tokens (never fewer)."""
     text = words(rng, max(num_tokens // 2, 1))
     while len(tokenizer.encode(text, add_special_tokens=False)) < num_tokens:
-        text += " " + words(rng, max((num_tokens - len(tokenizer.encode(text, add_special_tokens=False))) // 2, 1))
+        text += " " + words(
+            rng, max((num_tokens - len(tokenizer.encode(text, add_special_tokens=False))) // 2, 1)
+        )
     return text
 
 
@@ -72,51 +83,110 @@ def _params(rng: random.Random, cfg: WorkloadConfig) -> dict:
 def shared_prefix(tokenizer, cfg: WorkloadConfig) -> list[Session]:
     """One long system prompt shared by every request, each with its own short question."""
     rng = random.Random(cfg.seed)
-    system = "System: you are a helpful assistant. " + text_of_tokens(rng, tokenizer, cfg.prefix_tokens)
-    return [Session([Turn(f"{system}\nQuestion {i}: {text_of_tokens(rng, tokenizer, cfg.question_tokens)}?\n"
-                          "Answer:", _params(rng, cfg))]) for i in range(cfg.num_requests)]
+    system = "System: you are a helpful assistant. " + text_of_tokens(
+        rng, tokenizer, cfg.prefix_tokens
+    )
+    return [
+        Session(
+            [
+                Turn(
+                    f"{system}\nQuestion {i}: {text_of_tokens(rng, tokenizer, cfg.question_tokens)}?\n"
+                    "Answer:",
+                    _params(rng, cfg),
+                )
+            ]
+        )
+        for i in range(cfg.num_requests)
+    ]
 
 
 def multi_turn(tokenizer, cfg: WorkloadConfig) -> list[Session]:
     """Chat conversations that resend their growing history every turn."""
     rng = random.Random(cfg.seed)
     system = "You are a concise assistant for travellers. " + text_of_tokens(rng, tokenizer, 60)
-    return [Session([Turn(f"Turn {t}: tell me about the {words(rng, 3)} of {rng.choice(CITIES)}. "
-                          + text_of_tokens(rng, tokenizer, cfg.question_tokens), _params(rng, cfg))
-                     for t in range(cfg.turns)], system=system, chat=True)
-            for _ in range(cfg.num_requests)]
+    return [
+        Session(
+            [
+                Turn(
+                    f"Turn {t}: tell me about the {words(rng, 3)} of {rng.choice(CITIES)}. "
+                    + text_of_tokens(rng, tokenizer, cfg.question_tokens),
+                    _params(rng, cfg),
+                )
+                for t in range(cfg.turns)
+            ],
+            system=system,
+            chat=True,
+        )
+        for _ in range(cfg.num_requests)
+    ]
 
 
 def long_prompt(tokenizer, cfg: WorkloadConfig) -> list[Session]:
     """Short decodes with a few long prompts among them: chunked prefill keeps the short ones' ITL low."""
     rng = random.Random(cfg.seed)
-    sessions = [Session([Turn(f"Note {i}: {text_of_tokens(rng, tokenizer, cfg.question_tokens)}\nSummary:",
-                              {**_params(rng, cfg), "max_new_tokens": cfg.max_new_tokens})], tag="short")
-                for i in range(cfg.num_requests)]
+    sessions = [
+        Session(
+            [
+                Turn(
+                    f"Note {i}: {text_of_tokens(rng, tokenizer, cfg.question_tokens)}\nSummary:",
+                    {**_params(rng, cfg), "max_new_tokens": cfg.max_new_tokens},
+                )
+            ],
+            tag="short",
+        )
+        for i in range(cfg.num_requests)
+    ]
     for j in range(cfg.long_prompts):
-        turn = Turn(f"Document {j}: {text_of_tokens(rng, tokenizer, cfg.long_tokens)}\nSummary:",
-                    {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True})
-        sessions.insert((j + 1) * len(sessions) // (cfg.long_prompts + 1), Session([turn], tag="long"))
+        turn = Turn(
+            f"Document {j}: {text_of_tokens(rng, tokenizer, cfg.long_tokens)}\nSummary:",
+            {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True},
+        )
+        sessions.insert(
+            (j + 1) * len(sessions) // (cfg.long_prompts + 1), Session([turn], tag="long")
+        )
     return sessions
 
 
 def random_prompts(tokenizer, cfg: WorkloadConfig) -> list[Session]:
     """Nothing shared (the control): prompts of random words and lengths."""
     rng = random.Random(cfg.seed)
-    return [Session([Turn(text_of_tokens(rng, tokenizer, rng.randint(cfg.question_tokens, 4 * cfg.question_tokens)),
-                          _params(rng, cfg))]) for _ in range(cfg.num_requests)]
+    return [
+        Session(
+            [
+                Turn(
+                    text_of_tokens(
+                        rng, tokenizer, rng.randint(cfg.question_tokens, 4 * cfg.question_tokens)
+                    ),
+                    _params(rng, cfg),
+                )
+            ]
+        )
+        for _ in range(cfg.num_requests)
+    ]
 
 
 def json_records(tokenizer, cfg: WorkloadConfig) -> list[Session]:
     """Each request fills a 4-field JSON schema about a different person."""
     rng = random.Random(cfg.seed)
-    return [Session([Turn(f"Describe {rng.choice(NAMES)}, who lives in {rng.choice(CITIES)}, as a JSON record "
-                          "with name, age, city and member.",
-                          {"max_new_tokens": 96, "temperature": 0, "json_schema": PERSON_SCHEMA})],
-                    chat=True) for _ in range(cfg.num_requests)]
+    return [
+        Session(
+            [
+                Turn(
+                    f"Describe {rng.choice(NAMES)}, who lives in {rng.choice(CITIES)}, as a JSON record "
+                    "with name, age, city and member.",
+                    {"max_new_tokens": 96, "temperature": 0, "json_schema": PERSON_SCHEMA},
+                )
+            ],
+            chat=True,
+        )
+        for _ in range(cfg.num_requests)
+    ]
 
 
 REQUEST_WORKLOADS: dict[str, Callable[..., list[Session]]] = {
-    "shared-prefix": shared_prefix, "multi-turn": multi_turn, "long-prompt": long_prompt,
-    "random": random_prompts, "json": json_records,
+    "shared-prefix": shared_prefix,
+    "multi-turn": multi_turn,
+    "long-prompt": long_prompt,
+    "random": random_prompts,
+    "json": json_records,
 }

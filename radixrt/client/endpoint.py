@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import uuid
-from typing import Any, AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
 
 from radixrt.client.transport import RuntimeClient
 
@@ -15,17 +16,27 @@ class RuntimeEndpoint:
     number of requests in flight over one socket. `api_key` and `curve_server_key` (the server's
     Z85 public key) match the server's `--api-key` and `--curve-secret-key`."""
 
-    def __init__(self, url: str, api_key: str | None = None, timeout: float | None = None,
-                 curve_server_key: str | None = None):
+    def __init__(
+        self,
+        url: str,
+        api_key: str | None = None,
+        timeout: float | None = None,
+        curve_server_key: str | None = None,
+    ):
         self.url = url
         self.timeout = timeout
         self.client = RuntimeClient(url, api_key=api_key, curve_server_key=curve_server_key)
         self._model_info: dict[str, Any] | None = None
 
     # ---- generation --------------------------------------------------------------------------
-    def generate(self, prompt: Prompt | list[Prompt] | None = None, sampling_params: dict | list[dict] | None = None,
-                 input_ids: list[int] | list[list[int]] | None = None, rid: str | list[str] | None = None,
-                 stream: bool = False) -> dict | list | Iterator[dict]:
+    def generate(
+        self,
+        prompt: Prompt | list[Prompt] | None = None,
+        sampling_params: dict | list[dict] | None = None,
+        input_ids: list[int] | list[list[int]] | None = None,
+        rid: str | list[str] | None = None,
+        stream: bool = False,
+    ) -> dict | list | Iterator[dict]:
         """One prompt -> `{"text", "output_ids", "meta_info"}` (a list of n when n > 1); a list
         of prompts -> a list. With `stream=True` (one prompt), an iterator of chunks
         `{"delta", "token_ids", "index", "finished"}`, the last per sample with the result."""
@@ -38,17 +49,25 @@ class RuntimeEndpoint:
         outs = [_results(s.finals(self.timeout)) for s in submissions]
         return outs[0] if single else outs
 
-    async def async_generate(self, prompt: Prompt | list[Prompt] | None = None,
-                             sampling_params: dict | list[dict] | None = None,
-                             input_ids: list[int] | list[list[int]] | None = None,
-                             rid: str | list[str] | None = None) -> dict | list:
+    async def async_generate(
+        self,
+        prompt: Prompt | list[Prompt] | None = None,
+        sampling_params: dict | list[dict] | None = None,
+        input_ids: list[int] | list[list[int]] | None = None,
+        rid: str | list[str] | None = None,
+    ) -> dict | list:
         requests, single = self._requests(prompt, input_ids, sampling_params, rid)
         submissions = [self.client.submit_async(**r) for r in requests]
         outs = [_results(await s.finals(self.timeout)) for s in submissions]
         return outs[0] if single else outs
 
-    def async_stream(self, prompt: Prompt | None = None, sampling_params: dict | None = None,
-                     input_ids: list[int] | None = None, rid: str | None = None) -> AsyncIterator[dict]:
+    def async_stream(
+        self,
+        prompt: Prompt | None = None,
+        sampling_params: dict | None = None,
+        input_ids: list[int] | None = None,
+        rid: str | None = None,
+    ) -> AsyncIterator[dict]:
         """`async for chunk in endpoint.async_stream(...)`: the streamed chunks of one prompt."""
         requests, single = self._requests(prompt, input_ids, sampling_params, rid)
         if not single:
@@ -96,7 +115,7 @@ class RuntimeEndpoint:
     def close(self) -> None:
         self.client.close()
 
-    def __enter__(self) -> "RuntimeEndpoint":
+    def __enter__(self) -> RuntimeEndpoint:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -106,11 +125,16 @@ class RuntimeEndpoint:
     @staticmethod
     def _requests(prompt, input_ids, sampling_params, rid) -> tuple[list[dict[str, Any]], bool]:
         items, single, key = _normalize(prompt, input_ids)
-        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(items)
+        params = (
+            sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(items)
+        )
         rids = [rid] if isinstance(rid, str) else rid or [uuid.uuid4().hex for _ in items]
         if len(params) != len(items) or len(rids) != len(items):
             raise ValueError("sampling_params and rid must be one value or one per prompt")
-        return [{"rid": r, "sampling_params": p or {}, key: item} for r, item, p in zip(rids, items, params)], single
+        return [
+            {"rid": r, "sampling_params": p or {}, key: item}
+            for r, item, p in zip(rids, items, params)
+        ], single
 
 
 def _normalize(prompt, input_ids) -> tuple[list, bool, str]:
@@ -121,7 +145,9 @@ def _normalize(prompt, input_ids) -> tuple[list, bool, str]:
             return [prompt], True, "input_ids"
         items = [prompt] if isinstance(prompt, str) else prompt
         if not isinstance(items, list) or not items or not all(isinstance(p, str) for p in items):
-            raise ValueError("prompt must be a string, a list of token ids, or a non-empty list of strings")
+            raise ValueError(
+                "prompt must be a string, a list of token ids, or a non-empty list of strings"
+            )
         return items, isinstance(prompt, str), "text"
     if isinstance(input_ids, list) and input_ids and isinstance(input_ids[0], list):
         return input_ids, False, "input_ids"

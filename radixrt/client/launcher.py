@@ -23,8 +23,8 @@ from typing import Any
 
 import zmq
 
-from radixrt.config import SECRETS, ServerArgs
 from radixrt.client.endpoint import RuntimeEndpoint
+from radixrt.config import SECRETS, ServerArgs
 
 START_TIMEOUT_S = 600
 LOG_TAIL_LINES = 30
@@ -52,10 +52,17 @@ class Runtime(RuntimeEndpoint):
         self._configure_endpoint(port_given="port" in server_args)
         self._log_path = self._tmp / "runtime.log"
         self._proc = self._launch()
-        server_key = zmq.curve_public(self.args.curve_secret_key.encode()).decode() \
-            if self.args.curve_secret_key else None
-        super().__init__(self.args.endpoint, api_key=self.args.api_key, timeout=timeout,
-                         curve_server_key=server_key)
+        server_key = (
+            zmq.curve_public(self.args.curve_secret_key.encode()).decode()
+            if self.args.curve_secret_key
+            else None
+        )
+        super().__init__(
+            self.args.endpoint,
+            api_key=self.args.api_key,
+            timeout=timeout,
+            curve_server_key=server_key,
+        )
         self._finalizer = weakref.finalize(self, _stop, self._proc, self.client, self._tmp)
         self._wait_ready()
 
@@ -65,7 +72,9 @@ class Runtime(RuntimeEndpoint):
 
     def _launch(self) -> subprocess.Popen:
         with open(self._log_path, "wb") as log:
-            return subprocess.Popen(self._command(), stdout=log, stderr=subprocess.STDOUT, env=self._env())
+            return subprocess.Popen(
+                self._command(), stdout=log, stderr=subprocess.STDOUT, env=self._env()
+            )
 
     def _command(self) -> list[str]:
         return [sys.executable, "-m", "radixrt", "serve", *self.args.to_cli_args()]
@@ -82,8 +91,10 @@ class Runtime(RuntimeEndpoint):
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
                 self._finalizer()
-                raise RuntimeStartError(f"the runtime exited with code {self._proc.returncode} while starting; "
-                                   f"last log lines:\n{self.log_tail()}")
+                raise RuntimeStartError(
+                    f"the runtime exited with code {self._proc.returncode} while starting; "
+                    f"last log lines:\n{self.log_tail()}"
+                )
             try:
                 self.health(timeout=0.5)
             except TimeoutError:
@@ -92,13 +103,17 @@ class Runtime(RuntimeEndpoint):
                 return
             time.sleep(0.1)
         self._finalizer()
-        raise RuntimeStartError(f"the runtime did not become healthy within {START_TIMEOUT_S}s; "
-                           f"last log lines:\n{self.log_tail()}")
+        raise RuntimeStartError(
+            f"the runtime did not become healthy within {START_TIMEOUT_S}s; "
+            f"last log lines:\n{self.log_tail()}"
+        )
 
     @property
     def http_url(self) -> str | None:
         """Base URL of the HTTP gateway when `http_port` is set (the OpenAI API is under /v1)."""
-        return f"http://{self.args.http_host}:{self.args.http_port}" if self.args.http_port else None
+        return (
+            f"http://{self.args.http_host}:{self.args.http_port}" if self.args.http_port else None
+        )
 
     def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
         try:

@@ -8,16 +8,17 @@ import threading
 import time
 import uuid
 from collections import deque
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import Future
-from typing import Any, AsyncIterator, Callable, Iterator
+from typing import Any
 
 import msgpack
 import zmq
 
 from radixrt.protocol import ErrorCode, error_reply
 
-HEARTBEAT_S = 1.0  # ping period while requests are in flight; the runtime aborts a silent client's requests
-
+# ping period while requests are in flight; the runtime aborts a silent client's requests
+HEARTBEAT_S = 1.0
 
 
 class RemoteError(RuntimeError):
@@ -41,9 +42,14 @@ class ConnectionLostError(RemoteError, ConnectionError):
     pass
 
 
-_ERROR_CLASSES = {ErrorCode.INVALID_REQUEST: InvalidRequestError, ErrorCode.CONTEXT_LENGTH_EXCEEDED: InvalidRequestError,
-                  ErrorCode.INVALID_CONSTRAINT: InvalidRequestError, ErrorCode.UNAUTHORIZED: AuthenticationError,
-                  ErrorCode.CONNECTION_LOST: ConnectionLostError, ErrorCode.WORKER_LOST: ConnectionLostError}
+_ERROR_CLASSES = {
+    ErrorCode.INVALID_REQUEST: InvalidRequestError,
+    ErrorCode.CONTEXT_LENGTH_EXCEEDED: InvalidRequestError,
+    ErrorCode.INVALID_CONSTRAINT: InvalidRequestError,
+    ErrorCode.UNAUTHORIZED: AuthenticationError,
+    ErrorCode.CONNECTION_LOST: ConnectionLostError,
+    ErrorCode.WORKER_LOST: ConnectionLostError,
+}
 
 
 def raise_for(reply: dict[str, Any]) -> None:
@@ -63,8 +69,13 @@ class RuntimeClient:
     the socket reconnects by itself, so later requests work again.
     """
 
-    def __init__(self, endpoint: str, api_key: str | None = None, curve_server_key: str | None = None,
-                 dead_after_s: float = 120.0):
+    def __init__(
+        self,
+        endpoint: str,
+        api_key: str | None = None,
+        curve_server_key: str | None = None,
+        dead_after_s: float = 120.0,
+    ):
         self.endpoint = endpoint
         self.api_key = api_key
         self.curve_server_key = curve_server_key
@@ -78,7 +89,9 @@ class RuntimeClient:
         self._server_id: str | None = None
         self._last_heard = time.monotonic()
         started = threading.Event()
-        self._io = threading.Thread(target=self._io_loop, args=(started,), name="radixrt-client-io", daemon=True)
+        self._io = threading.Thread(
+            target=self._io_loop, args=(started,), name="radixrt-client-io", daemon=True
+        )
         self._io.start()
         started.wait()
 
@@ -96,15 +109,17 @@ class RuntimeClient:
         raise_for(reply)
         return reply.get("result")
 
-    def submit(self, **fields: Any) -> "Submission":
+    def submit(self, **fields: Any) -> Submission:
         """Send one generate op now; read its replies from the returned handle."""
         sub = Submission(self, fields.setdefault("rid", uuid.uuid4().hex), _num_samples(fields))
         self._register(sub.rid, sub.deliver)
         self.send({"op": "generate", **fields})
         return sub
 
-    def submit_async(self, **fields: Any) -> "AsyncSubmission":
-        sub = AsyncSubmission(self, fields.setdefault("rid", uuid.uuid4().hex), _num_samples(fields))
+    def submit_async(self, **fields: Any) -> AsyncSubmission:
+        sub = AsyncSubmission(
+            self, fields.setdefault("rid", uuid.uuid4().hex), _num_samples(fields)
+        )
         self._register(sub.rid, sub.deliver)
         self.send({"op": "generate", **fields})
         return sub
@@ -153,7 +168,9 @@ class RuntimeClient:
         dealer = self._ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
         if self.curve_server_key:
-            dealer.curve_publickey, dealer.curve_secretkey = zmq.curve_keypair()  # an ephemeral client key
+            dealer.curve_publickey, dealer.curve_secretkey = (
+                zmq.curve_keypair()
+            )  # an ephemeral client key
             dealer.curve_serverkey = self.curve_server_key.encode()
         dealer.connect(self.endpoint)
         pull = self._ctx.socket(zmq.PULL)
@@ -176,7 +193,9 @@ class RuntimeClient:
             if self._pending and now >= next_ping and not outbox:
                 next_ping = now + HEARTBEAT_S
                 ping = {"op": "ping", "rid": "ping"}
-                outbox.append(msgpack.packb({**ping, "api_key": self.api_key} if self.api_key else ping))
+                outbox.append(
+                    msgpack.packb({**ping, "api_key": self.api_key} if self.api_key else ping)
+                )
             while outbox:
                 try:
                     dealer.send(outbox[0], zmq.NOBLOCK)
@@ -184,7 +203,9 @@ class RuntimeClient:
                     break
                 outbox.popleft()
             if self._pending and now - self._last_heard > self.dead_after_s:
-                self.fail_pending(f"no reply from the runtime at {self.endpoint} for {self.dead_after_s:.0f}s")
+                self.fail_pending(
+                    f"no reply from the runtime at {self.endpoint} for {self.dead_after_s:.0f}s"
+                )
         dealer.close()
         pull.close()
 
@@ -194,7 +215,9 @@ class RuntimeClient:
         if rid == "ping":
             server_id = (reply.get("result") or {}).get("server_id")
             if self._server_id is not None and server_id != self._server_id:
-                self.fail_pending(f"the runtime at {self.endpoint} restarted; requests in flight were lost")
+                self.fail_pending(
+                    f"the runtime at {self.endpoint} restarted; requests in flight were lost"
+                )
             self._server_id = server_id
             return
         with self._lock:
@@ -264,7 +287,9 @@ class AsyncSubmission(_Submission):
         super().__init__(client, rid, n)
         self._loop = asyncio.get_running_loop()
         self._replies: asyncio.Queue = asyncio.Queue()
-        self.deliver = lambda reply: self._loop.call_soon_threadsafe(self._replies.put_nowait, reply)
+        self.deliver = lambda reply: self._loop.call_soon_threadsafe(
+            self._replies.put_nowait, reply
+        )
 
     async def replies(self, timeout: float | None = None) -> AsyncIterator[dict[str, Any]]:
         try:

@@ -39,7 +39,9 @@ class AdmissionBudget:
         return uncomputed + remaining_new_tokens * self.new_token_ratio
 
     def decay(self) -> None:
-        self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
+        self.new_token_ratio = max(
+            MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY
+        )
 
     def reset(self) -> None:
         """After a retraction: the reservations were too small."""

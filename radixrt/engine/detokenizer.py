@@ -31,9 +31,9 @@ class IncrementalDetokenizer:
         return self._release(final=True)
 
     def _release(self, final: bool) -> str:
-        prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
-        new_text = self._decode(self.ids[self.prefix_offset:])
+        prefix_text = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        new_text = self._decode(self.ids[self.prefix_offset :])
         if len(new_text) <= len(prefix_text) or (new_text.endswith("\ufffd") and not final):
             return ""
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-        return new_text[len(prefix_text):]
+        return new_text[len(prefix_text) :]

@@ -9,8 +9,8 @@ from typing import Any, NamedTuple
 import torch
 
 from radixrt.engine.detokenizer import IncrementalDetokenizer
-from radixrt.protocol import ErrorCode
 from radixrt.mem_cache.radix_cache import TreeNode
+from radixrt.protocol import ErrorCode
 from radixrt.sampling_params import SamplingParams
 
 
@@ -27,22 +27,28 @@ class FinishReason:
     error: ErrorCode | None = None
 
     @classmethod
-    def stop(cls, matched: int | str) -> "FinishReason":
+    def stop(cls, matched: int | str) -> FinishReason:
         return cls("stop", matched=matched)
 
     @classmethod
-    def at_length(cls, length: int) -> "FinishReason":
+    def at_length(cls, length: int) -> FinishReason:
         return cls("length", length=length)
 
     @classmethod
-    def abort(cls, message: str, error: ErrorCode | None = None) -> "FinishReason":
+    def abort(cls, message: str, error: ErrorCode | None = None) -> FinishReason:
         return cls("abort", message=message, error=error)
 
     def to_dict(self) -> dict[str, Any]:
         """The wire form, `meta_info["finish_reason"]`."""
         fields = {"matched": self.matched, "length": self.length, "message": self.message}
-        return {"type": self.type, **{k: v for k, v in fields.items() if v is not None or
-                                      (k == "matched" and self.type == "stop")}}
+        return {
+            "type": self.type,
+            **{
+                k: v
+                for k, v in fields.items()
+                if v is not None or (k == "matched" and self.type == "stop")
+            },
+        }
 
 
 @dataclass(eq=False)
@@ -118,7 +124,11 @@ class Req:
         return meta
 
     def result(self) -> dict[str, Any]:
-        return {"text": self.text, "output_ids": list(self.output_ids), "meta_info": self.meta_info()}
+        return {
+            "text": self.text,
+            "output_ids": list(self.output_ids),
+            "meta_info": self.meta_info(),
+        }
 
 
 class Scheduled(NamedTuple):

@@ -17,8 +17,12 @@ class SampleOutput:
     top_logprobs: list[list[tuple[float, int]]] | None
 
 
-def sample(logits: torch.Tensor, reqs: list[Req], banned: list[list[int]],
-           constrain: Callable[[torch.Tensor], None] | None = None) -> SampleOutput:
+def sample(
+    logits: torch.Tensor,
+    reqs: list[Req],
+    banned: list[list[int]],
+    constrain: Callable[[torch.Tensor], None] | None = None,
+) -> SampleOutput:
     """Pick one token per row of `logits` [B, V] for `reqs`; `banned` ids get -inf (min_new_tokens);
     `constrain` masks a copy of the logits in place (constraints). Logprobs use the raw logits."""
     raw = logits
@@ -51,8 +55,15 @@ def sample(logits: torch.Tensor, reqs: list[Req], banned: list[list[int]],
     top = None
     if k:
         vals, ids = logprobs.topk(k, dim=-1)
-        top = [list(zip(vals[i, : r.params.top_logprobs_num].tolist(), ids[i, : r.params.top_logprobs_num].tolist()))
-               for i, r in enumerate(reqs)]
+        top = [
+            list(
+                zip(
+                    vals[i, : r.params.top_logprobs_num].tolist(),
+                    ids[i, : r.params.top_logprobs_num].tolist(),
+                )
+            )
+            for i, r in enumerate(reqs)
+        ]
     return SampleOutput(token_ids, chosen, top)
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 
-from radixrt.mem_cache.radix_cache import RadixCache, TreeNode
 from radixrt.engine.request import Req
+from radixrt.mem_cache.radix_cache import RadixCache, TreeNode
 
 LPM_FALLBACK_QUEUE_LEN = 128  # past this, matching every waiting request costs more than it saves
 AGING_TOKENS_PER_SECOND = 256  # a request waiting 1 s ranks as if 256 more tokens were cached
@@ -27,7 +27,10 @@ def order_waiting(policy: str, waiting: list[Req], tree: RadixCache) -> list[Req
     matches = {id(r): tree.match_prefix(match_key(r)) for r in waiting}
     if policy == "lpm":
         now = time.monotonic()
-        return sorted(waiting, key=lambda r: -(len(matches[id(r)][0]) + AGING_TOKENS_PER_SECOND * (now - r.arrival)))
+        return sorted(
+            waiting,
+            key=lambda r: -(len(matches[id(r)][0]) + AGING_TOKENS_PER_SECOND * (now - r.arrival)),
+        )
     if policy == "dfs-weight":
         return _dfs_weight(waiting, {id(r): matches[id(r)][1] for r in waiting}, tree.root)
     raise ValueError(f"unknown schedule policy {policy!r}")

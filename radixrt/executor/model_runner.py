@@ -11,8 +11,13 @@ from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 from radixrt.attention import create_backend
 from radixrt.config import ExecutorArgs
 from radixrt.executor.forward_batch import ForwardBatch
-from radixrt.mem_cache.memory_pool import PageAllocator, ReqToTokenPool, TokenToKVPool, bytes_per_token
 from radixrt.executor.model_loader import load_state_dict, resolve_model_path
+from radixrt.mem_cache.memory_pool import (
+    PageAllocator,
+    ReqToTokenPool,
+    TokenToKVPool,
+    bytes_per_token,
+)
 from radixrt.models import model_class
 from radixrt.models.prepacked_linear import prepack_available, prepack_linears
 
@@ -60,15 +65,25 @@ class ModelRunner:
         self.vocab_size = self.config.vocab_size
 
         self._init_pools()
-        self.attn_backend = create_backend(args.attention_backend, self.device,
-                                           self.req_to_token_pool.req_to_token, self.kv_pool)
-        logger.info("loaded %s (%s, %s) in %.1fs; KV pool %d tokens, page size %d", self.model_path.name,
-                    self.dtype, self.device, time.monotonic() - start, self.allocator.total_tokens, args.page_size)
+        self.attn_backend = create_backend(
+            args.attention_backend, self.device, self.req_to_token_pool.req_to_token, self.kv_pool
+        )
+        logger.info(
+            "loaded %s (%s, %s) in %.1fs; KV pool %d tokens, page size %d",
+            self.model_path.name,
+            self.dtype,
+            self.device,
+            time.monotonic() - start,
+            self.allocator.total_tokens,
+            args.page_size,
+        )
 
     def _eos_ids(self) -> set[int]:
         ids = set()
         for source in (self.config.eos_token_id, self.tokenizer.eos_token_id):
-            ids.update(source if isinstance(source, list) else [source] if source is not None else [])
+            ids.update(
+                source if isinstance(source, list) else [source] if source is not None else []
+            )
         try:
             gen = GenerationConfig.from_pretrained(self.model_path).eos_token_id
             ids.update(gen if isinstance(gen, list) else [gen] if gen is not None else [])
@@ -78,7 +93,9 @@ class ModelRunner:
 
     def _init_pools(self) -> None:
         cfg, args = self.config, self.args
-        per_token = bytes_per_token(cfg.num_hidden_layers, cfg.num_key_value_heads, self.model.head_dim, self.dtype)
+        per_token = bytes_per_token(
+            cfg.num_hidden_layers, cfg.num_key_value_heads, self.model.head_dim, self.dtype
+        )
         total = args.max_total_tokens
         if total is None:
             fraction = args.mem_fraction or (0.8 if self.device.type == "cuda" else 0.1)
@@ -86,9 +103,17 @@ class ModelRunner:
         if total < args.page_size * 2:
             raise ValueError(f"KV pool of {total} tokens is too small")
         self.allocator = PageAllocator(total, args.page_size, self.device)
-        self.kv_pool = TokenToKVPool(self.allocator.num_slots, cfg.num_hidden_layers, cfg.num_key_value_heads,
-                                     self.model.head_dim, self.dtype, self.device)
-        self.req_to_token_pool = ReqToTokenPool(args.max_running_requests + 1, self.context_length + 1, self.device)
+        self.kv_pool = TokenToKVPool(
+            self.allocator.num_slots,
+            cfg.num_hidden_layers,
+            cfg.num_key_value_heads,
+            self.model.head_dim,
+            self.dtype,
+            self.device,
+        )
+        self.req_to_token_pool = ReqToTokenPool(
+            args.max_running_requests + 1, self.context_length + 1, self.device
+        )
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         self.attn_backend.init_forward_metadata(batch)
@@ -96,4 +121,3 @@ class ModelRunner:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.compute_logits(hidden)[:, : self.vocab_size]
-

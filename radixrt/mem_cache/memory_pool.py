@@ -62,7 +62,9 @@ class PageAllocator:
         """
         p = self.page_size
         in_last_page = min((-cur_len) % p, n) if cur_len else 0
-        head = torch.arange(last_slot + 1, last_slot + 1 + in_last_page, dtype=torch.int64, device=self.device)
+        head = torch.arange(
+            last_slot + 1, last_slot + 1 + in_last_page, dtype=torch.int64, device=self.device
+        )
         rest = n - in_last_page
         if rest == 0:
             return head
@@ -93,8 +95,15 @@ class PageAllocator:
 class TokenToKVPool:
     """Per-layer K and V buffers `[slots, kv_heads, head_dim]`, indexed by slot."""
 
-    def __init__(self, num_slots: int, num_layers: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device):
+    def __init__(
+        self,
+        num_slots: int,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
         shape = (num_slots, num_kv_heads, head_dim)
         self.k_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]

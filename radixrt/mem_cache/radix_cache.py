@@ -5,7 +5,8 @@ from __future__ import annotations
 import heapq
 import itertools
 import time
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
@@ -14,7 +15,7 @@ class TreeNode:
     __slots__ = ("children", "parent", "key", "value", "lock_ref", "last_access", "id")
     _ids = itertools.count()
 
-    def __init__(self, key: list[int], value: torch.Tensor, parent: "TreeNode | None"):
+    def __init__(self, key: list[int], value: torch.Tensor, parent: TreeNode | None):
         self.children: dict[tuple[int, ...], TreeNode] = {}
         self.parent = parent
         self.key = key
@@ -43,7 +44,9 @@ class RadixCache:
     recently used first, from an incrementally kept leaf set and a lazy heap.
     """
 
-    def __init__(self, page_size: int, free_slots: Callable[[torch.Tensor], None], disable: bool = False):
+    def __init__(
+        self, page_size: int, free_slots: Callable[[torch.Tensor], None], disable: bool = False
+    ):
         self.page_size = page_size
         self.free_slots = free_slots
         self.disable = disable
@@ -214,8 +217,9 @@ class RadixCache:
                 evictable += len(node.key)
             assert (node in self._evictable_leaves) == (node.is_leaf and node.lock_ref == 0)
             slots.append(node.value)
-        assert (evictable, protected) == (self.evictable_size, self.protected_size), \
+        assert (evictable, protected) == (self.evictable_size, self.protected_size), (
             f"sizes drifted: {(evictable, protected)} != {(self.evictable_size, self.protected_size)}"
+        )
         if slots:
             flat = torch.cat(slots)
             assert len(flat.unique()) == len(flat), "two nodes share a KV slot"

@@ -43,7 +43,9 @@ class SlotHolder(Protocol):
 class KVSlotManager:
     """Allocates, hands over and frees KV slots for requests; owns the tree's locks and pins."""
 
-    def __init__(self, allocator: PageAllocator, req_to_token_pool: ReqToTokenPool, tree: RadixCache):
+    def __init__(
+        self, allocator: PageAllocator, req_to_token_pool: ReqToTokenPool, tree: RadixCache
+    ):
         self.allocator = allocator
         self.rows = req_to_token_pool
         self.req_to_token = req_to_token_pool.req_to_token
@@ -105,7 +107,7 @@ class KVSlotManager:
         slots = self.allocator.alloc_extend(last, holder.kv_len, n)
         if slots is None:
             return False
-        row[holder.kv_len: holder.kv_len + n] = slots.to(torch.int32)
+        row[holder.kv_len : holder.kv_len + n] = slots.to(torch.int32)
         self.peak_used_tokens = max(self.peak_used_tokens, self.used_tokens())
         return True
 
@@ -128,7 +130,7 @@ class KVSlotManager:
             return
         start = max(self._insert_computed(holder), holder.tree_len)
         if holder.kv_len > start:
-            self.allocator.free(self.req_to_token[holder.row, start: holder.kv_len].long())
+            self.allocator.free(self.req_to_token[holder.row, start : holder.kv_len].long())
         self.tree.dec_lock_ref(holder.last_node)
         self.rows.free(holder.row)
         holder.row, holder.last_node = None, None
@@ -146,7 +148,7 @@ class KVSlotManager:
             row = self.req_to_token[holder.row]
             already = self.tree.insert(holder.all_ids[:aligned], row[:aligned].long())
             if already > holder.tree_len:
-                self.allocator.free(row[holder.tree_len: already].long())
+                self.allocator.free(row[holder.tree_len : already].long())
         return aligned
 
     # ---- pins ------------------------------------------------------------------------------
@@ -190,12 +192,24 @@ class KVSlotManager:
             "num_pages": self.allocator.num_pages,
             "free_pages": self.allocator.free_page_ids().tolist(),
             "root": self.tree.root.id,
-            "nodes": [{"id": n.id, "parent": n.parent.id, "slots": n.value.tolist(), "lock_ref": n.lock_ref}
-                      for n in nodes],
-            "requests": [{"rid": name, "last_node": h.last_node.id,
-                          "tree_slots": self.req_to_token[h.row, :h.tree_len].tolist(),
-                          "own_slots": self.req_to_token[h.row, h.tree_len:h.kv_len].tolist()}
-                         for h, name in zip(holders, names)],
+            "nodes": [
+                {
+                    "id": n.id,
+                    "parent": n.parent.id,
+                    "slots": n.value.tolist(),
+                    "lock_ref": n.lock_ref,
+                }
+                for n in nodes
+            ],
+            "requests": [
+                {
+                    "rid": name,
+                    "last_node": h.last_node.id,
+                    "tree_slots": self.req_to_token[h.row, : h.tree_len].tolist(),
+                    "own_slots": self.req_to_token[h.row, h.tree_len : h.kv_len].tolist(),
+                }
+                for h, name in zip(holders, names)
+            ],
             "pinned_nodes": [n.id for n in self.pins.values()],
             "rows": self.rows.rows,
             "free_rows": self.rows.available(),
@@ -209,11 +223,15 @@ class KVSlotManager:
         owners = [self.allocator.free_page_ids()]
         owners += [n.value[::p] // p for n in self.tree.all_nodes() if len(n.value)]
         for h in holders:
-            owners.append(self.req_to_token[h.row, h.tree_len: h.kv_len][::p].long() // p)
+            owners.append(self.req_to_token[h.row, h.tree_len : h.kv_len][::p].long() // p)
         pages = torch.cat(owners).sort().values
         expected = torch.arange(1, self.allocator.num_pages + 1, device=pages.device)
-        assert len(pages) == len(expected) and bool((pages == expected).all()), "KV pages leaked or owned twice"
-        assert len({h.row for h in holders}) + self.rows.available() == self.rows.rows, "request rows leaked"
+        assert len(pages) == len(expected) and bool((pages == expected).all()), (
+            "KV pages leaked or owned twice"
+        )
+        assert len({h.row for h in holders}) + self.rows.available() == self.rows.rows, (
+            "request rows leaked"
+        )
         locks: dict[TreeNode, int] = {}
         for node in [h.last_node for h in holders] + list(self.pins.values()):
             while node is not self.tree.root:
@@ -221,4 +239,6 @@ class KVSlotManager:
                 node = node.parent
         for node in self.tree.all_nodes():
             if node is not self.tree.root:
-                assert node.lock_ref == locks.get(node, 0), "lock count differs from the holders of locks"
+                assert node.lock_ref == locks.get(node, 0), (
+                    "lock count differs from the holders of locks"
+                )

@@ -16,4 +16,6 @@ def model_class(config) -> type:
             return ARCHITECTURES[arch]
     if config.model_type in MODEL_TYPES:
         return LlamaForCausalLM
-    raise ValueError(f"unsupported architecture {config.architectures}; supported: {sorted(ARCHITECTURES)}")
+    raise ValueError(
+        f"unsupported architecture {config.architectures}; supported: {sorted(ARCHITECTURES)}"
+    )

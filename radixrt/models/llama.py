@@ -15,7 +15,6 @@ if TYPE_CHECKING:  # types only: the executor and the pools import this package,
     from radixrt.executor.forward_batch import ForwardBatch
 
 
-
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -31,11 +30,15 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, config, head_dim: int, max_positions: int):
         super().__init__()
-        rope = getattr(config, "rope_parameters", None) or {"rope_type": "default",
-                                                            "rope_theta": getattr(config, "rope_theta", 10000.0)}
+        rope = getattr(config, "rope_parameters", None) or {
+            "rope_type": "default",
+            "rope_theta": getattr(config, "rope_theta", 10000.0),
+        }
         rope_type = rope.get("rope_type", "default")
         if rope_type == "default":
-            inv_freq = 1.0 / (rope["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+            inv_freq = 1.0 / (
+                rope["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim)
+            )
             scaling = 1.0
         else:
             inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
@@ -44,10 +47,14 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos() * scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * scaling, persistent=False)
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin `[tokens, 1, head_dim]` at `positions`, looked up once per forward for every layer."""
-        return (self.cos.index_select(0, positions).to(dtype)[:, None, :],
-                self.sin.index_select(0, positions).to(dtype)[:, None, :])
+        return (
+            self.cos.index_select(0, positions).to(dtype)[:, None, :],
+            self.sin.index_select(0, positions).to(dtype)[:, None, :],
+        )
 
 
 def apply_rotary(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -72,8 +79,13 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, cos_sin: tuple[torch.Tensor, torch.Tensor],
-                attn: AttentionBackend) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        batch: ForwardBatch,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        attn: AttentionBackend,
+    ) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = apply_rotary(q.view(-1, self.num_heads, self.head_dim), cos_sin)
         k = apply_rotary(k.view(-1, self.num_kv_heads, self.head_dim), cos_sin)
@@ -102,8 +114,13 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config.hidden_size, config.intermediate_size)
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, cos_sin: tuple[torch.Tensor, torch.Tensor],
-                attn: AttentionBackend) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        batch: ForwardBatch,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        attn: AttentionBackend,
+    ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), batch, cos_sin, attn)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -112,10 +129,14 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config, max_positions: int):
         super().__init__()
         self.config = config
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        head_dim = (
+            getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        )
         self.head_dim = head_dim
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, head_dim) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, head_dim) for i in range(config.num_hidden_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rope = RotaryEmbedding(config, head_dim, max_positions)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -150,8 +171,12 @@ class LlamaForCausalLM(nn.Module):
                 parts = [hf + f"self_attn.{p}_proj.{kind}" for p in "qkv"]
                 if parts[0] in state:
                     put(me + f"self_attn.qkv_proj.{kind}", torch.cat([state.pop(p) for p in parts]))
-            put(me + "mlp.gate_up_proj.weight",
-                torch.cat([state.pop(hf + "mlp.gate_proj.weight"), state.pop(hf + "mlp.up_proj.weight")]))
+            put(
+                me + "mlp.gate_up_proj.weight",
+                torch.cat(
+                    [state.pop(hf + "mlp.gate_proj.weight"), state.pop(hf + "mlp.up_proj.weight")]
+                ),
+            )
         for name, tensor in state.items():
             target = name.removeprefix("model.")
             if target in own:

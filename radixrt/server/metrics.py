@@ -5,7 +5,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 disable_created_metrics()  # no `*_created` series: the gateway process has no other metrics
@@ -16,7 +22,11 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0
 RUNTIME_STATS = {
     "running": ("radixrt_num_requests_running", "requests in the running batch", "gauge"),
     "waiting": ("radixrt_num_requests_waiting", "requests in the waiting queue", "gauge"),
-    "cache_hit_rate": ("radixrt_cache_hit_rate", "cached prompt tokens / all prompt tokens since start", "gauge"),
+    "cache_hit_rate": (
+        "radixrt_cache_hit_rate",
+        "cached prompt tokens / all prompt tokens since start",
+        "gauge",
+    ),
     "total_tokens": ("radixrt_kv_tokens", "KV slots in the token pool", "gauge"),
     "free_tokens": ("radixrt_kv_free_tokens", "free KV slots", "gauge"),
     "cached_tokens": ("radixrt_kv_cached_tokens", "KV slots held by the radix tree", "gauge"),
@@ -34,7 +44,9 @@ class _RuntimeStats:
     def collect(self):
         for key, (name, helptext, kind) in RUNTIME_STATS.items():
             if key in self.stats:
-                family = (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(name, helptext)
+                family = (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(
+                    name, helptext
+                )
                 family.add_metric([], float(self.stats[key]))
                 yield family
 
@@ -42,20 +54,41 @@ class _RuntimeStats:
 class GatewayMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        self.requests = Counter("radixrt_http_requests", "HTTP requests by endpoint and status code",
-                                ["endpoint", "code"], registry=self.registry)
-        self.prompt_tokens = Counter("radixrt_prompt_tokens", "prompt tokens of finished requests",
-                                     registry=self.registry)
-        self.cached_tokens = Counter("radixrt_cached_prompt_tokens", "prompt tokens served from the radix cache",
-                                     registry=self.registry)
-        self.generation_tokens = Counter("radixrt_generation_tokens", "generated tokens", registry=self.registry)
-        self.ttft = Histogram("radixrt_time_to_first_token_seconds", "arrival to first output token",
-                              buckets=LATENCY_BUCKETS, registry=self.registry)
-        self.itl = Histogram("radixrt_inter_token_latency_seconds",
-                             "a request's mean time between two output tokens", buckets=LATENCY_BUCKETS,
-                             registry=self.registry)
-        self.e2e = Histogram("radixrt_e2e_request_latency_seconds", "arrival to last token",
-                             buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.requests = Counter(
+            "radixrt_http_requests",
+            "HTTP requests by endpoint and status code",
+            ["endpoint", "code"],
+            registry=self.registry,
+        )
+        self.prompt_tokens = Counter(
+            "radixrt_prompt_tokens", "prompt tokens of finished requests", registry=self.registry
+        )
+        self.cached_tokens = Counter(
+            "radixrt_cached_prompt_tokens",
+            "prompt tokens served from the radix cache",
+            registry=self.registry,
+        )
+        self.generation_tokens = Counter(
+            "radixrt_generation_tokens", "generated tokens", registry=self.registry
+        )
+        self.ttft = Histogram(
+            "radixrt_time_to_first_token_seconds",
+            "arrival to first output token",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.itl = Histogram(
+            "radixrt_inter_token_latency_seconds",
+            "a request's mean time between two output tokens",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.e2e = Histogram(
+            "radixrt_e2e_request_latency_seconds",
+            "arrival to last token",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
         self.runtime = _RuntimeStats()
         self.registry.register(self.runtime)
 
@@ -69,7 +102,9 @@ class GatewayMetrics:
         if meta.get("ttft") is not None:
             self.ttft.observe(meta["ttft"])
             if meta["completion_tokens"] > 1:
-                self.itl.observe((meta["e2e_latency"] - meta["ttft"]) / (meta["completion_tokens"] - 1))
+                self.itl.observe(
+                    (meta["e2e_latency"] - meta["ttft"]) / (meta["completion_tokens"] - 1)
+                )
 
     def render(self, stats: dict[str, Any]) -> bytes:
         self.runtime.stats = stats

@@ -20,11 +20,11 @@ import msgpack
 import zmq
 
 from radixrt.config import ServerArgs
-from radixrt.protocol import ErrorCode, RequestError, error_reply
 from radixrt.engine.request import Req
-from radixrt.sampling_params import SamplingParams
 from radixrt.engine.scheduler import Scheduler
 from radixrt.executor.model_runner import ModelRunner
+from radixrt.protocol import ErrorCode, RequestError, error_reply
+from radixrt.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -79,16 +79,24 @@ class Server:
             timeout = 0
             frames = self.sock.recv_multipart()
             if len(frames) != 2:
-                logger.warning("dropped a message of %d frames (expected identity + one map)", len(frames))
+                logger.warning(
+                    "dropped a message of %d frames (expected identity + one map)", len(frames)
+                )
                 continue
             identity, payload = frames
             try:
                 msg = msgpack.unpackb(payload, raw=False, strict_map_key=False)
             except Exception as e:  # any undecodable frame
-                self._send(identity, error_reply(None, ErrorCode.INVALID_REQUEST, f"frame is not msgpack: {e}"))
+                self._send(
+                    identity,
+                    error_reply(None, ErrorCode.INVALID_REQUEST, f"frame is not msgpack: {e}"),
+                )
                 continue
             if not isinstance(msg, dict):
-                self._send(identity, error_reply(None, ErrorCode.INVALID_REQUEST, "a message must be a msgpack map"))
+                self._send(
+                    identity,
+                    error_reply(None, ErrorCode.INVALID_REQUEST, "a message must be a msgpack map"),
+                )
                 continue
             self._handle(identity, msg)
 
@@ -103,7 +111,11 @@ class Server:
             self.scheduler.unpin_all(_internal_rid(identity, ""))
         for req, client in list(self.clients.items()):
             if client.identity in gone:
-                logger.info("client %s went silent; aborting its request %s", client.identity.hex(), client.rid)
+                logger.info(
+                    "client %s went silent; aborting its request %s",
+                    client.identity.hex(),
+                    client.rid,
+                )
                 self.scheduler.abort(req.rid)
                 self.clients.pop(req, None)
 
@@ -111,9 +123,12 @@ class Server:
         rid, op = msg.get("rid"), msg.get("op")
         if identity in self.heartbeats or op == "ping":
             self.heartbeats[identity] = time.monotonic()
-        if self.args.api_key and not hmac.compare_digest(str(msg.get("api_key", "")).encode(),
-                                                         self.args.api_key.encode()):
-            self._send(identity, error_reply(rid, ErrorCode.UNAUTHORIZED, "missing or wrong api_key"))
+        if self.args.api_key and not hmac.compare_digest(
+            str(msg.get("api_key", "")).encode(), self.args.api_key.encode()
+        ):
+            self._send(
+                identity, error_reply(rid, ErrorCode.UNAUTHORIZED, "missing or wrong api_key")
+            )
             return
         try:
             if op == "generate":
@@ -121,26 +136,42 @@ class Server:
             elif op == "abort":
                 self._publish(self.scheduler.abort(_internal_rid(identity, str(rid))))
             elif op in CONTROL_OPS:
-                self._send(identity, {"rid": rid, "result": CONTROL_OPS[op](self, {**msg, "_identity": identity})})
+                self._send(
+                    identity,
+                    {"rid": rid, "result": CONTROL_OPS[op](self, {**msg, "_identity": identity})},
+                )
             else:
-                self._send(identity, error_reply(rid, ErrorCode.INVALID_REQUEST, f"unknown op {op!r}"))
+                self._send(
+                    identity, error_reply(rid, ErrorCode.INVALID_REQUEST, f"unknown op {op!r}")
+                )
         except RequestError as e:
             self._send(identity, error_reply(rid, e.code, str(e)))
         except ValueError as e:
             self._send(identity, error_reply(rid, ErrorCode.INVALID_REQUEST, str(e)))
         except AssertionError as e:  # check_invariants found a broken invariant: a bug
-            self._send(identity, error_reply(rid, ErrorCode.INTERNAL_ERROR, str(e) or traceback.format_exc()))
+            self._send(
+                identity,
+                error_reply(rid, ErrorCode.INTERNAL_ERROR, str(e) or traceback.format_exc()),
+            )
         except Exception as e:  # a bug must cost one request, not the server
             logger.exception("op %r failed", op)
-            self._send(identity, error_reply(rid, ErrorCode.INTERNAL_ERROR, f"{type(e).__name__}: {e}"))
+            self._send(
+                identity, error_reply(rid, ErrorCode.INTERNAL_ERROR, f"{type(e).__name__}: {e}")
+            )
 
     def _generate(self, identity: bytes, msg: dict[str, Any]) -> None:
         rid = msg.get("rid")
         if not isinstance(rid, str) or not rid:
             raise ValueError("generate needs a non-empty string rid")
         if len(self.scheduler.waiting) >= self.args.max_queued_requests:
-            self._send(identity, error_reply(rid, ErrorCode.OVERLOADED, f"{len(self.scheduler.waiting)} requests are "
-                                             "already waiting; try again later"))
+            self._send(
+                identity,
+                error_reply(
+                    rid,
+                    ErrorCode.OVERLOADED,
+                    f"{len(self.scheduler.waiting)} requests are already waiting; try again later",
+                ),
+            )
             return
         params = msg.get("sampling_params") or {}
         if not isinstance(params, dict):
@@ -149,9 +180,13 @@ class Server:
         ids = _prompt_ids(self, msg)
         if any(c.identity == identity and c.rid == rid for c in self.clients.values()):
             raise ValueError(f"rid {rid!r} is already in flight on this connection")
-        base = _internal_rid(identity, rid)  # rids are the client's own: two clients may both use "r1"
+        base = _internal_rid(
+            identity, rid
+        )  # rids are the client's own: two clients may both use "r1"
         rids = [base] if params.n == 1 else [f"{base}-{i}" for i in range(params.n)]
-        reqs = [self.scheduler.make_request(r, ids, params, sample_index=i) for i, r in enumerate(rids)]
+        reqs = [
+            self.scheduler.make_request(r, ids, params, sample_index=i) for i, r in enumerate(rids)
+        ]
         for i, req in enumerate(reqs):
             self.clients[req] = ClientRequest(identity, rid, bool(msg.get("stream")), i)
             self.scheduler.add_request(req)
@@ -168,18 +203,35 @@ class Server:
                 del self.clients[req]
                 reason = req.finish_reason
                 if reason.error is not None:
-                    self._send(client.identity, error_reply(client.rid, reason.error, reason.message))
+                    self._send(
+                        client.identity, error_reply(client.rid, reason.error, reason.message)
+                    )
                 else:
-                    self._send(client.identity, {"rid": client.rid, "index": client.index, "finished": True,
-                                                 **req.result()})
+                    self._send(
+                        client.identity,
+                        {
+                            "rid": client.rid,
+                            "index": client.index,
+                            "finished": True,
+                            **req.result(),
+                        },
+                    )
 
     def _send_delta(self, client: ClientRequest, req: Req) -> None:
         text_end = len(req.text) if req.finished else len(req.text) - _stop_holdback(req)
-        delta, ids = req.text[client.text_sent:text_end], req.output_ids[client.ids_sent:]
+        delta, ids = req.text[client.text_sent : text_end], req.output_ids[client.ids_sent :]
         if delta or ids:
             client.text_sent, client.ids_sent = max(text_end, client.text_sent), len(req.output_ids)
-            self._send(client.identity, {"rid": client.rid, "index": client.index, "finished": False,
-                                         "delta": delta, "token_ids": ids})
+            self._send(
+                client.identity,
+                {
+                    "rid": client.rid,
+                    "index": client.index,
+                    "finished": False,
+                    "delta": delta,
+                    "token_ids": ids,
+                },
+            )
 
     def _send(self, identity: bytes, msg: dict[str, Any]) -> None:
         try:
@@ -229,13 +281,17 @@ def _prompt_ids(server: Server, msg: dict[str, Any]) -> list[int]:
         if not isinstance(text, str):
             raise ValueError("text must be a string")
         return server.tokenizer.encode(text, add_special_tokens=False)
-    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+    if not isinstance(ids, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) for t in ids
+    ):
         raise ValueError("input_ids must be a list of ints")
     return ids
 
 
 def _pin(server: Server, msg: dict[str, Any]) -> int:
-    return server.scheduler.pin(_internal_rid(msg["_identity"], str(msg.get("pin_id"))), _prompt_ids(server, msg))
+    return server.scheduler.pin(
+        _internal_rid(msg["_identity"], str(msg.get("pin_id"))), _prompt_ids(server, msg)
+    )
 
 
 def _unpin(server: Server, msg: dict[str, Any]) -> bool:
@@ -269,13 +325,21 @@ def run_server(args: ServerArgs) -> None:
     logging.basicConfig(level=args.log_level.upper(), format="[%(asctime)s %(name)s] %(message)s")
     args = args.with_secrets_from_env()
     if not args.is_loopback and not (args.api_key or args.curve_secret_key):
-        raise SystemExit(f"refusing to listen on {args.host} without --api-key or --curve-secret-key")
+        raise SystemExit(
+            f"refusing to listen on {args.host} without --api-key or --curve-secret-key"
+        )
     if args.curve_secret_key:
-        logger.info("CURVE on; clients need the server public key %s",
-                    zmq.curve_public(args.curve_secret_key.encode()).decode())
+        logger.info(
+            "CURVE on; clients need the server public key %s",
+            zmq.curve_public(args.curve_secret_key.encode()).decode(),
+        )
     gateway = None
-    if args.http_port:  # before loading the model: a busy port fails at once, and the child starts meanwhile
-        from radixrt.server.http import process as http_gateway  # fastapi and uvicorn only when asked for
+    if (
+        args.http_port
+    ):  # before loading the model: a busy port fails at once, and the child starts meanwhile
+        from radixrt.server.http import (
+            process as http_gateway,  # fastapi and uvicorn only when asked for
+        )
 
         gateway = http_gateway.start_gateway(args)  # it also exits by itself if this process dies
     server = Server(args, args.endpoint)

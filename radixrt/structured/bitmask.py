@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+
 def allocate_bitmask(batch: int, vocab_size: int) -> torch.Tensor:
     """A zeroed (nothing allowed) int32 CPU bitmask of shape [batch, ceil(vocab_size / 32)]."""
     return torch.zeros(batch, (vocab_size + 31) // 32, dtype=torch.int32)
@@ -13,7 +14,9 @@ def allocate_bitmask(batch: int, vocab_size: int) -> torch.Tensor:
 _BIT_VALUES: dict[torch.device, torch.Tensor] = {}
 
 
-def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int] | None = None) -> None:
+def apply_bitmask(
+    logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int] | None = None
+) -> None:
     """In place, set logits[r, t] = -inf where bit t of bitmask[r] is 0, for r in `rows` (every row
     if None). Bitmask rows line up with logits rows; logits columns beyond the bitmask are masked too."""
     if rows is not None and not rows:
@@ -21,14 +24,17 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int] |
     device = logits.device
     if device not in _BIT_VALUES:
         # 1 << 31 as int32 is the sign bit: exactly the bit pattern wanted.
-        _BIT_VALUES[device] = torch.tensor([1 << i for i in range(31)] + [-(1 << 31)], dtype=torch.int32,
-                                           device=device)
+        _BIT_VALUES[device] = torch.tensor(
+            [1 << i for i in range(31)] + [-(1 << 31)], dtype=torch.int32, device=device
+        )
     if rows is not None:
         bitmask = bitmask[rows]
     words = bitmask.to(device)
     vocab = logits.shape[1]
     covered = min(vocab, 32 * words.shape[1])
-    disallowed = (words.unsqueeze(-1) & _BIT_VALUES[device]).eq(0).view(words.shape[0], -1)[:, :covered]
+    disallowed = (
+        (words.unsqueeze(-1) & _BIT_VALUES[device]).eq(0).view(words.shape[0], -1)[:, :covered]
+    )
     if rows is None:
         target = logits
     else:

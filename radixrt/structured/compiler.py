@@ -8,7 +8,8 @@ import json
 import re
 import threading
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor, TimeoutError as FutureTimeout
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 from outlines_core import Index, Vocabulary
@@ -31,20 +32,36 @@ def _check_schema(node: Any, path: str = "$") -> None:
     if not isinstance(node, dict):
         return
     if not any(k in node for k in _SCHEMA_KEYWORDS):
-        raise ValueError(f"JSON schema at {path} accepts any JSON value, which is too complex to constrain; "
-                         "give it a type")
+        raise ValueError(
+            f"JSON schema at {path} accepts any JSON value, which is too complex to constrain; "
+            "give it a type"
+        )
     types = node["type"] if isinstance(node.get("type"), list) else [node.get("type")]
-    if "object" in types and not node.get("properties") and not isinstance(node.get("additionalProperties"), dict):
-        raise ValueError(f"JSON schema at {path} is a free-form object, which is too complex to constrain; "
-                         "list its properties")
+    if (
+        "object" in types
+        and not node.get("properties")
+        and not isinstance(node.get("additionalProperties"), dict)
+    ):
+        raise ValueError(
+            f"JSON schema at {path} is a free-form object, which is too complex to constrain; "
+            "list its properties"
+        )
     if "array" in types and "items" not in node and "prefixItems" not in node:
-        raise ValueError(f"JSON schema at {path} is an array of any values, which is too complex to constrain; "
-                         "give its items")
-    for bound, limit in (("minLength", MAX_SCHEMA_LENGTH), ("maxLength", MAX_SCHEMA_LENGTH),
-                         ("minItems", MAX_SCHEMA_ITEMS), ("maxItems", MAX_SCHEMA_ITEMS)):
+        raise ValueError(
+            f"JSON schema at {path} is an array of any values, which is too complex to constrain; "
+            "give its items"
+        )
+    for bound, limit in (
+        ("minLength", MAX_SCHEMA_LENGTH),
+        ("maxLength", MAX_SCHEMA_LENGTH),
+        ("minItems", MAX_SCHEMA_ITEMS),
+        ("maxItems", MAX_SCHEMA_ITEMS),
+    ):
         if isinstance(node.get(bound), int) and node[bound] > limit:
-            raise ValueError(f"JSON schema at {path}: {bound}={node[bound]} is too large to constrain "
-                             f"(at most {limit}); the automaton grows with it")
+            raise ValueError(
+                f"JSON schema at {path}: {bound}={node[bound]} is too large to constrain "
+                f"(at most {limit}); the automaton grows with it"
+            )
     for key in ("properties", "$defs", "definitions"):
         for name, sub in (node.get(key) or {}).items():
             _check_schema(sub, f"{path}.{key}.{name}")
@@ -61,10 +78,18 @@ class ConstraintCompiler:
     whole output. JSON schemas go through outlines-core with a compact whitespace pattern.
     """
 
-    def __init__(self, tokenizer, vocab_size: int, cache_size: int = 64, max_compile_s: float = 10.0,
-                 whitespace_pattern: str = JSON_WHITESPACE):
+    def __init__(
+        self,
+        tokenizer,
+        vocab_size: int,
+        cache_size: int = 64,
+        max_compile_s: float = 10.0,
+        whitespace_pattern: str = JSON_WHITESPACE,
+    ):
         if len(tokenizer) > vocab_size:
-            raise ValueError(f"tokenizer has {len(tokenizer)} tokens but the model only {vocab_size}")
+            raise ValueError(
+                f"tokenizer has {len(tokenizer)} tokens but the model only {vocab_size}"
+            )
         self.tokens = TokenTable(tokenizer, vocab_size)
         self.vocabulary = build_vocabulary(tokenizer, self.tokens.mapping)
         self.eos_token_id: int = self.vocabulary.get_eos_token_id()
@@ -74,19 +99,36 @@ class ConstraintCompiler:
         self.whitespace_pattern = whitespace_pattern
         # Builds finished or in flight, so concurrent requests for one constraint share one build.
         self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
-        self._forced: OrderedDict[int, ForcedStrings] = OrderedDict()  # by id(index); each holds its index
+        self._forced: OrderedDict[int, ForcedStrings] = (
+            OrderedDict()
+        )  # by id(index); each holds its index
         self._lock = threading.Lock()
         self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="constraint-compile")
 
-    def compile(self, regex: str | None = None, json_schema: str | dict | None = None,
-                choices: list[str] | None = None, dtype: str | None = None) -> Index:
+    def compile(
+        self,
+        regex: str | None = None,
+        json_schema: str | dict | None = None,
+        choices: list[str] | None = None,
+        dtype: str | None = None,
+    ) -> Index:
         """Compile exactly one of: a regex; a JSON schema (str or dict); a list of literal choices;
         or a dtype: "int" (JSON integer), "float" (JSON number), "bool" (true|false), "str" (a
         double-quoted JSON string). Raises ValueError for bad or too complex constraints."""
-        given = {k: v for k, v in (("regex", regex), ("json_schema", json_schema), ("choices", choices),
-                                    ("dtype", dtype)) if v is not None}
+        given = {
+            k: v
+            for k, v in (
+                ("regex", regex),
+                ("json_schema", json_schema),
+                ("choices", choices),
+                ("dtype", dtype),
+            )
+            if v is not None
+        }
         if len(given) != 1:
-            raise ValueError(f"give exactly one of regex, json_schema, choices, dtype (got {sorted(given)})")
+            raise ValueError(
+                f"give exactly one of regex, json_schema, choices, dtype (got {sorted(given)})"
+            )
         kind, value = given.popitem()
         if kind == "json_schema":
             source = value if isinstance(value, str) else json.dumps(value)
@@ -103,7 +145,9 @@ class ConstraintCompiler:
             if future is None:
                 pattern = self._to_regex(kind, value, source)
                 future = Future()
-                threading.Thread(target=self._build, args=(future, kind, pattern), daemon=True).start()
+                threading.Thread(
+                    target=self._build, args=(future, kind, pattern), daemon=True
+                ).start()
                 self._cache[key] = future
                 while len(self._cache) > self.cache_size:
                     self._cache.popitem(last=False)
@@ -113,7 +157,9 @@ class ConstraintCompiler:
             return future.result(timeout=self.max_compile_s)
         except FutureTimeout:
             # The build cannot be cancelled; remember the verdict so retries fail fast.
-            error = ValueError(f"{kind} constraint is too complex: compiling took over {self.max_compile_s:g}s")
+            error = ValueError(
+                f"{kind} constraint is too complex: compiling took over {self.max_compile_s:g}s"
+            )
             rejected = Future()
             rejected.set_exception(error)
             with self._lock:
@@ -121,13 +167,19 @@ class ConstraintCompiler:
                     self._cache[key] = rejected
             raise error from None
 
-    def compile_async(self, regex: str | None = None, json_schema: str | dict | None = None,
-                      choices: list[str] | None = None, dtype: str | None = None) -> Future:
+    def compile_async(
+        self,
+        regex: str | None = None,
+        json_schema: str | dict | None = None,
+        choices: list[str] | None = None,
+        dtype: str | None = None,
+    ) -> Future:
         """`compile` off the caller's thread; the Future holds the Index or the ValueError."""
-        return self._executor.submit(self.compile, regex=regex, json_schema=json_schema, choices=choices,
-                                     dtype=dtype)
+        return self._executor.submit(
+            self.compile, regex=regex, json_schema=json_schema, choices=choices, dtype=dtype
+        )
 
-    def guide(self, index: Index, jump_forward: bool = False) -> "TokenGuide":
+    def guide(self, index: Index, jump_forward: bool = False) -> TokenGuide:
         """A new walk through `index`; with `jump_forward`, one that can append forced text at once."""
         forced = None
         if jump_forward:
@@ -145,7 +197,9 @@ class ConstraintCompiler:
             return "(" + "|".join(re.escape(c) for c in value) + ")"
         if kind == "dtype":
             if value not in DTYPE_REGEXES:
-                raise ValueError(f"unknown dtype {value!r}; expected one of {sorted(DTYPE_REGEXES)}")
+                raise ValueError(
+                    f"unknown dtype {value!r}; expected one of {sorted(DTYPE_REGEXES)}"
+                )
             return DTYPE_REGEXES[value]
         try:
             schema = json.loads(source)
@@ -166,7 +220,9 @@ class ConstraintCompiler:
             # "1.5". Anchoring at end of input makes no state before the end a match state.
             future.set_result(Index(f"(?:{pattern})\\z", self.vocabulary))
         except ValueError as e:
-            future.set_exception(ValueError(f"cannot compile {kind} constraint {pattern[:200]!r}: {e}"))
+            future.set_exception(
+                ValueError(f"cannot compile {kind} constraint {pattern[:200]!r}: {e}")
+            )
         except BaseException as e:  # anything else must still reach the waiter
             future.set_exception(e)
 
@@ -181,5 +237,6 @@ def _check_regex_syntax(regex: str) -> None:
         Index(regex, _PROBE_VOCABULARY)
     except ValueError as e:
         if "DFA" in str(e):
-            raise ValueError(f"invalid regex (Rust regex-automata syntax: no lookaround or backreferences): {e}") \
-                from None
+            raise ValueError(
+                f"invalid regex (Rust regex-automata syntax: no lookaround or backreferences): {e}"
+            ) from None

@@ -8,6 +8,7 @@ from outlines_core import Guide, Index
 
 from radixrt.structured.jump_forward import ForcedStrings
 
+
 class TokenGuide:
     """One request's position in a constraint's DFA."""
 
@@ -72,5 +73,9 @@ class TokenGuide:
     def fill_mask(self, bitmask_row: torch.Tensor) -> None:
         """Write the allowed ids of the current state into one contiguous int32 CPU bitmask row
         (overwritten entirely; the EOS bit is set exactly when the output is final)."""
-        assert bitmask_row.dtype == torch.int32 and bitmask_row.is_contiguous() and bitmask_row.device.type == "cpu"
+        assert (
+            bitmask_row.dtype == torch.int32
+            and bitmask_row.is_contiguous()
+            and bitmask_row.device.type == "cpu"
+        )
         self.guide.write_mask_into(bitmask_row.data_ptr(), bitmask_row.numel(), 4)

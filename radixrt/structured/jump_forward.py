@@ -52,5 +52,7 @@ class ForcedStrings:
         """Whether a longer token than `token_id`, spelling its bytes first, is allowed in `state`."""
         data = self.tokens.bytes_of[token_id]
         ids = self.allowed(state)
-        longer = ids[(self.tokens.lengths[ids] > len(data)) & (self.tokens.first_byte[ids] == data[0])]
+        longer = ids[
+            (self.tokens.lengths[ids] > len(data)) & (self.tokens.first_byte[ids] == data[0])
+        ]
         return any(self.tokens.bytes_of[i].startswith(data) for i in longer.tolist())

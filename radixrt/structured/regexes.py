@@ -3,9 +3,8 @@ uses them to turn `response_format` into a constraint)."""
 
 from __future__ import annotations
 
-
-
-JSON_WHITESPACE = ""  # compact, as json.dumps(separators=(",", ":")): short outputs, long forced runs
+# compact, as json.dumps(separators=(",", ":")): short outputs, long forced runs
+JSON_WHITESPACE = ""
 DTYPE_REGEXES = {
     "int": r"-?(0|[1-9][0-9]*)",
     "float": r"-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?",

@@ -4,7 +4,7 @@ automata are built over, and the byte table jump-forward reads."""
 from __future__ import annotations
 
 import re
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 from outlines_core import Vocabulary
@@ -15,7 +15,11 @@ _VOCAB_CACHE: dict[tuple, Vocabulary] = {}
 
 def _gpt2_unicode_to_byte() -> dict[str, int]:
     """Inverse of GPT-2's bytes_to_unicode: printable bytes map to themselves, the rest to 256+n."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
     table = {chr(b): b for b in printable}
     extra = 0
     for b in range(256):
@@ -32,14 +36,24 @@ def _token_decoder(tokenizer) -> Callable[[str], bytes]:
         kind = backend.decoder.__getstate__().decode()
     else:
         tokens = tokenizer.get_vocab()
-        kind = "Metaspace" if any(t.startswith("▁") for t in tokens) else "ByteLevel" if "Ġ" in tokens else ""
+        kind = (
+            "Metaspace"
+            if any(t.startswith("▁") for t in tokens)
+            else "ByteLevel"
+            if "Ġ" in tokens
+            else ""
+        )
     if "ByteLevel" in kind:
         table = _gpt2_unicode_to_byte()
-        return lambda token: bytes(table[c] for c in token) if all(c in table for c in token) else token.encode()
+        return lambda token: (
+            bytes(table[c] for c in token) if all(c in table for c in token) else token.encode()
+        )
     if "Metaspace" in kind or "ByteFallback" in kind or "▁" in kind:
+
         def sentencepiece(token: str) -> bytes:
             match = _SP_BYTE.fullmatch(token)
             return bytes([int(match.group(1), 16)]) if match else token.replace("▁", " ").encode()
+
         return sentencepiece
     return str.encode
 
@@ -50,8 +64,11 @@ def token_bytes(tokenizer) -> dict[int, bytes]:
     added = getattr(tokenizer, "added_tokens_decoder", {})
     special = set(tokenizer.all_special_ids) | {i for i, t in added.items() if t.special}
     decode = _token_decoder(tokenizer)
-    return {token_id: added[token_id].content.encode() if token_id in added else decode(token)
-            for token, token_id in tokenizer.get_vocab().items() if token_id not in special}
+    return {
+        token_id: added[token_id].content.encode() if token_id in added else decode(token)
+        for token, token_id in tokenizer.get_vocab().items()
+        if token_id not in special
+    }
 
 
 def build_vocabulary(tokenizer, mapping: dict[int, bytes] | None = None) -> Vocabulary:
@@ -71,7 +88,6 @@ def build_vocabulary(tokenizer, mapping: dict[int, bytes] | None = None) -> Voca
     return vocabulary
 
 
-
 class TokenTable:
     """What jump-forward needs to know of a tokenizer's tokens, as bytes."""
 
@@ -79,7 +95,9 @@ class TokenTable:
         self.tokenizer = tokenizer
         self.mapping = token_bytes(tokenizer)
         self.bytes_of = [self.mapping.get(i, b"") for i in range(vocab_size)]
-        self.first_byte = np.array([data[0] if data else -1 for data in self.bytes_of], dtype=np.int16)
+        self.first_byte = np.array(
+            [data[0] if data else -1 for data in self.bytes_of], dtype=np.int16
+        )
         self.lengths = np.array([len(data) for data in self.bytes_of], dtype=np.int32)
         self.byte_token = {data[0]: i for i, data in self.mapping.items() if len(data) == 1}
 

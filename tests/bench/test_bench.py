@@ -23,7 +23,9 @@ def test_percentile_interpolates_between_ranks():
 
 
 def test_ttft_tpot_itl_from_timestamps():
-    trace = RequestTrace(sent=10.0, chunk_times=[10.5, 10.6, 10.8], chunk_tokens=[1, 1, 2], done=10.8)
+    trace = RequestTrace(
+        sent=10.0, chunk_times=[10.5, 10.6, 10.8], chunk_tokens=[1, 1, 2], done=10.8
+    )
     assert trace.output_tokens == 4
     assert trace.ttft == pytest.approx(0.5)
     assert trace.tpot == pytest.approx(0.3 / 3)  # three tokens after the first, in 0.3 s
@@ -35,9 +37,13 @@ def test_ttft_tpot_itl_from_timestamps():
 def test_goodput_counts_requests_meeting_both_slos():
     fast = RequestTrace(sent=0.0, chunk_times=[0.5, 0.54, 0.58], chunk_tokens=[1, 1, 1], done=0.58)
     slow_first = RequestTrace(sent=0.0, chunk_times=[1.5, 1.52], chunk_tokens=[1, 1], done=1.52)
-    slow_tokens = RequestTrace(sent=0.0, chunk_times=[0.2, 0.4, 0.6], chunk_tokens=[1, 1, 1], done=0.6)
+    slow_tokens = RequestTrace(
+        sent=0.0, chunk_times=[0.2, 0.4, 0.6], chunk_tokens=[1, 1, 1], done=0.6
+    )
     failed = RequestTrace(sent=0.0, error="aborted")
-    summary = summarize([fast, slow_first, slow_tokens, failed], duration_s=2.0, slo=SLO(ttft_s=1.0, tpot_s=0.05))
+    summary = summarize(
+        [fast, slow_first, slow_tokens, failed], duration_s=2.0, slo=SLO(ttft_s=1.0, tpot_s=0.05)
+    )
     assert summary.requests == 4 and summary.errors == 1
     assert summary.goodput == pytest.approx(0.5) and summary.slo_attainment == pytest.approx(0.25)
     assert summary.output_tokens == 8 and summary.output_throughput == pytest.approx(4.0)
@@ -53,31 +59,44 @@ def tokenizer(default_model_dir):
 
 
 def test_workloads_are_seeded_and_shaped(tokenizer):
-    cfg = WorkloadConfig(num_requests=6, max_new_tokens=16, prefix_tokens=80, question_tokens=10, turns=3,
-                         long_prompts=2, long_tokens=300)
+    cfg = WorkloadConfig(
+        num_requests=6,
+        max_new_tokens=16,
+        prefix_tokens=80,
+        question_tokens=10,
+        turns=3,
+        long_prompts=2,
+        long_tokens=300,
+    )
     for name, make in REQUEST_WORKLOADS.items():
         assert make(tokenizer, cfg) == make(tokenizer, cfg), name
     prompts = [s.turns[0].text for s in REQUEST_WORKLOADS["shared-prefix"](tokenizer, cfg)]
-    shared = len(tokenizer.encode(prompts[0][:min(map(len, prompts))].rsplit("\n", 1)[0]))
+    shared = len(tokenizer.encode(prompts[0][: min(map(len, prompts))].rsplit("\n", 1)[0]))
     assert shared >= 80 and len(set(prompts)) == 6
     chats = REQUEST_WORKLOADS["multi-turn"](tokenizer, cfg)
     assert len(chats) == 6 and all(s.chat and len(s.turns) == 3 for s in chats)
     tags = [s.tag for s in REQUEST_WORKLOADS["long-prompt"](tokenizer, cfg)]
     assert tags.count("long") == 2 and tags.count("short") == 6 and tags[0] == "short"
-    lengths = {s.turns[0].params["max_new_tokens"] for s in REQUEST_WORKLOADS["random"](tokenizer, cfg)}
+    lengths = {
+        s.turns[0].params["max_new_tokens"] for s in REQUEST_WORKLOADS["random"](tokenizer, cfg)
+    }
     assert len(lengths) > 1 and all(4 <= n <= 64 for n in lengths)
     assert all(s.turns[0].params["json_schema"] for s in REQUEST_WORKLOADS["json"](tokenizer, cfg))
 
 
 def test_static_mode_admits_a_batch_only_when_the_last_one_ended(tiny_model_dir):
     from radixrt.config import ServerArgs
-    from radixrt.sampling_params import SamplingParams
     from radixrt.engine.scheduler import Scheduler
+    from radixrt.sampling_params import SamplingParams
 
     outputs = {}
     for mode in ("continuous", "static"):
-        scheduler = Scheduler.from_server_args(ServerArgs(model=str(tiny_model_dir), max_total_tokens=2048, schedule_mode=mode))
-        params = [SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True) for n in (2, 12, 4)]
+        scheduler = Scheduler.from_server_args(
+            ServerArgs(model=str(tiny_model_dir), max_total_tokens=2048, schedule_mode=mode)
+        )
+        params = [
+            SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True) for n in (2, 12, 4)
+        ]
         reqs = [scheduler.make_request(str(i), [5 + i, 6, 7, 8], p) for i, p in enumerate(params)]
         for req in reqs[:2]:
             scheduler.add_request(req)
@@ -94,17 +113,56 @@ def test_static_mode_admits_a_batch_only_when_the_last_one_ended(tiny_model_dir)
     assert outputs["static"] == outputs["continuous"]
 
 
-TINY = ["--num-requests", "3", "--max-new-tokens", "4", "--prefix-tokens", "24", "--question-tokens", "4"]
+TINY = [
+    "--num-requests",
+    "3",
+    "--max-new-tokens",
+    "4",
+    "--prefix-tokens",
+    "24",
+    "--question-tokens",
+    "4",
+]
 
 
 def test_every_workload_runs_at_tiny_size(tiny_model_dir, tmp_path, capsys):
-    main(["bench", "--workload", "all", "--systems", "radixrt", "--model", str(tiny_model_dir), *TINY, "--turns", "2",
-          "--long-prompts", "1", "--long-tokens", "120", "--max-total-tokens", "4096", "--output-dir", str(tmp_path)])
-    for workload in ("shared-prefix", "multi-turn", "long-prompt", "random", "json", "agent", "few-shot-select",
-                     "tree-of-thought"):
+    main(
+        [
+            "bench",
+            "--workload",
+            "all",
+            "--systems",
+            "radixrt",
+            "--model",
+            str(tiny_model_dir),
+            *TINY,
+            "--turns",
+            "2",
+            "--long-prompts",
+            "1",
+            "--long-tokens",
+            "120",
+            "--max-total-tokens",
+            "4096",
+            "--output-dir",
+            str(tmp_path),
+        ]
+    )
+    for workload in (
+        "shared-prefix",
+        "multi-turn",
+        "long-prompt",
+        "random",
+        "json",
+        "agent",
+        "few-shot-select",
+        "tree-of-thought",
+    ):
         payload = json.loads((tmp_path / f"{workload}.json").read_text())
         assert payload["setup"]["cores"] and payload["setup"]["versions"]["torch"]
-        assert payload["results"] and all(r["summary"]["errors"] == 0 for r in payload["results"]), workload
+        assert payload["results"] and all(
+            r["summary"]["errors"] == 0 for r in payload["results"]
+        ), workload
     assert "constraint masks" in capsys.readouterr().out
     for plot in ("long-prompt-itl.png", "cache-hit-rate.png"):
         assert (tmp_path / plot).stat().st_size > 1000
@@ -113,19 +171,49 @@ def test_every_workload_runs_at_tiny_size(tiny_model_dir, tmp_path, capsys):
 def test_shared_prefix_against_baselines_and_peers(tiny_model_dir, tmp_path, capsys):
     main(["bench", "--model", str(tiny_model_dir), *TINY, "--output-dir", str(tmp_path)])
     results = json.loads((tmp_path / "shared-prefix.json").read_text())["results"]
-    assert [r["system"] for r in results][:4] == ["radixrt", "radixrt-no-cache", "radixrt-static", "transformers"]
+    assert [r["system"] for r in results][:4] == [
+        "radixrt",
+        "radixrt-no-cache",
+        "radixrt-static",
+        "transformers",
+    ]
     assert results[0]["cache_hit_rate"] > 0.5 and results[1]["cache_hit_rate"] == 0
-    assert 0 < results[0]["peak_used_tokens"] < results[1]["peak_used_tokens"]  # shared pages held once
+    assert (
+        0 < results[0]["peak_used_tokens"] < results[1]["peak_used_tokens"]
+    )  # shared pages held once
     assert all(r["summary"]["output_tokens"] > 0 for r in results)
     out = capsys.readouterr().out
-    assert "llama.cpp" in out and "ratio: output throughput over transformers" in out  # llama.cpp run or skipped
+    assert (
+        "llama.cpp" in out and "ratio: output throughput over transformers" in out
+    )  # llama.cpp run or skipped
 
 
 def test_rate_sweep_plots_throughput_and_ttft(tiny_model_dir, tmp_path, capsys):
-    main(["bench", "--workload", "random", "--model", str(tiny_model_dir), "--num-requests", "4", "--max-new-tokens",
-          "4", "--systems", "radixrt,radixrt-static", "--sweep-rate", "20,80", "--output-dir", str(tmp_path)])
+    main(
+        [
+            "bench",
+            "--workload",
+            "random",
+            "--model",
+            str(tiny_model_dir),
+            "--num-requests",
+            "4",
+            "--max-new-tokens",
+            "4",
+            "--systems",
+            "radixrt,radixrt-static",
+            "--sweep-rate",
+            "20,80",
+            "--output-dir",
+            str(tmp_path),
+        ]
+    )
     results = json.loads((tmp_path / "random-sweep.json").read_text())["results"]
-    assert [(r["system"], r["request_rate"]) for r in results] == [("radixrt", 20), ("radixrt", 80),
-                                                                    ("radixrt-static", 20), ("radixrt-static", 80)]
+    assert [(r["system"], r["request_rate"]) for r in results] == [
+        ("radixrt", 20),
+        ("radixrt", 80),
+        ("radixrt-static", 20),
+        ("radixrt-static", 80),
+    ]
     assert (tmp_path / "random-sweep.png").stat().st_size > 1000
     assert "median TTFT" in capsys.readouterr().out

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from radixrt.engine.budget import (INIT_NEW_TOKEN_RATIO, MIN_NEW_TOKEN_RATIO, NEW_TOKEN_RATIO_DECAY,
-                                   AdmissionBudget)
+from radixrt.engine.budget import (
+    INIT_NEW_TOKEN_RATIO,
+    MIN_NEW_TOKEN_RATIO,
+    NEW_TOKEN_RATIO_DECAY,
+    AdmissionBudget,
+)
 from radixrt.engine.schedule_policy import pick_victim
 
 
@@ -16,14 +20,17 @@ def test_step_tokens_are_bounded_by_the_chunk_when_chunking():
     assert AdmissionBudget(-1, 100).step_tokens() == 100
 
 
-@pytest.mark.parametrize("chunk, need, left, expected", [
-    (8, 20, 100, 8),  # a long prompt is cut to the chunk size
-    (8, 5, 100, 5),  # a short one runs whole
-    (8, 20, 3, 3),  # the step's tokens run out first
-    (0, 20, 100, 20),  # without chunking: whole ...
-    (0, 20, 19, 0),  # ... or not this step
-    (-1, 19, 19, 19),
-])
+@pytest.mark.parametrize(
+    "chunk, need, left, expected",
+    [
+        (8, 20, 100, 8),  # a long prompt is cut to the chunk size
+        (8, 5, 100, 5),  # a short one runs whole
+        (8, 20, 3, 3),  # the step's tokens run out first
+        (0, 20, 100, 20),  # without chunking: whole ...
+        (0, 20, 19, 0),  # ... or not this step
+        (-1, 19, 19, 19),
+    ],
+)
 def test_chunk(chunk, need, left, expected):
     assert AdmissionBudget(chunk, 8192).chunk(need, left) == expected
 

@@ -9,6 +9,7 @@ import time
 import pytest
 
 import radixrt as rt
+
 from ownership import assert_all_free, assert_slot_ownership
 from timeouts import REPLY_TIMEOUT_S
 
@@ -17,13 +18,19 @@ GREEDY = {"temperature": 0, "max_new_tokens": 16}
 
 @pytest.fixture(scope="module")
 def engine(default_model_dir):
-    with rt.Engine(model=str(default_model_dir), max_total_tokens=2048, log_level="warning", timeout=REPLY_TIMEOUT_S) as e:
+    with rt.Engine(
+        model=str(default_model_dir),
+        max_total_tokens=2048,
+        log_level="warning",
+        timeout=REPLY_TIMEOUT_S,
+    ) as e:
         yield e
 
 
 def _chat(engine, question: str) -> str:
-    return engine.tokenizer.apply_chat_template([{"role": "user", "content": question}],
-                                                add_generation_prompt=True, tokenize=False)
+    return engine.tokenizer.apply_chat_template(
+        [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=False
+    )
 
 
 def test_seeded_sampling_reproduces(engine):
@@ -38,7 +45,9 @@ def test_seeded_sampling_reproduces(engine):
 def test_top_k_one_equals_greedy(engine):
     prompt = _chat(engine, "Name three fruits.")
     greedy = engine.generate(prompt, GREEDY)
-    top1 = engine.generate(prompt, {"temperature": 1.0, "top_k": 1, "max_new_tokens": 16, "seed": 5})
+    top1 = engine.generate(
+        prompt, {"temperature": 1.0, "top_k": 1, "max_new_tokens": 16, "seed": 5}
+    )
     assert top1["output_ids"] == greedy["output_ids"]
 
 
@@ -46,9 +55,11 @@ def test_stop_string_spanning_tokens_is_trimmed(engine):
     prompt = _chat(engine, "What is the capital of France?")
     full = engine.generate(prompt, {**GREEDY, "max_new_tokens": 24})
     ids = full["output_ids"]
-    pieces = [engine.tokenizer.decode(ids[i:i + 1]) for i in range(len(ids))]
+    pieces = [engine.tokenizer.decode(ids[i : i + 1]) for i in range(len(ids))]
     # a stop string made of the end of token 2 and the start of token 3: it spans a boundary
-    k = next(i for i in range(1, len(pieces) - 1) if len(pieces[i]) >= 2 and len(pieces[i + 1]) >= 2)
+    k = next(
+        i for i in range(1, len(pieces) - 1) if len(pieces[i]) >= 2 and len(pieces[i + 1]) >= 2
+    )
     stop = pieces[k][-2:] + pieces[k + 1][:2]
     out = engine.generate(prompt, {**GREEDY, "max_new_tokens": 24, "stop": stop})
     expected = full["text"][: full["text"].index(stop)]
@@ -85,8 +96,16 @@ def test_n_samples_share_the_prompt_slots(engine):
 
 def test_logprobs(engine):
     prompt = _chat(engine, "Count to five.")
-    out = engine.generate(prompt, {**GREEDY, "max_new_tokens": 4, "return_logprob": True,
-                                   "top_logprobs_num": 3, "logprob_start_len": 0})
+    out = engine.generate(
+        prompt,
+        {
+            **GREEDY,
+            "max_new_tokens": 4,
+            "return_logprob": True,
+            "top_logprobs_num": 3,
+            "logprob_start_len": 0,
+        },
+    )
     meta = out["meta_info"]
     assert [t for _, t in meta["output_token_logprobs"]] == out["output_ids"]
     assert all(lp <= 0 for lp, _ in meta["output_token_logprobs"])
@@ -115,16 +134,30 @@ def test_invalid_input_raises_value_error(engine):
 def test_no_leaks_after_mixed_traffic(tiny_model_dir):
     """Aborts, preemptions, n > 1 and stop strings, from several threads; then every slot is free."""
     rng = random.Random(0)
-    with rt.Engine(model=str(tiny_model_dir), max_total_tokens=96, max_running_requests=6,
-                   chunked_prefill_size=16, log_level="warning", timeout=REPLY_TIMEOUT_S) as engine:
+    with rt.Engine(
+        model=str(tiny_model_dir),
+        max_total_tokens=96,
+        max_running_requests=6,
+        chunked_prefill_size=16,
+        log_level="warning",
+        timeout=REPLY_TIMEOUT_S,
+    ) as engine:
         rids: list[str] = []
 
         def client(i: int) -> None:
             for j in range(3):
-                ids = [[rng.randrange(3, 49152) for _ in range(rng.randrange(4, 30))] for _ in range(3)]
-                params = [{"max_new_tokens": rng.randrange(1, 40), "temperature": rng.choice([0, 0.8]),
-                           "n": rng.choice([1, 1, 3]), "stop": rng.choice([[], [], [], ["a"], ["the", "\n"]])}
-                          for _ in range(3)]
+                ids = [
+                    [rng.randrange(3, 49152) for _ in range(rng.randrange(4, 30))] for _ in range(3)
+                ]
+                params = [
+                    {
+                        "max_new_tokens": rng.randrange(1, 40),
+                        "temperature": rng.choice([0, 0.8]),
+                        "n": rng.choice([1, 1, 3]),
+                        "stop": rng.choice([[], [], [], ["a"], ["the", "\n"]]),
+                    }
+                    for _ in range(3)
+                ]
                 batch = [f"client{i}-call{j}-{k}" for k in range(3)]
                 rids.extend(batch)
                 engine.generate(input_ids=ids, sampling_params=params, rid=batch)
@@ -135,7 +168,9 @@ def test_no_leaks_after_mixed_traffic(tiny_model_dir):
                 if rids:
                     engine.abort(rng.choice(rids))
 
-        threads = [threading.Thread(target=client, args=(i,)) for i in range(4)] + [threading.Thread(target=aborter)]
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(4)] + [
+            threading.Thread(target=aborter)
+        ]
         for t in threads:
             t.start()
         for t in threads:

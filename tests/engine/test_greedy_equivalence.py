@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 import radixrt as rt
-from timeouts import REPLY_TIMEOUT_S
+
 from helpers import hf_greedy, shared_prefix_prompts
+from timeouts import REPLY_TIMEOUT_S
 
 MAX_NEW = 12
 
@@ -22,13 +23,22 @@ CONFIGS = {
 
 
 def _run_twice(folder, prompts, expected, overrides):
-    with rt.Engine(model=str(folder), log_level="warning", timeout=REPLY_TIMEOUT_S, **{"max_total_tokens": 4096, **overrides}) as engine:
+    with rt.Engine(
+        model=str(folder),
+        log_level="warning",
+        timeout=REPLY_TIMEOUT_S,
+        **{"max_total_tokens": 4096, **overrides},
+    ) as engine:
         for attempt in ("cold", "warm"):
-            outs = engine.generate(input_ids=prompts, sampling_params={
-                "max_new_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True})
+            outs = engine.generate(
+                input_ids=prompts,
+                sampling_params={"max_new_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True},
+            )
             got = [o["output_ids"] for o in outs]
             mismatched = [i for i, (g, e) in enumerate(zip(got, expected)) if g != e]
-            assert not mismatched, f"{attempt} run differs from transformers on prompts {mismatched}"
+            assert not mismatched, (
+                f"{attempt} run differs from transformers on prompts {mismatched}"
+            )
         stats = engine.stats()
         engine.check_invariants()
         assert engine.flush_cache()

@@ -27,16 +27,24 @@ Step = tuple[int, list[tuple[float, int]]]  # a sampled token; its step's raw to
 @pytest.fixture(scope="module")
 def tiny(tiny_model_dir):
     """The tiny random model: flat next-token distributions, so filters have much to remove."""
-    with rt.Engine(model=str(tiny_model_dir), max_total_tokens=1024, log_level="warning",
-                   timeout=REPLY_TIMEOUT_S) as e:
+    with rt.Engine(
+        model=str(tiny_model_dir),
+        max_total_tokens=1024,
+        log_level="warning",
+        timeout=REPLY_TIMEOUT_S,
+    ) as e:
         yield e
 
 
 @pytest.fixture(scope="module")
 def smol(default_model_dir):
     """The default model: a real LM, whose greedy continuations repeat themselves."""
-    with rt.Engine(model=str(default_model_dir), max_total_tokens=1024, log_level="warning",
-                   timeout=REPLY_TIMEOUT_S) as e:
+    with rt.Engine(
+        model=str(default_model_dir),
+        max_total_tokens=1024,
+        log_level="warning",
+        timeout=REPLY_TIMEOUT_S,
+    ) as e:
         yield e
 
 
@@ -55,8 +63,10 @@ def _many(engine, prompt: str, variants: list[dict], **common) -> list[list[int]
 def _steps(engine, prompt: str, variants: list[dict]) -> list[list[Step]]:
     """The steps of each variant."""
     outs = _generate(engine, prompt, variants, return_logprob=True, top_logprobs_num=TOP)
-    return [list(zip(out["output_ids"], out["meta_info"]["output_top_logprobs"], strict=True))
-            for out in outs]
+    return [
+        list(zip(out["output_ids"], out["meta_info"]["output_top_logprobs"], strict=True))
+        for out in outs
+    ]
 
 
 def _seeded_steps(engine, prompt: str, **params) -> list[Step]:
@@ -66,8 +76,9 @@ def _seeded_steps(engine, prompt: str, **params) -> list[Step]:
 
 
 # ---- filters that leave only the top token --------------------------------------------------
-@pytest.mark.parametrize("only_top",
-                         [{"min_p": 1.0}, {"min_p": 0.99}, {"top_p": 1e-6}, {"top_k": 1}])
+@pytest.mark.parametrize(
+    "only_top", [{"min_p": 1.0}, {"min_p": 0.99}, {"top_p": 1e-6}, {"top_k": 1}]
+)
 def test_filters_that_keep_one_token_sample_the_greedy_tokens(tiny, only_top):
     """min_p ~ 1, a tiny top_p or top_k 1 keep only the most likely token: whatever the seed, at
     temperature 2, the sample is exactly the greedy continuation."""
@@ -127,8 +138,13 @@ REPETITIVE = "The capital of France is"  # the default model's greedy answer soo
 def test_penalties_reduce_repetition(smol):
     """Greedy over 24 tokens repeats itself; frequency, presence and repetition penalties of 2
     give more distinct tokens, a frequency penalty of -2 fewer."""
-    penalties = [{}, {"frequency_penalty": 2.0}, {"presence_penalty": 2.0},
-                 {"repetition_penalty": 2.0}, {"frequency_penalty": -2.0}]
+    penalties = [
+        {},
+        {"frequency_penalty": 2.0},
+        {"presence_penalty": 2.0},
+        {"repetition_penalty": 2.0},
+        {"frequency_penalty": -2.0},
+    ]
     outs = _many(smol, REPETITIVE, penalties, temperature=0, max_new_tokens=24)
     base, *penalised, negative = (len(set(ids)) for ids in outs)
     assert base < 20  # the premise: plain greedy repeats
@@ -159,11 +175,16 @@ def test_penalties_on_output_leave_the_first_token_alone(smol):
     the repetition penalty also covers prompt tokens and changes the first token of a prompt whose
     greedy continuation repeats a prompt token."""
     counting = "1, 2, 3, 1, 2, 3,"
-    variants = [{}, {"frequency_penalty": 2.0}, {"presence_penalty": 2.0},
-                {"repetition_penalty": 2.0}]
+    variants = [
+        {},
+        {"frequency_penalty": 2.0},
+        {"presence_penalty": 2.0},
+        {"repetition_penalty": 2.0},
+    ]
     for prompt in (REPETITIVE, counting):
-        greedy, frequency, presence, repetition = _many(smol, prompt, variants, temperature=0,
-                                                        max_new_tokens=1)
+        greedy, frequency, presence, repetition = _many(
+            smol, prompt, variants, temperature=0, max_new_tokens=1
+        )
         assert frequency == presence == greedy
     assert greedy[0] in smol.tokenize(counting)  # the premise: greedy continues with a prompt token
     assert repetition != greedy

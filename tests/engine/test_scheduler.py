@@ -8,16 +8,18 @@ import time
 
 import pytest
 import torch
-from helpers import hf_greedy
-from ownership import assert_slot_ownership
 
 from radixrt.config import ServerArgs
 from radixrt.engine.request import Req
-from radixrt.sampling_params import SamplingParams
 from radixrt.engine.schedule_policy import AGING_TOKENS_PER_SECOND, order_waiting
 from radixrt.engine.scheduler import Scheduler
+from radixrt.sampling_params import SamplingParams
 
-MAX_STEPS = 400  # far more than any test here needs; a scheduler that stops progressing fails instead of hanging
+from helpers import hf_greedy
+from ownership import assert_slot_ownership
+
+# far more than any test here needs; a scheduler that stops progressing fails instead of hanging
+MAX_STEPS = 400
 
 
 def _prompt(seed: int, n: int) -> list[int]:
@@ -27,16 +29,28 @@ def _prompt(seed: int, n: int) -> list[int]:
 
 
 def _scheduler(model_dir, **overrides) -> Scheduler:
-    args = {"model": str(model_dir), "attention_backend": "torch", "max_total_tokens": 256, **overrides}
+    args = {
+        "model": str(model_dir),
+        "attention_backend": "torch",
+        "max_total_tokens": 256,
+        **overrides,
+    }
     return Scheduler.from_server_args(ServerArgs(**args))
 
 
 def _params(max_new_tokens: int) -> SamplingParams:
-    return SamplingParams.from_dict({"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True})
+    return SamplingParams.from_dict(
+        {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True}
+    )
 
 
-def _submit(scheduler: Scheduler, prompts: list[list[int]], max_new_tokens: int, tag: str = "r") -> list[Req]:
-    reqs = [scheduler.make_request(f"{tag}{i}", p, _params(max_new_tokens)) for i, p in enumerate(prompts)]
+def _submit(
+    scheduler: Scheduler, prompts: list[list[int]], max_new_tokens: int, tag: str = "r"
+) -> list[Req]:
+    reqs = [
+        scheduler.make_request(f"{tag}{i}", p, _params(max_new_tokens))
+        for i, p in enumerate(prompts)
+    ]
     for req in reqs:
         scheduler.add_request(req)
     return reqs
@@ -56,8 +70,10 @@ def _drain(scheduler: Scheduler) -> list[Req]:
             return reported
         reported += scheduler.step()
         _check(scheduler)
-    raise AssertionError(f"still {len(scheduler.running)} running, {len(scheduler.waiting)} waiting "
-                         f"after {MAX_STEPS} steps")
+    raise AssertionError(
+        f"still {len(scheduler.running)} running, {len(scheduler.waiting)} waiting "
+        f"after {MAX_STEPS} steps"
+    )
 
 
 def _assert_all_free(scheduler: Scheduler) -> None:
@@ -157,7 +173,9 @@ def test_unchunked_prefill_matches_transformers(tiny_model_dir, monkeypatch, chu
         assert [n] in steps, f"the {n}-token prompt did not run alone"
     for step in steps:
         if len(step) > 1:
-            assert sum(e for e in step if e > 1) <= 16, f"step {step} prefilled more than max_prefill_tokens"
+            assert sum(e for e in step if e > 1) <= 16, (
+                f"step {step} prefilled more than max_prefill_tokens"
+            )
     _assert_all_free(scheduler)
 
 
@@ -204,7 +222,9 @@ def test_lpm_aging_admits_a_long_waiter_first(tiny_model_dir):
     cold, hot = _submit(scheduler, [_prompt(22, 12), SHARED + [50, 51, 52]], 3)
     now = time.monotonic()
     hot.arrival = now
-    cold.arrival = now - 4 * len(SHARED) / AGING_TOKENS_PER_SECOND  # worth 4x the hot request's match
+    cold.arrival = (
+        now - 4 * len(SHARED) / AGING_TOKENS_PER_SECOND
+    )  # worth 4x the hot request's match
     assert _admitted_first(scheduler) is cold
     _drain(scheduler)
     _assert_all_free(scheduler)
@@ -215,7 +235,9 @@ def test_fcfs_keeps_arrival_order(tiny_model_dir):
     request is admitted in the order it came."""
     scheduler = _scheduler(tiny_model_dir, schedule_policy="fcfs", max_running_requests=1)
     _warm(scheduler, SHARED)
-    reqs = _submit(scheduler, [_prompt(23, 10), SHARED + [60, 61], _prompt(24, 8), SHARED + [62, 63]], 2)
+    reqs = _submit(
+        scheduler, [_prompt(23, 10), SHARED + [60, 61], _prompt(24, 8), SHARED + [62, 63]], 2
+    )
     order = []
     for _ in range(MAX_STEPS):
         if not scheduler.has_work():
@@ -233,8 +255,9 @@ def test_dfs_weight_runs_heaviest_subtree_first(tiny_model_dir):
     scheduler = _scheduler(tiny_model_dir, schedule_policy="dfs-weight", max_running_requests=1)
     light, heavy = _prompt(25, 24), _prompt(26, 24)
     _warm(scheduler, light, heavy)
-    a1, b1, a2, b2, b3 = _submit(scheduler, [light + [70], heavy + [71], light + [72, 73], heavy + [74, 75],
-                                             heavy + [76]], 2)
+    a1, b1, a2, b2, b3 = _submit(
+        scheduler, [light + [70], heavy + [71], light + [72, 73], heavy + [74, 75], heavy + [76]], 2
+    )
     assert order_waiting("dfs-weight", scheduler.waiting, scheduler.tree) == [b1, b2, b3, a1, a2]
     assert _admitted_first(scheduler) is b1
     _drain(scheduler)

@@ -6,14 +6,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import hf_greedy
-from ownership import assert_slot_ownership
 
 from radixrt.attention import torch_backend
 from radixrt.attention.torch_backend import MIN_SHARED_PREFIX, TorchAttentionBackend
 from radixrt.config import ServerArgs
-from radixrt.sampling_params import SamplingParams
 from radixrt.engine.scheduler import Scheduler
+from radixrt.sampling_params import SamplingParams
+
+from helpers import hf_greedy
+from ownership import assert_slot_ownership
 
 MAX_NEW = 8
 MAX_STEPS = 200
@@ -57,11 +58,19 @@ def test_cascade_decode_runs_and_matches_transformers(tiny_model_dir, monkeypatc
     monkeypatch.setattr(TorchAttentionBackend, "init_forward_metadata", recording_init)
     monkeypatch.setattr(torch_backend, "_attend", counting_attend)
 
-    scheduler = Scheduler.from_server_args(ServerArgs(model=str(tiny_model_dir), attention_backend="torch", max_total_tokens=512,
-                                     page_size=page_size))
+    scheduler = Scheduler.from_server_args(
+        ServerArgs(
+            model=str(tiny_model_dir),
+            attention_backend="torch",
+            max_total_tokens=512,
+            page_size=page_size,
+        )
+    )
     assert isinstance(scheduler.runner.attn_backend, TorchAttentionBackend)
     prompts = _prompts()
-    params = SamplingParams.from_dict({"max_new_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True})
+    params = SamplingParams.from_dict(
+        {"max_new_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True}
+    )
     reqs = [scheduler.make_request(f"r{i}", p, params) for i, p in enumerate(prompts)]
     for req in reqs:
         scheduler.add_request(req)
@@ -77,9 +86,13 @@ def test_cascade_decode_runs_and_matches_transformers(tiny_model_dir, monkeypatc
     cascade = [(b, n) for b, n in decode_steps if n]
     assert cascade, f"no decode step took the cascade path: {decode_steps}"
     assert max(n for _, n in cascade) >= whole_pages >= MIN_SHARED_PREFIX
-    assert any(b == len(prompts) for b, _ in cascade), "the full batch never decoded over the shared prefix"
+    assert any(b == len(prompts) for b, _ in cascade), (
+        "the full batch never decoded over the shared prefix"
+    )
     layers = scheduler.runner.config.num_hidden_layers
-    assert len(attend_calls) == 2 * layers * len(cascade), "the prefix/suffix merge did not run once per layer"
+    assert len(attend_calls) == 2 * layers * len(cascade), (
+        "the prefix/suffix merge did not run once per layer"
+    )
 
     assert_slot_ownership(scheduler.memory_snapshot())
     assert scheduler.flush_cache()

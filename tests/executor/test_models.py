@@ -4,25 +4,49 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import hf_greedy
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 import radixrt as rt
-from timeouts import REPLY_TIMEOUT_S
 from radixrt.engine.detokenizer import IncrementalDetokenizer
 
-SMALL = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.4, bos_token_id=1,
-             eos_token_id=2)
+from helpers import hf_greedy
+from timeouts import REPLY_TIMEOUT_S
+
+SMALL = dict(
+    vocab_size=49152,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    initializer_range=0.4,
+    bos_token_id=1,
+    eos_token_id=2,
+)
 VARIANTS = {
     "qwen2-qkv-bias": ("qwen2", {"tie_word_embeddings": False}),
     "mistral": ("mistral", {"tie_word_embeddings": False, "sliding_window": None}),
-    "llama3-rope-scaling": ("llama", {"rope_parameters": {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
-                                                          "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                                          "original_max_position_embeddings": 128}}),
-    "llama-linear-rope-no-gqa": ("llama", {"num_key_value_heads": 4,
-                                           "rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0,
-                                                               "factor": 2.0}}),
+    "llama3-rope-scaling": (
+        "llama",
+        {
+            "rope_parameters": {
+                "rope_type": "llama3",
+                "rope_theta": 10000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 128,
+            }
+        },
+    ),
+    "llama-linear-rope-no-gqa": (
+        "llama",
+        {
+            "num_key_value_heads": 4,
+            "rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0},
+        },
+    ),
 }
 
 
@@ -34,12 +58,22 @@ def test_variant_matches_transformers(name, tmp_path, tiny_model_dir):
     AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     tokenizer.save_pretrained(tmp_path)
-    prompts = [tokenizer.encode(t, add_special_tokens=False) for t in
-               ["The quick brown fox jumps over the lazy dog and then", "The quick brown fox sleeps", "Hello"]]
+    prompts = [
+        tokenizer.encode(t, add_special_tokens=False)
+        for t in [
+            "The quick brown fox jumps over the lazy dog and then",
+            "The quick brown fox sleeps",
+            "Hello",
+        ]
+    ]
     expected = hf_greedy(tmp_path, prompts, 8)
-    with rt.Engine(model=str(tmp_path), max_total_tokens=1024, log_level="warning", timeout=REPLY_TIMEOUT_S) as engine:
-        outs = engine.generate(input_ids=prompts, sampling_params={"max_new_tokens": 8, "temperature": 0,
-                                                                   "ignore_eos": True})
+    with rt.Engine(
+        model=str(tmp_path), max_total_tokens=1024, log_level="warning", timeout=REPLY_TIMEOUT_S
+    ) as engine:
+        outs = engine.generate(
+            input_ids=prompts,
+            sampling_params={"max_new_tokens": 8, "temperature": 0, "ignore_eos": True},
+        )
     assert [o["output_ids"] for o in outs] == expected
 
 
@@ -47,12 +81,13 @@ def test_incremental_detokenizer_never_splits_a_character(default_model_dir):
     tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
     text = "Café → 世界! 🎉🚀 naïve façade, Ελληνικά and emoji 👩‍💻."
     ids = tokenizer.encode(text, add_special_tokens=False)
-    detok = IncrementalDetokenizer(tokenizer, prompt_ids=tokenizer.encode("Say:", add_special_tokens=False))
+    detok = IncrementalDetokenizer(
+        tokenizer, prompt_ids=tokenizer.encode("Say:", add_special_tokens=False)
+    )
     deltas = [detok.add(t) for t in ids] + [detok.flush()]
     assert all("\ufffd" not in d for d in deltas)
     assert "".join(deltas) == tokenizer.decode(ids)
     assert sum(1 for d in deltas if d == "") > 0  # some tokens were only parts of a character
-
 
 
 def test_prepacked_linear_matches_f_linear_and_replaces_every_linear():
@@ -61,10 +96,14 @@ def test_prepacked_linear_matches_f_linear_and_replaces_every_linear():
     if not prepack_available(torch.device("cpu"), torch.float32):
         pytest.skip("this torch has no oneDNN")
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.Sequential(torch.nn.Linear(96, 8, bias=False)))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(64, 96), torch.nn.Sequential(torch.nn.Linear(96, 8, bias=False))
+    )
     weight, bias = model[0].weight.detach().clone(), model[0].bias.detach().clone()
     prepack_linears(model)
     assert isinstance(model[0], PrepackedLinear) and isinstance(model[1][0], PrepackedLinear)
     for rows in (1, 5, 70):  # any row count, not only the one the layout was tuned for
         x = torch.randn(rows, 64)
-        torch.testing.assert_close(model[0](x), torch.nn.functional.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            model[0](x), torch.nn.functional.linear(x, weight, bias), rtol=1e-5, atol=1e-5
+        )

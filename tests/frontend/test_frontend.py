@@ -14,14 +14,19 @@ import radixrt as rt
 from helpers import hf_greedy
 from timeouts import REPLY_TIMEOUT_S
 
-FEW_SHOT = ("Q: What is the capital of France?\nA: Paris\n"
-            "Q: What is the capital of Spain?\nA: Madrid\n")
+FEW_SHOT = (
+    "Q: What is the capital of France?\nA: Paris\nQ: What is the capital of Spain?\nA: Madrid\n"
+)
 
 
 @pytest.fixture(scope="module")
 def runtime(default_model_dir):
-    with rt.Runtime(model=str(default_model_dir), max_total_tokens=4096, log_level="warning",
-                    timeout=REPLY_TIMEOUT_S) as r:
+    with rt.Runtime(
+        model=str(default_model_dir),
+        max_total_tokens=4096,
+        log_level="warning",
+        timeout=REPLY_TIMEOUT_S,
+    ) as r:
         yield r
 
 
@@ -43,8 +48,10 @@ def _hf_choice_logprobs(model, tokenizer, prefix: str, choices: list[str]) -> li
     scores = []
     for choice in choices:
         ids = tokenizer.encode(prefix + choice, add_special_tokens=False)
-        common = next((i for i, (a, b) in enumerate(zip(prefix_ids, ids, strict=False)) if a != b),
-                      min(len(prefix_ids), len(ids)))
+        common = next(
+            (i for i, (a, b) in enumerate(zip(prefix_ids, ids, strict=False)) if a != b),
+            min(len(prefix_ids), len(ids)),
+        )
         common = min(common, len(ids) - 1)
         with torch.inference_mode():
             logprobs = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
@@ -53,8 +60,9 @@ def _hf_choice_logprobs(model, tokenizer, prefix: str, choices: list[str]) -> li
 
 
 def _close(got: list[float], expected: list[float], tol: float = 1e-3) -> bool:
-    return len(got) == len(expected) and all(abs(a - b) < tol
-                                             for a, b in zip(got, expected, strict=True))
+    return len(got) == len(expected) and all(
+        abs(a - b) < tol for a, b in zip(got, expected, strict=True)
+    )
 
 
 @rt.function
@@ -74,8 +82,9 @@ def test_few_shot_gen_equals_transformers(runtime, tokenizer, default_model_dir)
 
 def test_run_batch_equals_one_by_one(runtime):
     countries = ["Italy", "Germany", "Japan", "Peru", "Kenya"]
-    batch = few_shot.run_batch([{"country": c} for c in countries], backend=runtime, temperature=0,
-                               progress_bar=False)
+    batch = few_shot.run_batch(
+        [{"country": c} for c in countries], backend=runtime, temperature=0, progress_bar=False
+    )
     single = [few_shot.run(country=c, backend=runtime, temperature=0) for c in countries]
     assert [b["answer"] for b in batch] == [s["answer"] for s in single]
 
@@ -134,15 +143,21 @@ def test_streaming_deltas_join_to_the_value(runtime):
 
 def test_fork_branches_find_the_pinned_prefix_under_cache_pressure(default_model_dir, tokenizer):
     prefix = "Here is a long shared context about the sea. " * 12
-    with rt.Runtime(model=str(default_model_dir), max_total_tokens=400, log_level="warning",
-                    timeout=REPLY_TIMEOUT_S) as r:
+    with rt.Runtime(
+        model=str(default_model_dir),
+        max_total_tokens=400,
+        log_level="warning",
+        timeout=REPLY_TIMEOUT_S,
+    ) as r:
+
         @rt.function
         def branches(s):
             s += prefix
             forks = s.fork(3)
             for i in range(3):  # unrelated traffic that would evict an unpinned prefix
-                r.generate(f"Unrelated prompt {i}: " + "filler words here " * 40,
-                           {"max_new_tokens": 2})
+                r.generate(
+                    f"Unrelated prompt {i}: " + "filler words here " * 40, {"max_new_tokens": 2}
+                )
             assert r.stats()["protected_tokens"] >= len(tokenizer.encode(prefix)) - 1
             forks += lambda i: f" Point {i}:" + rt.gen("point", max_tokens=4, ignore_eos=True)
             forks.join()
@@ -195,11 +210,16 @@ def test_run_async_runs_200_programs(tiny_model_dir):
         s += f"Program {i}:" + rt.gen("out", max_tokens=2, ignore_eos=True)
 
     async def main(r):
-        return await asyncio.gather(*(tiny.run_async(i=i, backend=r, temperature=0)
-                                      for i in range(200)))
+        return await asyncio.gather(
+            *(tiny.run_async(i=i, backend=r, temperature=0) for i in range(200))
+        )
 
-    with rt.Runtime(model=str(tiny_model_dir), max_total_tokens=4096, log_level="warning",
-                    timeout=REPLY_TIMEOUT_S) as r:
+    with rt.Runtime(
+        model=str(tiny_model_dir),
+        max_total_tokens=4096,
+        log_level="warning",
+        timeout=REPLY_TIMEOUT_S,
+    ) as r:
         states = asyncio.run(main(r))
         assert len(states) == 200
         assert all(s.get_meta_info("out")["completion_tokens"] == 2 for s in states)
@@ -223,15 +243,17 @@ def test_select_methods_disagree_and_each_follows_its_rule(runtime, tokenizer, h
     conditional token logprobs transformers computes, and appends its pick to the text."""
     expected = _hf_choice_logprobs(hf_model, tokenizer, EAT, FOODS)
     means = [sum(lps) / len(lps) for lps in expected]
-    states = {m: pick_with.run(prefix=EAT, choices=FOODS, method=m, backend=runtime)
-              for m in METHODS}
+    states = {
+        m: pick_with.run(prefix=EAT, choices=FOODS, method=m, backend=runtime) for m in METHODS
+    }
     assert states["token_length_normalized"]["a"] == FOODS[means.index(max(means))] == " apple pie"
     assert states["greedy"]["a"] == max(FOODS, key=lambda c: expected[FOODS.index(c)]) == " apples"
     for method, state in states.items():
         meta = state.get_meta_info("a")
         assert meta["method"] == method and meta["choices"] == FOODS
-        assert all(_close(got, want)
-                   for got, want in zip(meta["token_logprobs"], expected, strict=True))
+        assert all(
+            _close(got, want) for got, want in zip(meta["token_logprobs"], expected, strict=True)
+        )
         assert _close(meta["normalized_logprobs"], means)
         assert state.text() == EAT + state["a"]
     with pytest.raises(ValueError):
@@ -252,8 +274,9 @@ def test_unconditional_select_keeps_the_obvious_answer(runtime):
     """Normalising by the choice's likelihood without the prefix must not make
     " Antidisestablishmentarianism" the capital of France."""
     choices = [" Paris", " Antidisestablishmentarianism"]
-    state = pick_with.run(prefix="The capital of France is", choices=choices,
-                          method="unconditional", backend=runtime)
+    state = pick_with.run(
+        prefix="The capital of France is", choices=choices, method="unconditional", backend=runtime
+    )
     assert state["a"] == " Paris"
 
 

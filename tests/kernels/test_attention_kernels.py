@@ -1,18 +1,21 @@
 import os
 
-os.environ["TRITON_INTERPRET"] = "1"  # before triton.jit runs on import of radixrt.kernels (conftest does it too)
+# before triton.jit runs on import of radixrt.kernels (conftest does it too)
+os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from radixrt.kernels import (  # noqa: E402
+    decode_attention,
     decode_attention_fwd,
     decode_attention_ref,
+    extend_attention,
     extend_attention_fwd,
     extend_attention_ref,
 )
-from radixrt.kernels import decode_attention, extend_attention  # noqa: E402
+
 from helpers import LaunchSpy  # noqa: E402
 
 # (Hq, Hkv, D): GQA ratios 1, 3, 8 and power-of-two plus padded head dims.
@@ -45,8 +48,11 @@ def _cdiv(a: int, b: int) -> int:
 
 def _extend_tiles(prefix_lens, extend_lens, block_m, block_n) -> list[tuple[int, int]]:
     """Per query tile of every request: the tiles its prefix loop and its causal loop run."""
-    return [(_cdiv(p, block_n), _cdiv(min(m + block_m, e), block_n))
-            for p, e in zip(prefix_lens, extend_lens) for m in range(0, e, block_m)]
+    return [
+        (_cdiv(p, block_n), _cdiv(min(m + block_m, e), block_n))
+        for p, e in zip(prefix_lens, extend_lens)
+        for m in range(0, e, block_m)
+    ]
 
 
 def _decode_tiles(context_lens, num_splits, block_n) -> list[int]:
@@ -72,12 +78,16 @@ def _pool(total: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, gen:
     return k_buffer, v_buffer, kv_indices
 
 
-def _strided_q(rows: int, num_heads: int, head_dim: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+def _strided_q(
+    rows: int, num_heads: int, head_dim: int, dtype: torch.dtype, gen: torch.Generator
+) -> torch.Tensor:
     # A view into a wider tensor (like q sliced out of a fused qkv projection): row stride != Hq * D.
-    return torch.randn(rows, num_heads + 2, head_dim, generator=gen).to(dtype)[:, 1:num_heads + 1]
+    return torch.randn(rows, num_heads + 2, head_dim, generator=gen).to(dtype)[:, 1 : num_heads + 1]
 
 
-def _run_extend(num_heads, num_kv_heads, head_dim, prefix_lens, extend_lens, logit_cap=0.0, dtype=torch.float32):
+def _run_extend(
+    num_heads, num_kv_heads, head_dim, prefix_lens, extend_lens, logit_cap=0.0, dtype=torch.float32
+):
     gen = torch.Generator().manual_seed(sum(prefix_lens) * 31 + head_dim)
     k_buffer, v_buffer, kv_indices = _pool(sum(prefix_lens), num_kv_heads, head_dim, dtype, gen)
     n = sum(extend_lens)
@@ -85,7 +95,14 @@ def _run_extend(num_heads, num_kv_heads, head_dim, prefix_lens, extend_lens, log
     k = torch.randn(n, num_kv_heads, head_dim, generator=gen).to(dtype)
     v = torch.randn(n, num_kv_heads, head_dim, generator=gen).to(dtype)
     args = (q, k, v)
-    meta = (k_buffer, v_buffer, _indptr(extend_lens), _indptr(prefix_lens), kv_indices, max(extend_lens))
+    meta = (
+        k_buffer,
+        v_buffer,
+        _indptr(extend_lens),
+        _indptr(prefix_lens),
+        kv_indices,
+        max(extend_lens),
+    )
     out = torch.full((n, num_heads, head_dim), float("nan"), dtype=dtype)
     ref = torch.empty_like(out)
     extend_attention_fwd(*args, out, *meta, logit_cap=logit_cap)
@@ -93,7 +110,15 @@ def _run_extend(num_heads, num_kv_heads, head_dim, prefix_lens, extend_lens, log
     torch.testing.assert_close(out, ref, **TOL[dtype])
 
 
-def _run_decode(num_heads, num_kv_heads, head_dim, context_lens, num_kv_splits, logit_cap=0.0, dtype=torch.float32):
+def _run_decode(
+    num_heads,
+    num_kv_heads,
+    head_dim,
+    context_lens,
+    num_kv_splits,
+    logit_cap=0.0,
+    dtype=torch.float32,
+):
     gen = torch.Generator().manual_seed(sum(context_lens) * 31 + head_dim + num_kv_splits)
     k_buffer, v_buffer, kv_indices = _pool(sum(context_lens), num_kv_heads, head_dim, dtype, gen)
     q = _strided_q(len(context_lens), num_heads, head_dim, dtype, gen)
@@ -115,7 +140,9 @@ def test_extend_matches_reference(heads, logit_cap):
 def test_extend_multiple_blocks(monkeypatch, block_m, block_n):
     """Small tiles so the query, prefix and causal loops each run several tiles; the kernel was
     launched with the patched tile sizes (so the interpreter really covered those loops)."""
-    monkeypatch.setattr(extend_attention, "_launch_config", lambda block_d: dict(BLOCK_M=block_m, BLOCK_N=block_n))
+    monkeypatch.setattr(
+        extend_attention, "_launch_config", lambda block_d: dict(BLOCK_M=block_m, BLOCK_N=block_n)
+    )
     spy = _spy(monkeypatch, extend_attention, "_extend_kernel")
     tiles = TileSpy(extend_attention._attend_block)
     monkeypatch.setattr(extend_attention, "_attend_block", tiles)
@@ -124,10 +151,16 @@ def test_extend_multiple_blocks(monkeypatch, block_m, block_n):
 
     [(grid, kwargs)] = spy.launches
     assert (kwargs["BLOCK_M"], kwargs["BLOCK_N"]) == (block_m, block_n)
-    assert grid == (3, heads, _cdiv(max(extend_lens), block_m)) and grid[2] > 1, "one query tile per request"
-    assert set(tiles.tiles) == {(block_m, block_n)}, "the kernel ran with other tile sizes than patched"
+    assert grid == (3, heads, _cdiv(max(extend_lens), block_m)) and grid[2] > 1, (
+        "one query tile per request"
+    )
+    assert set(tiles.tiles) == {(block_m, block_n)}, (
+        "the kernel ran with other tile sizes than patched"
+    )
     expected = _extend_tiles(prefix_lens, extend_lens, block_m, block_n)
-    assert max(p for p, _ in expected) > 1 and max(c for _, c in expected) > 1, "a loop ran one tile only"
+    assert max(p for p, _ in expected) > 1 and max(c for _, c in expected) > 1, (
+        "a loop ran one tile only"
+    )
     assert len(tiles.tiles) == heads * sum(p + c for p, c in expected), "tiles skipped or repeated"
 
 
@@ -147,11 +180,15 @@ def test_decode_multiple_blocks_per_split(monkeypatch):
     tiles = TileSpy(decode_attention._attend_block)
     monkeypatch.setattr(decode_attention, "_attend_block", tiles)
     _run_decode(8, 1, 64, context_lens=[39, 1, 70], num_kv_splits=3, logit_cap=4.0)
-    _run_decode(8, 1, 64, context_lens=[5, 2], num_kv_splits=7)  # splits > context, non-power-of-two
+    _run_decode(
+        8, 1, 64, context_lens=[5, 2], num_kv_splits=7
+    )  # splits > context, non-power-of-two
 
     assert [grid for grid, _ in spy.launches] == [(3, 1, 3), (2, 1, 7)]
     assert all(kwargs["BLOCK_N"] == 16 for _, kwargs in spy.launches)
-    assert set(tiles.tiles) == {(16, 16)}, "the kernel ran with another key tile than patched"  # 16 query rows: BLOCK_H
+    assert set(tiles.tiles) == {(16, 16)}, (
+        "the kernel ran with another key tile than patched"
+    )  # 16 query rows: BLOCK_H
     expected = _decode_tiles([39, 1, 70], 3, 16) + _decode_tiles([5, 2], 7, 16)
     assert max(expected) > 1, "no split runs more than one tile"
     assert len(tiles.tiles) == sum(expected), "tiles skipped or repeated"
@@ -182,8 +219,18 @@ def test_references_agree_with_dense_sdpa():
     v_buffer = torch.zeros_like(k_buffer)
     k_buffer[slots.long()], v_buffer[slots.long()] = k[:prefix], v[:prefix]
     out = torch.empty(extend, num_heads, head_dim)
-    extend_attention_ref(q[prefix:], k[prefix:], v[prefix:], out, k_buffer, v_buffer,
-                         _indptr([extend]), _indptr([prefix]), slots, extend)
+    extend_attention_ref(
+        q[prefix:],
+        k[prefix:],
+        v[prefix:],
+        out,
+        k_buffer,
+        v_buffer,
+        _indptr([extend]),
+        _indptr([prefix]),
+        slots,
+        extend,
+    )
     torch.testing.assert_close(out, dense[prefix:], atol=1e-5, rtol=1e-5)
 
     # Decoding the last token over the whole sequence in the pool.

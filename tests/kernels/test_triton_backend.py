@@ -1,18 +1,24 @@
 """The runtime on the Triton backend (interpreted on CPU) gives the torch backend's greedy tokens."""
 
 import pytest
-from helpers import LaunchSpy, run_in_process
-from radixrt.kernels import decode_attention, extend_attention
 
 from radixrt.attention import triton_backend
 from radixrt.attention.triton_backend import TritonAttentionBackend
 from radixrt.config import ServerArgs
 from radixrt.engine.scheduler import Scheduler
+from radixrt.kernels import decode_attention, extend_attention
+
+from helpers import LaunchSpy, run_in_process
 
 SAMPLING = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
 SHARED = list(range(300, 311))
 # Different lengths over one shared prefix, so chunked prefills overlap other requests' decodes.
-PROMPTS = [SHARED + [501, 502, 503], SHARED + [601], SHARED[:3], SHARED + [701, 702, 703, 704, 705, 706]]
+PROMPTS = [
+    SHARED + [501, 502, 503],
+    SHARED + [601],
+    SHARED[:3],
+    SHARED + [701, 702, 703, 704, 705, 706],
+]
 # Warm passes: the same prompts (fully cached), then each with new tokens after its cached part.
 PASSES = [PROMPTS, PROMPTS, [p + [800 + i, 900 + i] for i, p in enumerate(PROMPTS)]]
 CONFIGS = {"whole": {}, "chunked": {"chunked_prefill_size": 4}}
@@ -22,8 +28,9 @@ def _run(model_dir, backend: str, **args) -> list[list[int]]:
     """Greedy tokens of every pass, cold then prefix-cached, and the pool's bookkeeping after.
 
     The scheduler runs in this process (not behind `rt.Engine`) so the test can watch its steps."""
-    scheduler = Scheduler.from_server_args(ServerArgs(model=str(model_dir), attention_backend=backend, max_total_tokens=512,
-                                     **args))
+    scheduler = Scheduler.from_server_args(
+        ServerArgs(model=str(model_dir), attention_backend=backend, max_total_tokens=512, **args)
+    )
     outs = run_in_process(scheduler, PASSES, SAMPLING)
     scheduler.check_invariants()
     assert scheduler.flush_cache()
@@ -48,7 +55,9 @@ def test_triton_backend_matches_torch(tiny_model_dir, monkeypatch, config):
 
     # The paths the comparison is meant to cover were taken.
     assert any(all(e == 1 for e in ext) for _, ext in steps), "no decode-kernel step"
-    assert any(p > 0 and e > 1 for pre, ext in steps for p, e in zip(pre, ext)), "no extend over a cached prefix"
+    assert any(p > 0 and e > 1 for pre, ext in steps for p, e in zip(pre, ext)), (
+        "no extend over a cached prefix"
+    )
     if config == "chunked":
         assert any(1 in ext and max(ext) > 1 for _, ext in steps), "no mixed decode + extend step"
 
@@ -58,7 +67,9 @@ def test_triton_backend_small_tiles_matches_torch(tiny_model_dir, monkeypatch):
     tiles and decodes several KV splits; the kernels ran with those sizes, and the greedy tokens
     still equal the torch backend's."""
     expected = _run(tiny_model_dir, "torch", **CONFIGS["whole"])
-    monkeypatch.setattr(extend_attention, "_launch_config", lambda block_d: {"BLOCK_M": 16, "BLOCK_N": 16})
+    monkeypatch.setattr(
+        extend_attention, "_launch_config", lambda block_d: {"BLOCK_M": 16, "BLOCK_N": 16}
+    )
     monkeypatch.setattr(decode_attention, "_launch_config", lambda block_d: {"BLOCK_N": 16})
     monkeypatch.setattr(triton_backend, "MIN_SPLIT_LEN", 8)
     extend = LaunchSpy(extend_attention._extend_kernel)

@@ -6,10 +6,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from helpers import run_script, scripts
-from ownership import assert_slot_ownership
 from radixrt.mem_cache.memory_pool import PageAllocator
 from radixrt.mem_cache.radix_cache import RadixCache
+
+from helpers import run_script, scripts
+from ownership import assert_slot_ownership
 
 TOTAL = 256
 
@@ -45,7 +46,9 @@ class Harness:
         slots, node = self.tree.match_prefix(key)
         assert len(slots) % self.page == 0 and len(slots) <= len(key)
         for i, slot in enumerate(slots.tolist()):
-            assert self.content[slot] == tuple(key[: i + 1]), "a matched slot holds another prefix's KV"
+            assert self.content[slot] == tuple(key[: i + 1]), (
+                "a matched slot holds another prefix's KV"
+            )
 
     def lock(self, key: list[int]) -> None:
         _, node = self.tree.match_prefix(key)
@@ -64,7 +67,11 @@ class Harness:
         gone = [node for node in before if node not in after]
         for node in gone:
             assert node.lock_ref == 0
-        survivors = [node for node in after if node.is_leaf and node.lock_ref == 0 and node is not self.tree.root]
+        survivors = [
+            node
+            for node in after
+            if node.is_leaf and node.lock_ref == 0 and node is not self.tree.root
+        ]
         if gone and survivors:
             assert max(before[g] for g in gone) <= min(s.last_access for s in survivors), "not LRU"
         for key, _ in self.locks:  # locked prefixes survive eviction
@@ -80,12 +87,26 @@ class Harness:
     def snapshot(self) -> dict:
         """The pool and tree as `memory_snapshot` data (no requests; held locks act as pins)."""
         nodes = [n for n in self.tree.all_nodes() if n is not self.tree.root]
-        return {"page_size": self.page, "num_pages": self.alloc.num_pages,
-                "free_pages": self.alloc.free_page_ids().tolist(), "root": self.tree.root.id,
-                "nodes": [{"id": n.id, "parent": n.parent.id, "slots": n.value.tolist(), "lock_ref": n.lock_ref}
-                          for n in nodes],
-                "requests": [], "pinned_nodes": [node.id for _, node in self.locks],
-                "rows": 0, "free_rows": 0, "running_rows": []}
+        return {
+            "page_size": self.page,
+            "num_pages": self.alloc.num_pages,
+            "free_pages": self.alloc.free_page_ids().tolist(),
+            "root": self.tree.root.id,
+            "nodes": [
+                {
+                    "id": n.id,
+                    "parent": n.parent.id,
+                    "slots": n.value.tolist(),
+                    "lock_ref": n.lock_ref,
+                }
+                for n in nodes
+            ],
+            "requests": [],
+            "pinned_nodes": [node.id for _, node in self.locks],
+            "rows": 0,
+            "free_rows": 0,
+            "running_rows": [],
+        }
 
     def check(self) -> None:
         self.tree.check()
@@ -96,8 +117,16 @@ class Harness:
 
 
 keys = st.lists(st.integers(0, 3), min_size=1, max_size=24)
-ops = scripts([("insert", keys), ("match", keys), ("lock", keys), ("unlock", st.integers(0, 100)),
-               ("evict", st.integers(1, 64))], max_size=60)
+ops = scripts(
+    [
+        ("insert", keys),
+        ("match", keys),
+        ("lock", keys),
+        ("unlock", st.integers(0, 100)),
+        ("evict", st.integers(1, 64)),
+    ],
+    max_size=60,
+)
 
 
 @settings(max_examples=150, deadline=None)

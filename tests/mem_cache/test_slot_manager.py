@@ -8,12 +8,13 @@ from dataclasses import dataclass, field
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from helpers import run_script, scripts
-from ownership import assert_all_free, assert_slot_ownership
 
 from radixrt.mem_cache.memory_pool import PageAllocator, ReqToTokenPool
 from radixrt.mem_cache.radix_cache import RadixCache
 from radixrt.mem_cache.slot_manager import KVSlotManager
+
+from helpers import run_script, scripts
+from ownership import assert_all_free, assert_slot_ownership
 
 TOTAL_TOKENS = 96
 ROWS = 6
@@ -43,7 +44,9 @@ class Harness:
         tree = RadixCache(page_size, allocator.free)
         self.kv = KVSlotManager(allocator, ReqToTokenPool(ROWS, CONTEXT, torch.device("cpu")), tree)
         self.running: list[Holder] = []
-        self.content: dict[int, tuple[int, ...]] = {}  # slot -> the prefix whose last token's KV it holds
+        self.content: dict[
+            int, tuple[int, ...]
+        ] = {}  # slot -> the prefix whose last token's KV it holds
         self.pins: list[str] = []
         self.count = 0
 
@@ -58,7 +61,9 @@ class Harness:
             self.running.append(holder)
             self._compute(holder, n)
         else:
-            assert holder.row is None and holder.last_node is None, "a failed admission kept something"
+            assert holder.row is None and holder.last_node is None, (
+                "a failed admission kept something"
+            )
 
     def step(self, index: int) -> None:
         """The next chunk of a prefilling holder, or one decoded token."""
@@ -114,8 +119,9 @@ class Harness:
         for holder in self.running:
             row = self.kv.req_to_token[holder.row, : holder.kv_len].tolist()
             for i, slot in enumerate(row):
-                assert self.content[slot] == tuple(holder.all_ids[: i + 1]), \
+                assert self.content[slot] == tuple(holder.all_ids[: i + 1]), (
                     f"{holder.name} reads another prefix's KV at position {i}"
+                )
 
     def drain(self) -> None:
         while self.running:
@@ -128,8 +134,19 @@ class Harness:
 
 tokens = st.lists(st.integers(0, 3), min_size=1, max_size=40)
 index = st.integers(0, 100)
-ops = scripts([("admit", tokens), ("step", index), ("step", index), ("finish", index), ("retract", index),
-               ("pin", tokens), ("unpin", index), ("evict", st.integers(1, 48))], max_size=80)
+ops = scripts(
+    [
+        ("admit", tokens),
+        ("step", index),
+        ("step", index),
+        ("finish", index),
+        ("retract", index),
+        ("pin", tokens),
+        ("unpin", index),
+        ("evict", st.integers(1, 48)),
+    ],
+    max_size=80,
+)
 
 
 @settings(max_examples=200, deadline=None)

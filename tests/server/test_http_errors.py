@@ -13,8 +13,15 @@ def test_every_code_has_a_status():
     assert set(HTTP_ERRORS) == set(ErrorCode)
 
 
-@pytest.mark.parametrize("code, status", [("context_length_exceeded", 400), ("overloaded", 503),
-                                          ("unauthorized", 401), ("internal_error", 500)])
+@pytest.mark.parametrize(
+    "code, status",
+    [
+        ("context_length_exceeded", 400),
+        ("overloaded", 503),
+        ("unauthorized", 401),
+        ("internal_error", 500),
+    ],
+)
 def test_status_follows_the_code_whatever_the_words(code, status):
     for message in ("the prompt has 9000 tokens", "overloaded", "something reworded"):
         error = from_runtime_error(RemoteError(code, message))

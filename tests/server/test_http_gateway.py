@@ -22,23 +22,32 @@ from radixrt.client.launcher import free_port
 from timeouts import REPLY_TIMEOUT_S
 
 GREEDY = {"temperature": 0, "max_tokens": 8}
-QUESTION = [{"role": "system", "content": "You are a helpful assistant."},
-            {"role": "user", "content": "What is the capital of France?"}]
+QUESTION = [
+    {"role": "system", "content": "You are a helpful assistant."},
+    {"role": "user", "content": "What is the capital of France?"},
+]
 KEY = "sesame"
 HTTP_TIMEOUT_S = 60.0  # one reply from the gateway on a loaded 2-core machine, with room to spare
 
 
 @pytest.fixture(scope="module")
 def runtime(tiny_model_dir):
-    with rt.Runtime(model=str(tiny_model_dir), http_port=free_port(), api_key=KEY,
-                    max_total_tokens=4096, log_level="warning", timeout=REPLY_TIMEOUT_S) as r:
+    with rt.Runtime(
+        model=str(tiny_model_dir),
+        http_port=free_port(),
+        api_key=KEY,
+        max_total_tokens=4096,
+        log_level="warning",
+        timeout=REPLY_TIMEOUT_S,
+    ) as r:
         yield r
 
 
 @pytest.fixture(scope="module")
 def client(runtime):
-    with openai.OpenAI(base_url=f"{runtime.http_url}/v1", api_key=KEY, max_retries=0,
-                       timeout=HTTP_TIMEOUT_S) as c:
+    with openai.OpenAI(
+        base_url=f"{runtime.http_url}/v1", api_key=KEY, max_retries=0, timeout=HTTP_TIMEOUT_S
+    ) as c:
         yield c
 
 
@@ -80,8 +89,15 @@ def test_chat_stream_joins_to_the_greedy_answer(client):
     whole = client.chat.completions.create(model="default", messages=QUESTION, **GREEDY)
     answer = whole.choices[0].message
     assert answer.role == "assistant" and answer.content
-    chunks = list(client.chat.completions.create(model="default", messages=QUESTION, stream=True,
-                                                 stream_options={"include_usage": True}, **GREEDY))
+    chunks = list(
+        client.chat.completions.create(
+            model="default",
+            messages=QUESTION,
+            stream=True,
+            stream_options={"include_usage": True},
+            **GREEDY,
+        )
+    )
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == answer.content
     finish_reasons = [c.choices[0].finish_reason for c in chunks if c.choices]
     assert finish_reasons[-1] == whole.choices[0].finish_reason
@@ -89,8 +105,16 @@ def test_chat_stream_joins_to_the_greedy_answer(client):
 
 
 def test_n_samples_and_logprobs(client):
-    out = client.chat.completions.create(model="default", messages=QUESTION, n=2, temperature=0.8,
-                                         seed=1, max_tokens=4, logprobs=True, top_logprobs=2)
+    out = client.chat.completions.create(
+        model="default",
+        messages=QUESTION,
+        n=2,
+        temperature=0.8,
+        seed=1,
+        max_tokens=4,
+        logprobs=True,
+        top_logprobs=2,
+    )
     assert sorted(c.index for c in out.choices) == [0, 1]
     for choice in out.choices:
         assert all(len(t.top_logprobs) == 2 for t in choice.logprobs.content)
@@ -98,15 +122,29 @@ def test_n_samples_and_logprobs(client):
 
 
 def test_json_response_formats(client):
-    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
-              "required": ["city"]}
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 12}},
+        "required": ["city"],
+    }
     out = client.chat.completions.create(
-        model="default", messages=QUESTION, temperature=0, max_tokens=24,
-        response_format={"type": "json_schema",
-                         "json_schema": {"name": "answer", "schema": schema}})
+        model="default",
+        messages=QUESTION,
+        temperature=0,
+        max_tokens=24,
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "answer", "schema": schema},
+        },
+    )
     assert set(json.loads(out.choices[0].message.content)) == {"city"}
-    out = client.chat.completions.create(model="default", messages=QUESTION, temperature=0,
-                                         max_tokens=12, response_format={"type": "json_object"})
+    out = client.chat.completions.create(
+        model="default",
+        messages=QUESTION,
+        temperature=0,
+        max_tokens=12,
+        response_format={"type": "json_object"},
+    )
     text = out.choices[0].message.content
     assert text.startswith("{")
     if out.choices[0].finish_reason == "stop":
@@ -114,11 +152,15 @@ def test_json_response_formats(client):
 
 
 def test_second_turn_reuses_the_cached_history(client):
-    messages = [{"role": "system", "content": "You answer in French. " * 8},
-                {"role": "user", "content": "Name a colour."}]
+    messages = [
+        {"role": "system", "content": "You answer in French. " * 8},
+        {"role": "user", "content": "Name a colour."},
+    ]
     first = client.chat.completions.create(model="default", messages=messages, **GREEDY)
-    messages += [{"role": "assistant", "content": first.choices[0].message.content},
-                 {"role": "user", "content": "And another one?"}]
+    messages += [
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "And another one?"},
+    ]
     second = client.chat.completions.create(model="default", messages=messages, **GREEDY)
     assert second.usage.prompt_tokens > first.usage.prompt_tokens
     assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 1
@@ -130,13 +172,21 @@ def test_metrics_parse_and_move(runtime, client):
     after = _metrics(runtime)
     key = 'radixrt_http_requests_total{"code": "200", "endpoint": "/v1/completions"}'
     assert after[key] == before.get(key, 0) + 1
-    for moved in ("radixrt_generation_tokens_total{}",
-                  "radixrt_time_to_first_token_seconds_count{}"):
+    for moved in (
+        "radixrt_generation_tokens_total{}",
+        "radixrt_time_to_first_token_seconds_count{}",
+    ):
         assert after[moved] > before[moved], moved
-    for name in ("radixrt_inter_token_latency_seconds_count", "radixrt_cache_hit_rate",
-                 "radixrt_num_requests_waiting", "radixrt_num_requests_running",
-                 "radixrt_preemptions_total", "radixrt_evicted_tokens_total",
-                 "radixrt_kv_free_tokens", "radixrt_cached_prompt_tokens_total"):
+    for name in (
+        "radixrt_inter_token_latency_seconds_count",
+        "radixrt_cache_hit_rate",
+        "radixrt_num_requests_waiting",
+        "radixrt_num_requests_running",
+        "radixrt_preemptions_total",
+        "radixrt_evicted_tokens_total",
+        "radixrt_kv_free_tokens",
+        "radixrt_cached_prompt_tokens_total",
+    ):
         assert name + "{}" in after, name
 
 
@@ -148,14 +198,26 @@ def _chat(c, **kwargs):
     return c.chat.completions.create(model="default", **{"messages": QUESTION, **kwargs})
 
 
-@pytest.mark.parametrize("call, status, words", [
-    (lambda c: _chat(c, messages=[]), 400, "messages"),
-    (lambda c: _chat(c, temperature=-1), 400, "temperature"),
-    (lambda c: c.completions.create(model="default", prompt="hello " * 9000), 400, "prompt has"),
-    (lambda c: _chat(c, response_format={"type": "json_schema", "json_schema": {"name": "x"}}),
-     400, "schema"),
-    (lambda c: _chat(c, top_logprobs=2), 400, "logprobs"),
-])
+@pytest.mark.parametrize(
+    "call, status, words",
+    [
+        (lambda c: _chat(c, messages=[]), 400, "messages"),
+        (lambda c: _chat(c, temperature=-1), 400, "temperature"),
+        (
+            lambda c: c.completions.create(model="default", prompt="hello " * 9000),
+            400,
+            "prompt has",
+        ),
+        (
+            lambda c: _chat(
+                c, response_format={"type": "json_schema", "json_schema": {"name": "x"}}
+            ),
+            400,
+            "schema",
+        ),
+        (lambda c: _chat(c, top_logprobs=2), 400, "logprobs"),
+    ],
+)
 def test_bad_requests_get_4xx_in_openai_shape(client, call, status, words):
     with pytest.raises(openai.APIStatusError) as info:
         call(client)
@@ -180,10 +242,15 @@ def test_client_disconnect_aborts(runtime):
     """A client that hangs up (streaming, or not) stops its request long before its 1000 tokens."""
     body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 1000, "temperature": 0}
     generated = runtime.stats()["generated_tokens"]
-    conn = http.client.HTTPConnection(runtime.args.http_host, runtime.args.http_port,
-                                      timeout=HTTP_TIMEOUT_S)
-    conn.request("POST", "/v1/completions", json.dumps({**body, "stream": True}),
-                 {"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
+    conn = http.client.HTTPConnection(
+        runtime.args.http_host, runtime.args.http_port, timeout=HTTP_TIMEOUT_S
+    )
+    conn.request(
+        "POST",
+        "/v1/completions",
+        json.dumps({**body, "stream": True}),
+        {"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"},
+    )
     reply = conn.getresponse()
     # the first token came; hang up
     assert reply.status == 200 and reply.readline().startswith(b"data: ")
@@ -197,8 +264,12 @@ def test_client_disconnect_aborts(runtime):
 
 def test_api_key_is_enforced(runtime):
     with pytest.raises(openai.AuthenticationError) as info:
-        openai.OpenAI(base_url=f"{runtime.http_url}/v1", api_key="wrong", max_retries=0,
-                      timeout=HTTP_TIMEOUT_S).models.list()
+        openai.OpenAI(
+            base_url=f"{runtime.http_url}/v1",
+            api_key="wrong",
+            max_retries=0,
+            timeout=HTTP_TIMEOUT_S,
+        ).models.list()
     assert info.value.response.json()["error"]["type"] == "authentication_error"
     # probes need no key
     with urllib.request.urlopen(f"{runtime.http_url}/health", timeout=HTTP_TIMEOUT_S) as reply:
@@ -206,8 +277,15 @@ def test_api_key_is_enforced(runtime):
 
 
 def test_http_bench_smoke(tiny_model_dir):
-    result = run_http_bench(HttpBenchConfig(model=str(tiny_model_dir), num_conversations=2,
-                                            num_turns=2, max_new_tokens=4, max_total_tokens=4096))
+    result = run_http_bench(
+        HttpBenchConfig(
+            model=str(tiny_model_dir),
+            num_conversations=2,
+            num_turns=2,
+            max_new_tokens=4,
+            max_total_tokens=4096,
+        )
+    )
     for path in ("zmq", "http"):
         assert result[path]["output_tokens"] > 0 and 0 < result[path]["cache_hit_rate"] < 1
     assert result["zmq"]["output_tokens"] == result["http"]["output_tokens"]
@@ -218,8 +296,11 @@ def test_http_bench_smoke(tiny_model_dir):
 
 def _request(url: str, path: str, body: dict, headers: dict[str, str]) -> tuple[int, dict]:
     """POST `body` as JSON with exactly `headers`; the status and the parsed reply."""
-    request = urllib.request.Request(f"{url}{path}", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json", **headers})
+    request = urllib.request.Request(
+        f"{url}{path}",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json", **headers},
+    )
     try:
         with urllib.request.urlopen(request, timeout=HTTP_TIMEOUT_S) as reply:
             return reply.status, json.loads(reply.read())
@@ -235,8 +316,12 @@ def test_no_authorization_header_is_401(runtime):
     """A chat completion without any Authorization header is refused with 401 and OpenAI's error
     body: type authentication_error, code invalid_api_key; no request reaches the runtime."""
     generated = runtime.stats()["generated_tokens"]
-    status, body = _request(runtime.http_url, "/v1/chat/completions",
-                            {"model": "tiny", "messages": QUESTION, "max_tokens": 2}, {})
+    status, body = _request(
+        runtime.http_url,
+        "/v1/chat/completions",
+        {"model": "tiny", "messages": QUESTION, "max_tokens": 2},
+        {},
+    )
     assert status == 401
     assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
     assert body["error"]["type"] == "authentication_error"
@@ -248,8 +333,13 @@ LONG_CHAT = [{"role": "user", "content": "hello " * 1100}]
 
 
 @pytest.mark.parametrize("stream", [False, True])
-@pytest.mark.parametrize("path, body", [("/v1/completions", {"prompt": [5] * 1100}),
-                                        ("/v1/chat/completions", {"messages": LONG_CHAT})])
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        ("/v1/completions", {"prompt": [5] * 1100}),
+        ("/v1/chat/completions", {"messages": LONG_CHAT}),
+    ],
+)
 def test_prompt_beyond_the_context_is_context_length_exceeded(runtime, path, body, stream):
     """A prompt longer than the tiny model's 1024-token context (token ids, or chat text), streamed
     or not, gets 400 before any stream starts, with code context_length_exceeded."""
@@ -272,15 +362,22 @@ def test_overloaded_runtime_answers_503(tiny_model_dir):
     """With one request running and one queued (max_running_requests=1, max_queued_requests=1), a
     completion gets 503 with type overloaded_error instead of waiting."""
     long = {"max_new_tokens": 1000, "ignore_eos": True, "temperature": 0}
-    with rt.Runtime(model=str(tiny_model_dir), http_port=free_port(), max_total_tokens=2048,
-                    max_running_requests=1, max_queued_requests=1, log_level="warning",
-                    timeout=REPLY_TIMEOUT_S) as r:
+    with rt.Runtime(
+        model=str(tiny_model_dir),
+        http_port=free_port(),
+        max_total_tokens=2048,
+        max_running_requests=1,
+        max_queued_requests=1,
+        log_level="warning",
+        timeout=REPLY_TIMEOUT_S,
+    ) as r:
         running = r.client.submit(input_ids=[5, 6, 7], sampling_params=long)
         _wait_for(lambda: r.stats()["running"] == 1, 30, "running")
         queued = r.client.submit(input_ids=[5, 6, 8], sampling_params=long)
         _wait_for(lambda: r.stats()["waiting"] == 1, 30, "queued")
-        status, reply = _request(r.http_url, "/v1/completions",
-                                 {"model": "tiny", "prompt": "hello", "max_tokens": 2}, {})
+        status, reply = _request(
+            r.http_url, "/v1/completions", {"model": "tiny", "prompt": "hello", "max_tokens": 2}, {}
+        )
         assert r.stats()["running"] == 1  # still full when the refusal came
         for sub in (running, queued):
             r.client.abort(sub.rid)
@@ -331,15 +428,26 @@ def test_runtime_death_mid_stream_ends_the_stream_and_the_gateway(tiny_model_dir
     """Killing the runtime while a stream is in flight: the stream ends within 15 s, without
     `data: [DONE]` (the answer is incomplete), the gateway process exits by itself within 15 s,
     and the stream's last event is an OpenAI error with code connection_lost."""
-    r = rt.Runtime(model=str(tiny_model_dir), http_port=free_port(), max_total_tokens=2048,
-                   log_level="warning", timeout=REPLY_TIMEOUT_S)
+    r = rt.Runtime(
+        model=str(tiny_model_dir),
+        http_port=free_port(),
+        max_total_tokens=2048,
+        log_level="warning",
+        timeout=REPLY_TIMEOUT_S,
+    )
     gateway = _gateway_pid(r._proc.pid)
     conn = http.client.HTTPConnection(r.args.http_host, r.args.http_port, timeout=HTTP_TIMEOUT_S)
     try:
-        body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 1000,
-                "temperature": 0, "stream": True}
-        conn.request("POST", "/v1/completions", json.dumps(body),
-                     {"Content-Type": "application/json"})
+        body = {
+            "model": "tiny",
+            "prompt": "Once upon a time",
+            "max_tokens": 1000,
+            "temperature": 0,
+            "stream": True,
+        }
+        conn.request(
+            "POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"}
+        )
         reply = conn.getresponse()
         assert reply.status == 200 and reply.readline().startswith(b"data: {")
         r._proc.kill()

@@ -17,23 +17,31 @@ import pytest
 import zmq
 
 import radixrt as rt
-from timeouts import REPLY_TIMEOUT_S
-from ownership import assert_all_free, assert_slot_ownership
 from radixrt.client.transport import RemoteError
+
+from ownership import assert_all_free, assert_slot_ownership
+from timeouts import REPLY_TIMEOUT_S
 
 LONG = {"max_new_tokens": 400, "temperature": 0, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
 def runtime(tiny_model_dir):
-    with rt.Runtime(model=str(tiny_model_dir), max_total_tokens=2048, log_level="warning", timeout=REPLY_TIMEOUT_S) as r:
+    with rt.Runtime(
+        model=str(tiny_model_dir),
+        max_total_tokens=2048,
+        log_level="warning",
+        timeout=REPLY_TIMEOUT_S,
+    ) as r:
         yield r
 
 
 def _prompts(n: int, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
     shared = [rng.randrange(3, 49152) for _ in range(20)]
-    return [shared + [rng.randrange(3, 49152) for _ in range(rng.randrange(1, 12))] for _ in range(n)]
+    return [
+        shared + [rng.randrange(3, 49152) for _ in range(rng.randrange(1, 12))] for _ in range(n)
+    ]
 
 
 def _wait_idle(endpoint, timeout: float = 20.0) -> dict:
@@ -58,8 +66,13 @@ def _assert_no_leak(endpoint) -> None:
 
 def test_concurrent_threads_and_asyncio_get_their_own_replies(runtime):
     prompts = _prompts(64)
-    params = [{"max_new_tokens": 4 + i % 5, "temperature": 0, "ignore_eos": True} for i in range(64)]
-    expected = [runtime.generate(input_ids=p, sampling_params=sp)["output_ids"] for p, sp in zip(prompts, params)]
+    params = [
+        {"max_new_tokens": 4 + i % 5, "temperature": 0, "ignore_eos": True} for i in range(64)
+    ]
+    expected = [
+        runtime.generate(input_ids=p, sampling_params=sp)["output_ids"]
+        for p, sp in zip(prompts, params)
+    ]
     got: dict[int, list[int]] = {}
 
     def worker(indices: list[int]) -> None:
@@ -67,8 +80,12 @@ def test_concurrent_threads_and_asyncio_get_their_own_replies(runtime):
             got[i] = runtime.generate(input_ids=prompts[i], sampling_params=params[i])["output_ids"]
 
     async def async_client(indices: list[int]) -> None:
-        outs = await asyncio.gather(*(runtime.async_generate(input_ids=prompts[i], sampling_params=params[i])
-                                      for i in indices))
+        outs = await asyncio.gather(
+            *(
+                runtime.async_generate(input_ids=prompts[i], sampling_params=params[i])
+                for i in indices
+            )
+        )
         got.update({i: o["output_ids"] for i, o in zip(indices, outs)})
 
     threads = [threading.Thread(target=worker, args=(list(range(t, 48, 8)),)) for t in range(8)]
@@ -82,40 +99,70 @@ def test_concurrent_threads_and_asyncio_get_their_own_replies(runtime):
 
 
 def test_streaming_deltas_join_to_the_final_text(default_model_dir):
-    with rt.Engine(model=str(default_model_dir), max_total_tokens=2048, log_level="warning", timeout=REPLY_TIMEOUT_S) as engine:
+    with rt.Engine(
+        model=str(default_model_dir),
+        max_total_tokens=2048,
+        log_level="warning",
+        timeout=REPLY_TIMEOUT_S,
+    ) as engine:
         prompt = engine.tokenizer.apply_chat_template(
-            [{"role": "user", "content": "Write 'café, 世界, 🎉' three times."}], add_generation_prompt=True,
-            tokenize=False)
-        chunks = list(engine.generate(prompt, {"max_new_tokens": 48, "temperature": 0}, stream=True))
+            [{"role": "user", "content": "Write 'café, 世界, 🎉' three times."}],
+            add_generation_prompt=True,
+            tokenize=False,
+        )
+        chunks = list(
+            engine.generate(prompt, {"max_new_tokens": 48, "temperature": 0}, stream=True)
+        )
         final = chunks[-1]
         deltas = [c["delta"] for c in chunks[:-1]]
         assert final["finished"] and "".join(deltas) == final["text"]
         assert all("\ufffd" not in d for d in deltas)
         assert [t for c in chunks[:-1] for t in c["token_ids"]] == final["output_ids"]
-        assert final["text"] == engine.generate(prompt, {"max_new_tokens": 48, "temperature": 0})["text"]
+        assert (
+            final["text"]
+            == engine.generate(prompt, {"max_new_tokens": 48, "temperature": 0})["text"]
+        )
         # text that may begin a stop string is held back, so the stop never leaks into a delta
         stop = final["text"][5:9]
-        chunks = list(engine.generate(prompt, {"max_new_tokens": 48, "temperature": 0, "stop": stop}, stream=True))
+        chunks = list(
+            engine.generate(
+                prompt, {"max_new_tokens": 48, "temperature": 0, "stop": stop}, stream=True
+            )
+        )
         assert "".join(c["delta"] for c in chunks[:-1]) == chunks[-1]["text"] == final["text"][:5]
 
 
 def test_async_stream(runtime):
     async def main() -> list[dict]:
-        return [c async for c in runtime.async_stream(input_ids=_prompts(1)[0],
-                                                      sampling_params={"max_new_tokens": 6, "temperature": 0})]
+        return [
+            c
+            async for c in runtime.async_stream(
+                input_ids=_prompts(1)[0], sampling_params={"max_new_tokens": 6, "temperature": 0}
+            )
+        ]
+
     chunks = asyncio.run(main())
     assert chunks[-1]["finished"] and len(chunks[-1]["output_ids"]) == 6
 
 
 def test_abort_waiting_and_running(tiny_model_dir):
-    with rt.Runtime(model=str(tiny_model_dir), max_total_tokens=1024, max_running_requests=1,
-                    log_level="warning", timeout=REPLY_TIMEOUT_S) as r:
+    with rt.Runtime(
+        model=str(tiny_model_dir),
+        max_total_tokens=1024,
+        max_running_requests=1,
+        log_level="warning",
+        timeout=REPLY_TIMEOUT_S,
+    ) as r:
         results = {}
 
         def run(name: str) -> None:
-            results[name] = r.generate(input_ids=_prompts(1, seed=len(name))[0], sampling_params=LONG, rid=name)
+            results[name] = r.generate(
+                input_ids=_prompts(1, seed=len(name))[0], sampling_params=LONG, rid=name
+            )
 
-        threads = [threading.Thread(target=run, args=(name,)) for name in ("running", "waiting-one")]
+        threads = [
+            threading.Thread(target=run, args=(name,)) for name in ("running", "waiting-one")
+        ]
         threads[0].start()
         while r.stats()["running"] == 0:
             time.sleep(0.02)
@@ -135,28 +182,49 @@ def test_abort_waiting_and_running(tiny_model_dir):
 _FRAMES = [
     (pickle.dumps({"op": "generate", "rid": "p", "text": "hi"}), None, "invalid_request"),
     *[(msgpack.packb(m), None, "invalid_request") for m in ([1, 2, 3], "just a string", {"op": 5})],
-    *[(msgpack.packb({"rid": rid, **m}), rid, code) for rid, m, code in [
-        ("a", {"op": "no_such_op"}, "invalid_request"),
-        (["not", "a", "string"], {"op": "generate", "text": "hi"}, "invalid_request"),
-        ("b", {"op": "generate", "text": 12}, "invalid_request"),
-        ("c", {"op": "generate", "input_ids": "abc"}, "invalid_request"),
-        ("d", {"op": "generate", "input_ids": [10**12]}, "invalid_request"),
-        ("e", {"op": "generate", "input_ids": [-1, 5]}, "invalid_request"),
-        ("f", {"op": "generate", "input_ids": [7] * 100_000}, "context_length_exceeded"),
-        ("g", {"op": "generate", "text": "hi", "sampling_params": {"temperature": -3}}, "invalid_request"),
-        ("h", {"op": "generate", "text": "hi", "sampling_params": {"max_new_tokens": 10**12}}, "invalid_request"),
-        ("i", {"op": "generate", "text": "hi", "sampling_params": {"regex": "(unclosed"}}, "invalid_constraint"),
-        ("j", {"op": "generate", "text": "hi", "sampling_params": "not a map"}, "invalid_request"),
-        ("k", {"op": "generate", "text": "hi", "input_ids": [1]}, "invalid_request"),
-        ("l", {"op": "tokenize", "text": None}, "invalid_request"),
-    ]],
+    *[
+        (msgpack.packb({"rid": rid, **m}), rid, code)
+        for rid, m, code in [
+            ("a", {"op": "no_such_op"}, "invalid_request"),
+            (["not", "a", "string"], {"op": "generate", "text": "hi"}, "invalid_request"),
+            ("b", {"op": "generate", "text": 12}, "invalid_request"),
+            ("c", {"op": "generate", "input_ids": "abc"}, "invalid_request"),
+            ("d", {"op": "generate", "input_ids": [10**12]}, "invalid_request"),
+            ("e", {"op": "generate", "input_ids": [-1, 5]}, "invalid_request"),
+            ("f", {"op": "generate", "input_ids": [7] * 100_000}, "context_length_exceeded"),
+            (
+                "g",
+                {"op": "generate", "text": "hi", "sampling_params": {"temperature": -3}},
+                "invalid_request",
+            ),
+            (
+                "h",
+                {"op": "generate", "text": "hi", "sampling_params": {"max_new_tokens": 10**12}},
+                "invalid_request",
+            ),
+            (
+                "i",
+                {"op": "generate", "text": "hi", "sampling_params": {"regex": "(unclosed"}},
+                "invalid_constraint",
+            ),
+            (
+                "j",
+                {"op": "generate", "text": "hi", "sampling_params": "not a map"},
+                "invalid_request",
+            ),
+            ("k", {"op": "generate", "text": "hi", "input_ids": [1]}, "invalid_request"),
+            ("l", {"op": "tokenize", "text": None}, "invalid_request"),
+        ]
+    ],
 ]
 
 
 def test_bad_frames_get_errors_and_the_server_goes_on(runtime):
     rng = random.Random(0)
-    noise = [(bytes(rng.randrange(256) for _ in range(rng.randrange(1, 64))), None, "invalid_request")
-             for _ in range(20)]
+    noise = [
+        (bytes(rng.randrange(256) for _ in range(rng.randrange(1, 64))), None, "invalid_request")
+        for _ in range(20)
+    ]
     frames = noise + _FRAMES
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
@@ -177,7 +245,9 @@ def test_bad_frames_get_errors_and_the_server_goes_on(runtime):
     got = sorted((str(r["rid"]), r["error"]["code"]) for r in replies)
     assert got == sorted((str(rid), code) for _, rid, code in frames)
     assert all(r["error"]["type"] == r["error"]["code"] and r["error"]["message"] for r in replies)
-    out = runtime.generate(input_ids=_prompts(1)[0], sampling_params={"max_new_tokens": 3, "temperature": 0})
+    out = runtime.generate(
+        input_ids=_prompts(1)[0], sampling_params={"max_new_tokens": 3, "temperature": 0}
+    )
     assert len(out["output_ids"]) == 3
     _assert_no_leak(runtime)
 
@@ -193,9 +263,15 @@ def test_killed_client_has_its_request_aborted_and_pins_released(default_model_d
         " 'temperature': 0, 'ignore_eos': True}}, stream=True):\n"
         "    print('streaming', flush=True)\n"
     )
-    with rt.Runtime(model=str(default_model_dir), max_total_tokens=8192, log_level="warning",
-                    timeout=REPLY_TIMEOUT_S) as r:
-        child = subprocess.Popen([sys.executable, "-c", script.format(url=r.url)], stdout=subprocess.PIPE, text=True)
+    with rt.Runtime(
+        model=str(default_model_dir),
+        max_total_tokens=8192,
+        log_level="warning",
+        timeout=REPLY_TIMEOUT_S,
+    ) as r:
+        child = subprocess.Popen(
+            [sys.executable, "-c", script.format(url=r.url)], stdout=subprocess.PIPE, text=True
+        )
         try:
             assert child.stdout.readline().startswith("pinned")
             assert child.stdout.readline().strip() == "streaming"
@@ -208,15 +284,29 @@ def test_killed_client_has_its_request_aborted_and_pins_released(default_model_d
         after = _wait_idle(r, timeout=15)
         assert time.monotonic() - start < 15
         assert after["aborted_requests"] == before["aborted_requests"] + 1
-        assert after["generated_tokens"] < r.model_info["context_length"] // 4, "the request was not stopped early"
+        assert after["generated_tokens"] < r.model_info["context_length"] // 4, (
+            "the request was not stopped early"
+        )
         assert after["pins"] == 0
         _assert_no_leak(r)
 
 
 def test_server_restart_fails_in_flight_requests_then_recovers(tiny_model_dir):
     port = rt.runtime.free_port()
-    cmd = [sys.executable, "-m", "radixrt", "serve", "--model", str(tiny_model_dir), "--port", str(port),
-           "--max-total-tokens", "1024", "--log-level", "warning"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "radixrt",
+        "serve",
+        "--model",
+        str(tiny_model_dir),
+        "--port",
+        str(port),
+        "--max-total-tokens",
+        "1024",
+        "--log-level",
+        "warning",
+    ]
     server = subprocess.Popen(cmd)
     endpoint = rt.RuntimeEndpoint(f"tcp://127.0.0.1:{port}", timeout=120)
     try:
@@ -225,7 +315,9 @@ def test_server_restart_fails_in_flight_requests_then_recovers(tiny_model_dir):
 
         def long_request() -> None:
             try:
-                endpoint.generate(input_ids=[5, 6, 7], sampling_params={**LONG, "max_new_tokens": 100000})
+                endpoint.generate(
+                    input_ids=[5, 6, 7], sampling_params={**LONG, "max_new_tokens": 100000}
+                )
             except Exception as e:  # what the user sees
                 errors.append(e)
 
@@ -237,7 +329,11 @@ def test_server_restart_fails_in_flight_requests_then_recovers(tiny_model_dir):
         server.wait()
         server = subprocess.Popen(cmd)
         t.join(timeout=120)
-        assert len(errors) == 1 and isinstance(errors[0], ConnectionError) and "restarted" in str(errors[0])
+        assert (
+            len(errors) == 1
+            and isinstance(errors[0], ConnectionError)
+            and "restarted" in str(errors[0])
+        )
         _wait_healthy(endpoint)
         assert len(endpoint.generate("hello", {"max_new_tokens": 2})["output_ids"]) == 2
     finally:
@@ -258,7 +354,13 @@ def _wait_healthy(endpoint, timeout: float = 120) -> None:
 
 
 def test_api_key_is_required_when_set(tiny_model_dir):
-    with rt.Runtime(model=str(tiny_model_dir), max_total_tokens=512, api_key="s3cret", log_level="warning", timeout=REPLY_TIMEOUT_S) as r:
+    with rt.Runtime(
+        model=str(tiny_model_dir),
+        max_total_tokens=512,
+        api_key="s3cret",
+        log_level="warning",
+        timeout=REPLY_TIMEOUT_S,
+    ) as r:
         assert r.generate("hi", {"max_new_tokens": 2})["meta_info"]["completion_tokens"] == 2
         with rt.RuntimeEndpoint(r.url, timeout=REPLY_TIMEOUT_S) as anonymous:
             with pytest.raises(PermissionError):
@@ -272,14 +374,36 @@ def test_api_key_is_required_when_set(tiny_model_dir):
 
 def test_non_loopback_bind_needs_an_api_key(tiny_model_dir):
     env = {k: v for k, v in os.environ.items() if k != "RADIXRT_API_KEY"}
-    proc = subprocess.run([sys.executable, "-m", "radixrt", "serve", "--model", str(tiny_model_dir),
-                           "--host", "0.0.0.0", "--port", "1"], capture_output=True, text=True, env=env, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "radixrt",
+            "serve",
+            "--model",
+            str(tiny_model_dir),
+            "--host",
+            "0.0.0.0",
+            "--port",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert proc.returncode != 0 and "api-key" in proc.stderr
 
 
 def test_overloaded_queue_refuses_new_requests(tiny_model_dir):
-    with rt.Runtime(model=str(tiny_model_dir), max_total_tokens=1024, max_running_requests=1,
-                    max_queued_requests=1, log_level="warning", timeout=REPLY_TIMEOUT_S) as r:
+    with rt.Runtime(
+        model=str(tiny_model_dir),
+        max_total_tokens=1024,
+        max_running_requests=1,
+        max_queued_requests=1,
+        log_level="warning",
+        timeout=REPLY_TIMEOUT_S,
+    ) as r:
         subs = [r.client.submit(input_ids=[5, 6, 7 + i], sampling_params=LONG) for i in range(4)]
         outcomes = []
         for s in subs:
@@ -295,11 +419,20 @@ def test_overloaded_queue_refuses_new_requests(tiny_model_dir):
 
 def test_curve_encryption(tiny_model_dir):
     public, secret = zmq.curve_keypair()
-    with rt.Runtime(model=str(tiny_model_dir), max_total_tokens=512, curve_secret_key=secret.decode(),
-                    log_level="warning", timeout=REPLY_TIMEOUT_S) as r:
+    with rt.Runtime(
+        model=str(tiny_model_dir),
+        max_total_tokens=512,
+        curve_secret_key=secret.decode(),
+        log_level="warning",
+        timeout=REPLY_TIMEOUT_S,
+    ) as r:
         assert r.generate("hi", {"max_new_tokens": 2})["meta_info"]["completion_tokens"] == 2
-        with rt.RuntimeEndpoint(r.url, curve_server_key=public.decode(), timeout=REPLY_TIMEOUT_S) as ok:
+        with rt.RuntimeEndpoint(
+            r.url, curve_server_key=public.decode(), timeout=REPLY_TIMEOUT_S
+        ) as ok:
             assert ok.health(timeout=10)
-        with rt.RuntimeEndpoint(r.url, timeout=REPLY_TIMEOUT_S) as plain:  # the handshake fails: nothing ever answers
+        with rt.RuntimeEndpoint(
+            r.url, timeout=REPLY_TIMEOUT_S
+        ) as plain:  # the handshake fails: nothing ever answers
             with pytest.raises(TimeoutError):
                 plain.health(timeout=2)

@@ -36,8 +36,14 @@ def allowed_ids(row: torch.Tensor) -> list[int]:
     return bits.view(-1).nonzero().view(-1).tolist()
 
 
-def random_walk(compiler: ConstraintCompiler, tokenizer, seed: int, max_steps: int = 300, jump: bool = False,
-                **constraint) -> str:
+def random_walk(
+    compiler: ConstraintCompiler,
+    tokenizer,
+    seed: int,
+    max_steps: int = 300,
+    jump: bool = False,
+    **constraint,
+) -> str:
     """Sample uniformly among the allowed tokens until the constraint is complete (stopping at a
     final state that allows more with probability 1/3), checking the mask against outlines-core.
     With `jump`, each sampled token is replaced by what jump-forward appends for it."""
@@ -69,7 +75,13 @@ def test_vocabulary_round_trip(tokenizer):
     assert build_vocabulary(tokenizer) is vocabulary
     assert vocabulary.get_eos_token_id() == tokenizer.eos_token_id
     assert not set(tokenizer.all_special_ids) & mapping.keys()
-    texts = ["Hello, world!", "café 世界 🎉", "  two  spaces\n\ttab", '{"a": [1, 2.5e-3]}', "naïve résumé — ok"]
+    texts = [
+        "Hello, world!",
+        "café 世界 🎉",
+        "  two  spaces\n\ttab",
+        '{"a": [1, 2.5e-3]}',
+        "naïve résumé — ok",
+    ]
     for text in texts:
         ids = tokenizer.encode(text, add_special_tokens=False)
         assert b"".join(mapping[i] for i in ids) == text.encode()
@@ -79,15 +91,35 @@ def test_vocabulary_round_trip(tokenizer):
 
 def test_sentencepiece_tokens():
     class SentencePieceLike:
-        name_or_path, eos_token_id, all_special_ids, added_tokens_decoder = "fake-sp", 2, [0, 1, 2], {}
+        name_or_path, eos_token_id, all_special_ids, added_tokens_decoder = (
+            "fake-sp",
+            2,
+            [0, 1, 2],
+            {},
+        )
 
         def get_vocab(self):
-            return {"<unk>": 0, "<s>": 1, "</s>": 2, "▁Hello": 3, "<0xE2>": 4, "<0x82>": 5, "<0xAC>": 6, "x▁y": 7}
+            return {
+                "<unk>": 0,
+                "<s>": 1,
+                "</s>": 2,
+                "▁Hello": 3,
+                "<0xE2>": 4,
+                "<0x82>": 5,
+                "<0xAC>": 6,
+                "x▁y": 7,
+            }
 
         def __len__(self):
             return 8
 
-    assert token_bytes(SentencePieceLike()) == {3: b" Hello", 4: b"\xe2", 5: b"\x82", 6: b"\xac", 7: b"x y"}
+    assert token_bytes(SentencePieceLike()) == {
+        3: b" Hello",
+        4: b"\xe2",
+        5: b"\x82",
+        6: b"\xac",
+        7: b"x y",
+    }
 
 
 REGEXES = [
@@ -110,7 +142,9 @@ def test_choices_and_dtypes(compiler, tokenizer):
     choices = ["yes", "no", "maybe so", "café ☕", "a+b (c)"]
     for seed in range(4):
         assert random_walk(compiler, tokenizer, seed, choices=choices) in choices
-        assert re.fullmatch(r"-?(0|[1-9][0-9]*)", random_walk(compiler, tokenizer, seed, dtype="int"))
+        assert re.fullmatch(
+            r"-?(0|[1-9][0-9]*)", random_walk(compiler, tokenizer, seed, dtype="int")
+        )
         float(random_walk(compiler, tokenizer, seed, dtype="float"))
         assert random_walk(compiler, tokenizer, seed, dtype="bool") in ("true", "false")
 
@@ -120,7 +154,16 @@ ACCEPTED = [
     ({"dtype": "float"}, "-12.5e+3"),
     ({"regex": r"(\[[0-9]\])+"}, "[1][2][3]"),
     ({"choices": ["yes", "yes, please"]}, "yes, please"),
-    ({"json_schema": {"type": "object", "properties": {"v": {"type": "number"}}, "required": ["v"]}}, '{"v":0.25}'),
+    (
+        {
+            "json_schema": {
+                "type": "object",
+                "properties": {"v": {"type": "number"}},
+                "required": ["v"],
+            }
+        },
+        '{"v":0.25}',
+    ),
 ]
 
 
@@ -137,23 +180,56 @@ def test_tokenizer_encoding_is_accepted(compiler, tokenizer, constraint, text):
         guide.advance(tokenizer.encode("~", add_special_tokens=False)[0])
 
 
-POINT = {"type": "object", "properties": {"x": {"type": "integer"}, "y": {"type": "integer"}}, "required": ["x", "y"]}
+POINT = {
+    "type": "object",
+    "properties": {"x": {"type": "integer"}, "y": {"type": "integer"}},
+    "required": ["x", "y"],
+}
 SCHEMAS = {
-    "nested": {"type": "object", "properties": {
-        "name": {"type": "string", "maxLength": 12},
-        "address": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
-                                                     "zip": {"type": "integer"}}, "required": ["city", "zip"]}},
-        "required": ["name", "address"]},
-    "array": {"type": "object", "properties": {
-        "tags": {"type": "array", "items": {"type": "string", "maxLength": 6}, "minItems": 1, "maxItems": 3},
-        "scores": {"type": "array", "items": {"type": "number"}, "minItems": 2, "maxItems": 2}},
-        "required": ["tags", "scores"]},
-    "enum": {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]}, "ok": {"type": "boolean"}},
-             "required": ["color", "ok"]},
-    "optional": {"type": "object", "required": ["id"],
-                 "properties": {"id": {"type": "integer"}, "note": {"type": "string", "maxLength": 8}}},
-    "ref": {"$defs": {"point": POINT}, "type": "object",
-            "properties": {"a": {"$ref": "#/$defs/point"}, "b": {"$ref": "#/$defs/point"}}, "required": ["a", "b"]},
+    "nested": {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 12},
+            "address": {
+                "type": "object",
+                "properties": {
+                    "city": {"type": "string", "maxLength": 10},
+                    "zip": {"type": "integer"},
+                },
+                "required": ["city", "zip"],
+            },
+        },
+        "required": ["name", "address"],
+    },
+    "array": {
+        "type": "object",
+        "properties": {
+            "tags": {
+                "type": "array",
+                "items": {"type": "string", "maxLength": 6},
+                "minItems": 1,
+                "maxItems": 3,
+            },
+            "scores": {"type": "array", "items": {"type": "number"}, "minItems": 2, "maxItems": 2},
+        },
+        "required": ["tags", "scores"],
+    },
+    "enum": {
+        "type": "object",
+        "properties": {"color": {"enum": ["red", "green", "blue"]}, "ok": {"type": "boolean"}},
+        "required": ["color", "ok"],
+    },
+    "optional": {
+        "type": "object",
+        "required": ["id"],
+        "properties": {"id": {"type": "integer"}, "note": {"type": "string", "maxLength": 8}},
+    },
+    "ref": {
+        "$defs": {"point": POINT},
+        "type": "object",
+        "properties": {"a": {"$ref": "#/$defs/point"}, "b": {"$ref": "#/$defs/point"}},
+        "required": ["a", "b"],
+    },
 }
 
 
@@ -171,7 +247,9 @@ def check(value, schema: dict, root: dict) -> None:
         for key, item in value.items():
             check(item, schema["properties"][key], root)
     elif kind == "array":
-        assert isinstance(value, list) and schema.get("minItems", 0) <= len(value) <= schema.get("maxItems", 1e9)
+        assert isinstance(value, list) and schema.get("minItems", 0) <= len(value) <= schema.get(
+            "maxItems", 1e9
+        )
         for item in value:
             check(item, schema["items"], root)
     elif kind == "string":
@@ -189,7 +267,9 @@ def check(value, schema: dict, root: dict) -> None:
 def test_json_schema_walk(compiler, tokenizer, name, jump):
     schema = SCHEMAS[name]
     for seed in range(3):
-        text = random_walk(compiler, tokenizer, seed, jump=jump, json_schema=schema if seed else json.dumps(schema))
+        text = random_walk(
+            compiler, tokenizer, seed, jump=jump, json_schema=schema if seed else json.dumps(schema)
+        )
         check(json.loads(text), schema, schema)
     assert compiler.compile(json_schema=schema) is compiler.compile(json_schema=schema)
 
@@ -204,15 +284,21 @@ def test_jump_forward_appends_forced_text_retokenized(compiler, tokenizer):
     for token in ids:
         guide.advance(token)
     # Inside a string nothing is forced; a token that ends the string forces the next key.
-    assert guide.jump_forward(tokenizer.encode("Bob", add_special_tokens=False)[0]) == \
-        tokenizer.encode("Bob", add_special_tokens=False)
+    assert guide.jump_forward(
+        tokenizer.encode("Bob", add_special_tokens=False)[0]
+    ) == tokenizer.encode("Bob", add_special_tokens=False)
     quote = tokenizer.encode('"', add_special_tokens=False)[0]
     assert tokenizer.decode(guide.jump_forward(quote)).startswith('","address')
     # Choices sharing a prefix: only the common part is forced, and a final state forces nothing.
-    choices = compiler.guide(compiler.compile(choices=["Mount Everest", "Mount Fuji"]), jump_forward=True)
-    assert tokenizer.decode(choices.jump_forward(tokenizer.encode("M", add_special_tokens=False)[0])) in \
-        ("Mount", "Mount ")
-    plain = TokenGuide(compiler.compile(choices=["Mount Everest", "Mount Fuji"]), compiler.eos_token_id)
+    choices = compiler.guide(
+        compiler.compile(choices=["Mount Everest", "Mount Fuji"]), jump_forward=True
+    )
+    assert tokenizer.decode(
+        choices.jump_forward(tokenizer.encode("M", add_special_tokens=False)[0])
+    ) in ("Mount", "Mount ")
+    plain = TokenGuide(
+        compiler.compile(choices=["Mount Everest", "Mount Fuji"]), compiler.eos_token_id
+    )
     assert plain.jump_forward(brace[0]) == brace
 
 
@@ -231,13 +317,16 @@ def test_bad_constraints(compiler):
         compiler.compile(dtype="complex")
 
 
-@pytest.mark.parametrize("schema", [
-    {"type": "object"},
-    {},
-    {"type": "object", "properties": {"data": {"type": "array"}}},
-    {"type": "object", "properties": {"bio": {"type": "string", "maxLength": 100000}}},
-    {"type": "array", "items": {"type": "integer"}, "minItems": 5000},
-])
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"type": "object"},
+        {},
+        {"type": "object", "properties": {"data": {"type": "array"}}},
+        {"type": "object", "properties": {"bio": {"type": "string", "maxLength": 100000}}},
+        {"type": "array", "items": {"type": "integer"}, "minItems": 5000},
+    ],
+)
 def test_exploding_schema_rejected_up_front(compiler, schema):
     start = time.monotonic()
     with pytest.raises(ValueError, match="too"):
@@ -270,8 +359,10 @@ def test_apply_bitmask(compiler):
     torch.manual_seed(0)
     bitmask = allocate_bitmask(4, MODEL_VOCAB)
     assert bitmask.shape == (4, (MODEL_VOCAB + 31) // 32) and bitmask.dtype == torch.int32
-    TokenGuide(compiler.compile(regex=r"[0-9]{4}-[0-9]{2}-[0-9]{2}"), compiler.eos_token_id).fill_mask(bitmask[0])
-    bitmask[1] = torch.randint(-2**31, 2**31 - 1, (bitmask.shape[1],), dtype=torch.int32)
+    TokenGuide(
+        compiler.compile(regex=r"[0-9]{4}-[0-9]{2}-[0-9]{2}"), compiler.eos_token_id
+    ).fill_mask(bitmask[0])
+    bitmask[1] = torch.randint(-(2**31), 2**31 - 1, (bitmask.shape[1],), dtype=torch.int32)
     TokenGuide(compiler.compile(choices=["yes", "no"]), compiler.eos_token_id).fill_mask(bitmask[2])
     bitmask[3] = -1
     logits = torch.randn(4, MODEL_VOCAB)
@@ -286,7 +377,7 @@ def test_apply_bitmask(compiler):
     assert 1 <= (~torch.isinf(logits[2])).sum() < 20
 
     # All rows, with logits wider than the bitmask covers: the extra columns are masked.
-    narrow = torch.tensor([[-1, 0b101], [0, -2**31]], dtype=torch.int32)
+    narrow = torch.tensor([[-1, 0b101], [0, -(2**31)]], dtype=torch.int32)
     logits = torch.zeros(2, 70)
     apply_bitmask(logits, narrow)
     allowed = unpack_reference(narrow, 70)

@@ -7,9 +7,10 @@ import asyncio
 import hmac
 import time
 import uuid
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -20,12 +21,19 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from radixrt.client.endpoint import Prompt, RuntimeEndpoint
 from radixrt.server.http.errors import RUNTIME_EXCEPTIONS, APIError, from_runtime_error
 from radixrt.server.http.responses import ResponseShape, response_body, sse_event, usage_of
-from radixrt.server.http.schemas import (ChatCompletionRequest, CompletionRequest, GenerateRequest, constraint_params,
-                                         message_dict, prompt_list, render_chat)
+from radixrt.server.http.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerateRequest,
+    constraint_params,
+    message_dict,
+    prompt_list,
+    render_chat,
+)
 from radixrt.server.metrics import GatewayMetrics
 
-
-DISCONNECT_POLL_S = 0.25  # how often a waiting non-streamed request checks that its client is still there
+# how often a waiting non-streamed request checks that its client is still there
+DISCONNECT_POLL_S = 0.25
 HEALTH_TIMEOUT_S = 5.0
 ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
 
@@ -36,10 +44,16 @@ async def unless_disconnected(request: Request, coros: list) -> list:
     tasks = [asyncio.ensure_future(c) for c in coros]
     try:
         while True:
-            done, pending = await asyncio.wait(tasks, timeout=DISCONNECT_POLL_S, return_when=asyncio.FIRST_EXCEPTION)
+            done, pending = await asyncio.wait(
+                tasks, timeout=DISCONNECT_POLL_S, return_when=asyncio.FIRST_EXCEPTION
+            )
             for task in done:
                 if (error := task.exception()) is not None:
-                    raise from_runtime_error(error) if isinstance(error, RUNTIME_EXCEPTIONS) else error
+                    raise (
+                        from_runtime_error(error)
+                        if isinstance(error, RUNTIME_EXCEPTIONS)
+                        else error
+                    )
             if not pending:
                 return [task.result() for task in tasks]
             if await request.is_disconnected():
@@ -82,7 +96,9 @@ class Gateway:
         from transformers import AutoTokenizer
 
         info = self.endpoint.model_info
-        return _Model(info["model"], info["context_length"], AutoTokenizer.from_pretrained(info["model_path"]))
+        return _Model(
+            info["model"], info["context_length"], AutoTokenizer.from_pretrained(info["model_path"])
+        )
 
     def authorized(self, headers: dict[bytes, bytes]) -> bool:
         if self.api_key is None:
@@ -95,7 +111,9 @@ class Gateway:
         params = req.sampling_params(req.max_tokens)
         if req.logprobs is not None:
             params.update(return_logprob=True, top_logprobs_num=req.logprobs)
-        shape = ResponseShape(chat=False, tokenizer=model.tokenizer, logprobs=req.logprobs is not None)
+        shape = ResponseShape(
+            chat=False, tokenizer=model.tokenizer, logprobs=req.logprobs is not None
+        )
         return await self._respond(request, req, model, prompt_list(req.prompt), params, shape)
 
     async def chat(self, request: Request, req: ChatCompletionRequest) -> Response:
@@ -110,13 +128,25 @@ class Gateway:
         messages = [message_dict(m) for m in req.messages]
         try:
             prompt = render_chat(model.tokenizer, messages)
-        except (TemplateError, ValueError) as e:  # the template's own checks (roles must alternate, ...)
-            raise APIError(400, f"cannot render the messages with the chat template: {e}", param="messages") from e
+        except (
+            TemplateError,
+            ValueError,
+        ) as e:  # the template's own checks (roles must alternate, ...)
+            raise APIError(
+                400, f"cannot render the messages with the chat template: {e}", param="messages"
+            ) from e
         shape = ResponseShape(chat=True, tokenizer=model.tokenizer, logprobs=req.logprobs)
         return await self._respond(request, req, model, [prompt], params, shape)
 
-    async def _respond(self, request: Request, req: GenerateRequest, model: _Model, prompts: list[Prompt],
-                       params: dict[str, Any], shape: ResponseShape) -> Response:
+    async def _respond(
+        self,
+        request: Request,
+        req: GenerateRequest,
+        model: _Model,
+        prompts: list[Prompt],
+        params: dict[str, Any],
+        shape: ResponseShape,
+    ) -> Response:
         rid = f"{shape.id_prefix}{uuid.uuid4().hex}"
         if req.stream:
             if len(prompts) != 1:
@@ -124,8 +154,11 @@ class Gateway:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return await self._stream(request, rid, model, prompts[0], params, shape, include_usage)
         samples = await unless_disconnected(request, [self._generate(p, params) for p in prompts])
-        choices = [shape.choice(i * len(per_prompt) + j, s["text"], s["meta_info"])
-                   for i, per_prompt in enumerate(samples) for j, s in enumerate(per_prompt)]
+        choices = [
+            shape.choice(i * len(per_prompt) + j, s["text"], s["meta_info"])
+            for i, per_prompt in enumerate(samples)
+            for j, s in enumerate(per_prompt)
+        ]
         return JSONResponse(response_body(shape, rid, model.name, choices, usage_of(samples)))
 
     async def _generate(self, prompt: Prompt, params: dict[str, Any]) -> list[dict[str, Any]]:
@@ -135,19 +168,44 @@ class Gateway:
             self.metrics.observe(s["meta_info"], count_prompt=j == 0)
         return samples
 
-    async def _stream(self, request: Request, rid: str, model: _Model, prompt: Prompt, params: dict[str, Any],
-                      shape: ResponseShape, include_usage: bool) -> StreamingResponse:
+    async def _stream(
+        self,
+        request: Request,
+        rid: str,
+        model: _Model,
+        prompt: Prompt,
+        params: dict[str, Any],
+        shape: ResponseShape,
+        include_usage: bool,
+    ) -> StreamingResponse:
         replies = self.endpoint.async_stream(prompt, params)
         # Wait for the first reply before sending headers, so a rejected request gets its 4xx.
-        first, = await unless_disconnected(request, [replies.__anext__()])
-        events = self._events(rid, model.name, prepend(first, replies), shape, params.get("n", 1), include_usage)
+        (first,) = await unless_disconnected(request, [replies.__anext__()])
+        events = self._events(
+            rid, model.name, prepend(first, replies), shape, params.get("n", 1), include_usage
+        )
         return StreamingResponse(events, media_type="text/event-stream")
 
-    async def _events(self, rid: str, model: str, replies: AsyncIterator[dict], shape: ResponseShape, n: int,
-                      include_usage: bool) -> AsyncIterator[str]:
+    async def _events(
+        self,
+        rid: str,
+        model: str,
+        replies: AsyncIterator[dict],
+        shape: ResponseShape,
+        n: int,
+        include_usage: bool,
+    ) -> AsyncIterator[str]:
         # A client that disconnects cancels this generator inside `replies`, which aborts the request.
         if shape.chat:
-            yield sse_event(response_body(shape, rid, model, [shape.delta(i, "", first=True) for i in range(n)], chunk=True))
+            yield sse_event(
+                response_body(
+                    shape,
+                    rid,
+                    model,
+                    [shape.delta(i, "", first=True) for i in range(n)],
+                    chunk=True,
+                )
+            )
         finals = []
         try:
             async for reply in replies:
@@ -155,16 +213,29 @@ class Gateway:
                 if reply["finished"]:
                     finals.append(reply)
                     self.metrics.observe(reply["meta_info"], count_prompt=index == 0)
-                    yield sse_event(response_body(shape, rid, model, [shape.choice(index, "", reply["meta_info"], stream=True)],
-                                       chunk=True))
+                    yield sse_event(
+                        response_body(
+                            shape,
+                            rid,
+                            model,
+                            [shape.choice(index, "", reply["meta_info"], stream=True)],
+                            chunk=True,
+                        )
+                    )
                 elif reply["delta"]:
-                    yield sse_event(response_body(shape, rid, model, [shape.delta(index, reply["delta"])], chunk=True))
+                    yield sse_event(
+                        response_body(
+                            shape, rid, model, [shape.delta(index, reply["delta"])], chunk=True
+                        )
+                    )
         except RUNTIME_EXCEPTIONS as e:
             yield sse_event(from_runtime_error(e).body())
             return
         if include_usage:
             finals.sort(key=lambda r: r.get("index", 0))
-            yield sse_event(response_body(shape, rid, model, [], usage=usage_of([finals]), chunk=True))
+            yield sse_event(
+                response_body(shape, rid, model, [], usage=usage_of([finals]), chunk=True)
+            )
         yield "data: [DONE]\n\n"
 
     async def health(self) -> dict:
@@ -182,8 +253,18 @@ class Gateway:
 
     async def models(self) -> dict:
         model = await self.model()
-        return {"object": "list", "data": [{"id": model.name, "object": "model", "created": self.started,
-                                            "owned_by": "radixrt", "max_model_len": model.context_length}]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": model.name,
+                    "object": "model",
+                    "created": self.started,
+                    "owned_by": "radixrt",
+                    "max_model_len": model.context_length,
+                }
+            ],
+        }
 
 
 class _Guard:
@@ -207,18 +288,26 @@ class _Guard:
 
         try:
             if path.startswith("/v1/") and not self.gateway.authorized(dict(scope["headers"])):
-                error = APIError(401, "missing or wrong API key (Authorization: Bearer ...)", "authentication_error",
-                                 code="invalid_api_key")
+                error = APIError(
+                    401,
+                    "missing or wrong API key (Authorization: Bearer ...)",
+                    "authentication_error",
+                    code="invalid_api_key",
+                )
                 return await error.response()(scope, receive, send_observed)
             await self.app(scope, receive, send_observed)
         finally:
-            self.gateway.metrics.requests.labels(path if path in ROUTES else "other", str(status)).inc()
+            self.gateway.metrics.requests.labels(
+                path if path in ROUTES else "other", str(status)
+            ).inc()
 
 
 def build_app(gateway: Gateway) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        warm_up = asyncio.create_task(gateway.model())  # the tokenizer loads while the runtime starts
+        warm_up = asyncio.create_task(
+            gateway.model()
+        )  # the tokenizer loads while the runtime starts
         yield
         warm_up.cancel()
 
@@ -232,8 +321,10 @@ def build_app(gateway: Gateway) -> FastAPI:
     async def bad_request(request: Request, e: RequestValidationError) -> JSONResponse:
         first = e.errors()[0] if e.errors() else {}
         param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
-        message = "; ".join(f"{'.'.join(map(str, err.get('loc', ())[1:])) or 'body'}: {err.get('msg')}"
-                            for err in e.errors())
+        message = "; ".join(
+            f"{'.'.join(map(str, err.get('loc', ())[1:])) or 'body'}: {err.get('msg')}"
+            for err in e.errors()
+        )
         return APIError(400, message or "bad request", param=param).response()
 
     @app.post("/v1/completions")

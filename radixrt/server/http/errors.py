@@ -10,13 +10,15 @@ from fastapi.responses import JSONResponse
 from radixrt.client.transport import RemoteError
 from radixrt.protocol import ErrorCode
 
-
 RUNTIME_EXCEPTIONS = (RemoteError, ValueError, ConnectionError)
 # (HTTP status, OpenAI error type) -> the runtime's error codes answered with it; statuses are
 # never decided from message text
 _STATUSES = {
-    (400, "invalid_request_error"): (ErrorCode.INVALID_REQUEST, ErrorCode.CONTEXT_LENGTH_EXCEEDED,
-                                     ErrorCode.INVALID_CONSTRAINT),
+    (400, "invalid_request_error"): (
+        ErrorCode.INVALID_REQUEST,
+        ErrorCode.CONTEXT_LENGTH_EXCEEDED,
+        ErrorCode.INVALID_CONSTRAINT,
+    ),
     (401, "authentication_error"): (ErrorCode.UNAUTHORIZED,),
     (429, "rate_limit_error"): (ErrorCode.RATE_LIMITED,),
     (499, "client_disconnected"): (ErrorCode.ABORTED,),
@@ -31,13 +33,26 @@ HTTP_ERRORS = {code: status for status, codes in _STATUSES.items() for code in c
 class APIError(Exception):
     """An error answered in OpenAI's shape."""
 
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        kind: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ):
         super().__init__(message)
         self.status, self.kind, self.param, self.code = status, kind, param, code
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": self.code}}
+        return {
+            "error": {
+                "message": str(self),
+                "type": self.kind,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status)

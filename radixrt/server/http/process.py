@@ -32,8 +32,20 @@ def start_gateway(args: ServerArgs) -> subprocess.Popen:
         raise SystemExit(f"refusing to serve HTTP on {host} without --api-key")
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.create_server((host, args.http_port), family=family, backlog=1024)
-    command = [sys.executable, "-m", "radixrt", "http-gateway", "--url", args.endpoint, "--fd", str(sock.fileno()),
-               "--parent-pid", str(os.getpid()), "--log-level", args.log_level]
+    command = [
+        sys.executable,
+        "-m",
+        "radixrt",
+        "http-gateway",
+        "--url",
+        args.endpoint,
+        "--fd",
+        str(sock.fileno()),
+        "--parent-pid",
+        str(os.getpid()),
+        "--log-level",
+        args.log_level,
+    ]
     if args.curve_secret_key:
         command += ["--curve-server-key", zmq.curve_public(args.curve_secret_key.encode()).decode()]
     env = dict(os.environ)
@@ -55,12 +67,20 @@ def stop_gateway(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
-def run_gateway(url: str, fd: int, parent_pid: int | None = None, api_key: str | None = None,
-                curve_server_key: str | None = None, log_level: str = "info") -> None:
+def run_gateway(
+    url: str,
+    fd: int,
+    parent_pid: int | None = None,
+    api_key: str | None = None,
+    curve_server_key: str | None = None,
+    log_level: str = "info",
+) -> None:
     """Serve HTTP on the inherited listening socket `fd` until SIGTERM/SIGINT or the parent exits."""
     logging.basicConfig(level=log_level.upper(), format="[%(asctime)s %(name)s] %(message)s")
     endpoint = RuntimeEndpoint(url, api_key=api_key, curve_server_key=curve_server_key)
-    config = uvicorn.Config(build_app(Gateway(endpoint, api_key)), log_level=log_level, timeout_graceful_shutdown=5)
+    config = uvicorn.Config(
+        build_app(Gateway(endpoint, api_key)), log_level=log_level, timeout_graceful_shutdown=5
+    )
     server = uvicorn.Server(config)
 
     def watch_parent() -> None:

@@ -30,9 +30,22 @@ class GenerateRequest(BaseModel):
 
     def sampling_params(self, max_new_tokens: int) -> dict[str, Any]:
         """The runtime validates the values (docs/protocol.md); unset ones keep its defaults."""
-        given = {k: getattr(self, k) for k in ("n", "stop", "temperature", "top_p", "seed", "frequency_penalty",
-                                                "presence_penalty")}
-        return {"max_new_tokens": max_new_tokens, **{k: v for k, v in given.items() if v is not None}}
+        given = {
+            k: getattr(self, k)
+            for k in (
+                "n",
+                "stop",
+                "temperature",
+                "top_p",
+                "seed",
+                "frequency_penalty",
+                "presence_penalty",
+            )
+        }
+        return {
+            "max_new_tokens": max_new_tokens,
+            **{k: v for k, v in given.items() if v is not None},
+        }
 
 
 class CompletionRequest(GenerateRequest):
@@ -82,8 +95,11 @@ def constraint_params(fmt: ResponseFormat | None) -> dict[str, Any]:
         return {"regex": JSON_OBJECT_REGEX}
     schema = (fmt.json_schema or {}).get("schema")
     if not isinstance(schema, dict):
-        raise APIError(400, "response_format.json_schema.schema must be a JSON schema object",
-                       param="response_format")
+        raise APIError(
+            400,
+            "response_format.json_schema.schema must be a JSON schema object",
+            param="response_format",
+        )
     return {"json_schema": schema}
 
 

@@ -15,15 +15,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # package -> the radixrt packages it may import (at run time; type-checking-only imports aside)
 ALLOWED = {
     "client": {"protocol", "config"},
-    "server": {
-        "client",
-        "engine",
-        "executor",
-        "structured",
-        "protocol",
-        "config",
-        "sampling_params",
-    },
+    "server": {"client", "engine", "structured", "protocol", "config", "sampling_params"},
     "engine": {"mem_cache", "executor", "structured", "protocol", "config", "sampling_params"},
     "mem_cache": set(),
     "executor": {"models", "attention", "mem_cache", "config"},

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import torch
 
@@ -20,7 +20,7 @@ class FinishReason:
     generated, `abort` a message; an abort with an `error` code reaches the client as that
     error instead of a result (a constraint that does not compile)."""
 
-    type: str  # "stop" | "length" | "abort"
+    type: Literal["stop", "length", "abort"]
     matched: int | str | None = None
     length: int | None = None
     message: str | None = None
@@ -40,15 +40,11 @@ class FinishReason:
 
     def to_dict(self) -> dict[str, Any]:
         """The wire form, `meta_info["finish_reason"]`."""
-        fields = {"matched": self.matched, "length": self.length, "message": self.message}
-        return {
-            "type": self.type,
-            **{
-                k: v
-                for k, v in fields.items()
-                if v is not None or (k == "matched" and self.type == "stop")
-            },
-        }
+        if self.type == "stop":
+            return {"type": "stop", "matched": self.matched}
+        if self.type == "length":
+            return {"type": "length", "length": self.length}
+        return {"type": "abort", "message": self.message}
 
 
 @dataclass(eq=False)

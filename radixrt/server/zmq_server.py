@@ -22,7 +22,6 @@ import zmq
 from radixrt.config import ServerArgs
 from radixrt.engine.request import Req
 from radixrt.engine.scheduler import Scheduler
-from radixrt.executor.model_runner import ModelRunner
 from radixrt.protocol import ErrorCode, RequestError, error_reply
 from radixrt.sampling_params import SamplingParams
 
@@ -49,7 +48,7 @@ class ClientRequest:
 class Server:
     def __init__(self, args: ServerArgs, endpoint: str):
         self.args = args
-        self.scheduler = Scheduler(args.scheduler, ModelRunner(args.executor))
+        self.scheduler = Scheduler.from_server_args(args)
         self.tokenizer = self.scheduler.tokenizer
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
@@ -352,6 +351,9 @@ def run_server(args: ServerArgs) -> None:
     logger.info("serving on %s", args.endpoint)
     try:
         server.serve_forever()
+    except Exception:  # a bug in the loop: its traceback goes to the log, the CLI says one line
+        logger.exception("the serving loop failed")
+        raise
     finally:
         if gateway is not None:
             http_gateway.stop_gateway(gateway)

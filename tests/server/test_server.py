@@ -17,6 +17,7 @@ import pytest
 import zmq
 
 import radixrt as rt
+from radixrt.client.launcher import free_port
 from radixrt.client.transport import RemoteError
 
 from ownership import assert_all_free, assert_slot_ownership
@@ -292,7 +293,7 @@ def test_killed_client_has_its_request_aborted_and_pins_released(default_model_d
 
 
 def test_server_restart_fails_in_flight_requests_then_recovers(tiny_model_dir):
-    port = rt.runtime.free_port()
+    port = free_port()
     cmd = [
         sys.executable,
         "-m",

@@ -32,9 +32,8 @@ class _ExtendItem:
 @dataclass
 class TorchMetadata:
     decode_tokens: torch.Tensor  # [Bd] rows of q/o that are decodes
-    shared_slots: (
-        torch.Tensor | slice | None
-    )  # KV slots all decodes start with; a slice if contiguous, None if few
+    # KV slots all decodes start with; a slice if contiguous, None if few
+    shared_slots: torch.Tensor | slice | None
     decode_slots: torch.Tensor  # [Bd, L] the rest of each decode's context, padded with slot 0
     decode_bias: torch.Tensor  # [Bd, 1, 1, L] 0 where decode_slots is real, -inf on the padding
     extends: list[_ExtendItem]

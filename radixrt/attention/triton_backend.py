@@ -26,13 +26,11 @@ MIN_SPLIT_LEN = 64  # one decode-kernel KV block; shorter splits only add merge 
 @dataclass
 class TritonMetadata:
     decode: bool  # every request has exactly one new token
-    qo_indptr: (
-        torch.Tensor
-    )  # [B+1] int32, new tokens of request b at rows qo_indptr[b]:qo_indptr[b+1]
+    # [B+1] int32, new tokens of request b at rows qo_indptr[b]:qo_indptr[b+1]
+    qo_indptr: torch.Tensor
     kv_indptr: torch.Tensor  # [B+1] int32, into kv_indices
-    kv_indices: (
-        torch.Tensor
-    )  # pool slots: the whole context when decode, else only the cached prefix
+    # pool slots: the whole context when decode, else only the cached prefix
+    kv_indices: torch.Tensor
     max_extend_len: int
     num_kv_splits: int
 

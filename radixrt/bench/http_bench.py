@@ -107,9 +107,8 @@ def run_http_bench(args: argparse.Namespace | HttpBenchConfig) -> dict[str, Any]
         }
         results = {}
         for name, turn in paths.items():
-            turn(
-                [{"role": "user", "content": "Hello"}]
-            )  # warm-up (the gateway loads its tokenizer)
+            # warm-up (the gateway loads its tokenizer)
+            turn([{"role": "user", "content": "Hello"}])
             runtime.flush_cache()
             results[name] = _run_pass(name, conversations, turn)
     overhead = 1 - results["http"].output_throughput / results["zmq"].output_throughput

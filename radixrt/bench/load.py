@@ -78,9 +78,8 @@ def stream_into(trace: RequestTrace, chunks) -> str:
                     trace.chunk_tokens.append(len(chunk["token_ids"]))
                 continue
             meta = chunk["meta_info"]
-            held = (
-                len(chunk["output_ids"]) - trace.output_tokens
-            )  # tokens only the final map carried
+            # tokens only the final map carried
+            held = len(chunk["output_ids"]) - trace.output_tokens
             if held > 0:
                 trace.chunk_times.append(now)
                 trace.chunk_tokens.append(held)

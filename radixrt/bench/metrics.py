@@ -12,9 +12,8 @@ class RequestTrace:
     """What one request did, seen from the client: times are `time.monotonic()` seconds."""
 
     sent: float  # when the client sent it (an open loop's scheduled arrival)
-    chunk_times: list[float] = field(
-        default_factory=list
-    )  # arrival of each streamed piece with tokens
+    # arrival of each streamed piece with tokens
+    chunk_times: list[float] = field(default_factory=list)
     chunk_tokens: list[int] = field(default_factory=list)  # tokens in each piece
     done: float | None = None
     prompt_tokens: int = 0

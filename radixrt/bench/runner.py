@@ -57,9 +57,8 @@ class RunResult:
     peak_used_tokens: int | None = None
     mask_time_share: float | None = None  # constraint masks / step time
     by_tag: dict[str, Summary] = field(default_factory=dict)
-    short_itls: list[float] = field(
-        default_factory=list
-    )  # long-prompt: every ITL gap of the short requests
+    # long-prompt: every ITL gap of the short requests
+    short_itls: list[float] = field(default_factory=list)
 
 
 def setup_info(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
@@ -293,9 +292,8 @@ def _fmt(value: float | None, spec: str = ".2f") -> str:
 def print_table(workload: str, results: list[RunResult], baseline: str | None) -> None:
     base = next((r for r in results if r.system == baseline), None)
     programs = any(r.load.startswith("run_batch") for r in results)
-    metric = (
-        "request_throughput" if programs else "output_throughput"
-    )  # a select-only program generates nothing
+    # a select-only program generates nothing
+    metric = "request_throughput" if programs else "output_throughput"
     head = (
         f"{'system':<24}{'load':<26}{'req/s':>7}{'tok/s':>8}{'goodput':>8}{'TTFT p50':>9}{'p99':>7}"
         f"{'TPOT p50':>9}{'ITL p99':>8}{'hit':>6}{'preempt':>8}{'fwd/req':>8}{'ratio':>7}"

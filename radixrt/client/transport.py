@@ -168,9 +168,8 @@ class RuntimeClient:
         dealer = self._ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
         if self.curve_server_key:
-            dealer.curve_publickey, dealer.curve_secretkey = (
-                zmq.curve_keypair()
-            )  # an ephemeral client key
+            # an ephemeral client key
+            dealer.curve_publickey, dealer.curve_secretkey = zmq.curve_keypair()
             dealer.curve_serverkey = self.curve_server_key.encode()
         dealer.connect(self.endpoint)
         pull = self._ctx.socket(zmq.PULL)

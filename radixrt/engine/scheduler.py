@@ -117,9 +117,8 @@ class Scheduler:
         if not req.constraint.done():
             return False
         try:
-            jump = (
-                self.args.enable_jump_forward and not req.params.return_logprob
-            )  # forced tokens get no logprobs
+            # forced tokens get no logprobs
+            jump = self.args.enable_jump_forward and not req.params.return_logprob
             req.guide = self.compiler.guide(req.constraint.result(), jump_forward=jump)
             return True
         except ValueError as e:
@@ -360,9 +359,8 @@ class Scheduler:
     def _prompt_logprobs(self, req: Req, hidden: torch.Tensor) -> None:
         """Logprob of each prompt token from `logprob_start_len` on, given the tokens before it."""
         first = max(req.kv_len, req.params.logprob_start_len)
-        last = min(
-            req.kv_len + len(hidden), len(req.input_ids) - 1
-        )  # positions whose next token is in the prompt
+        # positions whose next token is in the prompt
+        last = min(req.kv_len + len(hidden), len(req.input_ids) - 1)
         if first >= last:
             return
         logprobs = torch.log_softmax(

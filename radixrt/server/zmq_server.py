@@ -179,9 +179,8 @@ class Server:
         ids = _prompt_ids(self, msg)
         if any(c.identity == identity and c.rid == rid for c in self.clients.values()):
             raise ValueError(f"rid {rid!r} is already in flight on this connection")
-        base = _internal_rid(
-            identity, rid
-        )  # rids are the client's own: two clients may both use "r1"
+        # rids are the client's own: two clients may both use "r1"
+        base = _internal_rid(identity, rid)
         rids = [base] if params.n == 1 else [f"{base}-{i}" for i in range(params.n)]
         reqs = [
             self.scheduler.make_request(r, ids, params, sample_index=i) for i, r in enumerate(rids)

@@ -99,9 +99,8 @@ class ConstraintCompiler:
         self.whitespace_pattern = whitespace_pattern
         # Builds finished or in flight, so concurrent requests for one constraint share one build.
         self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
-        self._forced: OrderedDict[int, ForcedStrings] = (
-            OrderedDict()
-        )  # by id(index); each holds its index
+        # by id(index); each holds its index
+        self._forced: OrderedDict[int, ForcedStrings] = OrderedDict()
         self._lock = threading.Lock()
         self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="constraint-compile")
 

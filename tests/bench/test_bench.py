@@ -178,14 +178,12 @@ def test_shared_prefix_against_baselines_and_peers(tiny_model_dir, tmp_path, cap
         "transformers",
     ]
     assert results[0]["cache_hit_rate"] > 0.5 and results[1]["cache_hit_rate"] == 0
-    assert (
-        0 < results[0]["peak_used_tokens"] < results[1]["peak_used_tokens"]
-    )  # shared pages held once
+    # shared pages held once
+    assert 0 < results[0]["peak_used_tokens"] < results[1]["peak_used_tokens"]
     assert all(r["summary"]["output_tokens"] > 0 for r in results)
     out = capsys.readouterr().out
-    assert (
-        "llama.cpp" in out and "ratio: output throughput over transformers" in out
-    )  # llama.cpp run or skipped
+    # llama.cpp run or skipped
+    assert "llama.cpp" in out and "ratio: output throughput over transformers" in out
 
 
 def test_rate_sweep_plots_throughput_and_ttft(tiny_model_dir, tmp_path, capsys):

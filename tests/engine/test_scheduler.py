@@ -222,9 +222,8 @@ def test_lpm_aging_admits_a_long_waiter_first(tiny_model_dir):
     cold, hot = _submit(scheduler, [_prompt(22, 12), SHARED + [50, 51, 52]], 3)
     now = time.monotonic()
     hot.arrival = now
-    cold.arrival = (
-        now - 4 * len(SHARED) / AGING_TOKENS_PER_SECOND
-    )  # worth 4x the hot request's match
+    # worth 4x the hot request's match
+    cold.arrival = now - 4 * len(SHARED) / AGING_TOKENS_PER_SECOND
     assert _admitted_first(scheduler) is cold
     _drain(scheduler)
     _assert_all_free(scheduler)

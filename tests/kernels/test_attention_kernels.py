@@ -180,15 +180,13 @@ def test_decode_multiple_blocks_per_split(monkeypatch):
     tiles = TileSpy(decode_attention._attend_block)
     monkeypatch.setattr(decode_attention, "_attend_block", tiles)
     _run_decode(8, 1, 64, context_lens=[39, 1, 70], num_kv_splits=3, logit_cap=4.0)
-    _run_decode(
-        8, 1, 64, context_lens=[5, 2], num_kv_splits=7
-    )  # splits > context, non-power-of-two
+    # splits > context, non-power-of-two
+    _run_decode(8, 1, 64, context_lens=[5, 2], num_kv_splits=7)
 
     assert [grid for grid, _ in spy.launches] == [(3, 1, 3), (2, 1, 7)]
     assert all(kwargs["BLOCK_N"] == 16 for _, kwargs in spy.launches)
-    assert set(tiles.tiles) == {(16, 16)}, (
-        "the kernel ran with another key tile than patched"
-    )  # 16 query rows: BLOCK_H
+    # 16 query rows: BLOCK_H
+    assert set(tiles.tiles) == {(16, 16)}, "the kernel ran with another key tile than patched"
     expected = _decode_tiles([39, 1, 70], 3, 16) + _decode_tiles([5, 2], 7, 16)
     assert max(expected) > 1, "no split runs more than one tile"
     assert len(tiles.tiles) == sum(expected), "tiles skipped or repeated"

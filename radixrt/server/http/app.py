@@ -305,9 +305,8 @@ class _Guard:
 def build_app(gateway: Gateway) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        warm_up = asyncio.create_task(
-            gateway.model()
-        )  # the tokenizer loads while the runtime starts
+        # the tokenizer loads while the runtime starts
+        warm_up = asyncio.create_task(gateway.model())
         yield
         warm_up.cancel()
 

@@ -26,7 +26,16 @@ ALLOWED = {
     "kernels": set(),
     "frontend": {"client", "frontend"},
 }
-NOT_SOURCES = (".git", ".venv", "build", "*.egg-info", "bench_results", "__pycache__", ".*_cache", ".hypothesis")
+NOT_SOURCES = (
+    ".git",
+    ".venv",
+    "build",
+    "*.egg-info",
+    "bench_results",
+    "__pycache__",
+    ".*_cache",
+    ".hypothesis",
+)
 SOURCE_DIRS = {"frontend": ROOT / "frontend", "kernels": ROOT / "kernels"}
 
 

@@ -4,9 +4,11 @@ Decodes (one new token) are batched: their contexts are gathered into a padded
 `[B, Hkv, L, D]` view with a length mask. When all decodes share a cached prefix (the slots
 are the same: the radix tree gave them the same pages), that prefix is read once and attended
 by every query in one call, and only the private suffixes are gathered per request; the two
-halves are merged by their log-sum-exp (cascade attention). Extends (several new tokens) run one
-request at a time, each with a mask that sees its whole cached prefix and is causal over its
-new tokens.
+halves are merged by their log-sum-exp (cascade attention). Extends (several new tokens: prefill
+chunks, jump-forward appends, the suffix after a cache hit) are batched too: requests of similar
+sizes are padded into one call per layer, each query seeing its cached prefix and, causally, the
+new tokens before it; a group grows only while padding at most doubles its work, so a long prefill
+runs alone rather than padding many short extends up to its size.
 """
 
 from __future__ import annotations
@@ -23,10 +25,15 @@ if TYPE_CHECKING:  # types only: the executor and the pools import this package,
 
 
 @dataclass
-class _ExtendItem:
-    tokens: slice  # rows of q/o in the flattened batch
-    slots: torch.Tensor  # [seq_len] KV slots of the whole sequence
-    mask: torch.Tensor | None  # [extend, seq_len] bool, None when plain causal
+class _ExtendGroup:
+    """Extends attended in one call: B requests, queries padded to E, contexts padded to L."""
+
+    tokens: torch.Tensor  # [sum e] rows of q/o in the flattened batch
+    padded: torch.Tensor  # [sum e] the same queries' rows in the padded [B * E] layout
+    slots: torch.Tensor  # [B, L] KV slots of each whole sequence, padded with slot 0
+    # [B, 1, E, L] additive: 0 where a query sees a key, -inf elsewhere; None when plainly causal
+    mask: torch.Tensor | None
+    shape: tuple[int, int]  # (B, E)
 
 
 @dataclass
@@ -36,10 +43,11 @@ class TorchMetadata:
     shared_slots: torch.Tensor | slice | None
     decode_slots: torch.Tensor  # [Bd, L] the rest of each decode's context, padded with slot 0
     decode_bias: torch.Tensor  # [Bd, 1, 1, L] 0 where decode_slots is real, -inf on the padding
-    extends: list[_ExtendItem]
+    extends: list[_ExtendGroup]
 
 
 MIN_SHARED_PREFIX = 16  # below this, reading the prefix once does not pay for the merge
+PAD_SLACK = 2.0  # an extend group's padded work (B * E * L) may be at most this times its real work
 
 
 class TorchAttentionBackend:
@@ -54,18 +62,11 @@ class TorchAttentionBackend:
         for e in batch.extend_lens:
             starts.append(starts[-1] + e)
         decodes = [i for i, e in enumerate(batch.extend_lens) if e == 1]
-        extends = []
-        for i, e in enumerate(batch.extend_lens):
-            if e == 1:
-                continue
-            slots = self.req_to_token[batch.rows[i], : seq_lens[i]].long()
-            prefix = batch.prefix_lens[i]
-            mask = None
-            if prefix:
-                mask = torch.ones(e, seq_lens[i], dtype=torch.bool, device=device).tril(
-                    diagonal=prefix
-                )
-            extends.append(_ExtendItem(slice(starts[i], starts[i + 1]), slots, mask))
+        extending = [i for i, e in enumerate(batch.extend_lens) if e > 1]
+        extends = [
+            self._extend_group(batch, starts, group)
+            for group in group_extends(extending, batch.extend_lens, seq_lens)
+        ]
         empty = torch.empty(0, dtype=torch.long, device=device)
         if not decodes:
             batch.attn_metadata = TorchMetadata(empty, None, empty, empty, extends)
@@ -90,6 +91,34 @@ class TorchAttentionBackend:
             extends,
         )
 
+    def _extend_group(
+        self, batch: ForwardBatch, starts: list[int], group: list[int]
+    ) -> _ExtendGroup:
+        """The padded layout of one group: its queries' rows, each sequence's slots (slot 0 past
+        its end) and, unless a lone request has no prefix, the additive prefix-plus-causal mask."""
+        device = self.req_to_token.device
+        extend = torch.tensor([batch.extend_lens[i] for i in group], device=device)
+        prefix = torch.tensor([batch.prefix_lens[i] for i in group], device=device)
+        width, length = int(extend.max()), int((prefix + extend).max())
+        slots = self.req_to_token[batch.rows[group], :length].long()
+        keys = torch.arange(length, device=device)
+        slots.masked_fill_(keys[None, :] >= (prefix + extend)[:, None], 0)
+        tokens = torch.cat([torch.arange(starts[i], starts[i + 1], device=device) for i in group])
+        padded = torch.cat(
+            [
+                b * width + torch.arange(batch.extend_lens[i], device=device)
+                for b, i in enumerate(group)
+            ]
+        )
+        mask = None
+        if len(group) > 1 or int(prefix[0]):
+            # a padded query repeats its request's last one, so no row is fully masked
+            query = torch.minimum(torch.arange(width, device=device)[None, :], extend[:, None] - 1)
+            seen = keys[None, None, :] <= (prefix[:, None] + query)[:, :, None]
+            mask = torch.zeros(seen.shape, dtype=self.kv_pool.k_buffers[0].dtype, device=device)
+            mask = mask.masked_fill_(~seen, float("-inf"))[:, None]
+        return _ExtendGroup(tokens, padded, slots, mask, (len(group), width))
+
     def forward(
         self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch
     ) -> torch.Tensor:
@@ -98,17 +127,26 @@ class TorchAttentionBackend:
         meta: TorchMetadata = batch.attn_metadata
         out = torch.empty_like(q)
         gqa = q.shape[1] != k.shape[1]
-        for item in meta.extends:
-            qi = q[item.tokens].transpose(0, 1)
-            ki = gather_slots(k_buf, item.slots).transpose(0, 1)
-            vi = gather_slots(v_buf, item.slots).transpose(0, 1)
-            oi = F.scaled_dot_product_attention(
-                qi, ki, vi, attn_mask=item.mask, is_causal=item.mask is None, enable_gqa=gqa
-            )
-            out[item.tokens] = oi.transpose(0, 1)
+        for group in meta.extends:
+            out[group.tokens] = self._extend(q, k_buf, v_buf, group, gqa)
         if len(meta.decode_tokens):
             out[meta.decode_tokens] = self._decode(q[meta.decode_tokens], k_buf, v_buf, meta)
         return out
+
+    @staticmethod
+    def _extend(
+        q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, group: _ExtendGroup, gqa: bool
+    ) -> torch.Tensor:
+        """The group's queries [sum e, Hq, D] -> their outputs, in one padded call."""
+        b, width = group.shape
+        qp = q.new_zeros((b * width, *q.shape[1:])).index_copy_(0, group.padded, q[group.tokens])
+        qp = qp.view(b, width, *q.shape[1:]).transpose(1, 2)  # [B, Hq, E, D]
+        kp = gather_slots(k_buf, group.slots).transpose(1, 2)  # [B, Hkv, L, D]
+        vp = gather_slots(v_buf, group.slots).transpose(1, 2)
+        o = F.scaled_dot_product_attention(
+            qp, kp, vp, attn_mask=group.mask, is_causal=group.mask is None, enable_gqa=gqa
+        )
+        return o.transpose(1, 2).reshape(b * width, *q.shape[1:]).index_select(0, group.padded)
 
     @staticmethod
     def _decode(
@@ -139,6 +177,23 @@ class TorchAttentionBackend:
         o2, lse2 = _attend(qg, kd.transpose(1, 2), vd.transpose(1, 2), meta.decode_bias)
         w1 = torch.sigmoid(lse1 - lse2)[..., None]  # softmax weight of the prefix half
         return (o1 * w1 + o2 * (1 - w1)).reshape(b, hq, d)
+
+
+def group_extends(
+    extending: list[int], extend_lens: list[int], seq_lens: list[int]
+) -> list[list[int]]:
+    """The extending requests in groups for one padded call each: by context length, a group
+    grows while its padded work (B * E * L) stays within PAD_SLACK times its real work."""
+    groups: list[list[int]] = []
+    for i in sorted(extending, key=lambda i: (seq_lens[i], extend_lens[i])):
+        group = groups[-1] + [i] if groups else []
+        padded = len(group) * max((extend_lens[j] for j in group), default=0) * seq_lens[i]
+        real = sum(extend_lens[j] * seq_lens[j] for j in group)
+        if group and padded <= PAD_SLACK * real:
+            groups[-1] = group
+        else:
+            groups.append([i])
+    return groups
 
 
 def gather_slots(buf: torch.Tensor, slots: torch.Tensor | slice) -> torch.Tensor:

@@ -1,0 +1,98 @@
+"""The torch attention backend on its own, without a model: mixed steps of decodes and extends
+(batched into padded groups) against a plain float64 reference over the same paged pool."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from radixrt.attention.torch_backend import PAD_SLACK, TorchAttentionBackend, group_extends
+from radixrt.executor.forward_batch import ForwardBatch
+from radixrt.mem_cache.memory_pool import TokenToKVPool
+
+HQ, HKV, D = 4, 2, 16
+SLOTS, CONTEXT = 2048, 300
+
+
+def _step(prefix_lens: list[int], extend_lens: list[int], seed: int):
+    """A pool with random K/V, each request's row pointing at scattered slots, and the new tokens'
+    q/k/v; returns the backend, the batch and the tensors."""
+    gen = torch.Generator().manual_seed(seed)
+    pool = TokenToKVPool(SLOTS, 1, HKV, D, torch.float32, torch.device("cpu"))
+    pool.k_buffers[0].copy_(torch.randn(SLOTS, HKV, D, generator=gen))
+    pool.v_buffers[0].copy_(torch.randn(SLOTS, HKV, D, generator=gen))
+    req_to_token = torch.zeros(len(prefix_lens) + 1, CONTEXT, dtype=torch.int32)
+    free = torch.randperm(SLOTS - 1, generator=gen) + 1  # slot 0 is padding
+    for b, seq in enumerate(p + e for p, e in zip(prefix_lens, extend_lens)):
+        req_to_token[b + 1, :seq] = free[:seq].to(torch.int32)
+        free = free[seq:]
+    rows = torch.arange(1, len(prefix_lens) + 1)
+    out_slots = torch.cat(
+        [req_to_token[r, p : p + e] for r, p, e in zip(rows, prefix_lens, extend_lens)]
+    ).long()
+    positions = torch.cat([torch.arange(p, p + e) for p, e in zip(prefix_lens, extend_lens)])
+    batch = ForwardBatch(positions, positions, out_slots, rows, prefix_lens, extend_lens)
+    t = len(out_slots)
+    qkv = [torch.randn(t, h, D, generator=gen) for h in (HQ, HKV, HKV)]
+    return TorchAttentionBackend(req_to_token, pool), batch, qkv
+
+
+def _reference(
+    backend: TorchAttentionBackend, batch: ForwardBatch, q: torch.Tensor
+) -> torch.Tensor:
+    """Each request's queries over its whole sequence in the pool (new K/V already written),
+    causal from its prefix on, in float64."""
+    pool, outs, start = backend.kv_pool, [], 0
+    for row, p, e in zip(batch.rows.tolist(), batch.prefix_lens, batch.extend_lens):
+        slots = backend.req_to_token[row, : p + e].long()
+        k = pool.k_buffers[0][slots].double().repeat_interleave(HQ // HKV, 1).transpose(0, 1)
+        v = pool.v_buffers[0][slots].double().repeat_interleave(HQ // HKV, 1).transpose(0, 1)
+        qi = q[start : start + e].double().transpose(0, 1)
+        scores = qi @ k.transpose(1, 2) / D**0.5
+        hidden = torch.arange(p + e)[None, :] > (p + torch.arange(e))[:, None]
+        probs = scores.masked_fill(hidden, float("-inf")).softmax(-1)
+        outs.append((probs @ v).transpose(0, 1))
+        start += e
+    return torch.cat(outs).float()
+
+
+STEPS = {
+    "short extends after prefixes": ([40, 41, 55, 60, 38], [3, 5, 2, 4, 6]),
+    "prefill alone beside short extends": ([0, 30, 31, 29], [200, 4, 3, 5]),
+    "extends and decodes": ([50, 0, 70, 71, 72, 12], [4, 17, 1, 1, 1, 9]),
+    "one extend without a prefix": ([0], [33]),
+    "one extend after a prefix": ([120], [7]),
+}
+
+
+@pytest.mark.parametrize("name", STEPS)
+def test_mixed_step_matches_the_reference(name):
+    prefix_lens, extend_lens = STEPS[name]
+    backend, batch, (q, k, v) = _step(prefix_lens, extend_lens, seed=len(name))
+    backend.init_forward_metadata(batch)
+    out = backend.forward(0, q, k, v, batch)
+    torch.testing.assert_close(out, _reference(backend, batch, q), atol=2e-5, rtol=2e-5)
+
+
+def test_short_extends_share_one_call_and_a_long_prefill_runs_alone():
+    prefix_lens, extend_lens = STEPS["prefill alone beside short extends"]
+    backend, batch, _ = _step(prefix_lens, extend_lens, seed=0)
+    backend.init_forward_metadata(batch)
+    shapes = sorted(group.shape for group in batch.attn_metadata.extends)
+    assert shapes == [(1, 200), (3, 5)]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_groups_cover_every_extend_once_within_the_padding_bound(seed):
+    rng = random.Random(seed)
+    n = rng.randint(1, 30)
+    extend_lens = [rng.choice([1, 2, 3, 5, 8, 64, 500]) for _ in range(n)]
+    seq_lens = [e + rng.randint(0, 600) for e in extend_lens]
+    extending = [i for i, e in enumerate(extend_lens) if e > 1]
+    groups = group_extends(extending, extend_lens, seq_lens)
+    assert sorted(i for g in groups for i in g) == extending
+    for g in groups:
+        padded = len(g) * max(extend_lens[i] for i in g) * max(seq_lens[i] for i in g)
+        assert len(g) == 1 or padded <= PAD_SLACK * sum(extend_lens[i] * seq_lens[i] for i in g)

@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from radixrt.bench.floors import Floors, MachineRates
 from radixrt.bench.load import REPLY_TIMEOUT_S, Load, run_load
 from radixrt.bench.metrics import SLO, RequestTrace, Summary, summarize
 from radixrt.bench.peers import (
@@ -56,6 +57,7 @@ class RunResult:
     # most KV slots in use at once (the cache is flushed before each load)
     peak_used_tokens: int | None = None
     mask_time_share: float | None = None  # constraint masks / step time
+    floors: Floors | None = None  # the run's compute and weight-read floors, and the shares reached
     by_tag: dict[str, Summary] = field(default_factory=dict)
     # long-prompt: every ITL gap of the short requests
     short_itls: list[float] = field(default_factory=list)
@@ -145,7 +147,9 @@ def _result(
     duration: float,
     slo: SLO,
     stats_delta: dict[str, float] | None = None,
+    limits: tuple[MachineRates, dict[str, Any]] | None = None,
 ) -> RunResult:
+    """`limits`: the machine's rates and the model's weight counts, for the floors."""
     prompt = sum(t.prompt_tokens for t in traces)
     tags = sorted({t.tag for t in traces if t.tag})
     result = RunResult(
@@ -162,6 +166,8 @@ def _result(
         result.num_preemptions = int(stats_delta["num_preemptions"])
         result.evicted_tokens = int(stats_delta["evicted_tokens"])
         result.peak_used_tokens = int(stats_delta["peak_used_tokens"])
+        if limits is not None:
+            result.floors = Floors.of(*limits, stats_delta, duration)
         if stats_delta["constraint_mask_time_s"]:
             result.mask_time_share = stats_delta["constraint_mask_time_s"] / max(
                 stats_delta["step_time_s"], 1e-9
@@ -171,6 +177,7 @@ def _result(
 
 def _stats_delta(before: dict, after: dict) -> dict[str, float]:
     keys = ("num_preemptions", "evicted_tokens", "constraint_mask_time_s", "step_time_s")
+    keys += ("forward_steps", "forward_tokens", "logit_rows")
     return {
         **{k: after[k] - before[k] for k in keys},
         "peak_used_tokens": after["peak_used_tokens"],
@@ -186,6 +193,7 @@ def run_system(
     tokenizer,
     model_dir: Path,
     slo: SLO,
+    machine: MachineRates,
 ) -> list[RunResult]:
     """One system under each load in turn (a sweep reuses the server, its cache flushed between loads)."""
     if system == "transformers":
@@ -217,6 +225,7 @@ def run_system(
     results = []
     with _radixrt_target(args, system) as target:
         target.generate("warm up", {"max_new_tokens": 2})
+        limits = (machine, target.model_info["weights"])
         for load in loads:
             target.flush_cache()
             before = target.stats()
@@ -224,7 +233,15 @@ def run_system(
                 target, sessions, load, render, desc=f"{system} ({load.describe()})"
             )
             results.append(
-                _result(system, load, traces, duration, slo, _stats_delta(before, target.stats()))
+                _result(
+                    system,
+                    load,
+                    traces,
+                    duration,
+                    slo,
+                    _stats_delta(before, target.stats()),
+                    limits,
+                )
             )
     return results
 
@@ -320,6 +337,12 @@ def print_table(workload: str, results: list[RunResult], baseline: str | None) -
             )
         if r.mask_time_share is not None:
             print(f"  constraint masks: {100 * r.mask_time_share:.2f}% of step time")
+        if r.floors is not None:
+            f = r.floors
+            print(
+                f"  floors: compute {f.compute_s:.2f}s ({100 * f.compute_share:.0f}% reached), "
+                f"weight reads {f.bandwidth_s:.2f}s ({100 * f.bandwidth_share:.0f}% reached)"
+            )
 
 
 def add_bench_args(parser: argparse.ArgumentParser) -> None:
@@ -428,6 +451,12 @@ def run_bench(args: argparse.Namespace) -> dict[str, list[RunResult]]:
         )
         return {}
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    machine = MachineRates.measure()  # just before the runs, on the cores they will use
+    setup["machine_rates"] = asdict(machine)
+    print(
+        f"machine: float32 GEMM {machine.gemm_flops / 1e9:.0f} GFLOP/s, "
+        f"read {machine.read_bandwidth / 1e9:.1f} GB/s"
+    )
 
     def render(messages: list[dict[str, str]]) -> str:
         return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
@@ -465,7 +494,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, list[RunResult]]:
                 r
                 for system in systems
                 for r in run_system(
-                    system, sessions, loads, args, render, tokenizer, model_dir, slo
+                    system, sessions, loads, args, render, tokenizer, model_dir, slo, machine
                 )
             ]
         baseline = (

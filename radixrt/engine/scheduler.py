@@ -57,6 +57,10 @@ class Scheduler:
         self.num_preemptions = 0
         self.generated_tokens = 0
         self.aborted_requests = 0  # by their clients (an abort op or a client gone silent)
+        # what the forwards computed, for the benchmark's compute and bandwidth floors
+        self.forward_steps = 0
+        self.forward_tokens = 0
+        self.logit_rows = 0
         self.step_time = 0.0  # seconds in forward + sampling
         self.mask_time = 0.0  # of which, building and applying constraint masks
         self._decode_steps = 0
@@ -165,6 +169,8 @@ class Scheduler:
         start = time.perf_counter()
         updated = self._process(plan, self.runner.forward(self._build_batch(plan))) if plan else []
         self.step_time += time.perf_counter() - start
+        self.forward_steps += bool(plan)
+        self.forward_tokens += sum(n for _, n in plan)
         return updated + [r for r in self._ended if r not in updated]
 
     def _schedule(self) -> list[Scheduled]:
@@ -316,7 +322,7 @@ class Scheduler:
             offset += n
         if not sample_reqs:
             return [r for r, _ in plan if r.finished]
-        logits = self.runner.logits(hidden[sample_rows])
+        logits = self._logits(hidden[sample_rows])
         banned = [self._banned_ids(r) for r in sample_reqs]
         constrained = [i for i, r in enumerate(sample_reqs) if r.guide is not None]
         out = sample(
@@ -356,6 +362,10 @@ class Scheduler:
         apply_bitmask(logits, bitmask, rows)
         self.mask_time += time.perf_counter() - start
 
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        self.logit_rows += len(hidden)
+        return self.runner.logits(hidden)
+
     def _prompt_logprobs(self, req: Req, hidden: torch.Tensor) -> None:
         """Logprob of each prompt token from `logprob_start_len` on, given the tokens before it."""
         first = max(req.kv_len, req.params.logprob_start_len)
@@ -364,7 +374,7 @@ class Scheduler:
         if first >= last:
             return
         logprobs = torch.log_softmax(
-            self.runner.logits(hidden[first - req.kv_len : last - req.kv_len]), dim=-1
+            self._logits(hidden[first - req.kv_len : last - req.kv_len]), dim=-1
         )
         targets = torch.tensor(req.input_ids[first + 1 : last + 1])
         picked = logprobs.gather(1, targets[:, None]).squeeze(1).tolist()
@@ -439,6 +449,9 @@ class Scheduler:
             "peak_used_tokens": self.kv.peak_used_tokens,
             "pins": len(self.kv.pins),
             "step_time_s": self.step_time,
+            "forward_steps": self.forward_steps,
+            "forward_tokens": self.forward_tokens,
+            "logit_rows": self.logit_rows,
             "constraint_mask_time_s": self.mask_time,
         }
 

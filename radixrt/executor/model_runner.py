@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 import torch
+from torch import nn
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
 from radixrt.attention import create_backend
@@ -44,6 +46,25 @@ def available_memory(device: torch.device) -> int:
     return int(info["MemAvailable"].split()[0]) * 1024
 
 
+@dataclass(frozen=True)
+class WeightCounts:
+    """What a forward multiplies by, for compute and bandwidth floors: parameters of the matmuls
+    every token goes through (the decoder layers), of the output projection (only rows whose
+    logits are read), and the bytes of all of them (what a step reads at least once)."""
+
+    layer_params: int
+    head_params: int
+    weight_bytes: int
+
+    @classmethod
+    def of(cls, model: nn.Module) -> WeightCounts:
+        linears = [(n, m.weight) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+        head = sum(w.numel() for n, w in linears if n == "lm_head")
+        layers = sum(w.numel() for n, w in linears if n != "lm_head")
+        size = linears[0][1].element_size() if linears else 0
+        return cls(layers, head, (layers + head) * size)
+
+
 class ModelRunner:
     def __init__(self, args: ExecutorArgs):
         start = time.monotonic()
@@ -60,6 +81,7 @@ class ModelRunner:
         model.load_weights(load_state_dict(self.model_path))
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
         self.model.rope.to(torch.float32)  # cos/sin tables stay exact; cast per use
+        self.weights = WeightCounts.of(self.model)  # before prepacking hides the weights
         if prepack_available(self.device, self.dtype):
             prepack_linears(self.model)
         self.vocab_size = self.config.vocab_size

@@ -12,7 +12,7 @@ import signal
 import time
 import traceback
 import uuid
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -263,6 +263,7 @@ def _model_info(server: Server, msg: dict[str, Any]) -> dict[str, Any]:
         "special_tokens": {k: v for k, v in tok.special_tokens_map.items() if isinstance(v, str)},
         "eos_token_ids": sorted(server.scheduler.runner.eos_token_ids),
         "vocab_size": server.scheduler.runner.vocab_size,
+        "weights": asdict(server.scheduler.runner.weights),
     }
 
 

@@ -9,6 +9,7 @@ import math
 import pytest
 from transformers import AutoTokenizer
 
+from radixrt.bench.floors import Floors, MachineRates
 from radixrt.bench.metrics import SLO, RequestTrace, percentile, summarize
 from radixrt.bench.workloads import REQUEST_WORKLOADS, WorkloadConfig
 from radixrt.cli import main
@@ -181,7 +182,14 @@ def test_shared_prefix_against_baselines_and_peers(tiny_model_dir, tmp_path, cap
     # shared pages held once
     assert 0 < results[0]["peak_used_tokens"] < results[1]["peak_used_tokens"]
     assert all(r["summary"]["output_tokens"] > 0 for r in results)
+    # floors from the machine's measured rates: reached shares are positive and below the limit
+    for r in results[:3]:
+        floors = r["floors"]
+        assert 0 < floors["compute_s"] and 0 < floors["bandwidth_s"]
+        assert 0 < floors["compute_share"] < 1.5 and 0 < floors["bandwidth_share"] < 1.5
+    assert results[3]["floors"] is None  # transformers runs in the bench's process: no counters
     out = capsys.readouterr().out
+    assert "machine: float32 GEMM" in out and "floors: compute" in out
     # llama.cpp run or skipped
     assert "llama.cpp" in out and "ratio: output throughput over transformers" in out
 
@@ -215,3 +223,16 @@ def test_rate_sweep_plots_throughput_and_ttft(tiny_model_dir, tmp_path, capsys):
     ]
     assert (tmp_path / "random-sweep.png").stat().st_size > 1000
     assert "median TTFT" in capsys.readouterr().out
+
+
+def test_floors_follow_the_counters():
+    rates = MachineRates(gemm_flops=1e11, read_bandwidth=2e10)
+    weights = {"layer_params": 100_000_000, "head_params": 28_000_000, "weight_bytes": 512_000_000}
+    counters = {"forward_tokens": 1000, "logit_rows": 100, "forward_steps": 40}
+    floors = Floors.of(rates, weights, counters, duration=4.0)
+    # 2 * (1e8 * 1000 + 2.8e7 * 100) FLOPs at 1e11/s; 40 reads of 512 MB at 20 GB/s
+    assert floors.compute_s == pytest.approx(2.056)
+    assert floors.bandwidth_s == pytest.approx(1.024)
+    assert floors.compute_share == pytest.approx(
+        2.056 / 4
+    ) and floors.bandwidth_share == pytest.approx(0.256)

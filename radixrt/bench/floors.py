@@ -3,9 +3,9 @@
 Two rates are measured just before the runs: the GEMM rate (a float matmul as large as a
 prefill's) and the read bandwidth (summing a tensor far larger than the caches). A run's floors
 follow from what its forwards computed (the runtime's counters and the model's weight counts):
-- compute floor: 2 FLOPs per weight per token through the decoder layers, plus the output
-  projection's for each row whose logits were read, at the GEMM rate (attention not counted, so
-  it is a lower bound);
+- compute floor: 2 FLOPs per weight per token through the decoder layers, the output
+  projection's for each row whose logits were read, and attention's for each (query, key) pair
+  attended, all at the GEMM rate;
 - bandwidth floor: every forward step reads all the weights at least once, at the read bandwidth.
 A share is floor time / the run's time: 1.0 would be at the limit.
 """
@@ -55,10 +55,14 @@ class Floors:
         duration: float,
     ) -> Floors:
         """`weights`: the runtime's model_info["weights"]; `counters`: the change over the run of
-        its forward_steps, forward_tokens and logit_rows."""
-        flops = 2 * (
-            weights["layer_params"] * counters["forward_tokens"]
-            + weights["head_params"] * counters["logit_rows"]
+        its forward_steps, forward_tokens, attention_pairs and logit_rows."""
+        flops = (
+            2
+            * (
+                weights["layer_params"] * counters["forward_tokens"]
+                + weights["head_params"] * counters["logit_rows"]
+            )
+            + weights["attention_flops_per_pair"] * counters["attention_pairs"]
         )
         compute = flops / rates.gemm_flops
         bandwidth = counters["forward_steps"] * weights["weight_bytes"] / rates.read_bandwidth

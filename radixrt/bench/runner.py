@@ -177,7 +177,7 @@ def _result(
 
 def _stats_delta(before: dict, after: dict) -> dict[str, float]:
     keys = ("num_preemptions", "evicted_tokens", "constraint_mask_time_s", "step_time_s")
-    keys += ("forward_steps", "forward_tokens", "logit_rows")
+    keys += ("forward_steps", "forward_tokens", "attention_pairs", "logit_rows")
     return {
         **{k: after[k] - before[k] for k in keys},
         "peak_used_tokens": after["peak_used_tokens"],

@@ -60,6 +60,7 @@ class Scheduler:
         # what the forwards computed, for the benchmark's compute and bandwidth floors
         self.forward_steps = 0
         self.forward_tokens = 0
+        self.attention_pairs = 0  # (query, key) pairs attended, over all requests and steps
         self.logit_rows = 0
         self.step_time = 0.0  # seconds in forward + sampling
         self.mask_time = 0.0  # of which, building and applying constraint masks
@@ -171,6 +172,8 @@ class Scheduler:
         self.step_time += time.perf_counter() - start
         self.forward_steps += bool(plan)
         self.forward_tokens += sum(n for _, n in plan)
+        # n new tokens after kv_len cached ones attend to kv_len + 1 ... kv_len + n keys
+        self.attention_pairs += sum(n * (r.kv_len - n) + n * (n + 1) // 2 for r, n in plan)
         return updated + [r for r in self._ended if r not in updated]
 
     def _schedule(self) -> list[Scheduled]:
@@ -451,6 +454,7 @@ class Scheduler:
             "step_time_s": self.step_time,
             "forward_steps": self.forward_steps,
             "forward_tokens": self.forward_tokens,
+            "attention_pairs": self.attention_pairs,
             "logit_rows": self.logit_rows,
             "constraint_mask_time_s": self.mask_time,
         }

@@ -50,19 +50,22 @@ def available_memory(device: torch.device) -> int:
 class WeightCounts:
     """What a forward multiplies by, for compute and bandwidth floors: parameters of the matmuls
     every token goes through (the decoder layers), of the output projection (only rows whose
-    logits are read), and the bytes of all of them (what a step reads at least once)."""
+    logits are read), the bytes of all of them (what a step reads at least once), and the
+    attention FLOPs of one (query, key) pair over all layers (q.k and p.v, every query head)."""
 
     layer_params: int
     head_params: int
     weight_bytes: int
+    attention_flops_per_pair: int
 
     @classmethod
-    def of(cls, model: nn.Module) -> WeightCounts:
+    def of(cls, model: nn.Module, config) -> WeightCounts:
         linears = [(n, m.weight) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
         head = sum(w.numel() for n, w in linears if n == "lm_head")
         layers = sum(w.numel() for n, w in linears if n != "lm_head")
         size = linears[0][1].element_size() if linears else 0
-        return cls(layers, head, (layers + head) * size)
+        per_pair = 4 * config.num_hidden_layers * config.num_attention_heads * model.head_dim
+        return cls(layers, head, (layers + head) * size, per_pair)
 
 
 class ModelRunner:
@@ -81,7 +84,9 @@ class ModelRunner:
         model.load_weights(load_state_dict(self.model_path))
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
         self.model.rope.to(torch.float32)  # cos/sin tables stay exact; cast per use
-        self.weights = WeightCounts.of(self.model)  # before prepacking hides the weights
+        self.weights = WeightCounts.of(
+            self.model, self.config
+        )  # before prepacking hides the weights
         if prepack_available(self.device, self.dtype):
             prepack_linears(self.model)
         self.vocab_size = self.config.vocab_size

@@ -227,12 +227,17 @@ def test_rate_sweep_plots_throughput_and_ttft(tiny_model_dir, tmp_path, capsys):
 
 def test_floors_follow_the_counters():
     rates = MachineRates(gemm_flops=1e11, read_bandwidth=2e10)
-    weights = {"layer_params": 100_000_000, "head_params": 28_000_000, "weight_bytes": 512_000_000}
+    weights = {
+        "layer_params": 100_000_000,
+        "head_params": 28_000_000,
+        "weight_bytes": 512_000_000,
+        "attention_flops_per_pair": 69_120,
+    }
     counters = {"forward_tokens": 1000, "logit_rows": 100, "forward_steps": 40}
+    counters["attention_pairs"] = 1_000_000
     floors = Floors.of(rates, weights, counters, duration=4.0)
-    # 2 * (1e8 * 1000 + 2.8e7 * 100) FLOPs at 1e11/s; 40 reads of 512 MB at 20 GB/s
-    assert floors.compute_s == pytest.approx(2.056)
+    # 2 * (1e8 * 1000 + 2.8e7 * 100) + 69120 * 1e6 FLOPs at 1e11/s; 40 reads of 512 MB at 20 GB/s
+    assert floors.compute_s == pytest.approx(2.056 + 0.6912)
     assert floors.bandwidth_s == pytest.approx(1.024)
-    assert floors.compute_share == pytest.approx(
-        2.056 / 4
-    ) and floors.bandwidth_share == pytest.approx(0.256)
+    assert floors.compute_share == pytest.approx((2.056 + 0.6912) / 4)
+    assert floors.bandwidth_share == pytest.approx(0.256)

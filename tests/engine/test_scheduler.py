@@ -261,3 +261,17 @@ def test_dfs_weight_runs_heaviest_subtree_first(tiny_model_dir):
     assert _admitted_first(scheduler) is b1
     _drain(scheduler)
     _assert_all_free(scheduler)
+
+
+def test_forward_counters_count_what_the_forwards_computed(tiny_model_dir):
+    """One request, prompt P in one prefill, then N - 1 decodes: the counters the benchmark's
+    floors read are exact."""
+    p, n = 20, 6
+    scheduler = _scheduler(tiny_model_dir)
+    _submit(scheduler, [_prompt(0, p)], max_new_tokens=n)
+    while scheduler.has_work():
+        scheduler.step()
+    stats = scheduler.stats()
+    assert stats["forward_steps"] == n and stats["logit_rows"] == n
+    assert stats["forward_tokens"] == p + n - 1
+    assert stats["attention_pairs"] == p * (p + 1) // 2 + sum(p + i for i in range(1, n))

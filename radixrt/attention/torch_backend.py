@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from radixrt.attention import cpu_paged
+
 if TYPE_CHECKING:  # types only: the executor and the pools import this package, not the reverse
     from radixrt.executor.forward_batch import ForwardBatch
     from radixrt.mem_cache.memory_pool import TokenToKVPool
@@ -42,6 +44,7 @@ class TorchMetadata:
     # KV slots all decodes start with; a slice if contiguous, None if few
     shared_slots: torch.Tensor | slice | None
     decode_slots: torch.Tensor  # [Bd, L] the rest of each decode's context, padded with slot 0
+    decode_lens: torch.Tensor  # [Bd] how many of decode_slots are real
     decode_bias: torch.Tensor  # [Bd, 1, 1, L] 0 where decode_slots is real, -inf on the padding
     extends: list[_ExtendGroup]
 
@@ -54,6 +57,8 @@ class TorchAttentionBackend:
     def __init__(self, req_to_token: torch.Tensor, kv_pool: TokenToKVPool):
         self.req_to_token = req_to_token
         self.kv_pool = kv_pool
+        # decodes read K/V in the pool rather than gathering them (cpu_paged; float32 CPU)
+        self.in_place = cpu_paged.supports(kv_pool.k_buffers[0])
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         device = self.req_to_token.device
@@ -69,7 +74,7 @@ class TorchAttentionBackend:
         ]
         empty = torch.empty(0, dtype=torch.long, device=device)
         if not decodes:
-            batch.attn_metadata = TorchMetadata(empty, None, empty, empty, extends)
+            batch.attn_metadata = TorchMetadata(empty, None, empty, empty, empty, extends)
             return
         lens = torch.tensor([seq_lens[i] for i in decodes], device=device)
         max_len = int(lens.max())
@@ -87,6 +92,7 @@ class TorchAttentionBackend:
             decode_tokens,
             shared_slots,
             slots.masked_fill(~mask, 0),
+            lens - shared,
             bias[:, None, None, :],
             extends,
         )
@@ -148,11 +154,18 @@ class TorchAttentionBackend:
         )
         return o.transpose(1, 2).reshape(b * width, *q.shape[1:]).index_select(0, group.padded)
 
-    @staticmethod
     def _decode(
-        q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, meta: TorchMetadata
+        self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, meta: TorchMetadata
     ) -> torch.Tensor:
         """q [B, Hq, D] -> [B, Hq, D] over the shared prefix and each private suffix."""
+        b, hq, d = q.shape
+        hkv = k_buf.shape[1]
+        if self.in_place and hq // hkv <= cpu_paged.MAX_GROUP:
+            o2, lse2 = cpu_paged.paged_decode(q, k_buf, v_buf, meta.decode_slots, meta.decode_lens)
+            if meta.shared_slots is None:
+                return o2
+            o2, lse2 = o2.view(b, hkv, hq // hkv, d), lse2.view(b, hkv, hq // hkv)
+            return _merge(*_attend_prefix(q, k_buf, v_buf, meta.shared_slots), o2, lse2)
         kd = gather_slots(k_buf, meta.decode_slots)  # [B, L, Hkv, D]
         vd = gather_slots(v_buf, meta.decode_slots)
         if meta.shared_slots is None:
@@ -164,19 +177,33 @@ class TorchAttentionBackend:
                 enable_gqa=q.shape[1] != kd.shape[2],
             )
             return od.squeeze(2)
-        b, hq, d = q.shape
-        hkv = kd.shape[2]
         qg = q.view(b, hkv, hq // hkv, d)
-        # shared prefix: every query of a KV head against the prefix in one call
-        ks = gather_slots(k_buf, meta.shared_slots).transpose(0, 1)[None]  # [1, Hkv, C, D]
-        vs = gather_slots(v_buf, meta.shared_slots).transpose(0, 1)[None]
-        o1, lse1 = _attend(qg.transpose(0, 1).reshape(1, hkv, -1, d), ks, vs)
-        o1 = o1.view(hkv, b, -1, d).transpose(0, 1)
-        lse1 = lse1.view(hkv, b, -1).transpose(0, 1)
         # private suffixes, padded
         o2, lse2 = _attend(qg, kd.transpose(1, 2), vd.transpose(1, 2), meta.decode_bias)
-        w1 = torch.sigmoid(lse1 - lse2)[..., None]  # softmax weight of the prefix half
-        return (o1 * w1 + o2 * (1 - w1)).reshape(b, hq, d)
+        return _merge(*_attend_prefix(q, k_buf, v_buf, meta.shared_slots), o2, lse2)
+
+
+def _attend_prefix(
+    q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, shared: torch.Tensor | slice
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every query [B, Hq, D] against the shared prefix, read once, in one call per KV head:
+    out [B, Hkv, G, D] and log-sum-exp [B, Hkv, G]."""
+    b, hq, d = q.shape
+    hkv = k_buf.shape[1]
+    qg = q.view(b, hkv, hq // hkv, d).transpose(0, 1).reshape(1, hkv, -1, d)
+    ks = gather_slots(k_buf, shared).transpose(0, 1)[None]  # [1, Hkv, C, D]
+    vs = gather_slots(v_buf, shared).transpose(0, 1)[None]
+    o1, lse1 = _attend(qg, ks, vs)
+    return o1.view(hkv, b, -1, d).transpose(0, 1), lse1.view(hkv, b, -1).transpose(0, 1)
+
+
+def _merge(
+    o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor
+) -> torch.Tensor:
+    """Two halves of one softmax, [B, Hkv, G, D] with their log-sum-exps -> the whole, [B, Hq, D]."""
+    w1 = torch.sigmoid(lse1 - lse2)[..., None]  # softmax weight of the prefix half
+    b, hkv, g, d = o1.shape
+    return (o1 * w1 + o2 * (1 - w1)).reshape(b, hkv * g, d)
 
 
 def group_extends(

@@ -8,6 +8,7 @@ import random
 import pytest
 import torch
 
+from radixrt.attention import cpu_paged
 from radixrt.attention.torch_backend import PAD_SLACK, TorchAttentionBackend, group_extends
 from radixrt.executor.forward_batch import ForwardBatch
 from radixrt.mem_cache.memory_pool import TokenToKVPool
@@ -16,18 +17,21 @@ HQ, HKV, D = 4, 2, 16
 SLOTS, CONTEXT = 2048, 300
 
 
-def _step(prefix_lens: list[int], extend_lens: list[int], seed: int):
-    """A pool with random K/V, each request's row pointing at scattered slots, and the new tokens'
-    q/k/v; returns the backend, the batch and the tensors."""
+def _step(prefix_lens: list[int], extend_lens: list[int], seed: int, shared: int = 0):
+    """A pool with random K/V, each request's row pointing at scattered slots (the first `shared`
+    the same for every request, as the tree gives them), and the new tokens' q/k/v; returns the
+    backend, the batch and the tensors."""
     gen = torch.Generator().manual_seed(seed)
     pool = TokenToKVPool(SLOTS, 1, HKV, D, torch.float32, torch.device("cpu"))
     pool.k_buffers[0].copy_(torch.randn(SLOTS, HKV, D, generator=gen))
     pool.v_buffers[0].copy_(torch.randn(SLOTS, HKV, D, generator=gen))
     req_to_token = torch.zeros(len(prefix_lens) + 1, CONTEXT, dtype=torch.int32)
     free = torch.randperm(SLOTS - 1, generator=gen) + 1  # slot 0 is padding
+    common, free = free[:shared], free[shared:]
     for b, seq in enumerate(p + e for p, e in zip(prefix_lens, extend_lens)):
-        req_to_token[b + 1, :seq] = free[:seq].to(torch.int32)
-        free = free[seq:]
+        own = seq - shared
+        req_to_token[b + 1, :seq] = torch.cat([common, free[:own]]).to(torch.int32)
+        free = free[own:]
     rows = torch.arange(1, len(prefix_lens) + 1)
     out_slots = torch.cat(
         [req_to_token[r, p : p + e] for r, p, e in zip(rows, prefix_lens, extend_lens)]
@@ -59,6 +63,7 @@ def _reference(
 
 
 STEPS = {
+    "decodes sharing a prefix": ([40, 52, 45, 40], [1, 1, 1, 1], 32),
     "short extends after prefixes": ([40, 41, 55, 60, 38], [3, 5, 2, 4, 6]),
     "prefill alone beside short extends": ([0, 30, 31, 29], [200, 4, 3, 5]),
     "extends and decodes": ([50, 0, 70, 71, 72, 12], [4, 17, 1, 1, 1, 9]),
@@ -67,11 +72,15 @@ STEPS = {
 }
 
 
+@pytest.mark.parametrize("in_place", [True, False], ids=["decode-in-place", "decode-gathered"])
 @pytest.mark.parametrize("name", STEPS)
-def test_mixed_step_matches_the_reference(name):
-    prefix_lens, extend_lens = STEPS[name]
-    backend, batch, (q, k, v) = _step(prefix_lens, extend_lens, seed=len(name))
+def test_mixed_step_matches_the_reference(name, in_place):
+    prefix_lens, extend_lens, *shared = STEPS[name]
+    backend, batch, (q, k, v) = _step(prefix_lens, extend_lens, len(name), *shared)
+    assert backend.in_place, "the in-place decode kernel did not build here"
+    backend.in_place = in_place
     backend.init_forward_metadata(batch)
+    assert (batch.attn_metadata.shared_slots is not None) == bool(shared)  # the cascade when shared
     out = backend.forward(0, q, k, v, batch)
     torch.testing.assert_close(out, _reference(backend, batch, q), atol=2e-5, rtol=2e-5)
 
@@ -96,3 +105,25 @@ def test_groups_cover_every_extend_once_within_the_padding_bound(seed):
     for g in groups:
         padded = len(g) * max(extend_lens[i] for i in g) * max(seq_lens[i] for i in g)
         assert len(g) == 1 or padded <= PAD_SLACK * sum(extend_lens[i] * seq_lens[i] for i in g)
+
+
+@pytest.mark.parametrize("hq, hkv, d", [(4, 4, 16), (9, 3, 64), (8, 1, 80)])
+def test_paged_decode_kernel_reads_the_pool_in_place(hq, hkv, d):
+    """The kernel alone against float64 math over gathered rows, with scattered slots, ragged
+    lengths (one row empty: no keys, lse -inf) and GQA groups."""
+    gen = torch.Generator().manual_seed(hq * 100 + d)
+    k, v = torch.randn(500, hkv, d, generator=gen), torch.randn(500, hkv, d, generator=gen)
+    lens = torch.tensor([70, 1, 0, 33])
+    slots = torch.randint(1, 500, (4, 70), generator=gen)
+    q = torch.randn(4, hq, d, generator=gen)
+    out, lse = cpu_paged.paged_decode(q, k, v, slots, lens)
+    for b, n in enumerate(lens.tolist()):
+        if n == 0:
+            assert torch.isinf(lse[b]).all() and lse[b].max() < 0 and (out[b] == 0).all()
+            continue
+        kb = k[slots[b, :n]].double().repeat_interleave(hq // hkv, 1).transpose(0, 1)
+        vb = v[slots[b, :n]].double().repeat_interleave(hq // hkv, 1).transpose(0, 1)
+        scores = (q[b].double()[:, None, :] @ kb.transpose(1, 2)).squeeze(1) / d**0.5
+        torch.testing.assert_close(lse[b].double(), scores.logsumexp(-1), atol=1e-5, rtol=1e-5)
+        expected = (scores.softmax(-1)[:, None, :] @ vb).squeeze(1)
+        torch.testing.assert_close(out[b].double(), expected, atol=1e-5, rtol=1e-5)

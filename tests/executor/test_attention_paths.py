@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from radixrt.attention import torch_backend
+from radixrt.attention import cpu_paged, torch_backend
 from radixrt.attention.torch_backend import MIN_SHARED_PREFIX, TorchAttentionBackend
 from radixrt.config import ServerArgs
 from radixrt.engine.scheduler import Scheduler
@@ -35,10 +35,14 @@ def _shared_len(shared_slots) -> int:
     return len(shared_slots)
 
 
+@pytest.mark.parametrize("in_place", [True, False], ids=["in-place", "gathered"])
 @pytest.mark.parametrize("page_size", [1, 4])
-def test_cascade_decode_runs_and_matches_transformers(tiny_model_dir, monkeypatch, page_size):
+def test_cascade_decode_runs_and_matches_transformers(
+    tiny_model_dir, monkeypatch, page_size, in_place
+):
     """Decode steps over requests that share a cached 42-token prefix take the cascade path (the
-    prefix is attended once, the log-sum-exp merge runs) and the outputs equal transformers'."""
+    prefix is attended once, the log-sum-exp merge runs) and the outputs equal transformers',
+    whether the private suffixes are read in place in the pool or gathered out of it."""
     decode_steps = []  # (decodes in the step, shared prefix length) of every step with decodes
     init = TorchAttentionBackend.init_forward_metadata
 
@@ -55,8 +59,16 @@ def test_cascade_decode_runs_and_matches_transformers(tiny_model_dir, monkeypatc
         attend_calls.append(args[1].shape)
         return attend(*args, **kwargs)
 
+    paged_calls = []
+    paged = cpu_paged.paged_decode
+
+    def counting_paged(*args, **kwargs):
+        paged_calls.append(args[0].shape)
+        return paged(*args, **kwargs)
+
     monkeypatch.setattr(TorchAttentionBackend, "init_forward_metadata", recording_init)
     monkeypatch.setattr(torch_backend, "_attend", counting_attend)
+    monkeypatch.setattr(cpu_paged, "paged_decode", counting_paged)
 
     scheduler = Scheduler.from_server_args(
         ServerArgs(
@@ -66,7 +78,11 @@ def test_cascade_decode_runs_and_matches_transformers(tiny_model_dir, monkeypatc
             page_size=page_size,
         )
     )
-    assert isinstance(scheduler.runner.attn_backend, TorchAttentionBackend)
+    backend = scheduler.runner.attn_backend
+    assert isinstance(backend, TorchAttentionBackend)
+    if not in_place:
+        backend.in_place = False
+    assert backend.in_place == in_place, "the in-place decode kernel is not available here"
     prompts = _prompts()
     params = SamplingParams.from_dict(
         {"max_new_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True}
@@ -90,9 +106,18 @@ def test_cascade_decode_runs_and_matches_transformers(tiny_model_dir, monkeypatc
         "the full batch never decoded over the shared prefix"
     )
     layers = scheduler.runner.config.num_hidden_layers
-    assert len(attend_calls) == 2 * layers * len(cascade), (
-        "the prefix/suffix merge did not run once per layer"
-    )
+    # per layer of a cascade step: the prefix once, the private suffixes once (in the pool or
+    # gathered); in place, every decode step reads its suffixes with the kernel
+    if in_place:
+        assert len(attend_calls) == layers * len(cascade), (
+            "the prefix was not attended once a layer"
+        )
+        assert len(paged_calls) == layers * len(decode_steps), "a decode step gathered its K/V"
+    else:
+        assert len(attend_calls) == 2 * layers * len(cascade), (
+            "the prefix/suffix merge did not run once per layer"
+        )
+        assert not paged_calls
 
     assert_slot_ownership(scheduler.memory_snapshot())
     assert scheduler.flush_cache()

@@ -29,13 +29,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     args = parser.parse_args()
     rng = random.Random(0)
+    # enough new tokens for every timed step, few enough that admission reserves little room
+    new_tokens = 4 * (args.steps + 1) + 8
     params = SamplingParams.from_dict(
-        {"max_new_tokens": 10_000, "temperature": 0, "ignore_eos": True}
+        {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}
     )
     for context in args.context:
         scheduler = Scheduler.from_server_args(
             ServerArgs(
-                max_total_tokens=args.batch * (context + 64) + 64,
+                max_total_tokens=args.batch * (context + new_tokens) + 64,
                 max_prefill_tokens=context,
                 chunked_prefill_size=context,
                 max_running_requests=args.batch,
@@ -48,14 +50,15 @@ def main() -> None:
             scheduler.step()
         backend = scheduler.runner.attn_backend
         timings = {}
-        for in_place in (True, False, True, False):
+        for in_place in (True, False, True, False):  # alternated, best of two: drift cancels
             backend.in_place = in_place
             scheduler.step()  # warm
             timings.setdefault(in_place, []).append(decode_ms(scheduler, args.steps))
         best = {k: min(v) for k, v in timings.items()}
         print(
             f"batch {args.batch}, private context {context}: decode step in place "
-            f"{best[True]:.0f} ms, gathered {best[False]:.0f} ms ({best[False] / best[True]:.2f}x)"
+            f"{best[True]:.0f} ms, gathered {best[False]:.0f} ms ({best[False] / best[True]:.2f}x)",
+            flush=True,
         )
 
 

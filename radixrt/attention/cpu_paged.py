@@ -33,11 +33,12 @@ SOURCE = r"""
 
 #define MAX_GROUP 16
 #define MAX_DIM 256
-#define BLOCK 64
+#define BLOCK 32
 
 /* q [B, Hq, D]; k, v [S, Hkv, D]; slots [B, L]; lens [B]; out [B, Hq, D]; lse [B, Hq].
-   Keys go in blocks: the scores of a block for every query head of the KV head, one rescale of
-   the accumulators per block, then the block's values. */
+   Keys go in blocks of BLOCK: the block's K rows are copied transposed into a tile that stays in
+   L1, so the scores of all query heads of the KV head are vector FMAs across keys; one rescale
+   of the accumulators per block; then the values, vector FMAs across the head dimension. */
 void paged_decode(const float *q, const float *k, const float *v, const int64_t *slots,
                   const int64_t *lens, float *out, float *lse, int64_t B, int64_t Hq, int64_t Hkv,
                   int64_t D, int64_t L, float scale) {
@@ -45,7 +46,8 @@ void paged_decode(const float *q, const float *k, const float *v, const int64_t 
     #pragma omp parallel for collapse(2) schedule(dynamic)
     for (int64_t b = 0; b < B; b++) {
         for (int64_t h = 0; h < Hkv; h++) {
-            float m[MAX_GROUP], l[MAX_GROUP], acc[MAX_GROUP][MAX_DIM], s[MAX_GROUP][BLOCK];
+            float m[MAX_GROUP], l[MAX_GROUP], acc[MAX_GROUP][MAX_DIM];
+            float kt[MAX_DIM][BLOCK], s[MAX_GROUP][BLOCK];
             const float *qh = q + (b * Hq + h * G) * D;
             for (int64_t g = 0; g < G; g++) {
                 m[g] = -INFINITY;
@@ -57,26 +59,29 @@ void paged_decode(const float *q, const float *k, const float *v, const int64_t 
                 const int64_t *rows = slots + b * L + start;
                 for (int64_t j = 0; j < n; j++) {
                     const float *kr = k + (rows[j] * Hkv + h) * D;
-                    for (int64_t g = 0; g < G; g++) {
-                        const float *qg = qh + g * D;
-                        float dot = 0.0f;
-                        #pragma omp simd reduction(+:dot)
-                        for (int64_t d = 0; d < D; d++) dot += qg[d] * kr[d];
-                        s[g][j] = dot * scale;
-                    }
+                    for (int64_t d = 0; d < D; d++) kt[d][j] = kr[d];
                 }
+                for (int64_t j = n; j < BLOCK; j++)
+                    for (int64_t d = 0; d < D; d++) kt[d][j] = 0.0f;
                 for (int64_t g = 0; g < G; g++) {
+                    float sg[BLOCK] = {0};
+                    const float *qg = qh + g * D;
+                    for (int64_t d = 0; d < D; d++) {
+                        const float qd = qg[d] * scale;
+                        #pragma omp simd
+                        for (int64_t j = 0; j < BLOCK; j++) sg[j] += qd * kt[d][j];
+                    }
                     float block_max = m[g];
-                    for (int64_t j = 0; j < n; j++) block_max = s[g][j] > block_max ? s[g][j] : block_max;
+                    for (int64_t j = 0; j < n; j++) block_max = sg[j] > block_max ? sg[j] : block_max;
                     const float correction = expf(m[g] - block_max);
                     float sum = 0.0f;
-                    #pragma omp simd reduction(+:sum)
                     for (int64_t j = 0; j < n; j++) {
-                        s[g][j] = expf(s[g][j] - block_max);
+                        s[g][j] = expf(sg[j] - block_max);
                         sum += s[g][j];
                     }
                     l[g] = l[g] * correction + sum;
                     m[g] = block_max;
+                    #pragma omp simd
                     for (int64_t d = 0; d < D; d++) acc[g][d] *= correction;
                 }
                 for (int64_t j = 0; j < n; j++) {

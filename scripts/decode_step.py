@@ -29,8 +29,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     args = parser.parse_args()
     rng = random.Random(0)
-    # enough new tokens for every timed step, few enough that admission reserves little room
-    new_tokens = 4 * (args.steps + 1) + 8
+    # requests decode while the later ones prefill (one a step): enough new tokens for that and
+    # every timed step, so the batch stays whole; few enough that admission reserves little room
+    new_tokens = args.batch + 4 * (args.steps + 1) + 8
     params = SamplingParams.from_dict(
         {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}
     )
@@ -48,12 +49,14 @@ def main() -> None:
             scheduler.add_request(scheduler.make_request(f"r{i}", ids, params))
         while any(r.tokens_to_compute > 1 for r in scheduler.running) or scheduler.waiting:
             scheduler.step()
+        assert len(scheduler.running) == args.batch
         backend = scheduler.runner.attn_backend
         timings = {}
         for in_place in (True, False, True, False):  # alternated, best of two: drift cancels
             backend.in_place = in_place
             scheduler.step()  # warm
             timings.setdefault(in_place, []).append(decode_ms(scheduler, args.steps))
+        assert len(scheduler.running) == args.batch, "a request finished while timed"
         best = {k: min(v) for k, v in timings.items()}
         print(
             f"batch {args.batch}, private context {context}: decode step in place "

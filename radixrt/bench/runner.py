@@ -125,10 +125,11 @@ def setup_info(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
     }
 
 
-def _radixrt_target(args: argparse.Namespace, system: str):
+def _radixrt_target(args: argparse.Namespace, system: str, kind: type | None = None):
+    """A runtime of `system`'s settings: `kind` (Runtime or Engine), by default the --backend's."""
     from radixrt.client.launcher import Engine, Runtime
 
-    kind = Runtime if args.backend == "server" else Engine
+    kind = kind or (Runtime if args.backend == "server" else Engine)
     tuned = {"chunked_prefill_size": args.chunked_prefill_size} if args.chunked_prefill_size else {}
     return kind(
         model=args.model,
@@ -264,14 +265,7 @@ def run_programs(
     program, batch = program_workloads(args.num_requests or 64, args.seed)[workload]
     results = []
     for system in systems:
-        with Runtime(
-            model=args.model,
-            dtype=args.dtype,
-            max_total_tokens=args.max_total_tokens,
-            log_level="warning",
-            timeout=REPLY_TIMEOUT_S,
-            **VARIANTS[system],
-        ) as runtime:
+        with _radixrt_target(args, system, Runtime) as runtime:
             start = time.monotonic()
             for state in program.run_batch(
                 batch, backend=runtime, temperature=0, progress_bar=True

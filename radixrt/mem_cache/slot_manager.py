@@ -183,24 +183,11 @@ class KVSlotManager:
 
     # ---- checks ----------------------------------------------------------------------------
     def snapshot(self, holders: list[SlotHolder], names: list[str]) -> dict[str, Any]:
-        """Who holds which slot, as plain data, for checkers that must not share this code: the
-        free pages, every tree node (slots, lock count, parent), every holder's row split at
-        tree_len and kv_len, the pinned nodes, the request-table rows."""
-        nodes = [n for n in self.tree.all_nodes() if n is not self.tree.root]
+        """Who holds which slot, as plain data, for checkers that must not share this code:
+        `pool_snapshot`, every holder's row split at tree_len and kv_len, the pinned nodes, the
+        request-table rows."""
         return {
-            "page_size": self.page_size,
-            "num_pages": self.allocator.num_pages,
-            "free_pages": self.allocator.free_page_ids().tolist(),
-            "root": self.tree.root.id,
-            "nodes": [
-                {
-                    "id": n.id,
-                    "parent": n.parent.id,
-                    "slots": n.value.tolist(),
-                    "lock_ref": n.lock_ref,
-                }
-                for n in nodes
-            ],
+            **pool_snapshot(self.allocator, self.tree),
             "requests": [
                 {
                     "rid": name,
@@ -242,3 +229,19 @@ class KVSlotManager:
                 assert node.lock_ref == locks.get(node, 0), (
                     "lock count differs from the holders of locks"
                 )
+
+
+def pool_snapshot(allocator: PageAllocator, tree: RadixCache) -> dict[str, Any]:
+    """The allocator's and the tree's part of a snapshot: page size and count, the free pages,
+    and every tree node (slots, lock count, parent)."""
+    return {
+        "page_size": allocator.page_size,
+        "num_pages": allocator.num_pages,
+        "free_pages": allocator.free_page_ids().tolist(),
+        "root": tree.root.id,
+        "nodes": [
+            {"id": n.id, "parent": n.parent.id, "slots": n.value.tolist(), "lock_ref": n.lock_ref}
+            for n in tree.all_nodes()
+            if n is not tree.root
+        ],
+    }

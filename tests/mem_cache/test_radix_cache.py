@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from radixrt.mem_cache.memory_pool import PageAllocator
 from radixrt.mem_cache.radix_cache import RadixCache
+from radixrt.mem_cache.slot_manager import pool_snapshot
 
 from helpers import run_script, scripts
 from ownership import assert_slot_ownership
@@ -86,21 +87,8 @@ class Harness:
 
     def snapshot(self) -> dict:
         """The pool and tree as `memory_snapshot` data (no requests; held locks act as pins)."""
-        nodes = [n for n in self.tree.all_nodes() if n is not self.tree.root]
         return {
-            "page_size": self.page,
-            "num_pages": self.alloc.num_pages,
-            "free_pages": self.alloc.free_page_ids().tolist(),
-            "root": self.tree.root.id,
-            "nodes": [
-                {
-                    "id": n.id,
-                    "parent": n.parent.id,
-                    "slots": n.value.tolist(),
-                    "lock_ref": n.lock_ref,
-                }
-                for n in nodes
-            ],
+            **pool_snapshot(self.alloc, self.tree),
             "requests": [],
             "pinned_nodes": [node.id for _, node in self.locks],
             "rows": 0,

@@ -1,12 +1,22 @@
-"""Triton attention kernels over the paged KV token pool, with torch references."""
+"""Hand-written kernels: Triton attention over the paged KV token pool (GPU) with torch
+references, and C kernels for the CPU built on first use (`native`, `cpu_paged`, `int8_gemm`).
 
-from .decode_attention import decode_attention_fwd
-from .extend_attention import extend_attention_fwd
-from .reference import decode_attention_ref, extend_attention_ref
+The Triton names load on first access, so the CPU kernels import without Triton.
+"""
 
-__all__ = [
-    "decode_attention_fwd",
-    "extend_attention_fwd",
-    "decode_attention_ref",
-    "extend_attention_ref",
-]
+from importlib import import_module
+
+_LAZY = {
+    "decode_attention_fwd": ".decode_attention",
+    "extend_attention_fwd": ".extend_attention",
+    "decode_attention_ref": ".reference",
+    "extend_attention_ref": ".reference",
+}
+
+__all__ = list(_LAZY)
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(import_module(_LAZY[name], __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

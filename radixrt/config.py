@@ -28,6 +28,8 @@ class ExecutorArgs:
     dtype: str
     device: str
     attention_backend: str
+    quantization: str | None
+    disable_cuda_graph: bool
     max_total_tokens: int | None
     mem_fraction: float | None
     page_size: int
@@ -81,6 +83,19 @@ class ServerArgs:
         },
     )
     device: str = field(default="auto", metadata={"help": "auto, cpu or cuda"})
+    quantization: str | None = field(
+        default=None,
+        metadata={
+            "help": "int8: weight-only int8 linears (CPU with AVX2; opt-in, quality-gated, not token-exact)",
+            "choices": ["int8"],
+        },
+    )
+    disable_cuda_graph: bool = field(
+        default=False,
+        metadata={
+            "help": "on CUDA, launch every decode step's kernels instead of replaying graphs"
+        },
+    )
     max_total_tokens: int | None = field(
         default=None, metadata={"help": "KV slots in the token pool; overrides --mem-fraction"}
     )
@@ -163,6 +178,8 @@ class ServerArgs:
     def __post_init__(self) -> None:
         if self.page_size < 1:
             raise ValueError("page_size must be >= 1")
+        if self.quantization not in (None, "int8"):
+            raise ValueError(f"quantization must be None or 'int8', not {self.quantization!r}")
         if self.max_total_tokens is not None and self.max_total_tokens < 1:
             raise ValueError("max_total_tokens must be >= 1")
         if self.mem_fraction is not None and not 0 < self.mem_fraction < 1:

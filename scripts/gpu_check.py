@@ -4,7 +4,8 @@
 
 (a) correctness against the torch references on realistic bf16 shapes, (b) speed: decode HBM bandwidth and
 extend TFLOP/s against dense torch SDPA, plus small launch-config sweeps, (c) end to end: greedy outputs of
-radixrt.Engine with the triton and torch attention backends. Writes $OUT/gpu_check.json and $OUT/gpu_check.txt,
+radixrt.Engine with the triton and torch attention backends, (d) decode steps at batch 1 and 32 replayed
+from CUDA graphs against eager launches: time per step, and where greedy outputs first differ. Writes $OUT/gpu_check.json and $OUT/gpu_check.txt,
 rewritten after every section so a timeout still leaves the finished parts.
 """
 
@@ -428,12 +429,67 @@ def check_engine() -> None:
     log(f"  greedy outputs equal: {equal}; first differing token per prompt: {first_diff}")
 
 
+def check_cuda_graphs() -> None:
+    log("== (d) decode steps replayed from CUDA graphs against eager launches ==")
+    from radixrt.config import ServerArgs
+    from radixrt.engine.scheduler import Scheduler
+    from radixrt.sampling_params import SamplingParams
+
+    params = SamplingParams.from_dict({"max_new_tokens": 48, "temperature": 0, "ignore_eos": True})
+    results["cuda_graphs"] = {}
+    outputs = {}
+    for batch in (1, 32):
+        for disabled in (False, True):
+            scheduler = Scheduler.from_server_args(
+                ServerArgs(dtype="bfloat16", disable_cuda_graph=disabled, max_running_requests=64)
+            )
+            assert (scheduler.runner.graph_runner is None) == disabled
+            reqs = [
+                scheduler.make_request(
+                    f"r{i}", [100 + (7 * i + j) % 30000 for j in range(200 + 13 * i)], params
+                )
+                for i in range(batch)
+            ]
+            for req in reqs:
+                scheduler.add_request(req)
+            while any(r.tokens_to_compute > 1 for r in scheduler.running) or scheduler.waiting:
+                scheduler.step()
+            torch.cuda.synchronize()
+            start, steps = time.perf_counter(), 0
+            while steps < 32 and len(scheduler.running) == batch:
+                scheduler.step()
+                steps += 1
+            torch.cuda.synchronize()
+            ms = (time.perf_counter() - start) / max(steps, 1) * 1e3
+            while scheduler.running:
+                scheduler.step()
+            outputs[(batch, disabled)] = [r.output_ids for r in reqs]
+            key = f"batch{batch}_{'eager' if disabled else 'graphs'}"
+            results["cuda_graphs"][key] = {"decode_step_ms": ms}
+            log(f"  batch {batch}, {'eager ' if disabled else 'graphs'}: {ms:.2f} ms a decode step")
+            del scheduler
+            gc.collect()
+            torch.cuda.empty_cache()
+        firsts = [
+            first_difference(a, b) for a, b in zip(outputs[(batch, False)], outputs[(batch, True)])
+        ]
+        results["cuda_graphs"][f"batch{batch}_first_diff"] = firsts
+        log(f"  batch {batch}: first differing token per request (None: equal): {firsts}")
+
+
 def main() -> None:
     results.update(
         device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__
     )
     log(f"device {results['device']}, torch {results['torch']}, triton {results['triton']}")
-    for section in (check_correctness, bench_decode, bench_extend, sweep_configs, check_engine):
+    for section in (
+        check_correctness,
+        bench_decode,
+        bench_extend,
+        check_cuda_graphs,
+        sweep_configs,
+        check_engine,
+    ):
         try:
             section()
         except Exception:

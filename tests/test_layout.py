@@ -20,7 +20,7 @@ ALLOWED = {
     "engine": {"mem_cache", "executor", "structured", "protocol", "config", "sampling_params"},
     "mem_cache": set(),
     "executor": {"models", "attention", "mem_cache", "config"},
-    "models": {"attention"},
+    "models": {"attention", "kernels"},
     "attention": {"kernels"},
     "structured": set(),
     "kernels": set(),

@@ -8,16 +8,25 @@ import torch
 
 if TYPE_CHECKING:  # types only: the executor and the pools import this package, not the reverse
     from radixrt.executor.forward_batch import ForwardBatch
+    from radixrt.mem_cache.memory_pool import TokenToKVPool
 
 
 class AttentionBackend(Protocol):
+    kv_pool: TokenToKVPool
+
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         """Build index/mask metadata once per step into `batch.attn_metadata`."""
 
     def forward(
-        self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch
+        self,
+        layer_id: int,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+        batch: ForwardBatch,
     ) -> torch.Tensor:
-        """q [T, Hq, D], k/v [T, Hkv, D] of the new tokens -> attention output [T, Hq, D]."""
+        """q [T, Hq, D], k/v [T, Hkv, D] of the new tokens -> attention output [T, Hq, D].
+        k and v None: the caller already wrote them to the pool at `batch.out_slots`."""
 
 
 def create_backend(

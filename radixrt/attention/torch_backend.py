@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from radixrt.attention import cpu_paged
+from radixrt.kernels import cpu_paged
 
 if TYPE_CHECKING:  # types only: the executor and the pools import this package, not the reverse
     from radixrt.executor.forward_batch import ForwardBatch
@@ -126,13 +126,21 @@ class TorchAttentionBackend:
         return _ExtendGroup(tokens, padded, slots, mask, (len(group), width))
 
     def forward(
-        self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch
+        self,
+        layer_id: int,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+        batch: ForwardBatch,
     ) -> torch.Tensor:
-        self.kv_pool.set_kv(layer_id, batch.out_slots, k, v)
+        if k is not None:
+            self.kv_pool.set_kv(layer_id, batch.out_slots, k, v)
         k_buf, v_buf = self.kv_pool.k_buffers[layer_id], self.kv_pool.v_buffers[layer_id]
         meta: TorchMetadata = batch.attn_metadata
+        if not meta.extends:  # decodes only: every row of q is one
+            return self._decode(q, k_buf, v_buf, meta)
         out = torch.empty_like(q)
-        gqa = q.shape[1] != k.shape[1]
+        gqa = q.shape[1] != k_buf.shape[1]
         for group in meta.extends:
             out[group.tokens] = self._extend(q, k_buf, v_buf, group, gqa)
         if len(meta.decode_tokens):

@@ -66,9 +66,15 @@ class TritonAttentionBackend:
         )
 
     def forward(
-        self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch
+        self,
+        layer_id: int,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+        batch: ForwardBatch,
     ) -> torch.Tensor:
-        self.kv_pool.set_kv(layer_id, batch.out_slots, k, v)
+        if k is not None:
+            self.kv_pool.set_kv(layer_id, batch.out_slots, k, v)
         k_buf, v_buf = self.kv_pool.k_buffers[layer_id], self.kv_pool.v_buffers[layer_id]
         meta: TritonMetadata = batch.attn_metadata
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -77,6 +83,8 @@ class TritonAttentionBackend:
                 q, k_buf, v_buf, out, meta.kv_indptr, meta.kv_indices, meta.num_kv_splits
             )
         else:
+            if k is None:  # stored by the caller; the extend kernel reads new tokens apart
+                k, v = k_buf[batch.out_slots], v_buf[batch.out_slots]
             extend_attention_fwd(
                 q,
                 k,

@@ -21,7 +21,13 @@ from radixrt.mem_cache.memory_pool import (
     bytes_per_token,
 )
 from radixrt.models import model_class
-from radixrt.models.prepacked_linear import prepack_available, prepack_linears
+from radixrt.models.linear import (
+    Int8Linear,
+    PrepackedLinear,
+    check_quantization,
+    prepack_available,
+    replace_linears,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -59,11 +65,13 @@ class WeightCounts:
     attention_flops_per_pair: int
 
     @classmethod
-    def of(cls, model: nn.Module, config) -> WeightCounts:
+    def of(cls, model: nn.Module, config, bytes_per_weight: int | None = None) -> WeightCounts:
+        """Counts of `model`'s `nn.Linear`s, at their own element size unless told otherwise
+        (int8 weights are counted before they replace the float ones)."""
         linears = [(n, m.weight) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
         head = sum(w.numel() for n, w in linears if n == "lm_head")
         layers = sum(w.numel() for n, w in linears if n != "lm_head")
-        size = linears[0][1].element_size() if linears else 0
+        size = bytes_per_weight or (linears[0][1].element_size() if linears else 0)
         per_pair = 4 * config.num_hidden_layers * config.num_attention_heads * model.head_dim
         return cls(layers, head, (layers + head) * size, per_pair)
 
@@ -84,17 +92,20 @@ class ModelRunner:
         model.load_weights(load_state_dict(self.model_path))
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
         self.model.rope.to(torch.float32)  # cos/sin tables stay exact; cast per use
-        self.weights = WeightCounts.of(
-            self.model, self.config
-        )  # before prepacking hides the weights
-        if prepack_available(self.device, self.dtype):
-            prepack_linears(self.model)
+        check_quantization(args.quantization, self.device)
+        # counted before the replacements hide the weights
+        self.weights = WeightCounts.of(self.model, self.config, 1 if args.quantization else None)
+        if args.quantization:
+            replace_linears(self.model, Int8Linear)
+        elif prepack_available(self.device, self.dtype):
+            replace_linears(self.model, PrepackedLinear)
         self.vocab_size = self.config.vocab_size
 
         self._init_pools()
         self.attn_backend = create_backend(
             args.attention_backend, self.device, self.req_to_token_pool.req_to_token, self.kv_pool
         )
+        self.graph_runner = self._graph_runner()
         logger.info(
             "loaded %s (%s, %s) in %.1fs; KV pool %d tokens, page size %d",
             self.model_path.name,
@@ -142,7 +153,27 @@ class ModelRunner:
             args.max_running_requests + 1, self.context_length + 1, self.device
         )
 
+    def _graph_runner(self):
+        """Decode steps as CUDA graphs: on CUDA with the Triton backend, unless disabled."""
+        if self.device.type != "cuda" or self.args.disable_cuda_graph:
+            return None
+        from radixrt.attention.triton_backend import TritonAttentionBackend
+        from radixrt.executor.cuda_graph_runner import CudaGraphRunner
+
+        if not isinstance(self.attn_backend, TritonAttentionBackend):
+            return None
+        start = time.monotonic()
+        graphs = CudaGraphRunner(self)
+        logger.info(
+            "captured decode graphs for %s in %.1fs", graphs.sizes, time.monotonic() - start
+        )
+        return graphs
+
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Hidden states of the batch's new tokens (a replayed graph's buffer for a decode
+        batch on CUDA: read before the next forward)."""
+        if self.graph_runner is not None and self.graph_runner.can_run(batch):
+            return self.graph_runner.replay(batch)
         self.attn_backend.init_forward_metadata(batch)
         return self.model(batch, self.attn_backend)
 

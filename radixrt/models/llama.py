@@ -10,6 +10,7 @@ from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from radixrt.attention import AttentionBackend
+from radixrt.kernels import cpu_fused
 
 if TYPE_CHECKING:  # types only: the executor and the pools import this package, not the reverse
     from radixrt.executor.forward_batch import ForwardBatch
@@ -21,8 +22,17 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm, residual stream): without `residual`, `x` is the stream; with it, `x` is added
+        to it first (in place on the CPU's fused path) and the sum is the stream."""
+        if cpu_fused.supports(x):
+            out = cpu_fused.rms_norm(x, self.weight, self.eps, residual)
+            return out, x if residual is None else residual
+        if residual is not None:
+            x = residual + x
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps), x
 
 
 class RotaryEmbedding(nn.Module):
@@ -86,7 +96,20 @@ class Attention(nn.Module):
         cos_sin: tuple[torch.Tensor, torch.Tensor],
         attn: AttentionBackend,
     ) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(x)
+        if cpu_fused.supports(qkv):  # q rotated; k rotated and v stored in the pool
+            k_buf, v_buf = (
+                attn.kv_pool.k_buffers[self.layer_id],
+                attn.kv_pool.v_buffers[self.layer_id],
+            )
+            cos, sin = cos_sin
+            q = cpu_fused.rope_and_store(
+                qkv, cos[:, 0], sin[:, 0], self.num_heads, k_buf, v_buf, batch.out_slots
+            )
+            return self.o_proj(
+                attn.forward(self.layer_id, q, None, None, batch).view(-1, self.q_size)
+            )
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = apply_rotary(q.view(-1, self.num_heads, self.head_dim), cos_sin)
         k = apply_rotary(k.view(-1, self.num_kv_heads, self.head_dim), cos_sin)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
@@ -102,7 +125,10 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if cpu_fused.supports(gate_up):
+            return self.down_proj(cpu_fused.silu_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -117,12 +143,18 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
+        residual: torch.Tensor | None,
         batch: ForwardBatch,
         cos_sin: tuple[torch.Tensor, torch.Tensor],
         attn: AttentionBackend,
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), batch, cos_sin, attn)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's MLP output, the residual stream before it is added): the next norm adds
+        it, so each add fuses with a norm. The sums are HF's: stream + attention, then + MLP."""
+        h, residual = self.input_layernorm(x, residual)
+        h, residual = self.post_attention_layernorm(
+            self.self_attn(h, batch, cos_sin, attn), residual
+        )
+        return self.mlp(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -146,11 +178,11 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
         """Hidden states after the final norm, one row per new token."""
-        x = self.embed_tokens(batch.input_ids)
+        x, residual = self.embed_tokens(batch.input_ids), None
         cos_sin = self.rope(batch.positions, x.dtype)
         for layer in self.layers:
-            x = layer(x, batch, cos_sin, attn)
-        return self.norm(x)
+            x, residual = layer(x, residual, batch, cos_sin, attn)
+        return self.norm(x, residual)[0]
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,6 @@ import random
 import pytest
 import torch
 
-from radixrt.attention import cpu_paged
 from radixrt.attention.torch_backend import PAD_SLACK, TorchAttentionBackend, group_extends
 from radixrt.executor.forward_batch import ForwardBatch
 from radixrt.mem_cache.memory_pool import TokenToKVPool
@@ -105,25 +104,3 @@ def test_groups_cover_every_extend_once_within_the_padding_bound(seed):
     for g in groups:
         padded = len(g) * max(extend_lens[i] for i in g) * max(seq_lens[i] for i in g)
         assert len(g) == 1 or padded <= PAD_SLACK * sum(extend_lens[i] * seq_lens[i] for i in g)
-
-
-@pytest.mark.parametrize("hq, hkv, d", [(4, 4, 16), (9, 3, 64), (8, 1, 80)])
-def test_paged_decode_kernel_reads_the_pool_in_place(hq, hkv, d):
-    """The kernel alone against float64 math over gathered rows, with scattered slots, ragged
-    lengths (one row empty: no keys, lse -inf) and GQA groups."""
-    gen = torch.Generator().manual_seed(hq * 100 + d)
-    k, v = torch.randn(500, hkv, d, generator=gen), torch.randn(500, hkv, d, generator=gen)
-    lens = torch.tensor([70, 1, 0, 33])
-    slots = torch.randint(1, 500, (4, 70), generator=gen)
-    q = torch.randn(4, hq, d, generator=gen)
-    out, lse = cpu_paged.paged_decode(q, k, v, slots, lens)
-    for b, n in enumerate(lens.tolist()):
-        if n == 0:
-            assert torch.isinf(lse[b]).all() and lse[b].max() < 0 and (out[b] == 0).all()
-            continue
-        kb = k[slots[b, :n]].double().repeat_interleave(hq // hkv, 1).transpose(0, 1)
-        vb = v[slots[b, :n]].double().repeat_interleave(hq // hkv, 1).transpose(0, 1)
-        scores = (q[b].double()[:, None, :] @ kb.transpose(1, 2)).squeeze(1) / d**0.5
-        torch.testing.assert_close(lse[b].double(), scores.logsumexp(-1), atol=1e-5, rtol=1e-5)
-        expected = (scores.softmax(-1)[:, None, :] @ vb).squeeze(1)
-        torch.testing.assert_close(out[b].double(), expected, atol=1e-5, rtol=1e-5)

@@ -7,10 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from radixrt.attention import cpu_paged, torch_backend
+from radixrt.attention import torch_backend
 from radixrt.attention.torch_backend import MIN_SHARED_PREFIX, TorchAttentionBackend
 from radixrt.config import ServerArgs
 from radixrt.engine.scheduler import Scheduler
+from radixrt.kernels import cpu_paged
 from radixrt.sampling_params import SamplingParams
 
 from helpers import hf_greedy

@@ -91,7 +91,7 @@ def test_incremental_detokenizer_never_splits_a_character(default_model_dir):
 
 
 def test_prepacked_linear_matches_f_linear_and_replaces_every_linear():
-    from radixrt.models.prepacked_linear import PrepackedLinear, prepack_available, prepack_linears
+    from radixrt.models.linear import PrepackedLinear, prepack_available, replace_linears
 
     if not prepack_available(torch.device("cpu"), torch.float32):
         pytest.skip("this torch has no oneDNN")
@@ -100,7 +100,7 @@ def test_prepacked_linear_matches_f_linear_and_replaces_every_linear():
         torch.nn.Linear(64, 96), torch.nn.Sequential(torch.nn.Linear(96, 8, bias=False))
     )
     weight, bias = model[0].weight.detach().clone(), model[0].bias.detach().clone()
-    prepack_linears(model)
+    replace_linears(model, PrepackedLinear)
     assert isinstance(model[0], PrepackedLinear) and isinstance(model[1][0], PrepackedLinear)
     for rows in (1, 5, 70):  # any row count, not only the one the layout was tuned for
         x = torch.randn(rows, 64)

@@ -1,10 +1,6 @@
-import os
-
-# Must be set before triton.jit decorates the kernels, i.e. before radixrt.kernels is imported.
-os.environ["TRITON_INTERPRET"] = "1"
-
-import numpy as np  # noqa: E402
-from triton.runtime import interpreter  # noqa: E402
+# TRITON_INTERPRET is set by the top-level conftest, before anything imports a kernel.
+import numpy as np
+from triton.runtime import interpreter
 
 
 def _fix_interpreter_scalar_index() -> None:

@@ -6,26 +6,15 @@ and read again. This kernel walks each request's slot list and reads every K/V r
 with an online softmax; one OpenMP task per (request, KV head) serves all query heads of that KV
 head. It returns the log-sum-exp too, for the cascade merge with the shared prefix.
 
-It is plain C compiled once with the system's C compiler into `$RADIXRT_CACHE_DIR/kernels` and
-called through ctypes (no torch headers, about a second to build). Without a compiler the
-backend keeps the gather path (`supports()` says which).
+Plain C built on first use (`native`). Without a compiler the backend keeps the gather path
+(`supports()` says which).
 """
 
 from __future__ import annotations
 
-import ctypes
-import hashlib
-import logging
-import os
-import shutil
-import subprocess
-import tempfile
-from functools import cache
-from pathlib import Path
-
 import torch
 
-logger = logging.getLogger(__name__)
+from . import native
 
 SOURCE = r"""
 #include <math.h>
@@ -103,50 +92,13 @@ void paged_decode(const float *q, const float *k, const float *v, const int64_t 
     }
 }
 """
-FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared"]
 MAX_GROUP, MAX_DIM = 16, 256
+P, I = native.POINTER, native.INT64
+SIGNATURES = (("paged_decode", (P,) * 7 + (I,) * 5 + (native.FLOAT,)),)
 
 
-def _cache_dir() -> Path:
-    root = os.environ.get("RADIXRT_CACHE_DIR") or Path.home() / ".cache" / "radixrt"
-    return Path(root) / "kernels"
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith("model name")), "")
-    except OSError:
-        return ""
-
-
-@cache
-def _library() -> ctypes.CDLL | None:
-    """The compiled kernel (built once per source, flags and CPU model), or None."""
-    compiler = shutil.which(os.environ.get("CC", "cc"))
-    if compiler is None:
-        logger.info("no C compiler: decode attention gathers K/V instead of reading them in place")
-        return None
-    key = hashlib.sha256("\n".join([SOURCE, *FLAGS, _cpu_model()]).encode()).hexdigest()[:16]
-    path = _cache_dir() / f"paged_decode-{key}.so"
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-            source, built = Path(tmp) / "paged_decode.c", Path(tmp) / "paged_decode.so"
-            source.write_text(SOURCE)
-            result = subprocess.run(
-                [compiler, *FLAGS, str(source), "-o", str(built), "-lm"],
-                capture_output=True,
-                text=True,
-            )
-            if result.returncode != 0:
-                logger.warning("paged decode kernel did not compile: %s", result.stderr[-500:])
-                return None
-            os.replace(built, path)  # atomic: a concurrent build finds a whole file or none
-    lib = ctypes.CDLL(str(path))
-    lib.paged_decode.restype = None
-    lib.paged_decode.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 5 + [ctypes.c_float]
-    return lib
+def _library():
+    return native.load("paged_decode", SOURCE, SIGNATURES)
 
 
 def supports(k_buf: torch.Tensor) -> bool:

@@ -1,0 +1,191 @@
+"""Weight-only int8 matrix multiply for the CPU (AVX2): `x @ (w * scale).T + bias`.
+
+Weights are int8, symmetric, one scale per output channel. Each activation row is quantized on
+the fly to int16 with its own scale (relative error about 1.5e-5 of the row's largest value, far
+below the weights' own rounding), so the products run on integer multiply-adds (`vpmaddwd`: 16
+per instruction) instead of converting every weight to float.
+
+Why a kernel of our own: the int8 routes torch offers on this kind of CPU were slower than
+float32 or failed the quality gates (docs/benchmarks.md, "int8 candidates"). What makes a decode
+step fast is reading the weights at the memory's speed, so they are packed once into tiles of
+4 output rows x 32 inputs, laid out in the order the kernel reads them: one sequential stream per
+thread. A tile stays in L1 while every block of 3 activation rows passes over it, so prefill
+chunks reuse it from cache too.
+
+Int32 sums cannot overflow: |x| <= 32767, |w| <= 127 and at most 2,048 inputs are summed in int32
+before being added to a float accumulator.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from . import native
+
+ROWS, DEPTH = 4, 32  # a tile: output rows x inputs
+
+SOURCE = r"""
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+
+#define ROWS 4
+#define DEPTH 32
+#define SPAN 2048 /* inputs summed in int32 before a flush to float */
+
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* Row m of x [M, K] -> int16 q [Kp] (zero past K) and its scale: x ~= q * scale. */
+static void quantize_row(const float *row, int16_t *q, float *scale, int64_t K, int64_t Kp) {
+    float top = 0.0f;
+    for (int64_t k = 0; k < K; k++) top = fmaxf(top, fabsf(row[k]));
+    const float s = top > 0.0f ? top / 32767.0f : 1.0f, inv = 1.0f / s;
+    for (int64_t k = 0; k < K; k++) q[k] = (int16_t)lrintf(row[k] * inv);
+    for (int64_t k = K; k < Kp; k++) q[k] = 0;
+    *scale = s;
+}
+
+/* MT activation rows (1..3) against one packed tile row of 4 outputs. */
+static inline __attribute__((always_inline)) void tile(
+        const int16_t *xq, const float *xs, const int8_t *wt, const float *ws, const float *bias,
+        float *out, int64_t MT, int64_t N, int64_t Kp, int64_t n0, int64_t nn) {
+    __m256 total[3][ROWS];
+    for (int i = 0; i < 3; i++)
+        for (int j = 0; j < ROWS; j++) total[i][j] = _mm256_setzero_ps();
+    for (int64_t k0 = 0; k0 < Kp; k0 += SPAN) {
+        const int64_t k1 = k0 + SPAN < Kp ? k0 + SPAN : Kp;
+        __m256i acc[3][ROWS];
+        for (int i = 0; i < 3; i++)
+            for (int j = 0; j < ROWS; j++) acc[i][j] = _mm256_setzero_si256();
+        for (int64_t k = k0; k < k1; k += DEPTH) {
+            const int8_t *chunk = wt + k * ROWS;
+            _mm_prefetch((const char *)(chunk + 1024), _MM_HINT_T0);
+            _mm_prefetch((const char *)(chunk + 1088), _MM_HINT_T0);
+            for (int j = 0; j < ROWS; j++) {
+                const __m256i b = _mm256_loadu_si256((const __m256i *)(chunk + DEPTH * j));
+                const __m256i lo = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(b));
+                const __m256i hi = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(b, 1));
+                for (int i = 0; i < MT; i++) {
+                    const int16_t *xr = xq + i * Kp + k;
+                    const __m256i a0 = _mm256_loadu_si256((const __m256i *)xr);
+                    const __m256i a1 = _mm256_loadu_si256((const __m256i *)(xr + 16));
+                    acc[i][j] = _mm256_add_epi32(acc[i][j], _mm256_madd_epi16(a0, lo));
+                    acc[i][j] = _mm256_add_epi32(acc[i][j], _mm256_madd_epi16(a1, hi));
+                }
+            }
+        }
+        for (int i = 0; i < MT; i++)
+            for (int j = 0; j < ROWS; j++)
+                total[i][j] = _mm256_add_ps(total[i][j], _mm256_cvtepi32_ps(acc[i][j]));
+    }
+    for (int i = 0; i < MT; i++)
+        for (int j = 0; j < nn; j++)
+            out[i * N + n0 + j] =
+                hsum(total[i][j]) * xs[i] * ws[n0 + j] + (bias ? bias[n0 + j] : 0.0f);
+}
+
+/* out [M, N] = x @ dequant(w).T + bias, x [M, K] float; w packed [ceil(N/4), Kp/32, 4, 32];
+   xq [M, Kp] and xs [M]: scratch for the quantized rows. One parallel region: rows, then tiles. */
+void int8_linear(const float *x, int16_t *xq, float *xs, const int8_t *w, const float *ws,
+                 const float *bias, float *out, int64_t M, int64_t N, int64_t K, int64_t Kp) {
+    const int64_t tiles = (N + ROWS - 1) / ROWS;
+    #pragma omp parallel
+    {
+    #pragma omp for schedule(static)
+    for (int64_t m = 0; m < M; m++) quantize_row(x + m * K, xq + m * Kp, xs + m, K, Kp);
+    #pragma omp for schedule(static)
+    for (int64_t t = 0; t < tiles; t++) {
+        const int64_t n0 = t * ROWS, nn = N - n0 < ROWS ? N - n0 : ROWS;
+        const int8_t *wt = w + t * ROWS * Kp;
+        int64_t m = 0;
+        for (; m + 3 <= M; m += 3) tile(xq + m * Kp, xs + m, wt, ws, bias, out + m * N, 3, N, Kp, n0, nn);
+        if (M - m == 2) tile(xq + m * Kp, xs + m, wt, ws, bias, out + m * N, 2, N, Kp, n0, nn);
+        if (M - m == 1) tile(xq + m * Kp, xs + m, wt, ws, bias, out + m * N, 1, N, Kp, n0, nn);
+    }
+    }
+}
+"""
+P, I = native.POINTER, native.INT64
+SIGNATURES = (("int8_linear", (P,) * 7 + (I,) * 4),)
+
+
+def _library():
+    return native.load("int8_gemm", SOURCE, SIGNATURES)
+
+
+def available() -> bool:
+    """Whether this CPU runs the kernel (AVX2, a compiler to build it); builds it on first use."""
+    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") and _library() is not None
+
+
+@dataclass
+class PackedInt8:
+    """A weight [N, K] as int8 tiles and per-output-channel float scales; the kernel's
+    arguments that never change are read once here rather than on every call."""
+
+    tiles: torch.Tensor  # int8 [ceil(N/4), Kp/32, 4, 32], Kp = K rounded up to 32
+    scales: torch.Tensor  # float32 [N]
+    out_features: int
+    in_features: int
+    padded_in_features: int = field(init=False)  # Kp
+    tiles_ptr: int = field(init=False)
+    scales_ptr: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        assert self.tiles.is_contiguous() and self.scales.is_contiguous()
+        self.padded_in_features = self.tiles.shape[1] * DEPTH
+        self.tiles_ptr, self.scales_ptr = self.tiles.data_ptr(), self.scales.data_ptr()
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor) -> PackedInt8:
+        """Symmetric per-channel rounding: w ~= q * scale with q in [-127, 127]."""
+        n, k = weight.shape
+        w = weight.detach().float()
+        scales = (w.abs().amax(dim=1) / 127).clamp_min(torch.finfo(torch.float32).tiny)
+        q = torch.round(w / scales[:, None]).clamp_(-127, 127).to(torch.int8)
+        return cls(pack(q), scales.contiguous(), n, k)
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weight [N, K] this stands for."""
+        q = self.tiles.permute(0, 2, 1, 3).reshape(-1, self.padded_in_features)
+        return q[: self.out_features, : self.in_features].float() * self.scales[:, None]
+
+
+def pack(q: torch.Tensor) -> torch.Tensor:
+    """int8 [N, K] -> tiles [ceil(N/4), Kp/32, 4, 32], zero-padded, in the kernel's read order."""
+    n, k = q.shape
+    np_, kp = -(-n // ROWS) * ROWS, -(-k // DEPTH) * DEPTH
+    padded = torch.zeros(np_, kp, dtype=torch.int8)
+    padded[:n, :k] = q
+    return padded.view(np_ // ROWS, ROWS, kp // DEPTH, DEPTH).transpose(1, 2).contiguous()
+
+
+def int8_linear(x: torch.Tensor, w: PackedInt8, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] float32 -> [M, N] float32. Lean on purpose: at batch 1 this wrapper's own
+    microseconds, times four linears a layer, are a visible share of a decode step."""
+    x = x.contiguous()
+    m, kp = x.shape[0], w.padded_in_features
+    xq = torch.empty(m, kp, dtype=torch.int16)
+    xs = torch.empty(m, dtype=torch.float32)
+    out = torch.empty(m, w.out_features, dtype=torch.float32)
+    _library().int8_linear(
+        x.data_ptr(),
+        xq.data_ptr(),
+        xs.data_ptr(),
+        w.tiles_ptr,
+        w.scales_ptr,
+        None if bias is None else bias.data_ptr(),
+        out.data_ptr(),
+        m,
+        w.out_features,
+        w.in_features,
+        kp,
+    )
+    return out

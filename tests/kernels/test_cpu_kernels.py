@@ -1,0 +1,121 @@
+"""The C kernels for the CPU on their own, without a model, against plain torch (float64 where
+the kernel's own rounding is the question)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from radixrt.kernels import cpu_fused, cpu_paged, int8_gemm
+
+needs_int8 = pytest.mark.skipif(not int8_gemm.available(), reason="needs AVX2 and a C compiler")
+
+
+@pytest.mark.parametrize("hq, hkv, d", [(4, 4, 16), (9, 3, 64), (8, 1, 80)])
+def test_paged_decode_kernel_reads_the_pool_in_place(hq, hkv, d):
+    """The kernel alone against float64 math over gathered rows, with scattered slots, ragged
+    lengths (one row empty: no keys, lse -inf) and GQA groups."""
+    gen = torch.Generator().manual_seed(hq * 100 + d)
+    k, v = torch.randn(500, hkv, d, generator=gen), torch.randn(500, hkv, d, generator=gen)
+    lens = torch.tensor([70, 1, 0, 33])
+    slots = torch.randint(1, 500, (4, 70), generator=gen)
+    q = torch.randn(4, hq, d, generator=gen)
+    out, lse = cpu_paged.paged_decode(q, k, v, slots, lens)
+    for b, n in enumerate(lens.tolist()):
+        if n == 0:
+            assert torch.isinf(lse[b]).all() and lse[b].max() < 0 and (out[b] == 0).all()
+            continue
+        kb = k[slots[b, :n]].double().repeat_interleave(hq // hkv, 1).transpose(0, 1)
+        vb = v[slots[b, :n]].double().repeat_interleave(hq // hkv, 1).transpose(0, 1)
+        scores = (q[b].double()[:, None, :] @ kb.transpose(1, 2)).squeeze(1) / d**0.5
+        torch.testing.assert_close(lse[b].double(), scores.logsumexp(-1), atol=1e-5, rtol=1e-5)
+        expected = (scores.softmax(-1)[:, None, :] @ vb).squeeze(1)
+        torch.testing.assert_close(out[b].double(), expected, atol=1e-5, rtol=1e-5)
+
+
+@needs_int8
+@pytest.mark.parametrize(
+    "m, n, k", [(1, 5, 7), (2, 33, 40), (3, 960, 576), (4, 96, 64), (7, 576, 1536), (64, 130, 96)]
+)
+def test_int8_linear_matches_its_dequantized_weight(m, n, k):
+    """Any row count (tiles of 3 rows and their remainders), outputs not a multiple of the tile,
+    inputs not a multiple of 32, with a bias; the only error left is the activations' int16
+    rounding, about 1e-5 of each row's largest value."""
+    gen = torch.Generator().manual_seed(m * n + k)
+    w, x, bias = torch.randn(n, k, generator=gen), torch.randn(m, k, generator=gen), torch.randn(n)
+    packed = int8_gemm.PackedInt8.quantize(w)
+    expected = x.double() @ packed.dequantize().double().T + bias.double()
+    out = int8_gemm.int8_linear(x, packed, bias)
+    assert out.shape == (m, n)
+    torch.testing.assert_close(
+        out.double(), expected, rtol=1e-4, atol=1e-4 * float(expected.abs().max())
+    )
+
+
+@needs_int8
+def test_int8_quantization_rounds_each_channel_to_half_a_step():
+    w = (
+        torch.randn(70, 100) * torch.logspace(-3, 2, 70)[:, None]
+    )  # channels of very different sizes
+    packed = int8_gemm.PackedInt8.quantize(w)
+    step = w.abs().amax(dim=1) / 127
+    assert ((packed.dequantize() - w).abs() <= step[:, None] * 0.5 + 1e-6 * step[:, None]).all()
+
+
+@needs_int8
+def test_int8_long_sums_do_not_overflow():
+    """Every product at its largest, 5,000 of them: past int32 unless the kernel flushes its
+    integer sums to float every 2,048 inputs."""
+    k = 5000
+    packed = int8_gemm.PackedInt8.quantize(torch.ones(4, k))
+    out = int8_gemm.int8_linear(torch.full((1, k), 3.0), packed, None)
+    torch.testing.assert_close(out, torch.full((1, 4), 3.0 * k))
+
+
+@pytest.mark.parametrize("rows", [1, 40])  # one thread, and the parallel loop
+def test_fused_rms_norm_adds_the_residual_in_place(rows):
+    if not cpu_fused.supports(torch.zeros(1)):
+        pytest.skip("no C compiler")
+    x, residual, weight = torch.randn(rows, 96), torch.randn(rows, 96), torch.randn(96)
+    stream = residual + x
+    torch.testing.assert_close(
+        cpu_fused.rms_norm(x, weight, 1e-6), F.rms_norm(x, (96,), weight, 1e-6)
+    )
+    out = cpu_fused.rms_norm(x, weight, 1e-6, residual)
+    torch.testing.assert_close(residual, stream, rtol=0, atol=0)
+    torch.testing.assert_close(out, F.rms_norm(stream, (96,), weight, 1e-6))
+
+
+@pytest.mark.parametrize("rows", [1, 40])
+def test_fused_rope_rotates_q_and_stores_k_and_v_in_the_pool(rows):
+    """HF's rotate_half convention, GQA (6 query heads over 2 KV heads), scattered slots."""
+    if not cpu_fused.supports(torch.zeros(1)):
+        pytest.skip("no C compiler")
+    hq, hkv, d = 6, 2, 16
+    qkv = torch.randn(rows, (hq + 2 * hkv) * d)
+    angles = torch.randn(rows, d // 2).repeat(1, 2)
+    cos, sin = angles.cos(), angles.sin()
+    k_buf, v_buf = torch.zeros(100, hkv, d), torch.zeros(100, hkv, d)
+    slots = torch.randperm(100)[:rows]
+    q = cpu_fused.rope_and_store(qkv, cos, sin, hq, k_buf, v_buf, slots)
+
+    def rotate(x):  # [rows, H, D]
+        x1, x2 = x.chunk(2, dim=-1)
+        return x * cos[:, None] + torch.cat([-x2, x1], dim=-1) * sin[:, None]
+
+    q_ref, k_ref, v_ref = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+    torch.testing.assert_close(q, rotate(q_ref.view(rows, hq, d)), rtol=0, atol=0)
+    torch.testing.assert_close(k_buf[slots], rotate(k_ref.reshape(rows, hkv, d)), rtol=0, atol=0)
+    torch.testing.assert_close(v_buf[slots], v_ref.reshape(rows, hkv, d), rtol=0, atol=0)
+    untouched = torch.ones(100, dtype=torch.bool)
+    untouched[slots] = False
+    assert (k_buf[untouched] == 0).all() and (v_buf[untouched] == 0).all()
+
+
+def test_fused_silu_mul():
+    if not cpu_fused.supports(torch.zeros(1)):
+        pytest.skip("no C compiler")
+    gate_up = torch.randn(33, 2 * 50) * 4
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(cpu_fused.silu_mul(gate_up), F.silu(gate) * up)

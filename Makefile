@@ -50,9 +50,13 @@ bench: model
 		--systems radixrt,radixrt-static --output-dir bench_results
 	$(BIN)/radixrt bench --backend http --output-dir bench_results
 
-# llama.cpp as a peer in `radixrt bench`: llama-cpp-python compiles llama.cpp (several minutes).
+# llama.cpp as two peers in `radixrt bench`: llama-cpp-python (it compiles llama.cpp, several
+# minutes) and llama.cpp's own `llama-server`, built from the same vendored sources (about 8 more).
+LLAMA_CPP_PYTHON := 0.3.36
+
 bench-peers: $(STAMP)
-	$(BIN)/pip install llama-cpp-python
+	$(BIN)/pip install llama-cpp-python==$(LLAMA_CPP_PYTHON)
+	test -x $(BIN)/llama-server || bash scripts/build_llama_server.sh $(LLAMA_CPP_PYTHON) $(BIN)
 
 gpu-check: $(STAMP)
 	$(BIN)/python scripts/gpu_check.py

@@ -3,8 +3,10 @@
 The torch path gathers each request's keys and values out of the pool into a padded tensor every
 step, then attends over the copy: a decode step's memory traffic is the context copied, written
 and read again. This kernel walks each request's slot list and reads every K/V row once, in place,
-with an online softmax; one OpenMP task per (request, KV head) serves all query heads of that KV
-head. It returns the log-sum-exp too, for the cascade merge with the shared prefix.
+with an online softmax (exponentials eight at a time); one OpenMP task per (request, KV head, key
+range) serves all query heads of that KV head, and a small batch's long contexts are cut into
+ranges so every core has work. It returns the log-sum-exp too, for the cascade merge with the
+shared prefix.
 
 Plain C built on first use (`native`). Without a compiler the backend keeps the gather path
 (`supports()` says which).
@@ -17,6 +19,7 @@ import torch
 from . import native
 
 SOURCE = r"""
+#include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 
@@ -24,77 +27,143 @@ SOURCE = r"""
 #define MAX_DIM 256
 #define BLOCK 32
 
-/* q [B, Hq, D]; k, v [S, Hkv, D]; slots [B, L]; lens [B]; out [B, Hq, D]; lse [B, Hq].
-   Keys go in blocks of BLOCK: the block's K rows are copied transposed into a tile that stays in
-   L1, so the scores of all query heads of the KV head are vector FMAs across keys; one rescale
-   of the accumulators per block; then the values, vector FMAs across the head dimension. */
-void paged_decode(const float *q, const float *k, const float *v, const int64_t *slots,
-                  const int64_t *lens, float *out, float *lse, int64_t B, int64_t Hq, int64_t Hkv,
-                  int64_t D, int64_t L, float scale) {
-    const int64_t G = Hq / Hkv;
-    #pragma omp parallel for collapse(2) schedule(dynamic)
-    for (int64_t b = 0; b < B; b++) {
-        for (int64_t h = 0; h < Hkv; h++) {
-            float m[MAX_GROUP], l[MAX_GROUP], acc[MAX_GROUP][MAX_DIM];
-            float kt[MAX_DIM][BLOCK], s[MAX_GROUP][BLOCK];
-            const float *qh = q + (b * Hq + h * G) * D;
-            for (int64_t g = 0; g < G; g++) {
-                m[g] = -INFINITY;
-                l[g] = 0.0f;
-                for (int64_t d = 0; d < D; d++) acc[g][d] = 0.0f;
+/* e^x for 8 floats (x <= 0 here), within 2 ulp: 2^n * p(r) with r = x - n ln 2, |r| <= ln2/2. */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+/* One task: keys [lo, hi) of request b for KV head h, all G query heads of it. Leaves the
+   running max m, the sum l and the unnormalized accumulator in part [G][D + 2]. Keys go in blocks
+   of BLOCK: the block's K rows are copied transposed into a tile that stays in L1, so the scores
+   are vector FMAs across keys; one rescale of the accumulators per block; then the values,
+   vector FMAs across the head dimension. */
+static void attend(const float *qh, const float *k, const float *v, const int64_t *rows,
+                   int64_t n_keys, int64_t h, int64_t Hkv, int64_t G, int64_t D, float scale,
+                   float *part) {
+    float m[MAX_GROUP], l[MAX_GROUP], acc[MAX_GROUP][MAX_DIM];
+    float kt[MAX_DIM][BLOCK], s[MAX_GROUP][BLOCK] __attribute__((aligned(32)));
+    for (int64_t g = 0; g < G; g++) {
+        m[g] = -INFINITY;
+        l[g] = 0.0f;
+        for (int64_t d = 0; d < D; d++) acc[g][d] = 0.0f;
+    }
+    for (int64_t start = 0; start < n_keys; start += BLOCK) {
+        const int64_t n = n_keys - start < BLOCK ? n_keys - start : BLOCK;
+        for (int64_t j = 0; j < n; j++) {
+            const float *kr = k + (rows[start + j] * Hkv + h) * D;
+            for (int64_t d = 0; d < D; d++) kt[d][j] = kr[d];
+        }
+        for (int64_t j = n; j < BLOCK; j++)
+            for (int64_t d = 0; d < D; d++) kt[d][j] = 0.0f;
+        for (int64_t g = 0; g < G; g++) {
+            float sg[BLOCK] __attribute__((aligned(32))) = {0};
+            const float *qg = qh + g * D;
+            for (int64_t d = 0; d < D; d++) {
+                const float qd = qg[d] * scale;
+                #pragma omp simd
+                for (int64_t j = 0; j < BLOCK; j++) sg[j] += qd * kt[d][j];
             }
-            for (int64_t start = 0; start < lens[b]; start += BLOCK) {
-                const int64_t n = lens[b] - start < BLOCK ? lens[b] - start : BLOCK;
-                const int64_t *rows = slots + b * L + start;
-                for (int64_t j = 0; j < n; j++) {
-                    const float *kr = k + (rows[j] * Hkv + h) * D;
-                    for (int64_t d = 0; d < D; d++) kt[d][j] = kr[d];
-                }
-                for (int64_t j = n; j < BLOCK; j++)
-                    for (int64_t d = 0; d < D; d++) kt[d][j] = 0.0f;
-                for (int64_t g = 0; g < G; g++) {
-                    float sg[BLOCK] = {0};
-                    const float *qg = qh + g * D;
-                    for (int64_t d = 0; d < D; d++) {
-                        const float qd = qg[d] * scale;
-                        #pragma omp simd
-                        for (int64_t j = 0; j < BLOCK; j++) sg[j] += qd * kt[d][j];
-                    }
-                    float block_max = m[g];
-                    for (int64_t j = 0; j < n; j++) block_max = sg[j] > block_max ? sg[j] : block_max;
-                    const float correction = expf(m[g] - block_max);
-                    float sum = 0.0f;
-                    for (int64_t j = 0; j < n; j++) {
-                        s[g][j] = expf(sg[j] - block_max);
-                        sum += s[g][j];
-                    }
-                    l[g] = l[g] * correction + sum;
-                    m[g] = block_max;
-                    #pragma omp simd
-                    for (int64_t d = 0; d < D; d++) acc[g][d] *= correction;
-                }
-                for (int64_t j = 0; j < n; j++) {
-                    const float *vr = v + (rows[j] * Hkv + h) * D;
-                    for (int64_t g = 0; g < G; g++) {
-                        const float p = s[g][j];
-                        #pragma omp simd
-                        for (int64_t d = 0; d < D; d++) acc[g][d] += p * vr[d];
-                    }
-                }
+            float block_max = m[g];
+            for (int64_t j = 0; j < n; j++) block_max = sg[j] > block_max ? sg[j] : block_max;
+            const float correction = expf(m[g] - block_max);
+            __m256 sum8 = _mm256_setzero_ps();
+            for (int64_t j = 0; j < BLOCK; j += 8) {
+                __m256 p = exp8(_mm256_sub_ps(_mm256_load_ps(sg + j), _mm256_set1_ps(block_max)));
+                const __m256 live = _mm256_cmp_ps(
+                    _mm256_add_ps(_mm256_set1_ps((float)j), _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7)),
+                    _mm256_set1_ps((float)n), _CMP_LT_OQ);
+                p = _mm256_and_ps(p, live);
+                _mm256_store_ps(s[g] + j, p);
+                sum8 = _mm256_add_ps(sum8, p);
             }
+            float lanes[8];
+            _mm256_storeu_ps(lanes, sum8);
+            const float sum = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3]))
+                            + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
+            l[g] = l[g] * correction + sum;
+            m[g] = block_max;
+            #pragma omp simd
+            for (int64_t d = 0; d < D; d++) acc[g][d] *= correction;
+        }
+        for (int64_t j = 0; j < n; j++) {
+            const float *vr = v + (rows[start + j] * Hkv + h) * D;
             for (int64_t g = 0; g < G; g++) {
-                float *o = out + (b * Hq + h * G + g) * D;
-                const float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;
-                for (int64_t d = 0; d < D; d++) o[d] = acc[g][d] * inv;
-                lse[b * Hq + h * G + g] = l[g] > 0.0f ? m[g] + logf(l[g]) : -INFINITY;
+                const float p = s[g][j];
+                #pragma omp simd
+                for (int64_t d = 0; d < D; d++) acc[g][d] += p * vr[d];
             }
         }
+    }
+    for (int64_t g = 0; g < G; g++) {
+        float *o = part + g * (D + 2);
+        for (int64_t d = 0; d < D; d++) o[d] = acc[g][d];
+        o[D] = m[g];
+        o[D + 1] = l[g];
+    }
+}
+
+/* q [B, Hq, D]; k, v [S, Hkv, D]; slots [B, L]; lens [B]; out [B, Hq, D]; lse [B, Hq].
+   Each request's keys are cut into `splits` ranges, one task per (request, KV head, range), so a
+   small batch still fills every core; then each (request, KV head) merges its ranges by their
+   maxima. part: scratch [B, Hkv, splits, G, D + 2]. */
+void paged_decode(const float *q, const float *k, const float *v, const int64_t *slots,
+                  const int64_t *lens, float *out, float *lse, int64_t B, int64_t Hq, int64_t Hkv,
+                  int64_t D, int64_t L, float scale, int64_t splits, float *part) {
+    const int64_t G = Hq / Hkv, stride = G * (D + 2);
+    #pragma omp parallel
+    {
+    #pragma omp for collapse(3) schedule(dynamic)
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t h = 0; h < Hkv; h++)
+            for (int64_t sp = 0; sp < splits; sp++) {
+                const int64_t size = (lens[b] + splits - 1) / splits;
+                const int64_t lo = sp * size < lens[b] ? sp * size : lens[b];
+                const int64_t hi = lo + size < lens[b] ? lo + size : lens[b];
+                attend(q + (b * Hq + h * G) * D, k, v, slots + b * L + lo, hi - lo, h, Hkv, G, D,
+                       scale, part + ((b * Hkv + h) * splits + sp) * stride);
+            }
+    #pragma omp for collapse(2) schedule(static)
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t h = 0; h < Hkv; h++)
+            for (int64_t g = 0; g < G; g++) {
+                const float *first = part + (b * Hkv + h) * splits * stride + g * (D + 2);
+                float top = -INFINITY, total = 0.0f;
+                for (int64_t sp = 0; sp < splits; sp++)
+                    top = first[sp * stride + D] > top ? first[sp * stride + D] : top;
+                float *o = out + (b * Hq + h * G + g) * D;
+                for (int64_t d = 0; d < D; d++) o[d] = 0.0f;
+                for (int64_t sp = 0; sp < splits; sp++) {
+                    const float *pt = first + sp * stride;
+                    if (pt[D + 1] == 0.0f) continue; /* an empty range */
+                    const float w = expf(pt[D] - top);
+                    total += pt[D + 1] * w;
+                    for (int64_t d = 0; d < D; d++) o[d] += pt[d] * w;
+                }
+                const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+                for (int64_t d = 0; d < D; d++) o[d] *= inv;
+                lse[b * Hq + h * G + g] = total > 0.0f ? top + logf(total) : -INFINITY;
+            }
     }
 }
 """
 MAX_GROUP, MAX_DIM = 16, 256
 P, I = native.POINTER, native.INT64
-SIGNATURES = (("paged_decode", (P,) * 7 + (I,) * 5 + (native.FLOAT,)),)
+SIGNATURES = (("paged_decode", (P,) * 7 + (I,) * 5 + (native.FLOAT, I, P)),)
+MAX_SPLITS = 8
+MIN_SPLIT_KEYS = 256  # a range shorter than this costs more to merge than it saves
 
 
 def _library():
@@ -120,14 +189,17 @@ def paged_decode(
     lens: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q [B, Hq, D] over the keys `slots[b, :lens[b]]` of the pool -> out [B, Hq, D] and the
-    log-sum-exp of the scaled scores [B, Hq] (-inf for a request with no keys)."""
+    log-sum-exp of the scaled scores [B, Hq] (-inf and zeros for a request with no keys)."""
     b, hq, d = q.shape
     q, slots, lens = q.contiguous(), slots.contiguous(), lens.contiguous()
     assert (
         k_buf.is_contiguous() and v_buf.is_contiguous() and slots.dtype == lens.dtype == torch.int64
     )
+    hkv = k_buf.shape[1]
+    splits = _splits(b * hkv, slots.shape[1])
     out = torch.empty_like(q)
     lse = torch.empty(b, hq, dtype=torch.float32)
+    part = torch.empty(b * hkv * splits * (hq // hkv) * (d + 2), dtype=torch.float32)
     _library().paged_decode(
         q.data_ptr(),
         k_buf.data_ptr(),
@@ -142,5 +214,14 @@ def paged_decode(
         d,
         slots.shape[1],
         d**-0.5,
+        splits,
+        part.data_ptr(),
     )
     return out, lse
+
+
+def _splits(tasks: int, longest: int) -> int:
+    """Key ranges per (request, KV head): enough tasks for two per thread, none shorter than
+    MIN_SPLIT_KEYS."""
+    wanted = -(-2 * torch.get_num_threads() // tasks)
+    return max(1, min(MAX_SPLITS, wanted, longest // MIN_SPLIT_KEYS))

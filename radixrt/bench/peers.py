@@ -1,8 +1,17 @@
 """What a user would pick instead of radixrt, run on the same weights: transformers `generate`
-(batched, padded) and llama.cpp (through llama-cpp-python, on the same GGUF file)."""
+(batched, padded), and llama.cpp on the same GGUF file two ways: through llama-cpp-python's
+high-level API (one request at a time) and as its own server, `llama-server` (parallel slots
+with continuous batching)."""
 
 from __future__ import annotations
 
+import http.client
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -16,6 +25,11 @@ LLAMA_CPP_MISSING = (
     "llama.cpp skipped: llama-cpp-python is not installed (`make bench-peers` installs it; "
     "it compiles llama.cpp, which takes several minutes)"
 )
+LLAMA_SERVER_MISSING = (
+    "llama-server skipped: no llama-server binary beside this Python or on PATH "
+    "(`make bench-peers` builds it, about 8 minutes)"
+)
+LLAMA_SERVER_START_S = 120
 
 
 def run_transformers(
@@ -119,6 +133,107 @@ class LlamaCppTarget:
 
     def close(self) -> None:
         self.llm.close()
+
+
+class LlamaServerTarget:
+    """llama.cpp's own server behind the same `generate(prompt, params, stream=True)`: `slots`
+    parallel sequences (`-np`) batched continuously, each slot with `context_length` tokens and
+    its own prompt cache; tokens stream over its HTTP API (`POST /completion`)."""
+
+    def __init__(
+        self,
+        binary: Path,
+        gguf: Path,
+        slots: int,
+        context_length: int = 4096,
+        threads: int | None = None,
+    ):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            self.port = probe.getsockname()[1]
+        threads = threads or os.cpu_count() or 1
+        self.proc = subprocess.Popen(
+            [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(self.port)]
+            + ["-np", str(slots), "-c", str(context_length * slots), "-t", str(threads)]
+            + ["--cont-batching"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.close()
+            raise
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + LLAMA_SERVER_START_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"llama-server exited with {self.proc.returncode}")
+            try:
+                conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=5)
+                conn.request("GET", "/health")
+                if conn.getresponse().status == 200:
+                    return
+            except OSError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"llama-server not ready after {LLAMA_SERVER_START_S} s")
+
+    def generate(self, prompt: str, params: dict, stream: bool = True) -> Iterator[dict[str, Any]]:
+        body = {
+            "prompt": prompt,
+            "n_predict": params["max_new_tokens"],
+            "temperature": params.get("temperature", 0),
+            "ignore_eos": bool(params.get("ignore_eos")),
+            "cache_prompt": True,
+            "stream": True,
+        }
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=600)
+        conn.request("POST", "/completion", json.dumps(body), {"Content-Type": "application/json"})
+        response = conn.getresponse()
+        if response.status != 200:
+            raise RuntimeError(f"llama-server: HTTP {response.status} {response.read()[:200]!r}")
+        count, text, last = 0, "", {}
+        for line in response:
+            if not line.startswith(b"data: "):
+                continue
+            last = json.loads(line[len(b"data: ") :])
+            if last.get("content"):
+                count += 1
+                text += last["content"]
+                yield {"finished": False, "delta": last["content"], "token_ids": [0]}
+            if last.get("stop"):
+                break
+        conn.close()
+        yield {
+            "finished": True,
+            "text": text,
+            "output_ids": [0] * last.get("tokens_predicted", count),
+            "meta_info": {
+                "prompt_tokens": last.get("tokens_evaluated", 0),
+                "cached_tokens": last.get("tokens_cached", 0),
+                "forward_passes": count,
+                "finish_reason": {"type": "length"},
+            },
+        }
+
+    def close(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def llama_server_binary() -> Path | None:
+    """`llama-server` beside this Python (where `make bench-peers` puts it), else on PATH."""
+    beside = Path(sys.executable).parent / "llama-server"
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return beside
+    found = shutil.which("llama-server")
+    return Path(found) if found else None
 
 
 def llama_cpp_available() -> bool:

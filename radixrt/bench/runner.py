@@ -18,8 +18,11 @@ from radixrt.bench.load import REPLY_TIMEOUT_S, Load, run_load
 from radixrt.bench.metrics import SLO, RequestTrace, Summary, summarize
 from radixrt.bench.peers import (
     LLAMA_CPP_MISSING,
+    LLAMA_SERVER_MISSING,
     LlamaCppTarget,
+    LlamaServerTarget,
     llama_cpp_available,
+    llama_server_binary,
     run_transformers,
 )
 from radixrt.bench.workloads import REQUEST_WORKLOADS, Session, WorkloadConfig
@@ -31,12 +34,16 @@ VARIANTS = {
     "radixrt-static": {"schedule_mode": "static"},
     "radixrt-no-chunking": {"chunked_prefill_size": 0},
     "radixrt-no-jump-forward": {"enable_jump_forward": False},
+    "radixrt-int8": {"quantization": "int8"},
 }
-PEERS = ("transformers", "llama.cpp")
+LLAMA_PEERS = ("llama.cpp", "llama-server")
+PEERS = ("transformers", *LLAMA_PEERS)
+MAX_LLAMA_SLOTS = 64
 PROGRAM_WORKLOADS = ("agent", "few-shot-select", "tree-of-thought")
 DEFAULT_SYSTEMS = {
-    "shared-prefix": "radixrt,radixrt-no-cache,radixrt-static,transformers,llama.cpp",
-    "multi-turn": "radixrt,radixrt-no-cache,llama.cpp",
+    "shared-prefix": "radixrt,radixrt-no-cache,radixrt-static,radixrt-int8,transformers,"
+    "llama.cpp,llama-server",
+    "multi-turn": "radixrt,radixrt-no-cache,llama.cpp,llama-server",
     "long-prompt": "radixrt,radixrt-no-chunking",
     "random": "radixrt,radixrt-no-cache,transformers",
     "json": "radixrt,radixrt-no-jump-forward",
@@ -210,19 +217,8 @@ def run_system(
         )
         result.load = f"padded batches of {batch}"
         return [result]
-    if system == "llama.cpp":
-        gguf = _gguf_of(args.model)
-        if not llama_cpp_available() or gguf is None:
-            print(LLAMA_CPP_MISSING if gguf else "llama.cpp skipped: the model is not a GGUF file")
-            return []
-        target = LlamaCppTarget(gguf, threads=os.cpu_count())
-        try:
-            return [
-                _result(system, load, *run_load(target, sessions, load, render, desc=system), slo)
-                for load in loads
-            ]
-        finally:
-            target.close()
+    if system in LLAMA_PEERS:
+        return _run_llama_peer(system, sessions, loads, args, render, slo)
     results = []
     with _radixrt_target(args, system) as target:
         target.generate("warm up", {"max_new_tokens": 2})
@@ -244,6 +240,53 @@ def run_system(
                     limits,
                 )
             )
+    return results
+
+
+def _run_llama_peer(
+    system: str,
+    sessions: list[Session],
+    loads: list[Load],
+    args: argparse.Namespace,
+    render,
+    slo: SLO,
+) -> list[RunResult]:
+    """llama.cpp through llama-cpp-python (one target for every load), or llama-server started
+    for each load with as many slots as that load has requests in flight at most."""
+    gguf = _gguf_of(args.model)
+    binary = llama_server_binary()
+    missing = (
+        "the model is not a GGUF file"
+        if gguf is None
+        else LLAMA_CPP_MISSING
+        if system == "llama.cpp" and not llama_cpp_available()
+        else LLAMA_SERVER_MISSING
+        if system == "llama-server" and binary is None
+        else None
+    )
+    if missing:
+        print(f"{system} skipped: {missing}" if gguf is None else missing)
+        return []
+
+    def run(target, load: Load) -> RunResult:
+        return _result(system, load, *run_load(target, sessions, load, render, desc=system), slo)
+
+    if system == "llama.cpp":
+        target = LlamaCppTarget(gguf, threads=os.cpu_count())
+        try:
+            return [run(target, load) for load in loads]
+        finally:
+            target.close()
+    results = []
+    for load in loads:
+        slots = min(load.concurrency or len(sessions), MAX_LLAMA_SLOTS)
+        target = LlamaServerTarget(binary, gguf, slots, threads=os.cpu_count())
+        try:
+            result = run(target, load)
+        finally:
+            target.close()
+        result.load = f"{result.load}, {slots} slots"
+        results.append(result)
     return results
 
 
@@ -337,6 +380,26 @@ def print_table(workload: str, results: list[RunResult], baseline: str | None) -
                 f"  floors: compute {f.compute_s:.2f}s ({100 * f.compute_share:.0f}% reached), "
                 f"weight reads {f.bandwidth_s:.2f}s ({100 * f.bandwidth_share:.0f}% reached)"
             )
+    _print_against_llama(results, metric)
+
+
+def _print_against_llama(results: list[RunResult], metric: str) -> None:
+    """Each radixrt run over the faster of the llama.cpp peers under the same load."""
+    for r in results:
+        same_load = [
+            p
+            for p in results
+            if p.system in LLAMA_PEERS
+            and (p.request_rate, p.concurrency) == (r.request_rate, r.concurrency)
+        ]
+        if not r.system.startswith("radixrt") or not same_load:
+            continue
+        best = max(same_load, key=lambda p: getattr(p.summary, metric))
+        ratio = getattr(r.summary, metric) / max(getattr(best.summary, metric), 1e-9)
+        print(
+            f"{r.system} ({r.load}) over the faster llama.cpp peer ({best.system}): "
+            f"{ratio:.2f}x {metric.replace('_', ' ')}"
+        )
 
 
 def add_bench_args(parser: argparse.ArgumentParser) -> None:

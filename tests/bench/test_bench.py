@@ -172,10 +172,11 @@ def test_every_workload_runs_at_tiny_size(tiny_model_dir, tmp_path, capsys):
 def test_shared_prefix_against_baselines_and_peers(tiny_model_dir, tmp_path, capsys):
     main(["bench", "--model", str(tiny_model_dir), *TINY, "--output-dir", str(tmp_path)])
     results = json.loads((tmp_path / "shared-prefix.json").read_text())["results"]
-    assert [r["system"] for r in results][:4] == [
+    assert [r["system"] for r in results][:5] == [
         "radixrt",
         "radixrt-no-cache",
         "radixrt-static",
+        "radixrt-int8",
         "transformers",
     ]
     assert results[0]["cache_hit_rate"] > 0.5 and results[1]["cache_hit_rate"] == 0
@@ -183,15 +184,16 @@ def test_shared_prefix_against_baselines_and_peers(tiny_model_dir, tmp_path, cap
     assert 0 < results[0]["peak_used_tokens"] < results[1]["peak_used_tokens"]
     assert all(r["summary"]["output_tokens"] > 0 for r in results)
     # floors from the machine's measured rates: reached shares are positive and below the limit
-    for r in results[:3]:
+    for r in results[:4]:
         floors = r["floors"]
         assert 0 < floors["compute_s"] and 0 < floors["bandwidth_s"]
         assert 0 < floors["compute_share"] < 1.5 and 0 < floors["bandwidth_share"] < 1.5
-    assert results[3]["floors"] is None  # transformers runs in the bench's process: no counters
+    assert results[4]["floors"] is None  # transformers runs in the bench's process: no counters
     out = capsys.readouterr().out
     assert "machine: float32 GEMM" in out and "floors: compute" in out
-    # llama.cpp run or skipped
-    assert "llama.cpp" in out and "ratio: output throughput over transformers" in out
+    # each llama.cpp peer run or skipped
+    assert "llama.cpp" in out and "llama-server" in out
+    assert "ratio: output throughput over transformers" in out
 
 
 def test_rate_sweep_plots_throughput_and_ttft(tiny_model_dir, tmp_path, capsys):

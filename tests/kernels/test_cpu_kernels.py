@@ -12,15 +12,26 @@ from radixrt.kernels import cpu_fused, cpu_paged, int8_gemm
 needs_int8 = pytest.mark.skipif(not int8_gemm.available(), reason="needs AVX2 and a C compiler")
 
 
-@pytest.mark.parametrize("hq, hkv, d", [(4, 4, 16), (9, 3, 64), (8, 1, 80)])
-def test_paged_decode_kernel_reads_the_pool_in_place(hq, hkv, d):
+@pytest.mark.parametrize(
+    "hq, hkv, d, lens",
+    [
+        (4, 4, 16, [70, 1, 0, 33]),
+        (9, 3, 64, [70, 1, 0, 33]),
+        (8, 1, 80, [70, 1, 0, 33]),
+        (9, 3, 64, [2000]),  # one long context: its keys cut into ranges for both cores
+        (8, 1, 64, [1500, 1]),  # and with a range of the short one empty
+    ],
+)
+def test_paged_decode_kernel_reads_the_pool_in_place(hq, hkv, d, lens):
     """The kernel alone against float64 math over gathered rows, with scattered slots, ragged
     lengths (one row empty: no keys, lse -inf) and GQA groups."""
     gen = torch.Generator().manual_seed(hq * 100 + d)
-    k, v = torch.randn(500, hkv, d, generator=gen), torch.randn(500, hkv, d, generator=gen)
-    lens = torch.tensor([70, 1, 0, 33])
-    slots = torch.randint(1, 500, (4, 70), generator=gen)
-    q = torch.randn(4, hq, d, generator=gen)
+    k, v = torch.randn(3000, hkv, d, generator=gen), torch.randn(3000, hkv, d, generator=gen)
+    lens = torch.tensor(lens)
+    slots = torch.randint(1, 3000, (len(lens), int(lens.max())), generator=gen)
+    q = torch.randn(len(lens), hq, d, generator=gen) * 3  # peaked softmaxes too
+    if int(lens.max()) >= 2 * cpu_paged.MIN_SPLIT_KEYS:
+        assert cpu_paged._splits(len(lens) * hkv, int(lens.max())) > 1
     out, lse = cpu_paged.paged_decode(q, k, v, slots, lens)
     for b, n in enumerate(lens.tolist()):
         if n == 0:

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Build llama.cpp's own server, `llama-server`, from the llama.cpp sources that the
+# llama-cpp-python source distribution vendors (the same llama.cpp as the Python peer), into DEST.
+#   bash scripts/build_llama_server.sh VERSION DEST      (about 8 minutes on 2 cores)
+set -euo pipefail
+version=$1
+dest=$2
+pip=${PIP:-$dest/pip}
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+"$pip" download -q --no-deps --no-binary :all: "llama-cpp-python==$version" -d "$work"
+tar xzf "$work"/llama_cpp_python-"$version".tar.gz -C "$work"
+cmake -S "$work/llama_cpp_python-$version/vendor/llama.cpp" -B "$work/build" -G Ninja \
+    -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF -DLLAMA_CURL=OFF \
+    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON >/dev/null
+cmake --build "$work/build" --target llama-server -j "$(nproc)"
+install -m 755 "$work/build/bin/llama-server" "$dest/llama-server"
+echo "built $dest/llama-server"

@@ -145,7 +145,7 @@ class LlamaServerTarget:
         binary: Path,
         gguf: Path,
         slots: int,
-        context_length: int = 4096,
+        context_length: int = 2048,
         threads: int | None = None,
     ):
         with socket.socket() as probe:
@@ -212,7 +212,7 @@ class LlamaServerTarget:
             "output_ids": [0] * last.get("tokens_predicted", count),
             "meta_info": {
                 "prompt_tokens": last.get("tokens_evaluated", 0),
-                "cached_tokens": last.get("tokens_cached", 0),
+                "cached_tokens": 0,  # its tokens_cached counts the slot's whole cache, not reuse
                 "forward_passes": count,
                 "finish_reason": {"type": "length"},
             },

@@ -3,10 +3,10 @@
 The torch path gathers each request's keys and values out of the pool into a padded tensor every
 step, then attends over the copy: a decode step's memory traffic is the context copied, written
 and read again. This kernel walks each request's slot list and reads every K/V row once, in place,
-with an online softmax (exponentials eight at a time); one OpenMP task per (request, KV head, key
-range) serves all query heads of that KV head, and a small batch's long contexts are cut into
-ranges so every core has work. It returns the log-sum-exp too, for the cascade merge with the
-shared prefix.
+with an online softmax: scores as vector dot products (a key row serves all query heads of its KV
+head), exponentials eight at a time. One OpenMP task per (request, KV head, key range); a small
+batch's long contexts are cut into ranges so every core has work. It returns the log-sum-exp too,
+for the cascade merge with the shared prefix.
 
 Plain C built on first use (`native`). Without a compiler the backend keeps the gather path
 (`supports()` says which).
@@ -45,37 +45,45 @@ static inline __m256 exp8(__m256 x) {
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
+/* q . k over D floats, eight lanes at a time. */
+static inline float dot(const float *q, const float *k, int64_t D) {
+    __m256 acc = _mm256_setzero_ps();
+    int64_t d = 0;
+    for (; d + 8 <= D; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(k + d), acc);
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    float total = _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+    for (; d < D; d++) total += q[d] * k[d];
+    return total;
+}
+
 /* One task: keys [lo, hi) of request b for KV head h, all G query heads of it. Leaves the
    running max m, the sum l and the unnormalized accumulator in part [G][D + 2]. Keys go in blocks
-   of BLOCK: the block's K rows are copied transposed into a tile that stays in L1, so the scores
-   are vector FMAs across keys; one rescale of the accumulators per block; then the values,
-   vector FMAs across the head dimension. */
+   of BLOCK: each key row is read once for the scores of every query head (vector dot products),
+   the accumulators are rescaled once per block, then the values are added, vector FMAs across
+   the head dimension. */
 static void attend(const float *qh, const float *k, const float *v, const int64_t *rows,
                    int64_t n_keys, int64_t h, int64_t Hkv, int64_t G, int64_t D, float scale,
                    float *part) {
-    float m[MAX_GROUP], l[MAX_GROUP], acc[MAX_GROUP][MAX_DIM];
-    float kt[MAX_DIM][BLOCK], s[MAX_GROUP][BLOCK] __attribute__((aligned(32)));
+    float m[MAX_GROUP], l[MAX_GROUP], acc[MAX_GROUP][MAX_DIM], qs[MAX_GROUP][MAX_DIM];
+    float sc[MAX_GROUP][BLOCK] __attribute__((aligned(32))), s[MAX_GROUP][BLOCK] __attribute__((aligned(32)));
     for (int64_t g = 0; g < G; g++) {
         m[g] = -INFINITY;
         l[g] = 0.0f;
-        for (int64_t d = 0; d < D; d++) acc[g][d] = 0.0f;
+        for (int64_t d = 0; d < D; d++) {
+            acc[g][d] = 0.0f;
+            qs[g][d] = qh[g * D + d] * scale;
+        }
     }
     for (int64_t start = 0; start < n_keys; start += BLOCK) {
         const int64_t n = n_keys - start < BLOCK ? n_keys - start : BLOCK;
         for (int64_t j = 0; j < n; j++) {
             const float *kr = k + (rows[start + j] * Hkv + h) * D;
-            for (int64_t d = 0; d < D; d++) kt[d][j] = kr[d];
+            for (int64_t g = 0; g < G; g++) sc[g][j] = dot(qs[g], kr, D);
         }
-        for (int64_t j = n; j < BLOCK; j++)
-            for (int64_t d = 0; d < D; d++) kt[d][j] = 0.0f;
         for (int64_t g = 0; g < G; g++) {
-            float sg[BLOCK] __attribute__((aligned(32))) = {0};
-            const float *qg = qh + g * D;
-            for (int64_t d = 0; d < D; d++) {
-                const float qd = qg[d] * scale;
-                #pragma omp simd
-                for (int64_t j = 0; j < BLOCK; j++) sg[j] += qd * kt[d][j];
-            }
+            float *sg = sc[g];
+            for (int64_t j = n; j < BLOCK; j++) sg[j] = 0.0f;
             float block_max = m[g];
             for (int64_t j = 0; j < n; j++) block_max = sg[j] > block_max ? sg[j] : block_max;
             const float correction = expf(m[g] - block_max);

@@ -18,10 +18,10 @@ import torch
 
 from . import native
 
-SOURCE = r"""
-#include <immintrin.h>
+SOURCE = (
+    native.AVX2_PRELUDE
+    + r"""
 #include <math.h>
-#include <stdint.h>
 
 #define MAX_GROUP 16
 #define MAX_DIM 256
@@ -50,9 +50,7 @@ static inline float dot(const float *q, const float *k, int64_t D) {
     __m256 acc = _mm256_setzero_ps();
     int64_t d = 0;
     for (; d + 8 <= D; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(k + d), acc);
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    float total = _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+    float total = hsum8(acc);
     for (; d < D; d++) total += q[d] * k[d];
     return total;
 }
@@ -97,11 +95,7 @@ static void attend(const float *qh, const float *k, const float *v, const int64_
                 _mm256_store_ps(s[g] + j, p);
                 sum8 = _mm256_add_ps(sum8, p);
             }
-            float lanes[8];
-            _mm256_storeu_ps(lanes, sum8);
-            const float sum = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3]))
-                            + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
-            l[g] = l[g] * correction + sum;
+            l[g] = l[g] * correction + hsum8(sum8);
             m[g] = block_max;
             #pragma omp simd
             for (int64_t d = 0; d < D; d++) acc[g][d] *= correction;
@@ -167,6 +161,7 @@ void paged_decode(const float *q, const float *k, const float *v, const int64_t 
     }
 }
 """
+)
 MAX_GROUP, MAX_DIM = 16, 256
 P, I = native.POINTER, native.INT64
 SIGNATURES = (("paged_decode", (P,) * 7 + (I,) * 5 + (native.FLOAT, I, P)),)

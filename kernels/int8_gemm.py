@@ -26,21 +26,14 @@ from . import native
 
 ROWS, DEPTH = 4, 32  # a tile: output rows x inputs
 
-SOURCE = r"""
-#include <immintrin.h>
+SOURCE = (
+    native.AVX2_PRELUDE
+    + r"""
 #include <math.h>
-#include <stdint.h>
 
 #define ROWS 4
 #define DEPTH 32
 #define SPAN 2048 /* inputs summed in int32 before a flush to float */
-
-static inline float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
 
 /* Row m of x [M, K] -> int16 q [Kp] (zero past K) and its scale: x ~= q * scale. */
 static void quantize_row(const float *row, int16_t *q, float *scale, int64_t K, int64_t Kp) {
@@ -88,7 +81,7 @@ static inline __attribute__((always_inline)) void tile(
     for (int i = 0; i < MT; i++)
         for (int j = 0; j < nn; j++)
             out[i * N + n0 + j] =
-                hsum(total[i][j]) * xs[i] * ws[n0 + j] + (bias ? bias[n0 + j] : 0.0f);
+                hsum8(total[i][j]) * xs[i] * ws[n0 + j] + (bias ? bias[n0 + j] : 0.0f);
 }
 
 /* out [M, N] = x @ dequant(w).T + bias, x [M, K] float; w packed [ceil(N/4), Kp/32, 4, 32];
@@ -112,6 +105,7 @@ void int8_linear(const float *x, int16_t *xq, float *xs, const int8_t *w, const 
     }
 }
 """
+)
 P, I = native.POINTER, native.INT64
 SIGNATURES = (("int8_linear", (P,) * 7 + (I,) * 4),)
 

@@ -21,6 +21,18 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
+# Helpers every AVX2 kernel source starts with.
+AVX2_PRELUDE = r"""
+#include <immintrin.h>
+#include <stdint.h>
+
+/* The sum of a vector's eight lanes. */
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+"""
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared")
 POINTER, INT64, FLOAT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 

@@ -1,4 +1,5 @@
-"""Attention backends: they write a step's new K/V into the pool and attend over the pool."""
+"""Attention backends: they attend over the paged pool, into which the model has written the
+step's new K/V."""
 
 from __future__ import annotations
 
@@ -25,8 +26,10 @@ class AttentionBackend(Protocol):
         v: torch.Tensor | None,
         batch: ForwardBatch,
     ) -> torch.Tensor:
-        """q [T, Hq, D], k/v [T, Hkv, D] of the new tokens -> attention output [T, Hq, D].
-        k and v None: the caller already wrote them to the pool at `batch.out_slots`."""
+        """q [T, Hq, D] of the new tokens -> attention output [T, Hq, D]. The caller has already
+        stored the new tokens' K/V in the pool at `batch.out_slots` (`kv_pool.set_kv`, or a fused
+        kernel); k/v [T, Hkv, D] are those same values where the caller still has them, else
+        None."""
 
 
 def create_backend(

@@ -133,8 +133,6 @@ class TorchAttentionBackend:
         v: torch.Tensor | None,
         batch: ForwardBatch,
     ) -> torch.Tensor:
-        if k is not None:
-            self.kv_pool.set_kv(layer_id, batch.out_slots, k, v)
         k_buf, v_buf = self.kv_pool.k_buffers[layer_id], self.kv_pool.v_buffers[layer_id]
         meta: TorchMetadata = batch.attn_metadata
         if not meta.extends:  # decodes only: every row of q is one

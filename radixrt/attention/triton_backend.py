@@ -73,8 +73,6 @@ class TritonAttentionBackend:
         v: torch.Tensor | None,
         batch: ForwardBatch,
     ) -> torch.Tensor:
-        if k is not None:
-            self.kv_pool.set_kv(layer_id, batch.out_slots, k, v)
         k_buf, v_buf = self.kv_pool.k_buffers[layer_id], self.kv_pool.v_buffers[layer_id]
         meta: TritonMetadata = batch.attn_metadata
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)

@@ -113,6 +113,7 @@ class Attention(nn.Module):
         q = apply_rotary(q.view(-1, self.num_heads, self.head_dim), cos_sin)
         k = apply_rotary(k.view(-1, self.num_kv_heads, self.head_dim), cos_sin)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
+        attn.kv_pool.set_kv(self.layer_id, batch.out_slots, k, v)
         o = attn.forward(self.layer_id, q, k, v, batch)
         return self.o_proj(o.reshape(-1, self.q_size))
 

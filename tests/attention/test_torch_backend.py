@@ -80,6 +80,7 @@ def test_mixed_step_matches_the_reference(name, in_place):
     backend.in_place = in_place
     backend.init_forward_metadata(batch)
     assert (batch.attn_metadata.shared_slots is not None) == bool(shared)  # the cascade when shared
+    backend.kv_pool.set_kv(0, batch.out_slots, k, v)  # the model stores; the backend attends
     out = backend.forward(0, q, k, v, batch)
     torch.testing.assert_close(out, _reference(backend, batch, q), atol=2e-5, rtol=2e-5)
 

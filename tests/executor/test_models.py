@@ -107,3 +107,26 @@ def test_prepacked_linear_matches_f_linear_and_replaces_every_linear():
         torch.testing.assert_close(
             model[0](x), torch.nn.functional.linear(x, weight, bias), rtol=1e-5, atol=1e-5
         )
+
+
+def test_the_torch_glue_matches_transformers_too(tiny_model_dir, monkeypatch):
+    """Where the fused C glue cannot run (no compiler; CUDA), the layers use torch ops for the
+    norms, rotary, K/V store and SiLU: greedy output still equals transformers', prefix-cached
+    and chunked."""
+    from radixrt.config import ServerArgs
+    from radixrt.engine.scheduler import Scheduler
+    from radixrt.kernels import cpu_fused
+
+    from helpers import run_in_process
+
+    monkeypatch.setattr(cpu_fused, "supports", lambda x: False)
+    monkeypatch.setattr(cpu_fused, "rms_norm", None)  # a call would fail loudly
+    shared = list(range(300, 320))
+    prompts = [shared + [501, 502], shared + [601, 602, 603], shared[:5]]
+    scheduler = Scheduler.from_server_args(
+        ServerArgs(model=str(tiny_model_dir), max_total_tokens=512, chunked_prefill_size=8)
+    )
+    params = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
+    got = run_in_process(scheduler, [prompts, prompts], params)
+    assert got == hf_greedy(tiny_model_dir, prompts, 6) * 2
+    scheduler.check_invariants()

@@ -48,6 +48,8 @@ class SchedulerArgs:
     max_running_requests: int
     disable_radix_cache: bool
     enable_jump_forward: bool
+    speculative_algorithm: str | None
+    speculative_num_draft_tokens: int
     random_seed: int
     log_interval: int
 
@@ -147,6 +149,19 @@ class ServerArgs:
             "help": "append text a constraint forces (JSON keys and punctuation) in one extend instead of decoding it token by token; --no-enable-jump-forward decodes every token"
         },
     )
+    speculative_algorithm: str | None = field(
+        default=None,
+        metadata={
+            "help": "ngram: each decoding request drafts the tokens that followed its last few tokens in finished requests or in its own prompt and output, and one forward verifies them (greedy output unchanged; off by default)",
+            "choices": ["ngram"],
+        },
+    )
+    speculative_num_draft_tokens: int = field(
+        default=4,
+        metadata={
+            "help": "most tokens drafted per request and step with --speculative-algorithm (the length adapts below it)"
+        },
+    )
     max_queued_requests: int = field(
         default=4096,
         metadata={"help": "waiting requests past which new ones get an 'overloaded' error"},
@@ -180,6 +195,12 @@ class ServerArgs:
             raise ValueError("page_size must be >= 1")
         if self.quantization not in (None, "int8"):
             raise ValueError(f"quantization must be None or 'int8', not {self.quantization!r}")
+        if self.speculative_algorithm not in (None, "ngram"):
+            raise ValueError(
+                f"speculative_algorithm must be None or 'ngram', not {self.speculative_algorithm!r}"
+            )
+        if self.speculative_num_draft_tokens < 1:
+            raise ValueError("speculative_num_draft_tokens must be >= 1")
         if self.max_total_tokens is not None and self.max_total_tokens < 1:
             raise ValueError("max_total_tokens must be >= 1")
         if self.mem_fraction is not None and not 0 < self.mem_fraction < 1:

@@ -17,12 +17,21 @@ ROOT = Path(__file__).resolve().parent.parent
 ALLOWED = {
     "client": {"protocol", "config"},
     "server": {"client", "engine", "structured", "protocol", "config", "sampling_params"},
-    "engine": {"mem_cache", "executor", "structured", "protocol", "config", "sampling_params"},
+    "engine": {
+        "mem_cache",
+        "executor",
+        "structured",
+        "speculative",
+        "protocol",
+        "config",
+        "sampling_params",
+    },
     "mem_cache": set(),
     "executor": {"models", "attention", "mem_cache", "config"},
     "models": {"attention", "kernels"},
     "attention": {"kernels"},
     "structured": set(),
+    "speculative": set(),
     "kernels": set(),
     "frontend": {"client", "frontend"},
 }

@@ -8,7 +8,10 @@ halves are merged by their log-sum-exp (cascade attention). Extends (several new
 chunks, jump-forward appends, the suffix after a cache hit) are batched too: requests of similar
 sizes are padded into one call per layer, each query seeing its cached prefix and, causally, the
 new tokens before it; a group grows only while padding at most doubles its work, so a long prefill
-runs alone rather than padding many short extends up to its size.
+runs alone rather than padding many short extends up to its size. Where decodes read K/V in place
+(the C kernel), a short extend (a speculative draft being verified, a jump-forward append) is
+attended as that many decode rows instead, each row's keys ending at its own position: reading a
+long context in place a few times beats gathering it once into a padded copy.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ class _ExtendGroup:
 
 @dataclass
 class TorchMetadata:
-    decode_tokens: torch.Tensor  # [Bd] rows of q/o that are decodes
+    decode_tokens: torch.Tensor  # [Bd] rows of q/o attended as decodes
     # KV slots all decodes start with; a slice if contiguous, None if few
     shared_slots: torch.Tensor | slice | None
     decode_slots: torch.Tensor  # [Bd, L] the rest of each decode's context, padded with slot 0
@@ -51,6 +54,7 @@ class TorchMetadata:
 
 MIN_SHARED_PREFIX = 16  # below this, reading the prefix once does not pay for the merge
 PAD_SLACK = 2.0  # an extend group's padded work (B * E * L) may be at most this times its real work
+MAX_DECODE_ROWS = 16  # extends up to this long attend as decode rows when decodes read in place
 
 
 class TorchAttentionBackend:
@@ -66,8 +70,9 @@ class TorchAttentionBackend:
         starts = [0]
         for e in batch.extend_lens:
             starts.append(starts[-1] + e)
-        decodes = [i for i, e in enumerate(batch.extend_lens) if e == 1]
-        extending = [i for i, e in enumerate(batch.extend_lens) if e > 1]
+        as_rows = MAX_DECODE_ROWS if self.in_place else 1
+        decodes = [i for i, e in enumerate(batch.extend_lens) if e <= as_rows]
+        extending = [i for i, e in enumerate(batch.extend_lens) if e > as_rows]
         extends = [
             self._extend_group(batch, starts, group)
             for group in group_extends(extending, batch.extend_lens, seq_lens)
@@ -76,14 +81,20 @@ class TorchAttentionBackend:
         if not decodes:
             batch.attn_metadata = TorchMetadata(empty, None, empty, empty, empty, extends)
             return
-        lens = torch.tensor([seq_lens[i] for i in decodes], device=device)
+        # one decode row per new token: its row of q, its request's table row, the keys it sees
+        queries = [
+            (starts[i] + j, i, batch.prefix_lens[i] + j + 1)
+            for i in decodes
+            for j in range(batch.extend_lens[i])
+        ]
+        lens = torch.tensor([seen for _, _, seen in queries], device=device)
         max_len = int(lens.max())
-        slots = self.req_to_token[batch.rows[decodes], :max_len].long()
+        slots = self.req_to_token[batch.rows[[i for _, i, _ in queries]], :max_len].long()
         mask = torch.arange(max_len, device=device)[None, :] < lens[:, None]
-        shared = _shared_prefix_len(slots, mask) if len(decodes) > 1 else 0
+        shared = _shared_prefix_len(slots, mask) if len(queries) > 1 else 0
         if shared < MIN_SHARED_PREFIX:
             shared = 0
-        decode_tokens = torch.tensor([starts[i] for i in decodes], device=device)
+        decode_tokens = torch.tensor([row for row, _, _ in queries], device=device)
         shared_slots = _as_run(slots[0, :shared]) if shared else None
         slots, mask = slots[:, shared:], mask[:, shared:]
         bias = torch.zeros(mask.shape, dtype=self.kv_pool.k_buffers[0].dtype, device=device)

@@ -91,6 +91,8 @@ class Summary:
     itl: Distribution
     e2e: Distribution
     forward_passes_per_request: float
+    # one stream's decode speed: tokens after the first over the time they took, mean of requests
+    stream_tok_s: float = math.nan
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -124,5 +126,8 @@ def summarize(traces: list[RequestTrace], duration_s: float, slo: SLO) -> Summar
         e2e=Distribution.of([t.done - t.sent for t in ok if t.done is not None]),
         forward_passes_per_request=statistics.fmean([t.forward_passes for t in ok])
         if ok
+        else math.nan,
+        stream_tok_s=statistics.fmean([1 / t.tpot for t in ok if t.tpot])
+        if any(t.tpot for t in ok)
         else math.nan,
     )

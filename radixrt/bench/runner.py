@@ -35,6 +35,11 @@ VARIANTS = {
     "radixrt-no-chunking": {"chunked_prefill_size": 0},
     "radixrt-no-jump-forward": {"enable_jump_forward": False},
     "radixrt-int8": {"quantization": "int8"},
+    "radixrt-spec": {"speculative_algorithm": "ngram"},
+    "radixrt-no-jump-forward-spec": {
+        "enable_jump_forward": False,
+        "speculative_algorithm": "ngram",
+    },
 }
 LLAMA_PEERS = ("llama.cpp", "llama-server")
 PEERS = ("transformers", *LLAMA_PEERS)
@@ -46,7 +51,9 @@ DEFAULT_SYSTEMS = {
     "multi-turn": "radixrt,radixrt-no-cache,llama.cpp,llama-server",
     "long-prompt": "radixrt,radixrt-no-chunking",
     "random": "radixrt,radixrt-no-cache,transformers",
-    "json": "radixrt,radixrt-no-jump-forward",
+    "json": "radixrt,radixrt-no-jump-forward,radixrt-spec",
+    "agent-loop": "radixrt,radixrt-spec",
+    "few-shot": "radixrt,radixrt-spec",
     **{w: "radixrt,radixrt-no-cache" for w in PROGRAM_WORKLOADS},
 }
 
@@ -64,6 +71,8 @@ class RunResult:
     # most KV slots in use at once (the cache is flushed before each load)
     peak_used_tokens: int | None = None
     mask_time_share: float | None = None  # constraint masks / step time
+    # speculative decoding: tokens a request got per forward that verified its draft
+    spec_accept_length: float | None = None
     floors: Floors | None = None  # the run's compute and weight-read floors, and the shares reached
     by_tag: dict[str, Summary] = field(default_factory=dict)
     # long-prompt: every ITL gap of the short requests
@@ -176,6 +185,10 @@ def _result(
         result.peak_used_tokens = int(stats_delta["peak_used_tokens"])
         if limits is not None:
             result.floors = Floors.of(*limits, stats_delta, duration)
+        if stats_delta["spec_verifications"]:
+            result.spec_accept_length = (
+                1 + stats_delta["spec_accepted_tokens"] / stats_delta["spec_verifications"]
+            )
         if stats_delta["constraint_mask_time_s"]:
             result.mask_time_share = stats_delta["constraint_mask_time_s"] / max(
                 stats_delta["step_time_s"], 1e-9
@@ -186,6 +199,7 @@ def _result(
 def _stats_delta(before: dict, after: dict) -> dict[str, float]:
     keys = ("num_preemptions", "evicted_tokens", "constraint_mask_time_s", "step_time_s")
     keys += ("forward_steps", "forward_tokens", "attention_pairs", "logit_rows")
+    keys += ("spec_verifications", "spec_accepted_tokens")
     return {
         **{k: after[k] - before[k] for k in keys},
         "peak_used_tokens": after["peak_used_tokens"],
@@ -372,6 +386,10 @@ def print_table(workload: str, results: list[RunResult], baseline: str | None) -
                 f"{_fmt(t.ttft.p50):>8}s{_fmt(t.ttft.p99):>6}s{_fmt(t.tpot.p50 * 1e3, '.0f'):>7}ms"
                 f"{_fmt(t.itl.p99 * 1e3, '.0f'):>6}ms"
             )
+        if not programs:
+            print(f"  one stream: {_fmt(s.stream_tok_s, '.1f')} tok/s after its first token")
+        if r.spec_accept_length is not None:
+            print(f"  speculation: {r.spec_accept_length:.2f} tokens per verifying forward")
         if r.mask_time_share is not None:
             print(f"  constraint masks: {100 * r.mask_time_share:.2f}% of step time")
         if r.floors is not None:
@@ -408,7 +426,8 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
         "--workload",
         default="shared-prefix",
         choices=workloads,
-        help="request workloads: shared-prefix, multi-turn, long-prompt, random, json; DSL programs: "
+        help="request workloads: shared-prefix, multi-turn, long-prompt, random, json, agent-loop, "
+        "few-shot; DSL programs: "
         "agent, few-shot-select, tree-of-thought; all: every one in turn, plus a hit-rate plot",
     )
     parser.add_argument(
@@ -476,6 +495,12 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     )
     shape.add_argument("--long-tokens", type=int, default=4000)
     shape.add_argument("--seed", type=int, default=0)
+    shape.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="of every request (0: greedy; sampled text has less to copy for speculation)",
+    )
     parser.add_argument(
         "--output-dir", default="bench_results", help="JSON results and PNG plots go here"
     )
@@ -529,6 +554,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, list[RunResult]]:
         args.long_prompts,
         args.long_tokens,
         args.seed,
+        args.temperature,
     )
     rates = [float(r) for r in args.sweep_rate.split(",")] if args.sweep_rate else None
     loads = (

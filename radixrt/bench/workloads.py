@@ -54,6 +54,7 @@ class WorkloadConfig:
     long_prompts: int = 4  # long-prompt: how many ~long_tokens prompts among the short requests
     long_tokens: int = 4000
     seed: int = 0
+    temperature: float = 0.0  # of every request (0: greedy)
 
 
 def words(rng: random.Random, n: int) -> str:
@@ -77,7 +78,11 @@ def _new_tokens(rng: random.Random, cfg: WorkloadConfig) -> int:
 
 
 def _params(rng: random.Random, cfg: WorkloadConfig) -> dict:
-    return {"max_new_tokens": _new_tokens(rng, cfg), "temperature": 0, "ignore_eos": True}
+    return {
+        "max_new_tokens": _new_tokens(rng, cfg),
+        "temperature": cfg.temperature,
+        "ignore_eos": True,
+    }
 
 
 def shared_prefix(tokenizer, cfg: WorkloadConfig) -> list[Session]:
@@ -139,7 +144,7 @@ def long_prompt(tokenizer, cfg: WorkloadConfig) -> list[Session]:
     for j in range(cfg.long_prompts):
         turn = Turn(
             f"Document {j}: {text_of_tokens(rng, tokenizer, cfg.long_tokens)}\nSummary:",
-            {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True},
+            {"max_new_tokens": 8, "temperature": cfg.temperature, "ignore_eos": True},
         )
         sessions.insert(
             (j + 1) * len(sessions) // (cfg.long_prompts + 1), Session([turn], tag="long")
@@ -174,12 +179,69 @@ def json_records(tokenizer, cfg: WorkloadConfig) -> list[Session]:
                 Turn(
                     f"Describe {rng.choice(NAMES)}, who lives in {rng.choice(CITIES)}, as a JSON record "
                     "with name, age, city and member.",
-                    {"max_new_tokens": 96, "temperature": 0, "json_schema": PERSON_SCHEMA},
+                    {
+                        "max_new_tokens": 96,
+                        "temperature": cfg.temperature,
+                        "json_schema": PERSON_SCHEMA,
+                    },
                 )
             ],
             chat=True,
         )
         for _ in range(cfg.num_requests)
+    ]
+
+
+TOOLS = {
+    "search": "query",
+    "weather": "city",
+    "calculate": "expression",
+    "translate": "text",
+    "lookup": "name",
+}
+
+
+def _tool_call(rng: random.Random) -> str:
+    tool = rng.choice(list(TOOLS))
+    value = rng.choice(CITIES) if tool == "weather" else words(rng, rng.randint(1, 3))
+    return f'{{"tool": "{tool}", "arguments": {{"{TOOLS[tool]}": "{value}"}}}}'
+
+
+def agent_loop(tokenizer, cfg: WorkloadConfig) -> list[Session]:
+    """A tool-using agent's next step: the transcript of its earlier steps (thoughts, JSON tool
+    calls, observations), resent with each call; the model writes the next steps in their shape."""
+    rng = random.Random(cfg.seed)
+    header = (
+        "You are an agent. Each step: a thought, one tool call as JSON, then its observation.\n"
+    )
+    header += "".join(f'Tool {t}: takes {{"{a}": string}}.\n' for t, a in TOOLS.items())
+    sessions = []
+    for i in range(cfg.num_requests):
+        steps = "".join(
+            f"Step {s}:\nThought: I need the {words(rng, 2)} for task {i}.\n"
+            f"Call: {_tool_call(rng)}\nObservation: {words(rng, rng.randint(3, 8))}\n"
+            for s in range(1, 5)
+        )
+        sessions.append(
+            Session(
+                [Turn(f"{header}Task {i}: {words(rng, 8)}.\n{steps}Step 5:\n", _params(rng, cfg))]
+            )
+        )
+    return sessions
+
+
+def few_shot(tokenizer, cfg: WorkloadConfig) -> list[Session]:
+    """Five worked examples of one answer shape, then a new question in the same shape."""
+    rng = random.Random(cfg.seed)
+
+    def example(answer: bool) -> str:
+        name, city = rng.choice(NAMES), rng.choice(CITIES)
+        text = f"Q: {name} moved to {city} to study {words(rng, 2)}. Who, where, what?\n"
+        return text + (f"A: who={name}; where={city}; what=study.\n\n" if answer else "A:")
+
+    shots = "".join(example(True) for _ in range(5))
+    return [
+        Session([Turn(shots + example(False), _params(rng, cfg))]) for _ in range(cfg.num_requests)
     ]
 
 
@@ -189,4 +251,6 @@ REQUEST_WORKLOADS: dict[str, Callable[..., list[Session]]] = {
     "long-prompt": long_prompt,
     "random": random_prompts,
     "json": json_records,
+    "agent-loop": agent_loop,
+    "few-shot": few_shot,
 }

@@ -12,6 +12,7 @@ from radixrt.engine.detokenizer import IncrementalDetokenizer
 from radixrt.mem_cache.radix_cache import TreeNode
 from radixrt.protocol import ErrorCode
 from radixrt.sampling_params import SamplingParams
+from radixrt.speculative import RequestDrafts
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,9 @@ class Req:
     constraint: Any = None
     guide: Any = None
 
+    # Speculative decoding: the request's n-gram index and draft length (None when off)
+    drafts: RequestDrafts | None = None
+
     # Accounting
     admitted_once: bool = False
     cached_tokens: int = 0
@@ -111,6 +115,7 @@ class Req:
             "ttft": (self.first_token_time - self.arrival) if self.first_token_time else None,
             "num_preemptions": self.num_preemptions,
             "forward_passes": self.forward_passes,
+            "spec_accepted_tokens": self.drafts.accepted if self.drafts else 0,
         }
         if self.params.return_logprob:
             meta["input_token_logprobs"] = self.input_token_logprobs
@@ -128,7 +133,14 @@ class Req:
 
 
 class Scheduled(NamedTuple):
-    """One request's part of a step: its next n tokens (1 for a decode, a chunk for a prefill)."""
+    """One request's part of a step: its next n tokens (1 for a decode, a chunk for a prefill;
+    for a decode with drafts, its last token then the `draft`, n = 1 + len(draft))."""
 
     req: Req
     n: int
+    draft: tuple[int, ...] = ()
+
+    def input_ids(self) -> list[int]:
+        """The tokens this step computes K/V for."""
+        start = self.req.kv_len
+        return self.req.all_ids[start : start + self.n - len(self.draft)] + list(self.draft)

@@ -17,7 +17,7 @@ from radixrt.config import SchedulerArgs, ServerArgs
 from radixrt.engine.budget import AdmissionBudget
 from radixrt.engine.detokenizer import IncrementalDetokenizer
 from radixrt.engine.request import FinishReason, Req, Scheduled
-from radixrt.engine.sampler import sample
+from radixrt.engine.sampler import SampleOutput, sample
 from radixrt.engine.schedule_policy import match_key, order_waiting, pick_victim
 from radixrt.executor.forward_batch import ForwardBatch
 from radixrt.executor.model_runner import ModelRunner
@@ -25,6 +25,7 @@ from radixrt.mem_cache.radix_cache import RadixCache
 from radixrt.mem_cache.slot_manager import KVSlotManager
 from radixrt.protocol import ErrorCode, RequestError
 from radixrt.sampling_params import SamplingParams
+from radixrt.speculative import NgramDrafter
 from radixrt.structured.bitmask import allocate_bitmask, apply_bitmask
 from radixrt.structured.compiler import ConstraintCompiler
 
@@ -69,6 +70,14 @@ class Scheduler:
         self._ended: list[Req] = []  # finished outside a forward (aborts), reported by step()
         self.compiler: ConstraintCompiler | None = None
         self.stalled = False
+        self.drafter = (
+            NgramDrafter(args.speculative_num_draft_tokens)
+            if args.speculative_algorithm == "ngram"
+            else None
+        )
+        self.spec_verifications = 0  # forwards in which a request verified a draft
+        self.spec_draft_tokens = 0
+        self.spec_accepted_tokens = 0
 
     @classmethod
     def from_server_args(cls, args: ServerArgs) -> Scheduler:
@@ -105,6 +114,8 @@ class Scheduler:
             IncrementalDetokenizer(self.tokenizer, input_ids, params.skip_special_tokens),
             torch.Generator().manual_seed(seed),
         )
+        if self.drafter is not None:
+            req.drafts = self.drafter.new_request()
         constraint = params.constraint()
         if constraint is not None:  # compiled off this thread; admission waits for it
             req.constraint = self._compiler().compile_async(**{constraint[0]: constraint[1]})
@@ -167,13 +178,13 @@ class Scheduler:
         self._ended: list[Req] = []
         plan = self._schedule()
         self.stalled = not plan  # e.g. every waiting request's constraint is still compiling
+        self.forward_steps += bool(plan)
+        self.forward_tokens += sum(s.n for s in plan)
+        # n new tokens after kv_len cached ones attend to kv_len + 1 ... kv_len + n keys
+        self.attention_pairs += sum(s.n * s.req.kv_len + s.n * (s.n + 1) // 2 for s in plan)
         start = time.perf_counter()
         updated = self._process(plan, self.runner.forward(self._build_batch(plan))) if plan else []
         self.step_time += time.perf_counter() - start
-        self.forward_steps += bool(plan)
-        self.forward_tokens += sum(n for _, n in plan)
-        # n new tokens after kv_len cached ones attend to kv_len + 1 ... kv_len + n keys
-        self.attention_pairs += sum(n * (r.kv_len - n) + n * (n + 1) // 2 for r, n in plan)
         return updated + [r for r in self._ended if r not in updated]
 
     def _schedule(self) -> list[Scheduled]:
@@ -181,10 +192,14 @@ class Scheduler:
         left = self.budget.step_tokens()
         plan = []
         for req in self.running:
-            n = self.budget.chunk(req.tokens_to_compute, left) if req.tokens_to_compute > 1 else 1
+            if req.tokens_to_compute == 1:
+                draft = self._draft(req)
+                plan.append(Scheduled(req, 1 + len(draft), draft))
+                continue
+            n = self.budget.chunk(req.tokens_to_compute, left)
             if n:
                 plan.append(Scheduled(req, n))
-                left -= n if n > 1 else 0
+                left -= n
         retractions = self.num_preemptions
         plan = self._allocate_running(plan)
         if self.args.schedule_mode == "static":
@@ -196,9 +211,26 @@ class Scheduler:
             plan += self._admit(left, bool(plan))
         return plan
 
+    def _draft(self, req: Req) -> tuple[int, ...]:
+        """Speculative tokens for a decoding request to verify this step (none when off), cut
+        where its constraint would reject them and where its limits would end it anyway."""
+        if req.drafts is None or not req.output_ids:
+            return ()
+        limit = min(req.remaining_new_tokens() - 1, self.runner.context_length - len(req.all_ids))
+        draft = self.drafter.propose(req.drafts, req.all_ids, limit)
+        if req.guide is not None:
+            draft = draft[: req.guide.allowed_prefix(draft)]
+        return tuple(draft)
+
+    def _slots_needed(self, plan: list[Scheduled]) -> int:
+        return sum(self.kv.slots_needed(s.req, s.n) for s in plan)
+
     def _allocate_running(self, plan: list[Scheduled]) -> list[Scheduled]:
-        """Give every running request slots for its step, evicting then retracting if short."""
-        while sum(self.kv.slots_needed(r, n) for r, n in plan) > self.kv.available():
+        """Give every running request slots for its step, evicting then retracting if short;
+        drafts are dropped before anything is retracted."""
+        if self._slots_needed(plan) > self.kv.available():
+            plan = [Scheduled(s.req, s.n - len(s.draft)) for s in plan]
+        while self._slots_needed(plan) > self.kv.available():
             victim = pick_victim([s.req for s in plan])
             if victim is None:
                 break
@@ -289,8 +321,9 @@ class Scheduler:
 
     def _build_batch(self, plan: list[Scheduled]) -> ForwardBatch:
         ids, positions, slots = [], [], []
-        for req, n in plan:
-            ids.extend(req.all_ids[req.kv_len : req.kv_len + n])
+        for item in plan:
+            req, n = item.req, item.n
+            ids.extend(item.input_ids())
             positions.extend(range(req.kv_len, req.kv_len + n))
             slots.append(self.req_to_token[req.row, req.kv_len : req.kv_len + n])
         device = self.runner.device
@@ -298,17 +331,22 @@ class Scheduler:
             input_ids=torch.tensor(ids, dtype=torch.long, device=device),
             positions=torch.tensor(positions, dtype=torch.long, device=device),
             out_slots=torch.cat(slots).long(),
-            rows=torch.tensor([r.row for r, _ in plan], dtype=torch.long, device=device),
-            prefix_lens=[r.kv_len for r, _ in plan],
-            extend_lens=[n for _, n in plan],
+            rows=torch.tensor([s.req.row for s in plan], dtype=torch.long, device=device),
+            prefix_lens=[s.req.kv_len for s in plan],
+            extend_lens=[s.n for s in plan],
         )
 
     # ---- after the forward -------------------------------------------------------------------
     def _process(self, plan: list[Scheduled], hidden: torch.Tensor) -> list[Req]:
-        sample_rows, sample_reqs = [], []
+        sample_rows, sample_reqs, verifying = [], [], []
         offset = 0
-        for req, n in plan:
+        for item in plan:
+            req, n = item.req, item.n
             req.forward_passes += 1
+            if item.draft:
+                verifying.append((item, offset))
+                offset += n
+                continue
             if req.wants_prompt_logprobs():
                 self._prompt_logprobs(req, hidden[offset : offset + n])
             req.kv_len += n
@@ -323,38 +361,95 @@ class Scheduler:
                 sample_rows.append(offset + n - 1)
                 sample_reqs.append(req)
             offset += n
-        if not sample_reqs:
-            return [r for r, _ in plan if r.finished]
-        logits = self._logits(hidden[sample_rows])
-        banned = [self._banned_ids(r) for r in sample_reqs]
-        constrained = [i for i, r in enumerate(sample_reqs) if r.guide is not None]
+        if sample_reqs:
+            self._sample(sample_reqs, hidden[sample_rows])
+        if verifying:
+            rows = [offset + i for item, offset in verifying for i in range(item.n)]
+            logits = self._logits(hidden[rows])
+            start = 0
+            for item, _ in verifying:
+                self._verify(item, logits[start : start + item.n])
+                start += item.n
+        if all(s.n == 1 for s in plan):
+            self._log_decode()
+        done = sample_reqs + [item.req for item, _ in verifying]
+        return done + [s.req for s in plan if s.req.finished and s.req not in done]
+
+    def _sample(self, reqs: list[Req], hidden: torch.Tensor) -> None:
+        """One token for each of `reqs` (with what it forces after it) from its row of `hidden`."""
+        logits = self._logits(hidden)
+        banned = [self._banned_ids(r) for r in reqs]
+        constrained = [i for i, r in enumerate(reqs) if r.guide is not None]
         out = sample(
             logits,
-            sample_reqs,
+            reqs,
             banned,
-            (lambda masked: self._apply_constraints(masked, sample_reqs, constrained))
+            (lambda masked: self._apply_constraints(masked, reqs, constrained))
             if constrained
             else None,
         )
-        now = time.monotonic()
-        for i, req in enumerate(sample_reqs):
-            if out.logprobs is not None and req.params.return_logprob:
-                req.output_token_logprobs.append((out.logprobs[i], out.token_ids[i]))
-                if req.params.top_logprobs_num:
-                    req.output_top_logprobs.append(out.top_logprobs[i])
-            req.first_token_time = req.first_token_time or now
-            for token in (
-                req.guide.jump_forward(out.token_ids[i]) if req.guide else [out.token_ids[i]]
-            ):
-                self._append_token(req, token)
-                self.generated_tokens += 1
-                if req.finished:
-                    self._finish(req)
-                    break
-        sample_reqs += [r for r, _ in plan if r.finished and r not in sample_reqs]
-        if all(n == 1 for _, n in plan):
-            self._log_decode()
-        return sample_reqs
+        for i, req in enumerate(reqs):
+            self._record_logprobs(req, out, i)
+            self._emit(req, out.token_ids[i])
+            if req.finished:
+                self._finish(req)
+
+    def _verify(self, item: Scheduled, logits: torch.Tensor) -> None:
+        """Accept the longest prefix of the request's drafts that the sampler agrees with, then
+        the sampler's own next token; free the slots of the rejected drafts' K/V.
+
+        Row i of `logits` follows the request's last token then drafts 0..i-1. It is sampled
+        after the tokens before it are appended (so penalties, min_new_tokens and the constraint
+        see them), exactly as a decode step would. Verification stops at the first token that is
+        not the draft, when the request finishes, or when a constraint forces text after a token
+        (the forced tokens are computed next step)."""
+        req, draft = item.req, item.draft
+        start, rows, accepted = req.kv_len, 0, 0
+        for i in range(len(draft) + 1):
+            proposed = draft[i] if i < len(draft) else None
+            out = sample(
+                logits[i : i + 1],
+                [req],
+                [self._banned_ids(req)],
+                (lambda masked: self._apply_constraints(masked, [req], [0]))
+                if req.guide is not None
+                else None,
+                [proposed],
+            )
+            token = out.token_ids[0]
+            self._record_logprobs(req, out, 0)
+            rows = i + 1
+            accepted += token == proposed
+            forced = self._emit(req, token)
+            if token != proposed or req.finished or forced > 1:
+                break
+        req.kv_len = start + rows  # the inputs of the rows used: all confirmed tokens
+        self.kv.trim(req, start + item.n)
+        self.drafter.observe(req.drafts, len(draft), accepted)
+        self.spec_verifications += 1
+        self.spec_draft_tokens += len(draft)
+        self.spec_accepted_tokens += accepted
+        if req.finished:
+            self._finish(req)
+
+    @staticmethod
+    def _record_logprobs(req: Req, out: SampleOutput, i: int) -> None:
+        if out.logprobs is not None and req.params.return_logprob:
+            req.output_token_logprobs.append((out.logprobs[i], out.token_ids[i]))
+            if req.params.top_logprobs_num:
+                req.output_top_logprobs.append(out.top_logprobs[i])
+
+    def _emit(self, req: Req, token: int) -> int:
+        """Append a sampled token and the tokens its constraint forces after it (jump-forward),
+        stopping when the request finishes; returns how many were appended."""
+        req.first_token_time = req.first_token_time or time.monotonic()
+        tokens = req.guide.jump_forward(token) if req.guide else [token]
+        for i, t in enumerate(tokens):
+            self._append_token(req, t)
+            self.generated_tokens += 1
+            if req.finished:
+                return i + 1
+        return len(tokens)
 
     def _apply_constraints(self, logits: torch.Tensor, reqs: list[Req], rows: list[int]) -> None:
         """Set the disallowed tokens of the constrained `rows` to -inf, in place, in one batched op."""
@@ -426,6 +521,8 @@ class Scheduler:
 
     def _finish(self, req: Req) -> None:
         req.finish_time = time.monotonic()
+        if self.drafter is not None and req.output_ids:
+            self.drafter.remember(req.all_ids)
         self._ended.append(req)
         if req in self.running:
             self.kv.release(req)
@@ -457,6 +554,11 @@ class Scheduler:
             "attention_pairs": self.attention_pairs,
             "logit_rows": self.logit_rows,
             "constraint_mask_time_s": self.mask_time,
+            "spec_verifications": self.spec_verifications,
+            "spec_draft_tokens": self.spec_draft_tokens,
+            "spec_accepted_tokens": self.spec_accepted_tokens,
+            # tokens a request gets from one forward that verifies its draft (1 = no gain)
+            "spec_accept_length": 1 + self.spec_accepted_tokens / max(self.spec_verifications, 1),
         }
 
     def flush_cache(self) -> bool:
@@ -479,8 +581,8 @@ class Scheduler:
             "prefill: %d new reqs, %d new tokens, %d cached tokens | running %d, queue %d, "
             "token usage %.2f, cache hit rate %.2f",
             len(admitted),
-            sum(n for _, n in admitted),
-            sum(r.tree_len for r, _ in admitted),
+            sum(s.n for s in admitted),
+            sum(s.req.tree_len for s in admitted),
             len(self.running),
             len(self.waiting),
             self._usage(),

@@ -6,7 +6,7 @@ Ownership of KV pages (every page of the pool has exactly one owner at any time)
 |------------------------------|------------------------------------------------|---------------------------------------|
 | the allocator (free)         | its free page list (frees merged lazily)       | `free` from the others / `alloc_*`    |
 | the radix tree               | every node's `value`: whole pages              | `cache_unfinished`, `release` (insert) / eviction of an unlocked leaf, `flush` |
-| one request, privately       | `row[tree_len:kv_len]`, filled from a page's start; its partly filled last page | `extend` (allocation) / `release` |
+| one request, privately       | `row[tree_len:kv_len]`, filled from a page's start; its partly filled last page | `extend` (allocation) / `release`, `trim` (rejected drafts) |
 
 - `row[:tree_len]` of a running request points at the tree's slots of its prefix; it only reads
   them, and holds a lock on the node that ends there (`last_node`), so eviction cannot take them.
@@ -110,6 +110,14 @@ class KVSlotManager:
         row[holder.kv_len : holder.kv_len + n] = slots.to(torch.int32)
         self.peak_used_tokens = max(self.peak_used_tokens, self.used_tokens())
         return True
+
+    def trim(self, holder: SlotHolder, allocated: int) -> None:
+        """Free the holder's slots past kv_len up to `allocated` (what `extend` gave it): the K/V
+        of rejected speculative drafts. Whole pages go back to the allocator; a page that still
+        holds a computed token stays the holder's, its rest refilled by the next `extend`."""
+        keep = -(-holder.kv_len // self.page_size) * self.page_size
+        if allocated > keep:
+            self.allocator.free(self.req_to_token[holder.row, keep:allocated].long())
 
     def cache_unfinished(self, holder: SlotHolder) -> None:
         """Hand the holder's computed whole pages to the tree and keep reading the tree's copies,

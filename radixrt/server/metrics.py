@@ -32,6 +32,16 @@ RUNTIME_STATS = {
     "cached_tokens": ("radixrt_kv_cached_tokens", "KV slots held by the radix tree", "gauge"),
     "num_preemptions": ("radixrt_preemptions", "requests retracted to free memory", "counter"),
     "evicted_tokens": ("radixrt_evicted_tokens", "tokens evicted from the radix tree", "counter"),
+    "spec_accepted_tokens": (
+        "radixrt_spec_accepted_tokens",
+        "speculative draft tokens the model agreed with",
+        "counter",
+    ),
+    "spec_accept_length": (
+        "radixrt_spec_accept_length",
+        "mean tokens a request got from one forward verifying its draft",
+        "gauge",
+    ),
 }
 
 

@@ -55,6 +55,20 @@ class TokenGuide:
             ids.pop()
         return ids
 
+    def allowed_prefix(self, token_ids: list[int]) -> int:
+        """How many of `token_ids`, in order from the current state, the constraint allows
+        (speculative drafts are cut there before they cost a forward). Does not advance."""
+        if self.finished:
+            return 0
+        state = self.guide.get_state()
+        for i, token_id in enumerate(token_ids):
+            if token_id == self.eos_token_id:
+                return i + self.index.is_final_state(state)
+            state = self.index.get_next_state(state, token_id)
+            if state is None:
+                return i
+        return len(token_ids)
+
     def is_final(self) -> bool:
         """The output so far fully matches the constraint, so EOS is allowed."""
         return self.guide.is_finished()

@@ -79,18 +79,25 @@ def test_mixed_step_matches_the_reference(name, in_place):
     assert backend.in_place, "the in-place decode kernel did not build here"
     backend.in_place = in_place
     backend.init_forward_metadata(batch)
-    assert (batch.attn_metadata.shared_slots is not None) == bool(shared)  # the cascade when shared
+    # the cascade when requests share a prefix, or when one request's short extend attends as
+    # decode rows in place (its rows share its whole prefix: a speculative verification's shape)
+    cascade = bool(shared) or (in_place and name == "one extend after a prefix")
+    assert (batch.attn_metadata.shared_slots is not None) == cascade
     backend.kv_pool.set_kv(0, batch.out_slots, k, v)  # the model stores; the backend attends
     out = backend.forward(0, q, k, v, batch)
     torch.testing.assert_close(out, _reference(backend, batch, q), atol=2e-5, rtol=2e-5)
 
 
-def test_short_extends_share_one_call_and_a_long_prefill_runs_alone():
+@pytest.mark.parametrize("in_place", [True, False], ids=["decode-in-place", "decode-gathered"])
+def test_short_extends_share_one_call_and_a_long_prefill_runs_alone(in_place):
+    """Gathered, short extends share one padded call; read in place, they are decode rows."""
     prefix_lens, extend_lens = STEPS["prefill alone beside short extends"]
     backend, batch, _ = _step(prefix_lens, extend_lens, seed=0)
+    backend.in_place = in_place
     backend.init_forward_metadata(batch)
     shapes = sorted(group.shape for group in batch.attn_metadata.extends)
-    assert shapes == [(1, 200), (3, 5)]
+    assert shapes == ([(1, 200)] if in_place else [(1, 200), (3, 5)])
+    assert len(batch.attn_metadata.decode_tokens) == (4 + 3 + 5 if in_place else 0)
 
 
 @pytest.mark.parametrize("seed", range(20))

@@ -19,6 +19,14 @@ CONFIGS = {
     "tiny-pool": {"max_total_tokens": 96, "max_running_requests": 8},
     "fcfs": {"schedule_policy": "fcfs"},
     "dfs-weight": {"schedule_policy": "dfs-weight"},
+    # the warm run drafts the cold run's answers from the corpus: nearly all accepted
+    "speculative": {"speculative_algorithm": "ngram"},
+    "speculative-tiny-pool-pages": {
+        "speculative_algorithm": "ngram",
+        "max_total_tokens": 96,
+        "max_running_requests": 8,
+        "page_size": 4,
+    },
 }
 
 
@@ -75,11 +83,17 @@ def test_tiny_model_matches_transformers(tiny_case, name):
         assert stats["cache_hit_rate"] == 0
     if name == "tiny-pool":
         assert stats["num_preemptions"] > 0 and stats["evicted_tokens"] > 0
+    if name.startswith("speculative"):
+        assert stats["spec_accept_length"] > 2
 
 
-@pytest.mark.parametrize("name", ["default", "no-radix-cache", "tiny-chunks", "tiny-pool"])
+@pytest.mark.parametrize(
+    "name", ["default", "no-radix-cache", "tiny-chunks", "tiny-pool", "speculative"]
+)
 def test_default_model_matches_transformers(default_case, name):
     folder, prompts, expected = default_case
     _, stats = _run_twice(folder, prompts, expected, CONFIGS[name])
     if name == "tiny-pool":
         assert stats["num_preemptions"] > 0 and stats["evicted_tokens"] > 0
+    if name == "speculative":
+        assert stats["spec_accept_length"] > 2

@@ -21,7 +21,12 @@ PROMPTS = [
 ]
 # Warm passes: the same prompts (fully cached), then each with new tokens after its cached part.
 PASSES = [PROMPTS, PROMPTS, [p + [800 + i, 900 + i] for i, p in enumerate(PROMPTS)]]
-CONFIGS = {"whole": {}, "chunked": {"chunked_prefill_size": 4}}
+CONFIGS = {
+    "whole": {},
+    "chunked": {"chunked_prefill_size": 4},
+    # warm passes draft what the cold ones said: verification runs the extend kernel
+    "speculative": {"speculative_algorithm": "ngram"},
+}
 
 
 def _run(model_dir, backend: str, **args) -> list[list[int]]:

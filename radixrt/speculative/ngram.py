@@ -1,0 +1,153 @@
+"""N-gram drafts: the tokens that followed a request's last few tokens elsewhere.
+
+Two sources, both indexed by n-gram (n in NGRAM_SIZES) at their latest occurrence:
+- the corpus: the token sequences (prompt and output) of the requests the server finished, the
+  same sequences it caches in the radix tree, bounded by a token count with the oldest dropped
+  first. It holds what other requests went on to say after the same words: a repeated prompt, a
+  JSON key, a tool name.
+- the request's own prompt and output (prompt lookup): edits copying their input, agent loops
+  echoing earlier calls.
+The source whose occurrence matches more tokens back before the n-gram wins (the corpus on a tie).
+Why not walk the KV radix tree itself: it is keyed by whole prefixes, so finding where a suffix
+occurs means an index anyway, and the tree's splits and evictions would move the positions it
+points at. The corpus is fed by the same sequences at the same moment and outlives eviction.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from itertools import count
+
+from radixrt.speculative.draft_length import DraftLength
+
+NGRAM_SIZES = (4, 3, 2)  # longest first: a longer match is likelier to go on the same way
+MAX_BACK_MATCH = 32  # how far back a match's length is counted to rank two sources
+DEFAULT_CORPUS_TOKENS = 1 << 20
+
+
+def _ngrams(tokens: Sequence[int], end: int):
+    """The n-grams ending at position `end` (inclusive), longest first."""
+    for n in NGRAM_SIZES:
+        if end + 1 >= n:
+            yield tuple(tokens[end + 1 - n : end + 1])
+
+
+def _back_match(a: Sequence[int], a_end: int, b: Sequence[int]) -> int:
+    """How many tokens, up to MAX_BACK_MATCH, end `a` at position `a_end` and end `b`."""
+    n = 0
+    while n < MAX_BACK_MATCH and n <= a_end and n < len(b) and a[a_end - n] == b[-1 - n]:
+        n += 1
+    return n
+
+
+class NgramIndex:
+    """The latest end position of every n-gram of one growing token list. It indexes up to the
+    second-to-last token, so looking up the list's own last tokens finds an earlier occurrence."""
+
+    def __init__(self) -> None:
+        self.latest: dict[tuple[int, ...], int] = {}
+        self.indexed = 0  # n-grams ending before this position are in `latest`
+
+    def lookup(self, tokens: Sequence[int]) -> int | None:
+        """End position of the latest earlier occurrence of the longest n-gram `tokens` ends
+        with, or None."""
+        for end in range(self.indexed, len(tokens) - 1):
+            for key in _ngrams(tokens, end):
+                self.latest[key] = end
+        self.indexed = max(self.indexed, len(tokens) - 1)
+        for key in _ngrams(tokens, len(tokens) - 1):
+            if key in self.latest:
+                return self.latest[key]
+        return None
+
+
+class NgramCorpus:
+    """Finished requests' token sequences, at most `max_tokens` of them (oldest dropped first),
+    with each n-gram's latest occurrence that has a continuation: (sequence id, end position)."""
+
+    def __init__(self, max_tokens: int = DEFAULT_CORPUS_TOKENS):
+        self.max_tokens = max_tokens
+        self.sequences: OrderedDict[int, array] = OrderedDict()
+        self.total_tokens = 0
+        self.latest: dict[tuple[int, ...], tuple[int, int]] = {}
+        self._ids = count()
+
+    def add(self, tokens: Sequence[int]) -> None:
+        if len(tokens) < 2 or len(tokens) > self.max_tokens:
+            return
+        seq_id = next(self._ids)
+        self.sequences[seq_id] = array("l", tokens)
+        self.total_tokens += len(tokens)
+        for end in range(len(tokens) - 1):
+            for key in _ngrams(tokens, end):
+                self.latest[key] = (seq_id, end)
+        while self.total_tokens > self.max_tokens:
+            self._drop_oldest()
+
+    def _drop_oldest(self) -> None:
+        seq_id, tokens = self.sequences.popitem(last=False)
+        self.total_tokens -= len(tokens)
+        for end in range(len(tokens) - 1):
+            for key in _ngrams(tokens, end):
+                if self.latest.get(key, (None,))[0] == seq_id:
+                    del self.latest[key]
+
+    def lookup(self, tokens: Sequence[int]) -> tuple[array, int] | None:
+        """(sequence, end position) of the latest occurrence of the longest n-gram `tokens`
+        ends with, or None."""
+        for key in _ngrams(tokens, len(tokens) - 1):
+            hit = self.latest.get(key)
+            if hit is not None:
+                return self.sequences[hit[0]], hit[1]
+        return None
+
+
+@dataclass
+class RequestDrafts:
+    """One request's drafting state: its own n-gram index and its adaptive draft length."""
+
+    length: DraftLength
+    index: NgramIndex = field(default_factory=NgramIndex)
+    offered: int = 0  # drafted tokens sent to verification
+    accepted: int = 0  # of which the model agreed with
+
+
+class NgramDrafter:
+    """Proposes drafts for decoding requests and learns from finished ones (server-wide)."""
+
+    def __init__(self, num_draft_tokens: int, corpus_tokens: int = DEFAULT_CORPUS_TOKENS):
+        self.num_draft_tokens = num_draft_tokens
+        self.corpus = NgramCorpus(corpus_tokens)
+
+    def new_request(self) -> RequestDrafts:
+        return RequestDrafts(DraftLength(self.num_draft_tokens))
+
+    def propose(self, state: RequestDrafts, tokens: Sequence[int], limit: int) -> list[int]:
+        """Up to min(limit, the request's draft length) tokens likely to follow `tokens`."""
+        want = min(limit, state.length.next()) if limit > 0 else 0
+        if want <= 0:
+            return []
+        best: tuple[int, list[int]] = (0, [])
+        hit = self.corpus.lookup(tokens)
+        if hit is not None:
+            seq, end = hit
+            best = (_back_match(seq, end, tokens), seq[end + 1 : end + 1 + want].tolist())
+        end = state.index.lookup(tokens)
+        if end is not None:
+            own = (_back_match(tokens, end, tokens), list(tokens[end + 1 : end + 1 + want]))
+            if own[0] > best[0]:
+                best = own
+        return best[1]
+
+    def observe(self, state: RequestDrafts, offered: int, accepted: int) -> None:
+        """After verifying a draft: adapt the request's draft length."""
+        state.offered += offered
+        state.accepted += accepted
+        state.length.update(offered, accepted)
+
+    def remember(self, tokens: Sequence[int]) -> None:
+        """A finished request's prompt and output, for later requests' drafts."""
+        self.corpus.add(tokens)

@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint format model bench bench-peers gpu-check clean
+.PHONY: demo test lint format model bench bench-spec bench-peers gpu-check clean
 
 # torch is pinned to the CPU wheel that lies on this kind of machine's disk; a bare
 # `pip install torch` would pull a multi-GB CUDA build.
@@ -51,6 +51,16 @@ bench: model
 	$(BIN)/radixrt bench --workload shared-prefix --num-requests 24 --sweep-rate 0.5,1,2,4 \
 		--systems radixrt,radixrt-static --slo-ttft 2 --slo-tpot 0.3 --output-dir bench_results
 	$(BIN)/radixrt bench --backend http --output-dir bench_results
+
+# Speculative decoding on against off, one stream and 8 clients, per workload (docs/benchmarks.md,
+# "Speculative decoding"; about 15 minutes). Sampled text (temperature 1) is the nothing-to-copy case.
+SPEC_RUN := --num-requests 12 --max-new-tokens 64 --fixed-output-len --systems radixrt-spec,radixrt
+bench-spec: model
+	for c in 1 8; do for w in agent-loop json few-shot random; do \
+		$(BIN)/radixrt bench --workload $$w --concurrency $$c $(SPEC_RUN) \
+			--output-dir bench_results/spec-c$$c || exit 1; done; \
+		$(BIN)/radixrt bench --workload random --temperature 1 --concurrency $$c $(SPEC_RUN) \
+			--output-dir bench_results/spec-sampled-c$$c || exit 1; done
 
 # llama.cpp as two peers in `radixrt bench`: llama-cpp-python (it compiles llama.cpp, several
 # minutes) and llama.cpp's own `llama-server`, built from the same vendored sources (about 8 more).

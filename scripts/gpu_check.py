@@ -477,6 +477,53 @@ def check_cuda_graphs() -> None:
         log(f"  batch {batch}: first differing token per request (None: equal): {firsts}")
 
 
+def check_speculative() -> None:
+    log(
+        "== (e) speculative decoding (ngram drafts, triton extend verification) against plain decoding =="
+    )
+    from radixrt.config import ServerArgs
+    from radixrt.engine.scheduler import Scheduler
+    from radixrt.sampling_params import SamplingParams
+
+    params = SamplingParams.from_dict({"max_new_tokens": 96, "temperature": 0, "ignore_eos": True})
+    calls = "".join(
+        f'Step {i}:\nCall: {{"tool": "weather", "arguments": {{"city": "{c}"}}}}\nObservation: ok\n'
+        for i, c in enumerate(["Lisbon", "Oslo", "Quito", "Perth"])
+    )
+    results["speculative"] = {}
+    outputs = {}
+    for algorithm in ("ngram", None):
+        scheduler = Scheduler.from_server_args(
+            ServerArgs(dtype="bfloat16", speculative_algorithm=algorithm)
+        )
+        ids = scheduler.tokenizer.encode(calls + "Step 4:\n", add_special_tokens=False)
+        reqs = [scheduler.make_request(f"r{i}", ids, params) for i in range(2)]
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for req in reqs:  # one after the other: the second drafts from the first
+            scheduler.add_request(req)
+            while scheduler.has_work():
+                scheduler.step()
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+        outputs[algorithm] = [r.output_ids for r in reqs]
+        stats = scheduler.stats()
+        name = algorithm or "off"
+        results["speculative"][name] = {
+            "tok_per_s": sum(len(r.output_ids) for r in reqs) / seconds,
+            "accept_length": stats["spec_accept_length"],
+            "forward_steps": stats["forward_steps"],
+        }
+        log(f"  {name}: {results['speculative'][name]}")
+        scheduler.check_invariants()
+        del scheduler
+        gc.collect()
+        torch.cuda.empty_cache()
+    firsts = [first_difference(a, b) for a, b in zip(outputs["ngram"], outputs[None])]
+    results["speculative"]["first_diff"] = firsts
+    log(f"  first differing token per request (None: equal): {firsts}")
+
+
 def main() -> None:
     results.update(
         device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__
@@ -487,6 +534,7 @@ def main() -> None:
         bench_decode,
         bench_extend,
         check_cuda_graphs,
+        check_speculative,
         sweep_configs,
         check_engine,
     ):

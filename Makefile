@@ -61,6 +61,8 @@ bench-spec: model
 			--output-dir bench_results/spec-c$$c || exit 1; done; \
 		$(BIN)/radixrt bench --workload random --temperature 1 --concurrency $$c $(SPEC_RUN) \
 			--output-dir bench_results/spec-sampled-c$$c || exit 1; done
+	$(BIN)/radixrt bench --workload json --concurrency 1 $(SPEC_RUN:radixrt-spec,radixrt=radixrt-no-jump-forward-spec,radixrt-no-jump-forward) \
+		--output-dir bench_results/spec-no-jump-forward
 
 # llama.cpp as two peers in `radixrt bench`: llama-cpp-python (it compiles llama.cpp, several
 # minutes) and llama.cpp's own `llama-server`, built from the same vendored sources (about 8 more).

@@ -157,7 +157,7 @@ class ServerArgs:
         },
     )
     speculative_num_draft_tokens: int = field(
-        default=4,
+        default=8,
         metadata={
             "help": "most tokens drafted per request and step with --speculative-algorithm (the length adapts below it)"
         },

@@ -184,7 +184,10 @@ class Scheduler:
         self.attention_pairs += sum(s.n * s.req.kv_len + s.n * (s.n + 1) // 2 for s in plan)
         start = time.perf_counter()
         updated = self._process(plan, self.runner.forward(self._build_batch(plan))) if plan else []
-        self.step_time += time.perf_counter() - start
+        seconds = time.perf_counter() - start
+        self.step_time += seconds
+        if self.drafter is not None and plan and all(s.draft or s.n == 1 for s in plan):
+            self.drafter.cost.observe(sum(s.n for s in plan), seconds)  # decodes, verifications
         return updated + [r for r in self._ended if r not in updated]
 
     def _schedule(self) -> list[Scheduled]:
@@ -193,13 +196,16 @@ class Scheduler:
         plan = []
         for req in self.running:
             if req.tokens_to_compute == 1:
-                draft = self._draft(req)
-                plan.append(Scheduled(req, 1 + len(draft), draft))
+                plan.append(Scheduled(req, 1))
                 continue
             n = self.budget.chunk(req.tokens_to_compute, left)
             if n:
                 plan.append(Scheduled(req, n))
                 left -= n
+        if self.drafter is not None:
+            price = self.drafter.cost.price(sum(s.n for s in plan))
+            drafts = [self._draft(s, price) for s in plan]
+            plan = [Scheduled(s.req, s.n + len(d), d) for s, d in zip(plan, drafts)]
         retractions = self.num_preemptions
         plan = self._allocate_running(plan)
         if self.args.schedule_mode == "static":
@@ -211,13 +217,15 @@ class Scheduler:
             plan += self._admit(left, bool(plan))
         return plan
 
-    def _draft(self, req: Req) -> tuple[int, ...]:
-        """Speculative tokens for a decoding request to verify this step (none when off), cut
-        where its constraint would reject them and where its limits would end it anyway."""
-        if req.drafts is None or not req.output_ids:
+    def _draft(self, item: Scheduled, price: float) -> tuple[int, ...]:
+        """Speculative tokens for a decoding request to verify this step, as many as are worth
+        `price` each (none for a prefill chunk), cut where its constraint would reject them and
+        where its limits would end it anyway."""
+        req = item.req
+        if req.tokens_to_compute != 1 or not req.output_ids:
             return ()
         limit = min(req.remaining_new_tokens() - 1, self.runner.context_length - len(req.all_ids))
-        draft = self.drafter.propose(req.drafts, req.all_ids, limit)
+        draft = self.drafter.propose(req.drafts, req.all_ids, limit, price)
         if req.guide is not None:
             draft = draft[: req.guide.allowed_prefix(draft)]
         return tuple(draft)

@@ -8,6 +8,8 @@ Two sources, both indexed by n-gram (n in NGRAM_SIZES) at their latest occurrenc
 - the request's own prompt and output (prompt lookup): edits copying their input, agent loops
   echoing earlier calls.
 The source whose occurrence matches more tokens back before the n-gram wins (the corpus on a tie).
+N-grams are keyed by their hash (a collision only proposes a draft verification rejects), which
+keeps an index under 400 bytes a token: under 1% of a token's K/V in the default model.
 Why not walk the KV radix tree itself: it is keyed by whole prefixes, so finding where a suffix
 occurs means an index anyway, and the tree's splits and evictions would move the positions it
 points at. The corpus is fed by the same sequences at the same moment and outlives eviction.
@@ -21,18 +23,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import count
 
-from radixrt.speculative.draft_length import DraftLength
+from radixrt.speculative.draft_length import DraftLength, StepCost
 
 NGRAM_SIZES = (4, 3, 2)  # longest first: a longer match is likelier to go on the same way
 MAX_BACK_MATCH = 32  # how far back a match's length is counted to rank two sources
-DEFAULT_CORPUS_TOKENS = 1 << 20
+DEFAULT_CORPUS_TOKENS = 1 << 17  # about 50 MB with its index
 
 
 def _ngrams(tokens: Sequence[int], end: int):
-    """The n-grams ending at position `end` (inclusive), longest first."""
+    """The hashes of the n-grams ending at position `end` (inclusive), longest first."""
     for n in NGRAM_SIZES:
         if end + 1 >= n:
-            yield tuple(tokens[end + 1 - n : end + 1])
+            yield hash(tuple(tokens[end + 1 - n : end + 1]))
 
 
 def _back_match(a: Sequence[int], a_end: int, b: Sequence[int]) -> int:
@@ -48,7 +50,7 @@ class NgramIndex:
     second-to-last token, so looking up the list's own last tokens finds an earlier occurrence."""
 
     def __init__(self) -> None:
-        self.latest: dict[tuple[int, ...], int] = {}
+        self.latest: dict[int, int] = {}  # n-gram hash -> end position
         self.indexed = 0  # n-grams ending before this position are in `latest`
 
     def lookup(self, tokens: Sequence[int]) -> int | None:
@@ -66,13 +68,13 @@ class NgramIndex:
 
 class NgramCorpus:
     """Finished requests' token sequences, at most `max_tokens` of them (oldest dropped first),
-    with each n-gram's latest occurrence that has a continuation: (sequence id, end position)."""
+    with each n-gram's latest occurrence that has a continuation: sequence id << 32 | end."""
 
     def __init__(self, max_tokens: int = DEFAULT_CORPUS_TOKENS):
         self.max_tokens = max_tokens
         self.sequences: OrderedDict[int, array] = OrderedDict()
         self.total_tokens = 0
-        self.latest: dict[tuple[int, ...], tuple[int, int]] = {}
+        self.latest: dict[int, int] = {}
         self._ids = count()
 
     def add(self, tokens: Sequence[int]) -> None:
@@ -83,7 +85,7 @@ class NgramCorpus:
         self.total_tokens += len(tokens)
         for end in range(len(tokens) - 1):
             for key in _ngrams(tokens, end):
-                self.latest[key] = (seq_id, end)
+                self.latest[key] = seq_id << 32 | end
         while self.total_tokens > self.max_tokens:
             self._drop_oldest()
 
@@ -92,7 +94,7 @@ class NgramCorpus:
         self.total_tokens -= len(tokens)
         for end in range(len(tokens) - 1):
             for key in _ngrams(tokens, end):
-                if self.latest.get(key, (None,))[0] == seq_id:
+                if self.latest.get(key, -1) >> 32 == seq_id:
                     del self.latest[key]
 
     def lookup(self, tokens: Sequence[int]) -> tuple[array, int] | None:
@@ -101,7 +103,7 @@ class NgramCorpus:
         for key in _ngrams(tokens, len(tokens) - 1):
             hit = self.latest.get(key)
             if hit is not None:
-                return self.sequences[hit[0]], hit[1]
+                return self.sequences[hit >> 32], hit & 0xFFFFFFFF
         return None
 
 
@@ -121,13 +123,17 @@ class NgramDrafter:
     def __init__(self, num_draft_tokens: int, corpus_tokens: int = DEFAULT_CORPUS_TOKENS):
         self.num_draft_tokens = num_draft_tokens
         self.corpus = NgramCorpus(corpus_tokens)
+        self.cost = StepCost()  # what a drafted token's row costs, fitted from the steps
 
     def new_request(self) -> RequestDrafts:
         return RequestDrafts(DraftLength(self.num_draft_tokens))
 
-    def propose(self, state: RequestDrafts, tokens: Sequence[int], limit: int) -> list[int]:
-        """Up to min(limit, the request's draft length) tokens likely to follow `tokens`."""
-        want = min(limit, state.length.next()) if limit > 0 else 0
+    def propose(
+        self, state: RequestDrafts, tokens: Sequence[int], limit: int, price: float
+    ) -> list[int]:
+        """Up to `limit` tokens likely to follow `tokens`, as many as are worth their `price`
+        (see `DraftLength.next`)."""
+        want = min(limit, state.length.next(price)) if limit > 0 else 0
         if want <= 0:
             return []
         best: tuple[int, list[int]] = (0, [])

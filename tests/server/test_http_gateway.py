@@ -186,6 +186,8 @@ def test_metrics_parse_and_move(runtime, client):
         "radixrt_evicted_tokens_total",
         "radixrt_kv_free_tokens",
         "radixrt_cached_prompt_tokens_total",
+        "radixrt_spec_accepted_tokens_total",
+        "radixrt_spec_accept_length",
     ):
         assert name + "{}" in after, name
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 from radixrt.engine.sampler import _draw
-from radixrt.speculative import DraftLength, NgramCorpus, NgramDrafter, NgramIndex
-from radixrt.speculative.draft_length import MAX_PAUSE_STEPS
+from radixrt.speculative import DraftLength, NgramCorpus, NgramDrafter, NgramIndex, StepCost
+from radixrt.speculative.draft_length import PRIOR_ROW_SHARE, PROBE_STEPS
 
 
 def test_index_finds_the_latest_earlier_occurrence_not_the_suffix_itself():
@@ -28,7 +28,7 @@ def test_corpus_continues_a_finished_sequence_and_forgets_the_oldest():
     corpus.add([20, 21, 22, 23, 24, 25, 26])  # 13 tokens > 12: the first sequence goes
     assert corpus.lookup([11, 12]) is None
     assert corpus.total_tokens == 7 and len(corpus.sequences) == 1
-    assert all(seq_id in corpus.sequences for seq_id, _ in corpus.latest.values())
+    assert all(hit >> 32 in corpus.sequences for hit in corpus.latest.values())
 
 
 def test_drafter_prefers_the_source_that_matches_further_back():
@@ -36,27 +36,36 @@ def test_drafter_prefers_the_source_that_matches_further_back():
     drafter.remember([5, 6, 7, 1, 2, 40, 41, 42])  # "1 2" then 40...
     state = drafter.new_request()
     own = [7, 8, 1, 2, 30, 31, 32, 9, 7, 8, 1, 2]  # "7 8 1 2" then 30... in the request itself
-    assert drafter.propose(state, own, limit=8) == [30, 31, 32, 9]
+    assert drafter.propose(state, own, limit=8, price=0.0) == [30, 31, 32, 9]
     other = drafter.new_request()
-    assert drafter.propose(other, [3, 1, 2], limit=8) == [40, 41, 42]  # only the corpus has it
-    assert drafter.propose(other, [3, 1, 2], limit=2) == [40, 41]
-    assert drafter.propose(other, [3, 1, 2], limit=0) == []
+    assert drafter.propose(other, [3, 1, 2], 8, 0.0) == [40, 41, 42]  # only the corpus has it
+    assert drafter.propose(other, [3, 1, 2], 2, 0.0) == [40, 41]
+    assert drafter.propose(other, [3, 1, 2], 0, 0.0) == []
+    assert drafter.propose(other, [3, 1, 2], 8, 0.99) == []  # not worth a row at that price
 
 
-def test_draft_length_grows_on_acceptance_and_pauses_on_rejection():
-    length = DraftLength(limit=8, current=2)
-    length.update(offered=2, accepted=2)
-    assert length.next() == 4
-    length.update(offered=4, accepted=1)
-    assert length.next() == 2
-    pauses = []
-    for _ in range(8):  # wholly rejected again and again: ever longer pauses, bounded
-        length.update(offered=1, accepted=0)
-        pauses.append(length.pause)
-        while length.next() == 0:
-            pass
-    assert pauses == sorted(pauses) and pauses[-1] == MAX_PAUSE_STEPS
-    assert length.current == 1
+def test_draft_length_follows_the_acceptance_rate_and_the_price():
+    length = DraftLength(limit=8)
+    for _ in range(10):  # everything accepted: the rate nears 1, every token is worth drafting
+        length.update(offered=4, accepted=4)
+    assert length.next(price=0.5) == 8
+    for _ in range(10):  # nothing accepted: not even one token pays at a low price
+        length.update(offered=2, accepted=0)
+    assert length.rate < 0.05
+    drafted = [length.next(price=0.1) for _ in range(3 * PROBE_STEPS)]
+    assert drafted.count(1) == 3 and set(drafted) == {0, 1}  # only the probes
+    length.rate = 0.5  # one, two, three tokens as the price falls: 0.5, 0.25, 0.125 >= price
+    assert [length.next(p) for p in (0.4, 0.2, 0.1)] == [1, 2, 3]
+
+
+def test_step_cost_prices_a_row_by_the_batch_it_joins():
+    cost = StepCost()
+    assert cost.price(1) == PRIOR_ROW_SHARE / (1 + PRIOR_ROW_SHARE)  # before any step
+    for rows in [1, 2, 5, 9, 17] * 20:  # 40 ms a step plus 2.5 ms a row
+        cost.observe(rows, 0.040 + 0.0025 * rows)
+    assert abs(cost.row_share() - 0.0625) < 1e-6
+    assert abs(cost.price(1) - 0.0625 / 1.0625) < 1e-6  # batch 1: a row is almost free
+    assert abs(cost.price(8) - 0.5 / 1.5) < 1e-6  # batch 8: a third of a token
 
 
 def test_rejection_rule_keeps_the_distribution():

@@ -14,8 +14,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-PRIOR_RATE = 0.6  # a new request's acceptance rate: drafting is tried first
-RATE_WEIGHT = 0.3  # of the latest verification in the rate (an exponential moving average)
+PRIOR_RATE = 0.6  # the first requests' acceptance rate: drafting is tried first
+RATE_WEIGHT = 0.3  # of the latest verification in a request's rate (a moving average)
+SERVER_RATE_WEIGHT = 0.05  # of the latest verification in the server's rate, a new request's prior
 PROBE_STEPS = 16  # a request not worth drafting for still drafts one token this often
 PRIOR_ROW_SHARE = 0.04  # a row's time over a one-row step's, until the fit has seen enough steps
 COST_DECAY = 0.98  # per observed step: the fit follows the context lengths as they grow
@@ -48,13 +49,13 @@ class DraftLength:
             self.idle, k = 0, 1
         return k
 
-    def update(self, offered: int, accepted: int) -> None:
+    def update(self, offered: int, accepted: int, weight: float = RATE_WEIGHT) -> None:
         """After a verification of `offered` drafted tokens of which the first `accepted` were
         kept: `accepted` successes, then one failure unless all were kept."""
         if offered == 0:
             return
         seen = accepted + (accepted < offered)
-        self.rate += RATE_WEIGHT * (accepted / seen - self.rate)
+        self.rate += weight * (accepted / seen - self.rate)
 
 
 class StepCost:

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import count
 
-from radixrt.speculative.draft_length import DraftLength, StepCost
+from radixrt.speculative.draft_length import SERVER_RATE_WEIGHT, DraftLength, StepCost
 
 NGRAM_SIZES = (4, 3, 2)  # longest first: a longer match is likelier to go on the same way
 MAX_BACK_MATCH = 32  # how far back a match's length is counted to rank two sources
@@ -124,9 +124,12 @@ class NgramDrafter:
         self.num_draft_tokens = num_draft_tokens
         self.corpus = NgramCorpus(corpus_tokens)
         self.cost = StepCost()  # what a drafted token's row costs, fitted from the steps
+        # the acceptance rate over every request's verifications, slowly: a new request's prior,
+        # so short requests of a workload that copies little do not each pay to find it out
+        self.server_rate = DraftLength(num_draft_tokens)
 
     def new_request(self) -> RequestDrafts:
-        return RequestDrafts(DraftLength(self.num_draft_tokens))
+        return RequestDrafts(DraftLength(self.num_draft_tokens, rate=self.server_rate.rate))
 
     def propose(
         self, state: RequestDrafts, tokens: Sequence[int], limit: int, price: float
@@ -153,6 +156,7 @@ class NgramDrafter:
         state.offered += offered
         state.accepted += accepted
         state.length.update(offered, accepted)
+        self.server_rate.update(offered, accepted, SERVER_RATE_WEIGHT)
 
     def remember(self, tokens: Sequence[int]) -> None:
         """A finished request's prompt and output, for later requests' drafts."""

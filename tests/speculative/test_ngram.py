@@ -58,6 +58,17 @@ def test_draft_length_follows_the_acceptance_rate_and_the_price():
     assert [length.next(p) for p in (0.4, 0.2, 0.1)] == [1, 2, 3]
 
 
+def test_new_requests_start_from_the_servers_acceptance_rate():
+    drafter = NgramDrafter(num_draft_tokens=8)
+    first = drafter.new_request()
+    for _ in range(200):
+        drafter.observe(first, offered=2, accepted=0)
+    assert drafter.new_request().length.rate < 0.01
+    for _ in range(200):
+        drafter.observe(first, offered=2, accepted=2)
+    assert drafter.new_request().length.rate > 0.99
+
+
 def test_step_cost_prices_a_row_by_the_batch_it_joins():
     cost = StepCost()
     assert cost.price(1) == PRIOR_ROW_SHARE / (1 + PRIOR_ROW_SHARE)  # before any step

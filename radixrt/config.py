@@ -159,7 +159,7 @@ class ServerArgs:
     speculative_num_draft_tokens: int = field(
         default=8,
         metadata={
-            "help": "most tokens drafted per request and step with --speculative-algorithm (the length adapts below it)"
+            "help": "most tokens drafted per request and step with --speculative-algorithm; below it a request drafts only the tokens whose chance of acceptance pays for their row at the current batch size"
         },
     )
     max_queued_requests: int = field(

@@ -187,7 +187,8 @@ class Scheduler:
         seconds = time.perf_counter() - start
         self.step_time += seconds
         if self.drafter is not None and plan and all(s.draft or s.n == 1 for s in plan):
-            self.drafter.cost.observe(sum(s.n for s in plan), seconds)  # decodes, verifications
+            verifying = sum(bool(s.draft) for s in plan)
+            self.drafter.cost.observe(sum(s.n for s in plan), verifying, seconds)
         return updated + [r for r in self._ended if r not in updated]
 
     def _schedule(self) -> list[Scheduled]:
@@ -203,8 +204,9 @@ class Scheduler:
                 plan.append(Scheduled(req, n))
                 left -= n
         if self.drafter is not None:
-            price = self.drafter.cost.price(sum(s.n for s in plan))
-            drafts = [self._draft(s, price) for s in plan]
+            decoding = sum(s.req.tokens_to_compute == 1 for s in plan)
+            prices = self.drafter.cost.prices(sum(s.n for s in plan), decoding)
+            drafts = [self._draft(s, prices) for s in plan]
             plan = [Scheduled(s.req, s.n + len(d), d) for s, d in zip(plan, drafts)]
         retractions = self.num_preemptions
         plan = self._allocate_running(plan)
@@ -217,15 +219,15 @@ class Scheduler:
             plan += self._admit(left, bool(plan))
         return plan
 
-    def _draft(self, item: Scheduled, price: float) -> tuple[int, ...]:
+    def _draft(self, item: Scheduled, prices: tuple[float, float]) -> tuple[int, ...]:
         """Speculative tokens for a decoding request to verify this step, as many as are worth
-        `price` each (none for a prefill chunk), cut where its constraint would reject them and
-        where its limits would end it anyway."""
+        their `prices` (none for a prefill chunk), cut where its constraint would reject them
+        and where its limits would end it anyway."""
         req = item.req
         if req.tokens_to_compute != 1 or not req.output_ids:
             return ()
         limit = min(req.remaining_new_tokens() - 1, self.runner.context_length - len(req.all_ids))
-        draft = self.drafter.propose(req.drafts, req.all_ids, limit, price)
+        draft = self.drafter.propose(req.drafts, req.all_ids, limit, prices)
         if req.guide is not None:
             draft = draft[: req.guide.allowed_prefix(draft)]
         return tuple(draft)

@@ -2,11 +2,12 @@
 for the rows they add to the step.
 
 A drafted token costs a row of the forward. At batch 1 on a CPU a few more rows cost almost
-nothing (the step reads the weights either way), so even a 10% chance pays; at batch 8 the step
-is compute-bound and a row costs about half a token of everyone's output, so only likely drafts
-pay. `StepCost` fits the step's time to its rows online and prices a drafted token in tokens of
-output; `DraftLength` keeps each request's acceptance rate and drafts the i-th token only while
-rate**i (the chance it is accepted: every token before it must be too) is at least that price.
+nothing (the step reads the weights either way) once the first has turned the matrix-vector
+product into a matrix-matrix one; at batch 8 the step is compute-bound and a row costs about half
+a token of everyone's output, so only likely drafts pay. `StepCost` fits the step's time online
+and prices drafted tokens in tokens of output; `DraftLength` keeps each request's acceptance rate
+(the i-th drafted token is accepted with chance rate**i: every token before it must be too) and
+drafts as many as pay for themselves by the most.
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ PRIOR_RATE = 0.6  # the first requests' acceptance rate: drafting is tried first
 RATE_WEIGHT = 0.3  # of the latest verification in a request's rate (a moving average)
 SERVER_RATE_WEIGHT = 0.05  # of the latest verification in the server's rate, a new request's prior
 PROBE_STEPS = 16  # a request not worth drafting for still drafts one token this often
-PRIOR_ROW_SHARE = 0.04  # a row's time over a one-row step's, until the fit has seen enough steps
+PRIOR_ROW_SHARE = 0.04  # b / a: a row's time over a step's fixed part (float32, 2 cores)
+PRIOR_VERIFY_SHARE = 0.15  # c / a: a verifying request's time beyond its rows, likewise
+PRIOR_WEIGHT = 1.0  # of the priors, in steps
 COST_DECAY = 0.98  # per observed step: the fit follows the context lengths as they grow
-MIN_ROW_SPREAD = 4.0  # the fit's row variance must reach this before it is trusted
 
 
 @dataclass
@@ -36,14 +38,18 @@ class DraftLength:
         if self.limit < 1:
             raise ValueError("the draft length limit must be >= 1")
 
-    def next(self, price: float) -> int:
-        """Tokens to draft when a drafted token costs `price` tokens of output: the longest i
-        (up to `limit`) with rate**i >= price; none worth it: one every PROBE_STEPS steps, so
-        the rate can recover when the text turns repetitive."""
-        k, chance = 0, self.rate
-        while k < self.limit and chance >= price:
-            k += 1
+    def next(self, first_price: float, next_price: float) -> int:
+        """Tokens to draft when the first costs `first_price` tokens of output and each further
+        one `next_price`: the k (up to `limit`) whose expected accepted tokens, rate + rate**2 +
+        ... + rate**k, exceed their cost by the most; none worth it: one every PROBE_STEPS steps,
+        so the rate can recover when the text turns repetitive."""
+        k, best, gain, chance = 0, 0.0, 0.0, 1.0
+        for i in range(1, self.limit + 1):
             chance *= self.rate
+            gain += chance
+            value = gain - first_price - (i - 1) * next_price
+            if value > best:
+                k, best = i, value
         self.idle = 0 if k else self.idle + 1
         if self.idle >= PROBE_STEPS:
             self.idle, k = 0, 1
@@ -59,34 +65,53 @@ class DraftLength:
 
 
 class StepCost:
-    """A forward's seconds as a + b * rows, fitted by exponentially weighted least squares over
-    steps of decodes and verifications (prefill chunks cost by their context, not their rows)."""
+    """A forward's seconds as a + b * rows + c * verifying (the requests verifying a draft), fitted
+    by exponentially weighted least squares over steps of decodes and verifications (a prefill
+    chunk costs by its context, not its rows). `c` holds what a draft costs beyond its rows: the
+    row-by-row verification, and on a CPU the switch from a matrix-vector to a matrix-matrix
+    product when a lone decode gets a second row. Until the steps pin them down, b and c lean on
+    priors stated as shares of a (two pseudo-observations of weight PRIOR_WEIGHT)."""
 
     def __init__(self) -> None:
-        self._w = self._x = self._y = self._xx = self._xy = 0.0
+        self._xx = [[0.0] * 3 for _ in range(3)]
+        self._xy = [0.0] * 3
+        for prior, share in ((1, PRIOR_ROW_SHARE), (2, PRIOR_VERIFY_SHARE)):
+            x = [-share, 0.0, 0.0]
+            x[prior] = 1.0  # b - share * a = 0, and c - share * a = 0
+            self._add(x, 0.0, PRIOR_WEIGHT)
 
-    def observe(self, rows: int, seconds: float) -> None:
-        d = COST_DECAY
-        self._w = d * self._w + 1
-        self._x = d * self._x + rows
-        self._y = d * self._y + seconds
-        self._xx = d * self._xx + rows * rows
-        self._xy = d * self._xy + rows * seconds
+    def _add(self, x: list[float], y: float, weight: float) -> None:
+        for i in range(3):
+            self._xy[i] += weight * x[i] * y
+            for j in range(3):
+                self._xx[i][j] += weight * x[i] * x[j]
 
-    def row_share(self) -> float:
-        """b / a: a row's time over the fixed part of a step (the prior until the fit is sure)."""
-        if self._w == 0:
-            return PRIOR_ROW_SHARE
-        mean_x, mean_y = self._x / self._w, self._y / self._w
-        spread = self._xx / self._w - mean_x**2
-        if spread < MIN_ROW_SPREAD:
-            return PRIOR_ROW_SHARE
-        b = (self._xy / self._w - mean_x * mean_y) / spread
-        a = mean_y - b * mean_x
-        return max(b, 0.0) / a if a > 0 else math.inf
+    def observe(self, rows: int, verifying: int, seconds: float) -> None:
+        self._xx = [[COST_DECAY * v for v in row] for row in self._xx]
+        self._xy = [COST_DECAY * v for v in self._xy]
+        self._add([1.0, float(rows), float(verifying)], seconds, 1.0)
 
-    def price(self, rows: int) -> float:
-        """What one more row costs a step of `rows` rows that yields `rows` tokens, in tokens:
-        rows * b / (a + b * rows)."""
-        share = self.row_share()
-        return 1.0 if math.isinf(share) else rows * share / (1 + share * rows)
+    def coefficients(self) -> tuple[float, float, float]:
+        """(a, b, c), solving the normal equations (Gaussian elimination with pivoting)."""
+        m = [row[:] + [y] for row, y in zip(self._xx, self._xy)]
+        tiny = 1e-9 * max(abs(v) for row in self._xx for v in row)
+        for col in range(3):
+            pivot = max(range(col, 3), key=lambda r: abs(m[r][col]))
+            m[col], m[pivot] = m[pivot], m[col]
+            if abs(m[col][col]) <= tiny:  # nothing observed yet: the priors' shares of a = 1
+                return 1.0, PRIOR_ROW_SHARE, PRIOR_VERIFY_SHARE
+            for r in range(3):
+                if r != col:
+                    f = m[r][col] / m[col][col]
+                    m[r] = [v - f * w for v, w in zip(m[r], m[col])]
+        return tuple(m[i][3] / m[i][i] for i in range(3))
+
+    def prices(self, rows: int, tokens: int) -> tuple[float, float]:
+        """What a request's first drafted token and each further one cost, in tokens of output,
+        for a step of `rows` rows that yields `tokens` tokens: their time over the step's."""
+        a, b, c = self.coefficients()
+        step = a + b * rows
+        if step <= 0:
+            return math.inf, math.inf
+        b, c = max(b, 0.0), max(c, 0.0)
+        return (b + c) * tokens / step, b * tokens / step

@@ -132,11 +132,11 @@ class NgramDrafter:
         return RequestDrafts(DraftLength(self.num_draft_tokens, rate=self.server_rate.rate))
 
     def propose(
-        self, state: RequestDrafts, tokens: Sequence[int], limit: int, price: float
+        self, state: RequestDrafts, tokens: Sequence[int], limit: int, prices: tuple[float, float]
     ) -> list[int]:
-        """Up to `limit` tokens likely to follow `tokens`, as many as are worth their `price`
-        (see `DraftLength.next`)."""
-        want = min(limit, state.length.next(price)) if limit > 0 else 0
+        """Up to `limit` tokens likely to follow `tokens`, as many as are worth their `prices`
+        (the first drafted token's and each further one's; see `DraftLength.next`)."""
+        want = min(limit, state.length.next(*prices)) if limit > 0 else 0
         if want <= 0:
             return []
         best: tuple[int, list[int]] = (0, [])

@@ -3,11 +3,12 @@ bound, the adaptive draft length, and the rejection rule that keeps sampling exa
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from radixrt.engine.sampler import _draw
 from radixrt.speculative import DraftLength, NgramCorpus, NgramDrafter, NgramIndex, StepCost
-from radixrt.speculative.draft_length import PRIOR_ROW_SHARE, PROBE_STEPS
+from radixrt.speculative.draft_length import PRIOR_ROW_SHARE, PRIOR_VERIFY_SHARE, PROBE_STEPS
 
 
 def test_index_finds_the_latest_earlier_occurrence_not_the_suffix_itself():
@@ -36,26 +37,29 @@ def test_drafter_prefers_the_source_that_matches_further_back():
     drafter.remember([5, 6, 7, 1, 2, 40, 41, 42])  # "1 2" then 40...
     state = drafter.new_request()
     own = [7, 8, 1, 2, 30, 31, 32, 9, 7, 8, 1, 2]  # "7 8 1 2" then 30... in the request itself
-    assert drafter.propose(state, own, limit=8, price=0.0) == [30, 31, 32, 9]
+    free = (0.0, 0.0)
+    assert drafter.propose(state, own, limit=8, prices=free) == [30, 31, 32, 9]
     other = drafter.new_request()
-    assert drafter.propose(other, [3, 1, 2], 8, 0.0) == [40, 41, 42]  # only the corpus has it
-    assert drafter.propose(other, [3, 1, 2], 2, 0.0) == [40, 41]
-    assert drafter.propose(other, [3, 1, 2], 0, 0.0) == []
-    assert drafter.propose(other, [3, 1, 2], 8, 0.99) == []  # not worth a row at that price
+    assert drafter.propose(other, [3, 1, 2], 8, free) == [40, 41, 42]  # only the corpus has it
+    assert drafter.propose(other, [3, 1, 2], 2, free) == [40, 41]
+    assert drafter.propose(other, [3, 1, 2], 0, free) == []
+    assert drafter.propose(other, [3, 1, 2], 8, (9.0, 9.0)) == []  # not worth a row
 
 
-def test_draft_length_follows_the_acceptance_rate_and_the_price():
+def test_draft_length_follows_the_acceptance_rate_and_the_prices():
     length = DraftLength(limit=8)
     for _ in range(10):  # everything accepted: the rate nears 1, every token is worth drafting
         length.update(offered=4, accepted=4)
-    assert length.next(price=0.5) == 8
-    for _ in range(10):  # nothing accepted: not even one token pays at a low price
+    assert length.next(0.5, 0.5) == 8
+    for _ in range(10):  # nothing accepted: not even one token pays
         length.update(offered=2, accepted=0)
     assert length.rate < 0.05
-    drafted = [length.next(price=0.1) for _ in range(3 * PROBE_STEPS)]
+    drafted = [length.next(0.1, 0.02) for _ in range(3 * PROBE_STEPS)]
     assert drafted.count(1) == 3 and set(drafted) == {0, 1}  # only the probes
-    length.rate = 0.5  # one, two, three tokens as the price falls: 0.5, 0.25, 0.125 >= price
-    assert [length.next(p) for p in (0.4, 0.2, 0.1)] == [1, 2, 3]
+    length.rate = 0.5  # expected gains 0.5, 0.75, 0.875, ...: drafted while they beat the cost
+    assert length.next(0.6, 0.3) == 0  # no length brings more than it costs
+    assert length.next(0.4, 0.2) == 2  # 0.75 - 0.4 - 0.2 beats 0.5 - 0.4 and 0.875 - 0.4 - 0.4
+    assert length.next(0.1, 0.0) == 8
 
 
 def test_new_requests_start_from_the_servers_acceptance_rate():
@@ -69,14 +73,20 @@ def test_new_requests_start_from_the_servers_acceptance_rate():
     assert drafter.new_request().length.rate > 0.99
 
 
-def test_step_cost_prices_a_row_by_the_batch_it_joins():
+def test_step_cost_prices_drafts_by_the_batch_they_join():
     cost = StepCost()
-    assert cost.price(1) == PRIOR_ROW_SHARE / (1 + PRIOR_ROW_SHARE)  # before any step
-    for rows in [1, 2, 5, 9, 17] * 20:  # 40 ms a step plus 2.5 ms a row
-        cost.observe(rows, 0.040 + 0.0025 * rows)
-    assert abs(cost.row_share() - 0.0625) < 1e-6
-    assert abs(cost.price(1) - 0.0625 / 1.0625) < 1e-6  # batch 1: a row is almost free
-    assert abs(cost.price(8) - 0.5 / 1.5) < 1e-6  # batch 8: a third of a token
+    first, further = cost.prices(rows=1, tokens=1)  # before any step: the priors
+    assert further == pytest.approx(PRIOR_ROW_SHARE / (1 + PRIOR_ROW_SHARE))
+    assert first == pytest.approx((PRIOR_ROW_SHARE + PRIOR_VERIFY_SHARE) / (1 + PRIOR_ROW_SHARE))
+    # 40 ms a step, 2.5 ms a row, 4 ms a verifying request
+    for rows, verifying in [(1, 0), (2, 1), (5, 1), (9, 1), (8, 0), (16, 4), (24, 8)] * 30:
+        cost.observe(rows, verifying, 0.040 + 0.0025 * rows + 0.004 * verifying)
+    a, b, c = cost.coefficients()
+    assert (a, b, c) == pytest.approx((0.040, 0.0025, 0.004), rel=1e-3)
+    first, further = cost.prices(rows=1, tokens=1)  # batch 1: a further row is almost free
+    assert (first, further) == pytest.approx((0.0065 / 0.0425, 0.0025 / 0.0425), rel=1e-3)
+    first, further = cost.prices(rows=8, tokens=8)  # batch 8: a third of a token a row
+    assert (first, further) == pytest.approx((0.052 / 0.06, 0.02 / 0.06), rel=1e-3)
 
 
 def test_rejection_rule_keeps_the_distribution():

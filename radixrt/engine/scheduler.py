@@ -186,7 +186,7 @@ class Scheduler:
         updated = self._process(plan, self.runner.forward(self._build_batch(plan))) if plan else []
         seconds = time.perf_counter() - start
         self.step_time += seconds
-        if self.drafter is not None and plan and all(s.draft or s.n == 1 for s in plan):
+        if self.drafter is not None and plan and _decodes_only(plan):
             verifying = sum(bool(s.draft) for s in plan)
             self.drafter.cost.observe(sum(s.n for s in plan), verifying, seconds)
         return updated + [r for r in self._ended if r not in updated]
@@ -374,13 +374,13 @@ class Scheduler:
         if sample_reqs:
             self._sample(sample_reqs, hidden[sample_rows])
         if verifying:
-            rows = [offset + i for item, offset in verifying for i in range(item.n)]
+            rows = [start + i for item, start in verifying for i in range(item.n)]
             logits = self._logits(hidden[rows])
             start = 0
             for item, _ in verifying:
                 self._verify(item, logits[start : start + item.n])
                 start += item.n
-        if all(s.n == 1 for s in plan):
+        if _decodes_only(plan):
             self._log_decode()
         done = sample_reqs + [item.req for item, _ in verifying]
         return done + [s.req for s in plan if s.req.finished and s.req not in done]
@@ -614,3 +614,8 @@ class Scheduler:
             self.cached_tokens_total / max(self.prompt_tokens_total, 1),
             (self.generated_tokens - tokens) / max(now - then, 1e-9),
         )
+
+
+def _decodes_only(plan: list[Scheduled]) -> bool:
+    """Every request in the step decodes (one token, or its last token and a draft)."""
+    return all(s.n == 1 or s.draft for s in plan)

@@ -38,14 +38,16 @@ class DraftLength:
         if self.limit < 1:
             raise ValueError("the draft length limit must be >= 1")
 
-    def next(self, first_price: float, next_price: float) -> int:
+    def next(self, first_price: float, next_price: float, rate: float | None = None) -> int:
         """Tokens to draft when the first costs `first_price` tokens of output and each further
         one `next_price`: the k (up to `limit`) whose expected accepted tokens, rate + rate**2 +
         ... + rate**k, exceed their cost by the most; none worth it: one every PROBE_STEPS steps,
-        so the rate can recover when the text turns repetitive."""
+        so the rate can recover when the text turns repetitive. `rate`: this draft's own
+        acceptance rate where something says more than the request's (a long matched context)."""
+        rate = self.rate if rate is None else rate
         k, best, gain, chance = 0, 0.0, 0.0, 1.0
         for i in range(1, self.limit + 1):
-            chance *= self.rate
+            chance *= rate
             gain += chance
             value = gain - first_price - (i - 1) * next_price
             if value > best:

@@ -27,6 +27,9 @@ from radixrt.speculative.draft_length import SERVER_RATE_WEIGHT, DraftLength, St
 
 NGRAM_SIZES = (4, 3, 2)  # longest first: a longer match is likelier to go on the same way
 MAX_BACK_MATCH = 32  # how far back a match's length is counted to rank two sources
+# a draft whose context matched MAX_BACK_MATCH tokens back (a repeated prompt, a loop) is
+# expected to be accepted at least this often, whatever the request's rate says so far
+SEEN_CONTEXT_RATE = 0.9
 DEFAULT_CORPUS_TOKENS = 1 << 17  # about 50 MB with its index
 
 
@@ -136,20 +139,25 @@ class NgramDrafter:
     ) -> list[int]:
         """Up to `limit` tokens likely to follow `tokens`, as many as are worth their `prices`
         (the first drafted token's and each further one's; see `DraftLength.next`)."""
-        want = min(limit, state.length.next(*prices)) if limit > 0 else 0
-        if want <= 0:
+        if limit <= 0:
             return []
-        best: tuple[int, list[int]] = (0, [])
+        matched, draft = 0, []
         hit = self.corpus.lookup(tokens)
         if hit is not None:
             seq, end = hit
-            best = (_back_match(seq, end, tokens), seq[end + 1 : end + 1 + want].tolist())
+            matched, draft = _back_match(seq, end, tokens), seq[end + 1 : end + 1 + limit].tolist()
         end = state.index.lookup(tokens)
-        if end is not None:
-            own = (_back_match(tokens, end, tokens), list(tokens[end + 1 : end + 1 + want]))
-            if own[0] > best[0]:
-                best = own
-        return best[1]
+        if end is not None and _back_match(tokens, end, tokens) > matched:
+            matched, draft = (
+                _back_match(tokens, end, tokens),
+                list(tokens[end + 1 : end + 1 + limit]),
+            )
+        if not draft:
+            return []
+        rate = state.length.rate
+        if matched >= MAX_BACK_MATCH:
+            rate = max(rate, SEEN_CONTEXT_RATE)
+        return draft[: state.length.next(*prices, rate=rate)]
 
     def observe(self, state: RequestDrafts, offered: int, accepted: int) -> None:
         """After verifying a draft: adapt the request's draft length."""

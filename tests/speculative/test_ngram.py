@@ -46,6 +46,16 @@ def test_drafter_prefers_the_source_that_matches_further_back():
     assert drafter.propose(other, [3, 1, 2], 8, (9.0, 9.0)) == []  # not worth a row
 
 
+def test_a_long_matched_context_drafts_even_at_a_low_rate():
+    drafter = NgramDrafter(num_draft_tokens=8)
+    seen = list(range(100, 140))
+    drafter.remember(seen + [7, 8, 9])
+    state = drafter.new_request()
+    state.length.rate = 0.01  # nothing accepted lately
+    assert drafter.propose(state, seen[-5:], 8, (0.5, 0.1)) == []  # 5 tokens matched: too few
+    assert drafter.propose(state, seen, 8, (0.5, 0.1)) == [7, 8, 9]  # the same 32+ tokens seen
+
+
 def test_draft_length_follows_the_acceptance_rate_and_the_prices():
     length = DraftLength(limit=8)
     for _ in range(10):  # everything accepted: the rate nears 1, every token is worth drafting

@@ -71,36 +71,39 @@ class StepCost:
     by exponentially weighted least squares over steps of decodes and verifications (a prefill
     chunk costs by its context, not its rows). `c` holds what a draft costs beyond its rows: the
     row-by-row verification, and on a CPU the switch from a matrix-vector to a matrix-matrix
-    product when a lone decode gets a second row. Until the steps pin them down, b and c lean on
-    priors stated as shares of a (two pseudo-observations of weight PRIOR_WEIGHT)."""
+    product when a lone decode gets a second row. Where the steps do not pin them down (no step
+    has verified a draft yet), b and c lean on priors stated as shares of a: two pseudo-observations
+    of weight PRIOR_WEIGHT that, unlike the steps, never decay, so the fit is never singular."""
 
     def __init__(self) -> None:
-        self._xx = [[0.0] * 3 for _ in range(3)]
+        self._xx = [[0.0] * 3 for _ in range(3)]  # the steps' weighted sums
         self._xy = [0.0] * 3
-        for prior, share in ((1, PRIOR_ROW_SHARE), (2, PRIOR_VERIFY_SHARE)):
+        self._prior = [[0.0] * 3 for _ in range(3)]  # b - share * a = 0, c - share * a = 0
+        for column, share in ((1, PRIOR_ROW_SHARE), (2, PRIOR_VERIFY_SHARE)):
             x = [-share, 0.0, 0.0]
-            x[prior] = 1.0  # b - share * a = 0, and c - share * a = 0
-            self._add(x, 0.0, PRIOR_WEIGHT)
-
-    def _add(self, x: list[float], y: float, weight: float) -> None:
-        for i in range(3):
-            self._xy[i] += weight * x[i] * y
-            for j in range(3):
-                self._xx[i][j] += weight * x[i] * x[j]
+            x[column] = 1.0
+            for i in range(3):
+                for j in range(3):
+                    self._prior[i][j] += PRIOR_WEIGHT * x[i] * x[j]
 
     def observe(self, rows: int, verifying: int, seconds: float) -> None:
-        self._xx = [[COST_DECAY * v for v in row] for row in self._xx]
-        self._xy = [COST_DECAY * v for v in self._xy]
-        self._add([1.0, float(rows), float(verifying)], seconds, 1.0)
+        x = [1.0, float(rows), float(verifying)]
+        for i in range(3):
+            self._xy[i] = COST_DECAY * self._xy[i] + x[i] * seconds
+            for j in range(3):
+                self._xx[i][j] = COST_DECAY * self._xx[i][j] + x[i] * x[j]
 
     def coefficients(self) -> tuple[float, float, float]:
         """(a, b, c), solving the normal equations (Gaussian elimination with pivoting)."""
-        m = [row[:] + [y] for row, y in zip(self._xx, self._xy)]
-        tiny = 1e-9 * max(abs(v) for row in self._xx for v in row)
+        m = [
+            [d + p for d, p in zip(data, prior)] + [y]
+            for data, prior, y in zip(self._xx, self._prior, self._xy)
+        ]
+        tiny = 1e-12 * max(abs(v) for row in m for v in row[:3])
         for col in range(3):
             pivot = max(range(col, 3), key=lambda r: abs(m[r][col]))
             m[col], m[pivot] = m[pivot], m[col]
-            if abs(m[col][col]) <= tiny:  # nothing observed yet: the priors' shares of a = 1
+            if abs(m[col][col]) <= tiny:  # no step observed yet: the priors' shares of a = 1
                 return 1.0, PRIOR_ROW_SHARE, PRIOR_VERIFY_SHARE
             for r in range(3):
                 if r != col:

@@ -91,12 +91,12 @@ def test_step_cost_prices_drafts_by_the_batch_they_join():
     # 40 ms a step, 2.5 ms a row, 4 ms a verifying request
     for rows, verifying in [(1, 0), (2, 1), (5, 1), (9, 1), (8, 0), (16, 4), (24, 8)] * 30:
         cost.observe(rows, verifying, 0.040 + 0.0025 * rows + 0.004 * verifying)
-    a, b, c = cost.coefficients()
-    assert (a, b, c) == pytest.approx((0.040, 0.0025, 0.004), rel=1e-3)
+    a, b, c = cost.coefficients()  # the steps outweigh the priors, which still pull a little
+    assert (a, b, c) == pytest.approx((0.040, 0.0025, 0.004), rel=0.02)
     first, further = cost.prices(rows=1, tokens=1)  # batch 1: a further row is almost free
-    assert (first, further) == pytest.approx((0.0065 / 0.0425, 0.0025 / 0.0425), rel=1e-3)
+    assert (first, further) == pytest.approx((0.0065 / 0.0425, 0.0025 / 0.0425), rel=0.02)
     first, further = cost.prices(rows=8, tokens=8)  # batch 8: a third of a token a row
-    assert (first, further) == pytest.approx((0.052 / 0.06, 0.02 / 0.06), rel=1e-3)
+    assert (first, further) == pytest.approx((0.052 / 0.06, 0.02 / 0.06), rel=0.02)
 
 
 def test_rejection_rule_keeps_the_distribution():

@@ -116,8 +116,7 @@ class RequestDrafts:
 
     length: DraftLength
     index: NgramIndex = field(default_factory=NgramIndex)
-    offered: int = 0  # drafted tokens sent to verification
-    accepted: int = 0  # of which the model agreed with
+    accepted: int = 0  # drafted tokens the model agreed with
 
 
 class NgramDrafter:
@@ -161,7 +160,6 @@ class NgramDrafter:
 
     def observe(self, state: RequestDrafts, offered: int, accepted: int) -> None:
         """After verifying a draft: adapt the request's draft length."""
-        state.offered += offered
         state.accepted += accepted
         state.length.update(offered, accepted)
         self.server_rate.update(offered, accepted, SERVER_RATE_WEIGHT)

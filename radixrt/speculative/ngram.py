@@ -146,11 +146,9 @@ class NgramDrafter:
             seq, end = hit
             matched, draft = _back_match(seq, end, tokens), seq[end + 1 : end + 1 + limit].tolist()
         end = state.index.lookup(tokens)
-        if end is not None and _back_match(tokens, end, tokens) > matched:
-            matched, draft = (
-                _back_match(tokens, end, tokens),
-                list(tokens[end + 1 : end + 1 + limit]),
-            )
+        own = _back_match(tokens, end, tokens) if end is not None else 0
+        if own > matched:
+            matched, draft = own, list(tokens[end + 1 : end + 1 + limit])
         if not draft:
             return []
         rate = state.length.rate

@@ -83,8 +83,9 @@ def test_tiny_model_matches_transformers(tiny_case, name):
         assert stats["cache_hit_rate"] == 0
     if name == "tiny-pool":
         assert stats["num_preemptions"] > 0 and stats["evicted_tokens"] > 0
-    if name.startswith("speculative"):
-        assert stats["spec_accept_length"] > 2
+    # No drafting assertion here: whether drafts pay is priced from measured step times, and for
+    # a 2-layer model verifying a batch of 12 can cost more than it saves (it declined in one CI
+    # run). The default model's runs below and tests/engine/test_speculative.py exercise drafts.
 
 
 @pytest.mark.parametrize(

@@ -50,6 +50,13 @@ class SchedulerArgs:
     enable_jump_forward: bool
     speculative_algorithm: str | None
     speculative_num_draft_tokens: int
+    enable_hierarchical_cache: bool
+    hicache_ratio: float
+    hicache_size: float | None
+    hicache_write_policy: str
+    hicache_storage_dir: str | None
+    hicache_storage_size: float
+    preemption_mode: str | None
     random_seed: int
     log_interval: int
 
@@ -162,6 +169,43 @@ class ServerArgs:
             "help": "most tokens drafted per request and step with --speculative-algorithm; below it a request drafts only the tokens whose chance of acceptance pays for their row at the current batch size"
         },
     )
+    enable_hierarchical_cache: bool = field(
+        default=False,
+        metadata={
+            "help": "keep prefixes evicted from the KV pool in host memory and load them back instead of recomputing them"
+        },
+    )
+    hicache_ratio: float = field(
+        default=2.0,
+        metadata={"help": "host tier size as a multiple of the KV pool (unless --hicache-size)"},
+    )
+    hicache_size: float | None = field(
+        default=None, metadata={"help": "host tier size in GB of KV; overrides --hicache-ratio"}
+    )
+    hicache_write_policy: str = field(
+        default="write_through_selective",
+        metadata={
+            "help": "when a cached prefix is copied to the host: write_through (when cached), write_through_selective (from its second use) or write_back (when evicted from the pool)",
+            "choices": ["write_through", "write_through_selective", "write_back"],
+        },
+    )
+    hicache_storage_dir: str | None = field(
+        default=None,
+        metadata={
+            "help": "a disk tier under the host tier: finished requests' KV blocks are written here as safetensors files and read back on a miss, across restarts (needs --enable-hierarchical-cache)"
+        },
+    )
+    hicache_storage_size: float = field(
+        default=16.0,
+        metadata={"help": "GB the disk tier may use; least recently used blocks are removed"},
+    )
+    preemption_mode: str | None = field(
+        default=None,
+        metadata={
+            "help": "what a request retracted for lack of memory keeps: swap (its KV goes to the host tier and comes back) or recompute (default: swap with --enable-hierarchical-cache, else recompute)",
+            "choices": ["recompute", "swap"],
+        },
+    )
     max_queued_requests: int = field(
         default=4096,
         metadata={"help": "waiting requests past which new ones get an 'overloaded' error"},
@@ -201,6 +245,26 @@ class ServerArgs:
             )
         if self.speculative_num_draft_tokens < 1:
             raise ValueError("speculative_num_draft_tokens must be >= 1")
+        if self.hicache_ratio <= 0 or (self.hicache_size is not None and self.hicache_size <= 0):
+            raise ValueError("hicache_ratio and hicache_size must be > 0")
+        if self.hicache_write_policy not in (
+            "write_through",
+            "write_through_selective",
+            "write_back",
+        ):
+            raise ValueError(f"unknown hicache_write_policy {self.hicache_write_policy!r}")
+        if self.preemption_mode not in (None, "recompute", "swap"):
+            raise ValueError(
+                f"preemption_mode must be 'recompute' or 'swap', not {self.preemption_mode!r}"
+            )
+        if not self.enable_hierarchical_cache and (
+            self.hicache_storage_dir is not None or self.preemption_mode == "swap"
+        ):
+            raise ValueError(
+                "hicache_storage_dir and preemption_mode='swap' need enable_hierarchical_cache"
+            )
+        if self.hicache_storage_size <= 0:
+            raise ValueError("hicache_storage_size must be > 0")
         if self.max_total_tokens is not None and self.max_total_tokens < 1:
             raise ValueError("max_total_tokens must be >= 1")
         if self.mem_fraction is not None and not 0 < self.mem_fraction < 1:

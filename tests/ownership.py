@@ -5,6 +5,8 @@ It reads the plain-data `memory_snapshot` (from `Scheduler.memory_snapshot()` in
 - every page of the pool is free, or held by exactly one tree node, or by exactly one running
   request's private range (`row[tree_len:kv_len]`, filled from the start of each page);
 - a tree node holds whole pages; page 0 (padding) belongs to nobody;
+- with a host tier, every host page is free or held by exactly one node's host copy, and a node
+  on the device hangs under a node on the device;
 - a request's tree part is exactly the slots of the tree path that ends at its locked node;
 - every node's lock count equals the requests and pins whose locked node lies in its subtree;
 - request-table rows are each used once, and used + free rows add up.
@@ -63,14 +65,29 @@ def assert_slot_ownership(snapshot: dict[str, Any]) -> None:
     owners: dict[int, str] = {}
     for page in snapshot["free_pages"]:
         _claim(owners, page, "the free list")
+    by_id = {node["id"]: node for node in snapshot["nodes"]}
+    host_owners: dict[int, str] = {}
+    for page in snapshot.get("host_free_pages", []):
+        _claim(host_owners, page, "the host free list")
     for node in snapshot["nodes"]:
-        assert node["slots"], f"tree node {node['id']} holds no tokens"
-        _claim_pages(owners, node["slots"], p, f"tree node {node['id']}", whole=True)
+        who = f"tree node {node['id']}"
+        assert node["slots"] or node["host_slots"], f"{who} is held nowhere"
+        if node["slots"]:
+            parent = by_id.get(node["parent"])
+            assert parent is None or parent["slots"], f"{who} is on the device, its parent not"
+            _claim_pages(owners, node["slots"], p, who, whole=True)
+        if node["host_slots"]:
+            assert "host_num_pages" in snapshot, f"{who} is on a host tier that does not exist"
+            _claim_pages(host_owners, node["host_slots"], p, f"host copy of {who}", whole=True)
     for req in snapshot["requests"]:
         _claim_pages(owners, req["own_slots"], p, f"request {req['rid']}", whole=False)
     missing = set(range(1, snapshot["num_pages"] + 1)) - set(owners)
     assert not missing, f"pages held by nobody (leaked): {sorted(missing)[:10]}"
     assert len(owners) == snapshot["num_pages"], "a page outside the pool is held"
+    if "host_num_pages" in snapshot:
+        assert set(host_owners) == set(range(1, snapshot["host_num_pages"] + 1)), (
+            "host pages leaked, or held outside the host pool"
+        )
 
     slots_to, up = _paths(snapshot)
     locks: Counter = Counter()
@@ -98,3 +115,4 @@ def assert_all_free(snapshot: dict[str, Any]) -> None:
     assert_slot_ownership(snapshot)
     assert not snapshot["nodes"] and not snapshot["requests"] and not snapshot["pinned_nodes"]
     assert len(snapshot["free_pages"]) == snapshot["num_pages"]
+    assert len(snapshot.get("host_free_pages", [])) == snapshot.get("host_num_pages", 0)

@@ -77,7 +77,9 @@ class Req:
 
     # Accounting
     admitted_once: bool = False
-    cached_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens not recomputed at first admission
+    host_cached_tokens: int = 0  # of which loaded back from the host tier
+    storage_cached_tokens: int = 0  # of which read from the disk tier
     first_token_time: float | None = None
     finish_time: float | None = None
     num_preemptions: int = 0
@@ -109,6 +111,8 @@ class Req:
             "id": self.rid,
             "prompt_tokens": len(self.input_ids),
             "cached_tokens": self.cached_tokens,
+            "host_cached_tokens": self.host_cached_tokens,
+            "storage_cached_tokens": self.storage_cached_tokens,
             "completion_tokens": len(self.output_ids),
             "finish_reason": self.finish_reason.to_dict() if self.finish_reason else None,
             "e2e_latency": end - self.arrival,

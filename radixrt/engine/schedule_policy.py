@@ -29,10 +29,10 @@ def order_waiting(policy: str, waiting: list[Req], tree: RadixCache) -> list[Req
         now = time.monotonic()
         return sorted(
             waiting,
-            key=lambda r: -(len(matches[id(r)][0]) + AGING_TOKENS_PER_SECOND * (now - r.arrival)),
+            key=lambda r: -(matches[id(r)].length + AGING_TOKENS_PER_SECOND * (now - r.arrival)),
         )
     if policy == "dfs-weight":
-        return _dfs_weight(waiting, {id(r): matches[id(r)][1] for r in waiting}, tree.root)
+        return _dfs_weight(waiting, {id(r): matches[id(r)].end_node for r in waiting}, tree.root)
     raise ValueError(f"unknown schedule policy {policy!r}")
 
 

@@ -21,8 +21,10 @@ from radixrt.engine.sampler import SampleOutput, sample
 from radixrt.engine.schedule_policy import match_key, order_waiting, pick_victim
 from radixrt.executor.forward_batch import ForwardBatch
 from radixrt.executor.model_runner import ModelRunner
+from radixrt.mem_cache.host_pool import HostKVPool, host_pool_tokens
 from radixrt.mem_cache.radix_cache import RadixCache
 from radixrt.mem_cache.slot_manager import KVSlotManager
+from radixrt.mem_cache.storage import STORAGE_BLOCK_TOKENS, KVStorage
 from radixrt.protocol import ErrorCode, RequestError
 from radixrt.sampling_params import SamplingParams
 from radixrt.speculative import NgramDrafter
@@ -45,10 +47,24 @@ class Scheduler:
         self.tokenizer = self.runner.tokenizer
         self.allocator = self.runner.allocator
         self.req_to_token = self.runner.req_to_token_pool.req_to_token
+        host = self._host_pool() if args.enable_hierarchical_cache else None
         self.tree = RadixCache(
-            self.allocator.page_size, self.allocator.free, disable=args.disable_radix_cache
+            self.allocator.page_size,
+            self.allocator.free,
+            disable=args.disable_radix_cache,
+            host=host,
+            write_policy=args.hicache_write_policy,
         )
-        self.kv = KVSlotManager(self.allocator, self.runner.req_to_token_pool, self.tree)
+        self.kv = KVSlotManager(
+            self.allocator,
+            self.runner.req_to_token_pool,
+            self.tree,
+            storage=self._storage(host) if args.hicache_storage_dir else None,
+            swap=(args.preemption_mode or ("swap" if host else "recompute")) == "swap",
+        )
+        self.host_hit_tokens = 0  # prompt tokens loaded back from the host tier at admission
+        self.storage_hit_tokens = 0  # of which the disk tier had read into the host
+        self.swapped_in_tokens = 0  # retracted requests' tokens loaded back at readmission
         self.budget = AdmissionBudget(args.chunked_prefill_size, args.max_prefill_tokens)
         self.waiting: list[Req] = []
         self.running: list[Req] = []
@@ -78,6 +94,33 @@ class Scheduler:
         self.spec_verifications = 0  # forwards in which a request verified a draft
         self.spec_draft_tokens = 0
         self.spec_accepted_tokens = 0
+
+    def _host_pool(self) -> HostKVPool:
+        pool = self.runner.kv_pool
+        tokens = host_pool_tokens(
+            self.allocator.total_tokens, self.args.hicache_ratio, self.args.hicache_size, pool
+        )
+        host = HostKVPool(pool, tokens, self.allocator.page_size)
+        logger.info("host tier: %d tokens (%s)", host.total_tokens, self.args.hicache_write_policy)
+        return host
+
+    def _storage(self, host: HostKVPool) -> KVStorage:
+        p = self.allocator.page_size
+        block = -(-STORAGE_BLOCK_TOKENS // p) * p
+        like = host.device_block(torch.zeros(block, dtype=torch.long))
+        fingerprint = f"{self.runner.model_path.resolve()}|{[(t.shape, t.dtype) for t in like]}"
+        return KVStorage(
+            self.args.hicache_storage_dir,
+            int(self.args.hicache_storage_size * 2**30),
+            block,
+            fingerprint,
+            like,
+        )
+
+    def close(self) -> None:
+        """Finish what runs in the background (the disk tier's writes)."""
+        if self.kv.storage is not None:
+            self.kv.storage.close()
 
     @classmethod
     def from_server_args(cls, args: ServerArgs) -> Scheduler:
@@ -292,26 +335,34 @@ class Scheduler:
             if self.runner.req_to_token_pool.available() == 0:
                 break
             match = self.kv.match_prefix(match_key(req))
-            m = len(match.slots)
-            extend = len(req.all_ids) - m
-            if defer_shared and not self.tree.disable and extend - 1 >= IN_BATCH_SHARE_TOKENS:
+            m = match.length
+            if (
+                defer_shared
+                and not self.tree.disable
+                and len(req.all_ids) - m > IN_BATCH_SHARE_TOKENS
+            ):
                 key = tuple(req.all_ids[m : m + IN_BATCH_SHARE_TOKENS])
                 if key in shared_keys:
                     continue  # prefilled next step, on top of what this step caches
                 shared_keys.add(key)
+            self.kv.lock(match.end_node)  # from here the matched prefix is not evictable room
+            device = self.kv.load_back(match)  # the host part onto the device, lock moved
+            m = len(device.slots)
+            extend = len(req.all_ids) - m
             n = self.budget.chunk(extend, left)
             if n == 0:
                 if busy or admitted:
+                    self.kv.unlock(device.node)
                     break
                 n = extend  # an unchunked prompt over the budget runs alone
-            self.kv.lock(match.node)  # from here the matched prefix is not evictable room
             future = self.budget.expected(extend - n, req.remaining_new_tokens())
             if (self.running or admitted) and self.kv.available() - reserved < n + future:
-                self.kv.unlock(match.node)
+                self.kv.unlock(device.node)
                 break
-            if not self.kv.admit(req, match, n):
+            self.tree.record_hit(device.node)
+            if not self.kv.admit(req, device, n):
                 break
-            self._count_admission(req, m)
+            self._count_admission(req, m, m - len(match.slots), match.storage_tokens)
             self.waiting.remove(req)
             self.running.append(req)
             admitted.append(Scheduled(req, n))
@@ -321,13 +372,23 @@ class Scheduler:
             self._log_prefill(admitted)
         return admitted
 
-    def _count_admission(self, req: Req, cached: int) -> None:
-        """Cache-hit accounting, once per request (a retracted one is admitted again)."""
-        if not req.admitted_once:
-            req.admitted_once = True
-            req.cached_tokens = min(cached, len(req.input_ids))
-            self.prompt_tokens_total += len(req.input_ids)
-            self.cached_tokens_total += req.cached_tokens
+    def _count_admission(self, req: Req, cached: int, loaded: int, from_storage: int) -> None:
+        """Cache-hit accounting, once per request (a retracted one is admitted again: what it
+        loads back then counts as swapped in). `cached` tokens were not recomputed; `loaded` of
+        them came from the host tier, which had just read `from_storage` from the disk tier
+        (all of them when they were loaded at all)."""
+        from_storage = from_storage if loaded else 0
+        if req.admitted_once:
+            self.swapped_in_tokens += loaded
+            return
+        req.admitted_once = True
+        req.cached_tokens = min(cached, len(req.input_ids))
+        req.host_cached_tokens = loaded - from_storage
+        req.storage_cached_tokens = from_storage
+        self.prompt_tokens_total += len(req.input_ids)
+        self.cached_tokens_total += req.cached_tokens
+        self.host_hit_tokens += loaded - from_storage
+        self.storage_hit_tokens += from_storage
 
     def _build_batch(self, plan: list[Scheduled]) -> ForwardBatch:
         ids, positions, slots = [], [], []
@@ -564,6 +625,12 @@ class Scheduler:
             "attention_pairs": self.attention_pairs,
             "logit_rows": self.logit_rows,
             "constraint_mask_time_s": self.mask_time,
+            "host_total_tokens": self.kv.host.total_tokens if self.kv.host else 0,
+            "host_used_tokens": self.kv.host.used_tokens() if self.kv.host else 0,
+            "host_hit_tokens": self.host_hit_tokens,
+            "storage_hit_tokens": self.storage_hit_tokens,
+            "swapped_out_tokens": self.kv.swapped_out_tokens,
+            "swapped_in_tokens": self.swapped_in_tokens,
             "spec_verifications": self.spec_verifications,
             "spec_draft_tokens": self.spec_draft_tokens,
             "spec_accepted_tokens": self.spec_accepted_tokens,

@@ -17,6 +17,13 @@ Ownership of KV pages (every page of the pool has exactly one owner at any time)
 - A pin (a fork's shared prefix) is a lock on a node held for a client, not for a request.
 - Page 0 (slot 0 in particular) is padding owned by nobody: padded gathers read it, masks hide it.
 
+With a host tier the tree also owns host pages (`node.host_value`); see `radix_cache`. A match's
+host part is loaded back into fresh device pages at admission (`load_back`); with swap
+preemption a retracted request's computed pages join the tree and are backed up to the host
+(`retract`), so its readmission loads them back instead of recomputing them. With a disk tier
+finished and retracted requests' whole blocks are written to storage (`release`), and a match
+that ends early reads the following blocks into the host pool (`match_prefix`).
+
 The manager needs no model: the tests drive it with a pool, a tree and token ids.
 """
 
@@ -26,8 +33,13 @@ from typing import Any, Protocol
 
 import torch
 
+from radixrt.mem_cache.host_pool import HostKVPool
 from radixrt.mem_cache.memory_pool import PageAllocator, ReqToTokenPool
 from radixrt.mem_cache.radix_cache import PrefixMatch, RadixCache, TreeNode
+from radixrt.mem_cache.storage import KVStorage
+
+# a host part shorter than this is recomputed: the copy's fixed costs would outweigh it
+LOAD_BACK_MIN_TOKENS = 16
 
 
 class SlotHolder(Protocol):
@@ -44,15 +56,27 @@ class KVSlotManager:
     """Allocates, hands over and frees KV slots for requests; owns the tree's locks and pins."""
 
     def __init__(
-        self, allocator: PageAllocator, req_to_token_pool: ReqToTokenPool, tree: RadixCache
+        self,
+        allocator: PageAllocator,
+        req_to_token_pool: ReqToTokenPool,
+        tree: RadixCache,
+        storage: KVStorage | None = None,
+        swap: bool = False,
     ):
+        """`tree.host` (a `HostKVPool` or None) is the host tier; `storage` the disk tier (needs
+        the host tier); `swap`: retraction backs a request's pages up to the host."""
+        assert storage is None or tree.host is not None, "the disk tier reads through the host"
         self.allocator = allocator
         self.rows = req_to_token_pool
         self.req_to_token = req_to_token_pool.req_to_token
         self.tree = tree
+        self.host: HostKVPool | None = tree.host
+        self.storage = storage
+        self.swap = swap and tree.host is not None and not tree.disable
         self.page_size = allocator.page_size
         self.pins: dict[str, TreeNode] = {}  # pin id -> node locked on a client's behalf
         self.peak_used_tokens = 0
+        self.swapped_out_tokens = 0
 
     # ---- room ------------------------------------------------------------------------------
     def slots_needed(self, holder: SlotHolder, n: int) -> int:
@@ -70,7 +94,74 @@ class KVSlotManager:
 
     # ---- a request's life ------------------------------------------------------------------
     def match_prefix(self, key: list[int]) -> PrefixMatch:
-        return self.tree.match_prefix(key)
+        """The cached prefix of `key` on the device and the host, extended by the blocks the
+        disk tier has after it (read into the host pool here), for an admission."""
+        match = self.tree.match_prefix(key)
+        if self.storage is not None and not self.tree.disable:
+            match = self._read_storage(key, match)
+        return match
+
+    def load_back(self, match: PrefixMatch) -> PrefixMatch:
+        """Bring the host part of a match (locked through `match.end_node`) into fresh device
+        pages; returns the device-only match, locked through its node. A host part shorter than
+        LOAD_BACK_MIN_TOKENS, or one the device cannot make room for, is left to be recomputed."""
+        if match.host_node is None:
+            return match
+        n = len(match.host_slots)
+        slots = None
+        if n >= LOAD_BACK_MIN_TOKENS:
+            short = n - self.allocator.available()
+            if short > 0:
+                self.tree.evict(short)  # the matched path is locked, so it stays
+            slots = self.allocator.alloc_extend(0, 0, n)
+        if slots is None:
+            self.tree.inc_lock_ref(match.node)
+            self.tree.dec_lock_ref(match.host_node)
+            return PrefixMatch(match.slots, match.node)
+        self.tree.load_back(match.host_node, slots)
+        self.peak_used_tokens = max(self.peak_used_tokens, self.used_tokens())
+        return PrefixMatch(torch.cat([match.slots, slots]), match.host_node)
+
+    def _read_storage(self, key: list[int], match: PrefixMatch) -> PrefixMatch:
+        """Extend `match` by the whole blocks of `key` the disk tier holds right after it: read
+        them into new host pages hung under the match's end as one host-only node."""
+        b = self.storage.block_tokens
+        start, count = match.length, len(key) // b
+        if start // b >= count:
+            return match
+        keys = self.storage.block_keys(key, count)
+        blocks = []
+        for block_key in keys[start // b :]:
+            kv = self.storage.read(block_key)
+            if kv is None:
+                break
+            blocks.append(kv)
+        if not blocks:
+            return match
+        end = (start // b + len(blocks)) * b
+        parent = match.end_node
+        self.tree.inc_lock_ref(parent)  # reclaiming host room must not take the matched path
+        slots = self.host.alloc(end - start)
+        if slots is None:
+            self.tree.evict_host(end - start - self.host.available())
+            slots = self.host.alloc(end - start)
+        self.tree.dec_lock_ref(parent)
+        if slots is None:
+            return match
+        self.host.put(slots, blocks, start % b)
+        node = self.tree.attach_host(parent, key[start:end], slots)
+        return PrefixMatch(
+            match.slots, match.node, torch.cat([match.host_slots, slots]), node, end - start
+        )
+
+    def _write_storage(self, holder: SlotHolder) -> None:
+        """Queue the holder's computed whole blocks that the disk tier lacks."""
+        b = self.storage.block_tokens
+        row = self.req_to_token[holder.row]
+        keys = self.storage.block_keys(holder.all_ids, holder.kv_len // b)
+        for i, key in enumerate(keys):
+            if not self.storage.contains(key):
+                self.storage.write(key, self.host.device_block(row[i * b : (i + 1) * b].long()))
 
     def lock(self, node: TreeNode) -> None:
         """Protect a matched prefix from eviction while admission decides (see `admit`)."""
@@ -136,6 +227,8 @@ class KVSlotManager:
         the row dropped. The holder keeps kv_len (what it had computed) for its caller to read."""
         if holder.row is None:
             return
+        if self.storage is not None:
+            self._write_storage(holder)
         start = max(self._insert_computed(holder), holder.tree_len)
         if holder.kv_len > start:
             self.allocator.free(self.req_to_token[holder.row, start : holder.kv_len].long())
@@ -144,7 +237,13 @@ class KVSlotManager:
         holder.row, holder.last_node = None, None
 
     def retract(self, holder: SlotHolder) -> None:
-        """Release, and forget what was computed: the holder starts over (mostly from the tree)."""
+        """Release, and forget what was computed: the holder starts over (mostly from the tree).
+        With swap, its computed whole pages are backed up to the host first, so readmission
+        loads them back; whatever the host cannot take (and a partly filled last page) is
+        recomputed."""
+        if self.swap and holder.row is not None:
+            self.cache_unfinished(holder)
+            self.swapped_out_tokens += self.tree.backup_path(holder.last_node)
         self.release(holder)
         holder.kv_len = holder.tree_len = 0
 
@@ -216,7 +315,7 @@ class KVSlotManager:
         self.tree.check()
         p = self.page_size
         owners = [self.allocator.free_page_ids()]
-        owners += [n.value[::p] // p for n in self.tree.all_nodes() if len(n.value)]
+        owners += [n.value[::p] // p for n in self.tree.all_nodes() if n.device_len()]
         for h in holders:
             owners.append(self.req_to_token[h.row, h.tree_len : h.kv_len][::p].long() // p)
         pages = torch.cat(owners).sort().values
@@ -227,6 +326,15 @@ class KVSlotManager:
         assert len({h.row for h in holders}) + self.rows.available() == self.rows.rows, (
             "request rows leaked"
         )
+        if self.host is not None:
+            held = [
+                n.host_value[::p] // p for n in self.tree.all_nodes() if len(n.key) and n.on_host
+            ]
+            pages = torch.cat([self.host.allocator.free_page_ids(), *held]).sort().values
+            expected = torch.arange(1, self.host.allocator.num_pages + 1)
+            assert len(pages) == len(expected) and bool((pages == expected).all()), (
+                "host pages leaked or owned twice"
+            )
         locks: dict[TreeNode, int] = {}
         for node in [h.last_node for h in holders] + list(self.pins.values()):
             while node is not self.tree.root:
@@ -241,15 +349,30 @@ class KVSlotManager:
 
 def pool_snapshot(allocator: PageAllocator, tree: RadixCache) -> dict[str, Any]:
     """The allocator's and the tree's part of a snapshot: page size and count, the free pages,
-    and every tree node (slots, lock count, parent)."""
-    return {
+    every tree node (device slots, host slots, lock count, parent) and, with a host tier, its
+    page count and free pages."""
+
+    def listed(slots: torch.Tensor | None) -> list[int]:
+        return [] if slots is None else slots.tolist()
+
+    snapshot = {
         "page_size": allocator.page_size,
         "num_pages": allocator.num_pages,
         "free_pages": allocator.free_page_ids().tolist(),
         "root": tree.root.id,
         "nodes": [
-            {"id": n.id, "parent": n.parent.id, "slots": n.value.tolist(), "lock_ref": n.lock_ref}
+            {
+                "id": n.id,
+                "parent": n.parent.id,
+                "slots": listed(n.value),
+                "host_slots": listed(n.host_value),
+                "lock_ref": n.lock_ref,
+            }
             for n in tree.all_nodes()
             if n is not tree.root
         ],
     }
+    if tree.host is not None:
+        snapshot["host_num_pages"] = tree.host.allocator.num_pages
+        snapshot["host_free_pages"] = tree.host.allocator.free_page_ids().tolist()
+    return snapshot

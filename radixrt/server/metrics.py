@@ -32,6 +32,28 @@ RUNTIME_STATS = {
     "cached_tokens": ("radixrt_kv_cached_tokens", "KV slots held by the radix tree", "gauge"),
     "num_preemptions": ("radixrt_preemptions", "requests retracted to free memory", "counter"),
     "evicted_tokens": ("radixrt_evicted_tokens", "tokens evicted from the radix tree", "counter"),
+    "host_total_tokens": ("radixrt_host_kv_tokens", "KV slots in the host tier", "gauge"),
+    "host_used_tokens": ("radixrt_host_kv_used_tokens", "host-tier KV slots in use", "gauge"),
+    "host_hit_tokens": (
+        "radixrt_host_hit_tokens",
+        "prompt tokens loaded back from the host tier instead of recomputed",
+        "counter",
+    ),
+    "storage_hit_tokens": (
+        "radixrt_storage_hit_tokens",
+        "prompt tokens read from the disk tier instead of recomputed",
+        "counter",
+    ),
+    "swapped_out_tokens": (
+        "radixrt_swapped_out_tokens",
+        "tokens of retracted requests kept on the host tier",
+        "counter",
+    ),
+    "swapped_in_tokens": (
+        "radixrt_swapped_in_tokens",
+        "tokens of retracted requests loaded back at readmission",
+        "counter",
+    ),
     "spec_accepted_tokens": (
         "radixrt_spec_accepted_tokens",
         "speculative draft tokens the model agreed with",

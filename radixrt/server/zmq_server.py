@@ -69,6 +69,7 @@ class Server:
             self._abort_vanished_clients()
             if self.scheduler.has_work():
                 self._publish(self.scheduler.step())
+        self.scheduler.close()
         self.sock.close()
         self.ctx.term()
 

@@ -1,4 +1,5 @@
-"""The radix cache on its own, driven by random operation sequences (invariants 2 and 3)."""
+"""The radix cache on its own, with and without a host tier, driven by random operation
+sequences (invariants 2 and 3, and where every node's KV lives)."""
 
 from __future__ import annotations
 
@@ -6,53 +7,70 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from radixrt.mem_cache.memory_pool import PageAllocator
-from radixrt.mem_cache.radix_cache import RadixCache
+from radixrt.mem_cache.host_pool import HostKVPool
+from radixrt.mem_cache.memory_pool import PageAllocator, TokenToKVPool
+from radixrt.mem_cache.radix_cache import WRITE_POLICIES, RadixCache
 from radixrt.mem_cache.slot_manager import pool_snapshot
 
 from helpers import run_script, scripts
 from ownership import assert_slot_ownership
 
 TOTAL = 256
+HOST_TOTAL = 96  # smaller than the device pool: host reclaim runs often
 
 
 class Harness:
-    """A tree over a real allocator; every slot records which token prefix its KV would hold."""
+    """A tree over a real allocator and a real one-number-per-token KV pool (and, with `host`, a
+    real host pool under it): every written slot holds a number standing for the token prefix
+    whose KV it would be, so copies between the pools are checked by content."""
 
-    def __init__(self, page_size: int):
+    def __init__(self, page_size: int, host: str | None = None):
         self.page = page_size
         self.alloc = PageAllocator(TOTAL, page_size, torch.device("cpu"))
-        self.tree = RadixCache(page_size, self.alloc.free)
-        self.content: dict[int, tuple[int, ...]] = {}
+        self.pool = TokenToKVPool(self.alloc.num_slots, 1, 1, 1, torch.float32, torch.device("cpu"))
+        self.host = HostKVPool(self.pool, HOST_TOTAL, page_size) if host else None
+        self.tree = RadixCache(
+            page_size, self.alloc.free, host=self.host, write_policy=host or WRITE_POLICIES[0]
+        )
+        self.ids: dict[tuple[int, ...], float] = {}  # prefix -> the number its KV is
         self.locks: list = []
 
+    def _id(self, prefix: list[int]) -> float:
+        return self.ids.setdefault(tuple(prefix), float(len(self.ids) + 1))
+
     def insert(self, key: list[int]) -> None:
+        """What a request does: match, load the host part back, compute the rest, insert."""
         key = key[: len(key) - len(key) % self.page]
-        cached, node = self.tree.match_prefix(key)
-        m = len(cached)
+        match = self.tree.match_prefix(key)
+        m, on_host = len(match.slots), len(match.host_slots)
         need = len(key) - m
-        self.tree.inc_lock_ref(node)  # what we matched must survive the eviction below
+        self.tree.inc_lock_ref(match.end_node)  # what we matched must survive the eviction below
         if need and self.alloc.available() < need:
             self.tree.evict(need - self.alloc.available())
         new = self.alloc.alloc_extend(0, 0, need) if need else torch.empty(0, dtype=torch.int64)
-        self.tree.dec_lock_ref(node)
         if new is None:
+            self.tree.dec_lock_ref(match.end_node)
             return
-        for i, slot in enumerate(new.tolist()):
-            self.content[slot] = tuple(key[: m + i + 1])
-        already = self.tree.insert(key, torch.cat([cached, new]))
-        assert already == m
+        if on_host:
+            self.tree.load_back(match.host_node, new[:on_host])
+        for i, slot in enumerate(new[on_host:].tolist()):
+            self.pool.k_buffers[0][slot] = self._id(key[: m + on_host + i + 1])
+        self.tree.dec_lock_ref(match.end_node)
+        already = self.tree.insert(key, torch.cat([match.slots, new]))
+        assert already == m + on_host
 
     def match(self, key: list[int]) -> None:
-        slots, node = self.tree.match_prefix(key)
-        assert len(slots) % self.page == 0 and len(slots) <= len(key)
-        for i, slot in enumerate(slots.tolist()):
-            assert self.content[slot] == tuple(key[: i + 1]), (
-                "a matched slot holds another prefix's KV"
-            )
+        match = self.tree.match_prefix(key)
+        assert match.length % self.page == 0 and match.length <= len(key)
+        device = self.pool.k_buffers[0][match.slots].flatten().tolist()
+        host = (
+            [] if self.host is None else self.host.k_buffers[0][match.host_slots].flatten().tolist()
+        )
+        for i, value in enumerate(device + host):
+            assert value == self._id(key[: i + 1]), "a matched slot holds another prefix's KV"
 
     def lock(self, key: list[int]) -> None:
-        _, node = self.tree.match_prefix(key)
+        node = self.tree.match_prefix(key).node
         self.tree.inc_lock_ref(node)
         self.locks.append((key[: self._depth(node)], node))
 
@@ -62,21 +80,28 @@ class Harness:
             self.tree.dec_lock_ref(node)
 
     def evict(self, n: int) -> None:
-        before = {node: node.last_access for node in self.tree.all_nodes()}
+        before = {node: node.last_access for node in self._device_nodes()}
         self.tree.evict(n)
-        after = set(self.tree.all_nodes())
+        after = self._device_nodes()
         gone = [node for node in before if node not in after]
         for node in gone:
             assert node.lock_ref == 0
         survivors = [
             node
             for node in after
-            if node.is_leaf and node.lock_ref == 0 and node is not self.tree.root
+            if not any(c.on_device for c in node.children.values()) and node.lock_ref == 0
         ]
         if gone and survivors:
             assert max(before[g] for g in gone) <= min(s.last_access for s in survivors), "not LRU"
         for key, _ in self.locks:  # locked prefixes survive eviction
-            assert len(self.tree.match_prefix(key)[0]) == len(key)
+            assert len(self.tree.match_prefix(key).slots) == len(key)
+
+    def evict_host(self, n: int) -> None:
+        if self.host is not None:
+            self.tree.evict_host(n)
+
+    def _device_nodes(self) -> set:
+        return {n for n in self.tree.all_nodes() if n is not self.tree.root and n.on_device}
 
     def _depth(self, node) -> int:
         depth = 0
@@ -99,9 +124,13 @@ class Harness:
     def check(self) -> None:
         self.tree.check()
         assert_slot_ownership(self.snapshot())
-        held = sum(len(n.value) for n in self.tree.all_nodes())
+        nodes = [n for n in self.tree.all_nodes() if n is not self.tree.root]
+        held = sum(n.device_len() for n in nodes)
         assert held == self.tree.evictable_size + self.tree.protected_size
         assert self.alloc.available() + held == self.alloc.total_tokens, "slots leaked"
+        if self.host is not None:
+            on_host = sum(len(n.host_value) for n in nodes if n.on_host)
+            assert self.host.available() + on_host == self.host.total_tokens, "host slots leaked"
 
 
 keys = st.lists(st.integers(0, 3), min_size=1, max_size=24)
@@ -112,15 +141,22 @@ ops = scripts(
         ("lock", keys),
         ("unlock", st.integers(0, 100)),
         ("evict", st.integers(1, 64)),
+        ("evict_host", st.integers(1, 64)),
     ],
     max_size=60,
 )
 
 
 @settings(max_examples=150, deadline=None)
-@given(page_size=st.sampled_from([1, 2, 4]), script=ops)
-def test_random_operations_keep_invariants(page_size, script):
-    h = Harness(page_size)
+@given(
+    page_size=st.sampled_from([1, 2, 4]),
+    host=st.sampled_from([None, *WRITE_POLICIES]),
+    script=ops,
+)
+def test_random_operations_keep_invariants(page_size, host, script):
+    """Both pools, every write policy: ownership, locations, sizes and KV contents hold after
+    every operation, and a flush frees both pools."""
+    h = Harness(page_size, host)
     run_script(h, script)
     while h.locks:
         h.unlock(0)
@@ -128,6 +164,7 @@ def test_random_operations_keep_invariants(page_size, script):
     assert h.tree.flush()
     h.check()
     assert h.alloc.available() == h.alloc.total_tokens
+    assert h.host is None or h.host.available() == h.host.total_tokens
 
 
 def test_split_keeps_locks_and_values():
@@ -140,7 +177,7 @@ def test_split_keeps_locks_and_values():
     h.evict(100)
     h.check()
     h.match([1, 2, 3, 4])
-    assert len(h.tree.match_prefix([1, 2, 9])[0]) == 2
+    assert len(h.tree.match_prefix([1, 2, 9]).slots) == 2
 
 
 def test_eviction_is_least_recently_used_first():
@@ -150,5 +187,61 @@ def test_eviction_is_least_recently_used_first():
     h.insert([3, 3])
     h.match([1, 1])  # now [2, 2] is the oldest
     h.evict(2)
-    assert len(h.tree.match_prefix([2, 2])[0]) == 0
-    assert len(h.tree.match_prefix([1, 1])[0]) == 2 and len(h.tree.match_prefix([3, 3])[0]) == 2
+    assert len(h.tree.match_prefix([2, 2]).slots) == 0
+    assert (
+        len(h.tree.match_prefix([1, 1]).slots) == 2 and len(h.tree.match_prefix([3, 3]).slots) == 2
+    )
+
+
+def _location(h: Harness, key: list[int]) -> str:
+    match = h.tree.match_prefix(key)
+    assert match.length == len(key)
+    node = match.end_node
+    return {(True, False): "device", (True, True): "both", (False, True): "host"}[
+        (node.on_device, node.on_host)
+    ]
+
+
+def test_write_back_keeps_an_evicted_prefix_on_the_host_and_loads_it_back():
+    h = Harness(2, "write_back")
+    h.insert([1, 2, 3, 4])
+    h.insert([5, 6])
+    assert _location(h, [1, 2, 3, 4]) == "device"
+    h.match([5, 6])  # [1, 2, 3, 4] is now the older
+    h.evict(4)
+    assert _location(h, [1, 2, 3, 4]) == "host" and _location(h, [5, 6]) == "device"
+    h.check()
+    h.match([1, 2, 3, 4])  # the host copy holds the same KV
+    before = h.tree.loaded_tokens
+    h.insert([1, 2, 3, 4, 7, 8])  # loads [1, 2, 3, 4] back, computes [7, 8]
+    assert h.tree.loaded_tokens - before == 4
+    assert _location(h, [1, 2, 3, 4]) == "both"
+    h.match([1, 2, 3, 4, 7, 8])
+    h.check()
+
+
+def test_write_policies_decide_when_a_node_is_copied():
+    for policy, after_insert, after_second_use in [
+        ("write_through", "both", "both"),
+        ("write_through_selective", "device", "both"),
+        ("write_back", "device", "device"),
+    ]:
+        h = Harness(1, policy)
+        h.insert([1, 2, 3])
+        assert _location(h, [1, 2, 3]) == after_insert, policy
+        h.tree.record_hit(h.tree.match_prefix([1, 2, 3]).node)
+        assert _location(h, [1, 2, 3]) == after_second_use, policy
+        h.check()
+
+
+def test_a_full_host_falls_back_to_dropping_prefixes():
+    """Without host room an evicted, never reused prefix is gone (it will be recomputed); the
+    host reclaims its least recently used host-only leaves for newer ones."""
+    h = Harness(1, "write_back")
+    for first in range(HOST_TOTAL // 8 + 2):
+        h.insert([first] * 8)
+        h.evict(TOTAL)  # everything goes to the host, oldest reclaimed when it is full
+        h.check()
+    assert h.host.available() < 8
+    assert h.tree.match_prefix([0] * 8).length == 0  # the oldest was reclaimed
+    assert _location(h, [HOST_TOTAL // 8 + 1] * 8) == "host"

@@ -3,15 +3,18 @@ operation sequences; slot ownership and KV contents are checked after every oper
 
 from __future__ import annotations
 
+import tempfile
 from dataclasses import dataclass, field
 
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from radixrt.mem_cache.memory_pool import PageAllocator, ReqToTokenPool
-from radixrt.mem_cache.radix_cache import RadixCache
+from radixrt.mem_cache.host_pool import HostKVPool
+from radixrt.mem_cache.memory_pool import PageAllocator, ReqToTokenPool, TokenToKVPool
+from radixrt.mem_cache.radix_cache import WRITE_POLICIES, RadixCache
 from radixrt.mem_cache.slot_manager import KVSlotManager
+from radixrt.mem_cache.storage import KVStorage
 
 from helpers import run_script, scripts
 from ownership import assert_all_free, assert_slot_ownership
@@ -20,6 +23,8 @@ TOTAL_TOKENS = 96
 ROWS = 6
 CONTEXT = 64
 CHUNK = 8
+HOST_TOKENS = 64
+BLOCK = 4  # disk-tier block: a whole number of pages for page sizes 1, 2 and 4
 
 
 @dataclass(eq=False)
@@ -37,16 +42,24 @@ class Holder:
 
 class Harness:
     """Runs requests through admit / extend / compute / cache / release / retract like the
-    scheduler does, and records which token prefix each written slot's KV stands for."""
+    scheduler does, over a real one-number-per-token KV pool: each computed slot holds a number
+    standing for the token prefix whose KV it is, so copies between tiers are checked by content.
+    `tier`: None, or a host tier with that write policy (swap preemption on); `storage`: a disk
+    tier directory under it."""
 
-    def __init__(self, page_size: int):
+    def __init__(self, page_size: int, tier: str | None = None, storage: str | None = None):
         allocator = PageAllocator(TOTAL_TOKENS, page_size, torch.device("cpu"))
-        tree = RadixCache(page_size, allocator.free)
-        self.kv = KVSlotManager(allocator, ReqToTokenPool(ROWS, CONTEXT, torch.device("cpu")), tree)
+        self.pool = TokenToKVPool(allocator.num_slots, 1, 1, 1, torch.float32, torch.device("cpu"))
+        host = HostKVPool(self.pool, HOST_TOKENS, page_size) if tier else None
+        tree = RadixCache(
+            page_size, allocator.free, host=host, write_policy=tier or WRITE_POLICIES[0]
+        )
+        like = host.device_block(torch.zeros(BLOCK, dtype=torch.long)) if storage else None
+        disk = KVStorage(storage, 64 * 2**10, BLOCK, "harness", like) if storage else None
+        rows = ReqToTokenPool(ROWS, CONTEXT, torch.device("cpu"))
+        self.kv = KVSlotManager(allocator, rows, tree, storage=disk, swap=tier is not None)
         self.running: list[Holder] = []
-        self.content: dict[
-            int, tuple[int, ...]
-        ] = {}  # slot -> the prefix whose last token's KV it holds
+        self.ids: dict[tuple[int, ...], float] = {}  # prefix -> the number its KV is
         self.pins: list[str] = []
         self.count = 0
 
@@ -55,7 +68,8 @@ class Harness:
         holder = Holder(list(tokens), f"r{self.count}")
         self.count += 1
         match = self.kv.match_prefix(holder.all_ids[:-1])  # at least one token is computed
-        self.kv.lock(match.node)
+        self.kv.lock(match.end_node)
+        match = self.kv.load_back(match)
         n = min(len(tokens) - len(match.slots), CHUNK)
         if self.kv.admit(holder, match, n):
             self.running.append(holder)
@@ -83,12 +97,18 @@ class Harness:
     def finish(self, index: int) -> None:
         if self.running:
             self.kv.release(self.running.pop(index % len(self.running)))
+            self._settle()
 
     def retract(self, index: int) -> None:
         if self.running:
             holder = self.running.pop(index % len(self.running))
             self.kv.retract(holder)
+            self._settle()
             assert holder.row is None and holder.kv_len == holder.tree_len == 0
+
+    def _settle(self) -> None:
+        if self.kv.storage is not None:
+            self.kv.storage.wait()  # the disk tier's writes run in the background
 
     def pin(self, tokens: list[int]) -> None:
         pin_id = f"client/{self.count}"
@@ -107,7 +127,8 @@ class Harness:
         """What a forward does to the pool: write the KV of the next n tokens into their slots."""
         row = self.kv.req_to_token[holder.row]
         for i in range(holder.kv_len, holder.kv_len + n):
-            self.content[int(row[i])] = tuple(holder.all_ids[: i + 1])
+            prefix = tuple(holder.all_ids[: i + 1])
+            self.pool.k_buffers[0][int(row[i])] = self.ids.setdefault(prefix, len(self.ids) + 1.0)
         holder.kv_len += n
         self.kv.cache_unfinished(holder)
 
@@ -117,9 +138,9 @@ class Harness:
         assert_slot_ownership(snapshot)
         self.kv.check(self.running)
         for holder in self.running:
-            row = self.kv.req_to_token[holder.row, : holder.kv_len].tolist()
-            for i, slot in enumerate(row):
-                assert self.content[slot] == tuple(holder.all_ids[: i + 1]), (
+            row = self.kv.req_to_token[holder.row, : holder.kv_len].long()
+            for i, value in enumerate(self.pool.k_buffers[0][row].flatten().tolist()):
+                assert value == self.ids[tuple(holder.all_ids[: i + 1])], (
                     f"{holder.name} reads another prefix's KV at position {i}"
                 )
 
@@ -150,11 +171,19 @@ ops = scripts(
 
 
 @settings(max_examples=200, deadline=None)
-@given(page_size=st.sampled_from([1, 2, 4]), script=ops)
-def test_random_hand_overs_keep_ownership_and_contents(page_size, script):
-    h = Harness(page_size)
-    run_script(h, script)
-    h.drain()
+@given(
+    page_size=st.sampled_from([1, 2, 4]),
+    tier=st.sampled_from([None, *WRITE_POLICIES]),
+    storage=st.booleans(),
+    script=ops,
+)
+def test_random_hand_overs_keep_ownership_and_contents(page_size, tier, storage, script):
+    """With and without the host tier (swap on) and the disk tier: ownership of both pools and
+    every running request's KV contents hold after every operation; a drain frees both pools."""
+    with tempfile.TemporaryDirectory() as directory:
+        h = Harness(page_size, tier, directory if tier and storage else None)
+        run_script(h, script)
+        h.drain()
 
 
 def test_second_request_reads_the_first_ones_pages():
@@ -194,4 +223,73 @@ def test_extension_evicts_unlocked_leaves_but_not_pins():
         h.step(0)
     h.check()
     assert len(h.kv.match_prefix(list(range(16))).slots) == 16
+    h.drain()
+
+
+def _finished(h: Harness, tokens: list[int]) -> None:
+    """Run one request to completion of its prompt and release it."""
+    h.admit(tokens)
+    while h.running[-1].kv_len < len(tokens):
+        h.step(len(h.running) - 1)
+    h.finish(len(h.running) - 1)
+
+
+def test_swap_out_keeps_a_retracted_requests_pages_on_the_host():
+    h = Harness(page_size=2, tier="write_back")
+    tokens = list(range(1, 21))
+    h.admit(tokens)
+    while h.running[0].kv_len < len(tokens):
+        h.step(0)
+    h.retract(0)
+    assert h.kv.swapped_out_tokens == 20
+    h.evict(TOTAL_TOKENS)  # the device forgets it all; the host still has it
+    assert h.kv.tree.evictable_size == 0
+    match = h.kv.match_prefix(tokens[:-1])
+    assert len(match.slots) == 0 and len(match.host_slots) == 18
+    h.admit(tokens)  # loads the 18 back (the last token is computed), contents checked
+    assert h.kv.tree.loaded_tokens == 18
+    h.check()
+    h.drain()
+
+
+def test_disk_tier_serves_a_prefix_after_both_pools_are_flushed(tmp_path):
+    h = Harness(page_size=2, tier="write_through", storage=str(tmp_path))
+    tokens = list(range(1, 22))
+    _finished(h, tokens)
+    assert len(list(tmp_path.glob("*.safetensors"))) == 5  # 20 tokens in blocks of 4
+    assert h.kv.flush()
+    fresh = Harness(page_size=2, tier="write_through", storage=str(tmp_path))  # a restart
+    fresh.ids = h.ids
+    match = fresh.kv.match_prefix(tokens[:-1])
+    assert len(match.host_slots) == 20 and match.storage_tokens == 20
+    fresh.kv.lock(match.end_node)
+    fresh.kv.unlock(fresh.kv.load_back(match).node)
+    fresh.admit(tokens)  # the 20 tokens read from disk, contents checked
+    fresh.check()
+    fresh.drain()
+
+
+def test_disk_tier_skips_a_corrupt_file_and_stays_bounded(tmp_path):
+    h = Harness(page_size=1, tier="write_through", storage=str(tmp_path))
+    tokens = list(range(1, 14))
+    _finished(h, tokens)
+    files = sorted(tmp_path.glob("*.safetensors"), key=lambda f: f.stat().st_mtime)
+    assert len(files) == 3
+    keys = h.kv.storage.block_keys(tokens, 3)
+    second = tmp_path / f"{keys[1]}.safetensors"
+    data = bytearray(second.read_bytes())
+    data[-1] ^= 0xFF  # one flipped bit of KV
+    second.write_bytes(bytes(data))
+    (tmp_path / f"{keys[2]}.safetensors").write_bytes(b"truncated")
+    assert h.kv.flush()
+    match = h.kv.match_prefix(tokens[:-1])
+    assert match.storage_tokens == 4  # block 0 only: the corrupt one ends the run
+    assert h.kv.storage.corrupt_files == 1 and not second.exists()
+    h.kv.lock(match.end_node)
+    h.kv.unlock(h.kv.load_back(match).node)
+    h.drain()
+    limit = h.kv.storage.max_bytes
+    for first in range(40):  # many blocks: the oldest files go, the directory stays bounded
+        _finished(h, [100 + first] * 9)
+    assert sum(f.stat().st_size for f in tmp_path.glob("*.safetensors")) <= limit
     h.drain()

@@ -21,6 +21,19 @@ CONFIGS = {
     "dfs-weight": {"schedule_policy": "dfs-weight"},
     # the warm run drafts the cold run's answers from the corpus: nearly all accepted
     "speculative": {"speculative_algorithm": "ngram"},
+    # the host tier: swap preemption, and prefixes evicted by the small pool loaded back
+    "hicache-tiny-pool": {
+        "enable_hierarchical_cache": True,
+        "max_total_tokens": 96,
+        "max_running_requests": 8,
+    },
+    "hicache-write-back-pages": {
+        "enable_hierarchical_cache": True,
+        "hicache_write_policy": "write_back",
+        "max_total_tokens": 96,
+        "max_running_requests": 8,
+        "page_size": 4,
+    },
     "speculative-tiny-pool-pages": {
         "speculative_algorithm": "ngram",
         "max_total_tokens": 96,
@@ -53,6 +66,7 @@ def _run_twice(folder, prompts, expected, overrides):
         engine.check_invariants()
         after = engine.stats()
         assert after["free_tokens"] == after["total_tokens"]
+        assert after["host_used_tokens"] == 0
     return outs, stats
 
 
@@ -81,20 +95,25 @@ def test_tiny_model_matches_transformers(tiny_case, name):
         assert all(o["meta_info"]["cached_tokens"] >= len(p) - 1 for o, p in zip(outs, prompts))
     if name == "no-radix-cache":
         assert stats["cache_hit_rate"] == 0
-    if name == "tiny-pool":
+    if name in ("tiny-pool", "hicache-tiny-pool", "hicache-write-back-pages"):
         assert stats["num_preemptions"] > 0 and stats["evicted_tokens"] > 0
+    if name.startswith("hicache"):
+        assert stats["host_hit_tokens"] + stats["swapped_in_tokens"] > 0
     # No drafting assertion here: whether drafts pay is priced from measured step times, and for
     # a 2-layer model verifying a batch of 12 can cost more than it saves (it declined in one CI
     # run). The default model's runs below and tests/engine/test_speculative.py exercise drafts.
 
 
 @pytest.mark.parametrize(
-    "name", ["default", "no-radix-cache", "tiny-chunks", "tiny-pool", "speculative"]
+    "name",
+    ["default", "no-radix-cache", "tiny-chunks", "tiny-pool", "hicache-tiny-pool", "speculative"],
 )
 def test_default_model_matches_transformers(default_case, name):
     folder, prompts, expected = default_case
     _, stats = _run_twice(folder, prompts, expected, CONFIGS[name])
-    if name == "tiny-pool":
+    if name in ("tiny-pool", "hicache-tiny-pool"):
         assert stats["num_preemptions"] > 0 and stats["evicted_tokens"] > 0
+    if name == "hicache-tiny-pool":
+        assert stats["swapped_out_tokens"] > 0 and stats["swapped_in_tokens"] > 0
     if name == "speculative":
         assert stats["spec_accept_length"] > 2

@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint format model bench bench-spec bench-peers gpu-check clean
+.PHONY: demo test lint format model bench bench-spec bench-hicache bench-peers gpu-check clean
 
 # torch is pinned to the CPU wheel that lies on this kind of machine's disk; a bare
 # `pip install torch` would pull a multi-GB CUDA build.
@@ -63,6 +63,17 @@ bench-spec: model
 			--output-dir bench_results/spec-sampled-c$$c || exit 1; done
 	$(BIN)/radixrt bench --workload json --concurrency 1 $(SPEC_RUN:radixrt-spec,radixrt=radixrt-no-jump-forward-spec,radixrt-no-jump-forward) \
 		--output-dir bench_results/spec-no-jump-forward
+
+# The host tier (docs/benchmarks.md): 32 chats x 6 turns through a pool of about a quarter of
+# their histories, with the tier under each write policy and without; then swap against recompute
+# preemption on a load that keeps retracting.
+bench-hicache: model
+	$(BIN)/radixrt bench --workload multi-turn --num-requests 32 --turns 6 --max-new-tokens 32 \
+		--max-total-tokens 4096 --output-dir bench_results/hicache \
+		--systems radixrt,radixrt-hicache,radixrt-hicache-write-through,radixrt-hicache-write-back
+	$(BIN)/radixrt bench --workload random --num-requests 12 --question-tokens 100 --max-new-tokens 256 \
+		--fixed-output-len --max-total-tokens 1024 --output-dir bench_results/hicache-swap \
+		--systems radixrt-hicache-recompute,radixrt-hicache
 
 # llama.cpp as two peers in `radixrt bench`: llama-cpp-python (it compiles llama.cpp, several
 # minutes) and llama.cpp's own `llama-server`, built from the same vendored sources (about 8 more).

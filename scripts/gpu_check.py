@@ -5,7 +5,8 @@
 (a) correctness against the torch references on realistic bf16 shapes, (b) speed: decode HBM bandwidth and
 extend TFLOP/s against dense torch SDPA, plus small launch-config sweeps, (c) end to end: greedy outputs of
 radixrt.Engine with the triton and torch attention backends, (d) decode steps at batch 1 and 32 replayed
-from CUDA graphs against eager launches: time per step, and where greedy outputs first differ. Writes $OUT/gpu_check.json and $OUT/gpu_check.txt,
+from CUDA graphs against eager launches: time per step, and where greedy outputs first differ, (e) speculative
+decoding against plain decoding, (f) the host tier: copy bandwidth and load-backs end to end. Writes $OUT/gpu_check.json and $OUT/gpu_check.txt,
 rewritten after every section so a timeout still leaves the finished parts.
 """
 
@@ -524,6 +525,68 @@ def check_speculative() -> None:
     log(f"  first differing token per request (None: equal): {firsts}")
 
 
+def check_hicache() -> None:
+    log(
+        "== (f) host tier: pinned copies between the pool and host memory; load-backs end to end =="
+    )
+    from radixrt.config import ServerArgs
+    from radixrt.engine.scheduler import Scheduler
+    from radixrt.sampling_params import SamplingParams
+
+    results["hicache"] = {}
+    outputs = {}
+    params = SamplingParams.from_dict({"max_new_tokens": 16, "temperature": 0, "ignore_eos": True})
+    for tier in (True, False):
+        scheduler = Scheduler.from_server_args(
+            ServerArgs(
+                dtype="bfloat16",
+                max_total_tokens=4096,
+                enable_hierarchical_cache=tier,
+                hicache_write_policy="write_back",
+            )
+        )
+        if tier:  # copy bandwidth of the host pool, both directions
+            host = scheduler.kv.host
+            n = 2048
+            host_slots = host.alloc(n)
+            device_slots = torch.arange(1, n + 1, device="cuda")
+            per_token = sum(
+                b[0].numel() * b.element_size() for b in host.k_buffers + host.v_buffers
+            )
+            for name, copy in (
+                ("write", lambda: host.write(host_slots, device_slots)),
+                ("load", lambda: host.load(device_slots, host_slots)),
+            ):
+                ms = do_bench(copy, warmup=3, rep=20)
+                results["hicache"][f"{name}_GBps"] = n * per_token / ms / 1e6
+            host.free(host_slots)
+        gen = torch.Generator().manual_seed(0)
+        histories = [torch.randint(3, 40000, (1500,), generator=gen).tolist() for _ in range(6)]
+        outs = []
+        for turn in range(2):  # six 1500-token histories through a 4096-token pool, twice
+            for i, history in enumerate(histories):
+                req = scheduler.make_request(f"t{turn}-{i}", history + [7 + turn], params)
+                scheduler.add_request(req)
+                while scheduler.has_work():
+                    scheduler.step()
+                outs.append(req.output_ids)
+        outputs[tier] = outs
+        scheduler.check_invariants()
+        stats = scheduler.stats()
+        name = "tier" if tier else "no-tier"
+        results["hicache"][name] = {
+            k: stats[k] for k in ("cache_hit_rate", "host_hit_tokens", "evicted_tokens")
+        }
+        log(f"  {name}: {results['hicache'][name]}")
+        del scheduler
+        gc.collect()
+        torch.cuda.empty_cache()
+    firsts = [first_difference(a, b) for a, b in zip(outputs[True], outputs[False])]
+    results["hicache"]["first_diff"] = firsts
+    log(f"  copies: { ({k: v for k, v in results['hicache'].items() if k.endswith('GBps')}) }")
+    log(f"  first differing token per request, tier against none (None: equal): {firsts}")
+
+
 def main() -> None:
     results.update(
         device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__
@@ -535,6 +598,7 @@ def main() -> None:
         bench_extend,
         check_cuda_graphs,
         check_speculative,
+        check_hicache,
         sweep_configs,
         check_engine,
     ):

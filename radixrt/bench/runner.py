@@ -40,6 +40,20 @@ VARIANTS = {
         "enable_jump_forward": False,
         "speculative_algorithm": "ngram",
     },
+    # the host tier (swap preemption on), under each write policy; and with recompute preemption
+    "radixrt-hicache": {"enable_hierarchical_cache": True},
+    "radixrt-hicache-write-through": {
+        "enable_hierarchical_cache": True,
+        "hicache_write_policy": "write_through",
+    },
+    "radixrt-hicache-write-back": {
+        "enable_hierarchical_cache": True,
+        "hicache_write_policy": "write_back",
+    },
+    "radixrt-hicache-recompute": {
+        "enable_hierarchical_cache": True,
+        "preemption_mode": "recompute",
+    },
 }
 LLAMA_PEERS = ("llama.cpp", "llama-server")
 PEERS = ("transformers", *LLAMA_PEERS)
@@ -73,6 +87,8 @@ class RunResult:
     mask_time_share: float | None = None  # constraint masks / step time
     # speculative decoding: tokens a request got per forward that verified its draft
     spec_accept_length: float | None = None
+    host_hit_tokens: int | None = None  # prompt tokens loaded back from the host tier
+    swapped_in_tokens: int | None = None  # retracted requests' tokens loaded back
     floors: Floors | None = None  # the run's compute and weight-read floors, and the shares reached
     by_tag: dict[str, Summary] = field(default_factory=dict)
     # long-prompt: every ITL gap of the short requests
@@ -178,8 +194,14 @@ def _result(
         by_tag={tag: summarize([t for t in traces if t.tag == tag], duration, slo) for tag in tags},
         short_itls=[gap for t in traces if t.tag == "short" for gap in t.itls()],
     )
+    if len(tags) >= 2 and all(tag.startswith("turn-") for tag in tags):
+        later = [t for t in traces if t.tag != "turn-1"]  # the turns that resend a history
+        result.by_tag["later turns"] = summarize(later, duration, slo)
     if stats_delta is not None:
         result.cache_hit_rate = sum(t.cached_tokens for t in traces) / max(prompt, 1)
+        if stats_delta["host_hit_tokens"] or stats_delta["swapped_in_tokens"]:
+            result.host_hit_tokens = int(stats_delta["host_hit_tokens"])
+            result.swapped_in_tokens = int(stats_delta["swapped_in_tokens"])
         result.num_preemptions = int(stats_delta["num_preemptions"])
         result.evicted_tokens = int(stats_delta["evicted_tokens"])
         result.peak_used_tokens = int(stats_delta["peak_used_tokens"])
@@ -199,7 +221,7 @@ def _result(
 def _stats_delta(before: dict, after: dict) -> dict[str, float]:
     keys = ("num_preemptions", "evicted_tokens", "constraint_mask_time_s", "step_time_s")
     keys += ("forward_steps", "forward_tokens", "attention_pairs", "logit_rows")
-    keys += ("spec_verifications", "spec_accepted_tokens")
+    keys += ("spec_verifications", "spec_accepted_tokens", "host_hit_tokens", "swapped_in_tokens")
     return {
         **{k: after[k] - before[k] for k in keys},
         "peak_used_tokens": after["peak_used_tokens"],
@@ -390,6 +412,11 @@ def print_table(workload: str, results: list[RunResult], baseline: str | None) -
             print(f"  one stream: {_fmt(s.stream_tok_s, '.1f')} tok/s after its first token")
         if r.spec_accept_length is not None:
             print(f"  speculation: {r.spec_accept_length:.2f} tokens per verifying forward")
+        if r.host_hit_tokens is not None:
+            print(
+                f"  host tier: {r.host_hit_tokens} prompt tokens loaded back, "
+                f"{r.swapped_in_tokens} swapped in"
+            )
         if r.mask_time_share is not None:
             print(f"  constraint masks: {100 * r.mask_time_share:.2f}% of step time")
         if r.floors is not None:

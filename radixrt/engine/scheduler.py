@@ -299,8 +299,9 @@ class Scheduler:
         return kept
 
     def _retract(self, req: Req) -> None:
-        """Take a running request's slots back (its computed pages stay in the tree) and queue
-        it first: it is recomputed later, mostly from its own cached prefix."""
+        """Take a running request's slots back (its computed pages stay in the tree; with swap
+        preemption they are backed up to the host too) and queue it first: it is recomputed
+        later, mostly from its own cached prefix, or loaded back from the host."""
         self.kv.retract(req)
         self.running.remove(req)
         req.num_preemptions += 1
@@ -308,9 +309,10 @@ class Scheduler:
         self.budget.reset()
         self.waiting.insert(0, req)
         logger.info(
-            "retracted request %s after %d tokens (pool full); it will be recomputed",
+            "retracted request %s after %d tokens (pool full); it will be %s",
             req.rid,
             len(req.output_ids),
+            "loaded back from the host" if self.kv.swap else "recomputed",
         )
 
     def _reserved_tokens(self) -> float:

@@ -411,12 +411,15 @@ class RadixCache:
 
     def _keep_on_host(self, node: TreeNode) -> bool:
         """Whether a device node about to be evicted should be backed up first: always under
-        write_back and write_through (which may have found the host full before), under the
-        selective policy once reused; and whenever host-only nodes below it need it."""
+        write_back and write_through (which may have found the host full before); under the
+        selective policy once reused, or while the host has free room for it (free host memory
+        serves nobody, and a chat's history is evicted before its next turn reuses it); and
+        whenever host-only nodes below it need it."""
         return self.host is not None and (
             self.write_policy != "write_through_selective"
             or node.hit_count >= SELECTIVE_HITS
             or bool(node.children)
+            or self.host.available() >= len(node.value)
         )
 
     def evict(self, num_tokens: int) -> int:

@@ -188,6 +188,9 @@ def test_metrics_parse_and_move(runtime, client):
         "radixrt_cached_prompt_tokens_total",
         "radixrt_spec_accepted_tokens_total",
         "radixrt_spec_accept_length",
+        "radixrt_host_kv_tokens",
+        "radixrt_host_hit_tokens_total",
+        "radixrt_swapped_in_tokens_total",
     ):
         assert name + "{}" in after, name
 

@@ -185,7 +185,7 @@ class ServerArgs:
     hicache_write_policy: str = field(
         default="write_through_selective",
         metadata={
-            "help": "when a cached prefix is copied to the host: write_through (when cached), write_through_selective (from its second use) or write_back (when evicted from the pool)",
+            "help": "when a cached prefix is copied to the host: write_through (when cached), write_through_selective (from its second use, and when evicted while the host has free room) or write_back (when evicted from the pool)",
             "choices": ["write_through", "write_through_selective", "write_back"],
         },
     )

@@ -73,7 +73,7 @@ bench-hicache: model
 		--systems radixrt,radixrt-hicache,radixrt-hicache-write-through,radixrt-hicache-write-back
 	$(BIN)/radixrt bench --workload random --num-requests 12 --question-tokens 100 --max-new-tokens 256 \
 		--fixed-output-len --max-total-tokens 1024 --output-dir bench_results/hicache-swap \
-		--systems radixrt-hicache-recompute,radixrt-hicache
+		--systems radixrt,radixrt-hicache-recompute,radixrt-hicache
 
 # llama.cpp as two peers in `radixrt bench`: llama-cpp-python (it compiles llama.cpp, several
 # minutes) and llama.cpp's own `llama-server`, built from the same vendored sources (about 8 more).

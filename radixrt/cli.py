@@ -21,9 +21,14 @@ def _prepare_model(args: argparse.Namespace) -> None:
 
 
 def _serve(args: argparse.Namespace) -> None:
+    server_args = ServerArgs.from_cli_args(args)
+    if server_args.node_rank > 0:  # another machine of a tensor-parallel group: ranks only
+        from radixrt.executor.tp_worker import run_node
+
+        sys.exit(run_node(server_args.executor))
     from radixrt.server.zmq_server import run_server
 
-    run_server(ServerArgs.from_cli_args(args))
+    run_server(server_args)
 
 
 def _http_gateway(args: argparse.Namespace) -> None:

@@ -35,6 +35,10 @@ class ExecutorArgs:
     page_size: int
     context_length: int | None
     max_running_requests: int  # sizes the request->token table
+    tp_size: int
+    nnodes: int
+    node_rank: int
+    dist_init_addr: str | None
 
 
 @dataclass(frozen=True)
@@ -120,6 +124,27 @@ class ServerArgs:
     context_length: int | None = field(
         default=None,
         metadata={"help": "max prompt+output tokens per request (default: the model's)"},
+    )
+    tp_size: int = field(
+        default=1,
+        metadata={
+            "help": "tensor parallelism: shard the model's heads, MLP and vocabulary over this many rank processes (one GPU each on CUDA, cores/N threads each on the CPU), gloo on the CPU, NCCL on CUDA"
+        },
+    )
+    nnodes: int = field(
+        default=1, metadata={"help": "machines the --tp-size ranks are spread over"}
+    )
+    node_rank: int = field(
+        default=0,
+        metadata={
+            "help": "this machine's index among --nnodes: 0 runs the scheduler and the socket, the others only host ranks"
+        },
+    )
+    dist_init_addr: str | None = field(
+        default=None,
+        metadata={
+            "help": "HOST:PORT where the ranks meet (torch.distributed TCP rendezvous; needed with --nnodes > 1; default: a free loopback port)"
+        },
     )
     schedule_policy: str = field(
         default="lpm",
@@ -245,6 +270,14 @@ class ServerArgs:
             )
         if self.speculative_num_draft_tokens < 1:
             raise ValueError("speculative_num_draft_tokens must be >= 1")
+        if self.tp_size < 1 or self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError("tp_size and nnodes must be >= 1, node_rank in [0, nnodes)")
+        if self.tp_size % self.nnodes:
+            raise ValueError(f"tp_size {self.tp_size} does not split over {self.nnodes} nodes")
+        if self.nnodes > 1 and not self.dist_init_addr:
+            raise ValueError("nnodes > 1 needs dist_init_addr (HOST:PORT of node 0)")
+        if self.tp_size > 1 and self.enable_hierarchical_cache:
+            raise ValueError("the host tier does not run with tp_size > 1 yet")
         if self.hicache_ratio <= 0 or (self.hicache_size is not None and self.hicache_size <= 0):
             raise ValueError("hicache_ratio and hicache_size must be > 0")
         if self.hicache_write_policy not in (

@@ -35,6 +35,7 @@ logger = logging.getLogger(__name__)
 
 # defer a request sharing this many new tokens with one admitted this step
 IN_BATCH_SHARE_TOKENS = 16
+HEARTBEAT_S = 1.0  # idle, rank 0 tells the other tensor-parallel ranks it is alive this often
 
 
 class Scheduler:
@@ -94,6 +95,7 @@ class Scheduler:
         self.spec_verifications = 0  # forwards in which a request verified a draft
         self.spec_draft_tokens = 0
         self.spec_accepted_tokens = 0
+        self._last_heartbeat = time.monotonic()
 
     def _host_pool(self) -> HostKVPool:
         pool = self.runner.kv_pool
@@ -118,9 +120,19 @@ class Scheduler:
         )
 
     def close(self) -> None:
-        """Finish what runs in the background (the disk tier's writes)."""
+        """Finish what runs in the background (the disk tier's writes) and stop the model's
+        other tensor-parallel ranks."""
         if self.kv.storage is not None:
             self.kv.storage.close()
+        self.runner.close()
+
+    def idle(self) -> None:
+        """Called while there is no work: every second, a heartbeat to the other ranks (a dead
+        rank raises here)."""
+        now = time.monotonic()
+        if now - self._last_heartbeat >= HEARTBEAT_S:
+            self._last_heartbeat = now
+            self.runner.heartbeat()
 
     @classmethod
     def from_server_args(cls, args: ServerArgs) -> Scheduler:
@@ -606,6 +618,7 @@ class Scheduler:
     # ---- introspection -----------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         return {
+            "tp_size": self.runner.tp.size,
             "total_tokens": self.allocator.total_tokens,
             "free_tokens": self.allocator.available(),
             "cached_tokens": self.tree.evictable_size + self.tree.protected_size,

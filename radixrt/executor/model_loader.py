@@ -11,7 +11,8 @@ import shutil
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 logger = logging.getLogger(__name__)
 
@@ -91,11 +92,29 @@ def convert_gguf(gguf: Path) -> Path:
     return out
 
 
-def load_state_dict(folder: Path) -> dict[str, torch.Tensor]:
-    files = sorted(glob.glob(str(folder / "*.safetensors")))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors weights in {folder}")
-    state: dict[str, torch.Tensor] = {}
-    for f in files:
-        state.update(load_file(f))
-    return state
+class WeightReader:
+    """A model folder's safetensors tensors by name, read whole or as a slice of rows or
+    columns: a tensor-parallel rank reads only its own part from disk."""
+
+    def __init__(self, folder: Path):
+        files = sorted(glob.glob(str(folder / "*.safetensors")))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors weights in {folder}")
+        self._handles = [safe_open(f, framework="pt") for f in files]
+        self._where = {name: h for h in self._handles for name in h.keys()}
+
+    def has(self, name: str) -> bool:
+        return name in self._where
+
+    def _slice(self, name: str):
+        if name not in self._where:
+            raise ValueError(f"weight {name!r} is missing from the checkpoint")
+        return self._where[name].get_slice(name)
+
+    def rows(self, name: str, start: int | None = None, end: int | None = None) -> torch.Tensor:
+        """Rows [start, end) of a tensor (all of it without bounds)."""
+        return self._slice(name)[start:end]
+
+    def cols(self, name: str, start: int, end: int) -> torch.Tensor:
+        """Columns [start, end) of a matrix."""
+        return self._slice(name)[:, start:end]

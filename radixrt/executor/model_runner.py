@@ -12,8 +12,19 @@ from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
 from radixrt.attention import create_backend
 from radixrt.config import ExecutorArgs
+from radixrt.distributed.group import TPGroup
 from radixrt.executor.forward_batch import ForwardBatch
-from radixrt.executor.model_loader import load_state_dict, resolve_model_path
+from radixrt.executor.model_loader import WeightReader, resolve_model_path
+from radixrt.executor.tp_worker import (
+    FORWARD,
+    HEARTBEAT,
+    LOGITS,
+    SHUTDOWN,
+    decode_batch,
+    encode_batch,
+    local_rank,
+    start_local_ranks,
+)
 from radixrt.mem_cache.memory_pool import (
     PageAllocator,
     ReqToTokenPool,
@@ -32,10 +43,12 @@ from radixrt.models.linear import (
 logger = logging.getLogger(__name__)
 
 
-def resolve_device(name: str) -> torch.device:
+def resolve_device(name: str, index: int = 0) -> torch.device:
+    """`auto`, `cpu` or `cuda`; on CUDA the device `index` (a tensor-parallel rank's own GPU)."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(name)
+    return torch.device("cuda", index) if device.type == "cuda" else device
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -77,19 +90,32 @@ class WeightCounts:
 
 
 class ModelRunner:
-    def __init__(self, args: ExecutorArgs):
+    """The model (with `--tp-size N`, this rank's shard of it), its pools and one forward per
+    step. On rank 0 of a tensor-parallel group it starts this node's other ranks
+    (`tp_worker.start_local_ranks`) and sends each forward and logits call to every rank
+    before running its own part; the other ranks run `serve_commands`."""
+
+    def __init__(self, args: ExecutorArgs, rank: int = 0, init_method: str | None = None):
         start = time.monotonic()
         self.args = args
-        self.device = resolve_device(args.device)
-        self.dtype = resolve_dtype(args.dtype, self.device)
         self.model_path = resolve_model_path(args.model)
+        self.ranks = None
+        if args.tp_size > 1 and rank == 0:
+            self.ranks, init_method = start_local_ranks(args)
+        self.device = resolve_device(args.device, local_rank(args, rank))
+        self.dtype = resolve_dtype(args.dtype, self.device)
+        self.tp = (
+            TPGroup.init(rank, args.tp_size, init_method, self.device)
+            if args.tp_size > 1
+            else TPGroup(device=self.device)
+        )
         self.config = AutoConfig.from_pretrained(self.model_path)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self.context_length = args.context_length or self.config.max_position_embeddings
         self.eos_token_ids = self._eos_ids()
 
-        model = model_class(self.config)(self.config, self.context_length)
-        model.load_weights(load_state_dict(self.model_path))
+        model = model_class(self.config)(self.config, self.context_length, self.tp)
+        model.load_weights(WeightReader(self.model_path))
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
         self.model.rope.to(torch.float32)  # cos/sin tables stay exact; cast per use
         check_quantization(args.quantization, self.device)
@@ -131,20 +157,22 @@ class ModelRunner:
 
     def _init_pools(self) -> None:
         cfg, args = self.config, self.args
+        kv_heads = self.model.shard.num_kv_heads
         per_token = bytes_per_token(
-            cfg.num_hidden_layers, cfg.num_key_value_heads, self.model.head_dim, self.dtype
+            cfg.num_hidden_layers, kv_heads, self.model.head_dim, self.dtype
         )
         total = args.max_total_tokens
         if total is None:
             fraction = args.mem_fraction or (0.8 if self.device.type == "cuda" else 0.1)
             total = int(available_memory(self.device) * fraction) // per_token
+        total = self.tp.agree(total)  # every rank's pool has rank 0's slots: the tree is one
         if total < args.page_size * 2:
             raise ValueError(f"KV pool of {total} tokens is too small")
         self.allocator = PageAllocator(total, args.page_size, self.device)
         self.kv_pool = TokenToKVPool(
             self.allocator.num_slots,
             cfg.num_hidden_layers,
-            cfg.num_key_value_heads,
+            kv_heads,
             self.model.head_dim,
             self.dtype,
             self.device,
@@ -155,8 +183,8 @@ class ModelRunner:
 
     def _graph_runner(self):
         """Decode steps as CUDA graphs: on CUDA with the Triton backend, unless disabled."""
-        if self.device.type != "cuda" or self.args.disable_cuda_graph:
-            return None
+        if self.device.type != "cuda" or self.args.disable_cuda_graph or self.tp.size > 1:
+            return None  # graphs do not capture the ranks' commands
         from radixrt.attention.triton_backend import TritonAttentionBackend
         from radixrt.executor.cuda_graph_runner import CudaGraphRunner
 
@@ -172,10 +200,55 @@ class ModelRunner:
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Hidden states of the batch's new tokens (a replayed graph's buffer for a decode
         batch on CUDA: read before the next forward)."""
+        if self.tp.size > 1:
+            self.tp.send(*encode_batch(batch, self.req_to_token_pool.req_to_token))
         if self.graph_runner is not None and self.graph_runner.can_run(batch):
             return self.graph_runner.replay(batch)
         self.attn_backend.init_forward_metadata(batch)
         return self.model(batch, self.attn_backend)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.model.compute_logits(hidden)[:, : self.vocab_size]
+        """Logits of `hidden`'s rows over the whole vocabulary (gathered from every rank)."""
+        if self.tp.size > 1:
+            self.tp.send({"op": LOGITS, "rows": len(hidden)})
+            self.tp.broadcast(hidden.contiguous())
+        local = self.model.compute_logits(hidden)
+        return self.tp.gather_last_dim(local, self.model.vocab_widths)[:, : self.vocab_size]
+
+    def heartbeat(self) -> None:
+        """Rank 0, while idle: show the other ranks it is alive, and find out whether they are
+        (a dead rank fails the broadcast, or its process is seen gone)."""
+        if self.tp.size > 1:
+            if self.ranks is not None:
+                self.ranks.check_alive()
+            self.tp.send({"op": HEARTBEAT})
+
+    def serve_commands(self) -> None:
+        """Ranks other than 0: run what rank 0 sends, until it says to stop."""
+        req_to_token = self.req_to_token_pool.req_to_token
+        while True:
+            header, payload = self.tp.recv()
+            op = header["op"]
+            if op == FORWARD:
+                batch = decode_batch(header, payload, req_to_token, self.device)
+                self.attn_backend.init_forward_metadata(batch)
+                self.model(batch, self.attn_backend)
+            elif op == LOGITS:
+                hidden = torch.empty(
+                    (header["rows"], self.config.hidden_size), dtype=self.dtype, device=self.device
+                )
+                self.tp.broadcast(hidden)
+                self.tp.gather_last_dim(self.model.compute_logits(hidden), self.model.vocab_widths)
+            elif op == SHUTDOWN:
+                return
+
+    def close(self) -> None:
+        """Rank 0: stop this group's other ranks (they exit) and leave the group."""
+        if self.tp.size > 1:
+            try:
+                self.tp.send({"op": SHUTDOWN})
+            except RuntimeError:  # a rank is already gone: the rest notice on their own
+                pass
+            if self.ranks is not None:
+                self.ranks.join()
+            self.tp.destroy()

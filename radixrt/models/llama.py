@@ -10,10 +10,13 @@ from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from radixrt.attention import AttentionBackend
+from radixrt.distributed.group import TPGroup
+from radixrt.distributed.sharding import HeadShard, shard_heads, split_range
 from radixrt.kernels import cpu_fused
 
 if TYPE_CHECKING:  # types only: the executor and the pools import this package, not the reverse
     from radixrt.executor.forward_batch import ForwardBatch
+    from radixrt.executor.model_loader import WeightReader
 
 
 class RMSNorm(nn.Module):
@@ -78,11 +81,15 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, config, layer_id: int, head_dim: int):
+    """This rank's attention heads (`shard`): a column-parallel fused qkv projection, a
+    row-parallel output projection, and one all-reduce of its output."""
+
+    def __init__(self, config, layer_id: int, head_dim: int, shard: HeadShard, tp: TPGroup):
         super().__init__()
         self.layer_id = layer_id
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        self.tp = tp
+        self.num_heads = shard.num_heads
+        self.num_kv_heads = shard.num_kv_heads
         self.head_dim = head_dim
         bias = getattr(config, "attention_bias", False) or config.model_type == "qwen2"
         self.q_size, self.kv_size = self.num_heads * head_dim, self.num_kv_heads * head_dim
@@ -106,21 +113,26 @@ class Attention(nn.Module):
             q = cpu_fused.rope_and_store(
                 qkv, cos[:, 0], sin[:, 0], self.num_heads, k_buf, v_buf, batch.out_slots
             )
-            return self.o_proj(
+            out = self.o_proj(
                 attn.forward(self.layer_id, q, None, None, batch).view(-1, self.q_size)
             )
+            return self.tp.all_reduce(out)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = apply_rotary(q.view(-1, self.num_heads, self.head_dim), cos_sin)
         k = apply_rotary(k.view(-1, self.num_kv_heads, self.head_dim), cos_sin)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         attn.kv_pool.set_kv(self.layer_id, batch.out_slots, k, v)
         o = attn.forward(self.layer_id, q, k, v, batch)
-        return self.o_proj(o.reshape(-1, self.q_size))
+        return self.tp.all_reduce(self.o_proj(o.reshape(-1, self.q_size)))
 
 
 class MLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int):
+    """This rank's slice of the intermediate size: column-parallel gate/up, row-parallel down,
+    one all-reduce of its output."""
+
+    def __init__(self, hidden: int, intermediate: int, tp: TPGroup):
         super().__init__()
+        self.tp = tp
         self.intermediate = intermediate
         self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
@@ -128,18 +140,38 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         if cpu_fused.supports(gate_up):
-            return self.down_proj(cpu_fused.silu_mul(gate_up))
+            return self.tp.all_reduce(self.down_proj(cpu_fused.silu_mul(gate_up)))
         gate, up = gate_up.split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.tp.all_reduce(self.down_proj(F.silu(gate) * up))
+
+
+class VocabParallelEmbedding(nn.Module):
+    """This rank's rows [start, end) of the embedding table: ids outside them look up zeros, and
+    an all-reduce sums the ranks' parts into every id's row."""
+
+    def __init__(self, vocab: tuple[int, int], hidden: int, tp: TPGroup):
+        super().__init__()
+        self.start, self.end = vocab
+        self.tp = tp
+        self.weight = nn.Parameter(torch.empty(self.end - self.start, hidden))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(ids, self.weight)
+        outside = (ids < self.start) | (ids >= self.end)
+        x = F.embedding((ids - self.start).masked_fill(outside, 0), self.weight)
+        return self.tp.all_reduce(x.masked_fill(outside[:, None], 0))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config, layer_id: int, head_dim: int):
+    def __init__(
+        self, config, layer_id: int, head_dim: int, shard: HeadShard, mlp: int, tp: TPGroup
+    ):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, layer_id, head_dim)
+        self.self_attn = Attention(config, layer_id, head_dim, shard, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config.hidden_size, config.intermediate_size)
+        self.mlp = MLP(config.hidden_size, mlp, tp)
 
     def forward(
         self,
@@ -159,26 +191,43 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config, max_positions: int):
+    """The decoder, or with `tp` of size N one rank's shard of it: its heads (`shard`), its
+    slice of the MLP (`mlp_range`) and of the vocabulary (`vocab_range`); norms and rotary
+    tables are whole on every rank. `compute_logits` gives this rank's vocabulary columns."""
+
+    def __init__(self, config, max_positions: int, tp: TPGroup | None = None):
         super().__init__()
         self.config = config
+        self.tp = tp = tp or TPGroup()
         head_dim = (
             getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         )
         self.head_dim = head_dim
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.shard = shard_heads(
+            config.num_attention_heads, config.num_key_value_heads, tp.size, tp.rank
+        )
+        self.mlp_range = split_range(config.intermediate_size, tp.size, tp.rank)
+        self.vocab_widths = [
+            end - start
+            for start, end in (split_range(config.vocab_size, tp.size, r) for r in range(tp.size))
+        ]
+        self.vocab_range = split_range(config.vocab_size, tp.size, tp.rank)
+        mlp = self.mlp_range[1] - self.mlp_range[0]
+        self.embed_tokens = VocabParallelEmbedding(self.vocab_range, config.hidden_size, tp)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i, head_dim) for i in range(config.num_hidden_layers)
+            DecoderLayer(config, i, head_dim, self.shard, mlp, tp)
+            for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rope = RotaryEmbedding(config, head_dim, max_positions)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        if getattr(config, "tie_word_embeddings", False):
+        self.lm_head = nn.Linear(config.hidden_size, self.vocab_widths[tp.rank], bias=False)
+        self.tied = bool(getattr(config, "tie_word_embeddings", False))
+        if self.tied:
             self.lm_head.weight = self.embed_tokens.weight
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
-        """Hidden states after the final norm, one row per new token."""
+        """Hidden states after the final norm, one row per new token (the same on every rank)."""
         x, residual = self.embed_tokens(batch.input_ids), None
         cos_sin = self.rope(batch.positions, x.dtype)
         for layer in self.layers:
@@ -187,10 +236,13 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits of this rank's vocabulary slice."""
         return self.lm_head(hidden).float()
 
-    def load_weights(self, state: dict[str, torch.Tensor]) -> None:
-        """Load Hugging Face names, fusing q/k/v and gate/up projections."""
+    def load_weights(self, reader: WeightReader) -> None:
+        """Load Hugging Face names, reading only this rank's slices, fusing q/k/v and gate/up."""
+        s, hd = self.shard, self.head_dim
+        q, kv = (s.q_start * hd, s.q_end * hd), (s.kv_start * hd, s.kv_end * hd)
         own = dict(self.named_parameters())
         loaded = set()
 
@@ -201,19 +253,25 @@ class LlamaForCausalLM(nn.Module):
         for i in range(self.config.num_hidden_layers):
             hf, me = f"model.layers.{i}.", f"layers.{i}."
             for kind in ("weight", "bias"):
-                parts = [hf + f"self_attn.{p}_proj.{kind}" for p in "qkv"]
-                if parts[0] in state:
-                    put(me + f"self_attn.qkv_proj.{kind}", torch.cat([state.pop(p) for p in parts]))
+                names = [hf + f"self_attn.{p}_proj.{kind}" for p in "qkv"]
+                if reader.has(names[0]):
+                    parts = [reader.rows(n, *span) for n, span in zip(names, (q, kv, kv))]
+                    put(me + f"self_attn.qkv_proj.{kind}", torch.cat(parts))
+            put(me + "self_attn.o_proj.weight", reader.cols(hf + "self_attn.o_proj.weight", *q))
+            gate_up = [
+                reader.rows(hf + f"mlp.{p}_proj.weight", *self.mlp_range) for p in ("gate", "up")
+            ]
+            put(me + "mlp.gate_up_proj.weight", torch.cat(gate_up))
             put(
-                me + "mlp.gate_up_proj.weight",
-                torch.cat(
-                    [state.pop(hf + "mlp.gate_proj.weight"), state.pop(hf + "mlp.up_proj.weight")]
-                ),
+                me + "mlp.down_proj.weight",
+                reader.cols(hf + "mlp.down_proj.weight", *self.mlp_range),
             )
-        for name, tensor in state.items():
-            target = name.removeprefix("model.")
-            if target in own:
-                put(target, tensor)
-        missing = set(own) - loaded
+            for norm in ("input_layernorm", "post_attention_layernorm"):
+                put(me + f"{norm}.weight", reader.rows(hf + f"{norm}.weight"))
+        put("norm.weight", reader.rows("model.norm.weight"))
+        put("embed_tokens.weight", reader.rows("model.embed_tokens.weight", *self.vocab_range))
+        if not self.tied:
+            put("lm_head.weight", reader.rows("lm_head.weight", *self.vocab_range))
+        missing = set(own) - loaded - ({"lm_head.weight"} if self.tied else set())
         if missing:
             raise ValueError(f"weights missing from the checkpoint: {sorted(missing)[:8]}")

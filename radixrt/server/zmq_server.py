@@ -69,6 +69,8 @@ class Server:
             self._abort_vanished_clients()
             if self.scheduler.has_work():
                 self._publish(self.scheduler.step())
+            else:
+                self.scheduler.idle()
         self.scheduler.close()
         self.sock.close()
         self.ctx.term()

@@ -1,0 +1,124 @@
+"""A tensor-parallel rank's process group and the collectives the model and the runner use.
+
+Collectives of the forward (the all-reduces after the attention output and the MLP down
+projection, the logits gather) run on the compute backend: NCCL on CUDA, gloo on the CPU, where
+bf16 and fp16 are reduced in float32 because gloo cannot sum them. Commands from rank 0 (what
+the next step computes) travel on a gloo group of their own as msgpack bytes and int64 tensors,
+never pickle.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import msgpack
+import torch
+import torch.distributed as dist
+
+# a collective that waits longer than this fails; rank 0 sends a heartbeat every second when idle
+COLLECTIVE_TIMEOUT_S = 60
+
+
+@dataclass
+class TPGroup:
+    """This process's place among `size` tensor-parallel ranks (`size == 1`: no group at all)."""
+
+    rank: int = 0
+    size: int = 1
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    cpu_group: Any = None  # gloo group for commands (the default group itself on the CPU)
+
+    @property
+    def is_driver(self) -> bool:
+        """Rank 0 runs the scheduler and sends every step to the others."""
+        return self.rank == 0
+
+    @classmethod
+    def init(cls, rank: int, size: int, init_method: str, device: torch.device) -> TPGroup:
+        """Join the group (blocks until all `size` ranks have joined at `init_method`)."""
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(
+            backend,
+            init_method=init_method,
+            rank=rank,
+            world_size=size,
+            timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+        )
+        cpu_group = dist.new_group(backend="gloo") if backend == "nccl" else dist.group.WORLD
+        return cls(rank, size, device, cpu_group)
+
+    def destroy(self) -> None:
+        if self.size > 1 and dist.is_initialized():
+            dist.destroy_process_group()
+
+    # ---- the forward's collectives ---------------------------------------------------------
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum `x` over the ranks, in place."""
+        if self.size == 1:
+            return x
+        if x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16):
+            wide = x.float()
+            dist.all_reduce(wide)
+            return x.copy_(wide)
+        dist.all_reduce(x)
+        return x
+
+    def gather_last_dim(self, x: torch.Tensor, widths: list[int]) -> torch.Tensor | None:
+        """Rank r's `x` [rows, widths[r]] side by side on rank 0 (None on the others)."""
+        if self.size == 1:
+            return x
+        pad = max(widths) - x.shape[-1]
+        padded = torch.nn.functional.pad(x, (0, pad)) if pad else x.contiguous()
+        parts = [torch.empty_like(padded) for _ in widths] if self.is_driver else None
+        dist.gather(padded, parts, dst=0)
+        if not self.is_driver:
+            return None
+        return torch.cat([p[..., :w] for p, w in zip(parts, widths)], dim=-1)
+
+    def broadcast(self, x: torch.Tensor) -> torch.Tensor:
+        """Rank 0's `x` on every rank (same shape and dtype everywhere), in place."""
+        dist.broadcast(x, 0)
+        return x
+
+    def agree(self, value: int) -> int:
+        """Rank 0's `value` on every rank (a size all ranks must share, such as the pool's)."""
+        if self.size == 1:
+            return value
+        box = torch.tensor([value], dtype=torch.int64)
+        dist.broadcast(box, 0, group=self.cpu_group)
+        return int(box)
+
+    # ---- commands from rank 0 --------------------------------------------------------------
+    def send(self, header: dict[str, Any], payload: torch.Tensor | None = None) -> None:
+        """Rank 0: a command as msgpack bytes, then an optional int64 CPU payload."""
+        data = msgpack.packb({**header, "payload": 0 if payload is None else len(payload)})
+        self._bytes(data)
+        if payload is not None:
+            dist.broadcast(payload.to(torch.int64).contiguous(), 0, group=self.cpu_group)
+
+    def recv(self) -> tuple[dict[str, Any], torch.Tensor | None]:
+        """The other ranks: the next command from rank 0 and its payload."""
+        header = msgpack.unpackb(self._bytes(None))
+        payload = None
+        if header["payload"]:
+            payload = torch.empty(header["payload"], dtype=torch.int64)
+            dist.broadcast(payload, 0, group=self.cpu_group)
+        return header, payload
+
+    def _bytes(self, data: bytes | None) -> bytes:
+        size = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64)
+        dist.broadcast(size, 0, group=self.cpu_group)
+        if data is not None:
+            buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        else:
+            buf = torch.empty(int(size), dtype=torch.uint8)
+        dist.broadcast(buf, 0, group=self.cpu_group)
+        return buf.numpy().tobytes()
+
+
+def threads_per_rank(local_ranks: int) -> int:
+    """CPU threads each of this machine's ranks takes: its share of the cores."""
+    return max(1, (os.cpu_count() or 1) // local_ranks)

@@ -75,6 +75,18 @@ class Server:
         self.sock.close()
         self.ctx.term()
 
+    def fail_pending(self, error: Exception) -> None:
+        """The loop cannot go on: every request in flight gets an error now instead of a
+        silence (`worker_lost` when a tensor-parallel rank is gone, else `internal_error`)."""
+        lost = self.scheduler.runner.tp.size > 1
+        code = ErrorCode.WORKER_LOST if lost else ErrorCode.INTERNAL_ERROR
+        message = f"{'a tensor-parallel rank is gone' if lost else 'the runtime failed'}: {error}"
+        for client in self.clients.values():
+            self._send(client.identity, error_reply(client.rid, code, message))
+        self.clients.clear()
+        self.sock.close(linger=1000)  # the errors leave before the process does
+        self.ctx.term()
+
     def _drain(self, block: bool) -> None:
         timeout = IDLE_POLL_MS if block else STALLED_POLL_MS if self.scheduler.stalled else 0
         while self.sock.poll(timeout):
@@ -354,8 +366,9 @@ def run_server(args: ServerArgs) -> None:
     logger.info("serving on %s", args.endpoint)
     try:
         server.serve_forever()
-    except Exception:  # a bug in the loop: its traceback goes to the log, the CLI says one line
+    except Exception as e:  # a bug in the loop, or a lost rank: logged, said to every client
         logger.exception("the serving loop failed")
+        server.fail_pending(e)
         raise
     finally:
         if gateway is not None:

@@ -50,6 +50,7 @@ VARIANTS = {
         "enable_hierarchical_cache": True,
         "hicache_write_policy": "write_back",
     },
+    "radixrt-tp2": {"tp_size": 2},  # two rank processes, a thread each on a 2-core CPU
     "radixrt-hicache-recompute": {
         "enable_hierarchical_cache": True,
         "preemption_mode": "recompute",
@@ -87,6 +88,8 @@ class RunResult:
     mask_time_share: float | None = None  # constraint masks / step time
     # speculative decoding: tokens a request got per forward that verified its draft
     spec_accept_length: float | None = None
+    tp_collective_share: float | None = None  # rank 0's collectives / its step time
+    rank_peak_rss_mb: list[float] | None = None  # each rank process's peak resident memory
     host_hit_tokens: int | None = None  # prompt tokens loaded back from the host tier
     swapped_in_tokens: int | None = None  # retracted requests' tokens loaded back
     floors: Floors | None = None  # the run's compute and weight-read floors, and the shares reached
@@ -169,7 +172,7 @@ def _radixrt_target(args: argparse.Namespace, system: str, kind: type | None = N
         max_total_tokens=args.max_total_tokens,
         log_level="warning",
         timeout=REPLY_TIMEOUT_S,
-        **{**tuned, **VARIANTS[system]},
+        **{"tp_size": args.tp_size, **tuned, **VARIANTS[system]},
     )
 
 
@@ -199,6 +202,10 @@ def _result(
         result.by_tag["later turns"] = summarize(later, duration, slo)
     if stats_delta is not None:
         result.cache_hit_rate = sum(t.cached_tokens for t in traces) / max(prompt, 1)
+        if stats_delta["tp_collective_time_s"]:
+            result.tp_collective_share = stats_delta["tp_collective_time_s"] / max(
+                stats_delta["step_time_s"], 1e-9
+            )
         if stats_delta["host_hit_tokens"] or stats_delta["swapped_in_tokens"]:
             result.host_hit_tokens = int(stats_delta["host_hit_tokens"])
             result.swapped_in_tokens = int(stats_delta["swapped_in_tokens"])
@@ -222,6 +229,7 @@ def _stats_delta(before: dict, after: dict) -> dict[str, float]:
     keys = ("num_preemptions", "evicted_tokens", "constraint_mask_time_s", "step_time_s")
     keys += ("forward_steps", "forward_tokens", "attention_pairs", "logit_rows")
     keys += ("spec_verifications", "spec_accepted_tokens", "host_hit_tokens", "swapped_in_tokens")
+    keys += ("tp_collective_time_s",)
     return {
         **{k: after[k] - before[k] for k in keys},
         "peak_used_tokens": after["peak_used_tokens"],
@@ -265,18 +273,35 @@ def run_system(
             traces, duration = run_load(
                 target, sessions, load, render, desc=f"{system} ({load.describe()})"
             )
-            results.append(
-                _result(
-                    system,
-                    load,
-                    traces,
-                    duration,
-                    slo,
-                    _stats_delta(before, target.stats()),
-                    limits,
-                )
+            result = _result(
+                system, load, traces, duration, slo, _stats_delta(before, target.stats()), limits
             )
+            result.rank_peak_rss_mb = rank_peak_rss_mb(target)
+            results.append(result)
     return results
+
+
+def rank_peak_rss_mb(target) -> list[float] | None:
+    """Peak resident memory (Linux VmHWM) of the runtime process and its rank processes, in MB;
+    None where that cannot be read (another OS, a remote server)."""
+    import psutil
+
+    proc = getattr(target, "_proc", None)
+    if proc is None:
+        return None
+    server = psutil.Process(proc.pid)
+    ranks = [server] + [
+        p for p in server.children(recursive=True) if "spawn_main" in " ".join(p.cmdline())
+    ]
+    peaks = []
+    for p in ranks:
+        try:
+            status = Path(f"/proc/{p.pid}/status").read_text()
+        except OSError:
+            return None
+        kb = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmHWM"))
+        peaks.append(kb / 1024)
+    return peaks
 
 
 def _run_llama_peer(
@@ -412,6 +437,14 @@ def print_table(workload: str, results: list[RunResult], baseline: str | None) -
             print(f"  one stream: {_fmt(s.stream_tok_s, '.1f')} tok/s after its first token")
         if r.spec_accept_length is not None:
             print(f"  speculation: {r.spec_accept_length:.2f} tokens per verifying forward")
+        if r.rank_peak_rss_mb is not None:
+            share = (
+                ""
+                if r.tp_collective_share is None
+                else (f"collectives {100 * r.tp_collective_share:.1f}% of rank 0's step time; ")
+            )
+            peaks = ", ".join(f"{m:.0f}" for m in r.rank_peak_rss_mb)
+            print(f"  ranks: {share}peak resident memory per rank {peaks} MB")
         if r.host_hit_tokens is not None:
             print(
                 f"  host tier: {r.host_hit_tokens} prompt tokens loaded back, "
@@ -473,6 +506,12 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="default")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     parser.add_argument("--max-total-tokens", type=int, default=65536)
+    parser.add_argument(
+        "--tp-size",
+        type=int,
+        default=1,
+        help="radixrt's tensor-parallel ranks (a variant may override)",
+    )
     parser.add_argument(
         "--chunked-prefill-size", type=int, help="radixrt's prefill chunk (default: the server's)"
     )

@@ -10,6 +10,8 @@ never pickle.
 from __future__ import annotations
 
 import os
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -30,6 +32,14 @@ class TPGroup:
     size: int = 1
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     cpu_group: Any = None  # gloo group for commands (the default group itself on the CPU)
+    collective_time: float = 0.0  # seconds this rank spent in collectives and commands
+
+    def _timed(self, op: Callable[[], Any]) -> Any:
+        start = time.perf_counter()
+        try:
+            return op()
+        finally:
+            self.collective_time += time.perf_counter() - start
 
     @property
     def is_driver(self) -> bool:
@@ -61,9 +71,9 @@ class TPGroup:
             return x
         if x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16):
             wide = x.float()
-            dist.all_reduce(wide)
+            self._timed(lambda: dist.all_reduce(wide))
             return x.copy_(wide)
-        dist.all_reduce(x)
+        self._timed(lambda: dist.all_reduce(x))
         return x
 
     def gather_last_dim(self, x: torch.Tensor, widths: list[int]) -> torch.Tensor | None:
@@ -73,14 +83,14 @@ class TPGroup:
         pad = max(widths) - x.shape[-1]
         padded = torch.nn.functional.pad(x, (0, pad)) if pad else x.contiguous()
         parts = [torch.empty_like(padded) for _ in widths] if self.is_driver else None
-        dist.gather(padded, parts, dst=0)
+        self._timed(lambda: dist.gather(padded, parts, dst=0))
         if not self.is_driver:
             return None
         return torch.cat([p[..., :w] for p, w in zip(parts, widths)], dim=-1)
 
     def broadcast(self, x: torch.Tensor) -> torch.Tensor:
         """Rank 0's `x` on every rank (same shape and dtype everywhere), in place."""
-        dist.broadcast(x, 0)
+        self._timed(lambda: dist.broadcast(x, 0))
         return x
 
     def agree(self, value: int) -> int:
@@ -95,9 +105,10 @@ class TPGroup:
     def send(self, header: dict[str, Any], payload: torch.Tensor | None = None) -> None:
         """Rank 0: a command as msgpack bytes, then an optional int64 CPU payload."""
         data = msgpack.packb({**header, "payload": 0 if payload is None else len(payload)})
-        self._bytes(data)
+        self._timed(lambda: self._bytes(data))
         if payload is not None:
-            dist.broadcast(payload.to(torch.int64).contiguous(), 0, group=self.cpu_group)
+            payload = payload.to(torch.int64).contiguous()
+            self._timed(lambda: dist.broadcast(payload, 0, group=self.cpu_group))
 
     def recv(self) -> tuple[dict[str, Any], torch.Tensor | None]:
         """The other ranks: the next command from rank 0 and its payload."""

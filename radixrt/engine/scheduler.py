@@ -619,6 +619,7 @@ class Scheduler:
     def stats(self) -> dict[str, Any]:
         return {
             "tp_size": self.runner.tp.size,
+            "tp_collective_time_s": self.runner.tp.collective_time,  # rank 0's, in step_time_s
             "total_tokens": self.allocator.total_tokens,
             "free_tokens": self.allocator.available(),
             "cached_tokens": self.tree.evictable_size + self.tree.protected_size,

@@ -6,7 +6,8 @@
 extend TFLOP/s against dense torch SDPA, plus small launch-config sweeps, (c) end to end: greedy outputs of
 radixrt.Engine with the triton and torch attention backends, (d) decode steps at batch 1 and 32 replayed
 from CUDA graphs against eager launches: time per step, and where greedy outputs first differ, (e) speculative
-decoding against plain decoding, (f) the host tier: copy bandwidth and load-backs end to end. Writes $OUT/gpu_check.json and $OUT/gpu_check.txt,
+decoding against plain decoding, (f) the host tier: copy bandwidth and load-backs end to end, (g) the engine at
+tp_size=1 on CUDA, and 2 over two GPUs where the machine has them. Writes $OUT/gpu_check.json and $OUT/gpu_check.txt,
 rewritten after every section so a timeout still leaves the finished parts.
 """
 
@@ -430,6 +431,35 @@ def check_engine() -> None:
     log(f"  greedy outputs equal: {equal}; first differing token per prompt: {first_diff}")
 
 
+def check_tensor_parallel() -> None:
+    log("== (g) tensor parallelism: tp_size=1 on this GPU, and 2 over two GPUs where there are ==")
+    import radixrt as rt
+
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    outputs = {}
+    sizes = [1, 2] if torch.cuda.device_count() >= 2 else [1]
+    for tp in sizes:
+        with rt.Engine(model="default", dtype="bfloat16", tp_size=tp) as engine:
+            start = time.perf_counter()
+            out = engine.generate(
+                prompts, {"max_new_tokens": 64, "temperature": 0, "ignore_eos": True}
+            )
+            seconds = time.perf_counter() - start
+            outputs[tp] = [r["output_ids"] for r in out]
+            stats = engine.stats()
+        results.setdefault("tensor_parallel", {})[f"tp{tp}"] = {
+            "tok_per_s": sum(len(o) for o in outputs[tp]) / seconds,
+            "collective_share": stats["tp_collective_time_s"] / max(stats["step_time_s"], 1e-9),
+        }
+        log(f"  tp_size={tp}: {results['tensor_parallel'][f'tp{tp}']}")
+    if 2 in outputs:
+        firsts = [first_difference(a, b) for a, b in zip(outputs[1], outputs[2])]
+        results["tensor_parallel"]["first_diff"] = firsts
+        log(f"  first differing token, tp 2 against 1 (None: equal): {firsts}")
+    else:
+        log("  one GPU: tp_size=2 skipped")
+
+
 def check_cuda_graphs() -> None:
     log("== (d) decode steps replayed from CUDA graphs against eager launches ==")
     from radixrt.config import ServerArgs
@@ -599,6 +629,7 @@ def main() -> None:
         check_cuda_graphs,
         check_speculative,
         check_hicache,
+        check_tensor_parallel,
         sweep_configs,
         check_engine,
     ):

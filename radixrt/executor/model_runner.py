@@ -105,10 +105,12 @@ class ModelRunner:
         self.device = resolve_device(args.device, local_rank(args, rank))
         self.dtype = resolve_dtype(args.dtype, self.device)
         self.tp = (
-            TPGroup.init(rank, args.tp_size, init_method, self.device)
+            TPGroup.init(rank, args.tp_size, init_method, self.device, args.nnodes == 1)
             if args.tp_size > 1
             else TPGroup(device=self.device)
         )
+        if self.ranks is not None and self.tp.shm is not None:
+            self.tp.shm.peers_alive = self.ranks.check_alive  # a dead rank is not waited for
         self.config = AutoConfig.from_pretrained(self.model_path)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self.context_length = args.context_length or self.config.max_position_embeddings

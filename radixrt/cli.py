@@ -26,6 +26,11 @@ def _serve(args: argparse.Namespace) -> None:
         from radixrt.executor.tp_worker import run_node
 
         sys.exit(run_node(server_args.executor))
+    if server_args.dp_size > 1:  # workers behind a router
+        from radixrt.server.router.fleet import run_fleet
+
+        run_fleet(server_args.with_secrets_from_env())
+        return
     from radixrt.server.zmq_server import run_server
 
     run_server(server_args)
@@ -42,6 +47,12 @@ def _http_gateway(args: argparse.Namespace) -> None:
         args.curve_server_key,
         args.log_level,
     )
+
+
+def _router(args: argparse.Namespace) -> None:
+    from radixrt.server.router.main import run_router
+
+    run_router(args)
 
 
 def _generate(args: argparse.Namespace) -> None:
@@ -99,6 +110,14 @@ def build_parser() -> argparse.ArgumentParser:
     gateway.add_argument("--curve-server-key", help="the runtime's CURVE public key")
     gateway.add_argument("--log-level", default="info")
     gateway.set_defaults(func=_http_gateway)
+
+    router = sub.add_parser(
+        "router", help="route clients over several `radixrt serve` workers (data parallelism)"
+    )
+    from radixrt.server.router.main import add_router_args
+
+    add_router_args(router)
+    router.set_defaults(func=_router)
 
     gen = sub.add_parser("generate", help="generate text against a server (--url) or in-process")
     ServerArgs.add_cli_args(gen)

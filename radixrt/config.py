@@ -65,6 +65,11 @@ class SchedulerArgs:
     log_interval: int
 
 
+def is_loopback_host(host: str) -> bool:
+    """An ipc:// path or a loopback address: reachable from this machine only."""
+    return host.startswith("ipc://") or host in ("127.0.0.1", "localhost", "::1")
+
+
 def _part(cls: type, args: ServerArgs) -> Any:
     return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
 
@@ -145,6 +150,35 @@ class ServerArgs:
         metadata={
             "help": "HOST:PORT where the ranks meet (torch.distributed TCP rendezvous; needed with --nnodes > 1; default: a free loopback port)"
         },
+    )
+    dp_size: int = field(
+        default=1,
+        metadata={
+            "help": "data parallelism: this many workers (a share of the cores each on the CPU, their own GPUs on CUDA) behind a router on --host/--port"
+        },
+    )
+    router_policy: str = field(
+        default="cache-aware",
+        metadata={
+            "help": "with --dp-size: cache-aware (the worker whose cache holds the longest prefix, unless load is out of balance), round-robin or shortest-queue",
+            "choices": ["cache-aware", "round-robin", "shortest-queue"],
+        },
+    )
+    router_cache_threshold: float = field(
+        default=0.5,
+        metadata={
+            "help": "cache-aware: route by match only when it covers at least this share of the prompt"
+        },
+    )
+    router_balance_abs_threshold: int = field(
+        default=16,
+        metadata={
+            "help": "cache-aware: load is out of balance when the busiest worker has this many more sequences than the idlest..."
+        },
+    )
+    router_balance_rel_threshold: float = field(
+        default=1.5,
+        metadata={"help": "...and more than this many times as many; then the idlest gets it"},
     )
     schedule_policy: str = field(
         default="lpm",
@@ -276,6 +310,8 @@ class ServerArgs:
             raise ValueError(f"tp_size {self.tp_size} does not split over {self.nnodes} nodes")
         if self.nnodes > 1 and not self.dist_init_addr:
             raise ValueError("nnodes > 1 needs dist_init_addr (HOST:PORT of node 0)")
+        if self.dp_size < 1 or (self.dp_size > 1 and self.nnodes > 1):
+            raise ValueError("dp_size must be >= 1, and 1 with nnodes > 1 (use `radixrt router`)")
         if self.tp_size > 1 and self.enable_hierarchical_cache:
             raise ValueError("the host tier does not run with tp_size > 1 yet")
         if self.hicache_ratio <= 0 or (self.hicache_size is not None and self.hicache_size <= 0):
@@ -355,7 +391,7 @@ class ServerArgs:
 
     @property
     def is_loopback(self) -> bool:
-        return self.host.startswith("ipc://") or self.host in ("127.0.0.1", "localhost", "::1")
+        return is_loopback_host(self.host)
 
     @property
     def http_host(self) -> str:

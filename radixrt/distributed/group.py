@@ -153,5 +153,7 @@ class TPGroup:
 
 
 def threads_per_rank(local_ranks: int) -> int:
-    """CPU threads each of this machine's ranks takes: its share of the cores."""
-    return max(1, (os.cpu_count() or 1) // local_ranks)
+    """CPU threads each of this machine's ranks takes: its share of the cores (of the
+    OMP_NUM_THREADS this process was given, as a data-parallel worker is)."""
+    cores = int(os.environ.get("OMP_NUM_THREADS") or 0) or os.cpu_count() or 1
+    return max(1, cores // local_ranks)

@@ -628,6 +628,9 @@ class Scheduler:
             "running": len(self.running),
             "waiting": len(self.waiting),
             "cache_hit_rate": self.cached_tokens_total / max(self.prompt_tokens_total, 1),
+            # the rate's two sides, so a router can add them up over its workers
+            "prompt_tokens_total": self.prompt_tokens_total,
+            "cached_prompt_tokens_total": self.cached_tokens_total,
             "num_preemptions": self.num_preemptions,
             "evicted_tokens": self.tree.evicted_tokens,
             "free_request_rows": self.runner.req_to_token_pool.available(),

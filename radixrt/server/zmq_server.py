@@ -24,6 +24,7 @@ from radixrt.engine.request import Req
 from radixrt.engine.scheduler import Scheduler
 from radixrt.protocol import ErrorCode, RequestError, error_reply
 from radixrt.sampling_params import SamplingParams
+from radixrt.server.exposure import check_exposure
 
 logger = logging.getLogger(__name__)
 
@@ -338,15 +339,7 @@ def run_server(args: ServerArgs) -> None:
     """Load the model, bind, serve until a `shutdown` op or SIGTERM/SIGINT."""
     logging.basicConfig(level=args.log_level.upper(), format="[%(asctime)s %(name)s] %(message)s")
     args = args.with_secrets_from_env()
-    if not args.is_loopback and not (args.api_key or args.curve_secret_key):
-        raise SystemExit(
-            f"refusing to listen on {args.host} without --api-key or --curve-secret-key"
-        )
-    if args.curve_secret_key:
-        logger.info(
-            "CURVE on; clients need the server public key %s",
-            zmq.curve_public(args.curve_secret_key.encode()).decode(),
-        )
+    check_exposure(args.host, args.api_key, args.curve_secret_key)
     gateway = None
     if (
         args.http_port

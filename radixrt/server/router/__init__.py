@@ -1,0 +1,1 @@
+"""Data parallelism: a router speaking the client protocol in front of several workers."""

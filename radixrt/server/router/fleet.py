@@ -1,0 +1,140 @@
+"""`radixrt serve --dp-size N`: N workers and the router in front of them, in one command.
+
+Each worker is an ordinary `radixrt serve` on a private ipc:// socket, with its share of the
+cores (OMP_NUM_THREADS) or its own GPUs (CUDA_VISIBLE_DEVICES); the router binds --host/--port,
+and --http-port puts the HTTP gateway in front of the router. Stopping the router (shutdown op,
+SIGTERM, Ctrl-C) stops the workers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import signal
+import threading
+from typing import Any
+
+import zmq
+
+from radixrt.client.launcher import Engine
+from radixrt.config import ServerArgs
+from radixrt.server.exposure import check_exposure
+from radixrt.server.router.policy import CacheAwareThresholds
+from radixrt.server.router.router import Router, RouterConfig
+
+logger = logging.getLogger(__name__)
+
+WORKERS_JOIN_S = 30.0  # healthy workers answer the router's first ping within milliseconds
+
+
+class FleetWorker(Engine):
+    """A worker process with its own environment (threads, devices); logs on this stderr."""
+
+    def __init__(self, env: dict[str, str], args: ServerArgs):
+        self._extra_env = env
+        super().__init__(**dataclasses.asdict(args))
+
+    def _env(self) -> dict[str, str]:
+        return {**super()._env(), **self._extra_env}
+
+
+def worker_envs(args: ServerArgs) -> list[dict[str, str]]:
+    """Each worker's share: `cores // (dp * tp)` threads on the CPU, `tp` GPUs on CUDA."""
+    if _on_cuda(args.device):
+        return [
+            {
+                "CUDA_VISIBLE_DEVICES": ",".join(
+                    str(i * args.tp_size + r) for r in range(args.tp_size)
+                )
+            }
+            for i in range(args.dp_size)
+        ]
+    threads = max(1, (os.cpu_count() or 1) // (args.dp_size * args.tp_size) * args.tp_size)
+    return [{"OMP_NUM_THREADS": str(threads)} for _ in range(args.dp_size)]
+
+
+def _on_cuda(device: str) -> bool:
+    if device == "cpu":
+        return False
+    import torch  # only to count GPUs
+
+    return torch.cuda.is_available()
+
+
+def start_workers(args: ServerArgs) -> list[FleetWorker]:
+    """Start every worker at once and wait until all are healthy (any failure stops the rest)."""
+    worker_args = dataclasses.replace(args, dp_size=1, http_port=None)
+    workers: list[Any] = [None] * args.dp_size
+    errors: list[BaseException] = []
+
+    def start(i: int, env: dict[str, str]) -> None:
+        try:
+            workers[i] = FleetWorker(env, worker_args)
+        except BaseException as e:  # noqa: B036 (re-raised below, after the others stopped)
+            errors.append(e)
+
+    threads = [
+        threading.Thread(target=start, args=(i, env)) for i, env in enumerate(worker_envs(args))
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        stop_workers([w for w in workers if w is not None])
+        raise errors[0]
+    return workers
+
+
+def stop_workers(workers: list[FleetWorker]) -> None:
+    for w in workers:
+        w.shutdown()
+
+
+def router_config(args: ServerArgs, urls: list[str]) -> RouterConfig:
+    public = (
+        zmq.curve_public(args.curve_secret_key.encode()).decode() if args.curve_secret_key else None
+    )
+    return RouterConfig(
+        workers=tuple(urls),
+        policy=args.router_policy,
+        thresholds=CacheAwareThresholds(
+            args.router_cache_threshold,
+            args.router_balance_abs_threshold,
+            args.router_balance_rel_threshold,
+        ),
+        api_key=args.api_key,
+        worker_api_key=args.api_key,
+        curve_secret_key=args.curve_secret_key,
+        worker_curve_server_key=public,
+    )
+
+
+def run_fleet(args: ServerArgs) -> None:
+    """Serve `args.dp_size` workers behind a router until a shutdown op or SIGTERM/SIGINT."""
+    logging.basicConfig(level=args.log_level.upper(), format="[%(asctime)s %(name)s] %(message)s")
+    check_exposure(args.host, args.api_key, args.curve_secret_key)
+    gateway = None
+    if args.http_port:  # before the workers load: a busy port fails at once
+        from radixrt.server.http import process as http_gateway
+
+        gateway = http_gateway.start_gateway(args)
+    workers = start_workers(args)
+    try:
+        router = Router(router_config(args, [w.args.endpoint for w in workers]), args.endpoint)
+        router.wait_for_workers(WORKERS_JOIN_S)
+
+        def stop(*_: Any) -> None:
+            router.running = False
+
+        signal.signal(signal.SIGTERM, stop)
+        signal.signal(signal.SIGINT, stop)
+        logger.info(
+            "routing %d workers on %s (%s)", len(workers), args.endpoint, args.router_policy
+        )
+        router.serve_forever()
+    finally:
+        stop_workers(workers)
+        if gateway is not None:
+            http_gateway.stop_gateway(gateway)

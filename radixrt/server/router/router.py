@@ -1,0 +1,546 @@
+"""`radixrt router`: the client protocol in front of several workers (`radixrt serve`s).
+
+Clients see one runtime: the router binds a ROUTER socket, speaks docs/protocol.md unchanged, and
+talks to each worker as a client over a DEALER socket. A generate goes to one worker, chosen by
+the policy (cache-aware by default), under a router-made rid; the worker's replies come back with
+the client's rid. Control ops fan out: `stats` sums, `flush_cache` reaches every worker.
+
+One thread, one poll loop: forwarding a frame costs a poll wake-up and two msgpack passes. The
+router holds no KV and no model, only each worker's approximate prefix tree and who asked what.
+"""
+
+from __future__ import annotations
+
+import hmac
+import itertools
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import zmq
+
+from radixrt.protocol import ErrorCode, error_reply
+from radixrt.server.router.policy import CacheAwareThresholds, Route, RouteReason, make_policy
+from radixrt.server.router.worker import WorkerLink
+
+logger = logging.getLogger(__name__)
+
+POLL_MS = 100
+HEARTBEAT_S = 1.0  # the router pings every worker this often (so workers also watch it)
+WORKER_SILENCE_S = 10.0  # a connected worker silent this long is taken out (a long step is < 10 s)
+CLIENT_SILENCE_S = 5.0  # as the server: a pinging client silent this long has vanished
+GATHER_TIMEOUT_S = 10.0  # a fanned-out control op answers with what arrived by then
+PIN_SLACK_TOKENS = 2  # a fork's branch re-tokenizes its parent's text: the last tokens may differ
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """What `radixrt router` and `serve --dp-size` set: workers, policy, keys."""
+
+    workers: tuple[str, ...]
+    policy: str = "cache-aware"
+    thresholds: CacheAwareThresholds = field(default_factory=CacheAwareThresholds)
+    api_key: str | None = None  # what clients must send
+    worker_api_key: str | None = None  # what the router sends to the workers
+    curve_secret_key: str | None = None  # the router's own socket
+    worker_curve_server_key: str | None = None  # the workers' public key
+    tokenizer: str | None = None  # tokenizer.json, when the workers' model_path is not local
+
+    def __post_init__(self) -> None:
+        if not self.workers:
+            raise ValueError("a router needs at least one --worker")
+        make_policy(self.policy)  # validates the name
+
+
+@dataclass(eq=False)
+class Flight:
+    """A client's generate in flight at a worker; `started` once any reply reached the client,
+    after which it can no longer be re-sent elsewhere."""
+
+    identity: bytes
+    rid: str  # the client's
+    key: str  # the router's rid at the worker
+    msg: dict[str, Any]  # as the client sent it, for a re-send
+    tokens: list[int]
+    samples: int
+    worker: WorkerLink
+    finished: int = 0
+    started: bool = False
+
+
+@dataclass(eq=False)
+class Gather:
+    """A control op sent to several workers; answered when all replied or at `deadline`."""
+
+    identity: bytes | None  # None: the router asked for itself
+    rid: Any
+    op: str
+    waiting: set[int]
+    deadline: float
+    replies: dict[int, dict[str, Any]] = field(default_factory=dict)
+    pin: tuple[str, list[int]] | None = None  # (pin_id, tokens) of a pin op
+
+
+@dataclass(frozen=True)
+class Pin:
+    worker: int
+    tokens: list[int]
+
+
+class Router:
+    def __init__(self, config: RouterConfig, endpoint: str):
+        self.config = config
+        self.ctx = zmq.Context()
+        self.front = self.ctx.socket(zmq.ROUTER)
+        self.front.setsockopt(zmq.LINGER, 0)
+        if config.curve_secret_key:
+            self.front.curve_secretkey = config.curve_secret_key.encode()
+            self.front.curve_server = True
+        self.front.bind(endpoint)
+        self.workers = [
+            WorkerLink(self.ctx, i, url, config.worker_api_key, config.worker_curve_server_key)
+            for i, url in enumerate(config.workers)
+        ]
+        self.policy = make_policy(config.policy, config.thresholds)
+        self.poller = zmq.Poller()
+        self.poller.register(self.front, zmq.POLLIN)
+        for w in self.workers:
+            self.poller.register(w.sock, zmq.POLLIN)
+            self.poller.register(w.monitor, zmq.POLLIN)
+        self.flights: dict[str, Flight] = {}  # by key
+        self.gathers: dict[str, tuple[Gather, int]] = {}  # sub-rid -> (gather, worker index)
+        self.pins: dict[bytes, dict[str, Pin]] = {}
+        self.heartbeats: dict[bytes, float] = {}
+        self.counters = {f"routed_by_{r.value}": 0 for r in RouteReason}
+        self.counters.update(resent_requests=0, lost_requests=0)
+        self.tokenizer = _load_tokenizer(config.tokenizer) if config.tokenizer else None
+        self.server_id = uuid.uuid4().hex
+        self._ids = itertools.count()
+        self._next_ping = 0.0
+        self.running = True
+
+    # ---- the loop ----------------------------------------------------------------------------
+    def serve_forever(self) -> None:
+        try:
+            while self.running:
+                self._run_once()
+        finally:
+            self.close()
+
+    def wait_for_workers(self, timeout: float) -> None:
+        """Run the loop until every worker has answered (clients are served meanwhile)."""
+        deadline = time.monotonic() + timeout
+        while not all(w.alive for w in self.workers) and time.monotonic() < deadline:
+            self._run_once()
+
+    def _run_once(self) -> None:
+        events = dict(self.poller.poll(POLL_MS))
+        if self.front in events:
+            self._drain_clients()
+        for w in self.workers:
+            if w.monitor in events and w.disconnected() and w.alive:
+                self._lose(w, "its connection dropped")
+            if w.sock in events:
+                for reply in w.recv_all():
+                    self._on_worker_reply(w, reply)
+        self._tick()
+
+    def close(self) -> None:
+        for w in self.workers:
+            w.close()
+        self.front.close()
+        self.ctx.term()
+
+    def _tick(self) -> None:
+        now = time.monotonic()
+        if now >= self._next_ping:
+            self._next_ping = now + HEARTBEAT_S
+            for w in self.workers:
+                w.send({"op": "ping", "rid": "ping"})
+        for w in self.workers:
+            if w.alive and now - w.last_heard > WORKER_SILENCE_S:
+                self._lose(w, f"silent for {WORKER_SILENCE_S:.0f}s")
+        for gather, _ in list(self.gathers.values()):
+            if now > gather.deadline:
+                self._finish_gather(gather)
+        gone = {i for i, seen in self.heartbeats.items() if now - seen > CLIENT_SILENCE_S}
+        for identity in gone:
+            self._forget_client(identity)
+
+    # ---- clients -----------------------------------------------------------------------------
+    def _drain_clients(self) -> None:
+        while True:
+            try:
+                frames = self.front.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if len(frames) != 2:
+                logger.warning("dropped a message of %d frames", len(frames))
+                continue
+            identity, payload = frames
+            try:
+                msg = msgpack.unpackb(payload, raw=False, strict_map_key=False)
+            except Exception as e:
+                self._reply(
+                    identity,
+                    error_reply(None, ErrorCode.INVALID_REQUEST, f"frame is not msgpack: {e}"),
+                )
+                continue
+            if not isinstance(msg, dict):
+                self._reply(
+                    identity,
+                    error_reply(None, ErrorCode.INVALID_REQUEST, "a message must be a msgpack map"),
+                )
+                continue
+            try:
+                self._on_client(identity, msg)
+            except ValueError as e:
+                self._reply(
+                    identity, error_reply(msg.get("rid"), ErrorCode.INVALID_REQUEST, str(e))
+                )
+            except Exception as e:  # a bug costs one request, never the router
+                logger.exception("op %r failed", msg.get("op"))
+                self._reply(
+                    identity,
+                    error_reply(
+                        msg.get("rid"), ErrorCode.INTERNAL_ERROR, f"{type(e).__name__}: {e}"
+                    ),
+                )
+
+    def _on_client(self, identity: bytes, msg: dict[str, Any]) -> None:
+        rid, op = msg.get("rid"), msg.get("op")
+        if identity in self.heartbeats or op == "ping":
+            self.heartbeats[identity] = time.monotonic()
+        if self.config.api_key and not hmac.compare_digest(
+            str(msg.get("api_key", "")).encode(), self.config.api_key.encode()
+        ):
+            self._reply(
+                identity, error_reply(rid, ErrorCode.UNAUTHORIZED, "missing or wrong api_key")
+            )
+            return
+        msg.pop("api_key", None)
+        if op == "generate":
+            self._generate(identity, msg)
+        elif op == "abort":
+            flight = self.flights.get(_key(identity, str(rid)))
+            if flight is not None:
+                flight.worker.send({"op": "abort", "rid": flight.key})
+        elif op == "ping":
+            self._reply(identity, {"rid": rid, "result": {"server_id": self.server_id}})
+        elif op == "health":
+            if self._alive():
+                self._reply(identity, {"rid": rid, "result": True})
+            else:
+                self._reply(identity, error_reply(rid, ErrorCode.WORKER_LOST, "no worker is alive"))
+        elif op == "shutdown":
+            self._reply(identity, {"rid": rid, "result": True})
+            self.running = False
+        elif op == "pin":
+            self._pin(identity, msg)
+        elif op == "unpin":
+            pin = self.pins.get(identity, {}).pop(str(msg.get("pin_id")), None)
+            if pin is None:
+                self._reply(identity, {"rid": rid, "result": False})
+            else:
+                self._fan_out(identity, msg, [self.workers[pin.worker]], pin_key=True)
+        elif op in ("stats", "flush_cache", "check_invariants", "memory_snapshot"):
+            self._fan_out(identity, msg, self._alive())
+        elif op in ("model_info", "tokenize"):
+            self._fan_out(identity, msg, self._alive()[:1])
+        else:
+            raise ValueError(f"unknown op {op!r}")
+
+    def _generate(self, identity: bytes, msg: dict[str, Any]) -> None:
+        rid = msg.get("rid")
+        if not isinstance(rid, str) or not rid:
+            raise ValueError("generate needs a non-empty string rid")
+        key = _key(identity, rid)
+        if key in self.flights:
+            raise ValueError(f"rid {rid!r} is already in flight on this connection")
+        params = msg.get("sampling_params") or {}
+        if not isinstance(params, dict):
+            raise ValueError("sampling_params must be a map")
+        n = params.get("n", 1)
+        samples = n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1
+        tokens = self._tokens(msg)
+        flight = Flight(identity, rid, key, msg, tokens, samples, worker=None)  # type: ignore[arg-type]
+        self._dispatch(flight)
+
+    def _dispatch(self, flight: Flight, exclude: WorkerLink | None = None) -> None:
+        """Send `flight` to the worker its pin or the policy picks; a worker that cannot take
+        the frame is taken out and the next one tried; none left is `worker_lost`."""
+        while True:
+            candidates = [w for w in self._alive() if w is not exclude]
+            if not candidates:
+                self._reply(
+                    flight.identity,
+                    error_reply(flight.rid, ErrorCode.WORKER_LOST, "no worker is alive"),
+                )
+                self.counters["lost_requests"] += 1
+                return
+            route = self._route(flight, candidates)
+            worker = route.worker
+            if worker.send({**flight.msg, "rid": flight.key}):
+                break
+            self._lose(worker, "it does not take frames")
+        flight.worker = worker
+        worker.load += flight.samples - flight.finished
+        worker.tree.insert(flight.tokens)
+        self.flights[flight.key] = flight
+        self.counters[f"routed_by_{route.reason.value}"] += 1
+
+    def _route(self, flight: Flight, candidates: list[WorkerLink]) -> Route:
+        for pin in self.pins.get(flight.identity, {}).values():
+            worker = self.workers[pin.worker]
+            if worker in candidates and _extends(flight.tokens, pin.tokens):
+                return Route(worker, RouteReason.PIN, len(pin.tokens))
+        return self.policy.choose(flight.tokens, candidates)
+
+    def _pin(self, identity: bytes, msg: dict[str, Any]) -> None:
+        tokens = self._tokens(msg)
+        candidates = self._alive()
+        if not candidates:
+            self._reply(
+                identity, error_reply(msg.get("rid"), ErrorCode.WORKER_LOST, "no worker is alive")
+            )
+            return
+        route = self.policy.choose(tokens, candidates)
+        route.worker.tree.insert(tokens)
+        self._fan_out(
+            identity, msg, [route.worker], pin_key=True, pin=(str(msg.get("pin_id")), tokens)
+        )
+
+    def _tokens(self, msg: dict[str, Any]) -> list[int]:
+        """The prompt's token ids as the workers will see them ([] before the tokenizer is
+        known: such a request is routed by load). Type errors are the client's."""
+        text, ids = msg.get("text"), msg.get("input_ids")
+        if (text is None) == (ids is None):
+            raise ValueError("give exactly one of text or input_ids")
+        if text is not None:
+            if not isinstance(text, str):
+                raise ValueError("text must be a string")
+            if self.tokenizer is None:
+                return []
+            return self.tokenizer.encode(text, add_special_tokens=False).ids
+        if not isinstance(ids, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in ids
+        ):
+            raise ValueError("input_ids must be a list of ints")
+        return ids
+
+    def _forget_client(self, identity: bytes) -> None:
+        """A pinging client fell silent: abort its requests and drop its pins, at the workers."""
+        del self.heartbeats[identity]
+        for flight in [f for f in self.flights.values() if f.identity == identity]:
+            logger.info("client %s went silent; aborting %s", identity.hex(), flight.rid)
+            flight.worker.send({"op": "abort", "rid": flight.key})
+            self._end(flight)
+        for pin_id, pin in self.pins.pop(identity, {}).items():
+            self.workers[pin.worker].send(
+                {"op": "unpin", "rid": "unpin", "pin_id": _key(identity, pin_id)}
+            )
+
+    # ---- workers -----------------------------------------------------------------------------
+    def _on_worker_reply(self, worker: WorkerLink, reply: dict[str, Any]) -> None:
+        rid = reply.get("rid")
+        if rid == "ping":
+            self._on_pong(worker, (reply.get("result") or {}).get("server_id"))
+        elif rid == "stats-self":
+            worker.stats = reply.get("result") or {}
+            total = worker.stats.get("total_tokens", 0) + worker.stats.get("host_total_tokens", 0)
+            worker.tree.capacity = max(total, 1)
+        elif rid == "model-info-self":
+            self._on_model_info(reply.get("result") or {})
+        elif rid in self.gathers:
+            gather, index = self.gathers.pop(rid)
+            gather.replies[index] = reply
+            gather.waiting.discard(index)
+            if not gather.waiting:
+                self._finish_gather(gather)
+        elif rid in self.flights and self.flights[rid].worker is worker:
+            self._relay(self.flights[rid], reply)
+
+    def _on_pong(self, worker: WorkerLink, server_id: str | None) -> None:
+        if worker.alive and server_id != worker.server_id:
+            self._lose(worker, "it restarted")
+        if not worker.alive:
+            logger.info("worker %s is in rotation", worker.url)
+            worker.alive, worker.server_id = True, server_id
+            worker.tree.clear()
+            worker.send({"op": "stats", "rid": "stats-self"})
+            if self.tokenizer is None:
+                worker.send({"op": "model_info", "rid": "model-info-self"})
+
+    def _on_model_info(self, info: dict[str, Any]) -> None:
+        path = Path(str(info.get("model_path", ""))) / "tokenizer.json"
+        if self.tokenizer is None and path.is_file():
+            self.tokenizer = _load_tokenizer(str(path))
+        elif self.tokenizer is None:
+            logger.warning("no %s here: routing by load until --tokenizer is given", path)
+
+    def _relay(self, flight: Flight, reply: dict[str, Any]) -> None:
+        flight.started = True
+        self._reply(flight.identity, {**reply, "rid": flight.rid})
+        if reply.get("error"):
+            self._end(flight)
+        elif reply.get("finished"):
+            flight.finished += 1
+            flight.worker.load -= 1
+            if flight.finished == flight.samples:
+                # the worker's tree now holds the prompt and this output: so does its picture
+                flight.worker.tree.insert(flight.tokens + list(reply.get("output_ids") or []))
+                self._end(flight)
+
+    def _end(self, flight: Flight) -> None:
+        flight.worker.load -= flight.samples - flight.finished
+        flight.finished = flight.samples
+        self.flights.pop(flight.key, None)
+
+    def _lose(self, worker: WorkerLink, why: str) -> None:
+        """Take `worker` out of rotation: requests it has not answered go to another worker,
+        started streams end with `worker_lost`, fanned-out ops stop waiting for it."""
+        logger.warning("worker %s is out of rotation: %s", worker.url, why)
+        worker.alive = False
+        worker.tree.clear()
+        for flight in [f for f in self.flights.values() if f.worker is worker]:
+            worker.send({"op": "abort", "rid": flight.key})  # in case it is only slow
+            self._end(flight)
+            if flight.started:
+                self.counters["lost_requests"] += 1
+                self._reply(
+                    flight.identity,
+                    error_reply(
+                        flight.rid, ErrorCode.WORKER_LOST, f"worker {worker.url} is gone: {why}"
+                    ),
+                )
+            else:
+                flight.finished = 0
+                self.counters["resent_requests"] += 1
+                self._dispatch(flight, exclude=worker)
+        for sub, (gather, index) in list(self.gathers.items()):
+            if index == worker.index:
+                del self.gathers[sub]
+                gather.waiting.discard(index)
+                if not gather.waiting:
+                    self._finish_gather(gather)
+        for pins in self.pins.values():
+            for pin_id in [p for p, pin in pins.items() if pin.worker == worker.index]:
+                del pins[pin_id]
+
+    def _alive(self) -> list[WorkerLink]:
+        return [w for w in self.workers if w.alive]
+
+    # ---- fanned-out control ops --------------------------------------------------------------
+    def _fan_out(
+        self,
+        identity: bytes,
+        msg: dict[str, Any],
+        workers: list[WorkerLink],
+        pin_key: bool = False,
+        pin: tuple[str, list[int]] | None = None,
+    ) -> None:
+        gather = Gather(
+            identity,
+            msg.get("rid"),
+            str(msg.get("op")),
+            set(),
+            time.monotonic() + GATHER_TIMEOUT_S,
+            pin=pin,
+        )
+        if pin_key:  # pin ids are the client's own: two clients may both use "fork-1"
+            msg = {**msg, "pin_id": _key(identity, str(msg.get("pin_id")))}
+        for w in workers:
+            sub = f"gather-{next(self._ids)}"
+            if w.send({**msg, "rid": sub}):
+                self.gathers[sub] = (gather, w.index)
+                gather.waiting.add(w.index)
+        if not gather.waiting:
+            self._finish_gather(gather)
+
+    def _finish_gather(self, gather: Gather) -> None:
+        for sub in [s for s, (g, _) in self.gathers.items() if g is gather]:
+            del self.gathers[sub]
+        gather.waiting.clear()
+        reply = self._combine(gather)
+        if gather.identity is not None:
+            self._reply(gather.identity, {**reply, "rid": gather.rid})
+
+    def _combine(self, gather: Gather) -> dict[str, Any]:
+        replies = [gather.replies[i] for i in sorted(gather.replies)]
+        errors = [r for r in replies if r.get("error")]
+        if gather.op == "stats":
+            for i, r in gather.replies.items():
+                self.workers[i].stats = r.get("result") or {}
+            return {"result": self._stats()}
+        if errors:
+            return errors[0]
+        if not replies:
+            return error_reply(None, ErrorCode.WORKER_LOST, "no worker answered")
+        results = [r.get("result") for r in replies]
+        if gather.op == "flush_cache":
+            if all(results):
+                for i in gather.replies:
+                    self.workers[i].tree.clear()
+            return {"result": all(results)}
+        if gather.op == "check_invariants":
+            return {"result": True}
+        if gather.op == "memory_snapshot":
+            return {"result": {"workers": results}}
+        if gather.op == "pin" and gather.pin is not None:
+            (index,) = gather.replies
+            pin_id, tokens = gather.pin
+            self.pins.setdefault(gather.identity, {})[pin_id] = Pin(index, tokens)
+        return {"result": results[0]}
+
+    def _stats(self) -> dict[str, Any]:
+        """Sums over the workers that answered, the ratios recomputed from the sums, each
+        worker's own stats, and the policy's counters."""
+        alive = [w.stats for w in self.workers if w.alive and w.stats]
+        total: dict[str, Any] = {}
+        for stats in alive:
+            for k, v in stats.items():
+                if isinstance(v, int | float) and not isinstance(v, bool):
+                    total[k] = total.get(k, 0) + v
+        total["cache_hit_rate"] = total.get("cached_prompt_tokens_total", 0) / max(
+            total.get("prompt_tokens_total", 0), 1
+        )
+        total["spec_accept_length"] = 1 + total.get("spec_accepted_tokens", 0) / max(
+            total.get("spec_verifications", 0), 1
+        )
+        if alive:
+            total["tp_size"] = alive[0].get("tp_size", 1)
+        return {
+            **total,
+            "dp_size": len(self.workers),
+            "router_policy": self.policy.name,
+            **self.counters,
+            "workers": [w.describe() for w in self.workers],
+        }
+
+    def _reply(self, identity: bytes, msg: dict[str, Any]) -> None:
+        try:
+            self.front.send_multipart(
+                [identity, msgpack.packb(msg, use_bin_type=True)], zmq.NOBLOCK
+            )
+        except zmq.Again:
+            logger.warning("client %s is not reading; dropped a reply", identity.hex())
+
+
+def _key(identity: bytes, rid: str) -> str:
+    return f"{identity.hex()}/{rid}"
+
+
+def _extends(tokens: list[int], prefix: list[int]) -> bool:
+    """Whether `tokens` starts with `prefix`, up to the last few tokens of the prefix."""
+    need = max(len(prefix) - PIN_SLACK_TOKENS, 1)
+    return len(tokens) >= need and tokens[:need] == prefix[:need]
+
+
+def _load_tokenizer(path: str):
+    from tokenizers import Tokenizer  # transformers' own fast tokenizer, without torch
+
+    return Tokenizer.from_file(path)

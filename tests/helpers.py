@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import pickle
+import random
+import time
 from functools import lru_cache
 from pathlib import Path
 
+import msgpack
 import torch
+import zmq
 
 
 @lru_cache(maxsize=4)
@@ -108,3 +113,74 @@ def scripts(operations: list[tuple[str, object]], max_size: int):
     return st.lists(
         st.one_of(*(st.tuples(st.just(name), arg) for name, arg in operations)), max_size=max_size
     )
+
+
+# (frame, rid the error reply carries, its code)
+BAD_FRAMES = [
+    (pickle.dumps({"op": "generate", "rid": "p", "text": "hi"}), None, "invalid_request"),
+    *[(msgpack.packb(m), None, "invalid_request") for m in ([1, 2, 3], "just a string", {"op": 5})],
+    *[
+        (msgpack.packb({"rid": rid, **m}), rid, code)
+        for rid, m, code in [
+            ("a", {"op": "no_such_op"}, "invalid_request"),
+            (["not", "a", "string"], {"op": "generate", "text": "hi"}, "invalid_request"),
+            ("b", {"op": "generate", "text": 12}, "invalid_request"),
+            ("c", {"op": "generate", "input_ids": "abc"}, "invalid_request"),
+            ("d", {"op": "generate", "input_ids": [10**12]}, "invalid_request"),
+            ("e", {"op": "generate", "input_ids": [-1, 5]}, "invalid_request"),
+            ("f", {"op": "generate", "input_ids": [7] * 100_000}, "context_length_exceeded"),
+            (
+                "g",
+                {"op": "generate", "text": "hi", "sampling_params": {"temperature": -3}},
+                "invalid_request",
+            ),
+            (
+                "h",
+                {"op": "generate", "text": "hi", "sampling_params": {"max_new_tokens": 10**12}},
+                "invalid_request",
+            ),
+            (
+                "i",
+                {"op": "generate", "text": "hi", "sampling_params": {"regex": "(unclosed"}},
+                "invalid_constraint",
+            ),
+            (
+                "j",
+                {"op": "generate", "text": "hi", "sampling_params": "not a map"},
+                "invalid_request",
+            ),
+            ("k", {"op": "generate", "text": "hi", "input_ids": [1]}, "invalid_request"),
+            ("l", {"op": "tokenize", "text": None}, "invalid_request"),
+        ]
+    ],
+]
+
+
+def assert_bad_frames_get_their_errors(url: str) -> None:
+    """Garbage, wrong types and impossible requests, straight on a DEALER socket: each gets its
+    error with the right code, none an internal_error, and a two-frame message is dropped."""
+    rng = random.Random(0)
+    noise = [
+        (bytes(rng.randrange(256) for _ in range(rng.randrange(1, 64))), None, "invalid_request")
+        for _ in range(20)
+    ]
+    frames = noise + BAD_FRAMES
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(url)
+    for frame, _, _ in frames:
+        sock.send(frame)
+    sock.send_multipart([b"two", b"frames"])  # dropped: a message is one map
+    replies = []
+    deadline = time.monotonic() + 30
+    while len(replies) < len(frames) and time.monotonic() < deadline:
+        if sock.poll(1000):
+            replies.append(msgpack.unpackb(sock.recv(), raw=False))
+    sock.close()
+    ctx.term()
+    assert len(replies) == len(frames) and all("error" in r for r in replies)
+    assert not [r for r in replies if r["error"]["code"] == "internal_error"]
+    got = sorted((str(r["rid"]), r["error"]["code"]) for r in replies)
+    assert got == sorted((str(rid), code) for _, rid, code in frames)
+    assert all(r["error"]["type"] == r["error"]["code"] and r["error"]["message"] for r in replies)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import pickle
 import random
 import signal
 import subprocess
@@ -12,7 +11,6 @@ import sys
 import threading
 import time
 
-import msgpack
 import pytest
 import zmq
 
@@ -20,6 +18,7 @@ import radixrt as rt
 from radixrt.client.launcher import free_port
 from radixrt.client.transport import RemoteError
 
+from helpers import assert_bad_frames_get_their_errors
 from ownership import assert_all_free, assert_slot_ownership
 from timeouts import REPLY_TIMEOUT_S
 
@@ -180,72 +179,8 @@ def test_abort_waiting_and_running(tiny_model_dir):
 
 
 # (frame, the reply's rid, its error code): every malformed frame gets a precise answer, never internal_error
-_FRAMES = [
-    (pickle.dumps({"op": "generate", "rid": "p", "text": "hi"}), None, "invalid_request"),
-    *[(msgpack.packb(m), None, "invalid_request") for m in ([1, 2, 3], "just a string", {"op": 5})],
-    *[
-        (msgpack.packb({"rid": rid, **m}), rid, code)
-        for rid, m, code in [
-            ("a", {"op": "no_such_op"}, "invalid_request"),
-            (["not", "a", "string"], {"op": "generate", "text": "hi"}, "invalid_request"),
-            ("b", {"op": "generate", "text": 12}, "invalid_request"),
-            ("c", {"op": "generate", "input_ids": "abc"}, "invalid_request"),
-            ("d", {"op": "generate", "input_ids": [10**12]}, "invalid_request"),
-            ("e", {"op": "generate", "input_ids": [-1, 5]}, "invalid_request"),
-            ("f", {"op": "generate", "input_ids": [7] * 100_000}, "context_length_exceeded"),
-            (
-                "g",
-                {"op": "generate", "text": "hi", "sampling_params": {"temperature": -3}},
-                "invalid_request",
-            ),
-            (
-                "h",
-                {"op": "generate", "text": "hi", "sampling_params": {"max_new_tokens": 10**12}},
-                "invalid_request",
-            ),
-            (
-                "i",
-                {"op": "generate", "text": "hi", "sampling_params": {"regex": "(unclosed"}},
-                "invalid_constraint",
-            ),
-            (
-                "j",
-                {"op": "generate", "text": "hi", "sampling_params": "not a map"},
-                "invalid_request",
-            ),
-            ("k", {"op": "generate", "text": "hi", "input_ids": [1]}, "invalid_request"),
-            ("l", {"op": "tokenize", "text": None}, "invalid_request"),
-        ]
-    ],
-]
-
-
 def test_bad_frames_get_errors_and_the_server_goes_on(runtime):
-    rng = random.Random(0)
-    noise = [
-        (bytes(rng.randrange(256) for _ in range(rng.randrange(1, 64))), None, "invalid_request")
-        for _ in range(20)
-    ]
-    frames = noise + _FRAMES
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(runtime.url)
-    for frame, _, _ in frames:
-        sock.send(frame)
-    sock.send_multipart([b"two", b"frames"])  # dropped: a message is one map
-    replies = []
-    deadline = time.monotonic() + 30
-    while len(replies) < len(frames) and time.monotonic() < deadline:
-        if sock.poll(1000):
-            replies.append(msgpack.unpackb(sock.recv(), raw=False))
-    sock.close()
-    ctx.term()
-    assert len(replies) == len(frames) and all("error" in r for r in replies)
-    assert not [r for r in replies if r["error"]["code"] == "internal_error"]
-    got = sorted((str(r["rid"]), r["error"]["code"]) for r in replies)
-    assert got == sorted((str(rid), code) for _, rid, code in frames)
-    assert all(r["error"]["type"] == r["error"]["code"] and r["error"]["message"] for r in replies)
+    assert_bad_frames_get_their_errors(runtime.url)
     out = runtime.generate(
         input_ids=_prompts(1)[0], sampling_params={"max_new_tokens": 3, "temperature": 0}
     )

@@ -15,8 +15,16 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 # package -> the radixrt packages it may import (at run time; type-checking-only imports aside)
 ALLOWED = {
-    "client": {"protocol", "config"},
-    "server": {"client", "engine", "structured", "protocol", "config", "sampling_params"},
+    "client": {"protocol", "config", "lifecycle"},
+    "server": {
+        "client",
+        "engine",
+        "structured",
+        "protocol",
+        "config",
+        "sampling_params",
+        "lifecycle",
+    },
     "engine": {
         "mem_cache",
         "executor",
@@ -27,7 +35,7 @@ ALLOWED = {
         "sampling_params",
     },
     "mem_cache": set(),
-    "executor": {"models", "attention", "mem_cache", "distributed", "config"},
+    "executor": {"models", "attention", "mem_cache", "distributed", "config", "lifecycle"},
     "models": {"attention", "distributed", "kernels"},
     "distributed": set(),
     "attention": {"kernels"},

@@ -51,6 +51,10 @@ VARIANTS = {
         "hicache_write_policy": "write_back",
     },
     "radixrt-tp2": {"tp_size": 2},  # two rank processes, a thread each on a 2-core CPU
+    # two workers behind the router, a thread each on a 2-core CPU, half the pool each
+    "radixrt-dp2": {"dp_size": 2},
+    "radixrt-dp2-round-robin": {"dp_size": 2, "router_policy": "round-robin"},
+    "radixrt-dp2-shortest-queue": {"dp_size": 2, "router_policy": "shortest-queue"},
     "radixrt-hicache-recompute": {
         "enable_hierarchical_cache": True,
         "preemption_mode": "recompute",
@@ -64,6 +68,7 @@ DEFAULT_SYSTEMS = {
     "shared-prefix": "radixrt,radixrt-no-cache,radixrt-static,radixrt-int8,transformers,"
     "llama.cpp,llama-server",
     "multi-turn": "radixrt,radixrt-no-cache,llama.cpp,llama-server",
+    "multi-prefix": "radixrt,radixrt-dp2,radixrt-dp2-round-robin,radixrt-dp2-shortest-queue",
     "long-prompt": "radixrt,radixrt-no-chunking",
     "random": "radixrt,radixrt-no-cache,transformers",
     "json": "radixrt,radixrt-no-jump-forward,radixrt-spec",
@@ -166,10 +171,12 @@ def _radixrt_target(args: argparse.Namespace, system: str, kind: type | None = N
 
     kind = kind or (Runtime if args.backend == "server" else Engine)
     tuned = {"chunked_prefill_size": args.chunked_prefill_size} if args.chunked_prefill_size else {}
+    # a fleet shares --max-total-tokens among its workers: every system has the same KV memory
+    pool = args.max_total_tokens // VARIANTS[system].get("dp_size", 1)
     return kind(
         model=args.model,
         dtype=args.dtype,
-        max_total_tokens=args.max_total_tokens,
+        max_total_tokens=pool,
         log_level="warning",
         timeout=REPLY_TIMEOUT_S,
         **{"tp_size": args.tp_size, **tuned, **VARIANTS[system]},
@@ -486,7 +493,7 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
         "--workload",
         default="shared-prefix",
         choices=workloads,
-        help="request workloads: shared-prefix, multi-turn, long-prompt, random, json, agent-loop, "
+        help="request workloads: shared-prefix, multi-prefix, multi-turn, long-prompt, random, json, agent-loop, "
         "few-shot; DSL programs: "
         "agent, few-shot-select, tree-of-thought; all: every one in turn, plus a hit-rate plot",
     )
@@ -557,6 +564,9 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     shape.add_argument("--question-tokens", type=int, default=30)
     shape.add_argument("--turns", type=int, default=6, help="multi-turn: turns per conversation")
     shape.add_argument(
+        "--num-prefixes", type=int, default=8, help="multi-prefix: distinct system prompts"
+    )
+    shape.add_argument(
         "--long-prompts", type=int, default=4, help="long-prompt: long prompts among the short ones"
     )
     shape.add_argument("--long-tokens", type=int, default=4000)
@@ -621,6 +631,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, list[RunResult]]:
         args.long_tokens,
         args.seed,
         args.temperature,
+        args.num_prefixes,
     )
     rates = [float(r) for r in args.sweep_rate.split(",")] if args.sweep_rate else None
     loads = (

@@ -55,6 +55,7 @@ class WorkloadConfig:
     long_tokens: int = 4000
     seed: int = 0
     temperature: float = 0.0  # of every request (0: greedy)
+    num_prefixes: int = 8  # multi-prefix: distinct system prompts
 
 
 def words(rng: random.Random, n: int) -> str:
@@ -97,6 +98,30 @@ def shared_prefix(tokenizer, cfg: WorkloadConfig) -> list[Session]:
                 Turn(
                     f"{system}\nQuestion {i}: {text_of_tokens(rng, tokenizer, cfg.question_tokens)}?\n"
                     "Answer:",
+                    _params(rng, cfg),
+                )
+            ]
+        )
+        for i in range(cfg.num_requests)
+    ]
+
+
+def multi_prefix(tokenizer, cfg: WorkloadConfig) -> list[Session]:
+    """`num_prefixes` long system prompts (several apps on one fleet), each request one of them,
+    at random, with its own short question: where a request is sent decides whether its
+    prefix is cached there."""
+    rng = random.Random(cfg.seed)
+    systems = [
+        f"System {k}: you are assistant number {k}. "
+        + text_of_tokens(rng, tokenizer, cfg.prefix_tokens)
+        for k in range(cfg.num_prefixes)
+    ]
+    return [
+        Session(
+            [
+                Turn(
+                    f"{rng.choice(systems)}\nQuestion {i}: "
+                    f"{text_of_tokens(rng, tokenizer, cfg.question_tokens)}?\nAnswer:",
                     _params(rng, cfg),
                 )
             ]
@@ -247,6 +272,7 @@ def few_shot(tokenizer, cfg: WorkloadConfig) -> list[Session]:
 
 REQUEST_WORKLOADS: dict[str, Callable[..., list[Session]]] = {
     "shared-prefix": shared_prefix,
+    "multi-prefix": multi_prefix,
     "multi-turn": multi_turn,
     "long-prompt": long_prompt,
     "random": random_prompts,

@@ -25,6 +25,7 @@ import zmq
 
 from radixrt.client.endpoint import RuntimeEndpoint
 from radixrt.config import SECRETS, ServerArgs
+from radixrt.lifecycle import PARENT_PID_ENV
 
 START_TIMEOUT_S = 600
 LOG_TAIL_LINES = 30
@@ -80,7 +81,7 @@ class Runtime(RuntimeEndpoint):
         return [sys.executable, "-m", "radixrt", "serve", *self.args.to_cli_args()]
 
     def _env(self) -> dict[str, str]:
-        env = dict(os.environ)
+        env = {**os.environ, PARENT_PID_ENV: str(os.getpid())}  # it ends when this process does
         for name, var in SECRETS.items():
             if getattr(self.args, name):
                 env[var] = getattr(self.args, name)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import threading
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -23,6 +22,7 @@ import torch.multiprocessing as mp
 
 from radixrt.distributed.group import threads_per_rank
 from radixrt.executor.forward_batch import ForwardBatch
+from radixrt.lifecycle import exit_with_parent
 
 if TYPE_CHECKING:
     from radixrt.config import ExecutorArgs
@@ -105,7 +105,7 @@ def _rank_main(args: ExecutorArgs, rank: int, method: str, parent_pid: int, log_
 
     logging.basicConfig(level=log_level, format=f"[%(asctime)s tp{rank} %(name)s] %(message)s")
     torch.set_num_threads(threads_per_rank(ranks_per_node(args)))
-    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+    exit_with_parent(parent_pid)
     try:
         runner = ModelRunner(args, rank, method)
         runner.serve_commands()
@@ -113,13 +113,6 @@ def _rank_main(args: ExecutorArgs, rank: int, method: str, parent_pid: int, log_
     except Exception as e:  # rank 0 gone (a failed receive) or a bug: either way this rank ends
         logger.error("tensor-parallel rank %d stops: %s", rank, e)
         os._exit(1)
-
-
-def _watch_parent(parent_pid: int) -> None:
-    """End this process when the one that started it is gone (killed with no chance to say)."""
-    while os.getppid() == parent_pid:
-        time.sleep(WATCHDOG_PERIOD_S)
-    os._exit(1)
 
 
 def run_node(args: ExecutorArgs) -> int:

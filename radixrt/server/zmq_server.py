@@ -22,6 +22,7 @@ import zmq
 from radixrt.config import ServerArgs
 from radixrt.engine.request import Req
 from radixrt.engine.scheduler import Scheduler
+from radixrt.lifecycle import exit_with_parent
 from radixrt.protocol import ErrorCode, RequestError, error_reply
 from radixrt.sampling_params import SamplingParams
 from radixrt.server.exposure import check_exposure
@@ -340,6 +341,7 @@ def run_server(args: ServerArgs) -> None:
     logging.basicConfig(level=args.log_level.upper(), format="[%(asctime)s %(name)s] %(message)s")
     args = args.with_secrets_from_env()
     check_exposure(args.host, args.api_key, args.curve_secret_key)
+    exit_with_parent()  # a runtime started by rt.Runtime / rt.Engine ends with its launcher
     gateway = None
     if (
         args.http_port

@@ -292,3 +292,23 @@ def test_serve_dp_size_with_the_http_gateway(tiny_model_dir):
         assert len(family) >= 3  # two workers and the gateway
     gone, alive = psutil.wait_procs(family, timeout=20)
     assert not alive, f"left behind: {alive}"
+
+
+def test_a_killed_launcher_leaves_no_fleet_behind(tiny_model_dir):
+    """SIGKILL gives rt.Runtime no chance to stop its fleet: the fleet, which watches its
+    launcher, ends itself, and its workers, which watch the fleet, follow."""
+    script = (
+        "import os, radixrt as rt\n"
+        f"r = rt.Runtime(model={str(tiny_model_dir)!r}, dp_size=2, max_total_tokens=1024,"
+        " log_level='warning')\n"
+        "print(r._proc.pid, flush=True)\n"
+        "import time; time.sleep(600)\n"
+    )
+    launcher = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    fleet = psutil.Process(int(launcher.stdout.readline()))
+    family = [fleet, *fleet.children(recursive=True)]
+    assert len(family) >= 3
+    launcher.send_signal(signal.SIGKILL)
+    launcher.wait(timeout=10)
+    gone, alive = psutil.wait_procs(family, timeout=20)
+    assert not alive, f"left behind: {alive}"

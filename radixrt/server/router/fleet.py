@@ -19,6 +19,7 @@ import zmq
 
 from radixrt.client.launcher import Engine
 from radixrt.config import ServerArgs
+from radixrt.lifecycle import exit_with_parent
 from radixrt.server.exposure import check_exposure
 from radixrt.server.router.policy import CacheAwareThresholds
 from radixrt.server.router.router import Router, RouterConfig
@@ -115,6 +116,7 @@ def run_fleet(args: ServerArgs) -> None:
     """Serve `args.dp_size` workers behind a router until a shutdown op or SIGTERM/SIGINT."""
     logging.basicConfig(level=args.log_level.upper(), format="[%(asctime)s %(name)s] %(message)s")
     check_exposure(args.host, args.api_key, args.curve_secret_key)
+    exit_with_parent()  # and the workers, which watch this process, follow
     gateway = None
     if args.http_port:  # before the workers load: a busy port fails at once
         from radixrt.server.http import process as http_gateway

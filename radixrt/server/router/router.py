@@ -106,6 +106,10 @@ class Router:
             for i, url in enumerate(config.workers)
         ]
         self.policy = make_policy(config.policy, config.thresholds)
+        self.worker_poller = zmq.Poller()  # what a startup waits on: the workers only
+        for w in self.workers:
+            self.worker_poller.register(w.sock, zmq.POLLIN)
+            self.worker_poller.register(w.monitor, zmq.POLLIN)
         self.poller = zmq.Poller()
         self.poller.register(self.front, zmq.POLLIN)
         for w in self.workers:
@@ -132,13 +136,14 @@ class Router:
             self.close()
 
     def wait_for_workers(self, timeout: float) -> None:
-        """Run the loop until every worker has answered (clients are served meanwhile)."""
+        """Run the loop until every worker has answered; clients' frames wait in the socket
+        meanwhile, so a launcher's first `health` is answered by a whole fleet."""
         deadline = time.monotonic() + timeout
         while not all(w.alive for w in self.workers) and time.monotonic() < deadline:
-            self._run_once()
+            self._run_once(serve_clients=False)
 
-    def _run_once(self) -> None:
-        events = dict(self.poller.poll(POLL_MS))
+    def _run_once(self, serve_clients: bool = True) -> None:
+        events = dict((self.poller if serve_clients else self.worker_poller).poll(POLL_MS))
         if self.front in events:
             self._drain_clients()
         for w in self.workers:

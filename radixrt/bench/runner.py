@@ -68,7 +68,8 @@ DEFAULT_SYSTEMS = {
     "shared-prefix": "radixrt,radixrt-no-cache,radixrt-static,radixrt-int8,transformers,"
     "llama.cpp,llama-server",
     "multi-turn": "radixrt,radixrt-no-cache,llama.cpp,llama-server",
-    "multi-prefix": "radixrt,radixrt-dp2,radixrt-dp2-round-robin,radixrt-dp2-shortest-queue",
+    # ratios over round-robin, the policy cache-aware routing is measured against
+    "multi-prefix": "radixrt-dp2,radixrt-dp2-round-robin,radixrt-dp2-shortest-queue,radixrt",
     "long-prompt": "radixrt,radixrt-no-chunking",
     "random": "radixrt,radixrt-no-cache,transformers",
     "json": "radixrt,radixrt-no-jump-forward,radixrt-spec",
@@ -417,7 +418,7 @@ def print_table(workload: str, results: list[RunResult], baseline: str | None) -
     # a select-only program generates nothing
     metric = "request_throughput" if programs else "output_throughput"
     head = (
-        f"{'system':<24}{'load':<26}{'req/s':>7}{'tok/s':>8}{'goodput':>8}{'TTFT p50':>9}{'p99':>7}"
+        f"{'system':<28}{'load':<26}{'req/s':>7}{'tok/s':>8}{'goodput':>8}{'TTFT p50':>9}{'p99':>7}"
         f"{'TPOT p50':>9}{'ITL p99':>8}{'hit':>6}{'preempt':>8}{'fwd/req':>8}{'ratio':>7}"
     )
     print(
@@ -429,7 +430,7 @@ def print_table(workload: str, results: list[RunResult], baseline: str | None) -
         s = r.summary
         ratio = f"{getattr(s, metric) / getattr(base.summary, metric):.2f}x" if base else "-"
         print(
-            f"{r.system:<24}{r.load[:25]:<26}{s.request_throughput:>7.2f}{s.output_throughput:>8.1f}"
+            f"{r.system:<28}{r.load[:25]:<26}{s.request_throughput:>7.2f}{s.output_throughput:>8.1f}"
             f"{s.goodput:>8.2f}{_fmt(s.ttft.p50):>8}s{_fmt(s.ttft.p99):>6}s{_fmt(s.tpot.p50 * 1e3, '.0f'):>7}ms"
             f"{_fmt(s.itl.p99 * 1e3, '.0f'):>6}ms{_fmt(r.cache_hit_rate):>6}{_fmt(r.num_preemptions, 'd'):>8}"
             f"{_fmt(s.forward_passes_per_request, '.1f'):>8}{ratio:>7}"

@@ -74,6 +74,8 @@ def test_workloads_are_seeded_and_shaped(tokenizer):
     prompts = [s.turns[0].text for s in REQUEST_WORKLOADS["shared-prefix"](tokenizer, cfg)]
     shared = len(tokenizer.encode(prompts[0][: min(map(len, prompts))].rsplit("\n", 1)[0]))
     assert shared >= 80 and len(set(prompts)) == 6
+    prefixed = [s.turns[0].text for s in REQUEST_WORKLOADS["multi-prefix"](tokenizer, cfg)]
+    assert len({p.split("\nQuestion")[0] for p in prefixed}) > 1 and len(set(prefixed)) == 6
     chats = REQUEST_WORKLOADS["multi-turn"](tokenizer, cfg)
     assert len(chats) == 6 and all(s.chat and len(s.turns) == 3 for s in chats)
     tags = [s.tag for s in REQUEST_WORKLOADS["long-prompt"](tokenizer, cfg)]
@@ -151,6 +153,7 @@ def test_every_workload_runs_at_tiny_size(tiny_model_dir, tmp_path, capsys):
     )
     for workload in (
         "shared-prefix",
+        "multi-prefix",
         "multi-turn",
         "long-prompt",
         "random",
@@ -167,6 +170,19 @@ def test_every_workload_runs_at_tiny_size(tiny_model_dir, tmp_path, capsys):
     assert "constraint masks" in capsys.readouterr().out
     for plot in ("long-prompt-itl.png", "cache-hit-rate.png"):
         assert (tmp_path / plot).stat().st_size > 1000
+
+
+def test_multi_prefix_over_a_fleet(tiny_model_dir, tmp_path, capsys):
+    """The data-parallel variants run as fleets (router and two workers) and share the pool."""
+    main(
+        ["bench", "--workload", "multi-prefix", "--systems", "radixrt-dp2,radixrt-dp2-round-robin"]
+        + ["--model", str(tiny_model_dir), *TINY, "--max-total-tokens", "4096"]
+        + ["--output-dir", str(tmp_path)]
+    )
+    payload = json.loads((tmp_path / "multi-prefix.json").read_text())
+    assert [r["system"] for r in payload["results"]] == ["radixrt-dp2", "radixrt-dp2-round-robin"]
+    assert all(r["summary"]["errors"] == 0 for r in payload["results"])
+    assert "over radixrt-dp2-round-robin" in capsys.readouterr().out
 
 
 def test_shared_prefix_against_baselines_and_peers(tiny_model_dir, tmp_path, capsys):

@@ -312,3 +312,21 @@ def test_a_killed_launcher_leaves_no_fleet_behind(tiny_model_dir):
     launcher.wait(timeout=10)
     gone, alive = psutil.wait_procs(family, timeout=20)
     assert not alive, f"left behind: {alive}"
+
+
+def test_a_fork_runs_its_branches_on_the_worker_holding_its_prefix(router, workers):
+    @rt.function
+    def branches(s):
+        s += "Colours of the sea, the sky and the stones on the shore, listed one by one:"
+        forks = s.fork(3)
+        forks += lambda i: f" ({i})" + rt.gen("item", max_tokens=4, temperature=0, ignore_eos=True)
+        forks.join()
+
+    before = router.stats()
+    routed = branches.run(backend=router)
+    direct = branches.run(backend=workers[0])
+    assert routed["item"] == direct["item"] and len(routed["item"]) == 3
+    after = router.stats()
+    assert after["routed_by_pin"] - before["routed_by_pin"] == 3
+    assert after["pins"] == 0  # joined: released at the worker
+    _assert_no_leak(router)

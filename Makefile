@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint format model bench bench-spec bench-hicache bench-peers gpu-check clean
+.PHONY: demo test lint format model bench bench-spec bench-hicache bench-dp bench-peers gpu-check clean
 
 # torch is pinned to the CPU wheel that lies on this kind of machine's disk; a bare
 # `pip install torch` would pull a multi-GB CUDA build.
@@ -74,6 +74,17 @@ bench-hicache: model
 	$(BIN)/radixrt bench --workload random --num-requests 12 --question-tokens 100 --max-new-tokens 256 \
 		--fixed-output-len --max-total-tokens 1024 --output-dir bench_results/hicache-swap \
 		--systems radixrt,radixrt-hicache-recompute,radixrt-hicache
+
+# Data parallelism (docs/benchmarks.md): 16 system prompts x 64 questions from 16 clients, and
+# 16 chats x 4 turns, through two workers behind the router (one thread each, half the pool
+# each) under each policy, against one server with two threads and the whole pool.
+DP_SYSTEMS := radixrt-dp2,radixrt-dp2-round-robin,radixrt-dp2-shortest-queue,radixrt
+bench-dp: model
+	$(BIN)/radixrt bench --workload multi-prefix --num-prefixes 16 --num-requests 64 --max-new-tokens 32 \
+		--concurrency 16 --max-total-tokens 8192 --systems $(DP_SYSTEMS) --output-dir bench_results/dp
+	$(BIN)/radixrt bench --workload multi-turn --num-requests 16 --turns 4 --max-new-tokens 32 \
+		--max-total-tokens 8192 --systems $(DP_SYSTEMS) --output-dir bench_results/dp
+	$(BIN)/python scripts/router_overhead.py --rounds 40
 
 # llama.cpp as two peers in `radixrt bench`: llama-cpp-python (it compiles llama.cpp, several
 # minutes) and llama.cpp's own `llama-server`, built from the same vendored sources (about 8 more).

@@ -65,6 +65,12 @@ class SchedulerArgs:
     log_interval: int
 
 
+# the cache-aware router's defaults (radixrt/server/router/policy.py says why these values)
+ROUTER_CACHE_THRESHOLD = 0.5
+ROUTER_BALANCE_ABS_THRESHOLD = 4
+ROUTER_BALANCE_REL_THRESHOLD = 1.25
+
+
 def is_loopback_host(host: str) -> bool:
     """An ipc:// path or a loopback address: reachable from this machine only."""
     return host.startswith("ipc://") or host in ("127.0.0.1", "localhost", "::1")
@@ -165,19 +171,19 @@ class ServerArgs:
         },
     )
     router_cache_threshold: float = field(
-        default=0.5,
+        default=ROUTER_CACHE_THRESHOLD,
         metadata={
             "help": "cache-aware: route by match only when it covers at least this share of the prompt"
         },
     )
     router_balance_abs_threshold: int = field(
-        default=16,
+        default=ROUTER_BALANCE_ABS_THRESHOLD,
         metadata={
             "help": "cache-aware: load is out of balance when the busiest worker has this many more sequences than the idlest..."
         },
     )
     router_balance_rel_threshold: float = field(
-        default=1.5,
+        default=ROUTER_BALANCE_REL_THRESHOLD,
         metadata={"help": "...and more than this many times as many; then the idlest gets it"},
     )
     schedule_policy: str = field(

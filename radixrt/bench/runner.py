@@ -290,8 +290,9 @@ def run_system(
 
 
 def rank_peak_rss_mb(target) -> list[float] | None:
-    """Peak resident memory (Linux VmHWM) of the runtime process and its rank processes, in MB;
-    None where that cannot be read (another OS, a remote server)."""
+    """Peak resident memory (Linux VmHWM) of the runtime process and its rank processes (or, for
+    a fleet, the router's process and its workers), in MB; None where that cannot be read
+    (another OS, a remote server)."""
     import psutil
 
     proc = getattr(target, "_proc", None)
@@ -299,7 +300,9 @@ def rank_peak_rss_mb(target) -> list[float] | None:
         return None
     server = psutil.Process(proc.pid)
     ranks = [server] + [
-        p for p in server.children(recursive=True) if "spawn_main" in " ".join(p.cmdline())
+        p
+        for p in server.children(recursive=True)
+        if "spawn_main" in (cmd := " ".join(p.cmdline())) or " radixrt serve " in cmd
     ]
     peaks = []
     for p in ranks:
@@ -452,7 +455,7 @@ def print_table(workload: str, results: list[RunResult], baseline: str | None) -
                 else (f"collectives {100 * r.tp_collective_share:.1f}% of rank 0's step time; ")
             )
             peaks = ", ".join(f"{m:.0f}" for m in r.rank_peak_rss_mb)
-            print(f"  ranks: {share}peak resident memory per rank {peaks} MB")
+            print(f"  processes: {share}peak resident memory {peaks} MB")
         if r.host_hit_tokens is not None:
             print(
                 f"  host tier: {r.host_hit_tokens} prompt tokens loaded back, "

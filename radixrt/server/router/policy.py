@@ -12,6 +12,11 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Protocol
 
+from radixrt.config import (
+    ROUTER_BALANCE_ABS_THRESHOLD,
+    ROUTER_BALANCE_REL_THRESHOLD,
+    ROUTER_CACHE_THRESHOLD,
+)
 from radixrt.server.router.prefix_tree import ApproxPrefixTree
 
 
@@ -43,16 +48,20 @@ class CacheAwareThresholds:
       the prompt; below it the prefix is too short to be worth a queue, so load decides. Half
       keeps a conversation's next turn (its history is most of its prompt) and a system prompt
       shared by questions on their worker, and lets short unrelated prompts spread.
-    - `balance_abs_threshold` (16) and `balance_rel_threshold` (1.5): when the busiest worker has
-      both more than 16 sequences and more than 1.5x those of the idlest, the idlest gets the
-      request whatever the match. Both must hold: a gap of a few requests is noise at any load,
-      and a 1.5x ratio between 2 and 3 requests is no imbalance; 16 is about what one CPU worker
-      decodes in a step at the speed of a smaller batch.
+    - `balance_abs_threshold` (4) and `balance_rel_threshold` (1.25): when the busiest worker has
+      both more than 4 sequences more and more than 1.25x as many as the idlest, the idlest gets
+      the request whatever the match. Both must hold: a gap of a few sequences is noise at any
+      load, and 2 against 3 is no imbalance. They are low because a CPU worker's decode step
+      grows with its batch (it is compute-bound), so a worker with twice the sequences takes
+      about twice as long a token; on `make bench-dp`'s 16 clients over two workers, 16 and 1.5
+      (closer to SGLang's GPU defaults) kept the hit rate but cost 11% of the throughput of
+      round-robin, 4 and 1.25 gained 26%. On GPUs, whose step time barely grows with the batch,
+      raise them.
     """
 
-    cache_threshold: float = 0.5
-    balance_abs_threshold: int = 16
-    balance_rel_threshold: float = 1.5
+    cache_threshold: float = ROUTER_CACHE_THRESHOLD
+    balance_abs_threshold: int = ROUTER_BALANCE_ABS_THRESHOLD
+    balance_rel_threshold: float = ROUTER_BALANCE_REL_THRESHOLD
 
     def __post_init__(self) -> None:
         if not 0 <= self.cache_threshold <= 1:

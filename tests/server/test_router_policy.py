@@ -84,12 +84,9 @@ def test_cache_aware_sends_to_the_idlest_when_load_is_out_of_balance():
     assert route.worker is workers[1] and route.reason is RouteReason.LOAD
     # both thresholds must hold: 40 against 30 is over the absolute gap but not 1.5x
     workers[1].load = 30
-    assert (
-        CacheAwarePolicy(CacheAwareThresholds(balance_abs_threshold=5))
-        .choose(list(range(50)), workers)
-        .worker
-        is workers[0]
-    )
+    thresholds = CacheAwareThresholds(balance_abs_threshold=5, balance_rel_threshold=1.5)
+    route = CacheAwarePolicy(thresholds).choose(list(range(50)), workers)
+    assert route.worker is workers[0] and route.reason is RouteReason.MATCH
 
 
 def test_round_robin_and_shortest_queue():

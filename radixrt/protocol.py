@@ -8,6 +8,8 @@ from __future__ import annotations
 from enum import Enum
 from typing import Any
 
+import msgpack
+
 
 class ErrorCode(str, Enum):
     """The machine-readable `error.code` of a failed request; never reworded once published."""
@@ -45,3 +47,15 @@ class RequestError(ValueError):
 def error_reply(rid: Any, code: ErrorCode, message: str) -> dict[str, Any]:
     """The one shape of a failure on the wire; `type` repeats `code` for older clients."""
     return {"rid": rid, "error": {"code": code.value, "type": code.value, "message": message}}
+
+
+def decode_map(payload: bytes) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """A received frame as `(map, None)`, or `(None, the error reply its sender gets)` when it
+    is not msgpack or not a map. Never more than msgpack: nothing is ever unpickled."""
+    try:
+        msg = msgpack.unpackb(payload, raw=False, strict_map_key=False)
+    except Exception as e:  # any undecodable frame
+        return None, error_reply(None, ErrorCode.INVALID_REQUEST, f"frame is not msgpack: {e}")
+    if not isinstance(msg, dict):
+        return None, error_reply(None, ErrorCode.INVALID_REQUEST, "a message must be a msgpack map")
+    return msg, None

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import pickle
 import random
+import signal
+import subprocess
+import sys
 import time
 from functools import lru_cache
 from pathlib import Path
@@ -184,3 +187,22 @@ def assert_bad_frames_get_their_errors(url: str) -> None:
     got = sorted((str(r["rid"]), r["error"]["code"]) for r in replies)
     assert got == sorted((str(rid), code) for _, rid, code in frames)
     assert all(r["error"]["type"] == r["error"]["code"] and r["error"]["message"] for r in replies)
+
+
+def kill_a_streaming_client(url: str, input_ids: list[int], max_new_tokens: int) -> None:
+    """A client process that streams one greedy request from `url`, SIGKILLed once its first
+    chunk arrived: it vanishes without a word, as a crashed program does."""
+    script = (
+        "import radixrt as rt\n"
+        f"e = rt.RuntimeEndpoint({url!r}, timeout=60)\n"
+        f"for chunk in e.generate(input_ids={input_ids!r}, sampling_params="
+        f"{{'max_new_tokens': {max_new_tokens}, 'temperature': 0, 'ignore_eos': True}},"
+        " stream=True):\n"
+        "    print('streaming', flush=True)\n"
+    )
+    child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "streaming"
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait(timeout=10)

@@ -23,7 +23,7 @@ from radixrt.config import ServerArgs
 from radixrt.engine.request import Req
 from radixrt.engine.scheduler import Scheduler
 from radixrt.lifecycle import exit_with_parent
-from radixrt.protocol import ErrorCode, RequestError, error_reply
+from radixrt.protocol import ErrorCode, RequestError, decode_map, error_reply
 from radixrt.sampling_params import SamplingParams
 from radixrt.server.exposure import check_exposure
 
@@ -100,19 +100,9 @@ class Server:
                 )
                 continue
             identity, payload = frames
-            try:
-                msg = msgpack.unpackb(payload, raw=False, strict_map_key=False)
-            except Exception as e:  # any undecodable frame
-                self._send(
-                    identity,
-                    error_reply(None, ErrorCode.INVALID_REQUEST, f"frame is not msgpack: {e}"),
-                )
-                continue
-            if not isinstance(msg, dict):
-                self._send(
-                    identity,
-                    error_reply(None, ErrorCode.INVALID_REQUEST, "a message must be a msgpack map"),
-                )
+            msg, error = decode_map(payload)
+            if error is not None:
+                self._send(identity, error)
                 continue
             self._handle(identity, msg)
 

@@ -4,15 +4,12 @@ evicted prefixes come back without being recomputed, and the answers do not chan
 from __future__ import annotations
 
 import random
-import signal
-import subprocess
-import sys
 import threading
 import time
 
 import radixrt as rt
 
-from helpers import hf_greedy
+from helpers import hf_greedy, kill_a_streaming_client
 from ownership import assert_all_free, assert_slot_ownership
 from timeouts import REPLY_TIMEOUT_S
 
@@ -179,19 +176,7 @@ def test_aborts_and_a_vanished_client_during_load_back_leak_nothing(tiny_model_d
         for t in threads:
             t.join()
         assert all(o["meta_info"]["finish_reason"]["type"] in ("abort", "length") for o in results)
-        script = (
-            "import radixrt as rt\n"
-            f"e = rt.RuntimeEndpoint({r.url!r}, timeout=60)\n"
-            f"for chunk in e.generate(input_ids={histories[0] + [9]!r}, sampling_params="
-            "{'max_new_tokens': 100000, 'temperature': 0, 'ignore_eos': True}, stream=True):\n"
-            "    print('streaming', flush=True)\n"
-        )
-        child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
-        try:
-            assert child.stdout.readline().strip() == "streaming"
-        finally:
-            child.send_signal(signal.SIGKILL)
-            child.wait(timeout=10)
+        kill_a_streaming_client(r.url, histories[0] + [9], 100000)
         deadline = time.monotonic() + 15
         while r.stats()["running"] and time.monotonic() < deadline:
             time.sleep(0.2)

@@ -19,7 +19,12 @@ import radixrt as rt
 from radixrt.client.launcher import free_port
 from radixrt.client.transport import RemoteError
 
-from helpers import assert_bad_frames_get_their_errors, hf_greedy, shared_prefix_prompts
+from helpers import (
+    assert_bad_frames_get_their_errors,
+    hf_greedy,
+    kill_a_streaming_client,
+    shared_prefix_prompts,
+)
 from timeouts import REPLY_TIMEOUT_S
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
@@ -169,19 +174,7 @@ def test_a_swamped_worker_sends_load_to_the_idle_one(workers):
 
 def test_garbage_frames_and_a_vanished_client(router, workers):
     assert_bad_frames_get_their_errors(router.url)
-    script = (
-        "import radixrt as rt\n"
-        f"e = rt.RuntimeEndpoint({router.url!r}, timeout=60)\n"
-        "for chunk in e.generate(input_ids=[5, 6, 7, 8], sampling_params={'max_new_tokens': 1000,"
-        " 'temperature': 0, 'ignore_eos': True}, stream=True):\n"
-        "    print('streaming', flush=True)\n"
-    )
-    child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
-    try:
-        assert child.stdout.readline().strip() == "streaming"
-    finally:
-        child.send_signal(signal.SIGKILL)
-        child.wait(timeout=10)
+    kill_a_streaming_client(router.url, [5, 6, 7, 8], 1000)
     start = time.monotonic()
     while router.stats()["running"] and time.monotonic() - start < 15:
         time.sleep(0.2)

@@ -23,7 +23,7 @@ from typing import Any
 import msgpack
 import zmq
 
-from radixrt.protocol import ErrorCode, error_reply
+from radixrt.protocol import ErrorCode, decode_map, error_reply
 from radixrt.server.router.policy import CacheAwareThresholds, Route, RouteReason, make_policy
 from radixrt.server.router.worker import WorkerLink
 
@@ -187,19 +187,9 @@ class Router:
                 logger.warning("dropped a message of %d frames", len(frames))
                 continue
             identity, payload = frames
-            try:
-                msg = msgpack.unpackb(payload, raw=False, strict_map_key=False)
-            except Exception as e:
-                self._reply(
-                    identity,
-                    error_reply(None, ErrorCode.INVALID_REQUEST, f"frame is not msgpack: {e}"),
-                )
-                continue
-            if not isinstance(msg, dict):
-                self._reply(
-                    identity,
-                    error_reply(None, ErrorCode.INVALID_REQUEST, "a message must be a msgpack map"),
-                )
+            msg, error = decode_map(payload)
+            if error is not None:
+                self._reply(identity, error)
                 continue
             try:
                 self._on_client(identity, msg)

@@ -11,6 +11,7 @@ import msgpack
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from radixrt.protocol import decode_map
 from radixrt.server.router.prefix_tree import ApproxPrefixTree
 
 logger = logging.getLogger(__name__)
@@ -72,13 +73,11 @@ class WorkerLink:
             except zmq.Again:
                 return replies
             self.last_heard = time.monotonic()
-            try:
-                reply = msgpack.unpackb(frame, raw=False, strict_map_key=False)
-            except Exception as e:
-                logger.warning("worker %s sent a frame that is not msgpack: %s", self.url, e)
+            reply, error = decode_map(frame)
+            if error is not None:
+                logger.warning("worker %s: %s", self.url, error["error"]["message"])
                 continue
-            if isinstance(reply, dict):
-                replies.append(reply)
+            replies.append(reply)
 
     def disconnected(self) -> bool:
         """Whether the monitor reported the connection dropped since the last call."""

@@ -31,9 +31,12 @@ logger = logging.getLogger(__name__)
 
 POLL_MS = 100
 HEARTBEAT_S = 1.0  # the router pings every worker this often (so workers also watch it)
-WORKER_SILENCE_S = 10.0  # a connected worker silent this long is taken out (a long step is < 10 s)
+# A worker answers pings between its steps, so silence must outlast its longest step (a first
+# request compiles kernels; a busy 2-core machine takes seconds a prefill): a dead process is
+# caught at once by its dropped connection, so this is only for hung or unreachable ones.
+WORKER_SILENCE_S = 60.0
 CLIENT_SILENCE_S = 5.0  # as the server: a pinging client silent this long has vanished
-GATHER_TIMEOUT_S = 10.0  # a fanned-out control op answers with what arrived by then
+GATHER_TIMEOUT_S = 30.0  # a fanned-out control op answers with what arrived by then
 PIN_SLACK_TOKENS = 2  # a fork's branch re-tokenizes its parent's text: the last tokens may differ
 
 

@@ -75,7 +75,9 @@ def parse_tools(tools: list[Any]) -> list[Tool]:
             raise ToolError(f"{where}.function.name must match [A-Za-z0-9_-]{{1,64}}, not {name!r}")
         if any(t.name == name for t in parsed):
             raise ToolError(f"{where}: a second tool named {name!r}")
-        parameters = function.get("parameters") or {"type": "object", "properties": {}}
+        parameters = function.get("parameters")
+        if parameters is None:
+            parameters = {"type": "object", "properties": {}}
         if not isinstance(parameters, dict) or parameters.get("type", "object") != "object":
             raise ToolError(f"{where}.function.parameters must be a JSON schema of type object")
         tool = Tool(

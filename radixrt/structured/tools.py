@@ -32,6 +32,27 @@ _CLASS_SPECIALS = set("\\]^-[&~")
 _META = set("\\.+*?()|[]{}^$#&-~")
 
 
+# JSON-schema keywords outlines-core's regexes do not enforce: a tool using one is refused, so
+# that every call validates against its tool's schema (OpenAI's strict mode refuses most of them)
+UNENFORCED_KEYWORDS = (
+    "minimum",
+    "maximum",
+    "exclusiveMinimum",
+    "exclusiveMaximum",
+    "multipleOf",
+    "uniqueItems",
+    "contains",
+    "not",
+    "if",
+    "patternProperties",
+    "propertyNames",
+    "minProperties",
+    "maxProperties",
+    "dependentRequired",
+    "dependentSchemas",
+)
+
+
 class ToolError(ValueError):
     """A malformed `tools` / `tool_choice` (HTTP 400, code `invalid_request`)."""
 
@@ -80,6 +101,11 @@ def parse_tools(tools: list[Any]) -> list[Tool]:
             parameters = {"type": "object", "properties": {}}
         if not isinstance(parameters, dict) or parameters.get("type", "object") != "object":
             raise ToolError(f"{where}.function.parameters must be a JSON schema of type object")
+        if unenforced := _unenforced(parameters, "$"):
+            raise ToolError(
+                f"{where}.function.parameters: {unenforced} cannot be enforced while decoding, so "
+                "calls could break it; drop it or say it with enum, pattern or maxLength"
+            )
         tool = Tool(
             name, parameters, str(function.get("description") or ""), bool(function.get("strict"))
         )
@@ -89,6 +115,33 @@ def parse_tools(tools: list[Any]) -> list[Tool]:
             raise ToolError(f"{where}.function.parameters: {e}") from None
         parsed.append(tool)
     return parsed
+
+
+def _unenforced(node: Any, path: str) -> str | None:
+    """The first keyword (with where it is) of UNENFORCED_KEYWORDS in a schema, or None."""
+    if isinstance(node, list):
+        return next((u for i, n in enumerate(node) if (u := _unenforced(n, f"{path}[{i}]"))), None)
+    if not isinstance(node, dict):
+        return None
+    for key, value in node.items():
+        if key in UNENFORCED_KEYWORDS:
+            return f"{key!r} at {path}"
+        if key in ("properties", "$defs", "definitions") and isinstance(value, dict):
+            found = next(
+                (u for k, v in value.items() if (u := _unenforced(v, f"{path}.{key}.{k}"))), None
+            )
+        elif isinstance(value, (dict, list)) and key not in (
+            "enum",
+            "const",
+            "default",
+            "examples",
+        ):
+            found = _unenforced(value, f"{path}.{key}")
+        else:
+            found = None
+        if found:
+            return found
+    return None
 
 
 @dataclass(frozen=True)

@@ -227,3 +227,27 @@ def test_an_openai_agents_agent_calls_a_python_function(runtime):
     result = agents.Runner.run_sync(agent, "What is the weather in Paris?", max_turns=4)
     assert seen and all(isinstance(city, str) for city in seen)
     assert isinstance(result.final_output, str) and result.final_output
+
+
+@pytest.mark.parametrize("parser", ["hermes", "mistral", "pythonic"])
+def test_streamed_reply_in_pieces_makes_first_deltas_then_arguments(parser):
+    """No model: a reply fed a character at a time."""
+    from radixrt.server.http.responses import ToolCallStream
+    from radixrt.structured.tools import PARSERS, ToolCall
+
+    calls = [ToolCall("get_weather", '{"city":"Oslo"}'), ToolCall("add", '{"a":1,"b":2}')]
+    text = "Let me see. " + PARSERS[parser].format_calls(calls)
+    stream = ToolCallStream(PARSERS[parser])
+    deltas = [d for c in text for d in stream.feed(c)] + stream.feed("", final=True)
+    content = "".join(d.get("content", "") for d in deltas)
+    assert content == "Let me see. " and stream.called
+    pieces = [d["tool_calls"][0] for d in deltas if "tool_calls" in d]
+    firsts = [p for p in pieces if "id" in p]
+    assert [(p["index"], p["function"]) for p in firsts] == [
+        (0, {"name": "get_weather", "arguments": ""}),
+        (1, {"name": "add", "arguments": ""}),
+    ]
+    joined = [
+        "".join(p["function"]["arguments"] for p in pieces if p["index"] == i) for i in (0, 1)
+    ]
+    assert joined == [c.arguments for c in calls]

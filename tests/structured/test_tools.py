@@ -224,3 +224,14 @@ def test_history_renders_calls_as_written_and_results_as_one_user_turn():
     assert out[3]["content"].count("<tool_response>") == 2 and "sunny" in out[3]["content"]
     kept = prompt_messages(history, TOOLS, HERMES, template="{% for t in tools %}{% endfor %}")
     assert kept[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris", "unit": "c"}
+
+
+def test_the_flag_offers_every_parser():
+    from dataclasses import fields
+
+    from radixrt.config import ServerArgs
+    from radixrt.structured.tools import PARSER_NAMES
+
+    (flag,) = [f for f in fields(ServerArgs) if f.name == "tool_call_parser"]
+    assert tuple(flag.metadata["choices"]) == PARSER_NAMES
+    assert set(PARSER_NAMES) == {"auto", *PARSERS}

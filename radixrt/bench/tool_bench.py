@@ -91,6 +91,9 @@ class ToolBenchConfig:
     max_total_tokens: int | None = 65536
     temperature: float = 0.0
     seed: int = 0
+    # one call per tool-call turn (a small model asked for "one or more" repeats itself until
+    # max_tokens), so a turn's time is one call's
+    parallel_tool_calls: bool = False
 
 
 @dataclass
@@ -201,6 +204,7 @@ def _agent(
             messages=messages,
             tools=TOOLS,
             tool_choice=choice,
+            parallel_tool_calls=config.parallel_tool_calls,
             max_tokens=config.max_new_tokens,
             temperature=config.temperature,
             seed=config.seed,

@@ -1,5 +1,6 @@
 """The radixrt DSL: programs of gen/select/roles/fork over a runtime (see radixrt.Runtime)."""
 
+from radixrt.frontend.chat import ChatReply, chat
 from radixrt.frontend.function import Function, function, set_default_backend
 from radixrt.frontend.primitives import (
     assistant,
@@ -17,14 +18,17 @@ from radixrt.frontend.primitives import (
     user_end,
 )
 from radixrt.frontend.state import ForkGroup, ProgramState
+from radixrt.frontend.tools import tools_prompt
 
 __all__ = [
+    "ChatReply",
     "ForkGroup",
     "Function",
     "ProgramState",
     "assistant",
     "assistant_begin",
     "assistant_end",
+    "chat",
     "function",
     "gen",
     "gen_int",
@@ -34,6 +38,7 @@ __all__ = [
     "system",
     "system_begin",
     "system_end",
+    "tools_prompt",
     "user",
     "user_begin",
     "user_end",

@@ -17,15 +17,11 @@ class ChatTemplate:
 
     @classmethod
     def from_model_info(cls, info: dict) -> ChatTemplate:
-        source = info.get("chat_template")
-        if not source:
+        if not info.get("chat_template"):
             return cls({}, {}, "")
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        template = env.from_string(source)
-        specials = info.get("special_tokens", {})
 
         def render(messages: list[dict]) -> str:
-            return template.render(messages=messages, add_generation_prompt=False, **specials)
+            return render_messages(info, messages, add_generation_prompt=False)
 
         def around(before: list[dict], role: str) -> tuple[str, str]:
             head = render(before) if before else ""
@@ -51,3 +47,21 @@ class ChatTemplate:
 
     def suffix(self, role: str) -> str:
         return self.suffixes.get(role, "")
+
+
+def render_messages(
+    info: dict,
+    messages: list[dict],
+    tools: list[dict] | None = None,
+    add_generation_prompt: bool = True,
+) -> str:
+    """Messages (and, for a template that renders them, tools) as the model's own chat template
+    writes them; `info` is the runtime's `model_info`."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    template = env.from_string(info["chat_template"])
+    return template.render(
+        messages=messages,
+        tools=tools,
+        add_generation_prompt=add_generation_prompt,
+        **info.get("special_tokens", {}),
+    )

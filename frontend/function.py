@@ -26,7 +26,7 @@ def set_default_backend(backend: RuntimeEndpoint) -> None:
     _default_backend = backend
 
 
-def _backend(backend: RuntimeEndpoint | None) -> RuntimeEndpoint:
+def backend_or_default(backend: RuntimeEndpoint | None) -> RuntimeEndpoint:
     backend = backend or _default_backend
     if backend is None:
         raise RuntimeError("no backend: pass backend= or call rt.set_default_backend(...)")
@@ -58,7 +58,7 @@ class Function:
         self, backend: RuntimeEndpoint | None, kwargs: dict[str, Any], stream: bool
     ) -> ProgramState:
         args, defaults = self._split(kwargs)
-        backend = _backend(backend)
+        backend = backend_or_default(backend)
         return run_program(self.func, backend, _template(backend), defaults, args, stream)
 
     def run_batch(

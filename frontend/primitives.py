@@ -45,13 +45,17 @@ class Gen(Expr):
     dtype: Any = None
     return_logprob: bool | None = None
     top_logprobs_num: int | None = None
+    # tool calls (frontend/tools.py): the variable becomes the parsed calls
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool = True
 
     def sampling_params(self, defaults: dict[str, Any]) -> dict[str, Any]:
         """The runtime's sampling params: this gen's values over the run's defaults."""
         params = dict(defaults)
         for f in fields(self):
             value = getattr(self, f.name)
-            if value is None or f.name == "name":
+            if value is None or f.name in _NOT_SAMPLING:
                 continue
             if f.name == "max_tokens":
                 params["max_new_tokens"] = value
@@ -62,6 +66,7 @@ class Gen(Expr):
         return params
 
 
+_NOT_SAMPLING = ("name", "tools", "tool_choice", "parallel_tool_calls")
 CHOICE_METHODS = ("token_length_normalized", "greedy", "unconditional")
 
 
@@ -98,8 +103,14 @@ def gen(
     dtype: Any = None,
     return_logprob: bool | None = None,
     top_logprobs_num: int | None = None,
+    tools: list[dict[str, Any]] | None = None,
+    tool_choice: Any = None,
+    parallel_tool_calls: bool = True,
 ) -> Gen | Select:
-    """Generate text into variable `name`. With `choices`, the same as `select`."""
+    """Generate text into variable `name`. With `choices`, the same as `select`. With `tools`
+    (OpenAI's function tools), the reply decodes under the tool-call constraint of `tool_choice`
+    (`auto` by default, `required`, `none` or a function's name) and `name` holds the parsed
+    calls, `[{"name", "arguments"}]`; the meta info adds the reply's `content`."""
     if choices is not None and regex is None and json_schema is None:
         return Select(name, list(choices), temperature or 0.0)
     return Gen(
@@ -120,6 +131,11 @@ def gen(
         dtype,
         return_logprob,
         top_logprobs_num,
+        tools,
+        {"type": "function", "function": {"name": tool_choice}}
+        if tool_choice not in (None, "none", "auto", "required") and isinstance(tool_choice, str)
+        else tool_choice,
+        parallel_tool_calls,
     )
 
 

@@ -20,6 +20,7 @@ from typing import Any, NamedTuple
 from radixrt.client.endpoint import RuntimeEndpoint
 from radixrt.frontend.chat_template import ChatTemplate
 from radixrt.frontend.primitives import Gen, Role, Select
+from radixrt.frontend.tools import ToolRequest, parsed_calls
 
 _END = object()
 
@@ -73,6 +74,11 @@ class ProgramState:
 
     def _gen(self, g: Gen) -> None:
         params = g.sampling_params(self.defaults)
+        tools = None
+        if g.tools:
+            tools = ToolRequest.of(self.backend, g.tools, g.tool_choice, g.parallel_tool_calls)
+            if tools.regex is not None:
+                params["regex"] = tools.regex
         if self._role and self._role[0] == "assistant":
             params.setdefault("stop_token_ids", self._end_of_turn_ids())
         if self._stream is None:
@@ -86,7 +92,11 @@ class ProgramState:
                 else:
                     pieces.append(chunk["delta"])
                     self._append(chunk["delta"], g.name)
-        self._set(g.name, _typed(out["text"], g.dtype), out["meta_info"])
+        if tools is None:
+            self._set(g.name, _typed(out["text"], g.dtype), out["meta_info"])
+        else:
+            content, calls = tools.read(out["text"])
+            self._set(g.name, parsed_calls(calls), {**out["meta_info"], "content": content})
 
     def _select(self, sel: Select) -> None:
         prompts = self._choice_prompts(self._text, sel.choices)

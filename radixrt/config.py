@@ -281,6 +281,13 @@ class ServerArgs:
             "help": "also serve the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /metrics, ...) on this port of --host (off when unset)"
         },
     )
+    tool_call_parser: str = field(
+        default="auto",
+        metadata={
+            "help": "how models write tool calls on /v1/chat/completions, and how they are read and constrained: hermes (<tool_call>{...}</tool_call>), llama3-json, mistral, pythonic, or auto (the chat template's format, else hermes)",
+            "choices": ["auto", "hermes", "llama3-json", "mistral", "pythonic"],
+        },
+    )
     api_key: str | None = field(
         default=None,
         metadata={"help": "required in every message when set; needed to bind a non-loopback host"},

@@ -42,7 +42,7 @@ ALLOWED = {
     "structured": set(),
     "speculative": set(),
     "kernels": set(),
-    "frontend": {"client", "frontend"},
+    "frontend": {"client", "frontend", "structured"},  # structured.tools: calls, no torch
 }
 NOT_SOURCES = (
     ".git",

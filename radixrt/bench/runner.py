@@ -492,14 +492,16 @@ def _print_against_llama(results: list[RunResult], metric: str) -> None:
 
 
 def add_bench_args(parser: argparse.ArgumentParser) -> None:
-    workloads = [*REQUEST_WORKLOADS, *PROGRAM_WORKLOADS, "all"]
+    workloads = [*REQUEST_WORKLOADS, *PROGRAM_WORKLOADS, "agent-tools", "all"]
     parser.add_argument(
         "--workload",
         default="shared-prefix",
         choices=workloads,
         help="request workloads: shared-prefix, multi-prefix, multi-turn, long-prompt, random, json, agent-loop, "
         "few-shot; DSL programs: "
-        "agent, few-shot-select, tree-of-thought; all: every one in turn, plus a hit-rate plot",
+        "agent, few-shot-select, tree-of-thought; agent-tools (with --backend http): tool-calling "
+        "agents per tool_choice against an unconstrained run; all: every request and program "
+        "workload in turn, plus a hit-rate plot",
     )
     parser.add_argument(
         "--systems",
@@ -566,7 +568,12 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
         "--prefix-tokens", type=int, default=500, help="shared-prefix: shared system prompt length"
     )
     shape.add_argument("--question-tokens", type=int, default=30)
-    shape.add_argument("--turns", type=int, default=6, help="multi-turn: turns per conversation")
+    shape.add_argument(
+        "--turns",
+        type=int,
+        default=6,
+        help="multi-turn: turns per conversation; agent-tools: tool-call turns per agent",
+    )
     shape.add_argument(
         "--num-prefixes", type=int, default=8, help="multi-prefix: distinct system prompts"
     )
@@ -595,6 +602,8 @@ def run_bench(args: argparse.Namespace) -> dict[str, list[RunResult]]:
     out_dir.mkdir(parents=True, exist_ok=True)
     model_dir = resolve_model_path(args.model)
     setup = setup_info(args, model_dir)
+    if args.workload == "agent-tools":
+        return _run_tool_bench(args, setup, out_dir)
     if args.backend == "http":
         from radixrt.bench.http_bench import run_http_bench
 
@@ -733,6 +742,25 @@ def _plot(
             print(
                 f"plot: {plot_cdf(itls, out_dir / 'long-prompt-itl.png', 'inter-token latency (s)', 'short requests: ITL CDF')}"
             )
+
+
+def _run_tool_bench(args: argparse.Namespace, setup: dict, out_dir: Path) -> dict:
+    if args.backend != "http":
+        raise SystemExit("--workload agent-tools runs over HTTP: add --backend http")
+    from radixrt.bench.tool_bench import ToolBenchConfig, run_tool_bench
+
+    config = ToolBenchConfig(
+        model=args.model,
+        num_agents=args.num_requests or ToolBenchConfig.num_agents,
+        turns=args.turns,
+        max_new_tokens=args.max_new_tokens,
+        max_total_tokens=args.max_total_tokens,
+        temperature=args.temperature,
+        seed=args.seed,
+    )
+    result = run_tool_bench(config)
+    _write(out_dir / "agent-tools.json", {"setup": setup, "workload": "agent-tools", **result})
+    return {}
 
 
 def _write(path: Path, payload: dict) -> None:

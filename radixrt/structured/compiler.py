@@ -13,62 +13,11 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 from outlines_core import Index, Vocabulary
-from outlines_core.json_schema import build_regex_from_schema
 
 from radixrt.structured.guide import TokenGuide
 from radixrt.structured.jump_forward import ForcedStrings
-from radixrt.structured.regexes import DTYPE_REGEXES, JSON_WHITESPACE
+from radixrt.structured.regexes import DTYPE_REGEXES, JSON_WHITESPACE, schema_regex
 from radixrt.structured.vocabulary import TokenTable, build_vocabulary
-
-# Cheap up-front bounds on schema repetition counts (the automaton grows with them).
-MAX_SCHEMA_LENGTH = 256
-MAX_SCHEMA_ITEMS = 64
-_SCHEMA_KEYWORDS = ("type", "enum", "const", "$ref", "anyOf", "oneOf", "allOf")
-
-
-def _check_schema(node: Any, path: str = "$") -> None:
-    """Reject up front, cheaply, schema shapes whose DFA is known to explode; the compile-time
-    budget catches the rest (e.g. a top-level string with maxLength 20 already takes minutes)."""
-    if not isinstance(node, dict):
-        return
-    if not any(k in node for k in _SCHEMA_KEYWORDS):
-        raise ValueError(
-            f"JSON schema at {path} accepts any JSON value, which is too complex to constrain; "
-            "give it a type"
-        )
-    types = node["type"] if isinstance(node.get("type"), list) else [node.get("type")]
-    if (
-        "object" in types
-        and not node.get("properties")
-        and not isinstance(node.get("additionalProperties"), dict)
-    ):
-        raise ValueError(
-            f"JSON schema at {path} is a free-form object, which is too complex to constrain; "
-            "list its properties"
-        )
-    if "array" in types and "items" not in node and "prefixItems" not in node:
-        raise ValueError(
-            f"JSON schema at {path} is an array of any values, which is too complex to constrain; "
-            "give its items"
-        )
-    for bound, limit in (
-        ("minLength", MAX_SCHEMA_LENGTH),
-        ("maxLength", MAX_SCHEMA_LENGTH),
-        ("minItems", MAX_SCHEMA_ITEMS),
-        ("maxItems", MAX_SCHEMA_ITEMS),
-    ):
-        if isinstance(node.get(bound), int) and node[bound] > limit:
-            raise ValueError(
-                f"JSON schema at {path}: {bound}={node[bound]} is too large to constrain "
-                f"(at most {limit}); the automaton grows with it"
-            )
-    for key in ("properties", "$defs", "definitions"):
-        for name, sub in (node.get(key) or {}).items():
-            _check_schema(sub, f"{path}.{key}.{name}")
-    for key in ("items", "prefixItems", "additionalProperties", "anyOf", "oneOf", "allOf", "not"):
-        subs = node.get(key)
-        for i, sub in enumerate(subs if isinstance(subs, list) else [subs]):
-            _check_schema(sub, f"{path}.{key}[{i}]" if isinstance(subs, list) else f"{path}.{key}")
 
 
 class ConstraintCompiler:
@@ -204,11 +153,7 @@ class ConstraintCompiler:
             schema = json.loads(source)
         except json.JSONDecodeError as e:
             raise ValueError(f"json_schema is not valid JSON: {e}") from None
-        _check_schema(schema)
-        try:
-            return build_regex_from_schema(source, self.whitespace_pattern)
-        except (ValueError, TypeError) as e:
-            raise ValueError(f"unsupported JSON schema: {e}") from None
+        return schema_regex(schema, self.whitespace_pattern)
 
     def _build(self, future: Future, kind: str, pattern: str) -> None:
         try:

@@ -259,3 +259,37 @@ def test_floors_follow_the_counters():
     assert floors.bandwidth_s == pytest.approx(1.024)
     assert floors.compute_share == pytest.approx((2.056 + 0.6912) / 4)
     assert floors.bandwidth_share == pytest.approx(0.256)
+
+
+def test_agent_tools_over_http_at_tiny_size(tiny_model_dir, tmp_path, capsys):
+    """The random tiny model still calls validly whenever a call is constrained (a named call
+    to get_weather, whose strings are bounded, always fits in 96 tokens)."""
+    main(
+        [
+            "bench",
+            "--backend",
+            "http",
+            "--workload",
+            "agent-tools",
+            "--model",
+            str(tiny_model_dir),
+            "--num-requests",
+            "2",
+            "--turns",
+            "1",
+            "--max-new-tokens",
+            "96",
+            "--max-total-tokens",
+            "4096",
+            "--output-dir",
+            str(tmp_path),
+        ]
+    )
+    payload = json.loads((tmp_path / "agent-tools.json").read_text())
+    modes = {m["mode"]: m for m in payload["modes"]}
+    assert set(modes) == {"required", "named", "auto", "unconstrained"}
+    assert modes["named"]["turns_that_called"] == 1.0 and modes["named"]["parse_valid"] == 1.0
+    assert modes["required"]["parse_valid"] in (None, 1.0)
+    assert modes["auto"]["parse_valid"] in (None, 1.0)
+    assert set(payload["turn_time_over_unconstrained"]) == {"required", "named", "auto"}
+    assert "parse+valid" in capsys.readouterr().out

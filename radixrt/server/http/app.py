@@ -20,9 +20,16 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from radixrt.client.endpoint import Prompt, RuntimeEndpoint
 from radixrt.server.http.errors import RUNTIME_EXCEPTIONS, APIError, from_runtime_error
-from radixrt.server.http.responses import ResponseShape, response_body, sse_event, usage_of
+from radixrt.server.http.responses import (
+    ResponseShape,
+    ToolCallStream,
+    response_body,
+    sse_event,
+    usage_of,
+)
 from radixrt.server.http.schemas import (
     ChatCompletionRequest,
+    ChatTools,
     CompletionRequest,
     GenerateRequest,
     constraint_params,
@@ -31,6 +38,7 @@ from radixrt.server.http.schemas import (
     render_chat,
 )
 from radixrt.server.metrics import GatewayMetrics
+from radixrt.structured.tools import ToolCallParser, resolve_parser
 
 # how often a waiting non-streamed request checks that its client is still there
 DISCONNECT_POLL_S = 0.25
@@ -74,12 +82,17 @@ class _Model:
     name: str
     context_length: int
     tokenizer: Any
+    template: str | None
+    tool_parser: ToolCallParser  # how this model writes tool calls (--tool-call-parser)
 
 
 class Gateway:
-    def __init__(self, endpoint: RuntimeEndpoint, api_key: str | None = None):
+    def __init__(
+        self, endpoint: RuntimeEndpoint, api_key: str | None = None, tool_call_parser: str = "auto"
+    ):
         self.endpoint = endpoint
         self.api_key = api_key
+        self.tool_call_parser = tool_call_parser
         self.metrics = GatewayMetrics()
         self.started = int(time.time())
         self._model: _Model | None = None
@@ -96,9 +109,10 @@ class Gateway:
         from transformers import AutoTokenizer
 
         info = self.endpoint.model_info
-        return _Model(
-            info["model"], info["context_length"], AutoTokenizer.from_pretrained(info["model_path"])
-        )
+        tokenizer = AutoTokenizer.from_pretrained(info["model_path"])
+        template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else None
+        parser = resolve_parser(self.tool_call_parser, template)
+        return _Model(info["model"], info["context_length"], tokenizer, template, parser)
 
     def authorized(self, headers: dict[bytes, bytes]) -> bool:
         if self.api_key is None:
@@ -125,9 +139,14 @@ class Gateway:
         if req.logprobs:
             params.update(return_logprob=True, top_logprobs_num=req.top_logprobs or 0)
         params.update(constraint_params(req.response_format))
-        messages = [message_dict(m) for m in req.messages]
+        tools = ChatTools.of(req, model.tool_parser)
+        if tools.regex is not None:
+            params["regex"] = tools.regex
+        messages, template_tools = tools.messages(
+            [message_dict(m) for m in req.messages], model.tool_parser, model.template
+        )
         try:
-            prompt = render_chat(model.tokenizer, messages)
+            prompt = render_chat(model.tokenizer, messages, template_tools)
         except (
             TemplateError,
             ValueError,
@@ -135,7 +154,12 @@ class Gateway:
             raise APIError(
                 400, f"cannot render the messages with the chat template: {e}", param="messages"
             ) from e
-        shape = ResponseShape(chat=True, tokenizer=model.tokenizer, logprobs=req.logprobs)
+        shape = ResponseShape(
+            chat=True,
+            tokenizer=model.tokenizer,
+            logprobs=req.logprobs,
+            tool_parser=tools.reply_parser,
+        )
         return await self._respond(request, req, model, [prompt], params, shape)
 
     async def _respond(
@@ -207,27 +231,30 @@ class Gateway:
                 )
             )
         finals = []
+        calls = (
+            {i: ToolCallStream(shape.tool_parser) for i in range(n)} if shape.tool_parser else {}
+        )
+
+        def chunk(choice: dict[str, Any]) -> str:
+            return sse_event(response_body(shape, rid, model, [choice], chunk=True))
+
         try:
             async for reply in replies:
                 index = reply.get("index", 0)
                 if reply["finished"]:
                     finals.append(reply)
                     self.metrics.observe(reply["meta_info"], count_prompt=index == 0)
-                    yield sse_event(
-                        response_body(
-                            shape,
-                            rid,
-                            model,
-                            [shape.choice(index, "", reply["meta_info"], stream=True)],
-                            chunk=True,
-                        )
-                    )
+                    called = False
+                    if index in calls:
+                        for delta in calls[index].feed("", final=True):
+                            yield chunk(shape.delta(index, delta))
+                        called = calls[index].called
+                    yield chunk(shape.choice(index, "", reply["meta_info"], True, called))
+                elif reply["delta"] and index in calls:
+                    for delta in calls[index].feed(reply["delta"]):
+                        yield chunk(shape.delta(index, delta))
                 elif reply["delta"]:
-                    yield sse_event(
-                        response_body(
-                            shape, rid, model, [shape.delta(index, reply["delta"])], chunk=True
-                        )
-                    )
+                    yield chunk(shape.delta(index, reply["delta"]))
         except RUNTIME_EXCEPTIONS as e:
             yield sse_event(from_runtime_error(e).body())
             return

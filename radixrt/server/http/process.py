@@ -45,6 +45,8 @@ def start_gateway(args: ServerArgs) -> subprocess.Popen:
         str(os.getpid()),
         "--log-level",
         args.log_level,
+        "--tool-call-parser",
+        args.tool_call_parser,
     ]
     if args.curve_secret_key:
         command += ["--curve-server-key", zmq.curve_public(args.curve_secret_key.encode()).decode()]
@@ -74,12 +76,15 @@ def run_gateway(
     api_key: str | None = None,
     curve_server_key: str | None = None,
     log_level: str = "info",
+    tool_call_parser: str = "auto",
 ) -> None:
     """Serve HTTP on the inherited listening socket `fd` until SIGTERM/SIGINT or the parent exits."""
     logging.basicConfig(level=log_level.upper(), format="[%(asctime)s %(name)s] %(message)s")
     endpoint = RuntimeEndpoint(url, api_key=api_key, curve_server_key=curve_server_key)
     config = uvicorn.Config(
-        build_app(Gateway(endpoint, api_key)), log_level=log_level, timeout_graceful_shutdown=5
+        build_app(Gateway(endpoint, api_key, tool_call_parser)),
+        log_level=log_level,
+        timeout_graceful_shutdown=5,
     )
     server = uvicorn.Server(config)
 

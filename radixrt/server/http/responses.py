@@ -5,8 +5,10 @@ from __future__ import annotations
 import itertools
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
+
+from radixrt.structured.tools import ToolCallParser, new_call_id
 
 
 @dataclass
@@ -16,6 +18,7 @@ class ResponseShape:
     chat: bool
     tokenizer: Any
     logprobs: bool
+    tool_parser: ToolCallParser | None = None  # set when the reply may hold tool calls
 
     @property
     def object(self) -> str:
@@ -30,22 +33,50 @@ class ResponseShape:
         return "chatcmpl-" if self.chat else "cmpl-"
 
     def choice(
-        self, index: int, text: str, meta: dict[str, Any], stream: bool = False
+        self,
+        index: int,
+        text: str,
+        meta: dict[str, Any],
+        stream: bool = False,
+        called: bool = False,
     ) -> dict[str, Any]:
-        """A finished sample; in a stream its text already went out as deltas."""
-        if self.chat:
-            body = {"delta": {}} if stream else {"message": {"role": "assistant", "content": text}}
+        """A finished sample; in a stream its text already went out as deltas (`called`: calls
+        among them). A reply with tool calls finishes with `tool_calls`."""
+        if self.chat and not stream:
+            message = self._message(text)
+            called = "tool_calls" in message
+            body = {"message": message}
+        elif self.chat:
+            body = {"delta": {}}
         else:
             body = {"text": "" if stream else text}
         return {
             "index": index,
             **body,
             "logprobs": self._logprobs(meta) if self.logprobs else None,
-            "finish_reason": meta["finish_reason"]["type"],
+            "finish_reason": "tool_calls" if called else meta["finish_reason"]["type"],
         }
 
-    def delta(self, index: int, text: str, first: bool = False) -> dict[str, Any]:
-        if self.chat:
+    def _message(self, text: str) -> dict[str, Any]:
+        """The assistant's message; with tools, the text before the calls and the calls (a call
+        cut short by the token limit is dropped: it would not parse)."""
+        if self.tool_parser is None:
+            return {"role": "assistant", "content": text}
+        scan = self.tool_parser.scan(text, final=True)
+        calls = scan.finished_calls()
+        if not calls:
+            return {"role": "assistant", "content": scan.content}
+        return {
+            "role": "assistant",
+            "content": scan.content.strip() or None,
+            "tool_calls": [c.to_openai() for c in calls],
+        }
+
+    def delta(self, index: int, text: str | dict[str, Any], first: bool = False) -> dict[str, Any]:
+        """A streamed piece: text, or a chat delta made elsewhere (`ToolCallStream`)."""
+        if isinstance(text, dict):
+            body = {"delta": text}
+        elif self.chat:
             body = {"delta": {"role": "assistant", "content": text} if first else {"content": text}}
         else:
             body = {"text": text}
@@ -76,6 +107,44 @@ class ResponseShape:
             "text_offset": offsets,
             "top_logprobs": [dict(top) for top in tops] if tops else None,
         }
+
+
+@dataclass
+class ToolCallStream:
+    """One choice's streamed reply read as it grows: deltas of the content before the calls, then
+    each call's first delta (index, id, type, name, empty arguments) and its arguments in pieces."""
+
+    parser: ToolCallParser
+    text: str = ""
+    content_sent: int = 0
+    ids: list[str] = field(default_factory=list)
+    arguments_sent: list[int] = field(default_factory=list)
+
+    @property
+    def called(self) -> bool:
+        return bool(self.ids)
+
+    def feed(self, delta: str, final: bool = False) -> list[dict[str, Any]]:
+        """The chat deltas this much more text lets out (`final`: the reply is over)."""
+        self.text += delta
+        scan = self.parser.scan(self.text, final)
+        out = []
+        if len(scan.content) > self.content_sent and not self.called:
+            out.append({"content": scan.content[self.content_sent :]})
+            self.content_sent = len(scan.content)
+        for i, call in enumerate(scan.calls):
+            if call.name is None:
+                break
+            if i == len(self.ids):
+                self.ids.append(new_call_id())
+                self.arguments_sent.append(0)
+                function = {"name": call.name, "arguments": ""}
+                first = {"index": i, "id": self.ids[i], "type": "function", "function": function}
+                out.append({"tool_calls": [first]})
+            if piece := call.arguments[self.arguments_sent[i] :]:
+                out.append({"tool_calls": [{"index": i, "function": {"arguments": piece}}]})
+                self.arguments_sent[i] = len(call.arguments)
+        return out
 
 
 def usage_of(samples: list[list[dict[str, Any]]]) -> dict[str, Any]:

@@ -3,6 +3,7 @@ sampling parameters for the runtime."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -10,6 +11,16 @@ from pydantic import BaseModel, ConfigDict, Field
 from radixrt.client.endpoint import Prompt
 from radixrt.server.http.errors import APIError
 from radixrt.structured.regexes import JSON_OBJECT_REGEX
+from radixrt.structured.tools import (
+    Tool,
+    ToolCallParser,
+    ToolChoice,
+    ToolError,
+    parse_tool_choice,
+    parse_tools,
+    prompt_messages,
+    template_renders_tools,
+)
 
 
 class StreamOptions(BaseModel):
@@ -72,11 +83,19 @@ class ChatCompletionRequest(GenerateRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     response_format: ResponseFormat | None = None
+    tools: list[Any] | None = None  # checked by structured.tools.parse_tools, for its messages
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
 
 
-def render_chat(tokenizer, messages: list[dict[str, Any]]) -> str:
-    """Messages -> the prompt text, with the model's own chat template, ready for the assistant."""
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+def render_chat(
+    tokenizer, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+) -> str:
+    """Messages -> the prompt text, with the model's own chat template, ready for the assistant;
+    `tools` go to a template that renders them (structured.tools.prompt_messages did the rest)."""
+    return tokenizer.apply_chat_template(
+        messages, tools=tools, tokenize=False, add_generation_prompt=True
+    )
 
 
 def message_dict(m: ChatMessage) -> dict[str, Any]:
@@ -101,6 +120,45 @@ def constraint_params(fmt: ResponseFormat | None) -> dict[str, Any]:
             param="response_format",
         )
     return {"json_schema": schema}
+
+
+@dataclass(frozen=True)
+class ChatTools:
+    """A chat request's tools: what goes into the prompt, the regex the reply decodes under
+    (None: unconstrained), and the parser that reads calls from the reply (None under `none`)."""
+
+    tools: list[Tool]
+    choice: ToolChoice
+    regex: str | None
+    reply_parser: ToolCallParser | None
+
+    @classmethod
+    def of(cls, req: ChatCompletionRequest, parser: ToolCallParser) -> ChatTools:
+        """400 for malformed tools or tool_choice, or tool calls together with response_format."""
+        try:
+            tools = parse_tools(req.tools or [])
+        except ToolError as e:
+            raise APIError(400, str(e), param="tools", code="invalid_request") from None
+        try:
+            choice = parse_tool_choice(req.tool_choice, tools)
+        except ToolError as e:
+            raise APIError(400, str(e), param="tool_choice", code="invalid_request") from None
+        regex = parser.constraint(tools, choice, req.parallel_tool_calls)
+        if regex is not None and req.response_format not in (None, ResponseFormat(type="text")):
+            raise APIError(
+                400,
+                "response_format cannot be combined with tool calls (use tool_choice: none)",
+                param="response_format",
+                code="invalid_request",
+            )
+        return cls(tools, choice, regex, parser if choice.mode != "none" else None)
+
+    def messages(
+        self, messages: list[dict[str, Any]], parser: ToolCallParser, template: str | None
+    ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+        """The messages for the chat template, and the tools it renders itself (if it does)."""
+        rendered = [t.to_openai() for t in self.tools] if template_renders_tools(template) else None
+        return prompt_messages(messages, self.tools, parser, template), rendered or None
 
 
 def prompt_list(prompt: str | list) -> list[Prompt]:

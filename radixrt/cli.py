@@ -46,6 +46,7 @@ def _http_gateway(args: argparse.Namespace) -> None:
         os.environ.get(SECRETS["api_key"]),
         args.curve_server_key,
         args.log_level,
+        args.api_key_file,
     )
 
 
@@ -108,6 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gateway.add_argument("--parent-pid", type=int, help="exit when this process is gone")
     gateway.add_argument("--curve-server-key", help="the runtime's CURVE public key")
+    gateway.add_argument("--api-key-file", help="the runtime's 'tenant:key' file")
     gateway.add_argument("--log-level", default="info")
     gateway.set_defaults(func=_http_gateway)
 

@@ -132,11 +132,13 @@ class RuntimeEndpoint:
         """Who holds which KV slot (free pages, tree nodes, requests, pins), as plain data."""
         return self.client.call("memory_snapshot", self.timeout)
 
-    def pin(self, pin_id: str, prompt: Prompt) -> int:
-        """Keep the cached prefix of `prompt` from eviction until `unpin`; returns tokens pinned."""
+    def pin(self, pin_id: str, prompt: Prompt, options: RequestOptions | None = None) -> int:
+        """Keep the cached prefix of `prompt` (under the options' cache salt) from eviction until
+        `unpin`; returns tokens pinned."""
         key = "text" if isinstance(prompt, str) else "input_ids"
-        fields = self.options.fields()
+        fields = (options or RequestOptions()).over(self.options).fields()
         fields.pop("priority", None)
+        fields.pop("timeout", None)
         return self.client.call("pin", self.timeout, pin_id=pin_id, **{key: prompt}, **fields)
 
     def unpin(self, pin_id: str) -> bool:

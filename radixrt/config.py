@@ -382,6 +382,8 @@ class ServerArgs:
             raise ValueError(
                 "hicache_storage_dir and preemption_mode='swap' need enable_hierarchical_cache"
             )
+        if self.api_key_file and self.dp_size > 1:
+            raise ValueError("api_key_file is per runtime: the router does not forward tenants yet")
         if self.priority_aging_s <= 0 or self.drain_timeout < 0:
             raise ValueError("priority_aging_s must be > 0 and drain_timeout >= 0")
         if any(

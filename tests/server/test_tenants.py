@@ -100,8 +100,10 @@ def test_a_tenants_prefix_is_cached_only_for_that_tenant(tenants):
         assert cached(alice, options=salted) == len(prompt) - 1
         assert cached(alice, options=RequestOptions(cache_salt="s2")) == 0
         assert cached(bob, options=salted) == 0, "one salt in two tenants is two namespaces"
+        with _endpoint(tenants, "alice", cache_salt="s1") as backend:  # a DSL backend option
+            assert cached(backend) == len(prompt) - 1
         stats = tenants.stats()
-        assert stats["tenants"]["alice"]["cached_prompt_tokens"] == 2 * (len(prompt) - 1)
+        assert stats["tenants"]["alice"]["cached_prompt_tokens"] == 3 * (len(prompt) - 1)
         assert stats["tenants"]["bob"]["requests"] == 3
         _assert_no_leak(tenants)
     finally:
@@ -127,6 +129,11 @@ def test_http_salt_and_bearer_tenant(tenants):
     with pytest.raises(urllib.error.HTTPError) as info:
         cached("not-a-key")
     assert info.value.code == 401
+    metrics_url = f"http://127.0.0.1:{tenants.args.http_port}/metrics"
+    with urllib.request.urlopen(metrics_url, timeout=REPLY_TIMEOUT_S) as reply:
+        metrics = reply.read().decode()
+    assert 'radixrt_tenant_cached_prompt_tokens_total{tenant="alice"}' in metrics
+    assert 'radixrt_tenant_requests_total{tenant="bob"}' in metrics
     _assert_no_leak(tenants)
 
 
@@ -230,7 +237,7 @@ def test_high_priority_ttft_is_a_third_of_low(busy):
 
 
 def test_priority_preemption_admits_a_high_request_into_a_full_pool(busy):
-    low = {"max_new_tokens": 130, "temperature": 0, "ignore_eos": True}
+    low = {"max_new_tokens": 100, "temperature": 0, "ignore_eos": True}
     before = busy.stats()["priority_preemptions"]
     results: list[dict] = []
     lows = [
@@ -247,13 +254,13 @@ def test_priority_preemption_admits_a_high_request_into_a_full_pool(busy):
         time.sleep(0.02)
     high = busy.generate(
         input_ids=_prompt(40, seed=9),
-        sampling_params={"max_new_tokens": 100, "temperature": 0, "ignore_eos": True},
+        sampling_params={"max_new_tokens": 80, "temperature": 0, "ignore_eos": True},
         options=RequestOptions(priority=5),
     )
     assert busy.stats()["priority_preemptions"] > before
     for t in lows:
         t.join(timeout=REPLY_TIMEOUT_S)
-    assert len(results) == 2 and all(len(r["output_ids"]) == 130 for r in results)
+    assert len(results) == 2 and all(len(r["output_ids"]) == 100 for r in results)
     assert high["meta_info"]["ttft"] < min(r["meta_info"]["e2e_latency"] for r in results) / 2
     _assert_no_leak(busy)
 
@@ -269,7 +276,7 @@ def test_sigterm_drains(tiny_model_dir):
         timeout=REPLY_TIMEOUT_S,
     )
     try:
-        params = {"max_new_tokens": 300, "temperature": 0, "ignore_eos": True}
+        params = {"max_new_tokens": 150, "temperature": 0, "ignore_eos": True}
         stream = runtime.generate(input_ids=[5, 6, 7, 8], sampling_params=params, stream=True)
         next(stream)
         runtime._proc.send_signal(signal.SIGTERM)
@@ -286,7 +293,7 @@ def test_sigterm_drains(tiny_model_dir):
             urllib.request.urlopen(request, timeout=REPLY_TIMEOUT_S)
         assert info.value.code == 503 and info.value.headers["Retry-After"]
         final = [chunk for chunk in stream if chunk["finished"]]
-        assert len(final[0]["output_ids"]) == 300
+        assert len(final[0]["output_ids"]) == 150
         assert runtime._proc.wait(timeout=60) == 0
     finally:
         runtime.shutdown()

@@ -31,7 +31,7 @@ import msgpack
 import zmq
 
 from radixrt.bench.metrics import percentile
-from radixrt.bench.plots import _pyplot
+from radixrt.bench.plots import plot_rss
 from radixrt.client.endpoint import RequestOptions, RuntimeEndpoint
 from radixrt.client.launcher import free_port
 from radixrt.client.transport import RemoteError
@@ -255,6 +255,9 @@ class SoakServer:
             str(cfg.max_total_tokens),
             "--max-running-requests",
             "16",
+            # a step's time bounds how soon a silent client is noticed: keep long prefills chunked
+            "--chunked-prefill-size",
+            "256",
             "--api-key-file",
             str(key_file),
             "--enable-priority-preemption",
@@ -491,21 +494,6 @@ def rss_growth(samples: list[tuple[float, int, float]]) -> float | None:
     base = sorted(last[warm - tenth : warm])[tenth // 2]
     end = sorted(last[-tenth:])[tenth // 2]
     return round(end / base - 1, 4)
-
-
-def plot_rss(samples: list[tuple[float, int, float]], path: Path) -> None:
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(8, 3.5))
-    for instance in sorted({s[1] for s in samples}):
-        points = [(t, mb) for t, i, mb in samples if i == instance]
-        ax.plot([p[0] for p in points], [p[1] for p in points], label=f"server {instance}")
-    ax.set_xlabel("seconds since start")
-    ax.set_ylabel("runtime RSS (MiB)")
-    ax.set_title("RSS of the runtime process during the soak")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def markdown(r: SoakReport) -> str:

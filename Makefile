@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint format model bench bench-spec bench-hicache bench-dp bench-peers gpu-check clean
+.PHONY: demo test lint format model bench bench-spec bench-hicache bench-dp bench-peers gpu-check clean soak
 
 # torch is pinned to the CPU wheel that lies on this kind of machine's disk; a bare
 # `pip install torch` would pull a multi-GB CUDA build.
@@ -93,6 +93,15 @@ LLAMA_CPP_PYTHON := 0.3.36
 bench-peers: $(STAMP)
 	$(BIN)/pip install llama-cpp-python==$(LLAMA_CPP_PYTHON)
 	test -x $(BIN)/llama-server || bash scripts/build_llama_server.sh $(LLAMA_CPP_PYTHON) $(BIN)
+
+# The soak (docs/reliability.md): SOAK_CLIENTS client processes for SOAK_MINUTES minutes against
+# one runtime on loopback (kills, malformed frames, a restart); it stops by itself and exits 1 when
+# a target is missed. Results in bench_results/soak (soak.md, soak.json, rss.png).
+SOAK_MINUTES ?= 20
+SOAK_CLIENTS ?= 6
+soak: model
+	$(BIN)/python -m radixrt.bench.soak --duration $$(( $(SOAK_MINUTES) * 60 )) \
+		--clients $(SOAK_CLIENTS) --output-dir bench_results/soak
 
 gpu-check: $(STAMP)
 	$(BIN)/python scripts/gpu_check.py

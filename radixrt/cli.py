@@ -47,6 +47,7 @@ def _http_gateway(args: argparse.Namespace) -> None:
         args.curve_server_key,
         args.log_level,
         args.tool_call_parser,
+        args.api_key_file,
     )
 
 
@@ -109,6 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gateway.add_argument("--parent-pid", type=int, help="exit when this process is gone")
     gateway.add_argument("--curve-server-key", help="the runtime's CURVE public key")
+    gateway.add_argument("--api-key-file", help="the runtime's 'tenant:key' file")
     gateway.add_argument("--log-level", default="info")
     gateway.add_argument("--tool-call-parser", default="auto", help="see `serve --help`")
     gateway.set_defaults(func=_http_gateway)

@@ -63,6 +63,9 @@ class SchedulerArgs:
     preemption_mode: str | None
     random_seed: int
     log_interval: int
+    schedule_low_priority_values_first: bool
+    enable_priority_preemption: bool
+    priority_aging_s: float
 
 
 # the cache-aware router's defaults (radixrt/server/router/policy.py says why these values)
@@ -275,6 +278,47 @@ class ServerArgs:
         default=4096,
         metadata={"help": "waiting requests past which new ones get an 'overloaded' error"},
     )
+    # ---- tenants, priorities, deadlines, drain, limits (docs/protocol.md, "Tenants") ----
+    api_key_file: str | None = field(
+        default=None,
+        metadata={
+            "help": "a file of 'tenant:key' lines: each key is accepted and names its tenant, whose requests share only that tenant's prefix cache (with --api-key too: that key is the default tenant's)"
+        },
+    )
+    schedule_low_priority_values_first: bool = field(
+        default=False,
+        metadata={"help": "a request's lower `priority` value runs first (default: higher first)"},
+    )
+    enable_priority_preemption: bool = field(
+        default=False,
+        metadata={
+            "help": "retract running lower-priority requests when a higher-priority one cannot be admitted for lack of room"
+        },
+    )
+    priority_aging_s: float = field(
+        default=10.0,
+        metadata={
+            "help": "a waiting request gains one priority level per this many seconds, so a low-priority request outranks any higher one that arrives (gap x this) seconds after it"
+        },
+    )
+    drain_timeout: float = field(
+        default=30.0,
+        metadata={
+            "help": "on SIGTERM: refuse new requests ('draining'), let queued and running ones finish for at most this many seconds, abort the rest, exit 0"
+        },
+    )
+    max_inflight_per_tenant: int | None = field(
+        default=None,
+        metadata={
+            "help": "requests one tenant (its API key; without a key file, one client connection) may have queued or running; past it, 'rate_limited'"
+        },
+    )
+    max_queued_tokens_per_tenant: int | None = field(
+        default=None,
+        metadata={
+            "help": "prompt tokens one tenant may have waiting for admission; past it, 'rate_limited'"
+        },
+    )
     http_port: int | None = field(
         default=None,
         metadata={
@@ -344,6 +388,17 @@ class ServerArgs:
         ):
             raise ValueError(
                 "hicache_storage_dir and preemption_mode='swap' need enable_hierarchical_cache"
+            )
+        if self.api_key_file and self.dp_size > 1:
+            raise ValueError("api_key_file is per runtime: the router does not forward tenants yet")
+        if self.priority_aging_s <= 0 or self.drain_timeout < 0:
+            raise ValueError("priority_aging_s must be > 0 and drain_timeout >= 0")
+        if any(
+            v is not None and v < 1
+            for v in (self.max_inflight_per_tenant, self.max_queued_tokens_per_tenant)
+        ):
+            raise ValueError(
+                "max_inflight_per_tenant and max_queued_tokens_per_tenant must be >= 1"
             )
         if self.hicache_storage_size <= 0:
             raise ValueError("hicache_storage_size must be > 0")

@@ -41,16 +41,15 @@ def _claim_pages(
 def _paths(snapshot: dict[str, Any]) -> tuple[dict[int, list[int]], dict[int, list[int]]]:
     """Each node's slots from the root down to it, and its ancestors (itself included)."""
     nodes = {n["id"]: n for n in snapshot["nodes"]}
-    slots_to: dict[int, list[int]] = {snapshot["root"]: []}
-    up: dict[int, list[int]] = {snapshot["root"]: []}
+    roots = snapshot.get("roots", [snapshot["root"]])  # one per cache salt
+    slots_to: dict[int, list[int]] = {root: [] for root in roots}
+    up: dict[int, list[int]] = {root: [] for root in roots}
 
     def resolve(node_id: int) -> None:
         if node_id in slots_to:
             return
         parent = nodes[node_id]["parent"]
-        assert parent in nodes or parent == snapshot["root"], (
-            f"node {node_id} hangs off a missing parent"
-        )
+        assert parent in nodes or parent in roots, f"node {node_id} hangs off a missing parent"
         resolve(parent)
         slots_to[node_id] = slots_to[parent] + nodes[node_id]["slots"]
         up[node_id] = [node_id, *up[parent]]

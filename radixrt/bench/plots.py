@@ -81,3 +81,19 @@ def plot_bars(values: dict[str, float], path: Path, ylabel: str, title: str) -> 
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def plot_rss(samples: list[tuple[float, int, float]], path: Path) -> None:
+    """samples: (seconds since start, server instance, RSS in MiB), one line per instance."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(8, 3.5))
+    for instance in sorted({s[1] for s in samples}):
+        points = [(t, mb) for t, i, mb in samples if i == instance]
+        ax.plot([p[0] for p in points], [p[1] for p in points], label=f"server {instance}")
+    ax.set_xlabel("seconds since start")
+    ax.set_ylabel("runtime RSS (MiB)")
+    ax.set_title("RSS of the runtime process during the soak")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

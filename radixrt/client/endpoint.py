@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from radixrt.client.transport import RuntimeClient
@@ -11,10 +13,39 @@ from radixrt.client.transport import RuntimeClient
 Prompt = str | list[int]
 
 
+@dataclass(frozen=True)
+class RequestOptions:
+    """Per-request fields of a generate beside the prompt and sampling (docs/protocol.md):
+    `cache_salt` (prefixes are shared only with requests of the same salt), `priority`,
+    `timeout` (seconds until the request ends with code `timeout`) and `api_key` (this
+    request's own key, naming its tenant; default: the endpoint's). None: not sent."""
+
+    cache_salt: str | None = None
+    priority: int | None = None
+    timeout: float | None = None
+    api_key: str | None = None
+
+    def over(self, defaults: RequestOptions) -> RequestOptions:
+        """These options, with `defaults` where these say nothing."""
+        return RequestOptions(
+            **{
+                f.name: getattr(self, f.name)
+                if getattr(self, f.name) is not None
+                else getattr(defaults, f.name)
+                for f in dataclasses.fields(self)
+            }
+        )
+
+    def fields(self) -> dict[str, Any]:
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+
+
 class RuntimeEndpoint:
     """A connection to `radixrt serve` (`tcp://host:port` or `ipc://path`); thread-safe, any
     number of requests in flight over one socket. `api_key` and `curve_server_key` (the server's
-    Z85 public key) match the server's `--api-key` and `--curve-secret-key`."""
+    Z85 public key) match the server's `--api-key` (or a key of `--api-key-file`) and
+    `--curve-secret-key`. `cache_salt` and `priority` apply to every request sent through it (a
+    frontend program's backend option); `options=` on a call overrides them."""
 
     def __init__(
         self,
@@ -22,9 +53,12 @@ class RuntimeEndpoint:
         api_key: str | None = None,
         timeout: float | None = None,
         curve_server_key: str | None = None,
+        cache_salt: str | None = None,
+        priority: int | None = None,
     ):
         self.url = url
         self.timeout = timeout
+        self.options = RequestOptions(cache_salt=cache_salt, priority=priority)
         self.client = RuntimeClient(url, api_key=api_key, curve_server_key=curve_server_key)
         self._model_info: dict[str, Any] | None = None
 
@@ -36,11 +70,12 @@ class RuntimeEndpoint:
         input_ids: list[int] | list[list[int]] | None = None,
         rid: str | list[str] | None = None,
         stream: bool = False,
+        options: RequestOptions | None = None,
     ) -> dict | list | Iterator[dict]:
         """One prompt -> `{"text", "output_ids", "meta_info"}` (a list of n when n > 1); a list
         of prompts -> a list. With `stream=True` (one prompt), an iterator of chunks
         `{"delta", "token_ids", "index", "finished"}`, the last per sample with the result."""
-        requests, single = self._requests(prompt, input_ids, sampling_params, rid)
+        requests, single = self._requests(prompt, input_ids, sampling_params, rid, options)
         if stream:
             if not single:
                 raise ValueError("stream=True takes one prompt")
@@ -55,8 +90,9 @@ class RuntimeEndpoint:
         sampling_params: dict | list[dict] | None = None,
         input_ids: list[int] | list[list[int]] | None = None,
         rid: str | list[str] | None = None,
+        options: RequestOptions | None = None,
     ) -> dict | list:
-        requests, single = self._requests(prompt, input_ids, sampling_params, rid)
+        requests, single = self._requests(prompt, input_ids, sampling_params, rid, options)
         submissions = [self.client.submit_async(**r) for r in requests]
         outs = [_results(await s.finals(self.timeout)) for s in submissions]
         return outs[0] if single else outs
@@ -67,9 +103,10 @@ class RuntimeEndpoint:
         sampling_params: dict | None = None,
         input_ids: list[int] | None = None,
         rid: str | None = None,
+        options: RequestOptions | None = None,
     ) -> AsyncIterator[dict]:
         """`async for chunk in endpoint.async_stream(...)`: the streamed chunks of one prompt."""
-        requests, single = self._requests(prompt, input_ids, sampling_params, rid)
+        requests, single = self._requests(prompt, input_ids, sampling_params, rid, options)
         if not single:
             raise ValueError("async_stream takes one prompt")
         return self.client.submit_async(**requests[0], stream=True).replies(self.timeout)
@@ -95,10 +132,14 @@ class RuntimeEndpoint:
         """Who holds which KV slot (free pages, tree nodes, requests, pins), as plain data."""
         return self.client.call("memory_snapshot", self.timeout)
 
-    def pin(self, pin_id: str, prompt: Prompt) -> int:
-        """Keep the cached prefix of `prompt` from eviction until `unpin`; returns tokens pinned."""
+    def pin(self, pin_id: str, prompt: Prompt, options: RequestOptions | None = None) -> int:
+        """Keep the cached prefix of `prompt` (under the options' cache salt) from eviction until
+        `unpin`; returns tokens pinned."""
         key = "text" if isinstance(prompt, str) else "input_ids"
-        return self.client.call("pin", self.timeout, pin_id=pin_id, **{key: prompt})
+        fields = (options or RequestOptions()).over(self.options).fields()
+        fields.pop("priority", None)
+        fields.pop("timeout", None)
+        return self.client.call("pin", self.timeout, pin_id=pin_id, **{key: prompt}, **fields)
 
     def unpin(self, pin_id: str) -> bool:
         return self.client.call("unpin", self.timeout, pin_id=pin_id)
@@ -122,9 +163,11 @@ class RuntimeEndpoint:
         self.close()
 
     # ---- plumbing ----------------------------------------------------------------------------
-    @staticmethod
-    def _requests(prompt, input_ids, sampling_params, rid) -> tuple[list[dict[str, Any]], bool]:
+    def _requests(
+        self, prompt, input_ids, sampling_params, rid, options
+    ) -> tuple[list[dict[str, Any]], bool]:
         items, single, key = _normalize(prompt, input_ids)
+        fields = (options or RequestOptions()).over(self.options).fields()
         params = (
             sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(items)
         )
@@ -132,7 +175,7 @@ class RuntimeEndpoint:
         if len(params) != len(items) or len(rids) != len(items):
             raise ValueError("sampling_params and rid must be one value or one per prompt")
         return [
-            {"rid": r, "sampling_params": p or {}, key: item}
+            {"rid": r, "sampling_params": p or {}, key: item, **fields}
             for r, item, p in zip(rids, items, params)
         ], single
 

@@ -133,7 +133,8 @@ class Runtime(RuntimeEndpoint):
     def shutdown(self) -> None:
         if self._finalizer.alive:
             try:
-                self.client.call("shutdown", timeout=30)
+                if self._proc.poll() is None:  # not gone already (a drain after SIGTERM)
+                    self.client.call("shutdown", timeout=30)
                 self._proc.wait(timeout=30)
             except Exception:  # already gone, or stuck: the finalizer ends it
                 pass

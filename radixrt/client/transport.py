@@ -156,7 +156,7 @@ class RuntimeClient:
         if self._closed.is_set():
             raise ConnectionError("the client is closed")
         if self.api_key is not None:
-            msg = {**msg, "api_key": self.api_key}
+            msg = {"api_key": self.api_key, **msg}  # a request's own key wins
         push = getattr(self._local, "push", None)
         if push is None:
             push = self._local.push = self._ctx.socket(zmq.PUSH)

@@ -48,6 +48,46 @@ class FinishReason:
         return {"type": "abort", "message": self.message}
 
 
+MAX_CACHE_SALT_CHARS = 256
+
+
+@dataclass(frozen=True)
+class RequestScope:
+    """Whom a request runs for and how urgently: its `tenant` (named by its API key; "" without
+    a key file), its own `cache_salt`, its `priority` (an int; which end runs first is the
+    server's choice) and its `timeout` in seconds (None: no deadline)."""
+
+    tenant: str = ""
+    cache_salt: str = ""
+    priority: int = 0
+    timeout: float | None = None
+
+    @classmethod
+    def from_fields(cls, tenant: str, fields: dict[str, Any]) -> RequestScope:
+        """The scope a generate map asks for; a ValueError names a bad field."""
+        salt, priority, timeout = (fields.get(k) for k in ("cache_salt", "priority", "timeout"))
+        if salt is not None and (not isinstance(salt, str) or len(salt) > MAX_CACHE_SALT_CHARS):
+            raise ValueError(f"cache_salt must be a string of at most {MAX_CACHE_SALT_CHARS} chars")
+        if priority is not None and (not isinstance(priority, int) or isinstance(priority, bool)):
+            raise ValueError("priority must be an integer")
+        if timeout is not None and (
+            not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not timeout > 0
+        ):
+            raise ValueError("timeout must be a number of seconds > 0")
+        return cls(tenant, salt or "", priority or 0, timeout)
+
+    @property
+    def salt(self) -> str:
+        """The cache namespace: "" (shared) without a tenant or salt; else one string per
+        (tenant, salt) pair, unambiguous because the tenant's length leads."""
+        if not self.tenant and not self.cache_salt:
+            return ""
+        return f"{len(self.tenant)}:{self.tenant}:{self.cache_salt}"
+
+
+DEFAULT_SCOPE = RequestScope()
+
+
 @dataclass(eq=False)
 class Req:
     rid: str
@@ -56,6 +96,7 @@ class Req:
     detokenizer: IncrementalDetokenizer
     generator: torch.Generator
     arrival: float = field(default_factory=time.monotonic)
+    scope: RequestScope = field(default_factory=RequestScope)
 
     output_ids: list[int] = field(default_factory=list)
     all_ids: list[int] = field(default_factory=list)  # input_ids + output_ids
@@ -90,6 +131,19 @@ class Req:
 
     def __post_init__(self) -> None:
         self.all_ids = list(self.input_ids)
+
+    @property
+    def cache_salt(self) -> str:
+        return self.scope.salt
+
+    @property
+    def priority(self) -> int:
+        return self.scope.priority
+
+    @property
+    def deadline(self) -> float | None:
+        """The monotonic time at which the request ends with `timeout`, if it has one."""
+        return None if self.scope.timeout is None else self.arrival + self.scope.timeout
 
     @property
     def finished(self) -> bool:

@@ -1,9 +1,19 @@
-"""Order in which waiting requests are offered admission."""
+"""Order in which waiting requests are offered admission, and which running ones give way.
+
+Priority comes first, the cache policy second: waiting requests are offered admission by rank,
+then in the policy's order within a rank. A request's rank is its priority (negated with
+`low_values_first`) plus one per `aging_s` seconds since it arrived, so a request of priority p
+ranks level with a request of priority p + k that arrived k * aging_s seconds after it: it is
+offered admission before, and never retracted for, any request of priority at most p + k that
+arrives k * aging_s seconds or more after it. That bounds starvation by arrivals; its running
+time then depends only on the requests ahead of it.
+"""
 
 from __future__ import annotations
 
 import time
 from collections import defaultdict
+from dataclasses import dataclass
 
 from radixrt.engine.request import Req
 from radixrt.mem_cache.radix_cache import RadixCache, TreeNode
@@ -21,10 +31,35 @@ def match_key(req: Req) -> list[int]:
     return req.all_ids[:end]
 
 
-def order_waiting(policy: str, waiting: list[Req], tree: RadixCache) -> list[Req]:
+@dataclass(frozen=True)
+class Ranking:
+    """How requests rank (see the module docstring): higher ranks run first."""
+
+    low_values_first: bool = False
+    aging_s: float = 10.0
+
+    def base(self, req: Req) -> int:
+        return -req.priority if self.low_values_first else req.priority
+
+    def rank(self, req: Req, now: float) -> int:
+        return self.base(req) + int((now - req.arrival) // self.aging_s)
+
+
+DEFAULT_RANKING = Ranking()
+
+
+def order_waiting(
+    policy: str, waiting: list[Req], tree: RadixCache, ranking: Ranking = DEFAULT_RANKING
+) -> list[Req]:
+    """Waiting requests by rank, then in the cache policy's order (a stable sort keeps it)."""
+    now = time.monotonic()
+    return sorted(_policy_order(policy, waiting, tree), key=lambda r: -ranking.rank(r, now))
+
+
+def _policy_order(policy: str, waiting: list[Req], tree: RadixCache) -> list[Req]:
     if policy == "fcfs" or len(waiting) > LPM_FALLBACK_QUEUE_LEN or tree.disable:
         return list(waiting)
-    matches = {id(r): tree.match_prefix(match_key(r)) for r in waiting}
+    matches = {id(r): tree.match_prefix(match_key(r), r.cache_salt) for r in waiting}
     if policy == "lpm":
         now = time.monotonic()
         return sorted(
@@ -32,25 +67,27 @@ def order_waiting(policy: str, waiting: list[Req], tree: RadixCache) -> list[Req
             key=lambda r: -(matches[id(r)].length + AGING_TOKENS_PER_SECOND * (now - r.arrival)),
         )
     if policy == "dfs-weight":
-        return _dfs_weight(waiting, {id(r): matches[id(r)].end_node for r in waiting}, tree.root)
+        return _dfs_weight(waiting, {id(r): matches[id(r)].end_node for r in waiting})
     raise ValueError(f"unknown schedule policy {policy!r}")
 
 
-def _dfs_weight(waiting: list[Req], last_nodes: dict[int, TreeNode], root: TreeNode) -> list[Req]:
+def _dfs_weight(waiting: list[Req], last_nodes: dict[int, TreeNode]) -> list[Req]:
     """Walk the tree depth first, heaviest subtree (most waiting requests) first, so requests
-    that share a prefix run back to back while it is cached."""
+    that share a prefix run back to back while it is cached; one salt's root after another."""
     at_node: dict[TreeNode, list[Req]] = defaultdict(list)
     weight: dict[TreeNode, int] = defaultdict(int)
     children: dict[TreeNode, set[TreeNode]] = defaultdict(set)
+    roots: dict[TreeNode, None] = {}  # in the order their first request waits
     for req in waiting:
         node = last_nodes[id(req)]
         at_node[node].append(req)
-        while node is not root:
+        while node.parent is not None:
             weight[node] += 1
             children[node.parent].add(node)
             node = node.parent
+        roots[node] = None
     order: list[Req] = []
-    stack = [root]
+    stack = list(reversed(roots))
     while stack:
         node = stack.pop()
         order.extend(at_node[node])
@@ -58,9 +95,19 @@ def _dfs_weight(waiting: list[Req], last_nodes: dict[int, TreeNode], root: TreeN
     return order
 
 
-def pick_victim(candidates: list[Req]) -> Req | None:
-    """The running request whose retraction loses least: fewest generated tokens, then the
-    longest prompt (most of it comes back from the cache). None when there is no other choice."""
+def pick_victim(candidates: list[Req], ranking: Ranking = DEFAULT_RANKING) -> Req | None:
+    """The running request whose retraction loses least: the lowest priority, then the fewest
+    generated tokens, then the longest prompt (most of it comes back from the cache). None when
+    there is no other choice."""
     if len(candidates) <= 1:
         return None
-    return min(candidates, key=lambda r: (len(r.output_ids), -len(r.input_ids)))
+    return min(candidates, key=lambda r: (ranking.base(r), len(r.output_ids), -len(r.input_ids)))
+
+
+def preemption_victim(running: list[Req], rank: int, ranking: Ranking, now: float) -> Req | None:
+    """The running request to retract for a waiting one of `rank`: among those ranked below it,
+    the lowest ranked, then as `pick_victim`; None when none ranks below."""
+    below = [r for r in running if ranking.rank(r, now) < rank]
+    if not below:
+        return None
+    return min(below, key=lambda r: (ranking.rank(r, now), len(r.output_ids), -len(r.input_ids)))

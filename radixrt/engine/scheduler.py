@@ -16,9 +16,16 @@ import torch
 from radixrt.config import SchedulerArgs, ServerArgs
 from radixrt.engine.budget import AdmissionBudget
 from radixrt.engine.detokenizer import IncrementalDetokenizer
-from radixrt.engine.request import FinishReason, Req, Scheduled
+from radixrt.engine.request import DEFAULT_SCOPE, FinishReason, Req, RequestScope, Scheduled
 from radixrt.engine.sampler import SampleOutput, sample
-from radixrt.engine.schedule_policy import match_key, order_waiting, pick_victim
+from radixrt.engine.schedule_policy import (
+    Ranking,
+    match_key,
+    order_waiting,
+    pick_victim,
+    preemption_victim,
+)
+from radixrt.engine.tenant_stats import TenantStats
 from radixrt.executor.forward_batch import ForwardBatch
 from radixrt.executor.model_runner import ModelRunner
 from radixrt.mem_cache.host_pool import HostKVPool, host_pool_tokens
@@ -67,6 +74,10 @@ class Scheduler:
         self.storage_hit_tokens = 0  # of which the disk tier had read into the host
         self.swapped_in_tokens = 0  # retracted requests' tokens loaded back at readmission
         self.budget = AdmissionBudget(args.chunked_prefill_size, args.max_prefill_tokens)
+        self.ranking = Ranking(args.schedule_low_priority_values_first, args.priority_aging_s)
+        self.tenants = TenantStats()
+        self.priority_preemptions = 0  # retractions for a higher-priority waiting request
+        self.timed_out_requests = 0
         self.waiting: list[Req] = []
         self.running: list[Req] = []
         self._seeds = torch.Generator().manual_seed(args.random_seed)
@@ -141,7 +152,12 @@ class Scheduler:
 
     # ---- requests in and out ---------------------------------------------------------------
     def make_request(
-        self, rid: str, input_ids: list[int], params: SamplingParams, sample_index: int = 0
+        self,
+        rid: str,
+        input_ids: list[int],
+        params: SamplingParams,
+        sample_index: int = 0,
+        scope: RequestScope = DEFAULT_SCOPE,
     ) -> Req:
         if not input_ids:
             raise ValueError("the prompt is empty")
@@ -168,9 +184,10 @@ class Scheduler:
             params,
             IncrementalDetokenizer(self.tokenizer, input_ids, params.skip_special_tokens),
             torch.Generator().manual_seed(seed),
+            scope=scope,
         )
         if self.drafter is not None:
-            req.drafts = self.drafter.new_request()
+            req.drafts = self.drafter.new_request(shared=not req.cache_salt)
         constraint = params.constraint()
         if constraint is not None:  # compiled off this thread; admission waits for it
             req.constraint = self._compiler().compile_async(**{constraint[0]: constraint[1]})
@@ -199,6 +216,7 @@ class Scheduler:
 
     def add_request(self, req: Req) -> None:
         self.waiting.append(req)
+        self.tenants.of(req.scope.tenant).requests += 1
 
     def abort(self, rid: str) -> list[Req]:
         """Abort every waiting or running request whose id is `rid` or starts with `rid-` (samples)."""
@@ -213,10 +231,10 @@ class Scheduler:
             self._finish(req)
         return aborted
 
-    def pin(self, pin_id: str, input_ids: list[int]) -> int:
-        """Lock the cached prefix of `input_ids` so eviction cannot take it (fork's shared prefix).
-        Returns how many tokens are pinned (what the cache held)."""
-        return self.kv.pin(pin_id, input_ids)
+    def pin(self, pin_id: str, input_ids: list[int], salt: str = "") -> int:
+        """Lock the cached prefix of `input_ids` under `salt` so eviction cannot take it (fork's
+        shared prefix). Returns how many tokens are pinned (what the cache held)."""
+        return self.kv.pin(pin_id, input_ids, salt)
 
     def unpin(self, pin_id: str) -> bool:
         return self.kv.unpin(pin_id)
@@ -231,6 +249,7 @@ class Scheduler:
     def step(self) -> list[Req]:
         """Run one forward; returns the requests that got a new token or finished."""
         self._ended: list[Req] = []
+        self._expire(time.monotonic())
         plan = self._schedule()
         self.stalled = not plan  # e.g. every waiting request's constraint is still compiling
         self.forward_steps += bool(plan)
@@ -246,7 +265,27 @@ class Scheduler:
             self.drafter.cost.observe(sum(s.n for s in plan), verifying, seconds)
         return updated + [r for r in self._ended if r not in updated]
 
+    def _expire(self, now: float) -> None:
+        """End every request past its deadline with `timeout`; its slots are freed here."""
+        for req in [r for r in self.waiting + self.running if r.deadline and now >= r.deadline]:
+            req.finish_reason = FinishReason.abort(
+                f"the request's timeout of {req.scope.timeout} s passed", ErrorCode.TIMEOUT
+            )
+            self.timed_out_requests += 1
+            self.tenants.of(req.scope.tenant).timeouts += 1
+            self._finish(req)
+
+    def end_all(self, error: ErrorCode, message: str) -> list[Req]:
+        """End every waiting and running request with `error` (a drain that ran out of time)."""
+        ended = self.waiting + self.running
+        for req in ended:
+            req.finish_reason = FinishReason.abort(message, error)
+            self._finish(req)
+        return ended
+
     def _schedule(self) -> list[Scheduled]:
+        if self.args.enable_priority_preemption:
+            self._preempt_for_priority()
         self.budget.decay()
         left = self.budget.step_tokens()
         plan = []
@@ -296,7 +335,7 @@ class Scheduler:
         if self._slots_needed(plan) > self.kv.available():
             plan = [Scheduled(s.req, s.n - len(s.draft)) for s in plan]
         while self._slots_needed(plan) > self.kv.available():
-            victim = pick_victim([s.req for s in plan])
+            victim = pick_victim([s.req for s in plan], self.ranking)
             if victim is None:
                 break
             self._retract(victim)
@@ -327,6 +366,35 @@ class Scheduler:
             "loaded back from the host" if self.kv.swap else "recomputed",
         )
 
+    def _preempt_for_priority(self) -> None:
+        """While the best-ranked waiting request could not be admitted for lack of room (or of a
+        running slot), retract the lowest-ranked running request ranked below it."""
+        if not self.waiting or not self.running:
+            return
+        now = time.monotonic()
+        head = max(self.waiting, key=lambda r: self.ranking.rank(r, now))
+        if not self._constraint_ready(head):
+            return
+        rank = self.ranking.rank(head, now)
+        while not self._could_admit(head):
+            victim = preemption_victim(self.running, rank, self.ranking, now)
+            if victim is None:
+                return
+            self._retract(victim)
+            self.priority_preemptions += 1
+
+    def _could_admit(self, req: Req) -> bool:
+        """Whether `_admit` would find room for the request's first chunk and what it will need
+        later, next to what running requests will need."""
+        if len(self.running) >= self.args.max_running_requests:
+            return False
+        if self.runner.req_to_token_pool.available() == 0:
+            return False
+        extend = len(req.all_ids) - self.tree.match_prefix(match_key(req), req.cache_salt).length
+        n = self.budget.chunk(extend, self.budget.step_tokens()) or extend
+        future = self.budget.expected(extend - n, req.remaining_new_tokens())
+        return self.kv.available() - self._reserved_tokens() >= n + future
+
     def _reserved_tokens(self) -> float:
         return sum(
             self.budget.expected(r.tokens_to_compute - 1, r.remaining_new_tokens())
@@ -341,14 +409,14 @@ class Scheduler:
             return admitted
         reserved = self._reserved_tokens()
         shared_keys: set[tuple[int, ...]] = set()
-        for req in order_waiting(self.args.schedule_policy, self.waiting, self.tree):
+        for req in order_waiting(self.args.schedule_policy, self.waiting, self.tree, self.ranking):
             if len(self.running) >= self.args.max_running_requests or left <= 0:
                 break
             if not self._constraint_ready(req):
                 continue
             if self.runner.req_to_token_pool.available() == 0:
                 break
-            match = self.kv.match_prefix(match_key(req))
+            match = self.kv.match_prefix(match_key(req), req.cache_salt)
             m = match.length
             if (
                 defer_shared
@@ -397,6 +465,7 @@ class Scheduler:
             return
         req.admitted_once = True
         req.cached_tokens = min(cached, len(req.input_ids))
+        self.tenants.of(req.scope.tenant).admitted(len(req.input_ids), req.cached_tokens)
         req.host_cached_tokens = loaded - from_storage
         req.storage_cached_tokens = from_storage
         self.prompt_tokens_total += len(req.input_ids)
@@ -606,7 +675,7 @@ class Scheduler:
 
     def _finish(self, req: Req) -> None:
         req.finish_time = time.monotonic()
-        if self.drafter is not None and req.output_ids:
+        if self.drafter is not None and req.output_ids and not req.cache_salt:
             self.drafter.remember(req.all_ids)
         self._ended.append(req)
         if req in self.running:
@@ -632,6 +701,10 @@ class Scheduler:
             "prompt_tokens_total": self.prompt_tokens_total,
             "cached_prompt_tokens_total": self.cached_tokens_total,
             "num_preemptions": self.num_preemptions,
+            "priority_preemptions": self.priority_preemptions,
+            "timed_out_requests": self.timed_out_requests,
+            "cache_salts": len(self.tree.roots),
+            "tenants": self.tenants.snapshot(self.waiting, self.running),
             "evicted_tokens": self.tree.evicted_tokens,
             "free_request_rows": self.runner.req_to_token_pool.available(),
             "generated_tokens": self.generated_tokens,

@@ -13,6 +13,11 @@ match is a device part followed by a host part. Device eviction takes unlocked n
 child on the device, LRU first; a node the host does not hold is backed up first when the write
 policy or a host-only descendant asks for it, and otherwise removed with its (host-only) subtree.
 Host memory is reclaimed from unlocked host-only leaves, LRU first.
+
+Cache isolation: every key lives under the root of its salt (`roots`, salt -> root; "" is the
+shared default `root`), so a request with one salt never matches, and never times, a prefix
+cached under another. Eviction is one LRU over the leaves of all roots; an emptied root other
+than the default is dropped.
 """
 
 from __future__ import annotations
@@ -164,8 +169,9 @@ class RadixCache:
         self.reset()
 
     def reset(self) -> None:
-        self.root = TreeNode([], EMPTY, None, EMPTY)
-        self.root.lock_ref = 1  # the root is never evicted
+        self.roots: dict[str, TreeNode] = {}
+        self._root_salts: dict[int, str] = {}  # root node id -> its salt
+        self.root = self._root("")
         self.evictable_size = 0
         self.protected_size = 0
         self.evicted_tokens = 0
@@ -175,6 +181,22 @@ class RadixCache:
         self._host_lru = _LRUSet()  # unlocked host-only leaves
 
     # ---- lookup and insertion -------------------------------------------------------------
+    def _root(self, salt: str) -> TreeNode:
+        """The root keys of `salt` hang under (made on first use; never evicted, never locked)."""
+        root = self.roots.get(salt)
+        if root is None:
+            root = self.roots[salt] = TreeNode([], EMPTY, None, EMPTY)
+            root.lock_ref = 1
+            self._root_salts[root.id] = salt
+        return root
+
+    def _prune(self, node: TreeNode) -> None:
+        """Drop a salted root that holds nothing any more (the default root stays)."""
+        if node.parent is None and not node.children and node is not self.root:
+            salt = self._root_salts.pop(node.id, None)
+            if salt is not None and self.roots.get(salt) is node:
+                del self.roots[salt]
+
     def _child_key(self, key: list[int]) -> tuple[int, ...]:
         return tuple(key[: self.page_size])
 
@@ -186,11 +208,13 @@ class RadixCache:
             n += 1
         return n - n % self.page_size
 
-    def match_prefix(self, key: list[int]) -> PrefixMatch:
-        """The longest cached page-aligned prefix of `key`: its device part, then its host part."""
+    def match_prefix(self, key: list[int], salt: str = "") -> PrefixMatch:
+        """The longest cached page-aligned prefix of `key` under `salt`: its device part, then
+        its host part."""
         if self.disable:
             return PrefixMatch(self.root.value, self.root)
-        node, values, host_values, device_node = self.root, [], [], self.root
+        root = self._root(salt)
+        node, values, host_values, device_node = root, [], [], root
         now = time.monotonic()
         key = key[: len(key) - len(key) % self.page_size]
         while key:
@@ -214,11 +238,11 @@ class RadixCache:
             node if host_values else None,
         )
 
-    def insert(self, key: list[int], value: torch.Tensor) -> int:
-        """Cache `key` -> device slots `value` (page-aligned length). Returns how many leading
-        tokens the device already held: the caller's slots for those are duplicates it must
-        free. Nodes only the host held take the caller's slots as their device copy."""
-        node, done, duplicates = self.root, 0, 0
+    def insert(self, key: list[int], value: torch.Tensor, salt: str = "") -> int:
+        """Cache `key` -> device slots `value` (page-aligned length) under `salt`. Returns how
+        many leading tokens the device already held: the caller's slots for those are duplicates
+        it must free. Nodes only the host held take the caller's slots as their device copy."""
+        node, done, duplicates = self._root(salt), 0, 0
         now = time.monotonic()
         while done < len(key):
             rest = key[done:]
@@ -286,7 +310,7 @@ class RadixCache:
             self.evictable_size += sign * node.device_len()
 
     def inc_lock_ref(self, node: TreeNode) -> None:
-        while node is not self.root:
+        while node.parent is not None:
             if node.lock_ref == 0:
                 self.evictable_size -= node.device_len()
                 self.protected_size += node.device_len()
@@ -295,7 +319,7 @@ class RadixCache:
             node = node.parent
 
     def dec_lock_ref(self, node: TreeNode) -> None:
-        while node is not self.root:
+        while node.parent is not None:
             assert node.lock_ref > 0, "lock count underflow"
             node.lock_ref -= 1
             if node.lock_ref == 0:
@@ -331,6 +355,7 @@ class RadixCache:
         self._host_lru.set(node, False)
         del node.parent.children[self._child_key(node.key)]
         self._refresh(node.parent)
+        self._prune(node.parent)
 
     def backup(self, node: TreeNode) -> bool:
         """Copy a device node's KV to the host (reclaiming host memory if needed); False when the
@@ -353,7 +378,7 @@ class RadixCache:
         """Back up the nodes from the root to `node` (a retracted request's prefix), top down
         until the host is full; returns how many of its tokens the host holds."""
         path = []
-        while node is not self.root:
+        while node.parent is not None:
             path.append(node)
             node = node.parent
         kept = 0
@@ -366,7 +391,7 @@ class RadixCache:
     def record_hit(self, node: TreeNode) -> None:
         """A request is about to use the prefix ending at `node`: count a use of each node on
         it, and back up those that reach the selective policy's threshold."""
-        while node is not self.root:
+        while node.parent is not None:
             node.hit_count += 1
             if (
                 self.host is not None
@@ -400,7 +425,7 @@ class RadixCache:
 
     def _refresh(self, node: TreeNode) -> None:
         """Re-file a node in the eviction sets after its location, lock or children changed."""
-        if node is self.root:
+        if node.parent is None:
             return
         free = node.lock_ref == 0
         self._device_lru.set(
@@ -452,10 +477,10 @@ class RadixCache:
     def flush(self) -> bool:
         """Drop every cached prefix, on the device and the host; only when no request holds a
         lock."""
-        if any(child.lock_ref for child in self.root.children.values()):
+        if any(child.lock_ref for root in self.roots.values() for child in root.children.values()):
             return False
         for node in self.all_nodes():
-            if node is not self.root:
+            if node.parent is not None:
                 if node.on_device:
                     self.free_slots(node.value)
                 if node.on_host:
@@ -465,7 +490,7 @@ class RadixCache:
 
     # ---- checks ----------------------------------------------------------------------------
     def all_nodes(self) -> list[TreeNode]:
-        nodes, stack = [], [self.root]
+        nodes, stack = [], list(self.roots.values())
         while stack:
             node = stack.pop()
             nodes.append(node)
@@ -478,7 +503,8 @@ class RadixCache:
         evictable = protected = 0
         slots, host_slots = [], []
         for node in self.all_nodes():
-            if node is self.root:
+            if node.parent is None:
+                assert self.roots.get(self._root_salts.get(node.id)) is node, "a stray root"
                 continue
             assert len(node.key) > 0 and len(node.key) % self.page_size == 0
             assert node.on_device or node.on_host, "a node is held nowhere"

@@ -52,6 +52,7 @@ class SlotHolder(Protocol):
     kv_len: int  # tokens of all_ids whose K/V are in the pool
     tree_len: int  # row[:tree_len] belongs to the tree, locked through last_node
     last_node: TreeNode | None
+    cache_salt: str  # the tree (and disk-tier) namespace its prefixes are matched and cached in
 
 
 class KVSlotManager:
@@ -95,12 +96,12 @@ class KVSlotManager:
         return self.allocator.total_tokens - self.allocator.available()
 
     # ---- a request's life ------------------------------------------------------------------
-    def match_prefix(self, key: list[int]) -> PrefixMatch:
-        """The cached prefix of `key` on the device and the host, extended by the blocks the
-        disk tier has after it (read into the host pool here), for an admission."""
-        match = self.tree.match_prefix(key)
+    def match_prefix(self, key: list[int], salt: str = "") -> PrefixMatch:
+        """The cached prefix of `key` under `salt` on the device and the host, extended by the
+        blocks the disk tier has after it (read into the host pool here), for an admission."""
+        match = self.tree.match_prefix(key, salt)
         if self.storage is not None and not self.tree.disable:
-            match = self._read_storage(key, match)
+            match = self._read_storage(key, match, salt)
         return match
 
     def load_back(self, match: PrefixMatch) -> PrefixMatch:
@@ -124,14 +125,14 @@ class KVSlotManager:
         self.peak_used_tokens = max(self.peak_used_tokens, self.used_tokens())
         return PrefixMatch(torch.cat([match.slots, slots]), match.host_node)
 
-    def _read_storage(self, key: list[int], match: PrefixMatch) -> PrefixMatch:
+    def _read_storage(self, key: list[int], match: PrefixMatch, salt: str) -> PrefixMatch:
         """Extend `match` by the whole blocks of `key` the disk tier holds right after it: read
         them into new host pages hung under the match's end as one host-only node."""
         b = self.storage.block_tokens
         start, count = match.length, len(key) // b
         if start // b >= count:
             return match
-        keys = self.storage.block_keys(key, count)
+        keys = self.storage.block_keys(key, count, salt)
         blocks = []
         for block_key in keys[start // b :]:
             kv = self.storage.read(block_key)
@@ -160,7 +161,7 @@ class KVSlotManager:
         """Queue the holder's computed whole blocks that the disk tier lacks."""
         b = self.storage.block_tokens
         row = self.req_to_token[holder.row]
-        keys = self.storage.block_keys(holder.all_ids, holder.kv_len // b)
+        keys = self.storage.block_keys(holder.all_ids, holder.kv_len // b, holder.cache_salt)
         for i, key in enumerate(keys):
             if not self.storage.contains(key):
                 self.storage.write(key, self.host.device_block(row[i * b : (i + 1) * b].long()))
@@ -218,7 +219,7 @@ class KVSlotManager:
         if self.tree.disable or holder.kv_len - holder.kv_len % self.page_size <= holder.tree_len:
             return  # with matching off nobody could reuse the pages before the request ends
         aligned = self._insert_computed(holder)
-        match = self.tree.match_prefix(holder.all_ids[:aligned])
+        match = self.tree.match_prefix(holder.all_ids[:aligned], holder.cache_salt)
         self.req_to_token[holder.row, :aligned] = match.slots.to(torch.int32)
         self.tree.inc_lock_ref(match.node)
         self.tree.dec_lock_ref(holder.last_node)
@@ -255,17 +256,20 @@ class KVSlotManager:
         aligned = holder.kv_len - holder.kv_len % self.page_size
         if aligned > holder.tree_len:
             row = self.req_to_token[holder.row]
-            already = self.tree.insert(holder.all_ids[:aligned], row[:aligned].long())
+            already = self.tree.insert(
+                holder.all_ids[:aligned], row[:aligned].long(), holder.cache_salt
+            )
             if already > holder.tree_len:
                 self.allocator.free(row[holder.tree_len : already].long())
         return aligned
 
     # ---- pins ------------------------------------------------------------------------------
-    def pin(self, pin_id: str, key: list[int]) -> int:
-        """Lock the cached prefix of `key` until `unpin`; returns how many tokens that is."""
+    def pin(self, pin_id: str, key: list[int], salt: str = "") -> int:
+        """Lock the cached prefix of `key` under `salt` until `unpin`; returns how many tokens
+        that is."""
         if pin_id in self.pins:
             raise ValueError(f"pin {pin_id!r} exists")
-        match = self.tree.match_prefix(list(key))
+        match = self.tree.match_prefix(list(key), salt)
         self.tree.inc_lock_ref(match.node)
         self.pins[pin_id] = match.node
         return len(match.slots)
@@ -339,11 +343,11 @@ class KVSlotManager:
             )
         locks: dict[TreeNode, int] = {}
         for node in [h.last_node for h in holders] + list(self.pins.values()):
-            while node is not self.tree.root:
+            while node.parent is not None:
                 locks[node] = locks.get(node, 0) + 1
                 node = node.parent
         for node in self.tree.all_nodes():
-            if node is not self.tree.root:
+            if node.parent is not None:
                 assert node.lock_ref == locks.get(node, 0), (
                     "lock count differs from the holders of locks"
                 )
@@ -362,6 +366,7 @@ def pool_snapshot(allocator: PageAllocator, tree: RadixCache) -> dict[str, Any]:
         "num_pages": allocator.num_pages,
         "free_pages": allocator.free_page_ids().tolist(),
         "root": tree.root.id,
+        "roots": [root.id for root in tree.roots.values()],
         "nodes": [
             {
                 "id": n.id,
@@ -371,7 +376,7 @@ def pool_snapshot(allocator: PageAllocator, tree: RadixCache) -> dict[str, Any]:
                 "lock_ref": n.lock_ref,
             }
             for n in tree.all_nodes()
-            if n is not tree.root
+            if n.parent is not None
         ],
     }
     if tree.host is not None:

@@ -88,9 +88,12 @@ class KVStorage:
         self._trim()
 
     # ---- keys ------------------------------------------------------------------------------
-    def block_keys(self, token_ids: list[int], count: int) -> list[str]:
-        """Keys of the first `count` whole blocks of `token_ids`."""
+    def block_keys(self, token_ids: list[int], count: int, salt: str = "") -> list[str]:
+        """Keys of the first `count` whole blocks of `token_ids` cached under `salt` (a salt
+        enters the chain's seed, so one salt's blocks are never found under another)."""
         keys, prev = [], self.seed
+        if salt:
+            prev = hashlib.blake2b(prev + salt.encode(), digest_size=16).digest()
         b = self.block_tokens
         for i in range(count):
             block = np.asarray(token_ids[i * b : (i + 1) * b], dtype=np.int64).tobytes()

@@ -67,6 +67,30 @@ RUNTIME_STATS = {
 }
 
 
+# stats()["tenants"][name] key -> (metric name, help, kind), labelled by tenant
+TENANT_STATS = {
+    "requests": ("radixrt_tenant_requests", "requests a tenant got queued", "counter"),
+    "prompt_tokens": (
+        "radixrt_tenant_prompt_tokens",
+        "a tenant's admitted prompt tokens",
+        "counter",
+    ),
+    "cached_prompt_tokens": (
+        "radixrt_tenant_cached_prompt_tokens",
+        "a tenant's prompt tokens served from its own cache",
+        "counter",
+    ),
+    "timeouts": (
+        "radixrt_tenant_timeouts",
+        "a tenant's requests ended by their timeout",
+        "counter",
+    ),
+    "rate_limited": ("radixrt_tenant_rate_limited", "a tenant's refused requests", "counter"),
+    "running": ("radixrt_tenant_requests_running", "a tenant's running requests", "gauge"),
+    "waiting": ("radixrt_tenant_requests_waiting", "a tenant's waiting requests", "gauge"),
+}
+
+
 class _RuntimeStats:
     """Collector over the last `stats` reply (refreshed by the /metrics handler before rendering)."""
 
@@ -81,6 +105,14 @@ class _RuntimeStats:
                 )
                 family.add_metric([], float(self.stats[key]))
                 yield family
+        tenants = self.stats.get("tenants", {})
+        for key, (name, helptext, kind) in TENANT_STATS.items():
+            family = (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(
+                name, helptext, labels=["tenant"]
+            )
+            for tenant, counters in tenants.items():
+                family.add_metric([tenant], float(counters[key]))
+            yield family
 
 
 class GatewayMetrics:

@@ -6,7 +6,6 @@ the step produced. Every frame is one msgpack map; see docs/protocol.md.
 
 from __future__ import annotations
 
-import hmac
 import logging
 import signal
 import time
@@ -20,12 +19,13 @@ import msgpack
 import zmq
 
 from radixrt.config import ServerArgs
-from radixrt.engine.request import Req
+from radixrt.engine.request import Req, RequestScope
 from radixrt.engine.scheduler import Scheduler
 from radixrt.lifecycle import exit_with_parent
 from radixrt.protocol import ErrorCode, RequestError, decode_map, error_reply
 from radixrt.sampling_params import SamplingParams
 from radixrt.server.exposure import check_exposure
+from radixrt.server.tenants import KeyRing
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +43,7 @@ class ClientRequest:
     rid: str
     stream: bool
     index: int
+    limit_key: str = ""  # whose per-tenant limits it counts against (see `_limit_key`)
     text_sent: int = 0  # characters of the text already streamed
     ids_sent: int = 0  # output token ids already streamed
 
@@ -63,6 +64,8 @@ class Server:
         self.heartbeats: dict[bytes, float] = {}  # last message time of clients that ping
         self.server_id = uuid.uuid4().hex
         self.running = True
+        self.keys = KeyRing.from_settings(args.api_key, args.api_key_file)
+        self.drain_deadline: float | None = None  # set by SIGTERM: refuse new work, finish old
 
     # ---- the loop ----------------------------------------------------------------------------
     def serve_forever(self) -> None:
@@ -73,9 +76,35 @@ class Server:
                 self._publish(self.scheduler.step())
             else:
                 self.scheduler.idle()
+            if self.drain_deadline is not None:
+                self._drain_step()
         self.scheduler.close()
         self.sock.close()
         self.ctx.term()
+
+    def begin_drain(self) -> None:
+        """Stop taking generates (they get `draining`); the loop ends once what is queued and
+        running has finished, or after `--drain-timeout` seconds, when the rest is ended."""
+        if self.drain_deadline is None:
+            self.drain_deadline = time.monotonic() + self.args.drain_timeout
+            logger.info(
+                "draining: %d running, %d waiting; at most %.0f s",
+                len(self.scheduler.running),
+                len(self.scheduler.waiting),
+                self.args.drain_timeout,
+            )
+
+    def _drain_step(self) -> None:
+        if self.scheduler.has_work() and time.monotonic() < self.drain_deadline:
+            return
+        if self.scheduler.has_work():
+            self._publish(
+                self.scheduler.end_all(
+                    ErrorCode.DRAINING, "the server stopped (drain timeout) before it finished"
+                )
+            )
+        logger.info("drained; stopping")
+        self.running = False
 
     def fail_pending(self, error: Exception) -> None:
         """The loop cannot go on: every request in flight gets an error now instead of a
@@ -129,22 +158,26 @@ class Server:
         rid, op = msg.get("rid"), msg.get("op")
         if identity in self.heartbeats or op == "ping":
             self.heartbeats[identity] = time.monotonic()
-        if self.args.api_key and not hmac.compare_digest(
-            str(msg.get("api_key", "")).encode(), self.args.api_key.encode()
-        ):
+        tenant = self.keys.tenant_of(msg.get("api_key"))
+        if tenant is None:
             self._send(
                 identity, error_reply(rid, ErrorCode.UNAUTHORIZED, "missing or wrong api_key")
             )
             return
         try:
             if op == "generate":
-                self._generate(identity, msg)
+                self._generate(identity, msg, tenant)
             elif op == "abort":
                 self._publish(self.scheduler.abort(_internal_rid(identity, str(rid))))
             elif op in CONTROL_OPS:
                 self._send(
                     identity,
-                    {"rid": rid, "result": CONTROL_OPS[op](self, {**msg, "_identity": identity})},
+                    {
+                        "rid": rid,
+                        "result": CONTROL_OPS[op](
+                            self, {**msg, "_identity": identity, "_tenant": tenant}
+                        ),
+                    },
                 )
             else:
                 self._send(
@@ -165,10 +198,14 @@ class Server:
                 identity, error_reply(rid, ErrorCode.INTERNAL_ERROR, f"{type(e).__name__}: {e}")
             )
 
-    def _generate(self, identity: bytes, msg: dict[str, Any]) -> None:
+    def _generate(self, identity: bytes, msg: dict[str, Any], tenant: str) -> None:
         rid = msg.get("rid")
         if not isinstance(rid, str) or not rid:
             raise ValueError("generate needs a non-empty string rid")
+        if self.drain_deadline is not None:
+            raise RequestError(
+                ErrorCode.DRAINING, "the server is shutting down; send this to another one"
+            )
         if len(self.scheduler.waiting) >= self.args.max_queued_requests:
             self._send(
                 identity,
@@ -183,18 +220,43 @@ class Server:
         if not isinstance(params, dict):
             raise ValueError("sampling_params must be a map")
         params = SamplingParams.from_dict(params)
+        scope = RequestScope.from_fields(tenant, msg)
         ids = _prompt_ids(self, msg)
+        limit_key = _limit_key(identity, tenant)
+        self._check_limits(limit_key, tenant, params.n, params.n * len(ids))
         if any(c.identity == identity and c.rid == rid for c in self.clients.values()):
             raise ValueError(f"rid {rid!r} is already in flight on this connection")
         # rids are the client's own: two clients may both use "r1"
         base = _internal_rid(identity, rid)
         rids = [base] if params.n == 1 else [f"{base}-{i}" for i in range(params.n)]
         reqs = [
-            self.scheduler.make_request(r, ids, params, sample_index=i) for i, r in enumerate(rids)
+            self.scheduler.make_request(r, ids, params, sample_index=i, scope=scope)
+            for i, r in enumerate(rids)
         ]
         for i, req in enumerate(reqs):
-            self.clients[req] = ClientRequest(identity, rid, bool(msg.get("stream")), i)
+            stream = bool(msg.get("stream"))
+            self.clients[req] = ClientRequest(identity, rid, stream, i, limit_key)
             self.scheduler.add_request(req)
+
+    def _check_limits(self, limit_key: str, tenant: str, requests: int, tokens: int) -> None:
+        """Refuse with `rate_limited` a generate that would take its tenant (or connection) past
+        `--max-inflight-per-tenant` requests or `--max-queued-tokens-per-tenant` waiting prompt
+        tokens; other tenants are not affected."""
+        most_requests = self.args.max_inflight_per_tenant
+        most_tokens = self.args.max_queued_tokens_per_tenant
+        if most_requests is None and most_tokens is None:
+            return
+        mine = [req for req, c in self.clients.items() if c.limit_key == limit_key]
+        waiting = {id(r) for r in self.scheduler.waiting}
+        queued = sum(len(r.input_ids) for r in mine if id(r) in waiting)
+        if most_requests is not None and len(mine) + requests > most_requests:
+            problem = f"{len(mine)} requests in flight (at most {most_requests})"
+        elif most_tokens is not None and queued + tokens > most_tokens:
+            problem = f"{queued} prompt tokens queued, {tokens} more asked (at most {most_tokens})"
+        else:
+            return
+        self.scheduler.tenants.of(tenant).rate_limited += 1
+        raise RequestError(ErrorCode.RATE_LIMITED, f"{problem}; try again later")
 
     # ---- replies -----------------------------------------------------------------------------
     def _publish(self, reqs: list[Req]) -> None:
@@ -249,6 +311,11 @@ def _internal_rid(identity: bytes, rid: str) -> str:
     return f"{identity.hex()}/{rid}"
 
 
+def _limit_key(identity: bytes, tenant: str) -> str:
+    """Whom per-tenant limits count: a key file's tenant, else the client connection."""
+    return f"tenant:{tenant}" if tenant else f"client:{identity.hex()}"
+
+
 def _stop_holdback(req: Req) -> int:
     """Characters at the end of the text that could be the start of a stop string."""
     longest = 0
@@ -296,7 +363,9 @@ def _prompt_ids(server: Server, msg: dict[str, Any]) -> list[int]:
 
 def _pin(server: Server, msg: dict[str, Any]) -> int:
     return server.scheduler.pin(
-        _internal_rid(msg["_identity"], str(msg.get("pin_id"))), _prompt_ids(server, msg)
+        _internal_rid(msg["_identity"], str(msg.get("pin_id"))),
+        _prompt_ids(server, msg),
+        RequestScope.from_fields(msg["_tenant"], msg).salt,
     )
 
 
@@ -317,7 +386,7 @@ CONTROL_OPS = {
     "tokenize": _tokenize,
     "pin": _pin,
     "unpin": _unpin,
-    "stats": lambda s, m: s.scheduler.stats(),
+    "stats": lambda s, m: {**s.scheduler.stats(), "draining": s.drain_deadline is not None},
     "flush_cache": lambda s, m: s.scheduler.flush_cache(),
     "check_invariants": lambda s, m: s.scheduler.check_invariants() or True,
     "memory_snapshot": lambda s, m: s.scheduler.memory_snapshot(),
@@ -327,10 +396,11 @@ CONTROL_OPS = {
 
 
 def run_server(args: ServerArgs) -> None:
-    """Load the model, bind, serve until a `shutdown` op or SIGTERM/SIGINT."""
+    """Load the model, bind, serve until a `shutdown` op, SIGINT, or SIGTERM (which drains
+    first: running and queued requests finish, up to `--drain-timeout`)."""
     logging.basicConfig(level=args.log_level.upper(), format="[%(asctime)s %(name)s] %(message)s")
     args = args.with_secrets_from_env()
-    check_exposure(args.host, args.api_key, args.curve_secret_key)
+    check_exposure(args.host, args.api_key or args.api_key_file, args.curve_secret_key)
     exit_with_parent()  # a runtime started by rt.Runtime / rt.Engine ends with its launcher
     gateway = None
     if (
@@ -346,7 +416,7 @@ def run_server(args: ServerArgs) -> None:
     def stop(*_: Any) -> None:
         server.running = False
 
-    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGTERM, lambda *_: server.begin_drain())
     signal.signal(signal.SIGINT, stop)
     logger.info("serving on %s", args.endpoint)
     try:

@@ -13,6 +13,9 @@ keeps an index under 400 bytes a token: under 1% of a token's K/V in the default
 Why not walk the KV radix tree itself: it is keyed by whole prefixes, so finding where a suffix
 occurs means an index anyway, and the tree's splits and evictions would move the positions it
 points at. The corpus is fed by the same sequences at the same moment and outlives eviction.
+The corpus is the shared cache's companion: only requests without a cache salt or tenant feed
+it and draft from it (a salted request drafts from its own tokens only), so one tenant's text
+is never proposed to another, nor its acceptance timed.
 """
 
 from __future__ import annotations
@@ -117,6 +120,7 @@ class RequestDrafts:
     length: DraftLength
     index: NgramIndex = field(default_factory=NgramIndex)
     accepted: int = 0  # drafted tokens the model agreed with
+    shared: bool = True  # drafts from the server-wide corpus too (a request without a salt)
 
 
 class NgramDrafter:
@@ -130,8 +134,11 @@ class NgramDrafter:
         # so short requests of a workload that copies little do not each pay to find it out
         self.server_rate = DraftLength(num_draft_tokens)
 
-    def new_request(self) -> RequestDrafts:
-        return RequestDrafts(DraftLength(self.num_draft_tokens, rate=self.server_rate.rate))
+    def new_request(self, shared: bool = True) -> RequestDrafts:
+        """A request's drafting state; `shared`: it may draft from the corpus (no salt)."""
+        return RequestDrafts(
+            DraftLength(self.num_draft_tokens, rate=self.server_rate.rate), shared=shared
+        )
 
     def propose(
         self, state: RequestDrafts, tokens: Sequence[int], limit: int, prices: tuple[float, float]
@@ -141,7 +148,7 @@ class NgramDrafter:
         if limit <= 0:
             return []
         matched, draft = 0, []
-        hit = self.corpus.lookup(tokens)
+        hit = self.corpus.lookup(tokens) if state.shared else None
         if hit is not None:
             seq, end = hit
             matched, draft = _back_match(seq, end, tokens), seq[end + 1 : end + 1 + limit].tolist()

@@ -49,10 +49,11 @@ def test_new_token_ratio_decays_to_a_floor_and_resets():
 
 
 class _Candidate:
-    """The two things victim choice reads of a request."""
+    """The three things victim choice reads of a request."""
 
-    def __init__(self, prompt: int, generated: int):
+    def __init__(self, prompt: int, generated: int, priority: int = 0):
         self.input_ids, self.output_ids = [0] * prompt, [0] * generated
+        self.priority = priority
 
 
 def test_victim_loses_least():
@@ -61,5 +62,7 @@ def test_victim_loses_least():
     many = _Candidate(prompt=90, generated=30)
     assert pick_victim([many, few_short, few_long]) is few_long
     assert pick_victim([many, few_short]) is few_short
+    urgent = _Candidate(prompt=50, generated=2, priority=3)
+    assert pick_victim([urgent, many]) is many, "a lower priority goes first"
     assert pick_victim([many]) is None  # the last request is never retracted
     assert pick_victim([]) is None

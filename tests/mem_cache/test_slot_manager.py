@@ -38,6 +38,7 @@ class Holder:
     tree_len: int = 0
     last_node: object = None
     pins: list[str] = field(default_factory=list)
+    cache_salt: str = ""
 
 
 class Harness:

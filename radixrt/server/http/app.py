@@ -4,7 +4,6 @@ runtime through `RuntimeEndpoint` like any other client."""
 from __future__ import annotations
 
 import asyncio
-import hmac
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -18,7 +17,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from jinja2 import TemplateError
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from radixrt.client.endpoint import Prompt, RuntimeEndpoint
+from radixrt.client.endpoint import Prompt, RequestOptions, RuntimeEndpoint
 from radixrt.server.http.errors import RUNTIME_EXCEPTIONS, APIError, from_runtime_error
 from radixrt.server.http.responses import (
     ResponseShape,
@@ -38,6 +37,7 @@ from radixrt.server.http.schemas import (
     render_chat,
 )
 from radixrt.server.metrics import GatewayMetrics
+from radixrt.server.tenants import KeyRing
 from radixrt.structured.tools import ToolCallParser, resolve_parser
 
 # how often a waiting non-streamed request checks that its client is still there
@@ -88,10 +88,13 @@ class _Model:
 
 class Gateway:
     def __init__(
-        self, endpoint: RuntimeEndpoint, api_key: str | None = None, tool_call_parser: str = "auto"
+        self,
+        endpoint: RuntimeEndpoint,
+        keys: KeyRing | None = None,
+        tool_call_parser: str = "auto",
     ):
         self.endpoint = endpoint
-        self.api_key = api_key
+        self.keys = keys or KeyRing()
         self.tool_call_parser = tool_call_parser
         self.metrics = GatewayMetrics()
         self.started = int(time.time())
@@ -115,10 +118,12 @@ class Gateway:
         return _Model(info["model"], info["context_length"], tokenizer, template, parser)
 
     def authorized(self, headers: dict[bytes, bytes]) -> bool:
-        if self.api_key is None:
-            return True
-        given = headers.get(b"authorization", b"").removeprefix(b"Bearer ").strip()
-        return hmac.compare_digest(given, self.api_key.encode())
+        return self.keys.tenant_of(_bearer(headers)) is not None
+
+    def options(self, request: Request, req: GenerateRequest) -> RequestOptions:
+        """The body's tenancy fields, and the client's own key: the runtime names its tenant."""
+        key = _bearer(dict(request.headers.raw)) if self.keys.keys else None
+        return RequestOptions(req.cache_salt, req.priority, req.timeout, key or None)
 
     async def complete(self, request: Request, req: CompletionRequest) -> Response:
         model = await self.model()
@@ -176,8 +181,13 @@ class Gateway:
             if len(prompts) != 1:
                 raise APIError(400, "stream: true takes one prompt", param="prompt")
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return await self._stream(request, rid, model, prompts[0], params, shape, include_usage)
-        samples = await unless_disconnected(request, [self._generate(p, params) for p in prompts])
+            return await self._stream(
+                request, rid, model, prompts[0], params, shape, include_usage, req
+            )
+        options = self.options(request, req)
+        samples = await unless_disconnected(
+            request, [self._generate(p, params, options) for p in prompts]
+        )
         choices = [
             shape.choice(i * len(per_prompt) + j, s["text"], s["meta_info"])
             for i, per_prompt in enumerate(samples)
@@ -185,8 +195,10 @@ class Gateway:
         ]
         return JSONResponse(response_body(shape, rid, model.name, choices, usage_of(samples)))
 
-    async def _generate(self, prompt: Prompt, params: dict[str, Any]) -> list[dict[str, Any]]:
-        out = await self.endpoint.async_generate(prompt, params)
+    async def _generate(
+        self, prompt: Prompt, params: dict[str, Any], options: RequestOptions
+    ) -> list[dict[str, Any]]:
+        out = await self.endpoint.async_generate(prompt, params, options=options)
         samples = out if isinstance(out, list) else [out]
         for j, s in enumerate(samples):
             self.metrics.observe(s["meta_info"], count_prompt=j == 0)
@@ -201,8 +213,9 @@ class Gateway:
         params: dict[str, Any],
         shape: ResponseShape,
         include_usage: bool,
+        req: GenerateRequest,
     ) -> StreamingResponse:
-        replies = self.endpoint.async_stream(prompt, params)
+        replies = self.endpoint.async_stream(prompt, params, options=self.options(request, req))
         # Wait for the first reply before sending headers, so a rejected request gets its 4xx.
         (first,) = await unless_disconnected(request, [replies.__anext__()])
         events = self._events(
@@ -292,6 +305,10 @@ class Gateway:
                 }
             ],
         }
+
+
+def _bearer(headers: dict[bytes, bytes]) -> str:
+    return headers.get(b"authorization", b"").removeprefix(b"Bearer ").strip().decode("latin-1")
 
 
 class _Guard:

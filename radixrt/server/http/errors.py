@@ -28,6 +28,8 @@ _STATUSES = {
     (500, "server_error"): (ErrorCode.INTERNAL_ERROR,),
 }
 HTTP_ERRORS = {code: status for status, codes in _STATUSES.items() for code in codes}
+# codes that say "come back later": their answers carry Retry-After (seconds)
+RETRY_AFTER_S = {ErrorCode.OVERLOADED: 1, ErrorCode.RATE_LIMITED: 1, ErrorCode.DRAINING: 5}
 
 
 class APIError(Exception):
@@ -40,9 +42,11 @@ class APIError(Exception):
         kind: str = "invalid_request_error",
         param: str | None = None,
         code: str | None = None,
+        retry_after: int | None = None,
     ):
         super().__init__(message)
         self.status, self.kind, self.param, self.code = status, kind, param, code
+        self.retry_after = retry_after
 
     def body(self) -> dict[str, Any]:
         return {
@@ -55,15 +59,19 @@ class APIError(Exception):
         }
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        headers = None if self.retry_after is None else {"Retry-After": str(self.retry_after)}
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
 def from_runtime_error(e: Exception) -> APIError:
     """The runtime's error as OpenAI's, by its code; a ValueError raised on this side (before any
     request was sent) is the caller's mistake, any other failure a lost runtime."""
     if isinstance(e, RemoteError):
-        status, api_kind = HTTP_ERRORS.get(ErrorCode.parse(e.code), (500, "server_error"))
-        return APIError(status, e.message, api_kind, code=e.code)
+        code = ErrorCode.parse(e.code)
+        status, api_kind = HTTP_ERRORS.get(code, (500, "server_error"))
+        return APIError(
+            status, e.message, api_kind, code=e.code, retry_after=RETRY_AFTER_S.get(code)
+        )
     if isinstance(e, ValueError):
         return APIError(400, str(e), code=ErrorCode.INVALID_REQUEST.value)
     return APIError(503, str(e), "server_error", code=ErrorCode.CONNECTION_LOST.value)

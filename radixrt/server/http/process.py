@@ -17,6 +17,7 @@ import zmq
 from radixrt.client.endpoint import RuntimeEndpoint
 from radixrt.config import SECRETS, ServerArgs
 from radixrt.server.http.app import Gateway, build_app
+from radixrt.server.tenants import KeyRing
 
 logger = logging.getLogger(__name__)
 
@@ -28,7 +29,7 @@ STOP_TIMEOUT_S = 10
 def start_gateway(args: ServerArgs) -> subprocess.Popen:
     """Bind the HTTP port here (a busy port fails `serve` at once) and hand it to a gateway child."""
     host = args.http_host
-    if not args.is_loopback and not args.api_key:
+    if not args.is_loopback and not (args.api_key or args.api_key_file):
         raise SystemExit(f"refusing to serve HTTP on {host} without --api-key")
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.create_server((host, args.http_port), family=family, backlog=1024)
@@ -48,6 +49,8 @@ def start_gateway(args: ServerArgs) -> subprocess.Popen:
         "--tool-call-parser",
         args.tool_call_parser,
     ]
+    if args.api_key_file:
+        command += ["--api-key-file", args.api_key_file]
     if args.curve_secret_key:
         command += ["--curve-server-key", zmq.curve_public(args.curve_secret_key.encode()).decode()]
     env = dict(os.environ)
@@ -77,12 +80,16 @@ def run_gateway(
     curve_server_key: str | None = None,
     log_level: str = "info",
     tool_call_parser: str = "auto",
+    api_key_file: str | None = None,
 ) -> None:
-    """Serve HTTP on the inherited listening socket `fd` until SIGTERM/SIGINT or the parent exits."""
+    """Serve HTTP on the inherited listening socket `fd` until SIGTERM/SIGINT or the parent exits.
+    Each request goes to the runtime with its client's own key (its tenant); the gateway's own
+    calls (stats, health) use `api_key`, else the first key of the file."""
     logging.basicConfig(level=log_level.upper(), format="[%(asctime)s %(name)s] %(message)s")
-    endpoint = RuntimeEndpoint(url, api_key=api_key, curve_server_key=curve_server_key)
+    keys = KeyRing.from_settings(api_key, api_key_file)
+    endpoint = RuntimeEndpoint(url, api_key=keys.any_key(), curve_server_key=curve_server_key)
     config = uvicorn.Config(
-        build_app(Gateway(endpoint, api_key, tool_call_parser)),
+        build_app(Gateway(endpoint, keys, tool_call_parser)),
         log_level=log_level,
         timeout_graceful_shutdown=5,
     )

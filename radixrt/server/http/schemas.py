@@ -38,6 +38,10 @@ class GenerateRequest(BaseModel):
     seed: int | None = None
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
+    # radixrt's own (docs/protocol.md): the cache namespace, the scheduling priority, a deadline
+    cache_salt: str | None = None
+    priority: int | None = None
+    timeout: float | None = None
 
     def sampling_params(self, max_new_tokens: int) -> dict[str, Any]:
         """The runtime validates the values (docs/protocol.md); unset ones keep its defaults."""

@@ -1,0 +1,32 @@
+"""The soak's 60-second version on the tiny model (`make soak` runs the long one)."""
+
+from __future__ import annotations
+
+from radixrt.bench.soak import KINDS, Soak, SoakConfig
+
+KNOWN_CODES = {
+    "rate_limited",
+    "timeout",
+    "draining",
+    "aborted",
+    "connection_lost",
+    "overloaded",
+    "client_timeout",
+}
+
+
+def test_soak_60s(tiny_model_dir, tmp_path):
+    report = Soak(
+        SoakConfig(str(tiny_model_dir), 60, 4, tmp_path, kill_every_s=12, max_total_tokens=2048)
+    ).run()
+    print((tmp_path / "soak.md").read_text())
+    assert report.server_deaths == 0
+    assert report.restart_exit_code == 0 and report.final_exit_code == 0, "a drain did not exit 0"
+    assert report.leaked_slots == 0 and report.leaked_rows == 0
+    assert report.invariant_checks >= 5 and not report.invariant_failures
+    assert report.abort_times_s and max(report.abort_times_s) <= 6.0
+    assert report.malformed_sent and report.malformed_answered == report.malformed_sent
+    assert set(report.errors) <= KNOWN_CODES, report.errors
+    assert set(report.outcomes_by_kind) == set(KINDS)
+    assert report.served >= 20  # a floor, not a throughput target: this CPU is shared
+    assert (tmp_path / "rss.png").stat().st_size > 0

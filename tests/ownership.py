@@ -14,6 +14,7 @@ It reads the plain-data `memory_snapshot` (from `Scheduler.memory_snapshot()` in
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from typing import Any
 
@@ -115,3 +116,25 @@ def assert_all_free(snapshot: dict[str, Any]) -> None:
     assert not snapshot["nodes"] and not snapshot["requests"] and not snapshot["pinned_nodes"]
     assert len(snapshot["free_pages"]) == snapshot["num_pages"]
     assert len(snapshot.get("host_free_pages", [])) == snapshot.get("host_num_pages", 0)
+
+
+def wait_idle(endpoint, timeout: float = 30.0) -> dict:
+    """The runtime's stats once nothing runs or waits (an AssertionError after `timeout`)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        stats = endpoint.stats()
+        if stats["running"] == stats["waiting"] == 0:
+            return stats
+        time.sleep(0.05)
+    raise AssertionError(f"requests still running after {timeout}s: {stats}")
+
+
+def assert_no_leak(endpoint) -> None:
+    """Invariant 2 through a runtime's ops: idle, consistent, and fully free once flushed."""
+    wait_idle(endpoint)
+    endpoint.check_invariants()
+    assert_slot_ownership(endpoint.memory_snapshot())
+    assert endpoint.flush_cache()
+    assert_all_free(endpoint.memory_snapshot())
+    stats = endpoint.stats()
+    assert stats["free_tokens"] == stats["total_tokens"]

@@ -19,7 +19,7 @@ from radixrt.client.launcher import free_port
 from radixrt.client.transport import RemoteError
 
 from helpers import assert_bad_frames_get_their_errors
-from ownership import assert_all_free, assert_slot_ownership
+from ownership import assert_no_leak, wait_idle
 from timeouts import REPLY_TIMEOUT_S
 
 LONG = {"max_new_tokens": 400, "temperature": 0, "ignore_eos": True}
@@ -42,26 +42,6 @@ def _prompts(n: int, seed: int = 0) -> list[list[int]]:
     return [
         shared + [rng.randrange(3, 49152) for _ in range(rng.randrange(1, 12))] for _ in range(n)
     ]
-
-
-def _wait_idle(endpoint, timeout: float = 20.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        stats = endpoint.stats()
-        if stats["running"] == stats["waiting"] == 0:
-            return stats
-        time.sleep(0.1)
-    raise AssertionError(f"requests still running after {timeout}s: {stats}")
-
-
-def _assert_no_leak(endpoint) -> None:
-    _wait_idle(endpoint)
-    endpoint.check_invariants()
-    assert_slot_ownership(endpoint.memory_snapshot())
-    assert endpoint.flush_cache()
-    assert_all_free(endpoint.memory_snapshot())
-    stats = endpoint.stats()
-    assert stats["free_tokens"] == stats["total_tokens"]
 
 
 def test_concurrent_threads_and_asyncio_get_their_own_replies(runtime):
@@ -95,7 +75,7 @@ def test_concurrent_threads_and_asyncio_get_their_own_replies(runtime):
     for t in threads:
         t.join()
     assert [got[i] for i in range(64)] == expected
-    _assert_no_leak(runtime)
+    assert_no_leak(runtime)
 
 
 def test_streaming_deltas_join_to_the_final_text(default_model_dir):
@@ -175,7 +155,7 @@ def test_abort_waiting_and_running(tiny_model_dir):
             t.join(timeout=30)
         assert {res["meta_info"]["finish_reason"]["type"] for res in results.values()} == {"abort"}
         assert results["running"]["meta_info"]["completion_tokens"] < LONG["max_new_tokens"]
-        _assert_no_leak(r)
+        assert_no_leak(r)
 
 
 # (frame, the reply's rid, its error code): every malformed frame gets a precise answer, never internal_error
@@ -185,7 +165,7 @@ def test_bad_frames_get_errors_and_the_server_goes_on(runtime):
         input_ids=_prompts(1)[0], sampling_params={"max_new_tokens": 3, "temperature": 0}
     )
     assert len(out["output_ids"]) == 3
-    _assert_no_leak(runtime)
+    assert_no_leak(runtime)
 
 
 def test_killed_client_has_its_request_aborted_and_pins_released(default_model_dir):
@@ -217,14 +197,14 @@ def test_killed_client_has_its_request_aborted_and_pins_released(default_model_d
             child.send_signal(signal.SIGKILL)
             child.wait(timeout=10)
         start = time.monotonic()
-        after = _wait_idle(r, timeout=15)
+        after = wait_idle(r, timeout=15)
         assert time.monotonic() - start < 15
         assert after["aborted_requests"] == before["aborted_requests"] + 1
         assert after["generated_tokens"] < r.model_info["context_length"] // 4, (
             "the request was not stopped early"
         )
         assert after["pins"] == 0
-        _assert_no_leak(r)
+        assert_no_leak(r)
 
 
 def test_server_restart_fails_in_flight_requests_then_recovers(tiny_model_dir):
@@ -350,7 +330,7 @@ def test_overloaded_queue_refuses_new_requests(tiny_model_dir):
                 assert e.code == "overloaded", e
                 outcomes.append(e.code)
         assert "overloaded" in outcomes and "ok" in outcomes
-        _assert_no_leak(r)
+        assert_no_leak(r)
 
 
 def test_curve_encryption(tiny_model_dir):

@@ -19,7 +19,7 @@ from radixrt.client.endpoint import RequestOptions
 from radixrt.client.launcher import free_port
 from radixrt.client.transport import RemoteError
 
-from ownership import assert_all_free, assert_slot_ownership
+from ownership import assert_no_leak, wait_idle
 from timeouts import REPLY_TIMEOUT_S
 
 ADMIN_KEY = "admin-key"  # --api-key: the default tenant, and the launcher's own calls
@@ -32,24 +32,6 @@ LONG = {"max_new_tokens": 900, "temperature": 0, "ignore_eos": True}
 def _prompt(n: int, seed: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(3, 49152) for _ in range(n)]
-
-
-def _wait_idle(endpoint, timeout: float = 30.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        stats = endpoint.stats()
-        if stats["running"] == stats["waiting"] == 0:
-            return stats
-        time.sleep(0.05)
-    raise AssertionError(f"requests still running after {timeout}s: {stats}")
-
-
-def _assert_no_leak(endpoint) -> None:
-    _wait_idle(endpoint)
-    endpoint.check_invariants()
-    assert_slot_ownership(endpoint.memory_snapshot())
-    assert endpoint.flush_cache()
-    assert_all_free(endpoint.memory_snapshot())
 
 
 def _error_code(call) -> str:
@@ -105,7 +87,7 @@ def test_a_tenants_prefix_is_cached_only_for_that_tenant(tenants):
         stats = tenants.stats()
         assert stats["tenants"]["alice"]["cached_prompt_tokens"] == 3 * (len(prompt) - 1)
         assert stats["tenants"]["bob"]["requests"] == 3
-        _assert_no_leak(tenants)
+        assert_no_leak(tenants)
     finally:
         alice.close()
         bob.close()
@@ -134,7 +116,7 @@ def test_http_salt_and_bearer_tenant(tenants):
         metrics = reply.read().decode()
     assert 'radixrt_tenant_cached_prompt_tokens_total{tenant="alice"}' in metrics
     assert 'radixrt_tenant_requests_total{tenant="bob"}' in metrics
-    _assert_no_leak(tenants)
+    assert_no_leak(tenants)
 
 
 def test_rate_limits_refuse_one_tenant_only(tenants):
@@ -158,13 +140,13 @@ def test_rate_limits_refuse_one_tenant_only(tenants):
         )
         for stream in streams:
             stream.close()  # aborts the request
-        _wait_idle(tenants)
+        wait_idle(tenants)
         too_long = partial(
             alice.generate, input_ids=_prompt(1200, seed=3), sampling_params={"max_new_tokens": 1}
         )
         assert _error_code(too_long) == "rate_limited"
         assert tenants.stats()["tenants"]["alice"]["rate_limited"] == 2
-        _assert_no_leak(tenants)
+        assert_no_leak(tenants)
     finally:
         alice.close()
         bob.close()
@@ -183,7 +165,7 @@ def test_deadlines_end_requests_with_timeout_and_free_their_slots(tenants):
         assert _error_code(endless) == "timeout"
         assert time.monotonic() - start < 5
         assert tenants.stats()["tenants"]["alice"]["timeouts"] == 1
-        _assert_no_leak(tenants)
+        assert_no_leak(tenants)
     finally:
         alice.close()
 
@@ -233,7 +215,7 @@ def test_high_priority_ttft_is_a_third_of_low(busy):
     high, low = statistics.median(ttft[10]), statistics.median(ttft[0])
     print(f"TTFT p50: high {high:.3f} s, low {low:.3f} s")
     assert high <= low / 3, (high, low)
-    _assert_no_leak(busy)
+    assert_no_leak(busy)
 
 
 def test_priority_preemption_admits_a_high_request_into_a_full_pool(busy):
@@ -262,7 +244,7 @@ def test_priority_preemption_admits_a_high_request_into_a_full_pool(busy):
         t.join(timeout=REPLY_TIMEOUT_S)
     assert len(results) == 2 and all(len(r["output_ids"]) == 100 for r in results)
     assert high["meta_info"]["ttft"] < min(r["meta_info"]["e2e_latency"] for r in results) / 2
-    _assert_no_leak(busy)
+    assert_no_leak(busy)
 
 
 def test_sigterm_drains(tiny_model_dir):

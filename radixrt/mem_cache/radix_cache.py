@@ -211,9 +211,9 @@ class RadixCache:
     def match_prefix(self, key: list[int], salt: str = "") -> PrefixMatch:
         """The longest cached page-aligned prefix of `key` under `salt`: its device part, then
         its host part."""
-        if self.disable:
+        root = self.roots.get(salt)
+        if self.disable or root is None:  # a salt nothing was cached under: no root made for it
             return PrefixMatch(self.root.value, self.root)
-        root = self._root(salt)
         node, values, host_values, device_node = root, [], [], root
         now = time.monotonic()
         key = key[: len(key) - len(key) % self.page_size]

@@ -29,6 +29,9 @@ def test_a_prefix_is_matched_only_under_its_own_salt():
     assert tree.match_prefix(key, "a").length == len(key)
     assert tree.match_prefix(key, "b").length == 0
     assert tree.match_prefix(key).length == 0
+    for i in range(100):  # looking up salts nothing was cached under makes no roots
+        tree.match_prefix(key, f"never-{i}")
+    assert set(tree.roots) == {"", "a"}
     tree.insert(key[:8], alloc.alloc_extend(0, 0, 8).long(), salt="b")
     tree.check()
     no_requests = {

@@ -20,3 +20,15 @@ def check_exposure(host: str, api_key: str | None, curve_secret_key: str | None)
             "CURVE on; clients need the server public key %s",
             zmq.curve_public(curve_secret_key.encode()).decode(),
         )
+
+
+def bind_client_socket(ctx: zmq.Context, endpoint: str, curve_secret_key: str | None) -> zmq.Socket:
+    """The ROUTER socket clients connect to (a runtime's or a router's): no linger, CURVE when
+    a secret key is set, bound to `endpoint`."""
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    if curve_secret_key:
+        sock.curve_secretkey = curve_secret_key.encode()
+        sock.curve_server = True
+    sock.bind(endpoint)
+    return sock

@@ -24,7 +24,7 @@ from radixrt.engine.scheduler import Scheduler
 from radixrt.lifecycle import exit_with_parent
 from radixrt.protocol import ErrorCode, RequestError, decode_map, error_reply
 from radixrt.sampling_params import SamplingParams
-from radixrt.server.exposure import check_exposure
+from radixrt.server.exposure import bind_client_socket, check_exposure
 from radixrt.server.tenants import KeyRing
 
 logger = logging.getLogger(__name__)
@@ -54,12 +54,7 @@ class Server:
         self.scheduler = Scheduler.from_server_args(args)
         self.tokenizer = self.scheduler.tokenizer
         self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        if args.curve_secret_key:
-            self.sock.curve_secretkey = args.curve_secret_key.encode()
-            self.sock.curve_server = True
-        self.sock.bind(endpoint)
+        self.sock = bind_client_socket(self.ctx, endpoint, args.curve_secret_key)
         self.clients: dict[Req, ClientRequest] = {}
         self.heartbeats: dict[bytes, float] = {}  # last message time of clients that ping
         self.server_id = uuid.uuid4().hex

@@ -24,6 +24,7 @@ import msgpack
 import zmq
 
 from radixrt.protocol import ErrorCode, decode_map, error_reply
+from radixrt.server.exposure import bind_client_socket
 from radixrt.server.router.policy import CacheAwareThresholds, Route, RouteReason, make_policy
 from radixrt.server.router.worker import WorkerLink
 
@@ -98,12 +99,7 @@ class Router:
     def __init__(self, config: RouterConfig, endpoint: str):
         self.config = config
         self.ctx = zmq.Context()
-        self.front = self.ctx.socket(zmq.ROUTER)
-        self.front.setsockopt(zmq.LINGER, 0)
-        if config.curve_secret_key:
-            self.front.curve_secretkey = config.curve_secret_key.encode()
-            self.front.curve_server = True
-        self.front.bind(endpoint)
+        self.front = bind_client_socket(self.ctx, endpoint, config.curve_secret_key)
         self.workers = [
             WorkerLink(self.ctx, i, url, config.worker_api_key, config.worker_curve_server_key)
             for i, url in enumerate(config.workers)

@@ -24,6 +24,14 @@ _FLOAT_FIELDS = (
 )
 _BOOL_FIELDS = ("ignore_eos", "skip_special_tokens", "return_logprob")
 
+# The smallest temperature that still samples. float32 keeps far smaller numbers, but logits
+# divided by less than this overflow to inf (and then NaN) before the softmax; 0 is greedy.
+MIN_TEMPERATURE = 1e-5
+MAX_STOP_STRINGS = 32  # every stop string is searched for after every token
+MAX_STOP_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
+MAX_SEED = (1 << 63) - 1  # torch generators take 64-bit seeds; n samples add their index
+
 
 @dataclass
 class SamplingParams:
@@ -74,15 +82,15 @@ class SamplingParams:
             _check_type(name, getattr(self, name), bool)
         if self.seed is not None:
             _check_type("seed", self.seed, int)
-        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
-            raise ValueError("stop must be a non-empty string or a list of non-empty strings")
-        if not isinstance(self.stop_token_ids, list) or not all(
-            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids
-        ):
-            raise ValueError("stop_token_ids must be a list of non-negative ints")
+            _check_range("seed", self.seed, 0, MAX_SEED - 64)
+        self._validate_stops()
         _check_range("max_new_tokens", self.max_new_tokens, 0, 1 << 20)
         _check_range("min_new_tokens", self.min_new_tokens, 0, self.max_new_tokens)
         _check_range("temperature", self.temperature, 0.0, 100.0)
+        if 0.0 < self.temperature < MIN_TEMPERATURE:
+            raise ValueError(
+                f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, got {self.temperature}"
+            )
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k == 0 or self.top_k < -1:
@@ -108,6 +116,31 @@ class SamplingParams:
                 or not all(isinstance(c, str) for c in value)
             ):
                 raise ValueError("choices must be a non-empty list of strings")
+
+    def _validate_stops(self) -> None:
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError("stop must be a non-empty string or a list of non-empty strings")
+        if len(self.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in self.stop):
+            raise ValueError(
+                f"stop takes at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} characters"
+            )
+        if not isinstance(self.stop_token_ids, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids
+        ):
+            raise ValueError("stop_token_ids must be a list of non-negative ints")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids")
+
+    def check_vocabulary(self, vocab_size: int) -> None:
+        """What only the model can bound: `top_k` and the stop token ids are within its
+        vocabulary (an id past it would index past the logits)."""
+        if self.top_k > vocab_size:
+            raise ValueError(
+                f"top_k must be at most the vocabulary size {vocab_size}, got {self.top_k}"
+            )
+        bad = [t for t in self.stop_token_ids if t >= vocab_size]
+        if bad:
+            raise ValueError(f"stop_token_ids must be in [0, {vocab_size}), got {bad[:4]}")
 
     def constraint(self) -> tuple[str, object] | None:
         """The one structured-output constraint, as (kind, value), or None."""

@@ -15,6 +15,22 @@ class SampleOutput:
     token_ids: list[int]
     logprobs: list[float] | None  # of the chosen tokens, under the model's raw distribution
     top_logprobs: list[list[tuple[float, int]]] | None
+    # per row: why no token could be drawn (its token id is then meaningless), else None
+    failures: list[str | None]
+
+
+NAN_LOGITS = "the model produced non-finite logits (NaN or +inf)"
+NOTHING_ALLOWED = (
+    "no token is allowed here: the constraint and the banned stop tokens exclude every one"
+)
+
+
+def unsampleable_rows(logits: torch.Tensor) -> list[str | None]:
+    """Rows nothing may be drawn from: a NaN or +inf logit (a model fault: multinomial would
+    raise, argmax would pick it), or every logit -inf (masks and bans left no token)."""
+    broken = (torch.isnan(logits) | torch.isposinf(logits)).any(dim=-1).tolist()
+    empty = (~torch.isfinite(logits).any(dim=-1)).tolist()
+    return [NAN_LOGITS if b else NOTHING_ALLOWED if e else None for b, e in zip(broken, empty)]
 
 
 def sample(
@@ -42,11 +58,13 @@ def sample(
         if banned[i]:
             logits[i, banned[i]] = float("-inf")
 
-    greedy_rows = [i for i, r in enumerate(reqs) if r.params.greedy]
-    tokens = torch.empty(len(reqs), dtype=torch.long)
+    failures = unsampleable_rows(logits)
+    ok = [i for i in range(len(reqs)) if failures[i] is None]
+    greedy_rows = [i for i in ok if reqs[i].params.greedy]
+    tokens = torch.zeros(len(reqs), dtype=torch.long)  # a failed row keeps 0, never used
     if greedy_rows:
         tokens[greedy_rows] = logits[greedy_rows].argmax(dim=-1)
-    sampled_rows = [i for i, r in enumerate(reqs) if not r.params.greedy]
+    sampled_rows = [i for i in ok if not reqs[i].params.greedy]
     if sampled_rows:
         probs = _filtered_probs(logits[sampled_rows], [reqs[i] for i in sampled_rows])
         for j, i in enumerate(sampled_rows):
@@ -56,7 +74,7 @@ def sample(
     token_ids = tokens.tolist()
     want_logprobs = [r.params.return_logprob for r in reqs]
     if not any(want_logprobs):
-        return SampleOutput(token_ids, None, None)
+        return SampleOutput(token_ids, None, None, failures)
     logprobs = torch.log_softmax(raw, dim=-1)
     chosen = logprobs.gather(1, tokens[:, None]).squeeze(1).tolist()
     k = max(r.params.top_logprobs_num for r in reqs)
@@ -72,7 +90,7 @@ def sample(
             )
             for i, r in enumerate(reqs)
         ]
-    return SampleOutput(token_ids, chosen, top)
+    return SampleOutput(token_ids, chosen, top, failures)
 
 
 def _draw(probs: torch.Tensor, draft: int | None, generator: torch.Generator) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -17,7 +18,7 @@ from radixrt.config import SchedulerArgs, ServerArgs
 from radixrt.engine.budget import AdmissionBudget
 from radixrt.engine.detokenizer import IncrementalDetokenizer
 from radixrt.engine.request import DEFAULT_SCOPE, FinishReason, Req, RequestScope, Scheduled
-from radixrt.engine.sampler import SampleOutput, sample
+from radixrt.engine.sampler import NAN_LOGITS, SampleOutput, sample
 from radixrt.engine.schedule_policy import (
     Ranking,
     match_key,
@@ -42,6 +43,7 @@ logger = logging.getLogger(__name__)
 
 # defer a request sharing this many new tokens with one admitted this step
 IN_BATCH_SHARE_TOKENS = 16
+PROMPT_LOGPROB_ROWS = 256  # prompt positions scored per logits matrix
 HEARTBEAT_S = 1.0  # idle, rank 0 tells the other tensor-parallel ranks it is alive this often
 
 
@@ -96,6 +98,10 @@ class Scheduler:
         self._decode_steps = 0
         self._log_mark = (time.monotonic(), 0)
         self._ended: list[Req] = []  # finished outside a forward (aborts), reported by step()
+        # this step's requests -> the KV length their slots reach (what a failure must free)
+        self._allocated: dict[Req, int] = {}
+        self._admitting: Req | None = None  # the waiting request admission is looking at
+        self.failed_steps = 0  # steps that raised: their requests ended with internal_error
         self.compiler: ConstraintCompiler | None = None
         self.stalled = False
         self.drafter = (
@@ -166,6 +172,7 @@ class Scheduler:
             for t in input_ids
         ):
             raise ValueError(f"token ids must be ints in [0, {self.runner.vocab_size})")
+        params.check_vocabulary(self.runner.vocab_size)
         limit = min(self.runner.context_length, self.allocator.total_tokens)
         if len(input_ids) >= limit:
             raise RequestError(
@@ -247,8 +254,22 @@ class Scheduler:
 
     # ---- one step ----------------------------------------------------------------------------
     def step(self) -> list[Req]:
-        """Run one forward; returns the requests that got a new token or finished."""
-        self._ended: list[Req] = []
+        """Run one forward; returns the requests that got a new token or finished.
+
+        An exception costs requests, never the loop: one pinned on a request (its sampling,
+        logprobs, constraint or detokenizing) ends that request with `internal_error`; any other
+        ends the step's requests so, their slots freed. Under tensor parallelism it is raised:
+        the ranks' collectives are then out of step, and the process must end."""
+        self._ended, self._allocated, self._admitting = [], {}, None
+        try:
+            updated = self._step()
+        except Exception as e:
+            if self.runner.tp.size > 1:
+                raise
+            updated = self._fail_step(e)
+        return updated + [r for r in self._ended if r not in updated]
+
+    def _step(self) -> list[Req]:
         self._expire(time.monotonic())
         plan = self._schedule()
         self.stalled = not plan  # e.g. every waiting request's constraint is still compiling
@@ -263,7 +284,43 @@ class Scheduler:
         if self.drafter is not None and plan and _decodes_only(plan):
             verifying = sum(bool(s.draft) for s in plan)
             self.drafter.cost.observe(sum(s.n for s in plan), verifying, seconds)
-        return updated + [r for r in self._ended if r not in updated]
+        return updated
+
+    def _fail_step(self, error: Exception) -> list[Req]:
+        """End the failed step's requests (or, when it failed before any was scheduled, the one
+        being admitted) with `internal_error`; a request's own failure is logged and skipped so
+        the rest still end."""
+        self.failed_steps += 1
+        victims = list(self._allocated) or ([self._admitting] if self._admitting else [])
+        logger.exception("a step failed; %d of its requests end with internal_error", len(victims))
+        message = f"the runtime failed on this request's step: {type(error).__name__}: {error}"
+        for req in victims:
+            if req.finished:
+                continue
+            try:
+                self._fail(req, ErrorCode.INTERNAL_ERROR, message)
+            except Exception:
+                logger.exception("could not free request %s after a failed step", req.rid)
+        return victims
+
+    def _fail(self, req: Req, code: ErrorCode, message: str) -> None:
+        """End `req` with an error now, freeing the slots this step gave it past its KV."""
+        req.finish_reason = FinishReason.abort(message, code)
+        allocated = self._allocated.pop(req, None)
+        if allocated is not None and req.row is not None:
+            self.kv.trim(req, allocated)
+        self._finish(req)
+
+    def _guard(self, req: Req, work: Callable[..., Any], *args: Any) -> bool:
+        """Run one request's own `work`; an exception ends that request alone (logged) and
+        returns False."""
+        try:
+            work(*args)
+            return True
+        except Exception as e:
+            logger.exception("request %s failed", req.rid)
+            self._fail(req, ErrorCode.INTERNAL_ERROR, f"{type(e).__name__}: {e}")
+            return False
 
     def _expire(self, now: float) -> None:
         """End every request past its deadline with `timeout`; its slots are freed here."""
@@ -343,6 +400,7 @@ class Scheduler:
         kept = []
         for item in plan:
             if self.kv.extend(item.req, item.n):
+                self._allocated[item.req] = item.req.kv_len + item.n
                 kept.append(item)
             else:  # a lone request larger than the whole pool
                 item.req.finish_reason = FinishReason.abort("the KV pool cannot hold this request")
@@ -412,6 +470,7 @@ class Scheduler:
         for req in order_waiting(self.args.schedule_policy, self.waiting, self.tree, self.ranking):
             if len(self.running) >= self.args.max_running_requests or left <= 0:
                 break
+            self._admitting = req
             if not self._constraint_ready(req):
                 continue
             if self.runner.req_to_token_pool.available() == 0:
@@ -444,6 +503,7 @@ class Scheduler:
             self.tree.record_hit(device.node)
             if not self.kv.admit(req, device, n):
                 break
+            self._allocated[req] = req.kv_len + n
             self._count_admission(req, m, m - len(match.slots), match.storage_tokens)
             self.waiting.remove(req)
             self.running.append(req)
@@ -501,8 +561,11 @@ class Scheduler:
                 verifying.append((item, offset))
                 offset += n
                 continue
-            if req.wants_prompt_logprobs():
-                self._prompt_logprobs(req, hidden[offset : offset + n])
+            if req.wants_prompt_logprobs() and not self._guard(
+                req, self._prompt_logprobs, req, hidden[offset : offset + n]
+            ):
+                offset += n
+                continue
             req.kv_len += n
             if n > 1 or not req.output_ids:
                 self.kv.cache_unfinished(req)  # share the prompt with requests admitted after it
@@ -522,7 +585,7 @@ class Scheduler:
             logits = self._logits(hidden[rows])
             start = 0
             for item, _ in verifying:
-                self._verify(item, logits[start : start + item.n])
+                self._guard(item.req, self._verify, item, logits[start : start + item.n])
                 start += item.n
         if _decodes_only(plan):
             self._log_decode()
@@ -543,10 +606,20 @@ class Scheduler:
             else None,
         )
         for i, req in enumerate(reqs):
-            self._record_logprobs(req, out, i)
-            self._emit(req, out.token_ids[i])
-            if req.finished:
+            if out.failures[i] is not None:
+                self._fail_unsampleable(req, out.failures[i])
+            elif self._guard(req, self._take, req, out, i) and req.finished:
                 self._finish(req)
+
+    def _take(self, req: Req, out: SampleOutput, i: int) -> None:
+        self._record_logprobs(req, out, i)
+        self._emit(req, out.token_ids[i])
+
+    def _fail_unsampleable(self, req: Req, why: str) -> None:
+        """A row nothing could be drawn from: the model's fault (NaN) or the request's (its
+        constraint and min_new_tokens left no token)."""
+        code = ErrorCode.INTERNAL_ERROR if why == NAN_LOGITS else ErrorCode.INVALID_REQUEST
+        self._fail(req, code, why)
 
     def _verify(self, item: Scheduled, logits: torch.Tensor) -> None:
         """Accept the longest prefix of the request's drafts that the sampler agrees with, then
@@ -570,6 +643,10 @@ class Scheduler:
                 else None,
                 [proposed],
             )
+            if out.failures[0] is not None:
+                req.kv_len = start + rows  # the tokens confirmed so far keep their K/V
+                self._fail_unsampleable(req, out.failures[0])
+                return
             token = out.token_ids[0]
             self._record_logprobs(req, out, 0)
             rows = i + 1
@@ -623,14 +700,16 @@ class Scheduler:
         first = max(req.kv_len, req.params.logprob_start_len)
         # positions whose next token is in the prompt
         last = min(req.kv_len + len(hidden), len(req.input_ids) - 1)
-        if first >= last:
-            return
-        logprobs = torch.log_softmax(
-            self._logits(hidden[first - req.kv_len : last - req.kv_len]), dim=-1
-        )
-        targets = torch.tensor(req.input_ids[first + 1 : last + 1])
-        picked = logprobs.gather(1, targets[:, None]).squeeze(1).tolist()
-        req.input_token_logprobs.extend(zip(picked, targets.tolist()))
+        # rows of vocabulary-wide logits at a time: a long scored prompt must not hold
+        # [prompt, vocab] floats at once (4096 x 49152 is 800 MB, twice over with log_softmax)
+        for lo in range(first, last, PROMPT_LOGPROB_ROWS):
+            hi = min(lo + PROMPT_LOGPROB_ROWS, last)
+            logprobs = torch.log_softmax(
+                self._logits(hidden[lo - req.kv_len : hi - req.kv_len]), dim=-1
+            )
+            targets = torch.tensor(req.input_ids[lo + 1 : hi + 1])
+            picked = logprobs.gather(1, targets[:, None]).squeeze(1).tolist()
+            req.input_token_logprobs.extend(zip(picked, targets.tolist()))
 
     def _stop_ids(self, req: Req) -> set[int]:
         ids = set(req.params.stop_token_ids)
@@ -709,6 +788,7 @@ class Scheduler:
             "free_request_rows": self.runner.req_to_token_pool.available(),
             "generated_tokens": self.generated_tokens,
             "aborted_requests": self.aborted_requests,
+            "failed_steps": self.failed_steps,
             "peak_used_tokens": self.kv.peak_used_tokens,
             "pins": len(self.kv.pins),
             "step_time_s": self.step_time,

@@ -65,17 +65,27 @@ class Server:
     # ---- the loop ----------------------------------------------------------------------------
     def serve_forever(self) -> None:
         while self.running:
-            self._drain(block=not self.scheduler.has_work())
-            self._abort_vanished_clients()
-            if self.scheduler.has_work():
-                self._publish(self.scheduler.step())
-            else:
-                self.scheduler.idle()
-            if self.drain_deadline is not None:
-                self._drain_step()
+            try:
+                self._serve_once()
+            except Exception:
+                # a bug outside a step (a step contains its own): logged, and the loop goes on;
+                # with tensor-parallel ranks it ends, since they may be out of step
+                if self.scheduler.runner.tp.size > 1:
+                    raise
+                logger.exception("a turn of the serving loop failed; serving on")
         self.scheduler.close()
         self.sock.close()
         self.ctx.term()
+
+    def _serve_once(self) -> None:
+        self._drain(block=not self.scheduler.has_work())
+        self._abort_vanished_clients()
+        if self.scheduler.has_work():
+            self._publish(self.scheduler.step())
+        else:
+            self.scheduler.idle()
+        if self.drain_deadline is not None:
+            self._drain_step()
 
     def begin_drain(self) -> None:
         """Stop taking generates (they get `draining`); the loop ends once what is queued and
@@ -263,21 +273,7 @@ class Server:
                 self._send_delta(client, req)
             if req.finished:
                 del self.clients[req]
-                reason = req.finish_reason
-                if reason.error is not None:
-                    self._send(
-                        client.identity, error_reply(client.rid, reason.error, reason.message)
-                    )
-                else:
-                    self._send(
-                        client.identity,
-                        {
-                            "rid": client.rid,
-                            "index": client.index,
-                            "finished": True,
-                            **req.result(),
-                        },
-                    )
+                self._send(client.identity, _final_reply(client, req))
 
     def _send_delta(self, client: ClientRequest, req: Req) -> None:
         text_end = len(req.text) if req.finished else len(req.text) - _stop_holdback(req)
@@ -300,6 +296,19 @@ class Server:
             self.sock.send_multipart([identity, msgpack.packb(msg, use_bin_type=True)], zmq.NOBLOCK)
         except zmq.Again:
             logger.warning("client %s is not reading; dropped a reply", identity.hex())
+
+
+def _final_reply(client: ClientRequest, req: Req) -> dict[str, Any]:
+    """The last message of a request: its result, or its error (`internal_error` when even
+    the result cannot be built, so the client is never left waiting)."""
+    reason = req.finish_reason
+    if reason.error is not None:
+        return error_reply(client.rid, reason.error, reason.message)
+    try:
+        return {"rid": client.rid, "index": client.index, "finished": True, **req.result()}
+    except Exception as e:
+        logger.exception("the result of request %s could not be built", req.rid)
+        return error_reply(client.rid, ErrorCode.INTERNAL_ERROR, f"{type(e).__name__}: {e}")
 
 
 def _internal_rid(identity: bytes, rid: str) -> str:

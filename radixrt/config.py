@@ -66,6 +66,7 @@ class SchedulerArgs:
     schedule_low_priority_values_first: bool
     enable_priority_preemption: bool
     priority_aging_s: float
+    max_pinned_tokens_per_client: int | None
 
 
 # the cache-aware router's defaults (radixrt/server/router/policy.py says why these values)
@@ -313,6 +314,12 @@ class ServerArgs:
             "help": "requests one tenant (its API key; without a key file, one client connection) may have queued or running; past it, 'rate_limited'"
         },
     )
+    max_pinned_tokens_per_client: int | None = field(
+        default=None,
+        metadata={
+            "help": "cached prefix tokens one client connection may hold pinned (a fork's shared prefix) at once; past it, a pin gets 'rate_limited' (default: half the KV pool)"
+        },
+    )
     max_queued_tokens_per_tenant: int | None = field(
         default=None,
         metadata={
@@ -395,10 +402,14 @@ class ServerArgs:
             raise ValueError("priority_aging_s must be > 0 and drain_timeout >= 0")
         if any(
             v is not None and v < 1
-            for v in (self.max_inflight_per_tenant, self.max_queued_tokens_per_tenant)
+            for v in (
+                self.max_inflight_per_tenant,
+                self.max_queued_tokens_per_tenant,
+                self.max_pinned_tokens_per_client,
+            )
         ):
             raise ValueError(
-                "max_inflight_per_tenant and max_queued_tokens_per_tenant must be >= 1"
+                "max_inflight_per_tenant, max_queued_tokens_per_tenant and max_pinned_tokens_per_client must be >= 1"
             )
         if self.hicache_storage_size <= 0:
             raise ValueError("hicache_storage_size must be > 0")

@@ -238,10 +238,21 @@ class Scheduler:
             self._finish(req)
         return aborted
 
-    def pin(self, pin_id: str, input_ids: list[int], salt: str = "") -> int:
+    def pin(self, pin_id: str, input_ids: list[int], salt: str = "", owner: str = "") -> int:
         """Lock the cached prefix of `input_ids` under `salt` so eviction cannot take it (fork's
-        shared prefix). Returns how many tokens are pinned (what the cache held)."""
-        return self.kv.pin(pin_id, input_ids, salt)
+        shared prefix). Returns how many tokens are pinned (what the cache held). The pins whose
+        ids start with `owner` (one client's) hold at most `--max-pinned-tokens-per-client`
+        tokens together; past it, `rate_limited` and nothing more is pinned."""
+        tokens = self.kv.pin(pin_id, input_ids, salt)
+        most = self.args.max_pinned_tokens_per_client or self.allocator.total_tokens // 2
+        held = self.kv.pinned_tokens(owner)
+        if held > most:
+            self.kv.unpin(pin_id)
+            raise RequestError(
+                ErrorCode.RATE_LIMITED,
+                f"this client would pin {held} tokens (at most {most}); unpin some first",
+            )
+        return tokens
 
     def unpin(self, pin_id: str) -> bool:
         return self.kv.unpin(pin_id)

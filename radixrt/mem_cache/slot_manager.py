@@ -29,6 +29,7 @@ The manager needs no model: the tests drive it with a pool, a tree and token ids
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -55,6 +56,14 @@ class SlotHolder(Protocol):
     cache_salt: str  # the tree (and disk-tier) namespace its prefixes are matched and cached in
 
 
+@dataclass(frozen=True)
+class Pin:
+    """A client's lock on a cached prefix: the node locked and how many tokens it ends."""
+
+    node: TreeNode
+    tokens: int
+
+
 class KVSlotManager:
     """Allocates, hands over and frees KV slots for requests; owns the tree's locks and pins."""
 
@@ -77,7 +86,7 @@ class KVSlotManager:
         self.storage = storage
         self.swap = swap and tree.host is not None and not tree.disable
         self.page_size = allocator.page_size
-        self.pins: dict[str, TreeNode] = {}  # pin id -> node locked on a client's behalf
+        self.pins: dict[str, Pin] = {}  # pin id -> what is locked on a client's behalf
         self.peak_used_tokens = 0
         self.swapped_out_tokens = 0
 
@@ -271,14 +280,19 @@ class KVSlotManager:
             raise ValueError(f"pin {pin_id!r} exists")
         match = self.tree.match_prefix(list(key), salt)
         self.tree.inc_lock_ref(match.node)
-        self.pins[pin_id] = match.node
+        self.pins[pin_id] = Pin(match.node, len(match.slots))
         return len(match.slots)
 
+    def pinned_tokens(self, prefix: str) -> int:
+        """Tokens held by the pins whose id starts with `prefix` (one client's); a prefix two
+        pins share counts twice, so this bounds what they hold from above."""
+        return sum(p.tokens for pin_id, p in self.pins.items() if pin_id.startswith(prefix))
+
     def unpin(self, pin_id: str) -> bool:
-        node = self.pins.pop(pin_id, None)
-        if node is not None:
-            self.tree.dec_lock_ref(node)
-        return node is not None
+        pin = self.pins.pop(pin_id, None)
+        if pin is not None:
+            self.tree.dec_lock_ref(pin.node)
+        return pin is not None
 
     def unpin_all(self, prefix: str) -> int:
         """Release every pin whose id starts with `prefix` (a vanished client's); returns how many."""
@@ -310,7 +324,7 @@ class KVSlotManager:
                 }
                 for h, name in zip(holders, names)
             ],
-            "pinned_nodes": [n.id for n in self.pins.values()],
+            "pinned_nodes": [p.node.id for p in self.pins.values()],
             "rows": self.rows.rows,
             "free_rows": self.rows.available(),
             "running_rows": [h.row for h in holders],
@@ -342,7 +356,7 @@ class KVSlotManager:
                 "host pages leaked or owned twice"
             )
         locks: dict[TreeNode, int] = {}
-        for node in [h.last_node for h in holders] + list(self.pins.values()):
+        for node in [h.last_node for h in holders] + [p.node for p in self.pins.values()]:
             while node.parent is not None:
                 locks[node] = locks.get(node, 0) + 1
                 node = node.parent

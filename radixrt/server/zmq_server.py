@@ -370,6 +370,7 @@ def _pin(server: Server, msg: dict[str, Any]) -> int:
         _internal_rid(msg["_identity"], str(msg.get("pin_id"))),
         _prompt_ids(server, msg),
         RequestScope.from_fields(msg["_tenant"], msg).salt,
+        owner=_internal_rid(msg["_identity"], ""),
     )
 
 

@@ -18,6 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 import radixrt as rt
 from radixrt.bench.http_bench import HttpBenchConfig, run_http_bench
 from radixrt.client.launcher import free_port
+from radixrt.server.http.app import DEFAULT_MAX_BODY_BYTES, MAX_FANOUT
 
 from timeouts import REPLY_TIMEOUT_S
 
@@ -315,6 +316,43 @@ def _request(url: str, path: str, body: dict, headers: dict[str, str]) -> tuple[
 
 def _authorized(url: str, path: str, body: dict) -> tuple[int, dict]:
     return _request(url, path, body, {"Authorization": f"Bearer {KEY}"})
+
+
+def test_bodies_and_fan_outs_are_bounded(runtime):
+    """A body past the cap is 413 whether it declares its length or streams in chunks, and a
+    prompt list that would fan out to more requests than one call may make is 400; nothing of
+    either reaches the runtime, which serves on."""
+    generated = runtime.stats()["generated_tokens"]
+    host, port = runtime.http_url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=HTTP_TIMEOUT_S)
+    conn.putrequest("POST", "/v1/completions")
+    conn.putheader("Authorization", f"Bearer {KEY}")
+    conn.putheader("Content-Length", str(DEFAULT_MAX_BODY_BYTES + 1))
+    conn.endheaders()  # refused by its declared length, before any of it is sent
+    reply = conn.getresponse()
+    assert reply.status == 413 and "body" in json.loads(reply.read())["error"]["message"]
+    conn.close()
+
+    conn = http.client.HTTPConnection(host, int(port), timeout=HTTP_TIMEOUT_S)
+    chunks = (b"x" * (1 << 20) for _ in range(DEFAULT_MAX_BODY_BYTES // (1 << 20) + 2))
+    conn.request(
+        "POST",
+        "/v1/completions",
+        body=chunks,
+        headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"},
+        encode_chunked=True,
+    )
+    assert conn.getresponse().status == 413
+    conn.close()
+
+    wide = {"model": "tiny", "prompt": ["hi"] * (MAX_FANOUT // 2 + 1), "n": 2, "max_tokens": 1}
+    status, body = _authorized(runtime.http_url, "/v1/completions", wide)
+    assert status == 400 and body["error"]["param"] == "prompt"
+    assert runtime.stats()["generated_tokens"] == generated
+    status, _ = _authorized(
+        runtime.http_url, "/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 1}
+    )
+    assert status == 200
 
 
 def test_no_authorization_header_is_401(runtime):

@@ -86,14 +86,22 @@ class _Model:
     tool_parser: ToolCallParser  # how this model writes tool calls (--tool-call-parser)
 
 
+# The most generate requests one HTTP call may fan out to (prompts x n): one call must not fill
+# the queue that every client shares.
+MAX_FANOUT = 256
+DEFAULT_MAX_BODY_BYTES = 16 << 20  # a body becomes one frame to the runtime: the same bound
+
+
 class Gateway:
     def __init__(
         self,
         endpoint: RuntimeEndpoint,
         keys: KeyRing | None = None,
         tool_call_parser: str = "auto",
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     ):
         self.endpoint = endpoint
+        self.max_body_bytes = max_body_bytes
         self.keys = keys or KeyRing()
         self.tool_call_parser = tool_call_parser
         self.metrics = GatewayMetrics()
@@ -177,6 +185,13 @@ class Gateway:
         shape: ResponseShape,
     ) -> Response:
         rid = f"{shape.id_prefix}{uuid.uuid4().hex}"
+        fanout = len(prompts) * max(1, params.get("n") or 1)
+        if fanout > MAX_FANOUT:
+            raise APIError(
+                400,
+                f"{len(prompts)} prompts x n makes {fanout} requests; at most {MAX_FANOUT} per call",
+                param="prompt",
+            )
         if req.stream:
             if len(prompts) != 1:
                 raise APIError(400, "stream: true takes one prompt", param="prompt")
@@ -313,7 +328,8 @@ def _bearer(headers: dict[bytes, bytes]) -> str:
 
 class _Guard:
     """Pure ASGI middleware (BaseHTTPMiddleware would get between streams and disconnects):
-    Bearer key on /v1/*, request counts by route and status."""
+    Bearer key on /v1/*, bodies of at most `max_body_bytes` (413, judged by Content-Length and
+    then by what actually arrives), request counts by route and status."""
 
     def __init__(self, app, gateway: Gateway):
         self.app, self.gateway = app, gateway
@@ -339,11 +355,53 @@ class _Guard:
                     code="invalid_api_key",
                 )
                 return await error.response()(scope, receive, send_observed)
-            await self.app(scope, receive, send_observed)
+            body = await _read_body(scope, receive, self.gateway.max_body_bytes)
+            if body is None:
+                error = APIError(
+                    413, f"the request body is over {self.gateway.max_body_bytes} bytes"
+                )
+                return await error.response()(scope, receive, send_observed)
+            await self.app(scope, _replay(body, receive), send_observed)
         finally:
             self.gateway.metrics.requests.labels(
                 path if path in ROUTES else "other", str(status)
             ).inc()
+
+
+async def _read_body(scope, receive, limit: int) -> bytes | None:
+    """The whole request body, or None when it is past `limit` bytes: at once by its declared
+    Content-Length, else (a chunked body declares none) once it has arrived, holding no more
+    than `limit` bytes meanwhile."""
+    for name, value in scope["headers"]:
+        if name == b"content-length" and value.isdigit() and int(value) > limit:
+            return None
+    chunks, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            return b"".join(chunks)  # the client left; the app sees an empty body
+        size += len(message.get("body", b""))
+        if size > limit:
+            chunks.clear()  # the rest is read and dropped, so the client hears the 413
+        else:
+            chunks.append(message.get("body", b""))
+        if not message.get("more_body"):
+            return None if size > limit else b"".join(chunks)
+
+
+def _replay(body: bytes, receive):
+    """A `receive` that gives the app the body read already, then the client's own messages
+    (a disconnect, which streaming responses watch for)."""
+    sent = False
+
+    async def replay():
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
 
 
 def build_app(gateway: Gateway) -> FastAPI:

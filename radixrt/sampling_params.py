@@ -27,6 +27,7 @@ _BOOL_FIELDS = ("ignore_eos", "skip_special_tokens", "return_logprob")
 # The smallest temperature that still samples. float32 keeps far smaller numbers, but logits
 # divided by less than this overflow to inf (and then NaN) before the softmax; 0 is greedy.
 MIN_TEMPERATURE = 1e-5
+MIN_REPETITION_PENALTY = 1e-2
 MAX_STOP_STRINGS = 32  # every stop string is searched for after every token
 MAX_STOP_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
@@ -98,8 +99,8 @@ class SamplingParams:
         _check_range("min_p", self.min_p, 0.0, 1.0)
         _check_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
         _check_range("presence_penalty", self.presence_penalty, -2.0, 2.0)
-        if not 0.0 < self.repetition_penalty <= 2.0:
-            raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+        # dividing logits by less than this overflows them, as a temperature below the floor does
+        _check_range("repetition_penalty", self.repetition_penalty, MIN_REPETITION_PENALTY, 2.0)
         _check_range("n", self.n, 1, 64)
         _check_range("top_logprobs_num", self.top_logprobs_num, 0, 20)
         _check_range("logprob_start_len", self.logprob_start_len, -1, 1 << 30)

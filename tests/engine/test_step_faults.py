@@ -153,6 +153,7 @@ def test_a_constraint_that_leaves_no_token_is_the_requests_error(tiny_model_dir)
         {"top_p": float("nan")},
         {"seed": 1 << 64},
         {"seed": -1},
+        {"repetition_penalty": 1e-300},
         {"stop": ["x" * 5000]},
         {"stop": [str(i) for i in range(100)]},
         {"stop_token_ids": list(range(5000))},

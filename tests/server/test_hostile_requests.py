@@ -16,6 +16,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import radixrt as rt
+from radixrt.bench.hostile import markdown, run_hostile
 
 from ownership import assert_no_leak
 from timeouts import REPLY_TIMEOUT_S
@@ -193,3 +194,13 @@ def test_the_runtime_serves_on_with_nothing_leaked(runtime, dealer):
     )
     assert len(out["output_ids"]) == 4
     assert_no_leak(runtime)
+
+
+def test_every_class_of_bad_input_gets_a_typed_error(runtime):
+    """The classes `radixrt.bench.hostile` tabulates for docs/reliability.md."""
+    info = runtime.model_info
+    results = run_hostile(runtime.url, info["vocab_size"], info["context_length"])
+    print(markdown(results))
+    assert [(r.name, r.internal_errors, r.unanswered, r.server_deaths) for r in results] == [
+        (r.name, 0, 0, 0) for r in results
+    ]

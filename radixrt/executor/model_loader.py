@@ -102,6 +102,11 @@ class WeightReader:
             raise FileNotFoundError(f"no *.safetensors weights in {folder}")
         self._handles = [safe_open(f, framework="pt") for f in files]
         self._where = {name: h for h in self._handles for name in h.keys()}
+        self.read: set[str] = set()  # names of the tensors read so far
+
+    @property
+    def names(self) -> set[str]:
+        return set(self._where)
 
     def has(self, name: str) -> bool:
         return name in self._where
@@ -109,6 +114,7 @@ class WeightReader:
     def _slice(self, name: str):
         if name not in self._where:
             raise ValueError(f"weight {name!r} is missing from the checkpoint")
+        self.read.add(name)
         return self._where[name].get_slice(name)
 
     def rows(self, name: str, start: int | None = None, end: int | None = None) -> torch.Tensor:

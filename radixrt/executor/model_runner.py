@@ -39,6 +39,7 @@ from radixrt.models.linear import (
     prepack_available,
     replace_linears,
 )
+from radixrt.models.support import check_all_read, check_supported
 
 logger = logging.getLogger(__name__)
 
@@ -113,11 +114,13 @@ class ModelRunner:
             self.tp.shm.peers_alive = self.ranks.check_alive  # a dead rank is not waited for
         self.config = AutoConfig.from_pretrained(self.model_path)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
-        self.context_length = args.context_length or self.config.max_position_embeddings
+        self.context_length = check_supported(self.config, args.context_length)
         self.eos_token_ids = self._eos_ids()
 
         model = model_class(self.config)(self.config, self.context_length, self.tp)
-        model.load_weights(WeightReader(self.model_path))
+        reader = WeightReader(self.model_path)
+        model.load_weights(reader)
+        check_all_read(reader.names, reader.read, model.tied)
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
         self.model.rope.to(torch.float32)  # cos/sin tables stay exact; cast per use
         check_quantization(args.quantization, self.device)

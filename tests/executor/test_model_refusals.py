@@ -1,0 +1,124 @@
+"""What a checkpoint asks for that cannot be honoured is refused at load with one line naming
+the field; a sliding window is honoured by serving a context no longer than the window, where
+greedy tokens equal transformers' (tiny random checkpoints made with transformers' configs)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from radixrt.config import ServerArgs
+from radixrt.engine.scheduler import Scheduler
+from radixrt.executor.model_runner import ModelRunner
+from radixrt.models.support import check_supported
+
+from helpers import hf_greedy, run_in_process
+
+SMALL = dict(
+    vocab_size=49152,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    initializer_range=0.4,
+    bos_token_id=1,
+    eos_token_id=2,
+    tie_word_embeddings=False,
+)
+
+
+def _checkpoint(folder, tiny_model_dir, model_type: str = "llama", **extra):
+    config = AutoConfig.for_model(model_type, **{**SMALL, **extra})
+    torch.manual_seed(2)
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (folder / name).write_bytes((tiny_model_dir / name).read_bytes())
+    return folder
+
+
+def _runner(folder, **overrides) -> ModelRunner:
+    args = {"model": str(folder), "attention_backend": "torch", "max_total_tokens": 512}
+    return ModelRunner(ServerArgs(**{**args, **overrides}).executor)
+
+
+def _edit_config(folder, **fields) -> None:
+    path = folder / "config.json"
+    config = json.loads(path.read_text())
+    config.update(fields)
+    path.write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize(
+    "fields, words",
+    [
+        ({"quantization_config": {"quant_method": "awq", "bits": 4}}, "quantization_config (awq)"),
+        (
+            {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}},
+            "rope_scaling type 'dynamic'",
+        ),
+        (
+            {
+                "rope_scaling": {
+                    "rope_type": "longrope",
+                    "short_factor": [1.0] * 8,
+                    "long_factor": [2.0] * 8,
+                    "original_max_position_embeddings": 128,
+                }
+            },
+            "rope_scaling type 'longrope'",
+        ),
+    ],
+)
+def test_config_fields_that_cannot_be_honoured_are_refused(tmp_path, tiny_model_dir, fields, words):
+    folder = _checkpoint(tmp_path, tiny_model_dir)
+    _edit_config(folder, **fields)
+    config = AutoConfig.from_pretrained(folder)
+    with pytest.raises(ValueError, match="^config.json: ") as refused:
+        check_supported(config, None)
+    assert words in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_unused_and_missing_tensors_are_refused(tmp_path, tiny_model_dir):
+    folder = _checkpoint(tmp_path, tiny_model_dir)
+    weights = load_file(folder / "model.safetensors")
+    save_file(
+        {**weights, "model.layers.0.mlp.extra_proj.weight": torch.zeros(2, 2)},
+        folder / "model.safetensors",
+    )
+    with pytest.raises(ValueError, match="does not use.*extra_proj"):
+        _runner(folder)
+    weights.pop("model.layers.1.mlp.up_proj.weight")
+    save_file(weights, folder / "model.safetensors")
+    with pytest.raises(ValueError, match="up_proj.*missing"):
+        _runner(folder)
+
+
+def test_a_sliding_window_caps_the_context_and_stays_exact(tmp_path, tiny_model_dir):
+    """Mistral with a 32-token window: served with a 32-token context (so every token attends
+    to all before it, as inside the window), greedy equal to transformers'; a longer context
+    asked for explicitly is refused."""
+    folder = _checkpoint(tmp_path, tiny_model_dir, "mistral", sliding_window=32)
+    with pytest.raises(ValueError, match="sliding_window 32 is shorter than --context-length 64"):
+        _runner(folder, context_length=64)
+    scheduler = Scheduler.from_server_args(
+        ServerArgs(model=str(folder), attention_backend="torch", max_total_tokens=512)
+    )
+    assert scheduler.runner.context_length == 32
+    prompts = [list(range(100, 120)), list(range(300, 310))]
+    outs = run_in_process(
+        scheduler, [prompts], {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
+    )
+    assert outs == hf_greedy(folder, prompts, 8)
+
+
+def test_qwen2_with_its_window_switched_off_keeps_its_context(tmp_path, tiny_model_dir):
+    folder = _checkpoint(
+        tmp_path, tiny_model_dir, "qwen2", sliding_window=32, use_sliding_window=False
+    )
+    assert check_supported(AutoConfig.from_pretrained(folder), None) == 256

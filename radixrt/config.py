@@ -261,7 +261,7 @@ class ServerArgs:
     hicache_storage_dir: str | None = field(
         default=None,
         metadata={
-            "help": "a disk tier under the host tier: finished requests' KV blocks are written here as safetensors files and read back on a miss, across restarts (needs --enable-hierarchical-cache)"
+            "help": "a disk tier under the host tier: finished requests' KV blocks are written here as safetensors files and read back on a miss, across restarts (needs --enable-hierarchical-cache); made 0700, and refused when another uid owns it or group or others may write it"
         },
     )
     hicache_storage_size: float = field(

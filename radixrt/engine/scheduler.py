@@ -28,6 +28,7 @@ from radixrt.engine.schedule_policy import (
 )
 from radixrt.engine.tenant_stats import TenantStats
 from radixrt.executor.forward_batch import ForwardBatch
+from radixrt.executor.model_loader import model_fingerprint
 from radixrt.executor.model_runner import ModelRunner
 from radixrt.mem_cache.host_pool import HostKVPool, host_pool_tokens
 from radixrt.mem_cache.radix_cache import RadixCache
@@ -127,7 +128,10 @@ class Scheduler:
         p = self.allocator.page_size
         block = -(-STORAGE_BLOCK_TOKENS // p) * p
         like = host.device_block(torch.zeros(block, dtype=torch.long))
-        fingerprint = f"{self.runner.model_path.resolve()}|{[(t.shape, t.dtype) for t in like]}"
+        model = model_fingerprint(
+            self.runner.model_path, self.runner.dtype, self.runner.args.quantization
+        )
+        fingerprint = f"{model}|{[(t.shape, t.dtype) for t in like]}"
         return KVStorage(
             self.args.hicache_storage_dir,
             int(self.args.hicache_storage_size * 2**30),
@@ -812,6 +816,7 @@ class Scheduler:
             "host_used_tokens": self.kv.host.used_tokens() if self.kv.host else 0,
             "host_hit_tokens": self.host_hit_tokens,
             "storage_hit_tokens": self.storage_hit_tokens,
+            "storage_rejected_blocks": self.kv.storage.rejected_blocks if self.kv.storage else 0,
             "swapped_out_tokens": self.kv.swapped_out_tokens,
             "swapped_in_tokens": self.swapped_in_tokens,
             "spec_verifications": self.spec_verifications,

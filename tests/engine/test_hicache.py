@@ -140,8 +140,31 @@ def test_a_restarted_server_reads_a_seen_prompt_from_disk(default_model_dir, tmp
         f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
     with _engine(default_model_dir, **tier) as engine:
         third = engine.generate(input_ids=prompt, sampling_params=sampling)
+        rejected = engine.stats()["storage_rejected_blocks"]
         _assert_all_free(engine)
     assert third["output_ids"] == expected and third["meta_info"]["cached_tokens"] == 0
+    assert rejected == 1  # the first block's failed check ends the run of reads
+
+
+def test_an_int8_restart_reuses_nothing_a_float32_run_wrote(tiny_model_dir, tmp_path):
+    """The disk tier's fingerprint covers the quantization: after a float32 run, an int8
+    server on the same weights and directory reads no block (and writes its own), while a
+    float32 restart still reads the first run's."""
+    prompt = [random.Random(4).randrange(3, 49000) for _ in range(200)]
+    tier = {"enable_hierarchical_cache": True, "hicache_storage_dir": str(tmp_path)}
+    sampling = {**GREEDY, "max_new_tokens": 4}
+    blocks = len(prompt) // 64
+    metas = {}
+    for run, quantization in (("float32", None), ("int8", "int8"), ("again", None)):
+        with _engine(tiny_model_dir, **tier, quantization=quantization) as engine:
+            metas[run] = engine.generate(input_ids=prompt, sampling_params=sampling)["meta_info"]
+            stats = engine.stats()
+        assert stats["storage_rejected_blocks"] == 0, run
+        files = len(list(tmp_path.glob("*.safetensors")))
+        assert files == (2 if run != "float32" else 1) * blocks, run
+    assert metas["float32"]["cached_tokens"] == 0
+    assert metas["int8"]["cached_tokens"] == metas["int8"]["storage_cached_tokens"] == 0
+    assert metas["again"]["storage_cached_tokens"] == blocks * 64
 
 
 def test_aborts_and_a_vanished_client_during_load_back_leak_nothing(tiny_model_dir):

@@ -285,7 +285,7 @@ def test_disk_tier_skips_a_corrupt_file_and_stays_bounded(tmp_path):
     assert h.kv.flush()
     match = h.kv.match_prefix(tokens[:-1])
     assert match.storage_tokens == 4  # block 0 only: the corrupt one ends the run
-    assert h.kv.storage.corrupt_files == 1 and not second.exists()
+    assert h.kv.storage.rejected_blocks == 1 and not second.exists()
     h.kv.lock(match.end_node)
     h.kv.unlock(h.kv.load_back(match).node)
     h.drain()

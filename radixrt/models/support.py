@@ -68,9 +68,7 @@ def check_supported(config, context_length: int | None) -> int:
 def check_all_read(names: set[str], read: set[str], tied: bool) -> None:
     """Every checkpoint tensor was loaded: one nobody read means a layer the model lacks."""
     ignorable = {"lm_head.weight"} if tied else set()
-    unused = sorted(
-        n for n in names - read - ignorable if not n.endswith(IGNORABLE_SUFFIXES)
-    )
+    unused = sorted(n for n in names - read - ignorable if not n.endswith(IGNORABLE_SUFFIXES))
     if unused:
         raise ValueError(
             f"the checkpoint has {len(unused)} tensors this architecture does not use, "

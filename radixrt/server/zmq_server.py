@@ -25,6 +25,7 @@ from radixrt.lifecycle import exit_with_parent
 from radixrt.protocol import ErrorCode, RequestError, decode_map, error_reply
 from radixrt.sampling_params import SamplingParams
 from radixrt.server.exposure import bind_client_socket, check_exposure
+from radixrt.server.heap import Heap
 from radixrt.server.tenants import KeyRing
 
 logger = logging.getLogger(__name__)
@@ -61,6 +62,7 @@ class Server:
         self.running = True
         self.keys = KeyRing.from_settings(args.api_key, args.api_key_file)
         self.drain_deadline: float | None = None  # set by SIGTERM: refuse new work, finish old
+        self.heap = Heap()
 
     # ---- the loop ----------------------------------------------------------------------------
     def serve_forever(self) -> None:
@@ -86,6 +88,7 @@ class Server:
             self.scheduler.idle()
         if self.drain_deadline is not None:
             self._drain_step()
+        self.heap.tick()
 
     def begin_drain(self) -> None:
         """Stop taking generates (they get `draining`); the loop ends once what is queued and

@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint format model bench bench-spec bench-hicache bench-dp bench-peers gpu-check clean soak
+.PHONY: demo test test-fast lint format model bench bench-spec bench-hicache bench-dp bench-peers gpu-check clean soak
 
 # torch is pinned to the CPU wheel that lies on this kind of machine's disk; a bare
 # `pip install torch` would pull a multi-GB CUDA build.
@@ -25,6 +25,10 @@ demo: model
 
 test: model
 	$(BIN)/python -m pytest -q
+
+# the model-free tests (no model fixture), for the edit-test loop
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not model"
 
 # ruff: lint and format check (settings in pyproject.toml); `make format` rewrites in place.
 lint: $(STAMP)

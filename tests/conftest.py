@@ -17,6 +17,15 @@ import torch
 from radixrt.executor.model_loader import resolve_model_path
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+MODEL_FIXTURES = {"default_model_dir", "tiny_model_dir"}
+
+
+def pytest_collection_modifyitems(items) -> None:
+    """Mark `model` every test that needs a model, directly or through its fixtures, so that
+    `make test-fast` (`-m "not model"`) runs the rest in the edit-test loop."""
+    for item in items:
+        if MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.model)
 
 
 @pytest.fixture(scope="session")

@@ -403,6 +403,7 @@ BAD_MAPS = [
     {"rid": "ping", "result": [1]},
     {"rid": "ping", "result": {"server_id": 5}},
     {"rid": "ping", "error": "nope"},
+    {"rid": "ping", "error": {"code": "unauthorized", "message": "a refusal is no pong"}},
     {"rid": "stats-self", "result": "nope"},
     {"rid": "model-info-self", "result": None},
     {"rid": "gather-0", "result": [1]},

@@ -438,7 +438,11 @@ class Router:
         self, worker: WorkerLink, rid: str, reply: dict[str, Any], problem: str | None
     ) -> None:
         """A reply to what the router asked for itself: a ping, the worker's stats (its pool
-        bounds its tree), its model info (the tokenizer)."""
+        bounds its tree), its model info (the tokenizer). A refusal (a wrong --worker-api-key)
+        is logged like a malformed reply: the worker stays out of rotation until it answers."""
+        error = reply.get("error")
+        if problem is None and error is not None:
+            problem = f"it refused: {error['code']}: {error['message']}"
         if problem is not None:
             worker.complain(f"dropped a {rid} reply: {problem}")
             return

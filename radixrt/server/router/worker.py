@@ -19,6 +19,7 @@ logger = logging.getLogger(__name__)
 
 # the tree's bound until the worker's stats say how large its pool (and host tier) is
 DEFAULT_CAPACITY = 1 << 16
+MAX_COMPLAINTS = 64  # kinds of malformed reply remembered per worker, so each is logged once
 
 
 def reply_problem(reply: dict[str, Any], result_map: bool = False) -> str | None:
@@ -79,7 +80,7 @@ class WorkerLink:
         self.load = 0  # sequences (samples) in flight there
         self.tree = ApproxPrefixTree(DEFAULT_CAPACITY)
         self.stats: dict[str, Any] = {}  # its last stats reply
-        self._complaint: str | None = None  # the last thing logged about its replies
+        self._complaints: set[str] = set()  # what was logged about its replies already
 
     def send(self, msg: dict[str, Any]) -> bool:
         """Queue one map for the worker; False when there is no live connection to queue it on."""
@@ -107,10 +108,13 @@ class WorkerLink:
             replies.append(reply)
 
     def complain(self, what: str) -> None:
-        """Log `what` is wrong with this worker's replies, once until something else is: a
-        worker that answers every ping wrongly does not fill the log."""
-        if what != self._complaint:
-            self._complaint = what
+        """Log `what` is wrong with this worker's replies, once (until `MAX_COMPLAINTS` kinds
+        were logged, when the record starts afresh): a worker that answers every ping wrongly
+        does not fill the log."""
+        if what not in self._complaints:
+            if len(self._complaints) >= MAX_COMPLAINTS:
+                self._complaints.clear()
+            self._complaints.add(what)
             logger.warning("worker %s: %s", self.url, what)
 
     def disconnected(self) -> bool:

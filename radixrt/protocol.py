@@ -10,6 +10,8 @@ from typing import Any
 
 import msgpack
 
+MAX_CACHE_SALT_CHARS = 256  # a generate's `cache_salt`, checked by the runtime and the router
+
 
 class ErrorCode(str, Enum):
     """The machine-readable `error.code` of a failed request; never reworded once published."""

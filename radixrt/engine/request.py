@@ -10,7 +10,7 @@ import torch
 
 from radixrt.engine.detokenizer import IncrementalDetokenizer
 from radixrt.mem_cache.radix_cache import TreeNode
-from radixrt.protocol import ErrorCode
+from radixrt.protocol import MAX_CACHE_SALT_CHARS, ErrorCode
 from radixrt.sampling_params import SamplingParams
 from radixrt.speculative import RequestDrafts
 
@@ -46,9 +46,6 @@ class FinishReason:
         if self.type == "length":
             return {"type": "length", "length": self.length}
         return {"type": "abort", "message": self.message}
-
-
-MAX_CACHE_SALT_CHARS = 256
 
 
 @dataclass(frozen=True)

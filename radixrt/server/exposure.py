@@ -10,6 +10,10 @@ from radixrt.config import is_loopback_host
 
 logger = logging.getLogger(__name__)
 
+# How long closing a socket waits for the frames still queued on it: a final reply or error
+# sent just before a process stops reaches its client instead of being dropped.
+CLOSE_LINGER_MS = 1000
+
 
 def check_exposure(host: str, api_key: str | None, curve_secret_key: str | None) -> None:
     """Refuse a non-loopback bind without a key; log the CURVE public key clients need."""
@@ -23,10 +27,10 @@ def check_exposure(host: str, api_key: str | None, curve_secret_key: str | None)
 
 
 def bind_client_socket(ctx: zmq.Context, endpoint: str, curve_secret_key: str | None) -> zmq.Socket:
-    """The ROUTER socket clients connect to (a runtime's or a router's): no linger, CURVE when
-    a secret key is set, bound to `endpoint`."""
+    """The ROUTER socket clients connect to (a runtime's or a router's): `CLOSE_LINGER_MS` of
+    linger, CURVE when a secret key is set, bound to `endpoint`."""
     sock = ctx.socket(zmq.ROUTER)
-    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.LINGER, CLOSE_LINGER_MS)
     if curve_secret_key:
         sock.curve_secretkey = curve_secret_key.encode()
         sock.curve_server = True

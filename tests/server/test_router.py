@@ -1,8 +1,10 @@
 """Data parallelism with real processes: `radixrt router` in front of `radixrt serve` workers on
-the tiny model, and `serve --dp-size` with the HTTP gateway in front."""
+the tiny model, `serve --dp-size` with the HTTP gateway in front, salts apart, a fleet drained by
+SIGTERM, and a worker that answers garbage."""
 
 from __future__ import annotations
 
+import itertools
 import random
 import signal
 import subprocess
@@ -11,11 +13,13 @@ import threading
 import time
 from contextlib import contextmanager
 
+import msgpack
 import psutil
 import pytest
 import zmq
 
 import radixrt as rt
+from radixrt.client.endpoint import RequestOptions
 from radixrt.client.launcher import free_port
 from radixrt.client.transport import RemoteError
 
@@ -25,6 +29,7 @@ from helpers import (
     kill_a_streaming_client,
     shared_prefix_prompts,
 )
+from ownership import assert_no_leak
 from timeouts import REPLY_TIMEOUT_S
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
@@ -323,3 +328,158 @@ def test_a_fork_runs_its_branches_on_the_worker_holding_its_prefix(router, worke
     assert after["routed_by_pin"] - before["routed_by_pin"] == 3
     assert after["pins"] == 0  # joined: released at the worker
     _assert_no_leak(router)
+
+
+def _fleet(tiny_model_dir, **kw) -> rt.Runtime:
+    return rt.Runtime(
+        model=str(tiny_model_dir),
+        dp_size=2,
+        max_total_tokens=2048,
+        log_level="warning",
+        timeout=REPLY_TIMEOUT_S,
+        **kw,
+    )
+
+
+def test_salts_are_apart_through_a_dp_size_fleet(tiny_model_dir):
+    """The same prompt under a second salt is matched nowhere: not at the worker (no cached
+    tokens) and not in the router's trees (no route by match), while under its own salt it is."""
+    prompt = [random.Random(3).randrange(3, 49152) for _ in range(64)]
+    params = {**GREEDY, "max_new_tokens": 2}
+    with _fleet(tiny_model_dir) as fleet:
+
+        def run(salt: str) -> dict:
+            options = RequestOptions(cache_salt=salt)
+            return fleet.generate(input_ids=prompt, sampling_params=params, options=options)
+
+        def matched() -> int:
+            return fleet.stats()["routed_by_match"]
+
+        start = matched()
+        assert run("a")["meta_info"]["cached_tokens"] == 0
+        assert run("a")["meta_info"]["cached_tokens"] >= 60
+        assert matched() == start + 1
+        for salt in ("b", "c"):
+            assert run(salt)["meta_info"]["cached_tokens"] == 0
+        stats = fleet.stats()
+        assert stats["routed_by_match"] == start + 1, "a match counted across salts"
+        assert sum(w["router_namespaces"] for w in stats["workers"]) == 3
+        _assert_no_leak(fleet)
+
+
+def test_sigterm_drains_a_dp_size_fleet(tiny_model_dir):
+    """SIGTERM to `serve --dp-size 2`: the request in flight finishes, new ones get `draining`,
+    and the fleet (which exits 0 only when its workers did) and its workers all exit."""
+    fleet = _fleet(tiny_model_dir)
+    try:
+        family = psutil.Process(fleet._proc.pid).children(recursive=True)
+        assert len(family) >= 2
+        params = {**GREEDY, "max_new_tokens": 600}
+        stream = fleet.generate(input_ids=[5, 6, 7, 8], sampling_params=params, stream=True)
+        next(stream)
+        fleet._proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while not fleet.stats()["draining"] and time.monotonic() < deadline:
+            time.sleep(0.02)
+        with pytest.raises(RemoteError) as refused:
+            fleet.generate(input_ids=[5, 6], sampling_params={"max_new_tokens": 1})
+        assert refused.value.code == "draining"
+        final = [chunk for chunk in stream if chunk["finished"]]
+        assert len(final[0]["output_ids"]) == 600
+        assert fleet._proc.wait(timeout=60) == 0
+        gone, alive = psutil.wait_procs(family, timeout=20)
+        assert not alive, f"left behind: {alive}"
+    finally:
+        fleet.shutdown()
+
+
+# What a broken worker answers: frames that are not maps, maps the router cannot read, and for
+# each generate, one reply that is a map with a field of the wrong type.
+NOT_MAPS = [b"\xc1", msgpack.packb([1, 2]), msgpack.packb(7), msgpack.packb(None)]
+BAD_MAPS = [
+    {"rid": [1]},
+    {"rid": {"a": 1}},
+    {"no": "rid"},
+    {"rid": "ping", "result": [1]},
+    {"rid": "ping", "result": {"server_id": 5}},
+    {"rid": "ping", "error": "nope"},
+    {"rid": "ping", "error": {"code": "unauthorized", "message": "a refusal is no pong"}},
+    {"rid": "stats-self", "result": "nope"},
+    {"rid": "model-info-self", "result": None},
+    {"rid": "gather-0", "result": [1]},
+]
+BAD_GENERATE_REPLIES = [
+    {"error": "boom"},
+    {"error": {"code": 5, "message": "x"}},
+    {"finished": "yes"},
+    {"finished": True, "output_ids": "abc"},
+    {"finished": True, "output_ids": [1, None]},
+]
+
+
+@contextmanager
+def garbage_worker():
+    """A fake worker, a real ROUTER socket on a thread: each ping gets every kind of garbage,
+    then a good pong (so the router keeps it in rotation); a generate gets one malformed reply;
+    a stats its result as a list; any other op `true`. Yields its URL."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    stop = threading.Event()
+    replies = itertools.cycle(BAD_GENERATE_REPLIES)
+
+    def answer(identity: bytes, msg: dict) -> None:
+        rid, op = msg.get("rid"), msg.get("op")
+        if op == "ping":
+            sock.send_multipart([identity, msgpack.packb({"rid": rid, "result": "nope"})])
+            for frame in NOT_MAPS + [msgpack.packb(m) for m in BAD_MAPS]:
+                sock.send_multipart([identity, frame])
+            reply = {"rid": rid, "result": {"server_id": "fake"}}
+        elif op == "generate":
+            reply = {"rid": rid, **next(replies)}
+        elif op in ("stats", "model_info"):
+            reply = {"rid": rid, "result": [1, 2]}
+        else:
+            reply = {"rid": rid, "result": True}
+        sock.send_multipart([identity, msgpack.packb(reply)])
+
+    def serve() -> None:
+        while not stop.is_set():
+            if sock.poll(50):
+                identity, frame = sock.recv_multipart()
+                answer(identity, msgpack.unpackb(frame, raw=False))
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield f"tcp://127.0.0.1:{port}"
+    finally:
+        stop.set()
+        thread.join(timeout=5)
+        sock.close()
+        ctx.term()
+
+
+def test_a_worker_answering_garbage_never_stops_the_router(workers):
+    """Each malformed generate reply fails its request with `internal_error`; everything else
+    the fake sends is dropped; the real worker's requests, and the router's ops, go on."""
+    real = workers[0]
+    with garbage_worker() as fake, router_process([fake, real.url], "--policy", "round-robin") as r:
+        codes = []
+        for i in range(2 * len(BAD_GENERATE_REPLIES)):  # in turn: the fake, then the real one
+            try:
+                out = r.generate(
+                    input_ids=[5, 6, 7, 9 + i], sampling_params=GREEDY | {"max_new_tokens": 2}
+                )
+                codes.append(len(out["output_ids"]))
+            except RemoteError as e:
+                assert "malformed" in str(e)
+                codes.append(e.code)
+        assert codes == ["internal_error", 2] * len(BAD_GENERATE_REPLIES)
+        time.sleep(1.5)  # another round of pings and garbage
+        stats = r.stats()
+        assert [w["alive"] for w in stats["workers"]] == [True, True]
+        assert stats["workers"][1]["total_tokens"] == 2048  # the real worker's stats stand
+        assert r.flush_cache()
+        assert_no_leak(real)

@@ -3,7 +3,9 @@
 Each worker is an ordinary `radixrt serve` on a private ipc:// socket, with its share of the
 cores (OMP_NUM_THREADS) or its own GPUs (CUDA_VISIBLE_DEVICES); the router binds --host/--port,
 and --http-port puts the HTTP gateway in front of the router. Stopping the router (shutdown op,
-SIGTERM, Ctrl-C) stops the workers.
+Ctrl-C) stops the workers. SIGTERM drains the fleet: the router refuses new generates and the
+workers get SIGTERM too, so they finish what they hold and exit; the fleet exits 0 once they all
+have, each with 0.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import dataclasses
 import logging
 import os
 import signal
+import subprocess
 import threading
 from typing import Any
 
@@ -22,7 +25,7 @@ from radixrt.config import ServerArgs
 from radixrt.lifecycle import exit_with_parent
 from radixrt.server.exposure import check_exposure
 from radixrt.server.router.policy import CacheAwareThresholds
-from radixrt.server.router.router import Router, RouterConfig
+from radixrt.server.router.router import DRAIN_SLACK_S, Router, RouterConfig
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +41,20 @@ class FleetWorker(Engine):
 
     def _env(self) -> dict[str, str]:
         return {**super()._env(), **self._extra_env}
+
+    def begin_drain(self) -> None:
+        """Forward the fleet's SIGTERM: the worker refuses new generates, finishes what it
+        holds (up to its --drain-timeout), and exits."""
+        if self._proc.poll() is None:
+            self._proc.send_signal(signal.SIGTERM)
+
+    def wait_exit(self, timeout: float) -> int | None:
+        """The worker's exit code once it has exited, None if it is still running after
+        `timeout` seconds."""
+        try:
+            return self._proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return None
 
 
 def worker_envs(args: ServerArgs) -> list[dict[str, str]]:
@@ -109,11 +126,14 @@ def router_config(args: ServerArgs, urls: list[str]) -> RouterConfig:
         worker_api_key=args.api_key,
         curve_secret_key=args.curve_secret_key,
         worker_curve_server_key=public,
+        drain_timeout=args.drain_timeout,
     )
 
 
 def run_fleet(args: ServerArgs) -> None:
-    """Serve `args.dp_size` workers behind a router until a shutdown op or SIGTERM/SIGINT."""
+    """Serve `args.dp_size` workers behind a router until a shutdown op, SIGINT, or SIGTERM
+    (which drains the router and the workers first). A drained fleet whose workers did not all
+    exit 0 exits 1."""
     logging.basicConfig(level=args.log_level.upper(), format="[%(asctime)s %(name)s] %(message)s")
     check_exposure(args.host, args.api_key, args.curve_secret_key)
     exit_with_parent()  # and the workers, which watch this process, follow
@@ -130,13 +150,32 @@ def run_fleet(args: ServerArgs) -> None:
         def stop(*_: Any) -> None:
             router.running = False
 
-        signal.signal(signal.SIGTERM, stop)
+        def drain(*_: Any) -> None:
+            router.begin_drain()
+            for w in workers:
+                w.begin_drain()
+
+        signal.signal(signal.SIGTERM, drain)
         signal.signal(signal.SIGINT, stop)
         logger.info(
             "routing %d workers on %s (%s)", len(workers), args.endpoint, args.router_policy
         )
         router.serve_forever()
+        failed = _drained_workers_failed(workers) if router.drain_deadline is not None else []
     finally:
         stop_workers(workers)
         if gateway is not None:
             http_gateway.stop_gateway(gateway)
+    if failed:
+        raise SystemExit(f"drained, but workers did not exit 0: {'; '.join(failed)}")
+
+
+def _drained_workers_failed(workers: list[FleetWorker]) -> list[str]:
+    """Wait for the draining workers to exit (they end what is left at their own deadline,
+    which the router's has passed by now); name each that did not exit 0 in time."""
+    failed = []
+    for w in workers:
+        code = w.wait_exit(DRAIN_SLACK_S)
+        if code != 0:
+            failed.append(f"{w.args.endpoint}: {'still running' if code is None else code}")
+    return failed

@@ -58,6 +58,12 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
         "--tokenizer",
         help="the workers' tokenizer.json, when their model folder is not on this machine",
     )
+    parser.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=RouterConfig.drain_timeout,
+        help="on SIGTERM: refuse new generates ('draining'), let those in flight finish for at most this many seconds, end the rest with 'draining', exit 0",
+    )
     parser.add_argument("--log-level", default="info")
 
 
@@ -77,6 +83,7 @@ def run_router(args: argparse.Namespace) -> None:
         curve_secret_key=curve,
         worker_curve_server_key=args.worker_curve_server_key,
         tokenizer=args.tokenizer,
+        drain_timeout=args.drain_timeout,
     )
     endpoint = args.host if args.host.startswith("ipc://") else f"tcp://{args.host}:{args.port}"
     router = Router(config, endpoint)
@@ -84,7 +91,7 @@ def run_router(args: argparse.Namespace) -> None:
     def stop(*_: Any) -> None:
         router.running = False
 
-    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGTERM, lambda *_: router.begin_drain())
     signal.signal(signal.SIGINT, stop)
     logger.info("routing %d workers on %s (%s)", len(config.workers), endpoint, config.policy)
     router.serve_forever()

@@ -1,7 +1,8 @@
 """Where the router sends a request: cache-aware, round-robin or shortest-queue.
 
-A policy sees each live worker as a `WorkerView` (its load and its approximate prefix tree) and
-returns a `Route`: the worker and why it was chosen, which the router counts in `stats()`.
+A policy sees a `Prompt` (its tokens and cache namespace) and each live worker as a `WorkerView`
+(its load and its approximate prefix tree), and returns a `Route`: the worker and why it was
+chosen, which the router counts in `stats()`. A match is only ever within the prompt's namespace.
 No sockets here, so every rule is testable with plain numbers.
 """
 
@@ -17,7 +18,7 @@ from radixrt.config import (
     ROUTER_BALANCE_REL_THRESHOLD,
     ROUTER_CACHE_THRESHOLD,
 )
-from radixrt.server.router.prefix_tree import ApproxPrefixTree
+from radixrt.server.router.prefix_tree import ApproxPrefixTree, Prompt
 
 
 class RouteReason(str, Enum):
@@ -81,19 +82,19 @@ class CacheAwarePolicy:
     def __init__(self, thresholds: CacheAwareThresholds | None = None):
         self.thresholds = thresholds or CacheAwareThresholds()
 
-    def choose(self, tokens: list[int], workers: list[WorkerView]) -> Route:
+    def choose(self, prompt: Prompt, workers: list[WorkerView]) -> Route:
         t = self.thresholds
         loads = [w.load for w in workers]
         if max(loads) - min(loads) > t.balance_abs_threshold and max(loads) > min(loads) * (
             t.balance_rel_threshold
         ):
             return Route(_least_loaded(workers), RouteReason.LOAD)
-        matches = [(w.tree.match(tokens), -w.load, -w.index, w) for w in workers]
+        matches = [(w.tree.match(prompt), -w.load, -w.index, w) for w in workers]
         matched, _, _, best = max(matches, key=lambda m: m[:3])
-        if tokens and matched >= t.cache_threshold * len(tokens) and matched > 0:
+        if matched > 0 and matched >= t.cache_threshold * len(prompt.tokens):
             return Route(best, RouteReason.MATCH, matched)
         worker = _least_loaded(workers)
-        return Route(worker, RouteReason.LOAD, worker.tree.match(tokens))
+        return Route(worker, RouteReason.LOAD, worker.tree.match(prompt))
 
 
 class RoundRobinPolicy:
@@ -102,14 +103,14 @@ class RoundRobinPolicy:
     def __init__(self) -> None:
         self._turn = itertools.count()
 
-    def choose(self, tokens: list[int], workers: list[WorkerView]) -> Route:
+    def choose(self, prompt: Prompt, workers: list[WorkerView]) -> Route:
         return Route(workers[next(self._turn) % len(workers)], RouteReason.ROUND_ROBIN)
 
 
 class ShortestQueuePolicy:
     name = "shortest-queue"
 
-    def choose(self, tokens: list[int], workers: list[WorkerView]) -> Route:
+    def choose(self, prompt: Prompt, workers: list[WorkerView]) -> Route:
         return Route(_least_loaded(workers), RouteReason.LOAD)
 
 

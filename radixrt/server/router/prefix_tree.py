@@ -1,15 +1,46 @@
-"""The router's picture of one worker's cache: a radix tree of the token ids it sent there.
+"""The router's picture of one worker's cache: a radix tree of the token ids it sent there, one
+root per cache namespace.
 
 It is approximate by design: the worker evicts on its own schedule and the router never asks. So
 the tree is bounded by the worker's pool size and forgets least recently used leaves first, as
 the worker's own tree does; a prefix the router still remembers is likely, not certain, to be
-cached there. No model, no torch: plain lists of ints.
+cached there. The worker shares a prefix only within one namespace (tenant and `cache_salt`), so
+the tree answers "was this prefix sent here?" only within one too. No model, no torch: plain
+lists of ints.
 """
 
 from __future__ import annotations
 
 import itertools
+from collections import OrderedDict
 from dataclasses import dataclass, field
+
+# Namespaces one tree remembers at most: a client sending a new salt each time makes one each,
+# and each costs a root and its salt's characters, so they are bounded apart from the tokens.
+MAX_NAMESPACES = 4096
+
+
+@dataclass(frozen=True)
+class Namespace:
+    """Where a worker shares prefixes: one tenant's requests under one `cache_salt` ("" for
+    both: the shared cache)."""
+
+    tenant: str = ""
+    cache_salt: str = ""
+
+
+DEFAULT_NAMESPACE = Namespace()
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """A prompt as routing sees it: its token ids and the namespace they may match in."""
+
+    namespace: Namespace
+    tokens: list[int]
+
+    def extended(self, ids: list[int]) -> Prompt:
+        return Prompt(self.namespace, self.tokens + ids)
 
 
 @dataclass(eq=False)
@@ -29,25 +60,29 @@ def _common_length(a: list[int], b: list[int]) -> int:
 
 
 class ApproxPrefixTree:
-    """Token prefixes with LRU leaf eviction past `capacity` tokens.
+    """Token prefixes per namespace, with LRU leaf eviction past `capacity` tokens in all.
 
-    Contract: `match(tokens)` is the length of the longest prefix of `tokens` inserted and not
-    since evicted (asking does not refresh it: only `insert`, the request really sent, does);
-    `size` is the number of tokens held (each shared prefix counted once) and
-    stays `<= capacity` after every `insert`.
+    Contract: `match(prompt)` is the length of the longest prefix of `prompt.tokens` inserted
+    under `prompt.namespace` and not since evicted: a prefix inserted under another namespace
+    never counts (asking does not refresh it: only `insert`, the request really sent, does);
+    `size` is the number of tokens held (each shared prefix counted once per namespace) and
+    stays `<= capacity` after every `insert`. Leaves are evicted least recently inserted first
+    whatever their namespace, as the worker's one pool does; a namespace left with no tokens is
+    forgotten, and past `max_namespaces` the least recently inserted one is dropped whole.
     """
 
-    def __init__(self, capacity: int):
-        if capacity < 1:
-            raise ValueError("capacity must be >= 1")
-        self.capacity = capacity
-        self.root = _Node([], None)
+    def __init__(self, capacity: int, max_namespaces: int = MAX_NAMESPACES):
+        if capacity < 1 or max_namespaces < 1:
+            raise ValueError("capacity and max_namespaces must be >= 1")
+        self.capacity, self.max_namespaces = capacity, max_namespaces
+        self.roots: OrderedDict[Namespace, _Node] = OrderedDict()  # least recently inserted first
         self.size = 0
         self._clock = itertools.count(1)
 
-    def match(self, tokens: list[int]) -> int:
-        node, matched = self.root, 0
-        while matched < len(tokens):
+    def match(self, prompt: Prompt) -> int:
+        tokens = prompt.tokens
+        node, matched = self.roots.get(prompt.namespace), 0
+        while node is not None and matched < len(tokens):
             child = node.children.get(tokens[matched])
             if child is None:
                 break
@@ -58,8 +93,11 @@ class ApproxPrefixTree:
             node = child
         return matched
 
-    def insert(self, tokens: list[int]) -> None:
-        node, pos = self.root, 0
+    def insert(self, prompt: Prompt) -> None:
+        tokens = prompt.tokens
+        if not tokens:
+            return  # nothing to match later: no namespace made for it
+        node, pos = self._root(prompt.namespace), 0
         now = next(self._clock)
         while pos < len(tokens):
             child = node.children.get(tokens[pos])
@@ -77,7 +115,20 @@ class ApproxPrefixTree:
             self._evict(self.size - self.capacity)
 
     def clear(self) -> None:
-        self.root, self.size = _Node([], None), 0
+        self.roots.clear()
+        self.size = 0
+
+    def _root(self, namespace: Namespace) -> _Node:
+        """`namespace`'s root, made if new (dropping the least recently inserted namespace
+        when there are `max_namespaces` already), and marked the most recently inserted."""
+        root = self.roots.get(namespace)
+        if root is None:
+            if len(self.roots) >= self.max_namespaces:
+                _, oldest = self.roots.popitem(last=False)
+                self.size -= _tokens_under(oldest)
+            root = self.roots[namespace] = _Node([], None)
+        self.roots.move_to_end(namespace)
+        return root
 
     def _split(self, child: _Node, at: int) -> _Node:
         """Cut `child`'s edge after `at` tokens; return the new upper node."""
@@ -100,9 +151,12 @@ class ApproxPrefixTree:
                     break
                 del leaf.parent.children[leaf.key[0]]
                 self.size -= len(leaf.key)
+        for namespace in [ns for ns, root in self.roots.items() if not root.children]:
+            del self.roots[namespace]
 
     def _leaves(self) -> list[_Node]:
-        stack, leaves = list(self.root.children.values()), []
+        stack = [child for root in self.roots.values() for child in root.children.values()]
+        leaves = []
         while stack:
             node = stack.pop()
             if node.children:
@@ -112,8 +166,11 @@ class ApproxPrefixTree:
         return leaves
 
     def check(self) -> None:
-        """Invariants: sizes add up, edges are non-empty and keyed by their first token."""
-        total, stack = 0, [self.root]
+        """Invariants: sizes add up, edges are non-empty and keyed by their first token, no
+        namespace is empty, and there are at most `max_namespaces`."""
+        assert len(self.roots) <= self.max_namespaces
+        assert all(root.children for root in self.roots.values())
+        total, stack = 0, list(self.roots.values())
         while stack:
             node = stack.pop()
             for first, child in node.children.items():
@@ -121,3 +178,12 @@ class ApproxPrefixTree:
                 total += len(child.key)
                 stack.append(child)
         assert total == self.size <= self.capacity, (total, self.size, self.capacity)
+
+
+def _tokens_under(node: _Node) -> int:
+    total, stack = 0, list(node.children.values())
+    while stack:
+        child = stack.pop()
+        total += len(child.key)
+        stack.extend(child.children.values())
+    return total

@@ -6,7 +6,9 @@ the policy (cache-aware by default), under a router-made rid; the worker's repli
 the client's rid. Control ops fan out: `stats` sums, `flush_cache` reaches every worker.
 
 One thread, one poll loop: forwarding a frame costs a poll wake-up and two msgpack passes. The
-router holds no KV and no model, only each worker's approximate prefix tree and who asked what.
+router holds no KV and no model, only each worker's approximate prefix trees (one per cache
+namespace) and who asked what. SIGTERM drains it as it drains a runtime; a worker's reply is
+checked as a client's frame is, so a malformed one costs at most the request it names.
 """
 
 from __future__ import annotations
@@ -23,10 +25,18 @@ from typing import Any
 import msgpack
 import zmq
 
-from radixrt.protocol import ErrorCode, decode_map, error_reply
+from radixrt.protocol import (
+    MAX_CACHE_SALT_CHARS,
+    ErrorCode,
+    RequestError,
+    decode_map,
+    error_reply,
+)
 from radixrt.server.exposure import bind_client_socket
 from radixrt.server.router.policy import CacheAwareThresholds, Route, RouteReason, make_policy
-from radixrt.server.router.worker import WorkerLink
+from radixrt.server.router.prefix_tree import Namespace, Prompt
+from radixrt.server.router.worker import WorkerLink, reply_problem
+from radixrt.server.tenants import DEFAULT_TENANT
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +49,9 @@ WORKER_SILENCE_S = 60.0
 CLIENT_SILENCE_S = 5.0  # as the server: a pinging client silent this long has vanished
 GATHER_TIMEOUT_S = 30.0  # a fanned-out control op answers with what arrived by then
 PIN_SLACK_TOKENS = 2  # a fork's branch re-tokenizes its parent's text: the last tokens may differ
+# A draining router waits this much past --drain-timeout: the workers end what is left at their
+# own deadline, and their `draining` errors have this long to come back through the router.
+DRAIN_SLACK_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -53,11 +66,23 @@ class RouterConfig:
     curve_secret_key: str | None = None  # the router's own socket
     worker_curve_server_key: str | None = None  # the workers' public key
     tokenizer: str | None = None  # tokenizer.json, when the workers' model_path is not local
+    drain_timeout: float = 30.0  # on SIGTERM: how long requests in flight may take to finish
 
     def __post_init__(self) -> None:
         if not self.workers:
             raise ValueError("a router needs at least one --worker")
+        if self.drain_timeout < 0:
+            raise ValueError("drain_timeout must be >= 0")
         make_policy(self.policy)  # validates the name
+
+
+def namespace_of(tenant: str, msg: dict[str, Any]) -> Namespace:
+    """The cache namespace a generate or pin from `tenant` is matched in: its tenant and its
+    `cache_salt` (the workers share a prefix only within one). A ValueError names a bad salt."""
+    salt = msg.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or len(salt) > MAX_CACHE_SALT_CHARS):
+        raise ValueError(f"cache_salt must be a string of at most {MAX_CACHE_SALT_CHARS} chars")
+    return Namespace(tenant, salt or "")
 
 
 @dataclass(eq=False)
@@ -69,7 +94,7 @@ class Flight:
     rid: str  # the client's
     key: str  # the router's rid at the worker
     msg: dict[str, Any]  # as the client sent it, for a re-send
-    tokens: list[int]
+    prompt: Prompt
     samples: int
     worker: WorkerLink
     finished: int = 0
@@ -86,13 +111,13 @@ class Gather:
     waiting: set[int]
     deadline: float
     replies: dict[int, dict[str, Any]] = field(default_factory=dict)
-    pin: tuple[str, list[int]] | None = None  # (pin_id, tokens) of a pin op
+    pin: tuple[str, Prompt] | None = None  # (pin_id, prompt) of a pin op
 
 
 @dataclass(frozen=True)
 class Pin:
     worker: int
-    tokens: list[int]
+    prompt: Prompt
 
 
 class Router:
@@ -125,6 +150,7 @@ class Router:
         self._ids = itertools.count()
         self._next_ping = 0.0
         self.running = True
+        self.drain_deadline: float | None = None  # set by SIGTERM: refuse new work, finish old
 
     # ---- the loop ----------------------------------------------------------------------------
     def serve_forever(self) -> None:
@@ -146,12 +172,33 @@ class Router:
         if self.front in events:
             self._drain_clients()
         for w in self.workers:
+            if w.sock in events:  # before a drop: a worker's last replies precede its exit
+                for reply in w.recv_all():
+                    self._handle_worker_reply(w, reply)
             if w.monitor in events and w.disconnected() and w.alive:
                 self._lose(w, "its connection dropped")
-            if w.sock in events:
-                for reply in w.recv_all():
-                    self._on_worker_reply(w, reply)
         self._tick()
+        if self.drain_deadline is not None:
+            self._drain_step()
+
+    def begin_drain(self) -> None:
+        """Stop taking generates (they get `draining`); the loop ends once every request in
+        flight has finished, or `--drain-timeout` (plus `DRAIN_SLACK_S`) later, when the rest
+        end with `draining`. The workers are not told: a fleet forwards the signal itself."""
+        if self.drain_deadline is None:
+            self.drain_deadline = time.monotonic() + self.config.drain_timeout + DRAIN_SLACK_S
+            logger.info("draining: %d requests in flight", len(self.flights))
+
+    def _drain_step(self) -> None:
+        if (self.flights or self.gathers) and time.monotonic() < self.drain_deadline:
+            return
+        for flight in list(self.flights.values()):
+            flight.worker.send({"op": "abort", "rid": flight.key})
+            self._fail(flight, ErrorCode.DRAINING, "the router stopped (drain timeout) first")
+        for gather, _ in list(self.gathers.values()):
+            self._finish_gather(gather)
+        logger.info("drained; stopping")
+        self.running = False
 
     def close(self) -> None:
         for w in self.workers:
@@ -193,9 +240,8 @@ class Router:
             try:
                 self._on_client(identity, msg)
             except ValueError as e:
-                self._reply(
-                    identity, error_reply(msg.get("rid"), ErrorCode.INVALID_REQUEST, str(e))
-                )
+                code = e.code if isinstance(e, RequestError) else ErrorCode.INVALID_REQUEST
+                self._reply(identity, error_reply(msg.get("rid"), code, str(e)))
             except Exception as e:  # a bug costs one request, never the router
                 logger.exception("op %r failed", msg.get("op"))
                 self._reply(
@@ -255,13 +301,17 @@ class Router:
         key = _key(identity, rid)
         if key in self.flights:
             raise ValueError(f"rid {rid!r} is already in flight on this connection")
+        if self.drain_deadline is not None:
+            raise RequestError(
+                ErrorCode.DRAINING, "the router is shutting down; send this to another one"
+            )
         params = msg.get("sampling_params") or {}
         if not isinstance(params, dict):
             raise ValueError("sampling_params must be a map")
         n = params.get("n", 1)
         samples = n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1
-        tokens = self._tokens(msg)
-        flight = Flight(identity, rid, key, msg, tokens, samples, worker=None)  # type: ignore[arg-type]
+        prompt = Prompt(namespace_of(DEFAULT_TENANT, msg), self._tokens(msg))
+        flight = Flight(identity, rid, key, msg, prompt, samples, worker=None)  # type: ignore[arg-type]
         self._dispatch(flight)
 
     def _dispatch(self, flight: Flight, exclude: WorkerLink | None = None) -> None:
@@ -283,29 +333,29 @@ class Router:
             self._lose(worker, "it does not take frames")
         flight.worker = worker
         worker.load += flight.samples - flight.finished
-        worker.tree.insert(flight.tokens)
+        worker.tree.insert(flight.prompt)
         self.flights[flight.key] = flight
         self.counters[f"routed_by_{route.reason.value}"] += 1
 
     def _route(self, flight: Flight, candidates: list[WorkerLink]) -> Route:
         for pin in self.pins.get(flight.identity, {}).values():
             worker = self.workers[pin.worker]
-            if worker in candidates and _extends(flight.tokens, pin.tokens):
-                return Route(worker, RouteReason.PIN, len(pin.tokens))
-        return self.policy.choose(flight.tokens, candidates)
+            if worker in candidates and _extends(flight.prompt, pin.prompt):
+                return Route(worker, RouteReason.PIN, len(pin.prompt.tokens))
+        return self.policy.choose(flight.prompt, candidates)
 
     def _pin(self, identity: bytes, msg: dict[str, Any]) -> None:
-        tokens = self._tokens(msg)
+        prompt = Prompt(namespace_of(DEFAULT_TENANT, msg), self._tokens(msg))
         candidates = self._alive()
         if not candidates:
             self._reply(
                 identity, error_reply(msg.get("rid"), ErrorCode.WORKER_LOST, "no worker is alive")
             )
             return
-        route = self.policy.choose(tokens, candidates)
-        route.worker.tree.insert(tokens)
+        route = self.policy.choose(prompt, candidates)
+        route.worker.tree.insert(prompt)
         self._fan_out(
-            identity, msg, [route.worker], pin_key=True, pin=(str(msg.get("pin_id")), tokens)
+            identity, msg, [route.worker], pin_key=True, pin=(str(msg.get("pin_id")), prompt)
         )
 
     def _tokens(self, msg: dict[str, Any]) -> list[int]:
@@ -339,26 +389,87 @@ class Router:
             )
 
     # ---- workers -----------------------------------------------------------------------------
+    def _handle_worker_reply(self, worker: WorkerLink, reply: dict[str, Any]) -> None:
+        """`_on_worker_reply`, where a bug costs the flight the reply names, never the router."""
+        try:
+            self._on_worker_reply(worker, reply)
+        except Exception as e:
+            logger.exception("worker %s: a reply could not be handled", worker.url)
+            flight = self._flight_of(worker, reply.get("rid"))
+            if flight is not None:
+                self._fail(flight, ErrorCode.INTERNAL_ERROR, f"{type(e).__name__}: {e}")
+
     def _on_worker_reply(self, worker: WorkerLink, reply: dict[str, Any]) -> None:
+        """Route one reply by its rid: the router's own asks, a gather's part, or a flight's.
+        What cannot be read is logged and dropped; a flight's malformed reply fails that flight
+        with `internal_error` (and aborts it at the worker), a gather's stands as an error."""
         rid = reply.get("rid")
-        if rid == "ping":
-            self._on_pong(worker, (reply.get("result") or {}).get("server_id"))
-        elif rid == "stats-self":
-            worker.stats = reply.get("result") or {}
-            total = worker.stats.get("total_tokens", 0) + worker.stats.get("host_total_tokens", 0)
-            worker.tree.capacity = max(total, 1)
-        elif rid == "model-info-self":
-            self._on_model_info(reply.get("result") or {})
-        elif rid in self.gathers:
-            gather, index = self.gathers.pop(rid)
-            gather.replies[index] = reply
+        if not isinstance(rid, str):
+            worker.complain(f"dropped a reply whose rid is a {type(rid).__name__}, not a string")
+            return
+        own = rid in ("ping", "stats-self", "model-info-self")
+        gathered = self.gathers.get(rid)
+        if gathered is not None and gathered[1] != worker.index:
+            gathered = None  # another worker's part: this one cannot answer for it
+        problem = reply_problem(
+            reply, result_map=own or (gathered is not None and gathered[0].op == "stats")
+        )
+        flight = self._flight_of(worker, rid)
+        if own:
+            self._on_own_reply(worker, rid, reply, problem)
+        elif gathered is not None:
+            del self.gathers[rid]
+            gather, index = gathered
+            gather.replies[index] = (
+                reply
+                if problem is None
+                else error_reply(None, ErrorCode.INTERNAL_ERROR, _malformed(worker, problem))
+            )
             gather.waiting.discard(index)
             if not gather.waiting:
                 self._finish_gather(gather)
-        elif rid in self.flights and self.flights[rid].worker is worker:
-            self._relay(self.flights[rid], reply)
+        elif flight is not None and problem is not None:
+            worker.send({"op": "abort", "rid": flight.key})
+            self._fail(flight, ErrorCode.INTERNAL_ERROR, _malformed(worker, problem))
+        elif flight is not None:
+            self._relay(flight, reply)
 
-    def _on_pong(self, worker: WorkerLink, server_id: str | None) -> None:
+    def _on_own_reply(
+        self, worker: WorkerLink, rid: str, reply: dict[str, Any], problem: str | None
+    ) -> None:
+        """A reply to what the router asked for itself: a ping, the worker's stats (its pool
+        bounds its tree), its model info (the tokenizer). A refusal (a wrong --worker-api-key)
+        is logged like a malformed reply: the worker stays out of rotation until it answers."""
+        error = reply.get("error")
+        if problem is None and error is not None:
+            problem = f"it refused: {error['code']}: {error['message']}"
+        if problem is not None:
+            worker.complain(f"dropped a {rid} reply: {problem}")
+            return
+        result = reply["result"]
+        if rid == "ping":
+            server_id = result.get("server_id")
+            if isinstance(server_id, str):
+                self._on_pong(worker, server_id)
+            else:
+                worker.complain("dropped a ping reply without a string server_id")
+        elif rid == "stats-self":
+            worker.stats = result
+            total = _count(result, "total_tokens") + _count(result, "host_total_tokens")
+            worker.tree.capacity = max(total, 1)
+        else:
+            self._on_model_info(result)
+
+    def _flight_of(self, worker: WorkerLink, rid: object) -> Flight | None:
+        """The flight `rid` names at `worker`, if any (a reply from another worker is stale)."""
+        flight = self.flights.get(rid) if isinstance(rid, str) else None
+        return flight if flight is not None and flight.worker is worker else None
+
+    def _fail(self, flight: Flight, code: ErrorCode, message: str) -> None:
+        self._reply(flight.identity, error_reply(flight.rid, code, message))
+        self._end(flight)
+
+    def _on_pong(self, worker: WorkerLink, server_id: str) -> None:
         if worker.alive and server_id != worker.server_id:
             self._lose(worker, "it restarted")
         if not worker.alive:
@@ -386,7 +497,7 @@ class Router:
             flight.worker.load -= 1
             if flight.finished == flight.samples:
                 # the worker's tree now holds the prompt and this output: so does its picture
-                flight.worker.tree.insert(flight.tokens + list(reply.get("output_ids") or []))
+                flight.worker.tree.insert(flight.prompt.extended(reply.get("output_ids") or []))
                 self._end(flight)
 
     def _end(self, flight: Flight) -> None:
@@ -397,21 +508,18 @@ class Router:
     def _lose(self, worker: WorkerLink, why: str) -> None:
         """Take `worker` out of rotation: requests it has not answered go to another worker,
         started streams end with `worker_lost`, fanned-out ops stop waiting for it."""
-        logger.warning("worker %s is out of rotation: %s", worker.url, why)
+        # while draining, workers leaving is the plan
+        level = logging.INFO if self.drain_deadline is not None else logging.WARNING
+        logger.log(level, "worker %s is out of rotation: %s", worker.url, why)
         worker.alive = False
         worker.tree.clear()
         for flight in [f for f in self.flights.values() if f.worker is worker]:
             worker.send({"op": "abort", "rid": flight.key})  # in case it is only slow
-            self._end(flight)
             if flight.started:
                 self.counters["lost_requests"] += 1
-                self._reply(
-                    flight.identity,
-                    error_reply(
-                        flight.rid, ErrorCode.WORKER_LOST, f"worker {worker.url} is gone: {why}"
-                    ),
-                )
+                self._fail(flight, ErrorCode.WORKER_LOST, f"worker {worker.url} is gone: {why}")
             else:
+                self._end(flight)
                 flight.finished = 0
                 self.counters["resent_requests"] += 1
                 self._dispatch(flight, exclude=worker)
@@ -435,7 +543,7 @@ class Router:
         msg: dict[str, Any],
         workers: list[WorkerLink],
         pin_key: bool = False,
-        pin: tuple[str, list[int]] | None = None,
+        pin: tuple[str, Prompt] | None = None,
     ) -> None:
         gather = Gather(
             identity,
@@ -468,7 +576,8 @@ class Router:
         errors = [r for r in replies if r.get("error")]
         if gather.op == "stats":
             for i, r in gather.replies.items():
-                self.workers[i].stats = r.get("result") or {}
+                if r.get("error") is None:  # else its last good stats stand
+                    self.workers[i].stats = r["result"]
             return {"result": self._stats()}
         if errors:
             return errors[0]
@@ -486,8 +595,8 @@ class Router:
             return {"result": {"workers": results}}
         if gather.op == "pin" and gather.pin is not None:
             (index,) = gather.replies
-            pin_id, tokens = gather.pin
-            self.pins.setdefault(gather.identity, {})[pin_id] = Pin(index, tokens)
+            pin_id, prompt = gather.pin
+            self.pins.setdefault(gather.identity, {})[pin_id] = Pin(index, prompt)
         return {"result": results[0]}
 
     def _stats(self) -> dict[str, Any]:
@@ -511,6 +620,7 @@ class Router:
             **total,
             "dp_size": len(self.workers),
             "router_policy": self.policy.name,
+            "draining": self.drain_deadline is not None,
             **self.counters,
             "workers": [w.describe() for w in self.workers],
         }
@@ -528,10 +638,28 @@ def _key(identity: bytes, rid: str) -> str:
     return f"{identity.hex()}/{rid}"
 
 
-def _extends(tokens: list[int], prefix: list[int]) -> bool:
-    """Whether `tokens` starts with `prefix`, up to the last few tokens of the prefix."""
+def _extends(prompt: Prompt, pinned: Prompt) -> bool:
+    """Whether `prompt` starts with `pinned`, up to the last few tokens of the pinned prefix,
+    in the same namespace (the worker's pin holds its prefix only there)."""
+    tokens, prefix = prompt.tokens, pinned.tokens
     need = max(len(prefix) - PIN_SLACK_TOKENS, 1)
-    return len(tokens) >= need and tokens[:need] == prefix[:need]
+    return (
+        prompt.namespace == pinned.namespace
+        and len(tokens) >= need
+        and tokens[:need] == prefix[:need]
+    )
+
+
+def _malformed(worker: WorkerLink, problem: str) -> str:
+    """Log that `worker` sent a malformed reply; the message the request it named gets."""
+    worker.complain(f"a malformed reply: {problem}")
+    return f"worker {worker.url} sent a malformed reply: {problem}"
+
+
+def _count(stats: dict[str, Any], name: str) -> int:
+    """An int field of a worker's stats; 0 when it is missing or not an int."""
+    value = stats.get(name)
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
 
 
 def _load_tokenizer(path: str):

@@ -1,5 +1,5 @@
-"""The router's link to one worker: a DEALER socket, a monitor of it, liveness, load, and the
-approximate prefix tree of what was sent there."""
+"""The router's link to one worker: a DEALER socket, a monitor of it, liveness, load, the
+approximate prefix tree of what was sent there, and the check of what comes back."""
 
 from __future__ import annotations
 
@@ -12,12 +12,38 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from radixrt.protocol import decode_map
+from radixrt.server.exposure import CLOSE_LINGER_MS
 from radixrt.server.router.prefix_tree import ApproxPrefixTree
 
 logger = logging.getLogger(__name__)
 
 # the tree's bound until the worker's stats say how large its pool (and host tier) is
 DEFAULT_CAPACITY = 1 << 16
+MAX_COMPLAINTS = 64  # kinds of malformed reply remembered per worker, so each is logged once
+
+
+def reply_problem(reply: dict[str, Any], result_map: bool = False) -> str | None:
+    """What is wrong with the fields of a worker's reply that the router reads (None: nothing):
+    `error` a map with a string `code` and `message`, `finished` a bool, `output_ids` a list of
+    ints, and, with `result_map`, a map `result` unless it is an error. A worker is trusted no
+    more than a client: a reply that fails this must cost at most the request it names."""
+    error = reply.get("error")
+    if error is not None:
+        if not isinstance(error, dict) or not all(
+            isinstance(error.get(k), str) for k in ("code", "message")
+        ):
+            return "its error is not a map with a string code and message"
+        return None
+    if not isinstance(reply.get("finished", False), bool):
+        return "its finished is not a bool"
+    ids = reply.get("output_ids")
+    if ids is not None and not (
+        isinstance(ids, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in ids)
+    ):
+        return "its output_ids is not a list of ints"
+    if result_map and not isinstance(reply.get("result"), dict):
+        return "its result is not a map"
+    return None
 
 
 class WorkerLink:
@@ -27,7 +53,8 @@ class WorkerLink:
     socket monitor says so at once when the process dies), when it falls silent, or when it
     answers with a new `server_id` (it restarted: what it held is gone). With `IMMEDIATE` set, a
     frame is queued only on a live connection, so nothing sent to a dead worker is delivered to
-    its successor later.
+    its successor later. Closing waits up to `CLOSE_LINGER_MS` for queued frames (the aborts a
+    stopping router sends).
     """
 
     def __init__(
@@ -40,7 +67,7 @@ class WorkerLink:
     ):
         self.index, self.url, self.api_key = index, url, api_key
         self.sock = ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.LINGER, CLOSE_LINGER_MS)
         self.sock.setsockopt(zmq.IMMEDIATE, 1)
         if curve_server_key:
             self.sock.curve_publickey, self.sock.curve_secretkey = zmq.curve_keypair()
@@ -53,6 +80,7 @@ class WorkerLink:
         self.load = 0  # sequences (samples) in flight there
         self.tree = ApproxPrefixTree(DEFAULT_CAPACITY)
         self.stats: dict[str, Any] = {}  # its last stats reply
+        self._complaints: set[str] = set()  # what was logged about its replies already
 
     def send(self, msg: dict[str, Any]) -> bool:
         """Queue one map for the worker; False when there is no live connection to queue it on."""
@@ -75,9 +103,19 @@ class WorkerLink:
             self.last_heard = time.monotonic()
             reply, error = decode_map(frame)
             if error is not None:
-                logger.warning("worker %s: %s", self.url, error["error"]["message"])
+                self.complain(f"dropped a reply: {error['error']['message']}")
                 continue
             replies.append(reply)
+
+    def complain(self, what: str) -> None:
+        """Log `what` is wrong with this worker's replies, once (until `MAX_COMPLAINTS` kinds
+        were logged, when the record starts afresh): a worker that answers every ping wrongly
+        does not fill the log."""
+        if what not in self._complaints:
+            if len(self._complaints) >= MAX_COMPLAINTS:
+                self._complaints.clear()
+            self._complaints.add(what)
+            logger.warning("worker %s: %s", self.url, what)
 
     def disconnected(self) -> bool:
         """Whether the monitor reported the connection dropped since the last call."""
@@ -88,7 +126,13 @@ class WorkerLink:
         return dropped
 
     def describe(self) -> dict[str, Any]:
-        return {"url": self.url, "alive": self.alive, "load": self.load, **self.stats}
+        return {
+            **self.stats,
+            "url": self.url,
+            "alive": self.alive,
+            "load": self.load,
+            "router_namespaces": len(self.tree.roots),
+        }
 
     def close(self) -> None:
         self.sock.disable_monitor()

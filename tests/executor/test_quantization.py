@@ -18,7 +18,10 @@ from radixrt.models.linear import Int8Linear
 TEXT = Path(__file__).resolve().parent.parent / "data" / "quality_text.txt"
 POSITIONS = 500
 
-pytestmark = pytest.mark.skipif(not int8_gemm.available(), reason="int8 needs AVX2 and a compiler")
+pytestmark = [
+    pytest.mark.skipif(not int8_gemm.available(), reason="int8 needs AVX2 and a compiler"),
+    pytest.mark.model,  # the default model
+]
 
 
 def _teacher_forced_logits(runner: ModelRunner, ids: list[int]) -> torch.Tensor:

@@ -48,6 +48,8 @@ SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 QUESTION = [{"role": "user", "content": "What is the weather in Paris and in Rome?"}]
 GREEDY = {"temperature": 0, "max_tokens": 96}
 
+pytestmark = pytest.mark.model  # the default model, behind every test here
+
 
 @pytest.fixture(scope="module")
 def runtime():

@@ -118,7 +118,12 @@ class Gateway:
         return _Model(info["model"], info["context_length"], tokenizer, template, parser)
 
     def authorized(self, headers: dict[bytes, bytes]) -> bool:
-        return self.keys.tenant_of(_bearer(headers)) is not None
+        return self.keys.principal_of(_bearer(headers)) is not None
+
+    def authorized_admin(self, headers: dict[bytes, bytes]) -> bool:
+        """/metrics shows every tenant: with keys configured, only the admin key may read it."""
+        principal = self.keys.principal_of(_bearer(headers))
+        return principal is not None and principal.admin
 
     def options(self, request: Request, req: GenerateRequest) -> RequestOptions:
         """The body's tenancy fields, and the client's own key: the runtime names its tenant."""
@@ -313,7 +318,7 @@ def _bearer(headers: dict[bytes, bytes]) -> str:
 
 class _Guard:
     """Pure ASGI middleware (BaseHTTPMiddleware would get between streams and disconnects):
-    Bearer key on /v1/*, request counts by route and status."""
+    Bearer key on /v1/*, the admin's on /metrics, request counts by route and status."""
 
     def __init__(self, app, gateway: Gateway):
         self.app, self.gateway = app, gateway
@@ -331,19 +336,28 @@ class _Guard:
             await send(message)
 
         try:
-            if path.startswith("/v1/") and not self.gateway.authorized(dict(scope["headers"])):
-                error = APIError(
-                    401,
-                    "missing or wrong API key (Authorization: Bearer ...)",
-                    "authentication_error",
-                    code="invalid_api_key",
-                )
+            error = self._refusal(path, dict(scope["headers"]))
+            if error is not None:
                 return await error.response()(scope, receive, send_observed)
             await self.app(scope, receive, send_observed)
         finally:
             self.gateway.metrics.requests.labels(
                 path if path in ROUTES else "other", str(status)
             ).inc()
+
+    def _refusal(self, path: str, headers: dict[bytes, bytes]) -> APIError | None:
+        if path.startswith("/v1/") and not self.gateway.authorized(headers):
+            needed = "API key"
+        elif path == "/metrics" and not self.gateway.authorized_admin(headers):
+            needed = "admin API key (--admin-api-key)"
+        else:
+            return None
+        return APIError(
+            401,
+            f"missing or wrong {needed} (Authorization: Bearer ...)",
+            "authentication_error",
+            code="invalid_api_key",
+        )
 
 
 def build_app(gateway: Gateway) -> FastAPI:

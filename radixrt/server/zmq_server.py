@@ -10,7 +10,7 @@ import logging
 import signal
 import time
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -59,10 +59,7 @@ class Server:
         self.scheduler = Scheduler.from_server_args(args)
         self.tokenizer = self.scheduler.tokenizer
         self.ctx = zmq.Context()
-        ops = {
-            name: Op(partial(run, self), role, answers)
-            for name, (run, role, answers) in OPS.items()
-        }
+        ops = {name: replace(op, run=partial(op.run, self)) for name, op in OPS.items()}
         self.front = ClientFront(self.ctx, endpoint, FrontConfig.from_server_args(args), ops)
         self.clients: dict[Req, ClientRequest] = {}
         self.server_id = uuid.uuid4().hex
@@ -329,21 +326,22 @@ def _abort(server: Server, caller: Caller, msg: dict[str, Any]) -> None:
     server._publish(server.scheduler.abort(_internal_rid(caller.identity, str(msg.get("rid")))))
 
 
-# op -> (handler, who may send it, whether the front replies with its result)
-OPS: dict[str, tuple[Any, Role, bool]] = {
-    "generate": (Server._generate, Role.CLIENT, False),
-    "abort": (_abort, Role.CLIENT, False),
-    "health": (lambda s, c, m: True, Role.CLIENT, True),
-    "ping": (lambda s, c, m: {"server_id": s.server_id}, Role.CLIENT, True),
-    "tokenize": (_tokenize, Role.CLIENT, True),
-    "pin": (_pin, Role.CLIENT, True),
-    "unpin": (_unpin, Role.CLIENT, True),
-    "stats": (_stats, Role.CLIENT, True),
-    "model_info": (_model_info, Role.CLIENT, True),
-    "flush_cache": (lambda s, c, m: s.scheduler.flush_cache(), Role.ADMIN, True),
-    "check_invariants": (lambda s, c, m: s.scheduler.check_invariants() or True, Role.ADMIN, True),
-    "memory_snapshot": (lambda s, c, m: s.scheduler.memory_snapshot(), Role.ADMIN, True),
-    "shutdown": (_shutdown, Role.ADMIN, True),
+# the runtime's op table; each handler takes the server first (bound in Server.__init__)
+LATER = {"answers": False}  # the handler replies itself
+OPS: dict[str, Op] = {
+    "generate": Op(Server._generate, **LATER),
+    "abort": Op(_abort, **LATER),
+    "health": Op(lambda s, c, m: True),
+    "ping": Op(lambda s, c, m: {"server_id": s.server_id}),
+    "tokenize": Op(_tokenize),
+    "pin": Op(_pin),
+    "unpin": Op(_unpin),
+    "stats": Op(_stats),
+    "model_info": Op(_model_info),
+    "flush_cache": Op(lambda s, c, m: s.scheduler.flush_cache(), Role.ADMIN),
+    "check_invariants": Op(lambda s, c, m: s.scheduler.check_invariants() or True, Role.ADMIN),
+    "memory_snapshot": Op(lambda s, c, m: s.scheduler.memory_snapshot(), Role.ADMIN),
+    "shutdown": Op(_shutdown, Role.ADMIN),
 }
 
 

@@ -77,7 +77,7 @@ def _reply(sock: zmq.Socket) -> dict:
 
 
 def test_the_op_tables_give_control_ops_the_admin_role():
-    assert {op for op, (_, role, _) in OPS.items() if role is Role.ADMIN} == ADMIN_OPS
+    assert {op for op, entry in OPS.items() if entry.role is Role.ADMIN} == ADMIN_OPS
     table = Router._ops(object.__new__(Router))  # the table only names bound methods
     assert {op for op, entry in table.items() if entry.role is Role.ADMIN} == ADMIN_OPS
     assert set(table) == set(OPS), "the router and the runtime speak the same ops"

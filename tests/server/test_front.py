@@ -4,6 +4,9 @@ the CURVE allowlist, prompt-size limits, and the same roles through a `--dp-size
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 import time
 import urllib.error
@@ -272,3 +275,12 @@ def test_roles_and_tenants_through_a_dp_fleet(tiny_model_dir, key_file):
         alice.close()
         bob.close()
         fleet.shutdown()
+
+
+def test_curve_alone_no_longer_opens_a_non_loopback_bind(tiny_model_dir):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RADIXRT_")}
+    env["RADIXRT_CURVE_SECRET_KEY"] = zmq.curve_keypair()[1].decode()
+    command = [sys.executable, "-m", "radixrt", "serve", "--model", str(tiny_model_dir)]
+    command += ["--host", "0.0.0.0", "--port", "1"]
+    proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode != 0 and "--curve-client-keys" in proc.stderr

@@ -12,6 +12,7 @@ from radixrt.config import SECRETS, ServerArgs
 from radixrt.server.front import FrontConfig
 from radixrt.server.router.policy import POLICIES, CacheAwareThresholds
 from radixrt.server.router.router import Router, RouterConfig
+from radixrt.server.tenants import KeyRing
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +57,7 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--worker-api-key",
-        help="what the router sends the workers (default: --admin-api-key, else --api-key)",
+        help="what the router sends the workers (default: --admin-api-key, else --api-key, else the key file's first key)",
     )
     parser.add_argument(
         "--curve-client-keys", help="only these client CURVE public keys may connect, as `serve`"
@@ -107,7 +108,8 @@ def run_router(args: argparse.Namespace) -> None:
             args.cache_threshold, args.balance_abs_threshold, args.balance_rel_threshold
         ),
         front=front,
-        worker_api_key=args.worker_api_key or front.admin_api_key or front.api_key,
+        worker_api_key=args.worker_api_key
+        or KeyRing.from_settings(front.api_key, front.api_key_file, front.admin_api_key).any_key(),
         worker_curve_server_key=args.worker_curve_server_key,
         tokenizer=args.tokenizer,
     )

@@ -35,7 +35,7 @@ KEY_FILE = "# tenant:key[:maxprio]\nalice:alice-key:1\nbob:bob:key-with-colons\n
 KEYS = {"alice": "alice-key", "bob": "bob:key-with-colons"}
 FRAME_LIMIT = 16 << 20
 SHORT = {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}
-LONG = {"max_new_tokens": 400, "temperature": 0, "ignore_eos": True}
+LONG = {"max_new_tokens": 1000, "temperature": 0, "ignore_eos": True}  # within the context
 
 
 @pytest.fixture(scope="module")
@@ -193,6 +193,10 @@ def test_a_tenants_priority_is_capped_by_its_key_file_line(guarded):
         for t in threads:
             t.start()
             time.sleep(0.3)  # alice's request waits before bob's arrives
+        deadline = time.monotonic() + 30
+        while admin.stats()["waiting"] < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert admin.stats()["waiting"] == 2, "both must wait behind the running one"
         blocker.close()  # aborts it: the waiting two run, one at a time
         for t in threads:
             t.join(REPLY_TIMEOUT_S)

@@ -48,6 +48,7 @@ def _http_gateway(args: argparse.Namespace) -> None:
         args.log_level,
         args.tool_call_parser,
         args.api_key_file,
+        os.environ.get(SECRETS["admin_api_key"]),
     )
 
 

@@ -16,6 +16,7 @@ from typing import Any
 
 SECRETS = {
     "api_key": "RADIXRT_API_KEY",
+    "admin_api_key": "RADIXRT_ADMIN_API_KEY",
     "curve_secret_key": "RADIXRT_CURVE_SECRET_KEY",
 }  # field -> env var
 
@@ -73,6 +74,7 @@ class SchedulerArgs:
 ROUTER_CACHE_THRESHOLD = 0.5
 ROUTER_BALANCE_ABS_THRESHOLD = 4
 ROUTER_BALANCE_REL_THRESHOLD = 1.25
+MIN_FRAME_BYTES = 4096  # a smaller frame limit would refuse ordinary requests
 
 
 def is_loopback_host(host: str) -> bool:
@@ -283,7 +285,7 @@ class ServerArgs:
     api_key_file: str | None = field(
         default=None,
         metadata={
-            "help": "a file of 'tenant:key' lines: each key is accepted and names its tenant, whose requests share only that tenant's prefix cache (with --api-key too: that key is the default tenant's)"
+            "help": "a file of 'tenant:key' or 'tenant:key:maxprio' lines: each key is accepted and names its tenant, whose requests share only that tenant's prefix cache and whose priority is capped at maxprio (read as a cap only when the text after the key's last colon is an integer); with --api-key too, that key is the default tenant's"
         },
     )
     schedule_low_priority_values_first: bool = field(
@@ -349,6 +351,30 @@ class ServerArgs:
             "help": "Z85 CURVE secret key: encrypt and authenticate the socket (clients need the public key); or set RADIXRT_CURVE_SECRET_KEY"
         },
     )
+    admin_api_key: str | None = field(
+        default=None,
+        metadata={
+            "help": "the key of control ops (shutdown, flush_cache, memory_snapshot, check_invariants) and of every tenant's stats; a tenant key gets 'unauthorized' (a lone --api-key without --api-key-file stays the admin); or set RADIXRT_ADMIN_API_KEY"
+        },
+    )
+    curve_client_keys: str | None = field(
+        default=None,
+        metadata={
+            "help": "a file of client CURVE public keys (Z85, one a line): only these may connect (checked through ZAP; needs --curve-secret-key)"
+        },
+    )
+    max_frame_bytes: int = field(
+        default=16 << 20,
+        metadata={
+            "help": "the largest frame a client may send: a longer one drops its connection (ZMQ_MAXMSGSIZE), and msgpack containers and strings are bounded before they are built"
+        },
+    )
+    max_prompt_bytes: int = field(
+        default=4 << 20,
+        metadata={
+            "help": "a generate whose text (UTF-8 bytes) or input_ids (4 bytes each) is larger gets 'invalid_request' before it is tokenized"
+        },
+    )
     random_seed: int = field(
         default=0, metadata={"help": "seed of the sampler for requests that set none"}
     )
@@ -396,8 +422,12 @@ class ServerArgs:
             raise ValueError(
                 "hicache_storage_dir and preemption_mode='swap' need enable_hierarchical_cache"
             )
-        if self.api_key_file and self.dp_size > 1:
-            raise ValueError("api_key_file is per runtime: the router does not forward tenants yet")
+        if self.curve_client_keys and self.http_port:
+            raise ValueError(
+                "curve_client_keys does not run with http_port yet: the gateway's link is not on the list"
+            )
+        if self.max_frame_bytes < MIN_FRAME_BYTES or self.max_prompt_bytes < 1:
+            raise ValueError(f"max_frame_bytes must be >= {MIN_FRAME_BYTES}, max_prompt_bytes >= 1")
         if self.priority_aging_s <= 0 or self.drain_timeout < 0:
             raise ValueError("priority_aging_s must be > 0 and drain_timeout >= 0")
         if any(

@@ -5,6 +5,7 @@ Imported by the client side and the HTTP gateway too, so it needs neither torch 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from enum import Enum
 from typing import Any
 
@@ -21,7 +22,7 @@ class ErrorCode(str, Enum):
     CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
     # a regex, JSON schema or choice list that does not compile
     INVALID_CONSTRAINT = "invalid_constraint"
-    UNAUTHORIZED = "unauthorized"  # missing or wrong api_key
+    UNAUTHORIZED = "unauthorized"  # missing or wrong api_key, or a tenant's key on a control op
     OVERLOADED = "overloaded"  # the waiting queue is full; try again later
     RATE_LIMITED = "rate_limited"
     ABORTED = "aborted"
@@ -51,13 +52,31 @@ def error_reply(rid: Any, code: ErrorCode, message: str) -> dict[str, Any]:
     return {"rid": rid, "error": {"code": code.value, "type": code.value, "message": message}}
 
 
-def decode_map(payload: bytes) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+# Control ops: only the admin key (`--admin-api-key`) may send them; a tenant's key gets
+# `unauthorized`. Clients send these with their admin key (RuntimeClient.admin_api_key).
+ADMIN_OPS = frozenset({"shutdown", "flush_cache", "memory_snapshot", "check_invariants"})
+
+DEFAULT_TENANT_LABEL = "default"  # how the tenant "" (no key file) is named in stats
+
+
+def tenant_label(tenant: str) -> str:
+    """A tenant's name in `stats()["tenants"]` and /metrics."""
+    return tenant or DEFAULT_TENANT_LABEL
+
+
+def decode_map(
+    payload: bytes, limits: Mapping[str, int] | None = None
+) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
     """A received frame as `(map, None)`, or `(None, the error reply its sender gets)` when it
-    is not msgpack or not a map. Never more than msgpack: nothing is ever unpickled."""
+    is not msgpack or not a map. `limits` are msgpack's size limits (`max_str_len`, ...), so an
+    untrusted frame cannot unpack into more than they allow. Never more than msgpack: nothing
+    is ever unpickled."""
     try:
-        msg = msgpack.unpackb(payload, raw=False, strict_map_key=False)
+        msg = msgpack.unpackb(payload, raw=False, strict_map_key=False, **(limits or {}))
     except Exception as e:  # any undecodable frame
-        return None, error_reply(None, ErrorCode.INVALID_REQUEST, f"frame is not msgpack: {e}")
+        return None, error_reply(
+            None, ErrorCode.INVALID_REQUEST, f"frame is not msgpack within the limits: {e}"
+        )
     if not isinstance(msg, dict):
         return None, error_reply(None, ErrorCode.INVALID_REQUEST, "a message must be a msgpack map")
     return msg, None

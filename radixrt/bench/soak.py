@@ -270,7 +270,7 @@ class SoakServer:
             "--log-level",
             "warning",
         ]
-        self.env = {**os.environ, "RADIXRT_API_KEY": ADMIN_KEY}
+        self.env = {**os.environ, "RADIXRT_API_KEY": ADMIN_KEY, "RADIXRT_ADMIN_API_KEY": ADMIN_KEY}
         self.log = log.open("ab")
         self.instance = 0
         self.proc: subprocess.Popen | None = None

@@ -44,7 +44,10 @@ class RuntimeEndpoint:
     """A connection to `radixrt serve` (`tcp://host:port` or `ipc://path`); thread-safe, any
     number of requests in flight over one socket. `api_key` and `curve_server_key` (the server's
     Z85 public key) match the server's `--api-key` (or a key of `--api-key-file`) and
-    `--curve-secret-key`. `cache_salt` and `priority` apply to every request sent through it (a
+    `--curve-secret-key`; `admin_api_key` (the server's `--admin-api-key`) is sent with control
+    ops (`flush_cache`, `check_invariants`, `memory_snapshot`, `shutdown`) and `stats` instead;
+    `curve_client_secret_key` is this client's CURVE secret key, for a server whose
+    `--curve-client-keys` lists its public key (default: an ephemeral key pair). `cache_salt` and `priority` apply to every request sent through it (a
     frontend program's backend option); `options=` on a call overrides them."""
 
     def __init__(
@@ -55,11 +58,19 @@ class RuntimeEndpoint:
         curve_server_key: str | None = None,
         cache_salt: str | None = None,
         priority: int | None = None,
+        admin_api_key: str | None = None,
+        curve_client_secret_key: str | None = None,
     ):
         self.url = url
         self.timeout = timeout
         self.options = RequestOptions(cache_salt=cache_salt, priority=priority)
-        self.client = RuntimeClient(url, api_key=api_key, curve_server_key=curve_server_key)
+        self.client = RuntimeClient(
+            url,
+            api_key=api_key,
+            curve_server_key=curve_server_key,
+            admin_api_key=admin_api_key,
+            curve_client_secret_key=curve_client_secret_key,
+        )
         self._model_info: dict[str, Any] | None = None
 
     # ---- generation --------------------------------------------------------------------------

@@ -45,9 +45,17 @@ class Runtime(RuntimeEndpoint):
     """Starts `radixrt serve` on a free loopback port (unless `port=` is given), waits until it
     is healthy, and is a backend; `.shutdown()`, leaving a `with` block, interpreter exit or
     garbage collection stop the process. `timeout` bounds each wait for a reply (as on
-    `RuntimeEndpoint`); every other keyword is a server setting (`ServerArgs`)."""
+    `RuntimeEndpoint`), `curve_client_secret_key` is this launcher's own CURVE key (needed when
+    `curve_client_keys` lists who may connect); every other keyword is a server setting
+    (`ServerArgs`)."""
 
-    def __init__(self, model: str = "default", timeout: float | None = None, **server_args: Any):
+    def __init__(
+        self,
+        model: str = "default",
+        timeout: float | None = None,
+        curve_client_secret_key: str | None = None,
+        **server_args: Any,
+    ):
         self.args = ServerArgs.from_kwargs(model=model, **server_args)
         self._tmp = Path(tempfile.mkdtemp(prefix="radixrt-"))
         self._configure_endpoint(port_given="port" in server_args)
@@ -60,9 +68,11 @@ class Runtime(RuntimeEndpoint):
         )
         super().__init__(
             self.args.endpoint,
-            api_key=self.args.api_key,
+            api_key=self.args.api_key or self.args.admin_api_key,  # the admin's: the default tenant
             timeout=timeout,
             curve_server_key=server_key,
+            admin_api_key=self.args.admin_api_key,
+            curve_client_secret_key=curve_client_secret_key,
         )
         self._finalizer = weakref.finalize(self, _stop, self._proc, self.client, self._tmp)
         self._wait_ready()

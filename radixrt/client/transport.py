@@ -15,10 +15,12 @@ from typing import Any
 import msgpack
 import zmq
 
-from radixrt.protocol import ErrorCode, error_reply
+from radixrt.protocol import ADMIN_OPS, ErrorCode, error_reply
 
 # ping period while requests are in flight; the runtime aborts a silent client's requests
 HEARTBEAT_S = 1.0
+# sent with the admin key when there is one: control ops, and stats (the admin sees every tenant)
+ADMIN_KEYED_OPS = ADMIN_OPS | {"stats"}
 
 
 class RemoteError(RuntimeError):
@@ -66,7 +68,8 @@ class RuntimeClient:
     it frames through per-thread inproc PUSH sockets and get replies through callbacks. While
     requests are in flight it pings the runtime: a runtime that restarted (new `server_id`) or
     went silent for `dead_after_s` fails those requests with a clear `connection_lost` error;
-    the socket reconnects by itself, so later requests work again.
+    the socket reconnects by itself, so later requests work again. Control ops (`ADMIN_OPS`)
+    (and `stats`) go with `admin_api_key` when one is given, everything else with `api_key`.
     """
 
     def __init__(
@@ -75,9 +78,13 @@ class RuntimeClient:
         api_key: str | None = None,
         curve_server_key: str | None = None,
         dead_after_s: float = 120.0,
+        admin_api_key: str | None = None,
+        curve_client_secret_key: str | None = None,
     ):
         self.endpoint = endpoint
         self.api_key = api_key
+        self.admin_api_key = admin_api_key
+        self.curve_client_secret_key = curve_client_secret_key
         self.curve_server_key = curve_server_key
         self.dead_after_s = dead_after_s
         self._ctx = zmq.Context()
@@ -100,6 +107,8 @@ class RuntimeClient:
         """A control op (stats, health, flush_cache, ...): its result, or the error raised."""
         future: Future = Future()
         rid = f"ctl-{uuid.uuid4().hex}"
+        if op in ADMIN_KEYED_OPS and self.admin_api_key is not None:
+            fields = {"api_key": self.admin_api_key, **fields}
         self._register(rid, lambda reply: future.done() or future.set_result(reply))
         try:
             self.send({"op": op, "rid": rid, **fields})
@@ -168,8 +177,9 @@ class RuntimeClient:
         dealer = self._ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
         if self.curve_server_key:
-            # an ephemeral client key
-            dealer.curve_publickey, dealer.curve_secretkey = zmq.curve_keypair()
+            dealer.curve_publickey, dealer.curve_secretkey = _client_keypair(
+                self.curve_client_secret_key
+            )
             dealer.curve_serverkey = self.curve_server_key.encode()
         dealer.connect(self.endpoint)
         pull = self._ctx.socket(zmq.PULL)
@@ -230,6 +240,14 @@ class RuntimeClient:
             pending, self._pending = self._pending, {}
         for rid, deliver in pending.items():
             deliver(error_reply(rid, ErrorCode.CONNECTION_LOST, message))
+
+
+def _client_keypair(secret: str | None) -> tuple[bytes, bytes]:
+    """This client's CURVE key pair: the given secret's (a server's `--curve-client-keys` lists
+    its public key), else an ephemeral one."""
+    if secret is None:
+        return zmq.curve_keypair()
+    return zmq.curve_public(secret.encode()), secret.encode()
 
 
 def _num_samples(fields: dict[str, Any]) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple
@@ -72,6 +73,15 @@ class RequestScope:
         ):
             raise ValueError("timeout must be a number of seconds > 0")
         return cls(tenant, salt or "", priority or 0, timeout)
+
+    def capped(self, most_urgent: int | None, low_values_first: bool) -> RequestScope:
+        """This scope with its priority clamped to its tenant's cap (`tenant:key:maxprio` in the
+        key file; None: no cap). The cap bounds urgency: a ceiling when higher values run
+        first, a floor under `--schedule-low-priority-values-first`."""
+        if most_urgent is None:
+            return self
+        priority = (max if low_values_first else min)(self.priority, most_urgent)
+        return dataclasses.replace(self, priority=priority)
 
     @property
     def salt(self) -> str:

@@ -7,8 +7,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from radixrt.engine.request import Req
-
-DEFAULT_TENANT_LABEL = "default"  # how the tenant "" (no key file) is named in stats
+from radixrt.protocol import tenant_label
 
 
 @dataclass
@@ -38,10 +37,10 @@ class TenantStats:
     def snapshot(self, waiting: Iterable[Req], running: Iterable[Req]) -> dict[str, Any]:
         """label -> counters plus the tenant's `waiting` and `running` requests now."""
         out = {
-            t or DEFAULT_TENANT_LABEL: {**asdict(c), "waiting": 0, "running": 0}
+            tenant_label(t): {**asdict(c), "waiting": 0, "running": 0}
             for t, c in self.by_tenant.items()
         }
         for key, reqs in (("waiting", waiting), ("running", running)):
             for req in reqs:
-                out[req.scope.tenant or DEFAULT_TENANT_LABEL][key] += 1
+                out[tenant_label(req.scope.tenant)][key] += 1
         return out

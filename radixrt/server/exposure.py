@@ -15,10 +15,20 @@ logger = logging.getLogger(__name__)
 CLOSE_LINGER_MS = 1000
 
 
-def check_exposure(host: str, api_key: str | None, curve_secret_key: str | None) -> None:
-    """Refuse a non-loopback bind without a key; log the CURVE public key clients need."""
-    if not is_loopback_host(host) and not (api_key or curve_secret_key):
-        raise SystemExit(f"refusing to listen on {host} without --api-key or --curve-secret-key")
+def check_exposure(
+    host: str,
+    keyed: bool,
+    curve_secret_key: str | None,
+    curve_client_keys: str | None = None,
+) -> None:
+    """Refuse a non-loopback bind that neither an API key (`keyed`) nor a CURVE client
+    allowlist guards (CURVE alone encrypts but lets any key pair in); log the CURVE public key
+    clients need."""
+    if not is_loopback_host(host) and not (keyed or curve_client_keys):
+        raise SystemExit(
+            f"refusing to listen on {host} without --api-key, --api-key-file, --admin-api-key "
+            "or --curve-client-keys"
+        )
     if curve_secret_key:
         logger.info(
             "CURVE on; clients need the server public key %s",
@@ -26,11 +36,15 @@ def check_exposure(host: str, api_key: str | None, curve_secret_key: str | None)
         )
 
 
-def bind_client_socket(ctx: zmq.Context, endpoint: str, curve_secret_key: str | None) -> zmq.Socket:
+def bind_client_socket(
+    ctx: zmq.Context, endpoint: str, curve_secret_key: str | None, max_frame_bytes: int = -1
+) -> zmq.Socket:
     """The ROUTER socket clients connect to (a runtime's or a router's): `CLOSE_LINGER_MS` of
-    linger, CURVE when a secret key is set, bound to `endpoint`."""
+    linger, CURVE when a secret key is set, frames above `max_frame_bytes` refused by ZeroMQ
+    itself (it drops the sender's connection before allocating the frame), bound to `endpoint`."""
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, CLOSE_LINGER_MS)
+    sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
     if curve_secret_key:
         sock.curve_secretkey = curve_secret_key.encode()
         sock.curve_server = True

@@ -9,30 +9,35 @@ from __future__ import annotations
 import logging
 import signal
 import time
-import traceback
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
-import msgpack
 import zmq
 
 from radixrt.config import ServerArgs
 from radixrt.engine.request import Req, RequestScope
 from radixrt.engine.scheduler import Scheduler
 from radixrt.lifecycle import exit_with_parent
-from radixrt.protocol import ErrorCode, RequestError, decode_map, error_reply
+from radixrt.protocol import ErrorCode, RequestError, error_reply
 from radixrt.sampling_params import SamplingParams
-from radixrt.server.exposure import bind_client_socket, check_exposure
+from radixrt.server.front import (
+    Caller,
+    ClientFront,
+    FrontConfig,
+    Op,
+    Role,
+    check_prompt_size,
+    visible_stats,
+)
 from radixrt.server.heap import Heap
-from radixrt.server.tenants import KeyRing
 
 logger = logging.getLogger(__name__)
 
 IDLE_POLL_MS = 50
 STALLED_POLL_MS = 5  # work is waiting on something else (a constraint compiling): do not spin
-CLIENT_SILENCE_S = 5.0  # a pinging client silent this long has vanished (clients ping every second)
 
 
 @dataclass(eq=False)
@@ -55,12 +60,11 @@ class Server:
         self.scheduler = Scheduler.from_server_args(args)
         self.tokenizer = self.scheduler.tokenizer
         self.ctx = zmq.Context()
-        self.sock = bind_client_socket(self.ctx, endpoint, args.curve_secret_key)
+        ops = {name: replace(op, run=partial(op.run, self)) for name, op in OPS.items()}
+        self.front = ClientFront(self.ctx, endpoint, FrontConfig.from_server_args(args), ops)
         self.clients: dict[Req, ClientRequest] = {}
-        self.heartbeats: dict[bytes, float] = {}  # last message time of clients that ping
         self.server_id = uuid.uuid4().hex
         self.running = True
-        self.keys = KeyRing.from_settings(args.api_key, args.api_key_file)
         self.drain_deadline: float | None = None  # set by SIGTERM: refuse new work, finish old
         self.heap = Heap()
 
@@ -76,7 +80,7 @@ class Server:
                     raise
                 logger.exception("a turn of the serving loop failed; serving on")
         self.scheduler.close()
-        self.sock.close()
+        self.front.close()
         self.ctx.term()
 
     def _serve_once(self) -> None:
@@ -123,34 +127,19 @@ class Server:
         for client in self.clients.values():
             self._send(client.identity, error_reply(client.rid, code, message))
         self.clients.clear()
-        self.sock.close(linger=1000)  # the errors leave before the process does
+        self.front.close(linger=1000)  # the errors leave before the process does
         self.ctx.term()
 
     def _drain(self, block: bool) -> None:
         timeout = IDLE_POLL_MS if block else STALLED_POLL_MS if self.scheduler.stalled else 0
-        while self.sock.poll(timeout):
-            timeout = 0
-            frames = self.sock.recv_multipart()
-            if len(frames) != 2:
-                logger.warning(
-                    "dropped a message of %d frames (expected identity + one map)", len(frames)
-                )
-                continue
-            identity, payload = frames
-            msg, error = decode_map(payload)
-            if error is not None:
-                self._send(identity, error)
-                continue
-            self._handle(identity, msg)
+        self.front.drain(timeout)
 
     def _abort_vanished_clients(self) -> None:
         """A client that pings and then falls silent (killed, unplugged) loses its requests."""
-        now = time.monotonic()
-        gone = {i for i, seen in self.heartbeats.items() if now - seen > CLIENT_SILENCE_S}
+        gone = self.front.vanished()
         if not gone:
             return
         for identity in gone:
-            del self.heartbeats[identity]
             self.scheduler.unpin_all(_internal_rid(identity, ""))
         for req, client in list(self.clients.items()):
             if client.identity in gone:
@@ -162,51 +151,8 @@ class Server:
                 self.scheduler.abort(req.rid)
                 self.clients.pop(req, None)
 
-    def _handle(self, identity: bytes, msg: dict[str, Any]) -> None:
-        rid, op = msg.get("rid"), msg.get("op")
-        if identity in self.heartbeats or op == "ping":
-            self.heartbeats[identity] = time.monotonic()
-        tenant = self.keys.tenant_of(msg.get("api_key"))
-        if tenant is None:
-            self._send(
-                identity, error_reply(rid, ErrorCode.UNAUTHORIZED, "missing or wrong api_key")
-            )
-            return
-        try:
-            if op == "generate":
-                self._generate(identity, msg, tenant)
-            elif op == "abort":
-                self._publish(self.scheduler.abort(_internal_rid(identity, str(rid))))
-            elif op in CONTROL_OPS:
-                self._send(
-                    identity,
-                    {
-                        "rid": rid,
-                        "result": CONTROL_OPS[op](
-                            self, {**msg, "_identity": identity, "_tenant": tenant}
-                        ),
-                    },
-                )
-            else:
-                self._send(
-                    identity, error_reply(rid, ErrorCode.INVALID_REQUEST, f"unknown op {op!r}")
-                )
-        except RequestError as e:
-            self._send(identity, error_reply(rid, e.code, str(e)))
-        except ValueError as e:
-            self._send(identity, error_reply(rid, ErrorCode.INVALID_REQUEST, str(e)))
-        except AssertionError as e:  # check_invariants found a broken invariant: a bug
-            self._send(
-                identity,
-                error_reply(rid, ErrorCode.INTERNAL_ERROR, str(e) or traceback.format_exc()),
-            )
-        except Exception as e:  # a bug must cost one request, not the server
-            logger.exception("op %r failed", op)
-            self._send(
-                identity, error_reply(rid, ErrorCode.INTERNAL_ERROR, f"{type(e).__name__}: {e}")
-            )
-
-    def _generate(self, identity: bytes, msg: dict[str, Any], tenant: str) -> None:
+    def _generate(self, caller: Caller, msg: dict[str, Any]) -> None:
+        identity, tenant = caller.identity, caller.principal.tenant
         rid = msg.get("rid")
         if not isinstance(rid, str) or not rid:
             raise ValueError("generate needs a non-empty string rid")
@@ -215,20 +161,17 @@ class Server:
                 ErrorCode.DRAINING, "the server is shutting down; send this to another one"
             )
         if len(self.scheduler.waiting) >= self.args.max_queued_requests:
-            self._send(
-                identity,
-                error_reply(
-                    rid,
-                    ErrorCode.OVERLOADED,
-                    f"{len(self.scheduler.waiting)} requests are already waiting; try again later",
-                ),
+            raise RequestError(
+                ErrorCode.OVERLOADED,
+                f"{len(self.scheduler.waiting)} requests are already waiting; try again later",
             )
-            return
         params = msg.get("sampling_params") or {}
         if not isinstance(params, dict):
             raise ValueError("sampling_params must be a map")
         params = SamplingParams.from_dict(params)
-        scope = RequestScope.from_fields(tenant, msg)
+        scope = RequestScope.from_fields(tenant, msg).capped(
+            caller.principal.max_priority, self.args.schedule_low_priority_values_first
+        )
         ids = _prompt_ids(self, msg)
         limit_key = _limit_key(identity, tenant)
         self._check_limits(limit_key, tenant, params.n, params.n * len(ids))
@@ -295,10 +238,7 @@ class Server:
             )
 
     def _send(self, identity: bytes, msg: dict[str, Any]) -> None:
-        try:
-            self.sock.send_multipart([identity, msgpack.packb(msg, use_bin_type=True)], zmq.NOBLOCK)
-        except zmq.Again:
-            logger.warning("client %s is not reading; dropped a reply", identity.hex())
+        self.front.reply(identity, msg)
 
 
 def _final_reply(client: ClientRequest, req: Req) -> dict[str, Any]:
@@ -334,7 +274,7 @@ def _stop_holdback(req: Req) -> int:
     return longest
 
 
-def _model_info(server: Server, msg: dict[str, Any]) -> dict[str, Any]:
+def _model_info(server: Server, caller: Caller, msg: dict[str, Any]) -> dict[str, Any]:
     tok = server.tokenizer
     return {
         "model": server.args.model,
@@ -348,7 +288,7 @@ def _model_info(server: Server, msg: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _shutdown(server: Server, msg: dict[str, Any]) -> bool:
+def _shutdown(server: Server, caller: Caller, msg: dict[str, Any]) -> bool:
     server.running = False
     return True
 
@@ -357,6 +297,7 @@ def _prompt_ids(server: Server, msg: dict[str, Any]) -> list[int]:
     text, ids = msg.get("text"), msg.get("input_ids")
     if (text is None) == (ids is None):
         raise ValueError("give exactly one of text or input_ids")
+    check_prompt_size(msg, server.args.max_prompt_bytes)
     if text is not None:
         if not isinstance(text, str):
             raise ValueError("text must be a string")
@@ -368,38 +309,52 @@ def _prompt_ids(server: Server, msg: dict[str, Any]) -> list[int]:
     return ids
 
 
-def _pin(server: Server, msg: dict[str, Any]) -> int:
+def _pin(server: Server, caller: Caller, msg: dict[str, Any]) -> int:
     return server.scheduler.pin(
-        _internal_rid(msg["_identity"], str(msg.get("pin_id"))),
+        _internal_rid(caller.identity, str(msg.get("pin_id"))),
         _prompt_ids(server, msg),
-        RequestScope.from_fields(msg["_tenant"], msg).salt,
-        owner=_internal_rid(msg["_identity"], ""),
+        RequestScope.from_fields(caller.principal.tenant, msg).salt,
+        owner=_internal_rid(caller.identity, ""),
     )
 
 
-def _unpin(server: Server, msg: dict[str, Any]) -> bool:
-    return server.scheduler.unpin(_internal_rid(msg["_identity"], str(msg.get("pin_id"))))
+def _unpin(server: Server, caller: Caller, msg: dict[str, Any]) -> bool:
+    return server.scheduler.unpin(_internal_rid(caller.identity, str(msg.get("pin_id"))))
 
 
-def _tokenize(server: Server, msg: dict[str, Any]) -> list[int]:
+def _tokenize(server: Server, caller: Caller, msg: dict[str, Any]) -> list[int]:
     text = msg.get("text")
     if not isinstance(text, str):
         raise ValueError("tokenize needs a string text")
+    check_prompt_size(msg, server.args.max_prompt_bytes)
     return server.tokenizer.encode(text, add_special_tokens=False)
 
 
-CONTROL_OPS = {
-    "health": lambda s, m: True,
-    "ping": lambda s, m: {"server_id": s.server_id},
-    "tokenize": _tokenize,
-    "pin": _pin,
-    "unpin": _unpin,
-    "stats": lambda s, m: {**s.scheduler.stats(), "draining": s.drain_deadline is not None},
-    "flush_cache": lambda s, m: s.scheduler.flush_cache(),
-    "check_invariants": lambda s, m: s.scheduler.check_invariants() or True,
-    "memory_snapshot": lambda s, m: s.scheduler.memory_snapshot(),
-    "model_info": _model_info,
-    "shutdown": _shutdown,
+def _stats(server: Server, caller: Caller, msg: dict[str, Any]) -> dict[str, Any]:
+    stats = {**server.scheduler.stats(), "draining": server.drain_deadline is not None}
+    return visible_stats(stats, caller.principal)
+
+
+def _abort(server: Server, caller: Caller, msg: dict[str, Any]) -> None:
+    server._publish(server.scheduler.abort(_internal_rid(caller.identity, str(msg.get("rid")))))
+
+
+# the runtime's op table; each handler takes the server first (bound in Server.__init__)
+LATER = {"answers": False}  # the handler replies itself
+OPS: dict[str, Op] = {
+    "generate": Op(Server._generate, **LATER),
+    "abort": Op(_abort, **LATER),
+    "health": Op(lambda s, c, m: True),
+    "ping": Op(lambda s, c, m: {"server_id": s.server_id}),
+    "tokenize": Op(_tokenize),
+    "pin": Op(_pin),
+    "unpin": Op(_unpin),
+    "stats": Op(_stats),
+    "model_info": Op(_model_info),
+    "flush_cache": Op(lambda s, c, m: s.scheduler.flush_cache(), Role.ADMIN),
+    "check_invariants": Op(lambda s, c, m: s.scheduler.check_invariants() or True, Role.ADMIN),
+    "memory_snapshot": Op(lambda s, c, m: s.scheduler.memory_snapshot(), Role.ADMIN),
+    "shutdown": Op(_shutdown, Role.ADMIN),
 }
 
 
@@ -408,7 +363,7 @@ def run_server(args: ServerArgs) -> None:
     first: running and queued requests finish, up to `--drain-timeout`)."""
     logging.basicConfig(level=args.log_level.upper(), format="[%(asctime)s %(name)s] %(message)s")
     args = args.with_secrets_from_env()
-    check_exposure(args.host, args.api_key or args.api_key_file, args.curve_secret_key)
+    FrontConfig.from_server_args(args).check_exposure(args.host)
     exit_with_parent()  # a runtime started by rt.Runtime / rt.Engine ends with its launcher
     gateway = None
     if (

@@ -54,7 +54,10 @@ def client(runtime):
 
 def _metrics(runtime) -> dict[str, float]:
     """Every sample of /metrics, which must parse as Prometheus text."""
-    with urllib.request.urlopen(f"{runtime.http_url}/metrics", timeout=HTTP_TIMEOUT_S) as reply:
+    admin = urllib.request.Request(  # the lone --api-key is the admin's: /metrics needs it
+        f"{runtime.http_url}/metrics", headers={"Authorization": f"Bearer {KEY}"}
+    )
+    with urllib.request.urlopen(admin, timeout=HTTP_TIMEOUT_S) as reply:
         assert reply.headers["Content-Type"].startswith("text/plain")
         text = reply.read().decode()
     samples = {}

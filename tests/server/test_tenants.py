@@ -22,7 +22,7 @@ from radixrt.client.transport import RemoteError
 from ownership import assert_no_leak, wait_idle
 from timeouts import REPLY_TIMEOUT_S
 
-ADMIN_KEY = "admin-key"  # --api-key: the default tenant, and the launcher's own calls
+ADMIN_KEY = "admin-key"  # --api-key and --admin-api-key: the default tenant, and the admin
 KEYS = {"alice": "alice-key", "bob": "bob-key"}
 ENDLESS = {"max_new_tokens": 100000, "temperature": 0, "ignore_eos": True}
 # long, yet within the tiny model's context: two run at once (an endless one reserves the pool)
@@ -49,6 +49,7 @@ def tenants(tiny_model_dir, tmp_path_factory):
         model=str(tiny_model_dir),
         max_total_tokens=4096,
         api_key=ADMIN_KEY,
+        admin_api_key=ADMIN_KEY,
         api_key_file=str(key_file),
         max_inflight_per_tenant=2,
         max_queued_tokens_per_tenant=1000,
@@ -112,7 +113,8 @@ def test_http_salt_and_bearer_tenant(tenants):
         cached("not-a-key")
     assert info.value.code == 401
     metrics_url = f"http://127.0.0.1:{tenants.args.http_port}/metrics"
-    with urllib.request.urlopen(metrics_url, timeout=REPLY_TIMEOUT_S) as reply:
+    admin = urllib.request.Request(metrics_url, headers={"Authorization": f"Bearer {ADMIN_KEY}"})
+    with urllib.request.urlopen(admin, timeout=REPLY_TIMEOUT_S) as reply:
         metrics = reply.read().decode()
     assert 'radixrt_tenant_cached_prompt_tokens_total{tenant="alice"}' in metrics
     assert 'radixrt_tenant_requests_total{tenant="bob"}' in metrics

@@ -126,7 +126,12 @@ class Gateway:
         return _Model(info["model"], info["context_length"], tokenizer, template, parser)
 
     def authorized(self, headers: dict[bytes, bytes]) -> bool:
-        return self.keys.tenant_of(_bearer(headers)) is not None
+        return self.keys.principal_of(_bearer(headers)) is not None
+
+    def authorized_admin(self, headers: dict[bytes, bytes]) -> bool:
+        """/metrics shows every tenant: with keys configured, only the admin key may read it."""
+        principal = self.keys.principal_of(_bearer(headers))
+        return principal is not None and principal.admin
 
     def options(self, request: Request, req: GenerateRequest) -> RequestOptions:
         """The body's tenancy fields, and the client's own key: the runtime names its tenant."""
@@ -328,8 +333,9 @@ def _bearer(headers: dict[bytes, bytes]) -> str:
 
 class _Guard:
     """Pure ASGI middleware (BaseHTTPMiddleware would get between streams and disconnects):
-    Bearer key on /v1/*, bodies of at most `max_body_bytes` (413, judged by Content-Length and
-    then by what actually arrives), request counts by route and status."""
+    Bearer key on /v1/*, the admin's on /metrics, bodies of at most `max_body_bytes` (413,
+    judged by Content-Length and then by what actually arrives), request counts by route and
+    status."""
 
     def __init__(self, app, gateway: Gateway):
         self.app, self.gateway = app, gateway
@@ -347,13 +353,8 @@ class _Guard:
             await send(message)
 
         try:
-            if path.startswith("/v1/") and not self.gateway.authorized(dict(scope["headers"])):
-                error = APIError(
-                    401,
-                    "missing or wrong API key (Authorization: Bearer ...)",
-                    "authentication_error",
-                    code="invalid_api_key",
-                )
+            error = self._refusal(path, dict(scope["headers"]))
+            if error is not None:
                 return await error.response()(scope, receive, send_observed)
             body = await _read_body(scope, receive, self.gateway.max_body_bytes)
             if body is None:
@@ -366,6 +367,20 @@ class _Guard:
             self.gateway.metrics.requests.labels(
                 path if path in ROUTES else "other", str(status)
             ).inc()
+
+    def _refusal(self, path: str, headers: dict[bytes, bytes]) -> APIError | None:
+        if path.startswith("/v1/") and not self.gateway.authorized(headers):
+            needed = "API key"
+        elif path == "/metrics" and not self.gateway.authorized_admin(headers):
+            needed = "admin API key (--admin-api-key)"
+        else:
+            return None
+        return APIError(
+            401,
+            f"missing or wrong {needed} (Authorization: Bearer ...)",
+            "authentication_error",
+            code="invalid_api_key",
+        )
 
 
 async def _read_body(scope, receive, limit: int) -> bytes | None:

@@ -29,7 +29,7 @@ STOP_TIMEOUT_S = 10
 def start_gateway(args: ServerArgs) -> subprocess.Popen:
     """Bind the HTTP port here (a busy port fails `serve` at once) and hand it to a gateway child."""
     host = args.http_host
-    if not args.is_loopback and not (args.api_key or args.api_key_file):
+    if not args.is_loopback and not (args.api_key or args.api_key_file or args.admin_api_key):
         raise SystemExit(f"refusing to serve HTTP on {host} without --api-key")
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.create_server((host, args.http_port), family=family, backlog=1024)
@@ -54,8 +54,9 @@ def start_gateway(args: ServerArgs) -> subprocess.Popen:
     if args.curve_secret_key:
         command += ["--curve-server-key", zmq.curve_public(args.curve_secret_key.encode()).decode()]
     env = dict(os.environ)
-    if args.api_key:
-        env[SECRETS["api_key"]] = args.api_key
+    for name in ("api_key", "admin_api_key"):
+        if getattr(args, name):
+            env[SECRETS[name]] = getattr(args, name)
     with sock:
         proc = subprocess.Popen(command, pass_fds=[sock.fileno()], env=env)
     logger.info("OpenAI-compatible HTTP gateway on http://%s:%d/v1", host, args.http_port)
@@ -81,12 +82,13 @@ def run_gateway(
     log_level: str = "info",
     tool_call_parser: str = "auto",
     api_key_file: str | None = None,
+    admin_api_key: str | None = None,
 ) -> None:
     """Serve HTTP on the inherited listening socket `fd` until SIGTERM/SIGINT or the parent exits.
     Each request goes to the runtime with its client's own key (its tenant); the gateway's own
-    calls (stats, health) use `api_key`, else the first key of the file."""
+    calls (stats, health) use the admin key, else `api_key`, else the first key of the file."""
     logging.basicConfig(level=log_level.upper(), format="[%(asctime)s %(name)s] %(message)s")
-    keys = KeyRing.from_settings(api_key, api_key_file)
+    keys = KeyRing.from_settings(api_key, api_key_file, admin_api_key)
     endpoint = RuntimeEndpoint(url, api_key=keys.any_key(), curve_server_key=curve_server_key)
     config = uvicorn.Config(
         build_app(Gateway(endpoint, keys, tool_call_parser)),

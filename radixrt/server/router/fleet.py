@@ -23,9 +23,10 @@ import zmq
 from radixrt.client.launcher import Engine
 from radixrt.config import ServerArgs
 from radixrt.lifecycle import exit_with_parent
-from radixrt.server.exposure import check_exposure
+from radixrt.server.front import FrontConfig
 from radixrt.server.router.policy import CacheAwareThresholds
 from radixrt.server.router.router import DRAIN_SLACK_S, Router, RouterConfig
+from radixrt.server.tenants import KeyRing
 
 logger = logging.getLogger(__name__)
 
@@ -81,8 +82,10 @@ def _on_cuda(device: str) -> bool:
 
 
 def start_workers(args: ServerArgs) -> list[FleetWorker]:
-    """Start every worker at once and wait until all are healthy (any failure stops the rest)."""
-    worker_args = dataclasses.replace(args, dp_size=1, http_port=None)
+    """Start every worker at once and wait until all are healthy (any failure stops the rest).
+    Each gets the keys (file, admin key), so it sees the tenant of each forwarded client key;
+    not the CURVE allowlist, which is the router's: the router's links use their own key pairs."""
+    worker_args = dataclasses.replace(args, dp_size=1, http_port=None, curve_client_keys=None)
     workers: list[Any] = [None] * args.dp_size
     errors: list[BaseException] = []
 
@@ -122,9 +125,10 @@ def router_config(args: ServerArgs, urls: list[str]) -> RouterConfig:
             args.router_balance_abs_threshold,
             args.router_balance_rel_threshold,
         ),
-        api_key=args.api_key,
-        worker_api_key=args.api_key,
-        curve_secret_key=args.curve_secret_key,
+        front=FrontConfig.from_server_args(args),
+        worker_api_key=KeyRing.from_settings(
+            args.api_key, args.api_key_file, args.admin_api_key
+        ).any_key(),
         worker_curve_server_key=public,
         drain_timeout=args.drain_timeout,
     )
@@ -135,7 +139,7 @@ def run_fleet(args: ServerArgs) -> None:
     (which drains the router and the workers first). A drained fleet whose workers did not all
     exit 0 exits 1."""
     logging.basicConfig(level=args.log_level.upper(), format="[%(asctime)s %(name)s] %(message)s")
-    check_exposure(args.host, args.api_key, args.curve_secret_key)
+    FrontConfig.from_server_args(args).check_exposure(args.host)
     exit_with_parent()  # and the workers, which watch this process, follow
     gateway = None
     if args.http_port:  # before the workers load: a busy port fails at once

@@ -8,10 +8,11 @@ import os
 import signal
 from typing import Any
 
-from radixrt.config import SECRETS
-from radixrt.server.exposure import check_exposure
+from radixrt.config import SECRETS, ServerArgs
+from radixrt.server.front import FrontConfig
 from radixrt.server.router.policy import POLICIES, CacheAwareThresholds
 from radixrt.server.router.router import Router, RouterConfig
+from radixrt.server.tenants import KeyRing
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +48,31 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--api-key", help=f"clients must send it (or set {SECRETS['api_key']})")
     parser.add_argument(
-        "--worker-api-key", help="what the router sends the workers (default: --api-key)"
+        "--api-key-file",
+        help="'tenant:key[:maxprio]' lines, as `serve`: each client's key is forwarded, so the workers need the same file",
+    )
+    parser.add_argument(
+        "--admin-api-key",
+        help=f"the key of control ops, as `serve` (or set {SECRETS['admin_api_key']})",
+    )
+    parser.add_argument(
+        "--worker-api-key",
+        help="what the router sends the workers (default: --admin-api-key, else --api-key, else the key file's first key)",
+    )
+    parser.add_argument(
+        "--curve-client-keys", help="only these client CURVE public keys may connect, as `serve`"
+    )
+    parser.add_argument(
+        "--max-frame-bytes",
+        type=int,
+        default=ServerArgs.max_frame_bytes,
+        help=f"as `serve` (default: {ServerArgs.max_frame_bytes})",
+    )
+    parser.add_argument(
+        "--max-prompt-bytes",
+        type=int,
+        default=ServerArgs.max_prompt_bytes,
+        help=f"as `serve` (default: {ServerArgs.max_prompt_bytes})",
     )
     parser.add_argument(
         "--curve-secret-key",
@@ -69,18 +94,28 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
 
 def run_router(args: argparse.Namespace) -> None:
     logging.basicConfig(level=args.log_level.upper(), format="[%(asctime)s %(name)s] %(message)s")
-    api_key = args.api_key or os.environ.get(SECRETS["api_key"]) or None
-    curve = args.curve_secret_key or os.environ.get(SECRETS["curve_secret_key"]) or None
-    check_exposure(args.host, api_key, curve)
+    secrets = {
+        name: getattr(args, name) or os.environ.get(var) or None for name, var in SECRETS.items()
+    }
+    front = FrontConfig(
+        secrets["api_key"],
+        args.api_key_file,
+        secrets["admin_api_key"],
+        secrets["curve_secret_key"],
+        args.curve_client_keys,
+        args.max_frame_bytes,
+        args.max_prompt_bytes,
+    )
+    front.check_exposure(args.host)
     config = RouterConfig(
         workers=tuple(args.worker),
         policy=args.policy,
         thresholds=CacheAwareThresholds(
             args.cache_threshold, args.balance_abs_threshold, args.balance_rel_threshold
         ),
-        api_key=api_key,
-        worker_api_key=args.worker_api_key or api_key,
-        curve_secret_key=curve,
+        front=front,
+        worker_api_key=args.worker_api_key
+        or KeyRing.from_settings(front.api_key, front.api_key_file, front.admin_api_key).any_key(),
         worker_curve_server_key=args.worker_curve_server_key,
         tokenizer=args.tokenizer,
         drain_timeout=args.drain_timeout,

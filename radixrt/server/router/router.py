@@ -13,7 +13,6 @@ checked as a client's frame is, so a malformed one costs at most the request it 
 
 from __future__ import annotations
 
-import hmac
 import itertools
 import logging
 import time
@@ -22,21 +21,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import msgpack
 import zmq
 
-from radixrt.protocol import (
-    MAX_CACHE_SALT_CHARS,
-    ErrorCode,
-    RequestError,
-    decode_map,
-    error_reply,
+from radixrt.protocol import MAX_CACHE_SALT_CHARS, ErrorCode, RequestError, error_reply
+from radixrt.server.front import (
+    Caller,
+    ClientFront,
+    FrontConfig,
+    Op,
+    Role,
+    check_prompt_size,
+    visible_stats,
 )
-from radixrt.server.exposure import bind_client_socket
 from radixrt.server.router.policy import CacheAwareThresholds, Route, RouteReason, make_policy
 from radixrt.server.router.prefix_tree import Namespace, Prompt
 from radixrt.server.router.worker import WorkerLink, reply_problem
-from radixrt.server.tenants import DEFAULT_TENANT
+from radixrt.server.tenants import OPEN, Principal
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +46,6 @@ HEARTBEAT_S = 1.0  # the router pings every worker this often (so workers also w
 # request compiles kernels; a busy 2-core machine takes seconds a prefill): a dead process is
 # caught at once by its dropped connection, so this is only for hung or unreachable ones.
 WORKER_SILENCE_S = 60.0
-CLIENT_SILENCE_S = 5.0  # as the server: a pinging client silent this long has vanished
 GATHER_TIMEOUT_S = 30.0  # a fanned-out control op answers with what arrived by then
 PIN_SLACK_TOKENS = 2  # a fork's branch re-tokenizes its parent's text: the last tokens may differ
 # A draining router waits this much past --drain-timeout: the workers end what is left at their
@@ -56,14 +55,20 @@ DRAIN_SLACK_S = 5.0
 
 @dataclass(frozen=True)
 class RouterConfig:
-    """What `radixrt router` and `serve --dp-size` set: workers, policy, keys."""
+    """What `radixrt router` and `serve --dp-size` set: workers, policy, the clients' socket
+    (`front`: keys, roles, CURVE, limits: the runtime's rules) and the workers' keys.
+
+    With a key file (`front.api_key_file`) the router forwards each client's own `api_key`, so
+    the workers (which must accept the same keys: `serve --dp-size` passes them the file and the
+    admin key) see the right tenant, priority cap and role; `worker_api_key` then only carries
+    the router's own calls (pings, its stats). Without one, every message goes on with
+    `worker_api_key`."""
 
     workers: tuple[str, ...]
     policy: str = "cache-aware"
     thresholds: CacheAwareThresholds = field(default_factory=CacheAwareThresholds)
-    api_key: str | None = None  # what clients must send
+    front: FrontConfig = field(default_factory=FrontConfig)
     worker_api_key: str | None = None  # what the router sends to the workers
-    curve_secret_key: str | None = None  # the router's own socket
     worker_curve_server_key: str | None = None  # the workers' public key
     tokenizer: str | None = None  # tokenizer.json, when the workers' model_path is not local
     drain_timeout: float = 30.0  # on SIGTERM: how long requests in flight may take to finish
@@ -74,6 +79,10 @@ class RouterConfig:
         if self.drain_timeout < 0:
             raise ValueError("drain_timeout must be >= 0")
         make_policy(self.policy)  # validates the name
+
+    @property
+    def forwards_client_keys(self) -> bool:
+        return bool(self.front.api_key_file)
 
 
 def namespace_of(tenant: str, msg: dict[str, Any]) -> Namespace:
@@ -112,6 +121,7 @@ class Gather:
     deadline: float
     replies: dict[int, dict[str, Any]] = field(default_factory=dict)
     pin: tuple[str, Prompt] | None = None  # (pin_id, prompt) of a pin op
+    viewer: Principal = OPEN  # whose stats these are (a tenant sees only its own row)
 
 
 @dataclass(frozen=True)
@@ -124,7 +134,7 @@ class Router:
     def __init__(self, config: RouterConfig, endpoint: str):
         self.config = config
         self.ctx = zmq.Context()
-        self.front = bind_client_socket(self.ctx, endpoint, config.curve_secret_key)
+        self.front = ClientFront(self.ctx, endpoint, config.front, self._ops())
         self.workers = [
             WorkerLink(self.ctx, i, url, config.worker_api_key, config.worker_curve_server_key)
             for i, url in enumerate(config.workers)
@@ -135,14 +145,13 @@ class Router:
             self.worker_poller.register(w.sock, zmq.POLLIN)
             self.worker_poller.register(w.monitor, zmq.POLLIN)
         self.poller = zmq.Poller()
-        self.poller.register(self.front, zmq.POLLIN)
+        self.poller.register(self.front.sock, zmq.POLLIN)
         for w in self.workers:
             self.poller.register(w.sock, zmq.POLLIN)
             self.poller.register(w.monitor, zmq.POLLIN)
         self.flights: dict[str, Flight] = {}  # by key
         self.gathers: dict[str, tuple[Gather, int]] = {}  # sub-rid -> (gather, worker index)
         self.pins: dict[bytes, dict[str, Pin]] = {}
-        self.heartbeats: dict[bytes, float] = {}
         self.counters = {f"routed_by_{r.value}": 0 for r in RouteReason}
         self.counters.update(resent_requests=0, lost_requests=0)
         self.tokenizer = _load_tokenizer(config.tokenizer) if config.tokenizer else None
@@ -169,8 +178,8 @@ class Router:
 
     def _run_once(self, serve_clients: bool = True) -> None:
         events = dict((self.poller if serve_clients else self.worker_poller).poll(POLL_MS))
-        if self.front in events:
-            self._drain_clients()
+        if self.front.sock in events:
+            self.front.drain()
         for w in self.workers:
             if w.sock in events:  # before a drop: a worker's last replies precede its exit
                 for reply in w.recv_all():
@@ -218,83 +227,76 @@ class Router:
         for gather, _ in list(self.gathers.values()):
             if now > gather.deadline:
                 self._finish_gather(gather)
-        gone = {i for i, seen in self.heartbeats.items() if now - seen > CLIENT_SILENCE_S}
-        for identity in gone:
+        for identity in self.front.vanished():
             self._forget_client(identity)
 
     # ---- clients -----------------------------------------------------------------------------
-    def _drain_clients(self) -> None:
-        while True:
-            try:
-                frames = self.front.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            if len(frames) != 2:
-                logger.warning("dropped a message of %d frames", len(frames))
-                continue
-            identity, payload = frames
-            msg, error = decode_map(payload)
-            if error is not None:
-                self._reply(identity, error)
-                continue
-            try:
-                self._on_client(identity, msg)
-            except ValueError as e:
-                code = e.code if isinstance(e, RequestError) else ErrorCode.INVALID_REQUEST
-                self._reply(identity, error_reply(msg.get("rid"), code, str(e)))
-            except Exception as e:  # a bug costs one request, never the router
-                logger.exception("op %r failed", msg.get("op"))
-                self._reply(
-                    identity,
-                    error_reply(
-                        msg.get("rid"), ErrorCode.INTERNAL_ERROR, f"{type(e).__name__}: {e}"
-                    ),
-                )
+    def _ops(self) -> dict[str, Op]:
+        """The op table: what the router answers itself, and what it fans out to workers."""
+        later = {"answers": False}  # the handler replies (now, or when the workers have)
+        return {
+            "generate": Op(self._on_generate, **later),
+            "abort": Op(self._abort, **later),
+            "ping": Op(lambda caller, msg: {"server_id": self.server_id}),
+            "health": Op(self._health, **later),
+            "shutdown": Op(self._shutdown, Role.ADMIN),
+            "pin": Op(self._on_pin, **later),
+            "unpin": Op(self._unpin, **later),
+            "stats": Op(self._to_all, **later),
+            "model_info": Op(self._to_one, **later),
+            "tokenize": Op(self._to_one, **later),
+            "flush_cache": Op(self._to_all, Role.ADMIN, **later),
+            "check_invariants": Op(self._to_all, Role.ADMIN, **later),
+            "memory_snapshot": Op(self._to_all, Role.ADMIN, **later),
+        }
 
-    def _on_client(self, identity: bytes, msg: dict[str, Any]) -> None:
-        rid, op = msg.get("rid"), msg.get("op")
-        if identity in self.heartbeats or op == "ping":
-            self.heartbeats[identity] = time.monotonic()
-        if self.config.api_key and not hmac.compare_digest(
-            str(msg.get("api_key", "")).encode(), self.config.api_key.encode()
-        ):
-            self._reply(
-                identity, error_reply(rid, ErrorCode.UNAUTHORIZED, "missing or wrong api_key")
-            )
-            return
-        msg.pop("api_key", None)
-        if op == "generate":
-            self._generate(identity, msg)
-        elif op == "abort":
-            flight = self.flights.get(_key(identity, str(rid)))
-            if flight is not None:
-                flight.worker.send({"op": "abort", "rid": flight.key})
-        elif op == "ping":
-            self._reply(identity, {"rid": rid, "result": {"server_id": self.server_id}})
-        elif op == "health":
-            if self._alive():
-                self._reply(identity, {"rid": rid, "result": True})
-            else:
-                self._reply(identity, error_reply(rid, ErrorCode.WORKER_LOST, "no worker is alive"))
-        elif op == "shutdown":
-            self._reply(identity, {"rid": rid, "result": True})
-            self.running = False
-        elif op == "pin":
-            self._pin(identity, msg)
-        elif op == "unpin":
-            pin = self.pins.get(identity, {}).pop(str(msg.get("pin_id")), None)
-            if pin is None:
-                self._reply(identity, {"rid": rid, "result": False})
-            else:
-                self._fan_out(identity, msg, [self.workers[pin.worker]], pin_key=True)
-        elif op in ("stats", "flush_cache", "check_invariants", "memory_snapshot"):
-            self._fan_out(identity, msg, self._alive())
-        elif op in ("model_info", "tokenize"):
-            self._fan_out(identity, msg, self._alive()[:1])
+    def _for_workers(self, caller: Caller, msg: dict[str, Any]) -> dict[str, Any]:
+        """`msg` as a worker gets it: with the client's own key when keys are forwarded (see
+        RouterConfig), else as it is (the link adds `worker_api_key`)."""
+        if self.config.forwards_client_keys and caller.api_key is not None:
+            return {**msg, "api_key": caller.api_key}
+        return msg
+
+    def _on_generate(self, caller: Caller, msg: dict[str, Any]) -> None:
+        self._generate(caller.identity, self._for_workers(caller, msg), caller.principal.tenant)
+
+    def _on_pin(self, caller: Caller, msg: dict[str, Any]) -> None:
+        self._pin(caller, self._for_workers(caller, msg))
+
+    def _to_all(self, caller: Caller, msg: dict[str, Any]) -> None:
+        self._fan_out(caller, self._for_workers(caller, msg), self._alive())
+
+    def _to_one(self, caller: Caller, msg: dict[str, Any]) -> None:
+        self._fan_out(caller, self._for_workers(caller, msg), self._alive()[:1])
+
+    def _abort(self, caller: Caller, msg: dict[str, Any]) -> None:
+        flight = self.flights.get(_key(caller.identity, str(msg.get("rid"))))
+        if flight is not None:
+            flight.worker.send({"op": "abort", "rid": flight.key})
+
+    def _health(self, caller: Caller, msg: dict[str, Any]) -> None:
+        rid = msg.get("rid")
+        if self._alive():
+            self._reply(caller.identity, {"rid": rid, "result": True})
         else:
-            raise ValueError(f"unknown op {op!r}")
+            self._reply(
+                caller.identity, error_reply(rid, ErrorCode.WORKER_LOST, "no worker is alive")
+            )
 
-    def _generate(self, identity: bytes, msg: dict[str, Any]) -> None:
+    def _shutdown(self, caller: Caller, msg: dict[str, Any]) -> bool:
+        self.running = False
+        return True
+
+    def _unpin(self, caller: Caller, msg: dict[str, Any]) -> None:
+        pin = self.pins.get(caller.identity, {}).pop(str(msg.get("pin_id")), None)
+        if pin is None:
+            self._reply(caller.identity, {"rid": msg.get("rid"), "result": False})
+        else:
+            self._fan_out(caller, msg, [self.workers[pin.worker]], pin_key=True)
+
+    def _generate(self, identity: bytes, msg: dict[str, Any], tenant: str) -> None:
+        """Route one client generate; `tenant` is whom its key names (the key, if forwarded, is
+        in `msg`)."""
         rid = msg.get("rid")
         if not isinstance(rid, str) or not rid:
             raise ValueError("generate needs a non-empty string rid")
@@ -310,7 +312,7 @@ class Router:
             raise ValueError("sampling_params must be a map")
         n = params.get("n", 1)
         samples = n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1
-        prompt = Prompt(namespace_of(DEFAULT_TENANT, msg), self._tokens(msg))
+        prompt = Prompt(namespace_of(tenant, msg), self._tokens(msg))
         flight = Flight(identity, rid, key, msg, prompt, samples, worker=None)  # type: ignore[arg-type]
         self._dispatch(flight)
 
@@ -344,18 +346,19 @@ class Router:
                 return Route(worker, RouteReason.PIN, len(pin.prompt.tokens))
         return self.policy.choose(flight.prompt, candidates)
 
-    def _pin(self, identity: bytes, msg: dict[str, Any]) -> None:
-        prompt = Prompt(namespace_of(DEFAULT_TENANT, msg), self._tokens(msg))
+    def _pin(self, caller: Caller, msg: dict[str, Any]) -> None:
+        prompt = Prompt(namespace_of(caller.principal.tenant, msg), self._tokens(msg))
         candidates = self._alive()
         if not candidates:
             self._reply(
-                identity, error_reply(msg.get("rid"), ErrorCode.WORKER_LOST, "no worker is alive")
+                caller.identity,
+                error_reply(msg.get("rid"), ErrorCode.WORKER_LOST, "no worker is alive"),
             )
             return
         route = self.policy.choose(prompt, candidates)
         route.worker.tree.insert(prompt)
         self._fan_out(
-            identity, msg, [route.worker], pin_key=True, pin=(str(msg.get("pin_id")), prompt)
+            caller, msg, [route.worker], pin_key=True, pin=(str(msg.get("pin_id")), prompt)
         )
 
     def _tokens(self, msg: dict[str, Any]) -> list[int]:
@@ -364,6 +367,7 @@ class Router:
         text, ids = msg.get("text"), msg.get("input_ids")
         if (text is None) == (ids is None):
             raise ValueError("give exactly one of text or input_ids")
+        check_prompt_size(msg, self.config.front.max_prompt_bytes)
         if text is not None:
             if not isinstance(text, str):
                 raise ValueError("text must be a string")
@@ -378,7 +382,6 @@ class Router:
 
     def _forget_client(self, identity: bytes) -> None:
         """A pinging client fell silent: abort its requests and drop its pins, at the workers."""
-        del self.heartbeats[identity]
         for flight in [f for f in self.flights.values() if f.identity == identity]:
             logger.info("client %s went silent; aborting %s", identity.hex(), flight.rid)
             flight.worker.send({"op": "abort", "rid": flight.key})
@@ -539,12 +542,13 @@ class Router:
     # ---- fanned-out control ops --------------------------------------------------------------
     def _fan_out(
         self,
-        identity: bytes,
+        caller: Caller,
         msg: dict[str, Any],
         workers: list[WorkerLink],
         pin_key: bool = False,
         pin: tuple[str, Prompt] | None = None,
     ) -> None:
+        identity = caller.identity
         gather = Gather(
             identity,
             msg.get("rid"),
@@ -552,6 +556,7 @@ class Router:
             set(),
             time.monotonic() + GATHER_TIMEOUT_S,
             pin=pin,
+            viewer=caller.principal,
         )
         if pin_key:  # pin ids are the client's own: two clients may both use "fork-1"
             msg = {**msg, "pin_id": _key(identity, str(msg.get("pin_id")))}
@@ -578,7 +583,7 @@ class Router:
             for i, r in gather.replies.items():
                 if r.get("error") is None:  # else its last good stats stand
                     self.workers[i].stats = r["result"]
-            return {"result": self._stats()}
+            return {"result": visible_stats(self._stats(), gather.viewer)}
         if errors:
             return errors[0]
         if not replies:
@@ -618,6 +623,7 @@ class Router:
             total["tp_size"] = alive[0].get("tp_size", 1)
         return {
             **total,
+            "tenants": _sum_tenants(alive),
             "dp_size": len(self.workers),
             "router_policy": self.policy.name,
             "draining": self.drain_deadline is not None,
@@ -626,12 +632,19 @@ class Router:
         }
 
     def _reply(self, identity: bytes, msg: dict[str, Any]) -> None:
-        try:
-            self.front.send_multipart(
-                [identity, msgpack.packb(msg, use_bin_type=True)], zmq.NOBLOCK
-            )
-        except zmq.Again:
-            logger.warning("client %s is not reading; dropped a reply", identity.hex())
+        self.front.reply(identity, msg)
+
+
+def _sum_tenants(stats: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Each tenant's counters summed over the workers' `tenants` rows."""
+    out: dict[str, dict[str, Any]] = {}
+    for worker_stats in stats:
+        for tenant, row in (worker_stats.get("tenants") or {}).items():
+            mine = out.setdefault(tenant, {})
+            for k, v in row.items():
+                if isinstance(v, int | float) and not isinstance(v, bool):
+                    mine[k] = mine.get(k, 0) + v
+    return out
 
 
 def _key(identity: bytes, rid: str) -> str:

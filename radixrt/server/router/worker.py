@@ -83,9 +83,10 @@ class WorkerLink:
         self._complaints: set[str] = set()  # what was logged about its replies already
 
     def send(self, msg: dict[str, Any]) -> bool:
-        """Queue one map for the worker; False when there is no live connection to queue it on."""
+        """Queue one map for the worker; False when there is no live connection to queue it on.
+        A map that carries its own `api_key` (a client's, forwarded) keeps it."""
         if self.api_key is not None:
-            msg = {**msg, "api_key": self.api_key}
+            msg = {"api_key": self.api_key, **msg}
         try:
             self.sock.send(msgpack.packb(msg, use_bin_type=True), zmq.NOBLOCK)
         except zmq.Again:

@@ -1,0 +1,346 @@
+"""The client-facing half that the runtime (`zmq_server.Server`) and the router share.
+
+`ClientFront` owns the ROUTER socket clients connect to and everything done to a frame before an
+op handler sees it, in this order:
+1. ZeroMQ refuses a frame above `--max-frame-bytes` (ZMQ_MAXMSGSIZE: the sender is dropped
+   before the frame is allocated) and, with `--curve-client-keys`, any CURVE key not listed
+   (checked through ZAP).
+2. The frame's `api_key` (and `rid`) is read without building the rest (msgpack's `skip`), so a
+   stranger's frame costs no memory beyond its bytes; a missing or wrong key gets
+   `unauthorized`.
+3. The frame is decoded with msgpack size limits on strings and containers.
+4. The op is looked up in the op table (`Op`: handler + role); a control op (`Role.ADMIN`) sent
+   with a tenant's key gets `unauthorized`.
+5. The handler runs; what it raises costs that one message, never the loop.
+It also tracks the heartbeats of pinging clients, so a vanished client's work can be ended.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import zmq
+from zmq.auth.thread import ThreadAuthenticator
+from zmq.utils import z85
+
+from radixrt.config import ServerArgs
+from radixrt.protocol import ErrorCode, RequestError, decode_map, error_reply, tenant_label
+from radixrt.server.exposure import bind_client_socket, check_exposure
+from radixrt.server.tenants import KeyRing, Principal
+
+logger = logging.getLogger(__name__)
+
+CLIENT_SILENCE_S = 5.0  # a pinging client silent this long has vanished (clients ping every second)
+MIN_CONTAINER_LEN = 1024  # arrays and maps may be this much longer than the longest prompt
+# what the key scan may build: a key, an api_key or a rid; nothing else of the frame is built
+SCAN_LIMITS = {
+    "max_str_len": 4096,
+    "max_bin_len": 4096,
+    "max_array_len": 64,
+    "max_map_len": 64,
+    "max_ext_len": 0,
+}
+
+
+class Role(str, Enum):
+    """Who may send an op: any accepted key (`client`), or only the admin key (`admin`)."""
+
+    CLIENT = "client"
+    ADMIN = "admin"
+
+
+@dataclass(frozen=True)
+class Caller:
+    """The sender of one message: its socket identity, who its key names, and that key as it
+    was sent (the router forwards it to the workers, see docs/protocol.md)."""
+
+    identity: bytes
+    principal: Principal
+    api_key: str | None
+
+
+Handler = Callable[[Caller, dict[str, Any]], Any]
+
+
+@dataclass(frozen=True)
+class Op:
+    """One entry of an op table. With `answers`, the front replies `{"rid", "result": run(...)}`;
+    without, `run` replies itself (a generate streams, a fanned-out op answers later)."""
+
+    run: Handler
+    role: Role = Role.CLIENT
+    answers: bool = True
+
+
+@dataclass(frozen=True)
+class FrontConfig:
+    """The flags of the client-facing socket (ServerArgs names them; `radixrt router` too)."""
+
+    api_key: str | None = None
+    api_key_file: str | None = None
+    admin_api_key: str | None = None
+    curve_secret_key: str | None = None
+    curve_client_keys: str | None = None
+    max_frame_bytes: int = ServerArgs.max_frame_bytes
+    max_prompt_bytes: int = ServerArgs.max_prompt_bytes
+
+    def __post_init__(self) -> None:
+        # checked here, not in ServerArgs: the secret may arrive by environment after parsing
+        if self.curve_client_keys and not self.curve_secret_key:
+            raise ValueError("--curve-client-keys needs --curve-secret-key (the server's key)")
+
+    @classmethod
+    def from_server_args(cls, args: ServerArgs) -> FrontConfig:
+        return cls(
+            args.api_key,
+            args.api_key_file,
+            args.admin_api_key,
+            args.curve_secret_key,
+            args.curve_client_keys,
+            args.max_frame_bytes,
+            args.max_prompt_bytes,
+        )
+
+    @property
+    def keyed(self) -> bool:
+        return bool(self.api_key or self.api_key_file or self.admin_api_key)
+
+    def check_exposure(self, host: str) -> None:
+        check_exposure(host, self.keyed, self.curve_secret_key, self.curve_client_keys)
+
+    def decode_limits(self) -> dict[str, int]:
+        """msgpack limits of an accepted frame: strings up to the frame, containers a little
+        longer than the longest prompt of token ids (4 bytes each: a prompt just over it gets
+        the prompt-size error), so nothing decodes far past what a request may hold."""
+        containers = self.max_prompt_bytes // 4 + MIN_CONTAINER_LEN
+        return {
+            "max_str_len": self.max_frame_bytes,
+            "max_bin_len": self.max_frame_bytes,
+            "max_array_len": containers,
+            "max_map_len": containers,
+            "max_ext_len": 0,
+        }
+
+
+@dataclass(frozen=True)
+class Envelope:
+    """What is read of a frame before it is decoded: its `api_key` and `rid`."""
+
+    api_key: Any = None
+    rid: Any = None
+
+
+def read_envelope(payload: bytes) -> Envelope:
+    """The frame's `api_key` and `rid`, every other value skipped unbuilt. A ValueError when the
+    frame is not a msgpack map (or a key or those values is outsized)."""
+    unpacker = msgpack.Unpacker(io.BytesIO(payload), raw=False, strict_map_key=False, **SCAN_LIMITS)
+    try:
+        entries = unpacker.read_map_header()
+        found: dict[str, Any] = {}
+        for _ in range(entries):
+            key = unpacker.unpack()
+            if key in ("api_key", "rid"):
+                found[key] = unpacker.unpack()
+            else:
+                unpacker.skip()
+    except Exception as e:  # msgpack raises several types for malformed input
+        raise ValueError(f"a message must be one msgpack map ({type(e).__name__}: {e})") from e
+    return Envelope(found.get("api_key"), found.get("rid"))
+
+
+def load_curve_keys(path: str | Path) -> set[bytes]:
+    """Z85 CURVE public keys, one a line (blank lines and `#` comments skipped)."""
+    keys = set()
+    for number, line in enumerate(Path(path).read_text().splitlines(), 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        if not _is_curve_key(line):
+            raise ValueError(f"{path}:{number}: expected a Z85 CURVE public key (40 characters)")
+        keys.add(line.encode())
+    if not keys:
+        raise ValueError(f"{path}: no CURVE public key")
+    return keys
+
+
+def _is_curve_key(text: str) -> bool:
+    try:
+        return len(text) == 40 and len(z85.decode(text)) == 32
+    except Exception:  # z85 raises several types for characters outside its alphabet
+        return False
+
+
+class CurveAllowlist:
+    """The ZAP credentials provider of `--curve-client-keys`: a listed key connects, no other."""
+
+    def __init__(self, keys: set[bytes]):
+        self.keys = keys
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        if key not in self.keys:
+            logger.warning("refused a CURVE client key not in --curve-client-keys: %s", key)
+        return key in self.keys
+
+
+def start_allowlist(ctx: zmq.Context, path: str) -> ThreadAuthenticator:
+    """A ZAP handler on `ctx` that admits only the CURVE keys listed in `path`."""
+    auth = ThreadAuthenticator(ctx, log=logger)
+    auth.start()
+    auth.configure_curve_callback("*", CurveAllowlist(load_curve_keys(path)))
+    return auth
+
+
+def check_prompt_size(msg: dict[str, Any], max_bytes: int) -> None:
+    """Refuse, before it is tokenized, a prompt above `--max-prompt-bytes`: its text in UTF-8
+    bytes, or its input_ids at 4 bytes each."""
+    text, ids = msg.get("text"), msg.get("input_ids")
+    if isinstance(text, str) and len(text) * 4 > max_bytes:
+        size = len(text.encode("utf-8", "surrogatepass"))
+    elif isinstance(ids, list):
+        size = 4 * len(ids)
+    else:
+        return
+    if size > max_bytes:
+        raise RequestError(
+            ErrorCode.INVALID_REQUEST,
+            f"the prompt is {size} bytes; at most {max_bytes} (--max-prompt-bytes)",
+        )
+
+
+def visible_stats(stats: dict[str, Any], principal: Principal) -> dict[str, Any]:
+    """`stats` as `principal` may see them: the admin sees every tenant's row; a tenant only its
+    own, in the top-level `tenants` and in each worker's (the router's `workers`)."""
+    if principal.admin:
+        return stats
+    mine = tenant_label(principal.tenant)
+    out = dict(stats)
+    if isinstance(stats.get("tenants"), dict):
+        out["tenants"] = {k: v for k, v in stats["tenants"].items() if k == mine}
+    if isinstance(stats.get("workers"), list):
+        out["workers"] = [visible_stats(w, principal) for w in stats["workers"]]
+    return out
+
+
+class ClientFront:
+    """The ROUTER socket, frame limits, key ring, heartbeats and op table of one listening
+    process (see the module docstring for what happens to a frame, in which order)."""
+
+    def __init__(self, ctx: zmq.Context, endpoint: str, config: FrontConfig, ops: dict[str, Op]):
+        self.config = config
+        self.keys = KeyRing.from_settings(config.api_key, config.api_key_file, config.admin_api_key)
+        self.limits = config.decode_limits()
+        self.ops = ops
+        self.heartbeats: dict[bytes, float] = {}  # last message time of clients that ping
+        self.auth = (
+            start_allowlist(ctx, config.curve_client_keys) if config.curve_client_keys else None
+        )
+        self.sock = bind_client_socket(
+            ctx, endpoint, config.curve_secret_key, config.max_frame_bytes
+        )
+
+    def drain(self, timeout_ms: int = 0) -> None:
+        """Handle every frame that arrives within `timeout_ms`, then every one already there."""
+        while self.sock.poll(timeout_ms):
+            timeout_ms = 0
+            frames = self.sock.recv_multipart()
+            if len(frames) != 2:
+                logger.warning(
+                    "dropped a message of %d frames (expected identity + one map)", len(frames)
+                )
+                continue
+            self.handle(*frames)
+
+    def handle(self, identity: bytes, payload: bytes) -> None:
+        """Authenticate, decode, authorize and run one frame; every failure is its sender's."""
+        try:
+            envelope = read_envelope(payload)
+        except ValueError as e:
+            self.reply(identity, error_reply(None, ErrorCode.INVALID_REQUEST, str(e)))
+            return
+        principal = self.keys.principal_of(envelope.api_key)
+        if principal is None:
+            self.reply(
+                identity,
+                error_reply(envelope.rid, ErrorCode.UNAUTHORIZED, "missing or wrong api_key"),
+            )
+            return
+        msg, error = decode_map(payload, self.limits)
+        if error is not None:
+            self.reply(identity, {**error, "rid": envelope.rid})
+            return
+        api_key = msg.pop("api_key", None)
+        self.dispatch(Caller(identity, principal, api_key), msg)
+
+    def dispatch(self, caller: Caller, msg: dict[str, Any]) -> None:
+        rid, op_name = msg.get("rid"), msg.get("op")
+        if caller.identity in self.heartbeats or op_name == "ping":
+            self.heartbeats[caller.identity] = time.monotonic()
+        op = self.ops.get(op_name) if isinstance(op_name, str) else None
+        if op is None:
+            self.reply(
+                caller.identity,
+                error_reply(rid, ErrorCode.INVALID_REQUEST, f"unknown op {op_name!r}"),
+            )
+            return
+        if op.role is Role.ADMIN and not caller.principal.admin:
+            self.reply(
+                caller.identity,
+                error_reply(
+                    rid,
+                    ErrorCode.UNAUTHORIZED,
+                    f"{op_name} is a control op: it needs the admin key (--admin-api-key)",
+                ),
+            )
+            return
+        self._run(op, caller, msg)
+
+    def _run(self, op: Op, caller: Caller, msg: dict[str, Any]) -> None:
+        rid = msg.get("rid")
+        try:
+            result = op.run(caller, msg)
+            if op.answers:
+                self.reply(caller.identity, {"rid": rid, "result": result})
+        except RequestError as e:
+            self.reply(caller.identity, error_reply(rid, e.code, str(e)))
+        except ValueError as e:
+            self.reply(caller.identity, error_reply(rid, ErrorCode.INVALID_REQUEST, str(e)))
+        except AssertionError as e:  # check_invariants found a broken invariant: a bug
+            self.reply(
+                caller.identity,
+                error_reply(rid, ErrorCode.INTERNAL_ERROR, str(e) or traceback.format_exc()),
+            )
+        except Exception as e:  # a bug must cost one request, not the server
+            logger.exception("op %r failed", msg.get("op"))
+            self.reply(
+                caller.identity,
+                error_reply(rid, ErrorCode.INTERNAL_ERROR, f"{type(e).__name__}: {e}"),
+            )
+
+    def vanished(self) -> set[bytes]:
+        """Clients that pinged and then fell silent for CLIENT_SILENCE_S (killed, unplugged);
+        each is reported once."""
+        now = time.monotonic()
+        gone = {i for i, seen in self.heartbeats.items() if now - seen > CLIENT_SILENCE_S}
+        for identity in gone:
+            del self.heartbeats[identity]
+        return gone
+
+    def reply(self, identity: bytes, msg: dict[str, Any]) -> None:
+        try:
+            self.sock.send_multipart([identity, msgpack.packb(msg, use_bin_type=True)], zmq.NOBLOCK)
+        except zmq.Again:
+            logger.warning("client %s is not reading; dropped a reply", identity.hex())
+
+    def close(self, linger: int = 0) -> None:
+        self.sock.close(linger=linger)
+        if self.auth is not None:
+            self.auth.stop()

@@ -49,6 +49,7 @@ def _http_gateway(args: argparse.Namespace) -> None:
         args.tool_call_parser,
         args.api_key_file,
         os.environ.get(SECRETS["admin_api_key"]),
+        args.max_body_bytes,
     )
 
 
@@ -114,6 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
     gateway.add_argument("--api-key-file", help="the runtime's 'tenant:key' file")
     gateway.add_argument("--log-level", default="info")
     gateway.add_argument("--tool-call-parser", default="auto", help="see `serve --help`")
+    gateway.add_argument(
+        "--max-body-bytes", type=int, default=16 << 20, help="413 above (serve's --max-frame-bytes)"
+    )
     gateway.set_defaults(func=_http_gateway)
 
     router = sub.add_parser(

@@ -16,7 +16,7 @@ import zmq
 
 from radixrt.client.endpoint import RuntimeEndpoint
 from radixrt.config import SECRETS, ServerArgs
-from radixrt.server.http.app import Gateway, build_app
+from radixrt.server.http.app import DEFAULT_MAX_BODY_BYTES, Gateway, build_app
 from radixrt.server.tenants import KeyRing
 
 logger = logging.getLogger(__name__)
@@ -48,6 +48,8 @@ def start_gateway(args: ServerArgs) -> subprocess.Popen:
         args.log_level,
         "--tool-call-parser",
         args.tool_call_parser,
+        "--max-body-bytes",
+        str(args.max_frame_bytes),  # a body becomes one frame to the runtime
     ]
     if args.api_key_file:
         command += ["--api-key-file", args.api_key_file]
@@ -83,6 +85,7 @@ def run_gateway(
     tool_call_parser: str = "auto",
     api_key_file: str | None = None,
     admin_api_key: str | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
 ) -> None:
     """Serve HTTP on the inherited listening socket `fd` until SIGTERM/SIGINT or the parent exits.
     Each request goes to the runtime with its client's own key (its tenant); the gateway's own
@@ -91,7 +94,7 @@ def run_gateway(
     keys = KeyRing.from_settings(api_key, api_key_file, admin_api_key)
     endpoint = RuntimeEndpoint(url, api_key=keys.any_key(), curve_server_key=curve_server_key)
     config = uvicorn.Config(
-        build_app(Gateway(endpoint, keys, tool_call_parser)),
+        build_app(Gateway(endpoint, keys, tool_call_parser, max_body_bytes)),
         log_level=log_level,
         timeout_graceful_shutdown=5,
     )

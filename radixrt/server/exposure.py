@@ -41,10 +41,12 @@ def bind_client_socket(
 ) -> zmq.Socket:
     """The ROUTER socket clients connect to (a runtime's or a router's): `CLOSE_LINGER_MS` of
     linger, CURVE when a secret key is set, frames above `max_frame_bytes` refused by ZeroMQ
-    itself (it drops the sender's connection before allocating the frame), bound to `endpoint`."""
+    itself (it drops the sender's connection before allocating the frame), sends to a peer no
+    longer connected raising EHOSTUNREACH (ClientFront.vanished), bound to `endpoint`."""
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, CLOSE_LINGER_MS)
     sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
+    sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a reply to a vanished peer fails, and says so
     if curve_secret_key:
         sock.curve_secretkey = curve_secret_key.encode()
         sock.curve_server = True

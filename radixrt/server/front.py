@@ -40,6 +40,10 @@ from radixrt.server.tenants import KeyRing, Principal
 logger = logging.getLogger(__name__)
 
 CLIENT_SILENCE_S = 5.0  # a pinging client silent this long has vanished (clients ping every second)
+# A client with work here is probed this often: a frame to a peer whose connection is gone fails
+# at once (ROUTER_MANDATORY), so a killed client is noticed within this, not CLIENT_SILENCE_S.
+PROBE_S = 0.5
+PROBE = {"rid": "probe"}  # clients ignore a reply to a rid they never sent
 MIN_CONTAINER_LEN = 1024  # arrays and maps may be this much longer than the longest prompt
 # what the key scan may build: a key, an api_key or a rid; nothing else of the frame is built
 SCAN_LIMITS = {
@@ -240,6 +244,8 @@ class ClientFront:
         self.limits = config.decode_limits()
         self.ops = ops
         self.heartbeats: dict[bytes, float] = {}  # last message time of clients that ping
+        self.probed: dict[bytes, float] = {}  # when each client with work was last probed
+        self.unreachable: set[bytes] = set()  # peers a reply could not be routed to
         self.auth = (
             start_allowlist(ctx, config.curve_client_keys) if config.curve_client_keys else None
         )
@@ -325,13 +331,23 @@ class ClientFront:
                 error_reply(rid, ErrorCode.INTERNAL_ERROR, f"{type(e).__name__}: {e}"),
             )
 
-    def vanished(self) -> set[bytes]:
-        """Clients that pinged and then fell silent for CLIENT_SILENCE_S (killed, unplugged);
-        each is reported once."""
+    def vanished(self, holders: set[bytes] = frozenset()) -> set[bytes]:
+        """Clients that are gone, each reported once: those whose connection dropped (a reply or
+        a probe could not be routed to them; `holders`, the clients with work here, are probed
+        every PROBE_S), and those that pinged and then fell silent for CLIENT_SILENCE_S (hung,
+        unplugged without a reset)."""
         now = time.monotonic()
+        for identity in holders | set(self.heartbeats):
+            if now - self.probed.get(identity, 0.0) >= PROBE_S:
+                self.probed[identity] = now
+                self.reply(identity, PROBE)
         gone = {i for i, seen in self.heartbeats.items() if now - seen > CLIENT_SILENCE_S}
+        gone |= self.unreachable
+        self.unreachable = set()
         for identity in gone:
-            del self.heartbeats[identity]
+            self.heartbeats.pop(identity, None)
+        for identity in [i for i in self.probed if i in gone or i not in holders]:
+            del self.probed[identity]
         return gone
 
     def reply(self, identity: bytes, msg: dict[str, Any]) -> None:
@@ -339,6 +355,10 @@ class ClientFront:
             self.sock.send_multipart([identity, msgpack.packb(msg, use_bin_type=True)], zmq.NOBLOCK)
         except zmq.Again:
             logger.warning("client %s is not reading; dropped a reply", identity.hex())
+        except zmq.ZMQError as e:
+            if e.errno != zmq.EHOSTUNREACH:
+                raise
+            self.unreachable.add(identity)  # its connection is gone: `vanished` says so
 
     def close(self, linger: int = 0) -> None:
         self.sock.close(linger=linger)

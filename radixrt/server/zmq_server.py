@@ -135,8 +135,9 @@ class Server:
         self.front.drain(timeout)
 
     def _abort_vanished_clients(self) -> None:
-        """A client that pings and then falls silent (killed, unplugged) loses its requests."""
-        gone = self.front.vanished()
+        """A client whose connection dropped, or that pinged and then fell silent, loses its
+        requests and pins."""
+        gone = self.front.vanished({c.identity for c in self.clients.values()})
         if not gone:
             return
         for identity in gone:
@@ -144,7 +145,7 @@ class Server:
         for req, client in list(self.clients.items()):
             if client.identity in gone:
                 logger.info(
-                    "client %s went silent; aborting its request %s",
+                    "client %s is gone; aborting its request %s",
                     client.identity.hex(),
                     client.rid,
                 )

@@ -227,7 +227,7 @@ class Router:
         for gather, _ in list(self.gathers.values()):
             if now > gather.deadline:
                 self._finish_gather(gather)
-        for identity in self.front.vanished():
+        for identity in self.front.vanished({f.identity for f in self.flights.values()}):
             self._forget_client(identity)
 
     # ---- clients -----------------------------------------------------------------------------

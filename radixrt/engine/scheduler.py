@@ -37,7 +37,7 @@ from radixrt.protocol import ErrorCode, RequestError
 from radixrt.sampling_params import SamplingParams
 from radixrt.speculative import NgramDrafter
 from radixrt.structured.bitmask import allocate_bitmask, apply_bitmask
-from radixrt.structured.compiler import ConstraintCompiler
+from radixrt.structured.compiler import CompileStats, ConstraintCompiler
 
 logger = logging.getLogger(__name__)
 
@@ -730,9 +730,9 @@ class Scheduler:
             "attention_pairs": self.attention_pairs,
             "logit_rows": self.logit_rows,
             "constraint_mask_time_s": self.mask_time,
-            "constraint_compiles": dataclasses.asdict(self.compiler.stats())
-            if self.compiler
-            else {},
+            "constraint_compiles": dataclasses.asdict(
+                self.compiler.stats() if self.compiler else CompileStats()
+            ),
             "host_total_tokens": self.kv.host.total_tokens if self.kv.host else 0,
             "host_used_tokens": self.kv.host.used_tokens() if self.kv.host else 0,
             "host_hit_tokens": self.host_hit_tokens,

@@ -91,7 +91,6 @@ class CompileJob:
     index: Index | None = None
     index_bytes: int = 0
     error: ConstraintError | None = None
-    ran_s: float = 0.0  # time spent running in workers, over both lanes
 
     @property
     def done(self) -> bool:
@@ -111,11 +110,11 @@ class CompileJob:
 class CompileStats:
     """What the compiler has done since it started (`Scheduler.stats()["constraint_compiles"]`)."""
 
-    started: int
-    finished: int
-    killed: int  # overran a budget (fast-lane moves included) or died
-    longest_s: float  # the longest single run in a worker
-    workers: int  # alive now
+    started: int = 0
+    finished: int = 0
+    killed: int = 0  # overran a budget (fast-lane moves included) or died
+    longest_s: float = 0.0  # the longest single run in a worker
+    workers: int = 0  # alive now
 
 
 class Worker:
@@ -153,7 +152,6 @@ class Worker:
         """The job this worker ran and how long it ran; the worker is idle again."""
         job, ran = self.job, time.monotonic() - self.started
         assert job is not None
-        job.ran_s += ran
         job.budget_s -= ran
         self.job, self.started = None, time.monotonic()
         return job, ran
@@ -387,6 +385,9 @@ class ConstraintCompiler:
         if lane is self.fast and job.budget_s > 0:
             self.slow.push(job)
         else:
+            logger.warning(
+                "killed a %s constraint compile after %.1f s (%s lane)", job.kind, ran, lane.name
+            )
             job.fail(
                 f"{job.kind} constraint is too complex: compiling took over "
                 f"{self.compile_timeout_s:g} s"

@@ -333,10 +333,7 @@ class ConstraintCompiler:
                 if worker.job is not None:
                     worker.job.fail("the runtime stopped before the constraint compiled")
                 self._retire(lane, worker)
-            for queue in lane.queues.values():
-                for job in queue:
-                    job.fail("the runtime stopped before the constraint compiled")
-            lane.queues.clear()
+            self._fail_queued(lane, "the runtime stopped before the constraint compiled")
         self._vocabulary_file.close()
 
     # ---- internals -----------------------------------------------------------------------------
@@ -397,7 +394,8 @@ class ConstraintCompiler:
         """A worker that exited on its own: out of memory (its RLIMIT_AS) or crashed in the build
         of its job, or failed to start, which fails what its lane had queued (no retry loop)."""
         self._killed += 1
-        code = worker.process.poll()
+        self._retire(lane, worker)
+        code = worker.process.returncode
         if worker.job is not None:
             job, _ = worker.finish()
             job.fail(
@@ -406,11 +404,7 @@ class ConstraintCompiler:
             )
         elif not worker.ready:
             logger.error("a constraint compile worker failed to start (exit code %s)", code)
-            for queue in lane.queues.values():
-                for job in queue:
-                    job.fail("the constraint compiler is unavailable: its worker failed to start")
-            lane.queues.clear()
-        self._retire(lane, worker)
+            self._fail_queued(lane, "the constraint compiler is unavailable: its worker failed")
 
     def _retire(self, lane: Lane, worker: Worker) -> None:
         worker.stop()
@@ -424,11 +418,30 @@ class ConstraintCompiler:
             if idle is None:
                 starting = any(not w.ready for w in lane.workers)
                 if len(lane.workers) < lane.size and not starting:
-                    lane.workers.append(Worker(self._vocabulary_file.fileno()))
+                    self._start_worker(lane)
                 return
             job = lane.pop(tenant)
             self._started += 1
-            idle.start(job, min(lane.budget_s, job.budget_s))
+            try:
+                idle.start(job, min(lane.budget_s, job.budget_s))
+            except OSError:  # it died since it last answered
+                self._died(lane, idle)
+
+    def _start_worker(self, lane: Lane) -> None:
+        """One more worker for `lane`; when none can start (out of processes or memory), what
+        the lane has queued fails instead of waiting forever."""
+        try:
+            lane.workers.append(Worker(self._vocabulary_file.fileno()))
+        except OSError as e:
+            logger.error("cannot start a constraint compile worker: %s", e)
+            self._fail_queued(lane, f"the constraint compiler is unavailable: {e}")
+
+    @staticmethod
+    def _fail_queued(lane: Lane, message: str) -> None:
+        for queue in lane.queues.values():
+            for job in queue:
+                job.fail(message)
+        lane.queues.clear()
 
     def _failed(self, message: str) -> CompileJob:
         job = CompileJob("constraint", "", "", 0.0)

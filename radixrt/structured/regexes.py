@@ -45,7 +45,7 @@ MAX_SCHEMA_ITEMS = 64
 # overflow kills the process), and the text sizes bound the work of every later step.
 MAX_SCHEMA_DEPTH = 64  # nested JSON containers (maps and lists) in a schema
 MAX_SCHEMA_CHARS = 64 * 1024  # a schema's JSON text
-MAX_REGEX_CHARS = 16 * 1024  # a regex, as given or as a schema's translation
+MAX_REGEX_CHARS = 64 * 1024  # a regex, as given or as a translation (tool calls make long ones)
 _SCHEMA_KEYWORDS = ("type", "enum", "const", "$ref", "anyOf", "oneOf", "allOf")
 _SCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
 _SCHEMA_LISTS = ("prefixItems", "anyOf", "oneOf", "allOf")

@@ -14,6 +14,7 @@ from transformers import AutoTokenizer
 
 import radixrt as rt
 from radixrt.client.transport import RemoteError
+from radixrt.structured import compiler as compiler_module
 from radixrt.structured.compiler import ConstraintCompiler
 from radixrt.structured.regexes import (
     MAX_SCHEMA_CHARS,
@@ -98,7 +99,7 @@ def test_schema_checks_do_not_recurse():
 
 
 def test_regex_checks():
-    for bad, words in ((5, "must be a string"), ("a" * 20_000, "chars"), ("\ud800", "Unicode")):
+    for bad, words in ((5, "must be a string"), ("a" * 70_000, "chars"), ("\ud800", "Unicode")):
         with pytest.raises(ValueError, match=words):
             check_regex(bad)
     check_regex("[0-9]{3}")
@@ -149,6 +150,21 @@ def test_fast_lane_and_tenant_cap(compiler):
     time.sleep(2.5)
     compiler.poll()
     assert compiler.stats().workers == 0
+
+
+def test_a_compile_past_its_memory_limit_fails_alone(default_model_dir, monkeypatch):
+    """The worker's RLIMIT_AS ends a build that outgrows it (the allocation aborts the child)
+    long before the time budget; the job fails, and a new worker serves the next one."""
+    monkeypatch.setattr(compiler_module, "WORKER_MEMORY_BYTES", 128 << 20)
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
+    compiler = ConstraintCompiler(tokenizer, 49152, compile_timeout_s=60)
+    try:
+        job = compiler.compile_async(json_schema=expensive_schema(7))
+        assert _wait(compiler, [job], 30) < 30
+        assert "too complex: its compile ran out of memory (128 MiB)" in str(job.error)
+        assert compiler.compile(regex="[0-9]{2}") is not None
+    finally:
+        compiler.close()
 
 
 # ---- a real runtime --------------------------------------------------------------------------
@@ -232,7 +248,7 @@ def test_twenty_expensive_schemas_do_not_hold_up_a_cheap_regex(runtime):
             }
         },
         {"regex": "("},
-        {"regex": "a" * 50_000},
+        {"regex": "a" * 70_000},
         {"choices": ["x"] * 5000},
     ],
     ids=lambda c: json.dumps(c)[:40],

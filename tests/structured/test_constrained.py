@@ -28,7 +28,9 @@ def tokenizer(default_model_dir):
 
 @pytest.fixture(scope="module")
 def compiler(tokenizer):
-    return ConstraintCompiler(tokenizer, MODEL_VOCAB)
+    compiler = ConstraintCompiler(tokenizer, MODEL_VOCAB)
+    yield compiler
+    compiler.close()
 
 
 def allowed_ids(row: torch.Tensor) -> list[int]:

@@ -53,6 +53,7 @@ class SchedulerArgs:
     max_running_requests: int
     disable_radix_cache: bool
     enable_jump_forward: bool
+    constraint_compile_timeout: float
     speculative_algorithm: str | None
     speculative_num_draft_tokens: int
     enable_hierarchical_cache: bool
@@ -225,6 +226,12 @@ class ServerArgs:
         default=True,
         metadata={
             "help": "append text a constraint forces (JSON keys and punctuation) in one extend instead of decoding it token by token; --no-enable-jump-forward decodes every token"
+        },
+    )
+    constraint_compile_timeout: float = field(
+        default=10.0,
+        metadata={
+            "help": "seconds a regex or JSON-schema constraint may take to compile; its worker process is then killed and the request ends with 'invalid_constraint' (too complex), a verdict kept for retries"
         },
     )
     speculative_algorithm: str | None = field(
@@ -441,6 +448,8 @@ class ServerArgs:
             raise ValueError(
                 "max_inflight_per_tenant, max_queued_tokens_per_tenant and max_pinned_tokens_per_client must be >= 1"
             )
+        if not self.constraint_compile_timeout > 0:
+            raise ValueError("constraint_compile_timeout must be > 0 seconds")
         if self.hicache_storage_size <= 0:
             raise ValueError("hicache_storage_size must be > 0")
         if self.max_total_tokens is not None and self.max_total_tokens < 1:

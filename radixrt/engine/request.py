@@ -116,7 +116,7 @@ class Req:
     tree_len: int = 0  # row[:tree_len] belongs to the tree, locked through last_node
     last_node: TreeNode | None = None
 
-    # Structured output: the compiled constraint (a Future while it compiles) and the walk in it
+    # Structured output: the constraint's CompileJob (structured/compiler.py) and the walk in it
     constraint: Any = None
     guide: Any = None
 

@@ -7,6 +7,7 @@ token budget. Requests join and leave at every step.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -38,7 +39,7 @@ from radixrt.protocol import ErrorCode, RequestError
 from radixrt.sampling_params import SamplingParams
 from radixrt.speculative import NgramDrafter
 from radixrt.structured.bitmask import allocate_bitmask, apply_bitmask
-from radixrt.structured.compiler import ConstraintCompiler
+from radixrt.structured.compiler import CompileStats, ConstraintCompiler
 
 logger = logging.getLogger(__name__)
 
@@ -141,15 +142,19 @@ class Scheduler:
         )
 
     def close(self) -> None:
-        """Finish what runs in the background (the disk tier's writes) and stop the model's
-        other tensor-parallel ranks."""
+        """Finish what runs in the background (the disk tier's writes), kill the constraint
+        compiler's workers, and stop the model's other tensor-parallel ranks."""
         if self.kv.storage is not None:
             self.kv.storage.close()
+        if self.compiler is not None:
+            self.compiler.close()
         self.runner.close()
 
     def idle(self) -> None:
         """Called while there is no work: every second, a heartbeat to the other ranks (a dead
-        rank raises here)."""
+        rank raises here); the constraint compiler stops its idle workers."""
+        if self.compiler is not None:
+            self.compiler.poll()
         now = time.monotonic()
         if now - self._last_heartbeat >= HEARTBEAT_S:
             self._last_heartbeat = now
@@ -200,28 +205,36 @@ class Scheduler:
         if self.drafter is not None:
             req.drafts = self.drafter.new_request(shared=not req.cache_salt)
         constraint = params.constraint()
-        if constraint is not None:  # compiled off this thread; admission waits for it
-            req.constraint = self._compiler().compile_async(**{constraint[0]: constraint[1]})
+        if constraint is not None:  # compiled in a worker process; admission waits for it
+            req.constraint = self._compiler().compile_async(
+                **{constraint[0]: constraint[1]}, tenant=req.scope.tenant
+            )
         return req
 
     def _compiler(self) -> ConstraintCompiler:
         if self.compiler is None:
-            self.compiler = ConstraintCompiler(self.tokenizer, self.runner.vocab_size)
+            self.compiler = ConstraintCompiler(
+                self.tokenizer,
+                self.runner.vocab_size,
+                compile_timeout_s=self.args.constraint_compile_timeout,
+            )
         return self.compiler
 
     def _constraint_ready(self, req: Req) -> bool:
-        """False while the request's constraint compiles; a failed compile ends the request."""
+        """False while the request's constraint compiles; a failed compile, or any failure to
+        start its walk, ends that request alone with `invalid_constraint`."""
         if req.constraint is None or req.guide is not None:
             return True
-        if not req.constraint.done():
+        if not self.compiler.ready(req.constraint):
             return False
         try:
             # forced tokens get no logprobs
             jump = self.args.enable_jump_forward and not req.params.return_logprob
             req.guide = self.compiler.guide(req.constraint.result(), jump_forward=jump)
             return True
-        except ValueError as e:
-            req.finish_reason = FinishReason.abort(str(e), ErrorCode.INVALID_CONSTRAINT)
+        except Exception as e:  # noqa: BLE001 (whatever the constraint raised is its own fault)
+            message = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
+            req.finish_reason = FinishReason.abort(message, ErrorCode.INVALID_CONSTRAINT)
             self._finish(req)
             return False
 
@@ -812,6 +825,9 @@ class Scheduler:
             "attention_pairs": self.attention_pairs,
             "logit_rows": self.logit_rows,
             "constraint_mask_time_s": self.mask_time,
+            "constraint_compiles": dataclasses.asdict(
+                self.compiler.stats() if self.compiler else CompileStats()
+            ),
             "host_total_tokens": self.kv.host.total_tokens if self.kv.host else 0,
             "host_used_tokens": self.kv.host.used_tokens() if self.kv.host else 0,
             "host_hit_tokens": self.host_hit_tokens,

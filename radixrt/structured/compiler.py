@@ -1,27 +1,201 @@
 """Constraints (regex, JSON schema, choices, dtype) compiled to outlines-core Indexes: checked up
-front, built off the caller's thread under a time budget, cached (LRU) and shared by concurrent
-requests for the same constraint."""
+front, built in worker processes that are killed when they overrun their time budget, cached (LRU)
+and shared by concurrent requests for the same constraint.
+
+Why processes: an outlines-core build cannot be interrupted, and the expensive ones (a JSON
+string with `maxLength: 200` inside an object: seconds and hundreds of MB) would keep a thread
+busy long after its request gave up. A child process (`compile_worker.py`) can be killed, runs
+under an address-space limit (outlines-core itself offers no limit on states or memory), and
+dies with its parent. The Index comes back in outlines-core's own binary form
+(`Index.from_binary`): nothing is unpickled by the runtime, and an Index whose binary form is
+larger than MAX_INDEX_BYTES is refused in the child (that size is also what the parent would
+spend decoding it and holding it in the cache).
+
+Scheduling, so that a cheap constraint never waits behind expensive ones:
+- the cache answers repeats at once, verdicts included (a constraint that timed out fails fast);
+- every constraint is first checked in the caller's process, cheaply and without recursion past
+  a bound (types, nesting, sizes: `regexes.load_schema`, `check_schema`, `check_regex`);
+- a *fast lane* (one worker) takes constraints that look cheap (short, no counted repetition
+  past FAST_MAX_REPEAT) with a budget of FAST_BUDGET_S; one that overruns it is killed there
+  and moves to the slow lane with what is left of its budget, so a misjudged one costs the fast
+  lane at most FAST_BUDGET_S;
+- a *slow lane* (SLOW_WORKERS workers) takes the rest with the full budget,
+  `--constraint-compile-timeout` in all; at most COMPILES_PER_TENANT of one tenant's compiles run
+  at once, and tenants take turns, so one tenant's twenty expensive schemas hold one worker while
+  other tenants use the other.
+No thread is involved: the scheduler drives the lanes through `poll()` (from its admission loop
+and its idle tick), which reads replies, kills overruns, starts queued jobs, and stops workers
+idle for IDLE_EXIT_S; `close()` kills every worker.
+"""
 
 from __future__ import annotations
 
-import json
+import logging
+import pickle
 import re
-import threading
-from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
+from pathlib import Path
 from typing import Any
 
-from outlines_core import Index, Vocabulary
+from outlines_core import Index
 
+from radixrt.structured import compile_worker as wire
 from radixrt.structured.guide import TokenGuide
 from radixrt.structured.jump_forward import ForcedStrings
-from radixrt.structured.regexes import DTYPE_REGEXES, JSON_WHITESPACE, schema_regex
+from radixrt.structured.regexes import (
+    DTYPE_REGEXES,
+    JSON_WHITESPACE,
+    MAX_REGEX_CHARS,
+    check_regex,
+    schema_regex,
+)
 from radixrt.structured.vocabulary import TokenTable, build_vocabulary
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_COMPILE_TIMEOUT_S = 10.0
+FAST_BUDGET_S = 0.5  # a fast-lane job's time before it is moved to the slow lane
+FAST_MAX_REPEAT = 16  # a counted repetition `{m,n}` past this sends a constraint to the slow lane
+FAST_MAX_CHARS = 4096
+SLOW_WORKERS = 2
+COMPILES_PER_TENANT = 1  # of one tenant's slow-lane compiles, how many run at once
+IDLE_EXIT_S = 2.0  # a worker with nothing to do this long is stopped
+WORKER_MEMORY_BYTES = 3 << 30  # each worker's address space (RLIMIT_AS)
+MAX_INDEX_BYTES = 64 << 20  # an Index's binary form
+MAX_CACHE_BYTES = 512 << 20  # of the Indexes the cache holds, by their binary form
+MAX_CHOICES = 1024
+_REPEAT = re.compile(r"\{(\d+)(?:,(\d*))?\}")
+
+
+class ConstraintError(ValueError):
+    """A constraint that is malformed or too complex to compile; its request ends with
+    `invalid_constraint`."""
+
+
+@dataclass(eq=False)
+class CompileJob:
+    """One constraint's build, shared by every request that asks for it: queued, then running in
+    a worker, then done with an `index` or an `error` (which `result()` raises)."""
+
+    kind: str
+    pattern: str
+    tenant: str
+    budget_s: float  # run time left before the verdict is "too complex"
+    index: Index | None = None
+    index_bytes: int = 0
+    error: ConstraintError | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.index is not None or self.error is not None
+
+    def result(self) -> Index:
+        if self.error is not None:
+            raise self.error
+        assert self.index is not None, "the compile has not finished"
+        return self.index
+
+    def fail(self, message: str) -> None:
+        self.error = ConstraintError(message)
+
+
+@dataclass(frozen=True)
+class CompileStats:
+    """What the compiler has done since it started (`Scheduler.stats()["constraint_compiles"]`)."""
+
+    started: int = 0
+    finished: int = 0
+    killed: int = 0  # overran a budget (fast-lane moves included) or died
+    longest_s: float = 0.0  # the longest single run in a worker
+    workers: int = 0  # alive now
+
+
+class Worker:
+    """One compile child process, its socket, and the job it runs."""
+
+    def __init__(self, vocabulary_file: int):
+        ours, theirs = socket.socketpair()
+        self.process = subprocess.Popen(
+            [
+                sys.executable,
+                "-I",  # no PYTHONPATH, no current directory: only the venv's outlines-core
+                str(Path(wire.__file__)),
+                str(theirs.fileno()),
+                str(vocabulary_file),
+                str(WORKER_MEMORY_BYTES),
+                str(MAX_INDEX_BYTES),
+            ],
+            pass_fds=(theirs.fileno(), vocabulary_file),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+        )
+        theirs.close()
+        self.conn = Connection(ours.detach())
+        self.ready = False
+        self.job: CompileJob | None = None
+        self.started = time.monotonic()  # of the current job, or idle since
+        self.deadline = 0.0
+
+    def start(self, job: CompileJob, budget_s: float) -> None:
+        self.job, self.started, self.deadline = job, time.monotonic(), time.monotonic() + budget_s
+        flag = wire.CHECK_SYNTAX if job.kind == "regex" else wire.BUILD
+        self.conn.send_bytes(flag + job.pattern.encode())
+
+    def finish(self) -> tuple[CompileJob, float]:
+        """The job this worker ran and how long it ran; the worker is idle again."""
+        job, ran = self.job, time.monotonic() - self.started
+        assert job is not None
+        job.budget_s -= ran
+        self.job, self.started = None, time.monotonic()
+        return job, ran
+
+    def stop(self) -> None:
+        """Kill the process and wait for it, so no zombie stays behind."""
+        self.conn.close()
+        self.process.kill()
+        self.process.wait()
+
+
+@dataclass(eq=False)
+class Lane:
+    """Workers that take queued jobs, tenants in turn, each tenant at most `per_tenant` at once;
+    a job runs at most `budget_s` here (and never past its own budget left)."""
+
+    name: str
+    size: int
+    budget_s: float
+    per_tenant: int
+    workers: list[Worker] = field(default_factory=list)
+    queues: OrderedDict[str, deque[CompileJob]] = field(default_factory=OrderedDict)
+
+    def push(self, job: CompileJob) -> None:
+        self.queues.setdefault(job.tenant, deque()).append(job)
+
+    def running(self, tenant: str) -> int:
+        return sum(1 for w in self.workers if w.job is not None and w.job.tenant == tenant)
+
+    def next_tenant(self) -> str | None:
+        """The first tenant in turn with a queued job and fewer than `per_tenant` running."""
+        return next((t for t in self.queues if self.running(t) < self.per_tenant), None)
+
+    def pop(self, tenant: str) -> CompileJob:
+        """The tenant's oldest queued job; the tenant then takes its turn last."""
+        queue = self.queues.pop(tenant)
+        job = queue.popleft()
+        if queue:
+            self.queues[tenant] = queue
+        return job
 
 
 class ConstraintCompiler:
-    """Compiles constraints to outlines-core Indexes for one tokenizer, with an LRU cache and a time budget.
+    """Compiles constraints to outlines-core Indexes for one tokenizer (see the module docstring).
 
     Regexes use the Rust regex-automata dialect (no lookaround, no backreferences) and must match the
     whole output. JSON schemas go through outlines-core with a compact whitespace pattern.
@@ -32,37 +206,48 @@ class ConstraintCompiler:
         tokenizer,
         vocab_size: int,
         cache_size: int = 64,
-        max_compile_s: float = 10.0,
+        compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S,
         whitespace_pattern: str = JSON_WHITESPACE,
     ):
         if len(tokenizer) > vocab_size:
             raise ValueError(
                 f"tokenizer has {len(tokenizer)} tokens but the model only {vocab_size}"
             )
+        if not compile_timeout_s > 0:
+            raise ValueError("the constraint compile timeout must be > 0 seconds")
         self.tokens = TokenTable(tokenizer, vocab_size)
         self.vocabulary = build_vocabulary(tokenizer, self.tokens.mapping)
         self.eos_token_id: int = self.vocabulary.get_eos_token_id()
         self.vocab_size = vocab_size
         self.cache_size = cache_size
-        self.max_compile_s = max_compile_s
+        self.compile_timeout_s = compile_timeout_s
         self.whitespace_pattern = whitespace_pattern
-        # Builds finished or in flight, so concurrent requests for one constraint share one build.
-        self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
-        # by id(index); each holds its index
-        self._forced: OrderedDict[int, ForcedStrings] = OrderedDict()
-        self._lock = threading.Lock()
-        self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="constraint-compile")
+        # Jobs finished or in flight, so concurrent requests for one constraint share one build.
+        self._cache: OrderedDict[tuple[str, str], CompileJob] = OrderedDict()
+        self._forced: OrderedDict[int, ForcedStrings] = OrderedDict()  # by id(index)
+        self.fast = Lane("fast", 1, min(FAST_BUDGET_S, compile_timeout_s), 1)
+        self.slow = Lane("slow", SLOW_WORKERS, compile_timeout_s, COMPILES_PER_TENANT)
+        # The pickled vocabulary every worker reads first, in an unlinked file passed by fd:
+        # no worker start blocks on a socket buffer, and nothing is left on disk.
+        self._vocabulary_file = tempfile.TemporaryFile()
+        self._vocabulary_file.write(pickle.dumps(self.vocabulary))
+        self._vocabulary_file.flush()
+        self._started = self._finished = self._killed = 0
+        self._longest_s = 0.0
 
-    def compile(
+    # ---- submitting and waiting ----------------------------------------------------------------
+    def compile_async(
         self,
         regex: str | None = None,
         json_schema: str | dict | None = None,
         choices: list[str] | None = None,
         dtype: str | None = None,
-    ) -> Index:
-        """Compile exactly one of: a regex; a JSON schema (str or dict); a list of literal choices;
-        or a dtype: "int" (JSON integer), "float" (JSON number), "bool" (true|false), "str" (a
-        double-quoted JSON string). Raises ValueError for bad or too complex constraints."""
+        tenant: str = "",
+    ) -> CompileJob:
+        """Exactly one of: a regex; a JSON schema (str or dict); a list of literal choices; or a
+        dtype: "int" (JSON integer), "float" (JSON number), "bool" (true|false), "str" (a
+        double-quoted JSON string). Never raises: the job fails at once for a bad constraint,
+        and otherwise finishes as `poll()` drives it."""
         given = {
             k: v
             for k, v in (
@@ -74,113 +259,235 @@ class ConstraintCompiler:
             if v is not None
         }
         if len(given) != 1:
-            raise ValueError(
+            return self._failed(
                 f"give exactly one of regex, json_schema, choices, dtype (got {sorted(given)})"
             )
         kind, value = given.popitem()
-        if kind == "json_schema":
-            source = value if isinstance(value, str) else json.dumps(value)
-        elif kind == "choices":
-            if not value or not all(isinstance(c, str) for c in value):
-                raise ValueError("choices must be a non-empty list of strings")
-            source = json.dumps(value)
-        else:
-            source = value
-        key = (kind, source)
-
-        with self._lock:
-            future = self._cache.get(key)
-            if future is None:
-                pattern = self._to_regex(kind, value, source)
-                future = Future()
-                threading.Thread(
-                    target=self._build, args=(future, kind, pattern), daemon=True
-                ).start()
-                self._cache[key] = future
-                while len(self._cache) > self.cache_size:
-                    self._cache.popitem(last=False)
-            else:
-                self._cache.move_to_end(key)
         try:
-            return future.result(timeout=self.max_compile_s)
-        except FutureTimeout:
-            # The build cannot be cancelled; remember the verdict so retries fail fast.
-            error = ValueError(
-                f"{kind} constraint is too complex: compiling took over {self.max_compile_s:g}s"
-            )
-            rejected = Future()
-            rejected.set_exception(error)
-            with self._lock:
-                if self._cache.get(key) is future:
-                    self._cache[key] = rejected
-            raise error from None
+            pattern = self._to_regex(kind, value)
+        except (ValueError, RecursionError) as e:  # not cached: checks are cheap, values large
+            return self._failed(str(e) or type(e).__name__)
+        key = (kind, pattern)
+        job = self._cache.get(key)
+        if job is not None:
+            self._cache.move_to_end(key)
+            return job
+        job = CompileJob(kind, pattern, tenant, self.compile_timeout_s)
+        (self.fast if _looks_cheap(pattern) else self.slow).push(job)
+        self._cache[key] = job
+        self._trim_cache()
+        self.poll()
+        return job
 
-    def compile_async(
-        self,
-        regex: str | None = None,
-        json_schema: str | dict | None = None,
-        choices: list[str] | None = None,
-        dtype: str | None = None,
-    ) -> Future:
-        """`compile` off the caller's thread; the Future holds the Index or the ValueError."""
-        return self._executor.submit(
-            self.compile, regex=regex, json_schema=json_schema, choices=choices, dtype=dtype
-        )
+    def compile(self, **constraint: Any) -> Index:
+        """`compile_async`, waited for: the Index, or a ConstraintError."""
+        job = self.compile_async(**constraint)
+        while not job.done:
+            conns = [w.conn for w in self._workers()]
+            wait(conns, timeout=0.05) if conns else time.sleep(0.01)
+            self.poll()
+        return job.result()
+
+    def ready(self, job: CompileJob) -> bool:
+        """Whether `job` has finished (with an Index or an error), driving the lanes first."""
+        if not job.done:
+            self.poll()
+        return job.done
 
     def guide(self, index: Index, jump_forward: bool = False) -> TokenGuide:
         """A new walk through `index`; with `jump_forward`, one that can append forced text at once."""
         forced = None
         if jump_forward:
-            with self._lock:
-                forced = self._forced.pop(id(index), None) or ForcedStrings(index, self.tokens)
-                self._forced[id(index)] = forced
-                while len(self._forced) > self.cache_size:
-                    self._forced.popitem(last=False)
+            forced = self._forced.pop(id(index), None) or ForcedStrings(index, self.tokens)
+            self._forced[id(index)] = forced
+            while len(self._forced) > self.cache_size:
+                self._forced.popitem(last=False)
         return TokenGuide(index, self.eos_token_id, forced)
 
-    def _to_regex(self, kind: str, value: Any, source: str) -> str:
+    # ---- driving the lanes ---------------------------------------------------------------------
+    def poll(self) -> None:
+        """Read what the workers answered, kill overruns, start queued jobs, stop idle workers.
+        Never blocks on a worker for longer than reading a reply it has begun to send."""
+        workers = self._workers()
+        if workers:
+            for conn in wait([w.conn for w in workers], timeout=0):
+                self._receive(next(w for w in workers if w.conn is conn))
+        now = time.monotonic()
+        for lane in (self.fast, self.slow):
+            for worker in list(lane.workers):
+                if worker.job is not None and now > worker.deadline:
+                    self._overran(lane, worker)
+                elif worker.job is None and worker.ready and now - worker.started > IDLE_EXIT_S:
+                    self._retire(lane, worker)
+            self._dispatch(lane)
+
+    def stats(self) -> CompileStats:
+        return CompileStats(
+            self._started, self._finished, self._killed, self._longest_s, len(self._workers())
+        )
+
+    def close(self) -> None:
+        """Kill every worker and fail what was queued or running (the scheduler is going)."""
+        for lane in (self.fast, self.slow):
+            for worker in list(lane.workers):
+                if worker.job is not None:
+                    worker.job.fail("the runtime stopped before the constraint compiled")
+                self._retire(lane, worker)
+            self._fail_queued(lane, "the runtime stopped before the constraint compiled")
+        self._vocabulary_file.close()
+
+    # ---- internals -----------------------------------------------------------------------------
+    def _workers(self) -> list[Worker]:
+        return self.fast.workers + self.slow.workers
+
+    def _lane_of(self, worker: Worker) -> Lane:
+        return self.fast if worker in self.fast.workers else self.slow
+
+    def _receive(self, worker: Worker) -> None:
+        lane = self._lane_of(worker)
+        try:
+            reply = worker.conn.recv_bytes()
+        except (EOFError, OSError):
+            self._died(lane, worker)
+            return
+        if reply == wire.READY:
+            worker.ready, worker.started = True, time.monotonic()
+            return
+        job, ran = worker.finish()
+        self._finished += 1
+        self._longest_s = max(self._longest_s, ran)
+        status, body = reply[:1], reply[1:]
+        try:
+            if status == wire.INDEX:
+                job.index, job.index_bytes = Index.from_binary(body), len(body)
+            elif status == wire.TOO_LARGE:
+                job.fail(
+                    f"{job.kind} constraint is too complex: its automaton takes {body.decode()}"
+                )
+            else:
+                job.fail(
+                    f"cannot compile {job.kind} constraint {job.pattern[:200]!r}: {body.decode()}"
+                )
+        except Exception as e:  # noqa: BLE001 (a reply that does not decode fails its job only)
+            job.fail(f"cannot compile {job.kind} constraint: {type(e).__name__}: {e}")
+        self._trim_cache()
+
+    def _overran(self, lane: Lane, worker: Worker) -> None:
+        """Kill a worker past its job's deadline; the job moves on to the slow lane while it has
+        budget left, else it is too complex."""
+        job, ran = worker.finish()
+        self._killed += 1
+        self._longest_s = max(self._longest_s, ran)
+        self._retire(lane, worker)
+        if lane is self.fast and job.budget_s > 0:
+            self.slow.push(job)
+        else:
+            logger.warning(
+                "killed a %s constraint compile after %.1f s (%s lane)", job.kind, ran, lane.name
+            )
+            job.fail(
+                f"{job.kind} constraint is too complex: compiling took over "
+                f"{self.compile_timeout_s:g} s"
+            )
+
+    def _died(self, lane: Lane, worker: Worker) -> None:
+        """A worker that exited on its own: out of memory (its RLIMIT_AS) or crashed in the build
+        of its job, or failed to start, which fails what its lane had queued (no retry loop)."""
+        self._killed += 1
+        self._retire(lane, worker)
+        code = worker.process.returncode
+        if worker.job is not None:
+            job, _ = worker.finish()
+            job.fail(
+                f"{job.kind} constraint is too complex: its compile ran out of memory "
+                f"({WORKER_MEMORY_BYTES >> 20} MiB) or crashed (exit code {code})"
+            )
+        elif not worker.ready:
+            logger.error("a constraint compile worker failed to start (exit code %s)", code)
+            self._fail_queued(lane, "the constraint compiler is unavailable: its worker failed")
+
+    def _retire(self, lane: Lane, worker: Worker) -> None:
+        worker.stop()
+        lane.workers.remove(worker)
+
+    def _dispatch(self, lane: Lane) -> None:
+        """Start queued jobs that their tenants' caps allow on idle ready workers, starting one
+        more worker (up to the lane's size) when none is idle."""
+        while (tenant := lane.next_tenant()) is not None:
+            idle = next((w for w in lane.workers if w.ready and w.job is None), None)
+            if idle is None:
+                starting = any(not w.ready for w in lane.workers)
+                if len(lane.workers) < lane.size and not starting:
+                    self._start_worker(lane)
+                return
+            job = lane.pop(tenant)
+            self._started += 1
+            try:
+                idle.start(job, min(lane.budget_s, job.budget_s))
+            except OSError:  # it died since it last answered
+                self._died(lane, idle)
+
+    def _start_worker(self, lane: Lane) -> None:
+        """One more worker for `lane`; when none can start (out of processes or memory), what
+        the lane has queued fails instead of waiting forever."""
+        try:
+            lane.workers.append(Worker(self._vocabulary_file.fileno()))
+        except OSError as e:
+            logger.error("cannot start a constraint compile worker: %s", e)
+            self._fail_queued(lane, f"the constraint compiler is unavailable: {e}")
+
+    @staticmethod
+    def _fail_queued(lane: Lane, message: str) -> None:
+        for queue in lane.queues.values():
+            for job in queue:
+                job.fail(message)
+        lane.queues.clear()
+
+    def _failed(self, message: str) -> CompileJob:
+        job = CompileJob("constraint", "", "", 0.0)
+        job.fail(message)
+        return job
+
+    def _trim_cache(self) -> None:
+        """Drop the least recently used entries past `cache_size` or MAX_CACHE_BYTES (a dropped
+        job still running finishes for the requests that hold it)."""
+        while len(self._cache) > self.cache_size or (
+            len(self._cache) > 1
+            and sum(j.index_bytes for j in self._cache.values()) > MAX_CACHE_BYTES
+        ):
+            self._cache.popitem(last=False)
+
+    def _to_regex(self, kind: str, value: Any) -> str:
+        """The regex of a constraint, checked for type and size; ValueError says what is wrong."""
         if kind == "regex":
+            check_regex(value)
             return value
         if kind == "choices":
-            return "(" + "|".join(re.escape(c) for c in value) + ")"
+            if (
+                not isinstance(value, list)
+                or not value
+                or len(value) > MAX_CHOICES
+                or not all(isinstance(c, str) for c in value)
+            ):
+                raise ConstraintError(
+                    f"choices must be a non-empty list of at most {MAX_CHOICES} strings"
+                )
+            pattern = "(" + "|".join(re.escape(c) for c in value) + ")"
+            check_regex(pattern, "choices' regex")
+            return pattern
         if kind == "dtype":
-            if value not in DTYPE_REGEXES:
-                raise ValueError(
+            if not isinstance(value, str) or value not in DTYPE_REGEXES:
+                raise ConstraintError(
                     f"unknown dtype {value!r}; expected one of {sorted(DTYPE_REGEXES)}"
                 )
             return DTYPE_REGEXES[value]
-        try:
-            schema = json.loads(source)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"json_schema is not valid JSON: {e}") from None
-        return schema_regex(schema, self.whitespace_pattern)
-
-    def _build(self, future: Future, kind: str, pattern: str) -> None:
-        try:
-            if kind == "regex":
-                _check_regex_syntax(pattern)
-            # outlines-core 0.2.x drops every token edge from an accepting state into a non-accepting
-            # one (regex-automata reports matches one byte late), so `1(\.5)?` could never reach
-            # "1.5". Anchoring at end of input makes no state before the end a match state.
-            future.set_result(Index(f"(?:{pattern})\\z", self.vocabulary))
-        except ValueError as e:
-            future.set_exception(
-                ValueError(f"cannot compile {kind} constraint {pattern[:200]!r}: {e}")
-            )
-        except BaseException as e:  # anything else must still reach the waiter
-            future.set_exception(e)
+        return schema_regex(value, self.whitespace_pattern)
 
 
-_PROBE_VOCABULARY = Vocabulary(1, {b"\x00": [0]})
-
-
-def _check_regex_syntax(regex: str) -> None:
-    """Parse the regex alone (an unbalanced one could turn valid once wrapped) against a one-token
-    vocabulary: a syntax error fails to build the DFA, anything else only mismatches the vocabulary."""
-    try:
-        Index(regex, _PROBE_VOCABULARY)
-    except ValueError as e:
-        if "DFA" in str(e):
-            raise ValueError(
-                f"invalid regex (Rust regex-automata syntax: no lookaround or backreferences): {e}"
-            ) from None
+def _looks_cheap(pattern: str) -> bool:
+    """Whether a regex goes to the fast lane: short, and no counted repetition past
+    FAST_MAX_REPEAT (the DFA grows with those counts). A guess: the fast lane's budget bounds
+    the cost of a wrong one."""
+    if len(pattern) > min(FAST_MAX_CHARS, MAX_REGEX_CHARS):
+        return False
+    return all(int(high or low) <= FAST_MAX_REPEAT for low, high in _REPEAT.findall(pattern))

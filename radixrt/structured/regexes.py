@@ -40,14 +40,81 @@ JSON_OBJECT_REGEX = json_object_regex()
 # Cheap up-front bounds on schema repetition counts (the automaton grows with them).
 MAX_SCHEMA_LENGTH = 256
 MAX_SCHEMA_ITEMS = 64
+# Bounds on a constraint's own size, checked before anything parses or recurses into it: the
+# schema-to-regex translation and the regex parser recurse once per level (deep enough, a stack
+# overflow kills the process), and the text sizes bound the work of every later step.
+MAX_SCHEMA_DEPTH = 64  # nested JSON containers (maps and lists) in a schema
+MAX_SCHEMA_CHARS = 64 * 1024  # a schema's JSON text
+MAX_REGEX_CHARS = 64 * 1024  # a regex, as given or as a translation (tool calls make long ones)
 _SCHEMA_KEYWORDS = ("type", "enum", "const", "$ref", "anyOf", "oneOf", "allOf")
+_SCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
+_SCHEMA_LISTS = ("prefixItems", "anyOf", "oneOf", "allOf")
+_SCHEMA_SUBSCHEMAS = ("additionalProperties", "not")
+_SCHEMA_STRINGS = ("$ref", "pattern", "format", "title", "description")
+_SCHEMA_COUNTS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties")
+
+
+def load_schema(value: Any) -> dict[str, Any]:
+    """A JSON schema given as JSON text or as an already decoded map, checked for size and
+    nesting before it is parsed or walked (iteratively: nothing here recurses). ValueError names
+    what is wrong."""
+    if isinstance(value, str):
+        if len(value) > MAX_SCHEMA_CHARS:
+            raise ValueError(f"json_schema has {len(value)} chars; at most {MAX_SCHEMA_CHARS}")
+        try:
+            value = json.loads(value)
+        except RecursionError:
+            raise ValueError(f"json_schema nests deeper than {MAX_SCHEMA_DEPTH} levels") from None
+        except json.JSONDecodeError as e:
+            raise ValueError(f"json_schema is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"json_schema must be a JSON object, not {_kind(value)}")
+    if nesting_depth(value) > MAX_SCHEMA_DEPTH:
+        raise ValueError(f"json_schema nests deeper than {MAX_SCHEMA_DEPTH} levels")
+    try:
+        size = len(json.dumps(value))
+    except (TypeError, ValueError) as e:  # a map with non-string keys or non-JSON values
+        raise ValueError(f"json_schema is not JSON: {e}") from None
+    if size > MAX_SCHEMA_CHARS:
+        raise ValueError(f"json_schema has {size} chars as JSON; at most {MAX_SCHEMA_CHARS}")
+    return value
+
+
+def nesting_depth(value: Any) -> int:
+    """How many maps and lists deep `value` nests (0 for a scalar), counted without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, (dict, list)):
+            deepest = max(deepest, depth)
+            if depth <= MAX_SCHEMA_DEPTH:  # past the bound the answer is known; stop descending
+                stack.extend((child, depth + 1) for child in _children(node))
+    return deepest
+
+
+def _children(node: dict | list) -> Any:
+    return node.values() if isinstance(node, dict) else node
+
+
+def _kind(value: Any) -> str:
+    """A JSON value's kind, for messages."""
+    if isinstance(value, bool):
+        return "a boolean"
+    return {dict: "an object", list: "an array", str: "a string", type(None): "null"}.get(
+        type(value), "a number" if isinstance(value, (int, float)) else type(value).__name__
+    )
 
 
 def check_schema(node: Any, path: str = "$") -> None:
-    """Reject up front, cheaply, schema shapes whose DFA is known to explode; the compile-time
-    budget catches the rest (e.g. a top-level string with maxLength 20 already takes minutes)."""
-    if not isinstance(node, dict):
+    """Reject up front, cheaply, schemas of the wrong shape (a keyword whose value has the wrong
+    type) and shapes whose DFA is known to explode; the compile-time budget catches the rest
+    (e.g. a top-level string with maxLength 20 already takes minutes). The caller bounds the
+    nesting (`load_schema`), so the recursion here is bounded too."""
+    if isinstance(node, bool):
         return
+    if not isinstance(node, dict):
+        raise ValueError(f"JSON schema at {path} must be an object or a boolean, not {_kind(node)}")
+    _check_keyword_types(node, path)
     if not any(k in node for k in _SCHEMA_KEYWORDS):
         raise ValueError(
             f"JSON schema at {path} accepts any JSON value, which is too complex to constrain; "
@@ -74,25 +141,85 @@ def check_schema(node: Any, path: str = "$") -> None:
         ("minItems", MAX_SCHEMA_ITEMS),
         ("maxItems", MAX_SCHEMA_ITEMS),
     ):
-        if isinstance(node.get(bound), int) and node[bound] > limit:
+        if node.get(bound, 0) > limit:
             raise ValueError(
                 f"JSON schema at {path}: {bound}={node[bound]} is too large to constrain "
                 f"(at most {limit}); the automaton grows with it"
             )
-    for key in ("properties", "$defs", "definitions"):
-        for name, sub in (node.get(key) or {}).items():
+    for key in _SCHEMA_MAPS:
+        for name, sub in node.get(key, {}).items():
             check_schema(sub, f"{path}.{key}.{name}")
-    for key in ("items", "prefixItems", "additionalProperties", "anyOf", "oneOf", "allOf", "not"):
+    for key in ("items", *_SCHEMA_LISTS, *_SCHEMA_SUBSCHEMAS):
         subs = node.get(key)
-        for i, sub in enumerate(subs if isinstance(subs, list) else [subs]):
-            check_schema(sub, f"{path}.{key}[{i}]" if isinstance(subs, list) else f"{path}.{key}")
+        if isinstance(subs, list):
+            for i, sub in enumerate(subs):
+                check_schema(sub, f"{path}.{key}[{i}]")
+        elif subs is not None:
+            check_schema(subs, f"{path}.{key}")
 
 
-def schema_regex(schema: dict[str, Any], whitespace: str = JSON_WHITESPACE) -> str:
-    """The regex of the JSON texts `schema` accepts; ValueError for a schema that is malformed or
-    too complex to constrain (see `check_schema`)."""
+def _check_keyword_types(node: dict[str, Any], path: str) -> None:
+    """Each keyword radixrt or outlines-core reads has a value of the type the JSON Schema spec
+    gives it; ValueError names the first that does not."""
+
+    def wrong(key: str, expected: str) -> ValueError:
+        return ValueError(
+            f"JSON schema at {path}: {key!r} must be {expected}, not {_kind(node[key])}"
+        )
+
+    for key in _SCHEMA_MAPS:
+        if key in node and not isinstance(node[key], dict):
+            raise wrong(key, "an object of schemas")
+    for key in _SCHEMA_LISTS:
+        if key in node and (not isinstance(node[key], list) or not node[key]):
+            raise wrong(key, "a non-empty array of schemas")
+    for key in _SCHEMA_SUBSCHEMAS:
+        if key in node and not isinstance(node[key], (dict, bool)):
+            raise wrong(key, "a schema (an object or a boolean)")
+    if "items" in node and not isinstance(node["items"], (dict, bool, list)):
+        raise wrong("items", "a schema or an array of schemas")
+    for key in _SCHEMA_STRINGS:
+        if key in node and not isinstance(node[key], str):
+            raise wrong(key, "a string")
+    for key in _SCHEMA_COUNTS:
+        value = node.get(key)
+        if key in node and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+            raise wrong(key, "a non-negative integer")
+    kinds = node.get("type")
+    if "type" in node and not (
+        isinstance(kinds, str) or isinstance(kinds, list) and all(isinstance(t, str) for t in kinds)
+    ):
+        raise wrong("type", "a string or an array of strings")
+    required = node.get("required")
+    if "required" in node and not (
+        isinstance(required, list) and all(isinstance(r, str) for r in required)
+    ):
+        raise wrong("required", "an array of strings")
+    if "enum" in node and not isinstance(node["enum"], list):
+        raise wrong("enum", "an array")
+
+
+def schema_regex(schema: Any, whitespace: str = JSON_WHITESPACE) -> str:
+    """The regex of the JSON texts `schema` (JSON text or a decoded map) accepts; ValueError for
+    a schema that is malformed, too large or too complex to constrain (see `load_schema` and
+    `check_schema`)."""
+    schema = load_schema(schema)
     check_schema(schema)
     try:
-        return build_regex_from_schema(json.dumps(schema), whitespace)
-    except (ValueError, TypeError) as e:
+        regex = build_regex_from_schema(json.dumps(schema), whitespace)
+    except Exception as e:  # noqa: BLE001 (outlines-core raises several types for bad schemas)
         raise ValueError(f"unsupported JSON schema: {e}") from None
+    check_regex(regex, "json_schema's regex")
+    return regex
+
+
+def check_regex(regex: Any, what: str = "regex") -> None:
+    """A regex constraint is a string of at most MAX_REGEX_CHARS chars that UTF-8 can carry."""
+    if not isinstance(regex, str):
+        raise ValueError(f"{what} must be a string, not {_kind(regex)}")
+    if len(regex) > MAX_REGEX_CHARS:
+        raise ValueError(f"{what} has {len(regex)} chars; at most {MAX_REGEX_CHARS}")
+    try:
+        regex.encode()
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{what} is not valid Unicode: {e}") from None

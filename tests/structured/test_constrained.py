@@ -28,7 +28,9 @@ def tokenizer(default_model_dir):
 
 @pytest.fixture(scope="module")
 def compiler(tokenizer):
-    return ConstraintCompiler(tokenizer, MODEL_VOCAB)
+    compiler = ConstraintCompiler(tokenizer, MODEL_VOCAB)
+    yield compiler
+    compiler.close()
 
 
 def allowed_ids(row: torch.Tensor) -> list[int]:
@@ -336,18 +338,21 @@ def test_exploding_schema_rejected_up_front(compiler, schema):
 
 def test_compile_budget(tokenizer):
     # A top-level bounded JSON string: its automaton grows exponentially with maxLength
-    # (about 3 s for 15 on a slow core); the abandoned build finishes in the background.
-    compiler = ConstraintCompiler(tokenizer, MODEL_VOCAB, max_compile_s=0.3)
+    # (about 3 s for 15 on a slow core); its worker process is killed at the budget.
+    compiler = ConstraintCompiler(tokenizer, MODEL_VOCAB, compile_timeout_s=0.3)
     schema = {"type": "string", "maxLength": 15}
-    for _ in range(2):  # the second time the cached verdict answers at once
-        start = time.monotonic()
-        with pytest.raises(ValueError, match="too complex"):
-            compiler.compile(json_schema=schema)
-        assert time.monotonic() - start < 2.0
-    future = compiler.compile_async(regex=r"[0-9]{3}")
-    assert future.result(timeout=30) is compiler.compile(regex=r"[0-9]{3}")
-    with pytest.raises(ValueError, match="too complex"):
-        compiler.compile_async(json_schema=schema).result(timeout=30)
+    try:
+        for _ in range(2):  # the second time the cached verdict answers at once
+            start = time.monotonic()
+            with pytest.raises(ValueError, match="too complex"):
+                compiler.compile(json_schema=schema)
+            assert time.monotonic() - start < 2.0
+        job = compiler.compile_async(regex=r"[0-9]{3}")
+        assert compiler.compile(regex=r"[0-9]{3}") is job.result()
+        assert compiler.compile_async(json_schema=schema).error is not None
+    finally:
+        compiler.close()
+    assert compiler.stats().workers == 0
 
 
 def unpack_reference(bitmask: torch.Tensor, width: int) -> np.ndarray:

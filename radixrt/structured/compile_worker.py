@@ -1,0 +1,109 @@
+"""The child process that builds outlines-core Indexes for `radixrt.structured.compiler`.
+
+Run as a script (`python -I compile_worker.py SOCKET_FD VOCABULARY_FD MEMORY_BYTES INDEX_BYTES`),
+never imported by the runtime for its work: it imports only the standard library and
+outlines-core, so it starts in a fraction of a second. It talks to its parent over the socket
+SOCKET_FD with `multiprocessing.connection` framing:
+
+- first it reads the pickled `Vocabulary` from the file VOCABULARY_FD (which its parent wrote;
+  the child unpickles only that, never anything from a network socket) and answers `READY`;
+- then, per job, the parent sends `CHECK_SYNTAX|BUILD` + the regex as UTF-8, and the child
+  answers `INDEX` + the Index's own binary form (`Index.from_binary` reads it, no pickle), or
+  `ERROR` + a message as UTF-8, or `TOO_LARGE` + the size of an Index whose binary form is
+  over INDEX_BYTES.
+
+Limits: the address space is capped at MEMORY_BYTES (an allocation past it aborts the child,
+which the parent reports as too complex), and the child dies with its parent (PR_SET_PDEATHSIG).
+The parent kills it when a job overruns its time budget.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import pickle
+import resource
+import signal
+import sys
+from multiprocessing.connection import Connection
+
+from outlines_core import Index, Vocabulary
+
+READY, INDEX, ERROR, TOO_LARGE = b"R", b"I", b"E", b"L"
+CHECK_SYNTAX, BUILD = b"S", b"B"
+PR_SET_PDEATHSIG = 1
+
+_PROBE_VOCABULARY = Vocabulary(1, {b"\x00": [0]})
+
+
+def _die_with_parent() -> None:
+    """SIGKILL this process when the parent goes (Linux; elsewhere the closed socket ends it
+    once the current build returns)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass
+
+
+def check_syntax(regex: str) -> str | None:
+    """The syntax error of `regex` alone (an unbalanced one could turn valid once wrapped),
+    parsed against a one-token vocabulary: a syntax error fails to build the DFA, anything
+    else only mismatches the vocabulary. None when it parses."""
+    try:
+        Index(regex, _PROBE_VOCABULARY)
+    except ValueError as e:
+        if "DFA" in str(e):
+            return (
+                f"invalid regex (Rust regex-automata syntax: no lookaround or backreferences): {e}"
+            )
+    return None
+
+
+def build(regex: str, vocabulary: Vocabulary) -> bytes:
+    """The Index of the whole-output match of `regex`, in its binary form.
+
+    outlines-core 0.2.x drops every token edge from an accepting state into a non-accepting one
+    (regex-automata reports matches one byte late), so `1(\\.5)?` could never reach "1.5".
+    Anchoring at end of input makes no state before the end a match state."""
+    return Index(f"(?:{regex})\\z", vocabulary).__reduce__()[1][0]
+
+
+def answer(job: bytes, vocabulary: Vocabulary, max_bytes: int) -> bytes:
+    """The reply to one job: an Index, or the reason there is none."""
+    regex = job[1:].decode()
+    try:
+        error = check_syntax(regex) if job[:1] == CHECK_SYNTAX else None
+        if error:
+            return ERROR + error.encode()
+        index = build(regex, vocabulary)
+    except Exception as e:  # noqa: BLE001 (any failure is this job's verdict, not the worker's end)
+        return ERROR + f"{type(e).__name__}: {e}".encode()
+    if len(index) > max_bytes:
+        return (
+            ERROR
+            + (
+                f"too complex: its automaton takes {len(index) >> 20} MiB (at most {max_bytes >> 20})"
+            ).encode()
+        )
+    return INDEX + index
+
+
+def main(socket_fd: int, vocabulary_fd: int, memory_bytes: int, max_index_bytes: int) -> None:
+    _die_with_parent()
+    resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
+    conn = Connection(socket_fd)
+    # pread: the parent and its other workers share this descriptor's file offset
+    blob = os.pread(vocabulary_fd, os.fstat(vocabulary_fd).st_size, 0)
+    os.close(vocabulary_fd)
+    vocabulary = pickle.loads(blob)
+    conn.send_bytes(READY)
+    while True:
+        try:
+            job = conn.recv_bytes()
+        except EOFError:  # the parent closed the socket: this worker is done
+            return
+        conn.send_bytes(answer(job, vocabulary, max_index_bytes))
+
+
+if __name__ == "__main__":
+    main(*(int(arg) for arg in sys.argv[1:5]))

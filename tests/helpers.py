@@ -156,6 +156,8 @@ BAD_FRAMES = [
             ),
             ("k", {"op": "generate", "text": "hi", "input_ids": [1]}, "invalid_request"),
             ("l", {"op": "tokenize", "text": None}, "invalid_request"),
+            ("m", {"op": "generate", "text": "hi", "no_such_field": 1}, "invalid_request"),
+            ("n", {"op": "generate", "text": "hi", "stream": "yes"}, "invalid_request"),
         ]
     ],
 ]

@@ -166,6 +166,12 @@ class Server:
                 ErrorCode.OVERLOADED,
                 f"{len(self.scheduler.waiting)} requests are already waiting; try again later",
             )
+        unknown = sorted(map(str, set(msg) - GENERATE_FIELDS))
+        if unknown:
+            raise ValueError(f"unknown generate fields: {unknown}")
+        stream = msg.get("stream", False)
+        if not isinstance(stream, bool):
+            raise ValueError(f"stream must be true or false, got {stream!r}")
         params = msg.get("sampling_params") or {}
         if not isinstance(params, dict):
             raise ValueError("sampling_params must be a map")
@@ -186,7 +192,6 @@ class Server:
             for i, r in enumerate(rids)
         ]
         for i, req in enumerate(reqs):
-            stream = bool(msg.get("stream"))
             self.clients[req] = ClientRequest(identity, rid, stream, i, limit_key)
             self.scheduler.add_request(req)
 
@@ -253,6 +258,20 @@ def _final_reply(client: ClientRequest, req: Req) -> dict[str, Any]:
     except Exception as e:
         logger.exception("the result of request %s could not be built", req.rid)
         return error_reply(client.rid, ErrorCode.INTERNAL_ERROR, f"{type(e).__name__}: {e}")
+
+
+# what a generate map may hold (docs/protocol.md); any other field is refused by name
+GENERATE_FIELDS = {
+    "op",
+    "rid",
+    "text",
+    "input_ids",
+    "sampling_params",
+    "stream",
+    "cache_salt",
+    "priority",
+    "timeout",
+}
 
 
 def _internal_rid(identity: bytes, rid: str) -> str:

@@ -527,7 +527,7 @@ class ServerArgs:
             if isinstance(value, bool):
                 argv.append(f"--{flag}" if value else f"--no-{flag}")
             else:
-                argv += [f"--{flag}", str(value)]
+                argv.append(f"--{flag}={value}")  # one argument, even for a value like "-1"
         return argv
 
     @classmethod

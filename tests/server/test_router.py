@@ -244,14 +244,14 @@ def test_a_killed_worker_loses_started_streams_only_and_rejoins(tiny_model_dir):
 def test_api_key_and_curve_on_both_hops(tiny_model_dir):
     worker_secret, router_secret = (zmq.curve_keypair()[1].decode() for _ in range(2))
     with _worker(tiny_model_dir, api_key="worker-key", curve_secret_key=worker_secret) as w:
+        # `--flag=value`: a Z85 key may start with "-", which argparse would take for a flag
         flags = (
             "--worker-api-key",
             "worker-key",
-            "--worker-curve-server-key",
-            zmq.curve_public(worker_secret.encode()).decode(),
+            f"--worker-curve-server-key={zmq.curve_public(worker_secret.encode()).decode()}",
         )
         router_public = zmq.curve_public(router_secret.encode()).decode()
-        env_flags = ("--api-key", "router-key", "--curve-secret-key", router_secret)
+        env_flags = ("--api-key", "router-key", f"--curve-secret-key={router_secret}")
         with router_process(
             [w.url], *flags, *env_flags, api_key="router-key", curve_server_key=router_public
         ) as r:

@@ -54,7 +54,9 @@ def start_gateway(args: ServerArgs) -> subprocess.Popen:
     if args.api_key_file:
         command += ["--api-key-file", args.api_key_file]
     if args.curve_secret_key:
-        command += ["--curve-server-key", zmq.curve_public(args.curve_secret_key.encode()).decode()]
+        # one argument: a Z85 key may start with "-", which argparse would take for a flag
+        public = zmq.curve_public(args.curve_secret_key.encode()).decode()
+        command += [f"--curve-server-key={public}"]
     env = dict(os.environ)
     for name in ("api_key", "admin_api_key"):
         if getattr(args, name):

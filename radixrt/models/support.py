@@ -8,8 +8,10 @@ import logging
 logger = logging.getLogger(__name__)
 
 # rope types whose tables depend only on the position (computed once, for every position):
-# "dynamic" and "longrope" rescale by the sequence's length, which one table cannot follow
-STATIC_ROPE_TYPES = {"default", "linear", "llama3", "yarn"}
+# "dynamic" rescales by the sequence's length, which one table cannot follow; "longrope" uses
+# its short factors up to original_max_position_embeddings (and the long ones past it), so its
+# short-factor table is exact within that context (see `exact_context`)
+STATIC_ROPE_TYPES = {"default", "linear", "llama3", "yarn", "longrope"}
 # tensors a Hugging Face checkpoint may carry that the model recomputes or ties
 IGNORABLE_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -27,12 +29,37 @@ def sliding_window(config) -> int | None:
     return int(window)
 
 
+def exact_limits(config) -> list[tuple[int, str, str]]:
+    """(longest exact context, the field that limits it, why) for each such field: a sliding
+    window (attending to the window is attending to everything only within it), and longrope's
+    original_max_position_embeddings (transformers switches to the long factors past it)."""
+    limits = []
+    window = sliding_window(config)
+    if window is not None:
+        limits.append(
+            (window, f"sliding_window {window}", "sliding-window attention is not implemented yet")
+        )
+    if rope_type(config) == "longrope":
+        rope = getattr(config, "rope_parameters", None) or config.rope_scaling
+        original = int(
+            rope.get("original_max_position_embeddings") or config.original_max_position_embeddings
+        )
+        limits.append(
+            (
+                original,
+                f"rope_scaling longrope original_max_position_embeddings {original}",
+                "past it longrope switches factors by the sequence's length",
+            )
+        )
+    return limits
+
+
 def check_supported(config, context_length: int | None) -> int:
     """The context length to serve (`context_length` as given, else the checkpoint's), after
     refusing what cannot be honoured: a `quantization_config`, a rope type whose table depends
-    on the sequence's length, or a sliding window shorter than the context asked for. Without an
-    explicit context length a sliding window caps the context at the window, where attending to
-    the window is attending to everything: exact."""
+    on the sequence's length, or a context asked for beyond what a sliding window or longrope
+    serve exactly (`exact_limits`). Without an explicit context length those cap the context,
+    within which radixrt's attention and rotary tables are transformers': exact."""
     quant = getattr(config, "quantization_config", None)
     if quant:
         method = quant.get("quant_method") if isinstance(quant, dict) else type(quant).__name__
@@ -46,31 +73,28 @@ def check_supported(config, context_length: int | None) -> int:
             f"config.json: rope_scaling type {kind!r} is not supported "
             f"(supported: {sorted(STATIC_ROPE_TYPES)})"
         )
-    window = sliding_window(config)
     longest = context_length or config.max_position_embeddings
-    if window is None or window >= longest:
+    limits = [limit for limit in exact_limits(config) if limit[0] < longest]
+    if not limits:
         return longest
+    limit, field, why = min(limits)
     if context_length:
         raise ValueError(
-            f"config.json: sliding_window {window} is shorter than --context-length "
-            f"{context_length}; sliding-window attention is not implemented yet"
+            f"config.json: {field} is shorter than --context-length {context_length}; {why}"
         )
     logger.warning(
-        "sliding_window %d: serving a context of %d tokens (not %d), within which attention "
-        "is exact",
-        window,
-        window,
+        "%s: serving a context of %d tokens (not %d), within which the model is exact",
+        field,
+        limit,
         config.max_position_embeddings,
     )
-    return window
+    return limit
 
 
 def check_all_read(names: set[str], read: set[str], tied: bool) -> None:
     """Every checkpoint tensor was loaded: one nobody read means a layer the model lacks."""
     ignorable = {"lm_head.weight"} if tied else set()
-    unused = sorted(
-        n for n in names - read - ignorable if not n.endswith(IGNORABLE_SUFFIXES)
-    )
+    unused = sorted(n for n in names - read - ignorable if not n.endswith(IGNORABLE_SUFFIXES))
     if unused:
         raise ValueError(
             f"the checkpoint has {len(unused)} tensors this architecture does not use, "

@@ -36,16 +36,41 @@ class Family:
     fused_checkpoint: the checkpoint keeps `qkv_proj` and `gate_up_proj` fused (Phi-3/4);
         they are split by rows at load, so a tensor-parallel rank still reads only its part.
     moe: the sparse MLP on the layers it names, the dense MLP elsewhere; None when dense.
+    norm_offset: added to every stored RMSNorm weight at load: Gemma's norms scale by (1 + w).
+    embed_scale: the embeddings' factor (Gemma's sqrt(hidden_size)).
+    activation: the gated MLP's, "silu" or Gemma's "gelu_pytorch_tanh".
+    sandwich_norms: the attention's and the MLP's outputs are each normed before they join the
+        residual stream, and the MLP's input by `pre_feedforward_layernorm` (Gemma).
+    query_scale: q's factor before attention, so the backends' 1/sqrt(head_dim) becomes Gemma's
+        1/sqrt(query_pre_attn_scalar).
+    final_logit_softcap: logits become cap * tanh(logits / cap) (Gemma 2); None: unchanged.
+    rope_by_layer: each layer's rotary table by layer type where the config gives one per type
+        (Gemma 3's local and global theta); None: one table for every layer.
     """
 
     qkv_bias: bool
     qk_norm: bool
     fused_checkpoint: bool
     moe: MoeSpec | None
+    norm_offset: float = 0.0
+    embed_scale: float = 1.0
+    activation: str = "silu"
+    sandwich_norms: bool = False
+    query_scale: float = 1.0
+    final_logit_softcap: float | None = None
+    rope_by_layer: tuple[str, ...] | None = None
 
 
-QK_NORM_TYPES = {"qwen3", "qwen3_moe"}
+QK_NORM_TYPES = {"qwen3", "qwen3_moe", "gemma3_text"}
 FUSED_CHECKPOINT_TYPES = {"phi3"}
+GEMMA_TYPES = {"gemma2", "gemma3_text"}
+ACTIVATIONS = {"silu", "gelu_pytorch_tanh"}
+
+
+def activation_of(config) -> str:
+    """The gated MLP's activation (Gemma names it `hidden_activation`); support.py refuses one
+    not in ACTIVATIONS."""
+    return getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu")
 
 
 def family_of(config) -> Family:
@@ -54,6 +79,28 @@ def family_of(config) -> Family:
         qk_norm=config.model_type in QK_NORM_TYPES,
         fused_checkpoint=config.model_type in FUSED_CHECKPOINT_TYPES,
         moe=_moe_of(config),
+        activation=activation_of(config),
+        **(_gemma_parts(config) if config.model_type in GEMMA_TYPES else {}),
+        rope_by_layer=tuple(config.layer_types) if rope_per_layer_type(config) else None,
+    )
+
+
+def rope_per_layer_type(config) -> dict[str, dict] | None:
+    """The rope parameters by layer type where the config gives one set per type (Gemma 3)."""
+    rope = getattr(config, "rope_parameters", None) or {}
+    if rope and all(isinstance(v, dict) for v in rope.values()):
+        return rope
+    return None
+
+
+def _gemma_parts(config) -> dict:
+    head_dim = config.head_dim or config.hidden_size // config.num_attention_heads
+    return dict(
+        norm_offset=1.0,
+        embed_scale=config.hidden_size**0.5,
+        sandwich_norms=True,
+        query_scale=(head_dim / config.query_pre_attn_scalar) ** 0.5,
+        final_logit_softcap=getattr(config, "final_logit_softcapping", None),
     )
 
 

@@ -1,5 +1,5 @@
 """The decoder skeleton every served family shares (Llama, Mistral, Qwen2, SmolLM, Qwen3, Phi-3/4,
-Mixtral, Qwen3-MoE) over a flattened ragged batch; a `Family` (family.py) names the parts a
+Mixtral, Qwen3-MoE, Gemma 2/3) over a flattened ragged batch; a `Family` (family.py) names the parts a
 family swaps in: q/k norms, biases, a sparse MLP, fused checkpoint tensors."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from radixrt.attention import AttentionBackend
 from radixrt.distributed.group import TPGroup
 from radixrt.distributed.sharding import HeadShard, shard_heads, split_range
 from radixrt.kernels import cpu_fused
-from radixrt.models.family import Family, family_of
-from radixrt.models.moe import SparseMoE, silu_mul
+from radixrt.models.family import Family, family_of, rope_per_layer_type
+from radixrt.models.moe import SparseMoE, gated
 
 if TYPE_CHECKING:  # types only: the executor and the pools import this package, not the reverse
     from radixrt.executor.forward_batch import ForwardBatch
@@ -46,14 +46,17 @@ class RotaryEmbedding(nn.Module):
     """cos/sin tables for every position, using transformers' own rope-scaling formulas, over
     the first `partial_rotary_factor` of each head (Phi-4's 0.75; the rest passes through).
     longrope's table is its short factors: exact while the context stays within
-    `original_max_position_embeddings` (support.py caps it there)."""
+    `original_max_position_embeddings` (support.py caps it there). With `layer_type`, the
+    table of that type's own parameters (Gemma 3's local and global theta)."""
 
-    def __init__(self, config, head_dim: int, max_positions: int):
+    def __init__(self, config, head_dim: int, max_positions: int, layer_type: str | None = None):
         super().__init__()
         rope = getattr(config, "rope_parameters", None) or {
             "rope_type": "default",
             "rope_theta": getattr(config, "rope_theta", 10000.0),
         }
+        if layer_type is not None:
+            rope = rope[layer_type]
         rope_type = rope.get("rope_type", "default")
         if rope_type == "default":
             factor = rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1))
@@ -63,7 +66,9 @@ class RotaryEmbedding(nn.Module):
             )
             scaling = 1.0
         else:
-            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](
+                config, torch.device("cpu"), layer_type=layer_type
+            )
         freqs = torch.arange(max_positions, dtype=torch.float)[:, None] * inv_freq[None, :]
         emb = torch.cat([freqs, freqs], dim=-1)
         self.register_buffer("cos", emb.cos() * scaling, persistent=False)
@@ -116,6 +121,7 @@ class Attention(nn.Module):
         if self.qk_norm:
             self.q_norm = RMSNorm(head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(head_dim, config.rms_norm_eps)
+        self.query_scale = family.query_scale
 
     def forward(
         self,
@@ -136,6 +142,8 @@ class Attention(nn.Module):
             q = cpu_fused.rope_and_store(
                 qkv, cos[:, 0], sin[:, 0], self.num_heads, k_buf, v_buf, batch.out_slots
             )
+            if self.query_scale != 1.0:
+                q = q * self.query_scale
             out = self.o_proj(
                 attn.forward(self.layer_id, q, None, None, batch).view(-1, self.q_size)
             )
@@ -147,6 +155,8 @@ class Attention(nn.Module):
         q = apply_rotary(q.reshape(-1, self.num_heads, self.head_dim), cos_sin)
         k = apply_rotary(k.reshape(-1, self.num_kv_heads, self.head_dim), cos_sin)
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
+        if self.query_scale != 1.0:
+            q = q * self.query_scale
         attn.kv_pool.set_kv(self.layer_id, batch.out_slots, k, v)
         o = attn.forward(self.layer_id, q, k, v, batch)
         return self.tp.all_reduce(self.o_proj(o.reshape(-1, self.q_size)))
@@ -156,14 +166,15 @@ class MLP(nn.Module):
     """This rank's slice of the intermediate size: column-parallel gate/up, row-parallel down,
     one all-reduce of its output."""
 
-    def __init__(self, hidden: int, intermediate: int, tp: TPGroup):
+    def __init__(self, hidden: int, intermediate: int, tp: TPGroup, activation: str):
         super().__init__()
         self.tp = tp
+        self.activation = activation
         self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(self.down_proj(silu_mul(self.gate_up_proj(x))))
+        return self.tp.all_reduce(self.down_proj(gated(self.gate_up_proj(x), self.activation)))
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -186,7 +197,8 @@ class VocabParallelEmbedding(nn.Module):
 
 class DecoderLayer(nn.Module):
     """Norm, attention, norm, and the dense MLP (`mlp` wide on this rank) or, on the family's
-    sparse layers, the experts (`expert_mlp` wide each)."""
+    sparse layers, the experts (`expert_mlp` wide each); with sandwich norms (Gemma) the
+    attention's and the MLP's outputs are normed too before they join the stream."""
 
     def __init__(
         self,
@@ -203,11 +215,15 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config, family, layer_id, head_dim, shard, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.sandwich = family.sandwich_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+            self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         sparse = family.moe is not None and layer_id in family.moe.sparse_layers
         self.mlp = (
-            SparseMoE(config.hidden_size, family.moe, expert_mlp, tp)
+            SparseMoE(config.hidden_size, family.moe, expert_mlp, tp, family.activation)
             if sparse
-            else MLP(config.hidden_size, mlp, tp)
+            else MLP(config.hidden_size, mlp, tp, family.activation)
         )
 
     def forward(
@@ -221,9 +237,13 @@ class DecoderLayer(nn.Module):
         """(this layer's MLP output, the residual stream before it is added): the next norm adds
         it, so each add fuses with a norm. The sums are HF's: stream + attention, then + MLP."""
         h, residual = self.input_layernorm(x, residual)
-        h, residual = self.post_attention_layernorm(
-            self.self_attn(h, batch, cos_sin, attn), residual
-        )
+        h = self.self_attn(h, batch, cos_sin, attn)
+        if self.sandwich:
+            h, residual = self.pre_feedforward_layernorm(
+                self.post_attention_layernorm(h)[0], residual
+            )
+            return self.post_feedforward_layernorm(self.mlp(h))[0], residual
+        h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
 
 
@@ -266,7 +286,16 @@ class LlamaForCausalLM(nn.Module):
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rope = RotaryEmbedding(config, head_dim, max_positions)
+        # rotary tables by layer type ("all" where one serves every layer)
+        self.rope_of_layer = family.rope_by_layer or ("all",) * config.num_hidden_layers
+        self.rope = nn.ModuleDict(
+            {
+                kind: RotaryEmbedding(
+                    config, head_dim, max_positions, kind if rope_per_layer_type(config) else None
+                )
+                for kind in sorted(set(self.rope_of_layer))
+            }
+        )
         self.lm_head = nn.Linear(config.hidden_size, self.vocab_widths[tp.rank], bias=False)
         self.tied = bool(getattr(config, "tie_word_embeddings", False))
         if self.tied:
@@ -276,15 +305,21 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
         """Hidden states after the final norm, one row per new token (the same on every rank)."""
         x, residual = self.embed_tokens(batch.input_ids), None
-        cos_sin = self.rope(batch.positions, x.dtype)
-        for layer in self.layers:
-            x, residual = layer(x, residual, batch, cos_sin, attn)
+        if self.family.embed_scale != 1.0:
+            x = x * torch.tensor(self.family.embed_scale, dtype=x.dtype)
+        tables = {kind: rope(batch.positions, x.dtype) for kind, rope in self.rope.items()}
+        for layer, kind in zip(self.layers, self.rope_of_layer):
+            x, residual = layer(x, residual, batch, tables[kind], attn)
         return self.norm(x, residual)[0]
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits of this rank's vocabulary slice."""
-        return self.lm_head(hidden).float()
+        """Logits of this rank's vocabulary slice (soft-capped where the family caps them)."""
+        cap = self.family.final_logit_softcap
+        logits = self.lm_head(hidden)
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits.float()
 
     def load_weights(self, reader: WeightReader) -> None:
         """Load Hugging Face names, reading only this rank's slices: q/k/v and gate/up fused
@@ -306,8 +341,10 @@ class LlamaForCausalLM(nn.Module):
             norms = ["input_layernorm", "post_attention_layernorm"]
             if self.family.qk_norm:
                 norms += ["self_attn.q_norm", "self_attn.k_norm"]
+            if self.family.sandwich_norms:
+                norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
             for norm in norms:
-                put(me + f"{norm}.weight", reader.rows(hf + f"{norm}.weight"))
+                put(me + f"{norm}.weight", self._norm(reader, hf + f"{norm}.weight"))
             if isinstance(layer.mlp, SparseMoE):
                 self._load_experts(reader, hf, me, put)
             else:
@@ -316,13 +353,17 @@ class LlamaForCausalLM(nn.Module):
                     me + "mlp.down_proj.weight",
                     reader.cols(hf + "mlp.down_proj.weight", *self.mlp_range),
                 )
-        put("norm.weight", reader.rows("model.norm.weight"))
+        put("norm.weight", self._norm(reader, "model.norm.weight"))
         put("embed_tokens.weight", reader.rows("model.embed_tokens.weight", *self.vocab_range))
         if not self.tied:
             put("lm_head.weight", reader.rows("lm_head.weight", *self.vocab_range))
         missing = set(own) - loaded - ({"lm_head.weight"} if self.tied else set())
         if missing:
             raise ValueError(f"weights missing from the checkpoint: {sorted(missing)[:8]}")
+
+    def _norm(self, reader: WeightReader, name: str) -> torch.Tensor:
+        """An RMSNorm's weight as the norm multiplies by it: Gemma stores it less 1."""
+        return reader.rows(name) + self.family.norm_offset
 
     def _qkv(self, reader: WeightReader, hf: str, kind: str) -> torch.Tensor:
         """This rank's rows of q, k and v, one after the other."""

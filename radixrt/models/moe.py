@@ -41,16 +41,23 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> Routing:
     return Routing(experts, weights)
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """[T, 2I] -> silu(gate) * up, [T, I] (one fused call on the CPU in float32)."""
-    if cpu_fused.supports(gate_up):
+def gated(gate_up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+    """[T, 2I] -> act(gate) * up, [T, I]: SiLU (one fused call on the CPU in float32) or
+    Gemma's tanh-approximated GELU."""
+    if activation == "silu" and cpu_fused.supports(gate_up):
         return cpu_fused.silu_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    if activation == "silu":
+        return F.silu(gate) * up
+    return F.gelu(gate, approximate="tanh") * up  # support.py refused any other
 
 
 def grouped_experts(
-    x: torch.Tensor, routing: Routing, gate_up: torch.Tensor, down: torch.Tensor
+    x: torch.Tensor,
+    routing: Routing,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    activation: str = "silu",
 ) -> torch.Tensor:
     """sum_j weights[t, j] * expert_{experts[t, j]}(x[t]) for every token t: `gate_up` [E, 2I, H]
     and `down` [E, H, I] are the experts' weights, each run once over its routed rows."""
@@ -65,7 +72,7 @@ def grouped_experts(
         if n == 0:
             continue
         rows = tokens[start : start + n]
-        h = F.linear(silu_mul(F.linear(x[rows], gate_up[expert])), down[expert])
+        h = F.linear(gated(F.linear(x[rows], gate_up[expert]), activation), down[expert])
         out.index_add_(0, rows, h * weights[start : start + n, None].to(h.dtype))
         start += n
     return out
@@ -74,9 +81,10 @@ def grouped_experts(
 class SparseMoE(nn.Module):
     """This rank's slice (`intermediate` wide) of every expert, and the whole router."""
 
-    def __init__(self, hidden: int, spec: MoeSpec, intermediate: int, tp: TPGroup):
+    def __init__(self, hidden: int, spec: MoeSpec, intermediate: int, tp: TPGroup, activation: str):
         super().__init__()
         self.tp = tp
+        self.activation = activation
         self.spec = spec
         self.gate = nn.Linear(hidden, spec.num_experts, bias=False)
         self.gate_up = nn.Parameter(torch.empty(spec.num_experts, 2 * intermediate, hidden))
@@ -84,4 +92,6 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         routing = route(self.gate(x), self.spec.top_k, self.spec.renormalize)
-        return self.tp.all_reduce(grouped_experts(x, routing, self.gate_up, self.down))
+        return self.tp.all_reduce(
+            grouped_experts(x, routing, self.gate_up, self.down, self.activation)
+        )

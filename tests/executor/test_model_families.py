@@ -1,5 +1,5 @@
 """The families beyond Llama (Qwen3, Phi-3/4 with partial rotary and longrope, Mixtral,
-Qwen3-MoE), each a tiny random checkpoint made with transformers' own config class: greedy
+Qwen3-MoE, Gemma 2 and 3), each a tiny random checkpoint made with transformers' own config class: greedy
 tokens equal transformers' in float32 over 24 tokens, cold and warm, chunked, paged; tensor
 parallel on gloo for one dense and one MoE family; the routing and grouped experts against
 transformers' own modules."""
@@ -35,6 +35,13 @@ SMALL = dict(
     tie_word_embeddings=False,
 )
 MOE = dict(num_experts_per_tok=2, router_jitter_noise=0.0)
+GEMMA = dict(
+    head_dim=32,
+    query_pre_attn_scalar=8,
+    sliding_window=128,
+    final_logit_softcapping=30.0,
+    tie_word_embeddings=True,
+)
 FAMILIES = {
     # q/k RMSNorm per head; head_dim 32, not hidden / heads = 16
     "qwen3": ("qwen3", {"head_dim": 32}),
@@ -77,6 +84,23 @@ FAMILIES = {
         "qwen3_moe",
         {"num_experts": 6, "moe_intermediate_size": 48, "norm_topk_prob": True, **MOE},
     ),
+    # (1 + w) norms, sqrt(hidden) embedding scale, GeGLU, sandwich norms, query_pre_attn_scalar
+    # (8, not head_dim 32), final-logit soft-capping; the sliding window (128) caps the context
+    # (support.py), so local and global layers both attend to everything before them.
+    # Gemma 2's attention soft-capping is off: the backends do not compute it (refused).
+    "gemma2": ("gemma2", {**GEMMA, "attn_logit_softcapping": None}),
+    # and q/k norms, local and global layers with their own rope (theta 1e4; linear 8 x 1e6)
+    "gemma3": (
+        "gemma3_text",
+        {
+            **GEMMA,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "rope_parameters": {
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+            },
+        },
+    ),
 }
 
 
@@ -84,7 +108,12 @@ def _checkpoint(folder, tiny_model_dir, name: str):
     model_type, extra = FAMILIES[name]
     config = AutoConfig.for_model(model_type, **{**SMALL, **extra})
     torch.manual_seed(3)
-    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():  # norms start at 1 (Gemma's at 0): make their weights count
+        for param, weight in model.named_parameters():
+            if "norm" in param:
+                weight.add_(torch.randn_like(weight) * 0.2)
+    model.save_pretrained(folder)
     for file in ("tokenizer.json", "tokenizer_config.json"):
         (folder / file).write_bytes((tiny_model_dir / file).read_bytes())
     return folder

@@ -62,6 +62,9 @@ def _edit_config(folder, **fields) -> None:
             {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}},
             "rope_scaling type 'dynamic'",
         ),
+        # Gemma 2's: the attention backends do not soft-cap scores
+        ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping is not supported"),
+        ({"hidden_act": "relu"}, "hidden_act 'relu' is not supported"),
     ],
 )
 def test_config_fields_that_cannot_be_honoured_are_refused(tmp_path, tiny_model_dir, fields, words):

@@ -1,6 +1,6 @@
-"""The decoder skeleton every served family shares (Llama, Mistral, Qwen2, SmolLM, Qwen3, Phi-3/4,
-Mixtral, Qwen3-MoE, Gemma 2/3) over a flattened ragged batch; a `Family` (family.py) names the parts a
-family swaps in: q/k norms, biases, a sparse MLP, fused checkpoint tensors."""
+"""The decoder skeleton every served family shares (Llama, Mistral, Qwen2, SmolLM, Qwen3,
+Phi-3/4, Mixtral, Qwen3-MoE, Gemma 2/3) over a flattened ragged batch; a `Family` (family.py)
+names the parts a family swaps in: norms, biases, a sparse MLP, fused checkpoint tensors."""
 
 from __future__ import annotations
 

@@ -14,8 +14,9 @@ import radixrt as rt
 from radixrt.config import ServerArgs
 from radixrt.engine.scheduler import Scheduler
 from radixrt.models.moe import Routing, grouped_experts, route
+from radixrt.sampling_params import SamplingParams
 
-from helpers import hf_greedy, run_in_process
+from helpers import _hf_model, hf_greedy, run_in_process
 from timeouts import REPLY_TIMEOUT_S
 
 MAX_NEW = 24
@@ -143,6 +144,27 @@ def test_family_matches_transformers_cold_warm_chunked_paged(name, tmp_path, tin
     assert got[: len(prompts)] == expected, "cold"
     assert got[len(prompts) :] == expected, "warm"
     scheduler.check_invariants()
+
+
+@pytest.mark.parametrize("name", ["gemma2", "gemma3", "phi4-partial-rotary", "qwen3-moe"])
+def test_family_prompt_logprobs_equal_transformers(name, tmp_path, tiny_model_dir):
+    """Every prompt position's log-probability of the next token, as transformers computes it:
+    finer than greedy tokens (Gemma 2's final soft-cap leaves the argmax where it was)."""
+    folder = _checkpoint(tmp_path, tiny_model_dir, name)
+    ids = _prompts()[3]
+    scheduler = Scheduler.from_server_args(
+        ServerArgs(model=str(folder), attention_backend="torch", max_total_tokens=512)
+    )
+    params = {"max_new_tokens": 0, "logprob_start_len": 0, "return_logprob": True}
+    req = scheduler.make_request("score", ids, SamplingParams.from_dict(params))
+    scheduler.add_request(req)
+    while scheduler.has_work():
+        scheduler.step()
+    with torch.inference_mode():
+        logits = _hf_model(str(folder))(torch.tensor([ids])).logits[0]
+    expected = torch.log_softmax(logits, dim=-1)[torch.arange(len(ids) - 1), ids[1:]]
+    got = torch.tensor([lp for lp, _ in req.input_token_logprobs])
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("name", ["qwen3", "mixtral"])

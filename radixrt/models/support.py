@@ -73,9 +73,9 @@ def exact_limits(config) -> list[tuple[int, str, str]]:
 def check_supported(config, context_length: int | None) -> int:
     """The context length to serve (`context_length` as given, else the checkpoint's), after
     refusing what cannot be honoured: a `quantization_config`, a rope type whose table depends
-    on the sequence's length, an MLP activation not computed, a field that changes the attention itself (`UNSUPPORTED_FIELDS`:
-    Gemma 2's attention soft-capping), or a context asked for beyond what a sliding window or longrope
-    serve exactly (`exact_limits`). Without an explicit context length those cap the context,
+    on the sequence's length, an MLP activation not computed, a field that changes the attention
+    itself (`UNSUPPORTED_FIELDS`: Gemma 2's attention soft-capping), or a context asked for
+    beyond what a sliding window or longrope serve exactly (`exact_limits`). Without an explicit context length those cap the context,
     within which radixrt's attention and rotary tables are transformers': exact."""
     quant = getattr(config, "quantization_config", None)
     if quant:

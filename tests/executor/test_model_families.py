@@ -1,8 +1,8 @@
 """The families beyond Llama (Qwen3, Phi-3/4 with partial rotary and longrope, Mixtral,
-Qwen3-MoE, Gemma 2 and 3), each a tiny random checkpoint made with transformers' own config class: greedy
-tokens equal transformers' in float32 over 24 tokens, cold and warm, chunked, paged; tensor
-parallel on gloo for one dense and one MoE family; the routing and grouped experts against
-transformers' own modules."""
+Qwen3-MoE, Gemma 2 and 3), each a tiny random checkpoint made with transformers' own config
+class: greedy tokens equal transformers' in float32 over 24 tokens, cold and warm, chunked,
+paged, and prompt logprobs equal too; tensor parallel on gloo for one dense and one MoE family;
+the routing and grouped experts against transformers' own modules."""
 
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ from radixrt.distributed.group import TPGroup
 from radixrt.distributed.sharding import HeadShard, shard_heads, split_range
 from radixrt.kernels import cpu_fused
 from radixrt.models.family import Family, family_of, rope_per_layer_type
-from radixrt.models.moe import SparseMoE, gated
+from radixrt.models.moe import GatedMLP, SparseMoE
 
 if TYPE_CHECKING:  # types only: the executor and the pools import this package, not the reverse
     from radixrt.executor.forward_batch import ForwardBatch
@@ -162,19 +162,16 @@ class Attention(nn.Module):
         return self.tp.all_reduce(self.o_proj(o.reshape(-1, self.q_size)))
 
 
-class MLP(nn.Module):
+class MLP(GatedMLP):
     """This rank's slice of the intermediate size: column-parallel gate/up, row-parallel down,
     one all-reduce of its output."""
 
     def __init__(self, hidden: int, intermediate: int, tp: TPGroup, activation: str):
-        super().__init__()
+        super().__init__(hidden, intermediate, activation)
         self.tp = tp
-        self.activation = activation
-        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(self.down_proj(gated(self.gate_up_proj(x), self.activation)))
+        return self.tp.all_reduce(super().forward(x))
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -395,28 +392,20 @@ class LlamaForCausalLM(nn.Module):
         )
 
     def _load_experts(self, reader: WeightReader, hf: str, me: str, put) -> None:
-        """The router whole; every expert's slice of gate and up (rows) and down (columns),
-        stacked into [E, 2I, H] and [E, H, I]."""
+        """The router whole; every expert's slice of gate and up (rows) and down (columns)."""
         spec, (start, end) = self.family.moe, self.expert_range
         gate, up, down = spec.names
         base = hf + spec.prefix + "."
-        experts = [f"{base}experts.{e}." for e in range(spec.num_experts)]
         put(me + "mlp.gate.weight", reader.rows(base + "gate.weight"))
-        put(
-            me + "mlp.gate_up",
-            torch.stack(
-                [
-                    torch.cat(
-                        [
-                            reader.rows(e + f"{gate}.weight", start, end),
-                            reader.rows(e + f"{up}.weight", start, end),
-                        ]
-                    )
-                    for e in experts
-                ]
-            ),
-        )
-        put(
-            me + "mlp.down",
-            torch.stack([reader.cols(e + f"{down}.weight", start, end) for e in experts]),
-        )
+        for e in range(spec.num_experts):
+            theirs, mine = f"{base}experts.{e}.", f"{me}mlp.experts.{e}."
+            put(
+                mine + "gate_up_proj.weight",
+                torch.cat(
+                    [
+                        reader.rows(theirs + f"{gate}.weight", start, end),
+                        reader.rows(theirs + f"{up}.weight", start, end),
+                    ]
+                ),
+            )
+            put(mine + "down_proj.weight", reader.cols(theirs + f"{down}.weight", start, end))

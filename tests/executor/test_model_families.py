@@ -13,7 +13,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 import radixrt as rt
 from radixrt.config import ServerArgs
 from radixrt.engine.scheduler import Scheduler
-from radixrt.models.moe import Routing, grouped_experts, route
+from radixrt.models.moe import GatedMLP, Routing, grouped_experts, route
 from radixrt.sampling_params import SamplingParams
 
 from helpers import _hf_model, hf_greedy, run_in_process
@@ -234,20 +234,19 @@ def test_grouped_experts_equal_transformers_experts(tokens):
     from transformers.models.mixtral.modeling_mixtral import MixtralExperts
 
     config = _moe_config("mixtral")
-    experts = MixtralExperts(config)
+    theirs = MixtralExperts(config)
     torch.manual_seed(1)
-    torch.nn.init.normal_(experts.gate_up_proj, std=0.2)
-    torch.nn.init.normal_(experts.down_proj, std=0.2)
+    torch.nn.init.normal_(theirs.gate_up_proj, std=0.2)
+    torch.nn.init.normal_(theirs.down_proj, std=0.2)
+    ours = [GatedMLP(32, 48, "silu") for _ in range(7)]
+    for e, expert in enumerate(ours):
+        expert.gate_up_proj.weight.data.copy_(theirs.gate_up_proj[e])
+        expert.down_proj.weight.data.copy_(theirs.down_proj[e])
     x = torch.randn(tokens, 32)
     routing = route(torch.randn(tokens, 7) * 3, 3, True)
     with torch.no_grad():
-        expected = experts(x, routing.experts, routing.weights)
-    got = grouped_experts(x, routing, experts.gate_up_proj.data, experts.down_proj.data)
+        expected = theirs(x, routing.experts, routing.weights)
+        got = grouped_experts(x, routing, ours)
+        empty = grouped_experts(x[:0], Routing(routing.experts[:0], routing.weights[:0]), ours)
     torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
-    empty = Routing(routing.experts[:0], routing.weights[:0])
-    assert grouped_experts(
-        x[:0], empty, experts.gate_up_proj.data, experts.down_proj.data
-    ).shape == (
-        0,
-        32,
-    )
+    assert empty.shape == (0, 32)

@@ -7,7 +7,8 @@ extend TFLOP/s against dense torch SDPA, plus small launch-config sweeps, (c) en
 radixrt.Engine with the triton and torch attention backends, (d) decode steps at batch 1 and 32 replayed
 from CUDA graphs against eager launches: time per step, and where greedy outputs first differ, (e) speculative
 decoding against plain decoding, (f) the host tier: copy bandwidth and load-backs end to end, (g) the engine at
-tp_size=1 on CUDA, and 2 over two GPUs where the machine has them. Writes $OUT/gpu_check.json and $OUT/gpu_check.txt,
+tp_size=1 on CUDA, and 2 over two GPUs where the machine has them, (h) each model family's greedy tokens
+on CUDA against transformers. Writes $OUT/gpu_check.json and $OUT/gpu_check.txt,
 rewritten after every section so a timeout still leaves the finished parts.
 """
 
@@ -431,6 +432,50 @@ def check_engine() -> None:
     log(f"  greedy outputs equal: {equal}; first differing token per prompt: {first_diff}")
 
 
+def check_families(backend: str = "triton") -> None:
+    """Each family's tiny random checkpoint (tests/executor/test_model_families.py): greedy
+    tokens of radixrt.Engine on CUDA in float32, triton attention (and CUDA graphs where the
+    family allows them), against transformers' on the CPU."""
+    log("== (h) model families: greedy on CUDA (triton, float32) vs transformers ==")
+    import tempfile
+
+    import radixrt as rt
+    from radixrt.executor.model_loader import resolve_model_path
+
+    root = Path(__file__).resolve().parents[1]
+    sys.path[:0] = [str(root / "tests"), str(root / "tests" / "executor")]
+    from test_model_families import FAMILIES, GREEDY, MAX_NEW, _checkpoint, _prompts
+
+    from helpers import hf_greedy
+
+    tokenizer_dir = resolve_model_path("default")
+    results["families"] = {}
+    for name in FAMILIES:
+        with tempfile.TemporaryDirectory() as tmp:
+            folder = _checkpoint(Path(tmp), tokenizer_dir, name)
+            prompts = _prompts()
+            expected = hf_greedy(folder, prompts, MAX_NEW)
+            with rt.Engine(
+                model=str(folder),
+                attention_backend=backend,
+                dtype="float32",
+                page_size=4,
+                log_level="warning",
+            ) as engine:
+                runs = [
+                    [
+                        r["output_ids"]
+                        for r in engine.generate(input_ids=prompts, sampling_params=GREEDY)
+                    ]
+                    for _ in ("cold", "warm")
+                ]
+        diffs = [[first_difference(g, e) for g, e in zip(run, expected)] for run in runs]
+        equal = all(d is None for run in diffs for d in run)
+        results["families"][name] = {"equal": equal, "first_diff_index": diffs}
+        log(f"  {name}: equal {equal}; first differing token (cold, warm): {diffs}")
+        save()
+
+
 def check_tensor_parallel() -> None:
     log("== (g) tensor parallelism: tp_size=1 on this GPU, and 2 over two GPUs where there are ==")
     import radixrt as rt
@@ -632,6 +677,7 @@ def main() -> None:
         check_tensor_parallel,
         sweep_configs,
         check_engine,
+        check_families,
     ):
         try:
             section()

@@ -187,9 +187,12 @@ class ModelRunner:
         )
 
     def _graph_runner(self):
-        """Decode steps as CUDA graphs: on CUDA with the Triton backend, unless disabled."""
+        """Decode steps as CUDA graphs: on CUDA with the Triton backend, unless disabled or the
+        model's forward reads values on the host (experts' routing)."""
         if self.device.type != "cuda" or self.args.disable_cuda_graph or self.tp.size > 1:
             return None  # graphs do not capture the ranks' commands
+        if not self.model.graph_safe:
+            return None
         from radixrt.attention.triton_backend import TritonAttentionBackend
         from radixrt.executor.cuda_graph_runner import CudaGraphRunner
 

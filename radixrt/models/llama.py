@@ -1,4 +1,6 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, SmolLM) over a flattened ragged batch."""
+"""The decoder skeleton every served family shares (Llama, Mistral, Qwen2, SmolLM, Qwen3,
+Phi-3/4, Mixtral, Qwen3-MoE, Gemma 2/3) over a flattened ragged batch; a `Family` (family.py)
+names the parts a family swaps in: norms, biases, a sparse MLP, fused checkpoint tensors."""
 
 from __future__ import annotations
 
@@ -13,6 +15,8 @@ from radixrt.attention import AttentionBackend
 from radixrt.distributed.group import TPGroup
 from radixrt.distributed.sharding import HeadShard, shard_heads, split_range
 from radixrt.kernels import cpu_fused
+from radixrt.models.family import Family, family_of, rope_per_layer_type
+from radixrt.models.moe import GatedMLP, SparseMoE
 
 if TYPE_CHECKING:  # types only: the executor and the pools import this package, not the reverse
     from radixrt.executor.forward_batch import ForwardBatch
@@ -39,22 +43,32 @@ class RMSNorm(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin tables for every position, using transformers' own rope-scaling formulas."""
+    """cos/sin tables for every position, using transformers' own rope-scaling formulas, over
+    the first `partial_rotary_factor` of each head (Phi-4's 0.75; the rest passes through).
+    longrope's table is its short factors: exact while the context stays within
+    `original_max_position_embeddings` (support.py caps it there). With `layer_type`, the
+    table of that type's own parameters (Gemma 3's local and global theta)."""
 
-    def __init__(self, config, head_dim: int, max_positions: int):
+    def __init__(self, config, head_dim: int, max_positions: int, layer_type: str | None = None):
         super().__init__()
         rope = getattr(config, "rope_parameters", None) or {
             "rope_type": "default",
             "rope_theta": getattr(config, "rope_theta", 10000.0),
         }
+        if layer_type is not None:
+            rope = rope[layer_type]
         rope_type = rope.get("rope_type", "default")
         if rope_type == "default":
+            factor = rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1))
+            dim = int(head_dim * factor)
             inv_freq = 1.0 / (
-                rope["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim)
+                rope["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)
             )
             scaling = 1.0
         else:
-            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](
+                config, torch.device("cpu"), layer_type=layer_type
+            )
         freqs = torch.arange(max_positions, dtype=torch.float)[:, None] * inv_freq[None, :]
         emb = torch.cat([freqs, freqs], dim=-1)
         self.register_buffer("cos", emb.cos() * scaling, persistent=False)
@@ -71,8 +85,12 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rotary(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Rotate the first `cos.shape[-1]` dims of each head of `x` [T, H, D]; the rest pass."""
     cos, sin = cos_sin
-    return x * cos + _rotate_half(x) * sin
+    if cos.shape[-1] == x.shape[-1]:
+        return x * cos + _rotate_half(x) * sin
+    rot, rest = x.split([cos.shape[-1], x.shape[-1] - cos.shape[-1]], dim=-1)
+    return torch.cat([rot * cos + _rotate_half(rot) * sin, rest], dim=-1)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -81,20 +99,29 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    """This rank's attention heads (`shard`): a column-parallel fused qkv projection, a
-    row-parallel output projection, and one all-reduce of its output."""
+    """This rank's attention heads (`shard`): a column-parallel fused qkv projection, the
+    family's per-head q/k RMSNorms if it has them, a row-parallel output projection, and one
+    all-reduce of its output."""
 
-    def __init__(self, config, layer_id: int, head_dim: int, shard: HeadShard, tp: TPGroup):
+    def __init__(
+        self, config, family: Family, layer_id: int, head_dim: int, shard: HeadShard, tp: TPGroup
+    ):
         super().__init__()
         self.layer_id = layer_id
         self.tp = tp
         self.num_heads = shard.num_heads
         self.num_kv_heads = shard.num_kv_heads
         self.head_dim = head_dim
-        bias = getattr(config, "attention_bias", False) or config.model_type == "qwen2"
         self.q_size, self.kv_size = self.num_heads * head_dim, self.num_kv_heads * head_dim
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
+        self.qkv_proj = nn.Linear(
+            config.hidden_size, self.q_size + 2 * self.kv_size, bias=family.qkv_bias
+        )
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.qk_norm = family.qk_norm
+        if self.qk_norm:
+            self.q_norm = RMSNorm(head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(head_dim, config.rms_norm_eps)
+        self.query_scale = family.query_scale
 
     def forward(
         self,
@@ -104,7 +131,9 @@ class Attention(nn.Module):
         attn: AttentionBackend,
     ) -> torch.Tensor:
         qkv = self.qkv_proj(x)
-        if cpu_fused.supports(qkv):  # q rotated; k rotated and v stored in the pool
+        whole_heads_rotated = cos_sin[0].shape[-1] == self.head_dim
+        if cpu_fused.supports(qkv) and whole_heads_rotated and not self.qk_norm:
+            # q rotated; k rotated and v stored in the pool
             k_buf, v_buf = (
                 attn.kv_pool.k_buffers[self.layer_id],
                 attn.kv_pool.v_buffers[self.layer_id],
@@ -113,36 +142,36 @@ class Attention(nn.Module):
             q = cpu_fused.rope_and_store(
                 qkv, cos[:, 0], sin[:, 0], self.num_heads, k_buf, v_buf, batch.out_slots
             )
+            if self.query_scale != 1.0:
+                q = q * self.query_scale
             out = self.o_proj(
                 attn.forward(self.layer_id, q, None, None, batch).view(-1, self.q_size)
             )
             return self.tp.all_reduce(out)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rotary(q.view(-1, self.num_heads, self.head_dim), cos_sin)
-        k = apply_rotary(k.view(-1, self.num_kv_heads, self.head_dim), cos_sin)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:  # over each head's D values: rows of [T * heads, D]
+            q = self.q_norm(q.reshape(-1, self.head_dim))[0]
+            k = self.k_norm(k.reshape(-1, self.head_dim))[0]
+        q = apply_rotary(q.reshape(-1, self.num_heads, self.head_dim), cos_sin)
+        k = apply_rotary(k.reshape(-1, self.num_kv_heads, self.head_dim), cos_sin)
+        v = v.reshape(-1, self.num_kv_heads, self.head_dim)
+        if self.query_scale != 1.0:
+            q = q * self.query_scale
         attn.kv_pool.set_kv(self.layer_id, batch.out_slots, k, v)
         o = attn.forward(self.layer_id, q, k, v, batch)
         return self.tp.all_reduce(self.o_proj(o.reshape(-1, self.q_size)))
 
 
-class MLP(nn.Module):
+class MLP(GatedMLP):
     """This rank's slice of the intermediate size: column-parallel gate/up, row-parallel down,
     one all-reduce of its output."""
 
-    def __init__(self, hidden: int, intermediate: int, tp: TPGroup):
-        super().__init__()
+    def __init__(self, hidden: int, intermediate: int, tp: TPGroup, activation: str):
+        super().__init__(hidden, intermediate, activation)
         self.tp = tp
-        self.intermediate = intermediate
-        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        if cpu_fused.supports(gate_up):
-            return self.tp.all_reduce(self.down_proj(cpu_fused.silu_mul(gate_up)))
-        gate, up = gate_up.split(self.intermediate, dim=-1)
-        return self.tp.all_reduce(self.down_proj(F.silu(gate) * up))
+        return self.tp.all_reduce(super().forward(x))
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -164,14 +193,35 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    """Norm, attention, norm, and the dense MLP (`mlp` wide on this rank) or, on the family's
+    sparse layers, the experts (`expert_mlp` wide each); with sandwich norms (Gemma) the
+    attention's and the MLP's outputs are normed too before they join the stream."""
+
     def __init__(
-        self, config, layer_id: int, head_dim: int, shard: HeadShard, mlp: int, tp: TPGroup
+        self,
+        config,
+        family: Family,
+        layer_id: int,
+        head_dim: int,
+        shard: HeadShard,
+        widths: tuple[int, int],
+        tp: TPGroup,
     ):
         super().__init__()
+        mlp, expert_mlp = widths
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, layer_id, head_dim, shard, tp)
+        self.self_attn = Attention(config, family, layer_id, head_dim, shard, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config.hidden_size, mlp, tp)
+        self.sandwich = family.sandwich_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+            self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        sparse = family.moe is not None and layer_id in family.moe.sparse_layers
+        self.mlp = (
+            SparseMoE(config.hidden_size, family.moe, expert_mlp, tp, family.activation)
+            if sparse
+            else MLP(config.hidden_size, mlp, tp, family.activation)
+        )
 
     def forward(
         self,
@@ -184,20 +234,28 @@ class DecoderLayer(nn.Module):
         """(this layer's MLP output, the residual stream before it is added): the next norm adds
         it, so each add fuses with a norm. The sums are HF's: stream + attention, then + MLP."""
         h, residual = self.input_layernorm(x, residual)
-        h, residual = self.post_attention_layernorm(
-            self.self_attn(h, batch, cos_sin, attn), residual
-        )
+        h = self.self_attn(h, batch, cos_sin, attn)
+        if self.sandwich:
+            h, residual = self.pre_feedforward_layernorm(
+                self.post_attention_layernorm(h)[0], residual
+            )
+            return self.post_feedforward_layernorm(self.mlp(h))[0], residual
+        h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
     """The decoder, or with `tp` of size N one rank's shard of it: its heads (`shard`), its
-    slice of the MLP (`mlp_range`) and of the vocabulary (`vocab_range`); norms and rotary
-    tables are whole on every rank. `compute_logits` gives this rank's vocabulary columns."""
+    slice of the MLP (`mlp_range`), of each expert (`expert_range`) and of the vocabulary
+    (`vocab_range`); norms, routers and rotary tables are whole on every rank.
+    `compute_logits` gives this rank's vocabulary columns. `graph_safe` says whether a decode
+    step may be captured as a CUDA graph (not with experts: their grouping reads counts)."""
 
     def __init__(self, config, max_positions: int, tp: TPGroup | None = None):
         super().__init__()
         self.config = config
+        self.family = family = family_of(config)
+        self.graph_safe = family.moe is None
         self.tp = tp = tp or TPGroup()
         head_dim = (
             getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -207,19 +265,34 @@ class LlamaForCausalLM(nn.Module):
             config.num_attention_heads, config.num_key_value_heads, tp.size, tp.rank
         )
         self.mlp_range = split_range(config.intermediate_size, tp.size, tp.rank)
+        self.expert_range = (
+            split_range(family.moe.intermediate_size, tp.size, tp.rank) if family.moe else (0, 0)
+        )
         self.vocab_widths = [
             end - start
             for start, end in (split_range(config.vocab_size, tp.size, r) for r in range(tp.size))
         ]
         self.vocab_range = split_range(config.vocab_size, tp.size, tp.rank)
-        mlp = self.mlp_range[1] - self.mlp_range[0]
+        widths = (
+            self.mlp_range[1] - self.mlp_range[0],
+            self.expert_range[1] - self.expert_range[0],
+        )
         self.embed_tokens = VocabParallelEmbedding(self.vocab_range, config.hidden_size, tp)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i, head_dim, self.shard, mlp, tp)
+            DecoderLayer(config, family, i, head_dim, self.shard, widths, tp)
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rope = RotaryEmbedding(config, head_dim, max_positions)
+        # rotary tables by layer type ("all" where one serves every layer)
+        self.rope_of_layer = family.rope_by_layer or ("all",) * config.num_hidden_layers
+        self.rope = nn.ModuleDict(
+            {
+                kind: RotaryEmbedding(
+                    config, head_dim, max_positions, kind if rope_per_layer_type(config) else None
+                )
+                for kind in sorted(set(self.rope_of_layer))
+            }
+        )
         self.lm_head = nn.Linear(config.hidden_size, self.vocab_widths[tp.rank], bias=False)
         self.tied = bool(getattr(config, "tie_word_embeddings", False))
         if self.tied:
@@ -229,20 +302,25 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
         """Hidden states after the final norm, one row per new token (the same on every rank)."""
         x, residual = self.embed_tokens(batch.input_ids), None
-        cos_sin = self.rope(batch.positions, x.dtype)
-        for layer in self.layers:
-            x, residual = layer(x, residual, batch, cos_sin, attn)
+        if self.family.embed_scale != 1.0:
+            x = x * torch.tensor(self.family.embed_scale, dtype=x.dtype)
+        tables = {kind: rope(batch.positions, x.dtype) for kind, rope in self.rope.items()}
+        for layer, kind in zip(self.layers, self.rope_of_layer):
+            x, residual = layer(x, residual, batch, tables[kind], attn)
         return self.norm(x, residual)[0]
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits of this rank's vocabulary slice."""
-        return self.lm_head(hidden).float()
+        """Logits of this rank's vocabulary slice (soft-capped where the family caps them)."""
+        cap = self.family.final_logit_softcap
+        logits = self.lm_head(hidden)
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits.float()
 
     def load_weights(self, reader: WeightReader) -> None:
-        """Load Hugging Face names, reading only this rank's slices, fusing q/k/v and gate/up."""
-        s, hd = self.shard, self.head_dim
-        q, kv = (s.q_start * hd, s.q_end * hd), (s.kv_start * hd, s.kv_end * hd)
+        """Load Hugging Face names, reading only this rank's slices: q/k/v and gate/up fused
+        (from separate tensors, or split by rows out of Phi-3's fused ones), experts stacked."""
         own = dict(self.named_parameters())
         loaded = set()
 
@@ -250,28 +328,84 @@ class LlamaForCausalLM(nn.Module):
             own[name].data.copy_(tensor)
             loaded.add(name)
 
-        for i in range(self.config.num_hidden_layers):
+        q = (self.shard.q_start * self.head_dim, self.shard.q_end * self.head_dim)
+        for i, layer in enumerate(self.layers):
             hf, me = f"model.layers.{i}.", f"layers.{i}."
             for kind in ("weight", "bias"):
-                names = [hf + f"self_attn.{p}_proj.{kind}" for p in "qkv"]
-                if reader.has(names[0]):
-                    parts = [reader.rows(n, *span) for n, span in zip(names, (q, kv, kv))]
-                    put(me + f"self_attn.qkv_proj.{kind}", torch.cat(parts))
+                if me + f"self_attn.qkv_proj.{kind}" in own:
+                    put(me + f"self_attn.qkv_proj.{kind}", self._qkv(reader, hf, kind))
             put(me + "self_attn.o_proj.weight", reader.cols(hf + "self_attn.o_proj.weight", *q))
-            gate_up = [
-                reader.rows(hf + f"mlp.{p}_proj.weight", *self.mlp_range) for p in ("gate", "up")
-            ]
-            put(me + "mlp.gate_up_proj.weight", torch.cat(gate_up))
-            put(
-                me + "mlp.down_proj.weight",
-                reader.cols(hf + "mlp.down_proj.weight", *self.mlp_range),
-            )
-            for norm in ("input_layernorm", "post_attention_layernorm"):
-                put(me + f"{norm}.weight", reader.rows(hf + f"{norm}.weight"))
-        put("norm.weight", reader.rows("model.norm.weight"))
+            norms = ["input_layernorm", "post_attention_layernorm"]
+            if self.family.qk_norm:
+                norms += ["self_attn.q_norm", "self_attn.k_norm"]
+            if self.family.sandwich_norms:
+                norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
+            for norm in norms:
+                put(me + f"{norm}.weight", self._norm(reader, hf + f"{norm}.weight"))
+            if isinstance(layer.mlp, SparseMoE):
+                self._load_experts(reader, hf, me, put)
+            else:
+                put(me + "mlp.gate_up_proj.weight", self._gate_up(reader, hf + "mlp."))
+                put(
+                    me + "mlp.down_proj.weight",
+                    reader.cols(hf + "mlp.down_proj.weight", *self.mlp_range),
+                )
+        put("norm.weight", self._norm(reader, "model.norm.weight"))
         put("embed_tokens.weight", reader.rows("model.embed_tokens.weight", *self.vocab_range))
         if not self.tied:
             put("lm_head.weight", reader.rows("lm_head.weight", *self.vocab_range))
         missing = set(own) - loaded - ({"lm_head.weight"} if self.tied else set())
         if missing:
             raise ValueError(f"weights missing from the checkpoint: {sorted(missing)[:8]}")
+
+    def _norm(self, reader: WeightReader, name: str) -> torch.Tensor:
+        """An RMSNorm's weight as the norm multiplies by it: Gemma stores it less 1."""
+        return reader.rows(name) + self.family.norm_offset
+
+    def _qkv(self, reader: WeightReader, hf: str, kind: str) -> torch.Tensor:
+        """This rank's rows of q, k and v, one after the other."""
+        s, hd, heads = self.shard, self.head_dim, self.config.num_attention_heads
+        kv_heads = self.config.num_key_value_heads
+        spans = [
+            (s.q_start * hd, s.q_end * hd),
+            (s.kv_start * hd, s.kv_end * hd),
+            (s.kv_start * hd, s.kv_end * hd),
+        ]
+        if self.family.fused_checkpoint:  # rows of [q; k; v] in one tensor
+            offsets = (0, heads * hd, (heads + kv_heads) * hd)
+            name = hf + f"self_attn.qkv_proj.{kind}"
+            return torch.cat([reader.rows(name, o + a, o + b) for o, (a, b) in zip(offsets, spans)])
+        names = [hf + f"self_attn.{p}_proj.{kind}" for p in "qkv"]
+        return torch.cat([reader.rows(n, *span) for n, span in zip(names, spans)])
+
+    def _gate_up(self, reader: WeightReader, prefix: str) -> torch.Tensor:
+        """This rank's rows of the dense MLP's gate, then of its up projection."""
+        start, end = self.mlp_range
+        if self.family.fused_checkpoint:  # rows of [gate; up] in one tensor
+            width = self.config.intermediate_size
+            name = prefix + "gate_up_proj.weight"
+            return torch.cat(
+                [reader.rows(name, start, end), reader.rows(name, width + start, width + end)]
+            )
+        return torch.cat(
+            [reader.rows(prefix + f"{p}_proj.weight", start, end) for p in ("gate", "up")]
+        )
+
+    def _load_experts(self, reader: WeightReader, hf: str, me: str, put) -> None:
+        """The router whole; every expert's slice of gate and up (rows) and down (columns)."""
+        spec, (start, end) = self.family.moe, self.expert_range
+        gate, up, down = spec.names
+        base = hf + spec.prefix + "."
+        put(me + "mlp.gate.weight", reader.rows(base + "gate.weight"))
+        for e in range(spec.num_experts):
+            theirs, mine = f"{base}experts.{e}.", f"{me}mlp.experts.{e}."
+            put(
+                mine + "gate_up_proj.weight",
+                torch.cat(
+                    [
+                        reader.rows(theirs + f"{gate}.weight", start, end),
+                        reader.rows(theirs + f"{up}.weight", start, end),
+                    ]
+                ),
+            )
+            put(mine + "down_proj.weight", reader.cols(theirs + f"{down}.weight", start, end))

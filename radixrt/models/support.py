@@ -5,17 +5,34 @@ from __future__ import annotations
 
 import logging
 
+from radixrt.models.family import ACTIVATIONS, activation_of, rope_per_layer_type
+
 logger = logging.getLogger(__name__)
 
 # rope types whose tables depend only on the position (computed once, for every position):
-# "dynamic" and "longrope" rescale by the sequence's length, which one table cannot follow
-STATIC_ROPE_TYPES = {"default", "linear", "llama3", "yarn"}
+# "dynamic" rescales by the sequence's length, which one table cannot follow; "longrope" uses
+# its short factors up to original_max_position_embeddings (and the long ones past it), so its
+# short-factor table is exact within that context (see `exact_limits`)
+STATIC_ROPE_TYPES = {"default", "linear", "llama3", "yarn", "longrope"}
+# fields that change the attention itself, which the attention backends do not compute
+UNSUPPORTED_FIELDS = {
+    "attn_logit_softcapping": "the attention backends do not soft-cap attention scores",
+    "use_bidirectional_attention": "attention is causal",
+}
 # tensors a Hugging Face checkpoint may carry that the model recomputes or ties
 IGNORABLE_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-def rope_type(config) -> str:
-    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+def rope_parameters(config) -> list[dict]:
+    """The config's rope parameters: one set, or one per layer type (Gemma 3's local and
+    global)."""
+    per_type = rope_per_layer_type(config)
+    if per_type:
+        return list(per_type.values())
+    return [getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}]
+
+
+def rope_type(rope: dict) -> str:
     return rope.get("rope_type") or rope.get("type") or "default"
 
 
@@ -27,12 +44,39 @@ def sliding_window(config) -> int | None:
     return int(window)
 
 
+def exact_limits(config) -> list[tuple[int, str, str]]:
+    """(longest exact context, the field that limits it, why) for each such field: a sliding
+    window (attending to the window is attending to everything only within it), and longrope's
+    original_max_position_embeddings (transformers switches to the long factors past it)."""
+    limits = []
+    window = sliding_window(config)
+    if window is not None:
+        limits.append(
+            (window, f"sliding_window {window}", "sliding-window attention is not implemented yet")
+        )
+    for rope in rope_parameters(config):
+        if rope_type(rope) != "longrope":
+            continue
+        original = int(
+            rope.get("original_max_position_embeddings") or config.original_max_position_embeddings
+        )
+        limits.append(
+            (
+                original,
+                f"rope_scaling longrope original_max_position_embeddings {original}",
+                "past it longrope switches factors by the sequence's length",
+            )
+        )
+    return limits
+
+
 def check_supported(config, context_length: int | None) -> int:
     """The context length to serve (`context_length` as given, else the checkpoint's), after
     refusing what cannot be honoured: a `quantization_config`, a rope type whose table depends
-    on the sequence's length, or a sliding window shorter than the context asked for. Without an
-    explicit context length a sliding window caps the context at the window, where attending to
-    the window is attending to everything: exact."""
+    on the sequence's length, an MLP activation not computed, a field that changes the attention
+    itself (`UNSUPPORTED_FIELDS`: Gemma 2's attention soft-capping), or a context asked for
+    beyond what a sliding window or longrope serve exactly (`exact_limits`). Without an explicit context length those cap the context,
+    within which radixrt's attention and rotary tables are transformers': exact."""
     quant = getattr(config, "quantization_config", None)
     if quant:
         method = quant.get("quant_method") if isinstance(quant, dict) else type(quant).__name__
@@ -40,29 +84,37 @@ def check_supported(config, context_length: int | None) -> int:
             f"config.json: quantization_config ({method}) is not supported; load a float "
             "checkpoint (and use --quantization int8 for int8 weights)"
         )
-    kind = rope_type(config)
-    if kind not in STATIC_ROPE_TYPES:
+    for kind in map(rope_type, rope_parameters(config)):
+        if kind not in STATIC_ROPE_TYPES:
+            raise ValueError(
+                f"config.json: rope_scaling type {kind!r} is not supported "
+                f"(supported: {sorted(STATIC_ROPE_TYPES)})"
+            )
+    activation = activation_of(config)
+    if activation not in ACTIVATIONS:
         raise ValueError(
-            f"config.json: rope_scaling type {kind!r} is not supported "
-            f"(supported: {sorted(STATIC_ROPE_TYPES)})"
+            f"config.json: hidden_act {activation!r} is not supported "
+            f"(supported: {sorted(ACTIVATIONS)})"
         )
-    window = sliding_window(config)
+    for name, why in UNSUPPORTED_FIELDS.items():
+        if getattr(config, name, None):
+            raise ValueError(f"config.json: {name} is not supported ({why})")
     longest = context_length or config.max_position_embeddings
-    if window is None or window >= longest:
+    limits = [limit for limit in exact_limits(config) if limit[0] < longest]
+    if not limits:
         return longest
+    limit, field, why = min(limits)
     if context_length:
         raise ValueError(
-            f"config.json: sliding_window {window} is shorter than --context-length "
-            f"{context_length}; sliding-window attention is not implemented yet"
+            f"config.json: {field} is shorter than --context-length {context_length}; {why}"
         )
     logger.warning(
-        "sliding_window %d: serving a context of %d tokens (not %d), within which attention "
-        "is exact",
-        window,
-        window,
+        "%s: serving a context of %d tokens (not %d), within which the model is exact",
+        field,
+        limit,
         config.max_position_embeddings,
     )
-    return window
+    return limit
 
 
 def check_all_read(names: set[str], read: set[str], tied: bool) -> None:

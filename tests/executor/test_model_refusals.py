@@ -62,17 +62,9 @@ def _edit_config(folder, **fields) -> None:
             {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}},
             "rope_scaling type 'dynamic'",
         ),
-        (
-            {
-                "rope_scaling": {
-                    "rope_type": "longrope",
-                    "short_factor": [1.0] * 8,
-                    "long_factor": [2.0] * 8,
-                    "original_max_position_embeddings": 128,
-                }
-            },
-            "rope_scaling type 'longrope'",
-        ),
+        # Gemma 2's: the attention backends do not soft-cap scores
+        ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping is not supported"),
+        ({"hidden_act": "relu"}, "hidden_act 'relu' is not supported"),
     ],
 )
 def test_config_fields_that_cannot_be_honoured_are_refused(tmp_path, tiny_model_dir, fields, words):
@@ -115,6 +107,27 @@ def test_a_sliding_window_caps_the_context_and_stays_exact(tmp_path, tiny_model_
         scheduler, [prompts], {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
     )
     assert outs == hf_greedy(folder, prompts, 8)
+
+
+def test_longrope_caps_the_context_at_its_original_length(tmp_path, tiny_model_dir):
+    """Past original_max_position_embeddings transformers switches to the long factors by the
+    sequence's length, which one table cannot follow: the context is capped there (where the
+    short-factor table is exact) and a longer one asked for is refused in one line."""
+    folder = _checkpoint(tmp_path, tiny_model_dir)
+    rope = {
+        "rope_type": "longrope",
+        "short_factor": [1.0] * 8,
+        "long_factor": [2.0] * 8,
+        "original_max_position_embeddings": 128,
+    }
+    _edit_config(folder, rope_scaling=rope)
+    config = AutoConfig.from_pretrained(folder)
+    assert check_supported(config, None) == 128
+    assert check_supported(config, 100) == 100
+    with pytest.raises(ValueError, match="^config.json: rope_scaling longrope") as refused:
+        check_supported(config, 200)
+    assert "original_max_position_embeddings 128" in str(refused.value)
+    assert "\n" not in str(refused.value)
 
 
 def test_qwen2_with_its_window_switched_off_keeps_its_context(tmp_path, tiny_model_dir):

@@ -1,0 +1,109 @@
+"""The sparse mixture-of-experts MLP (Mixtral, Qwen3-MoE): top-k routing, then each expert run
+once over the tokens routed to it.
+
+Routing is transformers' arithmetic: softmax of the router logits in float32, the top k, and
+(where the family renormalises) those k divided by their sum. Experts are grouped, not looped
+per token: the (token, expert) pairs are sorted by expert, so each expert is two matmuls over
+its own rows, and each token's outputs are summed in expert order, as transformers sums them.
+Experts are `GatedMLP`s, as the dense MLP, so the CPU's oneDNN prepacking and
+`--quantization int8` replace their linears too. Under `--tp-size N` every rank holds every
+expert's slice of the intermediate dimension (as the
+dense MLP), so one all-reduce sums the ranks' parts. Expert parallelism (`--ep-size`) is not
+built. The grouping reads the per-expert counts on the host, so a decode step is not captured
+as a CUDA graph (the model says so with `graph_safe`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from radixrt.distributed.group import TPGroup
+from radixrt.kernels import cpu_fused
+from radixrt.models.family import MoeSpec
+
+
+@dataclass(frozen=True)
+class Routing:
+    """Each token's `top_k` experts [T, k] (int64) and their weights [T, k] (float32)."""
+
+    experts: torch.Tensor
+    weights: torch.Tensor
+
+
+def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> Routing:
+    """Top-k of the softmax of router `logits` [T, E], renormalised to sum to 1 if asked."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    weights, experts = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return Routing(experts, weights)
+
+
+def gated(gate_up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+    """[T, 2I] -> act(gate) * up, [T, I]: SiLU (one fused call on the CPU in float32) or
+    Gemma's tanh-approximated GELU."""
+    if activation == "silu" and cpu_fused.supports(gate_up):
+        return cpu_fused.silu_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    if activation == "silu":
+        return F.silu(gate) * up
+    return F.gelu(gate, approximate="tanh") * up  # support.py refused any other
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)), gate and up fused in one projection: one expert, or, with an
+    all-reduce after it, the dense MLP. Its `nn.Linear`s are what `--quantization int8` and
+    the CPU's prepacking replace, experts' as the dense MLP's."""
+
+    def __init__(self, hidden: int, intermediate: int, activation: str):
+        super().__init__()
+        self.activation = activation
+        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(gated(self.gate_up_proj(x), self.activation))
+
+
+def grouped_experts(
+    x: torch.Tensor, routing: Routing, experts: Sequence[Callable[[torch.Tensor], torch.Tensor]]
+) -> torch.Tensor:
+    """sum_j weights[t, j] * experts[experts_of[t, j]](x[t]) for every token t, each expert
+    called once, over the rows routed to it."""
+    top_k = routing.experts.shape[1]
+    flat = routing.experts.flatten()
+    order = torch.argsort(flat, stable=True)  # pairs by expert, tokens ascending within one
+    counts = torch.bincount(flat, minlength=len(experts)).tolist()
+    tokens, weights = order // top_k, routing.weights.flatten()[order]
+    out = torch.zeros_like(x)
+    start = 0
+    for expert, n in zip(experts, counts):
+        if n == 0:
+            continue
+        rows = tokens[start : start + n]
+        h = expert(x[rows])
+        out.index_add_(0, rows, h * weights[start : start + n, None].to(h.dtype))
+        start += n
+    return out
+
+
+class SparseMoE(nn.Module):
+    """This rank's slice (`intermediate` wide) of every expert, and the whole router."""
+
+    def __init__(self, hidden: int, spec: MoeSpec, intermediate: int, tp: TPGroup, activation: str):
+        super().__init__()
+        self.tp = tp
+        self.spec = spec
+        self.gate = nn.Linear(hidden, spec.num_experts, bias=False)
+        self.experts = nn.ModuleList(
+            GatedMLP(hidden, intermediate, activation) for _ in range(spec.num_experts)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        routing = route(self.gate(x), self.spec.top_k, self.spec.renormalize)
+        return self.tp.all_reduce(grouped_experts(x, routing, self.experts))

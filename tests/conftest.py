@@ -16,6 +16,8 @@ import torch
 
 from radixrt.executor.model_loader import resolve_model_path
 
+from helpers import TINY
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 MODEL_FIXTURES = {"default_model_dir", "tiny_model_dir"}
 
@@ -39,19 +41,7 @@ def tiny_model_dir(tmp_path_factory, default_model_dir) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     folder = tmp_path_factory.mktemp("tiny-llama")
-    config = LlamaConfig(
-        vocab_size=49152,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        initializer_range=0.4,
-        tie_word_embeddings=True,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
+    config = LlamaConfig(**TINY, max_position_embeddings=1024, tie_word_embeddings=True)
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(folder)
     for name in TOKENIZER_FILES:

@@ -17,6 +17,20 @@ import zmq
 
 from radixrt.server.front import PROBE
 
+# The shape of every tiny random checkpoint the tests make (the default model's vocabulary, so
+# its tokenizer fits): each test adds what its family or case needs.
+TINY = dict(
+    vocab_size=49152,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    initializer_range=0.4,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
 
 @lru_cache(maxsize=4)
 def _hf_model(folder: str):

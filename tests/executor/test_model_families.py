@@ -16,25 +16,12 @@ from radixrt.engine.scheduler import Scheduler
 from radixrt.models.moe import GatedMLP, Routing, grouped_experts, route
 from radixrt.sampling_params import SamplingParams
 
-from helpers import _hf_model, hf_greedy, run_in_process
+from helpers import TINY, _hf_model, hf_greedy, run_in_process
 from timeouts import REPLY_TIMEOUT_S
 
 MAX_NEW = 24
 GREEDY = {"max_new_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True}
-SMALL = dict(
-    vocab_size=49152,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=512,
-    initializer_range=0.4,
-    bos_token_id=1,
-    eos_token_id=2,
-    pad_token_id=0,
-    tie_word_embeddings=False,
-)
+SMALL = dict(TINY, max_position_embeddings=512, pad_token_id=0, tie_word_embeddings=False)
 MOE = dict(num_experts_per_tok=2, router_jitter_noise=0.0)
 GEMMA = dict(
     head_dim=32,

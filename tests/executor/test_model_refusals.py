@@ -16,21 +16,9 @@ from radixrt.engine.scheduler import Scheduler
 from radixrt.executor.model_runner import ModelRunner
 from radixrt.models.support import check_supported
 
-from helpers import hf_greedy, run_in_process
+from helpers import TINY, hf_greedy, run_in_process
 
-SMALL = dict(
-    vocab_size=49152,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-    initializer_range=0.4,
-    bos_token_id=1,
-    eos_token_id=2,
-    tie_word_embeddings=False,
-)
+SMALL = dict(TINY, max_position_embeddings=256, tie_word_embeddings=False)
 
 
 def _checkpoint(folder, tiny_model_dir, model_type: str = "llama", **extra):

@@ -9,21 +9,10 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 import radixrt as rt
 from radixrt.engine.detokenizer import IncrementalDetokenizer
 
-from helpers import hf_greedy
+from helpers import TINY, hf_greedy
 from timeouts import REPLY_TIMEOUT_S
 
-SMALL = dict(
-    vocab_size=49152,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=512,
-    initializer_range=0.4,
-    bos_token_id=1,
-    eos_token_id=2,
-)
+SMALL = dict(TINY, max_position_embeddings=512)
 VARIANTS = {
     "qwen2-qkv-bias": ("qwen2", {"tie_word_embeddings": False}),
     "mistral": ("mistral", {"tie_word_embeddings": False, "sliding_window": None}),

@@ -1,11 +1,10 @@
-"""The C heap of a long-running runtime, kept from creeping up.
+"""The C heap of a long-running runtime, handed back to the kernel now and then.
 
-A forward allocates activations whose sizes follow the batch: a different size nearly every
-step. glibc raises its mmap threshold each time it frees a mapped block (up to 32 MiB), so
-later blocks of a few MiB come from the heap's arenas, where freed space fragments, and RSS
-creeps up over hours without any leak (docs/reliability.md, the soak). `malloc_trim(0)` hands
-the free pages inside the arenas back to the kernel; the serving loop calls `tick()`, which does
-that every `TRIM_EVERY_S` (it takes milliseconds). A no-op where libc is not glibc.
+A forward allocates activations whose sizes follow the batch, a different size nearly every
+step, and freed space inside glibc's arenas stays in the process's RSS. `malloc_trim(0)` returns
+the free pages; the serving loop calls `tick()`, which does that every `TRIM_EVERY_S` (it takes
+milliseconds; in the soak each trim gave back 50-80 MiB). It does not stop the soak's slow RSS
+growth, which docs/reliability.md describes. A no-op where libc is not glibc.
 """
 
 from __future__ import annotations

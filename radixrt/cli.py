@@ -116,7 +116,10 @@ def build_parser() -> argparse.ArgumentParser:
     gateway.add_argument("--log-level", default="info")
     gateway.add_argument("--tool-call-parser", default="auto", help="see `serve --help`")
     gateway.add_argument(
-        "--max-body-bytes", type=int, default=16 << 20, help="413 above (serve's --max-frame-bytes)"
+        "--max-body-bytes",
+        type=int,
+        default=ServerArgs.max_frame_bytes,
+        help="413 above (serve's --max-frame-bytes)",
     )
     gateway.set_defaults(func=_http_gateway)
 

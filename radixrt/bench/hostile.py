@@ -58,7 +58,8 @@ NUMERIC_PARAMS = (
 )
 
 
-def _deep_schema(depth: int) -> str:
+def deep_schema(depth: int) -> str:
+    """A JSON schema nested `depth` objects deep, as text (msgpack packs at most 512 levels)."""
     return '{"type":"object","properties":{"a":' * depth + '{"type":"integer"}' + "}}" * depth
 
 
@@ -114,7 +115,7 @@ def bad_input_classes(vocab_size: int, context_length: int) -> dict[str, list[di
             {"text": "hi", "sampling_params": {**small, **c}}
             for depth in (100, 1_000, 10_000, 100_000)
             for c in (
-                {"json_schema": _deep_schema(depth)},
+                {"json_schema": deep_schema(depth)},
                 {"regex": "(" * depth + "a" + ")" * depth},
             )
         ],

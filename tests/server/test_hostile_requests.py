@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import radixrt as rt
-from radixrt.bench.hostile import markdown, run_hostile
+from radixrt.bench.hostile import deep_schema, markdown, run_hostile
 from radixrt.server.front import PROBE
 
 from ownership import assert_no_leak
@@ -48,11 +48,6 @@ TOKEN_IDS = st.lists(
 )
 
 
-def _deep_schema(depth: int) -> str:
-    """A JSON schema nested `depth` objects deep, as text (msgpack packs at most 512 levels)."""
-    return '{"type":"object","properties":{"a":' * depth + '{"type":"integer"}' + "}}" * depth
-
-
 JSON_VALUES = st.recursive(
     st.one_of(st.none(), st.booleans(), INTS, st.text(max_size=6)),
     lambda inner: st.one_of(
@@ -73,7 +68,7 @@ SCHEMAS = st.one_of(
             "enum": JSON_VALUES,
         },
     ),
-    st.sampled_from([10, 600, 100_000]).map(_deep_schema),
+    st.sampled_from([10, 600, 100_000]).map(deep_schema),
 )
 REGEXES = st.one_of(
     ANYTHING,
@@ -181,7 +176,7 @@ def _exchange(sock: zmq.Socket, msg: dict) -> list[dict]:
 @example(msg={"sampling_params": {"temperature": 1e-300, "max_new_tokens": 2}})
 @example(msg={"sampling_params": {"stop_token_ids": [VOCAB + 7], "min_new_tokens": 2}})
 @example(msg={"sampling_params": {"json_schema": {"type": "object", "properties": ["a"]}}})
-@example(msg={"sampling_params": {"json_schema": _deep_schema(100_000)}})
+@example(msg={"sampling_params": {"json_schema": deep_schema(100_000)}})
 def test_any_request_gets_a_result_or_a_typed_error(runtime, dealer, msg):
     msg = {"input_ids": [5, 6, 7], **msg, "timeout": msg.get("timeout", 30)}
     replies = _exchange(dealer, msg)

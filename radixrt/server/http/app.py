@@ -18,6 +18,7 @@ from jinja2 import TemplateError
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from radixrt.client.endpoint import Prompt, RequestOptions, RuntimeEndpoint
+from radixrt.config import ServerArgs
 from radixrt.server.http.errors import RUNTIME_EXCEPTIONS, APIError, from_runtime_error
 from radixrt.server.http.responses import (
     ResponseShape,
@@ -89,7 +90,7 @@ class _Model:
 # The most generate requests one HTTP call may fan out to (prompts x n): one call must not fill
 # the queue that every client shares.
 MAX_FANOUT = 256
-DEFAULT_MAX_BODY_BYTES = 16 << 20  # a body becomes one frame to the runtime: the same bound
+DEFAULT_MAX_BODY_BYTES = ServerArgs.max_frame_bytes  # a body becomes one frame to the runtime
 
 
 class Gateway:

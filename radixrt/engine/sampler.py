@@ -28,8 +28,9 @@ NOTHING_ALLOWED = (
 def unsampleable_rows(logits: torch.Tensor) -> list[str | None]:
     """Rows nothing may be drawn from: a NaN or +inf logit (a model fault: multinomial would
     raise, argmax would pick it), or every logit -inf (masks and bans left no token)."""
-    broken = (torch.isnan(logits) | torch.isposinf(logits)).any(dim=-1).tolist()
-    empty = (~torch.isfinite(logits).any(dim=-1)).tolist()
+    top = logits.amax(dim=-1)  # NaN if any is (amax propagates it), +inf if any is, -inf if all are
+    broken = (torch.isnan(top) | torch.isposinf(top)).tolist()
+    empty = torch.isneginf(top).tolist()
     return [NAN_LOGITS if b else NOTHING_ALLOWED if e else None for b, e in zip(broken, empty)]
 
 

@@ -79,6 +79,35 @@ def shared_prefix_prompts(tokenizer, n: int = 12) -> list[list[int]]:
     return prompts
 
 
+# A drain's bound: forward steps (a stalled step, one waiting on a constraint that compiles in a
+# worker process, runs nothing and is not counted) and wall-clock seconds.
+DRAIN_STEPS = 400
+DRAIN_SECONDS = 120.0
+STALLED_SLEEP_S = 0.005
+
+
+def drain(scheduler, after_step=None, max_steps: int = DRAIN_STEPS) -> list:
+    """Step until nothing is left; returns every request step() reported, in order.
+
+    after_step(scheduler) runs after each step (invariant checks). A step that runs nothing
+    because every waiting request's constraint still compiles sleeps instead of counting: a
+    compile worker starting on a loaded 2-core machine may take longer than hundreds of steps."""
+    reported, steps, deadline = [], 0, time.monotonic() + DRAIN_SECONDS
+    while scheduler.has_work():
+        assert steps < max_steps and time.monotonic() < deadline, (
+            f"still {len(scheduler.running)} running, {len(scheduler.waiting)} waiting "
+            f"after {steps} steps"
+        )
+        reported += scheduler.step()
+        if after_step is not None:
+            after_step(scheduler)
+        if scheduler.stalled:
+            time.sleep(STALLED_SLEEP_S)
+        else:
+            steps += 1
+    return reported
+
+
 def run_in_process(scheduler, batches: list[list[list[int]]], params: dict) -> list[list[int]]:
     """Drive a Scheduler directly (no runtime process), one batch of prompts after another,
     so tests can observe its internals; returns every request's output ids in order."""
@@ -92,8 +121,7 @@ def run_in_process(scheduler, batches: list[list[list[int]]], params: dict) -> l
         ]
         for req in reqs:
             scheduler.add_request(req)
-        while scheduler.has_work():
-            scheduler.step()
+        drain(scheduler)
         outs += [r.output_ids for r in reqs]
     return outs
 

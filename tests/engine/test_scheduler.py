@@ -15,7 +15,7 @@ from radixrt.engine.schedule_policy import AGING_TOKENS_PER_SECOND, order_waitin
 from radixrt.engine.scheduler import Scheduler
 from radixrt.sampling_params import SamplingParams
 
-from helpers import hf_greedy
+from helpers import drain, hf_greedy
 from ownership import assert_slot_ownership
 
 # far more than any test here needs; a scheduler that stops progressing fails instead of hanging
@@ -64,16 +64,7 @@ def _check(scheduler: Scheduler) -> None:
 def _drain(scheduler: Scheduler) -> list[Req]:
     """Step until nothing is left, checking the bookkeeping after every step; returns every
     request step() reported, in the order it reported them."""
-    reported = []
-    for _ in range(MAX_STEPS):
-        if not scheduler.has_work():
-            return reported
-        reported += scheduler.step()
-        _check(scheduler)
-    raise AssertionError(
-        f"still {len(scheduler.running)} running, {len(scheduler.waiting)} waiting "
-        f"after {MAX_STEPS} steps"
-    )
+    return drain(scheduler, _check)
 
 
 def _assert_all_free(scheduler: Scheduler) -> None:

@@ -14,10 +14,8 @@ from radixrt.engine.scheduler import Scheduler
 from radixrt.protocol import ErrorCode
 from radixrt.sampling_params import SamplingParams
 
-from helpers import hf_greedy
+from helpers import drain, hf_greedy
 from ownership import assert_slot_ownership
-
-MAX_STEPS = 300
 
 
 def _scheduler(model_dir, **overrides) -> Scheduler:
@@ -41,14 +39,13 @@ def _submit(scheduler: Scheduler, prompts, tag: str, **params):
     return reqs
 
 
+def _check(scheduler: Scheduler) -> None:
+    scheduler.check_invariants()
+    assert_slot_ownership(scheduler.memory_snapshot())
+
+
 def _drain(scheduler: Scheduler) -> None:
-    for _ in range(MAX_STEPS):
-        if not scheduler.has_work():
-            return
-        scheduler.step()
-        scheduler.check_invariants()
-        assert_slot_ownership(scheduler.memory_snapshot())
-    raise AssertionError("the scheduler stopped making progress")
+    drain(scheduler, _check)
 
 
 def _assert_all_free(scheduler: Scheduler) -> None:

@@ -114,6 +114,16 @@ class PrefixMatch(NamedTuple):
         return len(self.slots) + len(self.host_slots)
 
 
+class PrefixPeek(NamedTuple):
+    """What `RadixCache.peek_prefix` saw: the `length` a match would have (device and host
+    parts), the last `node` it reaches into and how many of that node's tokens it covers
+    (`into`; len(node.key) when it covers the whole node, 0 at a root)."""
+
+    length: int
+    node: TreeNode
+    into: int
+
+
 class _LRUSet:
     """Nodes that may be evicted, oldest `last_access` first: a set plus a lazy heap."""
 
@@ -180,6 +190,11 @@ class RadixCache:
         self._device_lru = _LRUSet()  # unlocked nodes with no child on the device
         self._host_lru = _LRUSet()  # unlocked host-only leaves
 
+    @property
+    def sharing(self) -> bool:
+        """Whether prefixes are cached and matched at all (`disable` is off)."""
+        return not self.disable
+
     # ---- lookup and insertion -------------------------------------------------------------
     def _root(self, salt: str) -> TreeNode:
         """The root keys of `salt` hang under (made on first use; never evicted, never locked)."""
@@ -237,6 +252,26 @@ class RadixCache:
             torch.cat(host_values) if host_values else EMPTY,
             node if host_values else None,
         )
+
+    def peek_prefix(self, key: list[int], salt: str = "") -> PrefixPeek:
+        """How far `match_prefix` would match `key` under `salt`, without its side effects: no
+        node is split and no LRU time is touched, so ordering waiting requests by their matches
+        leaves the tree (and eviction order) as it was."""
+        root = self.roots.get(salt)
+        if self.disable or root is None:
+            return PrefixPeek(0, self.root, 0)
+        node, length, into = root, 0, 0
+        key = key[: len(key) - len(key) % self.page_size]
+        while key:
+            child = node.children.get(self._child_key(key))
+            if child is None:
+                break
+            n = self._match_len(child.key, key)
+            node, length, into = child, length + n, n
+            if n < len(child.key):
+                break
+            key = key[n:]
+        return PrefixPeek(length, node, into)
 
     def insert(self, key: list[int], value: torch.Tensor, salt: str = "") -> int:
         """Cache `key` -> device slots `value` (page-aligned length) under `salt`. Returns how

@@ -36,7 +36,7 @@ import torch
 
 from radixrt.mem_cache.host_pool import HostKVPool
 from radixrt.mem_cache.memory_pool import PageAllocator, ReqToTokenPool
-from radixrt.mem_cache.radix_cache import PrefixMatch, RadixCache, TreeNode
+from radixrt.mem_cache.radix_cache import PrefixMatch, PrefixPeek, RadixCache, TreeNode
 from radixrt.mem_cache.storage import KVStorage
 
 # A host part shorter than this is recomputed instead: a load has a fixed cost (two copies per
@@ -54,6 +54,30 @@ class SlotHolder(Protocol):
     tree_len: int  # row[:tree_len] belongs to the tree, locked through last_node
     last_node: TreeNode | None
     cache_salt: str  # the tree (and disk-tier) namespace its prefixes are matched and cached in
+
+
+@dataclass(frozen=True)
+class KVUsage:
+    """How KV memory is used now, and what the tiers counted: what the scheduler's `stats()`
+    and logs read, instead of reaching into the tree, the allocator and the tiers."""
+
+    total_tokens: int
+    free_tokens: int  # on the allocator's free list
+    evictable_tokens: int  # cached in unlocked tree nodes
+    protected_tokens: int  # cached in locked tree nodes
+    cache_salts: int  # tree roots (the default one and one per salt in use)
+    evicted_tokens: int
+    free_rows: int  # request -> token table rows
+    peak_used_tokens: int
+    pins: int
+    host_total_tokens: int
+    host_used_tokens: int
+    storage_rejected_blocks: int
+    swapped_out_tokens: int
+
+    @property
+    def used_fraction(self) -> float:
+        return 1 - self.free_tokens / self.total_tokens
 
 
 @dataclass(frozen=True)
@@ -86,6 +110,7 @@ class KVSlotManager:
         self.storage = storage
         self.swap = swap and tree.host is not None and not tree.disable
         self.page_size = allocator.page_size
+        self.total_tokens = allocator.total_tokens  # the device pool's size
         self.pins: dict[str, Pin] = {}  # pin id -> what is locked on a client's behalf
         self.peak_used_tokens = 0
         self.swapped_out_tokens = 0
@@ -104,7 +129,43 @@ class KVSlotManager:
     def used_tokens(self) -> int:
         return self.allocator.total_tokens - self.allocator.available()
 
+    def free_rows(self) -> int:
+        """Rows of the request -> token table a new request could take."""
+        return self.rows.available()
+
+    @property
+    def sharing(self) -> bool:
+        """Whether prefixes are cached and matched at all (not `--disable-radix-cache`)."""
+        return self.tree.sharing
+
+    def usage(self) -> KVUsage:
+        tree, host, storage = self.tree, self.host, self.storage
+        return KVUsage(
+            total_tokens=self.total_tokens,
+            free_tokens=self.allocator.available(),
+            evictable_tokens=tree.evictable_size,
+            protected_tokens=tree.protected_size,
+            cache_salts=len(tree.roots),
+            evicted_tokens=tree.evicted_tokens,
+            free_rows=self.rows.available(),
+            peak_used_tokens=self.peak_used_tokens,
+            pins=len(self.pins),
+            host_total_tokens=host.total_tokens if host else 0,
+            host_used_tokens=host.used_tokens() if host else 0,
+            storage_rejected_blocks=storage.rejected_blocks if storage else 0,
+            swapped_out_tokens=self.swapped_out_tokens,
+        )
+
+    def slots(self, holder: SlotHolder, start: int, n: int) -> torch.Tensor:
+        """The slots of the holder's tokens start .. start + n (where a forward writes K/V)."""
+        return self.req_to_token[holder.row, start : start + n]
+
     # ---- a request's life ------------------------------------------------------------------
+    def peek_prefix(self, key: list[int], salt: str = "") -> PrefixPeek:
+        """How much of `key` the tree holds under `salt`, changing nothing (for ordering; the
+        disk tier is not read)."""
+        return self.tree.peek_prefix(key, salt)
+
     def match_prefix(self, key: list[int], salt: str = "") -> PrefixMatch:
         """The cached prefix of `key` under `salt` on the device and the host, extended by the
         blocks the disk tier has after it (read into the host pool here), for an admission."""
@@ -181,6 +242,11 @@ class KVSlotManager:
 
     def unlock(self, node: TreeNode) -> None:
         self.tree.dec_lock_ref(node)
+
+    def record_hit(self, node: TreeNode) -> None:
+        """A request is about to use the prefix ending at `node` (the selective write policy
+        backs a prefix up from its second use)."""
+        self.tree.record_hit(node)
 
     def admit(self, holder: SlotHolder, match: PrefixMatch, n: int) -> bool:
         """Give the holder a row that starts with the matched prefix (whose node the caller has
@@ -300,6 +366,11 @@ class KVSlotManager:
         for pin_id in ids:
             self.unpin(pin_id)
         return len(ids)
+
+    def close(self) -> None:
+        """Finish the disk tier's background writes."""
+        if self.storage is not None:
+            self.storage.close()
 
     def flush(self) -> bool:
         """Drop every cached prefix; only when nothing holds a lock."""

@@ -245,3 +245,26 @@ def test_a_full_host_falls_back_to_dropping_prefixes():
     assert h.host.available() < 8
     assert h.tree.match_prefix([0] * 8).length == 0  # the oldest was reclaimed
     assert _location(h, [HOST_TOTAL // 8 + 1] * 8) == "host"
+
+
+def _shape(tree: RadixCache) -> list[tuple]:
+    return sorted((n.id, tuple(n.key), n.last_access) for n in tree.all_nodes())
+
+
+def test_a_peek_measures_what_a_match_would_and_changes_nothing():
+    """`peek_prefix` (for ordering) finds the length `match_prefix` finds, device and host parts
+    together, without splitting a node or touching an LRU time."""
+    h = Harness(2, host="write_back")
+    h.insert([1, 2, 3, 4, 5, 6, 7, 8])
+    h.insert([1, 2, 3, 4, 9, 9])
+    h.insert([5, 5, 5, 5])
+    h.evict(4)  # [5, 5, 5, 5] and a leaf move to the host (write_back)
+    keys = [[1, 2, 3, 4, 5, 6, 7], [1, 2, 7, 7], [1, 2, 3, 4, 9, 9], [5, 5, 5, 5, 1], [8, 8]]
+    before = _shape(h.tree)
+    peeks = [h.tree.peek_prefix(k) for k in keys]
+    assert _shape(h.tree) == before
+    assert peeks[1].into == 2 and len(peeks[1].node.key) == 4, "ends part way into [1, 2, 3, 4]"
+    assert [p.length for p in peeks] == [h.tree.match_prefix(k).length for k in keys]
+    assert [p.length for p in peeks] == [6, 2, 6, 4, 0]
+    assert _shape(h.tree) != before, "(matching splits and touches)"
+    h.check()

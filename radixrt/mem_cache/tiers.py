@@ -1,0 +1,85 @@
+"""Building KV memory: the radix tree over the device pool, the host tier and the disk tier
+under it, and the `KVSlotManager` that is the one door to all of them."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from radixrt.mem_cache.host_pool import HostKVPool, host_pool_tokens
+from radixrt.mem_cache.memory_pool import PageAllocator, ReqToTokenPool, TokenToKVPool
+from radixrt.mem_cache.radix_cache import RadixCache
+from radixrt.mem_cache.slot_manager import KVSlotManager
+from radixrt.mem_cache.storage import STORAGE_BLOCK_TOKENS, KVStorage
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TierConfig:
+    """The memory tiers asked for (the serve flags of the same names)."""
+
+    disable_radix_cache: bool
+    enable_hierarchical_cache: bool
+    hicache_ratio: float
+    hicache_size: float | None  # GB of KV; overrides hicache_ratio
+    hicache_write_policy: str
+    hicache_storage_dir: str | None
+    hicache_storage_size: float  # GB
+    preemption_mode: str | None  # None: swap with a host tier, else recompute
+
+
+@dataclass(frozen=True)
+class DevicePool:
+    """The device memory the tiers sit on: the allocator, the request rows and the K/V."""
+
+    allocator: PageAllocator
+    rows: ReqToTokenPool
+    kv: TokenToKVPool
+
+
+def build_slot_manager(
+    pool: DevicePool, tiers: TierConfig, fingerprint: Callable[[], str]
+) -> KVSlotManager:
+    """The slot manager over `pool` with the tiers `tiers` asks for. `fingerprint` names the
+    model whose KV the disk tier stores (called only when there is one: it reads the weights'
+    files)."""
+    host = _host_pool(pool, tiers) if tiers.enable_hierarchical_cache else None
+    tree = RadixCache(
+        pool.allocator.page_size,
+        pool.allocator.free,
+        disable=tiers.disable_radix_cache,
+        host=host,
+        write_policy=tiers.hicache_write_policy,
+    )
+    storage = None
+    if tiers.hicache_storage_dir and host is not None:
+        storage = _storage(pool.allocator.page_size, host, tiers, fingerprint())
+    mode = tiers.preemption_mode or ("swap" if host else "recompute")
+    return KVSlotManager(pool.allocator, pool.rows, tree, storage=storage, swap=mode == "swap")
+
+
+def _host_pool(pool: DevicePool, tiers: TierConfig) -> HostKVPool:
+    tokens = host_pool_tokens(
+        pool.allocator.total_tokens, tiers.hicache_ratio, tiers.hicache_size, pool.kv
+    )
+    host = HostKVPool(pool.kv, tokens, pool.allocator.page_size)
+    logger.info("host tier: %d tokens (%s)", host.total_tokens, tiers.hicache_write_policy)
+    return host
+
+
+def _storage(page_size: int, host: HostKVPool, tiers: TierConfig, model: str) -> KVStorage:
+    """The disk tier: blocks of whole pages, named for the model and the K/V's shapes."""
+    block = -(-STORAGE_BLOCK_TOKENS // page_size) * page_size
+    like = host.device_block(torch.zeros(block, dtype=torch.long))
+    fingerprint = f"{model}|{[(t.shape, t.dtype) for t in like]}"
+    return KVStorage(
+        tiers.hicache_storage_dir,
+        int(tiers.hicache_storage_size * 2**30),
+        block,
+        fingerprint,
+        like,
+    )

@@ -14,9 +14,10 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from dataclasses import dataclass
+from typing import Protocol
 
 from radixrt.engine.request import Req
-from radixrt.mem_cache.radix_cache import RadixCache, TreeNode
+from radixrt.mem_cache.radix_cache import PrefixPeek, TreeNode
 
 LPM_FALLBACK_QUEUE_LEN = 128  # past this, matching every waiting request costs more than it saves
 AGING_TOKENS_PER_SECOND = 256  # a request waiting 1 s ranks as if 256 more tokens were cached
@@ -48,18 +49,28 @@ class Ranking:
 DEFAULT_RANKING = Ranking()
 
 
+class PrefixView(Protocol):
+    """What ordering reads of the cache (`KVSlotManager` is one): matches that change nothing."""
+
+    @property
+    def sharing(self) -> bool: ...
+
+    def peek_prefix(self, key: list[int], salt: str = "") -> PrefixPeek: ...
+
+
 def order_waiting(
-    policy: str, waiting: list[Req], tree: RadixCache, ranking: Ranking = DEFAULT_RANKING
+    policy: str, waiting: list[Req], cache: PrefixView, ranking: Ranking = DEFAULT_RANKING
 ) -> list[Req]:
-    """Waiting requests by rank, then in the cache policy's order (a stable sort keeps it)."""
+    """Waiting requests by rank, then in the cache policy's order (a stable sort keeps it).
+    The cache is only peeked at: ordering splits no node and touches no LRU time."""
     now = time.monotonic()
-    return sorted(_policy_order(policy, waiting, tree), key=lambda r: -ranking.rank(r, now))
+    return sorted(_policy_order(policy, waiting, cache), key=lambda r: -ranking.rank(r, now))
 
 
-def _policy_order(policy: str, waiting: list[Req], tree: RadixCache) -> list[Req]:
-    if policy == "fcfs" or len(waiting) > LPM_FALLBACK_QUEUE_LEN or tree.disable:
+def _policy_order(policy: str, waiting: list[Req], cache: PrefixView) -> list[Req]:
+    if policy == "fcfs" or len(waiting) > LPM_FALLBACK_QUEUE_LEN or not cache.sharing:
         return list(waiting)
-    matches = {id(r): tree.match_prefix(match_key(r), r.cache_salt) for r in waiting}
+    matches = {id(r): cache.peek_prefix(match_key(r), r.cache_salt) for r in waiting}
     if policy == "lpm":
         now = time.monotonic()
         return sorted(
@@ -67,31 +78,50 @@ def _policy_order(policy: str, waiting: list[Req], tree: RadixCache) -> list[Req
             key=lambda r: -(matches[id(r)].length + AGING_TOKENS_PER_SECOND * (now - r.arrival)),
         )
     if policy == "dfs-weight":
-        return _dfs_weight(waiting, {id(r): matches[id(r)].end_node for r in waiting})
+        return _dfs_weight(waiting, matches)
     raise ValueError(f"unknown schedule policy {policy!r}")
 
 
-def _dfs_weight(waiting: list[Req], last_nodes: dict[int, TreeNode]) -> list[Req]:
+Point = tuple[TreeNode, int]  # a place in the tree: a node and how many of its tokens
+
+
+def _dfs_weight(waiting: list[Req], matches: dict[int, PrefixPeek]) -> list[Req]:
     """Walk the tree depth first, heaviest subtree (most waiting requests) first, so requests
-    that share a prefix run back to back while it is cached; one salt's root after another."""
-    at_node: dict[TreeNode, list[Req]] = defaultdict(list)
-    weight: dict[TreeNode, int] = defaultdict(int)
-    children: dict[TreeNode, set[TreeNode]] = defaultdict(set)
-    roots: dict[TreeNode, None] = {}  # in the order their first request waits
+    that share a prefix run back to back while it is cached; one salt's root after another.
+
+    A match that ends part way into a node is a point of its own between the node's parent and
+    the node (where `match_prefix` would split it), below any shallower point in that node."""
+    depths: dict[TreeNode, set[int]] = defaultdict(set)
+    for m in matches.values():
+        depths[m.node].add(m.into)
+
+    def up(point: Point) -> Point:
+        node, into = point
+        shallower = [d for d in depths[node] if d < into]
+        if shallower:
+            return node, max(shallower)
+        return node.parent, len(node.parent.key)
+
+    at_point: dict[Point, list[Req]] = defaultdict(list)
+    weight: dict[Point, int] = defaultdict(int)
+    children: dict[Point, set[Point]] = defaultdict(set)
+    roots: dict[Point, None] = {}  # in the order their first request waits
     for req in waiting:
-        node = last_nodes[id(req)]
-        at_node[node].append(req)
-        while node.parent is not None:
-            weight[node] += 1
-            children[node.parent].add(node)
-            node = node.parent
-        roots[node] = None
+        m = matches[id(req)]
+        point = (m.node, m.into)
+        at_point[point].append(req)
+        while point[0].parent is not None:
+            weight[point] += 1
+            parent = up(point)
+            children[parent].add(point)
+            point = parent
+        roots[point] = None
     order: list[Req] = []
     stack = list(reversed(roots))
     while stack:
-        node = stack.pop()
-        order.extend(at_node[node])
-        stack.extend(sorted(children[node], key=lambda n: weight[n]))  # heaviest popped first
+        point = stack.pop()
+        order.extend(at_point[point])
+        stack.extend(sorted(children[point], key=lambda p: weight[p]))  # heaviest popped first
     return order
 
 

@@ -76,7 +76,7 @@ class Server:
             except Exception:
                 # a bug outside a step (a step contains its own): logged, and the loop goes on;
                 # with tensor-parallel ranks it ends, since they may be out of step
-                if self.scheduler.runner.tp.size > 1:
+                if self.scheduler.tp_size > 1:
                     raise
                 logger.exception("a turn of the serving loop failed; serving on")
         self.scheduler.close()
@@ -121,7 +121,7 @@ class Server:
     def fail_pending(self, error: Exception) -> None:
         """The loop cannot go on: every request in flight gets an error now instead of a
         silence (`worker_lost` when a tensor-parallel rank is gone, else `internal_error`)."""
-        lost = self.scheduler.runner.tp.size > 1
+        lost = self.scheduler.tp_size > 1
         code = ErrorCode.WORKER_LOST if lost else ErrorCode.INTERNAL_ERROR
         message = f"{'a tensor-parallel rank is gone' if lost else 'the runtime failed'}: {error}"
         for client in self.clients.values():
@@ -295,16 +295,16 @@ def _stop_holdback(req: Req) -> int:
 
 
 def _model_info(server: Server, caller: Caller, msg: dict[str, Any]) -> dict[str, Any]:
-    tok = server.tokenizer
+    tok, info = server.tokenizer, server.scheduler.model_info()
     return {
         "model": server.args.model,
-        "model_path": str(server.scheduler.runner.model_path),
-        "context_length": server.scheduler.runner.context_length,
+        "model_path": str(info.model_path),
+        "context_length": info.context_length,
         "chat_template": tok.chat_template,
         "special_tokens": {k: v for k, v in tok.special_tokens_map.items() if isinstance(v, str)},
-        "eos_token_ids": sorted(server.scheduler.runner.eos_token_ids),
-        "vocab_size": server.scheduler.runner.vocab_size,
-        "weights": asdict(server.scheduler.runner.weights),
+        "eos_token_ids": info.eos_token_ids,
+        "vocab_size": info.vocab_size,
+        "weights": asdict(info.weights),
     }
 
 

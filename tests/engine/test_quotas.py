@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from radixrt.config import ServerArgs
-from radixrt.engine.scheduler import PROMPT_LOGPROB_ROWS, Scheduler
+from radixrt.engine.output_processor import PROMPT_LOGPROB_ROWS
+from radixrt.engine.scheduler import Scheduler
 from radixrt.protocol import ErrorCode, RequestError
 from radixrt.sampling_params import SamplingParams
 

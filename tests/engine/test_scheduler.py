@@ -248,7 +248,7 @@ def test_dfs_weight_runs_heaviest_subtree_first(tiny_model_dir):
     a1, b1, a2, b2, b3 = _submit(
         scheduler, [light + [70], heavy + [71], light + [72, 73], heavy + [74, 75], heavy + [76]], 2
     )
-    assert order_waiting("dfs-weight", scheduler.waiting, scheduler.tree) == [b1, b2, b3, a1, a2]
+    assert order_waiting("dfs-weight", scheduler.waiting, scheduler.kv) == [b1, b2, b3, a1, a2]
     assert _admitted_first(scheduler) is b1
     _drain(scheduler)
     _assert_all_free(scheduler)

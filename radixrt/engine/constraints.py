@@ -1,0 +1,84 @@
+"""Structured output as one object: a request's constraint compiles in the compiler's worker
+processes while it waits, and its walk (`TokenGuide`) starts when admission first looks at it.
+The compiler (and its workers) exists from the first constrained request on."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from radixrt.engine.request import FinishReason, Req
+from radixrt.protocol import ErrorCode
+from radixrt.sampling_params import SamplingParams
+from radixrt.structured.compiler import CompileStats, ConstraintCompiler
+
+
+class Constraints:
+    """Compiles requests' constraints and starts their walks; `finish` ends a request whose
+    constraint failed."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        compile_timeout_s: float,
+        jump_forward: bool,
+        finish: Callable[[Req], None],
+    ):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.compile_timeout_s = compile_timeout_s
+        self.jump_forward = jump_forward
+        self.finish = finish
+        self.compiler: ConstraintCompiler | None = None
+
+    def _compiler(self) -> ConstraintCompiler:
+        if self.compiler is None:
+            self.compiler = ConstraintCompiler(
+                self.tokenizer, self.vocab_size, compile_timeout_s=self.compile_timeout_s
+            )
+        return self.compiler
+
+    @property
+    def eos_token_id(self) -> int:
+        """The token a complete constraint finishes with."""
+        return self._compiler().eos_token_id
+
+    def start(self, req: Req, params: SamplingParams) -> None:
+        """Start compiling the request's constraint, if it has one (admission waits for it)."""
+        constraint = params.constraint()
+        if constraint is not None:
+            req.constraint = self._compiler().compile_async(
+                **{constraint[0]: constraint[1]}, tenant=req.scope.tenant
+            )
+
+    def ready(self, req: Req) -> bool:
+        """False while the request's constraint compiles; a failed compile, or any failure to
+        start its walk, ends that request alone with `invalid_constraint`."""
+        if req.constraint is None or req.guide is not None:
+            return True
+        if not self.compiler.ready(req.constraint):
+            return False
+        try:
+            # forced tokens get no logprobs
+            jump = self.jump_forward and not req.params.return_logprob
+            req.guide = self.compiler.guide(req.constraint.result(), jump_forward=jump)
+            return True
+        except Exception as e:  # noqa: BLE001 (whatever the constraint raised is its own fault)
+            message = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
+            req.finish_reason = FinishReason.abort(message, ErrorCode.INVALID_CONSTRAINT)
+            self.finish(req)
+            return False
+
+    def poll(self) -> None:
+        """While idle: the compiler stops its idle workers."""
+        if self.compiler is not None:
+            self.compiler.poll()
+
+    def stats(self) -> CompileStats:
+        return self.compiler.stats() if self.compiler else CompileStats()
+
+    def close(self) -> None:
+        """Kill the compiler's workers."""
+        if self.compiler is not None:
+            self.compiler.close()

@@ -1,0 +1,169 @@
+"""The step planner without a model: a real slot manager over a CPU pool (built by
+`build_slot_manager`), real requests, and a stand-in for the forward that only moves the
+requests' KV lengths and appends tokens. Admission, chunking, retraction, priority preemption
+and ordering are checked against the plan they return and the pool's ownership."""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import torch
+
+from radixrt.config import ServerArgs
+from radixrt.engine.budget import MIN_NEW_TOKEN_RATIO
+from radixrt.engine.planner import PlannerHooks, StepPlan, StepPlanner
+from radixrt.engine.request import Req, RequestScope
+from radixrt.engine.schedule_policy import order_waiting
+from radixrt.engine.stats import Counters
+from radixrt.engine.tenant_stats import TenantStats
+from radixrt.mem_cache.memory_pool import PageAllocator, ReqToTokenPool, TokenToKVPool
+from radixrt.mem_cache.slot_manager import KVSlotManager
+from radixrt.mem_cache.tiers import DevicePool, TierConfig, build_slot_manager
+from radixrt.sampling_params import SamplingParams
+
+from ownership import assert_slot_ownership
+
+CPU = torch.device("cpu")
+NO_TIERS = TierConfig(False, False, 2.0, None, "write_through_selective", None, 1.0, None)
+
+
+def _kv(total_tokens: int, page_size: int = 1, rows: int = 8) -> KVSlotManager:
+    allocator = PageAllocator(total_tokens, page_size, CPU)
+    pool = TokenToKVPool(allocator.num_slots, 1, 1, 1, torch.float32, CPU)
+    return build_slot_manager(
+        DevicePool(allocator, ReqToTokenPool(rows, 128, CPU), pool), NO_TIERS, lambda: "none"
+    )
+
+
+class Loop:
+    """A planner over `kv` with the scheduler's queues and finish, and a forward stand-in."""
+
+    def __init__(self, kv: KVSlotManager, **overrides):
+        args = ServerArgs(**{"max_total_tokens": kv.total_tokens, **overrides}).scheduler
+        self.kv = kv
+        self.waiting: list[Req] = []
+        self.running: list[Req] = []
+        self.counters = Counters()
+        hooks = PlannerHooks(ready=lambda req: True, finish=self.finish)
+        queues = (self.waiting, self.running)
+        self.planner = StepPlanner(args, kv, queues, self.counters, TenantStats(), None, hooks)
+        self.tokens = itertools.count(5000)
+
+    def add(self, rid: str, prompt: list[int], new: int = 4, priority: int = 0) -> Req:
+        params = SamplingParams(max_new_tokens=new, temperature=0)
+        req = Req(rid, prompt, params, None, None, scope=RequestScope(priority=priority))
+        self.waiting.append(req)
+        return req
+
+    def finish(self, req: Req) -> None:
+        if req in self.running:
+            self.kv.release(req)
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+
+    def step(self) -> StepPlan:
+        """Plan a step, then do what the forward and the output processor do to memory."""
+        plan = self.planner.schedule(StepPlan())
+        for item in plan.items:
+            req = item.req
+            req.kv_len += item.n
+            if item.n > 1 or not req.output_ids:
+                self.kv.cache_unfinished(req)
+            if req.tokens_to_compute == 0:
+                token = next(self.tokens)
+                req.output_ids.append(token)
+                req.all_ids.append(token)
+                if len(req.output_ids) >= req.params.max_new_tokens:
+                    self.finish(req)
+        self.kv.check(self.running)
+        assert_slot_ownership(self.kv.snapshot(self.running, [r.rid for r in self.running]))
+        return plan
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    return [1000 + seed] + torch.randint(2000, 9000, (n - 1,), generator=_gen(seed)).tolist()
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def test_prompts_are_admitted_in_chunks_under_the_step_budget():
+    loop = Loop(_kv(256), chunked_prefill_size=16)
+    a, b = loop.add("a", _prompt(1, 40)), loop.add("b", _prompt(2, 10))
+    plan = loop.step()
+    assert [(s.req, s.n) for s in plan.items] == [(a, 16)], "one chunk, the budget's worth"
+    assert [s.req for s in plan.admitted] == [a] and plan.allocated == {a: 16}
+    plan = loop.step()
+    assert [(s.req, s.n) for s in plan.items] == [(a, 16)], "a prefilling request goes first"
+    plan = loop.step()
+    assert [(s.req, s.n) for s in plan.items] == [(a, 8), (b, 8)]
+    assert [s.req for s in plan.admitted] == [b]
+    while loop.running or loop.waiting:
+        loop.step()
+    assert loop.counters.prompt_tokens_total == 50
+    assert loop.kv.flush() and loop.kv.usage().free_tokens == 256
+
+
+def test_a_short_pool_retracts_the_request_that_loses_least():
+    loop = Loop(_kv(48), chunked_prefill_size=64)
+    loop.planner.budget.new_token_ratio = MIN_NEW_TOKEN_RATIO  # reserve little: admit both
+    first = loop.add("old", _prompt(3, 20), new=12)
+    plans = [loop.step()]
+    second = loop.add("new", _prompt(4, 20), new=12)
+    plans += [loop.step() for _ in range(10)]
+    assert [s.req for p in plans for s in p.admitted][:2] == [first, second]
+    retracted = [r for p in plans for r in p.retracted]
+    assert retracted, "two requests of 32 tokens cannot both fit in 48"
+    assert retracted[0] is second, "the fewest generated tokens go first"
+    assert second.num_preemptions == 1 and loop.counters.num_preemptions == len(retracted)
+    assert not any(p.admitted for p in plans if p.retracted), "no admission right after"
+    while loop.running or loop.waiting:
+        loop.step()
+    assert len(first.output_ids) == len(second.output_ids) == 12
+
+
+def test_a_higher_priority_arrival_preempts_a_lower_running_one():
+    loop = Loop(_kv(256), enable_priority_preemption=True, max_running_requests=1)
+    low = loop.add("low", _prompt(5, 12), new=8, priority=0)
+    loop.step()
+    high = loop.add("high", _prompt(6, 12), new=2, priority=5)
+    plan = loop.step()
+    assert plan.preempted == [low] and not plan.retracted
+    assert [s.req for s in plan.admitted] == [high] and loop.waiting == [low]
+    assert loop.counters.priority_preemptions == 1
+
+
+def _tree_state(kv: KVSlotManager) -> list[tuple]:
+    return sorted(
+        (n.id, tuple(n.key), n.last_access, n.lock_ref, n.parent.id)
+        for n in kv.tree.all_nodes()
+        if n.parent is not None
+    )
+
+
+def test_ordering_peeks_and_leaves_the_tree_untouched():
+    """lpm and dfs-weight order by matches that split no node and touch no LRU time, and
+    dfs-weight still groups matches that end part way into one node by their depth."""
+    kv = _kv(256)
+    loop = Loop(kv)
+    shared, other = _prompt(7, 24), _prompt(8, 24)
+    for i, p in enumerate([shared, other]):  # cache both prompts whole
+        loop.add(f"warm{i}", p, new=1)
+    while loop.running or loop.waiting:
+        loop.step()
+    before = _tree_state(kv)
+    time.sleep(0.01)
+    o1 = loop.add("o1", other + [1])
+    s8 = loop.add("s8", shared[:8] + [2, 3])  # ends 8 tokens into the shared prompt's node
+    s16 = loop.add("s16", shared[:16] + [4, 5])  # 16 tokens into it
+    s16b = loop.add("s16b", shared[:16] + [6, 7])
+    lpm = order_waiting("lpm", loop.waiting, kv)
+    assert lpm[0] is o1 and lpm[-1] is s8, "longest cached prefix first"
+    dfs = order_waiting("dfs-weight", loop.waiting, kv)
+    assert dfs == [s8, s16, s16b, o1], "the heavier subtree first, shallow to deep"
+    assert _tree_state(kv) == before, "ordering split a node or touched an LRU time"
+    kv.match_prefix(s16.all_ids[:-1])
+    assert _tree_state(kv) != before, "(a real match does split and touch)"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -24,9 +25,16 @@ from radixrt.structured.bitmask import allocate_bitmask, apply_bitmask
 
 PROMPT_LOGPROB_ROWS = 256  # prompt positions scored per logits matrix
 
-Finish = Callable[[Req], None]
-Fail = Callable[[Req, ErrorCode, str], None]
-Guard = Callable[..., bool]  # guard(req, work, *args): False when work raised (req ended)
+
+@dataclass(frozen=True)
+class RequestEnds:
+    """The scheduler's fault containment, which the processor ends requests through: `finish`
+    (now, as decided), `fail` (with an error, freeing this step's slots past its KV), `guard`
+    (run one request's own work: guard(req, work, *args), False when it raised and ended req)."""
+
+    finish: Callable[[Req], None]
+    fail: Callable[[Req, ErrorCode, str], None]
+    guard: Callable[..., bool]
 
 
 class OutputProcessor:
@@ -39,15 +47,14 @@ class OutputProcessor:
         counters: Counters,
         constraints: Constraints,
         spec: Speculation | None,
-        ends: tuple[Finish, Fail, Guard],
+        ends: RequestEnds,
     ):
-        """`ends`: the scheduler's finish, fail and guard (its fault containment)."""
         self.runner = runner
         self.kv = kv
         self.counters = counters
         self.constraints = constraints
         self.spec = spec
-        self.finish, self.fail, self.guard = ends
+        self.finish, self.fail, self.guard = ends.finish, ends.fail, ends.guard
 
     def process(self, plan: list[Scheduled], hidden: torch.Tensor) -> list[Req]:
         """Advance every request of `plan` past its forward; returns those that got a token or

@@ -56,6 +56,15 @@ class PlannerHooks:
     finish: Callable[[Req], None]
 
 
+@dataclass(frozen=True)
+class Accounts:
+    """Where the planner counts: the scheduler's counters, per-tenant counters and log."""
+
+    counters: Counters
+    tenants: TenantStats
+    log: StepLog
+
+
 class StepPlanner:
     """Makes each step's plan over the scheduler's `waiting` and `running` lists (the same list
     objects: the planner moves requests between them)."""
@@ -64,22 +73,20 @@ class StepPlanner:
         self,
         args: SchedulerArgs,
         kv: KVSlotManager,
-        queues: tuple[list[Req], list[Req]],
-        counters: Counters,
-        tenants: TenantStats,
+        waiting: list[Req],
+        running: list[Req],
+        accounts: Accounts,
         spec: Speculation | None,
         hooks: PlannerHooks,
     ):
         self.args = args
         self.kv = kv
-        self.waiting, self.running = queues
-        self.counters = counters
-        self.tenants = tenants
+        self.waiting, self.running = waiting, running
+        self.counters, self.tenants, self.log = accounts.counters, accounts.tenants, accounts.log
         self.spec = spec
         self.hooks = hooks
         self.budget = AdmissionBudget(args.chunked_prefill_size, args.max_prefill_tokens)
         self.ranking = Ranking(args.schedule_low_priority_values_first, args.priority_aging_s)
-        self.log = StepLog(counters, args.log_interval)
 
     def schedule(self, plan: StepPlan) -> StepPlan:
         """Fill `plan`: priority preemption (if on), the running requests' tokens (with drafts),

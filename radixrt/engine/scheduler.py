@@ -25,11 +25,11 @@ import torch
 from radixrt.config import SchedulerArgs, ServerArgs
 from radixrt.engine.constraints import Constraints
 from radixrt.engine.detokenizer import IncrementalDetokenizer
-from radixrt.engine.output_processor import OutputProcessor
-from radixrt.engine.planner import PlannerHooks, StepPlan, StepPlanner
+from radixrt.engine.output_processor import OutputProcessor, RequestEnds
+from radixrt.engine.planner import Accounts, PlannerHooks, StepPlan, StepPlanner
 from radixrt.engine.request import DEFAULT_SCOPE, FinishReason, Req, RequestScope, Scheduled
 from radixrt.engine.speculation import SpecCounters, Speculation, decodes_only
-from radixrt.engine.stats import Counters, StatsInputs, scheduler_stats
+from radixrt.engine.stats import Counters, StatsInputs, StepLog, scheduler_stats
 from radixrt.engine.tenant_stats import TenantStats
 from radixrt.executor.forward_batch import ForwardBatch
 from radixrt.executor.model_loader import model_fingerprint
@@ -83,12 +83,13 @@ class Scheduler:
             args.enable_jump_forward,
             self._finish,
         )
+        self.log = StepLog(self.counters, args.log_interval)
         self.planner = StepPlanner(
             args,
             self.kv,
-            (self.waiting, self.running),
-            self.counters,
-            self.tenants,
+            self.waiting,
+            self.running,
+            Accounts(self.counters, self.tenants, self.log),
             self.spec,
             PlannerHooks(self.constraints.ready, self._finish),
         )
@@ -98,7 +99,7 @@ class Scheduler:
             self.counters,
             self.constraints,
             self.spec,
-            (self._finish, self._fail, self._guard),
+            RequestEnds(self._finish, self._fail, self._guard),
         )
         self._last_heartbeat = time.monotonic()
 
@@ -253,7 +254,7 @@ class Scheduler:
             )
             if decodes_only(plan):
                 usage = self.kv.usage().used_fraction
-                self.planner.log.decode(len(self.running), len(self.waiting), usage)
+                self.log.decode(len(self.running), len(self.waiting), usage)
         seconds = time.perf_counter() - start
         self.counters.step_time += seconds
         if self.spec is not None:

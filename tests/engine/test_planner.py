@@ -12,10 +12,10 @@ import torch
 
 from radixrt.config import ServerArgs
 from radixrt.engine.budget import MIN_NEW_TOKEN_RATIO
-from radixrt.engine.planner import PlannerHooks, StepPlan, StepPlanner
+from radixrt.engine.planner import Accounts, PlannerHooks, StepPlan, StepPlanner
 from radixrt.engine.request import Req, RequestScope
 from radixrt.engine.schedule_policy import order_waiting
-from radixrt.engine.stats import Counters
+from radixrt.engine.stats import Counters, StepLog
 from radixrt.engine.tenant_stats import TenantStats
 from radixrt.mem_cache.memory_pool import PageAllocator, ReqToTokenPool, TokenToKVPool
 from radixrt.mem_cache.slot_manager import KVSlotManager
@@ -46,8 +46,8 @@ class Loop:
         self.running: list[Req] = []
         self.counters = Counters()
         hooks = PlannerHooks(ready=lambda req: True, finish=self.finish)
-        queues = (self.waiting, self.running)
-        self.planner = StepPlanner(args, kv, queues, self.counters, TenantStats(), None, hooks)
+        accounts = Accounts(self.counters, TenantStats(), StepLog(self.counters, 40))
+        self.planner = StepPlanner(args, kv, self.waiting, self.running, accounts, None, hooks)
         self.tokens = itertools.count(5000)
 
     def add(self, rid: str, prompt: list[int], new: int = 4, priority: int = 0) -> Req:

@@ -239,8 +239,7 @@ class StepPlanner:
             left -= n
             reserved += future
         if plan.admitted:
-            usage = self.kv.usage().used_fraction
-            self.log.prefill(plan.admitted, len(self.running), len(self.waiting), usage)
+            self.log.prefill(plan.admitted, len(self.running), len(self.waiting))
 
     def _count_admission(self, req: Req, cached: int, loaded: int, from_storage: int) -> None:
         """Cache-hit accounting, once per request (a retracted one is admitted again: what it

@@ -83,7 +83,7 @@ class Scheduler:
             args.enable_jump_forward,
             self._finish,
         )
-        self.log = StepLog(self.counters, args.log_interval)
+        self.log = StepLog(self.counters, self.kv, args.log_interval)
         self.planner = StepPlanner(
             args,
             self.kv,
@@ -253,8 +253,7 @@ class Scheduler:
                 plan, self.runner.forward(build_batch(plan, self.kv, self.runner.device))
             )
             if decodes_only(plan):
-                usage = self.kv.usage().used_fraction
-                self.log.decode(len(self.running), len(self.waiting), usage)
+                self.log.decode(len(self.running), len(self.waiting))
         seconds = time.perf_counter() - start
         self.counters.step_time += seconds
         if self.spec is not None:

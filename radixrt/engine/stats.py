@@ -15,7 +15,7 @@ from typing import Any
 from radixrt.engine.request import Req, Scheduled
 from radixrt.engine.speculation import SpecCounters
 from radixrt.engine.tenant_stats import TenantStats
-from radixrt.mem_cache.slot_manager import KVUsage
+from radixrt.mem_cache.slot_manager import KVSlotManager, KVUsage
 from radixrt.structured.compiler import CompileStats
 
 logger = logging.getLogger(__name__)
@@ -123,13 +123,14 @@ def scheduler_stats(c: Counters, x: StatsInputs) -> dict[str, Any]:
 class StepLog:
     """The info lines: one per prefill step, one every `interval` decode steps."""
 
-    def __init__(self, counters: Counters, interval: int):
+    def __init__(self, counters: Counters, kv: KVSlotManager, interval: int):
         self.counters = counters
+        self.kv = kv  # for the token usage, read only when a line is written
         self.interval = interval
         self._decode_steps = 0
         self._mark = (time.monotonic(), 0)  # (when, generated tokens then)
 
-    def prefill(self, admitted: list[Scheduled], running: int, waiting: int, usage: float) -> None:
+    def prefill(self, admitted: list[Scheduled], running: int, waiting: int) -> None:
         logger.info(
             "prefill: %d new reqs, %d new tokens, %d cached tokens | running %d, queue %d, "
             "token usage %.2f, cache hit rate %.2f",
@@ -138,11 +139,11 @@ class StepLog:
             sum(s.req.tree_len for s in admitted),
             running,
             waiting,
-            usage,
+            self.kv.usage().used_fraction,
             self.counters.cache_hit_rate(),
         )
 
-    def decode(self, running: int, waiting: int, usage: float) -> None:
+    def decode(self, running: int, waiting: int) -> None:
         self._decode_steps += 1
         if self._decode_steps % self.interval:
             return
@@ -154,7 +155,7 @@ class StepLog:
             "decode: running %d, queue %d, token usage %.2f, cache hit rate %.2f, gen throughput %.1f tok/s",
             running,
             waiting,
-            usage,
+            self.kv.usage().used_fraction,
             self.counters.cache_hit_rate(),
             (generated - tokens) / max(now - then, 1e-9),
         )

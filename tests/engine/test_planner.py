@@ -46,7 +46,7 @@ class Loop:
         self.running: list[Req] = []
         self.counters = Counters()
         hooks = PlannerHooks(ready=lambda req: True, finish=self.finish)
-        accounts = Accounts(self.counters, TenantStats(), StepLog(self.counters, 40))
+        accounts = Accounts(self.counters, TenantStats(), StepLog(self.counters, kv, 40))
         self.planner = StepPlanner(args, kv, self.waiting, self.running, accounts, None, hooks)
         self.tokens = itertools.count(5000)
 

@@ -24,7 +24,7 @@ demo: model
 	$(BIN)/python examples/demo.py
 
 test: model
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=30
 
 # the model-free tests (no model fixture), for the edit-test loop
 test-fast: $(STAMP)

@@ -30,10 +30,25 @@ def _serve(args: argparse.Namespace) -> None:
         from radixrt.server.router.fleet import run_fleet
 
         run_fleet(server_args.with_secrets_from_env())
-        return
-    from radixrt.server.zmq_server import run_server
+    else:
+        from radixrt.server.zmq_server import run_server
 
-    run_server(server_args)
+        run_server(server_args)
+    _leave()
+
+
+def _leave() -> None:
+    """End a server whose work is done: run the exit handlers (temporary folders, child
+    processes), flush, and skip the interpreter's teardown of every module, which with torch
+    loaded takes seconds that each stopping runtime (and each test) would wait for."""
+    import atexit
+    import logging
+
+    atexit._run_exitfuncs()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _http_gateway(args: argparse.Namespace) -> None:

@@ -339,7 +339,7 @@ class Soak:
     def _spawn(self, slot: int) -> None:
         tenant = f"tenant{slot}"
         command = [
-            sys.executable, "-m", "radixrt.bench.soak", "client",
+            sys.executable, "-m", "radixrt.reliability.soak", "client",
             "--url", self.server.url, "--key", self.keys[tenant],
             "--seed", str(self.cfg.seed * 1000 + self.spawned), "--until", str(self.until),
         ]  # fmt: skip

@@ -47,8 +47,7 @@ JOIN_TIMEOUT_S = 30
 
 
 def ranks_per_node(args: ExecutorArgs) -> int:
-    if args.tp_size % args.nnodes:
-        raise ValueError(f"--tp-size {args.tp_size} does not split over {args.nnodes} nodes")
+    """`tp_size` splits evenly over `nnodes` (`ParallelSettings` checks it)."""
     return args.tp_size // args.nnodes
 
 

@@ -390,6 +390,11 @@ class Settings:
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
         """One flag per field, in one argument group per feature group (`--help` shows them)."""
         fields = dataclasses.fields(cls)  # type: ignore[arg-type]
+        ungrouped = [f.name for f in fields if f.metadata.get("group") not in GROUP_TITLES]
+        if ungrouped:  # a new setting must say where it belongs
+            raise TypeError(
+                f"settings with no group of GROUP_TITLES in their metadata: {ungrouped}"
+            )
         for name, title in GROUP_TITLES.items():
             members = [f for f in fields if f.metadata["group"] == name]
             if members:

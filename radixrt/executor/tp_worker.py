@@ -33,6 +33,7 @@ from radixrt.distributed.commands import (
     logits_header,
 )
 from radixrt.distributed.group import TPGroup, threads_per_rank
+from radixrt.executor.model_loader import resolve_model_path
 from radixrt.executor.model_runner import ModelRunner, resolve_device
 from radixrt.forward_batch import ForwardBatch
 from radixrt.lifecycle import exit_with_parent
@@ -177,6 +178,7 @@ class TPDriver:
         model loaded (`tp_size` 1: just the model)."""
         if args.tp_size == 1:
             return cls(ModelRunner(args))
+        resolve_model_path(args.model)  # a GGUF is converted once, here, not by every rank
         ranks, method = start_local_ranks(args)
         tp = _join_group(args, 0, method)
         if tp.shm is not None:

@@ -11,7 +11,7 @@ import sys
 import zmq
 
 from radixrt.client.launcher import RuntimeStartError
-from radixrt.config import SECRETS, ServerArgs
+from radixrt.config import SECRETS, RouterArgs, ServerArgs
 
 
 def _prepare_model(args: argparse.Namespace) -> None:
@@ -71,7 +71,7 @@ def _http_gateway(args: argparse.Namespace) -> None:
 def _router(args: argparse.Namespace) -> None:
     from radixrt.server.router.main import run_router
 
-    run_router(args)
+    run_router(RouterArgs.from_cli_args(args).with_secrets_from_env())
 
 
 def _generate(args: argparse.Namespace) -> None:
@@ -141,9 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     router = sub.add_parser(
         "router", help="route clients over several `radixrt serve` workers (data parallelism)"
     )
-    from radixrt.server.router.main import add_router_args
-
-    add_router_args(router)
+    RouterArgs.add_cli_args(router)
     router.set_defaults(func=_router)
 
     gen = sub.add_parser("generate", help="generate text against a server (--url) or in-process")

@@ -28,9 +28,9 @@ from radixrt.engine.schedule_policy import (
     preemption_victim,
 )
 from radixrt.engine.tenant_stats import TenantStats
-from radixrt.executor.forward_batch import ForwardBatch
 from radixrt.executor.model_loader import model_fingerprint
-from radixrt.executor.model_runner import ModelRunner
+from radixrt.executor.tp_worker import TPDriver
+from radixrt.forward_batch import ForwardBatch
 from radixrt.mem_cache.host_pool import HostKVPool, host_pool_tokens
 from radixrt.mem_cache.radix_cache import RadixCache
 from radixrt.mem_cache.slot_manager import KVSlotManager
@@ -51,11 +51,14 @@ HEARTBEAT_S = 1.0  # idle, rank 0 tells the other tensor-parallel ranks it is al
 
 class Scheduler:
     """The batching loop's state: waiting and running requests, the pool's slot manager, the
-    tree; `step()` runs one forward. It owns the model runner it is given."""
+    tree; `step()` runs one forward. It owns the driver it is given (`driver.runner`: the model,
+    its pools and tokenizer; every forward and logits call goes through the driver, which sends
+    it to the other tensor-parallel ranks first)."""
 
-    def __init__(self, args: SchedulerArgs, runner: ModelRunner):
+    def __init__(self, args: SchedulerArgs, driver: TPDriver):
         self.args = args
-        self.runner = runner
+        self.driver = driver
+        self.runner = driver.runner
         self.tokenizer = self.runner.tokenizer
         self.allocator = self.runner.allocator
         self.req_to_token = self.runner.req_to_token_pool.req_to_token
@@ -148,7 +151,7 @@ class Scheduler:
             self.kv.storage.close()
         if self.compiler is not None:
             self.compiler.close()
-        self.runner.close()
+        self.driver.close()
 
     def idle(self) -> None:
         """Called while there is no work: every second, a heartbeat to the other ranks (a dead
@@ -158,12 +161,12 @@ class Scheduler:
         now = time.monotonic()
         if now - self._last_heartbeat >= HEARTBEAT_S:
             self._last_heartbeat = now
-            self.runner.heartbeat()
+            self.driver.heartbeat()
 
     @classmethod
     def from_server_args(cls, args: ServerArgs) -> Scheduler:
-        """A scheduler over a new model runner, each given its part of `args`."""
-        return cls(args.scheduler, ModelRunner(args.executor))
+        """A scheduler over a new model (and its ranks), each given its part of `args`."""
+        return cls(args.scheduler, TPDriver.start(args.executor))
 
     # ---- requests in and out ---------------------------------------------------------------
     def make_request(
@@ -306,7 +309,7 @@ class Scheduler:
         # n new tokens after kv_len cached ones attend to kv_len + 1 ... kv_len + n keys
         self.attention_pairs += sum(s.n * s.req.kv_len + s.n * (s.n + 1) // 2 for s in plan)
         start = time.perf_counter()
-        updated = self._process(plan, self.runner.forward(self._build_batch(plan))) if plan else []
+        updated = self._process(plan, self.driver.forward(self._build_batch(plan))) if plan else []
         seconds = time.perf_counter() - start
         self.step_time += seconds
         if self.drafter is not None and plan and _decodes_only(plan):
@@ -721,7 +724,7 @@ class Scheduler:
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         self.logit_rows += len(hidden)
-        return self.runner.logits(hidden)
+        return self.driver.logits(hidden)
 
     def _prompt_logprobs(self, req: Req, hidden: torch.Tensor) -> None:
         """Logprob of each prompt token from `logprob_start_len` on, given the tokens before it."""

@@ -21,10 +21,9 @@ from typing import Any
 import zmq
 
 from radixrt.client.launcher import Engine
-from radixrt.config import ServerArgs
+from radixrt.config import RouterSettings, ServerArgs
 from radixrt.lifecycle import exit_with_parent
 from radixrt.server.front import FrontConfig
-from radixrt.server.router.policy import CacheAwareThresholds
 from radixrt.server.router.router import DRAIN_SLACK_S, Router, RouterConfig
 from radixrt.server.tenants import KeyRing
 
@@ -119,12 +118,7 @@ def router_config(args: ServerArgs, urls: list[str]) -> RouterConfig:
     )
     return RouterConfig(
         workers=tuple(urls),
-        policy=args.router_policy,
-        thresholds=CacheAwareThresholds(
-            args.router_cache_threshold,
-            args.router_balance_abs_threshold,
-            args.router_balance_rel_threshold,
-        ),
+        routing=args.group(RouterSettings),
         front=FrontConfig.from_server_args(args),
         worker_api_key=KeyRing.from_settings(
             args.api_key, args.api_key_file, args.admin_api_key

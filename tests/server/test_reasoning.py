@@ -1,0 +1,60 @@
+"""The reasoning parsers, model-free: whole replies, and the same replies streamed in pieces cut at
+every position (tags split across deltas) joining to the whole split."""
+
+from __future__ import annotations
+
+import pytest
+
+from radixrt.server.http.reasoning import REASONING_PARSERS, ReasoningSplit, ReasoningStream
+
+R1, QWEN3 = REASONING_PARSERS["deepseek-r1"], REASONING_PARSERS["qwen3"]
+
+WHOLE = [
+    # (parser, reply, reasoning, content)
+    (R1, "Let me think.\n</think>\n\nIt is 4.", "Let me think.", "It is 4."),
+    (R1, "<think>\nexplicit open</think>answer", "explicit open", "answer"),
+    (R1, "cut off before the end", "cut off before the end", ""),
+    (R1, "</think>no reasoning", "", "no reasoning"),
+    (R1, "a < b </thin k> c</think> d", "a < b </thin k> c", "d"),
+    (QWEN3, "<think>\nsteps\n</think>\n\nThe answer.", "steps", "The answer."),
+    (QWEN3, "  <think>x</think>y", "x", "y"),
+    (QWEN3, "No thinking here.", "", "No thinking here."),
+    (QWEN3, "text then <think>late</think>", "", "text then <think>late</think>"),
+    (QWEN3, "<think>never closed", "never closed", ""),
+    (QWEN3, "<thin", "", "<thin"),
+    (QWEN3, "", "", ""),
+]
+
+
+@pytest.mark.parametrize(("parser", "reply", "reasoning", "content"), WHOLE)
+def test_whole_replies(parser, reply, reasoning, content):
+    assert parser.split(reply) == ReasoningSplit(reasoning, content)
+
+
+def _streamed(parser, pieces: list[str]) -> ReasoningSplit:
+    stream = ReasoningStream(parser)
+    outs = [stream.feed(p) for p in pieces] + [stream.feed("", final=True)]
+    return ReasoningSplit("".join(o.reasoning for o in outs), "".join(o.content for o in outs))
+
+
+@pytest.mark.parametrize(("parser", "reply", "reasoning", "content"), WHOLE)
+def test_streams_cut_anywhere_join_to_the_whole_split(parser, reply, reasoning, content):
+    whole = ReasoningSplit(reasoning, content)
+    for cut in range(len(reply) + 1):
+        assert _streamed(parser, [reply[:cut], reply[cut:]]) == whole, cut
+    for first in range(len(reply) + 1):  # two cuts: a tag may be split in three
+        for second in range(first, len(reply) + 1):
+            pieces = [reply[:first], reply[first:second], reply[second:]]
+            assert _streamed(parser, pieces) == whole, (first, second)
+    assert _streamed(parser, list(reply)) == whole
+
+
+def test_a_stream_lets_text_out_as_soon_as_it_is_certain():
+    stream = ReasoningStream(R1)
+    assert stream.feed("step one") == ReasoningSplit("step one", "")
+    assert stream.feed(" </th") == ReasoningSplit("", "")  # maybe the end tag: held
+    assert stream.feed("ink>  ") == ReasoningSplit("", "")  # whitespace before the answer
+    assert stream.feed("Four") == ReasoningSplit("", "Four")
+    stream = ReasoningStream(QWEN3)
+    assert stream.feed("<th") == ReasoningSplit("", "")  # maybe <think>
+    assert stream.feed("is is plain") == ReasoningSplit("", "<this is plain")

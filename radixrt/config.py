@@ -348,6 +348,13 @@ class ServerArgs:
             "choices": ["auto", "hermes", "llama3-json", "mistral", "pythonic"],
         },
     )
+    reasoning_parser: str | None = field(
+        default=None,
+        metadata={
+            "help": "split a reasoning model's <think>...</think> from the answer into message.reasoning_content (streamed: delta.reasoning_content) on /v1/chat/completions: deepseek-r1 (the reply starts inside the block: the template opened it) or qwen3 (only a reply that starts with <think>); off when unset",
+            "choices": ["deepseek-r1", "qwen3"],
+        },
+    )
     api_key: str | None = field(
         default=None,
         metadata={"help": "required in every message when set; needed to bind a non-loopback host"},

@@ -58,3 +58,63 @@ def test_a_stream_lets_text_out_as_soon_as_it_is_certain():
     stream = ReasoningStream(QWEN3)
     assert stream.feed("<th") == ReasoningSplit("", "")  # maybe <think>
     assert stream.feed("is is plain") == ReasoningSplit("", "<this is plain")
+
+
+# ---- end to end: the default model, its reply forced to hold a think block ---------------------
+# A JSON-schema string whose pattern puts `</think>` between two free runs of words: the reply is
+# a real greedy generation (the quotes of the JSON string included) that deepseek-r1 must split.
+THINKING_SCHEMA = {"type": "string", "pattern": "^[a-z ]{3,24}</think>[A-Z][a-z ]{3,24}$"}
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def reasoning_runtime(default_model_dir):
+    import radixrt as rt
+    from radixrt.client.launcher import free_port
+
+    from timeouts import REPLY_TIMEOUT_S
+
+    with rt.Runtime(
+        model=str(default_model_dir),
+        http_port=free_port(),
+        reasoning_parser="deepseek-r1",
+        max_total_tokens=4096,
+        log_level="warning",
+        timeout=REPLY_TIMEOUT_S,
+    ) as r:
+        yield r
+
+
+def test_a_forced_think_block_comes_back_split(reasoning_runtime, default_model_dir):
+    import openai
+    from transformers import AutoTokenizer
+
+    request = {
+        "model": "default",
+        "messages": QUESTION,
+        "temperature": 0,
+        "max_tokens": 40,
+        "response_format": {
+            "type": "json_schema",
+            "json_schema": {"name": "thought", "schema": THINKING_SCHEMA},
+        },
+    }
+    prompt = AutoTokenizer.from_pretrained(default_model_dir).apply_chat_template(
+        QUESTION, tokenize=False, add_generation_prompt=True
+    )
+    raw = reasoning_runtime.generate(
+        prompt, {"temperature": 0, "max_new_tokens": 40, "json_schema": THINKING_SCHEMA}
+    )["text"]
+    assert "</think>" in raw
+    expected = R1.split(raw)
+    url = f"{reasoning_runtime.http_url}/v1"
+    with openai.OpenAI(base_url=url, api_key="none", max_retries=0) as client:
+        message = client.chat.completions.create(**request).choices[0].message
+        chunks = list(client.chat.completions.create(**request, stream=True))
+    assert (message.reasoning_content, message.content) == expected
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    streamed = ReasoningSplit(
+        "".join(getattr(d, "reasoning_content", None) or "" for d in deltas),
+        "".join(d.content or "" for d in deltas),
+    )
+    assert streamed == expected

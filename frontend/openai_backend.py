@@ -192,6 +192,8 @@ class OpenAI:
     def _choice_logprobs(self, prefix: str, choices: list[str]) -> list[list[float]]:
         """Each choice's token logprobs after `prefix`, from one echoed completions request; a
         token counts as the choice's when it holds any of the choice's characters."""
+        import openai
+
         try:
             reply = self.client.completions.create(
                 model=self.model,
@@ -201,7 +203,7 @@ class OpenAI:
                 logprobs=0,
                 temperature=0,
             )
-        except Exception as e:
+        except openai.BadRequestError as e:  # 400: the server does not take these fields
             raise SelectUnsupported(
                 f"select scores choices with completions echo+logprobs, which {self.model!r} "
                 f"refused: {e}"
@@ -224,10 +226,6 @@ class OpenAI:
                 f" answered {text!r}, not one of {sel.choices}: it does not honour that schema"
             ) from e
         return index, {"choices": sel.choices, "method": "constrained"}
-
-    # ---- what a program may ask of every backend ---------------------------------------------
-    def flush_cache(self) -> bool:
-        return False  # an OpenAI server's cache is its own
 
     def close(self) -> None:
         self.client.close()

@@ -76,6 +76,7 @@ ROUTER_CACHE_THRESHOLD = 0.5
 ROUTER_BALANCE_ABS_THRESHOLD = 4
 ROUTER_BALANCE_REL_THRESHOLD = 1.25
 MIN_FRAME_BYTES = 4096  # a smaller frame limit would refuse ordinary requests
+REASONING_PARSER_NAMES = ("deepseek-r1", "qwen3")  # server/http/reasoning.py has each one
 
 
 def is_loopback_host(host: str) -> bool:
@@ -352,7 +353,7 @@ class ServerArgs:
         default=None,
         metadata={
             "help": "split a reasoning model's <think>...</think> from the answer into message.reasoning_content (streamed: delta.reasoning_content) on /v1/chat/completions: deepseek-r1 (the reply starts inside the block: the template opened it) or qwen3 (only a reply that starts with <think>); off when unset",
-            "choices": ["deepseek-r1", "qwen3"],
+            "choices": list(REASONING_PARSER_NAMES),
         },
     )
     api_key: str | None = field(
@@ -402,6 +403,11 @@ class ServerArgs:
             raise ValueError("page_size must be >= 1")
         if self.quantization not in (None, "int8"):
             raise ValueError(f"quantization must be None or 'int8', not {self.quantization!r}")
+        if self.reasoning_parser not in (None, *REASONING_PARSER_NAMES):
+            raise ValueError(
+                f"reasoning_parser must be one of {REASONING_PARSER_NAMES}, "
+                f"not {self.reasoning_parser!r}"
+            )
         if self.speculative_algorithm not in (None, "ngram"):
             raise ValueError(
                 f"speculative_algorithm must be None or 'ngram', not {self.speculative_algorithm!r}"

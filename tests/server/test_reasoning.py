@@ -3,6 +3,8 @@ every position (tags split across deltas) joining to the whole split."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from radixrt.server.http.reasoning import REASONING_PARSERS, ReasoningSplit, ReasoningStream
@@ -47,6 +49,14 @@ def test_streams_cut_anywhere_join_to_the_whole_split(parser, reply, reasoning, 
             pieces = [reply[:first], reply[first:second], reply[second:]]
             assert _streamed(parser, pieces) == whole, (first, second)
     assert _streamed(parser, list(reply)) == whole
+
+
+def test_every_server_flag_value_has_a_parser_and_others_are_refused():
+    from radixrt.config import REASONING_PARSER_NAMES, ServerArgs
+
+    assert set(REASONING_PARSERS) == set(REASONING_PARSER_NAMES)
+    with pytest.raises(ValueError, match="reasoning_parser"):
+        ServerArgs(reasoning_parser="deepseek")
 
 
 def test_a_stream_lets_text_out_as_soon_as_it_is_certain():
@@ -118,3 +128,21 @@ def test_a_forced_think_block_comes_back_split(reasoning_runtime, default_model_
         "".join(d.content or "" for d in deltas),
     )
     assert streamed == expected
+
+
+def test_a_streamed_choice_reads_calls_from_the_answer_only():
+    """Reasoning first, then the answer through the tool-call reader: a call written inside the
+    think block is reasoning, the one after it a call."""
+    from radixrt.server.http.responses import ChoiceStream, ReasoningStream, ToolCallStream
+    from radixrt.structured.tools import PARSERS
+
+    call = '<tool_call>{"name":"f","arguments":{"x":1}}</tool_call>'
+    reply = f"maybe {call}?</think>{call}"
+    stream = ChoiceStream(ReasoningStream(R1), ToolCallStream(PARSERS["hermes"]))
+    deltas = [d for ch in reply for d in stream.feed(ch)] + stream.feed("", final=True)
+    reasoning = "".join(d.get("reasoning_content", "") for d in deltas)
+    assert reasoning == f"maybe {call}?" and stream.called
+    assert not any("content" in d for d in deltas)
+    calls = [d["tool_calls"][0] for d in deltas if "tool_calls" in d]
+    assert calls[0]["function"]["name"] == "f"
+    assert json.loads("".join(c["function"]["arguments"] for c in calls)) == {"x": 1}

@@ -71,9 +71,13 @@ def test_a_stream_lets_text_out_as_soon_as_it_is_certain():
 
 
 # ---- end to end: the default model, its reply forced to hold a think block ---------------------
-# A JSON-schema string whose pattern puts `</think>` between two free runs of words: the reply is
-# a real greedy generation (the quotes of the JSON string included) that deepseek-r1 must split.
-THINKING_SCHEMA = {"type": "string", "pattern": "^[a-z ]{3,24}</think>[A-Z][a-z ]{3,24}$"}
+# A JSON-schema string whose pattern puts `</think>` between a short free thought and a choice of
+# answers: the reply is a real greedy generation (the quotes of the JSON string included) that
+# deepseek-r1 must split; short, so that it takes a few decode steps.
+THINKING_SCHEMA = {
+    "type": "string",
+    "pattern": "^(I think|Let me see|Hmm)[a-z ]{0,6}</think>(Paris|London|Rome)$",
+}
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
@@ -103,7 +107,7 @@ def test_a_forced_think_block_comes_back_split(reasoning_runtime, default_model_
         "model": "default",
         "messages": QUESTION,
         "temperature": 0,
-        "max_tokens": 40,
+        "max_tokens": 24,
         "response_format": {
             "type": "json_schema",
             "json_schema": {"name": "thought", "schema": THINKING_SCHEMA},
@@ -113,7 +117,7 @@ def test_a_forced_think_block_comes_back_split(reasoning_runtime, default_model_
         QUESTION, tokenize=False, add_generation_prompt=True
     )
     raw = reasoning_runtime.generate(
-        prompt, {"temperature": 0, "max_new_tokens": 40, "json_schema": THINKING_SCHEMA}
+        prompt, {"temperature": 0, "max_new_tokens": 24, "json_schema": THINKING_SCHEMA}
     )["text"]
     assert "</think>" in raw
     expected = R1.split(raw)

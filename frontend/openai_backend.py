@@ -37,7 +37,6 @@ STANDARD = {
     "frequency_penalty": "frequency_penalty",
     "presence_penalty": "presence_penalty",
     "seed": "seed",
-    "n": "n",
 }
 # the ones it does not: sent as extra body fields under SGLang's (and vLLM's) names
 EXTRA = ("top_k", "min_p", "stop_token_ids", "ignore_eos", "regex", "repetition_penalty")

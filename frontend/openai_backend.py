@@ -25,6 +25,7 @@ import time
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
+from radixrt.frontend.chat_template import ChatTemplate
 from radixrt.frontend.primitives import Select
 from radixrt.structured.regexes import DTYPE_REGEXES
 
@@ -41,6 +42,7 @@ STANDARD = {
 # the ones it does not: sent as extra body fields under SGLang's (and vLLM's) names
 EXTRA = ("top_k", "min_p", "stop_token_ids", "ignore_eos", "regex", "repetition_penalty")
 CHOICE_SCHEMA_NAME = "choice"
+CHOICE_MAX_TOKENS = 256  # room for `{"choice":"..."}` around the longest reasonable choice
 
 
 class SelectUnsupported(RuntimeError):
@@ -90,6 +92,8 @@ class OpenAI:
             "special_tokens": dict(special_tokens or {}),
             "eos_token_ids": [],
         }
+        # a completion model's assistant turn ends where the template closes it
+        self._turn_end = ChatTemplate.from_model_info(self.model_info).suffix("assistant").strip()
 
     # ---- gen ---------------------------------------------------------------------------------
     def generate(
@@ -158,12 +162,8 @@ class OpenAI:
     def _stops(self, prompt: ProgramPrompt, stop: str | list[str] | None) -> list[str] | None:
         """A completion model's stops: the gen's, and the end of the open assistant turn."""
         stops = [stop] if isinstance(stop, str) else list(stop or [])
-        if prompt.role == "assistant" and self.model_info["chat_template"]:
-            from radixrt.frontend.chat_template import ChatTemplate
-
-            suffix = ChatTemplate.from_model_info(self.model_info).suffix("assistant").strip()
-            if suffix and suffix not in stops:
-                stops.append(suffix)
+        if prompt.role == "assistant" and self._turn_end and self._turn_end not in stops:
+            stops.append(self._turn_end)
         return stops or None
 
     def _create(self, body: dict[str, Any]) -> Any:
@@ -214,7 +214,9 @@ class OpenAI:
         ]
 
     def _constrained_select(self, prompt: ProgramPrompt, sel: Select) -> tuple[int, dict[str, Any]]:
-        body = self._body(prompt, {"temperature": sel.temperature, "max_new_tokens": 256})
+        body = self._body(
+            prompt, {"temperature": sel.temperature, "max_new_tokens": CHOICE_MAX_TOKENS}
+        )
         reply = self._create({**body, "response_format": _choice_format(sel.choices)})
         text = self._text_of(reply.choices[0])
         try:

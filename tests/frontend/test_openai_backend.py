@@ -194,3 +194,5 @@ def test_chat_model_refuses_what_it_cannot_send(chat_backend):
 
     with pytest.raises(rt.SelectUnsupported, match="start-of-text"):
         unconditional.run(backend=chat_backend)
+    with pytest.raises(ValueError, match="radixrt backend"):
+        rt.chat([{"role": "user", "content": "Hi"}], backend=chat_backend)

@@ -77,6 +77,30 @@ class Select(Expr):
     temperature: float = 0.0
     method: str = "token_length_normalized"
 
+    def pick(
+        self, token_logprobs: list[list[float]], unconditional: list[list[float]] | None = None
+    ) -> tuple[int, dict[str, Any]]:
+        """The best choice's index by `method`, from each choice's token logprobs after the
+        prefix (and, for `unconditional`, without it), and the scores as meta info."""
+        means = [_mean(lps) for lps in token_logprobs]
+        if self.method == "greedy":
+            keys = [tuple(lps) for lps in token_logprobs]  # compared first token first
+        elif self.method == "unconditional":
+            keys = [m - _mean(a) for m, a in zip(means, unconditional or [])]
+        else:
+            keys = means
+        best = max(range(len(keys)), key=keys.__getitem__)
+        return best, {
+            "choices": self.choices,
+            "method": self.method,
+            "normalized_logprobs": means,
+            "token_logprobs": token_logprobs,
+        }
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / max(len(values), 1)
+
 
 @dataclass
 class Role(Expr):

@@ -65,6 +65,7 @@ def _http_gateway(args: argparse.Namespace) -> None:
         args.api_key_file,
         os.environ.get(SECRETS["admin_api_key"]),
         args.max_body_bytes,
+        args.reasoning_parser,
     )
 
 
@@ -130,6 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     gateway.add_argument("--api-key-file", help="the runtime's 'tenant:key' file")
     gateway.add_argument("--log-level", default="info")
     gateway.add_argument("--tool-call-parser", default="auto", help="see `serve --help`")
+    gateway.add_argument("--reasoning-parser", help="see `serve --help`")
     gateway.add_argument(
         "--max-body-bytes",
         type=int,

@@ -80,6 +80,7 @@ class SchedulerArgs:
 
 
 MIN_FRAME_BYTES = 4096  # a smaller frame limit would refuse ordinary requests
+REASONING_PARSER_NAMES = ("deepseek-r1", "qwen3")  # server/http/reasoning.py has each one
 HICACHE_WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 ROUTER_POLICIES = ("cache-aware", "round-robin", "shortest-queue")
 
@@ -779,6 +780,14 @@ class ServerArgs(Settings):
             "group": "structured",
             "help": "how models write tool calls on /v1/chat/completions, and how they are read and constrained: hermes (<tool_call>{...}</tool_call>), llama3-json, mistral, pythonic, or auto (the chat template's format, else hermes)",
             "choices": ["auto", "hermes", "llama3-json", "mistral", "pythonic"],
+        },
+    )
+    reasoning_parser: str | None = field(
+        default=None,
+        metadata={
+            "group": "structured",
+            "help": "split a reasoning model's <think>...</think> from the answer into message.reasoning_content (streamed: delta.reasoning_content) on /v1/chat/completions: deepseek-r1 (the reply starts inside the block: the template opened it) or qwen3 (only a reply that starts with <think>); off when unset",
+            "choices": list(REASONING_PARSER_NAMES),
         },
     )
     api_key: str | None = field(

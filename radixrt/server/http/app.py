@@ -20,9 +20,10 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from radixrt.client.endpoint import Prompt, RequestOptions, RuntimeEndpoint
 from radixrt.config import ServerArgs
 from radixrt.server.http.errors import RUNTIME_EXCEPTIONS, APIError, from_runtime_error
+from radixrt.server.http.reasoning import REASONING_PARSERS
 from radixrt.server.http.responses import (
+    ChoiceStream,
     ResponseShape,
-    ToolCallStream,
     response_body,
     sse_event,
     usage_of,
@@ -100,8 +101,10 @@ class Gateway:
         keys: KeyRing | None = None,
         tool_call_parser: str = "auto",
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        reasoning_parser: str | None = None,
     ):
         self.endpoint = endpoint
+        self.reasoning = REASONING_PARSERS[reasoning_parser] if reasoning_parser else None
         self.max_body_bytes = max_body_bytes
         self.keys = keys or KeyRing()
         self.tool_call_parser = tool_call_parser
@@ -178,6 +181,7 @@ class Gateway:
             tokenizer=model.tokenizer,
             logprobs=req.logprobs,
             tool_parser=tools.reply_parser,
+            reasoning=self.reasoning,
         )
         return await self._respond(request, req, model, [prompt], params, shape)
 
@@ -265,9 +269,7 @@ class Gateway:
                 )
             )
         finals = []
-        calls = (
-            {i: ToolCallStream(shape.tool_parser) for i in range(n)} if shape.tool_parser else {}
-        )
+        streams = {i: ChoiceStream.of(shape) for i in range(n)}
 
         def chunk(choice: dict[str, Any]) -> str:
             return sse_event(response_body(shape, rid, model, [choice], chunk=True))
@@ -275,20 +277,14 @@ class Gateway:
         try:
             async for reply in replies:
                 index = reply.get("index", 0)
+                text = "" if reply["finished"] else reply["delta"]  # a final reply has no delta
+                for delta in streams[index].feed(text, final=reply["finished"]):
+                    yield chunk(shape.delta(index, delta))
                 if reply["finished"]:
                     finals.append(reply)
                     self.metrics.observe(reply["meta_info"], count_prompt=index == 0)
-                    called = False
-                    if index in calls:
-                        for delta in calls[index].feed("", final=True):
-                            yield chunk(shape.delta(index, delta))
-                        called = calls[index].called
+                    called = streams[index].called
                     yield chunk(shape.choice(index, "", reply["meta_info"], True, called))
-                elif reply["delta"] and index in calls:
-                    for delta in calls[index].feed(reply["delta"]):
-                        yield chunk(shape.delta(index, delta))
-                elif reply["delta"]:
-                    yield chunk(shape.delta(index, reply["delta"]))
         except RUNTIME_EXCEPTIONS as e:
             yield sse_event(from_runtime_error(e).body())
             return

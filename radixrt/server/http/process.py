@@ -53,6 +53,8 @@ def start_gateway(args: ServerArgs) -> subprocess.Popen:
     ]
     if args.api_key_file:
         command += ["--api-key-file", args.api_key_file]
+    if args.reasoning_parser:
+        command += ["--reasoning-parser", args.reasoning_parser]
     if args.curve_secret_key:
         # one argument: a Z85 key may start with "-", which argparse would take for a flag
         public = zmq.curve_public(args.curve_secret_key.encode()).decode()
@@ -88,6 +90,7 @@ def run_gateway(
     api_key_file: str | None = None,
     admin_api_key: str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    reasoning_parser: str | None = None,
 ) -> None:
     """Serve HTTP on the inherited listening socket `fd` until SIGTERM/SIGINT or the parent exits.
     Each request goes to the runtime with its client's own key (its tenant); the gateway's own
@@ -96,7 +99,7 @@ def run_gateway(
     keys = KeyRing.from_settings(api_key, api_key_file, admin_api_key)
     endpoint = RuntimeEndpoint(url, api_key=keys.any_key(), curve_server_key=curve_server_key)
     config = uvicorn.Config(
-        build_app(Gateway(endpoint, keys, tool_call_parser, max_body_bytes)),
+        build_app(Gateway(endpoint, keys, tool_call_parser, max_body_bytes, reasoning_parser)),
         log_level=log_level,
         timeout_graceful_shutdown=5,
     )

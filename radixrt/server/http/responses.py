@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from radixrt.server.http.reasoning import ReasoningParser, ReasoningStream
 from radixrt.structured.tools import ToolCallParser, new_call_id
 
 
@@ -19,6 +20,7 @@ class ResponseShape:
     tokenizer: Any
     logprobs: bool
     tool_parser: ToolCallParser | None = None  # set when the reply may hold tool calls
+    reasoning: ReasoningParser | None = None  # --reasoning-parser, on chat replies
 
     @property
     def object(self) -> str:
@@ -58,16 +60,21 @@ class ResponseShape:
         }
 
     def _message(self, text: str) -> dict[str, Any]:
-        """The assistant's message; with tools, the text before the calls and the calls (a call
-        cut short by the token limit is dropped: it would not parse)."""
+        """The assistant's message: with a reasoning parser, the reasoning apart; with tools, the
+        text before the calls and the calls (a call cut short by the token limit is dropped: it
+        would not parse)."""
+        message: dict[str, Any] = {"role": "assistant"}
+        if self.reasoning is not None:
+            reasoning, text = self.reasoning.split(text)
+            message["reasoning_content"] = reasoning or None
         if self.tool_parser is None:
-            return {"role": "assistant", "content": text}
+            return {**message, "content": text}
         scan = self.tool_parser.scan(text, final=True)
         calls = scan.finished_calls()
         if not calls:
-            return {"role": "assistant", "content": scan.content}
+            return {**message, "content": scan.content}
         return {
-            "role": "assistant",
+            **message,
             "content": scan.content.strip() or None,
             "tool_calls": [c.to_openai() for c in calls],
         }
@@ -144,6 +151,42 @@ class ToolCallStream:
             if piece := call.arguments[self.arguments_sent[i] :]:
                 out.append({"tool_calls": [{"index": i, "function": {"arguments": piece}}]})
                 self.arguments_sent[i] = len(call.arguments)
+        return out
+
+
+@dataclass
+class ChoiceStream:
+    """One choice's streamed text as the deltas to send: the reasoning apart (`reasoning_content`)
+    when a reasoning parser runs, then the answer as tool-call deltas when tools may be called,
+    else as content."""
+
+    reasoning: ReasoningStream | None = None
+    calls: ToolCallStream | None = None
+
+    @classmethod
+    def of(cls, shape: ResponseShape) -> ChoiceStream:
+        return cls(
+            ReasoningStream(shape.reasoning) if shape.reasoning else None,
+            ToolCallStream(shape.tool_parser) if shape.tool_parser else None,
+        )
+
+    @property
+    def called(self) -> bool:
+        return self.calls is not None and self.calls.called
+
+    def feed(self, delta: str, final: bool = False) -> list[str | dict[str, Any]]:
+        """The deltas (text, or chat delta bodies) this much more text lets out."""
+        out: list[str | dict[str, Any]] = []
+        content = delta
+        if self.reasoning is not None:
+            piece = self.reasoning.feed(delta, final)
+            if piece.reasoning:
+                out.append({"reasoning_content": piece.reasoning})
+            content = piece.content
+        if self.calls is not None:
+            out += self.calls.feed(content, final)
+        elif content:
+            out.append(content)
         return out
 
 

@@ -98,7 +98,22 @@ class ServerArgs:
     host: str = field(
         default="127.0.0.1", metadata={"help": "address to bind; loopback unless told otherwise"}
     )
-    port: int = field(default=30000, metadata={"help": "TCP port of the ZeroMQ ROUTER socket"})
+    port: int = field(
+        default=30000,
+        metadata={
+            "help": "TCP port of the HTTP API (OpenAI /v1/*, SGLang's native /generate, /flush_cache, ..., /metrics) on --host"
+        },
+    )
+    zmq_port: int | None = field(
+        default=None,
+        metadata={
+            "help": "TCP port of the ZeroMQ ROUTER socket (docs/protocol.md; default: --port + 1)"
+        },
+    )
+    disable_http: bool = field(
+        default=False,
+        metadata={"help": "serve only the ZeroMQ protocol: no HTTP gateway on --port"},
+    )
     attention_backend: str = field(
         default="auto",
         metadata={
@@ -167,7 +182,7 @@ class ServerArgs:
     dp_size: int = field(
         default=1,
         metadata={
-            "help": "data parallelism: this many workers (a share of the cores each on the CPU, their own GPUs on CUDA) behind a router on --host/--port"
+            "help": "data parallelism: this many workers (a share of the cores each on the CPU, their own GPUs on CUDA) behind a router on --host and the ZeroMQ port (--zmq-port), the HTTP gateway in front of it on --port"
         },
     )
     router_policy: str = field(
@@ -335,12 +350,6 @@ class ServerArgs:
             "help": "prompt tokens one tenant may have waiting for admission; past it, 'rate_limited'"
         },
     )
-    http_port: int | None = field(
-        default=None,
-        metadata={
-            "help": "also serve the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /metrics, ...) on this port of --host (off when unset)"
-        },
-    )
     tool_call_parser: str = field(
         default="auto",
         metadata={
@@ -429,9 +438,9 @@ class ServerArgs:
             raise ValueError(
                 "hicache_storage_dir and preemption_mode='swap' need enable_hierarchical_cache"
             )
-        if self.curve_client_keys and self.http_port:
+        if self.curve_client_keys and not self.disable_http:
             raise ValueError(
-                "curve_client_keys does not run with http_port yet: the gateway's link is not on the list"
+                "curve_client_keys needs disable_http: the HTTP gateway's link is not on the list yet"
             )
         if self.max_frame_bytes < MIN_FRAME_BYTES or self.max_prompt_bytes < 1:
             raise ValueError(f"max_frame_bytes must be >= {MIN_FRAME_BYTES}, max_prompt_bytes >= 1")
@@ -503,9 +512,16 @@ class ServerArgs:
         )
 
     @property
+    def zmq_port_or_default(self) -> int:
+        """The ZeroMQ port: `--zmq-port`, else `--port` + 1 (SGLang's HTTP port stays HTTP)."""
+        return self.zmq_port if self.zmq_port is not None else self.port + 1
+
+    @property
     def endpoint(self) -> str:
         """ZeroMQ address to bind: `--host` may itself be an ipc:// path."""
-        return self.host if self.host.startswith("ipc://") else f"tcp://{self.host}:{self.port}"
+        if self.host.startswith("ipc://"):
+            return self.host
+        return f"tcp://{self.host}:{self.zmq_port_or_default}"
 
     @property
     def is_loopback(self) -> bool:
@@ -513,7 +529,8 @@ class ServerArgs:
 
     @property
     def http_host(self) -> str:
-        """Where `--http-port` listens: `--host`, or loopback when that is an ipc:// path."""
+        """Where the HTTP API listens (on `--port`): `--host`, or loopback when that is an ipc://
+        path."""
         return "127.0.0.1" if self.host.startswith("ipc://") else self.host
 
     def to_cli_args(self) -> list[str]:

@@ -386,9 +386,8 @@ def run_server(args: ServerArgs) -> None:
     FrontConfig.from_server_args(args).check_exposure(args.host)
     exit_with_parent()  # a runtime started by rt.Runtime / rt.Engine ends with its launcher
     gateway = None
-    if (
-        args.http_port
-    ):  # before loading the model: a busy port fails at once, and the child starts meanwhile
+    # before loading the model: a busy port fails at once, and the child starts meanwhile
+    if not args.disable_http:
         from radixrt.server.http import (
             process as http_gateway,  # fastapi and uvicorn only when asked for
         )

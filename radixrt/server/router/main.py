@@ -20,12 +20,17 @@ logger = logging.getLogger(__name__)
 def add_router_args(parser: argparse.ArgumentParser) -> None:
     d = CacheAwareThresholds()
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
-    parser.add_argument("--port", type=int, default=30000, help="the clients' port")
+    parser.add_argument(
+        "--port",
+        type=int,
+        default=30001,
+        help="the clients' ZeroMQ port (the router serves no HTTP)",
+    )
     parser.add_argument(
         "--worker",
         action="append",
         required=True,
-        help="a worker's address, e.g. tcp://10.0.0.2:30000 (repeat for each)",
+        help="a worker's address, e.g. tcp://10.0.0.2:30001 (repeat for each)",
     )
     parser.add_argument("--policy", default="cache-aware", choices=POLICIES)
     parser.add_argument(

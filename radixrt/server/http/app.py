@@ -432,6 +432,9 @@ def build_app(gateway: Gateway) -> FastAPI:
         warm_up = asyncio.create_task(gateway.model())
         yield
         warm_up.cancel()
+        # a call still waiting for the runtime (one that never started) ends, so its worker
+        # thread does too and the process can exit
+        gateway.endpoint.client.fail_pending("the HTTP gateway is stopping")
 
     app = FastAPI(title="radixrt", docs_url=None, redoc_url=None, lifespan=lifespan)
 

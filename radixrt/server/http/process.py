@@ -63,9 +63,6 @@ def start_gateway(args: ServerArgs) -> subprocess.Popen:
             env[SECRETS[name]] = getattr(args, name)
     with sock:
         proc = subprocess.Popen(command, pass_fds=[sock.fileno()], env=env)
-    logger.info(
-        "HTTP API (OpenAI /v1/*, SGLang's native /generate) on http://%s:%d", host, args.port
-    )
     return proc
 
 

@@ -146,8 +146,9 @@ def run_fleet(args: ServerArgs) -> None:
         from radixrt.server.http import process as http_gateway
 
         gateway = http_gateway.start_gateway(args)
-    workers = start_workers(args)
+    workers = []
     try:
+        workers = start_workers(args)
         router = Router(router_config(args, [w.args.endpoint for w in workers]), args.endpoint)
         router.wait_for_workers(WORKERS_JOIN_S)
 

@@ -16,7 +16,7 @@ import radixrt as rt
 from helpers import _hf_model
 from timeouts import REPLY_TIMEOUT_S
 
-ADMIN, ALICE = "admin-key", "alice-key"
+ADMIN, ALICE, BOB = "admin-key", "alice-key", "bob-key"
 GREEDY = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
 PROMPT = "The capital of France is"
 
@@ -24,7 +24,7 @@ PROMPT = "The capital of France is"
 @pytest.fixture(scope="module")
 def runtime(tiny_model_dir, tmp_path_factory):
     key_file = tmp_path_factory.mktemp("keys") / "keys.txt"
-    key_file.write_text(f"alice:{ALICE}\n")
+    key_file.write_text(f"alice:{ALICE}\nbob:{BOB}\n")
     with rt.Runtime(
         model=str(tiny_model_dir),
         api_key_file=str(key_file),
@@ -158,7 +158,7 @@ def test_flush_cache_needs_the_admin_key(runtime):
     assert status == 200 and body["success"] is True
 
 
-def test_abort_request_ends_the_callers_request(runtime):
+def test_abort_request_ends_the_callers_request_only(runtime):
     long = {"max_new_tokens": 100000, "ignore_eos": True, "temperature": 0}
     result = {}
     thread = threading.Thread(
@@ -167,8 +167,10 @@ def test_abort_request_ends_the_callers_request(runtime):
         )
     )
     thread.start()
-    while _call(runtime, "/abort_request", {"rid": "x"})[0] == 404:  # not started yet
+    while not runtime.stats()["running"]:
         assert thread.is_alive()
+    assert _call(runtime, "/abort_request", {"rid": "x"}, key=BOB)[0] == 404  # alice's rid
+    assert _call(runtime, "/abort_request", {"rid": "x"})[0] == 200
     thread.join(REPLY_TIMEOUT_S)
     status, body = result["out"]
     assert status == 200 and body["meta_info"]["finish_reason"]["type"] == "abort"

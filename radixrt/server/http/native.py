@@ -96,11 +96,12 @@ class UnpinRequest(_Body):
 @dataclass(frozen=True)
 class NativeCall:
     """One prompt of a native /generate as the runtime gets it: its own rid there (unique on
-    the gateway's one connection), the caller's rid (echoed as `meta_info.id`), the prompt and
-    its sampling parameters."""
+    the gateway's one connection), the caller's rid (echoed as `meta_info.id`) and key, the
+    prompt and its sampling parameters."""
 
     runtime_rid: str
     rid: str
+    key: str | None  # the caller's (None without keys): rids are the caller's own
     prompt: Prompt
     params: dict[str, Any]
 
@@ -118,7 +119,7 @@ def _prompts(req: NativeGenerateRequest) -> tuple[list[Prompt], bool]:
     return [req.input_ids], True
 
 
-def _calls(req: NativeGenerateRequest) -> tuple[list[NativeCall], bool]:
+def _calls(req: NativeGenerateRequest, key: str | None) -> tuple[list[NativeCall], bool]:
     prompts, single = _prompts(req)
     if not prompts:
         raise _invalid("the batch is empty", "text" if req.text is not None else "input_ids")
@@ -132,7 +133,7 @@ def _calls(req: NativeGenerateRequest) -> tuple[list[NativeCall], bool]:
         raise _invalid("rid must be one distinct string per prompt", "rid")
     logprobs = {k: getattr(req, k) for k in LOGPROB_FIELDS if getattr(req, k) is not None}
     return [
-        NativeCall(f"native-{uuid.uuid4().hex}", r, p, {**sp, **logprobs})
+        NativeCall(f"native-{uuid.uuid4().hex}", r, key, p, {**sp, **logprobs})
         for r, p, sp in zip(rids, prompts, params)
     ], single
 
@@ -164,7 +165,8 @@ class NativeAPI:
 
     def __init__(self, gateway: Gateway):
         self.gateway = gateway
-        self.in_flight: dict[str, tuple[str, str | None]] = {}  # rid -> (runtime rid, key)
+        # (caller's key, caller's rid) -> the runtime's rid: one key's rids never meet another's
+        self.in_flight: dict[tuple[str | None, str], str] = {}
 
     def key_of(self, request: Request) -> str | None:
         """The caller's key when keys are set (the runtime names its tenant and role)."""
@@ -191,12 +193,12 @@ class NativeAPI:
 
     # ---- /generate ---------------------------------------------------------------------------
     async def generate(self, request: Request, req: NativeGenerateRequest) -> Response:
-        calls, single = _calls(req)
+        calls, single = _calls(req, self.key_of(request))
         fanout = sum(max(1, c.params.get("n") or 1) for c in calls)
         if fanout > MAX_FANOUT:
             raise _invalid(f"{fanout} requests (prompts x n); at most {MAX_FANOUT} per call")
         options = self.gateway.options(request, req)
-        self._claim(calls, options.api_key)
+        self._claim(calls)
         try:
             if req.stream:
                 if not single:
@@ -213,16 +215,16 @@ class NativeAPI:
         bodies = [b for per_prompt in outs for b in per_prompt]
         return JSONResponse(bodies[0] if single and len(bodies) == 1 else bodies)
 
-    def _claim(self, calls: list[NativeCall], key: str | None) -> None:
-        taken = [c.rid for c in calls if c.rid in self.in_flight]
+    def _claim(self, calls: list[NativeCall]) -> None:
+        taken = [c.rid for c in calls if (c.key, c.rid) in self.in_flight]
         if taken:
             raise _invalid(f"rid {taken[0]!r} is already in flight", "rid")
         for c in calls:
-            self.in_flight[c.rid] = (c.runtime_rid, key)
+            self.in_flight[c.key, c.rid] = c.runtime_rid
 
     def _release(self, calls: list[NativeCall]) -> None:
         for c in calls:
-            self.in_flight.pop(c.rid, None)
+            self.in_flight.pop((c.key, c.rid), None)
 
     async def _one(self, call: NativeCall, options: RequestOptions) -> list[dict[str, Any]]:
         out = await self.gateway.endpoint.async_generate(
@@ -271,8 +273,8 @@ class NativeAPI:
 
     async def abort_request(self, request: Request, req: AbortRequest) -> dict:
         """Abort the caller's request `rid` (another key's rid is not found)."""
-        runtime_rid, key = self.in_flight.get(req.rid, (None, None))
-        if runtime_rid is None or key != self.key_of(request):
+        runtime_rid = self.in_flight.get((self.key_of(request), req.rid))
+        if runtime_rid is None:
             raise APIError(404, f"no request {req.rid!r} in flight", param="rid")
         self.gateway.endpoint.abort(runtime_rid)
         return {"success": True}

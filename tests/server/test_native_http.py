@@ -228,3 +228,13 @@ def test_stats_and_flush_cache_over_http(runtime, http):
     tenant = rt.RuntimeEndpoint(runtime.http_url, api_key=ALICE, timeout=REPLY_TIMEOUT_S)
     with pytest.raises(PermissionError):
         tenant.flush_cache()
+
+
+def test_http_endpoint_errors_carry_their_codes(runtime, http):
+    with pytest.raises(ValueError) as bad:
+        http.generate(PROMPT, {"max_new_token": 3})
+    assert bad.value.code == "invalid_request" and "max_new_token" in bad.value.message
+    with pytest.raises(PermissionError):
+        rt.RuntimeEndpoint(runtime.http_url, api_key="wrong").generate(PROMPT, GREEDY)
+    chunks = list(http.generate(PROMPT, GREEDY, stream=True))
+    assert "".join(c["delta"] for c in chunks if not c["finished"]) == chunks[-1]["text"]

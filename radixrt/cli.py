@@ -115,12 +115,15 @@ def build_parser() -> argparse.ArgumentParser:
     prep.add_argument("--model", default="default")
     prep.set_defaults(func=_prepare_model)
 
-    serve = sub.add_parser("serve", help="run the runtime behind a ZeroMQ ROUTER socket")
+    serve = sub.add_parser(
+        "serve", help="run the runtime: HTTP on --port, the ZeroMQ protocol on --zmq-port"
+    )
     ServerArgs.add_cli_args(serve)
     serve.set_defaults(func=_serve)
 
     gateway = sub.add_parser(
-        "http-gateway", help="the OpenAI-compatible HTTP front that `serve --http-port` starts"
+        "http-gateway",
+        help="the HTTP front (OpenAI and SGLang-native APIs) that `serve` starts on --port",
     )
     gateway.add_argument("--url", required=True, help="the runtime's ZeroMQ address")
     gateway.add_argument(
@@ -150,7 +153,8 @@ def build_parser() -> argparse.ArgumentParser:
     ServerArgs.add_cli_args(gen)
     gen.add_argument("--prompt", required=True)
     gen.add_argument(
-        "--url", help="a running server, e.g. tcp://127.0.0.1:30000; in-process when absent"
+        "--url",
+        help="a running server, e.g. http://127.0.0.1:30000 or tcp://127.0.0.1:30001; in-process when absent",
     )
     gen.add_argument("--stream", action="store_true", help="print text as it is generated")
     gen.add_argument("--max-new-tokens", type=int, default=64)

@@ -466,7 +466,25 @@ class ServerArgs(Settings):
         metadata={"group": "server", "help": "address to bind; loopback unless told otherwise"},
     )
     port: int = field(
-        default=30000, metadata={"group": "server", "help": "TCP port of the ZeroMQ ROUTER socket"}
+        default=30000,
+        metadata={
+            "group": "server",
+            "help": "TCP port of the HTTP API (OpenAI /v1/*, SGLang's native /generate, /flush_cache, ..., /metrics) on --host",
+        },
+    )
+    zmq_port: int | None = field(
+        default=None,
+        metadata={
+            "group": "server",
+            "help": "TCP port of the ZeroMQ ROUTER socket (docs/protocol.md; default: --port + 1)",
+        },
+    )
+    disable_http: bool = field(
+        default=False,
+        metadata={
+            "group": "server",
+            "help": "serve only the ZeroMQ protocol: no HTTP gateway on --port",
+        },
     )
     attention_backend: str = field(
         default="auto",
@@ -554,7 +572,7 @@ class ServerArgs(Settings):
         default=1,
         metadata={
             "group": "parallel",
-            "help": "data parallelism: this many workers (a share of the cores each on the CPU, their own GPUs on CUDA) behind a router on --host/--port",
+            "help": "data parallelism: this many workers (a share of the cores each on the CPU, their own GPUs on CUDA) behind a router on --host and the ZeroMQ port (--zmq-port), the HTTP gateway in front of it on --port",
         },
     )
     router_policy: str = field(
@@ -767,13 +785,6 @@ class ServerArgs(Settings):
             "help": "prompt tokens one tenant may have waiting for admission; past it, 'rate_limited'",
         },
     )
-    http_port: int | None = field(
-        default=None,
-        metadata={
-            "group": "server",
-            "help": "also serve the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /metrics, ...) on this port of --host (off when unset)",
-        },
-    )
     tool_call_parser: str = field(
         default="auto",
         metadata={
@@ -849,9 +860,9 @@ class ServerArgs(Settings):
         # rules across two groups
         if self.tp_size > 1 and self.enable_hierarchical_cache:
             raise ValueError("the host tier does not run with tp_size > 1 yet")
-        if self.curve_client_keys and self.http_port:
+        if self.curve_client_keys and not self.disable_http:
             raise ValueError(
-                "curve_client_keys does not run with http_port yet: the gateway's link is not on the list"
+                "curve_client_keys needs disable_http: the HTTP gateway's link is not on the list yet"
             )
 
     @property
@@ -865,7 +876,12 @@ class ServerArgs(Settings):
     @property
     def endpoint(self) -> str:
         """ZeroMQ address to bind: `--host` may itself be an ipc:// path."""
-        return endpoint_of(self.host, self.port)
+        return endpoint_of(self.host, self.zmq_port_or_default)
+
+    @property
+    def zmq_port_or_default(self) -> int:
+        """The ZeroMQ port: `--zmq-port`, else `--port` + 1 (SGLang's HTTP port stays HTTP)."""
+        return self.zmq_port if self.zmq_port is not None else self.port + 1
 
     @property
     def is_loopback(self) -> bool:
@@ -873,7 +889,8 @@ class ServerArgs(Settings):
 
     @property
     def http_host(self) -> str:
-        """Where `--http-port` listens: `--host`, or loopback when that is an ipc:// path."""
+        """Where the HTTP API listens (on `--port`): `--host`, or loopback when that is an ipc://
+        path."""
         return "127.0.0.1" if self.host.startswith("ipc://") else self.host
 
 
@@ -889,12 +906,18 @@ class RouterArgs(Settings):
     workers. What it shares with `serve` is `serve`'s own field (same flag, default, help)."""
 
     host: str = _as_serve("host")
-    port: int = _as_serve("port")
+    port: int = field(
+        default=30001,
+        metadata={
+            "group": "server",
+            "help": "the clients' ZeroMQ port (the router serves no HTTP)",
+        },
+    )
     worker: tuple[str, ...] = field(
         default=(),
         metadata={
             "group": "workers",
-            "help": "a worker's address, e.g. tcp://10.0.0.2:30000; at least one",
+            "help": "a worker's address, e.g. tcp://10.0.0.2:30001 (its ZeroMQ port); at least one",
         },
     )
     worker_api_key: str | None = field(

@@ -10,7 +10,6 @@ import urllib.request
 import pytest
 
 import radixrt as rt
-from radixrt.client.launcher import free_port
 
 from timeouts import REPLY_TIMEOUT_S
 
@@ -21,7 +20,6 @@ GREEDY = {"temperature": 0, "max_tokens": 6}
 def runtime(tiny_model_dir):
     with rt.Runtime(
         model=str(tiny_model_dir),
-        http_port=free_port(),
         max_total_tokens=4096,
         log_level="warning",
         timeout=REPLY_TIMEOUT_S,

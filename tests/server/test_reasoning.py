@@ -84,13 +84,11 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 @pytest.fixture(scope="module")
 def reasoning_runtime(default_model_dir):
     import radixrt as rt
-    from radixrt.client.launcher import free_port
 
     from timeouts import REPLY_TIMEOUT_S
 
     with rt.Runtime(
         model=str(default_model_dir),
-        http_port=free_port(),
         reasoning_parser="deepseek-r1",
         max_total_tokens=4096,
         log_level="warning",

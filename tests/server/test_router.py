@@ -41,7 +41,8 @@ def _worker(tiny_model_dir, port: int | None = None, **kw) -> rt.Runtime:
         max_total_tokens=2048,
         log_level="warning",
         timeout=REPLY_TIMEOUT_S,
-        **({"port": port} if port else {}),
+        disable_http=True,  # the router speaks ZeroMQ to its workers
+        **({"zmq_port": port} if port else {}),
         **kw,
     )
 
@@ -266,16 +267,14 @@ def test_api_key_and_curve_on_both_hops(tiny_model_dir):
 def test_serve_dp_size_with_the_http_gateway(tiny_model_dir):
     from openai import OpenAI
 
-    http_port = free_port()
     with rt.Runtime(
         model=str(tiny_model_dir),
         dp_size=2,
-        http_port=http_port,
         max_total_tokens=2048,
         log_level="warning",
         timeout=REPLY_TIMEOUT_S,
     ) as fleet:
-        client = OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="none")
+        client = OpenAI(base_url=f"{fleet.http_url}/v1", api_key="none")
         reply = client.chat.completions.create(
             model="default",
             messages=[{"role": "user", "content": "Hello"}],

@@ -45,7 +45,7 @@ from radixrt.structured.tools import ToolCallParser, resolve_parser
 # how often a waiting non-streamed request checks that its client is still there
 DISCONNECT_POLL_S = 0.25
 HEALTH_TIMEOUT_S = 5.0
-ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+OPENAI_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
 
 
 async def unless_disconnected(request: Request, coros: list) -> list:
@@ -130,16 +130,16 @@ class Gateway:
         return _Model(info["model"], info["context_length"], tokenizer, template, parser)
 
     def authorized(self, headers: dict[bytes, bytes]) -> bool:
-        return self.keys.principal_of(_bearer(headers)) is not None
+        return self.keys.principal_of(bearer(headers)) is not None
 
     def authorized_admin(self, headers: dict[bytes, bytes]) -> bool:
         """/metrics shows every tenant: with keys configured, only the admin key may read it."""
-        principal = self.keys.principal_of(_bearer(headers))
+        principal = self.keys.principal_of(bearer(headers))
         return principal is not None and principal.admin
 
     def options(self, request: Request, req: GenerateRequest) -> RequestOptions:
         """The body's tenancy fields, and the client's own key: the runtime names its tenant."""
-        key = _bearer(dict(request.headers.raw)) if self.keys.keys else None
+        key = bearer(dict(request.headers.raw)) if self.keys.keys else None
         return RequestOptions(req.cache_salt, req.priority, req.timeout, key or None)
 
     async def complete(self, request: Request, req: CompletionRequest) -> Response:
@@ -324,18 +324,20 @@ class Gateway:
         }
 
 
-def _bearer(headers: dict[bytes, bytes]) -> str:
+def bearer(headers: dict[bytes, bytes]) -> str:
     return headers.get(b"authorization", b"").removeprefix(b"Bearer ").strip().decode("latin-1")
 
 
 class _Guard:
     """Pure ASGI middleware (BaseHTTPMiddleware would get between streams and disconnects):
-    Bearer key on /v1/*, the admin's on /metrics, bodies of at most `max_body_bytes` (413,
+    Bearer key on /v1/* and the native routes, the admin's on /metrics, bodies of at most `max_body_bytes` (413,
     judged by Content-Length and then by what actually arrives), request counts by route and
     status."""
 
-    def __init__(self, app, gateway: Gateway):
+    def __init__(self, app, gateway: Gateway, keyed_routes: tuple[str, ...] = ()):
         self.app, self.gateway = app, gateway
+        self.keyed_routes = keyed_routes  # beside /v1/*: need an accepted key
+        self.routes = {*OPENAI_ROUTES, *keyed_routes}  # labelled by name in the metrics
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -362,11 +364,12 @@ class _Guard:
             await self.app(scope, _replay(body, receive), send_observed)
         finally:
             self.gateway.metrics.requests.labels(
-                path if path in ROUTES else "other", str(status)
+                path if path in self.routes else "other", str(status)
             ).inc()
 
     def _refusal(self, path: str, headers: dict[bytes, bytes]) -> APIError | None:
-        if path.startswith("/v1/") and not self.gateway.authorized(headers):
+        keyed = path.startswith("/v1/") or path in self.keyed_routes
+        if keyed and not self.gateway.authorized(headers):
             needed = "API key"
         elif path == "/metrics" and not self.gateway.authorized_admin(headers):
             needed = "admin API key (--admin-api-key)"
@@ -417,12 +420,17 @@ def _replay(body: bytes, receive):
 
 
 def build_app(gateway: Gateway) -> FastAPI:
+    from radixrt.server.http.native import KEYED_ROUTES, add_native_routes  # it imports this
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         # the tokenizer loads while the runtime starts
         warm_up = asyncio.create_task(gateway.model())
         yield
         warm_up.cancel()
+        # a call still waiting for the runtime (one that never started) ends, so its worker
+        # thread does too and the process can exit
+        gateway.endpoint.client.fail_pending("the HTTP gateway is stopping")
 
     app = FastAPI(title="radixrt", docs_url=None, redoc_url=None, lifespan=lifespan)
 
@@ -451,5 +459,6 @@ def build_app(gateway: Gateway) -> FastAPI:
     app.get("/v1/models")(gateway.models)
     app.get("/health")(gateway.health)
     app.get("/metrics")(gateway.render_metrics)
-    app.add_middleware(_Guard, gateway=gateway)
+    add_native_routes(app, gateway)
+    app.add_middleware(_Guard, gateway=gateway, keyed_routes=KEYED_ROUTES)
     return app

@@ -1,5 +1,5 @@
-"""The gateway's process: `serve --http-port` binds the port and hands it to a `radixrt http-gateway`
-child, which serves until SIGTERM or until its parent, the runtime, is gone."""
+"""The gateway's process: `serve` binds `--port` and hands it to a `radixrt http-gateway` child,
+which serves until SIGTERM or until its parent, the runtime, is gone."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def start_gateway(args: ServerArgs) -> subprocess.Popen:
     if not args.is_loopback and not (args.api_key or args.api_key_file or args.admin_api_key):
         raise SystemExit(f"refusing to serve HTTP on {host} without --api-key")
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.create_server((host, args.http_port), family=family, backlog=1024)
+    sock = socket.create_server((host, args.port), family=family, backlog=1024)
     command = [
         sys.executable,
         "-m",
@@ -65,7 +65,6 @@ def start_gateway(args: ServerArgs) -> subprocess.Popen:
             env[SECRETS[name]] = getattr(args, name)
     with sock:
         proc = subprocess.Popen(command, pass_fds=[sock.fileno()], env=env)
-    logger.info("OpenAI-compatible HTTP gateway on http://%s:%d/v1", host, args.http_port)
     return proc
 
 

@@ -15,6 +15,9 @@ import pytest
         (["serve", "--page-size", "0"], "page_size"),
         (["serve", "--max-total-tokens", "-5"], "max_total_tokens"),
         (["prepare-model", "--model", "/nonexistent"], "/nonexistent"),
+        (["serve", "--model", "nobody/absent"], "not in the local Hugging Face Hub cache"),
+        (["serve", "--chat-template", "/nonexistent.jinja"], "neither a file nor a Jinja"),
+        (["serve", "--tokenizer-path", "/nonexistent"], "/nonexistent"),
     ],
 )
 def test_bad_input_is_one_line(argv, words):

@@ -217,7 +217,11 @@ def test_logit_bias_adds_to_the_logit_in_a_mixed_batch(tiny):
 
 @pytest.mark.parametrize(
     "bias, words",
-    [({"x": 1}, "token id"), ({"3": 100.5}, "logit_bias[3]"), ({10**6: 1}, "token ids must be in")],
+    [
+        ({"x": 1}, "token id"),
+        ({"3": 100.5}, r"logit_bias\[3\] must be in"),
+        ({10**6: 1}, "token ids must be in"),
+    ],
 )
 def test_bad_logit_bias_is_refused(tiny, bias, words):
     with pytest.raises(ValueError, match=words):

@@ -49,6 +49,7 @@ class Gen(Expr):
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool = True
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit
 
     def sampling_params(self, defaults: dict[str, Any]) -> dict[str, Any]:
         """The runtime's sampling params: this gen's values over the run's defaults."""
@@ -130,11 +131,13 @@ def gen(
     tools: list[dict[str, Any]] | None = None,
     tool_choice: Any = None,
     parallel_tool_calls: bool = True,
+    logit_bias: dict[int, float] | None = None,
 ) -> Gen | Select:
     """Generate text into variable `name`. With `choices`, the same as `select`. With `tools`
     (OpenAI's function tools), the reply decodes under the tool-call constraint of `tool_choice`
     (`auto` by default, `required`, `none` or a function's name) and `name` holds the parsed
-    calls, `[{"name", "arguments"}]`; the meta info adds the reply's `content`."""
+    calls, `[{"name", "arguments"}]`; the meta info adds the reply's `content`. `logit_bias`:
+    token id -> a bias in [-100, 100] added to its logit."""
     if choices is not None and regex is None and json_schema is None:
         return Select(name, list(choices), temperature or 0.0)
     return Gen(
@@ -160,6 +163,7 @@ def gen(
         if tool_choice not in (None, "none", "auto", "required") and isinstance(tool_choice, str)
         else tool_choice,
         parallel_tool_calls,
+        logit_bias,
     )
 
 

@@ -34,6 +34,8 @@ class ExecutorArgs:
     """What the model runner needs: which weights, where, and how large a KV pool."""
 
     model: str
+    tokenizer_path: str | None
+    chat_template: str | None
     dtype: str
     device: str
     attention_backend: str
@@ -458,7 +460,28 @@ class ServerArgs(Settings):
         default="default",
         metadata={
             "group": "model",
-            "help": "'default' (SmolLM2-135M-Instruct), a Hugging Face model folder or a .gguf file",
+            "help": "'default' (SmolLM2-135M-Instruct), a Hugging Face model folder, a .gguf file, or a Hugging Face Hub id already in the local Hub cache (needs huggingface_hub; nothing is downloaded)",
+        },
+    )
+    served_model_name: str | None = field(
+        default=None,
+        metadata={
+            "group": "model",
+            "help": "the model's name in the OpenAI API (/v1/models, each response's `model`) and in model_info (default: --model as given)",
+        },
+    )
+    tokenizer_path: str | None = field(
+        default=None,
+        metadata={
+            "group": "model",
+            "help": "the tokenizer's folder or Hugging Face Hub id, when it is not the model's (default: --model)",
+        },
+    )
+    chat_template: str | None = field(
+        default=None,
+        metadata={
+            "group": "model",
+            "help": "the chat template to use instead of the tokenizer's: a file holding a Jinja template, or the template itself",
         },
     )
     host: str = field(
@@ -864,6 +887,11 @@ class ServerArgs(Settings):
             raise ValueError(
                 "curve_client_keys needs disable_http: the HTTP gateway's link is not on the list yet"
             )
+
+    @property
+    def model_name(self) -> str:
+        """What the model is called to clients: --served-model-name, else --model as given."""
+        return self.served_model_name or self.model
 
     @property
     def executor(self) -> ExecutorArgs:

@@ -36,6 +36,9 @@ from radixrt.config import (
         (["prepare-model", "--model", "/nonexistent"], "/nonexistent"),
         (["router"], "--worker"),
         (["router", "--worker", "tcp://127.0.0.1:1", "--router-cache-threshold", "2"], "router"),
+        (["serve", "--model", "nobody/absent"], "not in the local Hugging Face Hub cache"),
+        (["serve", "--chat-template", "/nonexistent.jinja"], "neither a file nor a Jinja"),
+        (["serve", "--tokenizer-path", "/nonexistent"], "/nonexistent"),
     ],
 )
 def test_bad_input_is_one_line(argv, words):

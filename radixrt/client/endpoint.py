@@ -220,3 +220,15 @@ def _normalize(prompt, input_ids) -> tuple[list, bool, str]:
 def _results(finals: list[dict]) -> dict | list[dict]:
     outs = [{k: r[k] for k in ("text", "output_ids", "meta_info")} for r in finals]
     return outs[0] if len(outs) == 1 else outs
+
+
+def load_tokenizer(info: dict[str, Any]):
+    """The runtime's tokenizer, from its `model_info`: the files at its `tokenizer_path` (the
+    runtime's paths must be this machine's) with the chat template it serves, which
+    `--chat-template` may have put in place of the files' own."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(info.get("tokenizer_path") or info["model_path"])
+    if info.get("chat_template"):
+        tokenizer.chat_template = info["chat_template"]
+    return tokenizer

@@ -23,7 +23,7 @@ from typing import Any
 
 import zmq
 
-from radixrt.client.endpoint import RuntimeEndpoint
+from radixrt.client.endpoint import RuntimeEndpoint, load_tokenizer
 from radixrt.config import SECRETS, ServerArgs
 from radixrt.lifecycle import PARENT_PID_ENV
 
@@ -146,10 +146,8 @@ class Runtime(RuntimeEndpoint):
 
     @property
     def tokenizer(self):
-        from transformers import AutoTokenizer
-
         if not hasattr(self, "_tokenizer"):
-            self._tokenizer = AutoTokenizer.from_pretrained(self.model_info["model_path"])
+            self._tokenizer = load_tokenizer(self.model_info)
         return self._tokenizer
 
     def shutdown(self) -> None:

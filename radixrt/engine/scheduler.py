@@ -727,7 +727,8 @@ class Scheduler:
         return self.driver.logits(hidden)
 
     def _prompt_logprobs(self, req: Req, hidden: torch.Tensor) -> None:
-        """Logprob of each prompt token from `logprob_start_len` on, given the tokens before it."""
+        """Logprob of each prompt token from `logprob_start_len` on, given the tokens before it,
+        and the `top_logprobs_num` most likely tokens at each of those positions."""
         first = max(req.kv_len, req.params.logprob_start_len)
         # positions whose next token is in the prompt
         last = min(req.kv_len + len(hidden), len(req.input_ids) - 1)
@@ -741,6 +742,11 @@ class Scheduler:
             targets = torch.tensor(req.input_ids[lo + 1 : hi + 1])
             picked = logprobs.gather(1, targets[:, None]).squeeze(1).tolist()
             req.input_token_logprobs.extend(zip(picked, targets.tolist()))
+            if k := req.params.top_logprobs_num:
+                vals, ids = logprobs.topk(k, dim=-1)
+                req.input_top_logprobs.extend(
+                    list(zip(v, i)) for v, i in zip(vals.tolist(), ids.tolist())
+                )
 
     def _stop_ids(self, req: Req) -> set[int]:
         ids = set(req.params.stop_token_ids)

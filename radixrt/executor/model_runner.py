@@ -16,7 +16,12 @@ from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 from radixrt.attention import create_backend
 from radixrt.config import ExecutorArgs
 from radixrt.distributed.group import TPGroup
-from radixrt.executor.model_loader import WeightReader, resolve_model_path
+from radixrt.executor.model_loader import (
+    WeightReader,
+    load_chat_template,
+    resolve_model_path,
+    resolve_tokenizer_path,
+)
 from radixrt.forward_batch import ForwardBatch
 from radixrt.mem_cache.memory_pool import (
     PageAllocator,
@@ -96,7 +101,12 @@ class ModelRunner:
         self.device = self.tp.device
         self.dtype = resolve_dtype(args.dtype, self.device)
         self.config = AutoConfig.from_pretrained(self.model_path)
-        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        self.tokenizer_path = (
+            resolve_tokenizer_path(args.tokenizer_path) if args.tokenizer_path else self.model_path
+        )
+        self.tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_path)
+        if args.chat_template:
+            self.tokenizer.chat_template = load_chat_template(args.chat_template)
         self.context_length = check_supported(self.config, args.context_length)
         self.eos_token_ids = self._eos_ids()
 

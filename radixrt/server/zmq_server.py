@@ -297,8 +297,9 @@ def _stop_holdback(req: Req) -> int:
 def _model_info(server: Server, caller: Caller, msg: dict[str, Any]) -> dict[str, Any]:
     tok = server.tokenizer
     return {
-        "model": server.args.model,
+        "model": server.args.model_name,
         "model_path": str(server.scheduler.runner.model_path),
+        "tokenizer_path": str(server.scheduler.runner.tokenizer_path),
         "context_length": server.scheduler.runner.context_length,
         "chat_template": tok.chat_template,
         "special_tokens": {k: v for k, v in tok.special_tokens_map.items() if isinstance(v, str)},

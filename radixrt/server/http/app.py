@@ -17,12 +17,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from jinja2 import TemplateError
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from radixrt.client.endpoint import Prompt, RequestOptions, RuntimeEndpoint
+from radixrt.client.endpoint import Prompt, RequestOptions, RuntimeEndpoint, load_tokenizer
 from radixrt.config import ServerArgs
+from radixrt.protocol import ErrorCode
 from radixrt.server.http.errors import RUNTIME_EXCEPTIONS, APIError, from_runtime_error
 from radixrt.server.http.reasoning import REASONING_PARSERS
 from radixrt.server.http.responses import (
     ChoiceStream,
+    Echo,
     ResponseShape,
     response_body,
     sse_event,
@@ -30,9 +32,11 @@ from radixrt.server.http.responses import (
 )
 from radixrt.server.http.schemas import (
     ChatCompletionRequest,
+    ChatRendering,
     ChatTools,
     CompletionRequest,
     GenerateRequest,
+    add_constraint,
     constraint_params,
     message_dict,
     prompt_list,
@@ -121,10 +125,8 @@ class Gateway:
         return self._model
 
     def _load_model(self) -> _Model:
-        from transformers import AutoTokenizer
-
         info = self.endpoint.model_info
-        tokenizer = AutoTokenizer.from_pretrained(info["model_path"])
+        tokenizer = load_tokenizer(info)
         template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else None
         parser = resolve_parser(self.tool_call_parser, template)
         return _Model(info["model"], info["context_length"], tokenizer, template, parser)
@@ -150,7 +152,15 @@ class Gateway:
         shape = ResponseShape(
             chat=False, tokenizer=model.tokenizer, logprobs=req.logprobs is not None
         )
-        return await self._respond(request, req, model, prompt_list(req.prompt), params, shape)
+        prompts = prompt_list(req.prompt)
+        if not req.echo:
+            return await self._respond(request, req, model, prompts, params, shape)
+        # echoed prompts go as the ids the echo shows, so each echoed logprob has its token
+        echoes = [Echo.of(model.tokenizer, p) for p in prompts]
+        if req.logprobs is not None:
+            params["logprob_start_len"] = 0
+        ids = [e.ids for e in echoes]
+        return await self._respond(request, req, model, ids, params, shape, echoes)
 
     async def chat(self, request: Request, req: ChatCompletionRequest) -> Response:
         model = await self.model()
@@ -160,15 +170,16 @@ class Gateway:
         params = req.sampling_params(limits[0] if limits else model.context_length)
         if req.logprobs:
             params.update(return_logprob=True, top_logprobs_num=req.top_logprobs or 0)
-        params.update(constraint_params(req.response_format))
+        add_constraint(params, constraint_params(req.response_format), "response_format")
         tools = ChatTools.of(req, model.tool_parser)
         if tools.regex is not None:
-            params["regex"] = tools.regex
+            add_constraint(params, {"regex": tools.regex}, "tools")
         messages, template_tools = tools.messages(
             [message_dict(m) for m in req.messages], model.tool_parser, model.template
         )
+        rendering = ChatRendering.of(req, model.tokenizer)
         try:
-            prompt = render_chat(model.tokenizer, messages, template_tools)
+            prompt = render_chat(model.tokenizer, messages, template_tools, rendering)
         except (
             TemplateError,
             ValueError,
@@ -193,7 +204,9 @@ class Gateway:
         prompts: list[Prompt],
         params: dict[str, Any],
         shape: ResponseShape,
+        echoes: list[Echo] | None = None,
     ) -> Response:
+        """`echoes`: each prompt's echo (completions with `echo: true`)."""
         rid = f"{shape.id_prefix}{uuid.uuid4().hex}"
         fanout = len(prompts) * max(1, params.get("n") or 1)
         if fanout > MAX_FANOUT:
@@ -206,15 +219,21 @@ class Gateway:
             if len(prompts) != 1:
                 raise APIError(400, "stream: true takes one prompt", param="prompt")
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            echo = echoes[0] if echoes else None
             return await self._stream(
-                request, rid, model, prompts[0], params, shape, include_usage, req
+                request, rid, model, prompts[0], params, shape, include_usage, req, echo
             )
         options = self.options(request, req)
         samples = await unless_disconnected(
             request, [self._generate(p, params, options) for p in prompts]
         )
         choices = [
-            shape.choice(i * len(per_prompt) + j, s["text"], s["meta_info"])
+            shape.choice(
+                i * len(per_prompt) + j,
+                s["text"],
+                s["meta_info"],
+                echo=echoes[i] if echoes else None,
+            )
             for i, per_prompt in enumerate(samples)
             for j, s in enumerate(per_prompt)
         ]
@@ -239,12 +258,19 @@ class Gateway:
         shape: ResponseShape,
         include_usage: bool,
         req: GenerateRequest,
+        echo: Echo | None = None,
     ) -> StreamingResponse:
         replies = self.endpoint.async_stream(prompt, params, options=self.options(request, req))
         # Wait for the first reply before sending headers, so a rejected request gets its 4xx.
         (first,) = await unless_disconnected(request, [replies.__anext__()])
         events = self._events(
-            rid, model.name, prepend(first, replies), shape, params.get("n", 1), include_usage
+            rid,
+            model.name,
+            prepend(first, replies),
+            shape,
+            params.get("n", 1),
+            include_usage,
+            echo,
         )
         return StreamingResponse(events, media_type="text/event-stream")
 
@@ -256,8 +282,15 @@ class Gateway:
         shape: ResponseShape,
         n: int,
         include_usage: bool,
+        echo: Echo | None = None,
     ) -> AsyncIterator[str]:
+        """The stream's events; a completion's `echo` is each sample's first text."""
         # A client that disconnects cancels this generator inside `replies`, which aborts the request.
+        if echo is not None:
+            for i in range(n):
+                yield sse_event(
+                    response_body(shape, rid, model, [shape.delta(i, echo.text)], chunk=True)
+                )
         if shape.chat:
             yield sse_event(
                 response_body(
@@ -419,6 +452,23 @@ def _replay(body: bytes, receive):
     return replay
 
 
+def validation_error(errors: list[dict[str, Any]]) -> APIError:
+    """A body that does not validate, as one 400 naming each bad field: a field this server
+    does not know is said so by name (pydantic's `extra_forbidden`), never dropped."""
+
+    def where(err: dict[str, Any]) -> str:
+        return ".".join(map(str, err.get("loc", ())[1:])) or "body"
+
+    def what(err: dict[str, Any]) -> str:
+        if err.get("type") == "extra_forbidden":
+            return f"unknown field {where(err)!r}: this server does not support it"
+        return f"{where(err)}: {err.get('msg')}"
+
+    param = where(errors[0]) if errors else None
+    message = "; ".join(what(err) for err in errors) or "bad request"
+    return APIError(400, message, param=param, code=ErrorCode.INVALID_REQUEST.value)
+
+
 def build_app(gateway: Gateway) -> FastAPI:
     from radixrt.server.http.native import KEYED_ROUTES, add_native_routes  # it imports this
 
@@ -440,13 +490,7 @@ def build_app(gateway: Gateway) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def bad_request(request: Request, e: RequestValidationError) -> JSONResponse:
-        first = e.errors()[0] if e.errors() else {}
-        param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
-        message = "; ".join(
-            f"{'.'.join(map(str, err.get('loc', ())[1:])) or 'body'}: {err.get('msg')}"
-            for err in e.errors()
-        )
-        return APIError(400, message or "bad request", param=param).response()
+        return validation_error(e.errors()).response()
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request) -> Response:

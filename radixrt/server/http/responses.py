@@ -6,10 +6,26 @@ import itertools
 import json
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from radixrt.server.http.reasoning import ReasoningParser, ReasoningStream
 from radixrt.structured.tools import ToolCallParser, new_call_id
+
+
+class Echo(NamedTuple):
+    """A completion prompt echoed before its completion (`echo: true`): its text as given, and
+    its token ids, which the gateway tokenizes itself so that each echoed logprob has its token
+    (the runtime's prompt logprobs start at the second token)."""
+
+    text: str
+    ids: list[int]
+
+    @classmethod
+    def of(cls, tokenizer, prompt: str | list[int]) -> Echo:
+        """As the runtime tokenizes a text prompt (no special tokens added)."""
+        if isinstance(prompt, str):
+            return cls(prompt, tokenizer.encode(prompt, add_special_tokens=False))
+        return cls(tokenizer.decode(prompt), list(prompt))
 
 
 @dataclass
@@ -41,9 +57,11 @@ class ResponseShape:
         meta: dict[str, Any],
         stream: bool = False,
         called: bool = False,
+        echo: Echo | None = None,
     ) -> dict[str, Any]:
         """A finished sample; in a stream its text already went out as deltas (`called`: calls
-        among them). A reply with tool calls finishes with `tool_calls`."""
+        among them). A reply with tool calls finishes with `tool_calls`. `echo`: the completion
+        prompt, whose text and logprobs come first."""
         if self.chat and not stream:
             message = self._message(text)
             called = "tool_calls" in message
@@ -51,11 +69,11 @@ class ResponseShape:
         elif self.chat:
             body = {"delta": {}}
         else:
-            body = {"text": "" if stream else text}
+            body = {"text": "" if stream else (echo.text if echo else "") + text}
         return {
             "index": index,
             **body,
-            "logprobs": self._logprobs(meta) if self.logprobs else None,
+            "logprobs": self._logprobs(meta, echo) if self.logprobs else None,
             "finish_reason": "tool_calls" if called else meta["finish_reason"]["type"],
         }
 
@@ -89,7 +107,7 @@ class ResponseShape:
             body = {"text": text}
         return {"index": index, **body, "logprobs": None, "finish_reason": None}
 
-    def _logprobs(self, meta: dict[str, Any]) -> dict[str, Any]:
+    def _logprobs(self, meta: dict[str, Any], echo: Echo | None = None) -> dict[str, Any]:
         """OpenAI's logprobs of a sample, from the runtime's [logprob, token id] pairs."""
         decode = self.tokenizer.decode
         chosen = [(decode([tid]), lp) for lp, tid in meta["output_token_logprobs"]]
@@ -107,13 +125,33 @@ class ResponseShape:
                     for c, top in zip(chosen, tops or [[]] * len(chosen))
                 ]
             }
+        # the runtime sends top logprobs (perhaps none: max_tokens 0) only when asked for some
+        asked_tops = "output_top_logprobs" in meta
+        top_dicts = [dict(top) for top in tops] if asked_tops else None
+        if echo is not None:
+            prompt, prompt_tops = self._prompt_logprobs(meta, echo)
+            chosen = prompt + chosen
+            top_dicts = prompt_tops + top_dicts if asked_tops else None
         offsets = list(itertools.accumulate((len(t) for t, _ in chosen), initial=0))[:-1]
         return {
             "tokens": [t for t, _ in chosen],
             "token_logprobs": [lp for _, lp in chosen],
             "text_offset": offsets,
-            "top_logprobs": [dict(top) for top in tops] if tops else None,
+            "top_logprobs": top_dicts,
         }
+
+    def _prompt_logprobs(
+        self, meta: dict[str, Any], echo: Echo
+    ) -> tuple[list[tuple[str, float | None]], list[dict[str, float] | None]]:
+        """The echoed prompt's (token, logprob) pairs and top-logprob maps, as OpenAI has them:
+        the first token, which nothing predicts, has None for both."""
+        decode = self.tokenizer.decode
+        scored = [(decode([tid]), lp) for lp, tid in meta["input_token_logprobs"]]
+        tops = [
+            {decode([tid]): lp for lp, tid in top} for top in meta.get("input_top_logprobs", [])
+        ]
+        first = [(decode(echo.ids[:1]), None)] if echo.ids else []
+        return first + scored, [None] * len(first) + tops
 
 
 @dataclass

@@ -477,7 +477,8 @@ class Router:
                 worker.send({"op": "model_info", "rid": "model-info-self"})
 
     def _on_model_info(self, info: dict[str, Any]) -> None:
-        path = Path(str(info.get("model_path", ""))) / "tokenizer.json"
+        folder = info.get("tokenizer_path") or info.get("model_path", "")
+        path = Path(str(folder)) / "tokenizer.json"
         if self.tokenizer is None and path.is_file():
             self.tokenizer = _load_tokenizer(str(path))
         elif self.tokenizer is None:

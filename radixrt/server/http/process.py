@@ -99,7 +99,9 @@ def run_gateway(
     endpoint = RuntimeEndpoint(url, api_key=keys.any_key(), curve_server_key=curve_server_key)
     config = uvicorn.Config(
         build_app(Gateway(endpoint, keys, tool_call_parser, max_body_bytes, reasoning_parser)),
-        log_level=log_level,
+        # uvicorn's own start/stop lines and access log only under debug: the runtime says
+        # "HTTP on ..." once the model has loaded, and a bad setting stays one line
+        log_level=log_level if log_level == "debug" else "warning",
         timeout_graceful_shutdown=5,
     )
     server = uvicorn.Server(config)

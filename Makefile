@@ -24,7 +24,7 @@ demo: model
 	$(BIN)/python examples/demo.py
 
 test: model
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=30
 
 # the model-free tests (no model fixture), for the edit-test loop
 test-fast: $(STAMP)
@@ -104,7 +104,7 @@ bench-peers: $(STAMP)
 SOAK_MINUTES ?= 20
 SOAK_CLIENTS ?= 6
 soak: model
-	$(BIN)/python -m radixrt.bench.soak --duration $$(( $(SOAK_MINUTES) * 60 )) \
+	$(BIN)/python -m radixrt.reliability.soak --duration $$(( $(SOAK_MINUTES) * 60 )) \
 		--clients $(SOAK_CLIENTS) --output-dir bench_results/soak
 
 gpu-check: $(STAMP)

@@ -6,7 +6,8 @@ import radixrt as rt
 
 
 def run_example(main) -> None:
-    """`python examples/x.py [tcp://host:port]`: against a server, or a runtime started here."""
+    """`python examples/x.py [http://host:port | tcp://host:zmq_port]`: against a server (over
+    HTTP or ZeroMQ), or a runtime started here."""
     if len(sys.argv) > 1:
         main(rt.RuntimeEndpoint(sys.argv[1]))
         return

@@ -2,6 +2,7 @@
 
 from radixrt.frontend.chat import ChatReply, chat
 from radixrt.frontend.function import Function, function, set_default_backend
+from radixrt.frontend.openai_backend import OpenAI, SelectUnsupported
 from radixrt.frontend.primitives import (
     assistant,
     assistant_begin,
@@ -24,6 +25,7 @@ __all__ = [
     "ChatReply",
     "ForkGroup",
     "Function",
+    "OpenAI",
     "ProgramState",
     "assistant",
     "assistant_begin",
@@ -34,6 +36,7 @@ __all__ = [
     "gen_int",
     "gen_string",
     "select",
+    "SelectUnsupported",
     "set_default_backend",
     "system",
     "system_begin",

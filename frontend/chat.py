@@ -9,6 +9,7 @@ from typing import Any
 from radixrt.client.endpoint import RuntimeEndpoint
 from radixrt.frontend.chat_template import ChatTemplate, render_messages
 from radixrt.frontend.function import backend_or_default
+from radixrt.frontend.openai_backend import OpenAI
 from radixrt.frontend.tools import ToolRequest
 from radixrt.structured.tools import ToolCall, prompt_messages, template_renders_tools
 
@@ -44,6 +45,8 @@ def chat(
     `tools`, rendered and constrained as `/v1/chat/completions` does, on `backend` (default: the
     default backend); `sampling_params` are the runtime's (`max_new_tokens`, `temperature`, ...)."""
     backend = backend_or_default(backend)
+    if isinstance(backend, OpenAI):
+        raise ValueError("rt.chat needs a radixrt backend; with rt.OpenAI, call its client.chat")
     info = backend.model_info
     request = ToolRequest.of(
         backend, tools or [], tool_choice, parallel_tool_calls, tool_call_parser

@@ -13,27 +13,29 @@ from tqdm import tqdm
 
 from radixrt.client.endpoint import RuntimeEndpoint
 from radixrt.frontend.chat_template import ChatTemplate
+from radixrt.frontend.openai_backend import OpenAI
 from radixrt.frontend.state import ProgramState, run_program
 
-_default_backend: RuntimeEndpoint | None = None
+Backend = RuntimeEndpoint | OpenAI  # Runtime and Engine are RuntimeEndpoints
+_default_backend: Backend | None = None
 _templates: dict[int, ChatTemplate] = {}
 ASYNC_WORKERS = 64  # programs awaited on one event loop share these threads
 _async_pool: ThreadPoolExecutor | None = None
 
 
-def set_default_backend(backend: RuntimeEndpoint) -> None:
+def set_default_backend(backend: Backend) -> None:
     global _default_backend
     _default_backend = backend
 
 
-def backend_or_default(backend: RuntimeEndpoint | None) -> RuntimeEndpoint:
+def backend_or_default(backend: Backend | None) -> Backend:
     backend = backend or _default_backend
     if backend is None:
         raise RuntimeError("no backend: pass backend= or call rt.set_default_backend(...)")
     return backend
 
 
-def _template(backend: RuntimeEndpoint) -> ChatTemplate:
+def _template(backend: Backend) -> ChatTemplate:
     if id(backend) not in _templates:
         _templates[id(backend)] = ChatTemplate.from_model_info(backend.model_info)
     return _templates[id(backend)]
@@ -45,7 +47,7 @@ class Function:
         functools.update_wrapper(self, func)
 
     def run(
-        self, *, backend: RuntimeEndpoint | None = None, stream: bool = False, **kwargs: Any
+        self, *, backend: Backend | None = None, stream: bool = False, **kwargs: Any
     ) -> ProgramState:
         """Run once. Keyword arguments that the function does not take (temperature,
         max_new_tokens, top_p, ...) are defaults for every gen inside it."""
@@ -54,9 +56,7 @@ class Function:
             raise state._error
         return state
 
-    def _start(
-        self, backend: RuntimeEndpoint | None, kwargs: dict[str, Any], stream: bool
-    ) -> ProgramState:
+    def _start(self, backend: Backend | None, kwargs: dict[str, Any], stream: bool) -> ProgramState:
         args, defaults = self._split(kwargs)
         backend = backend_or_default(backend)
         return run_program(self.func, backend, _template(backend), defaults, args, stream)
@@ -65,7 +65,7 @@ class Function:
         self,
         batch_kwargs: list[dict[str, Any]],
         *,
-        backend: RuntimeEndpoint | None = None,
+        backend: Backend | None = None,
         num_threads: int | str = "auto",
         progress_bar: bool = True,
         **defaults: Any,
@@ -90,9 +90,7 @@ class Function:
                 pass
             return [f.result() for f in futures]
 
-    async def run_async(
-        self, *, backend: RuntimeEndpoint | None = None, **kwargs: Any
-    ) -> ProgramState:
+    async def run_async(self, *, backend: Backend | None = None, **kwargs: Any) -> ProgramState:
         """Await a program; thousands can be awaited at once on one event loop."""
         global _async_pool
         _async_pool = _async_pool or ThreadPoolExecutor(

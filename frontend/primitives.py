@@ -49,6 +49,7 @@ class Gen(Expr):
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool = True
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit
 
     def sampling_params(self, defaults: dict[str, Any]) -> dict[str, Any]:
         """The runtime's sampling params: this gen's values over the run's defaults."""
@@ -76,6 +77,30 @@ class Select(Expr):
     choices: list[str]
     temperature: float = 0.0
     method: str = "token_length_normalized"
+
+    def pick(
+        self, token_logprobs: list[list[float]], unconditional: list[list[float]] | None = None
+    ) -> tuple[int, dict[str, Any]]:
+        """The best choice's index by `method`, from each choice's token logprobs after the
+        prefix (and, for `unconditional`, without it), and the scores as meta info."""
+        means = [_mean(lps) for lps in token_logprobs]
+        if self.method == "greedy":
+            keys = [tuple(lps) for lps in token_logprobs]  # compared first token first
+        elif self.method == "unconditional":
+            keys = [m - _mean(a) for m, a in zip(means, unconditional or [])]
+        else:
+            keys = means
+        best = max(range(len(keys)), key=keys.__getitem__)
+        return best, {
+            "choices": self.choices,
+            "method": self.method,
+            "normalized_logprobs": means,
+            "token_logprobs": token_logprobs,
+        }
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / max(len(values), 1)
 
 
 @dataclass
@@ -106,11 +131,13 @@ def gen(
     tools: list[dict[str, Any]] | None = None,
     tool_choice: Any = None,
     parallel_tool_calls: bool = True,
+    logit_bias: dict[int, float] | None = None,
 ) -> Gen | Select:
     """Generate text into variable `name`. With `choices`, the same as `select`. With `tools`
     (OpenAI's function tools), the reply decodes under the tool-call constraint of `tool_choice`
     (`auto` by default, `required`, `none` or a function's name) and `name` holds the parsed
-    calls, `[{"name", "arguments"}]`; the meta info adds the reply's `content`."""
+    calls, `[{"name", "arguments"}]`; the meta info adds the reply's `content`. `logit_bias`:
+    token id -> a bias in [-100, 100] added to its logit."""
     if choices is not None and regex is None and json_schema is None:
         return Select(name, list(choices), temperature or 0.0)
     return Gen(
@@ -136,6 +163,7 @@ def gen(
         if tool_choice not in (None, "none", "auto", "required") and isinstance(tool_choice, str)
         else tool_choice,
         parallel_tool_calls,
+        logit_bias,
     )
 
 

@@ -19,6 +19,7 @@ from typing import Any, NamedTuple
 
 from radixrt.client.endpoint import RuntimeEndpoint
 from radixrt.frontend.chat_template import ChatTemplate
+from radixrt.frontend.openai_backend import OpenAI, ProgramPrompt
 from radixrt.frontend.primitives import Gen, Role, Select
 from radixrt.frontend.tools import ToolRequest, parsed_calls
 
@@ -28,7 +29,7 @@ _END = object()
 class ProgramState:
     def __init__(
         self,
-        backend: RuntimeEndpoint,
+        backend: RuntimeEndpoint | OpenAI,
         template: ChatTemplate,
         defaults: dict[str, Any],
         stream: bool = False,
@@ -76,17 +77,19 @@ class ProgramState:
         params = g.sampling_params(self.defaults)
         tools = None
         if g.tools:
+            if isinstance(self.backend, OpenAI):
+                raise ValueError("gen(tools=...) needs a radixrt backend, not rt.OpenAI")
             tools = ToolRequest.of(self.backend, g.tools, g.tool_choice, g.parallel_tool_calls)
             if tools.regex is not None:
                 params["regex"] = tools.regex
-        if self._role and self._role[0] == "assistant":
+        if self._role and self._role[0] == "assistant" and not isinstance(self.backend, OpenAI):
             params.setdefault("stop_token_ids", self._end_of_turn_ids())
         if self._stream is None:
-            out = self.backend.generate(self._text, params)
+            out = self.backend.generate(self._prompt(), params)
             self._append(out["text"], g.name)
         else:
             pieces = []
-            for chunk in self.backend.generate(self._text, params, stream=True):
+            for chunk in self.backend.generate(self._prompt(), params, stream=True):
                 if chunk["finished"]:
                     out = chunk
                 else:
@@ -99,29 +102,23 @@ class ProgramState:
             self._set(g.name, parsed_calls(calls), {**out["meta_info"], "content": content})
 
     def _select(self, sel: Select) -> None:
-        prompts = self._choice_prompts(self._text, sel.choices)
-        token_logprobs = self._logprobs(prompts)
-        means = [_mean(lps) for lps in token_logprobs]
-        if sel.method == "greedy":
-            keys = [tuple(lps) for lps in token_logprobs]  # compared first token first
-        elif sel.method == "unconditional":
-            keys = [
-                m - _mean(a) for m, a in zip(means, self._logprobs(self._unconditional(prompts)))
-            ]
+        if isinstance(self.backend, OpenAI):
+            best, meta = self.backend.select(self._prompt(), sel)
         else:
-            keys = means
-        best = max(range(len(keys)), key=keys.__getitem__)
+            prompts = self._choice_prompts(self._text, sel.choices)
+            unconditional = None
+            if sel.method == "unconditional":
+                unconditional = self._logprobs(self._unconditional(prompts))
+            best, meta = sel.pick(self._logprobs(prompts), unconditional)
         self._append(sel.choices[best], sel.name)
-        self._set(
-            sel.name,
-            sel.choices[best],
-            {
-                "choices": sel.choices,
-                "method": sel.method,
-                "normalized_logprobs": means,
-                "token_logprobs": token_logprobs,
-            },
-        )
+        self._set(sel.name, sel.choices[best], meta)
+
+    def _prompt(self) -> str | ProgramPrompt:
+        """What a gen sends: the text, or for `rt.OpenAI` the text with the messages and role."""
+        if not isinstance(self.backend, OpenAI):
+            return self._text
+        role, start = self._role or (None, len(self._text))
+        return ProgramPrompt(self._text, list(self._messages), role, self._text[start:])
 
     def _choice_prompts(self, prefix_text: str, choices: list[str]) -> list[ChoicePrompt]:
         """Each choice after `prefix_text` as token ids, with the position its own tokens start at
@@ -259,7 +256,7 @@ class ProgramState:
         """n copies of this state that share its KV: the prefix is prefilled once and pinned in
         the runtime's cache until the group is joined or garbage-collected."""
         pin_id = None
-        if self._text:
+        if self._text and not isinstance(self.backend, OpenAI):  # an OpenAI server has no pins
             self.backend.generate(self._text, {"max_new_tokens": 0})
             pin_id = f"fork-{uuid.uuid4().hex}"
             self.backend.pin(pin_id, self._text)
@@ -327,10 +324,6 @@ class ChoicePrompt(NamedTuple):
     first: int
 
 
-def _mean(values: list[float]) -> float:
-    return sum(values) / max(len(values), 1)
-
-
 def _common_prefix_len(a: list[int], b: list[int]) -> int:
     n = 0
     for x, y in zip(a, b):
@@ -354,7 +347,7 @@ def _typed(text: str, dtype: Any) -> Any:
 
 def run_program(
     func: Callable,
-    backend: RuntimeEndpoint,
+    backend: RuntimeEndpoint | OpenAI,
     template: ChatTemplate,
     defaults: dict[str, Any],
     kwargs: dict[str, Any],

@@ -11,7 +11,7 @@ import sys
 import zmq
 
 from radixrt.client.launcher import RuntimeStartError
-from radixrt.config import SECRETS, ServerArgs
+from radixrt.config import SECRETS, RouterArgs, ServerArgs
 
 
 def _prepare_model(args: argparse.Namespace) -> None:
@@ -30,10 +30,25 @@ def _serve(args: argparse.Namespace) -> None:
         from radixrt.server.router.fleet import run_fleet
 
         run_fleet(server_args.with_secrets_from_env())
-        return
-    from radixrt.server.zmq_server import run_server
+    else:
+        from radixrt.server.zmq_server import run_server
 
-    run_server(server_args)
+        run_server(server_args)
+    _leave()
+
+
+def _leave() -> None:
+    """End a server whose work is done: run the exit handlers (temporary folders, child
+    processes), flush, and skip the interpreter's teardown of every module, which with torch
+    loaded takes seconds that each stopping runtime (and each test) would wait for."""
+    import atexit
+    import logging
+
+    atexit._run_exitfuncs()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _http_gateway(args: argparse.Namespace) -> None:
@@ -50,13 +65,14 @@ def _http_gateway(args: argparse.Namespace) -> None:
         args.api_key_file,
         os.environ.get(SECRETS["admin_api_key"]),
         args.max_body_bytes,
+        args.reasoning_parser,
     )
 
 
 def _router(args: argparse.Namespace) -> None:
     from radixrt.server.router.main import run_router
 
-    run_router(args)
+    run_router(RouterArgs.from_cli_args(args).with_secrets_from_env())
 
 
 def _generate(args: argparse.Namespace) -> None:
@@ -99,12 +115,15 @@ def build_parser() -> argparse.ArgumentParser:
     prep.add_argument("--model", default="default")
     prep.set_defaults(func=_prepare_model)
 
-    serve = sub.add_parser("serve", help="run the runtime behind a ZeroMQ ROUTER socket")
+    serve = sub.add_parser(
+        "serve", help="run the runtime: HTTP on --port, the ZeroMQ protocol on --zmq-port"
+    )
     ServerArgs.add_cli_args(serve)
     serve.set_defaults(func=_serve)
 
     gateway = sub.add_parser(
-        "http-gateway", help="the OpenAI-compatible HTTP front that `serve --http-port` starts"
+        "http-gateway",
+        help="the HTTP front (OpenAI and SGLang-native APIs) that `serve` starts on --port",
     )
     gateway.add_argument("--url", required=True, help="the runtime's ZeroMQ address")
     gateway.add_argument(
@@ -115,6 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     gateway.add_argument("--api-key-file", help="the runtime's 'tenant:key' file")
     gateway.add_argument("--log-level", default="info")
     gateway.add_argument("--tool-call-parser", default="auto", help="see `serve --help`")
+    gateway.add_argument("--reasoning-parser", help="see `serve --help`")
     gateway.add_argument(
         "--max-body-bytes",
         type=int,
@@ -126,16 +146,15 @@ def build_parser() -> argparse.ArgumentParser:
     router = sub.add_parser(
         "router", help="route clients over several `radixrt serve` workers (data parallelism)"
     )
-    from radixrt.server.router.main import add_router_args
-
-    add_router_args(router)
+    RouterArgs.add_cli_args(router)
     router.set_defaults(func=_router)
 
     gen = sub.add_parser("generate", help="generate text against a server (--url) or in-process")
     ServerArgs.add_cli_args(gen)
     gen.add_argument("--prompt", required=True)
     gen.add_argument(
-        "--url", help="a running server, e.g. tcp://127.0.0.1:30000; in-process when absent"
+        "--url",
+        help="a running server, e.g. http://127.0.0.1:30000 or tcp://127.0.0.1:30001; in-process when absent",
     )
     gen.add_argument("--stream", action="store_true", help="print text as it is generated")
     gen.add_argument("--max-new-tokens", type=int, default=64)

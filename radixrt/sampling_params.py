@@ -32,6 +32,8 @@ MAX_STOP_STRINGS = 32  # every stop string is searched for after every token
 MAX_STOP_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
 MAX_SEED = (1 << 63) - 1  # torch generators take 64-bit seeds; n samples add their index
+MAX_LOGIT_BIAS = 100.0  # OpenAI's bound: -100 bans a token, +100 all but forces it
+MAX_LOGIT_BIAS_ENTRIES = 1024
 
 
 @dataclass
@@ -58,6 +60,8 @@ class SamplingParams:
     json_schema: str | dict | None = None
     choices: list[str] | None = None
     dtype: str | None = None  # "int", "float", "bool" or "str"
+    # token id -> added to its logit before sampling; ids may arrive as strings (JSON's keys)
+    logit_bias: dict[int, float] | None = None
 
     @classmethod
     def from_dict(cls, params: dict[str, Any] | None) -> SamplingParams:
@@ -70,6 +74,8 @@ class SamplingParams:
             params["stop"] = [params["stop"]]
         if isinstance(params.get("stop_token_ids"), int):
             params["stop_token_ids"] = [params["stop_token_ids"]]
+        if params.get("logit_bias") is not None:
+            params["logit_bias"] = _token_id_keys(params["logit_bias"])
         sp = cls(**params)
         sp.validate()
         return sp
@@ -85,6 +91,7 @@ class SamplingParams:
             _check_type("seed", self.seed, int)
             _check_range("seed", self.seed, 0, MAX_SEED - 64)
         self._validate_stops()
+        self._validate_logit_bias()
         _check_range("max_new_tokens", self.max_new_tokens, 0, 1 << 20)
         _check_range("min_new_tokens", self.min_new_tokens, 0, self.max_new_tokens)
         _check_range("temperature", self.temperature, 0.0, 100.0)
@@ -132,16 +139,34 @@ class SamplingParams:
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise ValueError(f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids")
 
+    def _validate_logit_bias(self) -> None:
+        if self.logit_bias is None:
+            return
+        if not isinstance(self.logit_bias, dict) or len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+            raise ValueError(
+                f"logit_bias must be a map of at most {MAX_LOGIT_BIAS_ENTRIES} token ids to biases"
+            )
+        for token, bias in self.logit_bias.items():
+            _check_type("logit_bias token id", token, int)
+            _check_type(f"logit_bias[{token}]", bias, (int, float))
+            _check_range(f"logit_bias[{token}]", bias, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)
+            if token < 0:
+                raise ValueError(f"logit_bias token ids must be >= 0, got {token}")
+
     def check_vocabulary(self, vocab_size: int) -> None:
-        """What only the model can bound: `top_k` and the stop token ids are within its
-        vocabulary (an id past it would index past the logits)."""
+        """What only the model can bound: `top_k`, the stop token ids and the biased token ids
+        are within its vocabulary (an id past it would index past the logits)."""
         if self.top_k > vocab_size:
             raise ValueError(
                 f"top_k must be at most the vocabulary size {vocab_size}, got {self.top_k}"
             )
-        bad = [t for t in self.stop_token_ids if t >= vocab_size]
-        if bad:
-            raise ValueError(f"stop_token_ids must be in [0, {vocab_size}), got {bad[:4]}")
+        for name, ids in (
+            ("stop_token_ids", self.stop_token_ids),
+            ("logit_bias", self.logit_bias or ()),
+        ):
+            bad = [t for t in ids if t >= vocab_size]
+            if bad:
+                raise ValueError(f"{name} token ids must be in [0, {vocab_size}), got {bad[:4]}")
 
     def constraint(self) -> tuple[str, object] | None:
         """The one structured-output constraint, as (kind, value), or None."""
@@ -167,6 +192,14 @@ class SamplingParams:
             or self.presence_penalty != 0.0
             or self.repetition_penalty != 1.0
         )
+
+
+def _token_id_keys(bias: Any) -> Any:
+    """OpenAI's `logit_bias` keys are token ids written as strings (JSON maps have string keys):
+    "42" -> 42; anything else is left for `validate` to refuse by name."""
+    if not isinstance(bias, dict):
+        return bias
+    return {int(k) if isinstance(k, str) and k.isdigit() else k: v for k, v in bias.items()}
 
 
 def _check_type(name: str, value: Any, kind: type | tuple[type, ...]) -> None:

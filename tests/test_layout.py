@@ -1,5 +1,6 @@
-"""The package layout's contracts: imports run one way, the client side and the HTTP gateway
-load no torch, and every sub-package ships in the wheel."""
+"""The package layout's contracts: imports run one way between packages, no module-level import
+cycle between modules, the client side and the HTTP gateway load no torch, and every
+sub-package ships in the wheel."""
 
 from __future__ import annotations
 
@@ -33,12 +34,21 @@ ALLOWED = {
         "protocol",
         "config",
         "sampling_params",
+        "forward_batch",
     },
     "mem_cache": set(),
-    "executor": {"models", "attention", "mem_cache", "distributed", "config", "lifecycle"},
-    "models": {"attention", "distributed", "kernels"},
-    "distributed": set(),
-    "attention": {"kernels"},
+    "executor": {
+        "models",
+        "attention",
+        "mem_cache",
+        "distributed",
+        "config",
+        "lifecycle",
+        "forward_batch",
+    },
+    "models": {"attention", "distributed", "kernels", "forward_batch"},
+    "distributed": {"forward_batch"},  # the commands rank 0 sends carry a step's batch
+    "attention": {"kernels", "forward_batch"},
     "structured": set(),
     "speculative": set(),
     "kernels": set(),
@@ -61,15 +71,14 @@ def _package_dir(name: str) -> Path:
     return SOURCE_DIRS.get(name, ROOT / "radixrt" / name)
 
 
+def _is_type_checking(node: ast.AST) -> bool:
+    return isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING"
+
+
 def _runtime_imports(path: Path) -> set[str]:
     """The radixrt sub-packages a module imports, outside `if TYPE_CHECKING:` blocks."""
     tree = ast.parse(path.read_text())
-    skipped = {
-        id(n)
-        for node in ast.walk(tree)
-        if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING"
-        for n in ast.walk(node)
-    }
+    skipped = {id(n) for node in ast.walk(tree) if _is_type_checking(node) for n in ast.walk(node)}
     found = set()
     for node in ast.walk(tree):
         if id(node) in skipped:
@@ -93,6 +102,111 @@ def test_imports_run_one_way(package):
     for path in sorted(_package_dir(package).rglob("*.py")):
         wrong = _runtime_imports(path) - ALLOWED[package] - {package}
         assert not wrong, f"{path.relative_to(ROOT)} imports radixrt.{sorted(wrong)}"
+
+
+def _modules() -> dict[str, Path]:
+    """Every module of the installed package by its dotted name (frontend/ and kernels/
+    install as radixrt.frontend and radixrt.kernels); a package by its __init__.py."""
+    found = {}
+    for top, base in [("radixrt", ROOT / "radixrt"), *SOURCE_DIRS.items()]:
+        prefix = ["radixrt"] if top != "radixrt" else []
+        for path in base.rglob("*.py"):
+            parts = [*prefix, top, *path.relative_to(base).with_suffix("").parts]
+            found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+def _statements(body: list[ast.stmt], deferred: bool) -> list[ast.stmt]:
+    """The statements that run when a module is imported: not `if TYPE_CHECKING:` (its else
+    does run), and function bodies only when `deferred`; class bodies, other ifs and try
+    blocks do."""
+    out = []
+    for node in body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and not deferred:
+            continue
+        if _is_type_checking(node):
+            out += _statements(node.orelse, deferred)
+            continue
+        out.append(node)
+        for name in ("body", "orelse", "finalbody"):
+            out += _statements(getattr(node, name, []), deferred)
+        for handler in getattr(node, "handlers", []):
+            out += _statements(handler.body, deferred)
+    return out
+
+
+def _imported_modules(
+    name: str, path: Path, modules: dict[str, Path], deferred: bool = False
+) -> set[str]:
+    """The modules of `modules` that importing `name` imports first (`from a import b` imports
+    a, and a.b too when that is a module); with `deferred`, those its functions import too. A
+    package's parents are left out: Python imports them before any of their modules, so every
+    module would otherwise close a loop."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in _statements(ast.parse(path.read_text()).body, deferred):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from the package, one level up per extra dot
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            found |= {base} | {f"{base}.{a.name}" for a in node.names}
+    return {m for m in found if m in modules and m != name}
+
+
+def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of `graph` as the modules along it (the first repeated at the end), or None."""
+    done: set[str] = set()
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        if node in path:
+            return path[path.index(node) :] + [node]
+        if node in done:
+            return None
+        path.append(node)
+        for nxt in sorted(graph[node]):
+            cycle = visit(nxt)
+            if cycle:
+                return cycle
+        path.pop()
+        done.add(node)
+        return None
+
+    for start in sorted(graph):
+        cycle = visit(start)
+        if cycle:
+            return cycle
+    return None
+
+
+def test_no_module_level_import_cycle():
+    """A module-level cycle makes import order matter (a half-initialised module, an
+    ImportError at a distance). Imports inside functions and for type checking do not count."""
+    modules = _modules()
+    graph = {name: _imported_modules(name, path, modules) for name, path in modules.items()}
+    assert "radixrt.executor.model_runner" in graph["radixrt.executor.tp_worker"]
+    cycle = _find_cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_executor_modules_import_one_way_even_when_deferred():
+    """tp_worker -> model_runner -> cuda_graph_runner: the runner knows nothing of ranks, and
+    the graph runner gets what it uses, not the runner (no import goes back up the chain,
+    not even inside a function)."""
+    modules = _modules()
+    executor = {n: p for n, p in modules.items() if n.startswith("radixrt.executor.")}
+    graph = {n: _imported_modules(n, p, executor, deferred=True) for n, p in executor.items()}
+    cycle = _find_cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_the_cycle_check_finds_and_names_a_cycle():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert _find_cycle(graph) == ["a", "b", "c", "a"]
+    assert _find_cycle({"a": {"b"}, "b": set()}) is None
 
 
 @pytest.mark.parametrize(

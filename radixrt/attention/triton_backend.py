@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from radixrt.forward_batch import ForwardBatch
 from radixrt.kernels import decode_attention_fwd, extend_attention_fwd
 
-if TYPE_CHECKING:  # types only: the executor and the pools import this package, not the reverse
-    from radixrt.executor.forward_batch import ForwardBatch
+if TYPE_CHECKING:  # types only: the pools' owners import this package, not the reverse
     from radixrt.mem_cache.memory_pool import TokenToKVPool
 
 

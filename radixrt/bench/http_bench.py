@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from radixrt.bench.load import REPLY_TIMEOUT_S, stream_into
 from radixrt.bench.metrics import RequestTrace, percentile
-from radixrt.client.launcher import Runtime, free_port
+from radixrt.client.launcher import Runtime
 from radixrt.server.http.schemas import render_chat
 
 TOPICS = (
@@ -92,7 +92,6 @@ def run_http_bench(args: argparse.Namespace | HttpBenchConfig) -> dict[str, Any]
     conversations = _conversations(config)
     with Runtime(
         model=config.model,
-        http_port=free_port(),
         dtype=config.dtype,
         max_total_tokens=config.max_total_tokens,
         log_level="warning",

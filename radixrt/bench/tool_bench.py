@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from radixrt.bench.load import REPLY_TIMEOUT_S
 from radixrt.bench.metrics import percentile
-from radixrt.client.launcher import Runtime, free_port
+from radixrt.client.launcher import Runtime
 from radixrt.structured.tools import ToolCall
 
 CITIES = ("Paris", "Rome", "Oslo", "Lima", "Cairo", "Tokyo", "Quito", "Perth", "Accra", "Riga")
@@ -127,7 +127,6 @@ def run_tool_bench(config: ToolBenchConfig) -> dict[str, Any]:
 
     with Runtime(
         model=config.model,
-        http_port=free_port(),
         max_total_tokens=config.max_total_tokens,
         log_level="warning",
         timeout=REPLY_TIMEOUT_S,

@@ -41,14 +41,23 @@ class RequestOptions:
 
 
 class RuntimeEndpoint:
-    """A connection to `radixrt serve` (`tcp://host:port` or `ipc://path`); thread-safe, any
-    number of requests in flight over one socket. `api_key` and `curve_server_key` (the server's
+    """A connection to `radixrt serve`: its HTTP API for an `http://host:port` or `https://` url
+    (an `HttpEndpoint`, radixrt/client/http.py), its ZeroMQ socket for `tcp://host:zmq_port` or
+    `ipc://path`; thread-safe, any number of requests in flight over one socket. `api_key` and `curve_server_key` (the server's
     Z85 public key) match the server's `--api-key` (or a key of `--api-key-file`) and
     `--curve-secret-key`; `admin_api_key` (the server's `--admin-api-key`) is sent with control
     ops (`flush_cache`, `check_invariants`, `memory_snapshot`, `shutdown`) and `stats` instead;
     `curve_client_secret_key` is this client's CURVE secret key, for a server whose
     `--curve-client-keys` lists its public key (default: an ephemeral key pair). `cache_salt` and `priority` apply to every request sent through it (a
     frontend program's backend option); `options=` on a call overrides them."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> RuntimeEndpoint:
+        url = args[0] if args else kwargs.get("url", "")
+        if cls is RuntimeEndpoint and str(url).startswith(("http://", "https://")):
+            from radixrt.client.http import HttpEndpoint  # it subclasses this one
+
+            return super().__new__(HttpEndpoint)
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -211,3 +220,15 @@ def _normalize(prompt, input_ids) -> tuple[list, bool, str]:
 def _results(finals: list[dict]) -> dict | list[dict]:
     outs = [{k: r[k] for k in ("text", "output_ids", "meta_info")} for r in finals]
     return outs[0] if len(outs) == 1 else outs
+
+
+def load_tokenizer(info: dict[str, Any]):
+    """The runtime's tokenizer, from its `model_info`: the files at its `tokenizer_path` (the
+    runtime's paths must be this machine's) with the chat template it serves, which
+    `--chat-template` may have put in place of the files' own."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(info.get("tokenizer_path") or info["model_path"])
+    if info.get("chat_template"):
+        tokenizer.chat_template = info["chat_template"]
+    return tokenizer

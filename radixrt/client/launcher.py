@@ -23,7 +23,7 @@ from typing import Any
 
 import zmq
 
-from radixrt.client.endpoint import RuntimeEndpoint
+from radixrt.client.endpoint import RuntimeEndpoint, load_tokenizer
 from radixrt.config import SECRETS, ServerArgs
 from radixrt.lifecycle import PARENT_PID_ENV
 
@@ -42,8 +42,10 @@ def free_port() -> int:
 
 
 class Runtime(RuntimeEndpoint):
-    """Starts `radixrt serve` on a free loopback port (unless `port=` is given), waits until it
-    is healthy, and is a backend; `.shutdown()`, leaving a `with` block, interpreter exit or
+    """Starts `radixrt serve` on free loopback ports (unless `port=` / `zmq_port=` are given),
+    waits until it is healthy (and its HTTP API too, unless `disable_http=True`), and is a
+    backend that speaks ZeroMQ to it: `.url` and `.zmq_url` are the ZeroMQ address,
+    `.http_url` the HTTP API's base URL (`rt.RuntimeEndpoint(runtime.http_url)` speaks HTTP); `.shutdown()`, leaving a `with` block, interpreter exit or
     garbage collection stop the process. `timeout` bounds each wait for a reply (as on
     `RuntimeEndpoint`), `curve_client_secret_key` is this launcher's own CURVE key (needed when
     `curve_client_keys` lists who may connect); every other keyword is a server setting
@@ -58,7 +60,7 @@ class Runtime(RuntimeEndpoint):
     ):
         self.args = ServerArgs.from_kwargs(model=model, **server_args)
         self._tmp = Path(tempfile.mkdtemp(prefix="radixrt-"))
-        self._configure_endpoint(port_given="port" in server_args)
+        self._configure_endpoint(given=set(server_args))
         self._log_path = self._tmp / "runtime.log"
         self._proc = self._launch()
         server_key = (
@@ -77,9 +79,13 @@ class Runtime(RuntimeEndpoint):
         self._finalizer = weakref.finalize(self, _stop, self._proc, self.client, self._tmp)
         self._wait_ready()
 
-    def _configure_endpoint(self, port_given: bool) -> None:
-        if not port_given:
+    def _configure_endpoint(self, given: set[str]) -> None:
+        """Free ports for the HTTP API and the ZeroMQ socket unless the caller chose them (a
+        given `port` alone keeps the server's default ZeroMQ port, `port` + 1)."""
+        if "port" not in given:
             self.args = dataclasses.replace(self.args, port=free_port())
+        if "zmq_port" not in given and "port" not in given:
+            self.args = dataclasses.replace(self.args, zmq_port=free_port())
 
     def _launch(self) -> subprocess.Popen:
         with open(self._log_path, "wb") as log:
@@ -121,10 +127,16 @@ class Runtime(RuntimeEndpoint):
 
     @property
     def http_url(self) -> str | None:
-        """Base URL of the HTTP gateway when `http_port` is set (the OpenAI API is under /v1)."""
-        return (
-            f"http://{self.args.http_host}:{self.args.http_port}" if self.args.http_port else None
-        )
+        """Base URL of the HTTP API (SGLang's native routes; the OpenAI API is under /v1), None
+        with `disable_http`."""
+        if self.args.disable_http:
+            return None
+        return f"http://{self.args.http_host}:{self.args.port}"
+
+    @property
+    def zmq_url(self) -> str:
+        """The ZeroMQ address this backend speaks to (`tcp://host:zmq_port` or `ipc://path`)."""
+        return self.args.endpoint
 
     def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
         try:
@@ -134,10 +146,8 @@ class Runtime(RuntimeEndpoint):
 
     @property
     def tokenizer(self):
-        from transformers import AutoTokenizer
-
         if not hasattr(self, "_tokenizer"):
-            self._tokenizer = AutoTokenizer.from_pretrained(self.model_info["model_path"])
+            self._tokenizer = load_tokenizer(self.model_info)
         return self._tokenizer
 
     def shutdown(self) -> None:
@@ -157,10 +167,13 @@ class Runtime(RuntimeEndpoint):
 
 
 class Engine(Runtime):
-    """The runtime for one program: a private ipc:// socket, logs on this process's stderr."""
+    """The runtime for one program: a private ipc:// socket and no HTTP API, logs on this
+    process's stderr."""
 
-    def _configure_endpoint(self, port_given: bool) -> None:
-        self.args = dataclasses.replace(self.args, host=f"ipc://{self._tmp / 'runtime.sock'}")
+    def _configure_endpoint(self, given: set[str]) -> None:
+        self.args = dataclasses.replace(
+            self.args, host=f"ipc://{self._tmp / 'runtime.sock'}", disable_http=True
+        )
 
     def _launch(self) -> subprocess.Popen:
         return subprocess.Popen(self._command(), env=self._env())

@@ -18,7 +18,7 @@ from radixrt.engine.request import FinishReason, Req, Scheduled
 from radixrt.engine.sampler import NAN_LOGITS, SampleOutput, sample
 from radixrt.engine.speculation import Speculation
 from radixrt.engine.stats import Counters
-from radixrt.executor.model_runner import ModelRunner
+from radixrt.executor.tp_worker import TPDriver
 from radixrt.mem_cache.slot_manager import KVSlotManager
 from radixrt.protocol import ErrorCode
 from radixrt.structured.bitmask import allocate_bitmask, apply_bitmask
@@ -42,14 +42,15 @@ class OutputProcessor:
 
     def __init__(
         self,
-        runner: ModelRunner,
+        driver: TPDriver,
         kv: KVSlotManager,
         counters: Counters,
         constraints: Constraints,
         spec: Speculation | None,
         ends: RequestEnds,
     ):
-        self.runner = runner
+        self.driver = driver
+        self.runner = driver.runner
         self.kv = kv
         self.counters = counters
         self.constraints = constraints
@@ -196,10 +197,11 @@ class OutputProcessor:
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         self.counters.logit_rows += len(hidden)
-        return self.runner.logits(hidden)
+        return self.driver.logits(hidden)
 
     def _prompt_logprobs(self, req: Req, hidden: torch.Tensor) -> None:
-        """Logprob of each prompt token from `logprob_start_len` on, given the tokens before it."""
+        """Logprob of each prompt token from `logprob_start_len` on, given the tokens before it,
+        and the `top_logprobs_num` most likely tokens at each of those positions."""
         first = max(req.kv_len, req.params.logprob_start_len)
         # positions whose next token is in the prompt
         last = min(req.kv_len + len(hidden), len(req.input_ids) - 1)
@@ -213,6 +215,11 @@ class OutputProcessor:
             targets = torch.tensor(req.input_ids[lo + 1 : hi + 1])
             picked = logprobs.gather(1, targets[:, None]).squeeze(1).tolist()
             req.input_token_logprobs.extend(zip(picked, targets.tolist()))
+            if k := req.params.top_logprobs_num:
+                vals, ids = logprobs.topk(k, dim=-1)
+                req.input_top_logprobs.extend(
+                    list(zip(v, i)) for v, i in zip(vals.tolist(), ids.tolist())
+                )
 
     def _stop_ids(self, req: Req) -> set[int]:
         ids = set(req.params.stop_token_ids)

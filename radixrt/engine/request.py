@@ -133,6 +133,7 @@ class Req:
     num_preemptions: int = 0
     forward_passes: int = 0  # forwards this request took part in (prefill chunks and decode steps)
     input_token_logprobs: list[tuple[float, int]] = field(default_factory=list)
+    input_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
     output_token_logprobs: list[tuple[float, int]] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
 
@@ -187,6 +188,8 @@ class Req:
             meta["output_token_logprobs"] = self.output_token_logprobs
             if self.params.top_logprobs_num:
                 meta["output_top_logprobs"] = self.output_top_logprobs
+                if self.wants_prompt_logprobs():
+                    meta["input_top_logprobs"] = self.input_top_logprobs
         return meta
 
     def result(self) -> dict[str, Any]:

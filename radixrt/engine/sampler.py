@@ -42,7 +42,8 @@ def sample(
     drafts: list[int | None] | None = None,
 ) -> SampleOutput:
     """Pick one token per row of `logits` [B, V] for `reqs`; `banned` ids get -inf (min_new_tokens);
-    `constrain` masks a copy of the logits in place (constraints). Logprobs use the raw logits.
+    `constrain` masks a copy of the logits in place (constraints); a request's `logit_bias` is
+    added to its row (only rows that have one pay for it). Logprobs use the raw logits.
 
     `drafts`: a proposed token per row (or None), speculative decoding's. A greedy row ignores it
     (the caller accepts the draft when the argmax equals it). A sampled row accepts it with its
@@ -56,6 +57,8 @@ def sample(
     for i, req in enumerate(reqs):
         if req.params.penalized:
             _apply_penalties(logits[i], req)
+        if req.params.logit_bias:
+            _apply_logit_bias(logits[i], req.params.logit_bias)
         if banned[i]:
             logits[i, banned[i]] = float("-inf")
 
@@ -117,6 +120,12 @@ def _apply_penalties(row: torch.Tensor, req: Req) -> None:
         seen = torch.tensor(sorted(set(req.all_ids)), dtype=torch.long)
         vals = row[seen]
         row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+
+
+def _apply_logit_bias(row: torch.Tensor, bias: dict[int, float]) -> None:
+    """Add each token's bias to its logit (a masked -inf stays -inf: a bias never unbans)."""
+    ids = torch.tensor(list(bias), dtype=torch.long, device=row.device)
+    row[ids] += torch.tensor(list(bias.values()), dtype=row.dtype, device=row.device)
 
 
 def _filtered_probs(logits: torch.Tensor, reqs: list[Req]) -> torch.Tensor:

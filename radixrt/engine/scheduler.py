@@ -31,9 +31,10 @@ from radixrt.engine.request import DEFAULT_SCOPE, FinishReason, Req, RequestScop
 from radixrt.engine.speculation import SpecCounters, Speculation, decodes_only
 from radixrt.engine.stats import Counters, StatsInputs, StepLog, scheduler_stats
 from radixrt.engine.tenant_stats import TenantStats
-from radixrt.executor.forward_batch import ForwardBatch
 from radixrt.executor.model_loader import model_fingerprint
-from radixrt.executor.model_runner import ModelRunner, WeightCounts
+from radixrt.executor.model_runner import WeightCounts
+from radixrt.executor.tp_worker import TPDriver
+from radixrt.forward_batch import ForwardBatch
 from radixrt.mem_cache.slot_manager import KVSlotManager
 from radixrt.mem_cache.tiers import DevicePool, TierConfig, build_slot_manager
 from radixrt.protocol import ErrorCode, RequestError
@@ -48,6 +49,7 @@ class ModelInfo(NamedTuple):
     """What the `model_info` op tells about the model served."""
 
     model_path: Path
+    tokenizer_path: Path
     context_length: int
     eos_token_ids: list[int]
     vocab_size: int
@@ -56,11 +58,14 @@ class ModelInfo(NamedTuple):
 
 class Scheduler:
     """The batching loop's state: waiting and running requests and the parts that act on them;
-    `step()` runs one forward. It owns the model runner it is given."""
+    `step()` runs one forward. It owns the driver it is given (`driver.runner`: the model, its
+    pools and tokenizer; every forward and logits call goes through the driver, which sends it to
+    the other tensor-parallel ranks first)."""
 
-    def __init__(self, args: SchedulerArgs, runner: ModelRunner):
+    def __init__(self, args: SchedulerArgs, driver: TPDriver):
         self.args = args
-        self.runner = runner
+        self.driver = driver
+        self.runner = runner = driver.runner
         self.tokenizer = runner.tokenizer
         self.kv = build_slot_manager(
             DevicePool(runner.allocator, runner.req_to_token_pool, runner.kv_pool),
@@ -94,7 +99,7 @@ class Scheduler:
             PlannerHooks(self.constraints.ready, self._finish),
         )
         self.output = OutputProcessor(
-            runner,
+            driver,
             self.kv,
             self.counters,
             self.constraints,
@@ -108,7 +113,7 @@ class Scheduler:
         compiler's workers, and stop the model's other tensor-parallel ranks."""
         self.kv.close()
         self.constraints.close()
-        self.runner.close()
+        self.driver.close()
 
     def idle(self) -> None:
         """Called while there is no work: every second, a heartbeat to the other ranks (a dead
@@ -117,12 +122,12 @@ class Scheduler:
         now = time.monotonic()
         if now - self._last_heartbeat >= HEARTBEAT_S:
             self._last_heartbeat = now
-            self.runner.heartbeat()
+            self.driver.heartbeat()
 
     @classmethod
     def from_server_args(cls, args: ServerArgs) -> Scheduler:
-        """A scheduler over a new model runner, each given its part of `args`."""
-        return cls(args.scheduler, ModelRunner(args.executor))
+        """A scheduler over a new model (and its ranks), each given its part of `args`."""
+        return cls(args.scheduler, TPDriver.start(args.executor))
 
     @property
     def tp_size(self) -> int:
@@ -132,7 +137,9 @@ class Scheduler:
     def model_info(self) -> ModelInfo:
         r = self.runner
         eos = sorted(r.eos_token_ids)
-        return ModelInfo(r.model_path, r.context_length, eos, r.vocab_size, r.weights)
+        return ModelInfo(
+            r.model_path, r.tokenizer_path, r.context_length, eos, r.vocab_size, r.weights
+        )
 
     # ---- requests in and out ---------------------------------------------------------------
     def make_request(
@@ -250,7 +257,7 @@ class Scheduler:
         updated = []
         if plan:
             updated = self.output.process(
-                plan, self.runner.forward(build_batch(plan, self.kv, self.runner.device))
+                plan, self.driver.forward(build_batch(plan, self.kv, self.runner.device))
             )
             if decodes_only(plan):
                 self.log.decode(len(self.running), len(self.waiting))

@@ -14,15 +14,12 @@ it per step), so replayed and eager outputs agree to rounding, not bit for bit.
 from __future__ import annotations
 
 import bisect
-from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
 from radixrt.attention.triton_backend import MAX_KV_SPLITS, TritonAttentionBackend, TritonMetadata
-from radixrt.executor.forward_batch import ForwardBatch
-
-if TYPE_CHECKING:
-    from radixrt.executor.model_runner import ModelRunner
+from radixrt.forward_batch import ForwardBatch
 
 CAPTURE_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
 
@@ -35,11 +32,20 @@ def capture_sizes(max_running_requests: int) -> list[int]:
 
 
 class CudaGraphRunner:
-    def __init__(self, runner: ModelRunner):
-        assert isinstance(runner.attn_backend, TritonAttentionBackend)
-        self.runner = runner
-        self.sizes = capture_sizes(runner.args.max_running_requests)
-        device, largest = runner.device, self.sizes[-1]
+    """Decode graphs of `model` over `attn` (the Triton backend), one per captured batch size,
+    reading each request's slots from `req_to_token` (rows up to `context_length` + 1 long)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        attn: TritonAttentionBackend,
+        req_to_token: torch.Tensor,
+        max_running_requests: int,
+        context_length: int,
+    ):
+        self.model, self.attn, self.req_to_token = model, attn, req_to_token
+        self.sizes = capture_sizes(max_running_requests)
+        device, largest = req_to_token.device, self.sizes[-1]
         self.input_ids = torch.zeros(largest, dtype=torch.long, device=device)
         self.positions = torch.zeros(largest, dtype=torch.long, device=device)
         self.out_slots = torch.zeros(largest, dtype=torch.long, device=device)
@@ -47,7 +53,7 @@ class CudaGraphRunner:
         self.kv_indptr = torch.arange(largest + 1, dtype=torch.int32, device=device)
         # every request's context at once, up to the longest a request can have
         self.kv_indices = torch.zeros(
-            largest * (runner.context_length + 1), dtype=torch.int32, device=device
+            largest * (context_length + 1), dtype=torch.int32, device=device
         )
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
@@ -78,7 +84,7 @@ class CudaGraphRunner:
 
     def _capture_all(self) -> None:
         """Largest first, all in one memory pool: smaller graphs reuse the largest's memory."""
-        model, attn = self.runner.model, self.runner.attn_backend
+        model, attn = self.model, self.attn
         pool = None
         for size in reversed(self.sizes):
             batch = self._batch(size)
@@ -107,7 +113,7 @@ class CudaGraphRunner:
         self.out_slots[b:size].zero_()  # dummies write to the reserved slot 0 and read only it
         self.kv_indptr[1 : size + 1].copy_(seq_lens.cumsum(0, dtype=torch.int32))
         max_len = max(batch.seq_lens)
-        table = self.runner.req_to_token_pool.req_to_token[batch.rows, :max_len]
+        table = self.req_to_token[batch.rows, :max_len]
         lens = seq_lens[:b].to(table.device)
         mask = torch.arange(max_len, device=table.device)[None, :] < lens[:, None]
         total = int(seq_lens[:b].sum())

@@ -8,6 +8,7 @@ import importlib.metadata
 import json
 import logging
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -42,7 +43,8 @@ def default_gguf_path() -> Path:
 
 
 def resolve_model_path(model: str) -> Path:
-    """Return a folder with config.json, tokenizer files and safetensors weights."""
+    """Return a folder with config.json, tokenizer files and safetensors weights: `model` is
+    'default', a .gguf file, a model folder, or a Hub id in the local Hub cache (`hub_snapshot`)."""
     if model == "default":
         return convert_gguf(default_gguf_path())
     path = Path(model).expanduser()
@@ -50,9 +52,67 @@ def resolve_model_path(model: str) -> Path:
         return convert_gguf(path)
     if path.is_dir() and (path / "config.json").is_file():
         return path
+    if is_hub_id(model) and not path.exists():
+        folder = hub_snapshot(model)
+        if (folder / "config.json").is_file():
+            return folder
     raise FileNotFoundError(
-        f"model {model!r} is neither 'default', a .gguf file nor a model folder with config.json"
+        f"model {model!r} is neither 'default', a .gguf file, a model folder with config.json nor"
+        " a Hugging Face Hub id with one"
     )
+
+
+def resolve_tokenizer_path(tokenizer: str) -> Path:
+    """`--tokenizer-path`: a local folder, or a Hub id in the local Hub cache."""
+    path = Path(tokenizer).expanduser()
+    if path.is_dir():
+        return path
+    if is_hub_id(tokenizer) and not path.exists():
+        return hub_snapshot(tokenizer)
+    raise FileNotFoundError(
+        f"tokenizer {tokenizer!r} is neither a folder nor a Hugging Face Hub id"
+    )
+
+
+def is_hub_id(name: str) -> bool:
+    """'org/name', as the Hub spells repository ids."""
+    return re.fullmatch(r"[\w.-]+/[\w.-]+", name) is not None
+
+
+def hub_snapshot(repo_id: str) -> Path:
+    """The local folder of a Hugging Face Hub repository, found by huggingface_hub in its cache
+    (HF_HUB_CACHE, HF_HOME honoured). Nothing is downloaded: models load from this machine.
+    FileNotFoundError, with a one-line reason, when huggingface_hub or the snapshot is missing."""
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:
+        raise FileNotFoundError(
+            f"{repo_id!r} is no local path, and Hub ids need huggingface_hub (pip install huggingface_hub)"
+        ) from None
+    try:
+        return Path(snapshot_download(repo_id, local_files_only=True))
+    except (OSError, ValueError):  # not in the cache (LocalEntryNotFoundError), a malformed id
+        raise FileNotFoundError(
+            f"{repo_id!r} is not in the local Hugging Face Hub cache: fetch it first"
+            f" (huggingface-cli download {repo_id}) or pass a model folder"
+        ) from None
+
+
+def load_chat_template(template: str) -> str:
+    """`--chat-template`: the template itself when it has Jinja tags, else the text of the file
+    it names; ValueError, one line, when it is neither a file nor a template that parses."""
+    from jinja2 import Environment, TemplateSyntaxError
+
+    if "{{" not in template and "{%" not in template:
+        path = Path(template).expanduser()
+        if not path.is_file():
+            raise ValueError(f"chat template {template!r} is neither a file nor a Jinja template")
+        template = path.read_text()
+    try:
+        Environment().parse(template)
+    except TemplateSyntaxError as e:
+        raise ValueError(f"the chat template does not parse: {e} (line {e.lineno})") from None
+    return template
 
 
 def convert_gguf(gguf: Path) -> Path:

@@ -1,4 +1,7 @@
-"""Loads the model and tokenizer, sizes the pools, and runs one forward per step."""
+"""Loads the model and tokenizer, sizes the pools, and runs one forward per step.
+
+This module knows nothing of rank processes or commands: `tp_worker` starts the ranks, builds
+each one's `TPGroup` and a `ModelRunner` over it, and sends rank 0's steps to the others."""
 
 from __future__ import annotations
 
@@ -13,18 +16,13 @@ from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 from radixrt.attention import create_backend
 from radixrt.config import ExecutorArgs
 from radixrt.distributed.group import TPGroup
-from radixrt.executor.forward_batch import ForwardBatch
-from radixrt.executor.model_loader import WeightReader, resolve_model_path
-from radixrt.executor.tp_worker import (
-    FORWARD,
-    HEARTBEAT,
-    LOGITS,
-    SHUTDOWN,
-    decode_batch,
-    encode_batch,
-    local_rank,
-    start_local_ranks,
+from radixrt.executor.model_loader import (
+    WeightReader,
+    load_chat_template,
+    resolve_model_path,
+    resolve_tokenizer_path,
 )
+from radixrt.forward_batch import ForwardBatch
 from radixrt.mem_cache.memory_pool import (
     PageAllocator,
     ReqToTokenPool,
@@ -91,29 +89,24 @@ class WeightCounts:
 
 
 class ModelRunner:
-    """The model (with `--tp-size N`, this rank's shard of it), its pools and one forward per
-    step. On rank 0 of a tensor-parallel group it starts this node's other ranks
-    (`tp_worker.start_local_ranks`) and sends each forward and logits call to every rank
-    before running its own part; the other ranks run `serve_commands`."""
+    """The model (in a tensor-parallel group `tp`, this rank's shard of it; alone by default),
+    its pools, and one forward and one logits call per step. Under tensor parallelism every
+    rank calls both in the same order (their collectives meet); `tp_worker` sees to that."""
 
-    def __init__(self, args: ExecutorArgs, rank: int = 0, init_method: str | None = None):
+    def __init__(self, args: ExecutorArgs, tp: TPGroup | None = None):
         start = time.monotonic()
         self.args = args
         self.model_path = resolve_model_path(args.model)
-        self.ranks = None
-        if args.tp_size > 1 and rank == 0:
-            self.ranks, init_method = start_local_ranks(args)
-        self.device = resolve_device(args.device, local_rank(args, rank))
+        self.tp = tp if tp is not None else TPGroup(device=resolve_device(args.device))
+        self.device = self.tp.device
         self.dtype = resolve_dtype(args.dtype, self.device)
-        self.tp = (
-            TPGroup.init(rank, args.tp_size, init_method, self.device, args.nnodes == 1)
-            if args.tp_size > 1
-            else TPGroup(device=self.device)
-        )
-        if self.ranks is not None and self.tp.shm is not None:
-            self.tp.shm.peers_alive = self.ranks.check_alive  # a dead rank is not waited for
         self.config = AutoConfig.from_pretrained(self.model_path)
-        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        self.tokenizer_path = (
+            resolve_tokenizer_path(args.tokenizer_path) if args.tokenizer_path else self.model_path
+        )
+        self.tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_path)
+        if args.chat_template:
+            self.tokenizer.chat_template = load_chat_template(args.chat_template)
         self.context_length = check_supported(self.config, args.context_length)
         self.eos_token_ids = self._eos_ids()
 
@@ -199,7 +192,13 @@ class ModelRunner:
         if not isinstance(self.attn_backend, TritonAttentionBackend):
             return None
         start = time.monotonic()
-        graphs = CudaGraphRunner(self)
+        graphs = CudaGraphRunner(
+            self.model,
+            self.attn_backend,
+            self.req_to_token_pool.req_to_token,
+            self.args.max_running_requests,
+            self.context_length,
+        )
         logger.info(
             "captured decode graphs for %s in %.1fs", graphs.sizes, time.monotonic() - start
         )
@@ -208,55 +207,14 @@ class ModelRunner:
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Hidden states of the batch's new tokens (a replayed graph's buffer for a decode
         batch on CUDA: read before the next forward)."""
-        if self.tp.size > 1:
-            self.tp.send(*encode_batch(batch, self.req_to_token_pool.req_to_token))
         if self.graph_runner is not None and self.graph_runner.can_run(batch):
             return self.graph_runner.replay(batch)
         self.attn_backend.init_forward_metadata(batch)
         return self.model(batch, self.attn_backend)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits of `hidden`'s rows over the whole vocabulary (gathered from every rank)."""
-        if self.tp.size > 1:
-            self.tp.send({"op": LOGITS, "rows": len(hidden)})
-            self.tp.broadcast(hidden.contiguous())
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Logits of `hidden`'s rows over the whole vocabulary, gathered from every rank onto
+        rank 0 (None on the other ranks)."""
         local = self.model.compute_logits(hidden)
-        return self.tp.gather_last_dim(local, self.model.vocab_widths)[:, : self.vocab_size]
-
-    def heartbeat(self) -> None:
-        """Rank 0, while idle: show the other ranks it is alive, and find out whether they are
-        (a dead rank fails the broadcast, or its process is seen gone)."""
-        if self.tp.size > 1:
-            if self.ranks is not None:
-                self.ranks.check_alive()
-            self.tp.send({"op": HEARTBEAT})
-
-    def serve_commands(self) -> None:
-        """Ranks other than 0: run what rank 0 sends, until it says to stop."""
-        req_to_token = self.req_to_token_pool.req_to_token
-        while True:
-            header, payload = self.tp.recv()
-            op = header["op"]
-            if op == FORWARD:
-                batch = decode_batch(header, payload, req_to_token, self.device)
-                self.attn_backend.init_forward_metadata(batch)
-                self.model(batch, self.attn_backend)
-            elif op == LOGITS:
-                hidden = torch.empty(
-                    (header["rows"], self.config.hidden_size), dtype=self.dtype, device=self.device
-                )
-                self.tp.broadcast(hidden)
-                self.tp.gather_last_dim(self.model.compute_logits(hidden), self.model.vocab_widths)
-            elif op == SHUTDOWN:
-                return
-
-    def close(self) -> None:
-        """Rank 0: stop this group's other ranks (they exit) and leave the group."""
-        if self.tp.size > 1:
-            try:
-                self.tp.send({"op": SHUTDOWN})
-            except RuntimeError:  # a rank is already gone: the rest notice on their own
-                pass
-            if self.ranks is not None:
-                self.ranks.join()
-            self.tp.destroy()
+        gathered = self.tp.gather_last_dim(local, self.model.vocab_widths)
+        return None if gathered is None else gathered[:, : self.vocab_size]

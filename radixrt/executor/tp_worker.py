@@ -1,12 +1,15 @@
 """Tensor-parallel ranks: the processes rank 0 starts on its node (and `radixrt serve
---node-rank R` on another node), and the commands rank 0 sends them each step.
+--node-rank R` on another node), the loop each of them runs, and `TPDriver`, rank 0's side.
 
 Rank 0 runs the scheduler, the radix tree and the request->token table; every rank holds a
 shard of the model and its own KV pool slice addressed by the same slot indices. Each forward,
-rank 0 broadcasts the batch (token ids, positions, output slots, request rows and those rows'
-slot lists) as msgpack bytes and one int64 tensor; each logits call, the hidden rows. Idle, it
-sends a heartbeat every second. A rank whose rank 0 is gone fails its next receive (or sees its
-parent process change) and exits; rank 0 finds a dead rank by a failed send or by its process.
+rank 0 broadcasts the batch (`radixrt.distributed.commands`: token ids, positions, output
+slots, request rows and those rows' slot lists) as msgpack bytes and one int64 tensor; each
+logits call, the hidden rows. Idle, it sends a heartbeat every second. A rank whose rank 0 is
+gone fails its next receive (or sees its parent process change) and exits; rank 0 finds a dead
+rank by a failed send or by its process.
+
+Imports run one way: this module uses `model_runner`, which knows nothing of ranks.
 """
 
 from __future__ import annotations
@@ -20,8 +23,19 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.multiprocessing as mp
 
-from radixrt.distributed.group import threads_per_rank
-from radixrt.executor.forward_batch import ForwardBatch
+from radixrt.distributed.commands import (
+    FORWARD,
+    HEARTBEAT,
+    LOGITS,
+    SHUTDOWN,
+    decode_forward,
+    encode_forward,
+    logits_header,
+)
+from radixrt.distributed.group import TPGroup, threads_per_rank
+from radixrt.executor.model_loader import resolve_model_path
+from radixrt.executor.model_runner import ModelRunner, resolve_device
+from radixrt.forward_batch import ForwardBatch
 from radixrt.lifecycle import exit_with_parent
 
 if TYPE_CHECKING:
@@ -29,14 +43,12 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-FORWARD, LOGITS, HEARTBEAT, SHUTDOWN = "forward", "logits", "heartbeat", "shutdown"
 WATCHDOG_PERIOD_S = 1.0
 JOIN_TIMEOUT_S = 30
 
 
 def ranks_per_node(args: ExecutorArgs) -> int:
-    if args.tp_size % args.nnodes:
-        raise ValueError(f"--tp-size {args.tp_size} does not split over {args.nnodes} nodes")
+    """`tp_size` splits evenly over `nnodes` (`ParallelSettings` checks it)."""
     return args.tp_size // args.nnodes
 
 
@@ -99,20 +111,43 @@ def start_local_ranks(args: ExecutorArgs) -> tuple[LocalRanks, str]:
     return LocalRanks(procs), method
 
 
+def _join_group(args: ExecutorArgs, rank: int, init_method: str) -> TPGroup:
+    """This rank's place in the group, on its own device (blocks until every rank has joined)."""
+    device = resolve_device(args.device, local_rank(args, rank))
+    return TPGroup.init(rank, args.tp_size, init_method, device, args.nnodes == 1)
+
+
 def _rank_main(args: ExecutorArgs, rank: int, method: str, parent_pid: int, log_level: int) -> None:
     """A rank process: its shard, then the commands of rank 0 until told to stop."""
-    from radixrt.executor.model_runner import ModelRunner  # the runner imports this module
-
     logging.basicConfig(level=log_level, format=f"[%(asctime)s tp{rank} %(name)s] %(message)s")
     torch.set_num_threads(threads_per_rank(ranks_per_node(args)))
     exit_with_parent(parent_pid)
     try:
-        runner = ModelRunner(args, rank, method)
-        runner.serve_commands()
-        runner.tp.destroy()
+        tp = _join_group(args, rank, method)
+        serve_commands(ModelRunner(args, tp))
+        tp.destroy()
     except Exception as e:  # rank 0 gone (a failed receive) or a bug: either way this rank ends
         logger.error("tensor-parallel rank %d stops: %s", rank, e)
         os._exit(1)
+
+
+def serve_commands(runner: ModelRunner) -> None:
+    """Ranks other than 0: run what rank 0 sends, in its order, until it says to stop."""
+    tp, req_to_token = runner.tp, runner.req_to_token_pool.req_to_token
+    while True:
+        header, payload = tp.recv()
+        op = header["op"]
+        if op == FORWARD:
+            runner.forward(decode_forward(header, payload, req_to_token))
+        elif op == LOGITS:
+            hidden = torch.empty(
+                (header["rows"], runner.config.hidden_size),
+                dtype=runner.dtype,
+                device=runner.device,
+            )
+            runner.logits(tp.broadcast(hidden))
+        elif op == SHUTDOWN:
+            return
 
 
 def run_node(args: ExecutorArgs) -> int:
@@ -127,38 +162,59 @@ def run_node(args: ExecutorArgs) -> int:
     return max((p.exitcode or 0) for p in ranks.procs.values())
 
 
-# ---- the forward command ----------------------------------------------------------------------
-def encode_batch(batch: ForwardBatch, req_to_token: torch.Tensor) -> tuple[dict, torch.Tensor]:
-    """Rank 0: a forward's header and payload: ids, positions, slots, rows, and each row's slot
-    list up to its new tokens (the other ranks' request->token tables follow rank 0's)."""
-    rows = batch.rows.tolist()
-    table = [req_to_token[r, :n].long() for r, n in zip(rows, batch.seq_lens)]
-    payload = torch.cat(
-        [t.cpu() for t in (batch.input_ids, batch.positions, batch.out_slots, batch.rows, *table)]
-    )
-    return {
-        "op": FORWARD,
-        "prefix_lens": batch.prefix_lens,
-        "extend_lens": batch.extend_lens,
-    }, payload
+class TPDriver:
+    """Rank 0's runner: each forward and logits call is first sent to the group's other ranks
+    (which run `serve_commands`), then run here. With `tp_size` 1 there is no one to tell, and
+    it only delegates. `runner` is the model, its pools and its tokenizer."""
 
+    def __init__(self, runner: ModelRunner, ranks: LocalRanks | None = None):
+        self.runner = runner
+        self.tp = runner.tp
+        self.ranks = ranks  # the other ranks on this node, watched for a death
 
-def decode_batch(
-    header: dict, payload: torch.Tensor, req_to_token: torch.Tensor, device: torch.device
-) -> ForwardBatch:
-    """The other ranks: the batch rank 0 sent, its rows' slot lists written into this rank's
-    request->token table."""
-    prefix, extend = header["prefix_lens"], header["extend_lens"]
-    seq = [p + e for p, e in zip(prefix, extend)]
-    t, b = sum(extend), len(prefix)
-    ids, positions, slots, rows, table = payload.split([t, t, t, b, sum(seq)])
-    for row, part in zip(rows.tolist(), table.split(seq)):
-        req_to_token[row, : len(part)] = part.to(device=device, dtype=req_to_token.dtype)
-    return ForwardBatch(
-        input_ids=ids.to(device),
-        positions=positions.to(device),
-        out_slots=slots.to(device),
-        rows=rows.to(device),
-        prefix_lens=list(prefix),
-        extend_lens=list(extend),
-    )
+    @classmethod
+    def start(cls, args: ExecutorArgs) -> TPDriver:
+        """Rank 0 with its group: this node's other ranks started, the group joined, the
+        model loaded (`tp_size` 1: just the model)."""
+        if args.tp_size == 1:
+            return cls(ModelRunner(args))
+        resolve_model_path(args.model)  # a GGUF is converted once, here, not by every rank
+        ranks, method = start_local_ranks(args)
+        tp = _join_group(args, 0, method)
+        if tp.shm is not None:
+            tp.shm.peers_alive = ranks.check_alive  # a dead rank is not waited for
+        return cls(ModelRunner(args, tp), ranks)
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """`ModelRunner.forward` on every rank; rank 0's hidden states."""
+        if self.tp.size > 1:
+            self.tp.send(*encode_forward(batch, self.runner.req_to_token_pool.req_to_token))
+        return self.runner.forward(batch)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """`ModelRunner.logits` on every rank, over rank 0's `hidden`; the whole vocabulary's."""
+        if self.tp.size > 1:
+            self.tp.send(logits_header(len(hidden)))
+            self.tp.broadcast(hidden.contiguous())
+        logits = self.runner.logits(hidden)
+        assert logits is not None  # rank 0 gathers
+        return logits
+
+    def heartbeat(self) -> None:
+        """While idle: show the other ranks rank 0 is alive, and find out whether they are
+        (a dead rank fails the broadcast, or its process is seen gone)."""
+        if self.tp.size > 1:
+            if self.ranks is not None:
+                self.ranks.check_alive()
+            self.tp.send({"op": HEARTBEAT})
+
+    def close(self) -> None:
+        """Stop this group's other ranks (they exit) and leave the group."""
+        if self.tp.size > 1:
+            try:
+                self.tp.send({"op": SHUTDOWN})
+            except RuntimeError:  # a rank is already gone: the rest notice on their own
+                pass
+            if self.ranks is not None:
+                self.ranks.join()
+            self.tp.destroy()

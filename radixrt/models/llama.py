@@ -14,12 +14,12 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from radixrt.attention import AttentionBackend
 from radixrt.distributed.group import TPGroup
 from radixrt.distributed.sharding import HeadShard, shard_heads, split_range
+from radixrt.forward_batch import ForwardBatch
 from radixrt.kernels import cpu_fused
 from radixrt.models.family import Family, family_of, rope_per_layer_type
 from radixrt.models.moe import GatedMLP, SparseMoE
 
-if TYPE_CHECKING:  # types only: the executor and the pools import this package, not the reverse
-    from radixrt.executor.forward_batch import ForwardBatch
+if TYPE_CHECKING:  # types only: the executor imports this package, not the reverse
     from radixrt.executor.model_loader import WeightReader
 
 

@@ -32,7 +32,7 @@ import zmq
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils import z85
 
-from radixrt.config import ServerArgs
+from radixrt.config import RouterArgs, ServerArgs
 from radixrt.protocol import ErrorCode, RequestError, decode_map, error_reply, tenant_label
 from radixrt.server.exposure import bind_client_socket, check_exposure
 from radixrt.server.tenants import KeyRing, Principal
@@ -87,7 +87,7 @@ class Op:
 
 @dataclass(frozen=True)
 class FrontConfig:
-    """The flags of the client-facing socket (ServerArgs names them; `radixrt router` too)."""
+    """The flags of the client-facing socket (ServerArgs names them; RouterArgs takes them from it)."""
 
     api_key: str | None = None
     api_key_file: str | None = None
@@ -103,7 +103,7 @@ class FrontConfig:
             raise ValueError("--curve-client-keys needs --curve-secret-key (the server's key)")
 
     @classmethod
-    def from_server_args(cls, args: ServerArgs) -> FrontConfig:
+    def from_server_args(cls, args: ServerArgs | RouterArgs) -> FrontConfig:
         return cls(
             args.api_key,
             args.api_key_file,

@@ -297,8 +297,9 @@ def _stop_holdback(req: Req) -> int:
 def _model_info(server: Server, caller: Caller, msg: dict[str, Any]) -> dict[str, Any]:
     tok, info = server.tokenizer, server.scheduler.model_info()
     return {
-        "model": server.args.model,
+        "model": server.args.model_name,
         "model_path": str(info.model_path),
+        "tokenizer_path": str(info.tokenizer_path),
         "context_length": info.context_length,
         "chat_template": tok.chat_template,
         "special_tokens": {k: v for k, v in tok.special_tokens_map.items() if isinstance(v, str)},
@@ -386,14 +387,24 @@ def run_server(args: ServerArgs) -> None:
     FrontConfig.from_server_args(args).check_exposure(args.host)
     exit_with_parent()  # a runtime started by rt.Runtime / rt.Engine ends with its launcher
     gateway = None
-    if (
-        args.http_port
-    ):  # before loading the model: a busy port fails at once, and the child starts meanwhile
+    # before loading the model: a busy port fails at once, and the child starts meanwhile
+    if not args.disable_http:
         from radixrt.server.http import (
             process as http_gateway,  # fastapi and uvicorn only when asked for
         )
 
         gateway = http_gateway.start_gateway(args)  # it also exits by itself if this process dies
+    try:  # a model that fails to load stops the gateway too
+        _serve(args)
+    finally:
+        if gateway is not None:
+            http_gateway.stop_gateway(gateway)
+    if args.endpoint.startswith("ipc://"):
+        Path(args.endpoint.removeprefix("ipc://")).unlink(missing_ok=True)
+
+
+def _serve(args: ServerArgs) -> None:
+    """Load the model, bind, and run the loop until it stops."""
     server = Server(args, args.endpoint)
 
     def stop(*_: Any) -> None:
@@ -401,15 +412,11 @@ def run_server(args: ServerArgs) -> None:
 
     signal.signal(signal.SIGTERM, lambda *_: server.begin_drain())
     signal.signal(signal.SIGINT, stop)
-    logger.info("serving on %s", args.endpoint)
+    http = "" if args.disable_http else f" (HTTP on http://{args.http_host}:{args.port})"
+    logger.info("serving on %s%s", args.endpoint, http)
     try:
         server.serve_forever()
     except Exception as e:  # a bug in the loop, or a lost rank: logged, said to every client
         logger.exception("the serving loop failed")
         server.fail_pending(e)
         raise
-    finally:
-        if gateway is not None:
-            http_gateway.stop_gateway(gateway)
-    if args.endpoint.startswith("ipc://"):
-        Path(args.endpoint.removeprefix("ipc://")).unlink(missing_ok=True)

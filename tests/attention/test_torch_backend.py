@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from radixrt.attention.torch_backend import PAD_SLACK, TorchAttentionBackend, group_extends
-from radixrt.executor.forward_batch import ForwardBatch
+from radixrt.forward_batch import ForwardBatch
 from radixrt.mem_cache.memory_pool import TokenToKVPool
 
 HQ, HKV, D = 4, 2, 16

@@ -188,3 +188,41 @@ def test_penalties_on_output_leave_the_first_token_alone(smol):
         assert frequency == presence == greedy
     assert greedy[0] in smol.tokenize(counting)  # the premise: greedy continues with a prompt token
     assert repetition != greedy
+
+
+# ---- logit_bias -----------------------------------------------------------------------------
+def test_logit_bias_adds_to_the_logit_in_a_mixed_batch(tiny):
+    """Greedy picks argmax(logit + bias): the runner-up biased by a little more than its gap to
+    the best wins the first step, by a little less it does not; +100 forces a token at any
+    temperature; rows without a bias in the same batch stay greedy."""
+    ((best, top), *_), *_ = _steps(tiny, PROMPT, [{**GREEDY, "max_new_tokens": 1}])
+    (lp_best, _), (lp_second, second) = top[:2]
+    gap = lp_best - lp_second
+    forced = top[5][1]
+    outs = _many(
+        tiny,
+        PROMPT,
+        [
+            {**GREEDY, "logit_bias": {str(second): gap + 0.05}},
+            {**GREEDY, "logit_bias": {second: max(gap - 0.05, 0.0)}},
+            {"temperature": 1.5, "seed": 1, "logit_bias": {forced: 100}},
+            GREEDY,
+        ],
+        max_new_tokens=3,
+    )
+    plain = _many(tiny, PROMPT, [GREEDY], max_new_tokens=3)[0]
+    assert outs[0][0] == second and outs[1][0] == best == plain[0]
+    assert outs[2] == [forced] * 3 and outs[3] == plain
+
+
+@pytest.mark.parametrize(
+    "bias, words",
+    [
+        ({"x": 1}, "token id"),
+        ({"3": 100.5}, r"logit_bias\[3\] must be in"),
+        ({10**6: 1}, "token ids must be in"),
+    ],
+)
+def test_bad_logit_bias_is_refused(tiny, bias, words):
+    with pytest.raises(ValueError, match=words):
+        tiny.generate(PROMPT, {"max_new_tokens": 1, "logit_bias": bias})

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from radixrt.config import ServerArgs
-from radixrt.executor.forward_batch import ForwardBatch
 from radixrt.executor.model_runner import ModelRunner
+from radixrt.forward_batch import ForwardBatch
 from radixrt.kernels import int8_gemm
 from radixrt.models.linear import Int8Linear
 

@@ -7,9 +7,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from radixrt.config import HICACHE_WRITE_POLICIES
 from radixrt.mem_cache.host_pool import HostKVPool
 from radixrt.mem_cache.memory_pool import PageAllocator, TokenToKVPool
-from radixrt.mem_cache.radix_cache import WRITE_POLICIES, RadixCache
+from radixrt.mem_cache.radix_cache import RadixCache
 from radixrt.mem_cache.slot_manager import pool_snapshot
 
 from helpers import run_script, scripts
@@ -30,7 +31,10 @@ class Harness:
         self.pool = TokenToKVPool(self.alloc.num_slots, 1, 1, 1, torch.float32, torch.device("cpu"))
         self.host = HostKVPool(self.pool, HOST_TOTAL, page_size) if host else None
         self.tree = RadixCache(
-            page_size, self.alloc.free, host=self.host, write_policy=host or WRITE_POLICIES[0]
+            page_size,
+            self.alloc.free,
+            host=self.host,
+            write_policy=host or HICACHE_WRITE_POLICIES[0],
         )
         self.ids: dict[tuple[int, ...], float] = {}  # prefix -> the number its KV is
         self.locks: list = []
@@ -150,7 +154,7 @@ ops = scripts(
 @settings(max_examples=150, deadline=None)
 @given(
     page_size=st.sampled_from([1, 2, 4]),
-    host=st.sampled_from([None, *WRITE_POLICIES]),
+    host=st.sampled_from([None, *HICACHE_WRITE_POLICIES]),
     script=ops,
 )
 def test_random_operations_keep_invariants(page_size, host, script):

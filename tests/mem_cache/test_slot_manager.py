@@ -10,9 +10,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from radixrt.config import HICACHE_WRITE_POLICIES
 from radixrt.mem_cache.host_pool import HostKVPool
 from radixrt.mem_cache.memory_pool import PageAllocator, ReqToTokenPool, TokenToKVPool
-from radixrt.mem_cache.radix_cache import WRITE_POLICIES, RadixCache
+from radixrt.mem_cache.radix_cache import RadixCache
 from radixrt.mem_cache.slot_manager import KVSlotManager
 from radixrt.mem_cache.storage import KVStorage
 
@@ -53,7 +54,7 @@ class Harness:
         self.pool = TokenToKVPool(allocator.num_slots, 1, 1, 1, torch.float32, torch.device("cpu"))
         host = HostKVPool(self.pool, HOST_TOKENS, page_size) if tier else None
         tree = RadixCache(
-            page_size, allocator.free, host=host, write_policy=tier or WRITE_POLICIES[0]
+            page_size, allocator.free, host=host, write_policy=tier or HICACHE_WRITE_POLICIES[0]
         )
         like = host.device_block(torch.zeros(BLOCK, dtype=torch.long)) if storage else None
         disk = KVStorage(storage, 64 * 2**10, BLOCK, "harness", like) if storage else None
@@ -174,7 +175,7 @@ ops = scripts(
 @settings(max_examples=200, deadline=None)
 @given(
     page_size=st.sampled_from([1, 2, 4]),
-    tier=st.sampled_from([None, *WRITE_POLICIES]),
+    tier=st.sampled_from([None, *HICACHE_WRITE_POLICIES]),
     storage=st.booleans(),
     script=ops,
 )

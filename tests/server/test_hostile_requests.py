@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import radixrt as rt
-from radixrt.bench.hostile import deep_schema, markdown, run_hostile
+from radixrt.reliability.hostile import deep_schema, markdown, run_hostile
 from radixrt.server.front import PROBE
 
 from ownership import assert_no_leak
@@ -195,7 +195,7 @@ def test_the_runtime_serves_on_with_nothing_leaked(runtime, dealer):
 
 
 def test_every_class_of_bad_input_gets_a_typed_error(runtime):
-    """The classes `radixrt.bench.hostile` tabulates for docs/reliability.md."""
+    """The classes `radixrt.reliability.hostile` tabulates for docs/reliability.md."""
     info = runtime.model_info
     results = run_hostile(runtime.url, info["vocab_size"], info["context_length"])
     print(markdown(results))

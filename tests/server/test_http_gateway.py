@@ -17,7 +17,6 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import radixrt as rt
 from radixrt.bench.http_bench import HttpBenchConfig, run_http_bench
-from radixrt.client.launcher import free_port
 from radixrt.server.http.app import DEFAULT_MAX_BODY_BYTES, MAX_FANOUT
 
 from timeouts import REPLY_TIMEOUT_S
@@ -35,7 +34,6 @@ HTTP_TIMEOUT_S = 60.0  # one reply from the gateway on a loaded 2-core machine, 
 def runtime(tiny_model_dir):
     with rt.Runtime(
         model=str(tiny_model_dir),
-        http_port=free_port(),
         api_key=KEY,
         max_total_tokens=4096,
         log_level="warning",
@@ -252,7 +250,7 @@ def test_client_disconnect_aborts(runtime):
     body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 1000, "temperature": 0}
     generated = runtime.stats()["generated_tokens"]
     conn = http.client.HTTPConnection(
-        runtime.args.http_host, runtime.args.http_port, timeout=HTTP_TIMEOUT_S
+        runtime.args.http_host, runtime.args.port, timeout=HTTP_TIMEOUT_S
     )
     conn.request(
         "POST",
@@ -410,7 +408,6 @@ def test_overloaded_runtime_answers_503(tiny_model_dir):
     long = {"max_new_tokens": 1000, "ignore_eos": True, "temperature": 0}
     with rt.Runtime(
         model=str(tiny_model_dir),
-        http_port=free_port(),
         max_total_tokens=2048,
         max_running_requests=1,
         max_queued_requests=1,
@@ -476,13 +473,12 @@ def test_runtime_death_mid_stream_ends_the_stream_and_the_gateway(tiny_model_dir
     and the stream's last event is an OpenAI error with code connection_lost."""
     r = rt.Runtime(
         model=str(tiny_model_dir),
-        http_port=free_port(),
         max_total_tokens=2048,
         log_level="warning",
         timeout=REPLY_TIMEOUT_S,
     )
     gateway = _gateway_pid(r._proc.pid)
-    conn = http.client.HTTPConnection(r.args.http_host, r.args.http_port, timeout=HTTP_TIMEOUT_S)
+    conn = http.client.HTTPConnection(r.args.http_host, r.args.port, timeout=HTTP_TIMEOUT_S)
     try:
         body = {
             "model": "tiny",

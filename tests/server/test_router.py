@@ -41,7 +41,8 @@ def _worker(tiny_model_dir, port: int | None = None, **kw) -> rt.Runtime:
         max_total_tokens=2048,
         log_level="warning",
         timeout=REPLY_TIMEOUT_S,
-        **({"port": port} if port else {}),
+        disable_http=True,  # the router speaks ZeroMQ to its workers
+        **({"zmq_port": port} if port else {}),
         **kw,
     )
 
@@ -144,13 +145,13 @@ def test_next_turns_land_where_their_history_is(router, workers):
 
 def test_round_robin_and_shortest_queue(workers):
     urls = [w.url for w in workers]
-    with router_process(urls, "--policy", "round-robin") as rr:
+    with router_process(urls, "--router-policy", "round-robin") as rr:
         before = _served(rr)
         for i in range(4):
             rr.generate(input_ids=[5, 6, 7, i + 8], sampling_params={**GREEDY, "max_new_tokens": 2})
         assert [a - b for a, b in zip(_served(rr), before)] == [8, 8]
         assert rr.stats()["routed_by_round_robin"] == 4
-    with router_process(urls, "--policy", "shortest-queue") as sq:
+    with router_process(urls, "--router-policy", "shortest-queue") as sq:
         before = _served(sq)
         # all at once: each goes where fewer are in flight, so they split evenly
         sq.generate(
@@ -167,7 +168,7 @@ def test_a_swamped_worker_sends_load_to_the_idle_one(workers):
     shared = [random.Random(2).randrange(3, 49152) for _ in range(100)]
     prompts = [shared + [i + 3] for i in range(12)]
     urls = [w.url for w in workers]
-    flags = ("--balance-abs-threshold", "2", "--balance-rel-threshold", "1.5")
+    flags = ("--router-balance-abs-threshold", "2", "--router-balance-rel-threshold", "1.5")
     with router_process(urls, *flags) as r:
         before = _served(r)
         r.generate(input_ids=prompts, sampling_params={**GREEDY, "max_new_tokens": 100})
@@ -193,7 +194,7 @@ def test_a_killed_worker_loses_started_streams_only_and_rejoins(tiny_model_dir):
     port = free_port()
     a = _worker(tiny_model_dir, port, max_running_requests=1)
     with _worker(tiny_model_dir, max_running_requests=1) as b:
-        with router_process([a.url, b.url], "--policy", "round-robin") as r:
+        with router_process([a.url, b.url], "--router-policy", "round-robin") as r:
             results: dict[int, object] = {}
 
             def stream(i: int) -> None:
@@ -266,16 +267,14 @@ def test_api_key_and_curve_on_both_hops(tiny_model_dir):
 def test_serve_dp_size_with_the_http_gateway(tiny_model_dir):
     from openai import OpenAI
 
-    http_port = free_port()
     with rt.Runtime(
         model=str(tiny_model_dir),
         dp_size=2,
-        http_port=http_port,
         max_total_tokens=2048,
         log_level="warning",
         timeout=REPLY_TIMEOUT_S,
     ) as fleet:
-        client = OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="none")
+        client = OpenAI(base_url=f"{fleet.http_url}/v1", api_key="none")
         reply = client.chat.completions.create(
             model="default",
             messages=[{"role": "user", "content": "Hello"}],
@@ -465,7 +464,10 @@ def test_a_worker_answering_garbage_never_stops_the_router(workers):
     """Each malformed generate reply fails its request with `internal_error`; everything else
     the fake sends is dropped; the real worker's requests, and the router's ops, go on."""
     real = workers[0]
-    with garbage_worker() as fake, router_process([fake, real.url], "--policy", "round-robin") as r:
+    with (
+        garbage_worker() as fake,
+        router_process([fake, real.url], "--router-policy", "round-robin") as r,
+    ):
         codes = []
         for i in range(2 * len(BAD_GENERATE_REPLIES)):  # in turn: the fake, then the real one
             try:

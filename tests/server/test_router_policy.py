@@ -4,15 +4,15 @@ numbers (no sockets)."""
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from radixrt.config import RouterSettings
 from radixrt.server.router.policy import (
     CacheAwarePolicy,
-    CacheAwareThresholds,
     RoundRobinPolicy,
     RouteReason,
     ShortestQueuePolicy,
@@ -97,8 +97,10 @@ def test_cache_aware_sends_to_the_idlest_when_load_is_out_of_balance():
     assert route.worker is workers[1] and route.reason is RouteReason.LOAD
     # both thresholds must hold: 40 against 30 is over the absolute gap but not 1.5x
     workers[1].load = 30
-    thresholds = CacheAwareThresholds(balance_abs_threshold=5, balance_rel_threshold=1.5)
-    route = CacheAwarePolicy(thresholds).choose(prompt(range(50)), workers)
+    settings = replace(
+        RouterSettings.defaults(), router_balance_abs_threshold=5, router_balance_rel_threshold=1.5
+    )
+    route = CacheAwarePolicy(settings).choose(prompt(range(50)), workers)
     assert route.worker is workers[0] and route.reason is RouteReason.MATCH
 
 
@@ -110,11 +112,12 @@ def test_round_robin_and_shortest_queue():
 
 
 def test_policy_names_and_thresholds_are_checked():
-    assert make_policy("round-robin").name == "round-robin"
+    defaults = RouterSettings.defaults()
+    assert make_policy(replace(defaults, router_policy="round-robin")).name == "round-robin"
     with pytest.raises(ValueError, match="unknown router policy"):
-        make_policy("random")
-    with pytest.raises(ValueError):
-        CacheAwareThresholds(cache_threshold=2)
+        make_policy(replace(defaults, router_policy="random"))
+    with pytest.raises(ValueError, match="router_cache_threshold"):
+        replace(defaults, router_cache_threshold=2)
 
 
 def test_shared_system_prompts_spread_over_workers_and_stick():

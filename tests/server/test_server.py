@@ -229,8 +229,9 @@ def test_server_restart_fails_in_flight_requests_then_recovers(tiny_model_dir):
         "serve",
         "--model",
         str(tiny_model_dir),
-        "--port",
+        "--zmq-port",
         str(port),
+        "--disable-http",  # restarted on the same ZeroMQ port; HTTP is not the point
         "--max-total-tokens",
         "1024",
         "--log-level",

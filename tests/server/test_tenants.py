@@ -16,7 +16,6 @@ import pytest
 
 import radixrt as rt
 from radixrt.client.endpoint import RequestOptions
-from radixrt.client.launcher import free_port
 from radixrt.client.transport import RemoteError
 
 from ownership import assert_no_leak, wait_idle
@@ -53,7 +52,6 @@ def tenants(tiny_model_dir, tmp_path_factory):
         api_key_file=str(key_file),
         max_inflight_per_tenant=2,
         max_queued_tokens_per_tenant=1000,
-        http_port=free_port(),
         log_level="warning",
         timeout=REPLY_TIMEOUT_S,
     ) as r:
@@ -96,7 +94,7 @@ def test_a_tenants_prefix_is_cached_only_for_that_tenant(tenants):
 
 def test_http_salt_and_bearer_tenant(tenants):
     prompt = _prompt(40, seed=2)
-    url = f"http://127.0.0.1:{tenants.args.http_port}/v1/completions"
+    url = f"http://127.0.0.1:{tenants.args.port}/v1/completions"
 
     def cached(key: str, **body) -> int:
         data = json.dumps({"prompt": prompt, "max_tokens": 1, **body}).encode()
@@ -112,7 +110,7 @@ def test_http_salt_and_bearer_tenant(tenants):
     with pytest.raises(urllib.error.HTTPError) as info:
         cached("not-a-key")
     assert info.value.code == 401
-    metrics_url = f"http://127.0.0.1:{tenants.args.http_port}/metrics"
+    metrics_url = f"http://127.0.0.1:{tenants.args.port}/metrics"
     admin = urllib.request.Request(metrics_url, headers={"Authorization": f"Bearer {ADMIN_KEY}"})
     with urllib.request.urlopen(admin, timeout=REPLY_TIMEOUT_S) as reply:
         metrics = reply.read().decode()
@@ -255,7 +253,6 @@ def test_sigterm_drains(tiny_model_dir):
     runtime = rt.Runtime(
         model=str(tiny_model_dir),
         max_total_tokens=2048,
-        http_port=free_port(),
         log_level="warning",
         timeout=REPLY_TIMEOUT_S,
     )

@@ -12,7 +12,6 @@ import openai
 import pytest
 
 import radixrt as rt
-from radixrt.client.launcher import free_port
 
 from timeouts import REPLY_TIMEOUT_S
 
@@ -55,7 +54,6 @@ pytestmark = pytest.mark.model  # the default model, behind every test here
 def runtime():
     with rt.Runtime(
         model="default",
-        http_port=free_port(),
         max_total_tokens=8192,
         log_level="warning",
         timeout=REPLY_TIMEOUT_S,

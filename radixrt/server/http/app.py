@@ -17,21 +17,26 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from jinja2 import TemplateError
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from radixrt.client.endpoint import Prompt, RequestOptions, RuntimeEndpoint
+from radixrt.client.endpoint import Prompt, RequestOptions, RuntimeEndpoint, load_tokenizer
 from radixrt.config import ServerArgs
+from radixrt.protocol import ErrorCode
 from radixrt.server.http.errors import RUNTIME_EXCEPTIONS, APIError, from_runtime_error
+from radixrt.server.http.reasoning import REASONING_PARSERS
 from radixrt.server.http.responses import (
+    ChoiceStream,
+    Echo,
     ResponseShape,
-    ToolCallStream,
     response_body,
     sse_event,
     usage_of,
 )
 from radixrt.server.http.schemas import (
     ChatCompletionRequest,
+    ChatRendering,
     ChatTools,
     CompletionRequest,
     GenerateRequest,
+    add_constraint,
     constraint_params,
     message_dict,
     prompt_list,
@@ -44,7 +49,7 @@ from radixrt.structured.tools import ToolCallParser, resolve_parser
 # how often a waiting non-streamed request checks that its client is still there
 DISCONNECT_POLL_S = 0.25
 HEALTH_TIMEOUT_S = 5.0
-ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+OPENAI_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
 
 
 async def unless_disconnected(request: Request, coros: list) -> list:
@@ -100,8 +105,10 @@ class Gateway:
         keys: KeyRing | None = None,
         tool_call_parser: str = "auto",
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        reasoning_parser: str | None = None,
     ):
         self.endpoint = endpoint
+        self.reasoning = REASONING_PARSERS[reasoning_parser] if reasoning_parser else None
         self.max_body_bytes = max_body_bytes
         self.keys = keys or KeyRing()
         self.tool_call_parser = tool_call_parser
@@ -118,25 +125,23 @@ class Gateway:
         return self._model
 
     def _load_model(self) -> _Model:
-        from transformers import AutoTokenizer
-
         info = self.endpoint.model_info
-        tokenizer = AutoTokenizer.from_pretrained(info["model_path"])
+        tokenizer = load_tokenizer(info)
         template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else None
         parser = resolve_parser(self.tool_call_parser, template)
         return _Model(info["model"], info["context_length"], tokenizer, template, parser)
 
     def authorized(self, headers: dict[bytes, bytes]) -> bool:
-        return self.keys.principal_of(_bearer(headers)) is not None
+        return self.keys.principal_of(bearer(headers)) is not None
 
     def authorized_admin(self, headers: dict[bytes, bytes]) -> bool:
         """/metrics shows every tenant: with keys configured, only the admin key may read it."""
-        principal = self.keys.principal_of(_bearer(headers))
+        principal = self.keys.principal_of(bearer(headers))
         return principal is not None and principal.admin
 
     def options(self, request: Request, req: GenerateRequest) -> RequestOptions:
         """The body's tenancy fields, and the client's own key: the runtime names its tenant."""
-        key = _bearer(dict(request.headers.raw)) if self.keys.keys else None
+        key = bearer(dict(request.headers.raw)) if self.keys.keys else None
         return RequestOptions(req.cache_salt, req.priority, req.timeout, key or None)
 
     async def complete(self, request: Request, req: CompletionRequest) -> Response:
@@ -147,7 +152,15 @@ class Gateway:
         shape = ResponseShape(
             chat=False, tokenizer=model.tokenizer, logprobs=req.logprobs is not None
         )
-        return await self._respond(request, req, model, prompt_list(req.prompt), params, shape)
+        prompts = prompt_list(req.prompt)
+        if not req.echo:
+            return await self._respond(request, req, model, prompts, params, shape)
+        # echoed prompts go as the ids the echo shows, so each echoed logprob has its token
+        echoes = [Echo.of(model.tokenizer, p) for p in prompts]
+        if req.logprobs is not None:
+            params["logprob_start_len"] = 0
+        ids = [e.ids for e in echoes]
+        return await self._respond(request, req, model, ids, params, shape, echoes)
 
     async def chat(self, request: Request, req: ChatCompletionRequest) -> Response:
         model = await self.model()
@@ -157,15 +170,16 @@ class Gateway:
         params = req.sampling_params(limits[0] if limits else model.context_length)
         if req.logprobs:
             params.update(return_logprob=True, top_logprobs_num=req.top_logprobs or 0)
-        params.update(constraint_params(req.response_format))
+        add_constraint(params, constraint_params(req.response_format), "response_format")
         tools = ChatTools.of(req, model.tool_parser)
         if tools.regex is not None:
-            params["regex"] = tools.regex
+            add_constraint(params, {"regex": tools.regex}, "tools")
         messages, template_tools = tools.messages(
             [message_dict(m) for m in req.messages], model.tool_parser, model.template
         )
+        rendering = ChatRendering.of(req, model.tokenizer)
         try:
-            prompt = render_chat(model.tokenizer, messages, template_tools)
+            prompt = render_chat(model.tokenizer, messages, template_tools, rendering)
         except (
             TemplateError,
             ValueError,
@@ -178,6 +192,7 @@ class Gateway:
             tokenizer=model.tokenizer,
             logprobs=req.logprobs,
             tool_parser=tools.reply_parser,
+            reasoning=self.reasoning,
         )
         return await self._respond(request, req, model, [prompt], params, shape)
 
@@ -189,7 +204,9 @@ class Gateway:
         prompts: list[Prompt],
         params: dict[str, Any],
         shape: ResponseShape,
+        echoes: list[Echo] | None = None,
     ) -> Response:
+        """`echoes`: each prompt's echo (completions with `echo: true`)."""
         rid = f"{shape.id_prefix}{uuid.uuid4().hex}"
         fanout = len(prompts) * max(1, params.get("n") or 1)
         if fanout > MAX_FANOUT:
@@ -202,15 +219,21 @@ class Gateway:
             if len(prompts) != 1:
                 raise APIError(400, "stream: true takes one prompt", param="prompt")
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            echo = echoes[0] if echoes else None
             return await self._stream(
-                request, rid, model, prompts[0], params, shape, include_usage, req
+                request, rid, model, prompts[0], params, shape, include_usage, req, echo
             )
         options = self.options(request, req)
         samples = await unless_disconnected(
             request, [self._generate(p, params, options) for p in prompts]
         )
         choices = [
-            shape.choice(i * len(per_prompt) + j, s["text"], s["meta_info"])
+            shape.choice(
+                i * len(per_prompt) + j,
+                s["text"],
+                s["meta_info"],
+                echo=echoes[i] if echoes else None,
+            )
             for i, per_prompt in enumerate(samples)
             for j, s in enumerate(per_prompt)
         ]
@@ -235,12 +258,19 @@ class Gateway:
         shape: ResponseShape,
         include_usage: bool,
         req: GenerateRequest,
+        echo: Echo | None = None,
     ) -> StreamingResponse:
         replies = self.endpoint.async_stream(prompt, params, options=self.options(request, req))
         # Wait for the first reply before sending headers, so a rejected request gets its 4xx.
         (first,) = await unless_disconnected(request, [replies.__anext__()])
         events = self._events(
-            rid, model.name, prepend(first, replies), shape, params.get("n", 1), include_usage
+            rid,
+            model.name,
+            prepend(first, replies),
+            shape,
+            params.get("n", 1),
+            include_usage,
+            echo,
         )
         return StreamingResponse(events, media_type="text/event-stream")
 
@@ -252,8 +282,15 @@ class Gateway:
         shape: ResponseShape,
         n: int,
         include_usage: bool,
+        echo: Echo | None = None,
     ) -> AsyncIterator[str]:
+        """The stream's events; a completion's `echo` is each sample's first text."""
         # A client that disconnects cancels this generator inside `replies`, which aborts the request.
+        if echo is not None:
+            for i in range(n):
+                yield sse_event(
+                    response_body(shape, rid, model, [shape.delta(i, echo.text)], chunk=True)
+                )
         if shape.chat:
             yield sse_event(
                 response_body(
@@ -265,9 +302,7 @@ class Gateway:
                 )
             )
         finals = []
-        calls = (
-            {i: ToolCallStream(shape.tool_parser) for i in range(n)} if shape.tool_parser else {}
-        )
+        streams = {i: ChoiceStream.of(shape) for i in range(n)}
 
         def chunk(choice: dict[str, Any]) -> str:
             return sse_event(response_body(shape, rid, model, [choice], chunk=True))
@@ -275,20 +310,14 @@ class Gateway:
         try:
             async for reply in replies:
                 index = reply.get("index", 0)
+                text = "" if reply["finished"] else reply["delta"]  # a final reply has no delta
+                for delta in streams[index].feed(text, final=reply["finished"]):
+                    yield chunk(shape.delta(index, delta))
                 if reply["finished"]:
                     finals.append(reply)
                     self.metrics.observe(reply["meta_info"], count_prompt=index == 0)
-                    called = False
-                    if index in calls:
-                        for delta in calls[index].feed("", final=True):
-                            yield chunk(shape.delta(index, delta))
-                        called = calls[index].called
+                    called = streams[index].called
                     yield chunk(shape.choice(index, "", reply["meta_info"], True, called))
-                elif reply["delta"] and index in calls:
-                    for delta in calls[index].feed(reply["delta"]):
-                        yield chunk(shape.delta(index, delta))
-                elif reply["delta"]:
-                    yield chunk(shape.delta(index, reply["delta"]))
         except RUNTIME_EXCEPTIONS as e:
             yield sse_event(from_runtime_error(e).body())
             return
@@ -328,18 +357,20 @@ class Gateway:
         }
 
 
-def _bearer(headers: dict[bytes, bytes]) -> str:
+def bearer(headers: dict[bytes, bytes]) -> str:
     return headers.get(b"authorization", b"").removeprefix(b"Bearer ").strip().decode("latin-1")
 
 
 class _Guard:
     """Pure ASGI middleware (BaseHTTPMiddleware would get between streams and disconnects):
-    Bearer key on /v1/*, the admin's on /metrics, bodies of at most `max_body_bytes` (413,
+    Bearer key on /v1/* and the native routes, the admin's on /metrics, bodies of at most `max_body_bytes` (413,
     judged by Content-Length and then by what actually arrives), request counts by route and
     status."""
 
-    def __init__(self, app, gateway: Gateway):
+    def __init__(self, app, gateway: Gateway, keyed_routes: tuple[str, ...] = ()):
         self.app, self.gateway = app, gateway
+        self.keyed_routes = keyed_routes  # beside /v1/*: need an accepted key
+        self.routes = {*OPENAI_ROUTES, *keyed_routes}  # labelled by name in the metrics
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -366,11 +397,12 @@ class _Guard:
             await self.app(scope, _replay(body, receive), send_observed)
         finally:
             self.gateway.metrics.requests.labels(
-                path if path in ROUTES else "other", str(status)
+                path if path in self.routes else "other", str(status)
             ).inc()
 
     def _refusal(self, path: str, headers: dict[bytes, bytes]) -> APIError | None:
-        if path.startswith("/v1/") and not self.gateway.authorized(headers):
+        keyed = path.startswith("/v1/") or path in self.keyed_routes
+        if keyed and not self.gateway.authorized(headers):
             needed = "API key"
         elif path == "/metrics" and not self.gateway.authorized_admin(headers):
             needed = "admin API key (--admin-api-key)"
@@ -420,13 +452,35 @@ def _replay(body: bytes, receive):
     return replay
 
 
+def validation_error(errors: list[dict[str, Any]]) -> APIError:
+    """A body that does not validate, as one 400 naming each bad field: a field this server
+    does not know is said so by name (pydantic's `extra_forbidden`), never dropped."""
+
+    def where(err: dict[str, Any]) -> str:
+        return ".".join(map(str, err.get("loc", ())[1:])) or "body"
+
+    def what(err: dict[str, Any]) -> str:
+        if err.get("type") == "extra_forbidden":
+            return f"unknown field {where(err)!r}: this server does not support it"
+        return f"{where(err)}: {err.get('msg')}"
+
+    param = where(errors[0]) if errors else None
+    message = "; ".join(what(err) for err in errors) or "bad request"
+    return APIError(400, message, param=param, code=ErrorCode.INVALID_REQUEST.value)
+
+
 def build_app(gateway: Gateway) -> FastAPI:
+    from radixrt.server.http.native import KEYED_ROUTES, add_native_routes  # it imports this
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         # the tokenizer loads while the runtime starts
         warm_up = asyncio.create_task(gateway.model())
         yield
         warm_up.cancel()
+        # a call still waiting for the runtime (one that never started) ends, so its worker
+        # thread does too and the process can exit
+        gateway.endpoint.client.fail_pending("the HTTP gateway is stopping")
 
     app = FastAPI(title="radixrt", docs_url=None, redoc_url=None, lifespan=lifespan)
 
@@ -436,13 +490,7 @@ def build_app(gateway: Gateway) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def bad_request(request: Request, e: RequestValidationError) -> JSONResponse:
-        first = e.errors()[0] if e.errors() else {}
-        param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
-        message = "; ".join(
-            f"{'.'.join(map(str, err.get('loc', ())[1:])) or 'body'}: {err.get('msg')}"
-            for err in e.errors()
-        )
-        return APIError(400, message or "bad request", param=param).response()
+        return validation_error(e.errors()).response()
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request) -> Response:
@@ -455,5 +503,6 @@ def build_app(gateway: Gateway) -> FastAPI:
     app.get("/v1/models")(gateway.models)
     app.get("/health")(gateway.health)
     app.get("/metrics")(gateway.render_metrics)
-    app.add_middleware(_Guard, gateway=gateway)
+    add_native_routes(app, gateway)
+    app.add_middleware(_Guard, gateway=gateway, keyed_routes=KEYED_ROUTES)
     return app

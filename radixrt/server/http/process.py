@@ -1,5 +1,5 @@
-"""The gateway's process: `serve --http-port` binds the port and hands it to a `radixrt http-gateway`
-child, which serves until SIGTERM or until its parent, the runtime, is gone."""
+"""The gateway's process: `serve` binds `--port` and hands it to a `radixrt http-gateway` child,
+which serves until SIGTERM or until its parent, the runtime, is gone."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def start_gateway(args: ServerArgs) -> subprocess.Popen:
     if not args.is_loopback and not (args.api_key or args.api_key_file or args.admin_api_key):
         raise SystemExit(f"refusing to serve HTTP on {host} without --api-key")
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.create_server((host, args.http_port), family=family, backlog=1024)
+    sock = socket.create_server((host, args.port), family=family, backlog=1024)
     command = [
         sys.executable,
         "-m",
@@ -53,6 +53,8 @@ def start_gateway(args: ServerArgs) -> subprocess.Popen:
     ]
     if args.api_key_file:
         command += ["--api-key-file", args.api_key_file]
+    if args.reasoning_parser:
+        command += ["--reasoning-parser", args.reasoning_parser]
     if args.curve_secret_key:
         # one argument: a Z85 key may start with "-", which argparse would take for a flag
         public = zmq.curve_public(args.curve_secret_key.encode()).decode()
@@ -63,7 +65,6 @@ def start_gateway(args: ServerArgs) -> subprocess.Popen:
             env[SECRETS[name]] = getattr(args, name)
     with sock:
         proc = subprocess.Popen(command, pass_fds=[sock.fileno()], env=env)
-    logger.info("OpenAI-compatible HTTP gateway on http://%s:%d/v1", host, args.http_port)
     return proc
 
 
@@ -88,6 +89,7 @@ def run_gateway(
     api_key_file: str | None = None,
     admin_api_key: str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    reasoning_parser: str | None = None,
 ) -> None:
     """Serve HTTP on the inherited listening socket `fd` until SIGTERM/SIGINT or the parent exits.
     Each request goes to the runtime with its client's own key (its tenant); the gateway's own
@@ -96,8 +98,10 @@ def run_gateway(
     keys = KeyRing.from_settings(api_key, api_key_file, admin_api_key)
     endpoint = RuntimeEndpoint(url, api_key=keys.any_key(), curve_server_key=curve_server_key)
     config = uvicorn.Config(
-        build_app(Gateway(endpoint, keys, tool_call_parser, max_body_bytes)),
-        log_level=log_level,
+        build_app(Gateway(endpoint, keys, tool_call_parser, max_body_bytes, reasoning_parser)),
+        # uvicorn's own start/stop lines and access log only under debug: the runtime says
+        # "HTTP on ..." once the model has loaded, and a bad setting stays one line
+        log_level=log_level if log_level == "debug" else "warning",
         timeout_graceful_shutdown=5,
     )
     server = uvicorn.Server(config)

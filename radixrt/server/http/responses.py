@@ -6,9 +6,26 @@ import itertools
 import json
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
+from radixrt.server.http.reasoning import ReasoningParser, ReasoningStream
 from radixrt.structured.tools import ToolCallParser, new_call_id
+
+
+class Echo(NamedTuple):
+    """A completion prompt echoed before its completion (`echo: true`): its text as given, and
+    its token ids, which the gateway tokenizes itself so that each echoed logprob has its token
+    (the runtime's prompt logprobs start at the second token)."""
+
+    text: str
+    ids: list[int]
+
+    @classmethod
+    def of(cls, tokenizer, prompt: str | list[int]) -> Echo:
+        """As the runtime tokenizes a text prompt (no special tokens added)."""
+        if isinstance(prompt, str):
+            return cls(prompt, tokenizer.encode(prompt, add_special_tokens=False))
+        return cls(tokenizer.decode(prompt), list(prompt))
 
 
 @dataclass
@@ -19,6 +36,7 @@ class ResponseShape:
     tokenizer: Any
     logprobs: bool
     tool_parser: ToolCallParser | None = None  # set when the reply may hold tool calls
+    reasoning: ReasoningParser | None = None  # --reasoning-parser, on chat replies
 
     @property
     def object(self) -> str:
@@ -39,9 +57,11 @@ class ResponseShape:
         meta: dict[str, Any],
         stream: bool = False,
         called: bool = False,
+        echo: Echo | None = None,
     ) -> dict[str, Any]:
         """A finished sample; in a stream its text already went out as deltas (`called`: calls
-        among them). A reply with tool calls finishes with `tool_calls`."""
+        among them). A reply with tool calls finishes with `tool_calls`. `echo`: the completion
+        prompt, whose text and logprobs come first."""
         if self.chat and not stream:
             message = self._message(text)
             called = "tool_calls" in message
@@ -49,25 +69,30 @@ class ResponseShape:
         elif self.chat:
             body = {"delta": {}}
         else:
-            body = {"text": "" if stream else text}
+            body = {"text": "" if stream else (echo.text if echo else "") + text}
         return {
             "index": index,
             **body,
-            "logprobs": self._logprobs(meta) if self.logprobs else None,
+            "logprobs": self._logprobs(meta, echo) if self.logprobs else None,
             "finish_reason": "tool_calls" if called else meta["finish_reason"]["type"],
         }
 
     def _message(self, text: str) -> dict[str, Any]:
-        """The assistant's message; with tools, the text before the calls and the calls (a call
-        cut short by the token limit is dropped: it would not parse)."""
+        """The assistant's message: with a reasoning parser, the reasoning apart; with tools, the
+        text before the calls and the calls (a call cut short by the token limit is dropped: it
+        would not parse)."""
+        message: dict[str, Any] = {"role": "assistant"}
+        if self.reasoning is not None:
+            reasoning, text = self.reasoning.split(text)
+            message["reasoning_content"] = reasoning or None
         if self.tool_parser is None:
-            return {"role": "assistant", "content": text}
+            return {**message, "content": text}
         scan = self.tool_parser.scan(text, final=True)
         calls = scan.finished_calls()
         if not calls:
-            return {"role": "assistant", "content": scan.content}
+            return {**message, "content": scan.content}
         return {
-            "role": "assistant",
+            **message,
             "content": scan.content.strip() or None,
             "tool_calls": [c.to_openai() for c in calls],
         }
@@ -82,7 +107,7 @@ class ResponseShape:
             body = {"text": text}
         return {"index": index, **body, "logprobs": None, "finish_reason": None}
 
-    def _logprobs(self, meta: dict[str, Any]) -> dict[str, Any]:
+    def _logprobs(self, meta: dict[str, Any], echo: Echo | None = None) -> dict[str, Any]:
         """OpenAI's logprobs of a sample, from the runtime's [logprob, token id] pairs."""
         decode = self.tokenizer.decode
         chosen = [(decode([tid]), lp) for lp, tid in meta["output_token_logprobs"]]
@@ -100,13 +125,33 @@ class ResponseShape:
                     for c, top in zip(chosen, tops or [[]] * len(chosen))
                 ]
             }
+        # the runtime sends top logprobs (perhaps none: max_tokens 0) only when asked for some
+        asked_tops = "output_top_logprobs" in meta
+        top_dicts = [dict(top) for top in tops] if asked_tops else None
+        if echo is not None:
+            prompt, prompt_tops = self._prompt_logprobs(meta, echo)
+            chosen = prompt + chosen
+            top_dicts = prompt_tops + top_dicts if asked_tops else None
         offsets = list(itertools.accumulate((len(t) for t, _ in chosen), initial=0))[:-1]
         return {
             "tokens": [t for t, _ in chosen],
             "token_logprobs": [lp for _, lp in chosen],
             "text_offset": offsets,
-            "top_logprobs": [dict(top) for top in tops] if tops else None,
+            "top_logprobs": top_dicts,
         }
+
+    def _prompt_logprobs(
+        self, meta: dict[str, Any], echo: Echo
+    ) -> tuple[list[tuple[str, float | None]], list[dict[str, float] | None]]:
+        """The echoed prompt's (token, logprob) pairs and top-logprob maps, as OpenAI has them:
+        the first token, which nothing predicts, has None for both."""
+        decode = self.tokenizer.decode
+        scored = [(decode([tid]), lp) for lp, tid in meta["input_token_logprobs"]]
+        tops = [
+            {decode([tid]): lp for lp, tid in top} for top in meta.get("input_top_logprobs", [])
+        ]
+        first = [(decode(echo.ids[:1]), None)] if echo.ids else []
+        return first + scored, [None] * len(first) + tops
 
 
 @dataclass
@@ -144,6 +189,42 @@ class ToolCallStream:
             if piece := call.arguments[self.arguments_sent[i] :]:
                 out.append({"tool_calls": [{"index": i, "function": {"arguments": piece}}]})
                 self.arguments_sent[i] = len(call.arguments)
+        return out
+
+
+@dataclass
+class ChoiceStream:
+    """One choice's streamed text as the deltas to send: the reasoning apart (`reasoning_content`)
+    when a reasoning parser runs, then the answer as tool-call deltas when tools may be called,
+    else as content."""
+
+    reasoning: ReasoningStream | None = None
+    calls: ToolCallStream | None = None
+
+    @classmethod
+    def of(cls, shape: ResponseShape) -> ChoiceStream:
+        return cls(
+            ReasoningStream(shape.reasoning) if shape.reasoning else None,
+            ToolCallStream(shape.tool_parser) if shape.tool_parser else None,
+        )
+
+    @property
+    def called(self) -> bool:
+        return self.calls is not None and self.calls.called
+
+    def feed(self, delta: str, final: bool = False) -> list[str | dict[str, Any]]:
+        """The deltas (text, or chat delta bodies) this much more text lets out."""
+        out: list[str | dict[str, Any]] = []
+        content = delta
+        if self.reasoning is not None:
+            piece = self.reasoning.feed(delta, final)
+            if piece.reasoning:
+                out.append({"reasoning_content": piece.reasoning})
+            content = piece.content
+        if self.calls is not None:
+            out += self.calls.feed(content, final)
+        elif content:
+            out.append(content)
         return out
 
 

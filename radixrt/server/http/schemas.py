@@ -3,7 +3,8 @@ sampling parameters for the runtime."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from inspect import signature
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -23,11 +24,42 @@ from radixrt.structured.tools import (
 )
 
 
-class StreamOptions(BaseModel):
+class Body(BaseModel):
+    """A request body: a field it does not declare is refused by name (a 400 from `build_app`'s
+    validation handler), never dropped, so a client learns what this server does not do."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(Body):
     include_usage: bool = False
 
 
-class GenerateRequest(BaseModel):
+# request field -> its sampling parameter on the wire (docs/protocol.md), where the names differ
+_WIRE_NAMES = {"min_tokens": "min_new_tokens"}
+_SAMPLING_FIELDS = (
+    "n",
+    "stop",
+    "temperature",
+    "top_p",
+    "seed",
+    "frequency_penalty",
+    "presence_penalty",
+    "logit_bias",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "min_tokens",
+    "stop_token_ids",
+    "ignore_eos",
+    "skip_special_tokens",
+    "regex",
+    "json_schema",
+)
+CONSTRAINT_FIELDS = ("regex", "json_schema")
+
+
+class GenerateRequest(Body):
     model: str | None = None
     n: int | None = None
     stream: bool = False
@@ -38,25 +70,32 @@ class GenerateRequest(BaseModel):
     seed: int | None = None
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as JSON writes map keys) -> bias
+    # SGLang's and vLLM's sampling extras, each a wire sampling parameter (docs/protocol.md)
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = None
+    skip_special_tokens: bool | None = None
+    regex: str | None = None
+    json_schema: str | dict[str, Any] | None = None
     # radixrt's own (docs/protocol.md): the cache namespace, the scheduling priority, a deadline
     cache_salt: str | None = None
     priority: int | None = None
     timeout: float | None = None
+    # OpenAI's fields that change nothing here: accepted knowingly, and ignored
+    user: str | None = None
+    metadata: dict[str, Any] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
 
     def sampling_params(self, max_new_tokens: int) -> dict[str, Any]:
         """The runtime validates the values (docs/protocol.md); unset ones keep its defaults."""
-        given = {
-            k: getattr(self, k)
-            for k in (
-                "n",
-                "stop",
-                "temperature",
-                "top_p",
-                "seed",
-                "frequency_penalty",
-                "presence_penalty",
-            )
-        }
+        given = {_WIRE_NAMES.get(k, k): getattr(self, k) for k in _SAMPLING_FIELDS}
         return {
             "max_new_tokens": max_new_tokens,
             **{k: v for k, v in given.items() if v is not None},
@@ -67,6 +106,7 @@ class CompletionRequest(GenerateRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int = 16
     logprobs: int | None = None
+    echo: bool = False  # the prompt before the completion (with `logprobs`, its tokens' too)
 
 
 class ChatMessage(BaseModel):
@@ -75,7 +115,7 @@ class ChatMessage(BaseModel):
     content: str | list[dict[str, Any]] | None = None
 
 
-class ResponseFormat(BaseModel):
+class ResponseFormat(Body):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: dict[str, Any] | None = None
 
@@ -90,15 +130,50 @@ class ChatCompletionRequest(GenerateRequest):
     tools: list[Any] | None = None  # checked by structured.tools.parse_tools, for its messages
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
+    # vLLM's: the reply continues the last (assistant) message instead of starting a new one
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None  # more variables for the chat template
+
+
+@dataclass(frozen=True)
+class ChatRendering:
+    """How the messages become a prompt, beyond the messages and tools themselves."""
+
+    continue_final_message: bool = False
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, req: ChatCompletionRequest, tokenizer) -> ChatRendering:
+        """400 for a `chat_template_kwargs` key that is one of apply_chat_template's own
+        arguments (it would override how the prompt is built, not feed the template)."""
+        kwargs = req.chat_template_kwargs or {}
+        reserved = sorted(set(kwargs) & set(signature(tokenizer.apply_chat_template).parameters))
+        if reserved:
+            raise APIError(
+                400,
+                f"chat_template_kwargs may not set {reserved}: they are not template variables",
+                param="chat_template_kwargs",
+                code="invalid_request",
+            )
+        return cls(req.continue_final_message, kwargs)
 
 
 def render_chat(
-    tokenizer, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    tokenizer,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None = None,
+    rendering: ChatRendering = ChatRendering(),
 ) -> str:
-    """Messages -> the prompt text, with the model's own chat template, ready for the assistant;
-    `tools` go to a template that renders them (structured.tools.prompt_messages did the rest)."""
+    """Messages -> the prompt text, with the model's own chat template, ready for the assistant
+    (or, with `continue_final_message`, inside its last message); `tools` go to a template that
+    renders them (structured.tools.prompt_messages did the rest)."""
     return tokenizer.apply_chat_template(
-        messages, tools=tools, tokenize=False, add_generation_prompt=True
+        messages,
+        tools=tools,
+        tokenize=False,
+        add_generation_prompt=not rendering.continue_final_message,
+        continue_final_message=rendering.continue_final_message,
+        **rendering.template_kwargs,
     )
 
 
@@ -109,6 +184,19 @@ def message_dict(m: ChatMessage) -> dict[str, Any]:
             raise APIError(400, "only text content parts are supported", param="messages")
         message["content"] = "".join(str(part.get("text", "")) for part in m.content)
     return message
+
+
+def add_constraint(params: dict[str, Any], constraint: dict[str, Any], param: str) -> None:
+    """Add one more source's constraint to the sampling params; 400 when they already hold one
+    (`regex` or `json_schema` given in the body): one reply decodes under one constraint."""
+    if constraint and any(params.get(k) is not None for k in CONSTRAINT_FIELDS):
+        raise APIError(
+            400,
+            f"{param} cannot be combined with regex or json_schema: give one constraint",
+            param=param,
+            code="invalid_request",
+        )
+    params.update(constraint)
 
 
 def constraint_params(fmt: ResponseFormat | None) -> dict[str, Any]:

@@ -1,8 +1,8 @@
 """`radixrt serve --dp-size N`: N workers and the router in front of them, in one command.
 
 Each worker is an ordinary `radixrt serve` on a private ipc:// socket, with its share of the
-cores (OMP_NUM_THREADS) or its own GPUs (CUDA_VISIBLE_DEVICES); the router binds --host/--port,
-and --http-port puts the HTTP gateway in front of the router. Stopping the router (shutdown op,
+cores (OMP_NUM_THREADS) or its own GPUs (CUDA_VISIBLE_DEVICES); the router binds the ZeroMQ port,
+and the HTTP gateway on --port sits in front of the router (unless --disable-http). Stopping the router (shutdown op,
 Ctrl-C) stops the workers. SIGTERM drains the fleet: the router refuses new generates and the
 workers get SIGTERM too, so they finish what they hold and exit; the fleet exits 0 once they all
 have, each with 0.
@@ -21,10 +21,9 @@ from typing import Any
 import zmq
 
 from radixrt.client.launcher import Engine
-from radixrt.config import ServerArgs
+from radixrt.config import RouterSettings, ServerArgs
 from radixrt.lifecycle import exit_with_parent
 from radixrt.server.front import FrontConfig
-from radixrt.server.router.policy import CacheAwareThresholds
 from radixrt.server.router.router import DRAIN_SLACK_S, Router, RouterConfig
 from radixrt.server.tenants import KeyRing
 
@@ -85,7 +84,7 @@ def start_workers(args: ServerArgs) -> list[FleetWorker]:
     """Start every worker at once and wait until all are healthy (any failure stops the rest).
     Each gets the keys (file, admin key), so it sees the tenant of each forwarded client key;
     not the CURVE allowlist, which is the router's: the router's links use their own key pairs."""
-    worker_args = dataclasses.replace(args, dp_size=1, http_port=None, curve_client_keys=None)
+    worker_args = dataclasses.replace(args, dp_size=1, disable_http=True, curve_client_keys=None)
     workers: list[Any] = [None] * args.dp_size
     errors: list[BaseException] = []
 
@@ -119,12 +118,7 @@ def router_config(args: ServerArgs, urls: list[str]) -> RouterConfig:
     )
     return RouterConfig(
         workers=tuple(urls),
-        policy=args.router_policy,
-        thresholds=CacheAwareThresholds(
-            args.router_cache_threshold,
-            args.router_balance_abs_threshold,
-            args.router_balance_rel_threshold,
-        ),
+        routing=args.group(RouterSettings),
         front=FrontConfig.from_server_args(args),
         worker_api_key=KeyRing.from_settings(
             args.api_key, args.api_key_file, args.admin_api_key
@@ -142,12 +136,13 @@ def run_fleet(args: ServerArgs) -> None:
     FrontConfig.from_server_args(args).check_exposure(args.host)
     exit_with_parent()  # and the workers, which watch this process, follow
     gateway = None
-    if args.http_port:  # before the workers load: a busy port fails at once
+    if not args.disable_http:  # before the workers load: a busy port fails at once
         from radixrt.server.http import process as http_gateway
 
         gateway = http_gateway.start_gateway(args)
-    workers = start_workers(args)
+    workers = []
     try:
+        workers = start_workers(args)
         router = Router(router_config(args, [w.args.endpoint for w in workers]), args.endpoint)
         router.wait_for_workers(WORKERS_JOIN_S)
 

@@ -23,6 +23,7 @@ from typing import Any
 
 import zmq
 
+from radixrt.config import RouterSettings
 from radixrt.protocol import MAX_CACHE_SALT_CHARS, ErrorCode, RequestError, error_reply
 from radixrt.server.front import (
     Caller,
@@ -33,7 +34,7 @@ from radixrt.server.front import (
     check_prompt_size,
     visible_stats,
 )
-from radixrt.server.router.policy import CacheAwareThresholds, Route, RouteReason, make_policy
+from radixrt.server.router.policy import Route, RouteReason, make_policy
 from radixrt.server.router.prefix_tree import Namespace, Prompt
 from radixrt.server.router.worker import WorkerLink, reply_problem
 from radixrt.server.tenants import OPEN, Principal
@@ -64,21 +65,13 @@ class RouterConfig:
     the router's own calls (pings, its stats). Without one, every message goes on with
     `worker_api_key`."""
 
-    workers: tuple[str, ...]
-    policy: str = "cache-aware"
-    thresholds: CacheAwareThresholds = field(default_factory=CacheAwareThresholds)
+    workers: tuple[str, ...]  # at least one (`RouterArgs` checks it)
+    routing: RouterSettings = field(default_factory=RouterSettings.defaults)
     front: FrontConfig = field(default_factory=FrontConfig)
     worker_api_key: str | None = None  # what the router sends to the workers
     worker_curve_server_key: str | None = None  # the workers' public key
     tokenizer: str | None = None  # tokenizer.json, when the workers' model_path is not local
     drain_timeout: float = 30.0  # on SIGTERM: how long requests in flight may take to finish
-
-    def __post_init__(self) -> None:
-        if not self.workers:
-            raise ValueError("a router needs at least one --worker")
-        if self.drain_timeout < 0:
-            raise ValueError("drain_timeout must be >= 0")
-        make_policy(self.policy)  # validates the name
 
     @property
     def forwards_client_keys(self) -> bool:
@@ -139,7 +132,7 @@ class Router:
             WorkerLink(self.ctx, i, url, config.worker_api_key, config.worker_curve_server_key)
             for i, url in enumerate(config.workers)
         ]
-        self.policy = make_policy(config.policy, config.thresholds)
+        self.policy = make_policy(config.routing)
         self.worker_poller = zmq.Poller()  # what a startup waits on: the workers only
         for w in self.workers:
             self.worker_poller.register(w.sock, zmq.POLLIN)
@@ -484,7 +477,8 @@ class Router:
                 worker.send({"op": "model_info", "rid": "model-info-self"})
 
     def _on_model_info(self, info: dict[str, Any]) -> None:
-        path = Path(str(info.get("model_path", ""))) / "tokenizer.json"
+        folder = info.get("tokenizer_path") or info.get("model_path", "")
+        path = Path(str(folder)) / "tokenizer.json"
         if self.tokenizer is None and path.is_file():
             self.tokenizer = _load_tokenizer(str(path))
         elif self.tokenizer is None:

@@ -235,7 +235,7 @@ REQUESTS = {
 
 # ---- the server under test ------------------------------------------------------------------
 class SoakServer:
-    """`radixrt serve` as a child process on a fixed loopback port, restartable."""
+    """`radixrt serve` as a child process on a fixed loopback ZeroMQ port, restartable."""
 
     def __init__(self, cfg: SoakConfig, key_file: Path, log: Path):
         self.port = free_port()
@@ -249,8 +249,9 @@ class SoakServer:
             cfg.model,
             "--host",
             "127.0.0.1",
-            "--port",
+            "--zmq-port",
             str(self.port),
+            "--disable-http",  # the soak's clients speak ZeroMQ
             "--max-total-tokens",
             str(cfg.max_total_tokens),
             "--max-running-requests",
@@ -339,7 +340,7 @@ class Soak:
     def _spawn(self, slot: int) -> None:
         tenant = f"tenant{slot}"
         command = [
-            sys.executable, "-m", "radixrt.bench.soak", "client",
+            sys.executable, "-m", "radixrt.reliability.soak", "client",
             "--url", self.server.url, "--key", self.keys[tenant],
             "--seed", str(self.cfg.seed * 1000 + self.spawned), "--until", str(self.until),
         ]  # fmt: skip

@@ -1,4 +1,4 @@
-"""`python -m radixrt.bench.hostile`: classes of bad input against a live runtime, tabulated.
+"""`python -m radixrt.reliability.hostile`: classes of bad input against a live runtime, tabulated.
 
 Each class is a list of generate maps a careless or hostile client could send: sampling values
 at and past their bounds, token ids past the vocabulary, constraints of the wrong types, deep

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from radixrt.bench.soak import KINDS, Soak, SoakConfig
+from radixrt.reliability.soak import KINDS, Soak, SoakConfig
 
 KNOWN_CODES = {
     "rate_limited",

@@ -1,0 +1,281 @@
+"""`rt.RuntimeEndpoint("http://...")`: the same user API over the gateway's HTTP routes.
+
+SGLang's native `/generate` carries generation (a batch in one call, so a `select` scores every
+choice in one round trip; `stream` as SSE), `/tokenize`, `/get_model_info`, `/get_server_info`
+(its `internal_states[0]` is `stats()`) and `/flush_cache` the rest; a `fork`'s pins go through
+radixrt's `/pin` and `/unpin` (docs/protocol.md, "The native HTTP API"). Results have the ZeroMQ
+endpoint's shapes (logprobs as `[logprob, token_id]` pairs), so programs cannot tell the two
+apart. Only the standard library: one HTTP connection per call, any thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import urllib.error
+import urllib.request
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from radixrt.client.endpoint import Prompt, RequestOptions, RuntimeEndpoint, _normalize
+from radixrt.client.transport import raise_for
+from radixrt.protocol import ErrorCode
+
+# an HTTP status -> the error code of an answer that names none (a proxy's, a plain 404)
+STATUS_CODES = {
+    400: ErrorCode.INVALID_REQUEST,
+    401: ErrorCode.UNAUTHORIZED,
+    404: ErrorCode.INVALID_REQUEST,
+    413: ErrorCode.INVALID_REQUEST,
+    422: ErrorCode.INVALID_REQUEST,
+    429: ErrorCode.RATE_LIMITED,
+    503: ErrorCode.OVERLOADED,
+    504: ErrorCode.TIMEOUT,
+}
+LOGPROB_KEYS = ("input_token_logprobs", "output_token_logprobs")
+
+
+@dataclass
+class _StreamState:
+    """What one sample's cumulative SSE events have said so far, to hand out deltas."""
+
+    text: str = ""
+    ids: list[int] = field(default_factory=list)
+
+
+class HttpEndpoint(RuntimeEndpoint):
+    """What `rt.RuntimeEndpoint(url)` is for an `http://` or `https://` url: `api_key` is sent as
+    `Authorization: Bearer`, `admin_api_key` instead on `flush_cache` and `stats`; `timeout`
+    bounds each call (seconds; None waits)."""
+
+    def __init__(
+        self,
+        url: str,
+        api_key: str | None = None,
+        timeout: float | None = None,
+        curve_server_key: str | None = None,
+        cache_salt: str | None = None,
+        priority: int | None = None,
+        admin_api_key: str | None = None,
+        curve_client_secret_key: str | None = None,
+    ):
+        if curve_server_key or curve_client_secret_key:
+            raise ValueError("CURVE keys are for tcp:// and ipc:// urls; use https:// for TLS")
+        self.url = url.rstrip("/")
+        self.timeout = timeout
+        self.api_key, self.admin_api_key = api_key, admin_api_key
+        self.options = RequestOptions(cache_salt=cache_salt, priority=priority)
+        self._model_info: dict[str, Any] | None = None
+
+    # ---- generation --------------------------------------------------------------------------
+    def generate(
+        self,
+        prompt: Prompt | list[Prompt] | None = None,
+        sampling_params: dict | list[dict] | None = None,
+        input_ids: list[int] | list[list[int]] | None = None,
+        rid: str | list[str] | None = None,
+        stream: bool = False,
+        options: RequestOptions | None = None,
+    ) -> dict | list | Iterator[dict]:
+        """As `RuntimeEndpoint.generate`, in one `/generate` call."""
+        items, single, key = _normalize(prompt, input_ids)
+        params = (
+            sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(items)
+        )
+        if len(params) != len(items):
+            raise ValueError("sampling_params must be one value or one per prompt")
+        opts = (options or RequestOptions()).over(self.options)
+        body = {
+            key: items[0] if single else items,
+            "sampling_params": (params[0] or {}) if single else [p or {} for p in params],
+            **{k: v for k, v in opts.fields().items() if k != "api_key"},
+        }
+        if rid is not None:
+            body["rid"] = rid
+        if stream:
+            if not single:
+                raise ValueError("stream=True takes one prompt")
+            return self._stream({**body, "stream": True}, opts.api_key)
+        outs = self._post("/generate", body, opts.api_key)
+        outs = outs if isinstance(outs, list) else [outs]
+        grouped = _group(outs, [max(1, (p or {}).get("n") or 1) for p in params])
+        return grouped[0] if single else grouped
+
+    async def async_generate(
+        self,
+        prompt: Prompt | list[Prompt] | None = None,
+        sampling_params: dict | list[dict] | None = None,
+        input_ids: list[int] | list[list[int]] | None = None,
+        rid: str | list[str] | None = None,
+        options: RequestOptions | None = None,
+    ) -> dict | list:
+        return await asyncio.to_thread(
+            self.generate, prompt, sampling_params, input_ids, rid, False, options
+        )
+
+    async def async_stream(
+        self,
+        prompt: Prompt | None = None,
+        sampling_params: dict | None = None,
+        input_ids: list[int] | None = None,
+        rid: str | None = None,
+        options: RequestOptions | None = None,
+    ) -> AsyncIterator[dict]:
+        chunks = self.generate(prompt, sampling_params, input_ids, rid, True, options)
+        end = object()
+        try:
+            while (chunk := await asyncio.to_thread(next, chunks, end)) is not end:
+                yield chunk
+        finally:
+            chunks.close()
+
+    def abort(self, rid: str) -> None:
+        """Abort request `rid` of this key; one no longer in flight is no error."""
+        try:
+            self._post("/abort_request", {"rid": rid}, None)
+        except ValueError:  # 404: it finished meanwhile
+            pass
+
+    def _stream(self, body: dict[str, Any], api_key: str | None) -> Iterator[dict]:
+        """The SSE events of a streamed /generate as the ZeroMQ endpoint's chunks: deltas
+        `{"index", "finished": False, "delta", "token_ids"}`, then each sample's final map."""
+        states: dict[int, _StreamState] = {}
+        with self._open("/generate", body, api_key) as reply:
+            for line in reply:
+                if not line.startswith(b"data: "):
+                    continue
+                data = line[len(b"data: ") :].strip()
+                if data == b"[DONE]":
+                    return
+                event = json.loads(data)
+                _raise_for_body(event, 200)
+                index = event.get("index", 0)
+                state = states.setdefault(index, _StreamState())
+                if event["meta_info"].get("finish_reason") is not None:
+                    yield {"index": index, "finished": True, **_sample(event)}
+                    continue
+                delta, ids = event["text"][len(state.text) :], event["output_ids"][len(state.ids) :]
+                state.text, state.ids = event["text"], event["output_ids"]
+                yield {"index": index, "finished": False, "delta": delta, "token_ids": ids}
+
+    # ---- introspection -----------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        return self._get("/get_server_info", self.admin_api_key)["internal_states"][0]
+
+    def flush_cache(self) -> bool:
+        """True once flushed; False while requests run (the route's 400)."""
+        try:
+            return self._post("/flush_cache", {}, self.admin_api_key)["success"]
+        except _NotFlushed:
+            return False
+
+    def health(self, timeout: float | None = None) -> bool:
+        self._get("/health", None, timeout)
+        return True
+
+    def check_invariants(self) -> None:
+        raise NotImplementedError("check_invariants is a ZeroMQ op: use the server's --zmq-port")
+
+    def memory_snapshot(self) -> dict[str, Any]:
+        raise NotImplementedError("memory_snapshot is a ZeroMQ op: use the server's --zmq-port")
+
+    def pin(self, pin_id: str, prompt: Prompt, options: RequestOptions | None = None) -> int:
+        key = "text" if isinstance(prompt, str) else "input_ids"
+        opts = (options or RequestOptions()).over(self.options)
+        salt = {"cache_salt": opts.cache_salt} if opts.cache_salt is not None else {}
+        body = {"pin_id": pin_id, key: prompt, **salt}
+        return self._post("/pin", body, opts.api_key)["pinned_tokens"]
+
+    def unpin(self, pin_id: str) -> bool:
+        return self._post("/unpin", {"pin_id": pin_id}, None)["success"]
+
+    def tokenize(self, text: str) -> list[int]:
+        """The runtime's own tokenization of a prompt (no special tokens added)."""
+        body = {"prompt": text, "add_special_tokens": False}
+        return self._post("/tokenize", body, None)["tokens"]
+
+    @property
+    def model_info(self) -> dict[str, Any]:
+        if self._model_info is None:
+            self._model_info = self._get("/get_model_info", None)
+        return self._model_info
+
+    def close(self) -> None:
+        """Nothing to close: each call has its own connection."""
+
+    # ---- plumbing ----------------------------------------------------------------------------
+    def _get(self, path: str, api_key: str | None, timeout: float | None = None) -> Any:
+        with self._open(path, None, api_key, timeout) as reply:
+            return json.loads(reply.read())
+
+    def _post(self, path: str, body: dict[str, Any], api_key: str | None) -> Any:
+        with self._open(path, body, api_key) as reply:
+            return json.loads(reply.read())
+
+    def _open(
+        self, path: str, body: dict | None, api_key: str | None, timeout: float | None = None
+    ):
+        """The open reply of one call; an error status raised as the ZeroMQ client raises it."""
+        key = api_key or self.api_key
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        data = None
+        if body is not None:
+            data = json.dumps(body).encode()
+            headers["Content-Type"] = "application/json"
+        request = urllib.request.Request(f"{self.url}{path}", data, headers)
+        try:
+            return urllib.request.urlopen(request, timeout=timeout or self.timeout)
+        except urllib.error.HTTPError as e:
+            with e:
+                text = e.read()
+            try:
+                answer = json.loads(text)
+            except ValueError:
+                answer = {"error": {"message": text.decode(errors="replace")}}
+            if path == "/flush_cache" and e.code == 400 and answer.get("success") is False:
+                raise _NotFlushed() from None
+            _raise_for_body(answer, e.code)
+            raise ConnectionError(f"{path}: HTTP {e.code}") from None
+        except urllib.error.URLError as e:
+            raise ConnectionError(f"cannot reach {self.url}: {e.reason}") from None
+
+
+class _NotFlushed(Exception):
+    """/flush_cache answered 400: requests are running."""
+
+
+def _raise_for_body(answer: Any, status: int) -> None:
+    """Raise the `RemoteError` an error answer stands for: its `code` when it is a runtime
+    error code, else the one its HTTP status implies."""
+    if not isinstance(answer, dict) or "error" not in answer:
+        return
+    error = answer["error"] if isinstance(answer["error"], dict) else {"message": answer["error"]}
+    code = error.get("code")
+    if ErrorCode.parse(code) is None:
+        fallback = STATUS_CODES.get(status, ErrorCode.INTERNAL_ERROR)
+        code = fallback.value if status >= 400 else ErrorCode.INTERNAL_ERROR.value
+    raise_for({"error": {"code": code, "message": error.get("message", "")}})
+
+
+def _sample(body: dict[str, Any]) -> dict[str, Any]:
+    """A native sample as the ZeroMQ endpoint returns it: logprobs as `[logprob, token_id]`."""
+    meta = dict(body["meta_info"])
+    for key in LOGPROB_KEYS:
+        if key in meta:
+            meta[key] = [[lp, tid] for lp, tid, *_ in meta[key]]
+    if "output_top_logprobs" in meta:
+        meta["output_top_logprobs"] = [
+            [[lp, tid] for lp, tid, *_ in top] for top in meta["output_top_logprobs"]
+        ]
+    return {"text": body["text"], "output_ids": body["output_ids"], "meta_info": meta}
+
+
+def _group(bodies: list[dict], counts: list[int]) -> list[dict | list[dict]]:
+    """The flat list of samples as one result per prompt (a list where its n > 1)."""
+    out, start = [], 0
+    for n in counts:
+        samples = [_sample(b) for b in bodies[start : start + n]]
+        out.append(samples[0] if n == 1 else samples)
+        start += n
+    return out

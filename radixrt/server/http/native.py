@@ -1,0 +1,392 @@
+"""SGLang's native HTTP API on the gateway: `/generate`, `/flush_cache`, `/get_model_info`,
+`/get_server_info`, `/health_generate`, `/tokenize`, `/detokenize`, `/abort_request`, and
+radixrt's `/pin` and `/unpin` (what a DSL `fork` needs over HTTP; SGLang has no equivalent).
+
+Bodies are checked field by field: a field the server does not know is a 400 that names it (the
+runtime names an unknown sampling parameter the same way). Each route speaks to the runtime with
+the caller's own key, so the runtime's roles decide (a tenant's key cannot flush the cache).
+docs/protocol.md ("The native HTTP API") is the reference.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict
+
+from radixrt import __version__
+from radixrt.client.endpoint import Prompt, RequestOptions
+from radixrt.protocol import ErrorCode
+from radixrt.server.http.app import MAX_FANOUT, Gateway, bearer, prepend, unless_disconnected
+from radixrt.server.http.errors import RUNTIME_EXCEPTIONS, APIError, from_runtime_error
+from radixrt.server.http.responses import sse_event
+
+# routes that need an accepted key when keys are set (/health stays open, as on /v1)
+KEYED_ROUTES = (
+    "/generate",
+    "/flush_cache",
+    "/get_model_info",
+    "/get_server_info",
+    "/health_generate",
+    "/tokenize",
+    "/detokenize",
+    "/abort_request",
+    "/pin",
+    "/unpin",
+)
+CONTROL_TIMEOUT_S = 30.0
+HEALTH_GENERATE_PARAMS = {"max_new_tokens": 1, "temperature": 0}
+# top-level logprob fields of a native /generate, which the wire carries in sampling_params
+LOGPROB_FIELDS = ("return_logprob", "logprob_start_len", "top_logprobs_num")
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # an unknown field is a 400 naming it
+
+
+class NativeGenerateRequest(_Body):
+    """SGLang's `GenerateReqInput`, the fields radixrt serves (one prompt or a batch)."""
+
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
+    stream: bool = False
+    return_logprob: bool | None = None
+    logprob_start_len: int | None = None
+    top_logprobs_num: int | None = None
+    rid: str | list[str] | None = None
+    # radixrt's own (docs/protocol.md): the cache namespace, the scheduling priority, a deadline
+    cache_salt: str | None = None
+    priority: int | None = None
+    timeout: float | None = None
+
+
+class TokenizeRequest(_Body):
+    prompt: str | list[str]
+    add_special_tokens: bool = True
+
+
+class DetokenizeRequest(_Body):
+    tokens: list[int]
+    skip_special_tokens: bool = True
+
+
+class AbortRequest(_Body):
+    rid: str
+
+
+class PinRequest(_Body):
+    pin_id: str
+    text: str | None = None
+    input_ids: list[int] | None = None
+    cache_salt: str | None = None
+
+
+class UnpinRequest(_Body):
+    pin_id: str
+
+
+@dataclass(frozen=True)
+class NativeCall:
+    """One prompt of a native /generate as the runtime gets it: its own rid there (unique on
+    the gateway's one connection), the caller's rid (echoed as `meta_info.id`) and key, the
+    prompt and its sampling parameters."""
+
+    runtime_rid: str
+    rid: str
+    key: str | None  # the caller's (None without keys): rids are the caller's own
+    prompt: Prompt
+    params: dict[str, Any]
+
+
+def _prompts(req: NativeGenerateRequest) -> tuple[list[Prompt], bool]:
+    """The prompts of the body, and whether it named one prompt (answered with one object)."""
+    if (req.text is None) == (req.input_ids is None):
+        raise _invalid("give exactly one of text or input_ids", "text")
+    if isinstance(req.text, str):
+        return [req.text], True
+    if req.text is not None:
+        return list(req.text), False
+    if req.input_ids and isinstance(req.input_ids[0], list):
+        return list(req.input_ids), False
+    return [req.input_ids], True
+
+
+def _calls(req: NativeGenerateRequest, key: str | None) -> tuple[list[NativeCall], bool]:
+    prompts, single = _prompts(req)
+    if not prompts:
+        raise _invalid("the batch is empty", "text" if req.text is not None else "input_ids")
+    params = req.sampling_params if isinstance(req.sampling_params, list) else None
+    params = params or [req.sampling_params or {}] * len(prompts)
+    rids = [req.rid] if isinstance(req.rid, str) else req.rid
+    rids = rids or [uuid.uuid4().hex for _ in prompts]
+    if len(params) != len(prompts):
+        raise _invalid("sampling_params must be one map or one per prompt", "sampling_params")
+    if len(rids) != len(prompts) or len(set(rids)) != len(rids):
+        raise _invalid("rid must be one distinct string per prompt", "rid")
+    logprobs = {k: getattr(req, k) for k in LOGPROB_FIELDS if getattr(req, k) is not None}
+    return [
+        NativeCall(f"native-{uuid.uuid4().hex}", r, key, p, {**sp, **logprobs})
+        for r, p, sp in zip(rids, prompts, params)
+    ], single
+
+
+def _invalid(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=ErrorCode.INVALID_REQUEST.value)
+
+
+def _triples(pairs: list) -> list[list]:
+    """The runtime's `[logprob, token_id]` as SGLang's `[logprob, token_id, text]` (no text:
+    radixrt has no `return_text_in_logprobs`)."""
+    return [[lp, tid, None] for lp, tid in pairs]
+
+
+def sample_body(sample: dict[str, Any], rid: str) -> dict[str, Any]:
+    """One finished sample in SGLang's shape: `text`, `output_ids`, `meta_info` with `id`."""
+    meta = {**sample["meta_info"], "id": rid}
+    for key in ("input_token_logprobs", "output_token_logprobs"):
+        if key in meta:
+            meta[key] = _triples(meta[key])
+    if "output_top_logprobs" in meta:
+        meta["output_top_logprobs"] = [_triples(top) for top in meta["output_top_logprobs"]]
+    return {"text": sample["text"], "output_ids": sample["output_ids"], "meta_info": meta}
+
+
+class NativeAPI:
+    """The native routes over one `Gateway` (radixrt/server/http/app.py); keeps which caller's
+    rids are in flight, so `/abort_request` finds them and two callers' rids never meet."""
+
+    def __init__(self, gateway: Gateway):
+        self.gateway = gateway
+        # (caller's key, caller's rid) -> the runtime's rid: one key's rids never meet another's
+        self.in_flight: dict[tuple[str | None, str], str] = {}
+
+    def key_of(self, request: Request) -> str | None:
+        """The caller's key when keys are set (the runtime names its tenant and role)."""
+        if not self.gateway.keys.keys:
+            return None
+        return bearer(dict(request.headers.raw)) or None
+
+    def _key_fields(self, request: Request) -> dict[str, str]:
+        key = self.key_of(request)
+        return {"api_key": key} if key else {}
+
+    async def _call(self, request: Request, op: str, **fields: Any) -> Any:
+        """A control op with the caller's key; its error as an HTTP error."""
+        try:
+            return await asyncio.to_thread(
+                self.gateway.endpoint.client.call,
+                op,
+                CONTROL_TIMEOUT_S,
+                **self._key_fields(request),
+                **fields,
+            )
+        except RUNTIME_EXCEPTIONS as e:
+            raise from_runtime_error(e) from e
+
+    # ---- /generate ---------------------------------------------------------------------------
+    async def generate(self, request: Request, req: NativeGenerateRequest) -> Response:
+        calls, single = _calls(req, self.key_of(request))
+        fanout = sum(max(1, c.params.get("n") or 1) for c in calls)
+        if fanout > MAX_FANOUT:
+            raise _invalid(f"{fanout} requests (prompts x n); at most {MAX_FANOUT} per call")
+        options = self.gateway.options(request, req)
+        self._claim(calls)
+        try:
+            if req.stream:
+                if not single:
+                    raise _invalid("stream: true takes one prompt", "stream")
+                replies = self._stream(calls[0], options)
+                (first,) = await unless_disconnected(request, [replies.__anext__()])
+                events = self._events(calls[0], prepend(first, replies))
+                return StreamingResponse(events, media_type="text/event-stream")
+            outs = await unless_disconnected(request, [self._one(c, options) for c in calls])
+        except BaseException:
+            self._release(calls)
+            raise
+        self._release(calls)
+        bodies = [b for per_prompt in outs for b in per_prompt]
+        return JSONResponse(bodies[0] if single and len(bodies) == 1 else bodies)
+
+    def _claim(self, calls: list[NativeCall]) -> None:
+        taken = [c.rid for c in calls if (c.key, c.rid) in self.in_flight]
+        if taken:
+            raise _invalid(f"rid {taken[0]!r} is already in flight", "rid")
+        for c in calls:
+            self.in_flight[c.key, c.rid] = c.runtime_rid
+
+    def _release(self, calls: list[NativeCall]) -> None:
+        for c in calls:
+            self.in_flight.pop((c.key, c.rid), None)
+
+    async def _one(self, call: NativeCall, options: RequestOptions) -> list[dict[str, Any]]:
+        out = await self.gateway.endpoint.async_generate(
+            call.prompt, call.params, rid=call.runtime_rid, options=options
+        )
+        samples = out if isinstance(out, list) else [out]
+        for j, s in enumerate(samples):
+            self.gateway.metrics.observe(s["meta_info"], count_prompt=j == 0)
+        return [sample_body(s, call.rid) for s in samples]
+
+    async def _stream(self, call: NativeCall, options: RequestOptions) -> AsyncIterator[dict]:
+        replies = self.gateway.endpoint.async_stream(
+            call.prompt, call.params, rid=call.runtime_rid, options=options
+        )
+        try:
+            async for reply in replies:
+                yield reply
+        finally:
+            await replies.aclose()  # aborts the request when the caller left early
+            self._release([call])
+
+    async def _events(self, call: NativeCall, replies: AsyncIterator[dict]) -> AsyncIterator[str]:
+        """SGLang's stream: each event holds the sample's text and ids so far (cumulative), the
+        last one its `meta_info` with `finish_reason`; then `data: [DONE]`."""
+        n = max(1, call.params.get("n") or 1)
+        texts: dict[int, str] = {}
+        ids: dict[int, list[int]] = {}
+        try:
+            async for reply in replies:
+                index = reply.get("index", 0)
+                if reply["finished"]:
+                    self.gateway.metrics.observe(reply["meta_info"], count_prompt=index == 0)
+                    body = sample_body(reply, call.rid)
+                elif reply["delta"] or reply["token_ids"]:
+                    texts[index] = texts.get(index, "") + reply["delta"]
+                    ids[index] = ids.get(index, []) + list(reply["token_ids"])
+                    meta = {"id": call.rid, "finish_reason": None}
+                    body = {"text": texts[index], "output_ids": ids[index], "meta_info": meta}
+                else:
+                    continue
+                yield sse_event({**body, "index": index} if n > 1 else body)
+        except RUNTIME_EXCEPTIONS as e:
+            yield sse_event(from_runtime_error(e).body())
+            return
+        yield "data: [DONE]\n\n"
+
+    async def abort_request(self, request: Request, req: AbortRequest) -> dict:
+        """Abort the caller's request `rid` (another key's rid is not found)."""
+        runtime_rid = self.in_flight.get((self.key_of(request), req.rid))
+        if runtime_rid is None:
+            raise APIError(404, f"no request {req.rid!r} in flight", param="rid")
+        self.gateway.endpoint.abort(runtime_rid)
+        return {"success": True}
+
+    # ---- control and introspection -----------------------------------------------------------
+    async def flush_cache(self, request: Request) -> JSONResponse:
+        """200 once flushed; 400 while requests run (SGLang's statuses)."""
+        flushed = await self._call(request, "flush_cache")
+        message = "cache flushed" if flushed else "cache not flushed: requests are running"
+        return JSONResponse({"success": flushed, "message": message}, 200 if flushed else 400)
+
+    async def get_model_info(self, request: Request) -> dict:
+        info = await self._call(request, "model_info")
+        return {**info, "tokenizer_path": info["model_path"], "is_generation": True}
+
+    async def get_server_info(self, request: Request) -> dict:
+        """The runtime's `stats` (as the caller's key may see them) as SGLang's
+        `internal_states`, beside the model's name and context length."""
+        stats = await self._call(request, "stats")
+        model = await self.gateway.model()
+        return {
+            "version": __version__,
+            "served_model_name": model.name,
+            "context_length": model.context_length,
+            "internal_states": [stats],
+        }
+
+    async def health_generate(self, request: Request) -> dict:
+        """200 once the runtime generated one token."""
+        options = RequestOptions(api_key=self.key_of(request))
+        try:
+            await asyncio.wait_for(
+                self.gateway.endpoint.async_generate(
+                    "ping", dict(HEALTH_GENERATE_PARAMS), options=options
+                ),
+                CONTROL_TIMEOUT_S,
+            )
+        except (TimeoutError, asyncio.TimeoutError, *RUNTIME_EXCEPTIONS) as e:
+            raise APIError(503, f"the runtime cannot generate: {e}", "server_error") from e
+        return {"status": "ok"}
+
+    async def tokenize(self, req: TokenizeRequest) -> dict:
+        model = await self.gateway.model()
+        prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
+        tokens = [
+            model.tokenizer.encode(p, add_special_tokens=req.add_special_tokens) for p in prompts
+        ]
+        one = isinstance(req.prompt, str)
+        return {
+            "tokens": tokens[0] if one else tokens,
+            "count": len(tokens[0]) if one else [len(t) for t in tokens],
+            "max_model_len": model.context_length,
+        }
+
+    async def detokenize(self, req: DetokenizeRequest) -> dict:
+        model = await self.gateway.model()
+        if any(not 0 <= t < len(model.tokenizer) for t in req.tokens):
+            raise _invalid("a token id is outside the vocabulary", "tokens")
+        text = model.tokenizer.decode(req.tokens, skip_special_tokens=req.skip_special_tokens)
+        return {"text": text}
+
+    async def pin(self, request: Request, req: PinRequest) -> dict:
+        """Keep the cached prefix of the prompt from eviction until `/unpin` (docs/protocol.md)."""
+        if (req.text is None) == (req.input_ids is None):
+            raise _invalid("give exactly one of text or input_ids", "text")
+        prompt = {"text": req.text} if req.text is not None else {"input_ids": req.input_ids}
+        salt = {"cache_salt": req.cache_salt} if req.cache_salt is not None else {}
+        pinned = await self._call(
+            request, "pin", pin_id=self._pin_id(request, req.pin_id), **prompt, **salt
+        )
+        return {"pinned_tokens": pinned}
+
+    async def unpin(self, request: Request, req: UnpinRequest) -> dict:
+        return {
+            "success": await self._call(request, "unpin", pin_id=self._pin_id(request, req.pin_id))
+        }
+
+    def _pin_id(self, request: Request, pin_id: str) -> str:
+        """Pins live on the gateway's one connection: a caller's pin ids are scoped by its key,
+        so one key cannot release another's pins."""
+        scope = hashlib.sha256((self.key_of(request) or "").encode()).hexdigest()[:16]
+        return f"{scope}/{pin_id}"
+
+
+def add_native_routes(app: FastAPI, gateway: Gateway) -> None:
+    native = NativeAPI(gateway)
+
+    @app.post("/generate")
+    async def generate(req: NativeGenerateRequest, request: Request) -> Response:
+        return await native.generate(request, req)
+
+    @app.post("/abort_request")
+    async def abort_request(req: AbortRequest, request: Request) -> dict:
+        return await native.abort_request(request, req)
+
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest) -> dict:
+        return await native.tokenize(req)
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest) -> dict:
+        return await native.detokenize(req)
+
+    @app.post("/pin")
+    async def pin(req: PinRequest, request: Request) -> dict:
+        return await native.pin(request, req)
+
+    @app.post("/unpin")
+    async def unpin(req: UnpinRequest, request: Request) -> dict:
+        return await native.unpin(request, req)
+
+    app.api_route("/flush_cache", methods=["GET", "POST"])(native.flush_cache)
+    app.get("/get_model_info")(native.get_model_info)
+    app.get("/get_server_info")(native.get_server_info)
+    app.get("/health_generate")(native.health_generate)

@@ -1,0 +1,150 @@
+"""The reasoning parsers, model-free: whole replies, and the same replies streamed in pieces cut at
+every position (tags split across deltas) joining to the whole split."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from radixrt.server.http.reasoning import REASONING_PARSERS, ReasoningSplit, ReasoningStream
+
+R1, QWEN3 = REASONING_PARSERS["deepseek-r1"], REASONING_PARSERS["qwen3"]
+
+WHOLE = [
+    # (parser, reply, reasoning, content)
+    (R1, "Let me think.\n</think>\n\nIt is 4.", "Let me think.", "It is 4."),
+    (R1, "<think>\nexplicit open</think>answer", "explicit open", "answer"),
+    (R1, "cut off before the end", "cut off before the end", ""),
+    (R1, "</think>no reasoning", "", "no reasoning"),
+    (R1, "a < b </thin k> c</think> d", "a < b </thin k> c", "d"),
+    (QWEN3, "<think>\nsteps\n</think>\n\nThe answer.", "steps", "The answer."),
+    (QWEN3, "  <think>x</think>y", "x", "y"),
+    (QWEN3, "No thinking here.", "", "No thinking here."),
+    (QWEN3, "text then <think>late</think>", "", "text then <think>late</think>"),
+    (QWEN3, "<think>never closed", "never closed", ""),
+    (QWEN3, "<thin", "", "<thin"),
+    (QWEN3, "", "", ""),
+]
+
+
+@pytest.mark.parametrize(("parser", "reply", "reasoning", "content"), WHOLE)
+def test_whole_replies(parser, reply, reasoning, content):
+    assert parser.split(reply) == ReasoningSplit(reasoning, content)
+
+
+def _streamed(parser, pieces: list[str]) -> ReasoningSplit:
+    stream = ReasoningStream(parser)
+    outs = [stream.feed(p) for p in pieces] + [stream.feed("", final=True)]
+    return ReasoningSplit("".join(o.reasoning for o in outs), "".join(o.content for o in outs))
+
+
+@pytest.mark.parametrize(("parser", "reply", "reasoning", "content"), WHOLE)
+def test_streams_cut_anywhere_join_to_the_whole_split(parser, reply, reasoning, content):
+    whole = ReasoningSplit(reasoning, content)
+    for cut in range(len(reply) + 1):
+        assert _streamed(parser, [reply[:cut], reply[cut:]]) == whole, cut
+    for first in range(len(reply) + 1):  # two cuts: a tag may be split in three
+        for second in range(first, len(reply) + 1):
+            pieces = [reply[:first], reply[first:second], reply[second:]]
+            assert _streamed(parser, pieces) == whole, (first, second)
+    assert _streamed(parser, list(reply)) == whole
+
+
+def test_every_server_flag_value_has_a_parser_and_others_are_refused():
+    from radixrt.config import REASONING_PARSER_NAMES, ServerArgs
+
+    assert set(REASONING_PARSERS) == set(REASONING_PARSER_NAMES)
+    with pytest.raises(ValueError, match="reasoning_parser"):
+        ServerArgs(reasoning_parser="deepseek")
+
+
+def test_a_stream_lets_text_out_as_soon_as_it_is_certain():
+    stream = ReasoningStream(R1)
+    assert stream.feed("step one") == ReasoningSplit("step one", "")
+    assert stream.feed(" </th") == ReasoningSplit("", "")  # maybe the end tag: held
+    assert stream.feed("ink>  ") == ReasoningSplit("", "")  # whitespace before the answer
+    assert stream.feed("Four") == ReasoningSplit("", "Four")
+    stream = ReasoningStream(QWEN3)
+    assert stream.feed("<th") == ReasoningSplit("", "")  # maybe <think>
+    assert stream.feed("is is plain") == ReasoningSplit("", "<this is plain")
+
+
+# ---- end to end: the default model, its reply forced to hold a think block ---------------------
+# A JSON-schema string whose pattern puts `</think>` between a short free thought and a choice of
+# answers: the reply is a real greedy generation (the quotes of the JSON string included) that
+# deepseek-r1 must split; short, so that it takes a few decode steps.
+THINKING_SCHEMA = {
+    "type": "string",
+    "pattern": "^(I think|Let me see|Hmm)[a-z ]{0,6}</think>(Paris|London|Rome)$",
+}
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def reasoning_runtime(default_model_dir):
+    import radixrt as rt
+
+    from timeouts import REPLY_TIMEOUT_S
+
+    with rt.Runtime(
+        model=str(default_model_dir),
+        reasoning_parser="deepseek-r1",
+        max_total_tokens=4096,
+        log_level="warning",
+        timeout=REPLY_TIMEOUT_S,
+    ) as r:
+        yield r
+
+
+def test_a_forced_think_block_comes_back_split(reasoning_runtime, default_model_dir):
+    import openai
+    from transformers import AutoTokenizer
+
+    request = {
+        "model": "default",
+        "messages": QUESTION,
+        "temperature": 0,
+        "max_tokens": 24,
+        "response_format": {
+            "type": "json_schema",
+            "json_schema": {"name": "thought", "schema": THINKING_SCHEMA},
+        },
+    }
+    prompt = AutoTokenizer.from_pretrained(default_model_dir).apply_chat_template(
+        QUESTION, tokenize=False, add_generation_prompt=True
+    )
+    raw = reasoning_runtime.generate(
+        prompt, {"temperature": 0, "max_new_tokens": 24, "json_schema": THINKING_SCHEMA}
+    )["text"]
+    assert "</think>" in raw
+    expected = R1.split(raw)
+    url = f"{reasoning_runtime.http_url}/v1"
+    with openai.OpenAI(base_url=url, api_key="none", max_retries=0) as client:
+        message = client.chat.completions.create(**request).choices[0].message
+        chunks = list(client.chat.completions.create(**request, stream=True))
+    assert (message.reasoning_content, message.content) == expected
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    streamed = ReasoningSplit(
+        "".join(getattr(d, "reasoning_content", None) or "" for d in deltas),
+        "".join(d.content or "" for d in deltas),
+    )
+    assert streamed == expected
+
+
+def test_a_streamed_choice_reads_calls_from_the_answer_only():
+    """Reasoning first, then the answer through the tool-call reader: a call written inside the
+    think block is reasoning, the one after it a call."""
+    from radixrt.server.http.responses import ChoiceStream, ReasoningStream, ToolCallStream
+    from radixrt.structured.tools import PARSERS
+
+    call = '<tool_call>{"name":"f","arguments":{"x":1}}</tool_call>'
+    reply = f"maybe {call}?</think>{call}"
+    stream = ChoiceStream(ReasoningStream(R1), ToolCallStream(PARSERS["hermes"]))
+    deltas = [d for ch in reply for d in stream.feed(ch)] + stream.feed("", final=True)
+    reasoning = "".join(d.get("reasoning_content", "") for d in deltas)
+    assert reasoning == f"maybe {call}?" and stream.called
+    assert not any("content" in d for d in deltas)
+    calls = [d["tool_calls"][0] for d in deltas if "tool_calls" in d]
+    assert calls[0]["function"]["name"] == "f"
+    assert json.loads("".join(c["function"]["arguments"] for c in calls)) == {"x": 1}

@@ -313,3 +313,31 @@ def test_echo_without_logprobs_and_streamed(client):
     assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
     ids = _complete(client, max_tokens=0, echo=True)
     assert ids.choices[0].text == PROMPT and ids.usage.completion_tokens == 0
+
+
+def test_echo_logprobs_equal_native_generates(runtime, client):
+    """One prompt scored two ways: completions' echo and native /generate's
+    `input_token_logprobs` give the same logprob for every prompt token after the first."""
+    ids = runtime.tokenizer.encode(PROMPT, add_special_tokens=False)
+    echoed = _complete(client, max_tokens=0, echo=True, logprobs=1).choices[0].logprobs
+    status, native = _post(
+        runtime,
+        "/generate",
+        {
+            "input_ids": ids,
+            "sampling_params": {"max_new_tokens": 1, "temperature": 0},
+            "return_logprob": True,
+            "logprob_start_len": 0,
+        },
+    )
+    assert status == 200, native
+    scored = [
+        (lp, tok) for lp, tok, _ in native["meta_info"]["input_token_logprobs"] if lp is not None
+    ]
+    assert [tok for _, tok in scored] == ids[1:]
+    torch.testing.assert_close(
+        torch.tensor(echoed.token_logprobs[1 : len(ids)]),
+        torch.tensor([lp for lp, _ in scored]),
+        atol=1e-5,
+        rtol=1e-5,
+    )

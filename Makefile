@@ -30,10 +30,12 @@ test: model
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not model"
 
-# ruff: lint and format check (settings in pyproject.toml); `make format` rewrites in place.
+# ruff: lint and format check; mypy: types, strict on engine/, mem_cache/ and structured/
+# (settings of both in pyproject.toml); `make format` rewrites in place.
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/mypy
 
 format: $(STAMP)
 	$(BIN)/ruff check --fix .

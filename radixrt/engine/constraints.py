@@ -5,12 +5,15 @@ The compiler (and its workers) exists from the first constrained request on."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from radixrt.engine.request import FinishReason, Req
 from radixrt.protocol import ErrorCode
 from radixrt.sampling_params import SamplingParams
 from radixrt.structured.compiler import CompileStats, ConstraintCompiler
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 class Constraints:
@@ -19,7 +22,7 @@ class Constraints:
 
     def __init__(
         self,
-        tokenizer: Any,
+        tokenizer: PreTrainedTokenizerBase,
         vocab_size: int,
         compile_timeout_s: float,
         jump_forward: bool,
@@ -48,21 +51,21 @@ class Constraints:
         """Start compiling the request's constraint, if it has one (admission waits for it)."""
         constraint = params.constraint()
         if constraint is not None:
-            req.constraint = self._compiler().compile_async(
-                **{constraint[0]: constraint[1]}, tenant=req.scope.tenant
-            )
+            # the value is the client's, of any type: the compiler checks it
+            given: dict[str, Any] = {constraint[0]: constraint[1]}
+            req.constraint = self._compiler().compile_async(**given, tenant=req.scope.tenant)
 
     def ready(self, req: Req) -> bool:
         """False while the request's constraint compiles; a failed compile, or any failure to
         start its walk, ends that request alone with `invalid_constraint`."""
         if req.constraint is None or req.guide is not None:
             return True
-        if not self.compiler.ready(req.constraint):
+        if not self._compiler().ready(req.constraint):
             return False
         try:
             # forced tokens get no logprobs
             jump = self.jump_forward and not req.params.return_logprob
-            req.guide = self.compiler.guide(req.constraint.result(), jump_forward=jump)
+            req.guide = self._compiler().guide(req.constraint.result(), jump_forward=jump)
             return True
         except Exception as e:  # noqa: BLE001 (whatever the constraint raised is its own fault)
             message = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"

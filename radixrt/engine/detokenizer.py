@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, cast
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
 _CONTEXT_TOKENS = 5  # prompt tokens decoded ahead of the output so leading spaces come out right
 
 
@@ -12,7 +17,12 @@ class IncrementalDetokenizer:
     it no longer ends in U+FFFD (the mark of bytes that do not yet form a character).
     """
 
-    def __init__(self, tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True):
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        prompt_ids: list[int],
+        skip_special_tokens: bool = True,
+    ):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.ids = list(prompt_ids[-_CONTEXT_TOKENS:])
@@ -20,7 +30,9 @@ class IncrementalDetokenizer:
         self.read_offset = len(self.ids)
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        # one list of ids decodes to one string (a list of strings is for a batch of lists)
+        text = self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        return cast(str, text)
 
     def add(self, token_id: int) -> str:
         self.ids.append(token_id)

@@ -112,8 +112,9 @@ class OutputProcessor:
             else None,
         )
         for i, req in enumerate(reqs):
-            if out.failures[i] is not None:
-                self._fail_unsampleable(req, out.failures[i])
+            failure = out.failures[i]
+            if failure is not None:
+                self._fail_unsampleable(req, failure)
             elif self.guard(req, self._take, req, out, i) and req.finished:
                 self.finish(req)
 
@@ -149,9 +150,10 @@ class OutputProcessor:
                 else None,
                 [proposed],
             )
-            if out.failures[0] is not None:
+            failure = out.failures[0]
+            if failure is not None:
                 req.kv_len = start + rows  # the tokens confirmed so far keep their K/V
-                self._fail_unsampleable(req, out.failures[0])
+                self._fail_unsampleable(req, failure)
                 return
             token = out.token_ids[0]
             self._record_logprobs(req, out, 0)
@@ -172,6 +174,7 @@ class OutputProcessor:
         if out.logprobs is not None and req.params.return_logprob:
             req.output_token_logprobs.append((out.logprobs[i], out.token_ids[i]))
             if req.params.top_logprobs_num:
+                assert out.top_logprobs is not None, "the sampler gives top logprobs when asked"
                 req.output_top_logprobs.append(out.top_logprobs[i])
 
     def _emit(self, req: Req, token: int) -> int:
@@ -191,7 +194,9 @@ class OutputProcessor:
         start = time.perf_counter()
         bitmask = allocate_bitmask(len(reqs), logits.shape[1])
         for i in rows:
-            reqs[i].guide.fill_mask(bitmask[i])
+            guide = reqs[i].guide
+            assert guide is not None, "`rows` are the constrained requests"
+            guide.fill_mask(bitmask[i])
         apply_bitmask(logits, bitmask, rows)
         self.counters.mask_time += time.perf_counter() - start
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass, field
-from typing import Any, Literal, NamedTuple
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 import torch
 
@@ -14,6 +14,10 @@ from radixrt.mem_cache.radix_cache import TreeNode
 from radixrt.protocol import MAX_CACHE_SALT_CHARS, ErrorCode
 from radixrt.sampling_params import SamplingParams
 from radixrt.speculative import RequestDrafts
+
+if TYPE_CHECKING:
+    from radixrt.structured.compiler import CompileJob
+    from radixrt.structured.guide import TokenGuide
 
 
 @dataclass(frozen=True)
@@ -117,8 +121,8 @@ class Req:
     last_node: TreeNode | None = None
 
     # Structured output: the constraint's CompileJob (structured/compiler.py) and the walk in it
-    constraint: Any = None
-    guide: Any = None
+    constraint: CompileJob | None = None
+    guide: TokenGuide | None = None
 
     # Speculative decoding: the request's n-gram index and draft length (None when off)
     drafts: RequestDrafts | None = None

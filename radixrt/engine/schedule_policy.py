@@ -100,7 +100,8 @@ def _dfs_weight(waiting: list[Req], matches: dict[int, PrefixPeek]) -> list[Req]
         shallower = [d for d in depths[node] if d < into]
         if shallower:
             return node, max(shallower)
-        return node.parent, len(node.parent.key)
+        parent = node.up()
+        return parent, len(parent.key)
 
     at_point: dict[Point, list[Req]] = defaultdict(list)
     weight: dict[Point, int] = defaultdict(int)

@@ -376,7 +376,9 @@ def _tiers(args: SchedulerArgs) -> TierConfig:
 def build_batch(plan: list[Scheduled], kv: KVSlotManager, device: torch.device) -> ForwardBatch:
     """The forward's flattened ragged batch for `plan`: each request's new tokens, their
     positions after its computed KV, and the slots their K/V are written to."""
-    ids, positions, slots = [], [], []
+    ids: list[int] = []
+    positions: list[int] = []
+    slots: list[torch.Tensor] = []
     for item in plan:
         req, n = item.req, item.n
         ids.extend(item.input_ids())

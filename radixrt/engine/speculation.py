@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from radixrt.config import SchedulerArgs
 from radixrt.engine.request import Req, Scheduled
-from radixrt.speculative import NgramDrafter
+from radixrt.speculative import NgramDrafter, RequestDrafts
 
 
 @dataclass
@@ -20,6 +20,12 @@ class SpecCounters:
     verifications: int = 0
     draft_tokens: int = 0
     accepted_tokens: int = 0
+
+
+def _drafts(req: Req) -> RequestDrafts:
+    """The request's drafting state, which `Speculation.start` gave it."""
+    assert req.drafts is not None, "speculation did not start this request"
+    return req.drafts
 
 
 class Speculation:
@@ -59,7 +65,7 @@ class Speculation:
         if req.tokens_to_compute != 1 or not req.output_ids:
             return ()
         limit = min(req.remaining_new_tokens() - 1, self.context_length - len(req.all_ids))
-        draft = self.drafter.propose(req.drafts, req.all_ids, limit, prices)
+        draft = self.drafter.propose(_drafts(req), req.all_ids, limit, prices)
         if req.guide is not None:
             draft = draft[: req.guide.allowed_prefix(draft)]
         return tuple(draft)
@@ -72,7 +78,7 @@ class Speculation:
 
     def verified(self, req: Req, drafted: int, accepted: int) -> None:
         """A request verified `drafted` tokens and kept `accepted` of them."""
-        self.drafter.observe(req.drafts, drafted, accepted)
+        self.drafter.observe(_drafts(req), drafted, accepted)
         self.counters.verifications += 1
         self.counters.draft_tokens += drafted
         self.counters.accepted_tokens += accepted

@@ -90,6 +90,21 @@ class TreeNode:
     def device_len(self) -> int:
         return len(self.value) if self.value is not None else 0
 
+    def device_slots(self) -> torch.Tensor:
+        """`value`, of a node known to be on the device."""
+        assert self.value is not None, "the node is not on the device"
+        return self.value
+
+    def host_slots(self) -> torch.Tensor:
+        """`host_value`, of a node known to be on the host."""
+        assert self.host_value is not None, "the host holds no copy of the node"
+        return self.host_value
+
+    def up(self) -> TreeNode:
+        """`parent`, of a node known not to be a root."""
+        assert self.parent is not None, "a root has no parent"
+        return self.parent
+
 
 class PrefixMatch(NamedTuple):
     """The longest cached page-aligned prefix of a key: the device slots of its first part and
@@ -225,8 +240,10 @@ class RadixCache:
         its host part."""
         root = self.roots.get(salt)
         if self.disable or root is None:  # a salt nothing was cached under: no root made for it
-            return PrefixMatch(self.root.value, self.root)
-        node, values, host_values, device_node = root, [], [], root
+            return PrefixMatch(EMPTY, self.root)
+        node, device_node = root, root
+        values: list[torch.Tensor] = []
+        host_values: list[torch.Tensor] = []
         now = time.monotonic()
         key = key[: len(key) - len(key) % self.page_size]
         while key:
@@ -238,10 +255,10 @@ class RadixCache:
                 child = self._split(child, n)
             self._touch(child, now)
             if child.on_device:
-                values.append(child.value)
+                values.append(child.device_slots())
                 device_node = child
             else:
-                host_values.append(child.host_value)
+                host_values.append(child.host_slots())
             node, key = child, key[n:]
         return PrefixMatch(
             torch.cat(values) if values else EMPTY,
@@ -326,7 +343,7 @@ class RadixCache:
         upper.lock_ref, upper.last_access = child.lock_ref, child.last_access
         upper.hit_count = child.hit_count
         upper.children = {self._child_key(child.key[n:]): child}
-        child.parent.children[self._child_key(child.key)] = upper
+        child.up().children[self._child_key(child.key)] = upper
         child.parent = upper
         child.key = child.key[n:]
         child.value = None if child.value is None else child.value[n:]
@@ -363,45 +380,52 @@ class RadixCache:
     # ---- where a node's KV lives ---------------------------------------------------------
     def _set_device(self, node: TreeNode, slots: torch.Tensor) -> None:
         """Give a host-only node (whose parent is on the device) a device copy."""
-        assert node.value is None and node.parent.on_device
+        assert node.value is None and node.up().on_device
         node.value = slots
         self._account(node, +1)
         self._refresh(node)
-        self._refresh(node.parent)
+        self._refresh(node.up())
 
     def _drop_device(self, node: TreeNode) -> None:
-        self.free_slots(node.value)
-        self.evicted_tokens += len(node.value)
+        self.free_slots(node.device_slots())
+        self.evicted_tokens += len(node.device_slots())
         self._account(node, -1)
         node.value = None
         self._refresh(node)
-        self._refresh(node.parent)
+        self._refresh(node.up())
 
     def _remove(self, node: TreeNode) -> None:
         """Take a node with no device copy out of the tree, its (host-only) subtree with it."""
         for child in list(node.children.values()):
             self._remove(child)
         if node.host_value is not None:
-            self.host.free(node.host_value)
+            self._host().free(node.host_value)
         self._device_lru.set(node, False)
         self._host_lru.set(node, False)
-        del node.parent.children[self._child_key(node.key)]
-        self._refresh(node.parent)
-        self._prune(node.parent)
+        parent = node.up()
+        del parent.children[self._child_key(node.key)]
+        self._refresh(parent)
+        self._prune(parent)
+
+    def _host(self) -> HostTier:
+        """The host tier, where the caller's state implies there is one."""
+        assert self.host is not None, "no host tier"
+        return self.host
 
     def backup(self, node: TreeNode) -> bool:
         """Copy a device node's KV to the host (reclaiming host memory if needed); False when the
         host cannot make room."""
         if node.on_host:
             return True
-        n = len(node.value)
-        slots = self.host.alloc(n)
+        host = self._host()
+        n = len(node.device_slots())
+        slots = host.alloc(n)
         if slots is None:
-            self.evict_host(n - self.host.available())
-            slots = self.host.alloc(n)
+            self.evict_host(n - host.available())
+            slots = host.alloc(n)
             if slots is None:
                 return False
-        self.host.write(slots, node.value)
+        host.write(slots, node.device_slots())
         node.host_value = slots
         self.backed_up_tokens += n
         return True
@@ -440,11 +464,11 @@ class RadixCache:
         path = []
         while not node.on_device:
             path.append(node)
-            node = node.parent
+            node = node.up()
         start = 0
         for node in reversed(path):
             part = slots[start : start + len(node.key)]
-            self.host.load(part, node.host_value)
+            self._host().load(part, node.host_slots())
             self._set_device(node, part)
             start += len(node.key)
         assert start == len(slots), "load-back slots do not cover the host part"
@@ -476,7 +500,7 @@ class RadixCache:
             self.write_policy != "write_through_selective"
             or node.hit_count >= SELECTIVE_HITS
             or bool(node.children)
-            or self.host.available() >= len(node.value)
+            or self.host.available() >= len(node.device_slots())
         )
 
     def evict(self, num_tokens: int) -> int:
@@ -486,7 +510,7 @@ class RadixCache:
             node = self._device_lru.pop()
             if node is None:
                 break
-            freed += len(node.value)
+            freed += len(node.device_slots())
             if not node.on_host and self._keep_on_host(node):
                 self.backup(node)
             on_host = node.on_host
@@ -502,7 +526,7 @@ class RadixCache:
             node = self._host_lru.pop()
             if node is None:
                 break
-            freed += len(node.host_value)
+            freed += len(node.host_slots())
             self._remove(node)
         return freed
 
@@ -514,9 +538,9 @@ class RadixCache:
         for node in self.all_nodes():
             if node.parent is not None:
                 if node.on_device:
-                    self.free_slots(node.value)
+                    self.free_slots(node.device_slots())
                 if node.on_host:
-                    self.host.free(node.host_value)
+                    self._host().free(node.host_slots())
         self.reset()
         return True
 
@@ -533,10 +557,12 @@ class RadixCache:
         """Assert invariant 3: consistent sizes, aligned keys, distinct slots, lock counts, and
         every node's location (held somewhere; on the device only below a device parent)."""
         evictable = protected = 0
-        slots, host_slots = [], []
+        slots: list[torch.Tensor] = []
+        host_slots: list[torch.Tensor] = []
         for node in self.all_nodes():
             if node.parent is None:
-                assert self.roots.get(self._root_salts.get(node.id)) is node, "a stray root"
+                salt = self._root_salts.get(node.id)
+                assert salt is not None and self.roots.get(salt) is node, "a stray root"
                 continue
             assert len(node.key) > 0 and len(node.key) % self.page_size == 0
             assert node.on_device or node.on_host, "a node is held nowhere"
@@ -544,10 +570,10 @@ class RadixCache:
             assert node.parent.children.get(self._child_key(node.key)) is node
             locked_children = sum(c.lock_ref for c in node.children.values())
             assert node.lock_ref >= locked_children >= 0, "a child holds more locks than its parent"
-            if node.on_device:
+            if node.value is not None:
                 assert len(node.value) == len(node.key)
                 slots.append(node.value)
-            if node.on_host:
+            if node.host_value is not None:
                 assert self.host is not None and len(node.host_value) == len(node.key)
                 host_slots.append(node.host_value)
             if node.lock_ref:
@@ -564,5 +590,7 @@ class RadixCache:
         for held in (slots, host_slots):
             if held:
                 flat = torch.cat(held)
-                assert len(flat.unique()) == len(flat), "two nodes share a KV slot"
+                # torch leaves Tensor.unique unannotated
+                unique = flat.unique()  # type: ignore[no-untyped-call]
+                assert len(unique) == len(flat), "two nodes share a KV slot"
                 assert int(flat.min()) >= self.page_size, "a node points at the padding page"

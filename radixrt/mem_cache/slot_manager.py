@@ -29,6 +29,7 @@ The manager needs no model: the tests drive it with a pool, a tree and token ids
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -53,7 +54,17 @@ class SlotHolder(Protocol):
     kv_len: int  # tokens of all_ids whose K/V are in the pool
     tree_len: int  # row[:tree_len] belongs to the tree, locked through last_node
     last_node: TreeNode | None
-    cache_salt: str  # the tree (and disk-tier) namespace its prefixes are matched and cached in
+
+    @property
+    def cache_salt(self) -> str:
+        """The tree (and disk-tier) namespace its prefixes are matched and cached in."""
+        ...
+
+
+def _locked(holder: SlotHolder) -> TreeNode:
+    """The node a holder with a row locks its tree part through."""
+    assert holder.last_node is not None, "the holder holds no slots"
+    return holder.last_node
 
 
 @dataclass(frozen=True)
@@ -106,7 +117,9 @@ class KVSlotManager:
         self.rows = req_to_token_pool
         self.req_to_token = req_to_token_pool.req_to_token
         self.tree = tree
-        self.host: HostKVPool | None = tree.host
+        host = tree.host
+        assert host is None or isinstance(host, HostKVPool), "the host tier is a HostKVPool"
+        self.host: HostKVPool | None = host
         self.storage = storage
         self.swap = swap and tree.host is not None and not tree.disable
         self.page_size = allocator.page_size
@@ -198,14 +211,16 @@ class KVSlotManager:
     def _read_storage(self, key: list[int], match: PrefixMatch, salt: str) -> PrefixMatch:
         """Extend `match` by the whole blocks of `key` the disk tier holds right after it: read
         them into new host pages hung under the match's end as one host-only node."""
-        b = self.storage.block_tokens
+        storage, host = self.storage, self.host
+        assert storage is not None and host is not None, "there is a disk tier"
+        b = storage.block_tokens
         start, count = match.length, len(key) // b
         if start // b >= count:
             return match
-        keys = self.storage.block_keys(key, count, salt)
+        keys = storage.block_keys(key, count, salt)
         blocks = []
         for block_key in keys[start // b :]:
-            kv = self.storage.read(block_key)
+            kv = storage.read(block_key)
             if kv is None:
                 break
             blocks.append(kv)
@@ -214,14 +229,14 @@ class KVSlotManager:
         end = (start // b + len(blocks)) * b
         parent = match.end_node
         self.tree.inc_lock_ref(parent)  # reclaiming host room must not take the matched path
-        slots = self.host.alloc(end - start)
+        slots = host.alloc(end - start)
         if slots is None:
-            self.tree.evict_host(end - start - self.host.available())
-            slots = self.host.alloc(end - start)
+            self.tree.evict_host(end - start - host.available())
+            slots = host.alloc(end - start)
         self.tree.dec_lock_ref(parent)
         if slots is None:
             return match
-        self.host.put(slots, blocks, start % b)
+        host.put(slots, blocks, start % b)
         node = self.tree.attach_host(parent, key[start:end], slots)
         return PrefixMatch(
             match.slots, match.node, torch.cat([match.host_slots, slots]), node, end - start
@@ -229,12 +244,14 @@ class KVSlotManager:
 
     def _write_storage(self, holder: SlotHolder) -> None:
         """Queue the holder's computed whole blocks that the disk tier lacks."""
-        b = self.storage.block_tokens
+        storage, host = self.storage, self.host
+        assert storage is not None and host is not None, "there is a disk tier"
+        b = storage.block_tokens
         row = self.req_to_token[holder.row]
-        keys = self.storage.block_keys(holder.all_ids, holder.kv_len // b, holder.cache_salt)
+        keys = storage.block_keys(holder.all_ids, holder.kv_len // b, holder.cache_salt)
         for i, key in enumerate(keys):
-            if not self.storage.contains(key):
-                self.storage.write(key, self.host.device_block(row[i * b : (i + 1) * b].long()))
+            if not storage.contains(key):
+                storage.write(key, host.device_block(row[i * b : (i + 1) * b].long()))
 
     def lock(self, node: TreeNode) -> None:
         """Protect a matched prefix from eviction while admission decides (see `admit`)."""
@@ -297,7 +314,7 @@ class KVSlotManager:
         match = self.tree.match_prefix(holder.all_ids[:aligned], holder.cache_salt)
         self.req_to_token[holder.row, :aligned] = match.slots.to(torch.int32)
         self.tree.inc_lock_ref(match.node)
-        self.tree.dec_lock_ref(holder.last_node)
+        self.tree.dec_lock_ref(_locked(holder))
         holder.last_node, holder.tree_len = match.node, aligned
 
     def release(self, holder: SlotHolder) -> None:
@@ -310,7 +327,7 @@ class KVSlotManager:
         start = max(self._insert_computed(holder), holder.tree_len)
         if holder.kv_len > start:
             self.allocator.free(self.req_to_token[holder.row, start : holder.kv_len].long())
-        self.tree.dec_lock_ref(holder.last_node)
+        self.tree.dec_lock_ref(_locked(holder))
         self.rows.free(holder.row)
         holder.row, holder.last_node = None, None
 
@@ -321,7 +338,7 @@ class KVSlotManager:
         recomputed."""
         if self.swap and holder.row is not None:
             self.cache_unfinished(holder)
-            self.swapped_out_tokens += self.tree.backup_path(holder.last_node)
+            self.swapped_out_tokens += self.tree.backup_path(_locked(holder))
         self.release(holder)
         holder.kv_len = holder.tree_len = 0
 
@@ -380,7 +397,7 @@ class KVSlotManager:
         return True
 
     # ---- checks ----------------------------------------------------------------------------
-    def snapshot(self, holders: list[SlotHolder], names: list[str]) -> dict[str, Any]:
+    def snapshot(self, holders: Sequence[SlotHolder], names: list[str]) -> dict[str, Any]:
         """Who holds which slot, as plain data, for checkers that must not share this code:
         `pool_snapshot`, every holder's row split at tree_len and kv_len, the pinned nodes, the
         request-table rows."""
@@ -389,7 +406,7 @@ class KVSlotManager:
             "requests": [
                 {
                     "rid": name,
-                    "last_node": h.last_node.id,
+                    "last_node": _locked(h).id,
                     "tree_slots": self.req_to_token[h.row, : h.tree_len].tolist(),
                     "own_slots": self.req_to_token[h.row, h.tree_len : h.kv_len].tolist(),
                 }
@@ -401,12 +418,12 @@ class KVSlotManager:
             "running_rows": [h.row for h in holders],
         }
 
-    def check(self, holders: list[SlotHolder]) -> None:
+    def check(self, holders: Sequence[SlotHolder]) -> None:
         """Invariants 2 and 3: every page has one owner, the tree is consistent, locks add up."""
         self.tree.check()
         p = self.page_size
         owners = [self.allocator.free_page_ids()]
-        owners += [n.value[::p] // p for n in self.tree.all_nodes() if n.device_len()]
+        owners += [n.device_slots()[::p] // p for n in self.tree.all_nodes() if n.device_len()]
         for h in holders:
             owners.append(self.req_to_token[h.row, h.tree_len : h.kv_len][::p].long() // p)
         pages = torch.cat(owners).sort().values
@@ -419,7 +436,7 @@ class KVSlotManager:
         )
         if self.host is not None:
             held = [
-                n.host_value[::p] // p for n in self.tree.all_nodes() if len(n.key) and n.on_host
+                n.host_slots()[::p] // p for n in self.tree.all_nodes() if len(n.key) and n.on_host
             ]
             pages = torch.cat([self.host.allocator.free_page_ids(), *held]).sort().values
             expected = torch.arange(1, self.host.allocator.num_pages + 1)
@@ -427,7 +444,7 @@ class KVSlotManager:
                 "host pages leaked or owned twice"
             )
         locks: dict[TreeNode, int] = {}
-        for node in [h.last_node for h in holders] + [p.node for p in self.pins.values()]:
+        for node in [_locked(h) for h in holders] + [p.node for p in self.pins.values()]:
             while node.parent is not None:
                 locks[node] = locks.get(node, 0) + 1
                 node = node.parent
@@ -465,6 +482,7 @@ def pool_snapshot(allocator: PageAllocator, tree: RadixCache) -> dict[str, Any]:
         ],
     }
     if tree.host is not None:
+        assert isinstance(tree.host, HostKVPool), "the host tier is a HostKVPool"
         snapshot["host_num_pages"] = tree.host.allocator.num_pages
         snapshot["host_free_pages"] = tree.host.allocator.free_page_ids().tolist()
     return snapshot

@@ -70,7 +70,8 @@ def block_checksum(secret: bytes, key: str, kv: BlockKV) -> str:
     makes a valid file renamed to another key fail too."""
     mac = hmac.new(secret, key.encode(), hashlib.sha256)
     for t in kv:
-        mac.update(t.contiguous().view(torch.uint8).numpy())
+        # an ndarray is a buffer; numpy declares `__buffer__` for Python 3.12 and later only
+        mac.update(t.contiguous().view(torch.uint8).numpy())  # type: ignore[arg-type]
     return mac.hexdigest()
 
 
@@ -168,7 +169,7 @@ class KVStorage:
         self._index: OrderedDict[str, int] = OrderedDict()  # key -> file size, oldest first
         self._pending: set[str] = set()  # keys being written
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="radixrt-storage")
-        self._futures: list[Future] = []
+        self._futures: list[Future[None]] = []
         self.rejected_blocks = 0  # files that failed their checksum or shape check (deleted)
         self._scan()
 

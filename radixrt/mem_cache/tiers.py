@@ -73,6 +73,7 @@ def _host_pool(pool: DevicePool, tiers: TierConfig) -> HostKVPool:
 
 def _storage(page_size: int, host: HostKVPool, tiers: TierConfig, model: str) -> KVStorage:
     """The disk tier: blocks of whole pages, named for the model and the K/V's shapes."""
+    assert tiers.hicache_storage_dir is not None, "there is a disk tier"
     block = -(-STORAGE_BLOCK_TOKENS // page_size) * page_size
     like = host.device_block(torch.zeros(block, dtype=torch.long))
     fingerprint = f"{model}|{[(t.shape, t.dtype) for t in like]}"

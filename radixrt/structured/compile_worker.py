@@ -65,7 +65,8 @@ def build(regex: str, vocabulary: Vocabulary) -> bytes:
     outlines-core 0.2.x drops every token edge from an accepting state into a non-accepting one
     (regex-automata reports matches one byte late), so `1(\\.5)?` could never reach "1.5".
     Anchoring at end of input makes no state before the end a match state."""
-    return Index(f"(?:{regex})\\z", vocabulary).__reduce__()[1][0]
+    data: bytes = Index(f"(?:{regex})\\z", vocabulary).__reduce__()[1][0]
+    return data
 
 
 def answer(job: bytes, vocabulary: Vocabulary, max_bytes: int) -> bytes:

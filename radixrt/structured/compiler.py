@@ -42,7 +42,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from outlines_core import Index
 
@@ -57,6 +57,9 @@ from radixrt.structured.regexes import (
     schema_regex,
 )
 from radixrt.structured.vocabulary import TokenTable, build_vocabulary
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
@@ -203,7 +206,7 @@ class ConstraintCompiler:
 
     def __init__(
         self,
-        tokenizer,
+        tokenizer: PreTrainedTokenizerBase,
         vocab_size: int,
         cache_size: int = 64,
         compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S,
@@ -239,7 +242,7 @@ class ConstraintCompiler:
     def compile_async(
         self,
         regex: str | None = None,
-        json_schema: str | dict | None = None,
+        json_schema: str | dict[str, Any] | None = None,
         choices: list[str] | None = None,
         dtype: str | None = None,
         tenant: str = "",
@@ -461,7 +464,7 @@ class ConstraintCompiler:
         """The regex of a constraint, checked for type and size; ValueError says what is wrong."""
         if kind == "regex":
             check_regex(value)
-            return value
+            return cast(str, value)  # check_regex raised unless it is a string
         if kind == "choices":
             if (
                 not isinstance(value, list)

@@ -63,7 +63,7 @@ class TokenGuide:
         state = self.guide.get_state()
         for i, token_id in enumerate(token_ids):
             if token_id == self.eos_token_id:
-                return i + self.index.is_final_state(state)
+                return i + bool(self.index.is_final_state(state))
             state = self.index.get_next_state(state, token_id)
             if state is None:
                 return i
@@ -71,7 +71,7 @@ class TokenGuide:
 
     def is_final(self) -> bool:
         """The output so far fully matches the constraint, so EOS is allowed."""
-        return self.guide.is_finished()
+        return bool(self.guide.is_finished())
 
     def allowed_only_eos(self) -> bool:
         """The output is complete and nothing but EOS may follow."""

@@ -4,6 +4,7 @@ regexes; importable without torch (the HTTP gateway uses them for `response_form
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from typing import Any
 
 from outlines_core.json_schema import build_regex_from_schema
@@ -94,7 +95,7 @@ def nesting_depth(value: Any) -> int:
     return deepest
 
 
-def _children(node: dict | list) -> Any:
+def _children(node: dict[Any, Any] | list[Any]) -> Iterable[Any]:
     return node.values() if isinstance(node, dict) else node
 
 
@@ -208,7 +209,7 @@ def schema_regex(schema: Any, whitespace: str = JSON_WHITESPACE) -> str:
     schema = load_schema(schema)
     check_schema(schema)
     try:
-        regex = build_regex_from_schema(json.dumps(schema), whitespace)
+        regex: str = build_regex_from_schema(json.dumps(schema), whitespace)
     except Exception as e:  # noqa: BLE001 (outlines-core raises several types for bad schemas)
         raise ValueError(f"unsupported JSON schema: {e}") from None
     check_regex(regex, "json_schema's regex")

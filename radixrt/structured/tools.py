@@ -21,7 +21,7 @@ import re
 import uuid
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any
+from typing import Any, TypeGuard
 
 from radixrt.structured.regexes import schema_regex
 
@@ -399,8 +399,11 @@ def _kwargs_regex(tool: Tool) -> str:
     return f"(?:{'|'.join(firsts)})?" if firsts else ""
 
 
-def _literal(node: ast.expr) -> Any:
-    """A keyword value: a Python literal, where the names true/false/null stand for JSON's."""
+def _literal(node: ast.expr | None) -> Any:
+    """A keyword value: a Python literal, where the names true/false/null stand for JSON's.
+    `node` is None for the `**` of a dict display, which is no literal."""
+    if node is None:
+        raise ValueError("a ** in a dict is not a literal")
     names = {"true": True, "false": False, "null": None, "True": True, "False": False, "None": None}
     if isinstance(node, ast.Name) and node.id in names:
         return names[node.id]
@@ -508,8 +511,8 @@ _TEMPLATE_MARKS = (
 )
 
 
-def template_renders_tools(template: str | None) -> bool:
-    return bool(template) and re.search(r"\btools\b", template) is not None
+def template_renders_tools(template: str | None) -> TypeGuard[str]:
+    return template is not None and re.search(r"\btools\b", template) is not None
 
 
 def resolve_parser(name: str, template: str | None) -> ToolCallParser:

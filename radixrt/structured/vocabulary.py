@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 from outlines_core import Vocabulary
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
 _SP_BYTE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
-_VOCAB_CACHE: dict[tuple, Vocabulary] = {}
+_VOCAB_CACHE: dict[tuple[int, str, int], Vocabulary] = {}
 
 
 def _gpt2_unicode_to_byte() -> dict[str, int]:
@@ -29,7 +33,7 @@ def _gpt2_unicode_to_byte() -> dict[str, int]:
     return table
 
 
-def _token_decoder(tokenizer) -> Callable[[str], bytes]:
+def _token_decoder(tokenizer: PreTrainedTokenizerBase) -> Callable[[str], bytes]:
     """How a vocabulary token string turns into the bytes it stands for."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None and backend.decoder is not None:
@@ -58,7 +62,7 @@ def _token_decoder(tokenizer) -> Callable[[str], bytes]:
     return str.encode
 
 
-def token_bytes(tokenizer) -> dict[int, bytes]:
+def token_bytes(tokenizer: PreTrainedTokenizerBase) -> dict[int, bytes]:
     """id -> the bytes a token stands for, for every token but the special ones (EOS included);
     non-special added tokens count as their literal UTF-8 text."""
     added = getattr(tokenizer, "added_tokens_decoder", {})
@@ -71,7 +75,9 @@ def token_bytes(tokenizer) -> dict[int, bytes]:
     }
 
 
-def build_vocabulary(tokenizer, mapping: dict[int, bytes] | None = None) -> Vocabulary:
+def build_vocabulary(
+    tokenizer: PreTrainedTokenizerBase, mapping: dict[int, bytes] | None = None
+) -> Vocabulary:
     """The tokenizer's vocabulary for outlines-core: `token_bytes` (or the `mapping` already made
     from it) grouped by bytes, EOS given separately. Cached per tokenizer."""
     key = (id(tokenizer), tokenizer.name_or_path, len(tokenizer))
@@ -91,7 +97,7 @@ def build_vocabulary(tokenizer, mapping: dict[int, bytes] | None = None) -> Voca
 class TokenTable:
     """What jump-forward needs to know of a tokenizer's tokens, as bytes."""
 
-    def __init__(self, tokenizer, vocab_size: int):
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int):
         self.tokenizer = tokenizer
         self.mapping = token_bytes(tokenizer)
         self.bytes_of = [self.mapping.get(i, b"") for i in range(vocab_size)]

@@ -222,6 +222,13 @@ def _results(finals: list[dict]) -> dict | list[dict]:
     return outs[0] if len(outs) == 1 else outs
 
 
+def import_tokenizer_library() -> None:
+    """Import what `load_tokenizer` needs (transformers, torch: seconds), so that a caller can
+    overlap it with waiting for the runtime. AutoTokenizer reads the model's config, and a config
+    class (Llama's here) pulls in what every family's does (torch.distributed.tensor, accelerate)."""
+    from transformers import AutoTokenizer, LlamaConfig, PreTrainedTokenizerFast  # noqa: F401
+
+
 def load_tokenizer(info: dict[str, Any]):
     """The runtime's tokenizer, from its `model_info`: the files at its `tokenizer_path` (the
     runtime's paths must be this machine's) with the chat template it serves, which

@@ -17,7 +17,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from jinja2 import TemplateError
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from radixrt.client.endpoint import Prompt, RequestOptions, RuntimeEndpoint, load_tokenizer
+from radixrt.client.endpoint import (
+    Prompt,
+    RequestOptions,
+    RuntimeEndpoint,
+    import_tokenizer_library,
+    load_tokenizer,
+)
 from radixrt.config import ServerArgs
 from radixrt.protocol import ErrorCode
 from radixrt.server.http.errors import RUNTIME_EXCEPTIONS, APIError, from_runtime_error
@@ -121,11 +127,15 @@ class Gateway:
         # Loaded once, from start-up on (see build_app): the runtime answers once `serve` runs its loop.
         async with self._model_lock:
             if self._model is None:
-                self._model = await asyncio.to_thread(self._load_model)
+                # the tokenizer's library imports (seconds) while the runtime still loads
+                info, _ = await asyncio.gather(
+                    asyncio.to_thread(lambda: self.endpoint.model_info),
+                    asyncio.to_thread(import_tokenizer_library),
+                )
+                self._model = await asyncio.to_thread(self._load_model, info)
         return self._model
 
-    def _load_model(self) -> _Model:
-        info = self.endpoint.model_info
+    def _load_model(self, info: dict[str, Any]) -> _Model:
         tokenizer = load_tokenizer(info)
         template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else None
         parser = resolve_parser(self.tool_call_parser, template)

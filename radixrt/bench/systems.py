@@ -141,39 +141,47 @@ def rank_peak_rss_mb(target: Any) -> list[float] | None:
 
 
 def _run_llama_peer(system: str, job: RequestJob) -> list[RunResult]:
-    """llama.cpp through llama-cpp-python (one target for every load), or llama-server started
-    for each load with as many slots as that load has requests in flight at most."""
+    """llama.cpp through llama-cpp-python, or llama.cpp's llama-server; [] (the reason printed)
+    when the model is no GGUF file or the peer is not installed."""
     gguf = _gguf_of(job.config.model)
-    binary = llama_server_binary()
-    missing = (
-        "the model is not a GGUF file"
-        if gguf is None
-        else LLAMA_CPP_MISSING
-        if system == "llama.cpp" and not llama_cpp_available()
-        else LLAMA_SERVER_MISSING
-        if system == "llama-server" and binary is None
-        else None
-    )
-    if missing:
-        print(f"{system} skipped: {missing}" if gguf is None else missing)
+    if gguf is None:
+        print(f"{system} skipped: the model is not a GGUF file")
         return []
-
-    def run(target: Any, load: Load) -> RunResult:
-        traces, duration = run_load(target, job.sessions, load, job.render, desc=system)
-        return result_of(system, load, traces, duration, job.config.slo)
-
     if system == "llama.cpp":
-        target = LlamaCppTarget(gguf, threads=os.cpu_count())
-        try:
-            return [run(target, load) for load in job.config.loads]
-        finally:
-            target.close()
+        if not llama_cpp_available():
+            print(LLAMA_CPP_MISSING)
+            return []
+        return _run_llama_cpp(gguf, job)
+    binary = llama_server_binary()
+    if binary is None:
+        print(LLAMA_SERVER_MISSING)
+        return []
+    return _run_llama_server(binary, gguf, job)
+
+
+def _run_llama_load(system: str, target: Any, load: Load, job: RequestJob) -> RunResult:
+    traces, duration = run_load(target, job.sessions, load, job.render, desc=system)
+    return result_of(system, load, traces, duration, job.config.slo)
+
+
+def _run_llama_cpp(gguf: Path, job: RequestJob) -> list[RunResult]:
+    """One llama-cpp-python target for every load."""
+    target = LlamaCppTarget(gguf, threads=os.cpu_count())
+    try:
+        return [_run_llama_load("llama.cpp", target, load, job) for load in job.config.loads]
+    finally:
+        target.close()
+
+
+def _run_llama_server(binary: Path, gguf: Path, job: RequestJob) -> list[RunResult]:
+    """llama-server started for each load with as many slots as that load has requests in
+    flight at most."""
     results = []
     for load in job.config.loads:
         slots = min(load.concurrency or len(job.sessions), MAX_LLAMA_SLOTS)
         target = LlamaServerTarget(binary, gguf, slots, threads=os.cpu_count())
         try:
-            result = run(target, load)
+            result = _run_llama_load("llama-server", target, load, job)
         finally:
             target.close()
         result.load = f"{result.load}, {slots} slots"

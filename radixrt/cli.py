@@ -98,9 +98,9 @@ def _generate(args: argparse.Namespace) -> None:
 
 
 def _bench(args: argparse.Namespace) -> None:
-    from radixrt.bench import run_bench
+    from radixrt.bench import BenchConfig, run_bench
 
-    run_bench(args)
+    run_bench(BenchConfig.from_cli_args(args))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -162,9 +162,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=_generate)
 
     bench = sub.add_parser("bench", help="serving benchmarks (see `radixrt bench --help`)")
-    from radixrt.bench import add_bench_args
+    from radixrt.bench import BenchConfig
 
-    add_bench_args(bench)
+    BenchConfig.add_cli_args(bench)
     bench.set_defaults(func=_bench)
     return parser
 

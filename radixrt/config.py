@@ -360,7 +360,7 @@ def _add_flag(parser: Any, f: dataclasses.Field) -> None:
             type=kind,
             default=f.default,
             choices=f.metadata.get("choices"),
-            help=f"{helptext} (default: {f.default})",
+            help=helptext if "default:" in helptext else f"{helptext} (default: {f.default})",
         )
 
 
@@ -368,10 +368,13 @@ S = TypeVar("S", bound="Settings")
 
 
 class Settings:
-    """What `ServerArgs` and `RouterArgs` share: flags generated from the fields (each field's
-    metadata: "group", "help", optional "choices" and "aliases"), grouped as `GROUP_TITLES`
-    orders them; keywords; the command line that recreates them; secrets from the environment;
-    and the feature groups that fit them, each built (so checked) with the settings."""
+    """What `ServerArgs`, `RouterArgs` and the bench's `BenchConfig` share: flags generated from
+    the fields (each field's metadata: "group", "help", optional "choices" and "aliases"),
+    grouped as the class's `group_titles` orders them; keywords; the command line that recreates
+    them; secrets from the environment; and the feature groups that fit them, each built (so
+    checked) with the settings."""
+
+    group_titles: ClassVar[dict[str, str]] = GROUP_TITLES  # a field's "group" -> its section
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):  # type: ignore[arg-type]
@@ -393,12 +396,12 @@ class Settings:
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
         """One flag per field, in one argument group per feature group (`--help` shows them)."""
         fields = dataclasses.fields(cls)  # type: ignore[arg-type]
-        ungrouped = [f.name for f in fields if f.metadata.get("group") not in GROUP_TITLES]
+        ungrouped = [f.name for f in fields if f.metadata.get("group") not in cls.group_titles]
         if ungrouped:  # a new setting must say where it belongs
             raise TypeError(
-                f"settings with no group of GROUP_TITLES in their metadata: {ungrouped}"
+                f"settings with no group of {cls.__name__}.group_titles in their metadata: {ungrouped}"
             )
-        for name, title in GROUP_TITLES.items():
+        for name, title in cls.group_titles.items():
             members = [f for f in fields if f.metadata["group"] == name]
             if members:
                 section = parser.add_argument_group(title)
@@ -922,10 +925,13 @@ class ServerArgs(Settings):
         return "127.0.0.1" if self.host.startswith("ipc://") else self.host
 
 
-def _as_serve(name: str) -> Any:
-    """`ServerArgs`'s field `name` (default, group, help, choices), for a `RouterArgs` field."""
+def server_field(name: str, default: Any = dataclasses.MISSING, **metadata: Any) -> Any:
+    """`ServerArgs`'s field `name` (default, group, help, choices) for another settings class
+    that means the same by it (`RouterArgs`, the bench's `BenchConfig`): one flag name and help.
+    `default` and `metadata` entries replace the server's where that class needs its own."""
     f = ServerArgs.__dataclass_fields__[name]
-    return field(default=f.default, metadata=f.metadata)
+    default = f.default if default is dataclasses.MISSING else default
+    return field(default=default, metadata={**f.metadata, **metadata})
 
 
 @dataclass(frozen=True)
@@ -933,7 +939,7 @@ class RouterArgs(Settings):
     """The flags of `radixrt router`: one client-facing socket over several `radixrt serve`
     workers. What it shares with `serve` is `serve`'s own field (same flag, default, help)."""
 
-    host: str = _as_serve("host")
+    host: str = server_field("host")
     port: int = field(
         default=30001,
         metadata={
@@ -965,25 +971,20 @@ class RouterArgs(Settings):
             "help": "the workers' tokenizer.json, when their model folder is not on this machine",
         },
     )
-    router_policy: str = field(
-        default=ServerArgs.router_policy,
-        metadata={
-            **ServerArgs.__dataclass_fields__["router_policy"].metadata,
-            "aliases": ["--policy"],
-        },
-    )  # --policy: the name DESIGN.md gives `radixrt router`'s flag
-    router_cache_threshold: float = _as_serve("router_cache_threshold")
-    router_balance_abs_threshold: int = _as_serve("router_balance_abs_threshold")
-    router_balance_rel_threshold: float = _as_serve("router_balance_rel_threshold")
-    api_key_file: str | None = _as_serve("api_key_file")
-    api_key: str | None = _as_serve("api_key")
-    curve_secret_key: str | None = _as_serve("curve_secret_key")
-    admin_api_key: str | None = _as_serve("admin_api_key")
-    curve_client_keys: str | None = _as_serve("curve_client_keys")
-    max_frame_bytes: int = _as_serve("max_frame_bytes")
-    max_prompt_bytes: int = _as_serve("max_prompt_bytes")
-    drain_timeout: float = _as_serve("drain_timeout")
-    log_level: str = _as_serve("log_level")
+    # --policy: the name DESIGN.md gives `radixrt router`'s flag
+    router_policy: str = server_field("router_policy", aliases=["--policy"])
+    router_cache_threshold: float = server_field("router_cache_threshold")
+    router_balance_abs_threshold: int = server_field("router_balance_abs_threshold")
+    router_balance_rel_threshold: float = server_field("router_balance_rel_threshold")
+    api_key_file: str | None = server_field("api_key_file")
+    api_key: str | None = server_field("api_key")
+    curve_secret_key: str | None = server_field("curve_secret_key")
+    admin_api_key: str | None = server_field("admin_api_key")
+    curve_client_keys: str | None = server_field("curve_client_keys")
+    max_frame_bytes: int = server_field("max_frame_bytes")
+    max_prompt_bytes: int = server_field("max_prompt_bytes")
+    drain_timeout: float = server_field("drain_timeout")
+    log_level: str = server_field("log_level")
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -7,7 +7,6 @@ radix cache. Greedy decoding makes both paths produce the same conversations.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import random
 import time
@@ -79,16 +78,9 @@ class PassResult:
     ttft_later_p99_s: float
 
 
-def run_http_bench(args: argparse.Namespace | HttpBenchConfig) -> dict[str, Any]:
-    """Run both paths; `args` may carry any of HttpBenchConfig's fields (the rest keep defaults).
-    Prints a table and returns `{"config", "zmq", "http", "throughput_overhead"}`."""
-    config = HttpBenchConfig(
-        **{
-            f.name: getattr(args, f.name)
-            for f in dataclasses.fields(HttpBenchConfig)
-            if getattr(args, f.name, None) is not None
-        }
-    )
+def run_http_bench(config: HttpBenchConfig) -> dict[str, Any]:
+    """Run both paths. Prints a table and returns `{"config", "zmq", "http",
+    "throughput_overhead"}`."""
     conversations = _conversations(config)
     with Runtime(
         model=config.model,

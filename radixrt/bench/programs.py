@@ -7,6 +7,8 @@ from typing import Any
 
 from radixrt.bench.workloads import WORDS, words
 
+PROGRAM_WORKLOADS = ("agent", "few-shot-select", "tree-of-thought")  # program_workloads' keys
+
 
 def program_workloads(num_programs: int, seed: int = 0) -> dict[str, tuple[Any, list[dict]]]:
     """name -> (program, list of its keyword arguments): few-shot select, a ReAct-style agent, tree of thought."""

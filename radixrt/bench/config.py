@@ -1,0 +1,195 @@
+"""`radixrt bench`'s settings: one frozen `BenchConfig` whose flags are generated from its fields
+by `radixrt.config.Settings`, the mechanism of `radixrt serve`'s `ServerArgs`.
+
+The fields stay flat (one flag each, in the `--help` section their "group" names), and the
+records the bench's parts take are built from them: `server` (what every radixrt system is
+launched with), `shape` (the workload's `WorkloadConfig`), `loads` (one `Load` per run of a
+system) and `slo`. A field that means what a `radixrt serve` flag means is that flag's field
+(`server_field`): same name, help and choices, and the server's default unless the bench needs
+its own, which its help then states.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from radixrt.bench.load import Load
+from radixrt.bench.metrics import SLO
+from radixrt.bench.programs import PROGRAM_WORKLOADS
+from radixrt.bench.variants import DEFAULT_SYSTEMS, PEERS, VARIANTS
+from radixrt.bench.workloads import REQUEST_WORKLOADS, WorkloadConfig
+from radixrt.config import ServerArgs, Settings, server_field
+
+WORKLOADS = (*REQUEST_WORKLOADS, *PROGRAM_WORKLOADS, "agent-tools", "all")
+BACKENDS = ("engine", "server", "http")
+DEFAULT_NUM_REQUESTS = 64  # of request and program workloads; the HTTP suites keep their own
+
+BENCH_GROUP_TITLES = {
+    "suite": "what runs",
+    "server": "the model and radixrt's settings (as `radixrt serve`'s flags; a variant may override them)",
+    "load": "load",
+    "shape": "workload shape",
+    "output": "results",
+}
+
+
+def _server(name: str, bench_default: Any = dataclasses.MISSING, why: str = "") -> Any:
+    """`radixrt serve`'s field `name` under the bench's "server" group, with the bench's own
+    default where it needs one; `why` (appended to the help) says why."""
+    helptext = ServerArgs.__dataclass_fields__[name].metadata["help"] + why
+    return server_field(name, bench_default, group="server", help=helptext)
+
+
+def _flag(group: str, default: Any, helptext: str = "", **metadata: Any) -> Any:
+    return field(default=default, metadata={"group": group, "help": helptext, **metadata})
+
+
+@dataclass(frozen=True)
+class ServerPart:
+    """What every radixrt system of a run is launched with, before its variant's settings."""
+
+    model: str
+    dtype: str
+    max_total_tokens: int | None
+    tp_size: int
+    chunked_prefill_size: int
+
+
+@dataclass(frozen=True)
+class BenchConfig(Settings):
+    """Every flag of `radixrt bench`. Built (so checked) once from the command line; the suite
+    its `suite_key` names runs it (`radixrt.bench.suites`)."""
+
+    group_titles: ClassVar[dict[str, str]] = BENCH_GROUP_TITLES
+
+    workload: str = _flag(
+        "suite",
+        "shared-prefix",
+        "request workloads: shared-prefix, multi-prefix, multi-turn, long-prompt, random, json, "
+        "agent-loop, few-shot; DSL programs: agent, few-shot-select, tree-of-thought; agent-tools "
+        "(with --backend http): tool-calling agents per tool_choice against an unconstrained run; "
+        "all: every request and program workload in turn, plus a hit-rate plot",
+        choices=WORKLOADS,
+    )
+    systems: str | None = _flag(
+        "suite",
+        None,
+        f"comma list of {', '.join([*VARIANTS, *PEERS])} (default: the workload's own comparison)",
+    )
+    backend: str = _flag(
+        "suite",
+        "engine",
+        "engine: rt.Engine (ipc socket); server: rt.Runtime over TCP; http: multi-turn chat "
+        "through the OpenAI API against the same conversations over ZeroMQ",
+        choices=BACKENDS,
+    )
+    model: str = _server("model")
+    dtype: str = _server("dtype")
+    max_total_tokens: int | None = _server(
+        "max_total_tokens",
+        65536,
+        "; the bench sets it so that every system has the same KV memory (a fleet shares it "
+        "among its workers)",
+    )
+    tp_size: int = _server("tp_size")
+    chunked_prefill_size: int = _server("chunked_prefill_size")
+    request_rate: float | None = _flag(
+        "load", None, "open loop: Poisson arrivals per second (default: all at once)"
+    )
+    concurrency: int | None = _flag(
+        "load",
+        None,
+        "closed loop: this many clients, each sending its next session when one ends "
+        "(transformers: its batch, 64 when unset)",
+    )
+    sweep_rate: str | None = _flag(
+        "load",
+        None,
+        "comma list of request rates: run each system at each, plot throughput and TTFT against "
+        "rate, and report where median TTFT crosses the SLO",
+    )
+    max_duration: float | None = _flag("load", None, "seconds after which no new session starts")
+    slo_ttft: float = _flag("load", 1.0, "goodput SLO: time to first token (s)")
+    slo_tpot: float = _flag("load", 0.05, "goodput SLO: time per output token (s)")
+    num_requests: int | None = _flag(
+        "shape",
+        None,
+        f"requests (conversations, programs) per run (default: {DEFAULT_NUM_REQUESTS}; "
+        "10 conversations with --backend http, 8 agents with agent-tools)",
+    )
+    max_new_tokens: int = _flag("shape", 64, "mean output length")
+    fixed_output_len: bool = _flag("shape", False, "every output exactly --max-new-tokens long")
+    prefix_tokens: int = _flag("shape", 500, "shared-prefix: shared system prompt length")
+    question_tokens: int = _flag("shape", 30, "a question's length")
+    turns: int = _flag(
+        "shape", 6, "multi-turn: turns per conversation; agent-tools: tool-call turns per agent"
+    )
+    num_prefixes: int = _flag("shape", 8, "multi-prefix: distinct system prompts")
+    long_prompts: int = _flag("shape", 4, "long-prompt: long prompts among the short ones")
+    long_tokens: int = _flag("shape", 4000, "long-prompt: a long prompt's length")
+    seed: int = _flag("shape", 0, "of the workload's text and of the open loop's arrivals")
+    temperature: float = _flag(
+        "shape", 0.0, "of every request (0: greedy; sampled text has less to copy for speculation)"
+    )
+    output_dir: str = _flag("output", "bench_results", "JSON results and PNG plots go here")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()  # choices
+        if self.workload == "agent-tools" and self.backend != "http":
+            raise ValueError("--workload agent-tools runs over HTTP: add --backend http")
+        unknown = {s for s in (self.systems or "").split(",") if s} - {*VARIANTS, *PEERS}
+        if unknown:
+            raise ValueError(f"unknown systems {sorted(unknown)}")
+        self.rates  # noqa: B018 - a malformed --sweep-rate fails here, not after a run
+
+    @property
+    def suite_key(self) -> str:
+        """The registry key of the suite that runs this config: the workload, except that
+        `--backend http` runs the HTTP chat suite for any workload but agent-tools."""
+        if self.backend == "http" and self.workload != "agent-tools":
+            return "http"
+        return self.workload
+
+    def systems_for(self, workload: str) -> list[str]:
+        """`--systems`, else the workload's own comparison."""
+        return (self.systems or DEFAULT_SYSTEMS[workload]).split(",")
+
+    @property
+    def server(self) -> ServerPart:
+        return ServerPart(
+            self.model, self.dtype, self.max_total_tokens, self.tp_size, self.chunked_prefill_size
+        )
+
+    @property
+    def shape(self) -> WorkloadConfig:
+        return WorkloadConfig(
+            num_requests=self.num_requests or DEFAULT_NUM_REQUESTS,
+            max_new_tokens=self.max_new_tokens,
+            fixed_output=self.fixed_output_len,
+            prefix_tokens=self.prefix_tokens,
+            question_tokens=self.question_tokens,
+            turns=self.turns,
+            long_prompts=self.long_prompts,
+            long_tokens=self.long_tokens,
+            seed=self.seed,
+            temperature=self.temperature,
+            num_prefixes=self.num_prefixes,
+        )
+
+    @property
+    def rates(self) -> list[float] | None:
+        """`--sweep-rate`'s rates, or None when the run is no sweep."""
+        return [float(r) for r in self.sweep_rate.split(",")] if self.sweep_rate else None
+
+    @property
+    def loads(self) -> list[Load]:
+        """One load per run of a system: each swept rate, else the one load the flags set."""
+        if self.rates:
+            return [Load(rate, None, self.max_duration, self.seed) for rate in self.rates]
+        return [Load(self.request_rate, self.concurrency, self.max_duration, self.seed)]
+
+    @property
+    def slo(self) -> SLO:
+        return SLO(self.slo_ttft, self.slo_tpot)

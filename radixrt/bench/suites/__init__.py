@@ -1,0 +1,13 @@
+"""Every suite of `radixrt bench`, one module each; importing this package registers them all
+(`radixrt.bench.registry`), and `suite_for` looks up the one a config runs."""
+
+from radixrt.bench.config import BenchConfig
+from radixrt.bench.registry import SUITES, Suite
+from radixrt.bench.suites import agent_tools, every, http_chat, programs, requests
+
+MODULES = (agent_tools, every, http_chat, programs, requests)  # imported for their registrations
+
+
+def suite_for(config: BenchConfig) -> Suite:
+    """The suite registered under `config.suite_key` (the config's choices allow no other)."""
+    return SUITES[config.suite_key]

@@ -1,0 +1,197 @@
+"""Run one system (a radixrt variant or a peer) over one request workload under each load.
+
+A radixrt system is launched with the run's `ServerPart` and its variant's settings over them;
+a data-parallel variant's fleet shares `--max-total-tokens` among its workers, so every system
+has the same KV memory. A sweep reuses one server for every load, its cache flushed between.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from radixrt.bench.config import BenchConfig, ServerPart
+from radixrt.bench.floors import MachineRates
+from radixrt.bench.load import REPLY_TIMEOUT_S, Load, run_load
+from radixrt.bench.peers import (
+    LLAMA_CPP_MISSING,
+    LLAMA_SERVER_MISSING,
+    LlamaCppTarget,
+    LlamaServerTarget,
+    llama_cpp_available,
+    llama_server_binary,
+    run_transformers,
+)
+from radixrt.bench.results import RunResult, ServerCounters, result_of, stats_delta
+from radixrt.bench.variants import LLAMA_PEERS, VARIANTS
+from radixrt.bench.workloads import Session
+
+MAX_LLAMA_SLOTS = 64
+TRANSFORMERS_BATCH = 64  # transformers' padded batch when --concurrency is unset
+
+
+@dataclass(frozen=True)
+class RequestJob:
+    """One request workload's inputs, the same for every system compared on it."""
+
+    config: BenchConfig
+    sessions: list[Session]
+    tokenizer: Any  # the model's Hugging Face tokenizer
+    model_dir: Path
+    machine: MachineRates  # measured once, before the first run
+
+    def render(self, messages: list[dict[str, str]]) -> str:
+        """A chat session's history as the model's prompt."""
+        text: str = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False
+        )
+        return text
+
+
+def radixrt_target(server: ServerPart, system: str, kind: type) -> Any:
+    """A launcher (`kind`: Runtime or Engine) of `system`'s settings over the run's."""
+    variant = VARIANTS[system]
+    pool = server.max_total_tokens and server.max_total_tokens // variant.get("dp_size", 1)
+    return kind(
+        model=server.model,
+        dtype=server.dtype,
+        max_total_tokens=pool,
+        log_level="warning",
+        timeout=REPLY_TIMEOUT_S,
+        **{
+            "tp_size": server.tp_size,
+            "chunked_prefill_size": server.chunked_prefill_size,
+            **variant,
+        },
+    )
+
+
+def run_system(system: str, job: RequestJob) -> list[RunResult]:
+    """`system` under each of the run's loads in turn; [] for a peer that cannot run here (the
+    reason printed)."""
+    if system == "transformers":
+        return _run_transformers(job)
+    if system in LLAMA_PEERS:
+        return _run_llama_peer(system, job)
+    return _run_radixrt(system, job)
+
+
+def _run_radixrt(system: str, job: RequestJob) -> list[RunResult]:
+    from radixrt.client.launcher import Engine, Runtime
+
+    kind = Runtime if job.config.backend == "server" else Engine
+    results = []
+    with radixrt_target(job.config.server, system, kind) as target:
+        target.generate("warm up", {"max_new_tokens": 2})
+        weights = target.model_info["weights"]
+        for load in job.config.loads:
+            target.flush_cache()
+            before = target.stats()
+            traces, duration = run_load(
+                target, job.sessions, load, job.render, desc=f"{system} ({load.describe()})"
+            )
+            counters = ServerCounters(stats_delta(before, target.stats()), job.machine, weights)
+            result = result_of(system, load, traces, duration, job.config.slo, counters)
+            result.rank_peak_rss_mb = rank_peak_rss_mb(target)
+            results.append(result)
+    return results
+
+
+def _run_transformers(job: RequestJob) -> list[RunResult]:
+    """Padded batches in the bench's own process: single-turn raw prompts only."""
+    if any(s.chat or len(s.turns) > 1 for s in job.sessions):
+        print("transformers skipped: it runs single-turn raw prompts only")
+        return []
+    config = job.config
+    batch = config.concurrency or TRANSFORMERS_BATCH
+    traces, duration = run_transformers(
+        job.model_dir, job.sessions, job.tokenizer, config.dtype, batch
+    )
+    result = result_of("transformers", Load(), traces, duration, config.slo)
+    result.load = f"padded batches of {batch}"
+    return [result]
+
+
+def rank_peak_rss_mb(target: Any) -> list[float] | None:
+    """Peak resident memory (Linux VmHWM) of the runtime process and its rank processes (or, for
+    a fleet, the router's process and its workers), in MB; None where that cannot be read
+    (another OS, a remote server)."""
+    import psutil
+
+    proc = getattr(target, "_proc", None)
+    if proc is None:
+        return None
+    server = psutil.Process(proc.pid)
+    ranks = [server] + [
+        p
+        for p in server.children(recursive=True)
+        if "spawn_main" in (cmd := " ".join(p.cmdline())) or " radixrt serve " in cmd
+    ]
+    peaks = []
+    for p in ranks:
+        try:
+            status = Path(f"/proc/{p.pid}/status").read_text()
+        except OSError:
+            return None
+        kb = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmHWM"))
+        peaks.append(kb / 1024)
+    return peaks
+
+
+def _run_llama_peer(system: str, job: RequestJob) -> list[RunResult]:
+    """llama.cpp through llama-cpp-python, or llama.cpp's llama-server; [] (the reason printed)
+    when the model is no GGUF file or the peer is not installed."""
+    gguf = _gguf_of(job.config.model)
+    if gguf is None:
+        print(f"{system} skipped: the model is not a GGUF file")
+        return []
+    if system == "llama.cpp":
+        if not llama_cpp_available():
+            print(LLAMA_CPP_MISSING)
+            return []
+        return _run_llama_cpp(gguf, job)
+    binary = llama_server_binary()
+    if binary is None:
+        print(LLAMA_SERVER_MISSING)
+        return []
+    return _run_llama_server(binary, gguf, job)
+
+
+def _run_llama_load(system: str, target: Any, load: Load, job: RequestJob) -> RunResult:
+    traces, duration = run_load(target, job.sessions, load, job.render, desc=system)
+    return result_of(system, load, traces, duration, job.config.slo)
+
+
+def _run_llama_cpp(gguf: Path, job: RequestJob) -> list[RunResult]:
+    """One llama-cpp-python target for every load."""
+    target = LlamaCppTarget(gguf, threads=os.cpu_count())
+    try:
+        return [_run_llama_load("llama.cpp", target, load, job) for load in job.config.loads]
+    finally:
+        target.close()
+
+
+def _run_llama_server(binary: Path, gguf: Path, job: RequestJob) -> list[RunResult]:
+    """llama-server started for each load with as many slots as that load has requests in
+    flight at most."""
+    results = []
+    for load in job.config.loads:
+        slots = min(load.concurrency or len(job.sessions), MAX_LLAMA_SLOTS)
+        target = LlamaServerTarget(binary, gguf, slots, threads=os.cpu_count())
+        try:
+            result = _run_llama_load("llama-server", target, load, job)
+        finally:
+            target.close()
+        result.load = f"{result.load}, {slots} slots"
+        results.append(result)
+    return results
+
+
+def _gguf_of(model: str) -> Path | None:
+    from radixrt.executor.model_loader import default_gguf_path
+
+    if model == "default":
+        return default_gguf_path()
+    return Path(model) if model.endswith(".gguf") else None

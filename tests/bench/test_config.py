@@ -1,0 +1,147 @@
+"""`BenchConfig` without a model: its defaults, the flags it shares with `radixrt serve`, the
+command line round trip, every `radixrt bench` line of the Makefile and the docs parsed by the
+generated parser, and the registry holding a suite for every workload."""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+from radixrt.bench.config import WORKLOADS, BenchConfig
+from radixrt.bench.registry import SUITES
+from radixrt.bench.suites import suite_for
+from radixrt.config import ServerArgs
+
+ROOT = Path(__file__).resolve().parents[2]
+SHARED = ("model", "dtype", "max_total_tokens", "tp_size", "chunked_prefill_size")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="radixrt bench")
+    BenchConfig.add_cli_args(parser)
+    return parser
+
+
+def _parse(argv: list[str]) -> BenchConfig:
+    return BenchConfig.from_cli_args(_parser().parse_args(argv))
+
+
+def test_defaults_are_the_flags_defaults():
+    config = _parse([])
+    assert config == BenchConfig()
+    assert (config.workload, config.backend, config.max_total_tokens) == (
+        "shared-prefix",
+        "engine",
+        65536,
+    )
+    assert config.shape.num_requests == 64 and config.rates is None
+    assert [load.describe() for load in config.loads] == ["all at once"]
+    assert (config.slo.ttft_s, config.slo.tpot_s) == (1.0, 0.05)
+
+
+def test_server_settings_are_the_servers_fields():
+    """Same help and choices as `radixrt serve`'s flag; the server's default but for the pool,
+    whose help says why the bench sets one."""
+    bench, serve = BenchConfig.__dataclass_fields__, ServerArgs.__dataclass_fields__
+    for name in SHARED:
+        assert bench[name].metadata["help"].startswith(serve[name].metadata["help"]), name
+        assert bench[name].metadata.get("choices") == serve[name].metadata.get("choices"), name
+        if name != "max_total_tokens":
+            assert bench[name].default == serve[name].default, name
+    assert "every system has the same KV memory" in bench["max_total_tokens"].metadata["help"]
+
+
+def test_flags_round_trip():
+    config = BenchConfig(
+        workload="random",
+        systems="radixrt,radixrt-static",
+        backend="server",
+        chunked_prefill_size=512,
+        sweep_rate="0.5,1",
+        num_requests=12,
+        fixed_output_len=True,
+        temperature=1.0,
+    )
+    assert _parse(config.to_cli_args()) == config
+    assert config.rates == [0.5, 1.0] and [load.request_rate for load in config.loads] == [0.5, 1]
+
+
+def test_help_lists_the_flags_by_group():
+    parser = _parser()
+    text = parser.format_help()
+    for title in BenchConfig.group_titles.values():
+        assert f"\n{title}:" in text
+    helps = {action.dest: action.help or "" for action in parser._actions}
+    assert helps["request_rate"].count("default:") == 1  # a help naming its default: once
+    assert helps["slo_ttft"].endswith("(default: 1.0)")
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--workload", "agent-tools"], "add --backend http"),
+        (["--systems", "radixrt,vllm"], "unknown systems"),
+        (["--sweep-rate", "1,fast"], "could not convert"),
+    ],
+)
+def test_bad_combinations_are_refused(argv, message):
+    with pytest.raises(ValueError, match=message):
+        _parse(argv)
+
+
+def test_every_workload_has_its_suite():
+    assert set(SUITES) == {*WORKLOADS, "http"}
+    for workload in WORKLOADS:
+        backend = "http" if workload == "agent-tools" else "engine"
+        config = BenchConfig(workload=workload, backend=backend)
+        assert suite_for(config) is SUITES[workload]
+    assert suite_for(BenchConfig(backend="http")) is SUITES["http"]
+
+
+def _make_commands() -> list[str]:
+    """The Makefile's `radixrt bench` commands, its variables expanded, each shell loop's
+    variables at each of their values."""
+    text = (ROOT / "Makefile").read_text().replace("\\\n", " ")
+    variables = dict(re.findall(r"^(\w+)\s*[:?]?=\s*(.*)$", text, re.M))
+
+    def expand(match: re.Match[str]) -> str:
+        name, _, substitution = match.group(1).partition(":")
+        old, _, new = substitution.partition("=")
+        return variables[name].replace(old, new) if old else variables[name]
+
+    commands = []
+    for line in re.sub(r"\$\((\w+(?::[^)]*)?)\)", expand, text).splitlines():
+        loops = re.findall(r"for (\w+) in ([^;]+);", line)
+        for body in re.findall(r"radixrt bench ([^;|]*)", line):
+            for values in itertools.product(*(v.split() for _, v in loops)):
+                command = body
+                for (name, _), value in zip(loops, values):
+                    command = command.replace(f"$${name}", value)
+                commands.append(command)
+    return commands
+
+
+def _doc_commands() -> list[str]:
+    """The docs' `radixrt bench ...` commands: code-block lines and inline code (a synopsis with
+    [optional] parts aside)."""
+    commands = []
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        text = path.read_text().replace("\\\n", " ")
+        commands += re.findall(r"^radixrt bench (.*)$", text, re.M)
+        inline = re.findall(r"(?<!`)`radixrt bench([^`]*)`", text)
+        commands += [" ".join(c.split()) for c in inline if "[" not in c]
+    return commands
+
+
+def test_every_bench_command_of_the_makefile_and_docs_parses():
+    make, docs = _make_commands(), _doc_commands()
+    assert len(make) >= 10 and len(docs) >= 10
+    assert len({c for c in make if "spec-c8" in c}) == 4  # bench-spec's loop, each workload
+    for command in make + docs:
+        _parse(shlex.split(command))
+    assert any("--sweep-rate" in c for c in make) and not any("$" in c for c in make)

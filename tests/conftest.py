@@ -16,10 +16,10 @@ import torch
 
 from radixrt.executor.model_loader import resolve_model_path
 
-from helpers import TINY
+from helpers import TINY, launch_runtime
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
-MODEL_FIXTURES = {"default_model_dir", "tiny_model_dir"}
+MODEL_FIXTURES = {"default_model_dir", "tiny_model_dir"}  # the runtimes below use them
 
 
 def pytest_collection_modifyitems(items) -> None:
@@ -48,3 +48,23 @@ def tiny_model_dir(tmp_path_factory, default_model_dir) -> Path:
         if (default_model_dir / name).is_file():
             shutil.copy(default_model_dir / name, folder / name)
     return folder
+
+
+# Runtimes shared by every module that needs no settings of its own (each start costs a process,
+# seconds of imports and a model load). A test that uses one may send it anything a client may,
+# but must leave it serving as it found it: no shutdown, no pins or tenants left behind, and no
+# assertion on a cold cache or on counters it did not read before its own requests.
+@pytest.fixture(scope="session")
+def tiny_runtime(tiny_model_dir):
+    """The tiny model behind ZeroMQ and HTTP (served as "tiny"), a 4096-token pool."""
+    with launch_runtime(
+        tiny_model_dir, http=True, max_total_tokens=4096, served_model_name="tiny"
+    ) as r:
+        yield r
+
+
+@pytest.fixture(scope="session")
+def default_runtime(default_model_dir):
+    """The default model behind ZeroMQ and HTTP, an 8192-token pool."""
+    with launch_runtime(default_model_dir, http=True, max_total_tokens=8192) as r:
+        yield r

@@ -17,6 +17,8 @@ import zmq
 
 from radixrt.server.front import PROBE
 
+from timeouts import REPLY_TIMEOUT_S
+
 # The shape of every tiny random checkpoint the tests make (the default model's vocabulary, so
 # its tokenizer fits): each test adds what its family or case needs.
 TINY = dict(
@@ -106,6 +108,34 @@ def drain(scheduler, after_step=None, max_steps: int = DRAIN_STEPS) -> list:
         else:
             steps += 1
     return reported
+
+
+def make_scheduler(model_dir, **overrides):
+    """An in-process Scheduler on `model_dir` with the torch attention backend and a small pool
+    (512 tokens) unless `overrides` (any `ServerArgs` field) say otherwise: tests that observe
+    the scheduler's internals drive it with `drain` or `run_in_process`."""
+    from radixrt.config import ServerArgs
+    from radixrt.engine.scheduler import Scheduler
+
+    settings = {"attention_backend": "torch", "max_total_tokens": 512, **overrides}
+    return Scheduler.from_server_args(ServerArgs(model=str(model_dir), **settings))
+
+
+def launch_runtime(model, *, http: bool = False, **overrides):
+    """`rt.Runtime` on `model` as the tests start it: ZeroMQ only unless `http` (the gateway costs
+    a process and seconds of start-up where HTTP is not the point), a 2048-token pool, warnings
+    only, and every reply waited for at most REPLY_TIMEOUT_S; `overrides` are `ServerArgs`
+    fields (or `Runtime`'s own keywords)."""
+    import radixrt as rt
+
+    settings = {
+        "max_total_tokens": 2048,
+        "log_level": "warning",
+        "timeout": REPLY_TIMEOUT_S,
+        "disable_http": not http,
+        **overrides,
+    }
+    return rt.Runtime(model=str(model), **settings)
 
 
 def run_in_process(scheduler, batches: list[list[list[int]]], params: dict) -> list[list[int]]:

@@ -129,9 +129,20 @@ def wait_idle(endpoint, timeout: float = 30.0) -> dict:
     raise AssertionError(f"requests still running after {timeout}s: {stats}")
 
 
+def check_scheduler(scheduler) -> None:
+    """The scheduler's own invariant checks, then this checker's, on an in-process Scheduler."""
+    scheduler.check_invariants()
+    assert_slot_ownership(scheduler.memory_snapshot())
+
+
 def assert_no_leak(endpoint) -> None:
-    """Invariant 2 through a runtime's ops: idle, consistent, and fully free once flushed."""
-    wait_idle(endpoint)
+    """Invariant 2: idle, consistent, and fully free once flushed. `endpoint` is a runtime (its
+    ops; waits until it is idle) or an in-process Scheduler (which must have no work left: it
+    only moves when stepped)."""
+    if hasattr(endpoint, "has_work"):
+        assert not endpoint.has_work(), "the scheduler still has work"
+    else:
+        wait_idle(endpoint)
     endpoint.check_invariants()
     assert_slot_ownership(endpoint.memory_snapshot())
     assert endpoint.flush_cache()

@@ -14,6 +14,8 @@ from radixrt.bench.metrics import SLO, RequestTrace, percentile, summarize
 from radixrt.bench.workloads import REQUEST_WORKLOADS, WorkloadConfig
 from radixrt.cli import main
 
+from helpers import make_scheduler
+
 
 def test_percentile_interpolates_between_ranks():
     assert percentile([1.0], 99) == 1.0
@@ -88,14 +90,12 @@ def test_workloads_are_seeded_and_shaped(tokenizer):
 
 
 def test_static_mode_admits_a_batch_only_when_the_last_one_ended(tiny_model_dir):
-    from radixrt.config import ServerArgs
-    from radixrt.engine.scheduler import Scheduler
     from radixrt.sampling_params import SamplingParams
 
     outputs = {}
     for mode in ("continuous", "static"):
-        scheduler = Scheduler.from_server_args(
-            ServerArgs(model=str(tiny_model_dir), max_total_tokens=2048, schedule_mode=mode)
+        scheduler = make_scheduler(
+            tiny_model_dir, attention_backend="auto", max_total_tokens=2048, schedule_mode=mode
         )
         params = [
             SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True) for n in (2, 12, 4)

@@ -18,7 +18,7 @@ from radixrt.client.launcher import free_port
 from radixrt.client.transport import ConnectionLostError
 from radixrt.distributed.sharding import shard_heads, split_range
 
-from helpers import hf_greedy, shared_prefix_prompts
+from helpers import hf_greedy, launch_runtime, shared_prefix_prompts
 from ownership import assert_all_free
 from timeouts import REPLY_TIMEOUT_S
 
@@ -166,14 +166,7 @@ def test_two_nodes_on_loopback_give_the_same_output(tiny_case):
         ]
     )
     try:
-        with rt.Runtime(
-            model=str(folder),
-            tp_size=2,
-            nnodes=2,
-            dist_init_addr=addr,
-            log_level="warning",
-            timeout=REPLY_TIMEOUT_S,
-        ) as runtime:
+        with launch_runtime(folder, tp_size=2, nnodes=2, dist_init_addr=addr) as runtime:
             got = [o["output_ids"] for o in _outputs(runtime, prompts)]
             assert got == expected
         assert node1.wait(timeout=30) == 0  # rank 0's shutdown ends the other node too

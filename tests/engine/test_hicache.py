@@ -9,7 +9,7 @@ import time
 
 import radixrt as rt
 
-from helpers import hf_greedy, kill_a_streaming_client
+from helpers import hf_greedy, kill_a_streaming_client, launch_runtime
 from ownership import assert_all_free, assert_slot_ownership
 from timeouts import REPLY_TIMEOUT_S
 
@@ -178,9 +178,7 @@ def test_aborts_and_a_vanished_client_during_load_back_leak_nothing(tiny_model_d
         "max_total_tokens": 256,
         "chunked_prefill_size": 32,
     }
-    with rt.Runtime(
-        model=str(tiny_model_dir), log_level="warning", timeout=REPLY_TIMEOUT_S, **tier
-    ) as r:
+    with launch_runtime(tiny_model_dir, **tier) as r:
         sampling = {**GREEDY, "max_new_tokens": 4}
         r.generate(input_ids=histories, sampling_params=[sampling] * 4)  # all on the host now
         results = []

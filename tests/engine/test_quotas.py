@@ -6,18 +6,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from radixrt.config import ServerArgs
 from radixrt.engine.output_processor import PROMPT_LOGPROB_ROWS
 from radixrt.engine.scheduler import Scheduler
 from radixrt.protocol import ErrorCode, RequestError
 from radixrt.sampling_params import SamplingParams
 
-from helpers import _hf_model, run_in_process
+from helpers import _hf_model, make_scheduler, run_in_process
 
 
 def _scheduler(model_dir, **overrides) -> Scheduler:
-    args = {"model": str(model_dir), "attention_backend": "torch", "max_total_tokens": 1024}
-    return Scheduler.from_server_args(ServerArgs(**{**args, **overrides}))
+    return make_scheduler(model_dir, **{"max_total_tokens": 1024, **overrides})
 
 
 def _prompt(seed: int, n: int) -> list[int]:

@@ -9,14 +9,13 @@ import time
 import pytest
 import torch
 
-from radixrt.config import ServerArgs
 from radixrt.engine.request import Req
 from radixrt.engine.schedule_policy import AGING_TOKENS_PER_SECOND, order_waiting
 from radixrt.engine.scheduler import Scheduler
 from radixrt.sampling_params import SamplingParams
 
-from helpers import drain, hf_greedy
-from ownership import assert_slot_ownership
+from helpers import drain, hf_greedy, make_scheduler
+from ownership import assert_no_leak, check_scheduler
 
 # far more than any test here needs; a scheduler that stops progressing fails instead of hanging
 MAX_STEPS = 400
@@ -29,13 +28,7 @@ def _prompt(seed: int, n: int) -> list[int]:
 
 
 def _scheduler(model_dir, **overrides) -> Scheduler:
-    args = {
-        "model": str(model_dir),
-        "attention_backend": "torch",
-        "max_total_tokens": 256,
-        **overrides,
-    }
-    return Scheduler.from_server_args(ServerArgs(**args))
+    return make_scheduler(model_dir, **{"max_total_tokens": 256, **overrides})
 
 
 def _params(max_new_tokens: int) -> SamplingParams:
@@ -56,27 +49,10 @@ def _submit(
     return reqs
 
 
-def _check(scheduler: Scheduler) -> None:
-    scheduler.check_invariants()
-    assert_slot_ownership(scheduler.memory_snapshot())
-
-
 def _drain(scheduler: Scheduler) -> list[Req]:
     """Step until nothing is left, checking the bookkeeping after every step; returns every
     request step() reported, in the order it reported them."""
-    return drain(scheduler, _check)
-
-
-def _assert_all_free(scheduler: Scheduler) -> None:
-    """Nothing runs; after a flush every KV slot and request row is free again."""
-    _check(scheduler)
-    assert not scheduler.has_work()
-    assert scheduler.flush_cache()
-    _check(scheduler)
-    stats = scheduler.stats()
-    assert stats["free_tokens"] == stats["total_tokens"]
-    assert stats["cached_tokens"] == 0
-    assert stats["free_request_rows"] == scheduler.runner.req_to_token_pool.rows
+    return drain(scheduler, check_scheduler)
 
 
 def _finish_reason(req: Req) -> dict:
@@ -97,7 +73,7 @@ def test_retraction_with_pages_matches_transformers(tiny_model_dir):
     assert any(r.num_preemptions for r in reqs)
     assert [r.output_ids for r in reqs] == hf_greedy(tiny_model_dir, prompts, max_new)
     assert all(_finish_reason(r)["type"] == "length" for r in reqs)
-    _assert_all_free(scheduler)
+    assert_no_leak(scheduler)
 
 
 # ---- b: requests the pool can never hold -------------------------------------------------------
@@ -120,7 +96,7 @@ def test_request_larger_than_pool_aborts_alone(tiny_model_dir, big_first):
     assert big in reported
     assert [r.output_ids for r in reqs] == hf_greedy(tiny_model_dir, small, 6)
     assert all(_finish_reason(r)["type"] == "length" for r in reqs)
-    _assert_all_free(scheduler)
+    assert_no_leak(scheduler)
 
 
 def test_prompt_as_large_as_pool_is_refused(tiny_model_dir):
@@ -135,7 +111,7 @@ def test_prompt_as_large_as_pool_is_refused(tiny_model_dir):
     _drain(scheduler)
     assert _finish_reason(req)["type"] == "length" and len(req.output_ids) == 1
     assert not scheduler.waiting and not scheduler.running
-    _assert_all_free(scheduler)
+    assert_no_leak(scheduler)
 
 
 # ---- c: chunking off --------------------------------------------------------------------------
@@ -167,7 +143,7 @@ def test_unchunked_prefill_matches_transformers(tiny_model_dir, monkeypatch, chu
             assert sum(e for e in step if e > 1) <= 16, (
                 f"step {step} prefilled more than max_prefill_tokens"
             )
-    _assert_all_free(scheduler)
+    assert_no_leak(scheduler)
 
 
 # ---- d: admission order of the policies ----------------------------------------------------
@@ -184,7 +160,7 @@ def _warm(scheduler: Scheduler, *prefixes: list[int]) -> None:
 def _admitted_first(scheduler: Scheduler) -> Req:
     """The one request admitted by the next step (max_running_requests=1)."""
     scheduler.step()
-    _check(scheduler)
+    check_scheduler(scheduler)
     assert len(scheduler.running) == 1
     return scheduler.running[0]
 
@@ -203,7 +179,7 @@ def test_lpm_admits_longest_cached_prefix_first(tiny_model_dir):
     assert _admitted_first(scheduler) is hot
     assert hot.cached_tokens == len(SHARED)
     _drain(scheduler)
-    _assert_all_free(scheduler)
+    assert_no_leak(scheduler)
 
 
 def test_lpm_aging_admits_a_long_waiter_first(tiny_model_dir):
@@ -217,7 +193,7 @@ def test_lpm_aging_admits_a_long_waiter_first(tiny_model_dir):
     cold.arrival = now - 4 * len(SHARED) / AGING_TOKENS_PER_SECOND
     assert _admitted_first(scheduler) is cold
     _drain(scheduler)
-    _assert_all_free(scheduler)
+    assert_no_leak(scheduler)
 
 
 def test_fcfs_keeps_arrival_order(tiny_model_dir):
@@ -233,10 +209,10 @@ def test_fcfs_keeps_arrival_order(tiny_model_dir):
         if not scheduler.has_work():
             break
         scheduler.step()
-        _check(scheduler)
+        check_scheduler(scheduler)
         order += [r for r in scheduler.running if r not in order]
     assert order == reqs
-    _assert_all_free(scheduler)
+    assert_no_leak(scheduler)
 
 
 def test_dfs_weight_runs_heaviest_subtree_first(tiny_model_dir):
@@ -251,7 +227,7 @@ def test_dfs_weight_runs_heaviest_subtree_first(tiny_model_dir):
     assert order_waiting("dfs-weight", scheduler.waiting, scheduler.kv) == [b1, b2, b3, a1, a2]
     assert _admitted_first(scheduler) is b1
     _drain(scheduler)
-    _assert_all_free(scheduler)
+    assert_no_leak(scheduler)
 
 
 def test_forward_counters_count_what_the_forwards_computed(tiny_model_dir):

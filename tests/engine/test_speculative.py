@@ -9,12 +9,11 @@ import json
 import pytest
 
 import radixrt as rt
-from radixrt.config import ServerArgs
 from radixrt.engine.scheduler import Scheduler
 from radixrt.sampling_params import SamplingParams
 
-from helpers import hf_greedy
-from ownership import assert_all_free, assert_slot_ownership
+from helpers import hf_greedy, make_scheduler
+from ownership import assert_no_leak, assert_slot_ownership
 from timeouts import REPLY_TIMEOUT_S
 
 SPEC = {"speculative_algorithm": "ngram"}
@@ -40,8 +39,8 @@ def transcript(default_model_dir):
 
 
 def _scheduler(model_dir, **args) -> Scheduler:
-    return Scheduler.from_server_args(
-        ServerArgs(model=str(model_dir), **{"max_total_tokens": 2048, **args})
+    return make_scheduler(
+        model_dir, **{"attention_backend": "auto", "max_total_tokens": 2048, **args}
     )
 
 
@@ -65,11 +64,6 @@ def _run(scheduler: Scheduler, prompts, params: dict, abort_after: int | None = 
     return reqs
 
 
-def _assert_pool_empties(scheduler: Scheduler) -> None:
-    assert scheduler.flush_cache()
-    assert_all_free(scheduler.memory_snapshot())
-
-
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_agent_transcript_matches_transformers(default_model_dir, transcript, page_size):
     ids, expected = transcript
@@ -84,7 +78,7 @@ def test_agent_transcript_matches_transformers(default_model_dir, transcript, pa
     stats = scheduler.stats()
     assert stats["spec_accept_length"] > 2
     assert stats["spec_draft_tokens"] > stats["spec_accepted_tokens"]  # some drafts were rejected
-    _assert_pool_empties(scheduler)
+    assert_no_leak(scheduler)
 
 
 def test_sampled_output_is_reproducible_with_a_seed(default_model_dir, transcript):
@@ -114,7 +108,7 @@ def test_no_slot_leaks_with_rejections_aborts_and_preemption(default_model_dir, 
     assert stats["num_preemptions"] > 0 and stats["spec_verifications"] > 0
     assert reqs[0].finish_reason.type == "abort" and 0 < len(reqs[0].output_ids) < MAX_NEW
     assert [r.output_ids for r in reqs[1:]] == hf_greedy(default_model_dir, prompts[1:], MAX_NEW)
-    _assert_pool_empties(scheduler)
+    assert_no_leak(scheduler)
 
 
 def test_constrained_json_always_matches_its_schema(default_model_dir):
@@ -148,7 +142,7 @@ def test_constrained_json_always_matches_its_schema(default_model_dir):
                 assert isinstance(record["age"], int) and 0 <= record["age"] < 100
                 assert len(record["name"]) <= 12 and len(record["city"]) <= 12
     assert scheduler.stats()["spec_accepted_tokens"] > 0
-    _assert_pool_empties(scheduler)
+    assert_no_leak(scheduler)
 
 
 def test_stops_and_logprobs_equal_decoding_without_drafts(default_model_dir, transcript):

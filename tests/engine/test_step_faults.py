@@ -9,18 +9,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from radixrt.config import ServerArgs
 from radixrt.engine.scheduler import Scheduler
 from radixrt.protocol import ErrorCode
 from radixrt.sampling_params import SamplingParams
 
-from helpers import drain, hf_greedy
-from ownership import assert_slot_ownership
-
-
-def _scheduler(model_dir, **overrides) -> Scheduler:
-    args = {"model": str(model_dir), "attention_backend": "torch", "max_total_tokens": 512}
-    return Scheduler.from_server_args(ServerArgs(**{**args, **overrides}))
+from helpers import drain, hf_greedy, make_scheduler
+from ownership import assert_no_leak, check_scheduler
 
 
 def _prompt(seed: int, n: int) -> list[int]:
@@ -39,21 +33,8 @@ def _submit(scheduler: Scheduler, prompts, tag: str, **params):
     return reqs
 
 
-def _check(scheduler: Scheduler) -> None:
-    scheduler.check_invariants()
-    assert_slot_ownership(scheduler.memory_snapshot())
-
-
 def _drain(scheduler: Scheduler) -> None:
-    drain(scheduler, _check)
-
-
-def _assert_all_free(scheduler: Scheduler) -> None:
-    assert not scheduler.has_work()
-    assert scheduler.flush_cache()
-    stats = scheduler.stats()
-    assert stats["free_tokens"] == stats["total_tokens"]
-    assert stats["free_request_rows"] == scheduler.runner.req_to_token_pool.rows
+    drain(scheduler, check_scheduler)
 
 
 def _error(req) -> ErrorCode | None:
@@ -62,7 +43,7 @@ def _error(req) -> ErrorCode | None:
 
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_a_forward_that_raises_ends_only_its_steps_requests(tiny_model_dir, monkeypatch, page_size):
-    scheduler = _scheduler(tiny_model_dir, page_size=page_size)
+    scheduler = make_scheduler(tiny_model_dir, page_size=page_size)
     forward, calls = scheduler.runner.forward, []
 
     def faulty_forward(batch):
@@ -82,11 +63,11 @@ def test_a_forward_that_raises_ends_only_its_steps_requests(tiny_model_dir, monk
     later = _submit(scheduler, prompts, "later")
     _drain(scheduler)
     assert [r.output_ids for r in later] == hf_greedy(tiny_model_dir, prompts, 6)
-    _assert_all_free(scheduler)
+    assert_no_leak(scheduler)
 
 
 def test_a_fault_in_one_requests_own_work_ends_that_request_alone(tiny_model_dir):
-    scheduler = _scheduler(tiny_model_dir)
+    scheduler = make_scheduler(tiny_model_dir)
     prompts = [_prompt(20 + i, 8) for i in range(3)]
     reqs = _submit(scheduler, prompts, "r")
 
@@ -98,13 +79,13 @@ def test_a_fault_in_one_requests_own_work_ends_that_request_alone(tiny_model_dir
     assert _error(reqs[1]) == ErrorCode.INTERNAL_ERROR
     expected = hf_greedy(tiny_model_dir, [prompts[0], prompts[2]], 6)
     assert [reqs[0].output_ids, reqs[2].output_ids] == expected
-    _assert_all_free(scheduler)
+    assert_no_leak(scheduler)
 
 
 def test_non_finite_logits_never_reach_the_sampler(tiny_model_dir, monkeypatch):
     """A NaN row (a model fault) ends its request with internal_error; the batch's other rows,
     greedy and sampled, are drawn as usual."""
-    scheduler = _scheduler(tiny_model_dir)
+    scheduler = make_scheduler(tiny_model_dir)
     logits, poisoned = scheduler.runner.logits, []
 
     def nan_in_first_row(hidden):
@@ -123,13 +104,13 @@ def test_non_finite_logits_never_reach_the_sampler(tiny_model_dir, monkeypatch):
     assert "non-finite" in reqs[0].finish_reason.message
     assert _error(reqs[1]) is None and len(reqs[1].output_ids) == 6
     assert reqs[2].output_ids == hf_greedy(tiny_model_dir, prompts[2:], 6)[0]
-    _assert_all_free(scheduler)
+    assert_no_leak(scheduler)
 
 
 def test_a_constraint_that_leaves_no_token_is_the_requests_error(tiny_model_dir):
     """The constraint allows one digit while min_new_tokens bans every digit (they are its stop
     tokens): nothing may be drawn, which is the request's own doing (invalid_request)."""
-    scheduler = _scheduler(tiny_model_dir)
+    scheduler = make_scheduler(tiny_model_dir)
     digits = scheduler.tokenizer.convert_tokens_to_ids(list("0123456789"))
     (req,) = _submit(
         scheduler, [_prompt(40, 6)], "c", regex="[0-9]", min_new_tokens=1, stop_token_ids=digits
@@ -138,7 +119,7 @@ def test_a_constraint_that_leaves_no_token_is_the_requests_error(tiny_model_dir)
     _drain(scheduler)
     assert _error(req) == ErrorCode.INVALID_REQUEST, req.finish_reason
     assert _error(other) is None and len(other.output_ids) == 6
-    _assert_all_free(scheduler)
+    assert_no_leak(scheduler)
 
 
 @pytest.mark.parametrize(
@@ -169,6 +150,6 @@ def test_values_past_their_bounds_are_refused_at_the_door(params):
     ],
 )
 def test_ids_past_the_vocabulary_are_refused_at_admission(tiny_model_dir, params):
-    scheduler = _scheduler(tiny_model_dir)
+    scheduler = make_scheduler(tiny_model_dir)
     with pytest.raises(ValueError, match="vocabulary|in \\[0"):
         scheduler.make_request("r", [5, 6, 7], SamplingParams.from_dict(params))

@@ -9,12 +9,10 @@ import torch
 
 from radixrt.attention import torch_backend
 from radixrt.attention.torch_backend import MIN_SHARED_PREFIX, TorchAttentionBackend
-from radixrt.config import ServerArgs
-from radixrt.engine.scheduler import Scheduler
 from radixrt.kernels import cpu_paged
 from radixrt.sampling_params import SamplingParams
 
-from helpers import hf_greedy
+from helpers import hf_greedy, make_scheduler
 from ownership import assert_slot_ownership
 
 MAX_NEW = 8
@@ -71,14 +69,7 @@ def test_cascade_decode_runs_and_matches_transformers(
     monkeypatch.setattr(torch_backend, "_attend", counting_attend)
     monkeypatch.setattr(cpu_paged, "paged_decode", counting_paged)
 
-    scheduler = Scheduler.from_server_args(
-        ServerArgs(
-            model=str(tiny_model_dir),
-            attention_backend="torch",
-            max_total_tokens=512,
-            page_size=page_size,
-        )
-    )
+    scheduler = make_scheduler(tiny_model_dir, page_size=page_size)
     backend = scheduler.runner.attn_backend
     assert isinstance(backend, TorchAttentionBackend)
     if not in_place:

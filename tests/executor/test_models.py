@@ -9,7 +9,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 import radixrt as rt
 from radixrt.engine.detokenizer import IncrementalDetokenizer
 
-from helpers import TINY, hf_greedy
+from helpers import TINY, hf_greedy, make_scheduler
 from timeouts import REPLY_TIMEOUT_S
 
 SMALL = dict(TINY, max_position_embeddings=512)
@@ -102,8 +102,6 @@ def test_the_torch_glue_matches_transformers_too(tiny_model_dir, monkeypatch):
     """Where the fused C glue cannot run (no compiler; CUDA), the layers use torch ops for the
     norms, rotary, K/V store and SiLU: greedy output still equals transformers', prefix-cached
     and chunked."""
-    from radixrt.config import ServerArgs
-    from radixrt.engine.scheduler import Scheduler
     from radixrt.kernels import cpu_fused
 
     from helpers import run_in_process
@@ -112,9 +110,7 @@ def test_the_torch_glue_matches_transformers_too(tiny_model_dir, monkeypatch):
     monkeypatch.setattr(cpu_fused, "rms_norm", None)  # a call would fail loudly
     shared = list(range(300, 320))
     prompts = [shared + [501, 502], shared + [601, 602, 603], shared[:5]]
-    scheduler = Scheduler.from_server_args(
-        ServerArgs(model=str(tiny_model_dir), max_total_tokens=512, chunked_prefill_size=8)
-    )
+    scheduler = make_scheduler(tiny_model_dir, attention_backend="auto", chunked_prefill_size=8)
     params = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
     got = run_in_process(scheduler, [prompts, prompts], params)
     assert got == hf_greedy(tiny_model_dir, prompts, 6) * 2

@@ -9,8 +9,6 @@ import pytest
 
 import radixrt as rt
 
-from timeouts import REPLY_TIMEOUT_S
-
 TOOLS = [
     {
         "type": "function",
@@ -32,14 +30,8 @@ SCHEMAS = {"lookup": TOOLS[0]["function"]["parameters"], "now": {"type": "object
 
 
 @pytest.fixture(scope="module")
-def runtime(tiny_model_dir):
-    with rt.Runtime(
-        model=str(tiny_model_dir),
-        max_total_tokens=4096,
-        log_level="warning",
-        timeout=REPLY_TIMEOUT_S,
-    ) as r:
-        yield r
+def runtime(tiny_runtime):
+    return tiny_runtime
 
 
 def _check(calls: list[dict]) -> None:

@@ -11,8 +11,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import radixrt as rt
 
-from helpers import hf_greedy
-from timeouts import REPLY_TIMEOUT_S
+from helpers import hf_greedy, launch_runtime
 
 FEW_SHOT = (
     "Q: What is the capital of France?\nA: Paris\nQ: What is the capital of Spain?\nA: Madrid\n"
@@ -20,14 +19,8 @@ FEW_SHOT = (
 
 
 @pytest.fixture(scope="module")
-def runtime(default_model_dir):
-    with rt.Runtime(
-        model=str(default_model_dir),
-        max_total_tokens=4096,
-        log_level="warning",
-        timeout=REPLY_TIMEOUT_S,
-    ) as r:
-        yield r
+def runtime(default_runtime):
+    return default_runtime
 
 
 @pytest.fixture(scope="module")
@@ -143,11 +136,9 @@ def test_streaming_deltas_join_to_the_value(runtime):
 
 def test_fork_branches_find_the_pinned_prefix_under_cache_pressure(default_model_dir, tokenizer):
     prefix = "Here is a long shared context about the sea. " * 12
-    with rt.Runtime(
-        model=str(default_model_dir),
+    with launch_runtime(
+        default_model_dir,
         max_total_tokens=400,
-        log_level="warning",
-        timeout=REPLY_TIMEOUT_S,
     ) as r:
 
         @rt.function
@@ -204,7 +195,7 @@ def test_errors_surface_as_exceptions(runtime):
         states[0].text()
 
 
-def test_run_async_runs_200_programs(tiny_model_dir):
+def test_run_async_runs_200_programs(tiny_runtime):
     @rt.function
     def tiny(s, i):
         s += f"Program {i}:" + rt.gen("out", max_tokens=2, ignore_eos=True)
@@ -214,15 +205,9 @@ def test_run_async_runs_200_programs(tiny_model_dir):
             *(tiny.run_async(i=i, backend=r, temperature=0) for i in range(200))
         )
 
-    with rt.Runtime(
-        model=str(tiny_model_dir),
-        max_total_tokens=4096,
-        log_level="warning",
-        timeout=REPLY_TIMEOUT_S,
-    ) as r:
-        states = asyncio.run(main(r))
-        assert len(states) == 200
-        assert all(s.get_meta_info("out")["completion_tokens"] == 2 for s in states)
+    states = asyncio.run(main(tiny_runtime))
+    assert len(states) == 200
+    assert all(s.get_meta_info("out")["completion_tokens"] == 2 for s in states)
 
 
 @rt.function

@@ -17,14 +17,8 @@ GREEDY = {"temperature": 0, "max_tokens": 6}
 
 
 @pytest.fixture(scope="module")
-def runtime(tiny_model_dir):
-    with rt.Runtime(
-        model=str(tiny_model_dir),
-        max_total_tokens=4096,
-        log_level="warning",
-        timeout=REPLY_TIMEOUT_S,
-    ) as r:
-        yield r
+def runtime(tiny_runtime):
+    return tiny_runtime
 
 
 @pytest.fixture(scope="module")

@@ -4,11 +4,10 @@ import pytest
 
 from radixrt.attention import triton_backend
 from radixrt.attention.triton_backend import TritonAttentionBackend
-from radixrt.config import ServerArgs
-from radixrt.engine.scheduler import Scheduler
 from radixrt.kernels import decode_attention, extend_attention
 
-from helpers import LaunchSpy, run_in_process
+from helpers import LaunchSpy, make_scheduler, run_in_process
+from ownership import assert_no_leak
 
 SAMPLING = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
 SHARED = list(range(300, 311))
@@ -33,14 +32,9 @@ def _run(model_dir, backend: str, **args) -> list[list[int]]:
     """Greedy tokens of every pass, cold then prefix-cached, and the pool's bookkeeping after.
 
     The scheduler runs in this process (not behind `rt.Engine`) so the test can watch its steps."""
-    scheduler = Scheduler.from_server_args(
-        ServerArgs(model=str(model_dir), attention_backend=backend, max_total_tokens=512, **args)
-    )
+    scheduler = make_scheduler(model_dir, attention_backend=backend, **args)
     outs = run_in_process(scheduler, PASSES, SAMPLING)
-    scheduler.check_invariants()
-    assert scheduler.flush_cache()
-    stats = scheduler.stats()
-    assert stats["free_tokens"] == stats["total_tokens"]
+    assert_no_leak(scheduler)
     return outs
 
 

@@ -25,6 +25,7 @@ from radixrt.server.front import Role
 from radixrt.server.router.router import Router
 from radixrt.server.zmq_server import OPS
 
+from helpers import launch_runtime
 from ownership import assert_no_leak
 from timeouts import REPLY_TIMEOUT_S
 
@@ -47,16 +48,14 @@ def key_file(tmp_path_factory):
 @pytest.fixture(scope="module")
 def guarded(tiny_model_dir, key_file):
     """One request at a time (so priorities decide the order), tenants, an admin key, HTTP."""
-    with rt.Runtime(
-        model=str(tiny_model_dir),
-        max_total_tokens=2048,
+    with launch_runtime(
+        tiny_model_dir,
+        http=True,
         max_running_requests=1,
         api_key_file=str(key_file),
         admin_api_key=ADMIN_KEY,
         max_frame_bytes=FRAME_LIMIT,
         max_prompt_bytes=4096,
-        log_level="warning",
-        timeout=REPLY_TIMEOUT_S,
     ) as r:
         yield r
 
@@ -223,15 +222,12 @@ def test_the_curve_allowlist_lets_a_listed_key_in_and_keeps_another_out(tiny_mod
     listed_public, listed_secret = (k.decode() for k in zmq.curve_keypair())
     allowlist = tmp_path / "clients.txt"
     allowlist.write_text(f"# who may connect\n{listed_public}\n")
-    with rt.Runtime(
-        model=str(tiny_model_dir),
+    with launch_runtime(
+        tiny_model_dir,
         max_total_tokens=512,
         curve_secret_key=server_secret,
         curve_client_keys=str(allowlist),
-        disable_http=True,  # the gateway's own link is not on the list
         curve_client_secret_key=listed_secret,  # the launcher itself is on the list
-        log_level="warning",
-        timeout=REPLY_TIMEOUT_S,
     ) as r:
         assert r.generate(input_ids=[5, 6], sampling_params=SHORT)["output_ids"]
         other_secret = zmq.curve_keypair()[1].decode()
@@ -247,14 +243,12 @@ def test_the_curve_allowlist_lets_a_listed_key_in_and_keeps_another_out(tiny_mod
 def test_roles_and_tenants_through_a_dp_fleet(tiny_model_dir, key_file):
     """`serve --dp-size 2 --api-key-file`: the router forwards each client's key, so tenants,
     roles and per-tenant stats hold as on one runtime; the admin's shutdown stops the fleet."""
-    fleet = rt.Runtime(
-        model=str(tiny_model_dir),
+    fleet = launch_runtime(
+        tiny_model_dir,
         dp_size=2,
         max_total_tokens=1024,
         api_key_file=str(key_file),
         admin_api_key=ADMIN_KEY,
-        log_level="warning",
-        timeout=REPLY_TIMEOUT_S,
     )
     alice, bob = _endpoint(fleet.url, "alice"), _endpoint(fleet.url, "bob")
     try:

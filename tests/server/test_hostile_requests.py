@@ -15,10 +15,10 @@ import zmq
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-import radixrt as rt
 from radixrt.reliability.hostile import deep_schema, markdown, run_hostile
 from radixrt.server.front import PROBE
 
+from helpers import launch_runtime
 from ownership import assert_no_leak
 from timeouts import REPLY_TIMEOUT_S
 
@@ -121,12 +121,10 @@ REQUESTS = st.fixed_dictionaries(
 
 @pytest.fixture(scope="module")
 def runtime(tiny_model_dir):
-    with rt.Runtime(
-        model=str(tiny_model_dir),
-        max_total_tokens=2048,
+    with launch_runtime(
+        tiny_model_dir,
         constraint_compile_timeout=3.0,
         log_level="error",
-        timeout=REPLY_TIMEOUT_S,
     ) as r:
         yield r
 

@@ -15,11 +15,10 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-import radixrt as rt
 from radixrt.bench.http_bench import HttpBenchConfig, run_http_bench
 from radixrt.server.http.app import DEFAULT_MAX_BODY_BYTES, MAX_FANOUT
 
-from timeouts import REPLY_TIMEOUT_S
+from helpers import launch_runtime
 
 GREEDY = {"temperature": 0, "max_tokens": 8}
 QUESTION = [
@@ -32,12 +31,11 @@ HTTP_TIMEOUT_S = 60.0  # one reply from the gateway on a loaded 2-core machine, 
 
 @pytest.fixture(scope="module")
 def runtime(tiny_model_dir):
-    with rt.Runtime(
-        model=str(tiny_model_dir),
+    with launch_runtime(
+        tiny_model_dir,
+        http=True,
         api_key=KEY,
         max_total_tokens=4096,
-        log_level="warning",
-        timeout=REPLY_TIMEOUT_S,
     ) as r:
         yield r
 
@@ -406,13 +404,11 @@ def test_overloaded_runtime_answers_503(tiny_model_dir):
     """With one request running and one queued (max_running_requests=1, max_queued_requests=1), a
     completion gets 503 with type overloaded_error instead of waiting."""
     long = {"max_new_tokens": 1000, "ignore_eos": True, "temperature": 0}
-    with rt.Runtime(
-        model=str(tiny_model_dir),
-        max_total_tokens=2048,
+    with launch_runtime(
+        tiny_model_dir,
+        http=True,
         max_running_requests=1,
         max_queued_requests=1,
-        log_level="warning",
-        timeout=REPLY_TIMEOUT_S,
     ) as r:
         running = r.client.submit(input_ids=[5, 6, 7], sampling_params=long)
         _wait_for(lambda: r.stats()["running"] == 1, 30, "running")
@@ -471,11 +467,9 @@ def test_runtime_death_mid_stream_ends_the_stream_and_the_gateway(tiny_model_dir
     """Killing the runtime while a stream is in flight: the stream ends within 15 s, without
     `data: [DONE]` (the answer is incomplete), the gateway process exits by itself within 15 s,
     and the stream's last event is an OpenAI error with code connection_lost."""
-    r = rt.Runtime(
-        model=str(tiny_model_dir),
-        max_total_tokens=2048,
-        log_level="warning",
-        timeout=REPLY_TIMEOUT_S,
+    r = launch_runtime(
+        tiny_model_dir,
+        http=True,
     )
     gateway = _gateway_pid(r._proc.pid)
     conn = http.client.HTTPConnection(r.args.http_host, r.args.port, timeout=HTTP_TIMEOUT_S)

@@ -10,25 +10,14 @@ import pytest
 from lm_eval import simple_evaluate
 from lm_eval.tasks import TaskManager
 
-import radixrt as rt
-
-from timeouts import REPLY_TIMEOUT_S
-
 TASKS = Path(__file__).parent.parent / "data" / "lm_eval"
 MC, GEN = "radixrt_tiny_mc", "radixrt_tiny_gen"
 LOGLIKELIHOOD_ATOL = 1e-3  # float32 sums of a few logprobs, batched differently
 
 
 @pytest.fixture(scope="module")
-def runtime(tiny_model_dir):
-    with rt.Runtime(
-        model=str(tiny_model_dir),
-        served_model_name="tiny",
-        max_total_tokens=4096,
-        log_level="warning",
-        timeout=REPLY_TIMEOUT_S,
-    ) as r:
-        yield r
+def runtime(tiny_runtime):
+    return tiny_runtime
 
 
 @pytest.fixture(scope="module")

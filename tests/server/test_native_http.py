@@ -13,7 +13,7 @@ import torch
 
 import radixrt as rt
 
-from helpers import _hf_model
+from helpers import _hf_model, launch_runtime
 from timeouts import REPLY_TIMEOUT_S
 
 ADMIN, ALICE, BOB = "admin-key", "alice-key", "bob-key"
@@ -25,13 +25,12 @@ PROMPT = "The capital of France is"
 def runtime(tiny_model_dir, tmp_path_factory):
     key_file = tmp_path_factory.mktemp("keys") / "keys.txt"
     key_file.write_text(f"alice:{ALICE}\nbob:{BOB}\n")
-    with rt.Runtime(
-        model=str(tiny_model_dir),
+    with launch_runtime(
+        tiny_model_dir,
+        http=True,
         api_key_file=str(key_file),
         admin_api_key=ADMIN,
         max_total_tokens=4096,
-        log_level="warning",
-        timeout=REPLY_TIMEOUT_S,
     ) as r:
         yield r
 

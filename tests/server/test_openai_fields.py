@@ -16,11 +16,9 @@ import openai
 import pytest
 import torch
 
-import radixrt as rt
 from radixrt.executor.model_loader import hub_snapshot, load_chat_template, resolve_model_path
 
-from helpers import _hf_model
-from timeouts import REPLY_TIMEOUT_S
+from helpers import _hf_model, launch_runtime
 
 HUB_ID = "radixrt-tests/tiny-llama"
 SERVED = "tiny"
@@ -58,14 +56,13 @@ def hub_cache(tmp_path_factory, tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def runtime(hub_cache, tiny_model_dir):
-    with rt.Runtime(
-        model=HUB_ID,
+    with launch_runtime(
+        HUB_ID,
+        http=True,
         served_model_name=SERVED,
         tokenizer_path=str(tiny_model_dir),
         chat_template=TEMPLATE,
         max_total_tokens=4096,
-        log_level="warning",
-        timeout=REPLY_TIMEOUT_S,
     ) as r:
         yield r
 

@@ -9,6 +9,8 @@ import pytest
 
 from radixrt.server.http.reasoning import REASONING_PARSERS, ReasoningSplit, ReasoningStream
 
+from helpers import launch_runtime
+
 R1, QWEN3 = REASONING_PARSERS["deepseek-r1"], REASONING_PARSERS["qwen3"]
 
 WHOLE = [
@@ -83,16 +85,12 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 @pytest.fixture(scope="module")
 def reasoning_runtime(default_model_dir):
-    import radixrt as rt
 
-    from timeouts import REPLY_TIMEOUT_S
-
-    with rt.Runtime(
-        model=str(default_model_dir),
+    with launch_runtime(
+        default_model_dir,
+        http=True,
         reasoning_parser="deepseek-r1",
         max_total_tokens=4096,
-        log_level="warning",
-        timeout=REPLY_TIMEOUT_S,
     ) as r:
         yield r
 

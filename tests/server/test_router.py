@@ -27,6 +27,7 @@ from helpers import (
     assert_bad_frames_get_their_errors,
     hf_greedy,
     kill_a_streaming_client,
+    launch_runtime,
     shared_prefix_prompts,
 )
 from ownership import assert_no_leak
@@ -36,15 +37,7 @@ GREEDY = {"temperature": 0, "ignore_eos": True}
 
 
 def _worker(tiny_model_dir, port: int | None = None, **kw) -> rt.Runtime:
-    return rt.Runtime(
-        model=str(tiny_model_dir),
-        max_total_tokens=2048,
-        log_level="warning",
-        timeout=REPLY_TIMEOUT_S,
-        disable_http=True,  # the router speaks ZeroMQ to its workers
-        **({"zmq_port": port} if port else {}),
-        **kw,
-    )
+    return launch_runtime(tiny_model_dir, **({"zmq_port": port} if port else {}), **kw)
 
 
 @contextmanager
@@ -267,13 +260,7 @@ def test_api_key_and_curve_on_both_hops(tiny_model_dir):
 def test_serve_dp_size_with_the_http_gateway(tiny_model_dir):
     from openai import OpenAI
 
-    with rt.Runtime(
-        model=str(tiny_model_dir),
-        dp_size=2,
-        max_total_tokens=2048,
-        log_level="warning",
-        timeout=REPLY_TIMEOUT_S,
-    ) as fleet:
+    with launch_runtime(tiny_model_dir, http=True, dp_size=2) as fleet:
         client = OpenAI(base_url=f"{fleet.http_url}/v1", api_key="none")
         reply = client.chat.completions.create(
             model="default",
@@ -330,14 +317,7 @@ def test_a_fork_runs_its_branches_on_the_worker_holding_its_prefix(router, worke
 
 
 def _fleet(tiny_model_dir, **kw) -> rt.Runtime:
-    return rt.Runtime(
-        model=str(tiny_model_dir),
-        dp_size=2,
-        max_total_tokens=2048,
-        log_level="warning",
-        timeout=REPLY_TIMEOUT_S,
-        **kw,
-    )
+    return launch_runtime(tiny_model_dir, dp_size=2, **kw)
 
 
 def test_salts_are_apart_through_a_dp_size_fleet(tiny_model_dir):

@@ -18,7 +18,7 @@ import radixrt as rt
 from radixrt.client.launcher import free_port
 from radixrt.client.transport import RemoteError
 
-from helpers import assert_bad_frames_get_their_errors
+from helpers import assert_bad_frames_get_their_errors, launch_runtime
 from ownership import assert_no_leak, wait_idle
 from timeouts import REPLY_TIMEOUT_S
 
@@ -26,14 +26,8 @@ LONG = {"max_new_tokens": 400, "temperature": 0, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
-def runtime(tiny_model_dir):
-    with rt.Runtime(
-        model=str(tiny_model_dir),
-        max_total_tokens=2048,
-        log_level="warning",
-        timeout=REPLY_TIMEOUT_S,
-    ) as r:
-        yield r
+def runtime(tiny_runtime):
+    return tiny_runtime
 
 
 def _prompts(n: int, seed: int = 0) -> list[list[int]]:
@@ -126,12 +120,10 @@ def test_async_stream(runtime):
 
 
 def test_abort_waiting_and_running(tiny_model_dir):
-    with rt.Runtime(
-        model=str(tiny_model_dir),
+    with launch_runtime(
+        tiny_model_dir,
         max_total_tokens=1024,
         max_running_requests=1,
-        log_level="warning",
-        timeout=REPLY_TIMEOUT_S,
     ) as r:
         results = {}
 
@@ -169,7 +161,7 @@ def test_bad_frames_get_errors_and_the_server_goes_on(runtime):
 
 
 @pytest.mark.parametrize("stream", [True, False])
-def test_killed_client_has_its_request_aborted_and_pins_released(default_model_dir, stream):
+def test_killed_client_has_its_request_aborted_and_pins_released(default_runtime, stream):
     """A client killed mid-request vanishes without a word; its request, which could not finish
     for minutes (thousands of tokens on the default model), is aborted within a few seconds
     (the runtime's probe finds the connection gone, well before CLIENT_SILENCE_S), and its pin
@@ -187,37 +179,33 @@ def test_killed_client_has_its_request_aborted_and_pins_released(default_model_d
         "    print('running', flush=True)\n"
         "    sub.finals(600)\n"
     )
-    with rt.Runtime(
-        model=str(default_model_dir),
-        max_total_tokens=8192,
-        log_level="warning",
-        timeout=REPLY_TIMEOUT_S,
-    ) as r:
-        child = subprocess.Popen(
-            [sys.executable, "-c", script.format(url=r.url, stream=stream)],
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        try:
-            assert child.stdout.readline().startswith("pinned")
-            assert child.stdout.readline().strip() == "running"
-            deadline = time.monotonic() + 30
-            while r.stats()["running"] != 1 and time.monotonic() < deadline:
-                time.sleep(0.05)
-            before = r.stats()
-            assert before["running"] == 1 and before["pins"] == 1
-        finally:
-            child.send_signal(signal.SIGKILL)
-            child.wait(timeout=10)
-        start = time.monotonic()
-        after = wait_idle(r, timeout=15)
-        assert time.monotonic() - start < 4, "noticed by silence, not by the probe"
-        assert after["aborted_requests"] == before["aborted_requests"] + 1
-        assert after["generated_tokens"] < r.model_info["context_length"] // 4, (
-            "the request was not stopped early"
-        )
-        assert after["pins"] == 0
-        assert_no_leak(r)
+    r = default_runtime
+    generated = r.stats()["generated_tokens"]  # the runtime is shared: count from here
+    child = subprocess.Popen(
+        [sys.executable, "-c", script.format(url=r.url, stream=stream)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert child.stdout.readline().startswith("pinned")
+        assert child.stdout.readline().strip() == "running"
+        deadline = time.monotonic() + 30
+        while r.stats()["running"] != 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        before = r.stats()
+        assert before["running"] == 1 and before["pins"] == 1
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait(timeout=10)
+    start = time.monotonic()
+    after = wait_idle(r, timeout=15)
+    assert time.monotonic() - start < 4, "noticed by silence, not by the probe"
+    assert after["aborted_requests"] == before["aborted_requests"] + 1
+    assert after["generated_tokens"] - generated < r.model_info["context_length"] // 4, (
+        "the request was not stopped early"
+    )
+    assert after["pins"] == 0
+    assert_no_leak(r)
 
 
 def test_server_restart_fails_in_flight_requests_then_recovers(tiny_model_dir):
@@ -284,12 +272,10 @@ def _wait_healthy(endpoint, timeout: float = 120) -> None:
 
 
 def test_api_key_is_required_when_set(tiny_model_dir):
-    with rt.Runtime(
-        model=str(tiny_model_dir),
+    with launch_runtime(
+        tiny_model_dir,
         max_total_tokens=512,
         api_key="s3cret",
-        log_level="warning",
-        timeout=REPLY_TIMEOUT_S,
     ) as r:
         assert r.generate("hi", {"max_new_tokens": 2})["meta_info"]["completion_tokens"] == 2
         with rt.RuntimeEndpoint(r.url, timeout=REPLY_TIMEOUT_S) as anonymous:
@@ -326,13 +312,11 @@ def test_non_loopback_bind_needs_an_api_key(tiny_model_dir):
 
 
 def test_overloaded_queue_refuses_new_requests(tiny_model_dir):
-    with rt.Runtime(
-        model=str(tiny_model_dir),
+    with launch_runtime(
+        tiny_model_dir,
         max_total_tokens=1024,
         max_running_requests=1,
         max_queued_requests=1,
-        log_level="warning",
-        timeout=REPLY_TIMEOUT_S,
     ) as r:
         subs = [r.client.submit(input_ids=[5, 6, 7 + i], sampling_params=LONG) for i in range(4)]
         outcomes = []
@@ -349,12 +333,10 @@ def test_overloaded_queue_refuses_new_requests(tiny_model_dir):
 
 def test_curve_encryption(tiny_model_dir):
     public, secret = zmq.curve_keypair()
-    with rt.Runtime(
-        model=str(tiny_model_dir),
+    with launch_runtime(
+        tiny_model_dir,
         max_total_tokens=512,
         curve_secret_key=secret.decode(),
-        log_level="warning",
-        timeout=REPLY_TIMEOUT_S,
     ) as r:
         assert r.generate("hi", {"max_new_tokens": 2})["meta_info"]["completion_tokens"] == 2
         with rt.RuntimeEndpoint(

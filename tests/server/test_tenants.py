@@ -18,6 +18,7 @@ import radixrt as rt
 from radixrt.client.endpoint import RequestOptions
 from radixrt.client.transport import RemoteError
 
+from helpers import launch_runtime
 from ownership import assert_no_leak, wait_idle
 from timeouts import REPLY_TIMEOUT_S
 
@@ -44,16 +45,15 @@ def tenants(tiny_model_dir, tmp_path_factory):
     """A runtime with two tenants besides the default one, and small per-tenant limits."""
     key_file = tmp_path_factory.mktemp("keys") / "keys.txt"
     key_file.write_text("# tenant:key\n" + "".join(f"{t}:{k}\n" for t, k in KEYS.items()))
-    with rt.Runtime(
-        model=str(tiny_model_dir),
+    with launch_runtime(
+        tiny_model_dir,
+        http=True,
         max_total_tokens=4096,
         api_key=ADMIN_KEY,
         admin_api_key=ADMIN_KEY,
         api_key_file=str(key_file),
         max_inflight_per_tenant=2,
         max_queued_tokens_per_tenant=1000,
-        log_level="warning",
-        timeout=REPLY_TIMEOUT_S,
     ) as r:
         yield r
 
@@ -173,13 +173,11 @@ def test_deadlines_end_requests_with_timeout_and_free_their_slots(tenants):
 @pytest.fixture(scope="module")
 def busy(tiny_model_dir):
     """A runtime that runs two requests at a time out of a small pool, with priority preemption."""
-    with rt.Runtime(
-        model=str(tiny_model_dir),
+    with launch_runtime(
+        tiny_model_dir,
         max_total_tokens=384,
         max_running_requests=2,
         enable_priority_preemption=True,
-        log_level="warning",
-        timeout=REPLY_TIMEOUT_S,
     ) as r:
         yield r
 
@@ -250,11 +248,9 @@ def test_priority_preemption_admits_a_high_request_into_a_full_pool(busy):
 def test_sigterm_drains(tiny_model_dir):
     """SIGTERM: the running request finishes, new ones get `draining` (HTTP: 503 with
     Retry-After), and the process exits 0."""
-    runtime = rt.Runtime(
-        model=str(tiny_model_dir),
-        max_total_tokens=2048,
-        log_level="warning",
-        timeout=REPLY_TIMEOUT_S,
+    runtime = launch_runtime(
+        tiny_model_dir,
+        http=True,
     )
     try:
         params = {"max_new_tokens": 150, "temperature": 0, "ignore_eos": True}

@@ -11,8 +11,6 @@ import jsonschema
 import openai
 import pytest
 
-import radixrt as rt
-
 from timeouts import REPLY_TIMEOUT_S
 
 WEATHER = {
@@ -51,14 +49,8 @@ pytestmark = pytest.mark.model  # the default model, behind every test here
 
 
 @pytest.fixture(scope="module")
-def runtime():
-    with rt.Runtime(
-        model="default",
-        max_total_tokens=8192,
-        log_level="warning",
-        timeout=REPLY_TIMEOUT_S,
-    ) as r:
-        yield r
+def runtime(default_runtime):
+    return default_runtime
 
 
 @pytest.fixture(scope="module")

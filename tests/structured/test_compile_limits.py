@@ -12,7 +12,6 @@ import psutil
 import pytest
 from transformers import AutoTokenizer
 
-import radixrt as rt
 from radixrt.client.transport import RemoteError
 from radixrt.structured import compiler as compiler_module
 from radixrt.structured.compiler import ConstraintCompiler
@@ -25,8 +24,8 @@ from radixrt.structured.regexes import (
     schema_regex,
 )
 
+from helpers import launch_runtime
 from ownership import assert_no_leak
-from timeouts import REPLY_TIMEOUT_S
 
 TIMEOUT_S = 1.0  # the compiler's budget in the lane tests
 RUNTIME_TIMEOUT_S = 0.5  # the runtime's --constraint-compile-timeout: twenty of them run in turn
@@ -170,13 +169,7 @@ def test_a_compile_past_its_memory_limit_fails_alone(default_model_dir, monkeypa
 # ---- a real runtime --------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def runtime(tiny_model_dir):
-    with rt.Runtime(
-        model=str(tiny_model_dir),
-        max_total_tokens=2048,
-        log_level="warning",
-        timeout=REPLY_TIMEOUT_S,
-        constraint_compile_timeout=RUNTIME_TIMEOUT_S,
-    ) as r:
+    with launch_runtime(tiny_model_dir, constraint_compile_timeout=RUNTIME_TIMEOUT_S) as r:
         yield r
 
 

@@ -318,7 +318,9 @@ def test_overloaded_queue_refuses_new_requests(tiny_model_dir):
         max_running_requests=1,
         max_queued_requests=1,
     ) as r:
-        subs = [r.client.submit(input_ids=[5, 6, 7 + i], sampling_params=LONG) for i in range(4)]
+        # long enough (over 0.2 s) that all four arrive while the first runs
+        params = {**LONG, "max_new_tokens": 120}
+        subs = [r.client.submit(input_ids=[5, 6, 7 + i], sampling_params=params) for i in range(4)]
         outcomes = []
         for s in subs:
             try:

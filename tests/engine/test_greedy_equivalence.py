@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-import radixrt as rt
+from radixrt.sampling_params import SamplingParams
 
-from helpers import hf_greedy, shared_prefix_prompts
-from timeouts import REPLY_TIMEOUT_S
+from helpers import drain, hf_greedy, make_scheduler, shared_prefix_prompts
+from ownership import assert_no_leak
 
 MAX_NEW = 12
 
@@ -44,30 +44,26 @@ CONFIGS = {
 
 
 def _run_twice(folder, prompts, expected, overrides):
-    with rt.Engine(
-        model=str(folder),
-        log_level="warning",
-        timeout=REPLY_TIMEOUT_S,
-        **{"max_total_tokens": 4096, **overrides},
-    ) as engine:
-        for attempt in ("cold", "warm"):
-            outs = engine.generate(
-                input_ids=prompts,
-                sampling_params={"max_new_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True},
-            )
-            got = [o["output_ids"] for o in outs]
-            mismatched = [i for i, (g, e) in enumerate(zip(got, expected)) if g != e]
-            assert not mismatched, (
-                f"{attempt} run differs from transformers on prompts {mismatched}"
-            )
-        stats = engine.stats()
-        engine.check_invariants()
-        assert engine.flush_cache()
-        engine.check_invariants()
-        after = engine.stats()
-        assert after["free_tokens"] == after["total_tokens"]
-        assert after["host_used_tokens"] == 0
-    return outs, stats
+    """Every prompt at once, cold and then warm, on an in-process scheduler (the production
+    attention backend, a 4096-token pool unless `overrides` say otherwise), checking both runs
+    against transformers and the pool after them; returns the warm run's requests and the stats
+    before the flush."""
+    scheduler = make_scheduler(
+        folder, **{"attention_backend": "auto", "max_total_tokens": 4096, **overrides}
+    )
+    params = SamplingParams.from_dict(
+        {"max_new_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True}
+    )
+    for attempt in ("cold", "warm"):
+        reqs = [scheduler.make_request(f"{attempt}{i}", p, params) for i, p in enumerate(prompts)]
+        for req in reqs:
+            scheduler.add_request(req)
+        drain(scheduler)
+        mismatched = [i for i, (r, e) in enumerate(zip(reqs, expected)) if r.output_ids != e]
+        assert not mismatched, f"{attempt} run differs from transformers on prompts {mismatched}"
+    stats = scheduler.stats()
+    assert_no_leak(scheduler)
+    return reqs, stats
 
 
 @pytest.fixture(scope="module")
@@ -89,10 +85,10 @@ def default_case(default_model_dir):
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_tiny_model_matches_transformers(tiny_case, name):
     folder, prompts, expected = tiny_case
-    outs, stats = _run_twice(folder, prompts, expected, CONFIGS[name])
+    reqs, stats = _run_twice(folder, prompts, expected, CONFIGS[name])
     if name == "default":
         assert stats["cache_hit_rate"] > 0.5
-        assert all(o["meta_info"]["cached_tokens"] >= len(p) - 1 for o, p in zip(outs, prompts))
+        assert all(r.meta_info()["cached_tokens"] >= len(p) - 1 for r, p in zip(reqs, prompts))
     if name == "no-radix-cache":
         assert stats["cache_hit_rate"] == 0
     if name in ("tiny-pool", "hicache-tiny-pool", "hicache-write-back-pages"):

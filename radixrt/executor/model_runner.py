@@ -17,8 +17,8 @@ from radixrt.attention import create_backend
 from radixrt.config import ExecutorArgs
 from radixrt.distributed.group import TPGroup
 from radixrt.executor.model_loader import (
-    WeightReader,
     load_chat_template,
+    load_model,
     resolve_model_path,
     resolve_tokenizer_path,
 )
@@ -29,7 +29,6 @@ from radixrt.mem_cache.memory_pool import (
     TokenToKVPool,
     bytes_per_token,
 )
-from radixrt.models import model_class
 from radixrt.models.linear import (
     Int8Linear,
     PrepackedLinear,
@@ -37,7 +36,7 @@ from radixrt.models.linear import (
     prepack_available,
     replace_linears,
 )
-from radixrt.models.support import check_all_read, check_supported
+from radixrt.models.support import check_supported
 
 logger = logging.getLogger(__name__)
 
@@ -110,13 +109,10 @@ class ModelRunner:
         self.context_length = check_supported(self.config, args.context_length)
         self.eos_token_ids = self._eos_ids()
 
-        model = model_class(self.config)(self.config, self.context_length, self.tp)
-        reader = WeightReader(self.model_path)
-        model.load_weights(reader)
-        check_all_read(reader.names, reader.read, model.tied)
-        self.model = model.to(device=self.device, dtype=self.dtype).eval()
-        self.model.rope.to(torch.float32)  # cos/sin tables stay exact; cast per use
         check_quantization(args.quantization, self.device)
+        self.model = load_model(
+            self.model_path, self.config, self.context_length, self.tp, self.dtype
+        )
         # counted before the replacements hide the weights
         self.weights = WeightCounts.of(self.model, self.config, 1 if args.quantization else None)
         if args.quantization:

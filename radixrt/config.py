@@ -524,8 +524,8 @@ class ServerArgs(Settings):
         default="auto",
         metadata={
             "group": "model",
-            "help": "weights and KV dtype: auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16",
-            "choices": ["auto", "float32", "bfloat16"],
+            "help": "weights and KV dtype: auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16",
+            "choices": ["auto", "float32", "bfloat16", "float16"],
         },
     )
     device: str = field(default="auto", metadata={"group": "model", "help": "auto, cpu or cuda"})

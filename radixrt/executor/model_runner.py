@@ -49,10 +49,15 @@ def resolve_device(name: str, index: int = 0) -> torch.device:
     return torch.device("cuda", index) if device.type == "cuda" else device
 
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """`--dtype`: the weights' and the KV pool's; activations follow the weights, on the CPU
+    too (PyTorch's half kernels there are slower than float32, but the memory is half)."""
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+    return DTYPES[name]
 
 
 def available_memory(device: torch.device) -> int:

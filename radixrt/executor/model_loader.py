@@ -123,6 +123,13 @@ def load_chat_template(template: str) -> str:
     return template
 
 
+def read_generation_config(folder: Path) -> dict:
+    """The model's generation_config.json as written ({} without one): its eos ids and
+    sampling defaults are read from it."""
+    path = folder / "generation_config.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
 def convert_gguf(gguf: Path) -> Path:
     """Dequantize a GGUF file with transformers, once; later loads read the safetensors copy."""
     # Keyed by content, not path: every virtualenv holding the same wheel shares one conversion.

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+from transformers import AutoConfig, AutoTokenizer
 
 from radixrt.attention import create_backend
 from radixrt.config import ExecutorArgs
@@ -19,6 +19,7 @@ from radixrt.distributed.group import TPGroup
 from radixrt.executor.model_loader import (
     load_chat_template,
     load_model,
+    read_generation_config,
     resolve_model_path,
     resolve_tokenizer_path,
 )
@@ -112,7 +113,8 @@ class ModelRunner:
         if args.chat_template:
             self.tokenizer.chat_template = load_chat_template(args.chat_template)
         self.context_length = check_supported(self.config, args.context_length)
-        self.eos_token_ids = self._eos_ids()
+        self.generation_config = read_generation_config(self.model_path)
+        self.eos_token_ids = self._eos_ids(self.generation_config)
 
         check_quantization(args.quantization, self.device)
         self.model = load_model(
@@ -141,17 +143,17 @@ class ModelRunner:
             args.page_size,
         )
 
-    def _eos_ids(self) -> set[int]:
+    def _eos_ids(self, generation: dict) -> set[int]:
+        """The config's, the tokenizer's and generation_config.json's end-of-sequence ids."""
         ids = set()
-        for source in (self.config.eos_token_id, self.tokenizer.eos_token_id):
+        for source in (
+            self.config.eos_token_id,
+            self.tokenizer.eos_token_id,
+            generation.get("eos_token_id"),
+        ):
             ids.update(
                 source if isinstance(source, list) else [source] if source is not None else []
             )
-        try:
-            gen = GenerationConfig.from_pretrained(self.model_path).eos_token_id
-            ids.update(gen if isinstance(gen, list) else [gen] if gen is not None else [])
-        except OSError:
-            pass
         return ids
 
     def _init_pools(self) -> None:

@@ -230,7 +230,7 @@ class WeightReader:
     load holds the weights it has placed and at most `CHUNK_BYTES` in hand, not a shard's
     pages. `copy_rows`, `stack_rows` and `copy_cols` read rows in chunks straight into a
     parameter (cast to its dtype, copied to its device); a tensor-parallel rank reads only its
-    own rows from disk (its columns are cut from whole rows). `rows` returns a small tensor."""
+    own rows from disk (its columns are cut from whole rows). `whole` returns a small tensor."""
 
     CHUNK_BYTES = 4 << 20
 
@@ -264,10 +264,7 @@ class WeightReader:
     def names(self) -> set[str]:
         return set(self._where)
 
-    def has(self, name: str) -> bool:
-        return name in self._where
-
-    def rows(self, name: str) -> torch.Tensor:
+    def whole(self, name: str) -> torch.Tensor:
         """A whole tensor, as stored (for small ones: norms)."""
         t = self._find(name)
         out = torch.empty(t.shape, dtype=t.dtype)
@@ -308,8 +305,8 @@ class WeightReader:
         shape = t.shape or (1,)
         start, end, _ = rows.indices(shape[0])
         end = max(start, end)
-        rest, whole = shape[1:], cols == slice(None)
-        cut = rest if whole else torch.empty(rest, device="meta")[cols].shape
+        rest, all_cols = shape[1:], cols == slice(None)
+        cut = rest if all_cols else torch.empty(rest, device="meta")[cols].shape
         if out.shape != (end - start, *cut):
             raise ValueError(
                 f"weight {name!r}: {(end - start, *cut)} read, the model has {tuple(out.shape)}"
@@ -319,7 +316,7 @@ class WeightReader:
         for at in range(start, end, step):
             n = min(step, end - at)
             chunk = self._pread(t, t.offset + at * row, n * row).view(t.dtype).reshape(n, *rest)
-            out[at - start : at - start + n].copy_(chunk if whole else chunk[:, cols])
+            out[at - start : at - start + n].copy_(chunk if all_cols else chunk[:, cols])
 
     def _pread(self, t: _Stored, offset: int, size: int) -> torch.Tensor:
         """`size` bytes of `t`'s file from `offset`, in the scratch buffer (valid until the

@@ -373,7 +373,7 @@ class LlamaForCausalLM(nn.Module):
     def _norm(self, reader: WeightReader, name: str) -> torch.Tensor:
         """An RMSNorm's weight as the norm multiplies by it: Gemma stores it less 1 (added in
         the stored dtype, as before any cast)."""
-        return reader.rows(name) + self.family.norm_offset
+        return reader.whole(name) + self.family.norm_offset
 
     def _qkv(self, hf: str, kind: str) -> list[tuple[str, int, int]]:
         """This rank's rows of q, k and v, one after the other: (name, start, end) each."""

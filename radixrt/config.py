@@ -79,6 +79,7 @@ class SchedulerArgs:
     enable_priority_preemption: bool
     priority_aging_s: float
     max_pinned_tokens_per_client: int | None
+    generation_config: str  # whose sampling defaults a request's unset parameters take
 
 
 MIN_FRAME_BYTES = 4096  # a smaller frame limit would refuse ordinary requests
@@ -524,8 +525,8 @@ class ServerArgs(Settings):
         default="auto",
         metadata={
             "group": "model",
-            "help": "weights and KV dtype: auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16",
-            "choices": ["auto", "float32", "bfloat16"],
+            "help": "weights and KV dtype: auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16",
+            "choices": ["auto", "float32", "bfloat16", "float16"],
         },
     )
     device: str = field(default="auto", metadata={"group": "model", "help": "auto, cpu or cuda"})
@@ -542,6 +543,14 @@ class ServerArgs(Settings):
         metadata={
             "group": "model",
             "help": "on CUDA, launch every decode step's kernels instead of replaying graphs",
+        },
+    )
+    generation_config: str = field(
+        default="auto",
+        metadata={
+            "group": "model",
+            "help": "auto: the model's generation_config.json gives the sampling defaults a request does not set (docs/protocol.md); ignore: radixrt's own",
+            "choices": ["auto", "ignore"],
         },
     )
     max_total_tokens: int | None = field(

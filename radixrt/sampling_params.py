@@ -34,6 +34,15 @@ MAX_STOP_TOKEN_IDS = 1024
 MAX_SEED = (1 << 63) - 1  # torch generators take 64-bit seeds; n samples add their index
 MAX_LOGIT_BIAS = 100.0  # OpenAI's bound: -100 bans a token, +100 all but forces it
 MAX_LOGIT_BIAS_ENTRIES = 1024
+# generation_config.json's fields a request's unset parameters take (vLLM's set)
+GENERATION_CONFIG_FIELDS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "max_new_tokens",
+)
 
 
 @dataclass
@@ -64,8 +73,12 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
 
     @classmethod
-    def from_dict(cls, params: dict[str, Any] | None) -> SamplingParams:
-        params = dict(params or {})
+    def from_dict(
+        cls, params: dict[str, Any] | None, defaults: dict[str, Any] | None = None
+    ) -> SamplingParams:
+        """Validated parameters: those given, else `defaults` (the model's generation config),
+        else the fields' own defaults."""
+        params = {**(defaults or {}), **(params or {})}
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = set(params) - known
         if unknown:
@@ -212,3 +225,20 @@ def _check_type(name: str, value: Any, kind: type | tuple[type, ...]) -> None:
 def _check_range(name: str, value: float, lo: float, hi: float) -> None:
     if not lo <= value <= hi:
         raise ValueError(f"{name} must be in [{lo}, {hi}], got {value}")
+
+
+def generation_defaults(config: dict[str, Any]) -> dict[str, Any]:
+    """The sampling defaults in a model's generation_config.json (as parsed): only the
+    `GENERATION_CONFIG_FIELDS` it sets, as vLLM reads them (`do_sample` is not read), with
+    transformers' top_k 0 ("off") as radixrt's -1. ValueError, naming the file, when they do
+    not validate."""
+    defaults = {k: config[k] for k in GENERATION_CONFIG_FIELDS if config.get(k) is not None}
+    if defaults.get("top_k") == 0:
+        defaults["top_k"] = -1
+    try:
+        SamplingParams.from_dict(defaults)
+    except ValueError as e:
+        raise ValueError(
+            f"generation_config.json: {e} (--generation-config ignore serves without it)"
+        ) from None
+    return defaults

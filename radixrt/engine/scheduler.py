@@ -38,7 +38,7 @@ from radixrt.forward_batch import ForwardBatch
 from radixrt.mem_cache.slot_manager import KVSlotManager
 from radixrt.mem_cache.tiers import DevicePool, TierConfig, build_slot_manager
 from radixrt.protocol import ErrorCode, RequestError
-from radixrt.sampling_params import SamplingParams
+from radixrt.sampling_params import SamplingParams, generation_defaults
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +54,7 @@ class ModelInfo(NamedTuple):
     eos_token_ids: list[int]
     vocab_size: int
     weights: WeightCounts
+    sampling_defaults: dict[str, Any]  # from generation_config.json (docs/protocol.md)
 
 
 class Scheduler:
@@ -67,6 +68,12 @@ class Scheduler:
         self.driver = driver
         self.runner = runner = driver.runner
         self.tokenizer = runner.tokenizer
+        # what a request's unset sampling parameters take (docs/protocol.md)
+        self.sampling_defaults = (
+            generation_defaults(runner.generation_config)
+            if args.generation_config == "auto"
+            else {}
+        )
         self.kv = build_slot_manager(
             DevicePool(runner.allocator, runner.req_to_token_pool, runner.kv_pool),
             _tiers(args),
@@ -138,7 +145,13 @@ class Scheduler:
         r = self.runner
         eos = sorted(r.eos_token_ids)
         return ModelInfo(
-            r.model_path, r.tokenizer_path, r.context_length, eos, r.vocab_size, r.weights
+            r.model_path,
+            r.tokenizer_path,
+            r.context_length,
+            eos,
+            r.vocab_size,
+            r.weights,
+            self.sampling_defaults,
         )
 
     # ---- requests in and out ---------------------------------------------------------------

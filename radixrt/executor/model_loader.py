@@ -1,20 +1,28 @@
-"""Find a model, convert GGUF once to safetensors, and load weights into our own modules."""
+"""Find a model, convert GGUF once to safetensors, and load weights into our own modules at
+the size of the weights: built on the meta device, then filled tensor by tensor in the
+target dtype (`load_model`)."""
 
 from __future__ import annotations
 
-import glob
 import hashlib
 import importlib.metadata
 import json
 import logging
+import math
 import os
 import re
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
+from torch import nn
+
+from radixrt.distributed.group import TPGroup
+from radixrt.models import model_class
+from radixrt.models.support import check_all_read
 
 logger = logging.getLogger(__name__)
 
@@ -115,6 +123,13 @@ def load_chat_template(template: str) -> str:
     return template
 
 
+def read_generation_config(folder: Path) -> dict:
+    """The model's generation_config.json as written ({} without one): its eos ids and
+    sampling defaults are read from it."""
+    path = folder / "generation_config.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
 def convert_gguf(gguf: Path) -> Path:
     """Dequantize a GGUF file with transformers, once; later loads read the safetensors copy."""
     # Keyed by content, not path: every virtualenv holding the same wheel shares one conversion.
@@ -165,48 +180,195 @@ def model_fingerprint(folder: Path, dtype: torch.dtype, quantization: str | None
     digest = hashlib.sha256((folder / "config.json").read_bytes())
     for path in sorted(folder.glob("*.safetensors")):
         with open(path, "rb") as f:
-            header_len = int.from_bytes(f.read(8), "little")
-            header = f.read(header_len)
-            digest.update(f"|{path.name}|{os.fstat(f.fileno()).st_size}|".encode() + header)
-            for name, entry in json.loads(header).items():
-                if name == "__metadata__":
-                    continue
+            raw, header = _read_header(f)
+            digest.update(f"|{path.name}|{os.fstat(f.fileno()).st_size}|".encode() + raw)
+            for entry in header.values():
                 begin, end = entry["data_offsets"]
-                f.seek(8 + header_len + begin)
+                f.seek(8 + len(raw) + begin)
                 digest.update(f.read(min(end - begin, FINGERPRINT_SAMPLE_BYTES)))
     digest.update(f"|{dtype}|{quantization}".encode())
     return digest.hexdigest()
 
 
+def _read_header(f: BinaryIO) -> tuple[bytes, dict[str, dict]]:
+    """A safetensors file's header as stored, and parsed: tensor name -> dtype, shape and
+    data_offsets (from the end of the header, i.e. 8 + len(raw) bytes into the file)."""
+    raw = f.read(int.from_bytes(f.read(8), "little"))
+    header = json.loads(raw)
+    header.pop("__metadata__", None)
+    return raw, header
+
+
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+@dataclass(frozen=True)
+class _Stored:
+    """Where one tensor lies: its file, first byte, dtype and shape."""
+
+    file: BinaryIO
+    offset: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
 class WeightReader:
-    """A model folder's safetensors tensors by name, read whole or as a slice of rows or
-    columns: a tensor-parallel rank reads only its own part from disk."""
+    """A model folder's safetensors tensors by name, read with plain reads, never mapped: a
+    load holds the weights it has placed and at most `CHUNK_BYTES` in hand, not a shard's
+    pages. `copy_rows`, `stack_rows` and `copy_cols` read rows in chunks straight into a
+    parameter (cast to its dtype, copied to its device); a tensor-parallel rank reads only its
+    own rows from disk (its columns are cut from whole rows). `whole` returns a small tensor."""
+
+    CHUNK_BYTES = 4 << 20
 
     def __init__(self, folder: Path):
-        files = sorted(glob.glob(str(folder / "*.safetensors")))
-        if not files:
+        paths = sorted(folder.glob("*.safetensors"))
+        if not paths:
             raise FileNotFoundError(f"no *.safetensors weights in {folder}")
-        self._handles = [safe_open(f, framework="pt") for f in files]
-        self._where = {name: h for h in self._handles for name in h.keys()}
+        self._files = [open(p, "rb", buffering=0) for p in paths]  # noqa: SIM115 (see close)
+        self._where: dict[str, _Stored] = {}
+        for f in self._files:
+            raw, header = _read_header(f)
+            for name, entry in header.items():
+                if entry["dtype"] not in _SAFETENSORS_DTYPES:
+                    raise ValueError(f"weight {name!r} has unsupported dtype {entry['dtype']}")
+                self._where[name] = _Stored(
+                    f,
+                    8 + len(raw) + entry["data_offsets"][0],
+                    _SAFETENSORS_DTYPES[entry["dtype"]],
+                    tuple(entry["shape"]),
+                )
         self.read: set[str] = set()  # names of the tensors read so far
+        # one buffer for every read: freeing chunks would raise glibc's mmap threshold and
+        # leave later ones on its heap, held after the load
+        self._scratch = torch.empty(self.CHUNK_BYTES, dtype=torch.uint8)
+
+    def close(self) -> None:
+        for f in self._files:
+            f.close()
 
     @property
     def names(self) -> set[str]:
         return set(self._where)
 
-    def has(self, name: str) -> bool:
-        return name in self._where
+    def whole(self, name: str) -> torch.Tensor:
+        """A whole tensor, as stored (for small ones: norms)."""
+        t = self._find(name)
+        out = torch.empty(t.shape, dtype=t.dtype)
+        self._copy(out.reshape(-1, *t.shape[1:]) if t.shape else out.reshape(1), name)
+        return out
 
-    def _slice(self, name: str):
+    def copy_rows(
+        self, out: torch.Tensor, name: str, start: int | None = None, end: int | None = None
+    ) -> None:
+        """Rows [start, end) of a tensor (all of it without bounds) into `out`."""
+        self._copy(out, name, slice(start, end))
+
+    def stack_rows(self, out: torch.Tensor, parts: list[tuple[str, int, int]]) -> None:
+        """Rows [start, end) of each (name, start, end), one part after the other, into `out`."""
+        at = 0
+        for name, start, end in parts:
+            self._copy(out[at : at + end - start], name, slice(start, end))
+            at += end - start
+        if at != out.shape[0]:
+            raise ValueError(f"{[p[0] for p in parts]} fill {at} of {out.shape[0]} rows")
+
+    def copy_cols(self, out: torch.Tensor, name: str, start: int, end: int) -> None:
+        """Columns [start, end) of a matrix into `out`."""
+        self._copy(out, name, slice(None), slice(start, end))
+
+    def _find(self, name: str) -> _Stored:
         if name not in self._where:
             raise ValueError(f"weight {name!r} is missing from the checkpoint")
         self.read.add(name)
-        return self._where[name].get_slice(name)
+        return self._where[name]
 
-    def rows(self, name: str, start: int | None = None, end: int | None = None) -> torch.Tensor:
-        """Rows [start, end) of a tensor (all of it without bounds)."""
-        return self._slice(name)[start:end]
+    def _copy(
+        self, out: torch.Tensor, name: str, rows: slice = slice(None), cols: slice = slice(None)
+    ) -> None:
+        """`name`[rows, cols] into `out` (whose shape it must be), `CHUNK_BYTES` of whole
+        rows at a time; a 0-d tensor is one row."""
+        t = self._find(name)
+        shape = t.shape or (1,)
+        start, end, _ = rows.indices(shape[0])
+        end = max(start, end)
+        rest, all_cols = shape[1:], cols == slice(None)
+        cut = rest if all_cols else torch.empty(rest, device="meta")[cols].shape
+        if out.shape != (end - start, *cut):
+            raise ValueError(
+                f"weight {name!r}: {(end - start, *cut)} read, the model has {tuple(out.shape)}"
+            )
+        row = math.prod(rest) * t.dtype.itemsize
+        step = max(1, self.CHUNK_BYTES // max(row, 1))
+        for at in range(start, end, step):
+            n = min(step, end - at)
+            chunk = self._pread(t, t.offset + at * row, n * row).view(t.dtype).reshape(n, *rest)
+            out[at - start : at - start + n].copy_(chunk if all_cols else chunk[:, cols])
 
-    def cols(self, name: str, start: int, end: int) -> torch.Tensor:
-        """Columns [start, end) of a matrix."""
-        return self._slice(name)[:, start:end]
+    def _pread(self, t: _Stored, offset: int, size: int) -> torch.Tensor:
+        """`size` bytes of `t`'s file from `offset`, in the scratch buffer (valid until the
+        next read; grown for a row larger than a chunk)."""
+        if size > self._scratch.numel():
+            self._scratch = torch.empty(size, dtype=torch.uint8)
+        view, done = memoryview(self._scratch.numpy())[:size], 0
+        while done < size:  # one read returns at most ~2 GiB
+            n = os.preadv(t.file.fileno(), [view[done:]], offset + done)
+            if n == 0:
+                raise ValueError(f"{t.file.name!r} ends inside a tensor: the file is truncated")
+            done += n
+        return self._scratch[:size]
+
+
+def load_model(
+    folder: Path, config, context_length: int, tp: TPGroup, dtype: torch.dtype
+) -> nn.Module:
+    """This rank's model, its weights read from `folder` straight into `dtype` on `tp.device`.
+    It is built on the meta device (no memory, no random initialisation), each parameter is
+    then given empty storage in `dtype`, and the checkpoint's tensors are copied in one at a
+    time: host memory peaks near the weights in `dtype` plus the largest tensor as stored (on
+    CUDA, that one tensor alone). Computed buffers (rotary tables) are built on the CPU while
+    the rest is meta, and moved. ValueError, naming them, for tensors the checkpoint lacks or
+    the architecture does not use."""
+    with torch.device("meta"):
+        model = model_class(config)(config, context_length, tp)
+    _materialize(model, tp.device, dtype)
+    reader = WeightReader(folder)
+    try:
+        model.load_weights(reader)
+    finally:
+        reader.close()
+    check_all_read(reader.names, reader.read, model.tied)
+    return model.eval()
+
+
+def _materialize(model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    """Replace every meta parameter with uninitialised storage of `dtype` on `device`, one
+    tensor per parameter however many modules share it (tied embeddings stay tied), and move
+    the buffers, which were computed at build, to `device`. Parameters need no gradient: the
+    model only ever runs under inference mode."""
+    made: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is None:
+                continue
+            if id(param) not in made:
+                empty = torch.empty(param.shape, device=device, dtype=dtype)
+                made[id(param)] = nn.Parameter(empty, requires_grad=False)
+            module._parameters[name] = made[id(param)]
+    model.to(device)
+    left = [name for name, b in model.named_buffers() if b.is_meta]
+    if left and device.type != "meta":
+        raise RuntimeError(f"buffers built on the meta device are never computed: {left[:4]}")

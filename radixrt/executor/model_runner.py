@@ -11,14 +11,15 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+from transformers import AutoConfig, AutoTokenizer
 
 from radixrt.attention import create_backend
 from radixrt.config import ExecutorArgs
 from radixrt.distributed.group import TPGroup
 from radixrt.executor.model_loader import (
-    WeightReader,
     load_chat_template,
+    load_model,
+    read_generation_config,
     resolve_model_path,
     resolve_tokenizer_path,
 )
@@ -29,7 +30,6 @@ from radixrt.mem_cache.memory_pool import (
     TokenToKVPool,
     bytes_per_token,
 )
-from radixrt.models import model_class
 from radixrt.models.linear import (
     Int8Linear,
     PrepackedLinear,
@@ -37,7 +37,7 @@ from radixrt.models.linear import (
     prepack_available,
     replace_linears,
 )
-from radixrt.models.support import check_all_read, check_supported
+from radixrt.models.support import check_supported
 
 logger = logging.getLogger(__name__)
 
@@ -50,10 +50,15 @@ def resolve_device(name: str, index: int = 0) -> torch.device:
     return torch.device("cuda", index) if device.type == "cuda" else device
 
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """`--dtype`: the weights' and the KV pool's; activations follow the weights, on the CPU
+    too (PyTorch's half kernels there are slower than float32, but the memory is half)."""
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+    return DTYPES[name]
 
 
 def available_memory(device: torch.device) -> int:
@@ -108,15 +113,13 @@ class ModelRunner:
         if args.chat_template:
             self.tokenizer.chat_template = load_chat_template(args.chat_template)
         self.context_length = check_supported(self.config, args.context_length)
-        self.eos_token_ids = self._eos_ids()
+        self.generation_config = read_generation_config(self.model_path)
+        self.eos_token_ids = self._eos_ids(self.generation_config)
 
-        model = model_class(self.config)(self.config, self.context_length, self.tp)
-        reader = WeightReader(self.model_path)
-        model.load_weights(reader)
-        check_all_read(reader.names, reader.read, model.tied)
-        self.model = model.to(device=self.device, dtype=self.dtype).eval()
-        self.model.rope.to(torch.float32)  # cos/sin tables stay exact; cast per use
         check_quantization(args.quantization, self.device)
+        self.model = load_model(
+            self.model_path, self.config, self.context_length, self.tp, self.dtype
+        )
         # counted before the replacements hide the weights
         self.weights = WeightCounts.of(self.model, self.config, 1 if args.quantization else None)
         if args.quantization:
@@ -140,17 +143,17 @@ class ModelRunner:
             args.page_size,
         )
 
-    def _eos_ids(self) -> set[int]:
+    def _eos_ids(self, generation: dict) -> set[int]:
+        """The config's, the tokenizer's and generation_config.json's end-of-sequence ids."""
         ids = set()
-        for source in (self.config.eos_token_id, self.tokenizer.eos_token_id):
+        for source in (
+            self.config.eos_token_id,
+            self.tokenizer.eos_token_id,
+            generation.get("eos_token_id"),
+        ):
             ids.update(
                 source if isinstance(source, list) else [source] if source is not None else []
             )
-        try:
-            gen = GenerationConfig.from_pretrained(self.model_path).eos_token_id
-            ids.update(gen if isinstance(gen, list) else [gen] if gen is not None else [])
-        except OSError:
-            pass
         return ids
 
     def _init_pools(self) -> None:

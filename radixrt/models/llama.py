@@ -47,30 +47,35 @@ class RotaryEmbedding(nn.Module):
     the first `partial_rotary_factor` of each head (Phi-4's 0.75; the rest passes through).
     longrope's table is its short factors: exact while the context stays within
     `original_max_position_embeddings` (support.py caps it there). With `layer_type`, the
-    table of that type's own parameters (Gemma 3's local and global theta)."""
+    table of that type's own parameters (Gemma 3's local and global theta). The tables are
+    float32 on the CPU when built (moved with the model, never cast) and cast per use."""
 
     def __init__(self, config, head_dim: int, max_positions: int, layer_type: str | None = None):
         super().__init__()
-        rope = getattr(config, "rope_parameters", None) or {
-            "rope_type": "default",
-            "rope_theta": getattr(config, "rope_theta", 10000.0),
-        }
-        if layer_type is not None:
-            rope = rope[layer_type]
-        rope_type = rope.get("rope_type", "default")
-        if rope_type == "default":
-            factor = rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1))
-            dim = int(head_dim * factor)
-            inv_freq = 1.0 / (
-                rope["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)
-            )
-            scaling = 1.0
-        else:
-            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](
-                config, torch.device("cpu"), layer_type=layer_type
-            )
-        freqs = torch.arange(max_positions, dtype=torch.float)[:, None] * inv_freq[None, :]
-        emb = torch.cat([freqs, freqs], dim=-1)
+        # computed, never loaded: real tables even while the model is built on the meta device
+        with torch.device("cpu"):
+            rope = getattr(config, "rope_parameters", None) or {
+                "rope_type": "default",
+                "rope_theta": getattr(config, "rope_theta", 10000.0),
+            }
+            if layer_type is not None:
+                rope = rope[layer_type]
+            rope_type = rope.get("rope_type", "default")
+            if rope_type == "default":
+                factor = rope.get(
+                    "partial_rotary_factor", getattr(config, "partial_rotary_factor", 1)
+                )
+                dim = int(head_dim * factor)
+                inv_freq = 1.0 / (
+                    rope["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)
+                )
+                scaling = 1.0
+            else:
+                inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](
+                    config, torch.device("cpu"), layer_type=layer_type
+                )
+            freqs = torch.arange(max_positions, dtype=torch.float)[:, None] * inv_freq[None, :]
+            emb = torch.cat([freqs, freqs], dim=-1)
         self.register_buffer("cos", emb.cos() * scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * scaling, persistent=False)
 
@@ -319,51 +324,59 @@ class LlamaForCausalLM(nn.Module):
         return logits.float()
 
     def load_weights(self, reader: WeightReader) -> None:
-        """Load Hugging Face names, reading only this rank's slices: q/k/v and gate/up fused
-        (from separate tensors, or split by rows out of Phi-3's fused ones), experts stacked."""
+        """Load Hugging Face names into the parameters in place, reading only this rank's
+        slices: q/k/v and gate/up fused (from separate tensors, or rows of Phi-3's fused ones),
+        experts' as the dense MLP's. ValueError for a tensor missing or of the wrong shape."""
         own = dict(self.named_parameters())
         loaded = set()
 
-        def put(name: str, tensor: torch.Tensor) -> None:
-            own[name].data.copy_(tensor)
+        def param(name: str) -> torch.Tensor:
+            """The parameter `name`'s storage, to fill (and counted as loaded)."""
             loaded.add(name)
+            return own[name].data
 
         q = (self.shard.q_start * self.head_dim, self.shard.q_end * self.head_dim)
         for i, layer in enumerate(self.layers):
             hf, me = f"model.layers.{i}.", f"layers.{i}."
             for kind in ("weight", "bias"):
                 if me + f"self_attn.qkv_proj.{kind}" in own:
-                    put(me + f"self_attn.qkv_proj.{kind}", self._qkv(reader, hf, kind))
-            put(me + "self_attn.o_proj.weight", reader.cols(hf + "self_attn.o_proj.weight", *q))
+                    reader.stack_rows(param(me + f"self_attn.qkv_proj.{kind}"), self._qkv(hf, kind))
+            reader.copy_cols(
+                param(me + "self_attn.o_proj.weight"), hf + "self_attn.o_proj.weight", *q
+            )
             norms = ["input_layernorm", "post_attention_layernorm"]
             if self.family.qk_norm:
                 norms += ["self_attn.q_norm", "self_attn.k_norm"]
             if self.family.sandwich_norms:
                 norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
             for norm in norms:
-                put(me + f"{norm}.weight", self._norm(reader, hf + f"{norm}.weight"))
+                param(me + f"{norm}.weight").copy_(self._norm(reader, hf + f"{norm}.weight"))
             if isinstance(layer.mlp, SparseMoE):
-                self._load_experts(reader, hf, me, put)
+                self._load_experts(reader, hf, me, param)
             else:
-                put(me + "mlp.gate_up_proj.weight", self._gate_up(reader, hf + "mlp."))
-                put(
-                    me + "mlp.down_proj.weight",
-                    reader.cols(hf + "mlp.down_proj.weight", *self.mlp_range),
+                reader.stack_rows(param(me + "mlp.gate_up_proj.weight"), self._gate_up(hf + "mlp."))
+                reader.copy_cols(
+                    param(me + "mlp.down_proj.weight"),
+                    hf + "mlp.down_proj.weight",
+                    *self.mlp_range,
                 )
-        put("norm.weight", self._norm(reader, "model.norm.weight"))
-        put("embed_tokens.weight", reader.rows("model.embed_tokens.weight", *self.vocab_range))
+        param("norm.weight").copy_(self._norm(reader, "model.norm.weight"))
+        reader.copy_rows(
+            param("embed_tokens.weight"), "model.embed_tokens.weight", *self.vocab_range
+        )
         if not self.tied:
-            put("lm_head.weight", reader.rows("lm_head.weight", *self.vocab_range))
+            reader.copy_rows(param("lm_head.weight"), "lm_head.weight", *self.vocab_range)
         missing = set(own) - loaded - ({"lm_head.weight"} if self.tied else set())
         if missing:
             raise ValueError(f"weights missing from the checkpoint: {sorted(missing)[:8]}")
 
     def _norm(self, reader: WeightReader, name: str) -> torch.Tensor:
-        """An RMSNorm's weight as the norm multiplies by it: Gemma stores it less 1."""
-        return reader.rows(name) + self.family.norm_offset
+        """An RMSNorm's weight as the norm multiplies by it: Gemma stores it less 1 (added in
+        the stored dtype, as before any cast)."""
+        return reader.whole(name) + self.family.norm_offset
 
-    def _qkv(self, reader: WeightReader, hf: str, kind: str) -> torch.Tensor:
-        """This rank's rows of q, k and v, one after the other."""
+    def _qkv(self, hf: str, kind: str) -> list[tuple[str, int, int]]:
+        """This rank's rows of q, k and v, one after the other: (name, start, end) each."""
         s, hd, heads = self.shard, self.head_dim, self.config.num_attention_heads
         kv_heads = self.config.num_key_value_heads
         spans = [
@@ -374,38 +387,31 @@ class LlamaForCausalLM(nn.Module):
         if self.family.fused_checkpoint:  # rows of [q; k; v] in one tensor
             offsets = (0, heads * hd, (heads + kv_heads) * hd)
             name = hf + f"self_attn.qkv_proj.{kind}"
-            return torch.cat([reader.rows(name, o + a, o + b) for o, (a, b) in zip(offsets, spans)])
+            return [(name, o + a, o + b) for o, (a, b) in zip(offsets, spans)]
         names = [hf + f"self_attn.{p}_proj.{kind}" for p in "qkv"]
-        return torch.cat([reader.rows(n, *span) for n, span in zip(names, spans)])
+        return [(n, *span) for n, span in zip(names, spans)]
 
-    def _gate_up(self, reader: WeightReader, prefix: str) -> torch.Tensor:
+    def _gate_up(self, prefix: str) -> list[tuple[str, int, int]]:
         """This rank's rows of the dense MLP's gate, then of its up projection."""
         start, end = self.mlp_range
         if self.family.fused_checkpoint:  # rows of [gate; up] in one tensor
             width = self.config.intermediate_size
             name = prefix + "gate_up_proj.weight"
-            return torch.cat(
-                [reader.rows(name, start, end), reader.rows(name, width + start, width + end)]
-            )
-        return torch.cat(
-            [reader.rows(prefix + f"{p}_proj.weight", start, end) for p in ("gate", "up")]
-        )
+            return [(name, start, end), (name, width + start, width + end)]
+        return [(prefix + f"{p}_proj.weight", start, end) for p in ("gate", "up")]
 
-    def _load_experts(self, reader: WeightReader, hf: str, me: str, put) -> None:
+    def _load_experts(self, reader: WeightReader, hf: str, me: str, param) -> None:
         """The router whole; every expert's slice of gate and up (rows) and down (columns)."""
         spec, (start, end) = self.family.moe, self.expert_range
         gate, up, down = spec.names
         base = hf + spec.prefix + "."
-        put(me + "mlp.gate.weight", reader.rows(base + "gate.weight"))
+        reader.copy_rows(param(me + "mlp.gate.weight"), base + "gate.weight")
         for e in range(spec.num_experts):
             theirs, mine = f"{base}experts.{e}.", f"{me}mlp.experts.{e}."
-            put(
-                mine + "gate_up_proj.weight",
-                torch.cat(
-                    [
-                        reader.rows(theirs + f"{gate}.weight", start, end),
-                        reader.rows(theirs + f"{up}.weight", start, end),
-                    ]
-                ),
+            reader.stack_rows(
+                param(mine + "gate_up_proj.weight"),
+                [(theirs + f"{gate}.weight", start, end), (theirs + f"{up}.weight", start, end)],
             )
-            put(mine + "down_proj.weight", reader.cols(theirs + f"{down}.weight", start, end))
+            reader.copy_cols(
+                param(mine + "down_proj.weight"), theirs + f"{down}.weight", start, end
+            )

@@ -175,7 +175,7 @@ class Server:
         params = msg.get("sampling_params") or {}
         if not isinstance(params, dict):
             raise ValueError("sampling_params must be a map")
-        params = SamplingParams.from_dict(params)
+        params = SamplingParams.from_dict(params, self.scheduler.sampling_defaults)
         scope = RequestScope.from_fields(tenant, msg).capped(
             caller.principal.max_priority, self.args.schedule_low_priority_values_first
         )
@@ -306,6 +306,7 @@ def _model_info(server: Server, caller: Caller, msg: dict[str, Any]) -> dict[str
         "eos_token_ids": info.eos_token_ids,
         "vocab_size": info.vocab_size,
         "weights": asdict(info.weights),
+        "sampling_defaults": info.sampling_defaults,
     }
 
 

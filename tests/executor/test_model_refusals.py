@@ -64,7 +64,7 @@ def test_config_fields_that_cannot_be_honoured_are_refused(tmp_path, tiny_model_
     assert words in str(refused.value) and "\n" not in str(refused.value)
 
 
-def test_unused_and_missing_tensors_are_refused(tmp_path, tiny_model_dir):
+def test_unused_missing_and_misshapen_tensors_are_refused(tmp_path, tiny_model_dir):
     folder = _checkpoint(tmp_path, tiny_model_dir)
     weights = load_file(folder / "model.safetensors")
     save_file(
@@ -73,9 +73,15 @@ def test_unused_and_missing_tensors_are_refused(tmp_path, tiny_model_dir):
     )
     with pytest.raises(ValueError, match="does not use.*extra_proj"):
         _runner(folder)
-    weights.pop("model.layers.1.mlp.up_proj.weight")
+    up = weights.pop("model.layers.1.mlp.up_proj.weight")
     save_file(weights, folder / "model.safetensors")
     with pytest.raises(ValueError, match="up_proj.*missing"):
+        _runner(folder)
+    # one row where the model has many: refused, not broadcast over the parameter
+    save_file(
+        {**weights, "model.layers.1.mlp.up_proj.weight": up[:1]}, folder / "model.safetensors"
+    )
+    with pytest.raises(ValueError, match="up_proj.*read, the model has"):
         _runner(folder)
 
 

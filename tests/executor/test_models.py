@@ -115,3 +115,31 @@ def test_the_torch_glue_matches_transformers_too(tiny_model_dir, monkeypatch):
     got = run_in_process(scheduler, [prompts, prompts], params)
     assert got == hf_greedy(tiny_model_dir, prompts, 6) * 2
     scheduler.check_invariants()
+
+
+def test_float16_greedy_tokens_and_logprobs_follow_float32(tiny_model_dir):
+    """`--dtype float16` (weights, KV and activations in half precision, on the CPU too):
+    the tiny model's greedy tokens equal float32's, their logprobs within 0.05."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    prompts = [
+        tokenizer.encode(t, add_special_tokens=False)
+        for t in ["The quick brown fox jumps over the lazy dog and then", "Hello"]
+    ]
+    params = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True, "return_logprob": True}
+    outs = {}
+    for dtype in ("float32", "float16"):
+        with rt.Engine(
+            model=str(tiny_model_dir),
+            dtype=dtype,
+            max_total_tokens=1024,
+            log_level="warning",
+            timeout=REPLY_TIMEOUT_S,
+        ) as engine:
+            outs[dtype] = engine.generate(input_ids=prompts, sampling_params=params)
+    for full, half in zip(outs["float32"], outs["float16"]):
+        assert half["output_ids"] == full["output_ids"]
+        logprobs = [
+            torch.tensor([lp for lp, _ in o["meta_info"]["output_token_logprobs"]])
+            for o in (full, half)
+        ]
+        assert torch.allclose(*logprobs, atol=0.05, rtol=0)

@@ -1,0 +1,96 @@
+"""The loader's peak host memory, measured on a generated checkpoint: at most 1.2 x the weights
+in the dtype they are loaded in (issue 30)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from radixrt.executor.model_loader import WeightReader
+
+# A 16-layer Llama of 59M parameters, stored in float32 (235 MB): big enough that the fixed
+# costs of a Python process do not decide the ratio, small enough to write and load in seconds.
+CONFIG = dict(
+    hidden_size=512,
+    intermediate_size=1536,
+    num_hidden_layers=16,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    vocab_size=8192,
+    max_position_embeddings=1024,
+    tie_word_embeddings=False,
+)
+
+# Runs in a fresh interpreter: everything imported first, the RSS noted, the model loaded, then
+# the high-water mark read. Prints the peak growth, the weights' bytes and a spot check. The
+# mark is VmHWM, this address space's own: ru_maxrss keeps the parent's peak across fork and
+# exec, so under pytest it reports the test process's memory.
+MEASURE = """
+import json, sys
+from pathlib import Path
+import torch
+from safetensors import safe_open
+from transformers import AutoConfig
+from radixrt.distributed.group import TPGroup
+from radixrt.executor.model_loader import load_model
+
+def status(field):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field)) * 1024
+
+folder, dtype = Path(sys.argv[1]), getattr(torch, sys.argv[2])
+config, tp = AutoConfig.from_pretrained(folder), TPGroup()
+base = status("VmRSS:")
+model = load_model(folder, config, 1024, tp, dtype)
+peak = status("VmHWM:")
+with safe_open(folder / "model.safetensors", framework="pt") as f:
+    stored = f.get_tensor("model.layers.3.mlp.up_proj.weight").to(dtype)
+loaded = model.layers[3].mlp.gate_up_proj.weight[config.intermediate_size :]
+print(json.dumps({
+    "growth": peak - base,
+    "weights": sum(p.numel() * p.element_size() for p in model.parameters()),
+    "same": bool(torch.equal(loaded, stored)),
+}))
+"""
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    """Random float32 weights under transformers' Llama names, with its config."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    folder = tmp_path_factory.mktemp("rss-llama")
+    config = LlamaConfig(**CONFIG)
+    config.save_pretrained(folder)
+    with torch.device("meta"):
+        names = {k: v.shape for k, v in LlamaForCausalLM(config).state_dict().items()}
+    gen = torch.Generator().manual_seed(0)
+    state = {k: torch.randn(shape, generator=gen) * 0.02 for k, shape in names.items()}
+    save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
+    return folder
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_peak_rss_of_a_load_is_at_most_1_2x_the_weights(checkpoint, dtype):
+    """Growth of the peak RSS over the RSS after imports, against the weights' bytes in the
+    target dtype, allowing the reader's one scratch buffer (a constant, whatever the model)."""
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run(
+        [sys.executable, "-c", MEASURE, str(checkpoint), dtype],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["same"]
+    ratio = result["growth"] / result["weights"]
+    print(f"{dtype}: peak RSS growth {result['growth'] / 1e6:.0f} MB, {ratio:.2f} x the weights")
+    assert result["growth"] <= 1.2 * result["weights"] + WeightReader.CHUNK_BYTES, ratio

@@ -12,6 +12,10 @@ runs alone rather than padding many short extends up to its size. Where decodes 
 (the C kernel), a short extend (a speculative draft being verified, a jump-forward append) is
 attended as that many decode rows instead, each row's keys ending at its own position: reading a
 long context in place a few times beats gathering it once into a padded copy.
+
+A layer with a sliding window W reads only its window: its own metadata (one per distinct window
+of the model's layers) gathers, for a query at position p, the keys from max(0, p - W + 1) on,
+and masks the earlier ones an extend's later queries no longer see.
 """
 
 from __future__ import annotations
@@ -58,13 +62,26 @@ MAX_DECODE_ROWS = 16  # extends up to this long attend as decode rows when decod
 
 
 class TorchAttentionBackend:
-    def __init__(self, req_to_token: torch.Tensor, kv_pool: TokenToKVPool):
+    """`windows`: each layer's sliding window (None: global; empty: every layer global).
+    `batch.attn_metadata` maps each window to its `TorchMetadata`."""
+
+    def __init__(
+        self,
+        req_to_token: torch.Tensor,
+        kv_pool: TokenToKVPool,
+        windows: tuple[int | None, ...] = (),
+    ):
         self.req_to_token = req_to_token
         self.kv_pool = kv_pool
+        self.windows = windows or (None,) * len(kv_pool.k_buffers)
         # decodes read K/V in the pool rather than gathering them (cpu_paged; float32 CPU)
         self.in_place = cpu_paged.supports(kv_pool.k_buffers[0])
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        batch.attn_metadata = {w: self._metadata(batch, w) for w in set(self.windows)}
+
+    def _metadata(self, batch: ForwardBatch, window: int | None) -> TorchMetadata:
+        """The step's layout for layers with this sliding window (None: global)."""
         device = self.req_to_token.device
         seq_lens = batch.seq_lens
         starts = [0]
@@ -74,13 +91,12 @@ class TorchAttentionBackend:
         decodes = [i for i, e in enumerate(batch.extend_lens) if e <= as_rows]
         extending = [i for i, e in enumerate(batch.extend_lens) if e > as_rows]
         extends = [
-            self._extend_group(batch, starts, group)
+            self._extend_group(batch, starts, group, window)
             for group in group_extends(extending, batch.extend_lens, seq_lens)
         ]
         empty = torch.empty(0, dtype=torch.long, device=device)
         if not decodes:
-            batch.attn_metadata = TorchMetadata(empty, None, empty, empty, empty, extends)
-            return
+            return TorchMetadata(empty, None, empty, empty, empty, extends)
         # one decode row per new token: its row of q, its request's table row, the keys it sees
         queries = [
             (starts[i] + j, i, batch.prefix_lens[i] + j + 1)
@@ -88,8 +104,10 @@ class TorchAttentionBackend:
             for j in range(batch.extend_lens[i])
         ]
         lens = torch.tensor([seen for _, _, seen in queries], device=device)
+        first = (lens - window).clamp(min=0) if window else torch.zeros_like(lens)
+        lens = lens - first
         max_len = int(lens.max())
-        slots = self.req_to_token[batch.rows[[i for _, i, _ in queries]], :max_len].long()
+        slots = self._slots(batch.rows[[i for _, i, _ in queries]], first, max_len)
         mask = torch.arange(max_len, device=device)[None, :] < lens[:, None]
         shared = _shared_prefix_len(slots, mask) if len(queries) > 1 else 0
         if shared < MIN_SHARED_PREFIX:
@@ -99,7 +117,7 @@ class TorchAttentionBackend:
         slots, mask = slots[:, shared:], mask[:, shared:]
         bias = torch.zeros(mask.shape, dtype=self.kv_pool.k_buffers[0].dtype, device=device)
         bias.masked_fill_(~mask, float("-inf"))
-        batch.attn_metadata = TorchMetadata(
+        return TorchMetadata(
             decode_tokens,
             shared_slots,
             slots.masked_fill(~mask, 0),
@@ -108,18 +126,27 @@ class TorchAttentionBackend:
             extends,
         )
 
+    def _slots(self, rows: torch.Tensor, first: torch.Tensor, length: int) -> torch.Tensor:
+        """[len(rows), length] pool slots of each row's positions from `first` on (columns past
+        the table's end repeat its last; the caller masks what lies past each sequence)."""
+        cols = first[:, None] + torch.arange(length, device=first.device)[None, :]
+        cols = cols.clamp(max=self.req_to_token.shape[1] - 1)
+        return self.req_to_token[rows[:, None], cols].long()
+
     def _extend_group(
-        self, batch: ForwardBatch, starts: list[int], group: list[int]
+        self, batch: ForwardBatch, starts: list[int], group: list[int], window: int | None
     ) -> _ExtendGroup:
-        """The padded layout of one group: its queries' rows, each sequence's slots (slot 0 past
-        its end) and, unless a lone request has no prefix, the additive prefix-plus-causal mask."""
+        """The padded layout of one group: its queries' rows, each sequence's slots from the
+        first its first query sees (slot 0 past its end) and, unless a lone request without a
+        prefix sees all its keys, the additive mask: the prefix, causal, within the window."""
         device = self.req_to_token.device
         extend = torch.tensor([batch.extend_lens[i] for i in group], device=device)
         prefix = torch.tensor([batch.prefix_lens[i] for i in group], device=device)
-        width, length = int(extend.max()), int((prefix + extend).max())
-        slots = self.req_to_token[batch.rows[group], :length].long()
-        keys = torch.arange(length, device=device)
-        slots.masked_fill_(keys[None, :] >= (prefix + extend)[:, None], 0)
+        first = (prefix + 1 - window).clamp(min=0) if window else torch.zeros_like(prefix)
+        width, length = int(extend.max()), int((prefix + extend - first).max())
+        slots = self._slots(batch.rows[group], first, length)
+        keys = first[:, None] + torch.arange(length, device=device)[None, :]  # [B, L] positions
+        slots.masked_fill_(keys >= (prefix + extend)[:, None], 0)
         tokens = torch.cat([torch.arange(starts[i], starts[i + 1], device=device) for i in group])
         padded = torch.cat(
             [
@@ -128,10 +155,13 @@ class TorchAttentionBackend:
             ]
         )
         mask = None
-        if len(group) > 1 or int(prefix[0]):
+        if len(group) > 1 or int(prefix[0]) or (window is not None and window < width):
             # a padded query repeats its request's last one, so no row is fully masked
             query = torch.minimum(torch.arange(width, device=device)[None, :], extend[:, None] - 1)
-            seen = keys[None, None, :] <= (prefix[:, None] + query)[:, :, None]
+            at = (prefix[:, None] + query)[:, :, None]  # [B, E, 1] each query's position
+            seen = keys[:, None, :] <= at
+            if window:
+                seen &= keys[:, None, :] > at - window
             mask = torch.zeros(seen.shape, dtype=self.kv_pool.k_buffers[0].dtype, device=device)
             mask = mask.masked_fill_(~seen, float("-inf"))[:, None]
         return _ExtendGroup(tokens, padded, slots, mask, (len(group), width))
@@ -145,7 +175,7 @@ class TorchAttentionBackend:
         batch: ForwardBatch,
     ) -> torch.Tensor:
         k_buf, v_buf = self.kv_pool.k_buffers[layer_id], self.kv_pool.v_buffers[layer_id]
-        meta: TorchMetadata = batch.attn_metadata
+        meta: TorchMetadata = batch.attn_metadata[self.windows[layer_id]]
         if not meta.extends:  # decodes only: every row of q is one
             return self._decode(q, k_buf, v_buf, meta)
         out = torch.empty_like(q)

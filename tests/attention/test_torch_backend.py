@@ -23,10 +23,12 @@ def _step(
     seed: int,
     shared: int = 0,
     window: int | None = None,
+    cap: float | None = None,
 ):
     """A pool with random K/V, each request's row pointing at scattered slots (the first `shared`
     the same for every request, as the tree gives them), and the new tokens' q/k/v; returns the
-    backend (its one layer within `window`), the batch and the tensors."""
+    backend (its one layer within `window`, its scores soft-capped at `cap`), the batch and the
+    tensors."""
     gen = torch.Generator().manual_seed(seed)
     pool = TokenToKVPool(SLOTS, 1, HKV, D, torch.float32, torch.device("cpu"))
     pool.k_buffers[0].copy_(torch.randn(SLOTS, HKV, D, generator=gen))
@@ -46,15 +48,19 @@ def _step(
     batch = ForwardBatch(positions, positions, out_slots, rows, prefix_lens, extend_lens)
     t = len(out_slots)
     qkv = [torch.randn(t, h, D, generator=gen) for h in (HQ, HKV, HKV)]
-    return TorchAttentionBackend(req_to_token, pool, (window,)), batch, qkv
+    return TorchAttentionBackend(req_to_token, pool, (window,), cap), batch, qkv
 
 
 def _reference(
-    backend: TorchAttentionBackend, batch: ForwardBatch, q: torch.Tensor, window: int | None = None
+    backend: TorchAttentionBackend,
+    batch: ForwardBatch,
+    q: torch.Tensor,
+    window: int | None = None,
+    cap: float | None = None,
 ) -> torch.Tensor:
     """Each request's queries over its whole sequence in the pool (new K/V already written),
     causal from its prefix on, within `window` (transformers': keys above position - window),
-    in float64."""
+    scores soft-capped at `cap` (Gemma 2's cap * tanh(s / cap)), in float64."""
     pool, outs, start = backend.kv_pool, [], 0
     for row, p, e in zip(batch.rows.tolist(), batch.prefix_lens, batch.extend_lens):
         slots = backend.req_to_token[row, : p + e].long()
@@ -62,6 +68,8 @@ def _reference(
         v = pool.v_buffers[0][slots].double().repeat_interleave(HQ // HKV, 1).transpose(0, 1)
         qi = q[start : start + e].double().transpose(0, 1)
         scores = qi @ k.transpose(1, 2) / D**0.5
+        if cap:
+            scores = cap * torch.tanh(scores / cap)
         at = (p + torch.arange(e))[:, None]
         hidden = torch.arange(p + e)[None, :] > at
         if window:
@@ -100,18 +108,22 @@ def test_mixed_step_matches_the_reference(name, in_place):
 
 
 # one key; shorter than most extends; 40 (the shared prefix's decodes still share a run of it);
-# longer than every sequence (the plain causal result)
-@pytest.mark.parametrize("window", [1, 7, 40, 1000])
+# longer than every sequence (the plain causal result); none, with soft-capped scores
+@pytest.mark.parametrize(
+    "window, cap", [(1, None), (7, None), (40, None), (1000, None), (None, 1.5), (7, 1.5)]
+)
 @pytest.mark.parametrize("in_place", [True, False], ids=["decode-in-place", "decode-gathered"])
 @pytest.mark.parametrize("name", STEPS)
-def test_mixed_step_within_a_sliding_window_matches_the_reference(name, in_place, window):
+def test_mixed_step_within_a_window_or_capped_matches_the_reference(name, in_place, window, cap):
     prefix_lens, extend_lens, *shared = STEPS[name]
-    backend, batch, (q, k, v) = _step(prefix_lens, extend_lens, len(name), *shared, window=window)
+    backend, batch, (q, k, v) = _step(
+        prefix_lens, extend_lens, len(name), *shared, window=window, cap=cap
+    )
     backend.in_place = in_place
     backend.init_forward_metadata(batch)
     backend.kv_pool.set_kv(0, batch.out_slots, k, v)
     out = backend.forward(0, q, k, v, batch)
-    expected = _reference(backend, batch, q, window)
+    expected = _reference(backend, batch, q, window, cap)
     torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
 
 

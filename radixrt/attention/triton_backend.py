@@ -41,17 +41,20 @@ def _indptr(lens: list[int], device: torch.device) -> torch.Tensor:
 
 
 class TritonAttentionBackend:
-    """`windows`: each layer's sliding window (None: global; empty: every layer global)."""
+    """`windows`: each layer's sliding window (None: global; empty: every layer global);
+    `logit_cap`: scores become cap * tanh(scores / cap) before the softmax (None: unchanged)."""
 
     def __init__(
         self,
         req_to_token: torch.Tensor,
         kv_pool: TokenToKVPool,
         windows: tuple[int | None, ...] = (),
+        logit_cap: float | None = None,
     ):
         self.req_to_token = req_to_token
         self.kv_pool = kv_pool
         self.windows = windows or (None,) * len(kv_pool.k_buffers)
+        self.logit_cap = logit_cap or 0.0
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         device = self.req_to_token.device
@@ -95,6 +98,7 @@ class TritonAttentionBackend:
                 meta.kv_indptr,
                 meta.kv_indices,
                 meta.num_kv_splits,
+                logit_cap=self.logit_cap,
                 sliding_window=window,
             )
         else:
@@ -111,6 +115,7 @@ class TritonAttentionBackend:
                 meta.kv_indptr,
                 meta.kv_indices,
                 meta.max_extend_len,
+                logit_cap=self.logit_cap,
                 sliding_window=window,
             )
         return out

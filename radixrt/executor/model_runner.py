@@ -132,6 +132,7 @@ class ModelRunner:
             self.req_to_token_pool.req_to_token,
             self.kv_pool,
             self.model.family.windows,
+            self.model.family.attn_logit_softcap,
         )
         self.graph_runner = self._graph_runner()
         logger.info(

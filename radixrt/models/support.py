@@ -15,10 +15,7 @@ logger = logging.getLogger(__name__)
 # short-factor table is exact within that context (see `exact_limits`)
 STATIC_ROPE_TYPES = {"default", "linear", "llama3", "yarn", "longrope"}
 # fields that change the attention itself, which the attention backends do not compute
-UNSUPPORTED_FIELDS = {
-    "attn_logit_softcapping": "the attention backends do not soft-cap attention scores",
-    "use_bidirectional_attention": "attention is causal",
-}
+UNSUPPORTED_FIELDS = {"use_bidirectional_attention": "attention is causal"}
 # tensors a Hugging Face checkpoint may carry that the model recomputes or ties
 IGNORABLE_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -61,7 +58,7 @@ def check_supported(config, context_length: int | None) -> int:
     """The context length to serve (`context_length` as given, else the checkpoint's), after
     refusing what cannot be honoured: a `quantization_config`, a rope type whose table depends
     on the sequence's length, an MLP activation not computed, a field that changes the attention
-    itself (`UNSUPPORTED_FIELDS`: Gemma 2's attention soft-capping), or a context asked for
+    itself (`UNSUPPORTED_FIELDS`: bidirectional attention), or a context asked for
     beyond what longrope serves exactly (`exact_limits`). Without an explicit context length
     that caps the context, within which radixrt's rotary tables are transformers': exact."""
     quant = getattr(config, "quantization_config", None)

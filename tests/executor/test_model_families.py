@@ -1,10 +1,10 @@
 """The families beyond Llama (Qwen3, Phi-3/4 with partial rotary and longrope, Mixtral,
-Qwen3-MoE, Gemma 2 and 3, Mistral and Qwen2 with sliding windows), each a tiny random checkpoint
-made with transformers' own config class: greedy tokens equal transformers' in float32 over 24
-tokens, cold and warm, chunked, paged, and prompt logprobs equal too; the sliding-window
-families on the Triton backend too, with prompts longer than their window; tensor parallel on
-gloo for one dense and one MoE family; the routing and grouped experts against transformers'
-own modules."""
+Qwen3-MoE, Gemma 2 with its attention soft-capping and Gemma 3, Mistral and Qwen2 with sliding
+windows), each a tiny random checkpoint made with transformers' own config class: greedy tokens
+equal transformers' in float32 over 24 tokens, cold and warm, chunked, paged, and prompt
+logprobs equal too; the sliding-window families on the Triton backend too, with prompts longer
+than their window; tensor parallel on gloo for one dense and one MoE family; the routing and
+grouped experts against transformers' own modules."""
 
 from __future__ import annotations
 
@@ -84,8 +84,8 @@ FAMILIES = {
     ),
     # (1 + w) norms, sqrt(hidden) embedding scale, GeGLU, sandwich norms, query_pre_attn_scalar
     # (8, not head_dim 32), final-logit soft-capping; local (windowed) and global layers
-    # alternating. Gemma 2's attention soft-capping is off: the backends do not compute it (refused).
-    "gemma2": ("gemma2", {**GEMMA, "attn_logit_softcapping": None}),
+    # alternating; attention scores soft-capped (2, low enough to bite on these weights)
+    "gemma2": ("gemma2", {**GEMMA, "attn_logit_softcapping": 2.0}),
     # and q/k norms, local and global layers with their own rope (theta 1e4; linear 8 x 1e6)
     "gemma3": (
         "gemma3_text",

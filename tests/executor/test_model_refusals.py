@@ -50,8 +50,8 @@ def _edit_config(folder, **fields) -> None:
             {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}},
             "rope_scaling type 'dynamic'",
         ),
-        # Gemma 2's: the attention backends do not soft-cap scores
-        ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping is not supported"),
+        # Gemma 3's option for embedding models: attention is causal here
+        ({"use_bidirectional_attention": True}, "use_bidirectional_attention is not supported"),
         ({"hidden_act": "relu"}, "hidden_act 'relu' is not supported"),
     ],
 )

@@ -146,7 +146,7 @@ def _extend_kernel(
             mask=mask_nd,
             other=0.0,
         )
-        # Every row has seen at least one visible key by now (prefix or column 0), so the max stays finite.
+        # Every row sees at least itself in this loop, so its sum ends positive.
         visible = mask_n[None, :] & (offs_m[:, None] >= cols[None, :])
         if WINDOW > 0:
             visible = visible & (offs_m[:, None] - cols[None, :] < WINDOW)

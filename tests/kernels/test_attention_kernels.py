@@ -112,9 +112,9 @@ def _run_extend(
     )
     out = torch.full((n, num_heads, head_dim), float("nan"), dtype=dtype)
     ref = torch.empty_like(out)
-    window = dict(logit_cap=logit_cap, sliding_window=sliding_window)
-    extend_attention_fwd(*args, out, *meta, **window)
-    extend_attention_ref(*args, ref, *meta, **window)
+    options = dict(logit_cap=logit_cap, sliding_window=sliding_window)
+    extend_attention_fwd(*args, out, *meta, **options)
+    extend_attention_ref(*args, ref, *meta, **options)
     torch.testing.assert_close(out, ref, **TOL[dtype])
 
 
@@ -134,9 +134,9 @@ def _run_decode(
     out = torch.full((len(context_lens), num_heads, head_dim), float("nan"), dtype=dtype)
     ref = torch.empty_like(out)
     meta = (_indptr(context_lens), kv_indices, num_kv_splits)
-    window = dict(logit_cap=logit_cap, sliding_window=sliding_window)
-    decode_attention_fwd(q, k_buffer, v_buffer, out, *meta, **window)
-    decode_attention_ref(q, k_buffer, v_buffer, ref, *meta, **window)
+    options = dict(logit_cap=logit_cap, sliding_window=sliding_window)
+    decode_attention_fwd(q, k_buffer, v_buffer, out, *meta, **options)
+    decode_attention_ref(q, k_buffer, v_buffer, ref, *meta, **options)
     torch.testing.assert_close(out, ref, **TOL[dtype])
 
 

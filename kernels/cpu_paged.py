@@ -56,13 +56,14 @@ static inline float dot(const float *q, const float *k, int64_t D) {
 }
 
 /* One task: keys [lo, hi) of request b for KV head h, all G query heads of it. Leaves the
-   running max m, the sum l and the unnormalized accumulator in part [G][D + 2]. Keys go in blocks
+   running max m, the sum l and the unnormalized accumulator in part [G][D + 2]. With cap > 0 each
+   score s becomes cap * tanh(s / cap) (Gemma 2's soft-capping). Keys go in blocks
    of BLOCK: each key row is read once for the scores of every query head (vector dot products),
    the accumulators are rescaled once per block, then the values are added, vector FMAs across
    the head dimension. */
 static void attend(const float *qh, const float *k, const float *v, const int64_t *rows,
                    int64_t n_keys, int64_t h, int64_t Hkv, int64_t G, int64_t D, float scale,
-                   float *part) {
+                   float cap, float *part) {
     float m[MAX_GROUP], l[MAX_GROUP], acc[MAX_GROUP][MAX_DIM], qs[MAX_GROUP][MAX_DIM];
     float sc[MAX_GROUP][BLOCK] __attribute__((aligned(32))), s[MAX_GROUP][BLOCK] __attribute__((aligned(32)));
     for (int64_t g = 0; g < G; g++) {
@@ -79,6 +80,9 @@ static void attend(const float *qh, const float *k, const float *v, const int64_
             const float *kr = k + (rows[start + j] * Hkv + h) * D;
             for (int64_t g = 0; g < G; g++) sc[g][j] = dot(qs[g], kr, D);
         }
+        if (cap > 0.0f)
+            for (int64_t g = 0; g < G; g++)
+                for (int64_t j = 0; j < n; j++) sc[g][j] = cap * tanhf(sc[g][j] / cap);
         for (int64_t g = 0; g < G; g++) {
             float *sg = sc[g];
             for (int64_t j = n; j < BLOCK; j++) sg[j] = 0.0f;
@@ -123,7 +127,7 @@ static void attend(const float *qh, const float *k, const float *v, const int64_
    maxima. part: scratch [B, Hkv, splits, G, D + 2]. */
 void paged_decode(const float *q, const float *k, const float *v, const int64_t *slots,
                   const int64_t *lens, float *out, float *lse, int64_t B, int64_t Hq, int64_t Hkv,
-                  int64_t D, int64_t L, float scale, int64_t splits, float *part) {
+                  int64_t D, int64_t L, float scale, float cap, int64_t splits, float *part) {
     const int64_t G = Hq / Hkv, stride = G * (D + 2);
     #pragma omp parallel
     {
@@ -135,7 +139,7 @@ void paged_decode(const float *q, const float *k, const float *v, const int64_t 
                 const int64_t lo = sp * size < lens[b] ? sp * size : lens[b];
                 const int64_t hi = lo + size < lens[b] ? lo + size : lens[b];
                 attend(q + (b * Hq + h * G) * D, k, v, slots + b * L + lo, hi - lo, h, Hkv, G, D,
-                       scale, part + ((b * Hkv + h) * splits + sp) * stride);
+                       scale, cap, part + ((b * Hkv + h) * splits + sp) * stride);
             }
     #pragma omp for collapse(2) schedule(static)
     for (int64_t b = 0; b < B; b++)
@@ -164,7 +168,7 @@ void paged_decode(const float *q, const float *k, const float *v, const int64_t 
 )
 MAX_GROUP, MAX_DIM = 16, 256
 P, I = native.POINTER, native.INT64
-SIGNATURES = (("paged_decode", (P,) * 7 + (I,) * 5 + (native.FLOAT, I, P)),)
+SIGNATURES = (("paged_decode", (P,) * 7 + (I,) * 5 + (native.FLOAT, native.FLOAT, I, P)),)
 MAX_SPLITS = 8
 MIN_SPLIT_KEYS = 256  # a range shorter than this costs more to merge than it saves
 
@@ -190,9 +194,11 @@ def paged_decode(
     v_buf: torch.Tensor,
     slots: torch.Tensor,
     lens: torch.Tensor,
+    logit_cap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q [B, Hq, D] over the keys `slots[b, :lens[b]]` of the pool -> out [B, Hq, D] and the
-    log-sum-exp of the scaled scores [B, Hq] (-inf and zeros for a request with no keys)."""
+    log-sum-exp of the scaled scores [B, Hq] (-inf and zeros for a request with no keys); with
+    `logit_cap` the scores are soft-capped first (cap * tanh(score / cap))."""
     b, hq, d = q.shape
     q, slots, lens = q.contiguous(), slots.contiguous(), lens.contiguous()
     assert (
@@ -217,6 +223,7 @@ def paged_decode(
         d,
         slots.shape[1],
         d**-0.5,
+        logit_cap or 0.0,
         splits,
         part.data_ptr(),
     )

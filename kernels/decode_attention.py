@@ -1,4 +1,6 @@
-"""Decode attention: one query token per request over its whole context in the paged KV pool (split-KV)."""
+"""Decode attention: one query token per request over its context in the paged KV pool
+(split-KV): the whole context, or with a sliding window W only its last W keys, which the splits
+divide among them."""
 
 import math
 
@@ -7,6 +9,18 @@ import triton
 import triton.language as tl
 
 from .extend_attention import _attend_block, _check_last_dim_contiguous, dot_precision
+
+
+@triton.jit
+def _span(kv_indptr, b, WINDOW: tl.constexpr):
+    """Request b's context: where its slots start in kv_indices, how many, and the first one
+    its query sees (the last WINDOW of them when WINDOW > 0)."""
+    kv_start = tl.load(kv_indptr + b)
+    kv_len = tl.load(kv_indptr + b + 1) - kv_start
+    first = 0
+    if WINDOW > 0:
+        first = tl.maximum(kv_len - WINDOW, 0)
+    return kv_start, kv_len, first
 
 
 @triton.jit
@@ -36,18 +50,18 @@ def _decode_split_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
     LOGIT_CAP: tl.constexpr,
+    WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """Stage 1: one program per (request, kv head, split) serves all query heads of that kv head,
     so each K/V block is read once per group. Writes the split's normalized output and its log2-sum-exp."""
     b = tl.program_id(0)
+    kv_start, kv_len, first = _span(kv_indptr, b, WINDOW)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
 
-    kv_start = tl.load(kv_indptr + b)
-    kv_len = tl.load(kv_indptr + b + 1) - kv_start
-    split_len = tl.cdiv(kv_len, tl.num_programs(2))
-    lo = split * split_len
+    split_len = tl.cdiv(kv_len - first, tl.num_programs(2))
+    lo = first + split * split_len
     hi = tl.minimum(lo + split_len, kv_len)
     if lo >= hi:  # context shorter than the number of splits; stage 2 skips this split too
         return
@@ -112,16 +126,17 @@ def _decode_merge_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    WINDOW: tl.constexpr,
 ):
     """Stage 2: one program per (request, query head) combines the non-empty splits by their log-sum-exp."""
     b = tl.program_id(0)
     h = tl.program_id(1)
 
-    kv_len = tl.load(kv_indptr + b + 1) - tl.load(kv_indptr + b)
-    split_len = tl.cdiv(kv_len, num_splits)
+    _, kv_len, first = _span(kv_indptr, b, WINDOW)
+    split_len = tl.cdiv(kv_len - first, num_splits)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
-    mask_s = (offs_s < num_splits) & (offs_s * split_len < kv_len)
+    mask_s = (offs_s < num_splits) & (offs_s * split_len < kv_len - first)
     mask_d = offs_d < HEAD_DIM
 
     lse = tl.load(
@@ -152,11 +167,14 @@ def decode_attention_fwd(
     num_kv_splits: int = 8,
     sm_scale: float | None = None,
     logit_cap: float = 0.0,
+    sliding_window: int | None = None,
 ) -> None:
     """Attention for one new token per request, written into o [B, Hq, D].
 
     q [B, Hq, D]; request b's context (its current token included) is at slots
     kv_indices[kv_indptr[b]:kv_indptr[b+1]] of k_buffer/v_buffer [slots, Hkv, D]; it must be non-empty.
+    With `sliding_window` W the query sees only the context's last W keys (the context is still
+    given whole, so one layout serves every layer; the keys before the window are not read).
     """
     _check_last_dim_contiguous(q, k_buffer, v_buffer, o)
     batch, num_heads, head_dim = q.shape
@@ -199,6 +217,7 @@ def decode_attention_fwd(
         BLOCK_D=block_d,
         BLOCK_H=max(16, triton.next_power_of_2(group)),  # tl.dot needs at least 16 rows
         LOGIT_CAP=logit_cap,
+        WINDOW=sliding_window or 0,
         DOT_PRECISION=dot_precision(q.dtype),
         **_launch_config(block_d),
     )
@@ -218,5 +237,6 @@ def decode_attention_fwd(
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,
         BLOCK_S=triton.next_power_of_2(num_kv_splits),
+        WINDOW=sliding_window or 0,
         num_warps=4,
     )

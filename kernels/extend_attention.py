@@ -1,5 +1,6 @@
 """Prefill ("extend") attention: new tokens attend to their cached prefix in the paged KV pool
-and causally to each other."""
+and causally to each other; with a sliding window W, a query at position p only to the keys at
+positions above p - W, and the loops start at the first key a query tile sees."""
 
 import math
 
@@ -23,12 +24,14 @@ def _attend_block(
     q, k, v, visible, m_i, l_i, acc, sm_scale, LOGIT_CAP: tl.constexpr, DOT_PRECISION: tl.constexpr
 ):
     """Fold one key/value block into an online softmax: the running max m_i (log2 units), the
-    running sum l_i and the unnormalised output acc; `visible` masks the keys a query may see."""
+    running sum l_i and the unnormalised output acc; `visible` masks the keys a query may see.
+    A row that has seen no key yet (its window starts past this block) stays at -inf and 0."""
     qk = _scores(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION), sm_scale, LOGIT_CAP)
     qk = tl.where(visible, qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(qk - m_new[:, None])
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # exp2(-inf - -inf) would be NaN
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(qk - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
@@ -64,6 +67,7 @@ def _extend_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     LOGIT_CAP: tl.constexpr,
+    WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -96,7 +100,11 @@ def _extend_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
     # Stage 1: the cached prefix, gathered slot by slot through kv_indices; no causal mask needed.
-    for start_n in range(0, prefix_len, BLOCK_N):
+    # Query m (position prefix_len + m) sees prefix key n while prefix_len + m - n < WINDOW.
+    prefix_lo = 0
+    if WINDOW > 0:
+        prefix_lo = tl.maximum(prefix_len + start_m - WINDOW + 1, 0)
+    for start_n in range(prefix_lo, prefix_len, BLOCK_N):
         cols = start_n + offs_n
         mask_n = cols < prefix_len
         slots = tl.load(kv_indices + kv_start + cols, mask=mask_n, other=0).to(tl.int64)
@@ -111,13 +119,19 @@ def _extend_kernel(
             mask=mask_nd,
             other=0.0,
         )
+        visible = mask_n[None, :]
+        if WINDOW > 0:
+            visible = visible & (prefix_len + offs_m[:, None] - cols[None, :] < WINDOW)
         m_i, l_i, acc = _attend_block(
-            q, k, v, mask_n[None, :], m_i, l_i, acc, sm_scale, LOGIT_CAP, DOT_PRECISION
+            q, k, v, visible, m_i, l_i, acc, sm_scale, LOGIT_CAP, DOT_PRECISION
         )
 
     # Stage 2: the new tokens themselves, causal; only blocks up to this query block's end are visible.
     end_n = tl.minimum(start_m + BLOCK_M, extend_len)
-    for start_n in range(0, end_n, BLOCK_N):
+    new_lo = 0
+    if WINDOW > 0:
+        new_lo = tl.maximum(start_m - WINDOW + 1, 0)
+    for start_n in range(new_lo, end_n, BLOCK_N):
         cols = start_n + offs_n
         mask_n = cols < extend_len
         mask_nd = mask_n[:, None] & mask_d[None, :]
@@ -132,8 +146,10 @@ def _extend_kernel(
             mask=mask_nd,
             other=0.0,
         )
-        # Every row has seen at least one visible key by now (prefix or column 0), so the max stays finite.
+        # Every row sees at least itself in this loop, so its sum ends positive.
         visible = mask_n[None, :] & (offs_m[:, None] >= cols[None, :])
+        if WINDOW > 0:
+            visible = visible & (offs_m[:, None] - cols[None, :] < WINDOW)
         m_i, l_i, acc = _attend_block(
             q, k, v, visible, m_i, l_i, acc, sm_scale, LOGIT_CAP, DOT_PRECISION
         )
@@ -176,12 +192,15 @@ def extend_attention_fwd(
     max_len_extend: int,
     sm_scale: float | None = None,
     logit_cap: float = 0.0,
+    sliding_window: int | None = None,
 ) -> None:
     """Attention for the new tokens of a batch of requests, written into o_extend.
 
     q_extend [N, Hq, D], k_extend/v_extend [N, Hkv, D]: new tokens packed back to back, request b at
     rows qo_indptr[b]:qo_indptr[b+1]. Its cached prefix is at slots kv_indices[kv_indptr[b]:kv_indptr[b+1]]
     of k_buffer/v_buffer [slots, Hkv, D]. max_len_extend bounds qo_indptr[b+1] - qo_indptr[b].
+    With `sliding_window` W, a query sees only the keys less than W positions before it (the
+    prefix is still given whole; the keys before the window are not read).
     """
     _check_last_dim_contiguous(q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer)
     batch = qo_indptr.numel() - 1
@@ -223,6 +242,7 @@ def extend_attention_fwd(
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,
         LOGIT_CAP=logit_cap,
+        WINDOW=sliding_window or 0,
         DOT_PRECISION=dot_precision(q_extend.dtype),
         **cfg,
     )

@@ -34,16 +34,24 @@ class AttentionBackend(Protocol):
 
 
 def create_backend(
-    name: str, device: torch.device, req_to_token: torch.Tensor, kv_pool
+    name: str,
+    device: torch.device,
+    req_to_token: torch.Tensor,
+    kv_pool,
+    windows: tuple[int | None, ...] = (),
+    logit_cap: float | None = None,
 ) -> AttentionBackend:
+    """The backend `name` over the pool; `windows` gives each layer's sliding window (None:
+    global; empty: every layer global), which the backend attends only within; with
+    `logit_cap` every score s is soft-capped to cap * tanh(s / cap) before the softmax."""
     if name == "auto":
         name = "triton" if device.type == "cuda" else "torch"
     if name == "torch":
         from radixrt.attention.torch_backend import TorchAttentionBackend
 
-        return TorchAttentionBackend(req_to_token, kv_pool)
+        return TorchAttentionBackend(req_to_token, kv_pool, windows, logit_cap)
     if name == "triton":
         from radixrt.attention.triton_backend import TritonAttentionBackend
 
-        return TritonAttentionBackend(req_to_token, kv_pool)
+        return TritonAttentionBackend(req_to_token, kv_pool, windows, logit_cap)
     raise ValueError(f"unknown attention backend {name!r}")

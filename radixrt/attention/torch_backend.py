@@ -12,6 +12,12 @@ runs alone rather than padding many short extends up to its size. Where decodes 
 (the C kernel), a short extend (a speculative draft being verified, a jump-forward append) is
 attended as that many decode rows instead, each row's keys ending at its own position: reading a
 long context in place a few times beats gathering it once into a padded copy.
+
+A layer with a sliding window W reads only its window: its own metadata (one per distinct window
+of the model's layers) gathers, for a query at position p, the keys from max(0, p - W + 1) on,
+and masks the earlier ones an extend's later queries no longer see. With a logit cap (Gemma 2)
+the scores are soft-capped before the softmax: in the C kernel, and by plain torch math where
+SDPA would run (it cannot cap).
 """
 
 from __future__ import annotations
@@ -58,13 +64,29 @@ MAX_DECODE_ROWS = 16  # extends up to this long attend as decode rows when decod
 
 
 class TorchAttentionBackend:
-    def __init__(self, req_to_token: torch.Tensor, kv_pool: TokenToKVPool):
+    """`windows`: each layer's sliding window (None: global; empty: every layer global);
+    `logit_cap`: scores become cap * tanh(scores / cap) before the softmax (None: unchanged).
+    `batch.attn_metadata` maps each window to its `TorchMetadata`."""
+
+    def __init__(
+        self,
+        req_to_token: torch.Tensor,
+        kv_pool: TokenToKVPool,
+        windows: tuple[int | None, ...] = (),
+        logit_cap: float | None = None,
+    ):
         self.req_to_token = req_to_token
         self.kv_pool = kv_pool
+        self.windows = windows or (None,) * len(kv_pool.k_buffers)
+        self.logit_cap = logit_cap
         # decodes read K/V in the pool rather than gathering them (cpu_paged; float32 CPU)
         self.in_place = cpu_paged.supports(kv_pool.k_buffers[0])
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        batch.attn_metadata = {w: self._metadata(batch, w) for w in set(self.windows)}
+
+    def _metadata(self, batch: ForwardBatch, window: int | None) -> TorchMetadata:
+        """The step's layout for layers with this sliding window (None: global)."""
         device = self.req_to_token.device
         seq_lens = batch.seq_lens
         starts = [0]
@@ -74,13 +96,12 @@ class TorchAttentionBackend:
         decodes = [i for i, e in enumerate(batch.extend_lens) if e <= as_rows]
         extending = [i for i, e in enumerate(batch.extend_lens) if e > as_rows]
         extends = [
-            self._extend_group(batch, starts, group)
+            self._extend_group(batch, starts, group, window)
             for group in group_extends(extending, batch.extend_lens, seq_lens)
         ]
         empty = torch.empty(0, dtype=torch.long, device=device)
         if not decodes:
-            batch.attn_metadata = TorchMetadata(empty, None, empty, empty, empty, extends)
-            return
+            return TorchMetadata(empty, None, empty, empty, empty, extends)
         # one decode row per new token: its row of q, its request's table row, the keys it sees
         queries = [
             (starts[i] + j, i, batch.prefix_lens[i] + j + 1)
@@ -88,8 +109,10 @@ class TorchAttentionBackend:
             for j in range(batch.extend_lens[i])
         ]
         lens = torch.tensor([seen for _, _, seen in queries], device=device)
+        first = (lens - window).clamp(min=0) if window else torch.zeros_like(lens)
+        lens = lens - first
         max_len = int(lens.max())
-        slots = self.req_to_token[batch.rows[[i for _, i, _ in queries]], :max_len].long()
+        slots = self._slots(batch.rows[[i for _, i, _ in queries]], first, max_len)
         mask = torch.arange(max_len, device=device)[None, :] < lens[:, None]
         shared = _shared_prefix_len(slots, mask) if len(queries) > 1 else 0
         if shared < MIN_SHARED_PREFIX:
@@ -99,7 +122,7 @@ class TorchAttentionBackend:
         slots, mask = slots[:, shared:], mask[:, shared:]
         bias = torch.zeros(mask.shape, dtype=self.kv_pool.k_buffers[0].dtype, device=device)
         bias.masked_fill_(~mask, float("-inf"))
-        batch.attn_metadata = TorchMetadata(
+        return TorchMetadata(
             decode_tokens,
             shared_slots,
             slots.masked_fill(~mask, 0),
@@ -108,18 +131,28 @@ class TorchAttentionBackend:
             extends,
         )
 
+    def _slots(self, rows: torch.Tensor, first: torch.Tensor, length: int) -> torch.Tensor:
+        """[len(rows), length] pool slots of each row's positions from `first` on (columns past
+        the table's end repeat its last; the caller masks what lies past each sequence)."""
+        cols = first[:, None] + torch.arange(length, device=first.device)[None, :]
+        cols = cols.clamp(max=self.req_to_token.shape[1] - 1)
+        return self.req_to_token[rows[:, None], cols].long()
+
     def _extend_group(
-        self, batch: ForwardBatch, starts: list[int], group: list[int]
+        self, batch: ForwardBatch, starts: list[int], group: list[int], window: int | None
     ) -> _ExtendGroup:
-        """The padded layout of one group: its queries' rows, each sequence's slots (slot 0 past
-        its end) and, unless a lone request has no prefix, the additive prefix-plus-causal mask."""
+        """The padded layout of one group: its queries' rows, each sequence's slots from the
+        first its first query sees (slot 0 past its end) and, unless a lone request without a
+        prefix sees all its keys (and SDPA's own causal mask serves), the additive mask: the
+        prefix, causal, within the window."""
         device = self.req_to_token.device
         extend = torch.tensor([batch.extend_lens[i] for i in group], device=device)
         prefix = torch.tensor([batch.prefix_lens[i] for i in group], device=device)
-        width, length = int(extend.max()), int((prefix + extend).max())
-        slots = self.req_to_token[batch.rows[group], :length].long()
-        keys = torch.arange(length, device=device)
-        slots.masked_fill_(keys[None, :] >= (prefix + extend)[:, None], 0)
+        first = (prefix + 1 - window).clamp(min=0) if window else torch.zeros_like(prefix)
+        width, length = int(extend.max()), int((prefix + extend - first).max())
+        slots = self._slots(batch.rows[group], first, length)
+        keys = first[:, None] + torch.arange(length, device=device)[None, :]  # [B, L] positions
+        slots.masked_fill_(keys >= (prefix + extend)[:, None], 0)
         tokens = torch.cat([torch.arange(starts[i], starts[i + 1], device=device) for i in group])
         padded = torch.cat(
             [
@@ -128,10 +161,14 @@ class TorchAttentionBackend:
             ]
         )
         mask = None
-        if len(group) > 1 or int(prefix[0]):
+        windowed = window is not None and window < width
+        if len(group) > 1 or int(prefix[0]) or windowed or self.logit_cap is not None:
             # a padded query repeats its request's last one, so no row is fully masked
             query = torch.minimum(torch.arange(width, device=device)[None, :], extend[:, None] - 1)
-            seen = keys[None, None, :] <= (prefix[:, None] + query)[:, :, None]
+            at = (prefix[:, None] + query)[:, :, None]  # [B, E, 1] each query's position
+            seen = keys[:, None, :] <= at
+            if window:
+                seen &= keys[:, None, :] > at - window
             mask = torch.zeros(seen.shape, dtype=self.kv_pool.k_buffers[0].dtype, device=device)
             mask = mask.masked_fill_(~seen, float("-inf"))[:, None]
         return _ExtendGroup(tokens, padded, slots, mask, (len(group), width))
@@ -145,20 +182,18 @@ class TorchAttentionBackend:
         batch: ForwardBatch,
     ) -> torch.Tensor:
         k_buf, v_buf = self.kv_pool.k_buffers[layer_id], self.kv_pool.v_buffers[layer_id]
-        meta: TorchMetadata = batch.attn_metadata
+        meta: TorchMetadata = batch.attn_metadata[self.windows[layer_id]]
         if not meta.extends:  # decodes only: every row of q is one
             return self._decode(q, k_buf, v_buf, meta)
         out = torch.empty_like(q)
-        gqa = q.shape[1] != k_buf.shape[1]
         for group in meta.extends:
-            out[group.tokens] = self._extend(q, k_buf, v_buf, group, gqa)
+            out[group.tokens] = self._extend(q, k_buf, v_buf, group)
         if len(meta.decode_tokens):
             out[meta.decode_tokens] = self._decode(q[meta.decode_tokens], k_buf, v_buf, meta)
         return out
 
-    @staticmethod
     def _extend(
-        q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, group: _ExtendGroup, gqa: bool
+        self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, group: _ExtendGroup
     ) -> torch.Tensor:
         """The group's queries [sum e, Hq, D] -> their outputs, in one padded call."""
         b, width = group.shape
@@ -166,9 +201,7 @@ class TorchAttentionBackend:
         qp = qp.view(b, width, *q.shape[1:]).transpose(1, 2)  # [B, Hq, E, D]
         kp = gather_slots(k_buf, group.slots).transpose(1, 2)  # [B, Hkv, L, D]
         vp = gather_slots(v_buf, group.slots).transpose(1, 2)
-        o = F.scaled_dot_product_attention(
-            qp, kp, vp, attn_mask=group.mask, is_causal=group.mask is None, enable_gqa=gqa
-        )
+        o = _sdpa(qp, kp, vp, group.mask, self.logit_cap)
         return o.transpose(1, 2).reshape(b * width, *q.shape[1:]).index_select(0, group.padded)
 
     def _decode(
@@ -178,40 +211,47 @@ class TorchAttentionBackend:
         b, hq, d = q.shape
         hkv = k_buf.shape[1]
         if self.in_place and hq // hkv <= cpu_paged.MAX_GROUP:
-            o2, lse2 = cpu_paged.paged_decode(q, k_buf, v_buf, meta.decode_slots, meta.decode_lens)
+            o2, lse2 = cpu_paged.paged_decode(
+                q, k_buf, v_buf, meta.decode_slots, meta.decode_lens, self.logit_cap
+            )
             if meta.shared_slots is None:
                 return o2
             o2, lse2 = o2.view(b, hkv, hq // hkv, d), lse2.view(b, hkv, hq // hkv)
-            return _merge(*_attend_prefix(q, k_buf, v_buf, meta.shared_slots), o2, lse2)
+            return _merge(*self._attend_prefix(q, k_buf, v_buf, meta.shared_slots), o2, lse2)
         kd = gather_slots(k_buf, meta.decode_slots)  # [B, L, Hkv, D]
         vd = gather_slots(v_buf, meta.decode_slots)
         if meta.shared_slots is None:
-            od = F.scaled_dot_product_attention(
+            od = _sdpa(
                 q.unsqueeze(2),
                 kd.transpose(1, 2),
                 vd.transpose(1, 2),
-                attn_mask=meta.decode_bias,
-                enable_gqa=q.shape[1] != kd.shape[2],
+                meta.decode_bias,
+                self.logit_cap,
             )
             return od.squeeze(2)
         qg = q.view(b, hkv, hq // hkv, d)
         # private suffixes, padded
-        o2, lse2 = _attend(qg, kd.transpose(1, 2), vd.transpose(1, 2), meta.decode_bias)
-        return _merge(*_attend_prefix(q, k_buf, v_buf, meta.shared_slots), o2, lse2)
+        o2, lse2 = _attend(
+            qg, kd.transpose(1, 2), vd.transpose(1, 2), meta.decode_bias, self.logit_cap
+        )
+        return _merge(*self._attend_prefix(q, k_buf, v_buf, meta.shared_slots), o2, lse2)
 
-
-def _attend_prefix(
-    q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, shared: torch.Tensor | slice
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every query [B, Hq, D] against the shared prefix, read once, in one call per KV head:
-    out [B, Hkv, G, D] and log-sum-exp [B, Hkv, G]."""
-    b, hq, d = q.shape
-    hkv = k_buf.shape[1]
-    qg = q.view(b, hkv, hq // hkv, d).transpose(0, 1).reshape(1, hkv, -1, d)
-    ks = gather_slots(k_buf, shared).transpose(0, 1)[None]  # [1, Hkv, C, D]
-    vs = gather_slots(v_buf, shared).transpose(0, 1)[None]
-    o1, lse1 = _attend(qg, ks, vs)
-    return o1.view(hkv, b, -1, d).transpose(0, 1), lse1.view(hkv, b, -1).transpose(0, 1)
+    def _attend_prefix(
+        self,
+        q: torch.Tensor,
+        k_buf: torch.Tensor,
+        v_buf: torch.Tensor,
+        shared: torch.Tensor | slice,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every query [B, Hq, D] against the shared prefix, read once, in one call per KV head:
+        out [B, Hkv, G, D] and log-sum-exp [B, Hkv, G]."""
+        b, hq, d = q.shape
+        hkv = k_buf.shape[1]
+        qg = q.view(b, hkv, hq // hkv, d).transpose(0, 1).reshape(1, hkv, -1, d)
+        ks = gather_slots(k_buf, shared).transpose(0, 1)[None]  # [1, Hkv, C, D]
+        vs = gather_slots(v_buf, shared).transpose(0, 1)[None]
+        o1, lse1 = _attend(qg, ks, vs, cap=self.logit_cap)
+        return o1.view(hkv, b, -1, d).transpose(0, 1), lse1.view(hkv, b, -1).transpose(0, 1)
 
 
 def _merge(
@@ -255,16 +295,43 @@ def _as_run(slots: torch.Tensor) -> torch.Tensor | slice:
     return slots
 
 
-def _attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """softmax(q k^T / sqrt(D) + bias) v, [B, H, Lq, D], and the log-sum-exp of those scores, [B, H, Lq].
+def _sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    bias: torch.Tensor | None,
+    cap: float | None,
+) -> torch.Tensor:
+    """SDPA of q [B, Hq, Lq, D] over k/v [B, Hkv, L, D] (GQA), causal where `bias` is None; with
+    `cap` (given a bias) the soft-capped scores, which SDPA cannot, by `_attend` over k/v
+    repeated per query head."""
+    if cap is None:
+        gqa = q.shape[1] != k.shape[1]
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=bias, is_causal=bias is None, enable_gqa=gqa
+        )
+    group = q.shape[1] // k.shape[1]
+    return _attend(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), bias, cap)[0]
 
-    On the CPU, ATen's fused flash kernel returns both (2x faster than the unfused ops here).
+
+def _attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    cap: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """softmax(s + bias) v, [B, H, Lq, D], and the log-sum-exp of those scores, [B, H, Lq], where
+    s = q k^T / sqrt(D), soft-capped to cap * tanh(s / cap) with `cap`.
+
+    On the CPU, ATen's fused flash kernel returns both (2x faster than the unfused ops here); it
+    cannot cap.
     """
-    if q.device.type == "cpu":
+    if q.device.type == "cpu" and cap is None:
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=bias)
     scores = torch.matmul(q, k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    if cap is not None:
+        scores = cap * torch.tanh(scores / cap)
     if bias is not None:
         scores = scores + bias
     lse = torch.logsumexp(scores, dim=-1)

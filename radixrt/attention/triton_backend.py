@@ -2,7 +2,8 @@
 
 A step of decodes only (one new token each) runs the split-KV decode kernel over each request's
 whole context. Any other step, prefills and decodes mixed, runs the extend kernel once for the
-whole batch: a decode is just an extend of one token.
+whole batch: a decode is just an extend of one token. One layout serves every layer: a layer with
+a sliding window passes it to the kernels, which read only the keys within it.
 """
 
 from __future__ import annotations
@@ -40,9 +41,20 @@ def _indptr(lens: list[int], device: torch.device) -> torch.Tensor:
 
 
 class TritonAttentionBackend:
-    def __init__(self, req_to_token: torch.Tensor, kv_pool: TokenToKVPool):
+    """`windows`: each layer's sliding window (None: global; empty: every layer global);
+    `logit_cap`: scores become cap * tanh(scores / cap) before the softmax (None: unchanged)."""
+
+    def __init__(
+        self,
+        req_to_token: torch.Tensor,
+        kv_pool: TokenToKVPool,
+        windows: tuple[int | None, ...] = (),
+        logit_cap: float | None = None,
+    ):
         self.req_to_token = req_to_token
         self.kv_pool = kv_pool
+        self.windows = windows or (None,) * len(kv_pool.k_buffers)
+        self.logit_cap = logit_cap or 0.0
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         device = self.req_to_token.device
@@ -75,10 +87,19 @@ class TritonAttentionBackend:
     ) -> torch.Tensor:
         k_buf, v_buf = self.kv_pool.k_buffers[layer_id], self.kv_pool.v_buffers[layer_id]
         meta: TritonMetadata = batch.attn_metadata
+        window = self.windows[layer_id]
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if meta.decode:
             decode_attention_fwd(
-                q, k_buf, v_buf, out, meta.kv_indptr, meta.kv_indices, meta.num_kv_splits
+                q,
+                k_buf,
+                v_buf,
+                out,
+                meta.kv_indptr,
+                meta.kv_indices,
+                meta.num_kv_splits,
+                logit_cap=self.logit_cap,
+                sliding_window=window,
             )
         else:
             if k is None:  # stored by the caller; the extend kernel reads new tokens apart
@@ -94,5 +115,7 @@ class TritonAttentionBackend:
                 meta.kv_indptr,
                 meta.kv_indices,
                 meta.max_extend_len,
+                logit_cap=self.logit_cap,
+                sliding_window=window,
             )
         return out

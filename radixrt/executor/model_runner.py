@@ -130,7 +130,12 @@ class ModelRunner:
 
         self._init_pools()
         self.attn_backend = create_backend(
-            args.attention_backend, self.device, self.req_to_token_pool.req_to_token, self.kv_pool
+            args.attention_backend,
+            self.device,
+            self.req_to_token_pool.req_to_token,
+            self.kv_pool,
+            self.model.family.windows,
+            self.model.family.attn_logit_softcap,
         )
         self.graph_runner = self._graph_runner()
         logger.info(

@@ -46,6 +46,11 @@ class Family:
     final_logit_softcap: logits become cap * tanh(logits / cap) (Gemma 2); None: unchanged.
     rope_by_layer: each layer's rotary table by layer type where the config gives one per type
         (Gemma 3's local and global theta); None: one table for every layer.
+    windows: each layer's sliding window W (a query at position p sees the keys at positions
+        p - W < k <= p, transformers' `sliding_window_overlay`), None where the layer attends
+        globally; empty: every layer global.
+    attn_logit_softcap: attention scores become cap * tanh(scores / cap) before the softmax
+        (Gemma 2); None: unchanged.
     """
 
     qkv_bias: bool
@@ -59,11 +64,16 @@ class Family:
     query_scale: float = 1.0
     final_logit_softcap: float | None = None
     rope_by_layer: tuple[str, ...] | None = None
+    windows: tuple[int | None, ...] = ()
+    attn_logit_softcap: float | None = None
 
 
 QK_NORM_TYPES = {"qwen3", "qwen3_moe", "gemma3_text"}
 FUSED_CHECKPOINT_TYPES = {"phi3"}
 GEMMA_TYPES = {"gemma2", "gemma3_text"}
+# families whose modeling code windows only the layers `layer_types` calls "sliding_attention";
+# the others (Mistral, Mixtral, Phi-3, Qwen3-MoE) window every layer when `sliding_window` is set
+LAYER_TYPED_WINDOWS = {"qwen2", "qwen3", "gemma2", "gemma3_text"}
 ACTIVATIONS = {"silu", "gelu_pytorch_tanh"}
 
 
@@ -82,7 +92,21 @@ def family_of(config) -> Family:
         activation=activation_of(config),
         **(_gemma_parts(config) if config.model_type in GEMMA_TYPES else {}),
         rope_by_layer=tuple(config.layer_types) if rope_per_layer_type(config) else None,
+        windows=layer_windows(config),
     )
+
+
+def layer_windows(config) -> tuple[int | None, ...]:
+    """Each layer's sliding window as transformers' modeling code applies it (None: global):
+    none without `sliding_window` or with `use_sliding_window` off (Qwen's switch; its
+    `max_window_layers` is already folded into `layer_types` by its config class)."""
+    window = getattr(config, "sliding_window", None)
+    layers = config.num_hidden_layers
+    if not window or getattr(config, "use_sliding_window", True) is False:
+        return (None,) * layers
+    if config.model_type in LAYER_TYPED_WINDOWS:
+        return tuple(int(window) if t == "sliding_attention" else None for t in config.layer_types)
+    return (int(window),) * layers
 
 
 def rope_per_layer_type(config) -> dict[str, dict] | None:
@@ -101,6 +125,7 @@ def _gemma_parts(config) -> dict:
         sandwich_norms=True,
         query_scale=(head_dim / config.query_pre_attn_scalar) ** 0.5,
         final_logit_softcap=getattr(config, "final_logit_softcapping", None),
+        attn_logit_softcap=getattr(config, "attn_logit_softcapping", None),
     )
 
 

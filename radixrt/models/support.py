@@ -15,10 +15,7 @@ logger = logging.getLogger(__name__)
 # short-factor table is exact within that context (see `exact_limits`)
 STATIC_ROPE_TYPES = {"default", "linear", "llama3", "yarn", "longrope"}
 # fields that change the attention itself, which the attention backends do not compute
-UNSUPPORTED_FIELDS = {
-    "attn_logit_softcapping": "the attention backends do not soft-cap attention scores",
-    "use_bidirectional_attention": "attention is causal",
-}
+UNSUPPORTED_FIELDS = {"use_bidirectional_attention": "attention is causal"}
 # tensors a Hugging Face checkpoint may carry that the model recomputes or ties
 IGNORABLE_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -36,24 +33,11 @@ def rope_type(rope: dict) -> str:
     return rope.get("rope_type") or rope.get("type") or "default"
 
 
-def sliding_window(config) -> int | None:
-    """The attention window the checkpoint asks for, None when attention is global."""
-    window = getattr(config, "sliding_window", None)
-    if not window or getattr(config, "use_sliding_window", True) is False:
-        return None
-    return int(window)
-
-
 def exact_limits(config) -> list[tuple[int, str, str]]:
-    """(longest exact context, the field that limits it, why) for each such field: a sliding
-    window (attending to the window is attending to everything only within it), and longrope's
-    original_max_position_embeddings (transformers switches to the long factors past it)."""
+    """(longest exact context, the field that limits it, why) for each such field: longrope's
+    original_max_position_embeddings (transformers switches to the long factors past it).
+    Sliding windows are attended as such (`family.layer_windows`): they limit nothing."""
     limits = []
-    window = sliding_window(config)
-    if window is not None:
-        limits.append(
-            (window, f"sliding_window {window}", "sliding-window attention is not implemented yet")
-        )
     for rope in rope_parameters(config):
         if rope_type(rope) != "longrope":
             continue
@@ -74,9 +58,9 @@ def check_supported(config, context_length: int | None) -> int:
     """The context length to serve (`context_length` as given, else the checkpoint's), after
     refusing what cannot be honoured: a `quantization_config`, a rope type whose table depends
     on the sequence's length, an MLP activation not computed, a field that changes the attention
-    itself (`UNSUPPORTED_FIELDS`: Gemma 2's attention soft-capping), or a context asked for
-    beyond what a sliding window or longrope serve exactly (`exact_limits`). Without an explicit context length those cap the context,
-    within which radixrt's attention and rotary tables are transformers': exact."""
+    itself (`UNSUPPORTED_FIELDS`: bidirectional attention), or a context asked for
+    beyond what longrope serves exactly (`exact_limits`). Without an explicit context length
+    that caps the context, within which radixrt's rotary tables are transformers': exact."""
     quant = getattr(config, "quantization_config", None)
     if quant:
         method = quant.get("quant_method") if isinstance(quant, dict) else type(quant).__name__

@@ -47,7 +47,7 @@ def test_cascade_decode_runs_and_matches_transformers(
 
     def recording_init(self, batch):
         init(self, batch)
-        meta = batch.attn_metadata
+        meta = batch.attn_metadata[None]
         if len(meta.decode_tokens):
             decode_steps.append((len(meta.decode_tokens), _shared_len(meta.shared_slots)))
 

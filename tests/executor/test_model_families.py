@@ -1,8 +1,10 @@
 """The families beyond Llama (Qwen3, Phi-3/4 with partial rotary and longrope, Mixtral,
-Qwen3-MoE, Gemma 2 and 3), each a tiny random checkpoint made with transformers' own config
-class: greedy tokens equal transformers' in float32 over 24 tokens, cold and warm, chunked,
-paged, and prompt logprobs equal too; tensor parallel on gloo for one dense and one MoE family;
-the routing and grouped experts against transformers' own modules."""
+Qwen3-MoE, Gemma 2 with its attention soft-capping and Gemma 3, Mistral and Qwen2 with sliding
+windows), each a tiny random checkpoint made with transformers' own config class: greedy tokens
+equal transformers' in float32 over 24 tokens, cold and warm, chunked, paged, and prompt
+logprobs equal too; the sliding-window families on the Triton backend too, with prompts longer
+than their window; tensor parallel on gloo for one dense and one MoE family; the routing and
+grouped experts against transformers' own modules."""
 
 from __future__ import annotations
 
@@ -23,10 +25,11 @@ MAX_NEW = 24
 GREEDY = {"max_new_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True}
 SMALL = dict(TINY, max_position_embeddings=512, pad_token_id=0, tie_word_embeddings=False)
 MOE = dict(num_experts_per_tok=2, router_jitter_noise=0.0)
+WINDOW = 12  # shorter than the longer prompts: their local layers see only the last 12 tokens
 GEMMA = dict(
     head_dim=32,
     query_pre_attn_scalar=8,
-    sliding_window=128,
+    sliding_window=WINDOW,
     final_logit_softcapping=30.0,
     tie_word_embeddings=True,
 )
@@ -72,11 +75,17 @@ FAMILIES = {
         "qwen3_moe",
         {"num_experts": 6, "moe_intermediate_size": 48, "norm_topk_prob": True, **MOE},
     ),
+    # every layer within the window
+    "mistral-window": ("mistral", {"sliding_window": WINDOW}),
+    # the window on the layers from max_window_layers on (here the second), the first global
+    "qwen2-window": (
+        "qwen2",
+        {"use_sliding_window": True, "sliding_window": WINDOW, "max_window_layers": 1},
+    ),
     # (1 + w) norms, sqrt(hidden) embedding scale, GeGLU, sandwich norms, query_pre_attn_scalar
-    # (8, not head_dim 32), final-logit soft-capping; the sliding window (128) caps the context
-    # (support.py), so local and global layers both attend to everything before them.
-    # Gemma 2's attention soft-capping is off: the backends do not compute it (refused).
-    "gemma2": ("gemma2", {**GEMMA, "attn_logit_softcapping": None}),
+    # (8, not head_dim 32), final-logit soft-capping; local (windowed) and global layers
+    # alternating; attention scores soft-capped (2, low enough to bite on these weights)
+    "gemma2": ("gemma2", {**GEMMA, "attn_logit_softcapping": 2.0}),
     # and q/k norms, local and global layers with their own rope (theta 1e4; linear 8 x 1e6)
     "gemma3": (
         "gemma3_text",
@@ -107,21 +116,25 @@ def _checkpoint(folder, tiny_model_dir, name: str):
     return folder
 
 
+WINDOWED = ["mistral-window", "qwen2-window", "gemma2", "gemma3"]
+
+
 def _prompts() -> list[list[int]]:
-    """Three sharing a 20-token prefix (the second and later hit the cache), one longer."""
+    """Three sharing a 20-token prefix (the second and later hit the cache), one longer; all but
+    the third longer than WINDOW."""
     shared = list(range(300, 320))
     return [shared + [501, 502], shared + [601, 602, 603], shared[:5], list(range(700, 745))]
 
 
-@pytest.mark.parametrize("name", list(FAMILIES))
-def test_family_matches_transformers_cold_warm_chunked_paged(name, tmp_path, tiny_model_dir):
-    folder = _checkpoint(tmp_path, tiny_model_dir, name)
+def _matches_transformers(folder, backend: str) -> None:
+    """Greedy tokens equal transformers', cold then warm (the same prompts again: cached),
+    prefilled in 16-token chunks over 4-token pages."""
     prompts = _prompts()
     expected = hf_greedy(folder, prompts, MAX_NEW)
     scheduler = Scheduler.from_server_args(
         ServerArgs(
             model=str(folder),
-            attention_backend="torch",
+            attention_backend=backend,
             max_total_tokens=1024,
             chunked_prefill_size=16,
             page_size=4,
@@ -130,7 +143,20 @@ def test_family_matches_transformers_cold_warm_chunked_paged(name, tmp_path, tin
     got = run_in_process(scheduler, [prompts, prompts], GREEDY)
     assert got[: len(prompts)] == expected, "cold"
     assert got[len(prompts) :] == expected, "warm"
+    assert scheduler.stats()["cached_prompt_tokens_total"] > 0, "the warm pass hit no cache"
     scheduler.check_invariants()
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_family_matches_transformers_cold_warm_chunked_paged(name, tmp_path, tiny_model_dir):
+    _matches_transformers(_checkpoint(tmp_path, tiny_model_dir, name), "torch")
+
+
+@pytest.mark.parametrize("name", WINDOWED)
+def test_sliding_window_family_on_triton_matches_transformers(name, tmp_path, tiny_model_dir):
+    """The Triton kernels (interpreted) read only each windowed layer's window, as the torch
+    path does: the same tokens as transformers, cold, warm, chunked and paged."""
+    _matches_transformers(_checkpoint(tmp_path, tiny_model_dir, name), "triton")
 
 
 @pytest.mark.parametrize("name", ["gemma2", "gemma3", "phi4-partial-rotary", "qwen3-moe"])

@@ -1,6 +1,6 @@
 """What a checkpoint asks for that cannot be honoured is refused at load with one line naming
-the field; a sliding window is honoured by serving a context no longer than the window, where
-greedy tokens equal transformers' (tiny random checkpoints made with transformers' configs)."""
+the field; a sliding window is attended as such, so it no longer caps the context: greedy tokens
+equal transformers' past it (tiny random checkpoints made with transformers' configs)."""
 
 from __future__ import annotations
 
@@ -50,8 +50,8 @@ def _edit_config(folder, **fields) -> None:
             {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}},
             "rope_scaling type 'dynamic'",
         ),
-        # Gemma 2's: the attention backends do not soft-cap scores
-        ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping is not supported"),
+        # Gemma 3's option for embedding models: attention is causal here
+        ({"use_bidirectional_attention": True}, "use_bidirectional_attention is not supported"),
         ({"hidden_act": "relu"}, "hidden_act 'relu' is not supported"),
     ],
 )
@@ -85,22 +85,22 @@ def test_unused_missing_and_misshapen_tensors_are_refused(tmp_path, tiny_model_d
         _runner(folder)
 
 
-def test_a_sliding_window_caps_the_context_and_stays_exact(tmp_path, tiny_model_dir):
-    """Mistral with a 32-token window: served with a 32-token context (so every token attends
-    to all before it, as inside the window), greedy equal to transformers'; a longer context
-    asked for explicitly is refused."""
+def test_a_sliding_window_keeps_the_whole_context_and_stays_exact(tmp_path, tiny_model_dir):
+    """Mistral with a 32-token window serves its whole 256-token context (and a 64-token one
+    asked for); prompts longer than the window, then the same again from the cache, give
+    transformers' greedy tokens."""
     folder = _checkpoint(tmp_path, tiny_model_dir, "mistral", sliding_window=32)
-    with pytest.raises(ValueError, match="sliding_window 32 is shorter than --context-length 64"):
-        _runner(folder, context_length=64)
+    assert check_supported(AutoConfig.from_pretrained(folder), 64) == 64
     scheduler = Scheduler.from_server_args(
         ServerArgs(model=str(folder), attention_backend="torch", max_total_tokens=512)
     )
-    assert scheduler.runner.context_length == 32
-    prompts = [list(range(100, 120)), list(range(300, 310))]
+    assert scheduler.runner.context_length == 256
+    prompts = [list(range(100, 150)), list(range(300, 310)) + list(range(100, 140))]
     outs = run_in_process(
-        scheduler, [prompts], {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
+        scheduler, [prompts, prompts], {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
     )
-    assert outs == hf_greedy(folder, prompts, 8)
+    assert outs == hf_greedy(folder, prompts, 8) * 2
+    assert scheduler.stats()["cached_prompt_tokens_total"] > 0
 
 
 def test_longrope_caps_the_context_at_its_original_length(tmp_path, tiny_model_dir):

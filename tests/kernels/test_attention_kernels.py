@@ -86,7 +86,14 @@ def _strided_q(
 
 
 def _run_extend(
-    num_heads, num_kv_heads, head_dim, prefix_lens, extend_lens, logit_cap=0.0, dtype=torch.float32
+    num_heads,
+    num_kv_heads,
+    head_dim,
+    prefix_lens,
+    extend_lens,
+    logit_cap=0.0,
+    dtype=torch.float32,
+    sliding_window=None,
 ):
     gen = torch.Generator().manual_seed(sum(prefix_lens) * 31 + head_dim)
     k_buffer, v_buffer, kv_indices = _pool(sum(prefix_lens), num_kv_heads, head_dim, dtype, gen)
@@ -105,8 +112,9 @@ def _run_extend(
     )
     out = torch.full((n, num_heads, head_dim), float("nan"), dtype=dtype)
     ref = torch.empty_like(out)
-    extend_attention_fwd(*args, out, *meta, logit_cap=logit_cap)
-    extend_attention_ref(*args, ref, *meta, logit_cap=logit_cap)
+    options = dict(logit_cap=logit_cap, sliding_window=sliding_window)
+    extend_attention_fwd(*args, out, *meta, **options)
+    extend_attention_ref(*args, ref, *meta, **options)
     torch.testing.assert_close(out, ref, **TOL[dtype])
 
 
@@ -118,6 +126,7 @@ def _run_decode(
     num_kv_splits,
     logit_cap=0.0,
     dtype=torch.float32,
+    sliding_window=None,
 ):
     gen = torch.Generator().manual_seed(sum(context_lens) * 31 + head_dim + num_kv_splits)
     k_buffer, v_buffer, kv_indices = _pool(sum(context_lens), num_kv_heads, head_dim, dtype, gen)
@@ -125,8 +134,9 @@ def _run_decode(
     out = torch.full((len(context_lens), num_heads, head_dim), float("nan"), dtype=dtype)
     ref = torch.empty_like(out)
     meta = (_indptr(context_lens), kv_indices, num_kv_splits)
-    decode_attention_fwd(q, k_buffer, v_buffer, out, *meta, logit_cap=logit_cap)
-    decode_attention_ref(q, k_buffer, v_buffer, ref, *meta, logit_cap=logit_cap)
+    options = dict(logit_cap=logit_cap, sliding_window=sliding_window)
+    decode_attention_fwd(q, k_buffer, v_buffer, out, *meta, **options)
+    decode_attention_ref(q, k_buffer, v_buffer, ref, *meta, **options)
     torch.testing.assert_close(out, ref, **TOL[dtype])
 
 
@@ -190,6 +200,40 @@ def test_decode_multiple_blocks_per_split(monkeypatch):
     expected = _decode_tiles([39, 1, 70], 3, 16) + _decode_tiles([5, 2], 7, 16)
     assert max(expected) > 1, "no split runs more than one tile"
     assert len(tiles.tiles) == sum(expected), "tiles skipped or repeated"
+
+
+# windows of one key, shorter than a tile, across the prefix/new boundary, and longer than any
+# sequence (the plain causal result)
+@pytest.mark.parametrize("window", [1, 5, 24, 500])
+def test_extend_within_a_sliding_window_matches_reference(monkeypatch, window):
+    """Small tiles, so the window starts mid-tile and whole tiles before it are skipped."""
+    monkeypatch.setattr(
+        extend_attention, "_launch_config", lambda block_d: dict(BLOCK_M=16, BLOCK_N=16)
+    )
+    _run_extend(
+        6, 2, 32, prefix_lens=[0, 21, 40, 3], extend_lens=[37, 1, 18, 2], sliding_window=window
+    )
+    _run_extend(4, 4, 16, prefix_lens=[9], extend_lens=[50], logit_cap=3.0, sliding_window=window)
+
+
+@pytest.mark.parametrize("num_kv_splits", [1, 3])
+@pytest.mark.parametrize("window", [1, 5, 37, 500])
+def test_decode_within_a_sliding_window_matches_reference(monkeypatch, window, num_kv_splits):
+    """The splits divide the window among them (16-key tiles: a split spans several)."""
+    monkeypatch.setattr(decode_attention, "_launch_config", lambda block_d: dict(BLOCK_N=16))
+    _run_decode(
+        8, 2, 32, context_lens=[1, 37, 3, 90], num_kv_splits=num_kv_splits, sliding_window=window
+    )
+
+
+def test_a_sliding_window_skips_the_tiles_before_it(monkeypatch):
+    """Decode with a 20-key window over 90 keys in 16-key tiles, one split: two tiles run (the
+    window starts mid-tile), not six."""
+    monkeypatch.setattr(decode_attention, "_launch_config", lambda block_d: dict(BLOCK_N=16))
+    tiles = TileSpy(decode_attention._attend_block)
+    monkeypatch.setattr(decode_attention, "_attend_block", tiles)
+    _run_decode(4, 1, 16, context_lens=[90], num_kv_splits=1, sliding_window=20)
+    assert len(tiles.tiles) == 2
 
 
 def test_half_precision():

@@ -13,18 +13,19 @@ needs_int8 = pytest.mark.skipif(not int8_gemm.available(), reason="needs AVX2 an
 
 
 @pytest.mark.parametrize(
-    "hq, hkv, d, lens",
+    "hq, hkv, d, lens, cap",
     [
-        (4, 4, 16, [70, 1, 0, 33]),
-        (9, 3, 64, [70, 1, 0, 33]),
-        (8, 1, 80, [70, 1, 0, 33]),
-        (9, 3, 64, [2000]),  # one long context: its keys cut into ranges for both cores
-        (8, 1, 64, [1500, 1]),  # and with a range of the short one empty
+        (4, 4, 16, [70, 1, 0, 33], None),
+        (9, 3, 64, [70, 1, 0, 33], None),
+        (8, 1, 80, [70, 1, 0, 33], None),
+        (9, 3, 64, [2000], None),  # one long context: its keys cut into ranges for both cores
+        (8, 1, 64, [1500, 1], None),  # and with a range of the short one empty
+        (9, 3, 64, [70, 1, 0, 33], 2.0),  # scores soft-capped (Gemma 2), below their raw max
     ],
 )
-def test_paged_decode_kernel_reads_the_pool_in_place(hq, hkv, d, lens):
+def test_paged_decode_kernel_reads_the_pool_in_place(hq, hkv, d, lens, cap):
     """The kernel alone against float64 math over gathered rows, with scattered slots, ragged
-    lengths (one row empty: no keys, lse -inf) and GQA groups."""
+    lengths (one row empty: no keys, lse -inf), GQA groups and soft-capped scores."""
     gen = torch.Generator().manual_seed(hq * 100 + d)
     k, v = torch.randn(3000, hkv, d, generator=gen), torch.randn(3000, hkv, d, generator=gen)
     lens = torch.tensor(lens)
@@ -32,7 +33,7 @@ def test_paged_decode_kernel_reads_the_pool_in_place(hq, hkv, d, lens):
     q = torch.randn(len(lens), hq, d, generator=gen) * 3  # peaked softmaxes too
     if int(lens.max()) >= 2 * cpu_paged.MIN_SPLIT_KEYS:
         assert cpu_paged._splits(len(lens) * hkv, int(lens.max())) > 1
-    out, lse = cpu_paged.paged_decode(q, k, v, slots, lens)
+    out, lse = cpu_paged.paged_decode(q, k, v, slots, lens, cap)
     for b, n in enumerate(lens.tolist()):
         if n == 0:
             assert torch.isinf(lse[b]).all() and lse[b].max() < 0 and (out[b] == 0).all()
@@ -40,6 +41,9 @@ def test_paged_decode_kernel_reads_the_pool_in_place(hq, hkv, d, lens):
         kb = k[slots[b, :n]].double().repeat_interleave(hq // hkv, 1).transpose(0, 1)
         vb = v[slots[b, :n]].double().repeat_interleave(hq // hkv, 1).transpose(0, 1)
         scores = (q[b].double()[:, None, :] @ kb.transpose(1, 2)).squeeze(1) / d**0.5
+        if cap:
+            assert scores.max() > cap
+            scores = cap * torch.tanh(scores / cap)
         torch.testing.assert_close(lse[b].double(), scores.logsumexp(-1), atol=1e-5, rtol=1e-5)
         expected = (scores.softmax(-1)[:, None, :] @ vb).squeeze(1)
         torch.testing.assert_close(out[b].double(), expected, atol=1e-5, rtol=1e-5)

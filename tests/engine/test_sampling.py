@@ -11,10 +11,6 @@ import math
 
 import pytest
 
-import radixrt as rt
-
-from timeouts import REPLY_TIMEOUT_S
-
 TOP = 20  # the most top logprobs the runtime returns per step
 EPS = 1e-4
 SEEDS = range(4)
@@ -25,27 +21,15 @@ Step = tuple[int, list[tuple[float, int]]]  # a sampled token; its step's raw to
 
 
 @pytest.fixture(scope="module")
-def tiny(tiny_model_dir):
+def tiny(tiny_runtime):
     """The tiny random model: flat next-token distributions, so filters have much to remove."""
-    with rt.Engine(
-        model=str(tiny_model_dir),
-        max_total_tokens=1024,
-        log_level="warning",
-        timeout=REPLY_TIMEOUT_S,
-    ) as e:
-        yield e
+    return tiny_runtime
 
 
 @pytest.fixture(scope="module")
-def smol(default_model_dir):
+def smol(default_runtime):
     """The default model: a real LM, whose greedy continuations repeat themselves."""
-    with rt.Engine(
-        model=str(default_model_dir),
-        max_total_tokens=1024,
-        log_level="warning",
-        timeout=REPLY_TIMEOUT_S,
-    ) as e:
-        yield e
+    return default_runtime
 
 
 def _generate(engine, prompt: str, variants: list[dict], **common) -> list[dict]:

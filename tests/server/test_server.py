@@ -72,38 +72,28 @@ def test_concurrent_threads_and_asyncio_get_their_own_replies(runtime):
     assert_no_leak(runtime)
 
 
-def test_streaming_deltas_join_to_the_final_text(default_model_dir):
-    with rt.Engine(
-        model=str(default_model_dir),
-        max_total_tokens=2048,
-        log_level="warning",
-        timeout=REPLY_TIMEOUT_S,
-    ) as engine:
-        prompt = engine.tokenizer.apply_chat_template(
-            [{"role": "user", "content": "Write 'café, 世界, 🎉' three times."}],
-            add_generation_prompt=True,
-            tokenize=False,
-        )
-        chunks = list(
-            engine.generate(prompt, {"max_new_tokens": 48, "temperature": 0}, stream=True)
-        )
-        final = chunks[-1]
-        deltas = [c["delta"] for c in chunks[:-1]]
-        assert final["finished"] and "".join(deltas) == final["text"]
-        assert all("\ufffd" not in d for d in deltas)
-        assert [t for c in chunks[:-1] for t in c["token_ids"]] == final["output_ids"]
-        assert (
-            final["text"]
-            == engine.generate(prompt, {"max_new_tokens": 48, "temperature": 0})["text"]
-        )
-        # text that may begin a stop string is held back, so the stop never leaks into a delta
-        stop = final["text"][5:9]
-        chunks = list(
-            engine.generate(
-                prompt, {"max_new_tokens": 48, "temperature": 0, "stop": stop}, stream=True
-            )
-        )
-        assert "".join(c["delta"] for c in chunks[:-1]) == chunks[-1]["text"] == final["text"][:5]
+def test_streaming_deltas_join_to_the_final_text(default_runtime):
+    engine = default_runtime
+    prompt = engine.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Write 'café, 世界, 🎉' three times."}],
+        add_generation_prompt=True,
+        tokenize=False,
+    )
+    chunks = list(engine.generate(prompt, {"max_new_tokens": 48, "temperature": 0}, stream=True))
+    final = chunks[-1]
+    deltas = [c["delta"] for c in chunks[:-1]]
+    assert final["finished"] and "".join(deltas) == final["text"]
+    assert all("\ufffd" not in d for d in deltas)
+    assert [t for c in chunks[:-1] for t in c["token_ids"]] == final["output_ids"]
+    assert (
+        final["text"] == engine.generate(prompt, {"max_new_tokens": 48, "temperature": 0})["text"]
+    )
+    # text that may begin a stop string is held back, so the stop never leaks into a delta
+    stop = final["text"][5:9]
+    chunks = list(
+        engine.generate(prompt, {"max_new_tokens": 48, "temperature": 0, "stop": stop}, stream=True)
+    )
+    assert "".join(c["delta"] for c in chunks[:-1]) == chunks[-1]["text"] == final["text"][:5]
 
 
 def test_async_stream(runtime):

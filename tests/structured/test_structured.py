@@ -11,6 +11,7 @@ import pytest
 
 import radixrt as rt
 
+from helpers import launch_runtime
 from timeouts import REPLY_TIMEOUT_S
 
 REGEXES = {
@@ -91,13 +92,11 @@ SAMPLES = 20
 
 @pytest.fixture(scope="module", params=[True, False], ids=["jump-forward", "token-by-token"])
 def engine(request, default_model_dir):
-    with rt.Engine(
-        model=str(default_model_dir),
-        max_total_tokens=8192,
-        enable_jump_forward=request.param,
-        log_level="warning",
-        timeout=REPLY_TIMEOUT_S,
-    ) as e:
+    """Jump-forward is on by default: the shared default runtime; off: a runtime of its own."""
+    if request.param:
+        yield request.getfixturevalue("default_runtime")
+        return
+    with launch_runtime(default_model_dir, max_total_tokens=8192, enable_jump_forward=False) as e:
         yield e
 
 
@@ -195,15 +194,12 @@ FLAT = {
 }
 
 
-def test_jump_forward_saves_forward_passes(default_model_dir):
+def test_jump_forward_saves_forward_passes(default_runtime):
     """Forced keys and punctuation come in one extend: fewer forwards than output tokens."""
-    with rt.Engine(
-        model=str(default_model_dir), log_level="warning", timeout=REPLY_TIMEOUT_S
-    ) as engine:
-        out = engine.generate(
-            _prompt(engine, "A person as JSON."),
-            {"temperature": 0, "max_new_tokens": 64, "json_schema": FLAT},
-        )
+    out = default_runtime.generate(
+        _prompt(default_runtime, "A person as JSON."),
+        {"temperature": 0, "max_new_tokens": 64, "json_schema": FLAT},
+    )
     meta = out["meta_info"]
     assert meta["forward_passes"] < meta["completion_tokens"] - 6, meta
     assert set(json.loads(out["text"])) == {"name", "age", "city"}

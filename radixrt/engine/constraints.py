@@ -1,5 +1,5 @@
 """Structured output as one object: a request's constraint compiles in the compiler's worker
-processes while it waits, and its walk (`TokenGuide`) starts when admission first looks at it.
+processes while it waits, and its walk (a `GrammarGuide`) starts when admission first looks at it.
 The compiler (and its workers) exists from the first constrained request on."""
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ class Constraints:
         try:
             # forced tokens get no logprobs
             jump = self.jump_forward and not req.params.return_logprob
-            req.guide = self._compiler().guide(req.constraint.result(), jump_forward=jump)
+            req.guide = req.constraint.result().guide(jump_forward=jump)
             return True
         except Exception as e:  # noqa: BLE001 (whatever the constraint raised is its own fault)
             message = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"

@@ -1,4 +1,4 @@
-"""Constraints (regex, JSON schema, choices, dtype) compiled to outlines-core Indexes: checked up
+"""Constraints (regex, JSON schema, choices, dtype) compiled to `grammar.Grammar`s: checked up
 front, built in worker processes that are killed when they overrun their time budget, cached (LRU)
 and shared by concurrent requests for the same constraint.
 
@@ -47,8 +47,8 @@ from typing import TYPE_CHECKING, Any, cast
 from outlines_core import Index
 
 from radixrt.structured import compile_worker as wire
-from radixrt.structured.guide import TokenGuide
-from radixrt.structured.jump_forward import ForcedStrings
+from radixrt.structured.grammar import ConstraintError, Grammar
+from radixrt.structured.guide import OutlinesGrammar
 from radixrt.structured.regexes import (
     DTYPE_REGEXES,
     JSON_WHITESPACE,
@@ -77,33 +77,28 @@ MAX_CHOICES = 1024
 _REPEAT = re.compile(r"\{(\d+)(?:,(\d*))?\}")
 
 
-class ConstraintError(ValueError):
-    """A constraint that is malformed or too complex to compile; its request ends with
-    `invalid_constraint`."""
-
-
 @dataclass(eq=False)
 class CompileJob:
     """One constraint's build, shared by every request that asks for it: queued, then running in
-    a worker, then done with an `index` or an `error` (which `result()` raises)."""
+    a worker, then done with a `grammar` or an `error` (which `result()` raises)."""
 
     kind: str
     pattern: str
     tenant: str
     budget_s: float  # run time left before the verdict is "too complex"
-    index: Index | None = None
-    index_bytes: int = 0
+    grammar: Grammar | None = None
+    grammar_bytes: int = 0  # what the cache holds of it (an Index's binary form)
     error: ConstraintError | None = None
 
     @property
     def done(self) -> bool:
-        return self.index is not None or self.error is not None
+        return self.grammar is not None or self.error is not None
 
-    def result(self) -> Index:
+    def result(self) -> Grammar:
         if self.error is not None:
             raise self.error
-        assert self.index is not None, "the compile has not finished"
-        return self.index
+        assert self.grammar is not None, "the compile has not finished"
+        return self.grammar
 
     def fail(self, message: str) -> None:
         self.error = ConstraintError(message)
@@ -227,7 +222,6 @@ class ConstraintCompiler:
         self.whitespace_pattern = whitespace_pattern
         # Jobs finished or in flight, so concurrent requests for one constraint share one build.
         self._cache: OrderedDict[tuple[str, str], CompileJob] = OrderedDict()
-        self._forced: OrderedDict[int, ForcedStrings] = OrderedDict()  # by id(index)
         self.fast = Lane("fast", 1, min(FAST_BUDGET_S, compile_timeout_s), 1)
         self.slow = Lane("slow", SLOW_WORKERS, compile_timeout_s, COMPILES_PER_TENANT)
         # The pickled vocabulary every worker reads first, in an unlinked file passed by fd:
@@ -282,8 +276,8 @@ class ConstraintCompiler:
         self.poll()
         return job
 
-    def compile(self, **constraint: Any) -> Index:
-        """`compile_async`, waited for: the Index, or a ConstraintError."""
+    def compile(self, **constraint: Any) -> Grammar:
+        """`compile_async`, waited for: the Grammar, or a ConstraintError."""
         job = self.compile_async(**constraint)
         while not job.done:
             conns = [w.conn for w in self._workers()]
@@ -292,20 +286,10 @@ class ConstraintCompiler:
         return job.result()
 
     def ready(self, job: CompileJob) -> bool:
-        """Whether `job` has finished (with an Index or an error), driving the lanes first."""
+        """Whether `job` has finished (with a Grammar or an error), driving the lanes first."""
         if not job.done:
             self.poll()
         return job.done
-
-    def guide(self, index: Index, jump_forward: bool = False) -> TokenGuide:
-        """A new walk through `index`; with `jump_forward`, one that can append forced text at once."""
-        forced = None
-        if jump_forward:
-            forced = self._forced.pop(id(index), None) or ForcedStrings(index, self.tokens)
-            self._forced[id(index)] = forced
-            while len(self._forced) > self.cache_size:
-                self._forced.popitem(last=False)
-        return TokenGuide(index, self.eos_token_id, forced)
 
     # ---- driving the lanes ---------------------------------------------------------------------
     def poll(self) -> None:
@@ -362,7 +346,9 @@ class ConstraintCompiler:
         status, body = reply[:1], reply[1:]
         try:
             if status == wire.INDEX:
-                job.index, job.index_bytes = Index.from_binary(body), len(body)
+                index = Index.from_binary(body)
+                job.grammar = OutlinesGrammar(index, self.tokens, self.eos_token_id)
+                job.grammar_bytes = len(body)
             elif status == wire.TOO_LARGE:
                 job.fail(
                     f"{job.kind} constraint is too complex: its automaton takes {body.decode()}"
@@ -456,7 +442,7 @@ class ConstraintCompiler:
         job still running finishes for the requests that hold it)."""
         while len(self._cache) > self.cache_size or (
             len(self._cache) > 1
-            and sum(j.index_bytes for j in self._cache.values()) > MAX_CACHE_BYTES
+            and sum(j.grammar_bytes for j in self._cache.values()) > MAX_CACHE_BYTES
         ):
             self._cache.popitem(last=False)
 

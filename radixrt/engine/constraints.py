@@ -25,12 +25,14 @@ class Constraints:
         tokenizer: PreTrainedTokenizerBase,
         vocab_size: int,
         compile_timeout_s: float,
+        grammar_backend: str,
         jump_forward: bool,
         finish: Callable[[Req], None],
     ):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.compile_timeout_s = compile_timeout_s
+        self.grammar_backend = grammar_backend
         self.jump_forward = jump_forward
         self.finish = finish
         self.compiler: ConstraintCompiler | None = None
@@ -38,7 +40,10 @@ class Constraints:
     def _compiler(self) -> ConstraintCompiler:
         if self.compiler is None:
             self.compiler = ConstraintCompiler(
-                self.tokenizer, self.vocab_size, compile_timeout_s=self.compile_timeout_s
+                self.tokenizer,
+                self.vocab_size,
+                compile_timeout_s=self.compile_timeout_s,
+                backend=self.grammar_backend,
             )
         return self.compiler
 

@@ -16,6 +16,7 @@ from radixrt.protocol import ErrorCode
 from radixrt.sampling_params import SamplingParams
 from radixrt.structured.bitmask import allocate_bitmask
 from radixrt.structured.compiler import ConstraintCompiler, ConstraintError
+from radixrt.structured.regexes import JSON_OBJECT_LARK
 
 from helpers import drain, make_scheduler, run_in_process
 
@@ -32,7 +33,6 @@ pair: KEY "=" VALUE
 KEY: /[a-z]+/
 VALUE: /[0-9]+/
 """
-JSON_OBJECT = 'start: %json {"type": "object"}'
 PAIRS = re.compile(r"\{[a-z]+=[0-9]+(,[a-z]+=[0-9]+)*\}")
 
 
@@ -131,6 +131,18 @@ def test_bad_grammars_fail_by_name(compiler):
         compiler.compile(ebnf=ARITHMETIC_GBNF, lark=PAIRS_LARK)
 
 
+def test_json_object_at_any_depth(compiler, tokenizer):
+    """`response_format: json_object`'s grammar compiles with llguidance whatever the backend."""
+    assert compiler.backend == "outlines"
+    assert compiler.compile(lark=JSON_OBJECT_LARK).backend == "llguidance"
+    deep = {"a": [{"b": {"c": {"d": [1.5, {"e": None, "f": "x"}]}}}], "g": True}
+    walk_text(compiler, tokenizer, json.dumps(deep, separators=(",", ":")), lark=JSON_OBJECT_LARK)
+    texts = random_walks(compiler, tokenizer, 8, max_steps=80, lark=JSON_OBJECT_LARK)
+    assert all(isinstance(json.loads(t), dict) for t in texts)
+    guide = compiler.compile(lark=JSON_OBJECT_LARK).guide()
+    assert guide.allowed_prefix(tokenizer.encode("[1]", add_special_tokens=False)) == 0
+
+
 def test_llguidance_backend_json_and_jump_forward(tokenizer):
     compiler = ConstraintCompiler(tokenizer, MODEL_VOCAB, backend="llguidance")
     try:
@@ -150,8 +162,6 @@ def test_llguidance_backend_json_and_jump_forward(tokenizer):
         assert grammar.guide().allowed_prefix(draft) == len(draft) - 1
         walk_text(compiler, tokenizer, "2024-01-31", regex=r"[0-9]{4}-[0-9]{2}-[0-9]{2}")
         walk_text(compiler, tokenizer, "no", choices=["yes", "no"])
-        deep = {"a": [{"b": {"c": {"d": [1, {"e": None}]}}}]}
-        walk_text(compiler, tokenizer, json.dumps(deep, separators=(",", ":")), lark=JSON_OBJECT)
     finally:
         compiler.close()
 

@@ -40,7 +40,16 @@ STANDARD = {
     "seed": "seed",
 }
 # the ones it does not: sent as extra body fields under SGLang's (and vLLM's) names
-EXTRA = ("top_k", "min_p", "stop_token_ids", "ignore_eos", "regex", "repetition_penalty")
+EXTRA = (
+    "top_k",
+    "min_p",
+    "stop_token_ids",
+    "ignore_eos",
+    "regex",
+    "ebnf",
+    "lark",  # radixrt's own (SGLang and vLLM take GBNF only)
+    "repetition_penalty",
+)
 CHOICE_SCHEMA_NAME = "choice"
 CHOICE_MAX_TOKENS = 256  # room for `{"choice":"..."}` around the longest reasonable choice
 

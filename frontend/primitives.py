@@ -43,6 +43,8 @@ class Gen(Expr):
     json_schema: str | dict | None = None
     choices: list[str] | None = None
     dtype: Any = None
+    ebnf: str | None = None  # a GBNF grammar
+    lark: str | None = None  # a Lark grammar
     return_logprob: bool | None = None
     top_logprobs_num: int | None = None
     # tool calls (frontend/tools.py): the variable becomes the parsed calls
@@ -126,6 +128,8 @@ def gen(
     json_schema: str | dict | None = None,
     choices: list[str] | None = None,
     dtype: Any = None,
+    ebnf: str | None = None,
+    lark: str | None = None,
     return_logprob: bool | None = None,
     top_logprobs_num: int | None = None,
     tools: list[dict[str, Any]] | None = None,
@@ -137,7 +141,8 @@ def gen(
     (OpenAI's function tools), the reply decodes under the tool-call constraint of `tool_choice`
     (`auto` by default, `required`, `none` or a function's name) and `name` holds the parsed
     calls, `[{"name", "arguments"}]`; the meta info adds the reply's `content`. `logit_bias`:
-    token id -> a bias in [-100, 100] added to its logit."""
+    token id -> a bias in [-100, 100] added to its logit. `ebnf` (GBNF, llama.cpp's dialect) and
+    `lark` constrain the text to a context-free grammar."""
     if choices is not None and regex is None and json_schema is None:
         return Select(name, list(choices), temperature or 0.0)
     return Gen(
@@ -156,6 +161,8 @@ def gen(
         json_schema,
         choices,
         dtype,
+        ebnf,
+        lark,
         return_logprob,
         top_logprobs_num,
         tools,

@@ -64,6 +64,7 @@ class SchedulerArgs:
     disable_radix_cache: bool
     enable_jump_forward: bool
     constraint_compile_timeout: float
+    grammar_backend: str
     speculative_algorithm: str | None
     speculative_num_draft_tokens: int
     enable_hierarchical_cache: bool
@@ -262,6 +263,7 @@ class StructuredSettings(SettingsGroup):
     name: ClassVar[str] = "structured"
     enable_jump_forward: bool
     constraint_compile_timeout: float
+    grammar_backend: str
 
     def __post_init__(self) -> None:
         if not self.constraint_compile_timeout > 0:
@@ -688,6 +690,15 @@ class ServerArgs(Settings):
         metadata={
             "group": "structured",
             "help": "seconds a regex or JSON-schema constraint may take to compile; its worker process is then killed and the request ends with 'invalid_constraint' (too complex), a verdict kept for retries",
+        },
+    )
+    grammar_backend: str = field(
+        default="outlines",
+        metadata={
+            "group": "structured",
+            # structured/grammar.py's GRAMMAR_BACKENDS (config imports nothing of radixrt)
+            "choices": ["outlines", "llguidance"],
+            "help": "what compiles regex, JSON-schema, choices and dtype constraints: outlines-core (regex automata, built in killable processes) or llguidance (a grammar engine: JSON at any depth, schemas' numeric bounds); ebnf and lark grammars always use llguidance",
         },
     )
     speculative_algorithm: str | None = field(

@@ -6,6 +6,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from radixrt.structured.grammar import CONSTRAINT_KINDS
+
 _INT_FIELDS = (
     "max_new_tokens",
     "min_new_tokens",
@@ -69,6 +71,8 @@ class SamplingParams:
     json_schema: str | dict | None = None
     choices: list[str] | None = None
     dtype: str | None = None  # "int", "float", "bool" or "str"
+    ebnf: str | None = None  # a GBNF grammar (llama.cpp's dialect)
+    lark: str | None = None  # a Lark grammar (llguidance's dialect)
     # token id -> added to its logit before sampling; ids may arrive as strings (JSON's keys)
     logit_bias: dict[int, float] | None = None
 
@@ -127,7 +131,7 @@ class SamplingParams:
         constraints = self.constraint()
         if constraints is not None:
             kind, value = constraints
-            if kind in ("regex", "dtype") and not isinstance(value, str):
+            if kind in ("regex", "dtype", "ebnf", "lark") and not isinstance(value, str):
                 raise ValueError(f"{kind} must be a string")
             if kind == "json_schema" and not isinstance(value, (str, dict)):
                 raise ValueError("json_schema must be a JSON string or a map")
@@ -183,14 +187,10 @@ class SamplingParams:
 
     def constraint(self) -> tuple[str, object] | None:
         """The one structured-output constraint, as (kind, value), or None."""
-        given = [
-            (k, getattr(self, k))
-            for k in ("regex", "json_schema", "choices", "dtype")
-            if getattr(self, k) is not None
-        ]
+        given = [(k, getattr(self, k)) for k in CONSTRAINT_KINDS if getattr(self, k) is not None]
         if len(given) > 1:
             raise ValueError(
-                f"give at most one of regex, json_schema, choices, dtype (got {[k for k, _ in given]})"
+                f"give at most one of {', '.join(CONSTRAINT_KINDS)} (got {[k for k, _ in given]})"
             )
         return given[0] if given else None
 

@@ -1,5 +1,5 @@
 """Structured output as one object: a request's constraint compiles in the compiler's worker
-processes while it waits, and its walk (`TokenGuide`) starts when admission first looks at it.
+processes while it waits, and its walk (a `GrammarGuide`) starts when admission first looks at it.
 The compiler (and its workers) exists from the first constrained request on."""
 
 from __future__ import annotations
@@ -25,12 +25,14 @@ class Constraints:
         tokenizer: PreTrainedTokenizerBase,
         vocab_size: int,
         compile_timeout_s: float,
+        grammar_backend: str,
         jump_forward: bool,
         finish: Callable[[Req], None],
     ):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.compile_timeout_s = compile_timeout_s
+        self.grammar_backend = grammar_backend
         self.jump_forward = jump_forward
         self.finish = finish
         self.compiler: ConstraintCompiler | None = None
@@ -38,7 +40,10 @@ class Constraints:
     def _compiler(self) -> ConstraintCompiler:
         if self.compiler is None:
             self.compiler = ConstraintCompiler(
-                self.tokenizer, self.vocab_size, compile_timeout_s=self.compile_timeout_s
+                self.tokenizer,
+                self.vocab_size,
+                compile_timeout_s=self.compile_timeout_s,
+                backend=self.grammar_backend,
             )
         return self.compiler
 
@@ -65,7 +70,7 @@ class Constraints:
         try:
             # forced tokens get no logprobs
             jump = self.jump_forward and not req.params.return_logprob
-            req.guide = self._compiler().guide(req.constraint.result(), jump_forward=jump)
+            req.guide = req.constraint.result().guide(jump_forward=jump)
             return True
         except Exception as e:  # noqa: BLE001 (whatever the constraint raised is its own fault)
             message = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"

@@ -17,7 +17,7 @@ from radixrt.speculative import RequestDrafts
 
 if TYPE_CHECKING:
     from radixrt.structured.compiler import CompileJob
-    from radixrt.structured.guide import TokenGuide
+    from radixrt.structured.grammar import GrammarGuide
 
 
 @dataclass(frozen=True)
@@ -122,7 +122,7 @@ class Req:
 
     # Structured output: the constraint's CompileJob (structured/compiler.py) and the walk in it
     constraint: CompileJob | None = None
-    guide: TokenGuide | None = None
+    guide: GrammarGuide | None = None
 
     # Speculative decoding: the request's n-gram index and draft length (None when off)
     drafts: RequestDrafts | None = None

@@ -92,6 +92,7 @@ class Scheduler:
             self.tokenizer,
             runner.vocab_size,
             args.constraint_compile_timeout,
+            args.grammar_backend,
             args.enable_jump_forward,
             self._finish,
         )

@@ -1,4 +1,4 @@
-"""Constraints (regex, JSON schema, choices, dtype) compiled to outlines-core Indexes: checked up
+"""Constraints (regex, JSON schema, choices, dtype) compiled to `grammar.Grammar`s: checked up
 front, built in worker processes that are killed when they overrun their time budget, cached (LRU)
 and shared by concurrent requests for the same constraint.
 
@@ -23,9 +23,14 @@ Scheduling, so that a cheap constraint never waits behind expensive ones:
   `--constraint-compile-timeout` in all; at most COMPILES_PER_TENANT of one tenant's compiles run
   at once, and tenants take turns, so one tenant's twenty expensive schemas hold one worker while
   other tenants use the other.
-No thread is involved: the scheduler drives the lanes through `poll()` (from its admission loop
-and its idle tick), which reads replies, kills overruns, starts queued jobs, and stops workers
-idle for IDLE_EXIT_S; `close()` kills every worker.
+The scheduler drives the lanes through `poll()` (from its admission loop and its idle tick),
+which reads replies, kills overruns, starts queued jobs, and stops workers idle for IDLE_EXIT_S;
+`close()` kills every worker.
+
+Constraints for llguidance (`ebnf` and `lark` always; every kind with `--grammar-backend
+llguidance`) skip the lanes: their builds take milliseconds and are bounded by llguidance's own
+limits (`llguidance_backend.py`), so one thread builds them in turn; `poll()` collects them, and a
+build still unfinished at its budget fails its job (the thread ends within those limits).
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ import sys
 import tempfile
 import time
 from collections import OrderedDict, deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
@@ -47,8 +53,15 @@ from typing import TYPE_CHECKING, Any, cast
 from outlines_core import Index
 
 from radixrt.structured import compile_worker as wire
-from radixrt.structured.guide import TokenGuide
-from radixrt.structured.jump_forward import ForcedStrings
+from radixrt.structured import llguidance_backend as llg
+from radixrt.structured.grammar import (
+    CONSTRAINT_KINDS,
+    DEFAULT_GRAMMAR_BACKEND,
+    ConstraintError,
+    Grammar,
+    backend_for,
+)
+from radixrt.structured.guide import OutlinesGrammar
 from radixrt.structured.regexes import (
     DTYPE_REGEXES,
     JSON_WHITESPACE,
@@ -59,6 +72,7 @@ from radixrt.structured.regexes import (
 from radixrt.structured.vocabulary import TokenTable, build_vocabulary
 
 if TYPE_CHECKING:
+    from llguidance import LLTokenizer
     from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
@@ -77,33 +91,28 @@ MAX_CHOICES = 1024
 _REPEAT = re.compile(r"\{(\d+)(?:,(\d*))?\}")
 
 
-class ConstraintError(ValueError):
-    """A constraint that is malformed or too complex to compile; its request ends with
-    `invalid_constraint`."""
-
-
 @dataclass(eq=False)
 class CompileJob:
     """One constraint's build, shared by every request that asks for it: queued, then running in
-    a worker, then done with an `index` or an `error` (which `result()` raises)."""
+    a worker, then done with a `grammar` or an `error` (which `result()` raises)."""
 
     kind: str
     pattern: str
     tenant: str
     budget_s: float  # run time left before the verdict is "too complex"
-    index: Index | None = None
-    index_bytes: int = 0
+    grammar: Grammar | None = None
+    grammar_bytes: int = 0  # what the cache holds of it (an Index's binary form)
     error: ConstraintError | None = None
 
     @property
     def done(self) -> bool:
-        return self.index is not None or self.error is not None
+        return self.grammar is not None or self.error is not None
 
-    def result(self) -> Index:
+    def result(self) -> Grammar:
         if self.error is not None:
             raise self.error
-        assert self.index is not None, "the compile has not finished"
-        return self.index
+        assert self.grammar is not None, "the compile has not finished"
+        return self.grammar
 
     def fail(self, message: str) -> None:
         self.error = ConstraintError(message)
@@ -198,10 +207,12 @@ class Lane:
 
 
 class ConstraintCompiler:
-    """Compiles constraints to outlines-core Indexes for one tokenizer (see the module docstring).
+    """Compiles constraints to Grammars for one tokenizer (see the module docstring), with
+    `backend` ("outlines" or "llguidance") for the regular kinds.
 
-    Regexes use the Rust regex-automata dialect (no lookaround, no backreferences) and must match the
-    whole output. JSON schemas go through outlines-core with a compact whitespace pattern.
+    Regexes use the Rust regex dialect (no lookaround, no backreferences) and must match the
+    whole output. JSON schemas allow no whitespace between tokens (compact JSON). `ebnf` is
+    GBNF (llama.cpp's dialect), `lark` llguidance's Lark.
     """
 
     def __init__(
@@ -211,6 +222,7 @@ class ConstraintCompiler:
         cache_size: int = 64,
         compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S,
         whitespace_pattern: str = JSON_WHITESPACE,
+        backend: str = DEFAULT_GRAMMAR_BACKEND,
     ):
         if len(tokenizer) > vocab_size:
             raise ValueError(
@@ -218,6 +230,9 @@ class ConstraintCompiler:
             )
         if not compile_timeout_s > 0:
             raise ValueError("the constraint compile timeout must be > 0 seconds")
+        backend_for("regex", backend)  # raises for an unknown backend
+        self.backend = backend
+        self.hf_tokenizer = tokenizer
         self.tokens = TokenTable(tokenizer, vocab_size)
         self.vocabulary = build_vocabulary(tokenizer, self.tokens.mapping)
         self.eos_token_id: int = self.vocabulary.get_eos_token_id()
@@ -226,8 +241,12 @@ class ConstraintCompiler:
         self.compile_timeout_s = compile_timeout_s
         self.whitespace_pattern = whitespace_pattern
         # Jobs finished or in flight, so concurrent requests for one constraint share one build.
-        self._cache: OrderedDict[tuple[str, str], CompileJob] = OrderedDict()
-        self._forced: OrderedDict[int, ForcedStrings] = OrderedDict()  # by id(index)
+        # keyed by (backend, kind, regex or grammar text)
+        self._cache: OrderedDict[tuple[str, str, str], CompileJob] = OrderedDict()
+        # llguidance: its tokenizer, the build thread and the builds it has not returned yet
+        self._llg_tokens: LLTokenizer | None = None
+        self._llg_thread: ThreadPoolExecutor | None = None
+        self._llg_builds: list[tuple[CompileJob, Future[llg.LLGuidanceGrammar], float]] = []
         self.fast = Lane("fast", 1, min(FAST_BUDGET_S, compile_timeout_s), 1)
         self.slow = Lane("slow", SLOW_WORKERS, compile_timeout_s, COMPILES_PER_TENANT)
         # The pickled vocabulary every worker reads first, in an unlinked file passed by fd:
@@ -245,45 +264,47 @@ class ConstraintCompiler:
         json_schema: str | dict[str, Any] | None = None,
         choices: list[str] | None = None,
         dtype: str | None = None,
+        ebnf: str | None = None,
+        lark: str | None = None,
         tenant: str = "",
     ) -> CompileJob:
-        """Exactly one of: a regex; a JSON schema (str or dict); a list of literal choices; or a
+        """Exactly one of: a regex; a JSON schema (str or dict); a list of literal choices; a
         dtype: "int" (JSON integer), "float" (JSON number), "bool" (true|false), "str" (a
-        double-quoted JSON string). Never raises: the job fails at once for a bad constraint,
-        and otherwise finishes as `poll()` drives it."""
-        given = {
-            k: v
-            for k, v in (
-                ("regex", regex),
-                ("json_schema", json_schema),
-                ("choices", choices),
-                ("dtype", dtype),
-            )
-            if v is not None
-        }
+        double-quoted JSON string); a GBNF grammar (`ebnf`); or a Lark grammar. Never raises:
+        the job fails at once for a bad constraint, and otherwise finishes as `poll()` drives it."""
+        values = (regex, json_schema, choices, dtype, ebnf, lark)
+        given = {k: v for k, v in zip(CONSTRAINT_KINDS, values) if v is not None}
         if len(given) != 1:
             return self._failed(
-                f"give exactly one of regex, json_schema, choices, dtype (got {sorted(given)})"
+                f"give exactly one of {', '.join(CONSTRAINT_KINDS)} (got {sorted(given)})"
             )
         kind, value = given.popitem()
-        try:
-            pattern = self._to_regex(kind, value)
-        except (ValueError, RecursionError) as e:  # not cached: checks are cheap, values large
+        backend = backend_for(kind, self.backend)
+        try:  # not cached: checks are cheap, values large
+            pattern = (
+                self._to_regex(kind, value)
+                if backend == "outlines"
+                else self._to_grammar(kind, value)
+            )
+        except (ValueError, RecursionError) as e:
             return self._failed(str(e) or type(e).__name__)
-        key = (kind, pattern)
+        key = (backend, kind, pattern)
         job = self._cache.get(key)
         if job is not None:
             self._cache.move_to_end(key)
             return job
         job = CompileJob(kind, pattern, tenant, self.compile_timeout_s)
-        (self.fast if _looks_cheap(pattern) else self.slow).push(job)
+        if backend == "outlines":
+            (self.fast if _looks_cheap(pattern) else self.slow).push(job)
+        else:
+            self._build_llguidance(job)
         self._cache[key] = job
         self._trim_cache()
         self.poll()
         return job
 
-    def compile(self, **constraint: Any) -> Index:
-        """`compile_async`, waited for: the Index, or a ConstraintError."""
+    def compile(self, **constraint: Any) -> Grammar:
+        """`compile_async`, waited for: the Grammar, or a ConstraintError."""
         job = self.compile_async(**constraint)
         while not job.done:
             conns = [w.conn for w in self._workers()]
@@ -292,25 +313,16 @@ class ConstraintCompiler:
         return job.result()
 
     def ready(self, job: CompileJob) -> bool:
-        """Whether `job` has finished (with an Index or an error), driving the lanes first."""
+        """Whether `job` has finished (with a Grammar or an error), driving the lanes first."""
         if not job.done:
             self.poll()
         return job.done
-
-    def guide(self, index: Index, jump_forward: bool = False) -> TokenGuide:
-        """A new walk through `index`; with `jump_forward`, one that can append forced text at once."""
-        forced = None
-        if jump_forward:
-            forced = self._forced.pop(id(index), None) or ForcedStrings(index, self.tokens)
-            self._forced[id(index)] = forced
-            while len(self._forced) > self.cache_size:
-                self._forced.popitem(last=False)
-        return TokenGuide(index, self.eos_token_id, forced)
 
     # ---- driving the lanes ---------------------------------------------------------------------
     def poll(self) -> None:
         """Read what the workers answered, kill overruns, start queued jobs, stop idle workers.
         Never blocks on a worker for longer than reading a reply it has begun to send."""
+        self._collect_llguidance()
         workers = self._workers()
         if workers:
             for conn in wait([w.conn for w in workers], timeout=0):
@@ -337,6 +349,12 @@ class ConstraintCompiler:
                     worker.job.fail("the runtime stopped before the constraint compiled")
                 self._retire(lane, worker)
             self._fail_queued(lane, "the runtime stopped before the constraint compiled")
+        for job, future, _ in self._llg_builds:
+            future.cancel()
+            job.fail("the runtime stopped before the constraint compiled")
+        self._llg_builds.clear()
+        if self._llg_thread is not None:
+            self._llg_thread.shutdown(wait=False, cancel_futures=True)
         self._vocabulary_file.close()
 
     # ---- internals -----------------------------------------------------------------------------
@@ -362,7 +380,9 @@ class ConstraintCompiler:
         status, body = reply[:1], reply[1:]
         try:
             if status == wire.INDEX:
-                job.index, job.index_bytes = Index.from_binary(body), len(body)
+                index = Index.from_binary(body)
+                job.grammar = OutlinesGrammar(index, self.tokens, self.eos_token_id)
+                job.grammar_bytes = len(body)
             elif status == wire.TOO_LARGE:
                 job.fail(
                     f"{job.kind} constraint is too complex: its automaton takes {body.decode()}"
@@ -456,9 +476,53 @@ class ConstraintCompiler:
         job still running finishes for the requests that hold it)."""
         while len(self._cache) > self.cache_size or (
             len(self._cache) > 1
-            and sum(j.index_bytes for j in self._cache.values()) > MAX_CACHE_BYTES
+            and sum(j.grammar_bytes for j in self._cache.values()) > MAX_CACHE_BYTES
         ):
             self._cache.popitem(last=False)
+
+    def _build_llguidance(self, job: CompileJob) -> None:
+        """Queue `job` on the llguidance thread (started, with llguidance's tokenizer, on first
+        use); its budget counts from now, queueing included."""
+        if self._llg_thread is None or self._llg_tokens is None:
+            try:
+                self._llg_tokens = llg.tokenizer(self.hf_tokenizer, self.vocab_size)
+            except ValueError as e:
+                job.fail(str(e))
+                return
+            self._llg_thread = ThreadPoolExecutor(1, thread_name_prefix="llguidance-compile")
+        future = self._llg_thread.submit(
+            llg.build, self._llg_tokens, job.kind, job.pattern, self.eos_token_id
+        )
+        self._started += 1
+        self._llg_builds.append((job, future, time.monotonic() + job.budget_s))
+
+    def _collect_llguidance(self) -> None:
+        """Finish the llguidance jobs whose builds returned; fail those past their budget."""
+        now = time.monotonic()
+        for build in list(self._llg_builds):
+            job, future, deadline = build
+            if future.done():
+                self._llg_builds.remove(build)
+                self._finished += 1
+                try:
+                    job.grammar, job.grammar_bytes = future.result(), len(job.pattern)
+                except ConstraintError as e:
+                    job.error = e
+                except Exception as e:  # noqa: BLE001 (a build's failure is its job's only)
+                    job.fail(f"cannot compile {job.kind} constraint: {type(e).__name__}: {e}")
+            elif now > deadline:
+                self._llg_builds.remove(build)
+                self._killed += 1
+                job.fail(
+                    f"{job.kind} constraint is too complex: compiling took over "
+                    f"{self.compile_timeout_s:g} s"
+                )
+
+    def _to_grammar(self, kind: str, value: Any) -> str:
+        """The llguidance grammar text of a constraint (choices and dtypes as their regexes)."""
+        if kind in ("choices", "dtype", "regex"):
+            return llg.grammar_text("regex", self._to_regex(kind, value))
+        return llg.grammar_text(kind, value)
 
     def _to_regex(self, kind: str, value: Any) -> str:
         """The regex of a constraint, checked for type and size; ValueError says what is wrong."""

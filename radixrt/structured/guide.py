@@ -1,16 +1,37 @@
-"""One request's walk through a compiled constraint: advance by sampled tokens, write the allowed
-ids into its bitmask row, and (with jump-forward) say which tokens a sampled one brings along."""
+"""The outlines-core backend of `grammar.Grammar`: a compiled regex DFA (`OutlinesGrammar`) and
+one request's walk through it (`TokenGuide`): advance by sampled tokens, write the allowed ids
+into its bitmask row, and (with jump-forward) say which tokens a sampled one brings along."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 from outlines_core import Guide, Index
 
 from radixrt.structured.jump_forward import ForcedStrings
+from radixrt.structured.vocabulary import TokenTable
+
+
+@dataclass(eq=False)
+class OutlinesGrammar:
+    """An outlines-core Index with what its walks share: the token table and, made on the first
+    jump-forward walk, the forced strings of its states (a per-state cache)."""
+
+    index: Index
+    tokens: TokenTable
+    eos_token_id: int
+    backend: str = "outlines"
+    _forced: ForcedStrings | None = field(default=None, repr=False)
+
+    def guide(self, jump_forward: bool = False) -> TokenGuide:
+        if jump_forward and self._forced is None:
+            self._forced = ForcedStrings(self.index, self.tokens)
+        return TokenGuide(self.index, self.eos_token_id, self._forced if jump_forward else None)
 
 
 class TokenGuide:
-    """One request's position in a constraint's DFA."""
+    """One request's position in a constraint's DFA (a `grammar.GrammarGuide`)."""
 
     def __init__(self, index: Index, eos_token_id: int, forced: ForcedStrings | None = None):
         self.index = index

@@ -1,4 +1,4 @@
-"""Plain regexes for the constraint dtypes and JSON, and JSON schemas checked and turned into
+"""Plain regexes for the constraint dtypes, the grammar of any JSON object, and JSON schemas checked and turned into
 regexes; importable without torch (the HTTP gateway uses them for `response_format` and tools)."""
 
 from __future__ import annotations
@@ -19,26 +19,9 @@ DTYPE_REGEXES = {
 }
 
 
-def json_object_regex() -> str:
-    """`response_format: json_object`: a JSON object whose values are scalars, or arrays and
-    objects of scalars. A regex cannot nest without bound, and each level multiplies the compile
-    time by about ten (with the default model's vocabulary on a loaded 2-core machine: two levels
-    2 s, three 20 s, past the 10 s compile budget), so this grammar stops at depth two until a
-    grammar backend (issue 31, llguidance) takes free-form JSON."""
-    ws, string = JSON_WHITESPACE, DTYPE_REGEXES["str"]
-    scalar = f"({string}|{DTYPE_REGEXES['float']}|true|false|null)"
-
-    def array(value: str) -> str:
-        return rf"\[{ws}({value}({ws},{ws}{value})*)?{ws}\]"
-
-    def obj(value: str) -> str:
-        member = f"{string}{ws}:{ws}{value}"
-        return rf"\{{{ws}({member}({ws},{ws}{member})*)?{ws}\}}"
-
-    return obj(f"({scalar}|{array(scalar)}|{obj(scalar)})")
-
-
-JSON_OBJECT_REGEX = json_object_regex()
+# `response_format: json_object`: any JSON object, nested to any depth, compact as the schemas'
+# JSON; a grammar (regexes cannot nest), so it always compiles with llguidance
+JSON_OBJECT_LARK = 'start: %json {"type": "object", "x-guidance": {"whitespace_flexible": false}}'
 
 # Cheap up-front bounds on schema repetition counts (the automaton grows with them).
 MAX_SCHEMA_LENGTH = 256

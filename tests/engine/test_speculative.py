@@ -111,17 +111,24 @@ def test_no_slot_leaks_with_rejections_aborts_and_preemption(default_model_dir, 
     assert_no_leak(scheduler)
 
 
-def test_constrained_json_always_matches_its_schema(default_model_dir):
+@pytest.mark.parametrize(
+    "backend, age",
+    [
+        ("outlines", {"type": "integer", "maxDigits": 2}),
+        ("llguidance", {"type": "integer", "minimum": 0, "maximum": 99}),
+    ],
+)
+def test_constrained_json_always_matches_its_schema(default_model_dir, backend, age):
     schema = {
         "type": "object",
         "properties": {
             "name": {"type": "string", "maxLength": 12},
-            "age": {"type": "integer", "maxDigits": 2},
+            "age": age,
             "city": {"type": "string", "maxLength": 12},
         },
         "required": ["name", "age", "city"],
     }
-    scheduler = _scheduler(default_model_dir, **SPEC)
+    scheduler = _scheduler(default_model_dir, grammar_backend=backend, **SPEC)
     tok = scheduler.tokenizer
     prompt = tok.apply_chat_template(
         [{"role": "user", "content": "Describe Ada from Lisbon as JSON with name, age, city."}],

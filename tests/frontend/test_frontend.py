@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import re
 
 import pytest
 import torch
@@ -208,6 +209,17 @@ def test_run_async_runs_200_programs(tiny_runtime):
     states = asyncio.run(main(tiny_runtime))
     assert len(states) == 200
     assert all(s.get_meta_info("out")["completion_tokens"] == 2 for s in states)
+
+
+def test_gen_ebnf_and_lark_constrain_the_text(tiny_runtime):
+    @rt.function
+    def grammars(s):
+        s += "Sum:" + rt.gen("sum", max_tokens=24, ebnf='root ::= [0-9]+ ("+" [0-9]+)*')
+        s += "\nPair:" + rt.gen("pair", max_tokens=24, lark='start: "(" /[a-z]+/ ")"')
+
+    state = grammars.run(backend=tiny_runtime, temperature=0)
+    assert re.fullmatch(r"[0-9]+(\+[0-9]+)*\+?", state["sum"]), state["sum"]
+    assert re.fullmatch(r"\([a-z]*\)?", state["pair"]), state["pair"]
 
 
 @rt.function

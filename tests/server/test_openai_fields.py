@@ -6,6 +6,7 @@ a pre-filled local Hub cache). One runtime, through the `openai` client and raw 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import urllib.error
 import urllib.request
@@ -205,6 +206,42 @@ def test_stop_token_ids_regex_and_skip_special_tokens(runtime, client):
         extra_body={"skip_special_tokens": False, "ignore_eos": True},
     )
     assert kept.choices[0].text == "<|im_end|>" * 2
+
+
+def test_grammars_as_extra_fields_and_json_object(runtime, client):
+    """`ebnf` and `lark` on both endpoints and native /generate; json_object through llguidance;
+    a grammar that does not parse is invalid_constraint."""
+    sums = _complete(
+        client, max_tokens=12, temperature=0, extra_body={"ebnf": 'root ::= [0-9] ("+" [0-9])*'}
+    )
+    assert re.fullmatch(r"[0-9](\+[0-9])*\+?", sums.choices[0].text), sums.choices[0].text
+    pair = client.chat.completions.create(
+        model=SERVED,
+        messages=QUESTION,
+        max_tokens=12,
+        temperature=0,
+        extra_body={"lark": 'start: "(" /[a-z]/ ")"'},
+    )
+    assert re.fullmatch(r"\([a-z]\)", pair.choices[0].message.content)
+    status, body = _post(
+        runtime,
+        "/generate",
+        {"text": PROMPT, "sampling_params": {"max_new_tokens": 8, "lark": 'start: "ab"'}},
+    )
+    assert status == 200 and body["text"] == "ab", body
+    obj = client.chat.completions.create(
+        model=SERVED,
+        messages=QUESTION,
+        max_tokens=40,
+        temperature=0,
+        response_format={"type": "json_object"},
+    )
+    text = obj.choices[0].message.content
+    assert text.startswith("{")
+    if obj.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(text), dict)
+    status, body = _post(runtime, "/v1/completions", {"prompt": PROMPT, "ebnf": "root ::= ("})
+    assert status == 400 and body["error"]["code"] == "invalid_constraint", body
 
 
 def test_a_constraint_from_two_sources_is_refused(runtime):

@@ -127,7 +127,7 @@ def _wait(compiler: ConstraintCompiler, jobs: list, limit_s: float) -> float:
 def test_fast_lane_and_tenant_cap(compiler):
     heavy = [compiler.compile_async(json_schema=expensive_schema(i), tenant="a") for i in range(4)]
     cheap = compiler.compile_async(regex=r"[0-9]{3}", tenant="a")
-    assert _wait(compiler, [cheap], 3.0) < 1.0 and cheap.index is not None
+    assert _wait(compiler, [cheap], 3.0) < 1.0 and cheap.grammar is not None
     # tenant a holds one slow worker at a time; tenant b's expensive schema starts at once
     other = compiler.compile_async(json_schema=expensive_schema(99), tenant="b")
     assert _wait(compiler, [other], TIMEOUT_S + 2.0) > TIMEOUT_S * 0.9

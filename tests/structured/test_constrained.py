@@ -14,7 +14,6 @@ from transformers import AutoTokenizer
 
 from radixrt.structured.bitmask import allocate_bitmask, apply_bitmask
 from radixrt.structured.compiler import ConstraintCompiler
-from radixrt.structured.guide import TokenGuide
 from radixrt.structured.vocabulary import build_vocabulary, token_bytes
 
 VOCAB = 49152
@@ -49,8 +48,8 @@ def random_walk(
     """Sample uniformly among the allowed tokens until the constraint is complete (stopping at a
     final state that allows more with probability 1/3), checking the mask against outlines-core.
     With `jump`, each sampled token is replaced by what jump-forward appends for it."""
-    index = compiler.compile(**constraint)
-    guide = compiler.guide(index, jump_forward=jump)
+    grammar = compiler.compile(**constraint)
+    index, guide = grammar.index, grammar.guide(jump_forward=jump)
     rng = random.Random(seed)
     row = allocate_bitmask(1, MODEL_VOCAB)[0]
     ids: list[int] = []
@@ -173,7 +172,7 @@ ACCEPTED = [
 def test_tokenizer_encoding_is_accepted(compiler, tokenizer, constraint, text):
     """The tokenizer's own encoding of a matching text reaches a final state. Most cases leave an
     accepting state for a non-accepting one ("12" -> "12."), which bare outlines-core drops."""
-    guide = TokenGuide(compiler.compile(**constraint), compiler.eos_token_id)
+    guide = compiler.compile(**constraint).guide()
     for token in tokenizer.encode(text, add_special_tokens=False):
         assert not guide.allowed_only_eos()
         guide.advance(token)
@@ -277,7 +276,7 @@ def test_json_schema_walk(compiler, tokenizer, name, jump):
 
 
 def test_jump_forward_appends_forced_text_retokenized(compiler, tokenizer):
-    guide = compiler.guide(compiler.compile(json_schema=SCHEMAS["nested"]), jump_forward=True)
+    guide = compiler.compile(json_schema=SCHEMAS["nested"]).guide(jump_forward=True)
     brace = tokenizer.encode("{", add_special_tokens=False)
     ids = guide.jump_forward(brace[0])
     text = tokenizer.decode(ids)
@@ -292,15 +291,11 @@ def test_jump_forward_appends_forced_text_retokenized(compiler, tokenizer):
     quote = tokenizer.encode('"', add_special_tokens=False)[0]
     assert tokenizer.decode(guide.jump_forward(quote)).startswith('","address')
     # Choices sharing a prefix: only the common part is forced, and a final state forces nothing.
-    choices = compiler.guide(
-        compiler.compile(choices=["Mount Everest", "Mount Fuji"]), jump_forward=True
-    )
+    choices = compiler.compile(choices=["Mount Everest", "Mount Fuji"]).guide(jump_forward=True)
     assert tokenizer.decode(
         choices.jump_forward(tokenizer.encode("M", add_special_tokens=False)[0])
     ) in ("Mount", "Mount ")
-    plain = TokenGuide(
-        compiler.compile(choices=["Mount Everest", "Mount Fuji"]), compiler.eos_token_id
-    )
+    plain = compiler.compile(choices=["Mount Everest", "Mount Fuji"]).guide()
     assert plain.jump_forward(brace[0]) == brace
 
 
@@ -364,11 +359,9 @@ def test_apply_bitmask(compiler):
     torch.manual_seed(0)
     bitmask = allocate_bitmask(4, MODEL_VOCAB)
     assert bitmask.shape == (4, (MODEL_VOCAB + 31) // 32) and bitmask.dtype == torch.int32
-    TokenGuide(
-        compiler.compile(regex=r"[0-9]{4}-[0-9]{2}-[0-9]{2}"), compiler.eos_token_id
-    ).fill_mask(bitmask[0])
+    compiler.compile(regex=r"[0-9]{4}-[0-9]{2}-[0-9]{2}").guide().fill_mask(bitmask[0])
     bitmask[1] = torch.randint(-(2**31), 2**31 - 1, (bitmask.shape[1],), dtype=torch.int32)
-    TokenGuide(compiler.compile(choices=["yes", "no"]), compiler.eos_token_id).fill_mask(bitmask[2])
+    compiler.compile(choices=["yes", "no"]).guide().fill_mask(bitmask[2])
     bitmask[3] = -1
     logits = torch.randn(4, MODEL_VOCAB)
     original = logits.clone()

@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from radixrt.client.endpoint import Prompt
 from radixrt.server.http.errors import APIError
-from radixrt.structured.regexes import JSON_OBJECT_REGEX
+from radixrt.structured.regexes import JSON_OBJECT_LARK
 from radixrt.structured.tools import (
     Tool,
     ToolCallParser,
@@ -55,8 +55,10 @@ _SAMPLING_FIELDS = (
     "skip_special_tokens",
     "regex",
     "json_schema",
+    "ebnf",
+    "lark",
 )
-CONSTRAINT_FIELDS = ("regex", "json_schema")
+CONSTRAINT_FIELDS = ("regex", "json_schema", "ebnf", "lark")
 
 
 class GenerateRequest(Body):
@@ -81,6 +83,8 @@ class GenerateRequest(Body):
     skip_special_tokens: bool | None = None
     regex: str | None = None
     json_schema: str | dict[str, Any] | None = None
+    ebnf: str | None = None  # a GBNF grammar (SGLang's name; llama.cpp's dialect)
+    lark: str | None = None  # a Lark grammar (radixrt's own)
     # radixrt's own (docs/protocol.md): the cache namespace, the scheduling priority, a deadline
     cache_salt: str | None = None
     priority: int | None = None
@@ -192,7 +196,7 @@ def add_constraint(params: dict[str, Any], constraint: dict[str, Any], param: st
     if constraint and any(params.get(k) is not None for k in CONSTRAINT_FIELDS):
         raise APIError(
             400,
-            f"{param} cannot be combined with regex or json_schema: give one constraint",
+            f"{param} cannot be combined with {', '.join(CONSTRAINT_FIELDS)}: give one constraint",
             param=param,
             code="invalid_request",
         )
@@ -203,7 +207,7 @@ def constraint_params(fmt: ResponseFormat | None) -> dict[str, Any]:
     if fmt is None or fmt.type == "text":
         return {}
     if fmt.type == "json_object":
-        return {"regex": JSON_OBJECT_REGEX}
+        return {"lark": JSON_OBJECT_LARK}
     schema = (fmt.json_schema or {}).get("schema")
     if not isinstance(schema, dict):
         raise APIError(

@@ -1,0 +1,192 @@
+"""Context-free grammars (GBNF and Lark) and the llguidance backend, walked token by token over
+the default model's real tokenizer (no model weights); one tiny-model run at the end."""
+
+from __future__ import annotations
+
+import ast
+import json
+import random
+import re
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from radixrt.protocol import ErrorCode
+from radixrt.sampling_params import SamplingParams
+from radixrt.structured.bitmask import allocate_bitmask
+from radixrt.structured.compiler import ConstraintCompiler, ConstraintError
+from radixrt.structured.regexes import JSON_OBJECT_LARK
+
+from helpers import drain, make_scheduler, run_in_process
+
+MODEL_VOCAB = 49152 + 64  # a model whose embedding is padded past the tokenizer
+ARITHMETIC_GBNF = r"""
+root   ::= expr
+expr   ::= term (("+" | "-") term)*
+term   ::= factor (("*" | "/") factor)*
+factor ::= [0-9]+ | "(" expr ")"
+"""
+PAIRS_LARK = r"""
+start: "{" pair ("," pair)* "}"
+pair: KEY "=" VALUE
+KEY: /[a-z]+/
+VALUE: /[0-9]+/
+"""
+PAIRS = re.compile(r"\{[a-z]+=[0-9]+(,[a-z]+=[0-9]+)*\}")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(default_model_dir):
+    return AutoTokenizer.from_pretrained(default_model_dir)
+
+
+@pytest.fixture(scope="module")
+def compiler(tokenizer):
+    compiler = ConstraintCompiler(tokenizer, MODEL_VOCAB)
+    yield compiler
+    compiler.close()
+
+
+def allowed_ids(row: torch.Tensor) -> set[int]:
+    bits = (row.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1
+    return set(bits.view(-1).nonzero().view(-1).tolist())
+
+
+def walk_text(compiler, tokenizer, text: str, **constraint) -> None:
+    """Feed `text`'s tokens one by one: each is in the mask before it is consumed, EOS is in the
+    mask exactly when the output is final, and it is final only at the end."""
+    guide = compiler.compile(**constraint).guide()
+    row = allocate_bitmask(1, MODEL_VOCAB)[0]
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    for token in ids:
+        guide.fill_mask(row)
+        allowed = allowed_ids(row)
+        assert token in allowed
+        assert (compiler.eos_token_id in allowed) == guide.is_final()
+        guide.advance(token)
+    assert guide.is_final() and guide.allowed_prefix([compiler.eos_token_id]) == 1
+    guide.advance(compiler.eos_token_id)
+    assert guide.allowed_only_eos()
+
+
+def random_walks(compiler, tokenizer, seeds: int, max_steps: int = 60, **constraint) -> list[str]:
+    """Sample among the masked-in tokens (EOS, when allowed, half of the time; else half of the
+    time a token not starting with a letter or digit, so walks reach their closing brackets);
+    the texts of the walks that ended within `max_steps`. Every sampled token must advance."""
+    grammar = compiler.compile(**constraint)
+    pieces = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+    structural = {i for i, piece in enumerate(pieces) if not piece[:1].isalnum()}
+    row = allocate_bitmask(1, MODEL_VOCAB)[0]
+    texts = []
+    for seed in range(seeds):
+        rng, guide, ids = random.Random(seed), grammar.guide(), []
+        for _ in range(max_steps):
+            guide.fill_mask(row)
+            allowed = allowed_ids(row)
+            assert allowed and all(t < len(tokenizer) for t in allowed)
+            if compiler.eos_token_id in allowed and (len(allowed) == 1 or rng.random() < 0.5):
+                texts.append(tokenizer.decode(ids))
+                break
+            allowed.discard(compiler.eos_token_id)
+            marks = sorted(allowed & structural)
+            token = rng.choice(marks if marks and rng.random() < 0.5 else sorted(allowed))
+            guide.advance(token)
+            ids.append(token)
+    return texts
+
+
+def test_gbnf_arithmetic_mask_walk(compiler, tokenizer):
+    for text in ("12+3", "(1+2)*34-5", "((7))/0"):
+        walk_text(compiler, tokenizer, text, ebnf=ARITHMETIC_GBNF)
+    guide = compiler.compile(ebnf=ARITHMETIC_GBNF).guide()
+    row = allocate_bitmask(1, MODEL_VOCAB)[0]
+    guide.fill_mask(row)
+    for bad in ("+", ")", "a", " "):
+        assert tokenizer.encode(bad, add_special_tokens=False)[0] not in allowed_ids(row)
+    with pytest.raises(ValueError):
+        guide.advance(tokenizer.encode("+", add_special_tokens=False)[0])
+    texts = random_walks(compiler, tokenizer, 12, ebnf=ARITHMETIC_GBNF)
+    assert texts
+    for text in texts:  # an arithmetic expression is a Python one, once leading zeros go
+        ast.parse(re.sub(r"\b0+(\d)", r"\1", text), mode="eval")
+
+
+def test_lark_mask_walk(compiler, tokenizer):
+    walk_text(compiler, tokenizer, "{a=1,bc=23}", lark=PAIRS_LARK)
+    texts = random_walks(compiler, tokenizer, 12, lark=PAIRS_LARK)
+    assert texts and all(PAIRS.fullmatch(t) for t in texts)
+
+
+def test_bad_grammars_fail_by_name(compiler):
+    for constraint in (
+        {"ebnf": "root ::= ("},
+        {"ebnf": "root ::= undefined"},
+        {"lark": "start: foo bar ::="},
+        {"lark": 42},
+    ):
+        with pytest.raises(ConstraintError):
+            compiler.compile(**constraint)
+    with pytest.raises(ConstraintError, match="exactly one"):
+        compiler.compile(ebnf=ARITHMETIC_GBNF, lark=PAIRS_LARK)
+
+
+def test_json_object_at_any_depth(compiler, tokenizer):
+    """`response_format: json_object`'s grammar compiles with llguidance whatever the backend."""
+    assert compiler.backend == "outlines"
+    assert compiler.compile(lark=JSON_OBJECT_LARK).backend == "llguidance"
+    deep = {"a": [{"b": {"c": {"d": [1.5, {"e": None, "f": "x"}]}}}], "g": True}
+    walk_text(compiler, tokenizer, json.dumps(deep, separators=(",", ":")), lark=JSON_OBJECT_LARK)
+    texts = random_walks(compiler, tokenizer, 8, max_steps=80, lark=JSON_OBJECT_LARK)
+    assert all(isinstance(json.loads(t), dict) for t in texts)
+    guide = compiler.compile(lark=JSON_OBJECT_LARK).guide()
+    assert guide.allowed_prefix(tokenizer.encode("[1]", add_special_tokens=False)) == 0
+
+
+def test_llguidance_backend_json_and_jump_forward(tokenizer):
+    compiler = ConstraintCompiler(tokenizer, MODEL_VOCAB, backend="llguidance")
+    try:
+        schema = {
+            "type": "object",
+            "properties": {"name": {"type": "string"}, "age": {"type": "integer", "minimum": 0}},
+            "required": ["name", "age"],
+        }
+        grammar = compiler.compile(json_schema=schema)
+        assert grammar.backend == "llguidance" and compiler.compile(json_schema=schema) is grammar
+        walk_text(compiler, tokenizer, '{"name":"Bob","age":7}', json_schema=schema)
+        brace = tokenizer.encode("{", add_special_tokens=False)[0]
+        jumped = grammar.guide(jump_forward=True).jump_forward(brace)
+        assert tokenizer.decode(jumped).startswith('{"name')
+        assert grammar.guide().jump_forward(brace) == [brace]
+        draft = tokenizer.encode('{"name":"Al"x', add_special_tokens=False)
+        assert grammar.guide().allowed_prefix(draft) == len(draft) - 1
+        walk_text(compiler, tokenizer, "2024-01-31", regex=r"[0-9]{4}-[0-9]{2}-[0-9]{2}")
+        walk_text(compiler, tokenizer, "no", choices=["yes", "no"])
+    finally:
+        compiler.close()
+
+
+def test_ebnf_output_parses_in_process(tiny_model_dir):
+    scheduler = make_scheduler(tiny_model_dir)
+    try:
+        outs = run_in_process(
+            scheduler,
+            [[[1, 2, 3, 4], [5, 6, 7]]],
+            {"ebnf": ARITHMETIC_GBNF, "max_new_tokens": 48, "temperature": 0.0},
+        )
+        eos = scheduler.tokenizer.eos_token_id
+        for ids in outs:
+            text = scheduler.tokenizer.decode([t for t in ids if t != eos])
+            if ids[-1] == eos:  # finished: a whole expression
+                ast.parse(re.sub(r"\b0+(\d)", r"\1", text), mode="eval")
+            else:  # cut at max_new_tokens: a prefix of one
+                assert re.fullmatch(r"[0-9+\-*/()]+", text), text
+        bad = scheduler.make_request(
+            "bad", [1, 2], SamplingParams.from_dict({"ebnf": "root ::= ("})
+        )
+        scheduler.add_request(bad)
+        drain(scheduler)
+        assert bad.finish_reason is not None
+        assert bad.finish_reason.error is ErrorCode.INVALID_CONSTRAINT
+    finally:
+        scheduler.close()

@@ -110,6 +110,18 @@ def drain(scheduler, after_step=None, max_steps: int = DRAIN_STEPS) -> list:
     return reported
 
 
+# The default model's vocabulary padded past its tokenizer, as some models' embeddings are: masks
+# must cover the padding (and never allow it).
+PADDED_VOCAB = TINY["vocab_size"] + 64
+
+
+def allowed_ids(row: torch.Tensor) -> list[int]:
+    """The token ids a packed bitmask row (int32 words, bit i of word w = token 32w + i) allows,
+    in order."""
+    bits = (row.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1
+    return bits.view(-1).nonzero().view(-1).tolist()
+
+
 def make_scheduler(model_dir, **overrides):
     """An in-process Scheduler on `model_dir` with the torch attention backend and a small pool
     (512 tokens) unless `overrides` (any `ServerArgs` field) say otherwise: tests that observe

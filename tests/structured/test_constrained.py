@@ -10,31 +10,14 @@ import time
 import numpy as np
 import pytest
 import torch
-from transformers import AutoTokenizer
 
 from radixrt.structured.bitmask import allocate_bitmask, apply_bitmask
 from radixrt.structured.compiler import ConstraintCompiler
 from radixrt.structured.vocabulary import build_vocabulary, token_bytes
 
+from helpers import PADDED_VOCAB, allowed_ids
+
 VOCAB = 49152
-MODEL_VOCAB = VOCAB + 64  # a model whose embedding is padded past the tokenizer
-
-
-@pytest.fixture(scope="module")
-def tokenizer(default_model_dir):
-    return AutoTokenizer.from_pretrained(default_model_dir)
-
-
-@pytest.fixture(scope="module")
-def compiler(tokenizer):
-    compiler = ConstraintCompiler(tokenizer, MODEL_VOCAB)
-    yield compiler
-    compiler.close()
-
-
-def allowed_ids(row: torch.Tensor) -> list[int]:
-    bits = (row.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1
-    return bits.view(-1).nonzero().view(-1).tolist()
 
 
 def random_walk(
@@ -51,7 +34,7 @@ def random_walk(
     grammar = compiler.compile(**constraint)
     index, guide = grammar.index, grammar.guide(jump_forward=jump)
     rng = random.Random(seed)
-    row = allocate_bitmask(1, MODEL_VOCAB)[0]
+    row = allocate_bitmask(1, PADDED_VOCAB)[0]
     ids: list[int] = []
     for _ in range(max_steps):
         guide.fill_mask(row)
@@ -334,7 +317,7 @@ def test_exploding_schema_rejected_up_front(compiler, schema):
 def test_compile_budget(tokenizer):
     # A top-level bounded JSON string: its automaton grows exponentially with maxLength
     # (about 3 s for 15 on a slow core); its worker process is killed at the budget.
-    compiler = ConstraintCompiler(tokenizer, MODEL_VOCAB, compile_timeout_s=0.3)
+    compiler = ConstraintCompiler(tokenizer, PADDED_VOCAB, compile_timeout_s=0.3)
     schema = {"type": "string", "maxLength": 15}
     try:
         for _ in range(2):  # the second time the cached verdict answers at once
@@ -357,17 +340,17 @@ def unpack_reference(bitmask: torch.Tensor, width: int) -> np.ndarray:
 
 def test_apply_bitmask(compiler):
     torch.manual_seed(0)
-    bitmask = allocate_bitmask(4, MODEL_VOCAB)
-    assert bitmask.shape == (4, (MODEL_VOCAB + 31) // 32) and bitmask.dtype == torch.int32
+    bitmask = allocate_bitmask(4, PADDED_VOCAB)
+    assert bitmask.shape == (4, (PADDED_VOCAB + 31) // 32) and bitmask.dtype == torch.int32
     compiler.compile(regex=r"[0-9]{4}-[0-9]{2}-[0-9]{2}").guide().fill_mask(bitmask[0])
     bitmask[1] = torch.randint(-(2**31), 2**31 - 1, (bitmask.shape[1],), dtype=torch.int32)
     compiler.compile(choices=["yes", "no"]).guide().fill_mask(bitmask[2])
     bitmask[3] = -1
-    logits = torch.randn(4, MODEL_VOCAB)
+    logits = torch.randn(4, PADDED_VOCAB)
     original = logits.clone()
     apply_bitmask(logits, bitmask, rows=[0, 1, 2])
 
-    allowed = unpack_reference(bitmask, MODEL_VOCAB)
+    allowed = unpack_reference(bitmask, PADDED_VOCAB)
     allowed[3] = True  # row 3 was not selected
     assert torch.equal(torch.isinf(logits), torch.from_numpy(~allowed))
     assert torch.equal(logits[torch.from_numpy(allowed)], original[torch.from_numpy(allowed)])

@@ -9,8 +9,6 @@ import random
 import re
 
 import pytest
-import torch
-from transformers import AutoTokenizer
 
 from radixrt.protocol import ErrorCode
 from radixrt.sampling_params import SamplingParams
@@ -18,9 +16,8 @@ from radixrt.structured.bitmask import allocate_bitmask
 from radixrt.structured.compiler import ConstraintCompiler, ConstraintError
 from radixrt.structured.regexes import JSON_OBJECT_LARK
 
-from helpers import drain, make_scheduler, run_in_process
+from helpers import PADDED_VOCAB, allowed_ids, drain, make_scheduler, run_in_process
 
-MODEL_VOCAB = 49152 + 64  # a model whose embedding is padded past the tokenizer
 ARITHMETIC_GBNF = r"""
 root   ::= expr
 expr   ::= term (("+" | "-") term)*
@@ -36,28 +33,11 @@ VALUE: /[0-9]+/
 PAIRS = re.compile(r"\{[a-z]+=[0-9]+(,[a-z]+=[0-9]+)*\}")
 
 
-@pytest.fixture(scope="module")
-def tokenizer(default_model_dir):
-    return AutoTokenizer.from_pretrained(default_model_dir)
-
-
-@pytest.fixture(scope="module")
-def compiler(tokenizer):
-    compiler = ConstraintCompiler(tokenizer, MODEL_VOCAB)
-    yield compiler
-    compiler.close()
-
-
-def allowed_ids(row: torch.Tensor) -> set[int]:
-    bits = (row.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1
-    return set(bits.view(-1).nonzero().view(-1).tolist())
-
-
 def walk_text(compiler, tokenizer, text: str, **constraint) -> None:
     """Feed `text`'s tokens one by one: each is in the mask before it is consumed, EOS is in the
     mask exactly when the output is final, and it is final only at the end."""
     guide = compiler.compile(**constraint).guide()
-    row = allocate_bitmask(1, MODEL_VOCAB)[0]
+    row = allocate_bitmask(1, PADDED_VOCAB)[0]
     ids = tokenizer.encode(text, add_special_tokens=False)
     for token in ids:
         guide.fill_mask(row)
@@ -77,13 +57,13 @@ def random_walks(compiler, tokenizer, seeds: int, max_steps: int = 60, **constra
     grammar = compiler.compile(**constraint)
     pieces = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
     structural = {i for i, piece in enumerate(pieces) if not piece[:1].isalnum()}
-    row = allocate_bitmask(1, MODEL_VOCAB)[0]
+    row = allocate_bitmask(1, PADDED_VOCAB)[0]
     texts = []
     for seed in range(seeds):
         rng, guide, ids = random.Random(seed), grammar.guide(), []
         for _ in range(max_steps):
             guide.fill_mask(row)
-            allowed = allowed_ids(row)
+            allowed = set(allowed_ids(row))
             assert allowed and all(t < len(tokenizer) for t in allowed)
             if compiler.eos_token_id in allowed and (len(allowed) == 1 or rng.random() < 0.5):
                 texts.append(tokenizer.decode(ids))
@@ -100,7 +80,7 @@ def test_gbnf_arithmetic_mask_walk(compiler, tokenizer):
     for text in ("12+3", "(1+2)*34-5", "((7))/0"):
         walk_text(compiler, tokenizer, text, ebnf=ARITHMETIC_GBNF)
     guide = compiler.compile(ebnf=ARITHMETIC_GBNF).guide()
-    row = allocate_bitmask(1, MODEL_VOCAB)[0]
+    row = allocate_bitmask(1, PADDED_VOCAB)[0]
     guide.fill_mask(row)
     for bad in ("+", ")", "a", " "):
         assert tokenizer.encode(bad, add_special_tokens=False)[0] not in allowed_ids(row)
@@ -144,7 +124,7 @@ def test_json_object_at_any_depth(compiler, tokenizer):
 
 
 def test_llguidance_backend_json_and_jump_forward(tokenizer):
-    compiler = ConstraintCompiler(tokenizer, MODEL_VOCAB, backend="llguidance")
+    compiler = ConstraintCompiler(tokenizer, PADDED_VOCAB, backend="llguidance")
     try:
         schema = {
             "type": "object",

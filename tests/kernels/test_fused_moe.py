@@ -42,6 +42,19 @@ def test_fused_moe_equals_grouped_experts(tokens, num_experts, top_k):
     torch.testing.assert_close(again, want, atol=0, rtol=0)
 
 
+def test_fused_moe_in_half_precision():
+    """The GPU's dtypes: fp16 in, fp32 accumulation, fp16 out (fp16 stands in for bf16: the
+    interpreter's tl.dot multiplies bf16 tensors as their raw uint16 bits)."""
+    moe = _moe(8, 2).half().float()  # weights and input that fp16 holds exactly
+    x = torch.randn(5, HIDDEN).half().float()
+    routing = route(moe.gate(x), 2, renormalize=True)
+    with torch.no_grad():
+        want = grouped_experts(x, routing, moe.experts)
+        got = moe.half().fused(x.half(), routing)
+    assert got.dtype == torch.float16
+    torch.testing.assert_close(got.float(), want, atol=5e-3, rtol=5e-3)
+
+
 def test_alignment_pads_each_expert_to_whole_blocks():
     """Pairs sorted by expert, each expert's run padded to a block with the sentinel (T * k),
     blocks past the last expert's marked -1; an expert with no pair has no block."""

@@ -6,11 +6,13 @@ Routing is transformers' arithmetic: softmax of the router logits in float32, th
 per token: the (token, expert) pairs are sorted by expert, so each expert is two matmuls over
 its own rows, and each token's outputs are summed in expert order, as transformers sums them.
 Experts are `GatedMLP`s, as the dense MLP, so the CPU's oneDNN prepacking and
-`--quantization int8` replace their linears too. Under `--tp-size N` every rank holds every
-expert's slice of the intermediate dimension (as the
-dense MLP), so one all-reduce sums the ranks' parts. Expert parallelism (`--ep-size`) is not
-built. The grouping reads the per-expert counts on the host, so a decode step is not captured
-as a CUDA graph (the model says so with `graph_safe`).
+`--quantization int8` replace their linears too. On the GPU the experts run as two fused Triton
+launches instead (`kernels/fused_moe.py`), over their weights stacked once by expert. Under
+`--tp-size N` every rank holds every expert's slice of the intermediate dimension (as the dense
+MLP), so one all-reduce sums the ranks' parts. Expert parallelism (`--ep-size`) is not built.
+The CPU's grouping reads the per-expert counts on the host; the fused path reads nothing back
+but has not yet run under CUDA-graph capture, so a decode step of an MoE model is not captured
+(the model says so with `graph_safe`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import radixrt.kernels as kernels
 from radixrt.distributed.group import TPGroup
 from radixrt.kernels import cpu_fused
 from radixrt.models.family import MoeSpec
@@ -99,11 +102,44 @@ class SparseMoE(nn.Module):
         super().__init__()
         self.tp = tp
         self.spec = spec
+        self.activation = activation
         self.gate = nn.Linear(hidden, spec.num_experts, bias=False)
         self.experts = nn.ModuleList(
             GatedMLP(hidden, intermediate, activation) for _ in range(spec.num_experts)
         )
+        self._stacked: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         routing = route(self.gate(x), self.spec.top_k, self.spec.renormalize)
+        if x.is_cuda:
+            return self.tp.all_reduce(self.fused(x, routing))
         return self.tp.all_reduce(grouped_experts(x, routing, self.experts))
+
+    def fused(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """`grouped_experts` as the fused Triton kernel computes it (the GPU's path; the tests
+        run it under Triton's interpreter)."""
+        gate_up, down = self.stacked_weights()
+        return kernels.fused_moe_fwd(
+            x,
+            routing.experts,
+            routing.weights,
+            gate_up,
+            down,
+            lambda h: gated(h, self.activation),
+        )
+
+    def stacked_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every expert's gate_up and down weights, [E, 2I, H] and [E, H, I]: stacked on the first
+        call (after loading), each expert's linear then re-pointed to its slice so the weights
+        are held once. Only plain `nn.Linear` experts stack (the GPU has no prepacked or int8
+        ones)."""
+        if self._stacked is None:
+            stacks = []
+            for proj in ("gate_up_proj", "down_proj"):
+                linears = [getattr(expert, proj) for expert in self.experts]
+                stacked = torch.stack([linear.weight.detach() for linear in linears])
+                for linear, weight in zip(linears, stacked):
+                    linear.weight.data = weight
+                stacks.append(stacked)
+            self._stacked = (stacks[0], stacks[1])
+        return self._stacked

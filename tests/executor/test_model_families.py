@@ -10,12 +10,16 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import radixrt as rt
 from radixrt.config import ServerArgs
 from radixrt.engine.scheduler import Scheduler
-from radixrt.models.moe import GatedMLP, Routing, grouped_experts, route
+from radixrt.executor.model_runner import ModelRunner
+from radixrt.kernels import int8_gemm
+from radixrt.models.linear import Int8Linear
+from radixrt.models.moe import GatedMLP, Routing, SparseMoE, grouped_experts, route
 from radixrt.sampling_params import SamplingParams
 
 from helpers import TINY, _hf_model, hf_greedy, run_in_process
@@ -199,6 +203,38 @@ def test_family_under_tensor_parallel_on_gloo(name, tmp_path, tiny_model_dir):
                 o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=GREEDY)
             ]
             assert got == expected, attempt
+
+
+@pytest.mark.skipif(not int8_gemm.available(), reason="int8 needs AVX2 and a compiler")
+def test_moe_int8_replaces_every_experts_linears(tmp_path, tiny_model_dir):
+    """`--quantization int8` reaches the experts (and the router), not only attention and the
+    head: no float `nn.Linear` is left, the experts' weights count as int8, and each int8 expert
+    computes its float32 twin's output within 2% (the whole model's logits are not compared: an
+    int8 router may pick other experts for a near tie; int8's quality gates are
+    test_quantization.py's)."""
+    folder = _checkpoint(tmp_path, tiny_model_dir, "mixtral")
+    runners = {
+        q: ModelRunner(ServerArgs(model=str(folder), max_total_tokens=512, quantization=q).executor)
+        for q in (None, "int8")
+    }
+    model = runners["int8"].model
+    assert not any(isinstance(m, nn.Linear) for m in model.modules())
+    experts = [e for m in model.modules() if isinstance(m, SparseMoE) for e in m.experts]
+    assert len(experts) == TINY["num_hidden_layers"] * 8
+    assert all(
+        isinstance(e.gate_up_proj, Int8Linear) and isinstance(e.down_proj, Int8Linear)
+        for e in experts
+    )
+    assert runners["int8"].weights.weight_bytes * 4 == runners[None].weights.weight_bytes
+    floats = [
+        e for m in runners[None].model.modules() if isinstance(m, SparseMoE) for e in m.experts
+    ]
+    x = torch.randn(5, TINY["hidden_size"])
+    with torch.no_grad():
+        for ours, theirs in zip(experts, floats):
+            want = theirs(x)
+            error = float((ours(x) - want).norm() / want.norm())
+            assert error < 0.02, f"an int8 expert {error:.4f} off its float32 output (relative)"
 
 
 # ---- the routing math and the grouped experts, against transformers' own modules -----------

@@ -68,12 +68,7 @@ class Scheduler:
         self.driver = driver
         self.runner = runner = driver.runner
         self.tokenizer = runner.tokenizer
-        # what a request's unset sampling parameters take (docs/protocol.md)
-        self.sampling_defaults = (
-            generation_defaults(runner.generation_config)
-            if args.generation_config == "auto"
-            else {}
-        )
+        self.sampling_defaults = _sampling_defaults(args, runner.generation_config)
         self.kv = build_slot_manager(
             DevicePool(runner.allocator, runner.req_to_token_pool, runner.kv_pool),
             _tiers(args),
@@ -166,7 +161,8 @@ class Scheduler:
     ) -> Req:
         """A request for `input_ids`, checked against the vocabulary, the context and the pool
         (ValueError, `context_length_exceeded`); its constraint starts compiling."""
-        self._check_prompt(input_ids, params)
+        r = self.runner
+        check_prompt(input_ids, params, r.vocab_size, r.context_length, self.kv.total_tokens)
         seed = (
             params.seed + sample_index
             if params.seed is not None
@@ -184,24 +180,6 @@ class Scheduler:
             self.spec.start(req)
         self.constraints.start(req, params)
         return req
-
-    def _check_prompt(self, input_ids: list[int], params: SamplingParams) -> None:
-        vocab, context = self.runner.vocab_size, self.runner.context_length
-        if not input_ids:
-            raise ValueError("the prompt is empty")
-        if any(
-            not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in input_ids
-        ):
-            raise ValueError(f"token ids must be ints in [0, {vocab})")
-        params.check_vocabulary(vocab)
-        total = self.kv.total_tokens
-        limit = min(context, total)
-        if len(input_ids) >= limit:
-            raise RequestError(
-                ErrorCode.CONTEXT_LENGTH_EXCEEDED,
-                f"the prompt has {len(input_ids)} tokens; this server takes at most {limit - 1} "
-                f"(context length {context}, pool {total})",
-            )
 
     def add_request(self, req: Req) -> None:
         self.waiting.append(req)
@@ -406,3 +384,29 @@ def build_batch(plan: list[Scheduled], kv: KVSlotManager, device: torch.device) 
         prefix_lens=[s.req.kv_len for s in plan],
         extend_lens=[s.n for s in plan],
     )
+
+
+def _sampling_defaults(args: SchedulerArgs, generation_config: dict[str, Any]) -> dict[str, Any]:
+    """What a request's unset sampling parameters take (docs/protocol.md): generation_config.json's
+    under `--generation-config auto`, none under `ignore`."""
+    return generation_defaults(generation_config) if args.generation_config == "auto" else {}
+
+
+def check_prompt(
+    input_ids: list[int], params: SamplingParams, vocab: int, context: int, pool: int
+) -> None:
+    """ValueError for an empty prompt or a token id outside [0, `vocab`) (in the prompt or the
+    sampling parameters); `context_length_exceeded` unless the prompt leaves room for one token
+    in the context and in the pool."""
+    if not input_ids:
+        raise ValueError("the prompt is empty")
+    if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in input_ids):
+        raise ValueError(f"token ids must be ints in [0, {vocab})")
+    params.check_vocabulary(vocab)
+    limit = min(context, pool)
+    if len(input_ids) >= limit:
+        raise RequestError(
+            ErrorCode.CONTEXT_LENGTH_EXCEEDED,
+            f"the prompt has {len(input_ids)} tokens; this server takes at most {limit - 1} "
+            f"(context length {context}, pool {pool})",
+        )

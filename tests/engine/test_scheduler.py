@@ -242,3 +242,18 @@ def test_forward_counters_count_what_the_forwards_computed(tiny_model_dir):
     assert stats["forward_steps"] == n and stats["logit_rows"] == n
     assert stats["forward_tokens"] == p + n - 1
     assert stats["attention_pairs"] == p * (p + 1) // 2 + sum(p + i for i in range(1, n))
+
+
+def test_check_prompt_refuses_what_the_model_or_pool_cannot_take():
+    """Model-free: the admission checks of a prompt, each with its own error."""
+    from radixrt.engine.scheduler import check_prompt
+    from radixrt.protocol import RequestError
+
+    ok = _params(4)
+    check_prompt([1, 2, 3], ok, vocab=10, context=8, pool=16)
+    for ids, words in (([], "empty"), ([1, 10], r"\[0, 10\)"), ([1, True], "ints")):
+        with pytest.raises(ValueError, match=words):
+            check_prompt(ids, ok, vocab=10, context=8, pool=16)
+    for context, pool in ((4, 16), (16, 4)):
+        with pytest.raises(RequestError, match="at most 3"):
+            check_prompt([1, 2, 3, 4], ok, vocab=10, context=context, pool=pool)

@@ -148,7 +148,6 @@ class OutputProcessor:
                 (lambda masked: self._apply_constraints(masked, [req], [0]))
                 if req.guide is not None
                 else None,
-                [proposed],
             )
             failure = out.failures[0]
             if failure is not None:

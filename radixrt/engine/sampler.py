@@ -39,17 +39,17 @@ def sample(
     reqs: list[Req],
     banned: list[list[int]],
     constrain: Callable[[torch.Tensor], None] | None = None,
-    drafts: list[int | None] | None = None,
 ) -> SampleOutput:
     """Pick one token per row of `logits` [B, V] for `reqs`; `banned` ids get -inf (min_new_tokens);
     `constrain` masks a copy of the logits in place (constraints); a request's `logit_bias` is
     added to its row (only rows that have one pay for it). Logprobs use the raw logits.
 
-    `drafts`: a proposed token per row (or None), speculative decoding's. A greedy row ignores it
-    (the caller accepts the draft when the argmax equals it). A sampled row accepts it with its
-    probability p(draft) and otherwise samples from p without the draft, renormalized: the
-    rejection rule for a proposal that is certain of its token, so each output token still
-    follows p exactly. Either way the returned token equals the draft exactly when accepted."""
+    Speculative decoding accepts a draft exactly when the token picked here equals it. For a
+    sampled row that is the rejection rule for a proposal certain of its token: the draft is
+    taken with probability p(draft), and otherwise the token follows p without the draft,
+    renormalized. Drawing the token as usual and comparing needs one draw per token, drafted or
+    not, so a seeded request's tokens do not depend on what was drafted (a separate acceptance
+    draw would shift its generator whenever the timing-priced drafter proposed something)."""
     raw = logits
     logits = logits.clone()
     if constrain is not None:
@@ -72,8 +72,7 @@ def sample(
     if sampled_rows:
         probs = _filtered_probs(logits[sampled_rows], [reqs[i] for i in sampled_rows])
         for j, i in enumerate(sampled_rows):
-            draft = drafts[i] if drafts is not None else None
-            tokens[i] = _draw(probs[j], draft, reqs[i].generator)
+            tokens[i] = int(torch.multinomial(probs[j], 1, generator=reqs[i].generator)[0])
 
     token_ids = tokens.tolist()
     want_logprobs = [r.params.return_logprob for r in reqs]
@@ -95,19 +94,6 @@ def sample(
             for i, r in enumerate(reqs)
         ]
     return SampleOutput(token_ids, chosen, top, failures)
-
-
-def _draw(probs: torch.Tensor, draft: int | None, generator: torch.Generator) -> int:
-    """A token from `probs`; with a draft, the draft with probability probs[draft], else a token
-    from the rest of `probs`. `probs` may be unnormalized (top-k/p zero entries without
-    rescaling); multinomial normalizes, the acceptance test divides by the sum."""
-    if draft is not None:
-        accept = float(probs[draft]) / float(probs.sum())
-        if float(torch.rand(1, generator=generator)) < accept:
-            return draft
-        probs = probs.clone()
-        probs[draft] = 0.0
-    return int(torch.multinomial(probs, 1, generator=generator)[0])
 
 
 def _apply_penalties(row: torch.Tensor, req: Req) -> None:

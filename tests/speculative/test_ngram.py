@@ -1,12 +1,10 @@
 """The drafting side of speculative decoding, without a model: n-gram lookups, the corpus's
-bound, the adaptive draft length, and the rejection rule that keeps sampling exact."""
+bound and the adaptive draft length."""
 
 from __future__ import annotations
 
 import pytest
-import torch
 
-from radixrt.engine.sampler import _draw
 from radixrt.speculative import DraftLength, NgramCorpus, NgramDrafter, NgramIndex, StepCost
 from radixrt.speculative.draft_length import PRIOR_ROW_SHARE, PRIOR_VERIFY_SHARE, PROBE_STEPS
 
@@ -97,18 +95,3 @@ def test_step_cost_prices_drafts_by_the_batch_they_join():
     assert (first, further) == pytest.approx((0.0065 / 0.0425, 0.0025 / 0.0425), rel=0.02)
     first, further = cost.prices(rows=8, tokens=8)  # batch 8: a third of a token a row
     assert (first, further) == pytest.approx((0.052 / 0.06, 0.02 / 0.06), rel=0.02)
-
-
-def test_rejection_rule_keeps_the_distribution():
-    """A proposal certain of its token, accepted with p(draft), else a draw from p without it:
-    the output frequencies follow p (unnormalized p, as top-k leaves it, too)."""
-    probs = torch.tensor([0.5, 0.3, 0.2, 0.0]) * 0.7
-    generator = torch.Generator().manual_seed(0)
-    for draft in (0, 2, 3):
-        counts = torch.zeros(4)
-        for _ in range(6000):
-            counts[_draw(probs, draft, generator)] += 1
-        assert torch.allclose(counts / counts.sum(), probs / probs.sum(), atol=0.025), (
-            draft,
-            counts,
-        )

@@ -10,6 +10,7 @@ bounded: llguidance's `LLParserLimits` cap the lexer's fuel and states and the g
 
 from __future__ import annotations
 
+import copy
 from typing import TYPE_CHECKING, Any
 
 import llguidance
@@ -19,7 +20,7 @@ from llguidance import LLMatcher, LLParserLimits, LLTokenizer
 from llguidance.gbnf_to_lark import gbnf_to_lark
 
 from radixrt.structured.grammar import ConstraintError
-from radixrt.structured.regexes import MAX_REGEX_CHARS, load_schema
+from radixrt.structured.regexes import MAX_REGEX_CHARS, load_schema, subschemas
 
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions
@@ -42,13 +43,31 @@ def tokenizer(hf_tokenizer: PreTrainedTokenizerBase, vocab_size: int) -> LLToken
     return llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size)
 
 
+def closed_objects(schema: dict[str, Any]) -> dict[str, Any]:
+    """A copy of `schema` in which an object schema that lists properties and says nothing of
+    `additionalProperties` says false: outlines-core reads schemas so (as xgrammar's strict
+    mode does), and a schema must mean the same under either backend, though JSON Schema itself
+    would allow other keys. Walked without recursion (`load_schema` bounded the depth)."""
+    root = copy.deepcopy(schema)
+    stack: list[Any] = [root]
+    while stack:
+        node = stack.pop()
+        if not isinstance(node, dict):
+            continue
+        if "properties" in node and "additionalProperties" not in node:
+            node["additionalProperties"] = False
+        stack.extend(sub for _, sub in subschemas(node))
+    return root
+
+
 def grammar_text(kind: str, value: Any) -> str:
     """The llguidance grammar of a constraint (`regex` stands for choices and dtypes too, as
     their regexes); ConstraintError for a value of the wrong type, too long, or (GBNF) one that
     does not convert. Grammar errors proper surface in `build`."""
     if kind == "json_schema":
         try:
-            return LLMatcher.grammar_from_json_schema(load_schema(value), defaults=JSON_OPTIONS)
+            schema = closed_objects(load_schema(value))
+            return LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
         except ValueError as e:
             raise ConstraintError(str(e)) from None
     if not isinstance(value, str):

@@ -132,16 +132,24 @@ def check_schema(node: Any, path: str = "$") -> None:
                 f"JSON schema at {path}: {bound}={node[bound]} is too large to constrain "
                 f"(at most {limit}); the automaton grows with it"
             )
+    for where, sub in subschemas(node):
+        check_schema(sub, f"{path}{where}")
+
+
+def subschemas(node: dict[str, Any]) -> Iterable[tuple[str, Any]]:
+    """Each schema directly inside schema `node`, with where it lies (".properties.name",
+    ".anyOf[0]", ...): the values of its maps of schemas, its lists of schemas and its single
+    subschemas (`items` either). A map of the wrong type has none (`check_schema` names it)."""
     for key in _SCHEMA_MAPS:
-        for name, sub in node.get(key, {}).items():
-            check_schema(sub, f"{path}.{key}.{name}")
+        subs = node.get(key)
+        if isinstance(subs, dict):
+            yield from ((f".{key}.{name}", sub) for name, sub in subs.items())
     for key in ("items", *_SCHEMA_LISTS, *_SCHEMA_SUBSCHEMAS):
         subs = node.get(key)
         if isinstance(subs, list):
-            for i, sub in enumerate(subs):
-                check_schema(sub, f"{path}.{key}[{i}]")
+            yield from ((f".{key}[{i}]", sub) for i, sub in enumerate(subs))
         elif subs is not None:
-            check_schema(subs, f"{path}.{key}")
+            yield f".{key}", subs
 
 
 def _check_keyword_types(node: dict[str, Any], path: str) -> None:

@@ -170,3 +170,25 @@ def test_ebnf_output_parses_in_process(tiny_model_dir):
         assert bad.finish_reason.error is ErrorCode.INVALID_CONSTRAINT
     finally:
         scheduler.close()
+
+
+def test_llguidance_reads_unlisted_properties_as_outlines_does():
+    """An object schema that does not mention additionalProperties gets false under llguidance
+    too (outlines-core's reading), at every depth, and one that does keeps its own."""
+    from radixrt.structured.llguidance_backend import closed_objects
+
+    schema = {
+        "type": "object",
+        "properties": {
+            "properties": {"type": "object", "properties": {"a": {"type": "integer"}}},
+            "open": {"type": "object", "properties": {}, "additionalProperties": True},
+        },
+        "$defs": {"x": {"anyOf": [{"type": "object", "properties": {"b": {"type": "string"}}}]}},
+    }
+    closed = closed_objects(schema)
+    assert closed["additionalProperties"] is False
+    assert closed["properties"]["properties"]["additionalProperties"] is False
+    assert set(closed["properties"]["properties"]["properties"]) == {"a"}  # a name, not a keyword
+    assert closed["properties"]["open"]["additionalProperties"] is True
+    assert closed["$defs"]["x"]["anyOf"][0]["additionalProperties"] is False
+    assert "additionalProperties" not in schema  # the caller's schema is left as it was

@@ -19,6 +19,7 @@ from radixrt.structured.regexes import JSON_OBJECT_LARK, closed_objects
 from radixrt.structured.tools import PARSERS, ToolCall, ToolChoice, parse_tools
 
 from helpers import PADDED_VOCAB, allowed_ids, drain, make_scheduler, run_in_process
+from ownership import assert_no_leak
 
 PAIRS_LARK = r"""
 start: "{" pair ("," pair)* "}"
@@ -254,3 +255,57 @@ def test_tools_with_bounds_decode_under_a_grammar(compiler, tokenizer, parser):
     assert accepted(compiler, tokenizer, "Let me see. " + good, **auto.params())
     assert accepted(compiler, tokenizer, "No call needed.", **auto.params())
     assert not accepted(compiler, tokenizer, "Let me see. " + bad, **auto.params())
+
+
+RECORD = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "maxDigits": 3},
+        "city": {"type": "string", "maxLength": 12},
+    },
+    "required": ["name", "age", "city"],
+}
+BOUNDED_RECORD = {
+    **RECORD,
+    "properties": {
+        **RECORD["properties"],
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    },
+}
+
+
+def test_jump_forward_and_speculation_keep_the_greedy_text(default_model_dir):
+    """On the default model, greedy text under each backend (a plain schema: outlines-core; the
+    same with bounds, and GBNF: llguidance) is the same token by token, with jump-forward, and
+    with speculative decoding; the bounded age stays in range."""
+    constraints = (
+        {"json_schema": RECORD},
+        {"json_schema": BOUNDED_RECORD},
+        {"ebnf": ARITHMETIC_GBNF},
+    )
+    texts = {}
+    for name, settings in (
+        ("token by token", {"enable_jump_forward": False}),
+        ("jump-forward", {}),
+        ("speculative", {"speculative_algorithm": "ngram"}),
+    ):
+        scheduler = make_scheduler(default_model_dir, **settings)
+        tok = scheduler.tokenizer
+        prompt = tok.encode(
+            tok.apply_chat_template(
+                [{"role": "user", "content": "Describe Ada from Lisbon as JSON: name, age, city."}],
+                add_generation_prompt=True,
+                tokenize=False,
+            ),
+            add_special_tokens=False,
+        )
+        try:
+            greedy = {"max_new_tokens": 40, "temperature": 0}
+            outs = [run_in_process(scheduler, [[prompt]], {**greedy, **c})[0] for c in constraints]
+            texts[name] = [tok.decode(ids, skip_special_tokens=True) for ids in outs]
+            assert_no_leak(scheduler)
+        finally:
+            scheduler.close()
+    assert texts["token by token"] == texts["jump-forward"] == texts["speculative"], texts
+    assert 0 <= json.loads(texts["jump-forward"][1])["age"] <= 120

@@ -94,7 +94,7 @@ def test_the_dashboard_reads_only_exposed_series(tiny_runtime):
     """Each PromQL expression of deploy/grafana/radixrt.json names series that a runtime's
     /metrics (gateway included) or a router's (the same merged, plus its own) declares."""
     text = scrape(tiny_runtime)
-    router = merge_worker_metrics({0: text}, RouterCounts({"routed_by_cache_hit": 1}, 1, 1), OPEN)
+    router = merge_worker_metrics({0: text}, RouterCounts({"routed_by_match": 1}, 1, 1), OPEN)
     exposed = exposed_names(text) | exposed_names(router)
     exprs = dashboard_queries()
     assert exprs

@@ -88,14 +88,6 @@ def _wait_healthy(url: str, proc: subprocess.Popen) -> None:
 
 def test_the_wheel_installs_and_serves_the_default_model(tmp_path):
     venv = _venv_with_wheel(tmp_path)
-    python = venv / "bin" / "python"
-    check = (
-        f"import sys, {', '.join(CPU_MODULES)}; print(radixrt.__file__, 'triton' in sys.modules)"
-    )
-    where, triton = subprocess.run(
-        [python, "-c", check], capture_output=True, text=True, check=True, cwd=tmp_path
-    ).stdout.split()
-    assert where.startswith(str(venv)) and triton == "False", (where, triton)
     port = free_port()
     proc = subprocess.Popen(
         [venv / "bin" / "radixrt", "serve", "--model", "default", "--port", str(port),
@@ -104,6 +96,14 @@ def test_the_wheel_installs_and_serves_the_default_model(tmp_path):
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     try:
+        # while it loads: the wheel's radixrt is the one imported, and a CPU server's modules
+        # import without triton
+        check = f"import sys, {', '.join(CPU_MODULES)}; print(radixrt.__file__, 'triton' in sys.modules)"
+        where, triton = subprocess.run(
+            [venv / "bin" / "python", "-c", check],
+            capture_output=True, text=True, check=True, cwd=tmp_path,
+        ).stdout.split()  # fmt: skip
+        assert where.startswith(str(venv)) and triton == "False", (where, triton)
         _wait_healthy(url, proc)
         body = {"model": "default", "prompt": "The capital of France is", "max_tokens": 4}
         request = urllib.request.Request(

@@ -90,6 +90,17 @@ def test_zmq_traffic_reaches_metrics_and_itl_counts_each_gap(tiny_runtime):
             assert s.labels.get("model_name") == "tiny", s
 
 
+def test_both_endpoints_read_the_metrics(tiny_runtime):
+    """`metrics()` over ZeroMQ is the runtime's text; over HTTP, the gateway's counts come first."""
+    with rt.RuntimeEndpoint(tiny_runtime.url, timeout=REPLY_TIMEOUT_S) as zmq_client:
+        runtime_names = exposed_names(zmq_client.metrics())
+    with rt.RuntimeEndpoint(tiny_runtime.http_url, timeout=REPLY_TIMEOUT_S) as http_client:
+        http_names = exposed_names(http_client.metrics())
+    assert "radixrt_time_to_first_token_seconds_count" in runtime_names
+    assert "radixrt_http_requests_total" not in runtime_names
+    assert http_names == runtime_names | {"radixrt_http_requests_total"}
+
+
 def test_the_dashboard_reads_only_exposed_series(tiny_runtime):
     """Each PromQL expression of deploy/grafana/radixrt.json names series that a runtime's
     /metrics (gateway included) or a router's (the same merged, plus its own) declares."""

@@ -56,6 +56,7 @@ def _source_copy(dest: Path) -> Path:
 
 def _venv_with_wheel(tmp: Path) -> Path:
     """A fresh venv holding only the built wheel; this environment's packages after it."""
+    pytest.importorskip("setuptools", minversion="77", reason="builds without isolation (offline)")
     src = _source_copy(tmp / "src")
     pip = [sys.executable, "-m", "pip", "-q", "--disable-pip-version-check"]
     subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", tmp / "dist", src],

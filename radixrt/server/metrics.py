@@ -147,7 +147,7 @@ TENANT_STATS = {
 def kv_usage_ratio(stats: dict[str, Any]) -> float:
     """Slots neither free nor evictable over all slots (SGLang's `token_usage`, vLLM's
     `kv_cache_usage_perc`: both count a cached block nobody uses as free)."""
-    used = stats["total_tokens"] - stats["free_tokens"] - stats.get("evictable_tokens", 0)
+    used = stats["total_tokens"] - stats["free_tokens"] - stats["evictable_tokens"]
     return used / max(stats["total_tokens"], 1)
 
 

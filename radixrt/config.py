@@ -1005,6 +1005,13 @@ class RouterArgs(Settings):
     max_prompt_bytes: int = server_field("max_prompt_bytes")
     drain_timeout: float = server_field("drain_timeout")
     log_level: str = server_field("log_level")
+    metrics_port: int | None = field(
+        default=None,
+        metadata={
+            "group": "server",
+            "help": "serve GET /metrics (Prometheus text: the workers' series, each labelled worker=, and the router's own) over HTTP on --host at this port; with keys configured it needs the admin key as a Bearer token",
+        },
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -138,6 +138,10 @@ class RuntimeEndpoint:
     def stats(self) -> dict[str, Any]:
         return self.client.call("stats", self.timeout)
 
+    def metrics(self) -> str:
+        """The server's Prometheus text (`metrics` op): a runtime's, or a router's over its workers."""
+        return self.client.call("metrics", self.timeout)
+
     def flush_cache(self) -> bool:
         return self.client.call("flush_cache", self.timeout)
 

@@ -163,6 +163,11 @@ class HttpEndpoint(RuntimeEndpoint):
     def stats(self) -> dict[str, Any]:
         return self._get("/get_server_info", self.admin_api_key)["internal_states"][0]
 
+    def metrics(self) -> str:
+        """The server's Prometheus text (`GET /metrics`: the gateway's counts, then the runtime's)."""
+        with self._open("/metrics", None, self.admin_api_key) as reply:
+            return reply.read().decode()
+
     def flush_cache(self) -> bool:
         """True once flushed; False while requests run (the route's 400)."""
         try:

@@ -248,10 +248,10 @@ class StepPlanner:
         (all of them when they were loaded at all)."""
         c = self.counters
         from_storage = from_storage if loaded else 0
-        if req.admitted_once:
+        if req.admitted_at is not None:
             c.swapped_in_tokens += loaded
             return
-        req.admitted_once = True
+        req.admitted_at = time.monotonic()
         req.cached_tokens = min(cached, len(req.input_ids))
         self.tenants.of(req.scope.tenant).admitted(len(req.input_ids), req.cached_tokens)
         req.host_cached_tokens = loaded - from_storage

@@ -128,10 +128,10 @@ class Req:
     drafts: RequestDrafts | None = None
 
     # Accounting
-    admitted_once: bool = False
     cached_tokens: int = 0  # prompt tokens not recomputed at first admission
     host_cached_tokens: int = 0  # of which loaded back from the host tier
     storage_cached_tokens: int = 0  # of which read from the disk tier
+    admitted_at: float | None = None  # first admission to a batch: its queue time ends there
     first_token_time: float | None = None
     finish_time: float | None = None
     num_preemptions: int = 0

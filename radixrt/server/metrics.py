@@ -1,8 +1,22 @@
-"""Prometheus metrics of the HTTP gateway: its own request counters and latency histograms, plus
-the runtime's numbers (`stats` op) read at each scrape."""
+"""Prometheus metrics, every series labelled `model_name` (SGLang's and vLLM's dashboards group by it).
+
+- `RuntimeMetrics` lives in the runtime process: it observes every request whatever its transport
+  (HTTP through the gateway, ZeroMQ, the DSL), and renders its histograms together with the
+  scheduler's `stats` read at scrape time. The `metrics` op returns that text.
+- `GatewayMetrics` counts the HTTP gateway's own requests by route and status; the gateway's
+  `/metrics` is its text followed by the runtime's.
+- `merge_worker_metrics` is the router's `metrics` op: each worker's text with a `worker` label,
+  and the router's own counters.
+
+Names keep the `radixrt_` prefix and follow the semantics and units of SGLang's and vLLM's core set
+(docs/metrics.md maps each to its counterparts).
+"""
 
 from __future__ import annotations
 
+from collections import Counter as Tally
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import (
@@ -12,164 +26,302 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.parser import text_string_to_metric_families
 
-disable_created_metrics()  # no `*_created` series: the gateway process has no other metrics
+from radixrt.protocol import tenant_label
+from radixrt.server.tenants import Principal
 
-LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+disable_created_metrics()  # no `*_created` series: a scraper reads rates from the counters
 
-# stats key -> (metric name, help, kind)
+MODEL = "model_name"
+
+# seconds; the first buckets are fine enough for a CPU decode step of a small model
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0, 160.0)  # fmt: skip
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
+               0.75, 1.0, 2.5, 5.0, 10.0)  # fmt: skip
+REQUEST_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0,
+                   30.0, 60.0, 120.0, 240.0, 480.0, 960.0)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class StatMetric:
+    """One `stats` key as a metric: its name, help and kind (`gauge` or `counter`)."""
+
+    name: str
+    help: str
+    kind: str = "gauge"
+
+    def family(self, labels: list[str]) -> Metric:
+        kind = GaugeMetricFamily if self.kind == "gauge" else CounterMetricFamily
+        return kind(self.name, self.help, labels=labels)
+
+
+# stats key -> metric; counters get `_total` in the exposition
 RUNTIME_STATS = {
-    "running": ("radixrt_num_requests_running", "requests in the running batch", "gauge"),
-    "waiting": ("radixrt_num_requests_waiting", "requests in the waiting queue", "gauge"),
-    "cache_hit_rate": (
-        "radixrt_cache_hit_rate",
-        "cached prompt tokens / all prompt tokens since start",
-        "gauge",
+    "running": StatMetric("radixrt_num_requests_running", "requests in the running batch"),
+    "waiting": StatMetric("radixrt_num_requests_waiting", "requests in the waiting queue"),
+    "cache_hit_rate": StatMetric(
+        "radixrt_cache_hit_rate", "cached prompt tokens / all prompt tokens since start"
     ),
-    "total_tokens": ("radixrt_kv_tokens", "KV slots in the token pool", "gauge"),
-    "free_tokens": ("radixrt_kv_free_tokens", "free KV slots", "gauge"),
-    "cached_tokens": ("radixrt_kv_cached_tokens", "KV slots held by the radix tree", "gauge"),
-    "num_preemptions": ("radixrt_preemptions", "requests retracted to free memory", "counter"),
-    "evicted_tokens": ("radixrt_evicted_tokens", "tokens evicted from the radix tree", "counter"),
-    "host_total_tokens": ("radixrt_host_kv_tokens", "KV slots in the host tier", "gauge"),
-    "host_used_tokens": ("radixrt_host_kv_used_tokens", "host-tier KV slots in use", "gauge"),
-    "host_hit_tokens": (
+    "prompt_tokens_total": StatMetric(
+        "radixrt_prompt_tokens", "prompt tokens of admitted requests", "counter"
+    ),
+    "cached_prompt_tokens_total": StatMetric(
+        "radixrt_cached_prompt_tokens",
+        "prompt tokens not recomputed (radix cache, host or disk tier)",
+        "counter",
+    ),
+    "generated_tokens": StatMetric("radixrt_generation_tokens", "generated tokens", "counter"),
+    "total_tokens": StatMetric("radixrt_kv_tokens", "KV slots in the token pool"),
+    "free_tokens": StatMetric("radixrt_kv_free_tokens", "free KV slots"),
+    "cached_tokens": StatMetric("radixrt_kv_cached_tokens", "KV slots held by the radix tree"),
+    "num_preemptions": StatMetric(
+        "radixrt_preemptions", "requests retracted to free memory", "counter"
+    ),
+    "evicted_tokens": StatMetric(
+        "radixrt_evicted_tokens", "tokens evicted from the radix tree", "counter"
+    ),
+    "host_total_tokens": StatMetric("radixrt_host_kv_tokens", "KV slots in the host tier"),
+    "host_used_tokens": StatMetric("radixrt_host_kv_used_tokens", "host-tier KV slots in use"),
+    "host_hit_tokens": StatMetric(
         "radixrt_host_hit_tokens",
         "prompt tokens loaded back from the host tier instead of recomputed",
         "counter",
     ),
-    "storage_hit_tokens": (
+    "storage_hit_tokens": StatMetric(
         "radixrt_storage_hit_tokens",
         "prompt tokens read from the disk tier instead of recomputed",
         "counter",
     ),
-    "swapped_out_tokens": (
+    "swapped_out_tokens": StatMetric(
         "radixrt_swapped_out_tokens",
         "tokens of retracted requests kept on the host tier",
         "counter",
     ),
-    "swapped_in_tokens": (
+    "swapped_in_tokens": StatMetric(
         "radixrt_swapped_in_tokens",
         "tokens of retracted requests loaded back at readmission",
         "counter",
     ),
-    "spec_accepted_tokens": (
-        "radixrt_spec_accepted_tokens",
-        "speculative draft tokens the model agreed with",
-        "counter",
+    "spec_draft_tokens": StatMetric(
+        "radixrt_spec_draft_tokens", "speculative draft tokens proposed", "counter"
     ),
-    "spec_accept_length": (
+    "spec_accepted_tokens": StatMetric(
+        "radixrt_spec_accepted_tokens", "speculative draft tokens the model agreed with", "counter"
+    ),
+    "spec_accept_length": StatMetric(
         "radixrt_spec_accept_length",
-        "mean tokens a request got from one forward verifying its draft",
-        "gauge",
+        "mean tokens a request got from one forward verifying its draft (1 = no gain)",
     ),
 }
 
+KV_USAGE = StatMetric(
+    "radixrt_kv_usage_ratio",
+    "KV slots held by requests, 0 to 1 (slots only the radix tree holds can be evicted: not counted)",
+)
 
-# stats()["tenants"][name] key -> (metric name, help, kind), labelled by tenant
+# stats()["tenants"][name] key -> metric, labelled by tenant
 TENANT_STATS = {
-    "requests": ("radixrt_tenant_requests", "requests a tenant got queued", "counter"),
-    "prompt_tokens": (
-        "radixrt_tenant_prompt_tokens",
-        "a tenant's admitted prompt tokens",
-        "counter",
+    "requests": StatMetric("radixrt_tenant_requests", "requests a tenant got queued", "counter"),
+    "prompt_tokens": StatMetric(
+        "radixrt_tenant_prompt_tokens", "a tenant's admitted prompt tokens", "counter"
     ),
-    "cached_prompt_tokens": (
+    "cached_prompt_tokens": StatMetric(
         "radixrt_tenant_cached_prompt_tokens",
         "a tenant's prompt tokens served from its own cache",
         "counter",
     ),
-    "timeouts": (
-        "radixrt_tenant_timeouts",
-        "a tenant's requests ended by their timeout",
-        "counter",
+    "timeouts": StatMetric(
+        "radixrt_tenant_timeouts", "a tenant's requests ended by their timeout", "counter"
     ),
-    "rate_limited": ("radixrt_tenant_rate_limited", "a tenant's refused requests", "counter"),
-    "running": ("radixrt_tenant_requests_running", "a tenant's running requests", "gauge"),
-    "waiting": ("radixrt_tenant_requests_waiting", "a tenant's waiting requests", "gauge"),
+    "rate_limited": StatMetric(
+        "radixrt_tenant_rate_limited", "a tenant's refused requests", "counter"
+    ),
+    "running": StatMetric("radixrt_tenant_requests_running", "a tenant's running requests"),
+    "waiting": StatMetric("radixrt_tenant_requests_waiting", "a tenant's waiting requests"),
 }
 
 
-class _RuntimeStats:
-    """Collector over the last `stats` reply (refreshed by the /metrics handler before rendering)."""
+def kv_usage_ratio(stats: dict[str, Any]) -> float:
+    """Slots neither free nor evictable over all slots (SGLang's `token_usage`, vLLM's
+    `kv_cache_usage_perc`: both count a cached block nobody uses as free)."""
+    used = stats["total_tokens"] - stats["free_tokens"] - stats["evictable_tokens"]
+    return used / max(stats["total_tokens"], 1)
 
-    def __init__(self) -> None:
+
+class _StatsCollector:
+    """The scheduler's `stats` as metrics; `stats` is set just before each render."""
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
         self.stats: dict[str, Any] = {}
 
-    def collect(self):
-        for key, (name, helptext, kind) in RUNTIME_STATS.items():
+    def collect(self) -> Iterator[Metric]:
+        for key, metric in RUNTIME_STATS.items():
             if key in self.stats:
-                family = (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(
-                    name, helptext
-                )
-                family.add_metric([], float(self.stats[key]))
+                family = metric.family([MODEL])
+                family.add_metric([self.model_name], float(self.stats[key]))
                 yield family
+        if "total_tokens" in self.stats:
+            family = KV_USAGE.family([MODEL])
+            family.add_metric([self.model_name], kv_usage_ratio(self.stats))
+            yield family
         tenants = self.stats.get("tenants", {})
-        for key, (name, helptext, kind) in TENANT_STATS.items():
-            family = (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(
-                name, helptext, labels=["tenant"]
-            )
+        for key, metric in TENANT_STATS.items():
+            family = metric.family([MODEL, "tenant"])
             for tenant, counters in tenants.items():
-                family.add_metric([tenant], float(counters[key]))
+                family.add_metric([self.model_name, tenant], float(counters[key]))
             yield family
 
 
+class RuntimeMetrics:
+    """The runtime's request metrics, observed by the server loop (see zmq_server.Server):
+    per request its TTFT, queue time, end-to-end latency and finish reason or error code, and each
+    gap between two steps that gave it tokens (one ITL sample per gap, not a mean per request)."""
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        self.model_name = model_name
+
+        def histogram(name: str, helptext: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, helptext, [MODEL], buckets=buckets, registry=self.registry)
+
+        self.ttft = histogram(
+            "radixrt_time_to_first_token_seconds", "arrival to first output token", TTFT_BUCKETS
+        ).labels(model_name)
+        self.itl = histogram(
+            "radixrt_inter_token_latency_seconds",
+            "time between two steps that gave one request output tokens, each gap once",
+            ITL_BUCKETS,
+        ).labels(model_name)
+        self.e2e = histogram(
+            "radixrt_e2e_request_latency_seconds", "arrival to the last token", REQUEST_BUCKETS
+        ).labels(model_name)
+        self.queue_time = histogram(
+            "radixrt_queue_time_seconds", "arrival to first admission to a batch", REQUEST_BUCKETS
+        ).labels(model_name)
+        self.finished = Counter(
+            "radixrt_request_success",
+            "requests finished with a result, by finish reason (stop, length, abort)",
+            [MODEL, "finished_reason"],
+            registry=self.registry,
+        )
+        self.errors = Counter(
+            "radixrt_request_errors",
+            "requests ended with an error or refused, by error code",
+            [MODEL, "code"],
+            registry=self.registry,
+        )
+        self.stats = _StatsCollector(model_name)
+        self.registry.register(self.stats)
+
+    def finish(self, reason: str) -> None:
+        self.finished.labels(self.model_name, reason).inc()
+
+    def error(self, code: str) -> None:
+        self.errors.labels(self.model_name, code).inc()
+
+    def render(self, stats: dict[str, Any]) -> str:
+        self.stats.stats = stats
+        return generate_latest(self.registry).decode()
+
+
+class _HttpRequests:
+    """The gateway's requests by route and status; the model's name is known at scrape time."""
+
+    def __init__(self) -> None:
+        self.counts: Tally[tuple[str, str]] = Tally()
+        self.model_name = ""
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily(
+            "radixrt_http_requests", "HTTP requests by endpoint and status code",
+            labels=[MODEL, "endpoint", "code"],
+        )  # fmt: skip
+        for (endpoint, code), n in sorted(self.counts.items()):
+            family.add_metric([self.model_name, endpoint, code], n)
+        yield family
+
+
 class GatewayMetrics:
+    """The HTTP gateway's own series; `/metrics` puts the runtime's text after them."""
+
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        self.requests = Counter(
-            "radixrt_http_requests",
-            "HTTP requests by endpoint and status code",
-            ["endpoint", "code"],
-            registry=self.registry,
-        )
-        self.prompt_tokens = Counter(
-            "radixrt_prompt_tokens", "prompt tokens of finished requests", registry=self.registry
-        )
-        self.cached_tokens = Counter(
-            "radixrt_cached_prompt_tokens",
-            "prompt tokens served from the radix cache",
-            registry=self.registry,
-        )
-        self.generation_tokens = Counter(
-            "radixrt_generation_tokens", "generated tokens", registry=self.registry
-        )
-        self.ttft = Histogram(
-            "radixrt_time_to_first_token_seconds",
-            "arrival to first output token",
-            buckets=LATENCY_BUCKETS,
-            registry=self.registry,
-        )
-        self.itl = Histogram(
-            "radixrt_inter_token_latency_seconds",
-            "a request's mean time between two output tokens",
-            buckets=LATENCY_BUCKETS,
-            registry=self.registry,
-        )
-        self.e2e = Histogram(
-            "radixrt_e2e_request_latency_seconds",
-            "arrival to last token",
-            buckets=LATENCY_BUCKETS,
-            registry=self.registry,
-        )
-        self.runtime = _RuntimeStats()
-        self.registry.register(self.runtime)
+        self.http = _HttpRequests()
+        self.registry.register(self.http)
 
-    def observe(self, meta: dict[str, Any], count_prompt: bool) -> None:
-        """One finished sample; its prompt counts once per prompt, not once per sample."""
-        if count_prompt:
-            self.prompt_tokens.inc(meta["prompt_tokens"])
-            self.cached_tokens.inc(meta["cached_tokens"])
-        self.generation_tokens.inc(meta["completion_tokens"])
-        self.e2e.observe(meta["e2e_latency"])
-        if meta.get("ttft") is not None:
-            self.ttft.observe(meta["ttft"])
-            if meta["completion_tokens"] > 1:
-                self.itl.observe(
-                    (meta["e2e_latency"] - meta["ttft"]) / (meta["completion_tokens"] - 1)
-                )
+    def count(self, endpoint: str, code: int) -> None:
+        self.http.counts[(endpoint, str(code))] += 1
 
-    def render(self, stats: dict[str, Any]) -> bytes:
-        self.runtime.stats = stats
-        return generate_latest(self.registry)
+    def render(self, model_name: str, runtime_text: str) -> bytes:
+        self.http.model_name = model_name
+        return generate_latest(self.registry) + runtime_text.encode()
+
+
+@dataclass(frozen=True)
+class RouterCounts:
+    """The router's own numbers at scrape time: its `stats` counters and live workers."""
+
+    counters: dict[str, int]
+    workers: int
+    alive: int
+
+
+def merge_worker_metrics(texts: dict[int, str], router: RouterCounts, viewer: Principal) -> str:
+    """One exposition of several workers' texts, each sample labelled with its `worker` index
+    (the same series from two workers must not collide), then the router's own counters. A
+    tenant `viewer` sees only its own tenant rows, as in `stats` (the workers may have been
+    asked with the router's key)."""
+    families: dict[str, Metric] = {}
+    model_name = ""
+    mine = None if viewer.admin else tenant_label(viewer.tenant)
+    for index, text in sorted(texts.items()):
+        for parsed in text_string_to_metric_families(text):
+            family = families.setdefault(
+                parsed.name, Metric(parsed.name, parsed.documentation, parsed.type)
+            )
+            for s in parsed.samples:
+                model_name = model_name or s.labels.get(MODEL, "")
+                if mine is None or s.labels.get("tenant", mine) == mine:
+                    family.add_sample(s.name, {**s.labels, "worker": str(index)}, s.value)
+    registry = CollectorRegistry()
+    registry.register(_Fixed([*families.values(), *_router_families(router, model_name)]))
+    return generate_latest(registry).decode()
+
+
+def _router_families(router: RouterCounts, model_name: str) -> Iterable[Metric]:
+    routed = CounterMetricFamily(
+        "radixrt_router_requests", "generates routed, by the policy's reason",
+        labels=[MODEL, "reason"],
+    )  # fmt: skip
+    for key, n in router.counters.items():
+        if key.startswith("routed_by_"):
+            routed.add_metric([model_name, key.removeprefix("routed_by_")], n)
+    resent = CounterMetricFamily(
+        "radixrt_router_resent_requests",
+        "generates re-sent after a worker was lost",
+        labels=[MODEL],
+    )
+    resent.add_metric([model_name], router.counters.get("resent_requests", 0))
+    lost = CounterMetricFamily(
+        "radixrt_router_lost_requests", "streams ended with worker_lost", labels=[MODEL]
+    )
+    lost.add_metric([model_name], router.counters.get("lost_requests", 0))
+    workers = GaugeMetricFamily("radixrt_router_workers", "workers configured", labels=[MODEL])
+    workers.add_metric([model_name], router.workers)
+    alive = GaugeMetricFamily("radixrt_router_workers_alive", "workers in rotation", labels=[MODEL])
+    alive.add_metric([model_name], router.alive)
+    return [routed, resent, lost, workers, alive]
+
+
+class _Fixed:
+    """A collector of families built beforehand."""
+
+    def __init__(self, families: list[Metric]) -> None:
+        self.families = families
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self.families

@@ -33,6 +33,7 @@ from radixrt.server.front import (
     visible_stats,
 )
 from radixrt.server.heap import Heap
+from radixrt.server.metrics import RuntimeMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +53,8 @@ class ClientRequest:
     limit_key: str = ""  # whose per-tenant limits it counts against (see `_limit_key`)
     text_sent: int = 0  # characters of the text already streamed
     ids_sent: int = 0  # output token ids already streamed
+    tokens_seen: int = 0  # output tokens when its last step published (for the ITL histogram)
+    last_token_at: float | None = None  # when that step published
 
 
 class Server:
@@ -67,6 +70,7 @@ class Server:
         self.running = True
         self.drain_deadline: float | None = None  # set by SIGTERM: refuse new work, finish old
         self.heap = Heap()
+        self.metrics = RuntimeMetrics(args.model_name)
 
     # ---- the loop ----------------------------------------------------------------------------
     def serve_forever(self) -> None:
@@ -153,6 +157,17 @@ class Server:
                 self.clients.pop(req, None)
 
     def _generate(self, caller: Caller, msg: dict[str, Any]) -> None:
+        """Queue a generate; a refusal is counted by its code, then answered by the front."""
+        try:
+            self._queue(caller, msg)
+        except RequestError as e:
+            self.metrics.error(e.code.value)
+            raise
+        except ValueError:
+            self.metrics.error(ErrorCode.INVALID_REQUEST.value)
+            raise
+
+    def _queue(self, caller: Caller, msg: dict[str, Any]) -> None:
         identity, tenant = caller.identity, caller.principal.tenant
         rid = msg.get("rid")
         if not isinstance(rid, str) or not rid:
@@ -221,11 +236,35 @@ class Server:
             if req not in self.clients:
                 continue
             client = self.clients[req]
+            self._observe_tokens(client, req)
             if client.stream:
                 self._send_delta(client, req)
             if req.finished:
                 del self.clients[req]
+                self._observe_end(req)
                 self._send(client.identity, _final_reply(client, req))
+
+    def _observe_tokens(self, client: ClientRequest, req: Req) -> None:
+        """One ITL sample per gap between two steps that gave `req` tokens (several tokens from
+        one step, a verified draft or a forced jump, are one gap, as vLLM counts them)."""
+        if len(req.output_ids) > client.tokens_seen:
+            now = time.monotonic()
+            if client.last_token_at is not None:
+                self.metrics.itl.observe(now - client.last_token_at)
+            client.tokens_seen, client.last_token_at = len(req.output_ids), now
+
+    def _observe_end(self, req: Req) -> None:
+        """A finished request's latencies and its finish reason, or its error code."""
+        reason, m = req.finish_reason, self.metrics
+        if reason.error is not None:
+            m.error(reason.error.value)
+        else:
+            m.finish(reason.type)
+        m.e2e.observe((req.finish_time or time.monotonic()) - req.arrival)
+        if req.first_token_time is not None:
+            m.ttft.observe(req.first_token_time - req.arrival)
+        if req.admitted_at is not None:
+            m.queue_time.observe(req.admitted_at - req.arrival)
 
     def _send_delta(self, client: ClientRequest, req: Req) -> None:
         text_end = len(req.text) if req.finished else len(req.text) - _stop_holdback(req)
@@ -357,6 +396,11 @@ def _stats(server: Server, caller: Caller, msg: dict[str, Any]) -> dict[str, Any
     return visible_stats(stats, caller.principal)
 
 
+def _metrics(server: Server, caller: Caller, msg: dict[str, Any]) -> str:
+    """This runtime's Prometheus text (its tenant rows as `stats` shows them to the caller)."""
+    return server.metrics.render(_stats(server, caller, msg))
+
+
 def _abort(server: Server, caller: Caller, msg: dict[str, Any]) -> None:
     server._publish(server.scheduler.abort(_internal_rid(caller.identity, str(msg.get("rid")))))
 
@@ -372,6 +416,7 @@ OPS: dict[str, Op] = {
     "pin": Op(_pin),
     "unpin": Op(_unpin),
     "stats": Op(_stats),
+    "metrics": Op(_metrics),
     "model_info": Op(_model_info),
     "flush_cache": Op(lambda s, c, m: s.scheduler.flush_cache(), Role.ADMIN),
     "check_invariants": Op(lambda s, c, m: s.scheduler.check_invariants() or True, Role.ADMIN),

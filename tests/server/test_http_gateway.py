@@ -170,15 +170,19 @@ def test_metrics_parse_and_move(runtime, client):
     before = _metrics(runtime)
     client.completions.create(model="default", prompt="One, two, three,", **GREEDY)
     after = _metrics(runtime)
-    key = 'radixrt_http_requests_total{"code": "200", "endpoint": "/v1/completions"}'
+    model = json.dumps(runtime.model_info["model"])
+    key = f'radixrt_http_requests_total{{"code": "200", "endpoint": "/v1/completions", "model_name": {model}}}'
     assert after[key] == before.get(key, 0) + 1
+    label = f'{{"model_name": {model}}}'
     for moved in (
-        "radixrt_generation_tokens_total{}",
-        "radixrt_time_to_first_token_seconds_count{}",
+        "radixrt_generation_tokens_total",
+        "radixrt_time_to_first_token_seconds_count",
     ):
-        assert after[moved] > before[moved], moved
+        assert after[moved + label] > before[moved + label], moved
     for name in (
         "radixrt_inter_token_latency_seconds_count",
+        "radixrt_queue_time_seconds_count",
+        "radixrt_kv_usage_ratio",
         "radixrt_cache_hit_rate",
         "radixrt_num_requests_waiting",
         "radixrt_num_requests_running",
@@ -192,7 +196,7 @@ def test_metrics_parse_and_move(runtime, client):
         "radixrt_host_hit_tokens_total",
         "radixrt_swapped_in_tokens_total",
     ):
-        assert name + "{}" in after, name
+        assert name + label in after, name
 
 
 def test_models(runtime, client):

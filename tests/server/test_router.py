@@ -11,12 +11,14 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from contextlib import contextmanager
 
 import msgpack
 import psutil
 import pytest
 import zmq
+from prometheus_client.parser import text_string_to_metric_families
 
 import radixrt as rt
 from radixrt.client.endpoint import RequestOptions
@@ -134,6 +136,24 @@ def test_next_turns_land_where_their_history_is(router, workers):
         "new conversations should spread over both workers"
     )
     _assert_no_leak(router)
+
+
+def test_router_metrics_over_http_join_the_workers(workers):
+    """`--metrics-port`: the workers' series, each labelled with its worker, then the router's."""
+    port = free_port()
+    with router_process([w.url for w in workers], "--metrics-port", str(port)) as endpoint:
+        endpoint.generate(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 2, **GREEDY})
+        url = f"http://127.0.0.1:{port}/metrics"
+        with urllib.request.urlopen(url, timeout=REPLY_TIMEOUT_S) as reply:
+            text = reply.read().decode()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    workers_seen = {s.labels["worker"] for s in families["radixrt_num_requests_running"].samples}
+    assert workers_seen == {"0", "1"}
+    assert families["radixrt_router_workers_alive"].samples[0].value == 2
+    routed = sum(s.value for s in families["radixrt_router_requests"].samples)
+    assert routed >= 1
+    model = workers[0].model_info["model"]
+    assert all(s.labels["model_name"] == model for f in families.values() for s in f.samples)
 
 
 def test_round_robin_and_shortest_queue(workers):
@@ -272,6 +292,9 @@ def test_serve_dp_size_with_the_http_gateway(tiny_model_dir):
         stats = fleet.stats()
         assert stats["dp_size"] == 2 and [w["alive"] for w in stats["workers"]] == [True, True]
         assert stats["total_tokens"] == 2 * 2048
+        with urllib.request.urlopen(f"{fleet.http_url}/metrics", timeout=REPLY_TIMEOUT_S) as r:
+            text = r.read().decode()  # the gateway's counts, then the router's joined text
+        assert "radixrt_http_requests_total{" in text and 'worker="1"' in text
         family = psutil.Process(fleet._proc.pid).children(recursive=True)
         assert len(family) >= 3  # two workers and the gateway
     gone, alive = psutil.wait_procs(family, timeout=20)

@@ -114,8 +114,11 @@ def test_http_salt_and_bearer_tenant(tenants):
     admin = urllib.request.Request(metrics_url, headers={"Authorization": f"Bearer {ADMIN_KEY}"})
     with urllib.request.urlopen(admin, timeout=REPLY_TIMEOUT_S) as reply:
         metrics = reply.read().decode()
-    assert 'radixrt_tenant_cached_prompt_tokens_total{tenant="alice"}' in metrics
-    assert 'radixrt_tenant_requests_total{tenant="bob"}' in metrics
+    model = json.dumps(tenants.model_info["model"])
+    assert (
+        f'radixrt_tenant_cached_prompt_tokens_total{{model_name={model},tenant="alice"}}' in metrics
+    )
+    assert f'radixrt_tenant_requests_total{{model_name={model},tenant="bob"}}' in metrics
     assert_no_leak(tenants)
 
 

@@ -253,10 +253,7 @@ class Gateway:
         self, prompt: Prompt, params: dict[str, Any], options: RequestOptions
     ) -> list[dict[str, Any]]:
         out = await self.endpoint.async_generate(prompt, params, options=options)
-        samples = out if isinstance(out, list) else [out]
-        for j, s in enumerate(samples):
-            self.metrics.observe(s["meta_info"], count_prompt=j == 0)
-        return samples
+        return out if isinstance(out, list) else [out]
 
     async def _stream(
         self,
@@ -325,7 +322,6 @@ class Gateway:
                     yield chunk(shape.delta(index, delta))
                 if reply["finished"]:
                     finals.append(reply)
-                    self.metrics.observe(reply["meta_info"], count_prompt=index == 0)
                     called = streams[index].called
                     yield chunk(shape.choice(index, "", reply["meta_info"], True, called))
         except RUNTIME_EXCEPTIONS as e:
@@ -348,8 +344,13 @@ class Gateway:
         return {"status": "ok"}
 
     async def render_metrics(self) -> Response:
-        stats = await asyncio.to_thread(self.endpoint.stats)
-        return Response(self.metrics.render(stats), media_type=CONTENT_TYPE_LATEST)
+        """This gateway's request counts, then the runtime's (or the router's) own text: what
+        ZeroMQ and DSL clients did is in it too."""
+        model = await self.model()
+        runtime_text = await asyncio.to_thread(self.endpoint.metrics)
+        return Response(
+            self.metrics.render(model.name, runtime_text), media_type=CONTENT_TYPE_LATEST
+        )
 
     async def models(self) -> dict:
         model = await self.model()
@@ -406,9 +407,7 @@ class _Guard:
                 return await error.response()(scope, receive, send_observed)
             await self.app(scope, _replay(body, receive), send_observed)
         finally:
-            self.gateway.metrics.requests.labels(
-                path if path in self.routes else "other", str(status)
-            ).inc()
+            self.gateway.metrics.count(path if path in self.routes else "other", status)
 
     def _refusal(self, path: str, headers: dict[bytes, bytes]) -> APIError | None:
         keyed = path.startswith("/v1/") or path in self.keyed_routes

@@ -231,8 +231,6 @@ class NativeAPI:
             call.prompt, call.params, rid=call.runtime_rid, options=options
         )
         samples = out if isinstance(out, list) else [out]
-        for j, s in enumerate(samples):
-            self.gateway.metrics.observe(s["meta_info"], count_prompt=j == 0)
         return [sample_body(s, call.rid) for s in samples]
 
     async def _stream(self, call: NativeCall, options: RequestOptions) -> AsyncIterator[dict]:
@@ -256,7 +254,6 @@ class NativeAPI:
             async for reply in replies:
                 index = reply.get("index", 0)
                 if reply["finished"]:
-                    self.gateway.metrics.observe(reply["meta_info"], count_prompt=index == 0)
                     body = sample_body(reply, call.rid)
                 elif reply["delta"] or reply["token_ids"]:
                     texts[index] = texts.get(index, "") + reply["delta"]

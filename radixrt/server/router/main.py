@@ -8,6 +8,7 @@ from typing import Any
 
 from radixrt.config import RouterArgs, RouterSettings
 from radixrt.server.front import FrontConfig
+from radixrt.server.router.metrics_http import serve_metrics
 from radixrt.server.router.router import Router, RouterConfig
 from radixrt.server.tenants import KeyRing
 
@@ -45,4 +46,14 @@ def run_router(args: RouterArgs) -> None:
     logger.info(
         "routing %d workers on %s (%s)", len(config.workers), args.endpoint, args.router_policy
     )
-    router.serve_forever()
+    metrics = None
+    if args.metrics_port is not None:
+        keys = KeyRing.from_settings(args.api_key, args.api_key_file, args.admin_api_key)
+        host = "127.0.0.1" if args.host.startswith("ipc://") else args.host
+        metrics = serve_metrics(host, args.metrics_port, args.endpoint, keys)
+        logger.info("metrics on http://%s:%d/metrics", host, args.metrics_port)
+    try:
+        router.serve_forever()
+    finally:
+        if metrics is not None:
+            metrics.shutdown()

@@ -3,7 +3,9 @@
 Clients see one runtime: the router binds a ROUTER socket, speaks docs/protocol.md unchanged, and
 talks to each worker as a client over a DEALER socket. A generate goes to one worker, chosen by
 the policy (cache-aware by default), under a router-made rid; the worker's replies come back with
-the client's rid. Control ops fan out: `stats` sums, `flush_cache` reaches every worker.
+the client's rid. Control ops fan out: `stats` sums, `metrics` joins the workers' Prometheus
+texts (each labelled with its `worker`) and adds the router's own, `flush_cache` reaches every
+worker.
 
 One thread, one poll loop: forwarding a frame costs a poll wake-up and two msgpack passes. The
 router holds no KV and no model, only each worker's approximate prefix trees (one per cache
@@ -34,6 +36,7 @@ from radixrt.server.front import (
     check_prompt_size,
     visible_stats,
 )
+from radixrt.server.metrics import RouterCounts, merge_worker_metrics
 from radixrt.server.router.policy import Route, RouteReason, make_policy
 from radixrt.server.router.prefix_tree import Namespace, Prompt
 from radixrt.server.router.worker import WorkerLink, reply_problem
@@ -236,6 +239,7 @@ class Router:
             "pin": Op(self._on_pin, **later),
             "unpin": Op(self._unpin, **later),
             "stats": Op(self._to_all, **later),
+            "metrics": Op(self._to_all, **later),
             "model_info": Op(self._to_one, **later),
             "tokenize": Op(self._to_one, **later),
             "flush_cache": Op(self._to_all, Role.ADMIN, **later),
@@ -578,6 +582,8 @@ class Router:
                 if r.get("error") is None:  # else its last good stats stand
                     self.workers[i].stats = r["result"]
             return {"result": visible_stats(self._stats(), gather.viewer)}
+        if gather.op == "metrics":
+            return {"result": self._metrics(gather)}
         if errors:
             return errors[0]
         if not replies:
@@ -597,6 +603,12 @@ class Router:
             pin_id, prompt = gather.pin
             self.pins.setdefault(gather.identity, {})[pin_id] = Pin(index, prompt)
         return {"result": results[0]}
+
+    def _metrics(self, gather: Gather) -> str:
+        """The workers' texts that came back, then the router's own counters."""
+        texts = {i: r["result"] for i, r in gather.replies.items() if r.get("error") is None}
+        counts = RouterCounts(dict(self.counters), len(self.workers), len(self._alive()))
+        return merge_worker_metrics(texts, counts, gather.viewer)
 
     def _stats(self) -> dict[str, Any]:
         """Sums over the workers that answered, the ratios recomputed from the sums, each

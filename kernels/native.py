@@ -53,8 +53,8 @@ def _cpu_model() -> str:
 @cache
 def find_compiler() -> str | None:
     """The C compiler (`$CC`, else `cc`), or None. Without one, it warns once: every C kernel
-    falls back to its torch path, so a CPU decode step is slower. The model runner calls it at
-    start on the CPU, so the warning comes before the first request rather than during it."""
+    falls back to its torch path, so a CPU decode step is slower. The torch attention backend
+    calls it when built on the CPU, so the warning comes at start, not at the first request."""
     compiler = shutil.which(os.environ.get("CC", "cc"))
     if compiler is None:
         logger.warning(

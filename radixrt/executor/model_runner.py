@@ -24,7 +24,6 @@ from radixrt.executor.model_loader import (
     resolve_tokenizer_path,
 )
 from radixrt.forward_batch import ForwardBatch
-from radixrt.kernels import native
 from radixrt.mem_cache.memory_pool import (
     PageAllocator,
     ReqToTokenPool,
@@ -106,8 +105,6 @@ class ModelRunner:
         self.tp = tp if tp is not None else TPGroup(device=resolve_device(args.device))
         self.device = self.tp.device
         self.dtype = resolve_dtype(args.dtype, self.device)
-        if self.device.type == "cpu":
-            native.find_compiler()  # warns now, at start, when the C kernels cannot be built
         self.config = AutoConfig.from_pretrained(self.model_path)
         self.tokenizer_path = (
             resolve_tokenizer_path(args.tokenizer_path) if args.tokenizer_path else self.model_path

@@ -5,13 +5,18 @@ OpenAI-compatible server, with vLLM's flat result keys."""
 from __future__ import annotations
 
 import json
+import threading
+import time
 from pathlib import Path
 
 import pytest
 from transformers import AutoTokenizer
 
 from radixrt.bench.datasets import MIN_TOKENS, load_sharegpt, sharegpt
-from radixrt.bench.workloads import WorkloadConfig
+from radixrt.bench.load import Load, run_load
+from radixrt.bench.metrics import SLO
+from radixrt.bench.results import result_of
+from radixrt.bench.workloads import Session, Turn, WorkloadConfig
 from radixrt.cli import main
 
 SHAREGPT = Path(__file__).resolve().parents[1] / "data" / "sharegpt_small.json"
@@ -103,3 +108,43 @@ def test_bench_measures_a_server_through_its_base_url(tiny_runtime, tiny_model_d
 
 def _shape(num_requests: int) -> WorkloadConfig:
     return WorkloadConfig(num_requests=num_requests, dataset_path=str(SHAREGPT))
+
+
+class _SlowTarget:
+    """A server stand-in for the load generator alone: each request streams two pieces 50 ms
+    apart, and the most requests it ever held at once is recorded."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.in_flight = self.most = 0
+
+    def generate(self, prompt: str, params: dict, stream: bool = True):
+        with self.lock:
+            self.in_flight += 1
+            self.most = max(self.most, self.in_flight)
+        for _ in range(2):
+            time.sleep(0.05)
+            yield {"finished": False, "token_ids": [0]}
+        with self.lock:
+            self.in_flight -= 1
+        meta = {"prompt_tokens": 3, "cached_tokens": 0, "finish_reason": {"type": "length"}}
+        yield {"finished": True, "text": "ab", "output_ids": [0, 0], "meta_info": meta}
+
+
+def test_max_concurrency_caps_requests_in_flight_and_times_count_from_sending():
+    """Six sessions all at once under --max-concurrency 2: never more than two in flight, and
+    a waiting session's times count from when it is sent, once a place is free (vLLM's
+    semantics), not from the start; vLLM's keys in ms over the same traces."""
+    sessions = [Session([Turn("hi", {"max_new_tokens": 2})]) for _ in range(6)]
+    target = _SlowTarget()
+    load = Load(max_concurrency=2)
+    traces, duration = run_load(target, sessions, load, render=str)
+    assert target.most == 2 and len(traces) == 6 and duration >= 0.3
+    sent = sorted(t.sent for t in traces)  # the last two wait for two requests of 0.1 s each
+    assert sent[-1] - sent[0] >= 0.2
+    result = result_of("stub", load, traces, duration, SLO())
+    flat = result.vllm_metrics()
+    assert flat["completed"] == 6 and flat["max_concurrency"] == 2 and flat["request_rate"] == "inf"
+    assert flat["total_input_tokens"] == 18 and flat["total_output_tokens"] == 12
+    assert flat["median_ttft_ms"] == pytest.approx(result.summary.ttft.p50 * 1000)
+    assert flat["mean_e2el_ms"] >= flat["mean_ttft_ms"] > 0

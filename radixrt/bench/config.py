@@ -23,7 +23,14 @@ from radixrt.bench.variants import DEFAULT_SYSTEMS, PEERS, VARIANTS
 from radixrt.bench.workloads import REQUEST_WORKLOADS, WorkloadConfig
 from radixrt.config import ServerArgs, Settings, server_field
 
-WORKLOADS = (*REQUEST_WORKLOADS, *DATASET_WORKLOADS, *PROGRAM_WORKLOADS, "agent-tools", "all")
+WORKLOADS = (
+    *REQUEST_WORKLOADS,
+    *DATASET_WORKLOADS,
+    *PROGRAM_WORKLOADS,
+    "agent-tools",
+    "grammar",
+    "all",
+)
 BACKENDS = ("engine", "server", "http", "openai")
 DEFAULT_NUM_REQUESTS = 64  # of request and program workloads; the HTTP suites keep their own
 
@@ -71,6 +78,7 @@ class BenchConfig(Settings):
         "request workloads: shared-prefix, multi-prefix, multi-turn, long-prompt, random, json, "
         "agent-loop, few-shot, sharegpt (--dataset-path); DSL programs: agent, few-shot-select, tree-of-thought; agent-tools "
         "(with --backend http): tool-calling agents per tool_choice against an unconstrained run; "
+        "grammar: compile and mask times of each grammar backend (tokenizer only); "
         "all: every request and program workload in turn, plus a hit-rate plot",
         choices=WORKLOADS,
     )

@@ -3,10 +3,18 @@
 
 from radixrt.bench.config import BenchConfig
 from radixrt.bench.registry import SUITES, Suite
-from radixrt.bench.suites import agent_tools, every, http_chat, openai_server, programs, requests
+from radixrt.bench.suites import (
+    agent_tools,
+    every,
+    grammar,
+    http_chat,
+    openai_server,
+    programs,
+    requests,
+)
 
 # imported for their registrations
-MODULES = (agent_tools, every, http_chat, openai_server, programs, requests)
+MODULES = (agent_tools, every, grammar, http_chat, openai_server, programs, requests)
 
 
 def suite_for(config: BenchConfig) -> Suite:

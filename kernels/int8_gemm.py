@@ -6,7 +6,7 @@ below the weights' own rounding), so the products run on integer multiply-adds (
 per instruction) instead of converting every weight to float.
 
 Why a kernel of our own: the int8 routes torch offers on this kind of CPU were slower than
-float32 or failed the quality gates (docs/benchmarks.md, "int8 candidates"). What makes a decode
+float32 or failed the quality gates (docs/benchmarks/history.md, "int8 weights: the candidates measured"). What makes a decode
 step fast is reading the weights at the memory's speed, so they are packed once into tiles of
 4 output rows x 32 inputs, laid out in the order the kernel reads them: one sequential stream per
 thread. A tile stays in L1 while every block of 3 activation rows passes over it, so prefill

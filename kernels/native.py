@@ -51,6 +51,20 @@ def _cpu_model() -> str:
 
 
 @cache
+def find_compiler() -> str | None:
+    """The C compiler (`$CC`, else `cc`), or None. Without one, it warns once: every C kernel
+    falls back to its torch path, so a CPU decode step is slower. The torch attention backend
+    calls it when built on the CPU, so the warning comes at start, not at the first request."""
+    compiler = shutil.which(os.environ.get("CC", "cc"))
+    if compiler is None:
+        logger.warning(
+            "no C compiler (cc, or $CC): the CPU kernels fall back to torch, which is slower "
+            "(int8 and the fused float32 paths need them); install one, e.g. apt-get install gcc"
+        )
+    return compiler
+
+
+@cache
 def load(
     name: str, source: str, signatures: tuple[tuple[str, tuple], ...], flags: tuple[str, ...] = ()
 ) -> ctypes.CDLL | None:
@@ -58,9 +72,8 @@ def load(
     `(function, argtypes)` of `signatures` declared (all return void), or None where it cannot
     be built."""
     flags = FLAGS + flags
-    compiler = shutil.which(os.environ.get("CC", "cc"))
+    compiler = find_compiler()
     if compiler is None:
-        logger.info("no C compiler: the %s kernel is off", name)
         return None
     key = hashlib.sha256("\n".join([source, *flags, _cpu_model()]).encode()).hexdigest()[:16]
     path = cache_dir() / f"{name}-{key}.so"

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from radixrt.forward_batch import ForwardBatch
-from radixrt.kernels import cpu_paged
+from radixrt.kernels import cpu_paged, native
 
 if TYPE_CHECKING:  # types only: the pools' owners import this package, not the reverse
     from radixrt.mem_cache.memory_pool import TokenToKVPool
@@ -79,6 +79,8 @@ class TorchAttentionBackend:
         self.kv_pool = kv_pool
         self.windows = windows or (None,) * len(kv_pool.k_buffers)
         self.logit_cap = logit_cap
+        if kv_pool.k_buffers[0].device.type == "cpu":
+            native.find_compiler()  # warns now, at start, when the C kernels cannot be built
         # decodes read K/V in the pool rather than gathering them (cpu_paged; float32 CPU)
         self.in_place = cpu_paged.supports(kv_pool.k_buffers[0])
 

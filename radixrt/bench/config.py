@@ -15,6 +15,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from radixrt.bench.datasets import DATASET_WORKLOADS
 from radixrt.bench.load import Load
 from radixrt.bench.metrics import SLO
 from radixrt.bench.programs import PROGRAM_WORKLOADS
@@ -22,8 +23,15 @@ from radixrt.bench.variants import DEFAULT_SYSTEMS, PEERS, VARIANTS
 from radixrt.bench.workloads import REQUEST_WORKLOADS, WorkloadConfig
 from radixrt.config import ServerArgs, Settings, server_field
 
-WORKLOADS = (*REQUEST_WORKLOADS, *PROGRAM_WORKLOADS, "agent-tools", "grammar", "all")
-BACKENDS = ("engine", "server", "http")
+WORKLOADS = (
+    *REQUEST_WORKLOADS,
+    *DATASET_WORKLOADS,
+    *PROGRAM_WORKLOADS,
+    "agent-tools",
+    "grammar",
+    "all",
+)
+BACKENDS = ("engine", "server", "http", "openai")
 DEFAULT_NUM_REQUESTS = 64  # of request and program workloads; the HTTP suites keep their own
 
 BENCH_GROUP_TITLES = {
@@ -68,7 +76,7 @@ class BenchConfig(Settings):
         "suite",
         "shared-prefix",
         "request workloads: shared-prefix, multi-prefix, multi-turn, long-prompt, random, json, "
-        "agent-loop, few-shot; DSL programs: agent, few-shot-select, tree-of-thought; agent-tools "
+        "agent-loop, few-shot, sharegpt (--dataset-path); DSL programs: agent, few-shot-select, tree-of-thought; agent-tools "
         "(with --backend http): tool-calling agents per tool_choice against an unconstrained run; "
         "grammar: compile and mask times of each grammar backend (tokenizer only); "
         "all: every request and program workload in turn, plus a hit-rate plot",
@@ -83,8 +91,21 @@ class BenchConfig(Settings):
         "suite",
         "engine",
         "engine: rt.Engine (ipc socket); server: rt.Runtime over TCP; http: multi-turn chat "
-        "through the OpenAI API against the same conversations over ZeroMQ",
+        "through the OpenAI API against the same conversations over ZeroMQ; openai: a request "
+        "workload against the OpenAI-compatible server at --base-url (nothing is started)",
         choices=BACKENDS,
+    )
+    base_url: str | None = _flag(
+        "suite",
+        None,
+        "with --backend openai: the server, e.g. http://127.0.0.1:8000 (or its /v1); the key "
+        "is $OPENAI_API_KEY; --model names the tokenizer the workload is built with",
+    )
+    served_model_name: str | None = _flag(
+        "suite",
+        None,
+        "with --backend openai: the model name requests send (default: the server's first in "
+        "/v1/models)",
     )
     model: str = _server("model")
     dtype: str = _server("dtype")
@@ -111,6 +132,12 @@ class BenchConfig(Settings):
         "comma list of request rates: run each system at each, plot throughput and TTFT against "
         "rate, and report where median TTFT crosses the SLO",
     )
+    max_concurrency: int | None = _flag(
+        "load",
+        None,
+        "at most this many requests in flight, arrivals waiting their turn (vLLM's flag; "
+        "with no --request-rate: this many clients at once)",
+    )
     max_duration: float | None = _flag("load", None, "seconds after which no new session starts")
     slo_ttft: float = _flag("load", 1.0, "goodput SLO: time to first token (s)")
     slo_tpot: float = _flag("load", 0.05, "goodput SLO: time per output token (s)")
@@ -130,6 +157,18 @@ class BenchConfig(Settings):
     num_prefixes: int = _flag("shape", 8, "multi-prefix: distinct system prompts")
     long_prompts: int = _flag("shape", 4, "long-prompt: long prompts among the short ones")
     long_tokens: int = _flag("shape", 4000, "long-prompt: a long prompt's length")
+    random_input_len: int | None = _flag(
+        "shape", None, "random: every prompt this many tokens (default: --question-tokens to 4x)"
+    )
+    random_output_len: int | None = _flag(
+        "shape", None, "random: every output this many tokens (default: as --max-new-tokens)"
+    )
+    dataset_path: str | None = _flag(
+        "shape",
+        None,
+        "sharegpt: a ShareGPT-format JSON or JSON Lines file (each conversation's first human "
+        "turn is a prompt, its reply's length the output's)",
+    )
     seed: int = _flag("shape", 0, "of the workload's text and of the open loop's arrivals")
     temperature: float = _flag(
         "shape", 0.0, "of every request (0: greedy; sampled text has less to copy for speculation)"
@@ -140,6 +179,15 @@ class BenchConfig(Settings):
         super().__post_init__()  # choices
         if self.workload == "agent-tools" and self.backend != "http":
             raise ValueError("--workload agent-tools runs over HTTP: add --backend http")
+        if (self.backend == "openai") != (self.base_url is not None):
+            raise ValueError("--backend openai and --base-url go together")
+        if self.backend == "openai" and self.workload not in (
+            *REQUEST_WORKLOADS,
+            *DATASET_WORKLOADS,
+        ):
+            raise ValueError(f"--backend openai runs a request workload, not {self.workload}")
+        if (self.workload == "sharegpt") != (self.dataset_path is not None):
+            raise ValueError("--workload sharegpt and --dataset-path go together")
         unknown = {s for s in (self.systems or "").split(",") if s} - {*VARIANTS, *PEERS}
         if unknown:
             raise ValueError(f"unknown systems {sorted(unknown)}")
@@ -148,7 +196,10 @@ class BenchConfig(Settings):
     @property
     def suite_key(self) -> str:
         """The registry key of the suite that runs this config: the workload, except that
-        `--backend http` runs the HTTP chat suite for any workload but agent-tools."""
+        `--backend http` runs the HTTP chat suite for any workload but agent-tools, and
+        `--backend openai` the suite that measures the server at `--base-url`."""
+        if self.backend == "openai":
+            return "openai"
         if self.backend == "http" and self.workload != "agent-tools":
             return "http"
         return self.workload
@@ -177,6 +228,9 @@ class BenchConfig(Settings):
             seed=self.seed,
             temperature=self.temperature,
             num_prefixes=self.num_prefixes,
+            random_input_len=self.random_input_len,
+            random_output_len=self.random_output_len,
+            dataset_path=self.dataset_path,
         )
 
     @property
@@ -188,8 +242,19 @@ class BenchConfig(Settings):
     def loads(self) -> list[Load]:
         """One load per run of a system: each swept rate, else the one load the flags set."""
         if self.rates:
-            return [Load(rate, None, self.max_duration, self.seed) for rate in self.rates]
-        return [Load(self.request_rate, self.concurrency, self.max_duration, self.seed)]
+            return [
+                Load(rate, None, self.max_duration, self.seed, self.max_concurrency)
+                for rate in self.rates
+            ]
+        return [
+            Load(
+                self.request_rate,
+                self.concurrency,
+                self.max_duration,
+                self.seed,
+                self.max_concurrency,
+            )
+        ]
 
     @property
     def slo(self) -> SLO:

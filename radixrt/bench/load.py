@@ -28,14 +28,22 @@ class Load:
     concurrency: int | None = None  # closed loop: this many clients (overrides request_rate)
     max_duration_s: float | None = None  # start no session after this
     seed: int = 0
+    # at most this many sessions in flight; the others wait for a place, and their requests'
+    # times count from when they are sent (vLLM's --max-concurrency)
+    max_concurrency: int | None = None
 
     def describe(self) -> str:
         if self.concurrency:
             return f"closed loop, {self.concurrency} clients"
-        return (
+        arrivals = (
             f"open loop, Poisson at {self.request_rate:g} req/s"
             if self.request_rate
             else "all at once"
+        )
+        return (
+            f"{arrivals}, at most {self.max_concurrency} in flight"
+            if self.max_concurrency
+            else arrivals
         )
 
 
@@ -105,8 +113,11 @@ def run_load(
     start = time.monotonic()
     deadline = start + load.max_duration_s if load.max_duration_s else float("inf")
 
+    places = threading.Semaphore(load.max_concurrency or len(sessions) or 1)
+
     def run(session: Session, sent: float | None = None) -> None:
-        result = run_session(target, session, render, sent)
+        with places:
+            result = run_session(target, session, render, None if load.max_concurrency else sent)
         with lock:
             traces.extend(result)
             bar.update(len(result))

@@ -63,16 +63,18 @@ class Distribution:
     p50: float
     p90: float
     p99: float
+    std: float = math.nan  # population standard deviation, as vLLM's std_*_ms
 
     @classmethod
     def of(cls, values: list[float]) -> Distribution:
         if not values:
-            return cls(*[math.nan] * 4)
+            return cls(*[math.nan] * 5)
         return cls(
             statistics.fmean(values),
             percentile(values, 50),
             percentile(values, 90),
             percentile(values, 99),
+            statistics.pstdev(values),
         )
 
 
@@ -93,6 +95,7 @@ class Summary:
     forward_passes_per_request: float
     # one stream's decode speed: tokens after the first over the time they took, mean of requests
     stream_tok_s: float = math.nan
+    input_tokens: int = 0  # prompt tokens of the requests that completed
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -130,4 +133,5 @@ def summarize(traces: list[RequestTrace], duration_s: float, slo: SLO) -> Summar
         stream_tok_s=statistics.fmean([1 / t.tpot for t in ok if t.tpot])
         if any(t.tpot for t in ok)
         else math.nan,
+        input_tokens=sum(t.prompt_tokens for t in ok),
     )

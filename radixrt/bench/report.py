@@ -113,15 +113,17 @@ class BenchRun:
 
     def report(self, workload: str, systems: list[str], results: list[RunResult]) -> None:
         """A request or program workload's table and JSON file (`<workload>-sweep.json` for a
-        rate sweep)."""
+        rate sweep). Each result carries vLLM's flat keys beside its own figures, and a file of
+        one result carries them at the top too (`jq .mean_ttft_ms` reads it as vLLM's)."""
         print_table(workload, results, baseline_of(results, systems))
         config = self.config
         self.write(
             f"{workload}-sweep" if config.rates else workload,
             {
+                **(results[0].vllm_metrics() if len(results) == 1 else {}),
                 "workload": workload,
                 "config": asdict(config.shape),
                 "slo": asdict(config.slo),
-                "results": [asdict(r) for r in results],
+                "results": [{**asdict(r), **r.vllm_metrics()} for r in results],
             },
         )

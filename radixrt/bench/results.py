@@ -51,6 +51,35 @@ class RunResult:
     by_tag: dict[str, Summary] = field(default_factory=dict)
     # long-prompt: every ITL gap of the short requests
     short_itls: list[float] = field(default_factory=list)
+    max_concurrency: int | None = None  # the load's cap on requests in flight (or its clients)
+
+    def vllm_metrics(self) -> dict[str, Any]:
+        """This run's figures flat, under the key names of vLLM's serving benchmark result
+        (`completed`, `mean_ttft_ms`, ...; latencies in ms, e2e as `*_e2el_ms`), so that what
+        reads vLLM's JSON reads these; written beside the nested figures."""
+        s = self.summary
+        flat: dict[str, Any] = {
+            "duration": s.duration_s,
+            "completed": s.requests - s.errors,
+            "failed": s.errors,
+            "total_input_tokens": s.input_tokens,
+            "total_output_tokens": s.output_tokens,
+            "request_throughput": s.request_throughput,
+            "request_goodput": s.goodput,
+            "output_throughput": s.output_throughput,
+            "total_token_throughput": (s.input_tokens + s.output_tokens) / s.duration_s,
+            "request_rate": self.request_rate if self.request_rate is not None else "inf",
+            "max_concurrency": self.max_concurrency,
+        }
+        for name, d in (("ttft", s.ttft), ("tpot", s.tpot), ("itl", s.itl), ("e2el", s.e2e)):
+            for stat, value in (
+                ("mean", d.mean),
+                ("median", d.p50),
+                ("std", d.std),
+                ("p99", d.p99),
+            ):
+                flat[f"{stat}_{name}_ms"] = value * 1000
+        return flat
 
 
 @dataclass(frozen=True)
@@ -86,6 +115,7 @@ def result_of(
         load.request_rate,
         load.concurrency,
         summarize(traces, duration, slo),
+        max_concurrency=load.max_concurrency or load.concurrency,
         by_tag={tag: summarize([t for t in traces if t.tag == tag], duration, slo) for tag in tags},
         short_itls=[gap for t in traces if t.tag == "short" for gap in t.itls()],
     )

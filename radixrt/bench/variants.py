@@ -56,6 +56,7 @@ DEFAULT_SYSTEMS = {
     "multi-prefix": "radixrt-dp2,radixrt-dp2-round-robin,radixrt-dp2-shortest-queue,radixrt",
     "long-prompt": "radixrt,radixrt-no-chunking",
     "random": "radixrt,radixrt-no-cache,transformers",
+    "sharegpt": "radixrt,radixrt-no-cache",
     "json": "radixrt,radixrt-no-jump-forward,radixrt-llguidance,radixrt-llguidance-no-jump-forward,"
     "radixrt-spec",
     "agent-loop": "radixrt,radixrt-spec",

@@ -56,6 +56,10 @@ class WorkloadConfig:
     seed: int = 0
     temperature: float = 0.0  # of every request (0: greedy)
     num_prefixes: int = 8  # multi-prefix: distinct system prompts
+    # random: exact prompt and output lengths (vLLM's --random-input-len / --random-output-len)
+    random_input_len: int | None = None
+    random_output_len: int | None = None
+    dataset_path: str | None = None  # sharegpt: the file (radixrt.bench.datasets)
 
 
 def words(rng: random.Random, n: int) -> str:
@@ -178,21 +182,18 @@ def long_prompt(tokenizer, cfg: WorkloadConfig) -> list[Session]:
 
 
 def random_prompts(tokenizer, cfg: WorkloadConfig) -> list[Session]:
-    """Nothing shared (the control): prompts of random words and lengths."""
+    """Nothing shared (the control): prompts of random words and lengths, or of
+    `random_input_len` tokens and `random_output_len` new tokens exactly where they are set."""
     rng = random.Random(cfg.seed)
-    return [
-        Session(
-            [
-                Turn(
-                    text_of_tokens(
-                        rng, tokenizer, rng.randint(cfg.question_tokens, 4 * cfg.question_tokens)
-                    ),
-                    _params(rng, cfg),
-                )
-            ]
-        )
-        for _ in range(cfg.num_requests)
-    ]
+    sessions = []
+    for _ in range(cfg.num_requests):
+        length = cfg.random_input_len or rng.randint(cfg.question_tokens, 4 * cfg.question_tokens)
+        text = text_of_tokens(rng, tokenizer, length)  # before the params: the seeded order
+        params = _params(rng, cfg)
+        if cfg.random_output_len:
+            params["max_new_tokens"] = cfg.random_output_len
+        sessions.append(Session([Turn(text, params)]))
+    return sessions
 
 
 def json_records(tokenizer, cfg: WorkloadConfig) -> list[Session]:

@@ -66,6 +66,8 @@ def test_flags_round_trip():
         num_requests=12,
         fixed_output_len=True,
         temperature=1.0,
+        max_concurrency=4,
+        random_input_len=100,
     )
     assert _parse(config.to_cli_args()) == config
     assert config.rates == [0.5, 1.0] and [load.request_rate for load in config.loads] == [0.5, 1]
@@ -87,6 +89,13 @@ def test_help_lists_the_flags_by_group():
         (["--workload", "agent-tools"], "add --backend http"),
         (["--systems", "radixrt,vllm"], "unknown systems"),
         (["--sweep-rate", "1,fast"], "could not convert"),
+        (["--backend", "openai"], "go together"),
+        (["--base-url", "http://127.0.0.1:8000"], "go together"),
+        (
+            ["--backend", "openai", "--base-url", "http://h", "--workload", "agent"],
+            "request workload",
+        ),
+        (["--workload", "sharegpt"], "--dataset-path"),
     ],
 )
 def test_bad_combinations_are_refused(argv, message):
@@ -95,10 +104,13 @@ def test_bad_combinations_are_refused(argv, message):
 
 
 def test_every_workload_has_its_suite():
-    assert set(SUITES) == {*WORKLOADS, "http"}
+    assert set(SUITES) == {*WORKLOADS, "http", "openai"}
+    remote = BenchConfig(backend="openai", base_url="http://127.0.0.1:8000", workload="random")
+    assert suite_for(remote) is SUITES["openai"]
     for workload in WORKLOADS:
         backend = "http" if workload == "agent-tools" else "engine"
-        config = BenchConfig(workload=workload, backend=backend)
+        dataset = "data.json" if workload == "sharegpt" else None
+        config = BenchConfig(workload=workload, backend=backend, dataset_path=dataset)
         assert suite_for(config) is SUITES[workload]
     assert suite_for(BenchConfig(backend="http")) is SUITES["http"]
 

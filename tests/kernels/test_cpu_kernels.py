@@ -134,3 +134,23 @@ def test_fused_silu_mul():
     gate_up = torch.randn(33, 2 * 50) * 4
     gate, up = gate_up.chunk(2, dim=-1)
     torch.testing.assert_close(cpu_fused.silu_mul(gate_up), F.silu(gate) * up)
+
+
+def test_a_missing_c_compiler_is_a_warning_and_a_torch_fallback(monkeypatch, caplog):
+    """Without a C compiler every kernel is off (None: callers keep their torch path) and the
+    runtime says so once, as a warning, naming the fix."""
+    from radixrt.kernels import native
+
+    monkeypatch.setenv("CC", "no-such-compiler-radixrt")
+    native.find_compiler.cache_clear()
+    native.load.cache_clear()
+    try:
+        with caplog.at_level("WARNING", logger=native.__name__):
+            assert native.load("probe", "void f(void) {}", (("f", ()),)) is None
+            assert native.find_compiler() is None
+        warnings = [r for r in caplog.records if "no C compiler" in r.getMessage()]
+        assert len(warnings) == 1 and "gcc" in warnings[0].getMessage()
+    finally:
+        monkeypatch.undo()
+        native.find_compiler.cache_clear()
+        native.load.cache_clear()

@@ -3,16 +3,18 @@
 
 from radixrt.bench.config import BenchConfig
 from radixrt.bench.registry import SUITES, Suite
-from radixrt.bench.suites import agent_tools, every, grammar, http_chat, programs, requests
-
-MODULES = (
+from radixrt.bench.suites import (
     agent_tools,
     every,
     grammar,
     http_chat,
+    openai_server,
     programs,
     requests,
-)  # imported for their registrations
+)
+
+# imported for their registrations
+MODULES = (agent_tools, every, grammar, http_chat, openai_server, programs, requests)
 
 
 def suite_for(config: BenchConfig) -> Suite:

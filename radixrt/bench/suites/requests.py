@@ -6,15 +6,15 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from radixrt.bench.datasets import ALL_REQUEST_WORKLOADS
 from radixrt.bench.floors import MachineRates
 from radixrt.bench.registry import register
 from radixrt.bench.report import BenchRun
 from radixrt.bench.results import RunResult
 from radixrt.bench.systems import RequestJob, run_system
-from radixrt.bench.workloads import REQUEST_WORKLOADS
 
 
-@register(*REQUEST_WORKLOADS)
+@register(*ALL_REQUEST_WORKLOADS)
 def run_request_suite(run: BenchRun) -> dict[str, list[RunResult]]:
     return run_request_workloads(run, [run.config.workload])
 
@@ -36,7 +36,8 @@ def run_request_workloads(run: BenchRun, workloads: list[str]) -> dict[str, list
     )
     everything = {}
     for workload in workloads:
-        sessions = REQUEST_WORKLOADS[workload](tokenizer, run.config.shape)
+        make = ALL_REQUEST_WORKLOADS[workload]
+        sessions = make(tokenizer, run.config.shape)
         job = RequestJob(run.config, sessions, tokenizer, model_dir, machine)
         systems = run.config.systems_for(workload)
         results = [r for system in systems for r in run_system(system, job)]

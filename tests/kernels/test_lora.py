@@ -1,0 +1,79 @@
+"""LoRA deltas of mixed-adapter batches without a model: the segment grouping, the CPU's grouped
+and masked paths and the Triton SGMV kernel (interpreted) against the row-by-row definition."""
+
+import os
+
+# before triton.jit runs on import of the kernel (conftest does it too)
+os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from radixrt.kernels.lora import Segments, dense_reference, grouped, masked, slot_mask  # noqa: E402
+
+IN, OUT, SLOTS, PER_SLOT = 40, 24, 4, 8  # widths no power of two: every tile is masked
+
+
+def test_segments_group_rows_by_slot_and_leave_the_base_out():
+    seg = Segments.of([2, -1, 0, 2, 0, -1, 3])
+    assert seg.slots == [0, 2, 3]
+    assert seg.order.tolist() == [2, 4, 0, 3, 6]  # rows ascending within a slot
+    assert list(zip(seg.starts, seg.ends)) == [(0, 2), (2, 4), (4, 5)]
+    assert seg.row_slots.tolist() == [2, -1, 0, 2, 0, -1, 3]
+    assert Segments.of([-1, -1]).slots == []
+
+
+def test_slot_mask_keeps_each_rows_own_block():
+    mask = slot_mask(torch.tensor([1, -1, 0]), 2, 3, torch.float32)
+    assert mask.tolist() == [[0, 0, 0, 1, 1, 1], [0] * 6, [1, 1, 1, 0, 0, 0]]
+
+
+def _weights(seed: int, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randn(IN, SLOTS * PER_SLOT, generator=g).to(dtype)
+    b = torch.randn(SLOTS * PER_SLOT, OUT, generator=g).to(dtype)
+    return a, b
+
+
+def _rows(n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(-1, SLOTS, (n,), generator=g).tolist()
+
+
+@pytest.mark.parametrize("rows", [1, 5, 33])
+def test_cpu_paths_equal_the_dense_definition(rows):
+    a, b = _weights(rows)
+    x = torch.randn(rows, IN)
+    row_slots = _rows(rows, rows + 1)
+    seg = Segments.of(row_slots)
+    want = dense_reference(x, a, b, row_slots, PER_SLOT)
+    torch.testing.assert_close(grouped(x, a, b, seg, PER_SLOT), want, atol=1e-4, rtol=1e-4)
+    mask = slot_mask(seg.row_slots, SLOTS, PER_SLOT, x.dtype)
+    torch.testing.assert_close(masked(x, a, b, mask), want, atol=1e-4, rtol=1e-4)
+    assert not want[[i for i, s in enumerate(row_slots) if s < 0]].any()
+
+
+@pytest.mark.parametrize("rows", [1, 7, 40])
+def test_sgmv_kernel_equals_the_cpu_path(rows):
+    from radixrt.kernels.lora_sgmv import lora_sgmv_fwd
+
+    a, b = _weights(rows + 7)
+    x = torch.randn(rows, IN)
+    seg = Segments.of(_rows(rows, rows))
+    base = torch.randn(rows, OUT)
+    got = lora_sgmv_fwd(base.clone(), x, a, b, seg, PER_SLOT)
+    want = base + grouped(x, a, b, seg, PER_SLOT)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_sgmv_kernel_in_half_precision():
+    """fp16 in, fp32 accumulation, fp16 out (fp16 stands in for bf16 under the interpreter)."""
+    from radixrt.kernels.lora_sgmv import lora_sgmv_fwd
+
+    a, b = (w.half().float() / 4 for w in _weights(3))
+    x = torch.randn(9, IN).half().float()
+    seg = Segments.of(_rows(9, 4))
+    want = grouped(x, a, b, seg, PER_SLOT)
+    got = lora_sgmv_fwd(torch.zeros(9, OUT).half(), x.half(), a.half(), b.half(), seg, PER_SLOT)
+    assert got.dtype == torch.float16
+    torch.testing.assert_close(got.float(), want, atol=5e-2, rtol=1e-2)

@@ -141,7 +141,7 @@ def test_adapters_at_run_time_over_every_door(tiny_model_dir, adapters):
     """A runtime started without adapters: load one over ZeroMQ, generate under it (a batch of
     adapter and base prompts), over native HTTP and OpenAI's `model`, list it in /v1/models, in
     a DSL program; unload it; a request naming it then gets `invalid_request`; nothing leaks."""
-    import httpx
+    import openai
 
     prompt = list(range(100, 124))
     want = {n: hf_greedy(tiny_model_dir, [prompt], MAX_NEW, adapters.get(n))[0] for n in ("", "a1")}
@@ -160,12 +160,14 @@ def test_adapters_at_run_time_over_every_door(tiny_model_dir, adapters):
             == want["a1"]
         )
         text = runtime.tokenizer.decode(prompt)
-        body = {"model": "a1", "prompt": text, "max_tokens": MAX_NEW, "temperature": 0}
-        openai = httpx.post(f"{runtime.http_url}/v1/completions", json=body, timeout=60).json()
         native = http.generate(text, {**GREEDY}, lora_path="a1")
-        assert openai["choices"][0]["text"] == native["text"]
-        models = httpx.get(f"{runtime.http_url}/v1/models", timeout=60).json()["data"]
-        assert [(m["id"], m.get("parent")) for m in models] == [("tiny", None), ("a1", "tiny")]
+        with openai.OpenAI(base_url=f"{runtime.http_url}/v1", api_key="none") as client:
+            done = client.completions.create(
+                model="a1", prompt=text, max_tokens=MAX_NEW, temperature=0
+            )
+            assert done.choices[0].text == native["text"]
+            models = [(m.id, getattr(m, "parent", None)) for m in client.models.list()]
+        assert models == [("tiny", None), ("a1", "tiny")]
 
         @rt.function
         def answer(s):

@@ -5,6 +5,8 @@ refused with one line."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -42,17 +44,22 @@ def _paths(adapters) -> tuple[str, ...]:
 
 @pytest.fixture(scope="module")
 def scheduler(tiny_model_dir, adapters):
-    """The tiny model in-process with the three adapters and two pool slots."""
-    return make_scheduler(tiny_model_dir, lora_paths=_paths(adapters), max_loras_per_batch=2)
+    """The tiny model in-process with the three adapters, two pool slots, and n-gram
+    speculation (its verify forwards carry each request's adapter too)."""
+    return make_scheduler(
+        tiny_model_dir,
+        lora_paths=_paths(adapters),
+        max_loras_per_batch=2,
+        speculative_algorithm="ngram",
+    )
 
 
-def _run(scheduler, jobs: list[tuple[list[int], str]]) -> list:
+def _run(scheduler, jobs: list[tuple[list[int], str]], **params) -> list:
     """Submit every (prompt, adapter) at once, step until done; the requests in order."""
     reqs = []
     for i, (prompt, lora) in enumerate(jobs):
-        req = scheduler.make_request(
-            f"r{i}", prompt, SamplingParams.from_dict(GREEDY), scope=RequestScope(lora_path=lora)
-        )
+        sampling = SamplingParams.from_dict({**GREEDY, **params})
+        req = scheduler.make_request(f"r{i}", prompt, sampling, scope=RequestScope(lora_path=lora))
         scheduler.add_request(req)
         reqs.append(req)
     drain(scheduler, lambda s: s.check_invariants())
@@ -70,7 +77,7 @@ def test_mixed_batch_each_request_equals_transformers_peft(tiny_model_dir, adapt
     """One submission mixing three adapters and the base over two prompts: each answer is its
     own adapter's (transformers + peft), and they all differ. Two slots for three adapters: the
     planner holds the third back until a slot's adapter is done, and the pool evicts."""
-    prompts = [list(range(100, 124)), list(range(300, 311))]
+    prompts = [list(range(100, 124)), [300, 301, 302, 303, 304] * 5]
     names = ("", "a1", "a2", "a3")
     want = {n: hf_greedy(tiny_model_dir, prompts, MAX_NEW, adapters.get(n)) for n in names}
     assert len({tuple(w[0]) for w in want.values()}) == 4, "the adapters must change the answer"
@@ -80,6 +87,11 @@ def test_mixed_batch_each_request_equals_transformers_peft(tiny_model_dir, adapt
         assert req.output_ids == want[name][prompts.index(prompt)], f"adapter {name!r}"
     assert len(scheduler.runner.lora.resident) == 2
     _assert_clean(scheduler)
+
+
+def test_constraints_hold_under_an_adapter(scheduler):
+    (req,) = _run(scheduler, [([5, 6, 7], "a1")], regex="[0-9]{3}-[a-z]{2}")
+    assert re.fullmatch("[0-9]{3}-[a-z]{2}", req.text), req.text
 
 
 def test_each_adapter_is_its_own_cache_namespace(scheduler):

@@ -3,9 +3,16 @@
 
 from radixrt.bench.config import BenchConfig
 from radixrt.bench.registry import SUITES, Suite
-from radixrt.bench.suites import agent_tools, every, http_chat, programs, requests
+from radixrt.bench.suites import agent_tools, every, http_chat, lora, programs, requests
 
-MODULES = (agent_tools, every, http_chat, programs, requests)  # imported for their registrations
+MODULES = (
+    agent_tools,
+    every,
+    http_chat,
+    lora,
+    programs,
+    requests,
+)  # imported for their registrations
 
 
 def suite_for(config: BenchConfig) -> Suite:

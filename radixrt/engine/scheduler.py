@@ -32,14 +32,13 @@ from radixrt.engine.request import DEFAULT_SCOPE, FinishReason, Req, RequestScop
 from radixrt.engine.speculation import SpecCounters, Speculation, decodes_only
 from radixrt.engine.stats import Counters, StatsInputs, StepLog, scheduler_stats
 from radixrt.engine.tenant_stats import TenantStats
-from radixrt.executor.lora_manager import AdapterInfo
+from radixrt.executor.lora_manager import AdapterError, AdapterInfo
 from radixrt.executor.model_loader import model_fingerprint
 from radixrt.executor.model_runner import WeightCounts
 from radixrt.executor.tp_worker import TPDriver
 from radixrt.forward_batch import ForwardBatch
 from radixrt.mem_cache.slot_manager import KVSlotManager
 from radixrt.mem_cache.tiers import DevicePool, TierConfig, build_slot_manager
-from radixrt.models.lora import AdapterError
 from radixrt.protocol import ErrorCode, RequestError
 from radixrt.sampling_params import SamplingParams, generation_defaults
 

@@ -21,7 +21,6 @@ import torch
 from torch import nn
 
 from radixrt.forward_batch import ForwardBatch
-from radixrt.kernels.lora import Segments
 from radixrt.models.lora import (
     SITES,
     AdapterError,
@@ -29,9 +28,12 @@ from radixrt.models.lora import (
     LoraBatch,
     LoraSite,
     LoraState,
+    Segments,
     read_adapter,
     site_shapes,
 )
+
+__all__ = ["AdapterError", "AdapterInfo", "LoraManager", "default_max_rank", "parse_lora_paths"]
 
 logger = logging.getLogger(__name__)
 

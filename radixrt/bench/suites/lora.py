@@ -18,13 +18,17 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-from tqdm import tqdm
+from tqdm import tqdm  # type: ignore[import-untyped]
 
 from radixrt.bench.registry import register
 from radixrt.bench.report import BenchRun
 from radixrt.bench.results import RunResult
+
+if TYPE_CHECKING:  # the engine (torch) loads only when the suite runs
+    from radixrt.engine.scheduler import Scheduler
 
 ADAPTER_RANK = 8
 ADAPTER_COUNTS = (0, 1, 4, 8)
@@ -134,26 +138,26 @@ def write_random_adapters(model_dir: Path, out: Path, count: int) -> dict[str, P
     return paths
 
 
-def _scheduler(run: BenchRun, model_dir: Path, batch: int, lora: bool):
+def _scheduler(run: BenchRun, model_dir: Path, batch: int, lora: bool) -> Scheduler:
     """An in-process scheduler on the model, room for the batch; with `lora`, adapter support
     (rank ADAPTER_RANK, 8 slots)."""
     from radixrt.config import ServerArgs
     from radixrt.engine.scheduler import Scheduler
 
     config = run.config
-    adapters = {"enable_lora": True, "max_lora_rank": ADAPTER_RANK} if lora else {}
     args = ServerArgs(
         model=str(model_dir),
         dtype=config.dtype,
         max_total_tokens=batch * (config.question_tokens + config.max_new_tokens + 16),
         max_running_requests=batch,
         log_level="warning",
-        **adapters,
+        enable_lora=lora,
+        max_lora_rank=ADAPTER_RANK if lora else None,
     )
     return Scheduler.from_server_args(args)
 
 
-def _decode_step(run: BenchRun, scheduler, names: list[str], batch: int) -> float:
+def _decode_step(run: BenchRun, scheduler: Scheduler, names: list[str], batch: int) -> float:
     """The median decode step, in seconds, of `batch` requests dealt round-robin over the
     adapters `names` (none: the base), while all of them decode."""
     from radixrt.engine.request import RequestScope

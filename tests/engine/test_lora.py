@@ -225,3 +225,27 @@ def test_default_model_equals_transformers_peft(default_model_dir, tmp_path):
     scheduler = make_scheduler(default_model_dir, lora_paths=(f"d1={adapter}",))
     (req,) = _run(scheduler, [(prompt, "d1")])
     assert req.output_ids == want
+
+
+def test_adapter_namespaces_are_apart_from_salts_and_from_each_other():
+    """Model-free: an adapter's cache namespace (the worker's salt, the router's tree key)
+    differs from the base's, from every tenant's salt, from another adapter's, and from the
+    same adapter with other weights."""
+    from radixrt.server.router.prefix_tree import Namespace
+    from radixrt.server.router.router import namespace_of
+
+    base = RequestScope("alice", "s")
+    salts = {
+        base.salt,
+        RequestScope(lora_path="a1", lora_digest="d1").salt,
+        RequestScope(lora_path="a1", lora_digest="d2").salt,
+        RequestScope(lora_path="a2", lora_digest="d1").salt,
+        RequestScope("alice", "s", lora_path="a1", lora_digest="d1").salt,
+        RequestScope("", "L2:a1:d1:0::").salt,  # a salt spelling an adapter's namespace
+        RequestScope().salt,
+    }
+    assert len(salts) == 7
+    assert namespace_of("alice", {"lora_path": "a1"}) == Namespace("alice", "", "a1")
+    assert namespace_of("alice", {}) != namespace_of("alice", {"lora_path": "a1"})
+    with pytest.raises(ValueError, match="lora_path must be a string"):
+        RequestScope.from_fields("", {"lora_path": 3})

@@ -118,7 +118,7 @@ class LoraManager:
         for name, n in zip(names, batch.extend_lens):
             row_slots += [slots[name] if name else -1] * n
         device = batch.input_ids.device
-        self.state.batch = LoraBatch(Segments.of(row_slots, device), max(slots.values()) + 1, {})
+        self.state.batch = LoraBatch(Segments.of(row_slots, device))
 
     def finish(self) -> None:
         self.state.batch = None

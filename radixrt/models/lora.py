@@ -12,7 +12,7 @@ whole and its rows of B; a row-parallel one (o, down) its columns of A and B who
 partial deltas join the base's partial outputs in the one all-reduce that follows.
 
 The pool holds `--max-loras-per-batch` slots; every site keeps all slots' blocks side by side
-([in, S * R], [S * R, out]) so the CPU's masked path multiplies by one contiguous view.
+([in, S * R], [S * R, out]): a segment's slot is a column block of A and a row block of B.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from radixrt.kernels.lora import MASKED_MAX_ROWS, Segments, grouped, masked, slot_mask
+from radixrt.kernels.lora import Segments, grouped
 
 # call site -> the peft projections it fuses, in the order of the site's output columns
 SITES = {"qkv": ("q", "k", "v"), "o": ("o",), "gate_up": ("gate", "up"), "down": ("down",)}
@@ -252,32 +252,20 @@ def _digest(*files: Path) -> str:
 
 @dataclass
 class LoraBatch:
-    """One forward's rows as adapters see them: their segments, how many leading pool slots
-    hold the batch's adapters, and (decode-sized batches on the CPU) the masks of the masked
-    path, one per site rank width, made on first use."""
+    """One forward's rows as adapters see them: their segments by pool slot."""
 
     segments: Segments
-    num_slots: int
-    masks: dict[int, torch.Tensor]
 
     def add_delta(
         self, y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, per_slot: int
     ) -> torch.Tensor:
         """`y` plus each row's adapter delta, in place; `a` [in, S * per_slot] and `b`
-        [S * per_slot, out] hold every pool slot's block (only the leading used ones are read)."""
-        used = self.num_slots * per_slot
-        a, b = a[:, :used], b[:used]
+        [S * per_slot, out] hold every pool slot's block."""
         if x.is_cuda:
             from radixrt.kernels.lora_sgmv import lora_sgmv_fwd
 
             return lora_sgmv_fwd(y, x.contiguous(), a, b, self.segments, per_slot)
-        if self.segments.num_rows > MASKED_MAX_ROWS:
-            return y.add_(grouped(x, a, b, self.segments, per_slot))
-        mask = self.masks.get(per_slot)
-        if mask is None:
-            mask = slot_mask(self.segments.row_slots, self.num_slots, per_slot, x.dtype)
-            self.masks[per_slot] = mask
-        return y.add_(masked(x, a, b, mask))
+        return y.add_(grouped(x, a, b, self.segments, per_slot))
 
 
 class LoraState:

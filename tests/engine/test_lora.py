@@ -144,7 +144,7 @@ def test_delta_adds_to_an_int8_base():
     state = LoraState()
     site = LoraSite(base, a, b, 8, state)
     x, row_slots = torch.randn(5, 40), [1, -1, 0, 1, 1]
-    state.batch = LoraBatch(Segments.of(row_slots), 2, {})
+    state.batch = LoraBatch(Segments.of(row_slots))
     want = base(x) + dense_reference(x, a, b, row_slots, 8)
     torch.testing.assert_close(site(x), want, atol=1e-4, rtol=1e-4)
 

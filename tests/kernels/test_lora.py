@@ -9,7 +9,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from radixrt.kernels.lora import Segments, dense_reference, grouped, masked, slot_mask  # noqa: E402
+from radixrt.kernels.lora import Segments, dense_reference, grouped  # noqa: E402
 
 IN, OUT, SLOTS, PER_SLOT = 40, 24, 4, 8  # widths no power of two: every tile is masked
 
@@ -19,13 +19,7 @@ def test_segments_group_rows_by_slot_and_leave_the_base_out():
     assert seg.slots == [0, 2, 3]
     assert seg.order.tolist() == [2, 4, 0, 3, 6]  # rows ascending within a slot
     assert list(zip(seg.starts, seg.ends)) == [(0, 2), (2, 4), (4, 5)]
-    assert seg.row_slots.tolist() == [2, -1, 0, 2, 0, -1, 3]
     assert Segments.of([-1, -1]).slots == []
-
-
-def test_slot_mask_keeps_each_rows_own_block():
-    mask = slot_mask(torch.tensor([1, -1, 0]), 2, 3, torch.float32)
-    assert mask.tolist() == [[0, 0, 0, 1, 1, 1], [0] * 6, [1, 1, 1, 0, 0, 0]]
 
 
 def _weights(seed: int, dtype=torch.float32):
@@ -41,15 +35,13 @@ def _rows(n: int, seed: int) -> list[int]:
 
 
 @pytest.mark.parametrize("rows", [1, 5, 33])
-def test_cpu_paths_equal_the_dense_definition(rows):
+def test_cpu_path_equals_the_dense_definition(rows):
     a, b = _weights(rows)
     x = torch.randn(rows, IN)
     row_slots = _rows(rows, rows + 1)
     seg = Segments.of(row_slots)
     want = dense_reference(x, a, b, row_slots, PER_SLOT)
     torch.testing.assert_close(grouped(x, a, b, seg, PER_SLOT), want, atol=1e-4, rtol=1e-4)
-    mask = slot_mask(seg.row_slots, SLOTS, PER_SLOT, x.dtype)
-    torch.testing.assert_close(masked(x, a, b, mask), want, atol=1e-4, rtol=1e-4)
     assert not want[[i for i, s in enumerate(row_slots) if s < 0]].any()
 
 

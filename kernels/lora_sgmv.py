@@ -36,8 +36,10 @@ def _sgmv_kernel(
     N,
     R,
     stride_x,
-    stride_a,
-    stride_b,
+    stride_as,
+    stride_ak,
+    stride_bs,
+    stride_br,
     stride_y,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -45,7 +47,7 @@ def _sgmv_kernel(
     BLOCK_R: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """Y[rows] += (X[rows] @ A[:, slot block]) @ B[slot block, n-tile] for the rows of segment
+    """Y[rows] += (X[rows] @ A[slot]) @ B[slot][:, n-tile] for the rows of segment
     program_id(0)'s row block program_id(1)."""
     seg = tl.program_id(0)
     start = tl.load(seg_starts + seg)
@@ -67,14 +69,14 @@ def _sgmv_kernel(
             other=0.0,
         )
         a = tl.load(
-            A + ks[:, None] * stride_a + slot * R + rs[None, :],
+            A + slot * stride_as + ks[:, None] * stride_ak + rs[None, :],
             mask=(ks[:, None] < K) & (rs[None, :] < R),
             other=0.0,
         )
         shrunk += tl.dot(x, a, input_precision=DOT_PRECISION)
     cols = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
     b = tl.load(
-        B + (slot * R + rs)[:, None] * stride_b + cols[None, :],
+        B + slot * stride_bs + rs[:, None] * stride_br + cols[None, :],
         mask=(rs[:, None] < R) & (cols[None, :] < N),
         other=0.0,
     )
@@ -86,11 +88,11 @@ def _sgmv_kernel(
 
 
 def lora_sgmv_fwd(
-    y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, seg: Segments, per_slot: int
+    y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, seg: Segments
 ) -> torch.Tensor:
-    """`y` [T, out] += each row's delta (`kernels/lora.py`'s `grouped`), in place; `a`
-    [in, S * per_slot], `b` [S * per_slot, out], rows contiguous. One launch; none for a batch
-    without adapters."""
+    """`y` [T, out] += each row's delta (`kernels/lora.py`'s `batched`), in place; `a`
+    [S, in, R], `b` [S, R, out], rows contiguous. One launch; none for a batch without
+    adapters."""
     if not seg.slots:
         return y
     assert x.stride(-1) == 1 and a.stride(-1) == 1 and b.stride(-1) == 1 and y.stride(-1) == 1
@@ -98,9 +100,8 @@ def lora_sgmv_fwd(
     starts = torch.tensor(seg.starts, dtype=torch.int32, device=device)
     ends = torch.tensor(seg.ends, dtype=torch.int32, device=device)
     slots = torch.tensor(seg.slots, dtype=torch.int32, device=device)
-    longest = max(e - s for s, e in zip(seg.starts, seg.ends))
-    n = b.shape[1]
-    grid = (len(seg.slots), triton.cdiv(longest, BLOCK_M), triton.cdiv(n, BLOCK_N))
+    n, per_slot = b.shape[2], b.shape[1]
+    grid = (len(seg.slots), triton.cdiv(seg.longest, BLOCK_M), triton.cdiv(n, BLOCK_N))
     _sgmv_kernel[grid](
         x,
         a,
@@ -115,7 +116,9 @@ def lora_sgmv_fwd(
         per_slot,
         x.stride(0),
         a.stride(0),
+        a.stride(1),
         b.stride(0),
+        b.stride(1),
         y.stride(0),
         BLOCK_M=BLOCK_M,
         BLOCK_N=BLOCK_N,

@@ -149,14 +149,13 @@ class LoraManager:
     def _write(self, slot: int, adapter: LoraAdapter) -> None:
         """Copy `adapter`'s blocks into `slot` of every site (zeros where it adapts nothing)."""
         for key, site in self.sites.items():
-            cols = slice(slot * site.per_slot, (slot + 1) * site.per_slot)
             block = adapter.blocks.get(key)
             if block is None:
-                site.a[:, cols].zero_()
-                site.b[cols].zero_()
+                site.a[slot].zero_()
+                site.b[slot].zero_()
             else:
-                site.a[:, cols].copy_(block[0])
-                site.b[cols].copy_(block[1])
+                site.a[slot].copy_(block[0])
+                site.b[slot].copy_(block[1])
 
 
 def _attach(
@@ -173,10 +172,10 @@ def _attach(
         for site, owner in owners.items():
             per_slot = len(SITES[site]) * max_rank
             shape = shapes[site]
-            a = torch.zeros(shape.width, num_slots * per_slot, dtype=dtype, device=device)
-            b = torch.zeros(num_slots * per_slot, shape.out, dtype=dtype, device=device)
+            a = torch.zeros(num_slots, shape.width, per_slot, dtype=dtype, device=device)
+            b = torch.zeros(num_slots, per_slot, shape.out, dtype=dtype, device=device)
             attr = f"{site}_proj"
-            wrapped = LoraSite(getattr(owner, attr), a, b, per_slot, state)
+            wrapped = LoraSite(getattr(owner, attr), a, b, state)
             setattr(owner, attr, wrapped)
             sites[i, site] = wrapped
     return sites

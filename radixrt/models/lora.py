@@ -11,8 +11,8 @@ rsLoRA) folded into B. Under `--tp-size` a column-parallel base (q, k, v, gate, 
 whole and its rows of B; a row-parallel one (o, down) its columns of A and B whole: the ranks'
 partial deltas join the base's partial outputs in the one all-reduce that follows.
 
-The pool holds `--max-loras-per-batch` slots; every site keeps all slots' blocks side by side
-([in, S * R], [S * R, out]): a segment's slot is a column block of A and a row block of B.
+The pool holds `--max-loras-per-batch` slots; every site keeps all slots' blocks slot-major
+([S, in, R], [S, R, out]), so a batch over slots 0..n-1 multiplies by views of them.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from radixrt.kernels.lora import Segments, grouped
+from radixrt.kernels.lora import Segments, batched
 
 # call site -> the peft projections it fuses, in the order of the site's output columns
 SITES = {"qkv": ("q", "k", "v"), "o": ("o",), "gate_up": ("gate", "up"), "down": ("down",)}
@@ -257,15 +257,15 @@ class LoraBatch:
     segments: Segments
 
     def add_delta(
-        self, y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, per_slot: int
+        self, y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor
     ) -> torch.Tensor:
-        """`y` plus each row's adapter delta, in place; `a` [in, S * per_slot] and `b`
-        [S * per_slot, out] hold every pool slot's block."""
+        """`y` plus each row's adapter delta, in place; `a` [S, in, R] and `b` [S, R, out] hold
+        every pool slot's blocks."""
         if x.is_cuda:
             from radixrt.kernels.lora_sgmv import lora_sgmv_fwd
 
-            return lora_sgmv_fwd(y, x.contiguous(), a, b, self.segments, per_slot)
-        return y.add_(grouped(x, a, b, self.segments, per_slot))
+            return lora_sgmv_fwd(y, x.contiguous(), a, b, self.segments)
+        return batched(y, x, a, b, self.segments)
 
 
 class LoraState:
@@ -278,16 +278,13 @@ class LoraState:
 
 class LoraSite(nn.Module):
     """A base projection (any module: `nn.Linear`, prepacked, int8) plus each row's adapter
-    delta; `a` [in, S * R] and `b` [S * R, out] hold the blocks of all S pool slots."""
+    delta; `a` [S, in, R] and `b` [S, R, out] hold the blocks of all S pool slots."""
 
-    def __init__(
-        self, base: nn.Module, a: torch.Tensor, b: torch.Tensor, per_slot: int, state: LoraState
-    ):
+    def __init__(self, base: nn.Module, a: torch.Tensor, b: torch.Tensor, state: LoraState):
         super().__init__()
         self.base = base
         self.register_buffer("a", a, persistent=False)
         self.register_buffer("b", b, persistent=False)
-        self.per_slot = per_slot
         self.state = state
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -295,4 +292,4 @@ class LoraSite(nn.Module):
         batch = self.state.batch
         if batch is None:
             return y
-        return batch.add_delta(y, x, self.a, self.b, self.per_slot)
+        return batch.add_delta(y, x, self.a, self.b)

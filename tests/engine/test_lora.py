@@ -140,12 +140,12 @@ def test_delta_adds_to_an_int8_base():
         pytest.skip("int8 weights need AVX2 and a C compiler")
     torch.manual_seed(0)
     base = Int8Linear(torch.randn(24, 40), None)
-    a, b = torch.randn(40, 2 * 8), torch.randn(2 * 8, 24)
+    a, b = torch.randn(2, 40, 8), torch.randn(2, 8, 24)
     state = LoraState()
-    site = LoraSite(base, a, b, 8, state)
+    site = LoraSite(base, a, b, state)
     x, row_slots = torch.randn(5, 40), [1, -1, 0, 1, 1]
     state.batch = LoraBatch(Segments.of(row_slots))
-    want = base(x) + dense_reference(x, a, b, row_slots, 8)
+    want = base(x) + dense_reference(x, a, b, row_slots)
     torch.testing.assert_close(site(x), want, atol=1e-4, rtol=1e-4)
 
 

@@ -57,8 +57,8 @@ def chat(
         info, prompt_messages(messages, request.tools, request.parser, template), rendered
     )
     params = dict(sampling_params)
-    if request.regex is not None:
-        params["regex"] = request.regex
+    if request.constraint is not None:
+        params.update(request.constraint.params())
     suffix = ChatTemplate.from_model_info(info).suffix("assistant").strip()
     if suffix:
         params.setdefault("stop_token_ids", backend.tokenize(suffix)[:1])

@@ -80,8 +80,8 @@ class ProgramState:
             if isinstance(self.backend, OpenAI):
                 raise ValueError("gen(tools=...) needs a radixrt backend, not rt.OpenAI")
             tools = ToolRequest.of(self.backend, g.tools, g.tool_choice, g.parallel_tool_calls)
-            if tools.regex is not None:
-                params["regex"] = tools.regex
+            if tools.constraint is not None:
+                params.update(tools.constraint.params())
         if self._role and self._role[0] == "assistant" and not isinstance(self.backend, OpenAI):
             params.setdefault("stop_token_ids", self._end_of_turn_ids())
         if self._stream is None:

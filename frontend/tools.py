@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from radixrt.client.endpoint import RuntimeEndpoint
+from radixrt.structured.patterns import Constraint
 from radixrt.structured.tools import (
     PARSERS,
     Tool,
@@ -24,13 +25,13 @@ from radixrt.structured.tools import (
 
 @dataclass(frozen=True)
 class ToolRequest:
-    """A generation's tools: the parser its model writes calls with and the regex it decodes
-    under (None under `tool_choice="none"`)."""
+    """A generation's tools: the parser its model writes calls with and the constraint it
+    decodes under (None under `tool_choice="none"`)."""
 
     tools: list[Tool]
     choice: ToolChoice
     parser: ToolCallParser
-    regex: str | None
+    constraint: Constraint | None
 
     @classmethod
     def of(
@@ -49,7 +50,7 @@ class ToolRequest:
 
     def read(self, text: str) -> tuple[str, list[ToolCall]]:
         """The reply's content (the text before any calls) and its finished calls."""
-        if self.regex is None:
+        if self.constraint is None:
             return text, []
         scan = self.parser.scan(text, final=True)
         return scan.content, scan.finished_calls()

@@ -22,7 +22,7 @@ from radixrt.bench.variants import DEFAULT_SYSTEMS, PEERS, VARIANTS
 from radixrt.bench.workloads import REQUEST_WORKLOADS, WorkloadConfig
 from radixrt.config import ServerArgs, Settings, server_field
 
-WORKLOADS = (*REQUEST_WORKLOADS, *PROGRAM_WORKLOADS, "agent-tools", "lora", "all")
+WORKLOADS = (*REQUEST_WORKLOADS, *PROGRAM_WORKLOADS, "agent-tools", "grammar", "lora", "all")
 BACKENDS = ("engine", "server", "http")
 DEFAULT_NUM_REQUESTS = 64  # of request and program workloads; the HTTP suites keep their own
 
@@ -70,6 +70,7 @@ class BenchConfig(Settings):
         "request workloads: shared-prefix, multi-prefix, multi-turn, long-prompt, random, json, "
         "agent-loop, few-shot; DSL programs: agent, few-shot-select, tree-of-thought; agent-tools "
         "(with --backend http): tool-calling agents per tool_choice against an unconstrained run; "
+        "grammar: compile and mask times of each grammar backend (tokenizer only); "
         "lora: decode step time at a batch of --num-requests (32) under 0/1/4/8 adapters against "
         "the base, and adapter load time; "
         "all: every request and program workload in turn, plus a hit-rate plot",

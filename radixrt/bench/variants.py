@@ -15,6 +15,11 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "radixrt-static": {"schedule_mode": "static"},
     "radixrt-no-chunking": {"chunked_prefill_size": 0},
     "radixrt-no-jump-forward": {"enable_jump_forward": False},
+    "radixrt-llguidance": {"grammar_backend": "llguidance"},
+    "radixrt-llguidance-no-jump-forward": {
+        "grammar_backend": "llguidance",
+        "enable_jump_forward": False,
+    },
     "radixrt-int8": {"quantization": "int8"},
     "radixrt-spec": {"speculative_algorithm": "ngram"},
     "radixrt-no-jump-forward-spec": {
@@ -51,7 +56,8 @@ DEFAULT_SYSTEMS = {
     "multi-prefix": "radixrt-dp2,radixrt-dp2-round-robin,radixrt-dp2-shortest-queue,radixrt",
     "long-prompt": "radixrt,radixrt-no-chunking",
     "random": "radixrt,radixrt-no-cache,transformers",
-    "json": "radixrt,radixrt-no-jump-forward,radixrt-spec",
+    "json": "radixrt,radixrt-no-jump-forward,radixrt-llguidance,radixrt-llguidance-no-jump-forward,"
+    "radixrt-spec",
     "agent-loop": "radixrt,radixrt-spec",
     "few-shot": "radixrt,radixrt-spec",
     **{w: "radixrt,radixrt-no-cache" for w in PROGRAM_WORKLOADS},

@@ -1,9 +1,12 @@
 """Token masks of a batch: one int32 row per request (bit j of word i = token 32*i + j), turned
-into -inf logits in one batched op."""
+into -inf logits in one pass (a C kernel for float32 CPU logits, `kernels/cpu_mask.py`) or one
+batched torch op."""
 
 from __future__ import annotations
 
 import torch
+
+from radixrt.kernels import cpu_mask
 
 
 def allocate_bitmask(batch: int, vocab_size: int) -> torch.Tensor:
@@ -20,6 +23,8 @@ def apply_bitmask(
     """In place, set logits[r, t] = -inf where bit t of bitmask[r] is 0, for r in `rows` (every row
     if None). Bitmask rows line up with logits rows; logits columns beyond the bitmask are masked too."""
     if rows is not None and not rows:
+        return
+    if cpu_mask.apply_bitmask(logits, bitmask, rows):
         return
     device = logits.device
     if device not in _BIT_VALUES:

@@ -27,8 +27,8 @@ The scheduler drives the lanes through `poll()` (from its admission loop and its
 which reads replies, kills overruns, starts queued jobs, and stops workers idle for IDLE_EXIT_S;
 `close()` kills every worker.
 
-Constraints for llguidance (`ebnf` and `lark` always; every kind with `--grammar-backend
-llguidance`) skip the lanes: their builds take milliseconds and are bounded by llguidance's own
+Constraints for llguidance (`ebnf` and `lark` always, JSON schemas with keywords only llguidance
+enforces, such as numeric bounds; every kind with `--grammar-backend llguidance`) skip the lanes: their builds take milliseconds and are bounded by llguidance's own
 limits (`llguidance_backend.py`), so one thread builds them in turn; `poll()` collects them, and a
 build still unfinished at its budget fails its job (the thread ends within those limits).
 """
@@ -67,6 +67,8 @@ from radixrt.structured.regexes import (
     JSON_WHITESPACE,
     MAX_REGEX_CHARS,
     check_regex,
+    load_schema,
+    needs_grammar,
     schema_regex,
 )
 from radixrt.structured.vocabulary import TokenTable, build_vocabulary
@@ -279,8 +281,8 @@ class ConstraintCompiler:
                 f"give exactly one of {', '.join(CONSTRAINT_KINDS)} (got {sorted(given)})"
             )
         kind, value = given.popitem()
-        backend = backend_for(kind, self.backend)
         try:  # not cached: checks are cheap, values large
+            backend = self._backend(kind, value)
             pattern = (
                 self._to_regex(kind, value)
                 if backend == "outlines"
@@ -517,6 +519,15 @@ class ConstraintCompiler:
                     f"{job.kind} constraint is too complex: compiling took over "
                     f"{self.compile_timeout_s:g} s"
                 )
+
+    def _backend(self, kind: str, value: Any) -> str:
+        """Who compiles a constraint: llguidance for CFGs and for JSON schemas with keywords only
+        it enforces (GRAMMAR_KEYWORDS), else `--grammar-backend`. ValueError for a malformed
+        schema."""
+        backend = backend_for(kind, self.backend)
+        if backend == "outlines" and kind == "json_schema" and needs_grammar(load_schema(value)):
+            return "llguidance"
+        return backend
 
     def _to_grammar(self, kind: str, value: Any) -> str:
         """The llguidance grammar text of a constraint (choices and dtypes as their regexes)."""

@@ -7,7 +7,8 @@ tool calls use only these two. Backends:
 
 - outlines-core (`guide.py`): a regex DFA (`Index`), built in killable worker processes;
 - llguidance (`llguidance_backend.py`): Earley parsing over lexer DFAs, for context-free
-  grammars (`ebnf`, `lark`, always) and, with `--grammar-backend llguidance`, for every kind.
+  grammars (`ebnf`, `lark`) and JSON schemas with keywords outlines-core ignores (numeric bounds,
+  `multipleOf`, ...) always, and, with `--grammar-backend llguidance`, for every kind.
 
 Speculative drafts need no rollback here: `allowed_prefix` checks a draft without advancing,
 and a walk advances only by tokens that verification accepted.

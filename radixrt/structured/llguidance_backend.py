@@ -10,7 +10,6 @@ bounded: llguidance's `LLParserLimits` cap the lexer's fuel and states and the g
 
 from __future__ import annotations
 
-import copy
 from typing import TYPE_CHECKING, Any
 
 import llguidance
@@ -20,7 +19,13 @@ from llguidance import LLMatcher, LLParserLimits, LLTokenizer
 from llguidance.gbnf_to_lark import gbnf_to_lark
 
 from radixrt.structured.grammar import ConstraintError
-from radixrt.structured.regexes import MAX_REGEX_CHARS, load_schema, subschemas
+from radixrt.structured.regexes import (
+    MAX_REGEX_CHARS,
+    check_enforced,
+    closed_objects,
+    load_schema,
+    schema_nodes,
+)
 
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions
@@ -43,23 +48,6 @@ def tokenizer(hf_tokenizer: PreTrainedTokenizerBase, vocab_size: int) -> LLToken
     return llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size)
 
 
-def closed_objects(schema: dict[str, Any]) -> dict[str, Any]:
-    """A copy of `schema` in which an object schema that lists properties and says nothing of
-    `additionalProperties` says false: outlines-core reads schemas so (as xgrammar's strict
-    mode does), and a schema must mean the same under either backend, though JSON Schema itself
-    would allow other keys. Walked without recursion (`load_schema` bounded the depth)."""
-    root = copy.deepcopy(schema)
-    stack: list[Any] = [root]
-    while stack:
-        node = stack.pop()
-        if not isinstance(node, dict):
-            continue
-        if "properties" in node and "additionalProperties" not in node:
-            node["additionalProperties"] = False
-        stack.extend(sub for _, sub in subschemas(node))
-    return root
-
-
 def grammar_text(kind: str, value: Any) -> str:
     """The llguidance grammar of a constraint (`regex` stands for choices and dtypes too, as
     their regexes); ConstraintError for a value of the wrong type, too long, or (GBNF) one that
@@ -67,9 +55,13 @@ def grammar_text(kind: str, value: Any) -> str:
     if kind == "json_schema":
         try:
             schema = closed_objects(load_schema(value))
-            return LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+            for path, node in schema_nodes(schema):
+                check_enforced(node, path)
+            text = LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
         except ValueError as e:
             raise ConstraintError(str(e)) from None
+        check_implemented(text)
+        return text
     if not isinstance(value, str):
         raise ConstraintError(f"{kind} must be a string")
     if len(value) > MAX_GRAMMAR_CHARS:
@@ -81,7 +73,19 @@ def grammar_text(kind: str, value: Any) -> str:
             value = gbnf_to_lark(value)
         except Exception as e:  # noqa: BLE001 (the converter raises several types)
             raise ConstraintError(f"invalid ebnf (GBNF) grammar: {e}") from None
-    return LLMatcher.grammar_from_lark(value)
+    text = LLMatcher.grammar_from_lark(value)
+    check_implemented(text)
+    return text
+
+
+def check_implemented(text: str) -> None:
+    """ConstraintError naming what llguidance would ignore in a grammar (JSON-schema keys it does
+    not implement, unknown string formats, also inside a Lark grammar's `%json`): ignored, they
+    could be broken by outputs said to validate."""
+    _, warnings = LLMatcher.validate_grammar_with_warnings(text)
+    ignored = [w for w in warnings if w.startswith(("Unimplemented keys", "Unknown format"))]
+    if ignored:
+        raise ConstraintError(f"constraint cannot be enforced while decoding: {'; '.join(ignored)}")
 
 
 def build(tokens: LLTokenizer, kind: str, text: str, eos_token_id: int) -> LLGuidanceGrammar:

@@ -3,8 +3,9 @@ regexes; importable without torch (the HTTP gateway uses them for `response_form
 
 from __future__ import annotations
 
+import copy
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from outlines_core.json_schema import build_regex_from_schema
@@ -38,6 +39,35 @@ _SCHEMA_LISTS = ("prefixItems", "anyOf", "oneOf", "allOf")
 _SCHEMA_SUBSCHEMAS = ("additionalProperties", "not")
 _SCHEMA_STRINGS = ("$ref", "pattern", "format", "title", "description")
 _SCHEMA_COUNTS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties")
+# Keywords outlines-core's regexes ignore and llguidance enforces: a schema with one compiles with
+# llguidance whatever `--grammar-backend` says, so that its outputs validate.
+GRAMMAR_KEYWORDS = (
+    "minimum",
+    "maximum",
+    "exclusiveMinimum",
+    "exclusiveMaximum",
+    "multipleOf",
+    "patternProperties",
+    "minProperties",
+    "maxProperties",
+)
+# Keywords no backend enforces while decoding: a schema with one is refused, naming it, since its
+# outputs could break it (llguidance also reports any other key it does not implement).
+UNENFORCED_KEYWORDS = (
+    "uniqueItems",
+    "contains",
+    "minContains",
+    "maxContains",
+    "not",
+    "if",
+    "then",
+    "else",
+    "propertyNames",
+    "dependentRequired",
+    "dependentSchemas",
+    "unevaluatedProperties",
+    "unevaluatedItems",
+)
 
 
 def load_schema(value: Any) -> dict[str, Any]:
@@ -101,6 +131,7 @@ def check_schema(node: Any, path: str = "$") -> None:
     if not isinstance(node, dict):
         raise ValueError(f"JSON schema at {path} must be an object or a boolean, not {_kind(node)}")
     _check_keyword_types(node, path)
+    check_enforced(node, path)
     if not any(k in node for k in _SCHEMA_KEYWORDS):
         raise ValueError(
             f"JSON schema at {path} accepts any JSON value, which is too complex to constrain; "
@@ -134,6 +165,44 @@ def check_schema(node: Any, path: str = "$") -> None:
             )
     for where, sub in subschemas(node):
         check_schema(sub, f"{path}{where}")
+
+
+def check_enforced(node: dict[str, Any], path: str = "$") -> None:
+    """ValueError naming the first keyword of UNENFORCED_KEYWORDS in schema `node` (this node only)."""
+    for key in UNENFORCED_KEYWORDS:
+        if key in node:
+            raise ValueError(
+                f"JSON schema at {path}: {key!r} cannot be enforced while decoding, so outputs "
+                "could break it; drop it or say it with enum, pattern or bounds"
+            )
+
+
+def needs_grammar(schema: Any) -> bool:
+    """Whether a (loaded) schema uses a keyword of GRAMMAR_KEYWORDS anywhere."""
+    return any(k in node for _, node in schema_nodes(schema) for k in GRAMMAR_KEYWORDS)
+
+
+def schema_nodes(schema: Any) -> Iterator[tuple[str, dict[str, Any]]]:
+    """Every schema object in `schema` (itself included) with where it lies, walked without
+    recursion; a node may be changed in place before the walk moves past it."""
+    stack: list[tuple[str, Any]] = [("$", schema)]
+    while stack:
+        path, node = stack.pop()
+        if isinstance(node, dict):
+            yield path, node
+            stack.extend((path + where, sub) for where, sub in subschemas(node))
+
+
+def closed_objects(schema: dict[str, Any]) -> dict[str, Any]:
+    """A copy of `schema` in which an object schema that lists properties and says nothing of
+    `additionalProperties` says false: outlines-core reads schemas so (as xgrammar's strict
+    mode does), and a schema must mean the same under either backend, though JSON Schema itself
+    would allow other keys. Walked without recursion (`load_schema` bounded the depth)."""
+    root = copy.deepcopy(schema)
+    for _, node in schema_nodes(root):
+        if "properties" in node and "additionalProperties" not in node:
+            node["additionalProperties"] = False
+    return root
 
 
 def subschemas(node: dict[str, Any]) -> Iterable[tuple[str, Any]]:

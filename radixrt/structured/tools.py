@@ -1,9 +1,10 @@
 """Tool calls (OpenAI `tools`, `tool_choice`, `parallel_tool_calls`): the tools' checks, the call
-formats models write (`--tool-call-parser`), the regex under which every call parses and validates,
+formats models write (`--tool-call-parser`), the constraint under which every call parses and
+validates (a regex, or a Lark grammar when a tool's schema has keywords only llguidance enforces),
 reading calls back (whole or as a stream grows), and rendering calls and tool results into the
 next prompt. No torch: the HTTP gateway and the DSL use it.
 
-How `tool_choice` constrains the output (one regex over the whole reply, so the guarantee holds
+How `tool_choice` constrains the output (one constraint over the whole reply, so the guarantee holds
 token by token and jump-forward applies to the forced names and keys):
 - `required` / a named function: the calls section only (one call, or one or more when
   `parallel_tool_calls`), each call `{"name": <a tool>, "arguments": <that tool's schema>}`.
@@ -20,37 +21,26 @@ import json
 import re
 import uuid
 from dataclasses import dataclass, field
-from functools import cached_property
 from typing import Any, TypeGuard
 
-from radixrt.structured.regexes import schema_regex
+from radixrt.structured.patterns import (
+    Constraint,
+    Json,
+    Lit,
+    Opt,
+    Pattern,
+    Re,
+    Star,
+    alt,
+    literal,
+    render,
+    seq,
+)
+from radixrt.structured.regexes import check_schema, load_schema
 
 PARSER_NAMES = ("auto", "hermes", "llama3-json", "mistral", "pythonic")
 _TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _CLASS_SPECIALS = set("\\]^-[&~")
-# what Rust's regex syntax reads as more than itself (not `<` or `>`: escaped, they are word ends)
-_META = set("\\.+*?()|[]{}^$#&-~")
-
-
-# JSON-schema keywords outlines-core's regexes do not enforce: a tool using one is refused, so
-# that every call validates against its tool's schema (OpenAI's strict mode refuses most of them)
-UNENFORCED_KEYWORDS = (
-    "minimum",
-    "maximum",
-    "exclusiveMinimum",
-    "exclusiveMaximum",
-    "multipleOf",
-    "uniqueItems",
-    "contains",
-    "not",
-    "if",
-    "patternProperties",
-    "propertyNames",
-    "minProperties",
-    "maxProperties",
-    "dependentRequired",
-    "dependentSchemas",
-)
 
 
 class ToolError(ValueError):
@@ -70,12 +60,12 @@ class Tool:
         function = {"name": self.name, "description": self.description}
         return {"type": "function", "function": {**function, "parameters": self.parameters}}
 
-    @cached_property
-    def arguments_regex(self) -> str:
+    @property
+    def arguments(self) -> Pattern:
         """Arguments per the schema; a tool without properties takes exactly `{}`."""
         if not self.parameters.get("properties"):
-            return r"\{\}"
-        return schema_regex(self.parameters)
+            return Lit("{}")
+        return Json(self.parameters)
 
 
 def parse_tools(tools: list[Any]) -> list[Tool]:
@@ -101,47 +91,17 @@ def parse_tools(tools: list[Any]) -> list[Tool]:
             parameters = {"type": "object", "properties": {}}
         if not isinstance(parameters, dict) or parameters.get("type", "object") != "object":
             raise ToolError(f"{where}.function.parameters must be a JSON schema of type object")
-        if unenforced := _unenforced(parameters, "$"):
-            raise ToolError(
-                f"{where}.function.parameters: {unenforced} cannot be enforced while decoding, so "
-                "calls could break it; drop it or say it with enum, pattern or maxLength"
-            )
         tool = Tool(
             name, parameters, str(function.get("description") or ""), bool(function.get("strict"))
         )
-        try:
-            _ = tool.arguments_regex  # checked now, so a bad schema is the caller's 400
+        try:  # checked now, so a bad schema is the caller's 400
+            if isinstance(tool.arguments, Json):
+                check_schema(load_schema(parameters))
+            render(tool.arguments)
         except ValueError as e:
             raise ToolError(f"{where}.function.parameters: {e}") from None
         parsed.append(tool)
     return parsed
-
-
-def _unenforced(node: Any, path: str) -> str | None:
-    """The first keyword (with where it is) of UNENFORCED_KEYWORDS in a schema, or None."""
-    if isinstance(node, list):
-        return next((u for i, n in enumerate(node) if (u := _unenforced(n, f"{path}[{i}]"))), None)
-    if not isinstance(node, dict):
-        return None
-    for key, value in node.items():
-        if key in UNENFORCED_KEYWORDS:
-            return f"{key!r} at {path}"
-        if key in ("properties", "$defs", "definitions") and isinstance(value, dict):
-            found = next(
-                (u for k, v in value.items() if (u := _unenforced(v, f"{path}.{key}.{k}"))), None
-            )
-        elif isinstance(value, (dict, list)) and key not in (
-            "enum",
-            "const",
-            "default",
-            "examples",
-        ):
-            found = _unenforced(value, f"{path}.{key}")
-        else:
-            found = None
-        if found:
-            return found
-    return None
 
 
 @dataclass(frozen=True)
@@ -228,14 +188,15 @@ class Scan:
 
 
 class ToolCallParser:
-    """One way of writing calls: its trigger (the text that starts the calls), the regex of the
-    calls section, how to read it back and how to write given calls into a prompt."""
+    """One way of writing calls: its trigger (the text that starts the calls, and the section
+    begins with it), the pattern of the calls section, how to read it back and how to write given
+    calls into a prompt."""
 
     name: str
     trigger: str
     syntax: str  # how the default prompt tells the model to call
 
-    def section_regex(self, tools: list[Tool], parallel: bool) -> str:
+    def section(self, tools: list[Tool], parallel: bool) -> Pattern:
         raise NotImplementedError
 
     def scan(self, text: str, final: bool) -> Scan:
@@ -244,14 +205,19 @@ class ToolCallParser:
     def format_calls(self, calls: list[ToolCall]) -> str:
         raise NotImplementedError
 
-    def constraint(self, tools: list[Tool], choice: ToolChoice, parallel: bool) -> str | None:
-        """The regex the reply decodes under (see the module docstring); None for `none`."""
+    def constraint(
+        self, tools: list[Tool], choice: ToolChoice, parallel: bool
+    ) -> Constraint | None:
+        """The constraint the reply decodes under (see the module docstring); None for `none`.
+        Under `auto`, free text and the trigger that ends it are one stretch of the pattern (so
+        one lexeme of a grammar)."""
         if choice.mode == "none":
             return None
-        section = self.section_regex(choice.tools(tools), parallel)
+        section = self.section(choice.tools(tools), parallel)
         if choice.mode == "auto":
-            return f"{avoiding(self.trigger)}(?:{section})?|{section}"
-        return section
+            free = Re(avoiding(self.trigger))
+            return render(alt(free, seq(Opt(free), section)))
+        return render(section)
 
     def content_of(self, text: str, final: bool) -> str:
         """Text before the trigger; while streaming, less a tail that may begin the trigger."""
@@ -282,14 +248,15 @@ class JsonCallFormat(ToolCallParser):
     section_close: str = ""
     args_key: str = "arguments"
 
-    def section_regex(self, tools: list[Tool], parallel: bool) -> str:
-        one = "|".join(
-            literal(f'{{"name":"{t.name}","{self.args_key}":') + f"{t.arguments_regex}\\}}"
-            for t in tools
+    def section(self, tools: list[Tool], parallel: bool) -> Pattern:
+        """The tools' names are alternatives after the common `{"name":"`, so that the trigger
+        (which may end inside it) stays in the stretch before them."""
+        names = alt(
+            *(seq(Lit(f'{t.name}","{self.args_key}":'), t.arguments, Lit("}")) for t in tools)
         )
-        call = f"{literal(self.call_open)}(?:{one}){literal(self.call_close)}"
-        calls = f"{call}(?:{literal(self.separator)}{call})*" if parallel else call
-        return f"{literal(self.section_open)}{calls}{literal(self.section_close)}"
+        call = seq(Lit(self.call_open + '{"name":"'), names, Lit(self.call_close))
+        calls = seq(call, Star(seq(Lit(self.separator), call))) if parallel else call
+        return seq(Lit(self.section_open), calls, Lit(self.section_close))
 
     def scan(self, text: str, final: bool) -> Scan:
         content = self.content_of(text, final)
@@ -349,10 +316,10 @@ class PythonicFormat(ToolCallParser):
         '[func_name1(param1="value1", param2=2), func_name2(param=true)]'
     )
 
-    def section_regex(self, tools: list[Tool], parallel: bool) -> str:
-        one = "|".join(f"{literal(t.name)}\\({_kwargs_regex(t)}\\)" for t in tools)
-        calls = f"(?:{one})(?:, (?:{one}))*" if parallel else f"(?:{one})"
-        return f"\\[{calls}\\]"
+    def section(self, tools: list[Tool], parallel: bool) -> Pattern:
+        one = alt(*(seq(Lit(f"{t.name}("), _kwargs(t), Lit(")")) for t in tools))
+        calls = seq(one, Star(seq(Lit(", "), one))) if parallel else one
+        return seq(Lit("["), calls, Lit("]"))
 
     def scan(self, text: str, final: bool) -> Scan:
         content = self.content_of(text, final)
@@ -383,20 +350,23 @@ class PythonicFormat(ToolCallParser):
         return "[" + ", ".join(call(c) for c in calls) + "]"
 
 
-def _kwargs_regex(tool: Tool) -> str:
+def _kwargs(tool: Tool) -> Pattern:
     """`key=value, ...`: required keywords first, then each optional one or not, in schema order."""
     props = tool.parameters.get("properties") or {}
     required = set(tool.parameters.get("required") or ())
     items = [
-        (f"{literal(k)}={schema_regex(v)}", k in required)
+        (seq(Lit(f"{k}="), Json(v)), k in required)
         for k, v in sorted(props.items(), key=lambda kv: kv[0] not in required)
     ]
     musts = [p for p, req in items if req]
     optional = [p for p, req in items if not req]
     if musts:
-        return ", ".join(musts) + "".join(f"(?:, {p})?" for p in optional)
-    firsts = [p + "".join(f"(?:, {q})?" for q in optional[i + 1 :]) for i, p in enumerate(optional)]
-    return f"(?:{'|'.join(firsts)})?" if firsts else ""
+        joined = [musts[0], *(seq(Lit(", "), p) for p in musts[1:])]
+        return seq(*joined, *(Opt(seq(Lit(", "), p)) for p in optional))
+    firsts = [
+        seq(p, *(Opt(seq(Lit(", "), q)) for q in optional[i + 1 :])) for i, p in enumerate(optional)
+    ]
+    return Opt(alt(*firsts)) if firsts else Lit("")
 
 
 def _literal(node: ast.expr | None) -> Any:
@@ -454,11 +424,6 @@ def avoiding(trigger: str) -> str:
         return f"[^{_class_char(first)}]+"
     unit = f"(?:[^{_class_char(first)}]|(?:{prefixes})*(?:{broken}))"
     return f"(?:{unit}+(?:{prefixes})*|(?:{prefixes})+)"
-
-
-def literal(text: str) -> str:
-    """`text` as a regex that matches just it (Rust syntax)."""
-    return "".join("\\" + c if c in _META else c for c in text)
 
 
 def _class_char(c: str) -> str:

@@ -40,8 +40,23 @@ ADD = {
         },
     },
 }
+VOLUME = {
+    "type": "function",
+    "function": {
+        "name": "set_volume",
+        "description": "Set the speaker volume",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "level": {"type": "integer", "minimum": 1, "maximum": 10},
+                "fade_s": {"type": "integer", "exclusiveMinimum": 0, "exclusiveMaximum": 30},
+            },
+            "required": ["level"],
+        },
+    },
+}
 TOOLS = [WEATHER, ADD]
-SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in [*TOOLS, VOLUME]}
 QUESTION = [{"role": "user", "content": "What is the weather in Paris and in Rome?"}]
 GREEDY = {"temperature": 0, "max_tokens": 96}
 
@@ -96,6 +111,26 @@ def test_sampled_calls_always_parse_and_validate(client, tool_choice):
         assert choice.message.content is None
         (call,) = choice.message.tool_calls
         _valid(call, names)
+
+
+def test_bounded_arguments_stay_in_range(client):
+    """A tool whose schema has numeric bounds (a pydantic `Field(ge=..., le=...)`) decodes under
+    llguidance: 10 sampled calls, each in range."""
+    out = client.chat.completions.create(
+        model="default",
+        messages=[{"role": "user", "content": "Turn the music up loud, fading in slowly."}],
+        tools=[VOLUME, ADD],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        n=10,
+        temperature=1.0,
+        seed=11,
+        max_tokens=64,
+    )
+    for choice in out.choices:
+        assert choice.finish_reason == "tool_calls"
+        (call,) = choice.message.tool_calls
+        _valid(call, ("set_volume", "add"))
 
 
 def test_streamed_deltas_join_into_the_same_calls(client):

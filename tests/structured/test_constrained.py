@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from radixrt.kernels import cpu_mask
 from radixrt.structured.bitmask import allocate_bitmask, apply_bitmask
 from radixrt.structured.compiler import ConstraintCompiler
 from radixrt.structured.vocabulary import build_vocabulary, token_bytes
@@ -364,3 +365,20 @@ def test_apply_bitmask(compiler):
     allowed = unpack_reference(narrow, 70)
     assert torch.equal(torch.isinf(logits), torch.from_numpy(~allowed))
     assert allowed[0, :32].all() and allowed[0, [32, 34]].all() and allowed.sum() == 35
+
+
+def test_the_c_mask_kernel_equals_the_torch_path():
+    """The C pass (float32 CPU logits) against the torch op (taken for float64): chosen rows or
+    all, logits narrower and wider than the bitmask covers, rows strided apart."""
+    if cpu_mask._library() is None:
+        pytest.skip("no C compiler: the torch path is the only one")
+    torch.manual_seed(1)
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (5, 40), dtype=torch.int32)
+    bitmask[1], bitmask[2], bitmask[3, ::2] = 0, -1, 0
+    for width in (1200, 1280, 1300):  # the bitmask covers 1280 columns
+        for rows in (None, [0, 2, 4], [3]):
+            logits = torch.randn(5, width + 7)[:, :width]
+            reference = logits.double()
+            assert cpu_mask.apply_bitmask(logits, bitmask, rows)
+            apply_bitmask(reference, bitmask, rows)
+            assert torch.equal(logits.double(), reference)

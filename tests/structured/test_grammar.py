@@ -10,20 +10,16 @@ import re
 
 import pytest
 
+from radixrt.bench.suites.grammar import ARITHMETIC_GBNF
 from radixrt.protocol import ErrorCode
 from radixrt.sampling_params import SamplingParams
 from radixrt.structured.bitmask import allocate_bitmask
 from radixrt.structured.compiler import ConstraintCompiler, ConstraintError
-from radixrt.structured.regexes import JSON_OBJECT_LARK
+from radixrt.structured.regexes import JSON_OBJECT_LARK, closed_objects
+from radixrt.structured.tools import PARSERS, ToolCall, ToolChoice, parse_tools
 
 from helpers import PADDED_VOCAB, allowed_ids, drain, make_scheduler, run_in_process
 
-ARITHMETIC_GBNF = r"""
-root   ::= expr
-expr   ::= term (("+" | "-") term)*
-term   ::= factor (("*" | "/") factor)*
-factor ::= [0-9]+ | "(" expr ")"
-"""
 PAIRS_LARK = r"""
 start: "{" pair ("," pair)* "}"
 pair: KEY "=" VALUE
@@ -175,8 +171,6 @@ def test_ebnf_output_parses_in_process(tiny_model_dir):
 def test_llguidance_reads_unlisted_properties_as_outlines_does():
     """An object schema that does not mention additionalProperties gets false under llguidance
     too (outlines-core's reading), at every depth, and one that does keeps its own."""
-    from radixrt.structured.llguidance_backend import closed_objects
-
     schema = {
         "type": "object",
         "properties": {
@@ -192,3 +186,71 @@ def test_llguidance_reads_unlisted_properties_as_outlines_does():
     assert closed["properties"]["open"]["additionalProperties"] is True
     assert closed["$defs"]["x"]["anyOf"][0]["additionalProperties"] is False
     assert "additionalProperties" not in schema  # the caller's schema is left as it was
+
+
+BOUNDED = {
+    "type": "object",
+    "properties": {
+        "level": {"type": "integer", "minimum": 1, "maximum": 10},
+        "step": {"type": "number", "exclusiveMinimum": 0, "multipleOf": 0.5},
+    },
+    "required": ["level"],
+}
+
+
+def accepted(compiler, tokenizer, text: str, **constraint) -> bool:
+    """Whether the constraint takes `text` whole and then EOS."""
+    ids = tokenizer.encode(text, add_special_tokens=False) + [compiler.eos_token_id]
+    return compiler.compile(**constraint).guide().allowed_prefix(ids) == len(ids)
+
+
+@pytest.mark.parametrize("backend", ["outlines", "llguidance"])
+def test_schema_bounds_hold_under_either_backend(tokenizer, backend):
+    """Numeric bounds compile with llguidance whatever the backend (outlines-core would ignore
+    them); a keyword no backend enforces is refused by name."""
+    compiler = ConstraintCompiler(tokenizer, PADDED_VOCAB, backend=backend)
+    try:
+        assert compiler.compile(json_schema=BOUNDED).backend == "llguidance"
+        for text, ok in (
+            ('{"level":1}', True),
+            ('{"level":10,"step":2.5}', True),
+            ('{"level":0}', False),
+            ('{"level":11}', False),
+            ('{"level":3,"step":0}', False),
+            ('{"level":3,"step":0.75}', False),
+        ):
+            assert accepted(compiler, tokenizer, text, json_schema=BOUNDED) is ok, text
+        unique = {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}
+        with pytest.raises(ConstraintError, match="'uniqueItems' cannot be enforced"):
+            compiler.compile(json_schema=unique)
+        unknown = {"type": "string", "format": "no-such-format"}
+        with pytest.raises(ConstraintError, match="Unknown format"):
+            compiler.compile(json_schema=unknown) if backend == "llguidance" else (
+                compiler.compile(lark=f"start: %json {json.dumps(unknown)}")
+            )
+    finally:
+        compiler.close()
+
+
+@pytest.mark.parametrize("parser", sorted(PARSERS))
+def test_tools_with_bounds_decode_under_a_grammar(compiler, tokenizer, parser):
+    """A tool whose schema has bounds decodes under a Lark grammar (llguidance), in every call
+    format: in-range calls pass, out-of-range ones do not, and under `auto` free text may come
+    first (the trigger ends it inside one lexeme)."""
+    tools = parse_tools(
+        [
+            {"type": "function", "function": {"name": "volume", "parameters": BOUNDED}},
+            {"type": "function", "function": {"name": "now"}},
+        ]
+    )
+    p = PARSERS[parser]
+    required = p.constraint(tools, ToolChoice("required"), parallel=True)
+    auto = p.constraint(tools, ToolChoice("auto"), parallel=True)
+    assert required is not None and auto is not None and required.kind == "lark"
+    good = p.format_calls([ToolCall("volume", '{"level":7,"step":1.5}'), ToolCall("now", "{}")])
+    bad = p.format_calls([ToolCall("volume", '{"level":70}')])
+    assert accepted(compiler, tokenizer, good, **required.params())
+    assert not accepted(compiler, tokenizer, bad, **required.params())
+    assert accepted(compiler, tokenizer, "Let me see. " + good, **auto.params())
+    assert accepted(compiler, tokenizer, "No call needed.", **auto.params())
+    assert not accepted(compiler, tokenizer, "Let me see. " + bad, **auto.params())

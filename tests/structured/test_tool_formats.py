@@ -10,6 +10,7 @@ import re
 import pytest
 from outlines_core import Index, Vocabulary
 
+from radixrt.structured.patterns import Constraint
 from radixrt.structured.tools import (
     HERMES,
     PARSERS,
@@ -61,9 +62,13 @@ _CHARS = [chr(c) for c in range(32, 127)] + ["\n"]
 _VOCABULARY = Vocabulary(len(_CHARS), {c.encode(): [i] for i, c in enumerate(_CHARS)})
 
 
-def accepts(regex: str, text: str) -> bool:
-    """Whether the runtime's constraint (anchored as the compiler anchors it) accepts `text` whole."""
-    index = Index(f"(?:{regex})\\z", _VOCABULARY)
+def accepts(constraint: Constraint | str, text: str) -> bool:
+    """Whether the runtime's constraint (a regex, anchored as the compiler anchors it) accepts
+    `text` whole."""
+    if isinstance(constraint, Constraint):
+        assert constraint.kind == "regex"
+        constraint = constraint.value
+    index = Index(f"(?:{constraint})\\z", _VOCABULARY)
     state = index.get_initial_state()
     for c in text:
         state = index.get_next_state(state, _CHARS.index(c))
@@ -173,12 +178,12 @@ def test_streaming_holds_back_what_may_begin_the_trigger():
                         "name": "f",
                         "parameters": {
                             "type": "object",
-                            "properties": {"n": {"type": "integer", "maximum": 9}},
+                            "properties": {"n": {"type": "array", "uniqueItems": True}},
                         },
                     },
                 }
             ],
-            "'maximum' at $.properties.n cannot be enforced",
+            "at $.properties.n: 'uniqueItems' cannot be enforced",
         ),
     ],
 )

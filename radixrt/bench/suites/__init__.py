@@ -3,11 +3,12 @@
 
 from radixrt.bench.config import BenchConfig
 from radixrt.bench.registry import SUITES, Suite
-from radixrt.bench.suites import agent_tools, every, http_chat, lora, programs, requests
+from radixrt.bench.suites import agent_tools, every, grammar, http_chat, lora, programs, requests
 
 MODULES = (
     agent_tools,
     every,
+    grammar,
     http_chat,
     lora,
     programs,

@@ -193,8 +193,8 @@ class Gateway:
             params.update(return_logprob=True, top_logprobs_num=req.top_logprobs or 0)
         add_constraint(params, constraint_params(req.response_format), "response_format")
         tools = ChatTools.of(req, model.tool_parser)
-        if tools.regex is not None:
-            add_constraint(params, {"regex": tools.regex}, "tools")
+        if tools.constraint is not None:
+            add_constraint(params, tools.constraint.params(), "tools")
         messages, template_tools = tools.messages(
             [message_dict(m) for m in req.messages], model.tool_parser, model.template
         )

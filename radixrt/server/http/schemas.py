@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from radixrt.client.endpoint import Prompt
 from radixrt.server.http.errors import APIError
+from radixrt.structured.patterns import Constraint
 from radixrt.structured.regexes import JSON_OBJECT_LARK
 from radixrt.structured.tools import (
     Tool,
@@ -225,7 +226,7 @@ class ChatTools:
 
     tools: list[Tool]
     choice: ToolChoice
-    regex: str | None
+    constraint: Constraint | None
     reply_parser: ToolCallParser | None
 
     @classmethod
@@ -239,15 +240,18 @@ class ChatTools:
             choice = parse_tool_choice(req.tool_choice, tools)
         except ToolError as e:
             raise APIError(400, str(e), param="tool_choice", code="invalid_request") from None
-        regex = parser.constraint(tools, choice, req.parallel_tool_calls)
-        if regex is not None and req.response_format not in (None, ResponseFormat(type="text")):
+        constraint = parser.constraint(tools, choice, req.parallel_tool_calls)
+        if constraint is not None and req.response_format not in (
+            None,
+            ResponseFormat(type="text"),
+        ):
             raise APIError(
                 400,
                 "response_format cannot be combined with tool calls (use tool_choice: none)",
                 param="response_format",
                 code="invalid_request",
             )
-        return cls(tools, choice, regex, parser if choice.mode != "none" else None)
+        return cls(tools, choice, constraint, parser if choice.mode != "none" else None)
 
     def messages(
         self, messages: list[dict[str, Any]], parser: ToolCallParser, template: str | None

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import copy
+import dataclasses
 import functools
 import os
 from collections.abc import Callable
@@ -35,6 +37,16 @@ def backend_or_default(backend: Backend | None) -> Backend:
     return backend
 
 
+def with_adapter(backend: Backend, lora_path: str) -> RuntimeEndpoint:
+    """`backend` (a runtime's endpoint) sending every request under the LoRA adapter
+    `lora_path`: a shallow copy sharing its connection."""
+    if not isinstance(backend, RuntimeEndpoint):
+        raise ValueError("lora_path needs a radixrt backend (RuntimeEndpoint, Runtime or Engine)")
+    adapted = copy.copy(backend)
+    adapted.options = dataclasses.replace(backend.options, lora_path=lora_path)
+    return adapted
+
+
 def _template(backend: Backend) -> ChatTemplate:
     if id(backend) not in _templates:
         _templates[id(backend)] = ChatTemplate.from_model_info(backend.model_info)
@@ -50,16 +62,22 @@ class Function:
         self, *, backend: Backend | None = None, stream: bool = False, **kwargs: Any
     ) -> ProgramState:
         """Run once. Keyword arguments that the function does not take (temperature,
-        max_new_tokens, top_p, ...) are defaults for every gen inside it."""
+        max_new_tokens, top_p, ...) are defaults for every gen inside it; `lora_path` runs
+        every gen (and fork) of the program under that LoRA adapter."""
         state = self._start(backend, kwargs, stream)
         if not stream and state._error is not None:
             raise state._error
         return state
 
     def _start(self, backend: Backend | None, kwargs: dict[str, Any], stream: bool) -> ProgramState:
+        kwargs = dict(kwargs)
+        lora_path = kwargs.pop("lora_path", None)
         args, defaults = self._split(kwargs)
         backend = backend_or_default(backend)
-        return run_program(self.func, backend, _template(backend), defaults, args, stream)
+        template = _template(backend)
+        if lora_path is not None:
+            backend = with_adapter(backend, lora_path)
+        return run_program(self.func, backend, template, defaults, args, stream)
 
     def run_batch(
         self,

@@ -50,6 +50,10 @@ class ExecutorArgs:
     nnodes: int
     node_rank: int
     dist_init_addr: str | None
+    lora_paths: tuple[str, ...]  # name=path entries
+    enable_lora: bool
+    max_loras_per_batch: int
+    max_lora_rank: int | None
 
 
 @dataclass(frozen=True)
@@ -81,6 +85,7 @@ class SchedulerArgs:
     priority_aging_s: float
     max_pinned_tokens_per_client: int | None
     generation_config: str  # whose sampling defaults a request's unset parameters take
+    max_loras_per_batch: int  # distinct adapters one batch may hold
 
 
 MIN_FRAME_BYTES = 4096  # a smaller frame limit would refuse ordinary requests
@@ -98,6 +103,7 @@ GROUP_TITLES = {
     "cache": "KV cache and memory tiers",
     "structured": "constrained decoding and tool calls",
     "speculative": "speculative decoding",
+    "lora": "LoRA adapters",
     "priority": "priorities",
     "tenants": "per-tenant and per-client limits",
     "server": "sockets, keys and limits",
@@ -282,6 +288,26 @@ class SpeculativeSettings(SettingsGroup):
 
 
 @dataclass(frozen=True)
+class LoraSettings(SettingsGroup):
+    name: ClassVar[str] = "lora"
+    lora_paths: tuple[str, ...]
+    max_loras_per_batch: int
+    max_lora_rank: int | None
+
+    def __post_init__(self) -> None:
+        if self.max_loras_per_batch < 1:
+            raise ValueError("max_loras_per_batch must be >= 1")
+        if self.max_lora_rank is not None and self.max_lora_rank < 1:
+            raise ValueError("max_lora_rank must be >= 1")
+        names = [entry.partition("=")[0] for entry in self.lora_paths]
+        bad = [e for e in self.lora_paths if not all(e.partition("=")[::2])]
+        if bad:
+            raise ValueError(f"lora_paths takes name=path entries, not {bad[0]!r}")
+        if len(set(names)) != len(names):
+            raise ValueError("lora_paths names one adapter twice")
+
+
+@dataclass(frozen=True)
 class PrioritySettings(SettingsGroup):
     name: ClassVar[str] = "priority"
     schedule_low_priority_values_first: bool
@@ -329,6 +355,7 @@ GROUPS: tuple[type[SettingsGroup], ...] = (
     CacheSettings,
     StructuredSettings,
     SpeculativeSettings,
+    LoraSettings,
     PrioritySettings,
     TenantLimits,
     FrontSettings,
@@ -351,6 +378,10 @@ def _add_flag(parser: Any, f: dataclasses.Field) -> None:
     if f.type in ("bool", bool):
         parser.add_argument(
             *names, action=argparse.BooleanOptionalAction, default=f.default, help=helptext
+        )
+    elif _repeated(f) and f.metadata.get("nargs"):
+        parser.add_argument(
+            *names, action="extend", nargs=f.metadata["nargs"], default=None, help=helptext
         )
     elif _repeated(f):
         parser.add_argument(*names, action="append", default=None, help=f"{helptext} (repeat)")
@@ -714,6 +745,35 @@ class ServerArgs(Settings):
         metadata={
             "group": "speculative",
             "help": "most tokens drafted per request and step with --speculative-algorithm; below it a request drafts only the tokens whose chance of acceptance pays for their row at the current batch size",
+        },
+    )
+    lora_paths: tuple[str, ...] = field(
+        default=(),
+        metadata={
+            "group": "lora",
+            "nargs": "+",
+            "help": "LoRA adapters to load at start, as name=path (a folder holding peft's adapter_config.json and adapter_model.safetensors); requests name one with lora_path",
+        },
+    )
+    enable_lora: bool = field(
+        default=False,
+        metadata={
+            "group": "lora",
+            "help": "serve LoRA adapters even without --lora-paths (they are loaded at run time with load_lora_adapter)",
+        },
+    )
+    max_loras_per_batch: int = field(
+        default=8,
+        metadata={
+            "group": "lora",
+            "help": "device slots for adapters, and the most distinct adapters one batch holds (others wait; the least recently used adapter leaves its slot)",
+        },
+    )
+    max_lora_rank: int | None = field(
+        default=None,
+        metadata={
+            "group": "lora",
+            "help": "the largest adapter rank the pool takes (default: the largest of --lora-paths, else 16); a larger adapter is refused",
         },
     )
     enable_hierarchical_cache: bool = field(

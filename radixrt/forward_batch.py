@@ -17,6 +17,11 @@ class ForwardBatch:
     prefix_lens: list[int]  # [B] tokens already in the pool before this step
     extend_lens: list[int]  # [B] new tokens this step (1 for a decode)
     attn_metadata: Any = None  # built once per step by the attention backend, shared by all layers
+    lora_names: list[str] | None = None  # [B] each request's adapter ("" the base); None: none
+
+    @property
+    def has_adapters(self) -> bool:
+        return bool(self.lora_names) and any(self.lora_names)
 
     @property
     def seq_lens(self) -> list[int]:

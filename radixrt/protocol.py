@@ -54,7 +54,16 @@ def error_reply(rid: Any, code: ErrorCode, message: str) -> dict[str, Any]:
 
 # Control ops: only the admin key (`--admin-api-key`) may send them; a tenant's key gets
 # `unauthorized`. Clients send these with their admin key (RuntimeClient.admin_api_key).
-ADMIN_OPS = frozenset({"shutdown", "flush_cache", "memory_snapshot", "check_invariants"})
+ADMIN_OPS = frozenset(
+    {
+        "shutdown",
+        "flush_cache",
+        "memory_snapshot",
+        "check_invariants",
+        "load_lora_adapter",
+        "unload_lora_adapter",
+    }
+)
 
 DEFAULT_TENANT_LABEL = "default"  # how the tenant "" (no key file) is named in stats
 

@@ -41,10 +41,43 @@ def _hf_model(folder: str):
     return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
 
 
-def hf_greedy(folder: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+@lru_cache(maxsize=4)
+def _peft_model(folder: str, adapter: str):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    return PeftModel.from_pretrained(base, adapter).eval()
+
+
+def make_lora_adapter(
+    folder: Path, out: Path, rank: int, targets: list[str], seed: int, **config
+) -> Path:
+    """A random peft LoRA adapter (`init_lora_weights=False`: B is not zero, so it changes the
+    answers) of rank `rank` over `targets` of the model in `folder`, saved to `out`."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    torch.manual_seed(seed)
+    lora = LoraConfig(
+        r=rank,
+        lora_alpha=config.pop("lora_alpha", 2 * rank),
+        target_modules=targets,
+        init_lora_weights=False,
+        **config,
+    )
+    get_peft_model(base, lora).save_pretrained(out)
+    return out
+
+
+def hf_greedy(
+    folder: Path, prompts: list[list[int]], max_new_tokens: int, adapter: Path | None = None
+) -> list[list[int]]:
     """transformers' greedy continuation of each prompt with its own KV cache, one prompt at a
-    time (no padding), never stopping early: EOS is just another token here."""
-    model = _hf_model(str(folder))
+    time (no padding), never stopping early: EOS is just another token here. With `adapter`,
+    under that peft LoRA adapter."""
+    model = _hf_model(str(folder)) if adapter is None else _peft_model(str(folder), str(adapter))
     outs = []
     with torch.inference_mode():
         for ids in prompts:

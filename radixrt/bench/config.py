@@ -29,6 +29,7 @@ WORKLOADS = (
     *PROGRAM_WORKLOADS,
     "agent-tools",
     "grammar",
+    "lora",
     "all",
 )
 BACKENDS = ("engine", "server", "http", "openai")
@@ -79,6 +80,8 @@ class BenchConfig(Settings):
         "agent-loop, few-shot, sharegpt (--dataset-path); DSL programs: agent, few-shot-select, tree-of-thought; agent-tools "
         "(with --backend http): tool-calling agents per tool_choice against an unconstrained run; "
         "grammar: compile and mask times of each grammar backend (tokenizer only); "
+        "lora: decode step time at a batch of --num-requests (32) under 0/1/4/8 adapters against "
+        "the base, and adapter load time; "
         "all: every request and program workload in turn, plus a hit-rate plot",
         choices=WORKLOADS,
     )

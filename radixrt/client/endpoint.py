@@ -17,13 +17,15 @@ Prompt = str | list[int]
 class RequestOptions:
     """Per-request fields of a generate beside the prompt and sampling (docs/protocol.md):
     `cache_salt` (prefixes are shared only with requests of the same salt), `priority`,
-    `timeout` (seconds until the request ends with code `timeout`) and `api_key` (this
-    request's own key, naming its tenant; default: the endpoint's). None: not sent."""
+    `timeout` (seconds until the request ends with code `timeout`), `api_key` (this
+    request's own key, naming its tenant; default: the endpoint's) and `lora_path` (the LoRA
+    adapter to run under; "" the base model). None: not sent."""
 
     cache_salt: str | None = None
     priority: int | None = None
     timeout: float | None = None
     api_key: str | None = None
+    lora_path: str | None = None
 
     def over(self, defaults: RequestOptions) -> RequestOptions:
         """These options, with `defaults` where these say nothing."""
@@ -48,8 +50,9 @@ class RuntimeEndpoint:
     `--curve-secret-key`; `admin_api_key` (the server's `--admin-api-key`) is sent with control
     ops (`flush_cache`, `check_invariants`, `memory_snapshot`, `shutdown`) and `stats` instead;
     `curve_client_secret_key` is this client's CURVE secret key, for a server whose
-    `--curve-client-keys` lists its public key (default: an ephemeral key pair). `cache_salt` and `priority` apply to every request sent through it (a
-    frontend program's backend option); `options=` on a call overrides them."""
+    `--curve-client-keys` lists its public key (default: an ephemeral key pair). `cache_salt`,
+    `priority` and `lora_path` (a LoRA adapter) apply to every request sent through it (a
+    frontend program's backend option); `options=` or `lora_path=` on a call overrides them."""
 
     def __new__(cls, *args: Any, **kwargs: Any) -> RuntimeEndpoint:
         url = args[0] if args else kwargs.get("url", "")
@@ -69,10 +72,11 @@ class RuntimeEndpoint:
         priority: int | None = None,
         admin_api_key: str | None = None,
         curve_client_secret_key: str | None = None,
+        lora_path: str | None = None,
     ):
         self.url = url
         self.timeout = timeout
-        self.options = RequestOptions(cache_salt=cache_salt, priority=priority)
+        self.options = RequestOptions(cache_salt=cache_salt, priority=priority, lora_path=lora_path)
         self.client = RuntimeClient(
             url,
             api_key=api_key,
@@ -91,11 +95,14 @@ class RuntimeEndpoint:
         rid: str | list[str] | None = None,
         stream: bool = False,
         options: RequestOptions | None = None,
+        lora_path: str | list[str] | None = None,
     ) -> dict | list | Iterator[dict]:
         """One prompt -> `{"text", "output_ids", "meta_info"}` (a list of n when n > 1); a list
         of prompts -> a list. With `stream=True` (one prompt), an iterator of chunks
-        `{"delta", "token_ids", "index", "finished"}`, the last per sample with the result."""
+        `{"delta", "token_ids", "index", "finished"}`, the last per sample with the result.
+        `lora_path` names the adapter of every prompt, or (a list) of each one."""
         requests, single = self._requests(prompt, input_ids, sampling_params, rid, options)
+        requests = _with_adapters(requests, lora_path)
         if stream:
             if not single:
                 raise ValueError("stream=True takes one prompt")
@@ -168,6 +175,20 @@ class RuntimeEndpoint:
     def unpin(self, pin_id: str) -> bool:
         return self.client.call("unpin", self.timeout, pin_id=pin_id)
 
+    def load_lora_adapter(self, lora_name: str, lora_path: str) -> dict[str, Any]:
+        """Load a LoRA adapter (peft's files in folder `lora_path` on the runtime's machine) as
+        `lora_name` (an admin op); returns its name, path, rank and digest."""
+        return self.client.call(
+            "load_lora_adapter", self.timeout, lora_name=lora_name, lora_path=lora_path
+        )
+
+    def unload_lora_adapter(self, lora_name: str) -> bool:
+        """Unload an adapter no request uses (an admin op)."""
+        return self.client.call("unload_lora_adapter", self.timeout, lora_name=lora_name)
+
+    def list_lora_adapters(self) -> list[dict[str, Any]]:
+        return self.client.call("list_lora_adapters", self.timeout)
+
     def tokenize(self, text: str) -> list[int]:
         return self.client.call("tokenize", self.timeout, text=text)
 
@@ -202,6 +223,18 @@ class RuntimeEndpoint:
             {"rid": r, "sampling_params": p or {}, key: item, **fields}
             for r, item, p in zip(rids, items, params)
         ], single
+
+
+def _with_adapters(
+    requests: list[dict[str, Any]], lora_path: str | list[str] | None
+) -> list[dict[str, Any]]:
+    """`requests` each under its adapter: one name for all, or one per request."""
+    if lora_path is None:
+        return requests
+    names = [lora_path] * len(requests) if isinstance(lora_path, str) else lora_path
+    if len(names) != len(requests):
+        raise ValueError("lora_path must be one name or one per prompt")
+    return [{**r, "lora_path": n} for r, n in zip(requests, names)]
 
 
 def _normalize(prompt, input_ids) -> tuple[list, bool, str]:

@@ -59,13 +59,14 @@ class HttpEndpoint(RuntimeEndpoint):
         priority: int | None = None,
         admin_api_key: str | None = None,
         curve_client_secret_key: str | None = None,
+        lora_path: str | None = None,
     ):
         if curve_server_key or curve_client_secret_key:
             raise ValueError("CURVE keys are for tcp:// and ipc:// urls; use https:// for TLS")
         self.url = url.rstrip("/")
         self.timeout = timeout
         self.api_key, self.admin_api_key = api_key, admin_api_key
-        self.options = RequestOptions(cache_salt=cache_salt, priority=priority)
+        self.options = RequestOptions(cache_salt=cache_salt, priority=priority, lora_path=lora_path)
         self._model_info: dict[str, Any] | None = None
 
     # ---- generation --------------------------------------------------------------------------
@@ -77,6 +78,7 @@ class HttpEndpoint(RuntimeEndpoint):
         rid: str | list[str] | None = None,
         stream: bool = False,
         options: RequestOptions | None = None,
+        lora_path: str | list[str] | None = None,
     ) -> dict | list | Iterator[dict]:
         """As `RuntimeEndpoint.generate`, in one `/generate` call."""
         items, single, key = _normalize(prompt, input_ids)
@@ -93,6 +95,8 @@ class HttpEndpoint(RuntimeEndpoint):
         }
         if rid is not None:
             body["rid"] = rid
+        if lora_path is not None:
+            body["lora_path"] = lora_path
         if stream:
             if not single:
                 raise ValueError("stream=True takes one prompt")
@@ -191,6 +195,17 @@ class HttpEndpoint(RuntimeEndpoint):
         salt = {"cache_salt": opts.cache_salt} if opts.cache_salt is not None else {}
         body = {"pin_id": pin_id, key: prompt, **salt}
         return self._post("/pin", body, opts.api_key)["pinned_tokens"]
+
+    def load_lora_adapter(self, lora_name: str, lora_path: str) -> dict[str, Any]:
+        body = {"lora_name": lora_name, "lora_path": lora_path}
+        return self._post("/load_lora_adapter", body, self.admin_api_key)
+
+    def unload_lora_adapter(self, lora_name: str) -> bool:
+        body = {"lora_name": lora_name}
+        return self._post("/unload_lora_adapter", body, self.admin_api_key)["success"]
+
+    def list_lora_adapters(self) -> list[dict[str, Any]]:
+        return self._get("/list_lora_adapters", self.api_key)
 
     def unpin(self, pin_id: str) -> bool:
         return self._post("/unpin", {"pin_id": pin_id}, None)["success"]

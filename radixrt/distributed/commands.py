@@ -14,13 +14,15 @@ import torch
 from radixrt.forward_batch import ForwardBatch
 
 FORWARD, LOGITS, HEARTBEAT, SHUTDOWN = "forward", "logits", "heartbeat", "shutdown"
+LOAD_LORA, UNLOAD_LORA = "load_lora", "unload_lora"  # header: name (and path to load)
 
 
 def encode_forward(
     batch: ForwardBatch, req_to_token: torch.Tensor
 ) -> tuple[dict[str, Any], torch.Tensor]:
     """Rank 0: a forward's header and payload: ids, positions, slots, rows, and each row's slot
-    list up to its new tokens (the other ranks' request->token tables follow rank 0's)."""
+    list up to its new tokens (the other ranks' request->token tables follow rank 0's); the
+    header names each request's adapter."""
     rows = batch.rows.tolist()
     table = [req_to_token[r, :n].long() for r, n in zip(rows, batch.seq_lens)]
     payload = torch.cat(
@@ -30,6 +32,7 @@ def encode_forward(
         "op": FORWARD,
         "prefix_lens": batch.prefix_lens,
         "extend_lens": batch.extend_lens,
+        "lora_names": batch.lora_names,
     }, payload
 
 
@@ -52,6 +55,7 @@ def decode_forward(
         rows=rows.to(device),
         prefix_lens=list(prefix),
         extend_lens=list(extend),
+        lora_names=header.get("lora_names"),
     )
 
 

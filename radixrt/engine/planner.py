@@ -202,7 +202,7 @@ class StepPlanner:
             if len(self.running) >= self.args.max_running_requests or left <= 0:
                 break
             plan.admitting = req
-            if not self.hooks.ready(req):
+            if not self.hooks.ready(req) or not self._adapter_fits(req):
                 continue
             if self.kv.free_rows() == 0:
                 break
@@ -240,6 +240,16 @@ class StepPlanner:
             reserved += future
         if plan.admitted:
             self.log.prefill(plan.admitted, len(self.running), len(self.waiting))
+
+    def _adapter_fits(self, req: Req) -> bool:
+        """Whether the batch can take `req`'s adapter: the base, an adapter already running, or
+        a new one while fewer than `--max-loras-per-batch` run (every running request is in
+        every step, so the running adapters are the batch's)."""
+        name = req.scope.lora_path
+        if not name:
+            return True
+        running = {r.scope.lora_path for r in self.running if r.scope.lora_path}
+        return name in running or len(running) < self.args.max_loras_per_batch
 
     def _count_admission(self, req: Req, cached: int, loaded: int, from_storage: int) -> None:
         """Cache-hit accounting, once per request (a retracted one is admitted again: what it

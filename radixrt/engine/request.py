@@ -57,12 +57,16 @@ class FinishReason:
 class RequestScope:
     """Whom a request runs for and how urgently: its `tenant` (named by its API key; "" without
     a key file), its own `cache_salt`, its `priority` (an int; which end runs first is the
-    server's choice) and its `timeout` in seconds (None: no deadline)."""
+    server's choice), its `timeout` in seconds (None: no deadline), and the LoRA adapter it
+    runs under (`lora_path`, "" for the base model; `lora_digest` names the adapter's weights,
+    set by the scheduler)."""
 
     tenant: str = ""
     cache_salt: str = ""
     priority: int = 0
     timeout: float | None = None
+    lora_path: str = ""
+    lora_digest: str = ""
 
     @classmethod
     def from_fields(cls, tenant: str, fields: dict[str, Any]) -> RequestScope:
@@ -70,13 +74,16 @@ class RequestScope:
         salt, priority, timeout = (fields.get(k) for k in ("cache_salt", "priority", "timeout"))
         if salt is not None and (not isinstance(salt, str) or len(salt) > MAX_CACHE_SALT_CHARS):
             raise ValueError(f"cache_salt must be a string of at most {MAX_CACHE_SALT_CHARS} chars")
+        lora = fields.get("lora_path")
+        if lora is not None and (not isinstance(lora, str) or len(lora) > MAX_CACHE_SALT_CHARS):
+            raise ValueError(f"lora_path must be a string of at most {MAX_CACHE_SALT_CHARS} chars")
         if priority is not None and (not isinstance(priority, int) or isinstance(priority, bool)):
             raise ValueError("priority must be an integer")
         if timeout is not None and (
             not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not timeout > 0
         ):
             raise ValueError("timeout must be a number of seconds > 0")
-        return cls(tenant, salt or "", priority or 0, timeout)
+        return cls(tenant, salt or "", priority or 0, timeout, lora or "")
 
     def capped(self, most_urgent: int | None, low_values_first: bool) -> RequestScope:
         """This scope with its priority clamped to its tenant's cap (`tenant:key:maxprio` in the
@@ -89,11 +96,17 @@ class RequestScope:
 
     @property
     def salt(self) -> str:
-        """The cache namespace: "" (shared) without a tenant or salt; else one string per
-        (tenant, salt) pair, unambiguous because the tenant's length leads."""
+        """The cache namespace: "" (shared) without a tenant, salt or adapter; else one string
+        per (tenant, salt) pair, unambiguous because the tenant's length leads; under an adapter
+        that string behind "L", the adapter's name (its length first) and its weights' digest,
+        so a prefix is shared only within one adapter (and never with a reloaded one whose
+        weights differ), and no tenant's salt can spell an adapter's namespace."""
+        tenant = f"{len(self.tenant)}:{self.tenant}:{self.cache_salt}"
+        if self.lora_path:
+            return f"L{len(self.lora_path)}:{self.lora_path}:{self.lora_digest}:{tenant}"
         if not self.tenant and not self.cache_salt:
             return ""
-        return f"{len(self.tenant)}:{self.tenant}:{self.cache_salt}"
+        return tenant
 
 
 DEFAULT_SCOPE = RequestScope()

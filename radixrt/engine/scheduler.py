@@ -14,6 +14,7 @@ fault containment.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -31,6 +32,7 @@ from radixrt.engine.request import DEFAULT_SCOPE, FinishReason, Req, RequestScop
 from radixrt.engine.speculation import SpecCounters, Speculation, decodes_only
 from radixrt.engine.stats import Counters, StatsInputs, StepLog, scheduler_stats
 from radixrt.engine.tenant_stats import TenantStats
+from radixrt.executor.lora_manager import AdapterError, AdapterInfo
 from radixrt.executor.model_loader import model_fingerprint
 from radixrt.executor.model_runner import WeightCounts
 from radixrt.executor.tp_worker import TPDriver
@@ -163,6 +165,7 @@ class Scheduler:
         (ValueError, `context_length_exceeded`); its constraint starts compiling."""
         r = self.runner
         check_prompt(input_ids, params, r.vocab_size, r.context_length, self.kv.total_tokens)
+        scope = self.with_adapter(scope)
         seed = (
             params.seed + sample_index
             if params.seed is not None
@@ -180,6 +183,34 @@ class Scheduler:
             self.spec.start(req)
         self.constraints.start(req, params)
         return req
+
+    def with_adapter(self, scope: RequestScope) -> RequestScope:
+        """`scope` with its adapter's digest; ValueError (`invalid_request`) for an adapter that
+        is not loaded."""
+        if not scope.lora_path:
+            return scope
+        lora = self.runner.lora
+        if lora is None or scope.lora_path not in lora.adapters:
+            raise ValueError(f"no adapter named {scope.lora_path!r} is loaded")
+        return dataclasses.replace(scope, lora_digest=lora.adapters[scope.lora_path].digest)
+
+    # ---- adapters ----------------------------------------------------------------------------
+    def load_lora(self, name: str, path: str) -> AdapterInfo:
+        """Load an adapter on every rank; AdapterError (`invalid_request`) names why not."""
+        return self.driver.load_lora(name, path)
+
+    def unload_lora(self, name: str) -> None:
+        """Unload an adapter no waiting or running request names (AdapterError otherwise)."""
+        users = [r for r in self.waiting + self.running if r.scope.lora_path == name]
+        if users:
+            raise AdapterError(
+                f"adapter {name!r} is in use by {len(users)} requests; unload it later"
+            )
+        self.driver.unload_lora(name)
+
+    def lora_adapters(self) -> list[AdapterInfo]:
+        lora = self.runner.lora
+        return [lora.info(n) for n in lora.adapters] if lora is not None else []
 
     def add_request(self, req: Req) -> None:
         self.waiting.append(req)
@@ -367,10 +398,12 @@ def _tiers(args: SchedulerArgs) -> TierConfig:
 
 def build_batch(plan: list[Scheduled], kv: KVSlotManager, device: torch.device) -> ForwardBatch:
     """The forward's flattened ragged batch for `plan`: each request's new tokens, their
-    positions after its computed KV, and the slots their K/V are written to."""
+    positions after its computed KV, the slots their K/V are written to, and (when any has
+    one) each request's adapter."""
     ids: list[int] = []
     positions: list[int] = []
     slots: list[torch.Tensor] = []
+    any_adapter = any(s.req.scope.lora_path for s in plan)
     for item in plan:
         req, n = item.req, item.n
         ids.extend(item.input_ids())
@@ -383,6 +416,7 @@ def build_batch(plan: list[Scheduled], kv: KVSlotManager, device: torch.device) 
         rows=torch.tensor([s.req.row for s in plan], dtype=torch.long, device=device),
         prefix_lens=[s.req.kv_len for s in plan],
         extend_lens=[s.n for s in plan],
+        lora_names=[s.req.scope.lora_path for s in plan] if any_adapter else None,
     )
 
 

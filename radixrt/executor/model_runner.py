@@ -16,6 +16,7 @@ from transformers import AutoConfig, AutoTokenizer
 from radixrt.attention import create_backend
 from radixrt.config import ExecutorArgs
 from radixrt.distributed.group import TPGroup
+from radixrt.executor.lora_manager import LoraManager, default_max_rank, parse_lora_paths
 from radixrt.executor.model_loader import (
     load_chat_template,
     load_model,
@@ -127,6 +128,7 @@ class ModelRunner:
         elif prepack_available(self.device, self.dtype):
             replace_linears(self.model, PrepackedLinear)
         self.vocab_size = self.config.vocab_size
+        self.lora = self._init_lora()
 
         self._init_pools()
         self.attn_backend = create_backend(
@@ -187,6 +189,20 @@ class ModelRunner:
             args.max_running_requests + 1, self.context_length + 1, self.device
         )
 
+    def _init_lora(self) -> LoraManager | None:
+        """The adapters' pool over the model's projections, with `--lora-paths` loaded (None
+        without adapters: the model's projections stay unwrapped). Wrapped after the linears
+        are replaced, so a delta adds to any base: float, prepacked or int8."""
+        args = self.args
+        if not (args.enable_lora or args.lora_paths):
+            return None
+        paths = parse_lora_paths(args.lora_paths)
+        rank = args.max_lora_rank or default_max_rank(paths)
+        lora = LoraManager(self.model, args.max_loras_per_batch, rank, self.dtype)
+        for name, path in paths.items():
+            lora.load(name, path)
+        return lora
+
     def _graph_runner(self):
         """Decode steps as CUDA graphs: on CUDA with the Triton backend, unless disabled or the
         model's forward reads values on the host (experts' routing)."""
@@ -214,7 +230,17 @@ class ModelRunner:
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Hidden states of the batch's new tokens (a replayed graph's buffer for a decode
-        batch on CUDA: read before the next forward)."""
+        batch on CUDA: read before the next forward). A batch with adapters runs eagerly: its
+        segments' count and lengths are host data that change every step, which a captured
+        graph cannot take (the graphs hold the base model alone)."""
+        if batch.has_adapters:
+            assert self.lora is not None  # the scheduler admits adapter requests only then
+            self.lora.prepare(batch)
+            try:
+                self.attn_backend.init_forward_metadata(batch)
+                return self.model(batch, self.attn_backend)
+            finally:
+                self.lora.finish()
         if self.graph_runner is not None and self.graph_runner.can_run(batch):
             return self.graph_runner.replay(batch)
         self.attn_backend.init_forward_metadata(batch)

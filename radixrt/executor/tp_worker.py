@@ -26,17 +26,21 @@ import torch.multiprocessing as mp
 from radixrt.distributed.commands import (
     FORWARD,
     HEARTBEAT,
+    LOAD_LORA,
     LOGITS,
     SHUTDOWN,
+    UNLOAD_LORA,
     decode_forward,
     encode_forward,
     logits_header,
 )
 from radixrt.distributed.group import TPGroup, threads_per_rank
+from radixrt.executor.lora_manager import AdapterInfo, LoraManager
 from radixrt.executor.model_loader import resolve_model_path
 from radixrt.executor.model_runner import ModelRunner, resolve_device
 from radixrt.forward_batch import ForwardBatch
 from radixrt.lifecycle import exit_with_parent
+from radixrt.models.lora import AdapterError
 
 if TYPE_CHECKING:
     from radixrt.config import ExecutorArgs
@@ -146,6 +150,10 @@ def serve_commands(runner: ModelRunner) -> None:
                 device=runner.device,
             )
             runner.logits(tp.broadcast(hidden))
+        elif op == LOAD_LORA:
+            runner.lora.load(header["name"], header["path"])
+        elif op == UNLOAD_LORA:
+            runner.lora.unload(header["name"])
         elif op == SHUTDOWN:
             return
 
@@ -199,6 +207,26 @@ class TPDriver:
         logits = self.runner.logits(hidden)
         assert logits is not None  # rank 0 gathers
         return logits
+
+    def load_lora(self, name: str, path: str) -> AdapterInfo:
+        """Load an adapter on rank 0 (AdapterError when it cannot be served), then on the
+        other ranks, each reading its own slices."""
+        info = self._lora().load(name, path)
+        if self.tp.size > 1:
+            self.tp.send({"op": LOAD_LORA, "name": name, "path": path})
+        return info
+
+    def unload_lora(self, name: str) -> None:
+        self._lora().unload(name)
+        if self.tp.size > 1:
+            self.tp.send({"op": UNLOAD_LORA, "name": name})
+
+    def _lora(self) -> LoraManager:
+        if self.runner.lora is None:
+            raise AdapterError(
+                "this server serves no adapters: start it with --enable-lora or --lora-paths"
+            )
+        return self.runner.lora
 
     def heartbeat(self) -> None:
         """While idle: show the other ranks rank 0 is alive, and find out whether they are

@@ -310,6 +310,7 @@ GENERATE_FIELDS = {
     "cache_salt",
     "priority",
     "timeout",
+    "lora_path",
 }
 
 
@@ -371,12 +372,34 @@ def _prompt_ids(server: Server, msg: dict[str, Any]) -> list[int]:
 
 
 def _pin(server: Server, caller: Caller, msg: dict[str, Any]) -> int:
+    scope = server.scheduler.with_adapter(RequestScope.from_fields(caller.principal.tenant, msg))
     return server.scheduler.pin(
         _internal_rid(caller.identity, str(msg.get("pin_id"))),
         _prompt_ids(server, msg),
-        RequestScope.from_fields(caller.principal.tenant, msg).salt,
+        scope.salt,
         owner=_internal_rid(caller.identity, ""),
     )
+
+
+def _load_lora(server: Server, caller: Caller, msg: dict[str, Any]) -> dict[str, Any]:
+    """Load an adapter: `lora_name` and `lora_path` (a folder of peft's files, on the runtime's
+    machine)."""
+    name, path = msg.get("lora_name"), msg.get("lora_path")
+    if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
+        raise ValueError("load_lora_adapter needs strings lora_name and lora_path")
+    return asdict(server.scheduler.load_lora(name, path))
+
+
+def _unload_lora(server: Server, caller: Caller, msg: dict[str, Any]) -> bool:
+    name = msg.get("lora_name")
+    if not isinstance(name, str) or not name:
+        raise ValueError("unload_lora_adapter needs a string lora_name")
+    server.scheduler.unload_lora(name)
+    return True
+
+
+def _list_lora(server: Server, caller: Caller, msg: dict[str, Any]) -> list[dict[str, Any]]:
+    return [asdict(a) for a in server.scheduler.lora_adapters()]
 
 
 def _unpin(server: Server, caller: Caller, msg: dict[str, Any]) -> bool:
@@ -418,6 +441,9 @@ OPS: dict[str, Op] = {
     "stats": Op(_stats),
     "metrics": Op(_metrics),
     "model_info": Op(_model_info),
+    "list_lora_adapters": Op(_list_lora),
+    "load_lora_adapter": Op(_load_lora, Role.ADMIN),
+    "unload_lora_adapter": Op(_unload_lora, Role.ADMIN),
     "flush_cache": Op(lambda s, c, m: s.scheduler.flush_cache(), Role.ADMIN),
     "check_invariants": Op(lambda s, c, m: s.scheduler.check_invariants() or True, Role.ADMIN),
     "memory_snapshot": Op(lambda s, c, m: s.scheduler.memory_snapshot(), Role.ADMIN),

@@ -8,13 +8,14 @@ from radixrt.bench.suites import (
     every,
     grammar,
     http_chat,
+    lora,
     openai_server,
     programs,
     requests,
 )
 
 # imported for their registrations
-MODULES = (agent_tools, every, grammar, http_chat, openai_server, programs, requests)
+MODULES = (agent_tools, every, grammar, http_chat, lora, openai_server, programs, requests)
 
 
 def suite_for(config: BenchConfig) -> Suite:

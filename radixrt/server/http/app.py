@@ -149,10 +149,21 @@ class Gateway:
         principal = self.keys.principal_of(bearer(headers))
         return principal is not None and principal.admin
 
-    def options(self, request: Request, req: GenerateRequest) -> RequestOptions:
-        """The body's tenancy fields, and the client's own key: the runtime names its tenant."""
+    async def options(self, request: Request, req: GenerateRequest) -> RequestOptions:
+        """The body's tenancy fields, the client's own key (the runtime names its tenant) and
+        the adapter its `model` names (vLLM's convention; the served model's name, or a name
+        that is no adapter, is the base model)."""
         key = bearer(dict(request.headers.raw)) if self.keys.keys else None
-        return RequestOptions(req.cache_salt, req.priority, req.timeout, key or None)
+        lora = await self.adapter_named(getattr(req, "model", None))  # native bodies have none
+        return RequestOptions(req.cache_salt, req.priority, req.timeout, key or None, lora)
+
+    async def adapter_named(self, name: str | None) -> str | None:
+        """`name` if a loaded LoRA adapter has it, else None (asked of the runtime each time:
+        adapters load and unload at run time)."""
+        if not name or name == (await self.model()).name:
+            return None
+        adapters = await asyncio.to_thread(self.endpoint.list_lora_adapters)
+        return name if any(a["name"] == name for a in adapters) else None
 
     async def complete(self, request: Request, req: CompletionRequest) -> Response:
         model = await self.model()
@@ -233,7 +244,7 @@ class Gateway:
             return await self._stream(
                 request, rid, model, prompts[0], params, shape, include_usage, req, echo
             )
-        options = self.options(request, req)
+        options = await self.options(request, req)
         samples = await unless_disconnected(
             request, [self._generate(p, params, options) for p in prompts]
         )
@@ -267,7 +278,8 @@ class Gateway:
         req: GenerateRequest,
         echo: Echo | None = None,
     ) -> StreamingResponse:
-        replies = self.endpoint.async_stream(prompt, params, options=self.options(request, req))
+        options = await self.options(request, req)
+        replies = self.endpoint.async_stream(prompt, params, options=options)
         # Wait for the first reply before sending headers, so a rejected request gets its 4xx.
         (first,) = await unless_disconnected(request, [replies.__anext__()])
         events = self._events(
@@ -353,17 +365,21 @@ class Gateway:
         )
 
     async def models(self) -> dict:
+        """The served model, then each loaded LoRA adapter (its `parent` the model, its `root`
+        its path: vLLM's listing)."""
         model = await self.model()
+        adapters = await asyncio.to_thread(self.endpoint.list_lora_adapters)
+        card = {
+            "object": "model",
+            "created": self.started,
+            "owned_by": "radixrt",
+            "max_model_len": model.context_length,
+        }
         return {
             "object": "list",
-            "data": [
-                {
-                    "id": model.name,
-                    "object": "model",
-                    "created": self.started,
-                    "owned_by": "radixrt",
-                    "max_model_len": model.context_length,
-                }
+            "data": [{"id": model.name, **card}]
+            + [
+                {"id": a["name"], **card, "parent": model.name, "root": a["path"]} for a in adapters
             ],
         }
 

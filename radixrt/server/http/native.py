@@ -14,7 +14,7 @@ import asyncio
 import hashlib
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -40,6 +40,9 @@ KEYED_ROUTES = (
     "/abort_request",
     "/pin",
     "/unpin",
+    "/load_lora_adapter",
+    "/unload_lora_adapter",
+    "/list_lora_adapters",
 )
 CONTROL_TIMEOUT_S = 30.0
 HEALTH_GENERATE_PARAMS = {"max_new_tokens": 1, "temperature": 0}
@@ -66,6 +69,7 @@ class NativeGenerateRequest(_Body):
     cache_salt: str | None = None
     priority: int | None = None
     timeout: float | None = None
+    lora_path: str | list[str] | None = None  # the adapter of every prompt, or of each
 
 
 class TokenizeRequest(_Body):
@@ -93,6 +97,15 @@ class UnpinRequest(_Body):
     pin_id: str
 
 
+class LoadLoraRequest(_Body):
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoraRequest(_Body):
+    lora_name: str
+
+
 @dataclass(frozen=True)
 class NativeCall:
     """One prompt of a native /generate as the runtime gets it: its own rid there (unique on
@@ -104,6 +117,10 @@ class NativeCall:
     key: str | None  # the caller's (None without keys): rids are the caller's own
     prompt: Prompt
     params: dict[str, Any]
+    lora_path: str | None = None  # None: the body named no adapter
+
+    def with_adapter(self, options: RequestOptions) -> RequestOptions:
+        return options if self.lora_path is None else replace(options, lora_path=self.lora_path)
 
 
 def _prompts(req: NativeGenerateRequest) -> tuple[list[Prompt], bool]:
@@ -131,10 +148,13 @@ def _calls(req: NativeGenerateRequest, key: str | None) -> tuple[list[NativeCall
         raise _invalid("sampling_params must be one map or one per prompt", "sampling_params")
     if len(rids) != len(prompts) or len(set(rids)) != len(rids):
         raise _invalid("rid must be one distinct string per prompt", "rid")
+    loras = [req.lora_path] * len(prompts) if not isinstance(req.lora_path, list) else req.lora_path
+    if len(loras) != len(prompts):
+        raise _invalid("lora_path must be one name or one per prompt", "lora_path")
     logprobs = {k: getattr(req, k) for k in LOGPROB_FIELDS if getattr(req, k) is not None}
     return [
-        NativeCall(f"native-{uuid.uuid4().hex}", r, key, p, {**sp, **logprobs})
-        for r, p, sp in zip(rids, prompts, params)
+        NativeCall(f"native-{uuid.uuid4().hex}", r, key, p, {**sp, **logprobs}, lora)
+        for r, p, sp, lora in zip(rids, prompts, params, loras)
     ], single
 
 
@@ -197,7 +217,7 @@ class NativeAPI:
         fanout = sum(max(1, c.params.get("n") or 1) for c in calls)
         if fanout > MAX_FANOUT:
             raise _invalid(f"{fanout} requests (prompts x n); at most {MAX_FANOUT} per call")
-        options = self.gateway.options(request, req)
+        options = await self.gateway.options(request, req)
         self._claim(calls)
         try:
             if req.stream:
@@ -227,6 +247,7 @@ class NativeAPI:
             self.in_flight.pop((c.key, c.rid), None)
 
     async def _one(self, call: NativeCall, options: RequestOptions) -> list[dict[str, Any]]:
+        options = call.with_adapter(options)
         out = await self.gateway.endpoint.async_generate(
             call.prompt, call.params, rid=call.runtime_rid, options=options
         )
@@ -235,7 +256,7 @@ class NativeAPI:
 
     async def _stream(self, call: NativeCall, options: RequestOptions) -> AsyncIterator[dict]:
         replies = self.gateway.endpoint.async_stream(
-            call.prompt, call.params, rid=call.runtime_rid, options=options
+            call.prompt, call.params, rid=call.runtime_rid, options=call.with_adapter(options)
         )
         try:
             async for reply in replies:
@@ -349,6 +370,20 @@ class NativeAPI:
             "success": await self._call(request, "unpin", pin_id=self._pin_id(request, req.pin_id))
         }
 
+    async def load_lora_adapter(self, request: Request, req: LoadLoraRequest) -> dict:
+        """SGLang's: load an adapter (the admin's key when keys are set)."""
+        info = await self._call(
+            request, "load_lora_adapter", lora_name=req.lora_name, lora_path=req.lora_path
+        )
+        return {"success": True, **info}
+
+    async def unload_lora_adapter(self, request: Request, req: UnloadLoraRequest) -> dict:
+        await self._call(request, "unload_lora_adapter", lora_name=req.lora_name)
+        return {"success": True}
+
+    async def list_lora_adapters(self, request: Request) -> list:
+        return await self._call(request, "list_lora_adapters")
+
     def _pin_id(self, request: Request, pin_id: str) -> str:
         """Pins live on the gateway's one connection: a caller's pin ids are scoped by its key,
         so one key cannot release another's pins."""
@@ -383,6 +418,15 @@ def add_native_routes(app: FastAPI, gateway: Gateway) -> None:
     async def unpin(req: UnpinRequest, request: Request) -> dict:
         return await native.unpin(request, req)
 
+    @app.post("/load_lora_adapter")
+    async def load_lora_adapter(req: LoadLoraRequest, request: Request) -> dict:
+        return await native.load_lora_adapter(request, req)
+
+    @app.post("/unload_lora_adapter")
+    async def unload_lora_adapter(req: UnloadLoraRequest, request: Request) -> dict:
+        return await native.unload_lora_adapter(request, req)
+
+    app.get("/list_lora_adapters")(native.list_lora_adapters)
     app.api_route("/flush_cache", methods=["GET", "POST"])(native.flush_cache)
     app.get("/get_model_info")(native.get_model_info)
     app.get("/get_server_info")(native.get_server_info)

@@ -4,9 +4,9 @@ root per cache namespace.
 It is approximate by design: the worker evicts on its own schedule and the router never asks. So
 the tree is bounded by the worker's pool size and forgets least recently used leaves first, as
 the worker's own tree does; a prefix the router still remembers is likely, not certain, to be
-cached there. The worker shares a prefix only within one namespace (tenant and `cache_salt`), so
-the tree answers "was this prefix sent here?" only within one too. No model, no torch: plain
-lists of ints.
+cached there. The worker shares a prefix only within one namespace (tenant, `cache_salt` and
+adapter), so the tree answers "was this prefix sent here?" only within one too. No model, no
+torch: plain lists of ints.
 """
 
 from __future__ import annotations
@@ -22,11 +22,12 @@ MAX_NAMESPACES = 4096
 
 @dataclass(frozen=True)
 class Namespace:
-    """Where a worker shares prefixes: one tenant's requests under one `cache_salt` ("" for
-    both: the shared cache)."""
+    """Where a worker shares prefixes: one tenant's requests under one `cache_salt` and one
+    LoRA adapter (`lora_path`; "" for all three: the shared cache of the base model)."""
 
     tenant: str = ""
     cache_salt: str = ""
+    lora_path: str = ""
 
 
 DEFAULT_NAMESPACE = Namespace()

@@ -82,12 +82,14 @@ class RouterConfig:
 
 
 def namespace_of(tenant: str, msg: dict[str, Any]) -> Namespace:
-    """The cache namespace a generate or pin from `tenant` is matched in: its tenant and its
-    `cache_salt` (the workers share a prefix only within one). A ValueError names a bad salt."""
-    salt = msg.get("cache_salt")
-    if salt is not None and (not isinstance(salt, str) or len(salt) > MAX_CACHE_SALT_CHARS):
-        raise ValueError(f"cache_salt must be a string of at most {MAX_CACHE_SALT_CHARS} chars")
-    return Namespace(tenant, salt or "")
+    """The cache namespace a generate or pin from `tenant` is matched in: its tenant, its
+    `cache_salt` and its LoRA adapter (the workers share a prefix only within one). A
+    ValueError names a bad salt or adapter name."""
+    salt, lora = msg.get("cache_salt"), msg.get("lora_path")
+    for name, value in (("cache_salt", salt), ("lora_path", lora)):
+        if value is not None and (not isinstance(value, str) or len(value) > MAX_CACHE_SALT_CHARS):
+            raise ValueError(f"{name} must be a string of at most {MAX_CACHE_SALT_CHARS} chars")
+    return Namespace(tenant, salt or "", lora or "")
 
 
 @dataclass(eq=False)
@@ -245,6 +247,9 @@ class Router:
             "flush_cache": Op(self._to_all, Role.ADMIN, **later),
             "check_invariants": Op(self._to_all, Role.ADMIN, **later),
             "memory_snapshot": Op(self._to_all, Role.ADMIN, **later),
+            "list_lora_adapters": Op(self._to_one, **later),
+            "load_lora_adapter": Op(self._to_all, Role.ADMIN, **later),
+            "unload_lora_adapter": Op(self._to_all, Role.ADMIN, **later),
         }
 
     def _for_workers(self, caller: Caller, msg: dict[str, Any]) -> dict[str, Any]:

@@ -1,0 +1,295 @@
+"""LoRA adapters over the served model: reading peft's files into this rank's slices, a bounded
+pool of device slots (least recently used evicted), and the call sites that add each row's
+adapter delta to the base projection's output.
+
+An adapter adapts q, k, v, o, gate, up and down (any subset, ranks free up to
+`--max-lora-rank`). The model fuses q/k/v and gate/up, so the deltas are added per call site:
+`qkv`, `o`, `gate_up` and `down`. A site's weights stack its projections: A [in, n * r_max]
+(each projection's rank block side by side, zero past the adapter's own rank), B
+[n * r_max, out] block diagonal, with peft's scaling (alpha / r, or alpha / sqrt(r) under
+rsLoRA) folded into B. Under `--tp-size` a column-parallel base (q, k, v, gate, up) keeps A
+whole and its rows of B; a row-parallel one (o, down) its columns of A and B whole: the ranks'
+partial deltas join the base's partial outputs in the one all-reduce that follows.
+
+The pool holds `--max-loras-per-batch` slots; every site keeps all slots' blocks slot-major
+([S, in, R], [S, R, out]), so a batch over slots 0..n-1 multiplies by views of them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from radixrt.kernels.lora import Segments, batched
+
+# call site -> the peft projections it fuses, in the order of the site's output columns
+SITES = {"qkv": ("q", "k", "v"), "o": ("o",), "gate_up": ("gate", "up"), "down": ("down",)}
+TARGETS = tuple(p for projections in SITES.values() for p in projections)
+_KEY = re.compile(
+    r"(?:.*\.)?layers\.(\d+)\.(?:self_attn|mlp)\.(q|k|v|o|gate|up|down)_proj\.lora_(A|B)\.weight"
+)
+
+
+class AdapterError(ValueError):
+    """An adapter that cannot be served over this model; the message is one line naming why."""
+
+
+@dataclass(frozen=True)
+class SiteShape:
+    """One call site of one layer on this rank: its input width and, per projection, the rows
+    of the checkpoint's B this rank keeps ([start, end)) and, for a row-parallel site, the
+    columns of A ([start, end); None: whole)."""
+
+    width: int
+    rows: tuple[tuple[int, int], ...]
+    cols: tuple[int, int] | None
+
+    @property
+    def out(self) -> int:
+        return sum(end - start for start, end in self.rows)
+
+
+def site_shapes(model: nn.Module) -> dict[str, SiteShape]:
+    """The four sites' shapes on this rank of `model` (a `LlamaForCausalLM`)."""
+    config, shard, hd = model.config, model.shard, model.head_dim
+    q = (shard.q_start * hd, shard.q_end * hd)
+    kv = (shard.kv_start * hd, shard.kv_end * hd)
+    mlp = model.mlp_range
+    hidden = config.hidden_size
+    return {
+        "qkv": SiteShape(hidden, (q, kv, kv), None),
+        "o": SiteShape(q[1] - q[0], ((0, hidden),), q),
+        "gate_up": SiteShape(hidden, (mlp, mlp), None),
+        "down": SiteShape(mlp[1] - mlp[0], ((0, hidden),), mlp),
+    }
+
+
+@dataclass(frozen=True)
+class LoraAdapter:
+    """An adapter read for this rank: per (layer, site) its A [in, R] and B [R, out] blocks
+    (R = projections x `max_rank`), on the CPU in the pool's dtype; `digest` names its
+    weights (the cache namespace changes when they do), `rank` its largest rank."""
+
+    name: str
+    path: str
+    rank: int
+    digest: str
+    blocks: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+
+
+def read_adapter(
+    name: str, path: str | Path, model: nn.Module, max_rank: int, dtype: torch.dtype
+) -> LoraAdapter:
+    """peft's `adapter_config.json` and `adapter_model.safetensors` in folder `path`, sliced for
+    this rank of `model`; AdapterError (one line) for what cannot be served: a missing file, a
+    module other than q/k/v/o/gate/up/down, DoRA, biases, a rank above `max_rank`, a shape or a
+    layer the base model does not have, or the experts of a mixture-of-experts layer."""
+    folder = Path(path)
+    config_file, weights_file = (
+        folder / "adapter_config.json",
+        folder / "adapter_model.safetensors",
+    )
+    if not config_file.is_file() or not weights_file.is_file():
+        raise AdapterError(
+            f"adapter {name!r}: {folder} needs adapter_config.json and adapter_model.safetensors"
+        )
+    config = json.loads(config_file.read_text())
+    _check_config(name, config)
+    tensors = _read_tensors(name, weights_file)
+    shapes = site_shapes(model)
+    rank = max(a.shape[0] for a, _ in tensors.values())
+    if rank > max_rank:
+        raise AdapterError(
+            f"adapter {name!r} has rank {rank}; this server takes at most {max_rank}"
+        )
+    blocks = {}
+    for layer in sorted({layer for layer, _ in tensors}):
+        if layer >= len(model.layers):
+            raise AdapterError(
+                f"adapter {name!r} adapts layer {layer}; the model has {len(model.layers)}"
+            )
+        for site, projections in SITES.items():
+            parts = {p: tensors[layer, p] for p in projections if (layer, p) in tensors}
+            if not parts:
+                continue
+            if site in ("gate_up", "down") and not hasattr(model.layers[layer].mlp, "gate_up_proj"):
+                raise AdapterError(
+                    f"adapter {name!r} adapts the experts of layer {layer}; only dense MLPs take adapters"
+                )
+            blocks[layer, site] = _site_block(
+                name, config, parts, projections, shapes[site], model, max_rank, dtype
+            )
+    return LoraAdapter(name, str(folder), rank, _digest(weights_file, config_file), blocks)
+
+
+def _check_config(name: str, config: dict) -> None:
+    for key, bad, why in (
+        ("use_dora", True, "DoRA"),
+        ("fan_in_fan_out", True, "fan_in_fan_out weights"),
+    ):
+        if config.get(key) == bad:
+            raise AdapterError(f"adapter {name!r} uses {why}, which radixrt does not serve")
+    if config.get("bias", "none") != "none":
+        raise AdapterError(
+            f"adapter {name!r} trains biases (bias={config['bias']!r}); radixrt serves none"
+        )
+    if config.get("modules_to_save"):
+        raise AdapterError(
+            f"adapter {name!r} saves whole modules {config['modules_to_save']}; radixrt serves LoRA weights only"
+        )
+    if config.get("alpha_pattern"):
+        raise AdapterError(f"adapter {name!r} sets alpha_pattern; radixrt takes one lora_alpha")
+
+
+def _read_tensors(
+    name: str, file: Path
+) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
+    """(layer, projection) -> (A [r, in], B [out, r]) as stored; AdapterError for a tensor of
+    another module or a projection missing one of its pair."""
+    found: dict[tuple[int, str, str], torch.Tensor] = {}
+    with safe_open(str(file), framework="pt") as f:
+        for key in f.keys():
+            match = _KEY.fullmatch(key)
+            if match is None:
+                raise AdapterError(
+                    f"adapter {name!r}: {key} adapts a module radixrt does not ({', '.join(TARGETS)} only)"
+                )
+            layer, projection, ab = match.groups()
+            found[int(layer), projection, ab] = f.get_tensor(key).float()
+    pairs = {}
+    for layer, projection, ab in found:
+        if ab == "A":
+            b = found.get((layer, projection, "B"))
+            if b is None:
+                raise AdapterError(
+                    f"adapter {name!r}: layer {layer} {projection} has lora_A but no lora_B"
+                )
+            pairs[layer, projection] = (found[layer, projection, "A"], b)
+    if not pairs:
+        raise AdapterError(f"adapter {name!r} holds no LoRA weights")
+    return pairs
+
+
+def _site_block(
+    name: str,
+    config: dict,
+    parts: dict[str, tuple[torch.Tensor, torch.Tensor]],
+    projections: tuple[str, ...],
+    shape: SiteShape,
+    model: nn.Module,
+    max_rank: int,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One site's A [in, n * max_rank] and B [n * max_rank, out] for this rank (zeros for a
+    projection the adapter leaves alone)."""
+    full_in = model.config.hidden_size if shape.cols is None else None
+    a_block = torch.zeros(shape.width, len(projections) * max_rank)
+    b_block = torch.zeros(len(projections) * max_rank, shape.out)
+    col = 0
+    for j, (projection, (start, end)) in enumerate(zip(projections, shape.rows)):
+        width = end - start
+        if projection in parts:
+            a, b = parts[projection]
+            r = a.shape[0]
+            expect_in = full_in if full_in is not None else _full_in(model, projection)
+            expect_out = _full_out(model, projection)
+            if a.shape[1] != expect_in or b.shape != (expect_out, r):
+                raise AdapterError(
+                    f"adapter {name!r}: {projection}_proj A {tuple(a.shape)}, B {tuple(b.shape)} "
+                    f"do not fit the base layer ({expect_out} x {expect_in})"
+                )
+            a = a if shape.cols is None else a[:, shape.cols[0] : shape.cols[1]]
+            block = slice(j * max_rank, j * max_rank + r)
+            a_block[:, block] = a.T
+            b_block[block, col : col + width] = b[start:end].T * _scaling(config, r)
+        col += width
+    return a_block.to(dtype), b_block.to(dtype)
+
+
+def _full_in(model: nn.Module, projection: str) -> int:
+    """The whole input width of a row-parallel projection."""
+    config = model.config
+    if projection == "o":
+        return config.num_attention_heads * model.head_dim
+    return config.intermediate_size
+
+
+def _full_out(model: nn.Module, projection: str) -> int:
+    config, hd = model.config, model.head_dim
+    return {
+        "q": config.num_attention_heads * hd,
+        "k": config.num_key_value_heads * hd,
+        "v": config.num_key_value_heads * hd,
+        "o": config.hidden_size,
+        "gate": config.intermediate_size,
+        "up": config.intermediate_size,
+        "down": config.hidden_size,
+    }[projection]
+
+
+def _scaling(config: dict, rank: int) -> float:
+    """peft's: lora_alpha / r, or lora_alpha / sqrt(r) under rsLoRA."""
+    alpha = config.get("lora_alpha", rank)
+    return alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+
+
+def _digest(*files: Path) -> str:
+    h = hashlib.blake2b(digest_size=8)
+    for file in files:
+        with open(file, "rb") as f:
+            while chunk := f.read(1 << 20):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+@dataclass
+class LoraBatch:
+    """One forward's rows as adapters see them: their segments by pool slot."""
+
+    segments: Segments
+
+    def add_delta(
+        self, y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor
+    ) -> torch.Tensor:
+        """`y` plus each row's adapter delta, in place; `a` [S, in, R] and `b` [S, R, out] hold
+        every pool slot's blocks."""
+        if x.is_cuda:
+            from radixrt.kernels.lora_sgmv import lora_sgmv_fwd
+
+            return lora_sgmv_fwd(y, x.contiguous(), a, b, self.segments)
+        return batched(y, x, a, b, self.segments)
+
+
+class LoraState:
+    """What every adapted site of one model reads: the batch now running (None: the base model
+    alone, as in CUDA-graph capture)."""
+
+    def __init__(self) -> None:
+        self.batch: LoraBatch | None = None
+
+
+class LoraSite(nn.Module):
+    """A base projection (any module: `nn.Linear`, prepacked, int8) plus each row's adapter
+    delta; `a` [S, in, R] and `b` [S, R, out] hold the blocks of all S pool slots."""
+
+    def __init__(self, base: nn.Module, a: torch.Tensor, b: torch.Tensor, state: LoraState):
+        super().__init__()
+        self.base = base
+        self.register_buffer("a", a, persistent=False)
+        self.register_buffer("b", b, persistent=False)
+        self.state = state
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base(x)
+        batch = self.state.batch
+        if batch is None:
+            return y
+        return batch.add_delta(y, x, self.a, self.b)

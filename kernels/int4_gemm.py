@@ -204,15 +204,22 @@ class PackedGroups:
         return self.tiles.nbytes + self.scales.nbytes
 
     @classmethod
-    def quantize(cls, weight: torch.Tensor, symmetric: bool = False) -> PackedGroups:
-        """4-bit groups of 32 by round-to-nearest: asymmetric spans each group's [min, max]
-        with 16 levels; symmetric is GGUF's Q4_0 rule (the largest magnitude maps to -8, so
-        q - 8 covers [-8, 7] d)."""
+    def quantize(
+        cls, weight: torch.Tensor, bits: Bits = Bits.INT4, symmetric: bool = False
+    ) -> PackedGroups:
+        """Groups of 32 by round-to-nearest. 4-bit asymmetric spans each group's [min, max]
+        with 16 levels; 4-bit symmetric is GGUF's Q4_0 rule (the largest magnitude maps to -8,
+        so q - 8 covers [-8, 7] d); 8-bit is Q8_0's (symmetric, q in [-127, 127])."""
         n, k = weight.shape
         groups = -(-k // GROUP)
         w = torch.zeros(n, groups * GROUP)
         w[:, :k] = weight.detach().float()
         w = w.view(n, groups, GROUP)
+        if bits == Bits.INT8:
+            d = (w.abs().amax(dim=2) / 127).half()
+            inv = torch.where(d == 0, 0.0, 1 / d.float())
+            q = torch.round(w * inv[..., None]).clamp_(-127, 127).to(torch.int8)
+            return cls.from_blocks(q, d, None, k, bits)
         if symmetric:
             top = w.gather(2, w.abs().argmax(dim=2, keepdim=True)).squeeze(2)
             d = (top / -8).half()
@@ -223,7 +230,7 @@ class PackedGroups:
         inv = torch.where(d == 0, 0.0, 1 / d.float())
         q = torch.round((w - m.float()[..., None]) * inv[..., None]).clamp_(0, 15).to(torch.uint8)
         nibbles = q[..., :16] | (q[..., 16:] << 4)
-        return cls.from_blocks(nibbles, d, m, k, Bits.INT4)
+        return cls.from_blocks(nibbles, d, m, k, bits)
 
     @classmethod
     def from_blocks(

@@ -26,6 +26,7 @@ from radixrt.executor.model_loader import (
     resolve_tokenizer_path,
 )
 from radixrt.forward_batch import ForwardBatch
+from radixrt.kernels.int4_gemm import Bits
 from radixrt.mem_cache.memory_pool import (
     PageAllocator,
     ReqToTokenPool,
@@ -191,8 +192,10 @@ class ModelRunner:
         return packed
 
     def _replace_linears(self, packed: gguf_weights.GGUFPlan | None) -> None:
-        """GGUF's packed linears first, then the rest: int8, int4 from float, or float32
-        prepacked (under `gguf`, what GGUF did not pack stays float, as before)."""
+        """GGUF's packed linears first, then the rest: int8, int4 from float (the output
+        projection in 8-bit groups, as llama.cpp keeps it above 4 bits: in 4 bits it alone
+        failed the quality gates), or float32 prepacked (under `gguf`, what GGUF did not pack
+        stays float, as before)."""
         if packed is not None:
             for name, weight in gguf_weights.read_linears(packed).items():
                 parent, _, child = name.rpartition(".")
@@ -201,6 +204,9 @@ class ModelRunner:
         if self.args.quantization == "int8":
             replace_linears(self.model, Int8Linear)
         elif self.args.quantization == "int4":
+            head = self.model.lm_head
+            if isinstance(head, nn.Linear):
+                self.model.lm_head = GroupedLinear.quantize(head.weight, head.bias, Bits.INT8)
             replace_linears(self.model, GroupedLinear.quantize)
         elif prepack_available(self.device, self.dtype):
             replace_linears(self.model, PrepackedLinear)

@@ -66,8 +66,10 @@ class GroupedLinear(nn.Module):
         self.bias = None if bias is None else bias.detach().float().contiguous()
 
     @classmethod
-    def quantize(cls, weight: torch.Tensor, bias: torch.Tensor | None) -> GroupedLinear:
-        return cls(int4_gemm.PackedGroups.quantize(weight), bias)
+    def quantize(
+        cls, weight: torch.Tensor, bias: torch.Tensor | None, bits=int4_gemm.Bits.INT4
+    ) -> GroupedLinear:
+        return cls(int4_gemm.PackedGroups.quantize(weight, bits), bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:

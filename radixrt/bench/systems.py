@@ -143,7 +143,7 @@ def rank_peak_rss_mb(target: Any) -> list[float] | None:
 def _run_llama_peer(system: str, job: RequestJob) -> list[RunResult]:
     """llama.cpp through llama-cpp-python, or llama.cpp's llama-server; [] (the reason printed)
     when the model is no GGUF file or the peer is not installed."""
-    gguf = _gguf_of(job.config.model)
+    gguf = _gguf_of(job.config)
     if gguf is None:
         print(f"{system} skipped: the model is not a GGUF file")
         return []
@@ -189,9 +189,13 @@ def _run_llama_server(binary: Path, gguf: Path, job: RequestJob) -> list[RunResu
     return results
 
 
-def _gguf_of(model: str) -> Path | None:
+def _gguf_of(config: BenchConfig) -> Path | None:
+    """The GGUF file of the run's weights: the model's own, or the shape's of the chosen type."""
+    from radixrt.bench.shapes import prepare
     from radixrt.executor.model_loader import default_gguf_path
 
-    if model == "default":
+    if config.model_shape:
+        return prepare(config.model_shape).ggufs[config.llama_gguf_type]
+    if config.model == "default":
         return default_gguf_path()
-    return Path(model) if model.endswith(".gguf") else None
+    return Path(config.model) if config.model.endswith(".gguf") else None

@@ -16,6 +16,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "radixrt-no-chunking": {"chunked_prefill_size": 0},
     "radixrt-no-jump-forward": {"enable_jump_forward": False},
     "radixrt-int8": {"quantization": "int8"},
+    "radixrt-int4": {"quantization": "int4"},
+    "radixrt-gguf": {"quantization": "gguf"},
     "radixrt-spec": {"speculative_algorithm": "ngram"},
     "radixrt-no-jump-forward-spec": {
         "enable_jump_forward": False,

@@ -5,6 +5,7 @@ positions; int4's (the default model's own Q4_1 blocks) within 5% and >= 90%."""
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -12,10 +13,13 @@ import pytest
 import torch
 
 from radixrt.config import ServerArgs
+from radixrt.executor.model_loader import default_gguf_path
 from radixrt.executor.model_runner import ModelRunner, linear_bytes
 from radixrt.forward_batch import ForwardBatch
 from radixrt.kernels import int4_gemm, int8_gemm
 from radixrt.models.linear import GroupedLinear, Int8Linear
+
+from helpers import make_scheduler, run_in_process
 
 TEXT = Path(__file__).resolve().parent.parent / "data" / "quality_text.txt"
 POSITIONS = 500
@@ -106,6 +110,28 @@ def test_int4_quantizes_float_weights_where_no_gguf_holds_them(tiny_model_dir):
     assert all(m.weight.bits == int4_gemm.Bits.INT4 for m in linears[:-1])
     logits = _teacher_forced_logits(runner, list(range(5, 45)))
     assert logits.shape == (40, runner.vocab_size) and torch.isfinite(logits).all()
+
+
+GREEDY_TOKENS = 16
+
+
+@needs_int4
+def test_greedy_from_the_packed_q4_1_weights_follows_llama_cpp(default_model_dir):
+    """The default model served from its GGUF blocks (`gguf`) against llama.cpp on the same
+    file: the same greedy tokens. Both round activations to 8 bits per block of 32, so what
+    differs is float summation order (and llama.cpp's float16 KV): held to the first 12."""
+    llama_cpp = pytest.importorskip(
+        "llama_cpp", reason="llama.cpp's tokens need llama-cpp-python: `make bench-peers`"
+    )
+    scheduler = make_scheduler(default_model_dir, quantization="gguf", max_total_tokens=512)
+    prompt = scheduler.runner.tokenizer.encode(TEXT.read_text())[:48]
+    params = {"max_new_tokens": GREEDY_TOKENS, "temperature": 0, "ignore_eos": True}
+    ours = run_in_process(scheduler, [[prompt]], params)[0]
+    llm = llama_cpp.Llama(str(default_gguf_path()), n_ctx=256, n_threads=2, verbose=False)
+    theirs = list(itertools.islice(llm.generate(prompt, temp=0.0, top_k=1), GREEDY_TOKENS))
+    llm.close()
+    print(f"radixrt {ours}\nllama.cpp {theirs}")
+    assert ours[:12] == theirs[:12]
 
 
 def test_quantization_is_refused_where_it_cannot_run(tiny_model_dir):

@@ -129,15 +129,20 @@ def rank_peak_rss_mb(target: Any) -> list[float] | None:
         for p in server.children(recursive=True)
         if "spawn_main" in (cmd := " ".join(p.cmdline())) or " radixrt serve " in cmd
     ]
-    peaks = []
-    for p in ranks:
-        try:
-            status = Path(f"/proc/{p.pid}/status").read_text()
-        except OSError:
-            return None
-        kb = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmHWM"))
-        peaks.append(kb / 1024)
-    return peaks
+    peaks = [peak_rss_mb(p.pid) for p in ranks]
+    return None if None in peaks else peaks  # type: ignore[return-value]
+
+
+def peak_rss_mb(pid: int) -> float | None:
+    """A process's peak resident memory (Linux VmHWM) in MB; None where it cannot be read."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return None
+    return (
+        next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmHWM"))
+        / 1024
+    )
 
 
 def _run_llama_peer(system: str, job: RequestJob) -> list[RunResult]:
@@ -182,6 +187,8 @@ def _run_llama_server(binary: Path, gguf: Path, job: RequestJob) -> list[RunResu
         target = LlamaServerTarget(binary, gguf, slots, threads=os.cpu_count())
         try:
             result = _run_llama_load("llama-server", target, load, job)
+            peak = peak_rss_mb(target.proc.pid)
+            result.rank_peak_rss_mb = None if peak is None else [peak]
         finally:
             target.close()
         result.load = f"{result.load}, {slots} slots"

@@ -116,9 +116,9 @@ static inline __attribute__((always_inline)) void tile(
 /* out [M, N] = x @ dequant(w).T + bias, x [M, K] float; w packed [ceil(N/4), G, 4, bytes of a
    group]; dm float16 [ceil(N/4), G, 8] (4 scales, 4 offsets); a [M, G * 32], xs and xsum [M, G]:
    scratch for the quantized rows. One parallel region: rows, then tiles. */
-static void grouped_linear(const float *x, int8_t *a, float *xs, float *xsum, const uint8_t *w,
-                           const uint16_t *dm, const float *bias, float *out, int64_t M, int64_t N,
-                           int64_t K, int64_t G, int bits) {
+static inline __attribute__((always_inline)) void grouped_linear(
+        const float *x, int8_t *a, float *xs, float *xsum, const uint8_t *w, const uint16_t *dm,
+        const float *bias, float *out, int64_t M, int64_t N, int64_t K, int64_t G, int bits) {
     const int64_t tiles = (N + ROWS - 1) / ROWS, wbytes = bits == 4 ? 16 : 32;
     #pragma omp parallel
     {
@@ -134,9 +134,15 @@ static void grouped_linear(const float *x, int8_t *a, float *xs, float *xsum, co
         for (; m + MT_MAX <= M; m += MT_MAX)
             tile(a + m * G * GROUP, xs + m * G, xsum + m * G, wt, dt, bias, out + m * N, MT_MAX, N,
                  G, n0, nn, bits);
-        for (int64_t r = M - m; r > 0; r = 0) /* the rest, as one pass of r rows */
-            tile(a + m * G * GROUP, xs + m * G, xsum + m * G, wt, dt, bias, out + m * N, r, N, G,
-                 n0, nn, bits);
+        /* the rest, with the row count a constant so that each case compiles to its own loop */
+        const int8_t *ar = a + m * G * GROUP;
+        const float *xr = xs + m * G, *sr = xsum + m * G;
+        float *o = out + m * N;
+        switch (M - m) {
+        case 1: tile(ar, xr, sr, wt, dt, bias, o, 1, N, G, n0, nn, bits); break;
+        case 2: tile(ar, xr, sr, wt, dt, bias, o, 2, N, G, n0, nn, bits); break;
+        case 3: tile(ar, xr, sr, wt, dt, bias, o, 3, N, G, n0, nn, bits); break;
+        }
     }
     }
 }

@@ -118,7 +118,7 @@ def _convert(folder: Path, out: Path) -> None:
             check=True,
         )
         src = Path(tmp) / f"llama_cpp_python-{version}"
-        with tarfile.open(src.with_suffix(".tar.gz")) as tar:
+        with tarfile.open(Path(tmp) / f"{src.name}.tar.gz") as tar:
             tar.extractall(tmp, filter="data")
         llama = src / "vendor" / "llama.cpp"
         env = {**os.environ, "PYTHONPATH": str(llama / "gguf-py")}

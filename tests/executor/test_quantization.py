@@ -19,8 +19,6 @@ from radixrt.forward_batch import ForwardBatch
 from radixrt.kernels import int4_gemm, int8_gemm
 from radixrt.models.linear import GroupedLinear, Int8Linear
 
-from helpers import make_scheduler, run_in_process
-
 TEXT = Path(__file__).resolve().parent.parent / "data" / "quality_text.txt"
 POSITIONS = 500
 
@@ -82,17 +80,22 @@ def test_int8_weights_pass_the_quality_gates(reference):
 needs_int4 = pytest.mark.skipif(not int4_gemm.available(), reason="int4 needs AVX2 and a compiler")
 
 
-@needs_int4
-def test_int4_weights_pass_the_quality_gates(reference):
+@pytest.fixture(scope="module")
+def int4_runner() -> ModelRunner:
+    if not int4_gemm.available():
+        pytest.skip("int4 needs AVX2 and a compiler")
+    return ModelRunner(ServerArgs(max_total_tokens=1024, quantization="int4").executor)
+
+
+def test_int4_weights_pass_the_quality_gates(reference, int4_runner):
     """The default model under `int4` serves its GGUF's own blocks: Q4_1 linears, the Q8_0
     embedding as the output projection (quantizing its float copy again would give the same
     Q4_1 grid back, so this is also what int4 from float weights scores here)."""
-    runner = ModelRunner(ServerArgs(max_total_tokens=1024, quantization="int4").executor)
-    linears = [m for m in runner.model.modules() if isinstance(m, GroupedLinear)]
+    linears = [m for m in int4_runner.model.modules() if isinstance(m, GroupedLinear)]
     assert len(linears) == 4 * 30 + 1
-    assert runner.model.lm_head.weight.bits == int4_gemm.Bits.INT8
-    assert linear_bytes(runner.model) < linear_bytes(reference.runner.model) / 5
-    ratio, agreement = _gates(reference, runner, "int4")
+    assert int4_runner.model.lm_head.weight.bits == int4_gemm.Bits.INT8
+    assert linear_bytes(int4_runner.model) < linear_bytes(reference.runner.model) / 5
+    ratio, agreement = _gates(reference, int4_runner, "int4")
     assert abs(ratio - 1) <= 0.05
     assert agreement >= 0.90
 
@@ -115,23 +118,23 @@ def test_int4_quantizes_float_weights_where_no_gguf_holds_them(tiny_model_dir):
 GREEDY_TOKENS = 16
 
 
-@needs_int4
-def test_greedy_from_the_packed_q4_1_weights_follows_llama_cpp(default_model_dir):
-    """The default model served from its GGUF blocks (`gguf`) against llama.cpp on the same
-    file: the same greedy tokens. Both round activations to 8 bits per block of 32, so what
-    differs is float summation order (and llama.cpp's float16 KV): held to the first 12."""
+def test_the_packed_q4_1_weights_predict_llama_cpps_greedy_tokens(reference, int4_runner):
+    """llama.cpp's greedy continuation of the text on the same GGUF file, and the next token
+    the packed weights predict at each of its positions (teacher-forced): the same at >= 14 of
+    16. Not a greedy run against a greedy run: the third token here is a near-tie in float32
+    (a logit gap of 0.10) that 8-bit activations may tip either way, after which two greedy
+    runs compare different texts."""
     llama_cpp = pytest.importorskip(
         "llama_cpp", reason="llama.cpp's tokens need llama-cpp-python: `make bench-peers`"
     )
-    scheduler = make_scheduler(default_model_dir, quantization="gguf", max_total_tokens=512)
-    prompt = scheduler.runner.tokenizer.encode(TEXT.read_text())[:48]
-    params = {"max_new_tokens": GREEDY_TOKENS, "temperature": 0, "ignore_eos": True}
-    ours = run_in_process(scheduler, [[prompt]], params)[0]
+    prompt = reference.ids[:48]
     llm = llama_cpp.Llama(str(default_gguf_path()), n_ctx=256, n_threads=2, verbose=False)
     theirs = list(itertools.islice(llm.generate(prompt, temp=0.0, top_k=1), GREEDY_TOKENS))
     llm.close()
-    print(f"radixrt {ours}\nllama.cpp {theirs}")
-    assert ours[:12] == theirs[:12]
+    logits = _teacher_forced_logits(int4_runner, prompt + theirs)
+    ours = logits[len(prompt) - 1 : -1].argmax(-1).tolist()
+    print(f"llama.cpp {theirs}\nradixrt   {ours}")
+    assert sum(a == b for a, b in zip(ours, theirs)) >= 14
 
 
 def test_quantization_is_refused_where_it_cannot_run(tiny_model_dir):

@@ -51,14 +51,16 @@ class GGUFPlan:
 
 def gguf_source(model_folder: Path, marker: str) -> Path | None:
     """The GGUF file a converted model folder came from (`convert_gguf` writes its path in the
-    marker file), or None for a model that was never GGUF."""
+    marker file), or None for a model that was never GGUF or whose file is gone (conversions
+    are shared by content: the marker may name another virtualenv's copy)."""
     path = model_folder / marker
-    return Path(path.read_text()) if path.is_file() else None
+    source = Path(path.read_text()) if path.is_file() else None
+    return source if source is not None and source.is_file() else None
 
 
 def plan(path: Path, config) -> GGUFPlan:
     """Which linears of a Llama-shaped model (fused q/k/v and gate/up, as `models/llama.py`
-    builds them) `path` holds in packed types. ValueError for an architecture it cannot map."""
+    builds them) `path` holds in packed types; none for an architecture it cannot map."""
     import gguf
 
     reader = gguf.GGUFReader(path)

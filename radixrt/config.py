@@ -567,8 +567,11 @@ class ServerArgs(Settings):
         default=None,
         metadata={
             "group": "model",
-            "help": "int8: weight-only int8 linears (CPU with AVX2; opt-in, quality-gated, not token-exact)",
-            "choices": ["int8"],
+            "help": "weight-only linears on CPUs with AVX2 (opt-in, quality-gated, not token-exact):"
+            " int8 (per channel); int4 (groups of 32; a GGUF model's Q4_0/Q4_1/Q8_0 tensors are"
+            " used as stored); gguf (a GGUF model's Q4_0/Q4_1/Q8_0 tensors as stored, the rest"
+            " float)",
+            "choices": ["int8", "int4", "gguf"],
         },
     )
     disable_cuda_graph: bool = field(

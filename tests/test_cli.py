@@ -98,7 +98,7 @@ def test_every_group_has_a_bounds_case():
 @pytest.mark.parametrize(
     "values, words",
     [
-        ({"quantization": "int4"}, "quantization"),
+        ({"quantization": "int3"}, "quantization"),
         ({"hicache_write_policy": "sometimes"}, "hicache_write_policy"),
         ({"router_policy": "random"}, "router_policy"),
         ({"tp_size": 2, "enable_hierarchical_cache": True}, "tp_size"),  # across two groups

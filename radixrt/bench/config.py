@@ -111,6 +111,20 @@ class BenchConfig(Settings):
         "/v1/models)",
     )
     model: str = _server("model")
+    model_shape: str | None = _flag(
+        "server",
+        None,
+        "replaces --model: a random-weight checkpoint of this model's shape, made once under "
+        "the cache dir with its Q4_0 and Q8_0 GGUF files (radixrt runs the float32 weights, "
+        "quantizing them itself; the llama.cpp peers the GGUF --llama-gguf-type names)",
+        choices=["tinyllama-1.1b"],
+    )
+    llama_gguf_type: str = _flag(
+        "server",
+        "Q4_0",
+        "with --model-shape: the GGUF file the llama.cpp peers run",
+        choices=["Q4_0", "Q8_0"],
+    )
     dtype: str = _server("dtype")
     max_total_tokens: int | None = _server(
         "max_total_tokens",

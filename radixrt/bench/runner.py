@@ -3,6 +3,7 @@ peers, its results written under `--output-dir`."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from radixrt.bench.config import BenchConfig
@@ -12,8 +13,13 @@ from radixrt.bench.suites import suite_for
 
 
 def run_bench(config: BenchConfig) -> dict[str, list[RunResult]]:
-    """Run `config`'s suite; returns its results per workload ({} for the HTTP suites)."""
+    """Run `config`'s suite; returns its results per workload ({} for the HTTP suites). With
+    `--model-shape`, the shape's checkpoint (made first, once) is the model."""
+    from radixrt.bench.shapes import prepare
     from radixrt.executor.model_loader import resolve_model_path
+
+    if config.model_shape:
+        config = replace(config, model=str(prepare(config.model_shape).folder))
 
     out_dir = Path(config.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

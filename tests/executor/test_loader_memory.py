@@ -3,15 +3,13 @@ in the dtype they are loaded in (issue 30)."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import save_file
 
+from radixrt.bench.loader_memory import measure
 from radixrt.executor.model_loader import WeightReader
 
 # A 16-layer Llama of 59M parameters, stored in float32 (235 MB): big enough that the fixed
@@ -31,38 +29,6 @@ CONFIG = dict(
 # set up on first use): in bfloat16 most runs grow 132 MB for 117 MB of weights, one clean-clone
 # CI run grew 148 MB. Against a 1B-class checkpoint's weights it is under 1%.
 PROCESS_NOISE_BYTES = 32 << 20
-
-# Runs in a fresh interpreter: everything imported first, the RSS noted, the model loaded, then
-# the high-water mark read. Prints the peak growth, the weights' bytes and a spot check. The
-# mark is VmHWM, this address space's own: ru_maxrss keeps the parent's peak across fork and
-# exec, so under pytest it reports the test process's memory.
-MEASURE = """
-import json, sys
-from pathlib import Path
-import torch
-from safetensors import safe_open
-from transformers import AutoConfig
-from radixrt.distributed.group import TPGroup
-from radixrt.executor.model_loader import load_model
-
-def status(field):
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith(field)) * 1024
-
-folder, dtype = Path(sys.argv[1]), getattr(torch, sys.argv[2])
-config, tp = AutoConfig.from_pretrained(folder), TPGroup()
-base = status("VmRSS:")
-model = load_model(folder, config, 1024, tp, dtype)
-peak = status("VmHWM:")
-with safe_open(folder / "model.safetensors", framework="pt") as f:
-    stored = f.get_tensor("model.layers.3.mlp.up_proj.weight").to(dtype)
-loaded = model.layers[3].mlp.gate_up_proj.weight[config.intermediate_size :]
-print(json.dumps({
-    "growth": peak - base,
-    "weights": sum(p.numel() * p.element_size() for p in model.parameters()),
-    "same": bool(torch.equal(loaded, stored)),
-}))
-"""
 
 
 @pytest.fixture(scope="module")
@@ -85,18 +51,9 @@ def checkpoint(tmp_path_factory) -> Path:
 def test_peak_rss_of_a_load_is_at_most_1_2x_the_weights(checkpoint, dtype):
     """Growth of the peak RSS over the RSS after imports, against the weights' bytes in the
     target dtype, allowing the reader's one scratch buffer (a constant, whatever the model)."""
-    root = Path(__file__).resolve().parents[2]
-    out = subprocess.run(
-        [sys.executable, "-c", MEASURE, str(checkpoint), dtype],
-        cwd=root,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
-    )
-    result = json.loads(out.stdout.strip().splitlines()[-1])
-    assert result["same"]
-    ratio = result["growth"] / result["weights"]
-    print(f"{dtype}: peak RSS growth {result['growth'] / 1e6:.0f} MB, {ratio:.2f} x the weights")
+    result = measure(checkpoint, dtype, timeout=120)
+    assert result.same
+    growth, ratio = result.growth, result.ratio
+    print(f"{dtype}: peak RSS growth {growth / 1e6:.0f} MB, {ratio:.2f} x the weights")
     fixed = WeightReader.CHUNK_BYTES + PROCESS_NOISE_BYTES
-    assert result["growth"] <= 1.2 * result["weights"] + fixed, ratio
+    assert growth <= 1.2 * result.weights + fixed, ratio

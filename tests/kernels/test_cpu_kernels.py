@@ -7,9 +7,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from radixrt.kernels import cpu_fused, cpu_paged, int8_gemm
+from radixrt.kernels import cpu_fused, cpu_paged, int4_gemm, int8_gemm
 
 needs_int8 = pytest.mark.skipif(not int8_gemm.available(), reason="needs AVX2 and a C compiler")
+needs_int4 = pytest.mark.skipif(not int4_gemm.available(), reason="needs AVX2 and a C compiler")
 
 
 @pytest.mark.parametrize(
@@ -86,6 +87,69 @@ def test_int8_long_sums_do_not_overflow():
     packed = int8_gemm.PackedInt8.quantize(torch.ones(4, k))
     out = int8_gemm.int8_linear(torch.full((1, k), 3.0), packed, None)
     torch.testing.assert_close(out, torch.full((1, 4), 3.0 * k))
+
+
+def _grouped_reference(x: torch.Tensor, w: int4_gemm.PackedGroups, bias) -> torch.Tensor:
+    """What the grouped kernel computes, in float64: activations rounded per group of 32 to
+    int8 as the kernel rounds them, times d q; plus the offsets m times the exact activations."""
+    m, k = x.shape
+    groups = -(-k // 32)
+    xp = torch.zeros(m, groups * 32, dtype=torch.float64)
+    xp[:, :k] = x.double()
+    xp = xp.view(m, groups, 32)
+    s = xp.abs().amax(2, keepdim=True) / 127
+    s = torch.where(s > 0, s, 1.0)
+    xq = (torch.round(xp / s) * s).view(m, -1)[:, :k]
+    t = w.scales.shape[0]
+    offsets = w.scales.double().view(t, groups, 2, 4)[:, :, 1].permute(0, 2, 1).reshape(-1, groups)
+    offsets = offsets.repeat_interleave(32, 1)[: w.out_features, :k]
+    dq = w.dequantize().double() - offsets
+    return xq @ dq.T + x.double() @ offsets.T + (0 if bias is None else bias.double())
+
+
+@needs_int4
+@pytest.mark.parametrize(
+    "m, n, k", [(1, 5, 7), (2, 33, 40), (3, 960, 576), (4, 96, 64), (5, 130, 95), (64, 70, 33)]
+)
+@pytest.mark.parametrize("kind", ["asymmetric", "symmetric", "q8"])
+def test_grouped_linear_matches_its_dequantized_weight(m, n, k, kind):
+    """Any row count (passes of 4 rows and their remainders), outputs not a multiple of the
+    tile, inputs one short of, one past or inside a group, with and without a bias; 4-bit both
+    ways and signed 8-bit groups (GGUF's Q8_0, values to -128)."""
+    gen = torch.Generator().manual_seed(m * n + k)
+    w, x = torch.randn(n, k, generator=gen), torch.randn(m, k, generator=gen)
+    bias = torch.randn(n, generator=gen) if m % 2 else None
+    if kind == "q8":
+        groups = -(-k // 32)
+        q = torch.randint(-128, 128, (n, groups, 32), dtype=torch.int8, generator=gen)
+        d = (torch.rand(n, groups, generator=gen) / 64).half()
+        packed = int4_gemm.PackedGroups.from_blocks(q, d, None, k, int4_gemm.Bits.INT8)
+    else:
+        packed = int4_gemm.PackedGroups.quantize(w, symmetric=kind == "symmetric")
+    expected = _grouped_reference(x, packed, bias)
+    out = int4_gemm.grouped_linear(x, packed, bias)
+    assert out.shape == (m, n)
+    torch.testing.assert_close(
+        out.double(), expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max())
+    )
+
+
+@needs_int4
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_int4_quantization_rounds_each_group_to_half_a_step(symmetric):
+    """Groups of very different sizes, and a group of zeros: each weight within half a step
+    (d) of its own value, plus float16's rounding of d and m; the layout round-trips. Symmetric
+    (Q4_0's rule) clamps the side opposite the largest magnitude at 7 d: a whole step there."""
+    w = torch.randn(9, 100) * torch.logspace(-3, 2, 9)[:, None]
+    w[3, 32:64] = 0
+    packed = int4_gemm.PackedGroups.quantize(w, symmetric=symmetric)
+    d = packed.scales.float().view(3, 4, 2, 4)[:, :, 0].permute(0, 2, 1).reshape(12, 4)[:9]
+    step = d.abs().repeat_interleave(32, 1)[:, :100]
+    error = (packed.dequantize() - w).abs()
+    half = 1.0 if symmetric else 0.5
+    assert (error <= step * half + 2e-3 * w.abs().amax(1, keepdim=True)).all()
+    assert (packed.dequantize()[3, 32:64] == 0).all()
+    assert packed.nbytes == 12 * 4 * (16 + 4)  # 12 rows (9 padded) of 4 groups: 0.625 B a weight
 
 
 @pytest.mark.parametrize("rows", [1, 40])  # one thread, and the parallel loop

@@ -1,0 +1,148 @@
+"""Random-weight checkpoints of real models' shapes, for benchmarks at the size users run
+(`radixrt bench --model-shape tinyllama-1.1b`): made once under `$RADIXRT_CACHE_DIR/shapes/`,
+as a Hugging Face folder (float32 safetensors, the default model's tokenizer) and as GGUF files
+of the same weights (Q4_0, Q8_0) for llama.cpp, converted with the converter that llama.cpp's
+sources (vendored in llama-cpp-python's source distribution) ship, and quantized by llama.cpp.
+
+Random weights cost what trained ones cost: the same matmuls, the same bytes read per token.
+Their text is noise, so no quality is measured on them.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from tqdm import tqdm
+
+# TinyLlama-1.1B's shape, with the default model's vocabulary (49,152 tokens: its tokenizer is the
+# one on this machine) where TinyLlama has 32,000: 1.17B parameters instead of 1.10B.
+SHAPES = {
+    "tinyllama-1.1b": dict(
+        hidden_size=2048,
+        intermediate_size=5632,
+        num_hidden_layers=22,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+    )
+}
+GGUF_TYPES = {"Q4_0": 2, "Q8_0": 7}  # llama.cpp's file types (LLAMA_FTYPE_MOSTLY_*)
+_DONE = ".radixrt-done"
+
+
+@dataclass(frozen=True)
+class ShapeFiles:
+    """One shape's checkpoint: the Hugging Face folder and its GGUF files by type."""
+
+    folder: Path
+    ggufs: dict[str, Path]
+
+
+def prepare(shape: str) -> ShapeFiles:
+    """The shape's files, made on first use (minutes: weights written, converted, quantized)."""
+    from radixrt.executor.model_loader import cache_dir
+
+    root = cache_dir() / "shapes" / shape
+    folder = root / "hf"
+    if not (folder / _DONE).is_file():
+        _write_checkpoint(shape, folder)
+    ggufs = {kind: root / f"{shape}-{kind}.gguf" for kind in GGUF_TYPES}
+    if not all(p.is_file() for p in ggufs.values()):
+        f16 = root / f"{shape}-F16.gguf"
+        if not f16.is_file():
+            _convert(folder, f16)
+        for kind, path in ggufs.items():
+            if not path.is_file():
+                _quantize(f16, path, kind)
+        f16.unlink()
+    return ShapeFiles(folder, ggufs)
+
+
+def _write_checkpoint(shape: str, folder: Path) -> None:
+    """Seeded N(0, 0.02) weights under transformers' Llama names, written tensor by tensor into
+    one safetensors file, with the config and the default model's tokenizer."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, LlamaConfig, LlamaForCausalLM
+
+    from radixrt.executor.model_loader import resolve_model_path
+
+    default = resolve_model_path("default")
+    base = AutoConfig.from_pretrained(default)
+    config = LlamaConfig(
+        **SHAPES[shape],
+        vocab_size=base.vocab_size,
+        bos_token_id=base.bos_token_id,
+        eos_token_id=base.eos_token_id,
+    )
+    config.architectures = ["LlamaForCausalLM"]
+    with torch.device("meta"):
+        shapes = {k: v.shape for k, v in LlamaForCausalLM(config).state_dict().items()}
+    gen = torch.Generator().manual_seed(0)
+    state = {}
+    for name, size in tqdm(shapes.items(), desc=f"random {shape} weights"):
+        state[name] = (
+            torch.ones(size) if name.endswith("norm.weight") else torch.randn(size, generator=gen)
+        )
+        if not name.endswith("norm.weight"):
+            state[name].mul_(0.02)
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
+    config.save_pretrained(folder)
+    for f in default.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")) or f.name == "vocab.json":
+            shutil.copy(f, folder / f.name)
+    (folder / _DONE).write_text(shape)
+
+
+def _convert(folder: Path, out: Path) -> None:
+    """`convert_hf_to_gguf.py` of the llama.cpp that llama-cpp-python vendors (same version as
+    the installed one), with its own gguf-py, to a float16 GGUF."""
+    version = importlib.metadata.version("llama-cpp-python")
+    with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:"]
+            + [f"llama-cpp-python=={version}", "-d", tmp],
+            check=True,
+        )
+        src = Path(tmp) / f"llama_cpp_python-{version}"
+        with tarfile.open(Path(tmp) / f"{src.name}.tar.gz") as tar:
+            tar.extractall(tmp, filter="data")
+        llama = src / "vendor" / "llama.cpp"
+        env = {**os.environ, "PYTHONPATH": str(llama / "gguf-py")}
+        subprocess.run(
+            [sys.executable, str(llama / "convert_hf_to_gguf.py"), str(folder)]
+            + ["--outtype", "f16", "--outfile", str(out)],
+            check=True,
+            env=env,
+        )
+
+
+def _quantize(f16: Path, out: Path, kind: str) -> None:
+    """llama.cpp's quantizer: `llama-quantize` beside this Python where `make bench-peers` built
+    it, else the same code through llama-cpp-python (`llama_model_quantize`)."""
+    binary = Path(sys.executable).parent / "llama-quantize"
+    if binary.is_file():
+        subprocess.run([str(binary), str(f16), str(out), kind], check=True)
+        return
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = GGUF_TYPES[kind]
+    params.nthread = os.cpu_count() or 1
+    tmp = out.with_suffix(".tmp")
+    if llama_cpp.llama_model_quantize(str(f16).encode(), str(tmp).encode(), params) != 0:
+        raise RuntimeError(f"llama.cpp could not quantize {f16} to {kind}")
+    os.replace(tmp, out)

@@ -1,0 +1,88 @@
+"""GGUF's Q4_0, Q4_1 and Q8_0 tensors read into the grouped kernel's packed layout: what they
+stand for equals gguf's own dequantization, row orders and stacking included. A small GGUF file
+is written with gguf's writer and read back with its reader, the path serving uses."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+from transformers import LlamaConfig
+
+from radixrt.executor import gguf_weights
+from radixrt.kernels import int4_gemm
+
+K = 96  # three groups
+CONFIG = LlamaConfig(
+    hidden_size=K, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=1
+)
+# name -> (rows, type): q and k share a width, v is 8-bit: q/k/v cannot stack into one layout
+TENSORS = {
+    "blk.0.attn_q.weight": (K, T.Q4_0),
+    "blk.0.attn_k.weight": (48, T.Q4_1),
+    "blk.0.attn_v.weight": (48, T.Q8_0),
+    "blk.0.attn_output.weight": (K, T.Q4_1),
+    "blk.0.ffn_gate.weight": (40, T.Q4_0),
+    "blk.0.ffn_up.weight": (40, T.Q4_1),
+    "blk.0.ffn_down.weight": (K, T.F32),
+    "token_embd.weight": (50, T.Q8_0),
+}
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory):
+    """A llama GGUF of TENSORS (random weights, quantized by gguf) and its reader."""
+    path = tmp_path_factory.mktemp("gguf") / "small.gguf"
+    writer = gguf.GGUFWriter(path, "llama")
+    rng = np.random.default_rng(0)
+    for name, (rows, kind) in TENSORS.items():
+        w = rng.standard_normal((rows, K)).astype(np.float32)
+        writer.add_tensor(name, gguf.quants.quantize(w, kind), raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path, {t.name: t for t in gguf.GGUFReader(path).tensors}
+
+
+def _dequantized(tensor) -> torch.Tensor:
+    """gguf's own float32 reading of a tensor, [rows, K]."""
+    return torch.from_numpy(gguf.quants.dequantize(tensor.data, tensor.tensor_type).copy())
+
+
+@pytest.mark.parametrize(
+    "name", ["blk.0.attn_q.weight", "blk.0.attn_k.weight", "token_embd.weight"]
+)
+def test_packed_blocks_equal_ggufs_dequantization(written, name):
+    """Q4_0, Q4_1 and Q8_0: the blocks copied as stored stand for gguf's values exactly."""
+    tensor = written[1][name]
+    q, d, m, bits = gguf_weights.blocks(tensor)
+    packed = int4_gemm.PackedGroups.from_blocks(q, d, m, K, bits)
+    assert torch.equal(packed.dequantize(), _dequantized(tensor))
+
+
+def test_the_plan_stacks_only_packed_tensors_of_one_width(written):
+    plan = gguf_weights.plan(written[0], CONFIG)
+    assert set(plan.linears) == {
+        "layers.0.self_attn.o_proj",
+        "layers.0.mlp.gate_up_proj",
+        "lm_head",
+    }
+    assert plan.meta_weights(tied=True) == {
+        "layers.0.self_attn.o_proj.weight",
+        "layers.0.mlp.gate_up_proj.weight",
+    }
+    linears = gguf_weights.read_linears(plan)
+    gate_up = torch.cat([_dequantized(written[1][f"blk.0.ffn_{p}.weight"]) for p in ("gate", "up")])
+    assert torch.equal(linears["layers.0.mlp.gate_up_proj"].dequantize(), gate_up)
+    assert linears["lm_head"].bits == int4_gemm.Bits.INT8
+
+
+def test_q_and_k_rows_are_put_back_in_hugging_faces_order():
+    """llama.cpp's converter's permutation (convert_hf_to_gguf.py, LlamaModel.permute), undone."""
+    heads, rows = 4, 32
+    hf = torch.arange(rows * 3.0).view(rows, 3)
+    converted = hf.reshape(heads, 2, rows // heads // 2, 3).swapaxes(1, 2).reshape(rows, 3)
+    assert torch.equal(converted[gguf_weights._unpermute(rows, heads)], hf)

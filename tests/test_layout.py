@@ -49,7 +49,7 @@ ALLOWED = {
     "models": {"attention", "distributed", "kernels", "forward_batch"},
     "distributed": {"forward_batch"},  # the commands rank 0 sends carry a step's batch
     "attention": {"kernels", "forward_batch"},
-    "structured": set(),
+    "structured": {"kernels"},  # bitmask: the C pass that applies masks to CPU logits
     "speculative": set(),
     "kernels": set(),
     "frontend": {"client", "frontend", "structured"},  # structured.tools: calls, no torch

@@ -309,3 +309,38 @@ def test_jump_forward_and_speculation_keep_the_greedy_text(default_model_dir):
             scheduler.close()
     assert texts["token by token"] == texts["jump-forward"] == texts["speculative"], texts
     assert 0 <= json.loads(texts["jump-forward"][1])["age"] <= 120
+
+
+KINDS = (
+    ({"regex": r"[0-9]{4}-[0-9]{2}"}, "2024-01"),
+    ({"json_schema": RECORD}, '{"name":"Ada","age":36,"city":"Lisbon"}'),
+    ({"choices": ["yes", "no"]}, "no"),
+    ({"dtype": "float"}, "-1.5e3"),
+    ({"ebnf": ARITHMETIC_GBNF}, "(1+2)*3"),
+    ({"lark": PAIRS_LARK}, "{a=1,bc=22}"),
+)
+
+
+@pytest.mark.parametrize("backend", ["outlines", "llguidance"])
+def test_every_kind_checks_drafts_without_advancing(tokenizer, backend):
+    """What speculative verification does with a guide, for every constraint kind under either
+    backend: `allowed_prefix` of a draft (whole, or with a bad token inside) leaves the guide
+    where it was, so the accepted tokens then advance it to the end."""
+    compiler = ConstraintCompiler(tokenizer, PADDED_VOCAB, backend=backend)
+    bad = tokenizer.encode("@", add_special_tokens=False)[0]
+    try:
+        for constraint, text in KINDS:
+            guide = compiler.compile(**constraint).guide()
+            ids = tokenizer.encode(text, add_special_tokens=False)
+            half = len(ids) // 2
+            for _ in range(2):
+                assert guide.allowed_prefix(ids + [compiler.eos_token_id]) == len(ids) + 1
+                assert guide.allowed_prefix([*ids[:half], bad, *ids[half:]]) == half
+            for token in ids[:half]:
+                guide.advance(token)
+            assert guide.allowed_prefix([*ids[half:], compiler.eos_token_id]) == len(ids) - half + 1
+            for token in [*ids[half:], compiler.eos_token_id]:
+                guide.advance(token)
+            assert guide.allowed_only_eos()
+    finally:
+        compiler.close()

@@ -146,6 +146,16 @@ def drain(scheduler, after_step=None, max_steps: int = DRAIN_STEPS) -> list:
 # The default model's vocabulary padded past its tokenizer, as some models' embeddings are: masks
 # must cover the padding (and never allow it).
 PADDED_VOCAB = TINY["vocab_size"] + 64
+# a flat JSON record the structured tests decode (outlines-core's own bound on the age's digits)
+RECORD_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "maxDigits": 3},
+        "city": {"type": "string", "maxLength": 12},
+    },
+    "required": ["name", "age", "city"],
+}
 
 
 def allowed_ids(row: torch.Tensor) -> list[int]:

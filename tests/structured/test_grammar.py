@@ -18,7 +18,14 @@ from radixrt.structured.compiler import ConstraintCompiler, ConstraintError
 from radixrt.structured.regexes import JSON_OBJECT_LARK, closed_objects
 from radixrt.structured.tools import PARSERS, ToolCall, ToolChoice, parse_tools
 
-from helpers import PADDED_VOCAB, allowed_ids, drain, make_scheduler, run_in_process
+from helpers import (
+    PADDED_VOCAB,
+    RECORD_SCHEMA,
+    allowed_ids,
+    drain,
+    make_scheduler,
+    run_in_process,
+)
 from ownership import assert_no_leak
 
 PAIRS_LARK = r"""
@@ -257,19 +264,10 @@ def test_tools_with_bounds_decode_under_a_grammar(compiler, tokenizer, parser):
     assert not accepted(compiler, tokenizer, "Let me see. " + bad, **auto.params())
 
 
-RECORD = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 12},
-        "age": {"type": "integer", "maxDigits": 3},
-        "city": {"type": "string", "maxLength": 12},
-    },
-    "required": ["name", "age", "city"],
-}
 BOUNDED_RECORD = {
-    **RECORD,
+    **RECORD_SCHEMA,
     "properties": {
-        **RECORD["properties"],
+        **RECORD_SCHEMA["properties"],
         "age": {"type": "integer", "minimum": 0, "maximum": 120},
     },
 }
@@ -280,7 +278,7 @@ def test_jump_forward_and_speculation_keep_the_greedy_text(default_model_dir):
     same with bounds, and GBNF: llguidance) is the same token by token, with jump-forward, and
     with speculative decoding; the bounded age stays in range."""
     constraints = (
-        {"json_schema": RECORD},
+        {"json_schema": RECORD_SCHEMA},
         {"json_schema": BOUNDED_RECORD},
         {"ebnf": ARITHMETIC_GBNF},
     )
@@ -313,7 +311,7 @@ def test_jump_forward_and_speculation_keep_the_greedy_text(default_model_dir):
 
 KINDS = (
     ({"regex": r"[0-9]{4}-[0-9]{2}"}, "2024-01"),
-    ({"json_schema": RECORD}, '{"name":"Ada","age":36,"city":"Lisbon"}'),
+    ({"json_schema": RECORD_SCHEMA}, '{"name":"Ada","age":36,"city":"Lisbon"}'),
     ({"choices": ["yes", "no"]}, "no"),
     ({"dtype": "float"}, "-1.5e3"),
     ({"ebnf": ARITHMETIC_GBNF}, "(1+2)*3"),

@@ -11,7 +11,7 @@ import pytest
 
 import radixrt as rt
 
-from helpers import launch_runtime
+from helpers import RECORD_SCHEMA, launch_runtime
 from timeouts import REPLY_TIMEOUT_S
 
 REGEXES = {
@@ -183,22 +183,11 @@ def test_constrained_decoding_survives_preemption(default_model_dir):
         assert all(re.fullmatch(pattern, o["text"]) for o in outs)
 
 
-FLAT = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 12},
-        "age": {"type": "integer", "maxDigits": 3},
-        "city": {"type": "string", "maxLength": 12},
-    },
-    "required": ["name", "age", "city"],
-}
-
-
 def test_jump_forward_saves_forward_passes(default_runtime):
     """Forced keys and punctuation come in one extend: fewer forwards than output tokens."""
     out = default_runtime.generate(
         _prompt(default_runtime, "A person as JSON."),
-        {"temperature": 0, "max_new_tokens": 64, "json_schema": FLAT},
+        {"temperature": 0, "max_new_tokens": 64, "json_schema": RECORD_SCHEMA},
     )
     meta = out["meta_info"]
     assert meta["forward_passes"] < meta["completion_tokens"] - 6, meta
@@ -207,7 +196,7 @@ def test_jump_forward_saves_forward_passes(default_runtime):
 
 def test_streamed_deltas_join_to_the_constrained_result(engine):
     prompt = _prompt(engine, "A person as JSON.")
-    params = {"temperature": 0, "max_new_tokens": 64, "json_schema": FLAT}
+    params = {"temperature": 0, "max_new_tokens": 64, "json_schema": RECORD_SCHEMA}
     chunks = list(engine.generate(prompt, params, stream=True))
     final = chunks[-1]
     assert final["finished"] and "".join(c["delta"] for c in chunks[:-1]) == final["text"]
@@ -218,7 +207,7 @@ def test_streamed_deltas_join_to_the_constrained_result(engine):
 def test_stop_string_inside_forced_text(engine):
     out = engine.generate(
         _prompt(engine, "A person as JSON."),
-        {"temperature": 0, "max_new_tokens": 64, "json_schema": FLAT, "stop": '"age"'},
+        {"temperature": 0, "max_new_tokens": 64, "json_schema": RECORD_SCHEMA, "stop": '"age"'},
     )
     assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": '"age"'}
     assert out["text"].startswith('{"name":"') and '"age"' not in out["text"]

@@ -45,6 +45,7 @@ ALLOWED = {
         "config",
         "lifecycle",
         "forward_batch",
+        "kernels",  # gguf_weights: GGUF blocks copied into int4_gemm's packed layout
     },
     "models": {"attention", "distributed", "kernels", "forward_batch"},
     "distributed": {"forward_batch"},  # the commands rank 0 sends carry a step's batch

@@ -150,6 +150,16 @@ def test_llguidance_backend_json_and_jump_forward(tokenizer):
         compiler.close()
 
 
+def _check_arithmetic(tokenizer, ids: list[int], eos: int) -> None:
+    """Output under ARITHMETIC_GBNF: a whole expression once finished (leading zeros aside,
+    which Python refuses), else a prefix of one."""
+    text = tokenizer.decode([t for t in ids if t != eos])
+    if ids and ids[-1] == eos:
+        ast.parse(re.sub(r"\b0+(\d)", r"\1", text), mode="eval")
+    else:
+        assert re.fullmatch(r"[0-9+\-*/()]+", text), text
+
+
 def test_ebnf_output_parses_in_process(tiny_model_dir):
     scheduler = make_scheduler(tiny_model_dir)
     try:
@@ -158,13 +168,8 @@ def test_ebnf_output_parses_in_process(tiny_model_dir):
             [[[1, 2, 3, 4], [5, 6, 7]]],
             {"ebnf": ARITHMETIC_GBNF, "max_new_tokens": 48, "temperature": 0.0},
         )
-        eos = scheduler.tokenizer.eos_token_id
         for ids in outs:
-            text = scheduler.tokenizer.decode([t for t in ids if t != eos])
-            if ids[-1] == eos:  # finished: a whole expression
-                ast.parse(re.sub(r"\b0+(\d)", r"\1", text), mode="eval")
-            else:  # cut at max_new_tokens: a prefix of one
-                assert re.fullmatch(r"[0-9+\-*/()]+", text), text
+            _check_arithmetic(scheduler.tokenizer, ids, scheduler.tokenizer.eos_token_id)
         bad = scheduler.make_request(
             "bad", [1, 2], SamplingParams.from_dict({"ebnf": "root ::= ("})
         )
@@ -276,7 +281,8 @@ BOUNDED_RECORD = {
 def test_jump_forward_and_speculation_keep_the_greedy_text(default_model_dir):
     """On the default model, greedy text under each backend (a plain schema: outlines-core; the
     same with bounds, and GBNF: llguidance) is the same token by token, with jump-forward, and
-    with speculative decoding; the bounded age stays in range."""
+    with speculative decoding; the bounded age stays in range; sampled GBNF output (T = 1, four
+    seeds) parses wherever it finished."""
     constraints = (
         {"json_schema": RECORD_SCHEMA},
         {"json_schema": BOUNDED_RECORD},
@@ -302,6 +308,11 @@ def test_jump_forward_and_speculation_keep_the_greedy_text(default_model_dir):
             greedy = {"max_new_tokens": 40, "temperature": 0}
             outs = [run_in_process(scheduler, [[prompt]], {**greedy, **c})[0] for c in constraints]
             texts[name] = [tok.decode(ids, skip_special_tokens=True) for ids in outs]
+            if name == "speculative":  # and sampled (T = 1, a seed each): a finished one parses
+                for seed in range(4):
+                    sampled = {"max_new_tokens": 24, "temperature": 1.0, "seed": seed}
+                    (ids,) = run_in_process(scheduler, [[prompt]], {**sampled, **constraints[2]})
+                    _check_arithmetic(tok, ids, scheduler.tokenizer.eos_token_id)
             assert_no_leak(scheduler)
         finally:
             scheduler.close()

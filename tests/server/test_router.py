@@ -12,7 +12,7 @@ import sys
 import threading
 import time
 import urllib.request
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 
 import msgpack
 import psutil
@@ -490,3 +490,65 @@ def test_a_worker_answering_garbage_never_stops_the_router(workers):
         assert stats["workers"][1]["total_tokens"] == 2048  # the real worker's stats stand
         assert r.flush_cache()
         assert_no_leak(real)
+
+
+@contextmanager
+def last_words_worker(url: str, chunks: int):
+    """A fake worker, a real ROUTER socket on a thread, that streams one generate's `chunks`
+    replies and its final one, then closes at once, as a drained worker exits after its last
+    request. Pings get a pong with a server_id of its own; other ops an empty map."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.bind(url)
+    done = threading.Event()
+
+    def serve() -> None:
+        while not done.is_set():
+            if not sock.poll(50):
+                continue
+            identity, frame = sock.recv_multipart()
+            msg = msgpack.unpackb(frame, raw=False)
+            rid, op = msg.get("rid"), msg.get("op")
+            if op == "generate":
+                for i in range(chunks):
+                    reply = {"rid": rid, "finished": False, "output_ids": list(range(i + 1))}
+                    sock.send_multipart([identity, msgpack.packb(reply)])
+                final = {"rid": rid, "finished": True, "output_ids": list(range(chunks + 1))}
+                sock.send_multipart([identity, msgpack.packb(final)])
+                done.set()
+            elif op == "ping":
+                pong = {"rid": rid, "result": {"server_id": f"fake-{id(sock)}"}}
+                sock.send_multipart([identity, msgpack.packb(pong)])
+            elif op != "abort":
+                sock.send_multipart([identity, msgpack.packb({"rid": rid, "result": {}})])
+        sock.close(linger=1000)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join(timeout=5)
+        ctx.term()
+
+
+def test_a_worker_that_exits_after_its_last_reply_is_not_a_loss(tmp_path):
+    """The router reads what a worker sent before its connection dropped ahead of the drop,
+    even when the poll saw the drop first: every stream ends with its final chunk, never with
+    `worker_lost` (a drained fleet's last request failed this way, once in a CI run). Each fake
+    exits after one request and a successor comes up at its address, which the router finds."""
+    url = f"ipc://{tmp_path}/worker.sock"
+    chunks = 400
+    with ExitStack() as stack:
+        stack.enter_context(last_words_worker(url, chunks))
+        r = stack.enter_context(router_process([url]))
+        for attempt in range(8):
+            if attempt:
+                stack.enter_context(last_words_worker(url, chunks))
+                deadline = time.monotonic() + 10
+                while not r.stats()["workers"][0]["alive"] and time.monotonic() < deadline:
+                    time.sleep(0.05)
+            stream = r.generate(input_ids=[5, 6], sampling_params=GREEDY, stream=True)
+            finals = [c for c in stream if c["finished"]]
+            assert len(finals[0]["output_ids"]) == chunks + 1

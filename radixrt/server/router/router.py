@@ -139,14 +139,10 @@ class Router:
         ]
         self.policy = make_policy(config.routing)
         self.worker_poller = zmq.Poller()  # what a startup waits on: the workers only
-        for w in self.workers:
-            self.worker_poller.register(w.sock, zmq.POLLIN)
-            self.worker_poller.register(w.monitor, zmq.POLLIN)
         self.poller = zmq.Poller()
         self.poller.register(self.front.sock, zmq.POLLIN)
         for w in self.workers:
-            self.poller.register(w.sock, zmq.POLLIN)
-            self.poller.register(w.monitor, zmq.POLLIN)
+            self._poll(w, on=True)
         self.flights: dict[str, Flight] = {}  # by key
         self.gathers: dict[str, tuple[Gather, int]] = {}  # sub-rid -> (gather, worker index)
         self.pins: dict[bytes, dict[str, Pin]] = {}
@@ -179,14 +175,42 @@ class Router:
         if self.front.sock in events:
             self.front.drain()
         for w in self.workers:
-            if w.sock in events:  # before a drop: a worker's last replies precede its exit
-                for reply in w.recv_all():
-                    self._handle_worker_reply(w, reply)
-            if w.monitor in events and w.disconnected() and w.alive:
-                self._lose(w, "its connection dropped")
+            if w.sock in events:
+                self._read(w)
+            if w.monitor in events:
+                self._on_link_events(w)
         self._tick()
         if self.drain_deadline is not None:
             self._drain_step()
+
+    def _read(self, worker: WorkerLink) -> None:
+        for reply in worker.recv_all():
+            self._handle_worker_reply(worker, reply)
+
+    def _on_link_events(self, worker: WorkerLink) -> None:
+        """A connection that came up is pinged at once; one that dropped is read to its end
+        first (a worker's last replies precede its exit, though the poll may see the drop
+        first: a drained worker's final chunks are answers, not losses), then taken out of
+        rotation and its socket replaced."""
+        was_connected = worker.connected
+        if worker.watch():
+            self._read(worker)
+            if worker.alive:
+                self._lose(worker, "its connection dropped")
+            self._poll(worker, on=False)
+            worker.reopen()
+            self._poll(worker, on=True)
+        elif worker.connected and not was_connected:
+            worker.send({"op": "ping", "rid": "ping"})
+
+    def _poll(self, worker: WorkerLink, on: bool) -> None:
+        """Register `worker`'s socket and monitor with both pollers, or (not `on`) take them out."""
+        for poller in (self.worker_poller, self.poller):
+            for sock in (worker.sock, worker.monitor):
+                if on:
+                    poller.register(sock, zmq.POLLIN)
+                else:
+                    poller.unregister(sock)
 
     def begin_drain(self) -> None:
         """Stop taking generates (they get `draining`); the loop ends once every request in

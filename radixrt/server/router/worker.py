@@ -51,10 +51,14 @@ class WorkerLink:
 
     `alive` turns true on the worker's first answer and false when its connection drops (the
     socket monitor says so at once when the process dies), when it falls silent, or when it
-    answers with a new `server_id` (it restarted: what it held is gone). With `IMMEDIATE` set, a
-    frame is queued only on a live connection, so nothing sent to a dead worker is delivered to
-    its successor later. Closing waits up to `CLOSE_LINGER_MS` for queued frames (the aborts a
-    stopping router sends).
+    answers with a new `server_id` (it restarted: what it held is gone).
+
+    Frames are queued only on a connection whose handshake completed (`connected`). A dropped
+    connection's socket is read to its end and then replaced (`reopen`): what was queued for
+    the dead peer dies with the old socket, so nothing sent to a dead worker reaches its
+    successor. (ZMQ's `IMMEDIATE` would do the latter, but it also discards replies that had
+    arrived and were not read yet: a drained worker's last chunks, sent just before it exits.)
+    Closing waits up to `CLOSE_LINGER_MS` for queued frames (the aborts a stopping router sends).
     """
 
     def __init__(
@@ -65,15 +69,9 @@ class WorkerLink:
         api_key: str | None = None,
         curve_server_key: str | None = None,
     ):
-        self.index, self.url, self.api_key = index, url, api_key
-        self.sock = ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, CLOSE_LINGER_MS)
-        self.sock.setsockopt(zmq.IMMEDIATE, 1)
-        if curve_server_key:
-            self.sock.curve_publickey, self.sock.curve_secretkey = zmq.curve_keypair()
-            self.sock.curve_serverkey = curve_server_key.encode()
-        self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        self.sock.connect(url)
+        self.ctx, self.index, self.url, self.api_key = ctx, index, url, api_key
+        self.curve_server_key = curve_server_key
+        self._open()
         self.alive = False
         self.server_id: str | None = None
         self.last_heard = 0.0
@@ -82,9 +80,23 @@ class WorkerLink:
         self.stats: dict[str, Any] = {}  # its last stats reply
         self._complaints: set[str] = set()  # what was logged about its replies already
 
+    def _open(self) -> None:
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, CLOSE_LINGER_MS)
+        if self.curve_server_key:
+            self.sock.curve_publickey, self.sock.curve_secretkey = zmq.curve_keypair()
+            self.sock.curve_serverkey = self.curve_server_key.encode()
+        self.monitor = self.sock.get_monitor_socket(
+            zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
+        )
+        self.connected = False
+        self.sock.connect(self.url)
+
     def send(self, msg: dict[str, Any]) -> bool:
         """Queue one map for the worker; False when there is no live connection to queue it on.
         A map that carries its own `api_key` (a client's, forwarded) keeps it."""
+        if not self.connected:
+            return False
         if self.api_key is not None:
             msg = {"api_key": self.api_key, **msg}
         try:
@@ -118,13 +130,22 @@ class WorkerLink:
             self._complaints.add(what)
             logger.warning("worker %s: %s", self.url, what)
 
-    def disconnected(self) -> bool:
-        """Whether the monitor reported the connection dropped since the last call."""
+    def watch(self) -> bool:
+        """Read the monitor's events: a completed handshake makes the link `connected`; True
+        when the connection dropped since the last call (the caller reads what the socket
+        still holds, then calls `reopen`)."""
         dropped = False
         while self.monitor.poll(0):
-            event = recv_monitor_message(self.monitor)
-            dropped |= event["event"] == zmq.EVENT_DISCONNECTED
+            event = recv_monitor_message(self.monitor)["event"]
+            dropped |= event == zmq.EVENT_DISCONNECTED
+            self.connected = event == zmq.EVENT_HANDSHAKE_SUCCEEDED
         return dropped
+
+    def reopen(self) -> None:
+        """Replace the socket of a dropped connection, discarding what was queued for the dead
+        peer; the new one connects to the same URL (a successor is found when it comes up)."""
+        self.close(linger=0)
+        self._open()
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -135,7 +156,7 @@ class WorkerLink:
             "router_namespaces": len(self.tree.roots),
         }
 
-    def close(self) -> None:
+    def close(self, linger: int | None = None) -> None:
         self.sock.disable_monitor()
         self.monitor.close()
-        self.sock.close()
+        self.sock.close(linger=linger)

@@ -65,11 +65,12 @@ def align_by_expert(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The pairs of `experts` [T, k] (pair p = token p // k's j-th expert) sorted by expert, each
     expert's run padded to a multiple of `block_m` with the sentinel T * k: (sorted_pairs, one
-    entry per block of `block_m`, its expert or -1 past the last). Sized for the worst routing,
-    T * k + E * (block_m - 1) rows, so no count comes back to the host."""
+    entry per block of `block_m`, its expert or -1 past the last). Pairs of the dropped id
+    `num_experts` sort last, in blocks marked -1. Sized for the worst routing,
+    T * k + (E + 1) * (block_m - 1) rows, so no count comes back to the host."""
     flat = experts.flatten()
     num_pairs = flat.numel()
-    counts = torch.bincount(flat, minlength=num_experts)
+    counts = torch.bincount(flat, minlength=num_experts + 1)
     padded = (counts + block_m - 1) // block_m * block_m
     padded_ends = torch.cumsum(padded, 0)
     order = torch.argsort(flat, stable=True)
@@ -77,7 +78,7 @@ def align_by_expert(
     first_of_expert = torch.cumsum(counts, 0) - counts
     rank = torch.arange(num_pairs, device=flat.device) - first_of_expert[by_expert]
     padded_starts = padded_ends - padded
-    rows = triton.cdiv(num_pairs + num_experts * (block_m - 1), block_m) * block_m
+    rows = triton.cdiv(num_pairs + (num_experts + 1) * (block_m - 1), block_m) * block_m
     sorted_pairs = torch.full((rows,), num_pairs, dtype=torch.int64, device=flat.device)
     sorted_pairs[padded_starts[by_expert] + rank] = order
     block_starts = torch.arange(0, rows, block_m, device=flat.device)
@@ -100,7 +101,8 @@ def fused_moe_fwd(
     """sum_j weights[t, j] * down[e] @ activation(gate_up[e] @ x[t]) with e = experts[t, j], for
     x [T, H], routing `experts` and `weights` [T, k], `gate_up` [E, 2I, H] and `down` [E, H, I]:
     two launches (the routing weight applied in the second) and `activation` [T*k, 2I] -> [T*k, I]
-    between them. The k outputs of a token are summed in routing order, not expert order."""
+    between them. The k outputs of a token are summed in routing order, not expert order. A pair
+    whose expert is E (another rank's, under expert parallelism) adds nothing."""
     tokens, top_k = experts.shape
     sorted_pairs, block_experts = align_by_expert(experts, gate_up.shape[0], BLOCK_M)
     pairs = (sorted_pairs, block_experts, tokens * top_k)
@@ -122,7 +124,7 @@ def expert_matmul(
     pair_weights[p] if given), `weights` [E, N, K] in `nn.Linear`'s layout; one launch."""
     assert a.stride(-1) == 1 and weights.stride(-1) == 1, "fused_moe needs contiguous rows"
     n, k = weights.shape[1], weights.shape[2]
-    out = torch.empty(num_pairs, n, dtype=a.dtype, device=a.device)
+    out = torch.zeros(num_pairs, n, dtype=a.dtype, device=a.device)  # dropped pairs' rows stay 0
     block_n = min(64, max(16, triton.next_power_of_2(n)))  # tl.dot's least tile is 16
     grid = (block_experts.numel(), triton.cdiv(n, block_n))
     _expert_matmul_kernel[grid](

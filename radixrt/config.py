@@ -47,6 +47,7 @@ class ExecutorArgs:
     context_length: int | None
     max_running_requests: int  # sizes the request->token table
     tp_size: int
+    ep_size: int
     nnodes: int
     node_rank: int
     dist_init_addr: str | None
@@ -163,6 +164,7 @@ def _at_least_one(**values: int | None) -> None:
 class ParallelSettings(SettingsGroup):
     name: ClassVar[str] = "parallel"
     tp_size: int
+    ep_size: int
     nnodes: int
     node_rank: int
     dist_init_addr: str | None
@@ -171,6 +173,11 @@ class ParallelSettings(SettingsGroup):
     def __post_init__(self) -> None:
         if self.tp_size < 1 or self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
             raise ValueError("tp_size and nnodes must be >= 1, node_rank in [0, nnodes)")
+        if self.ep_size not in (1, self.tp_size):
+            raise ValueError(
+                f"ep_size must be 1 or tp_size ({self.tp_size}): experts are spread over the "
+                "tensor-parallel ranks"
+            )
         if self.tp_size % self.nnodes:
             raise ValueError(f"tp_size {self.tp_size} does not split over {self.nnodes} nodes")
         if self.nnodes > 1 and not self.dist_init_addr:
@@ -619,6 +626,13 @@ class ServerArgs(Settings):
         metadata={
             "group": "parallel",
             "help": "tensor parallelism: shard the model's heads, MLP and vocabulary over this many rank processes (one GPU each on CUDA, cores/N threads each on the CPU), gloo on the CPU, NCCL on CUDA",
+        },
+    )
+    ep_size: int = field(
+        default=1,
+        metadata={
+            "group": "parallel",
+            "help": "expert parallelism over the --tp-size ranks (1 or --tp-size): each rank holds a share of a mixture-of-experts model's experts whole, instead of a slice of every expert",
         },
     )
     nnodes: int = field(

@@ -59,6 +59,7 @@ BAD_SETTINGS = [
     (ParallelSettings, {"tp_size": 3, "nnodes": 2, "dist_init_addr": "h:1"}, "split"),
     (ParallelSettings, {"tp_size": 2, "nnodes": 2}, "dist_init_addr"),
     (ParallelSettings, {"dp_size": 0}, "dp_size"),
+    (ParallelSettings, {"tp_size": 4, "ep_size": 2}, "ep_size"),
     (RouterSettings, {"router_cache_threshold": 1.5}, "router_cache_threshold"),
     (RouterSettings, {"router_balance_rel_threshold": 0.5}, "router_balance_rel_threshold"),
     (BatchSettings, {"max_running_requests": 0}, "max_running_requests"),

@@ -38,6 +38,8 @@ class TPGroup:
     cpu_group: Any = None  # gloo group for commands (the default group itself on the CPU)
     collective_time: float = 0.0  # seconds this rank spent in collectives and commands
     shm: ShmAllReduce | None = None  # the all-reduce of CPU ranks on one machine
+    # --ep-size: each rank holds a share of the experts whole, not a slice of every expert
+    expert_parallel: bool = False
 
     def _timed(self, op: Callable[[], Any]) -> Any:
         start = time.perf_counter()

@@ -290,6 +290,11 @@ class WeightReader:
         """Columns [start, end) of a matrix into `out`."""
         self._copy(out, name, slice(None), slice(start, end))
 
+    def skip(self, name: str) -> None:
+        """A tensor another rank loads (an expert under expert parallelism): checked present and
+        counted as read, so neither check refuses the checkpoint for it."""
+        self._find(name)
+
     def _find(self, name: str) -> _Stored:
         if name not in self._where:
             raise ValueError(f"weight {name!r} is missing from the checkpoint")

@@ -118,7 +118,9 @@ def start_local_ranks(args: ExecutorArgs) -> tuple[LocalRanks, str]:
 def _join_group(args: ExecutorArgs, rank: int, init_method: str) -> TPGroup:
     """This rank's place in the group, on its own device (blocks until every rank has joined)."""
     device = resolve_device(args.device, local_rank(args, rank))
-    return TPGroup.init(rank, args.tp_size, init_method, device, args.nnodes == 1)
+    group = TPGroup.init(rank, args.tp_size, init_method, device, args.nnodes == 1)
+    group.expert_parallel = args.ep_size > 1
+    return group
 
 
 def _rank_main(args: ExecutorArgs, rank: int, method: str, parent_pid: int, log_level: int) -> None:

@@ -16,7 +16,7 @@ from radixrt.distributed.group import TPGroup
 from radixrt.distributed.sharding import HeadShard, shard_heads, split_range
 from radixrt.forward_batch import ForwardBatch
 from radixrt.kernels import cpu_fused
-from radixrt.models.family import Family, family_of, rope_per_layer_type
+from radixrt.models.family import Family, MoeSpec, family_of, rope_per_layer_type
 from radixrt.models.moe import GatedMLP, SparseMoE
 
 if TYPE_CHECKING:  # types only: the executor imports this package, not the reverse
@@ -210,6 +210,7 @@ class DecoderLayer(nn.Module):
         head_dim: int,
         shard: HeadShard,
         widths: tuple[int, int],
+        expert_ids: tuple[int, int],
         tp: TPGroup,
     ):
         super().__init__()
@@ -223,7 +224,7 @@ class DecoderLayer(nn.Module):
             self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         sparse = family.moe is not None and layer_id in family.moe.sparse_layers
         self.mlp = (
-            SparseMoE(config.hidden_size, family.moe, expert_mlp, tp, family.activation)
+            SparseMoE(config.hidden_size, family.moe, expert_mlp, tp, family.activation, expert_ids)
             if sparse
             else MLP(config.hidden_size, mlp, tp, family.activation)
         )
@@ -249,6 +250,16 @@ class DecoderLayer(nn.Module):
         return self.mlp(h), residual
 
 
+def expert_shard(moe: MoeSpec | None, tp: TPGroup) -> tuple[tuple[int, int], tuple[int, int]]:
+    """This rank's (slice of each expert's intermediate dimension, range of experts held): under
+    TP every expert's slice, under EP (`tp.expert_parallel`) a share of the experts, whole."""
+    if moe is None:
+        return (0, 0), (0, 0)
+    if tp.expert_parallel:
+        return (0, moe.intermediate_size), split_range(moe.num_experts, tp.size, tp.rank)
+    return split_range(moe.intermediate_size, tp.size, tp.rank), (0, moe.num_experts)
+
+
 class LlamaForCausalLM(nn.Module):
     """The decoder, or with `tp` of size N one rank's shard of it: its heads (`shard`), its
     slice of the MLP (`mlp_range`), of each expert (`expert_range`) and of the vocabulary
@@ -270,9 +281,7 @@ class LlamaForCausalLM(nn.Module):
             config.num_attention_heads, config.num_key_value_heads, tp.size, tp.rank
         )
         self.mlp_range = split_range(config.intermediate_size, tp.size, tp.rank)
-        self.expert_range = (
-            split_range(family.moe.intermediate_size, tp.size, tp.rank) if family.moe else (0, 0)
-        )
+        self.expert_range, self.expert_ids = expert_shard(family.moe, tp)
         self.vocab_widths = [
             end - start
             for start, end in (split_range(config.vocab_size, tp.size, r) for r in range(tp.size))
@@ -284,7 +293,7 @@ class LlamaForCausalLM(nn.Module):
         )
         self.embed_tokens = VocabParallelEmbedding(self.vocab_range, config.hidden_size, tp)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, family, i, head_dim, self.shard, widths, tp)
+            DecoderLayer(config, family, i, head_dim, self.shard, widths, self.expert_ids, tp)
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -401,13 +410,19 @@ class LlamaForCausalLM(nn.Module):
         return [(prefix + f"{p}_proj.weight", start, end) for p in ("gate", "up")]
 
     def _load_experts(self, reader: WeightReader, hf: str, me: str, param) -> None:
-        """The router whole; every expert's slice of gate and up (rows) and down (columns)."""
+        """The router whole; this rank's experts' slice of gate and up (rows) and down (columns):
+        every expert's slice under TP, a share of the experts whole under EP."""
         spec, (start, end) = self.family.moe, self.expert_range
+        first, last = self.expert_ids
         gate, up, down = spec.names
         base = hf + spec.prefix + "."
         reader.copy_rows(param(me + "mlp.gate.weight"), base + "gate.weight")
         for e in range(spec.num_experts):
-            theirs, mine = f"{base}experts.{e}.", f"{me}mlp.experts.{e}."
+            theirs, mine = f"{base}experts.{e}.", f"{me}mlp.experts.{e - first}."
+            if not first <= e < last:  # another rank's
+                for name in (gate, up, down):
+                    reader.skip(theirs + f"{name}.weight")
+                continue
             reader.stack_rows(
                 param(mine + "gate_up_proj.weight"),
                 [(theirs + f"{gate}.weight", start, end), (theirs + f"{up}.weight", start, end)],

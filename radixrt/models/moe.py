@@ -9,7 +9,10 @@ Experts are `GatedMLP`s, as the dense MLP, so the CPU's oneDNN prepacking and
 `--quantization int8` replace their linears too. On the GPU the experts run as two fused Triton
 launches instead (`kernels/fused_moe.py`), over their weights stacked once by expert. Under
 `--tp-size N` every rank holds every expert's slice of the intermediate dimension (as the dense
-MLP), so one all-reduce sums the ranks' parts. Expert parallelism (`--ep-size`) is not built.
+MLP); with `--ep-size N` too, each rank holds a share of the experts whole and runs only the
+pairs routed to them. Either way every rank sees every token (the attention's all-reduce left
+the stream whole on each) and routes it, and one all-reduce sums the ranks' parts. (SGLang's
+first EP layout: no all-to-all dispatch, which pays only when tokens are spread over ranks.)
 The CPU's grouping reads the per-expert counts on the host; the fused path reads nothing back
 but has not yet run under CUDA-graph capture, so a decode step of an MoE model is not captured
 (the model says so with `graph_safe`).
@@ -74,18 +77,22 @@ class GatedMLP(nn.Module):
 
 
 def grouped_experts(
-    x: torch.Tensor, routing: Routing, experts: Sequence[Callable[[torch.Tensor], torch.Tensor]]
+    x: torch.Tensor,
+    routing: Routing,
+    experts: Sequence[Callable[[torch.Tensor], torch.Tensor]],
+    first: int = 0,
 ) -> torch.Tensor:
-    """sum_j weights[t, j] * experts[experts_of[t, j]](x[t]) for every token t, each expert
-    called once, over the rows routed to it."""
+    """sum_j weights[t, j] * experts[experts_of[t, j] - first](x[t]) for every token t, over the
+    pairs routed to experts `first` to `first + len(experts)` (the rest are other ranks'), each
+    expert called once, over the rows routed to it."""
     top_k = routing.experts.shape[1]
     flat = routing.experts.flatten()
     order = torch.argsort(flat, stable=True)  # pairs by expert, tokens ascending within one
-    counts = torch.bincount(flat, minlength=len(experts)).tolist()
+    counts = torch.bincount(flat, minlength=first + len(experts)).tolist()
     tokens, weights = order // top_k, routing.weights.flatten()[order]
     out = torch.zeros_like(x)
-    start = 0
-    for expert, n in zip(experts, counts):
+    start = sum(counts[:first])
+    for expert, n in zip(experts, counts[first:]):
         if n == 0:
             continue
         rows = tokens[start : start + n]
@@ -96,16 +103,26 @@ def grouped_experts(
 
 
 class SparseMoE(nn.Module):
-    """This rank's slice (`intermediate` wide) of every expert, and the whole router."""
+    """The whole router, and this rank's experts (`expert_ids`, first to last, default all),
+    each `intermediate` wide (its slice under TP, whole under EP)."""
 
-    def __init__(self, hidden: int, spec: MoeSpec, intermediate: int, tp: TPGroup, activation: str):
+    def __init__(
+        self,
+        hidden: int,
+        spec: MoeSpec,
+        intermediate: int,
+        tp: TPGroup,
+        activation: str,
+        expert_ids: tuple[int, int] | None = None,
+    ):
         super().__init__()
         self.tp = tp
         self.spec = spec
         self.activation = activation
+        self.first, last = expert_ids or (0, spec.num_experts)
         self.gate = nn.Linear(hidden, spec.num_experts, bias=False)
         self.experts = nn.ModuleList(
-            GatedMLP(hidden, intermediate, activation) for _ in range(spec.num_experts)
+            GatedMLP(hidden, intermediate, activation) for _ in range(last - self.first)
         )
         self._stacked: tuple[torch.Tensor, torch.Tensor] | None = None
 
@@ -113,15 +130,19 @@ class SparseMoE(nn.Module):
         routing = route(self.gate(x), self.spec.top_k, self.spec.renormalize)
         if x.is_cuda:
             return self.tp.all_reduce(self.fused(x, routing))
-        return self.tp.all_reduce(grouped_experts(x, routing, self.experts))
+        return self.tp.all_reduce(grouped_experts(x, routing, self.experts, self.first))
 
     def fused(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
         """`grouped_experts` as the fused Triton kernel computes it (the GPU's path; the tests
-        run it under Triton's interpreter)."""
+        run it under Triton's interpreter). Pairs routed to another rank's experts take the
+        kernel's dropped id (one past this rank's last expert)."""
         gate_up, down = self.stacked_weights()
+        local = routing.experts - self.first
+        held = len(self.experts)
+        local = local.masked_fill((local < 0) | (local >= held), held)
         return kernels.fused_moe_fwd(
             x,
-            routing.experts,
+            local,
             routing.weights,
             gate_up,
             down,

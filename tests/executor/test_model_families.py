@@ -184,16 +184,18 @@ def test_family_prompt_logprobs_equal_transformers(name, tmp_path, tiny_model_di
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("name", ["qwen3", "mixtral"])
-def test_family_under_tensor_parallel_on_gloo(name, tmp_path, tiny_model_dir):
-    """Two ranks: heads, the MLP's (or every expert's) intermediate dimension and the
-    vocabulary split; greedy equal to transformers', cold and warm."""
+@pytest.mark.parametrize("name, ep_size", [("qwen3", 1), ("mixtral", 1), ("mixtral", 2)])
+def test_family_under_tensor_parallel_on_gloo(name, ep_size, tmp_path, tiny_model_dir):
+    """Two ranks: heads, the MLP's intermediate dimension and the vocabulary split, and every
+    expert's intermediate dimension (or, with `ep_size` 2, half the experts each, whole);
+    greedy equal to transformers', cold and warm."""
     folder = _checkpoint(tmp_path, tiny_model_dir, name)
     prompts = _prompts()[:2]
     expected = hf_greedy(folder, prompts, MAX_NEW)
     with rt.Engine(
         model=str(folder),
         tp_size=2,
+        ep_size=ep_size,
         max_total_tokens=512,
         log_level="warning",
         timeout=REPLY_TIMEOUT_S,

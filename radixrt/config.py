@@ -56,6 +56,11 @@ class ExecutorArgs:
     max_loras_per_batch: int
     max_lora_rank: int | None
 
+    @property
+    def lora_enabled(self) -> bool:
+        """Whether adapters are served: some given at start, or `--enable-lora`."""
+        return self.enable_lora or bool(self.lora_paths)
+
 
 @dataclass(frozen=True)
 class SchedulerArgs:

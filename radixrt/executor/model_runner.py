@@ -257,7 +257,7 @@ class ModelRunner:
         without adapters: the model's projections stay unwrapped). Wrapped after the linears
         are replaced, so a delta adds to any base: float, prepacked or int8."""
         args = self.args
-        if not (args.enable_lora or args.lora_paths):
+        if not args.lora_enabled:
             return None
         paths = parse_lora_paths(args.lora_paths)
         rank = args.max_lora_rank or default_max_rank(paths)

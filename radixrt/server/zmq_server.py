@@ -347,6 +347,7 @@ def _model_info(server: Server, caller: Caller, msg: dict[str, Any]) -> dict[str
         "vocab_size": info.vocab_size,
         "weights": asdict(info.weights),
         "sampling_defaults": info.sampling_defaults,
+        "lora_enabled": server.args.executor.lora_enabled,
     }
 
 

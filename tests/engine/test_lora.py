@@ -152,7 +152,8 @@ def test_delta_adds_to_an_int8_base():
 def test_adapters_at_run_time_over_every_door(tiny_model_dir, adapters):
     """A runtime started without adapters: load one over ZeroMQ, generate under it (a batch of
     adapter and base prompts), over native HTTP and OpenAI's `model`, list it in /v1/models, in
-    a DSL program; unload it; a request naming it then gets `invalid_request`; nothing leaks."""
+    a DSL program; unload it; a request naming it then gets `invalid_request` (over OpenAI, a
+    404 `model_not_found`, as any name neither served nor loaded); nothing leaks."""
     import openai
 
     prompt = list(range(100, 124))
@@ -195,6 +196,11 @@ def test_adapters_at_run_time_over_every_door(tiny_model_dir, adapters):
             runtime.generate(input_ids=prompt, sampling_params=GREEDY, lora_path="a1")
         assert refused.value.code == "invalid_request"
         assert "no adapter named 'a1'" in str(refused.value)
+        with openai.OpenAI(base_url=f"{runtime.http_url}/v1", api_key="none") as client:
+            for name in ("a1", "tiny-typo"):  # unloaded, or never: the base model never answers
+                with pytest.raises(openai.NotFoundError) as missing:
+                    client.completions.create(model=name, prompt=text, max_tokens=1)
+                assert missing.value.code == "model_not_found" and name in str(missing.value)
         runtime.check_invariants()
         assert runtime.flush_cache()
         assert_all_free(runtime.memory_snapshot())

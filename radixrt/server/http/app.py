@@ -96,6 +96,7 @@ class _Model:
     tokenizer: Any
     template: str | None
     tool_parser: ToolCallParser  # how this model writes tool calls (--tool-call-parser)
+    lora_enabled: bool  # adapters are served: `model` names one, or the served model
 
 
 # The most generate requests one HTTP call may fan out to (prompts x n): one call must not fill
@@ -139,7 +140,14 @@ class Gateway:
         tokenizer = load_tokenizer(info)
         template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else None
         parser = resolve_parser(self.tool_call_parser, template)
-        return _Model(info["model"], info["context_length"], tokenizer, template, parser)
+        return _Model(
+            info["model"],
+            info["context_length"],
+            tokenizer,
+            template,
+            parser,
+            bool(info.get("lora_enabled")),
+        )
 
     def authorized(self, headers: dict[bytes, bytes]) -> bool:
         return self.keys.principal_of(bearer(headers)) is not None
@@ -151,19 +159,32 @@ class Gateway:
 
     async def options(self, request: Request, req: GenerateRequest) -> RequestOptions:
         """The body's tenancy fields, the client's own key (the runtime names its tenant) and
-        the adapter its `model` names (vLLM's convention; the served model's name, or a name
-        that is no adapter, is the base model)."""
+        the adapter its `model` names (vLLM's convention: the served model's name, or no
+        `model`, is the base model)."""
         key = bearer(dict(request.headers.raw)) if self.keys.keys else None
         lora = await self.adapter_named(getattr(req, "model", None))  # native bodies have none
         return RequestOptions(req.cache_salt, req.priority, req.timeout, key or None, lora)
 
     async def adapter_named(self, name: str | None) -> str | None:
-        """`name` if a loaded LoRA adapter has it, else None (asked of the runtime each time:
-        adapters load and unload at run time)."""
-        if not name or name == (await self.model()).name:
+        """The adapter `model` names, None for the base model. Where adapters are served, `name`
+        must be the served model's (or absent) or a loaded adapter's (asked of the runtime each
+        time: adapters load and unload at run time); any other is a 404 `model_not_found`, as
+        vLLM answers it: a misspelled or unloaded adapter must not be served by the base model.
+        Where none are, any name is the base model, as SGLang serves it (clients send their
+        own names for the one model)."""
+        model = await self.model()
+        if not model.lora_enabled or not name or name == model.name:
             return None
-        adapters = await asyncio.to_thread(self.endpoint.list_lora_adapters)
-        return name if any(a["name"] == name for a in adapters) else None
+        adapters = [a["name"] for a in await asyncio.to_thread(self.endpoint.list_lora_adapters)]
+        if name in adapters:
+            return name
+        raise APIError(
+            404,
+            f"the model {name!r} does not exist: this server serves {model.name!r}"
+            + (f" and the adapters {adapters}" if adapters else " and no adapter now"),
+            param="model",
+            code="model_not_found",
+        )
 
     async def complete(self, request: Request, req: CompletionRequest) -> Response:
         model = await self.model()

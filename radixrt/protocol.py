@@ -12,6 +12,11 @@ from typing import Any
 import msgpack
 
 MAX_CACHE_SALT_CHARS = 256  # a generate's `cache_salt`, checked by the runtime and the router
+# A frame's maps and lists nest at most this deep (the top-level map is depth 1): deeper than any
+# request needs, far shallower than msgpack's packer allows, so whatever is echoed can be packed.
+MAX_NESTING = 32
+# a rid is a string of at most this many characters (a router's key for a worker adds ~11)
+MAX_RID_CHARS = 1024
 
 
 class ErrorCode(str, Enum):
@@ -47,9 +52,52 @@ class RequestError(ValueError):
         self.code = code
 
 
+def wire_rid(rid: Any) -> str | int | None:
+    """`rid` as a reply may echo it: a string of at most MAX_RID_CHARS characters or a 64-bit
+    int; anything else a sender put there (a nested list, a huge string) is replaced by None,
+    so no reply is ever unsendable because of what its request held."""
+    if isinstance(rid, str) and len(rid) <= MAX_RID_CHARS:
+        return rid
+    if isinstance(rid, int) and not isinstance(rid, bool) and -(2**63) <= rid < 2**64:
+        return rid
+    return None
+
+
+def check_rid(rid: Any) -> str:
+    """A generate's rid: a non-empty string of at most MAX_RID_CHARS characters (it is echoed
+    in every streamed reply), else a ValueError."""
+    if not isinstance(rid, str) or not rid or len(rid) > MAX_RID_CHARS:
+        raise ValueError(
+            f"generate needs a non-empty string rid of at most {MAX_RID_CHARS} characters"
+        )
+    return rid
+
+
 def error_reply(rid: Any, code: ErrorCode, message: str) -> dict[str, Any]:
-    """The one shape of a failure on the wire; `type` repeats `code` for older clients."""
-    return {"rid": rid, "error": {"code": code.value, "type": code.value, "message": message}}
+    """The one shape of a failure on the wire; `type` repeats `code` for older clients. The rid
+    is echoed only where `wire_rid` allows it."""
+    error = {"code": code.value, "type": code.value, "message": message}
+    return {"rid": wire_rid(rid), "error": error}
+
+
+def nesting_depth(value: Any, limit: int = MAX_NESTING) -> int:
+    """How deep `value`'s maps and lists nest (a scalar is 0, `{"a": [1]}` is 2), level by
+    level without recursion, stopping at `limit + 1` once past `limit`."""
+    depth, level = 0, [value]
+    while True:
+        containers = [v for v in level if isinstance(v, dict | list | tuple)]
+        if not containers:
+            return depth
+        depth += 1
+        if depth > limit:
+            return depth
+        level = []
+        for c in containers:
+            if isinstance(c, dict):
+                level.extend(c)  # keys: msgpack makes a list key a tuple
+                level.extend(c.values())
+            else:
+                level.extend(c)
 
 
 # Control ops: only the admin key (`--admin-api-key`) may send them; a tenant's key gets
@@ -88,4 +136,8 @@ def decode_map(
         )
     if not isinstance(msg, dict):
         return None, error_reply(None, ErrorCode.INVALID_REQUEST, "a message must be a msgpack map")
+    if nesting_depth(msg) > MAX_NESTING:
+        return None, error_reply(
+            None, ErrorCode.INVALID_REQUEST, f"maps and lists nest deeper than {MAX_NESTING}"
+        )
     return msg, None

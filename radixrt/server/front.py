@@ -4,23 +4,27 @@
 op handler sees it, in this order:
 1. ZeroMQ refuses a frame above `--max-frame-bytes` (ZMQ_MAXMSGSIZE: the sender is dropped
    before the frame is allocated) and, with `--curve-client-keys`, any CURVE key not listed
-   (checked through ZAP).
-2. The frame's `api_key` (and `rid`) is read without building the rest (msgpack's `skip`), so a
-   stranger's frame costs no memory beyond its bytes; a missing or wrong key gets
-   `unauthorized`.
-3. The frame is decoded with msgpack size limits on strings and containers.
+   (checked through ZAP). One loop turn reads at most FRAMES_PER_TURN frames (BYTES_PER_TURN
+   bytes), so a flood delays the next step by a bounded amount, never indefinitely.
+2. The frame's `api_key` (and `rid`) is read without building the rest (msgpack's `skip`; a key
+   that is not a string ends the scan), so a stranger's frame costs no memory beyond its bytes;
+   a missing or wrong key gets `unauthorized`, at most REFUSALS_PER_S a second per peer.
+3. The frame is decoded with msgpack size limits on strings and containers, and nesting at most
+   `protocol.MAX_NESTING` deep.
 4. The op is looked up in the op table (`Op`: handler + role); a control op (`Role.ADMIN`) sent
    with a tenant's key gets `unauthorized`.
-5. The handler runs; what it raises costs that one message, never the loop.
+5. The handler runs; what it raises costs that one message, never the loop. A reply echoes the
+   rid only when it is a short string or an int (`wire_rid`), and `reply` never raises for what
+   a message holds.
 It also tracks the heartbeats of pinging clients, so a vanished client's work can be ended.
 """
 
 from __future__ import annotations
 
-import io
 import logging
 import time
 import traceback
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
@@ -33,7 +37,14 @@ from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils import z85
 
 from radixrt.config import RouterArgs, ServerArgs
-from radixrt.protocol import ErrorCode, RequestError, decode_map, error_reply, tenant_label
+from radixrt.protocol import (
+    ErrorCode,
+    RequestError,
+    decode_map,
+    error_reply,
+    tenant_label,
+    wire_rid,
+)
 from radixrt.server.exposure import bind_client_socket, check_exposure
 from radixrt.server.tenants import KeyRing, Principal
 
@@ -45,6 +56,15 @@ CLIENT_SILENCE_S = 5.0  # a pinging client silent this long has vanished (client
 PROBE_S = 0.5
 PROBE = {"rid": "probe"}  # clients ignore a reply to a rid they never sent
 MIN_CONTAINER_LEN = 1024  # arrays and maps may be this much longer than the longest prompt
+# One loop turn handles at most this many client frames, or bytes, before the loop steps again.
+FRAMES_PER_TURN = 256
+BYTES_PER_TURN = 64 << 20
+# Refusals (a bad key, an unreadable frame) answered per peer: a burst, then this many a second;
+# past that they are dropped unanswered. At most MAX_PEERS peers are remembered.
+REFUSALS_PER_S = 20.0
+REFUSAL_BURST = 40
+MAX_PEERS = 4096
+LOG_EVERY_S = 10.0
 # what the key scan may build: a key, an api_key or a rid; nothing else of the frame is built
 SCAN_LIMITS = {
     "max_str_len": 4096,
@@ -144,21 +164,43 @@ class Envelope:
 
 
 def read_envelope(payload: bytes) -> Envelope:
-    """The frame's `api_key` and `rid`, every other value skipped unbuilt. A ValueError when the
-    frame is not a msgpack map (or a key or those values is outsized)."""
-    unpacker = msgpack.Unpacker(io.BytesIO(payload), raw=False, strict_map_key=False, **SCAN_LIMITS)
+    """The frame's `api_key` and `rid`, every other value skipped unbuilt. Only a key, a string
+    `api_key` and a scalar `rid` (a string or an int) are ever built, each within SCAN_LIMITS; an
+    `api_key` or `rid` of another type is skipped and read as None. A ValueError when the frame
+    is not a msgpack map, a key is not a string, or a value is outsized or nests too deep."""
+    unpacker = msgpack.Unpacker(raw=False, **SCAN_LIMITS)
+    unpacker.feed(payload)
     try:
         entries = unpacker.read_map_header()
         found: dict[str, Any] = {}
         for _ in range(entries):
+            if _kind_at(payload, unpacker.tell()) != "str":
+                raise ValueError("a key is not a string")
             key = unpacker.unpack()
-            if key in ("api_key", "rid"):
+            if (
+                ENVELOPE_KINDS.get(key, ())
+                and _kind_at(payload, unpacker.tell()) in ENVELOPE_KINDS[key]
+            ):
                 found[key] = unpacker.unpack()
             else:
                 unpacker.skip()
     except Exception as e:  # msgpack raises several types for malformed input
         raise ValueError(f"a message must be one msgpack map ({type(e).__name__}: {e})") from e
     return Envelope(found.get("api_key"), found.get("rid"))
+
+
+# what the key scan builds of each envelope field, by msgpack type
+ENVELOPE_KINDS = {"api_key": ("str",), "rid": ("str", "int")}
+
+
+def _kind_at(payload: bytes, at: int) -> str:
+    """The msgpack type of the value that starts at byte `at`: "str", "int" or "other"."""
+    head = payload[at]
+    if 0xA0 <= head <= 0xBF or 0xD9 <= head <= 0xDB:
+        return "str"
+    if head <= 0x7F or head >= 0xE0 or 0xCC <= head <= 0xD3:
+        return "int"
+    return "other"
 
 
 def load_curve_keys(path: str | Path) -> set[bytes]:
@@ -234,6 +276,46 @@ def visible_stats(stats: dict[str, Any], principal: Principal) -> dict[str, Any]
     return out
 
 
+class PeerBudget:
+    """A token bucket per peer identity (`rate` a second, up to `burst`), remembering at most
+    MAX_PEERS peers, the least recently seen forgotten first."""
+
+    def __init__(self, rate: float, burst: int):
+        self.rate, self.burst = rate, burst
+        self.buckets: OrderedDict[bytes, tuple[float, float]] = OrderedDict()  # tokens, when
+
+    def take(self, peer: bytes) -> bool:
+        """Spend one token of `peer`'s; False when it has none left."""
+        now = time.monotonic()
+        tokens, then = self.buckets.pop(peer, (float(self.burst), now))
+        tokens = min(float(self.burst), tokens + (now - then) * self.rate)
+        self.buckets[peer] = (tokens - 1 if tokens >= 1 else tokens, now)
+        if len(self.buckets) > MAX_PEERS:
+            self.buckets.popitem(last=False)
+        return tokens >= 1
+
+
+class LogThrottle:
+    """Warnings a sender can cause, logged at most once per LOG_EVERY_S each (by text), with a
+    count of how many were held back, so a flood cannot flood the log."""
+
+    def __init__(self, log: logging.Logger):
+        self.log = log
+        self.last: dict[str, float] = {}
+        self.held = 0
+
+    def note(self, what: str) -> None:
+        now = time.monotonic()
+        if now - self.last.get(what, -LOG_EVERY_S) < LOG_EVERY_S:
+            self.held += 1
+            return
+        if len(self.last) > MAX_PEERS:
+            self.last.clear()
+        self.last[what] = now
+        self.log.warning("%s (%d like it held back)", what, self.held)
+        self.held = 0
+
+
 class ClientFront:
     """The ROUTER socket, frame limits, key ring, heartbeats and op table of one listening
     process (see the module docstring for what happens to a frame, in which order)."""
@@ -246,6 +328,8 @@ class ClientFront:
         self.heartbeats: dict[bytes, float] = {}  # last message time of clients that ping
         self.probed: dict[bytes, float] = {}  # when each client with work was last probed
         self.unreachable: set[bytes] = set()  # peers a reply could not be routed to
+        self.refusals = PeerBudget(REFUSALS_PER_S, REFUSAL_BURST)
+        self.faults = LogThrottle(logger)
         self.auth = (
             start_allowlist(ctx, config.curve_client_keys) if config.curve_client_keys else None
         )
@@ -254,27 +338,34 @@ class ClientFront:
         )
 
     def drain(self, timeout_ms: int = 0) -> None:
-        """Handle every frame that arrives within `timeout_ms`, then every one already there."""
-        while self.sock.poll(timeout_ms):
+        """Handle the frames that arrive within `timeout_ms`, then those already there, up to
+        FRAMES_PER_TURN frames or BYTES_PER_TURN bytes: the rest wait for the next turn (the
+        socket stays readable), so no flood keeps the loop from stepping. A frame that makes
+        handling raise costs that frame alone."""
+        frames_left, bytes_left = FRAMES_PER_TURN, BYTES_PER_TURN
+        while frames_left > 0 and bytes_left > 0 and self.sock.poll(timeout_ms):
             timeout_ms = 0
             frames = self.sock.recv_multipart()
+            frames_left -= 1
+            bytes_left -= sum(map(len, frames))
             if len(frames) != 2:
-                logger.warning(
-                    "dropped a message of %d frames (expected identity + one map)", len(frames)
-                )
+                self.faults.note("dropped a message of other than one frame (expected one map)")
                 continue
-            self.handle(*frames)
+            try:
+                self.handle(*frames)
+            except Exception as e:  # a bug reached by a frame's content: never the loop's end
+                self.faults.note(f"a frame could not be handled: {type(e).__name__}: {e}")
 
     def handle(self, identity: bytes, payload: bytes) -> None:
         """Authenticate, decode, authorize and run one frame; every failure is its sender's."""
         try:
             envelope = read_envelope(payload)
         except ValueError as e:
-            self.reply(identity, error_reply(None, ErrorCode.INVALID_REQUEST, str(e)))
+            self.refuse(identity, error_reply(None, ErrorCode.INVALID_REQUEST, str(e)))
             return
         principal = self.keys.principal_of(envelope.api_key)
         if principal is None:
-            self.reply(
+            self.refuse(
                 identity,
                 error_reply(envelope.rid, ErrorCode.UNAUTHORIZED, "missing or wrong api_key"),
             )
@@ -310,7 +401,7 @@ class ClientFront:
         self._run(op, caller, msg)
 
     def _run(self, op: Op, caller: Caller, msg: dict[str, Any]) -> None:
-        rid = msg.get("rid")
+        rid = wire_rid(msg.get("rid"))
         try:
             result = op.run(caller, msg)
             if op.answers:
@@ -350,9 +441,28 @@ class ClientFront:
             del self.probed[identity]
         return gone
 
+    def refuse(self, identity: bytes, msg: dict[str, Any]) -> None:
+        """Answer a frame refused before its key was accepted, while its sender is within
+        REFUSALS_PER_S; past that its refusals are dropped unanswered (counted), so a keyless
+        flood costs a scan per frame and no replies."""
+        if self.refusals.take(identity):
+            self.reply(identity, msg)
+        else:
+            self.faults.note(f"refusals to {identity.hex()} past {REFUSALS_PER_S}/s dropped")
+
     def reply(self, identity: bytes, msg: dict[str, Any]) -> None:
+        """Send `msg`; never raises for its content: a map msgpack cannot pack is answered with
+        `internal_error` under its (sanitized) rid instead."""
         try:
-            self.sock.send_multipart([identity, msgpack.packb(msg, use_bin_type=True)], zmq.NOBLOCK)
+            frame = msgpack.packb(msg, use_bin_type=True)
+        except Exception as e:  # a value msgpack refuses (an int past 64 bits, a deep nest)
+            self.faults.note(f"a reply could not be packed: {type(e).__name__}: {e}")
+            problem = f"the reply could not be encoded ({type(e).__name__})"
+            frame = msgpack.packb(
+                error_reply(msg.get("rid"), ErrorCode.INTERNAL_ERROR, problem), use_bin_type=True
+            )
+        try:
+            self.sock.send_multipart([identity, frame], zmq.NOBLOCK)
         except zmq.Again:
             logger.warning("client %s is not reading; dropped a reply", identity.hex())
         except zmq.ZMQError as e:

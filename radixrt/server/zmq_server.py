@@ -21,7 +21,7 @@ from radixrt.config import ServerArgs
 from radixrt.engine.request import Req, RequestScope
 from radixrt.engine.scheduler import Scheduler
 from radixrt.lifecycle import exit_with_parent
-from radixrt.protocol import ErrorCode, RequestError, error_reply
+from radixrt.protocol import ErrorCode, RequestError, check_rid, error_reply
 from radixrt.sampling_params import SamplingParams
 from radixrt.server.front import (
     Caller,
@@ -169,9 +169,7 @@ class Server:
 
     def _queue(self, caller: Caller, msg: dict[str, Any]) -> None:
         identity, tenant = caller.identity, caller.principal.tenant
-        rid = msg.get("rid")
-        if not isinstance(rid, str) or not rid:
-            raise ValueError("generate needs a non-empty string rid")
+        rid = check_rid(msg.get("rid"))
         if self.drain_deadline is not None:
             raise RequestError(
                 ErrorCode.DRAINING, "the server is shutting down; send this to another one"

@@ -26,7 +26,13 @@ from typing import Any
 import zmq
 
 from radixrt.config import RouterSettings
-from radixrt.protocol import MAX_CACHE_SALT_CHARS, ErrorCode, RequestError, error_reply
+from radixrt.protocol import (
+    MAX_CACHE_SALT_CHARS,
+    ErrorCode,
+    RequestError,
+    check_rid,
+    error_reply,
+)
 from radixrt.server.front import (
     Caller,
     ClientFront,
@@ -323,9 +329,7 @@ class Router:
     def _generate(self, identity: bytes, msg: dict[str, Any], tenant: str) -> None:
         """Route one client generate; `tenant` is whom its key names (the key, if forwarded, is
         in `msg`)."""
-        rid = msg.get("rid")
-        if not isinstance(rid, str) or not rid:
-            raise ValueError("generate needs a non-empty string rid")
+        rid = check_rid(msg.get("rid"))
         key = _key(identity, rid)
         if key in self.flights:
             raise ValueError(f"rid {rid!r} is already in flight on this connection")

@@ -163,9 +163,15 @@ class Router:
 
     # ---- the loop ----------------------------------------------------------------------------
     def serve_forever(self) -> None:
+        """Run the loop until shut down or drained; a turn that raises (a bug: frames and
+        worker replies are each contained where they are handled) is logged and the loop goes
+        on, since a router holds no state that a failed turn could leave out of step."""
         try:
             while self.running:
-                self._run_once()
+                try:
+                    self._run_once()
+                except Exception:
+                    logger.exception("a turn of the router's loop failed; serving on")
         finally:
             self.close()
 

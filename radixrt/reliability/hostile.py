@@ -58,6 +58,44 @@ NUMERIC_PARAMS = (
 )
 
 
+def nested_array(depth: int, leaf: bytes = b"\x01") -> bytes:
+    """A msgpack value: `depth` one-element arrays around `leaf` (raw bytes, so deeper than
+    msgpack's packer would build)."""
+    return b"\x91" * depth + leaf
+
+
+def raw_map(*entries: tuple[str, bytes]) -> bytes:
+    """A msgpack map of string keys to raw msgpack values (at most 15 entries)."""
+    return bytes([0x80 | len(entries)]) + b"".join(msgpack.packb(k) + v for k, v in entries)
+
+
+def frame_attacks(api_key: str | None) -> list[bytes]:
+    """Frames that once stopped a router or a TP runtime (issue 39), sent with `api_key` or
+    without: rids nested far past the decoder's bound and just within it, a rid too long to
+    echo, a map where a key belongs, rids at the edges of 64 bits, deep sampling params, and
+    frames that are not a map at all. Each must cost its sender a reply at most."""
+    auth = [("api_key", msgpack.packb(api_key))] if api_key else []
+    health, generate = msgpack.packb("health"), msgpack.packb("generate")
+    return [
+        raw_map(("rid", nested_array(1024)), ("op", health), *auth),
+        raw_map(("rid", nested_array(40)), ("op", health), *auth),
+        raw_map(("rid", nested_array(20)), ("op", health), *auth),
+        raw_map(("rid", msgpack.packb("r" * 5000)), ("op", generate), *auth),
+        b"\x81" + msgpack.packb({"x": list(range(60))}) + msgpack.packb(1),
+        raw_map(("op", generate), ("rid", msgpack.packb(2**64 - 1)), *auth),
+        raw_map(("op", generate), ("rid", msgpack.packb(-(2**63))), *auth),
+        raw_map(
+            *auth,
+            ("op", generate),
+            ("rid", msgpack.packb("x")),
+            ("sampling_params", nested_array(200, msgpack.packb({}))),
+        ),
+        b"\x01",
+        b"\xc1",
+        b"",
+    ]
+
+
 def deep_schema(depth: int) -> str:
     """A JSON schema nested `depth` objects deep, as text (msgpack packs at most 512 levels)."""
     return '{"type":"object","properties":{"a":' * depth + '{"type":"integer"}' + "}}" * depth

@@ -5,7 +5,7 @@ plain requests, streams (some abandoned midway), forks (a pinned prefix and two 
 and JSON-schema constraints, long prompts and bursts past the per-tenant limit, at two
 priorities, some with a cache salt and some with a short timeout. Meanwhile the soak SIGKILLs a
 client now and then (and times until the runtime has ended its requests), sends malformed
-frames on raw DEALER sockets, runs the `check_invariants` op every few seconds, samples the
+frames (issue 39's hostile shapes among them, and a keyless flood) on raw DEALER sockets, runs the `check_invariants` op every few seconds, samples the
 runtime's RSS, and restarts the server once (SIGTERM: a drain, which must exit 0). At the end it
 checks that no KV slot or request row leaked, and writes `soak.json`, `soak.md` and `rss.png`.
 
@@ -35,6 +35,7 @@ from radixrt.bench.plots import plot_rss
 from radixrt.client.endpoint import RequestOptions, RuntimeEndpoint
 from radixrt.client.launcher import free_port
 from radixrt.client.transport import RemoteError
+from radixrt.reliability.hostile import frame_attacks
 
 ADMIN_KEY = "soak-admin"
 PRIORITIES = (0, 5)
@@ -58,7 +59,9 @@ BAD_FRAMES = [
     msgpack.packb({"op": "no_such_op", "rid": "bad-1"}),
     msgpack.packb({"op": "generate", "rid": "bad-2", "input_ids": "abc"}),
     msgpack.packb({"op": "generate", "rid": "bad-3", "text": "hi", "priority": "urgent"}),
+    *frame_attacks(None),
 ]
+FLOOD_FRAMES = 2000  # keyless one-byte frames sent with each round of malformed ones
 
 
 @dataclass
@@ -411,6 +414,11 @@ class Soak:
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(self.server.url)
+        flood = ctx.socket(zmq.DEALER)  # answered up to a burst, then dropped: not counted
+        flood.setsockopt(zmq.LINGER, 0)
+        flood.connect(self.server.url)
+        for _ in range(FLOOD_FRAMES):
+            flood.send(b"\x01")
         for frame in BAD_FRAMES:
             sock.send(frame)
         sock.send_multipart([b"two", b"frames"])  # dropped by the server, unanswered, not counted
@@ -422,6 +430,7 @@ class Soak:
                 answered += "error" in msgpack.unpackb(sock.recv(), raw=False)
         self.report.malformed_answered += answered
         sock.close()
+        flood.close()
         ctx.term()
         return time.time() + BAD_FRAMES_EVERY_S
 

@@ -25,6 +25,7 @@ from radixrt.protocol import (
     nesting_depth,
     wire_rid,
 )
+from radixrt.reliability.hostile import frame_attacks, nested_array, raw_map
 from radixrt.server.front import (
     FRAMES_PER_TURN,
     REFUSAL_BURST,
@@ -42,40 +43,6 @@ KEY = "the-key"
 SHORT = {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}
 
 
-def _nested(depth: int, leaf: bytes = b"\x01") -> bytes:
-    """A msgpack value: `depth` one-element arrays around `leaf`, built without recursion."""
-    return b"\x91" * depth + leaf
-
-
-def _frame(*entries: tuple[str, bytes]) -> bytes:
-    """A msgpack map of string keys to raw msgpack values (at most 15 entries)."""
-    return bytes([0x80 | len(entries)]) + b"".join(msgpack.packb(k) + v for k, v in entries)
-
-
-def _hostile_frames(key: str | None) -> list[bytes]:
-    """The shapes of issue 39 that used to stop a router or a TP runtime, with `key` (or none)."""
-    auth = [("api_key", msgpack.packb(key))] if key else []
-    big_key_map = msgpack.packb({"x": list(range(60))})  # a map where a key should be
-    return [
-        _frame(("rid", _nested(1024)), ("op", msgpack.packb("health")), *auth),
-        _frame(("rid", _nested(MAX_NESTING + 8)), ("op", msgpack.packb("health")), *auth),
-        _frame(("rid", _nested(20)), ("op", msgpack.packb("health")), *auth),
-        _frame(("rid", msgpack.packb("r" * 5000)), ("op", msgpack.packb("generate")), *auth),
-        b"\x81" + big_key_map + msgpack.packb(1),
-        _frame(("op", msgpack.packb("generate")), ("rid", msgpack.packb(2**64 - 1)), *auth),
-        _frame(("op", msgpack.packb("generate")), ("rid", msgpack.packb(-(2**63))), *auth),
-        _frame(
-            *auth,
-            ("op", msgpack.packb("generate")),
-            ("rid", msgpack.packb("x")),
-            ("sampling_params", _nested(200, msgpack.packb({}))),
-        ),
-        b"\x01",
-        b"\xc1",
-        b"",
-    ]
-
-
 # ---- model-free ------------------------------------------------------------------------------
 def test_the_envelope_scan_builds_no_key_other_than_a_string():
     payload = b"\x82" + msgpack.packb({"k": list(range(50))}) + b"\x01" + msgpack.packb("rid")
@@ -84,16 +51,16 @@ def test_the_envelope_scan_builds_no_key_other_than_a_string():
 
 
 def test_the_envelope_reads_only_scalar_rids_and_string_keys():
-    frame = _frame(("rid", _nested(1024)), ("api_key", msgpack.packb(7)))
+    frame = raw_map(("rid", nested_array(1024)), ("api_key", msgpack.packb(7)))
     assert read_envelope(frame).rid is None and read_envelope(frame).api_key is None
-    frame = _frame(("rid", msgpack.packb(12)), ("api_key", msgpack.packb("k")))
+    frame = raw_map(("rid", msgpack.packb(12)), ("api_key", msgpack.packb("k")))
     assert (read_envelope(frame).rid, read_envelope(frame).api_key) == (12, "k")
 
 
 def test_decoding_refuses_maps_nested_past_the_bound():
-    ok = _frame(("rid", _nested(MAX_NESTING - 1)))
+    ok = raw_map(("rid", nested_array(MAX_NESTING - 1)))
     assert decode_map(ok)[1] is None
-    deep = _frame(("rid", _nested(MAX_NESTING)))
+    deep = raw_map(("rid", nested_array(MAX_NESTING)))
     msg, error = decode_map(deep)
     assert msg is None and "nest deeper" in error["error"]["message"]
     assert error["rid"] is None
@@ -186,7 +153,7 @@ def test_a_front_survives_every_hostile_frame_and_answers_a_keyed_one_after(tmp_
     f = _Front(tmp_path, {"health": Op(lambda caller, msg: True)})
     try:
         for key in (None, KEY):
-            for frame in _hostile_frames(key):
+            for frame in frame_attacks(key):
                 for reply in f.send(frame):
                     assert "error" in reply or reply.get("result") is True
                     assert reply["rid"] is None or isinstance(reply["rid"], str | int)
@@ -237,7 +204,7 @@ def _send_all(url: str, frames: list[bytes]) -> None:
 )
 def test_no_hostile_frame_stops_a_runtime_a_tp_runtime_or_a_fleet(tiny_model_dir, layout):
     with launch_runtime(tiny_model_dir, api_key=KEY, **layout) as runtime:
-        _send_all(runtime.url, _hostile_frames(None) + _hostile_frames(KEY))
+        _send_all(runtime.url, frame_attacks(None) + frame_attacks(KEY))
         fresh = rt.RuntimeEndpoint(runtime.url, api_key=KEY, timeout=REPLY_TIMEOUT_S)
         try:
             out = fresh.generate(input_ids=[5, 6, 7], sampling_params=SHORT)

@@ -252,7 +252,8 @@ BAD_FRAMES = [
     (pickle.dumps({"op": "generate", "rid": "p", "text": "hi"}), None, "invalid_request"),
     *[(msgpack.packb(m), None, "invalid_request") for m in ([1, 2, 3], "just a string", {"op": 5})],
     *[
-        (msgpack.packb({"rid": rid, **m}), rid, code)
+        # a rid that is not a string (or an int) is not echoed: its error carries none
+        (msgpack.packb({"rid": rid, **m}), rid if isinstance(rid, str) else None, code)
         for rid, m, code in [
             ("a", {"op": "no_such_op"}, "invalid_request"),
             (["not", "a", "string"], {"op": "generate", "text": "hi"}, "invalid_request"),

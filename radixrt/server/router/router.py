@@ -15,7 +15,6 @@ checked as a client's frame is, so a malformed one costs at most the request it 
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
 import uuid
@@ -43,10 +42,12 @@ from radixrt.server.front import (
     visible_stats,
 )
 from radixrt.server.metrics import RouterCounts, merge_worker_metrics
+from radixrt.server.router.gathers import GATHER_TIMEOUT_S, Gather, Gathers
+from radixrt.server.router.pins import Pin, PinBook
 from radixrt.server.router.policy import Route, RouteReason, make_policy
 from radixrt.server.router.prefix_tree import Namespace, Prompt
+from radixrt.server.router.stats import count, fleet_stats
 from radixrt.server.router.worker import WorkerLink, reply_problem
-from radixrt.server.tenants import OPEN, Principal
 
 logger = logging.getLogger(__name__)
 
@@ -56,8 +57,6 @@ HEARTBEAT_S = 1.0  # the router pings every worker this often (so workers also w
 # request compiles kernels; a busy 2-core machine takes seconds a prefill): a dead process is
 # caught at once by its dropped connection, so this is only for hung or unreachable ones.
 WORKER_SILENCE_S = 60.0
-GATHER_TIMEOUT_S = 30.0  # a fanned-out control op answers with what arrived by then
-PIN_SLACK_TOKENS = 2  # a fork's branch re-tokenizes its parent's text: the last tokens may differ
 # A draining router waits this much past --drain-timeout: the workers end what is left at their
 # own deadline, and their `draining` errors have this long to come back through the router.
 DRAIN_SLACK_S = 5.0
@@ -114,26 +113,6 @@ class Flight:
     started: bool = False
 
 
-@dataclass(eq=False)
-class Gather:
-    """A control op sent to several workers; answered when all replied or at `deadline`."""
-
-    identity: bytes | None  # None: the router asked for itself
-    rid: Any
-    op: str
-    waiting: set[int]
-    deadline: float
-    replies: dict[int, dict[str, Any]] = field(default_factory=dict)
-    pin: tuple[str, Prompt] | None = None  # (pin_id, prompt) of a pin op
-    viewer: Principal = OPEN  # whose stats these are (a tenant sees only its own row)
-
-
-@dataclass(frozen=True)
-class Pin:
-    worker: int
-    prompt: Prompt
-
-
 class Router:
     def __init__(self, config: RouterConfig, endpoint: str):
         self.config = config
@@ -150,13 +129,12 @@ class Router:
         for w in self.workers:
             self._poll(w, on=True)
         self.flights: dict[str, Flight] = {}  # by key
-        self.gathers: dict[str, tuple[Gather, int]] = {}  # sub-rid -> (gather, worker index)
-        self.pins: dict[bytes, dict[str, Pin]] = {}
+        self.gathers = Gathers()
+        self.pins = PinBook()
         self.counters = {f"routed_by_{r.value}": 0 for r in RouteReason}
         self.counters.update(resent_requests=0, lost_requests=0)
         self.tokenizer = _load_tokenizer(config.tokenizer) if config.tokenizer else None
         self.server_id = uuid.uuid4().hex
-        self._ids = itertools.count()
         self._next_ping = 0.0
         self.running = True
         self.drain_deadline: float | None = None  # set by SIGTERM: refuse new work, finish old
@@ -238,7 +216,7 @@ class Router:
         for flight in list(self.flights.values()):
             flight.worker.send({"op": "abort", "rid": flight.key})
             self._fail(flight, ErrorCode.DRAINING, "the router stopped (drain timeout) first")
-        for gather, _ in list(self.gathers.values()):
+        for gather in self.gathers.all():
             self._finish_gather(gather)
         logger.info("drained; stopping")
         self.running = False
@@ -258,9 +236,8 @@ class Router:
         for w in self.workers:
             if w.alive and now - w.last_heard > WORKER_SILENCE_S:
                 self._lose(w, f"silent for {WORKER_SILENCE_S:.0f}s")
-        for gather, _ in list(self.gathers.values()):
-            if now > gather.deadline:
-                self._finish_gather(gather)
+        for gather in self.gathers.expired(now):
+            self._finish_gather(gather)
         for identity in self.front.vanished({f.identity for f in self.flights.values()}):
             self._forget_client(identity)
 
@@ -326,7 +303,7 @@ class Router:
         return True
 
     def _unpin(self, caller: Caller, msg: dict[str, Any]) -> None:
-        pin = self.pins.get(caller.identity, {}).pop(str(msg.get("pin_id")), None)
+        pin = self.pins.pop(caller.identity, str(msg.get("pin_id")))
         if pin is None:
             self._reply(caller.identity, {"rid": msg.get("rid"), "result": False})
         else:
@@ -376,9 +353,9 @@ class Router:
         self.counters[f"routed_by_{route.reason.value}"] += 1
 
     def _route(self, flight: Flight, candidates: list[WorkerLink]) -> Route:
-        for pin in self.pins.get(flight.identity, {}).values():
+        for pin in self.pins.extended_by(flight.identity, flight.prompt):
             worker = self.workers[pin.worker]
-            if worker in candidates and _extends(flight.prompt, pin.prompt):
+            if worker in candidates:
                 return Route(worker, RouteReason.PIN, len(pin.prompt.tokens))
         return self.policy.choose(flight.prompt, candidates)
 
@@ -422,7 +399,7 @@ class Router:
             logger.info("client %s went silent; aborting %s", identity.hex(), flight.rid)
             flight.worker.send({"op": "abort", "rid": flight.key})
             self._end(flight)
-        for pin_id, pin in self.pins.pop(identity, {}).items():
+        for pin_id, pin in self.pins.forget_client(identity).items():
             self.workers[pin.worker].send(
                 {"op": "unpin", "rid": "unpin", "pin_id": _key(identity, pin_id)}
             )
@@ -447,25 +424,17 @@ class Router:
             worker.complain(f"dropped a reply whose rid is a {type(rid).__name__}, not a string")
             return
         own = rid in ("ping", "stats-self", "model-info-self")
-        gathered = self.gathers.get(rid)
-        if gathered is not None and gathered[1] != worker.index:
-            gathered = None  # another worker's part: this one cannot answer for it
+        gather = self.gathers.part(rid, worker.index)
         problem = reply_problem(
-            reply, result_map=own or (gathered is not None and gathered[0].op == "stats")
+            reply, result_map=own or (gather is not None and gather.op == "stats")
         )
         flight = self._flight_of(worker, rid)
         if own:
             self._on_own_reply(worker, rid, reply, problem)
-        elif gathered is not None:
-            del self.gathers[rid]
-            gather, index = gathered
-            gather.replies[index] = (
-                reply
-                if problem is None
-                else error_reply(None, ErrorCode.INTERNAL_ERROR, _malformed(worker, problem))
-            )
-            gather.waiting.discard(index)
-            if not gather.waiting:
+        elif gather is not None:
+            if problem is not None:
+                reply = error_reply(None, ErrorCode.INTERNAL_ERROR, _malformed(worker, problem))
+            if self.gathers.answer(rid, reply) is not None:
                 self._finish_gather(gather)
         elif flight is not None and problem is not None:
             worker.send({"op": "abort", "rid": flight.key})
@@ -494,7 +463,7 @@ class Router:
                 worker.complain("dropped a ping reply without a string server_id")
         elif rid == "stats-self":
             worker.stats = result
-            total = _count(result, "total_tokens") + _count(result, "host_total_tokens")
+            total = count(result, "total_tokens") + count(result, "host_total_tokens")
             worker.tree.capacity = max(total, 1)
         else:
             self._on_model_info(result)
@@ -563,15 +532,9 @@ class Router:
                 flight.finished = 0
                 self.counters["resent_requests"] += 1
                 self._dispatch(flight, exclude=worker)
-        for sub, (gather, index) in list(self.gathers.items()):
-            if index == worker.index:
-                del self.gathers[sub]
-                gather.waiting.discard(index)
-                if not gather.waiting:
-                    self._finish_gather(gather)
-        for pins in self.pins.values():
-            for pin_id in [p for p, pin in pins.items() if pin.worker == worker.index]:
-                del pins[pin_id]
+        for gather in self.gathers.drop_worker(worker.index):
+            self._finish_gather(gather)
+        self.pins.forget_worker(worker.index)
 
     def _alive(self) -> list[WorkerLink]:
         return [w for w in self.workers if w.alive]
@@ -590,25 +553,18 @@ class Router:
             identity,
             msg.get("rid"),
             str(msg.get("op")),
-            set(),
             time.monotonic() + GATHER_TIMEOUT_S,
             pin=pin,
             viewer=caller.principal,
         )
         if pin_key:  # pin ids are the client's own: two clients may both use "fork-1"
             msg = {**msg, "pin_id": _key(identity, str(msg.get("pin_id")))}
-        for w in workers:
-            sub = f"gather-{next(self._ids)}"
-            if w.send({**msg, "rid": sub}):
-                self.gathers[sub] = (gather, w.index)
-                gather.waiting.add(w.index)
+        self.gathers.send(gather, msg, workers)
         if not gather.waiting:
             self._finish_gather(gather)
 
     def _finish_gather(self, gather: Gather) -> None:
-        for sub in [s for s, (g, _) in self.gathers.items() if g is gather]:
-            del self.gathers[sub]
-        gather.waiting.clear()
+        self.gathers.close(gather)
         reply = self._combine(gather)
         if gather.identity is not None:
             self._reply(gather.identity, {**reply, "rid": gather.rid})
@@ -640,7 +596,7 @@ class Router:
         if gather.op == "pin" and gather.pin is not None:
             (index,) = gather.replies
             pin_id, prompt = gather.pin
-            self.pins.setdefault(gather.identity, {})[pin_id] = Pin(index, prompt)
+            self.pins.add(gather.identity, pin_id, Pin(index, prompt))
         return {"result": results[0]}
 
     def _metrics(self, gather: Gather) -> str:
@@ -652,23 +608,8 @@ class Router:
     def _stats(self) -> dict[str, Any]:
         """Sums over the workers that answered, the ratios recomputed from the sums, each
         worker's own stats, and the policy's counters."""
-        alive = [w.stats for w in self.workers if w.alive and w.stats]
-        total: dict[str, Any] = {}
-        for stats in alive:
-            for k, v in stats.items():
-                if isinstance(v, int | float) and not isinstance(v, bool):
-                    total[k] = total.get(k, 0) + v
-        total["cache_hit_rate"] = total.get("cached_prompt_tokens_total", 0) / max(
-            total.get("prompt_tokens_total", 0), 1
-        )
-        total["spec_accept_length"] = 1 + total.get("spec_accepted_tokens", 0) / max(
-            total.get("spec_verifications", 0), 1
-        )
-        if alive:
-            total["tp_size"] = alive[0].get("tp_size", 1)
         return {
-            **total,
-            "tenants": _sum_tenants(alive),
+            **fleet_stats([w.stats for w in self.workers if w.alive and w.stats]),
             "dp_size": len(self.workers),
             "router_policy": self.policy.name,
             "draining": self.drain_deadline is not None,
@@ -680,44 +621,14 @@ class Router:
         self.front.reply(identity, msg)
 
 
-def _sum_tenants(stats: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Each tenant's counters summed over the workers' `tenants` rows."""
-    out: dict[str, dict[str, Any]] = {}
-    for worker_stats in stats:
-        for tenant, row in (worker_stats.get("tenants") or {}).items():
-            mine = out.setdefault(tenant, {})
-            for k, v in row.items():
-                if isinstance(v, int | float) and not isinstance(v, bool):
-                    mine[k] = mine.get(k, 0) + v
-    return out
-
-
 def _key(identity: bytes, rid: str) -> str:
     return f"{identity.hex()}/{rid}"
-
-
-def _extends(prompt: Prompt, pinned: Prompt) -> bool:
-    """Whether `prompt` starts with `pinned`, up to the last few tokens of the pinned prefix,
-    in the same namespace (the worker's pin holds its prefix only there)."""
-    tokens, prefix = prompt.tokens, pinned.tokens
-    need = max(len(prefix) - PIN_SLACK_TOKENS, 1)
-    return (
-        prompt.namespace == pinned.namespace
-        and len(tokens) >= need
-        and tokens[:need] == prefix[:need]
-    )
 
 
 def _malformed(worker: WorkerLink, problem: str) -> str:
     """Log that `worker` sent a malformed reply; the message the request it named gets."""
     worker.complain(f"a malformed reply: {problem}")
     return f"worker {worker.url} sent a malformed reply: {problem}"
-
-
-def _count(stats: dict[str, Any], name: str) -> int:
-    """An int field of a worker's stats; 0 when it is missing or not an int."""
-    value = stats.get(name)
-    return value if isinstance(value, int) and not isinstance(value, bool) else 0
 
 
 def _load_tokenizer(path: str):

@@ -22,6 +22,7 @@ from torch import nn
 
 from radixrt.distributed.group import TPGroup
 from radixrt.models import model_class
+from radixrt.models.interface import CausalLM
 from radixrt.models.support import check_all_read
 
 logger = logging.getLogger(__name__)
@@ -226,7 +227,7 @@ class _Stored:
 
 
 class WeightReader:
-    """A model folder's safetensors tensors by name, read with plain reads, never mapped: a
+    """The `models.interface.WeightSource` of a model folder's safetensors tensors by name, read with plain reads, never mapped: a
     load holds the weights it has placed and at most `CHUNK_BYTES` in hand, not a shard's
     pages. `copy_rows`, `stack_rows` and `copy_cols` read rows in chunks straight into a
     parameter (cast to its dtype, copied to its device); a tensor-parallel rank reads only its
@@ -346,7 +347,7 @@ def load_model(
     tp: TPGroup,
     dtype: torch.dtype,
     meta: frozenset[str] = frozenset(),
-) -> nn.Module:
+) -> CausalLM:
     """This rank's model, its weights read from `folder` straight into `dtype` on `tp.device`.
     It is built on the meta device (no memory, no random initialisation), each parameter is
     then given empty storage in `dtype`, and the checkpoint's tensors are copied in one at a
@@ -357,6 +358,8 @@ def load_model(
     them, for tensors the checkpoint lacks or the architecture does not use."""
     with torch.device("meta"):
         model = model_class(config)(config, context_length, tp)
+    if not isinstance(model, nn.Module) or not isinstance(model, CausalLM):
+        raise TypeError(f"{type(model).__name__} does not keep models.interface.CausalLM")
     _materialize(model, tp.device, dtype, meta)
     reader = WeightReader(folder)
     try:

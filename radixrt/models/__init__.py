@@ -1,38 +1,54 @@
-"""Model architectures by the name in a checkpoint's config.json: every family is the one
-decoder skeleton (llama.py) with the parts its `Family` names (family.py)."""
+"""Model architectures by the name in a checkpoint's config.json, declared once each: the class
+that serves it (imported only when a checkpoint asks for it) and its `model_type`, by which a
+config without `architectures` is matched. Today every family is the one decoder skeleton
+(llama.py) with the parts its `Family` names (family.py); a family not shaped like Llama adds its
+own module and class here, keeping `interface.CausalLM`."""
 
-from radixrt.models.llama import LlamaForCausalLM
+from __future__ import annotations
 
-ARCHITECTURES = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": LlamaForCausalLM,
-    "Qwen2ForCausalLM": LlamaForCausalLM,
-    "Qwen3ForCausalLM": LlamaForCausalLM,
-    "Phi3ForCausalLM": LlamaForCausalLM,
-    "MixtralForCausalLM": LlamaForCausalLM,
-    "Qwen3MoeForCausalLM": LlamaForCausalLM,
-    "Gemma2ForCausalLM": LlamaForCausalLM,
-    "Gemma3ForCausalLM": LlamaForCausalLM,
-}
-MODEL_TYPES = {
-    "llama",
-    "mistral",
-    "qwen2",
-    "qwen3",
-    "phi3",
-    "mixtral",
-    "qwen3_moe",
-    "gemma2",
-    "gemma3_text",
-}
+import importlib
+from dataclasses import dataclass
+
+from radixrt.models.interface import CausalLM
 
 
-def model_class(config) -> type:
-    for arch in getattr(config, "architectures", None) or []:
-        if arch in ARCHITECTURES:
-            return ARCHITECTURES[arch]
-    if config.model_type in MODEL_TYPES:
-        return LlamaForCausalLM
-    raise ValueError(
-        f"unsupported architecture {config.architectures}; supported: {sorted(ARCHITECTURES)}"
-    )
+@dataclass(frozen=True)
+class Architecture:
+    name: str  # as config.json's `architectures` lists it
+    model_type: str  # config.json's `model_type`
+    module: str  # under radixrt.models
+    cls: str
+
+
+LLAMA = ("llama", "LlamaForCausalLM")
+ARCHITECTURES = (
+    Architecture("LlamaForCausalLM", "llama", *LLAMA),
+    Architecture("MistralForCausalLM", "mistral", *LLAMA),
+    Architecture("Qwen2ForCausalLM", "qwen2", *LLAMA),
+    Architecture("Qwen3ForCausalLM", "qwen3", *LLAMA),
+    Architecture("Phi3ForCausalLM", "phi3", *LLAMA),
+    Architecture("MixtralForCausalLM", "mixtral", *LLAMA),
+    Architecture("Qwen3MoeForCausalLM", "qwen3_moe", *LLAMA),
+    Architecture("Gemma2ForCausalLM", "gemma2", *LLAMA),
+    Architecture("Gemma3ForCausalLM", "gemma3_text", *LLAMA),
+)
+
+
+def architecture_of(config) -> Architecture:
+    """The entry a config names: by `architectures` first, else by `model_type`; a ValueError
+    naming the supported ones."""
+    names = getattr(config, "architectures", None) or []
+    for arch in ARCHITECTURES:
+        if arch.name in names:
+            return arch
+    for arch in ARCHITECTURES:
+        if arch.model_type == getattr(config, "model_type", None):
+            return arch
+    supported = sorted(a.name for a in ARCHITECTURES)
+    raise ValueError(f"unsupported architecture {names}; supported: {supported}")
+
+
+def model_class(config) -> type[CausalLM]:
+    """The class that serves `config`'s architecture."""
+    arch = architecture_of(config)
+    return getattr(importlib.import_module(f"radixrt.models.{arch.module}"), arch.cls)

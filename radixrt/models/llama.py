@@ -4,8 +4,6 @@ names the parts a family swaps in: norms, biases, a sparse MLP, fused checkpoint
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -17,10 +15,8 @@ from radixrt.distributed.sharding import HeadShard, shard_heads, split_range
 from radixrt.forward_batch import ForwardBatch
 from radixrt.kernels import cpu_fused
 from radixrt.models.family import Family, MoeSpec, family_of, rope_per_layer_type
+from radixrt.models.interface import WeightSource
 from radixrt.models.moe import GatedMLP, SparseMoE
-
-if TYPE_CHECKING:  # types only: the executor imports this package, not the reverse
-    from radixrt.executor.model_loader import WeightReader
 
 
 class RMSNorm(nn.Module):
@@ -332,7 +328,7 @@ class LlamaForCausalLM(nn.Module):
             logits = torch.tanh(logits / cap) * cap
         return logits.float()
 
-    def load_weights(self, reader: WeightReader) -> None:
+    def load_weights(self, reader: WeightSource) -> None:
         """Load Hugging Face names into the parameters in place, reading only this rank's
         slices: q/k/v and gate/up fused (from separate tensors, or rows of Phi-3's fused ones),
         experts' as the dense MLP's. ValueError for a tensor missing or of the wrong shape."""
@@ -379,7 +375,7 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             raise ValueError(f"weights missing from the checkpoint: {sorted(missing)[:8]}")
 
-    def _norm(self, reader: WeightReader, name: str) -> torch.Tensor:
+    def _norm(self, reader: WeightSource, name: str) -> torch.Tensor:
         """An RMSNorm's weight as the norm multiplies by it: Gemma stores it less 1 (added in
         the stored dtype, as before any cast)."""
         return reader.whole(name) + self.family.norm_offset
@@ -409,7 +405,7 @@ class LlamaForCausalLM(nn.Module):
             return [(name, start, end), (name, width + start, width + end)]
         return [(prefix + f"{p}_proj.weight", start, end) for p in ("gate", "up")]
 
-    def _load_experts(self, reader: WeightReader, hf: str, me: str, param) -> None:
+    def _load_experts(self, reader: WeightSource, hf: str, me: str, param) -> None:
         """The router whole; this rank's experts' slice of gate and up (rows) and down (columns):
         every expert's slice under TP, a share of the experts whole under EP."""
         spec, (start, end) = self.family.moe, self.expert_range

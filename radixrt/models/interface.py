@@ -1,0 +1,69 @@
+"""What the executor reads of a model, and what a model reads its weights from.
+
+`CausalLM` is the contract every architecture class keeps: `ModelRunner` sizes the KV pool from
+`shard` and `head_dim`, picks attention options from `family`, quantizes the `nn.Linear`s and
+`lm_head`, captures CUDA graphs only where `graph_safe`, and gathers tensor-parallel logits by
+`vocab_widths`. `WeightSource` is the reader a model's `load_weights` copies its tensors from
+(`executor.model_loader.WeightReader` is the one that reads safetensors); it is declared here so
+that models depend on nothing above them.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import torch
+from torch import nn
+
+from radixrt.attention import AttentionBackend
+from radixrt.distributed.sharding import HeadShard
+from radixrt.forward_batch import ForwardBatch
+from radixrt.models.family import Family
+
+
+class WeightSource(Protocol):
+    """A checkpoint's tensors by name, copied into parameters (cast to their dtype and device);
+    a tensor-parallel rank reads only its own rows."""
+
+    def whole(self, name: str) -> torch.Tensor:
+        """A small tensor (a norm), whole and as stored."""
+        ...
+
+    def copy_rows(
+        self, out: torch.Tensor, name: str, start: int | None = None, end: int | None = None
+    ) -> None:
+        """Rows [start, end) of a tensor (all of it without bounds) into `out`."""
+        ...
+
+    def stack_rows(self, out: torch.Tensor, parts: list[tuple[str, int, int]]) -> None:
+        """Rows [start, end) of each (name, start, end), one after the other, into `out`."""
+        ...
+
+    def copy_cols(self, out: torch.Tensor, name: str, start: int, end: int) -> None:
+        """Columns [start, end) of a matrix into `out`."""
+        ...
+
+    def skip(self, name: str) -> None:
+        """A tensor another rank loads: checked present and counted as read."""
+        ...
+
+
+@runtime_checkable
+class CausalLM(Protocol):
+    """A decoder the executor can serve: built on the meta device from (config, max_positions,
+    tp), filled by `load_weights`, run on a `ForwardBatch` to hidden states, and turned into this
+    rank's slice of the logits by `compute_logits`."""
+
+    family: Family  # the parts the architecture swaps in (windows, softcaps, ...)
+    shard: HeadShard  # this rank's attention heads: the KV pool holds `shard.num_kv_heads`
+    head_dim: int
+    lm_head: nn.Module  # the output projection (quantized with the weights when asked)
+    graph_safe: bool  # whether a decode step may be captured as a CUDA graph
+    vocab_widths: list[int]  # each rank's slice of the vocabulary, in rank order
+    tied: bool  # lm_head shares the embedding's weights (the checkpoint has no lm_head)
+
+    def __call__(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor: ...
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+    def load_weights(self, reader: WeightSource) -> None: ...

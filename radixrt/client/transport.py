@@ -10,6 +10,7 @@ import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeoutError  # TimeoutError's from 3.11
 from typing import Any, TypeVar
 
 import msgpack
@@ -145,7 +146,7 @@ class RuntimeClient:
         try:
             self._push(frame)
             reply = future.result(timeout)
-        except TimeoutError:
+        except FutureTimeoutError:
             raise ReplyTimeoutError(f"the runtime did not answer {op} within {timeout}s") from None
         finally:
             self._forget(rid)

@@ -436,9 +436,8 @@ def bearer(headers: dict[bytes, bytes]) -> str:
 class _Guard:
     """Pure ASGI middleware (BaseHTTPMiddleware would get between streams and disconnects):
     Bearer key on /v1/* and the native routes, the admin's on /metrics, bodies of at most the
-    runtime's frame limit (413,
-    judged by Content-Length and then by what actually arrives), request counts by route and
-    status."""
+    runtime's frame limit (413, judged by Content-Length and then by what actually arrives),
+    request counts by route and status."""
 
     def __init__(self, app, gateway: Gateway, keyed_routes: tuple[str, ...] = ()):
         self.app, self.gateway = app, gateway

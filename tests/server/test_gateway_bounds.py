@@ -17,7 +17,9 @@ import urllib.request
 
 import pytest
 
+import radixrt as rt
 from radixrt.client.transport import FrameTooLargeError, InvalidRequestError, RuntimeClient
+from radixrt.server.front import CLIENT_SILENCE_S
 from radixrt.server.http.app import REPLY_GRACE_S
 from radixrt.server.router import metrics_http
 from radixrt.server.tenants import KeyRing
@@ -222,12 +224,17 @@ def test_pins_are_each_callers_and_end_with_their_lease(runtime):
     assert _gauges(runtime)["radixrt_http_pin_leases"] == 0
     assert runtime.memory_snapshot()["pinned_nodes"] == []
     assert _post(runtime, "/unpin", {"pin_id": "fork"}) == (200, {"success": False})
-    # a pin within its lease outlives the gateway's idle connection (the runtime drops a
-    # silent client's pins 5 s after its last ping)
-    assert _post(runtime, "/pin", {"pin_id": "again", **prompt})[0] == 200
-    time.sleep(PIN_LEASE_S - 0.5)
-    assert runtime.memory_snapshot()["pinned_nodes"] != []
-    assert _post(runtime, "/unpin", {"pin_id": "again"}) == (200, {"success": True})
+
+
+def test_a_client_holding_pins_keeps_its_connection_alive(runtime):
+    """The runtime drops the pins of a client that pinged and then fell silent for 5 s, so a
+    client (the gateway among them) pings while it holds pins: idle past that, the pin holds."""
+    with rt.RuntimeEndpoint(runtime.url, api_key=ALICE, timeout=REPLY_TIMEOUT_S) as client:
+        client.generate("The capital of France is", {"max_new_tokens": 8, "temperature": 0})
+        assert client.pin("idle", "The capital of France is") > 0
+        time.sleep(CLIENT_SILENCE_S + 2)
+        assert runtime.memory_snapshot()["pinned_nodes"] != []
+        assert client.unpin("idle")
 
 
 def test_a_request_the_runtime_never_answers_is_a_504(runtime):

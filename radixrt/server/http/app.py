@@ -24,7 +24,7 @@ from radixrt.client.endpoint import (
     import_tokenizer_library,
     load_tokenizer,
 )
-from radixrt.config import GatewaySettings, ServerArgs
+from radixrt.config import GatewaySettings
 from radixrt.protocol import ErrorCode
 from radixrt.server.http.errors import RUNTIME_EXCEPTIONS, APIError, from_runtime_error
 from radixrt.server.http.pins import PinLease, PinLeases
@@ -106,7 +106,6 @@ class _Model:
 # The most generate requests one HTTP call may fan out to (prompts x n): one call must not fill
 # the queue that every client shares.
 MAX_FANOUT = 256
-DEFAULT_MAX_BODY_BYTES = ServerArgs.max_frame_bytes  # a body becomes one frame to the runtime
 
 
 class Gateway:

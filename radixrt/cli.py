@@ -11,7 +11,7 @@ import sys
 import zmq
 
 from radixrt.client.launcher import RuntimeStartError
-from radixrt.config import SECRETS, RouterArgs, ServerArgs
+from radixrt.config import SECRETS, GatewaySettings, RouterArgs, ServerArgs
 
 
 def _prepare_model(args: argparse.Namespace) -> None:
@@ -54,6 +54,7 @@ def _leave() -> None:
 def _http_gateway(args: argparse.Namespace) -> None:
     from radixrt.server.http.process import run_gateway
 
+    limits = GatewaySettings(args.max_body_bytes, args.http_request_timeout, args.http_pin_lease)
     run_gateway(
         args.url,
         args.fd,
@@ -64,7 +65,7 @@ def _http_gateway(args: argparse.Namespace) -> None:
         args.tool_call_parser,
         args.api_key_file,
         os.environ.get(SECRETS["admin_api_key"]),
-        args.max_body_bytes,
+        limits,
         args.reasoning_parser,
     )
 
@@ -140,6 +141,15 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=ServerArgs.max_frame_bytes,
         help="413 above (serve's --max-frame-bytes)",
+    )
+    gateway.add_argument(
+        "--http-request-timeout",
+        type=float,
+        default=ServerArgs.http_request_timeout,
+        help="see `serve --help`",
+    )
+    gateway.add_argument(
+        "--http-pin-lease", type=float, default=ServerArgs.http_pin_lease, help="see `serve --help`"
     )
     gateway.set_defaults(func=_http_gateway)
 

@@ -360,6 +360,21 @@ class FrontSettings(SettingsGroup):
             raise ValueError("drain_timeout must be >= 0")
 
 
+@dataclass(frozen=True)
+class GatewaySettings(SettingsGroup):
+    """What the HTTP gateway bounds: a body (and the frame it packs to: the runtime's
+    `max_frame_bytes`), the wait for one request, a pin's lease."""
+
+    name: ClassVar[str] = "server"
+    max_frame_bytes: int
+    http_request_timeout: float
+    http_pin_lease: float
+
+    def __post_init__(self) -> None:
+        if not self.http_request_timeout > 0 or not self.http_pin_lease > 0:
+            raise ValueError("http_request_timeout and http_pin_lease must be > 0 seconds")
+
+
 GROUPS: tuple[type[SettingsGroup], ...] = (
     ParallelSettings,
     RouterSettings,
@@ -371,6 +386,7 @@ GROUPS: tuple[type[SettingsGroup], ...] = (
     PrioritySettings,
     TenantLimits,
     FrontSettings,
+    GatewaySettings,
 )
 
 
@@ -962,6 +978,20 @@ class ServerArgs(Settings):
         metadata={
             "group": "server",
             "help": "the largest frame a client may send: a longer one drops its connection (ZMQ_MAXMSGSIZE), and msgpack containers and strings are bounded before they are built",
+        },
+    )
+    http_request_timeout: float = field(
+        default=600.0,
+        metadata={
+            "group": "server",
+            "help": "the HTTP gateway's bound on one request, in seconds: a request whose timeout is unset or longer gets this one (the runtime ends it with 'timeout'), and one the runtime has not answered a few seconds past it is answered 504 'timeout' by the gateway and aborted",
+        },
+    )
+    http_pin_lease: float = field(
+        default=600.0,
+        metadata={
+            "group": "server",
+            "help": "seconds a pin made through the HTTP gateway (/pin) holds unless /unpin comes first; then the gateway unpins it (each caller's pins are its own and count under its key's tenant)",
         },
     )
     max_prompt_bytes: int = field(

@@ -16,6 +16,7 @@ from radixrt.config import (
     BatchSettings,
     CacheSettings,
     FrontSettings,
+    GatewaySettings,
     LoraSettings,
     ParallelSettings,
     PrioritySettings,
@@ -80,6 +81,8 @@ BAD_SETTINGS = [
     (TenantLimits, {"max_pinned_tokens_per_client": 0}, "max_pinned_tokens_per_client"),
     (FrontSettings, {"max_frame_bytes": 100}, "max_frame_bytes"),
     (FrontSettings, {"drain_timeout": -1.0}, "drain_timeout"),
+    (GatewaySettings, {"http_request_timeout": 0.0}, "http_request_timeout"),
+    (GatewaySettings, {"http_pin_lease": -1.0}, "http_pin_lease"),
 ]
 
 

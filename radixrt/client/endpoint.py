@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
-from radixrt.client.transport import RuntimeClient
+from radixrt.client.transport import AsyncSubmission, RuntimeClient, Submission
+
+S = TypeVar("S", Submission, AsyncSubmission)
 
 Prompt = str | list[int]
 
@@ -52,7 +54,9 @@ class RuntimeEndpoint:
     `curve_client_secret_key` is this client's CURVE secret key, for a server whose
     `--curve-client-keys` lists its public key (default: an ephemeral key pair). `cache_salt`,
     `priority` and `lora_path` (a LoRA adapter) apply to every request sent through it (a
-    frontend program's backend option); `options=` or `lora_path=` on a call overrides them."""
+    frontend program's backend option); `options=` or `lora_path=` on a call overrides them.
+    `max_frame_bytes` (the server's `--max-frame-bytes`) refuses a request that packs larger
+    before it is sent (`FrameTooLargeError`), where the server would drop the connection."""
 
     def __new__(cls, *args: Any, **kwargs: Any) -> RuntimeEndpoint:
         url = args[0] if args else kwargs.get("url", "")
@@ -73,6 +77,7 @@ class RuntimeEndpoint:
         admin_api_key: str | None = None,
         curve_client_secret_key: str | None = None,
         lora_path: str | None = None,
+        max_frame_bytes: int | None = None,
     ):
         self.url = url
         self.timeout = timeout
@@ -83,6 +88,7 @@ class RuntimeEndpoint:
             curve_server_key=curve_server_key,
             admin_api_key=admin_api_key,
             curve_client_secret_key=curve_client_secret_key,
+            max_frame_bytes=max_frame_bytes,
         )
         self._model_info: dict[str, Any] | None = None
 
@@ -107,8 +113,12 @@ class RuntimeEndpoint:
             if not single:
                 raise ValueError("stream=True takes one prompt")
             return self.client.submit(**requests[0], stream=True).replies(self.timeout)
-        submissions = [self.client.submit(**r) for r in requests]
-        outs = [_results(s.finals(self.timeout)) for s in submissions]
+        submissions = _submit_all(self.client.submit, requests)
+        try:
+            outs = [_results(s.finals(self.timeout)) for s in submissions]
+        finally:
+            for s in submissions:  # one failed: the others are given up (aborted) too
+                s.close()
         return outs[0] if single else outs
 
     async def async_generate(
@@ -120,8 +130,12 @@ class RuntimeEndpoint:
         options: RequestOptions | None = None,
     ) -> dict | list:
         requests, single = self._requests(prompt, input_ids, sampling_params, rid, options)
-        submissions = [self.client.submit_async(**r) for r in requests]
-        outs = [_results(await s.finals(self.timeout)) for s in submissions]
+        submissions = _submit_all(self.client.submit_async, requests)
+        try:
+            outs = [_results(await s.finals(self.timeout)) for s in submissions]
+        finally:
+            for s in submissions:  # one failed: the others are given up (aborted) too
+                s.close()
         return outs[0] if single else outs
 
     def async_stream(
@@ -223,6 +237,20 @@ class RuntimeEndpoint:
             {"rid": r, "sampling_params": p or {}, key: item, **fields}
             for r, item, p in zip(rids, items, params)
         ], single
+
+
+def _submit_all(submit: Callable[..., S], requests: list[dict[str, Any]]) -> list[S]:
+    """Each request submitted; when one cannot be (it does not pack), those before it are
+    aborted and the error raised."""
+    submissions: list[S] = []
+    try:
+        for r in requests:
+            submissions.append(submit(**r))
+    except BaseException:
+        for s in submissions:
+            s.close()
+        raise
+    return submissions
 
 
 def _with_adapters(

@@ -10,7 +10,8 @@ import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import Future
-from typing import Any
+from concurrent.futures import TimeoutError as FutureTimeoutError  # TimeoutError's from 3.11
+from typing import Any, TypeVar
 
 import msgpack
 import zmq
@@ -44,6 +45,28 @@ class ConnectionLostError(RemoteError, ConnectionError):
     pass
 
 
+class FrameTooLargeError(InvalidRequestError):
+    """The request packs to more bytes than the runtime takes in one frame (its
+    `--max-frame-bytes`): refused here, before sending, since the runtime would drop this
+    client's whole connection (every request in flight on it) for such a frame."""
+
+    def __init__(self, size: int, limit: int):
+        super().__init__(
+            ErrorCode.INVALID_REQUEST.value,
+            f"the request packs to {size} bytes; the runtime takes at most {limit} bytes in "
+            "one frame (--max-frame-bytes)",
+        )
+        self.size, self.limit = size, limit
+
+
+class ReplyTimeoutError(RemoteError, TimeoutError):
+    """The runtime sent no reply to a request or call within the wait it was given (code
+    `timeout`); the request is aborted."""
+
+    def __init__(self, message: str):
+        super().__init__(ErrorCode.TIMEOUT.value, message)
+
+
 _ERROR_CLASSES = {
     ErrorCode.INVALID_REQUEST: InvalidRequestError,
     ErrorCode.CONTEXT_LENGTH_EXCEEDED: InvalidRequestError,
@@ -70,6 +93,12 @@ class RuntimeClient:
     went silent for `dead_after_s` fails those requests with a clear `connection_lost` error;
     the socket reconnects by itself, so later requests work again. Control ops (`ADMIN_OPS`)
     (and `stats`) go with `admin_api_key` when one is given, everything else with `api_key`.
+    It also pings while it holds pins, which the runtime drops with a silent client.
+
+    A message that cannot be packed (an integer past 64 bits) or that packs past
+    `max_frame_bytes` (the runtime's `--max-frame-bytes`; None: unchecked) is refused in the
+    calling thread with `InvalidRequestError` / `FrameTooLargeError` before anything is sent or
+    registered.
     """
 
     def __init__(
@@ -80,8 +109,10 @@ class RuntimeClient:
         dead_after_s: float = 120.0,
         admin_api_key: str | None = None,
         curve_client_secret_key: str | None = None,
+        max_frame_bytes: int | None = None,
     ):
         self.endpoint = endpoint
+        self.max_frame_bytes = max_frame_bytes
         self.api_key = api_key
         self.admin_api_key = admin_api_key
         self.curve_client_secret_key = curve_client_secret_key
@@ -91,6 +122,7 @@ class RuntimeClient:
         self._inproc = f"inproc://radixrt-client-{uuid.uuid4().hex}"
         self._local = threading.local()
         self._pending: dict[str, Callable[[dict[str, Any]], None]] = {}
+        self._pins: set[str] = set()  # pin ids held on the runtime: keep pinging while any
         self._lock = threading.Lock()
         self._closed = threading.Event()
         self._server_id: str | None = None
@@ -109,28 +141,37 @@ class RuntimeClient:
         rid = f"ctl-{uuid.uuid4().hex}"
         if op in ADMIN_KEYED_OPS and self.admin_api_key is not None:
             fields = {"api_key": self.admin_api_key, **fields}
+        frame = self.encode({"op": op, "rid": rid, **fields})
         self._register(rid, lambda reply: future.done() or future.set_result(reply))
         try:
-            self.send({"op": op, "rid": rid, **fields})
+            self._push(frame)
             reply = future.result(timeout)
+        except FutureTimeoutError:
+            raise ReplyTimeoutError(f"the runtime did not answer {op} within {timeout}s") from None
         finally:
             self._forget(rid)
         raise_for(reply)
+        self._track_pin(op, fields.get("pin_id"))
         return reply.get("result")
 
     def submit(self, **fields: Any) -> Submission:
         """Send one generate op now; read its replies from the returned handle."""
-        sub = Submission(self, fields.setdefault("rid", uuid.uuid4().hex), _num_samples(fields))
-        self._register(sub.rid, sub.deliver)
-        self.send({"op": "generate", **fields})
-        return sub
+        return self._submit(Submission, fields)
 
     def submit_async(self, **fields: Any) -> AsyncSubmission:
-        sub = AsyncSubmission(
-            self, fields.setdefault("rid", uuid.uuid4().hex), _num_samples(fields)
-        )
+        return self._submit(AsyncSubmission, fields)
+
+    def _submit(self, kind: type[_S], fields: dict[str, Any]) -> _S:
+        """Pack first: a request that cannot be sent is refused before it is registered."""
+        fields.setdefault("rid", uuid.uuid4().hex)
+        frame = self.encode({"op": "generate", **fields})
+        sub = kind(self, fields["rid"], _num_samples(fields))
         self._register(sub.rid, sub.deliver)
-        self.send({"op": "generate", **fields})
+        try:
+            self._push(frame)
+        except BaseException:
+            self._forget(sub.rid)
+            raise
         return sub
 
     def abort(self, rid: str) -> None:
@@ -150,6 +191,12 @@ class RuntimeClient:
         if not self._io.is_alive():  # never pull sockets from under a running thread
             self._ctx.destroy(linger=0)  # also closes the callers' thread-local PUSH sockets
 
+    @property
+    def in_flight(self) -> int:
+        """Requests and calls registered and not yet finished or given up."""
+        with self._lock:
+            return len(self._pending)
+
     # ---- plumbing ----------------------------------------------------------------------------
     def _register(self, rid: str, deliver: Callable[[dict[str, Any]], None]) -> None:
         with self._lock:
@@ -162,16 +209,45 @@ class RuntimeClient:
             self._pending.pop(rid, None)
 
     def send(self, msg: dict[str, Any]) -> None:
-        if self._closed.is_set():
-            raise ConnectionError("the client is closed")
+        self._push(self.encode(msg))
+
+    def encode(self, msg: dict[str, Any]) -> bytes:
+        """`msg` as one frame (with this client's key unless it has its own), or the
+        `InvalidRequestError` that says why it cannot go."""
         if self.api_key is not None:
             msg = {"api_key": self.api_key, **msg}  # a request's own key wins
+        try:
+            frame = msgpack.packb(msg, use_bin_type=True)
+        except (OverflowError, TypeError, ValueError) as e:  # 2**64, a set, nesting past 512
+            hint = " (integers must fit in 64 bits)" if isinstance(e, OverflowError) else ""
+            raise InvalidRequestError(
+                ErrorCode.INVALID_REQUEST.value, f"the request cannot be packed: {e}{hint}"
+            ) from None
+        if self.max_frame_bytes is not None and len(frame) > self.max_frame_bytes:
+            raise FrameTooLargeError(len(frame), self.max_frame_bytes)
+        return frame
+
+    def _push(self, frame: bytes) -> None:
+        """Hand a frame to the I/O thread (this thread's own inproc socket)."""
+        if self._closed.is_set():
+            raise ConnectionError("the client is closed")
         push = getattr(self._local, "push", None)
         if push is None:
             push = self._local.push = self._ctx.socket(zmq.PUSH)
             push.setsockopt(zmq.LINGER, 0)
             push.connect(self._inproc)
-        push.send(msgpack.packb(msg, use_bin_type=True))
+        push.send(frame)
+
+    def _track_pin(self, op: str, pin_id: Any) -> None:
+        """Remember the pins this client holds: the runtime drops a client's pins once it
+        falls silent after pinging, so the I/O thread pings while any is held."""
+        if not isinstance(pin_id, str):
+            return
+        with self._lock:
+            if op == "pin":
+                self._pins.add(pin_id)
+            elif op == "unpin":
+                self._pins.discard(pin_id)
 
     def _io_loop(self, started: threading.Event) -> None:
         dealer = self._ctx.socket(zmq.DEALER)
@@ -199,7 +275,7 @@ class RuntimeClient:
                 else:
                     self._dispatch(msgpack.unpackb(dealer.recv(), raw=False))
             now = time.monotonic()
-            if self._pending and now >= next_ping and not outbox:
+            if (self._pending or self._pins) and now >= next_ping and not outbox:
                 next_ping = now + HEARTBEAT_S
                 ping = {"op": "ping", "rid": "ping"}
                 outbox.append(
@@ -227,6 +303,8 @@ class RuntimeClient:
                 self.fail_pending(
                     f"the runtime at {self.endpoint} restarted; requests in flight were lost"
                 )
+                with self._lock:
+                    self._pins.clear()  # and its pins with them
             self._server_id = server_id
             return
         with self._lock:
@@ -250,6 +328,9 @@ def _client_keypair(secret: str | None) -> tuple[bytes, bytes]:
     return zmq.curve_public(secret.encode()), secret.encode()
 
 
+_S = TypeVar("_S", bound="_Submission")
+
+
 def _num_samples(fields: dict[str, Any]) -> int:
     n = (fields.get("sampling_params") or {}).get("n", 1)
     return n if isinstance(n, int) and n > 0 else 1
@@ -261,19 +342,26 @@ class _Submission:
     def __init__(self, client: RuntimeClient, rid: str, n: int):
         self.client, self.rid, self.n = client, rid, n
         self.finished = 0
+        self.closed = False
 
     def _accept(self, reply: dict[str, Any]) -> dict[str, Any]:
         raise_for(reply)
         self.finished += bool(reply.get("finished"))
         return reply
 
-    def _close(self) -> None:
+    def close(self) -> None:
+        """Stop listening for its replies, and abort it unless it finished; once."""
+        if self.closed:
+            return
+        self.closed = True
         self.client._forget(self.rid)
         if self.finished < self.n:
             self.client.abort(self.rid)
 
-    def _timed_out(self, timeout: float | None) -> TimeoutError:
-        return TimeoutError(f"request {self.rid} got no reply within {timeout}s")
+    def _timed_out(self, timeout: float | None) -> ReplyTimeoutError:
+        return ReplyTimeoutError(
+            f"the runtime sent no reply to request {self.rid} within {timeout}s"
+        )
 
 
 class Submission(_Submission):
@@ -290,7 +378,7 @@ class Submission(_Submission):
                 except queue.Empty:
                     raise self._timed_out(timeout) from None
         finally:
-            self._close()
+            self.close()
 
     def finals(self, timeout: float | None = None) -> list[dict[str, Any]]:
         finals = [r for r in self.replies(timeout) if r.get("finished")]
@@ -317,7 +405,7 @@ class AsyncSubmission(_Submission):
                     raise self._timed_out(timeout) from None
                 yield self._accept(reply)
         finally:
-            self._close()
+            self.close()
 
     async def finals(self, timeout: float | None = None) -> list[dict[str, Any]]:
         finals = [r async for r in self.replies(timeout) if r.get("finished")]

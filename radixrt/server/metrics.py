@@ -234,6 +234,7 @@ class _HttpRequests:
     def __init__(self) -> None:
         self.counts: Tally[tuple[str, str]] = Tally()
         self.model_name = ""
+        self.gauges = GatewayGauges(0, 0)
 
     def collect(self) -> Iterator[Metric]:
         family = CounterMetricFamily(
@@ -243,6 +244,24 @@ class _HttpRequests:
         for (endpoint, code), n in sorted(self.counts.items()):
             family.add_metric([self.model_name, endpoint, code], n)
         yield family
+        for name, help_text, value in (
+            ("radixrt_http_in_flight", "requests and calls awaiting the runtime's reply",
+             self.gauges.in_flight),
+            ("radixrt_http_pin_leases", "pins held for HTTP callers (each until its lease ends)",
+             self.gauges.pin_leases),
+        ):  # fmt: skip
+            gauge = GaugeMetricFamily(name, help_text, labels=[MODEL])
+            gauge.add_metric([self.model_name], value)
+            yield gauge
+
+
+@dataclass(frozen=True)
+class GatewayGauges:
+    """What the gateway holds at scrape time: requests and calls awaiting the runtime's reply,
+    and pins held for HTTP callers."""
+
+    in_flight: int
+    pin_leases: int
 
 
 class GatewayMetrics:
@@ -256,8 +275,8 @@ class GatewayMetrics:
     def count(self, endpoint: str, code: int) -> None:
         self.http.counts[(endpoint, str(code))] += 1
 
-    def render(self, model_name: str, runtime_text: str) -> bytes:
-        self.http.model_name = model_name
+    def render(self, model_name: str, runtime_text: str, gauges: GatewayGauges) -> bytes:
+        self.http.model_name, self.http.gauges = model_name, gauges
         return generate_latest(self.registry) + runtime_text.encode()
 
 

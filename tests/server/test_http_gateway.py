@@ -16,7 +16,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from radixrt.bench.http_bench import HttpBenchConfig, run_http_bench
-from radixrt.server.http.app import DEFAULT_MAX_BODY_BYTES, MAX_FANOUT
+from radixrt.config import GatewaySettings
+from radixrt.server.http.app import MAX_FANOUT
 
 from helpers import launch_runtime
 
@@ -27,6 +28,7 @@ QUESTION = [
 ]
 KEY = "sesame"
 HTTP_TIMEOUT_S = 60.0  # one reply from the gateway on a loaded 2-core machine, with room to spare
+MAX_BODY_BYTES = GatewaySettings.defaults().max_frame_bytes  # the gateway's body cap
 
 
 @pytest.fixture(scope="module")
@@ -330,14 +332,14 @@ def test_bodies_and_fan_outs_are_bounded(runtime):
     conn = http.client.HTTPConnection(host, int(port), timeout=HTTP_TIMEOUT_S)
     conn.putrequest("POST", "/v1/completions")
     conn.putheader("Authorization", f"Bearer {KEY}")
-    conn.putheader("Content-Length", str(DEFAULT_MAX_BODY_BYTES + 1))
+    conn.putheader("Content-Length", str(MAX_BODY_BYTES + 1))
     conn.endheaders()  # refused by its declared length, before any of it is sent
     reply = conn.getresponse()
     assert reply.status == 413 and "body" in json.loads(reply.read())["error"]["message"]
     conn.close()
 
     conn = http.client.HTTPConnection(host, int(port), timeout=HTTP_TIMEOUT_S)
-    chunks = (b"x" * (1 << 20) for _ in range(DEFAULT_MAX_BODY_BYTES // (1 << 20) + 2))
+    chunks = (b"x" * (1 << 20) for _ in range(MAX_BODY_BYTES // (1 << 20) + 2))
     conn.request(
         "POST",
         "/v1/completions",

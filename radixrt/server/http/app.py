@@ -24,9 +24,10 @@ from radixrt.client.endpoint import (
     import_tokenizer_library,
     load_tokenizer,
 )
-from radixrt.config import ServerArgs
+from radixrt.config import GatewaySettings
 from radixrt.protocol import ErrorCode
 from radixrt.server.http.errors import RUNTIME_EXCEPTIONS, APIError, from_runtime_error
+from radixrt.server.http.pins import PinLease, PinLeases
 from radixrt.server.http.reasoning import REASONING_PARSERS
 from radixrt.server.http.responses import (
     ChoiceStream,
@@ -48,13 +49,16 @@ from radixrt.server.http.schemas import (
     prompt_list,
     render_chat,
 )
-from radixrt.server.metrics import GatewayMetrics
+from radixrt.server.metrics import GatewayGauges, GatewayMetrics
 from radixrt.server.tenants import KeyRing
 from radixrt.structured.tools import ToolCallParser, resolve_parser
 
 # how often a waiting non-streamed request checks that its client is still there
 DISCONNECT_POLL_S = 0.25
 HEALTH_TIMEOUT_S = 5.0
+# how long past a request's timeout the gateway still waits for the runtime's own `timeout`
+# reply before it answers 504 itself (a runtime that never answers: stopped, or a lost frame)
+REPLY_GRACE_S = 5.0
 OPENAI_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
 
 
@@ -102,7 +106,6 @@ class _Model:
 # The most generate requests one HTTP call may fan out to (prompts x n): one call must not fill
 # the queue that every client shares.
 MAX_FANOUT = 256
-DEFAULT_MAX_BODY_BYTES = ServerArgs.max_frame_bytes  # a body becomes one frame to the runtime
 
 
 class Gateway:
@@ -111,12 +114,16 @@ class Gateway:
         endpoint: RuntimeEndpoint,
         keys: KeyRing | None = None,
         tool_call_parser: str = "auto",
-        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        limits: GatewaySettings | None = None,
         reasoning_parser: str | None = None,
     ):
+        """`limits`: the body (and frame) cap, the request timeout and the pin lease (serve's
+        defaults when None); `endpoint` should wait no longer than the request timeout plus
+        REPLY_GRACE_S (run_gateway builds it so)."""
         self.endpoint = endpoint
         self.reasoning = REASONING_PARSERS[reasoning_parser] if reasoning_parser else None
-        self.max_body_bytes = max_body_bytes
+        self.limits = limits or GatewaySettings.defaults()
+        self.pins = PinLeases(self.limits.http_pin_lease)
         self.keys = keys or KeyRing()
         self.tool_call_parser = tool_call_parser
         self.metrics = GatewayMetrics()
@@ -160,10 +167,14 @@ class Gateway:
     async def options(self, request: Request, req: GenerateRequest) -> RequestOptions:
         """The body's tenancy fields, the client's own key (the runtime names its tenant) and
         the adapter its `model` names (vLLM's convention: the served model's name, or no
-        `model`, is the base model)."""
+        `model`, is the base model). The timeout is the body's, at most the gateway's
+        (`--http-request-timeout`): the runtime ends the request then, before the gateway
+        stops waiting for it."""
         key = bearer(dict(request.headers.raw)) if self.keys.keys else None
         lora = await self.adapter_named(getattr(req, "model", None))  # native bodies have none
-        return RequestOptions(req.cache_salt, req.priority, req.timeout, key or None, lora)
+        bound = self.limits.http_request_timeout
+        timeout = bound if req.timeout is None else min(req.timeout, bound)
+        return RequestOptions(req.cache_salt, req.priority, timeout, key or None, lora)
 
     async def adapter_named(self, name: str | None) -> str | None:
         """The adapter `model` names, None for the base model. Where adapters are served, `name`
@@ -300,7 +311,10 @@ class Gateway:
         echo: Echo | None = None,
     ) -> StreamingResponse:
         options = await self.options(request, req)
-        replies = self.endpoint.async_stream(prompt, params, options=options)
+        try:
+            replies = self.endpoint.async_stream(prompt, params, options=options)
+        except RUNTIME_EXCEPTIONS as e:  # it cannot be sent (packed past the frame limit, ...)
+            raise from_runtime_error(e) from e
         # Wait for the first reply before sending headers, so a rejected request gets its 4xx.
         (first,) = await unless_disconnected(request, [replies.__anext__()])
         events = self._events(
@@ -377,12 +391,21 @@ class Gateway:
         return {"status": "ok"}
 
     async def render_metrics(self) -> Response:
-        """This gateway's request counts, then the runtime's (or the router's) own text: what
-        ZeroMQ and DSL clients did is in it too."""
+        """This gateway's request counts and what it holds (requests awaiting the runtime, pin
+        leases), then the runtime's (or the router's) own text: what ZeroMQ and DSL clients
+        did is in it too."""
         model = await self.model()
         runtime_text = await asyncio.to_thread(self.endpoint.metrics)
+        gauges = GatewayGauges(self.endpoint.client.in_flight, len(self.pins.leases))
         return Response(
-            self.metrics.render(model.name, runtime_text), media_type=CONTENT_TYPE_LATEST
+            self.metrics.render(model.name, runtime_text, gauges), media_type=CONTENT_TYPE_LATEST
+        )
+
+    async def unpin_lease(self, lease: PinLease) -> None:
+        """Unpin a pin whose lease ended, with its caller's key."""
+        key = {"api_key": lease.api_key} if lease.api_key else {}
+        await asyncio.to_thread(
+            self.endpoint.client.call, "unpin", HEALTH_TIMEOUT_S, pin_id=lease.runtime_id, **key
         )
 
     async def models(self) -> dict:
@@ -411,9 +434,9 @@ def bearer(headers: dict[bytes, bytes]) -> str:
 
 class _Guard:
     """Pure ASGI middleware (BaseHTTPMiddleware would get between streams and disconnects):
-    Bearer key on /v1/* and the native routes, the admin's on /metrics, bodies of at most `max_body_bytes` (413,
-    judged by Content-Length and then by what actually arrives), request counts by route and
-    status."""
+    Bearer key on /v1/* and the native routes, the admin's on /metrics, bodies of at most the
+    runtime's frame limit (413, judged by Content-Length and then by what actually arrives),
+    request counts by route and status."""
 
     def __init__(self, app, gateway: Gateway, keyed_routes: tuple[str, ...] = ()):
         self.app, self.gateway = app, gateway
@@ -436,11 +459,10 @@ class _Guard:
             error = self._refusal(path, dict(scope["headers"]))
             if error is not None:
                 return await error.response()(scope, receive, send_observed)
-            body = await _read_body(scope, receive, self.gateway.max_body_bytes)
+            limit = self.gateway.limits.max_frame_bytes
+            body = await _read_body(scope, receive, limit)
             if body is None:
-                error = APIError(
-                    413, f"the request body is over {self.gateway.max_body_bytes} bytes"
-                )
+                error = APIError(413, f"the request body is over {limit} bytes")
                 return await error.response()(scope, receive, send_observed)
             await self.app(scope, _replay(body, receive), send_observed)
         finally:
@@ -522,8 +544,10 @@ def build_app(gateway: Gateway) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         # the tokenizer loads while the runtime starts
         warm_up = asyncio.create_task(gateway.model())
+        expiry = asyncio.create_task(gateway.pins.expire_forever(gateway.unpin_lease))
         yield
         warm_up.cancel()
+        expiry.cancel()
         # a call still waiting for the runtime (one that never started) ends, so its worker
         # thread does too and the process can exit
         gateway.endpoint.client.fail_pending("the HTTP gateway is stopping")

@@ -7,7 +7,7 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 
-from radixrt.client.transport import RemoteError
+from radixrt.client.transport import FrameTooLargeError, RemoteError
 from radixrt.protocol import ErrorCode
 
 RUNTIME_EXCEPTIONS = (RemoteError, ValueError, ConnectionError)
@@ -65,7 +65,10 @@ class APIError(Exception):
 
 def from_runtime_error(e: Exception) -> APIError:
     """The runtime's error as OpenAI's, by its code; a ValueError raised on this side (before any
-    request was sent) is the caller's mistake, any other failure a lost runtime."""
+    request was sent) is the caller's mistake, any other failure a lost runtime. A request that
+    packs past the runtime's frame limit is a 413 (code `invalid_request`), as a body past it is."""
+    if isinstance(e, FrameTooLargeError):
+        return APIError(413, e.message, code=e.code)
     if isinstance(e, RemoteError):
         code = ErrorCode.parse(e.code)
         status, api_kind = HTTP_ERRORS.get(code, (500, "server_error"))

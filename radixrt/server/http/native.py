@@ -11,7 +11,6 @@ docs/protocol.md ("The native HTTP API") is the reference.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
@@ -19,13 +18,14 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from radixrt import __version__
 from radixrt.client.endpoint import Prompt, RequestOptions
 from radixrt.protocol import ErrorCode
 from radixrt.server.http.app import MAX_FANOUT, Gateway, bearer, prepend, unless_disconnected
 from radixrt.server.http.errors import RUNTIME_EXCEPTIONS, APIError, from_runtime_error
+from radixrt.server.http.pins import MAX_PIN_ID_CHARS, runtime_pin_id
 from radixrt.server.http.responses import sse_event
 
 # routes that need an accepted key when keys are set (/health stays open, as on /v1)
@@ -87,14 +87,14 @@ class AbortRequest(_Body):
 
 
 class PinRequest(_Body):
-    pin_id: str
+    pin_id: str = Field(max_length=MAX_PIN_ID_CHARS)
     text: str | None = None
     input_ids: list[int] | None = None
     cache_salt: str | None = None
 
 
 class UnpinRequest(_Body):
-    pin_id: str
+    pin_id: str = Field(max_length=MAX_PIN_ID_CHARS)
 
 
 class LoadLoraRequest(_Body):
@@ -355,20 +355,25 @@ class NativeAPI:
         return {"text": text}
 
     async def pin(self, request: Request, req: PinRequest) -> dict:
-        """Keep the cached prefix of the prompt from eviction until `/unpin` (docs/protocol.md)."""
+        """Keep the cached prefix of the prompt from eviction until `/unpin` or the end of the
+        caller's lease (docs/protocol.md): the pin is the caller's own (its id scoped by its
+        key, sent with its key) and counts among its MAX_PINS_PER_CALLER."""
         if (req.text is None) == (req.input_ids is None):
             raise _invalid("give exactly one of text or input_ids", "text")
         prompt = {"text": req.text} if req.text is not None else {"input_ids": req.input_ids}
         salt = {"cache_salt": req.cache_salt} if req.cache_salt is not None else {}
-        pinned = await self._call(
-            request, "pin", pin_id=self._pin_id(request, req.pin_id), **prompt, **salt
-        )
-        return {"pinned_tokens": pinned}
+        lease = self.gateway.pins.claim(self.key_of(request), req.pin_id)
+        try:
+            pinned = await self._call(request, "pin", pin_id=lease.runtime_id, **prompt, **salt)
+        except BaseException:
+            self.gateway.pins.release(lease.runtime_id)
+            raise
+        return {"pinned_tokens": pinned, "lease_s": self.gateway.pins.lease_s}
 
     async def unpin(self, request: Request, req: UnpinRequest) -> dict:
-        return {
-            "success": await self._call(request, "unpin", pin_id=self._pin_id(request, req.pin_id))
-        }
+        runtime_id = runtime_pin_id(self.key_of(request), req.pin_id)
+        self.gateway.pins.release(runtime_id)
+        return {"success": await self._call(request, "unpin", pin_id=runtime_id)}
 
     async def load_lora_adapter(self, request: Request, req: LoadLoraRequest) -> dict:
         """SGLang's: load an adapter (the admin's key when keys are set)."""
@@ -383,12 +388,6 @@ class NativeAPI:
 
     async def list_lora_adapters(self, request: Request) -> list:
         return await self._call(request, "list_lora_adapters")
-
-    def _pin_id(self, request: Request, pin_id: str) -> str:
-        """Pins live on the gateway's one connection: a caller's pin ids are scoped by its key,
-        so one key cannot release another's pins."""
-        scope = hashlib.sha256((self.key_of(request) or "").encode()).hexdigest()[:16]
-        return f"{scope}/{pin_id}"
 
 
 def add_native_routes(app: FastAPI, gateway: Gateway) -> None:

@@ -15,8 +15,8 @@ import uvicorn
 import zmq
 
 from radixrt.client.endpoint import RuntimeEndpoint
-from radixrt.config import SECRETS, ServerArgs
-from radixrt.server.http.app import DEFAULT_MAX_BODY_BYTES, Gateway, build_app
+from radixrt.config import SECRETS, GatewaySettings, ServerArgs
+from radixrt.server.http.app import REPLY_GRACE_S, Gateway, build_app
 from radixrt.server.tenants import KeyRing
 
 logger = logging.getLogger(__name__)
@@ -50,6 +50,10 @@ def start_gateway(args: ServerArgs) -> subprocess.Popen:
         args.tool_call_parser,
         "--max-body-bytes",
         str(args.max_frame_bytes),  # a body becomes one frame to the runtime
+        "--http-request-timeout",
+        str(args.http_request_timeout),
+        "--http-pin-lease",
+        str(args.http_pin_lease),
     ]
     if args.api_key_file:
         command += ["--api-key-file", args.api_key_file]
@@ -88,17 +92,26 @@ def run_gateway(
     tool_call_parser: str = "auto",
     api_key_file: str | None = None,
     admin_api_key: str | None = None,
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    limits: GatewaySettings | None = None,
     reasoning_parser: str | None = None,
 ) -> None:
     """Serve HTTP on the inherited listening socket `fd` until SIGTERM/SIGINT or the parent exits.
     Each request goes to the runtime with its client's own key (its tenant); the gateway's own
-    calls (stats, health) use the admin key, else `api_key`, else the first key of the file."""
+    calls (stats, health) use the admin key, else `api_key`, else the first key of the file.
+    `limits` (default: serve's defaults): no frame past the runtime's limit is sent, and no
+    reply is waited for longer than the request timeout and a grace."""
     logging.basicConfig(level=log_level.upper(), format="[%(asctime)s %(name)s] %(message)s")
+    limits = limits or GatewaySettings.defaults()
     keys = KeyRing.from_settings(api_key, api_key_file, admin_api_key)
-    endpoint = RuntimeEndpoint(url, api_key=keys.any_key(), curve_server_key=curve_server_key)
+    endpoint = RuntimeEndpoint(
+        url,
+        api_key=keys.any_key(),
+        curve_server_key=curve_server_key,
+        timeout=limits.http_request_timeout + REPLY_GRACE_S,
+        max_frame_bytes=limits.max_frame_bytes,
+    )
     config = uvicorn.Config(
-        build_app(Gateway(endpoint, keys, tool_call_parser, max_body_bytes, reasoning_parser)),
+        build_app(Gateway(endpoint, keys, tool_call_parser, limits, reasoning_parser)),
         # uvicorn's own start/stop lines and access log only under debug: the runtime says
         # "HTTP on ..." once the model has loaded, and a bad setting stays one line
         log_level=log_level if log_level == "debug" else "warning",

@@ -251,3 +251,30 @@ def test_a_request_is_answered_during_a_keyless_flood(tiny_model_dir, layout):
             stop.set()
             flooder.join()
         assert sent[0] > 1000 and runtime._proc.poll() is None
+
+
+def test_a_frame_that_outgrows_the_limit_at_the_router_is_refused_not_sent(tiny_model_dir):
+    """The router re-packs a generate under its own rid: a frame just under the limit from the
+    client may pack past it for the worker, which would drop the router's connection and every
+    request in flight there. It is refused instead, and both workers stay in rotation."""
+    limit = 64 << 10
+    with launch_runtime(tiny_model_dir, dp_size=2, max_frame_bytes=limit) as fleet:
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(fleet.url)
+        try:
+            base = {"op": "generate", "rid": "big", "sampling_params": SHORT, "text": ""}
+            pad = limit - len(msgpack.packb(base)) - 8  # the text's own header takes 3 bytes
+            frame = msgpack.packb({**base, "text": "a" * pad})
+            assert limit - 8 < len(frame) <= limit
+            sock.send(frame)
+            assert sock.poll(int(REPLY_TIMEOUT_S * 1000))
+            reply = msgpack.unpackb(sock.recv(), raw=False)
+            assert reply["rid"] == "big" and reply["error"]["code"] == "invalid_request"
+            assert "--max-frame-bytes" in reply["error"]["message"]
+        finally:
+            ctx.destroy(linger=0)
+        out = fleet.generate(input_ids=[5, 6, 7], sampling_params=SHORT)
+        assert out["meta_info"]["completion_tokens"] == 4
+        assert all(w["alive"] for w in fleet.stats()["workers"])

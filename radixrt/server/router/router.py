@@ -119,7 +119,14 @@ class Router:
         self.ctx = zmq.Context()
         self.front = ClientFront(self.ctx, endpoint, config.front, self._ops())
         self.workers = [
-            WorkerLink(self.ctx, i, url, config.worker_api_key, config.worker_curve_server_key)
+            WorkerLink(
+                self.ctx,
+                i,
+                url,
+                config.worker_api_key,
+                config.worker_curve_server_key,
+                config.front.max_frame_bytes,
+            )
             for i, url in enumerate(config.workers)
         ]
         self.policy = make_policy(config.routing)

@@ -11,7 +11,7 @@ import msgpack
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from radixrt.protocol import decode_map
+from radixrt.protocol import ErrorCode, RequestError, decode_map
 from radixrt.server.exposure import CLOSE_LINGER_MS
 from radixrt.server.router.prefix_tree import ApproxPrefixTree
 
@@ -68,8 +68,10 @@ class WorkerLink:
         url: str,
         api_key: str | None = None,
         curve_server_key: str | None = None,
+        max_frame_bytes: int | None = None,
     ):
         self.ctx, self.index, self.url, self.api_key = ctx, index, url, api_key
+        self.max_frame_bytes = max_frame_bytes  # the workers' --max-frame-bytes (the router's)
         self.curve_server_key = curve_server_key
         self._open()
         self.alive = False
@@ -94,13 +96,22 @@ class WorkerLink:
 
     def send(self, msg: dict[str, Any]) -> bool:
         """Queue one map for the worker; False when there is no live connection to queue it on.
-        A map that carries its own `api_key` (a client's, forwarded) keeps it."""
+        A map that carries its own `api_key` (a client's, forwarded) keeps it. A map that packs
+        past the worker's frame limit is a RequestError (`invalid_request`) and is not sent: the
+        worker would drop the connection, and with it every request in flight there."""
         if not self.connected:
             return False
         if self.api_key is not None:
             msg = {"api_key": self.api_key, **msg}
+        frame = msgpack.packb(msg, use_bin_type=True)
+        if self.max_frame_bytes is not None and len(frame) > self.max_frame_bytes:
+            raise RequestError(
+                ErrorCode.INVALID_REQUEST,
+                f"the request packs to {len(frame)} bytes for a worker; a worker takes at most "
+                f"{self.max_frame_bytes} bytes in one frame (--max-frame-bytes)",
+            )
         try:
-            self.sock.send(msgpack.packb(msg, use_bin_type=True), zmq.NOBLOCK)
+            self.sock.send(frame, zmq.NOBLOCK)
         except zmq.Again:
             return False
         return True

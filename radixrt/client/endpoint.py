@@ -1,70 +1,31 @@
-"""`rt.RuntimeEndpoint`: the user API of a running runtime, blocking, streaming and asyncio."""
+"""`rt.RuntimeEndpoint` and `connect(url)`: the user API of a running runtime (blocking, streaming
+and asyncio) over its ZeroMQ socket (`ZmqEndpoint`, here) or its HTTP API (`HttpEndpoint`,
+client/http.py), siblings over `client.base.Endpoint`."""
 
 from __future__ import annotations
 
-import dataclasses
-import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from radixrt.client.base import Endpoint, Prompt, RequestOptions
+from radixrt.client.http import HttpEndpoint
 from radixrt.client.transport import AsyncSubmission, RuntimeClient, Submission
+
+__all__ = ["Endpoint", "Prompt", "RequestOptions", "RuntimeEndpoint", "ZmqEndpoint", "connect"]
 
 S = TypeVar("S", Submission, AsyncSubmission)
 
-Prompt = str | list[int]
 
-
-@dataclass(frozen=True)
-class RequestOptions:
-    """Per-request fields of a generate beside the prompt and sampling (docs/protocol.md):
-    `cache_salt` (prefixes are shared only with requests of the same salt), `priority`,
-    `timeout` (seconds until the request ends with code `timeout`), `api_key` (this
-    request's own key, naming its tenant; default: the endpoint's) and `lora_path` (the LoRA
-    adapter to run under; "" the base model). None: not sent."""
-
-    cache_salt: str | None = None
-    priority: int | None = None
-    timeout: float | None = None
-    api_key: str | None = None
-    lora_path: str | None = None
-
-    def over(self, defaults: RequestOptions) -> RequestOptions:
-        """These options, with `defaults` where these say nothing."""
-        return RequestOptions(
-            **{
-                f.name: getattr(self, f.name)
-                if getattr(self, f.name) is not None
-                else getattr(defaults, f.name)
-                for f in dataclasses.fields(self)
-            }
-        )
-
-    def fields(self) -> dict[str, Any]:
-        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
-
-
-class RuntimeEndpoint:
-    """A connection to `radixrt serve`: its HTTP API for an `http://host:port` or `https://` url
-    (an `HttpEndpoint`, radixrt/client/http.py), its ZeroMQ socket for `tcp://host:zmq_port` or
-    `ipc://path`; thread-safe, any number of requests in flight over one socket. `api_key` and `curve_server_key` (the server's
-    Z85 public key) match the server's `--api-key` (or a key of `--api-key-file`) and
-    `--curve-secret-key`; `admin_api_key` (the server's `--admin-api-key`) is sent with control
-    ops (`flush_cache`, `check_invariants`, `memory_snapshot`, `shutdown`) and `stats` instead;
-    `curve_client_secret_key` is this client's CURVE secret key, for a server whose
-    `--curve-client-keys` lists its public key (default: an ephemeral key pair). `cache_salt`,
-    `priority` and `lora_path` (a LoRA adapter) apply to every request sent through it (a
-    frontend program's backend option); `options=` or `lora_path=` on a call overrides them.
+class ZmqEndpoint(Endpoint):
+    """An `Endpoint` over the ZeroMQ socket of `radixrt serve` (`tcp://host:zmq_port` or
+    `ipc://path`); thread-safe, any number of requests in flight over one socket. `api_key` and
+    `curve_server_key` (the server's Z85 public key) match the server's `--api-key` (or a key of
+    `--api-key-file`) and `--curve-secret-key`; `admin_api_key` (the server's `--admin-api-key`)
+    is sent with control ops (`flush_cache`, `check_invariants`, `memory_snapshot`, `shutdown`)
+    and `stats` instead; `curve_client_secret_key` is this client's CURVE secret key, for a
+    server whose `--curve-client-keys` lists its public key (default: an ephemeral key pair).
     `max_frame_bytes` (the server's `--max-frame-bytes`) refuses a request that packs larger
     before it is sent (`FrameTooLargeError`), where the server would drop the connection."""
-
-    def __new__(cls, *args: Any, **kwargs: Any) -> RuntimeEndpoint:
-        url = args[0] if args else kwargs.get("url", "")
-        if cls is RuntimeEndpoint and str(url).startswith(("http://", "https://")):
-            from radixrt.client.http import HttpEndpoint  # it subclasses this one
-
-            return super().__new__(HttpEndpoint)
-        return super().__new__(cls)
 
     def __init__(
         self,
@@ -79,9 +40,7 @@ class RuntimeEndpoint:
         lora_path: str | None = None,
         max_frame_bytes: int | None = None,
     ):
-        self.url = url
-        self.timeout = timeout
-        self.options = RequestOptions(cache_salt=cache_salt, priority=priority, lora_path=lora_path)
+        super().__init__(url, timeout, cache_salt, priority, lora_path)
         self.client = RuntimeClient(
             url,
             api_key=api_key,
@@ -90,7 +49,6 @@ class RuntimeEndpoint:
             curve_client_secret_key=curve_client_secret_key,
             max_frame_bytes=max_frame_bytes,
         )
-        self._model_info: dict[str, Any] | None = None
 
     # ---- generation --------------------------------------------------------------------------
     def generate(
@@ -206,37 +164,32 @@ class RuntimeEndpoint:
     def tokenize(self, text: str) -> list[int]:
         return self.client.call("tokenize", self.timeout, text=text)
 
-    @property
-    def model_info(self) -> dict[str, Any]:
-        if self._model_info is None:
-            self._model_info = self.client.call("model_info", self.timeout)
-        return self._model_info
+    def _fetch_model_info(self) -> dict[str, Any]:
+        return self.client.call("model_info", self.timeout)
 
     def close(self) -> None:
         self.client.close()
 
-    def __enter__(self) -> RuntimeEndpoint:
-        return self
 
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
+def connect(url: str, *args: Any, **kwargs: Any) -> Endpoint:
+    """The endpoint for `url`: an `HttpEndpoint` for `http://` and `https://`, else a
+    `ZmqEndpoint` (`tcp://`, `ipc://`); the other arguments are the endpoint's own."""
+    if str(url).startswith(("http://", "https://")):
+        return HttpEndpoint(url, *args, **kwargs)
+    return ZmqEndpoint(url, *args, **kwargs)
 
-    # ---- plumbing ----------------------------------------------------------------------------
-    def _requests(
-        self, prompt, input_ids, sampling_params, rid, options
-    ) -> tuple[list[dict[str, Any]], bool]:
-        items, single, key = _normalize(prompt, input_ids)
-        fields = (options or RequestOptions()).over(self.options).fields()
-        params = (
-            sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(items)
-        )
-        rids = [rid] if isinstance(rid, str) else rid or [uuid.uuid4().hex for _ in items]
-        if len(params) != len(items) or len(rids) != len(items):
-            raise ValueError("sampling_params and rid must be one value or one per prompt")
-        return [
-            {"rid": r, "sampling_params": p or {}, key: item, **fields}
-            for r, item, p in zip(rids, items, params)
-        ], single
+
+class RuntimeEndpoint(Endpoint):
+    """`rt.RuntimeEndpoint(url, ...)` is `connect(url, ...)`: the ZeroMQ or HTTP endpoint for
+    the URL, each an instance of this class too (registered), so code written against
+    `RuntimeEndpoint` takes either."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Endpoint:  # type: ignore[misc]
+        return connect(*args, **kwargs)
+
+
+RuntimeEndpoint.register(ZmqEndpoint)
+RuntimeEndpoint.register(HttpEndpoint)
 
 
 def _submit_all(submit: Callable[..., S], requests: list[dict[str, Any]]) -> list[S]:
@@ -263,23 +216,6 @@ def _with_adapters(
     if len(names) != len(requests):
         raise ValueError("lora_path must be one name or one per prompt")
     return [{**r, "lora_path": n} for r, n in zip(requests, names)]
-
-
-def _normalize(prompt, input_ids) -> tuple[list, bool, str]:
-    if (prompt is None) == (input_ids is None):
-        raise ValueError("give exactly one of prompt or input_ids")
-    if prompt is not None:
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
-            return [prompt], True, "input_ids"
-        items = [prompt] if isinstance(prompt, str) else prompt
-        if not isinstance(items, list) or not items or not all(isinstance(p, str) for p in items):
-            raise ValueError(
-                "prompt must be a string, a list of token ids, or a non-empty list of strings"
-            )
-        return items, isinstance(prompt, str), "text"
-    if isinstance(input_ids, list) and input_ids and isinstance(input_ids[0], list):
-        return input_ids, False, "input_ids"
-    return [input_ids], True, "input_ids"
 
 
 def _results(finals: list[dict]) -> dict | list[dict]:

@@ -1,4 +1,5 @@
-"""`rt.RuntimeEndpoint("http://...")`: the same user API over the gateway's HTTP routes.
+"""`HttpEndpoint`, what `rt.RuntimeEndpoint("http://...")` (`connect`) gives: the same user API
+over the gateway's HTTP routes.
 
 SGLang's native `/generate` carries generation (a batch in one call, so a `select` scores every
 choice in one round trip; `stream` as SSE), `/tokenize`, `/get_model_info`, `/get_server_info`
@@ -18,7 +19,7 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from radixrt.client.endpoint import Prompt, RequestOptions, RuntimeEndpoint, _normalize
+from radixrt.client.base import Endpoint, Prompt, RequestOptions, normalize_prompt
 from radixrt.client.transport import raise_for
 from radixrt.protocol import ErrorCode
 
@@ -44,7 +45,7 @@ class _StreamState:
     ids: list[int] = field(default_factory=list)
 
 
-class HttpEndpoint(RuntimeEndpoint):
+class HttpEndpoint(Endpoint):
     """What `rt.RuntimeEndpoint(url)` is for an `http://` or `https://` url: `api_key` is sent as
     `Authorization: Bearer`, `admin_api_key` instead on `flush_cache` and `stats`; `timeout`
     bounds each call (seconds; None waits)."""
@@ -63,11 +64,8 @@ class HttpEndpoint(RuntimeEndpoint):
     ):
         if curve_server_key or curve_client_secret_key:
             raise ValueError("CURVE keys are for tcp:// and ipc:// urls; use https:// for TLS")
-        self.url = url.rstrip("/")
-        self.timeout = timeout
+        super().__init__(url.rstrip("/"), timeout, cache_salt, priority, lora_path)
         self.api_key, self.admin_api_key = api_key, admin_api_key
-        self.options = RequestOptions(cache_salt=cache_salt, priority=priority, lora_path=lora_path)
-        self._model_info: dict[str, Any] | None = None
 
     # ---- generation --------------------------------------------------------------------------
     def generate(
@@ -81,7 +79,7 @@ class HttpEndpoint(RuntimeEndpoint):
         lora_path: str | list[str] | None = None,
     ) -> dict | list | Iterator[dict]:
         """As `RuntimeEndpoint.generate`, in one `/generate` call."""
-        items, single, key = _normalize(prompt, input_ids)
+        items, single, key = normalize_prompt(prompt, input_ids)
         params = (
             sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(items)
         )
@@ -215,11 +213,8 @@ class HttpEndpoint(RuntimeEndpoint):
         body = {"prompt": text, "add_special_tokens": False}
         return self._post("/tokenize", body, None)["tokens"]
 
-    @property
-    def model_info(self) -> dict[str, Any]:
-        if self._model_info is None:
-            self._model_info = self._get("/get_model_info", None)
-        return self._model_info
+    def _fetch_model_info(self) -> dict[str, Any]:
+        return self._get("/get_model_info", None)
 
     def close(self) -> None:
         """Nothing to close: each call has its own connection."""

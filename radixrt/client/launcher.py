@@ -23,7 +23,7 @@ from typing import Any
 
 import zmq
 
-from radixrt.client.endpoint import RuntimeEndpoint, load_tokenizer
+from radixrt.client.endpoint import ZmqEndpoint, load_tokenizer
 from radixrt.config import SECRETS, ServerArgs
 from radixrt.lifecycle import PARENT_PID_ENV
 
@@ -41,7 +41,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class Runtime(RuntimeEndpoint):
+class Runtime(ZmqEndpoint):
     """Starts `radixrt serve` on free loopback ports (unless `port=` / `zmq_port=` are given),
     waits until it is healthy (and its HTTP API too, unless `disable_http=True`), and is a
     backend that speaks ZeroMQ to it: `.url` and `.zmq_url` are the ZeroMQ address,

@@ -20,7 +20,7 @@ import pytest
 import radixrt as rt
 from radixrt.client.transport import FrameTooLargeError, InvalidRequestError, RuntimeClient
 from radixrt.server.front import CLIENT_SILENCE_S
-from radixrt.server.http.app import REPLY_GRACE_S
+from radixrt.server.http.gateway import REPLY_GRACE_S
 from radixrt.server.router import metrics_http
 from radixrt.server.tenants import KeyRing
 

@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from radixrt.bench.http_bench import HttpBenchConfig, run_http_bench
 from radixrt.config import GatewaySettings
-from radixrt.server.http.app import MAX_FANOUT
+from radixrt.server.http.gateway import MAX_FANOUT
 
 from helpers import launch_runtime
 

@@ -23,8 +23,14 @@ from pydantic import BaseModel, ConfigDict, Field
 from radixrt import __version__
 from radixrt.client.endpoint import Prompt, RequestOptions
 from radixrt.protocol import ErrorCode
-from radixrt.server.http.app import MAX_FANOUT, Gateway, bearer, prepend, unless_disconnected
 from radixrt.server.http.errors import RUNTIME_EXCEPTIONS, APIError, from_runtime_error
+from radixrt.server.http.gateway import (
+    MAX_FANOUT,
+    Gateway,
+    bearer,
+    prepend,
+    unless_disconnected,
+)
 from radixrt.server.http.pins import MAX_PIN_ID_CHARS, runtime_pin_id
 from radixrt.server.http.responses import sse_event
 

@@ -16,7 +16,8 @@ import zmq
 
 from radixrt.client.endpoint import RuntimeEndpoint
 from radixrt.config import SECRETS, GatewaySettings, ServerArgs
-from radixrt.server.http.app import REPLY_GRACE_S, Gateway, build_app
+from radixrt.server.http.app import build_app
+from radixrt.server.http.gateway import REPLY_GRACE_S, Gateway
 from radixrt.server.tenants import KeyRing
 
 logger = logging.getLogger(__name__)

@@ -1,0 +1,206 @@
+"""What the ZeroMQ and HTTP endpoints share: the request options, the prompt's shapes, and the
+`Endpoint` base that turns a call's prompts and options into request maps. `connect(url)`
+(client/endpoint.py) picks the sibling for a URL."""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+Prompt = str | list[int]
+
+
+@dataclass(frozen=True)
+class RequestOptions:
+    """Per-request fields of a generate beside the prompt and sampling (docs/protocol.md):
+    `cache_salt` (prefixes are shared only with requests of the same salt), `priority`,
+    `timeout` (seconds until the request ends with code `timeout`), `api_key` (this
+    request's own key, naming its tenant; default: the endpoint's) and `lora_path` (the LoRA
+    adapter to run under; "" the base model). None: not sent."""
+
+    cache_salt: str | None = None
+    priority: int | None = None
+    timeout: float | None = None
+    api_key: str | None = None
+    lora_path: str | None = None
+
+    def over(self, defaults: RequestOptions) -> RequestOptions:
+        """These options, with `defaults` where these say nothing."""
+        return RequestOptions(
+            **{
+                f.name: getattr(self, f.name)
+                if getattr(self, f.name) is not None
+                else getattr(defaults, f.name)
+                for f in dataclasses.fields(self)
+            }
+        )
+
+    def fields(self) -> dict[str, Any]:
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+
+
+class Endpoint(ABC):
+    """A connection to `radixrt serve` (or a router): the user API, blocking, streaming and
+    asyncio; `ZmqEndpoint` and `HttpEndpoint` implement it over their transports. `cache_salt`,
+    `priority` and `lora_path` apply to every request sent through it (a frontend program's
+    backend option); `options=` or `lora_path=` on a call overrides them. `timeout` bounds each
+    call (seconds; None waits)."""
+
+    def __init__(
+        self,
+        url: str,
+        timeout: float | None,
+        cache_salt: str | None = None,
+        priority: int | None = None,
+        lora_path: str | None = None,
+    ):
+        self.url = url
+        self.timeout = timeout
+        self.options = RequestOptions(cache_salt=cache_salt, priority=priority, lora_path=lora_path)
+        self._model_info: dict[str, Any] | None = None
+
+    # ---- generation --------------------------------------------------------------------------
+    @abstractmethod
+    def generate(
+        self,
+        prompt: Prompt | list[Prompt] | None = None,
+        sampling_params: dict | list[dict] | None = None,
+        input_ids: list[int] | list[list[int]] | None = None,
+        rid: str | list[str] | None = None,
+        stream: bool = False,
+        options: RequestOptions | None = None,
+        lora_path: str | list[str] | None = None,
+    ) -> dict | list | Iterator[dict]:
+        """One prompt -> `{"text", "output_ids", "meta_info"}` (a list of n when n > 1); a list
+        of prompts -> a list. With `stream=True` (one prompt), an iterator of chunks
+        `{"delta", "token_ids", "index", "finished"}`, the last per sample with the result.
+        `lora_path` names the adapter of every prompt, or (a list) of each one."""
+
+    @abstractmethod
+    async def async_generate(
+        self,
+        prompt: Prompt | list[Prompt] | None = None,
+        sampling_params: dict | list[dict] | None = None,
+        input_ids: list[int] | list[list[int]] | None = None,
+        rid: str | list[str] | None = None,
+        options: RequestOptions | None = None,
+    ) -> dict | list: ...
+
+    @abstractmethod
+    def async_stream(
+        self,
+        prompt: Prompt | None = None,
+        sampling_params: dict | None = None,
+        input_ids: list[int] | None = None,
+        rid: str | None = None,
+        options: RequestOptions | None = None,
+    ) -> AsyncIterator[dict]:
+        """`async for chunk in endpoint.async_stream(...)`: the streamed chunks of one prompt."""
+
+    @abstractmethod
+    def abort(self, rid: str) -> None: ...
+
+    # ---- introspection and control -----------------------------------------------------------
+    @abstractmethod
+    def stats(self) -> dict[str, Any]: ...
+
+    @abstractmethod
+    def metrics(self) -> str:
+        """The server's Prometheus text: a runtime's, or a router's over its workers."""
+
+    @abstractmethod
+    def flush_cache(self) -> bool: ...
+
+    @abstractmethod
+    def health(self, timeout: float | None = None) -> bool: ...
+
+    @abstractmethod
+    def check_invariants(self) -> None:
+        """Raise if a KV slot, request row or lock count is out of place (see DESIGN.md)."""
+
+    @abstractmethod
+    def memory_snapshot(self) -> dict[str, Any]:
+        """Who holds which KV slot (free pages, tree nodes, requests, pins), as plain data."""
+
+    @abstractmethod
+    def pin(self, pin_id: str, prompt: Prompt, options: RequestOptions | None = None) -> int:
+        """Keep the cached prefix of `prompt` (under the options' cache salt) from eviction until
+        `unpin`; returns tokens pinned."""
+
+    @abstractmethod
+    def unpin(self, pin_id: str) -> bool: ...
+
+    @abstractmethod
+    def load_lora_adapter(self, lora_name: str, lora_path: str) -> dict[str, Any]:
+        """Load a LoRA adapter (peft's files in folder `lora_path` on the runtime's machine) as
+        `lora_name` (an admin op); returns its name, path, rank and digest."""
+
+    @abstractmethod
+    def unload_lora_adapter(self, lora_name: str) -> bool:
+        """Unload an adapter no request uses (an admin op)."""
+
+    @abstractmethod
+    def list_lora_adapters(self) -> list[dict[str, Any]]: ...
+
+    @abstractmethod
+    def tokenize(self, text: str) -> list[int]: ...
+
+    @property
+    def model_info(self) -> dict[str, Any]:
+        """The server's `model_info`, asked once."""
+        if self._model_info is None:
+            self._model_info = self._fetch_model_info()
+        return self._model_info
+
+    @abstractmethod
+    def _fetch_model_info(self) -> dict[str, Any]: ...
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+    def __enter__(self) -> Endpoint:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # ---- plumbing ----------------------------------------------------------------------------
+    def _requests(
+        self, prompt, input_ids, sampling_params, rid, options
+    ) -> tuple[list[dict[str, Any]], bool]:
+        """The request maps of one call (one per prompt) under these options over the
+        endpoint's, and whether the call gave a single prompt."""
+        items, single, key = normalize_prompt(prompt, input_ids)
+        fields = (options or RequestOptions()).over(self.options).fields()
+        params = (
+            sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(items)
+        )
+        rids = [rid] if isinstance(rid, str) else rid or [uuid.uuid4().hex for _ in items]
+        if len(params) != len(items) or len(rids) != len(items):
+            raise ValueError("sampling_params and rid must be one value or one per prompt")
+        return [
+            {"rid": r, "sampling_params": p or {}, key: item, **fields}
+            for r, item, p in zip(rids, items, params)
+        ], single
+
+
+def normalize_prompt(prompt, input_ids) -> tuple[list, bool, str]:
+    """The prompts of a call as a list, whether it gave one, and the field they go in."""
+    if (prompt is None) == (input_ids is None):
+        raise ValueError("give exactly one of prompt or input_ids")
+    if prompt is not None:
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+            return [prompt], True, "input_ids"
+        items = [prompt] if isinstance(prompt, str) else prompt
+        if not isinstance(items, list) or not items or not all(isinstance(p, str) for p in items):
+            raise ValueError(
+                "prompt must be a string, a list of token ids, or a non-empty list of strings"
+            )
+        return items, isinstance(prompt, str), "text"
+    if isinstance(input_ids, list) and input_ids and isinstance(input_ids[0], list):
+        return input_ids, False, "input_ids"
+    return [input_ids], True, "input_ids"

@@ -1,0 +1,431 @@
+"""`Gateway`: what every HTTP route does, as a client of the runtime like any other (through
+`RuntimeEndpoint` over ZeroMQ): the OpenAI completions and chat handlers, the model, adapter and
+pin bookkeeping, health and metrics. `app.build_app` assembles the routes over one."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from jinja2 import TemplateError
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from radixrt.client.endpoint import (
+    Prompt,
+    RequestOptions,
+    RuntimeEndpoint,
+    import_tokenizer_library,
+    load_tokenizer,
+)
+from radixrt.config import GatewaySettings
+from radixrt.server.http.errors import RUNTIME_EXCEPTIONS, APIError, from_runtime_error
+from radixrt.server.http.pins import PinLease, PinLeases
+from radixrt.server.http.reasoning import REASONING_PARSERS
+from radixrt.server.http.responses import (
+    ChoiceStream,
+    Echo,
+    ResponseShape,
+    response_body,
+    sse_event,
+    usage_of,
+)
+from radixrt.server.http.schemas import (
+    ChatCompletionRequest,
+    ChatRendering,
+    ChatTools,
+    CompletionRequest,
+    GenerateRequest,
+    add_constraint,
+    constraint_params,
+    message_dict,
+    prompt_list,
+    render_chat,
+)
+from radixrt.server.metrics import GatewayGauges, GatewayMetrics
+from radixrt.server.tenants import KeyRing
+from radixrt.structured.tools import ToolCallParser, resolve_parser
+
+# how often a waiting non-streamed request checks that its client is still there
+DISCONNECT_POLL_S = 0.25
+HEALTH_TIMEOUT_S = 5.0
+# how long past a request's timeout the gateway still waits for the runtime's own `timeout`
+# reply before it answers 504 itself (a runtime that never answers: stopped, or a lost frame)
+REPLY_GRACE_S = 5.0
+# the routes app.build_app serves over a Gateway (beside the native ones), by name in the metrics
+OPENAI_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+
+
+async def unless_disconnected(request: Request, coros: list) -> list:
+    """Await the coroutines; cancel them all (which aborts their runtime requests) when one fails
+    or the client goes away."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        while True:
+            done, pending = await asyncio.wait(
+                tasks, timeout=DISCONNECT_POLL_S, return_when=asyncio.FIRST_EXCEPTION
+            )
+            for task in done:
+                if (error := task.exception()) is not None:
+                    raise (
+                        from_runtime_error(error)
+                        if isinstance(error, RUNTIME_EXCEPTIONS)
+                        else error
+                    )
+            if not pending:
+                return [task.result() for task in tasks]
+            if await request.is_disconnected():
+                raise APIError(499, "the client closed the connection", "client_disconnected")
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def prepend(first: dict, rest: AsyncIterator[dict]) -> AsyncIterator[dict]:
+    yield first
+    async for reply in rest:
+        yield reply
+
+
+@dataclass
+class _Model:
+    name: str
+    context_length: int
+    tokenizer: Any
+    template: str | None
+    tool_parser: ToolCallParser  # how this model writes tool calls (--tool-call-parser)
+    lora_enabled: bool  # adapters are served: `model` names one, or the served model
+
+
+# The most generate requests one HTTP call may fan out to (prompts x n): one call must not fill
+# the queue that every client shares.
+MAX_FANOUT = 256
+
+
+class Gateway:
+    def __init__(
+        self,
+        endpoint: RuntimeEndpoint,
+        keys: KeyRing | None = None,
+        tool_call_parser: str = "auto",
+        limits: GatewaySettings | None = None,
+        reasoning_parser: str | None = None,
+    ):
+        """`limits`: the body (and frame) cap, the request timeout and the pin lease (serve's
+        defaults when None); `endpoint` should wait no longer than the request timeout plus
+        REPLY_GRACE_S (run_gateway builds it so)."""
+        self.endpoint = endpoint
+        self.reasoning = REASONING_PARSERS[reasoning_parser] if reasoning_parser else None
+        self.limits = limits or GatewaySettings.defaults()
+        self.pins = PinLeases(self.limits.http_pin_lease)
+        self.keys = keys or KeyRing()
+        self.tool_call_parser = tool_call_parser
+        self.metrics = GatewayMetrics()
+        self.started = int(time.time())
+        self._model: _Model | None = None
+        self._model_lock = asyncio.Lock()
+
+    async def model(self) -> _Model:
+        # Loaded once, from start-up on (see build_app): the runtime answers once `serve` runs its loop.
+        async with self._model_lock:
+            if self._model is None:
+                # the tokenizer's library imports (seconds) while the runtime still loads
+                info, _ = await asyncio.gather(
+                    asyncio.to_thread(lambda: self.endpoint.model_info),
+                    asyncio.to_thread(import_tokenizer_library),
+                )
+                self._model = await asyncio.to_thread(self._load_model, info)
+        return self._model
+
+    def _load_model(self, info: dict[str, Any]) -> _Model:
+        tokenizer = load_tokenizer(info)
+        template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else None
+        parser = resolve_parser(self.tool_call_parser, template)
+        return _Model(
+            info["model"],
+            info["context_length"],
+            tokenizer,
+            template,
+            parser,
+            bool(info.get("lora_enabled")),
+        )
+
+    def authorized(self, headers: dict[bytes, bytes]) -> bool:
+        return self.keys.principal_of(bearer(headers)) is not None
+
+    def authorized_admin(self, headers: dict[bytes, bytes]) -> bool:
+        """/metrics shows every tenant: with keys configured, only the admin key may read it."""
+        principal = self.keys.principal_of(bearer(headers))
+        return principal is not None and principal.admin
+
+    async def options(self, request: Request, req: GenerateRequest) -> RequestOptions:
+        """The body's tenancy fields, the client's own key (the runtime names its tenant) and
+        the adapter its `model` names (vLLM's convention: the served model's name, or no
+        `model`, is the base model). The timeout is the body's, at most the gateway's
+        (`--http-request-timeout`): the runtime ends the request then, before the gateway
+        stops waiting for it."""
+        key = bearer(dict(request.headers.raw)) if self.keys.keys else None
+        lora = await self.adapter_named(getattr(req, "model", None))  # native bodies have none
+        bound = self.limits.http_request_timeout
+        timeout = bound if req.timeout is None else min(req.timeout, bound)
+        return RequestOptions(req.cache_salt, req.priority, timeout, key or None, lora)
+
+    async def adapter_named(self, name: str | None) -> str | None:
+        """The adapter `model` names, None for the base model. Where adapters are served, `name`
+        must be the served model's (or absent) or a loaded adapter's (asked of the runtime each
+        time: adapters load and unload at run time); any other is a 404 `model_not_found`, as
+        vLLM answers it: a misspelled or unloaded adapter must not be served by the base model.
+        Where none are, any name is the base model, as SGLang serves it (clients send their
+        own names for the one model)."""
+        model = await self.model()
+        if not model.lora_enabled or not name or name == model.name:
+            return None
+        adapters = [a["name"] for a in await asyncio.to_thread(self.endpoint.list_lora_adapters)]
+        if name in adapters:
+            return name
+        raise APIError(
+            404,
+            f"the model {name!r} does not exist: this server serves {model.name!r}"
+            + (f" and the adapters {adapters}" if adapters else " and no adapter now"),
+            param="model",
+            code="model_not_found",
+        )
+
+    async def complete(self, request: Request, req: CompletionRequest) -> Response:
+        model = await self.model()
+        params = req.sampling_params(req.max_tokens)
+        if req.logprobs is not None:
+            params.update(return_logprob=True, top_logprobs_num=req.logprobs)
+        shape = ResponseShape(
+            chat=False, tokenizer=model.tokenizer, logprobs=req.logprobs is not None
+        )
+        prompts = prompt_list(req.prompt)
+        if not req.echo:
+            return await self._respond(request, req, model, prompts, params, shape)
+        # echoed prompts go as the ids the echo shows, so each echoed logprob has its token
+        echoes = [Echo.of(model.tokenizer, p) for p in prompts]
+        if req.logprobs is not None:
+            params["logprob_start_len"] = 0
+        ids = [e.ids for e in echoes]
+        return await self._respond(request, req, model, ids, params, shape, echoes)
+
+    async def chat(self, request: Request, req: ChatCompletionRequest) -> Response:
+        model = await self.model()
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        limits = [v for v in (req.max_completion_tokens, req.max_tokens) if v is not None]
+        params = req.sampling_params(limits[0] if limits else model.context_length)
+        if req.logprobs:
+            params.update(return_logprob=True, top_logprobs_num=req.top_logprobs or 0)
+        add_constraint(params, constraint_params(req.response_format), "response_format")
+        tools = ChatTools.of(req, model.tool_parser)
+        if tools.constraint is not None:
+            add_constraint(params, tools.constraint.params(), "tools")
+        messages, template_tools = tools.messages(
+            [message_dict(m) for m in req.messages], model.tool_parser, model.template
+        )
+        rendering = ChatRendering.of(req, model.tokenizer)
+        try:
+            prompt = render_chat(model.tokenizer, messages, template_tools, rendering)
+        except (
+            TemplateError,
+            ValueError,
+        ) as e:  # the template's own checks (roles must alternate, ...)
+            raise APIError(
+                400, f"cannot render the messages with the chat template: {e}", param="messages"
+            ) from e
+        shape = ResponseShape(
+            chat=True,
+            tokenizer=model.tokenizer,
+            logprobs=req.logprobs,
+            tool_parser=tools.reply_parser,
+            reasoning=self.reasoning,
+        )
+        return await self._respond(request, req, model, [prompt], params, shape)
+
+    async def _respond(
+        self,
+        request: Request,
+        req: GenerateRequest,
+        model: _Model,
+        prompts: list[Prompt],
+        params: dict[str, Any],
+        shape: ResponseShape,
+        echoes: list[Echo] | None = None,
+    ) -> Response:
+        """`echoes`: each prompt's echo (completions with `echo: true`)."""
+        rid = f"{shape.id_prefix}{uuid.uuid4().hex}"
+        fanout = len(prompts) * max(1, params.get("n") or 1)
+        if fanout > MAX_FANOUT:
+            raise APIError(
+                400,
+                f"{len(prompts)} prompts x n makes {fanout} requests; at most {MAX_FANOUT} per call",
+                param="prompt",
+            )
+        if req.stream:
+            if len(prompts) != 1:
+                raise APIError(400, "stream: true takes one prompt", param="prompt")
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            echo = echoes[0] if echoes else None
+            return await self._stream(
+                request, rid, model, prompts[0], params, shape, include_usage, req, echo
+            )
+        options = await self.options(request, req)
+        samples = await unless_disconnected(
+            request, [self._generate(p, params, options) for p in prompts]
+        )
+        choices = [
+            shape.choice(
+                i * len(per_prompt) + j,
+                s["text"],
+                s["meta_info"],
+                echo=echoes[i] if echoes else None,
+            )
+            for i, per_prompt in enumerate(samples)
+            for j, s in enumerate(per_prompt)
+        ]
+        return JSONResponse(response_body(shape, rid, model.name, choices, usage_of(samples)))
+
+    async def _generate(
+        self, prompt: Prompt, params: dict[str, Any], options: RequestOptions
+    ) -> list[dict[str, Any]]:
+        out = await self.endpoint.async_generate(prompt, params, options=options)
+        return out if isinstance(out, list) else [out]
+
+    async def _stream(
+        self,
+        request: Request,
+        rid: str,
+        model: _Model,
+        prompt: Prompt,
+        params: dict[str, Any],
+        shape: ResponseShape,
+        include_usage: bool,
+        req: GenerateRequest,
+        echo: Echo | None = None,
+    ) -> StreamingResponse:
+        options = await self.options(request, req)
+        try:
+            replies = self.endpoint.async_stream(prompt, params, options=options)
+        except RUNTIME_EXCEPTIONS as e:  # it cannot be sent (packed past the frame limit, ...)
+            raise from_runtime_error(e) from e
+        # Wait for the first reply before sending headers, so a rejected request gets its 4xx.
+        (first,) = await unless_disconnected(request, [replies.__anext__()])
+        events = self._events(
+            rid,
+            model.name,
+            prepend(first, replies),
+            shape,
+            params.get("n", 1),
+            include_usage,
+            echo,
+        )
+        return StreamingResponse(events, media_type="text/event-stream")
+
+    async def _events(
+        self,
+        rid: str,
+        model: str,
+        replies: AsyncIterator[dict],
+        shape: ResponseShape,
+        n: int,
+        include_usage: bool,
+        echo: Echo | None = None,
+    ) -> AsyncIterator[str]:
+        """The stream's events; a completion's `echo` is each sample's first text."""
+        # A client that disconnects cancels this generator inside `replies`, which aborts the request.
+        if echo is not None:
+            for i in range(n):
+                yield sse_event(
+                    response_body(shape, rid, model, [shape.delta(i, echo.text)], chunk=True)
+                )
+        if shape.chat:
+            yield sse_event(
+                response_body(
+                    shape,
+                    rid,
+                    model,
+                    [shape.delta(i, "", first=True) for i in range(n)],
+                    chunk=True,
+                )
+            )
+        finals = []
+        streams = {i: ChoiceStream.of(shape) for i in range(n)}
+
+        def chunk(choice: dict[str, Any]) -> str:
+            return sse_event(response_body(shape, rid, model, [choice], chunk=True))
+
+        try:
+            async for reply in replies:
+                index = reply.get("index", 0)
+                text = "" if reply["finished"] else reply["delta"]  # a final reply has no delta
+                for delta in streams[index].feed(text, final=reply["finished"]):
+                    yield chunk(shape.delta(index, delta))
+                if reply["finished"]:
+                    finals.append(reply)
+                    called = streams[index].called
+                    yield chunk(shape.choice(index, "", reply["meta_info"], True, called))
+        except RUNTIME_EXCEPTIONS as e:
+            yield sse_event(from_runtime_error(e).body())
+            return
+        if include_usage:
+            finals.sort(key=lambda r: r.get("index", 0))
+            yield sse_event(
+                response_body(shape, rid, model, [], usage=usage_of([finals]), chunk=True)
+            )
+        yield "data: [DONE]\n\n"
+
+    async def health(self) -> dict:
+        """200 once the runtime answers and this gateway has what it needs to serve."""
+        try:
+            await asyncio.wait_for(asyncio.shield(self.model()), HEALTH_TIMEOUT_S)
+            await asyncio.to_thread(self.endpoint.health, HEALTH_TIMEOUT_S)
+        except (TimeoutError, asyncio.TimeoutError, *RUNTIME_EXCEPTIONS) as e:
+            raise APIError(503, f"the runtime does not answer: {e}", "server_error") from e
+        return {"status": "ok"}
+
+    async def render_metrics(self) -> Response:
+        """This gateway's request counts and what it holds (requests awaiting the runtime, pin
+        leases), then the runtime's (or the router's) own text: what ZeroMQ and DSL clients
+        did is in it too."""
+        model = await self.model()
+        runtime_text = await asyncio.to_thread(self.endpoint.metrics)
+        gauges = GatewayGauges(self.endpoint.client.in_flight, len(self.pins.leases))
+        return Response(
+            self.metrics.render(model.name, runtime_text, gauges), media_type=CONTENT_TYPE_LATEST
+        )
+
+    async def unpin_lease(self, lease: PinLease) -> None:
+        """Unpin a pin whose lease ended, with its caller's key."""
+        key = {"api_key": lease.api_key} if lease.api_key else {}
+        await asyncio.to_thread(
+            self.endpoint.client.call, "unpin", HEALTH_TIMEOUT_S, pin_id=lease.runtime_id, **key
+        )
+
+    async def models(self) -> dict:
+        """The served model, then each loaded LoRA adapter (its `parent` the model, its `root`
+        its path: vLLM's listing)."""
+        model = await self.model()
+        adapters = await asyncio.to_thread(self.endpoint.list_lora_adapters)
+        card = {
+            "object": "model",
+            "created": self.started,
+            "owned_by": "radixrt",
+            "max_model_len": model.context_length,
+        }
+        return {
+            "object": "list",
+            "data": [{"id": model.name, **card}]
+            + [
+                {"id": a["name"], **card, "parent": model.name, "root": a["path"]} for a in adapters
+            ],
+        }
+
+
+def bearer(headers: dict[bytes, bytes]) -> str:
+    return headers.get(b"authorization", b"").removeprefix(b"Bearer ").strip().decode("latin-1")

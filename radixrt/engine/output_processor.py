@@ -257,12 +257,11 @@ class OutputProcessor:
             return
         delta = req.detokenizer.add(token)
         req.text += delta
-        for stop in params.stop:
-            pos = req.text.find(stop, max(0, len(req.text) - len(delta) - len(stop) + 1))
-            if pos != -1:
-                req.text = req.text[:pos]
-                req.finish_reason = FinishReason.stop(stop)
-                return
+        hit = req.stops.feed(delta) if req.stops is not None else None
+        if hit is not None:
+            req.text = req.text[: hit.start]
+            req.finish_reason = FinishReason.stop(params.stop[hit.index])
+            return
         if (
             len(req.output_ids) >= params.max_new_tokens
             or len(req.all_ids) >= self.runner.context_length

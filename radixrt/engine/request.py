@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 import torch
 
 from radixrt.engine.detokenizer import IncrementalDetokenizer
+from radixrt.engine.stop_strings import StopScanner
 from radixrt.mem_cache.radix_cache import TreeNode
 from radixrt.protocol import MAX_CACHE_SALT_CHARS, ErrorCode
 from radixrt.sampling_params import SamplingParams
@@ -126,6 +127,7 @@ class Req:
     all_ids: list[int] = field(default_factory=list)  # input_ids + output_ids
     text: str = ""
     finish_reason: FinishReason | None = None
+    stops: StopScanner | None = None  # the walk over `text` looking for params.stop (if any)
 
     # Memory state; see mem_cache/slot_manager.py for who owns which part of the row.
     row: int | None = None
@@ -177,6 +179,11 @@ class Req:
     @property
     def tokens_to_compute(self) -> int:
         return len(self.all_ids) - self.kv_len
+
+    def stop_holdback(self) -> int:
+        """Characters at the end of the text that could still begin a stop string: a stream
+        holds them back until they cannot."""
+        return 0 if self.stops is None else self.stops.holdback
 
     def remaining_new_tokens(self) -> int:
         return max(self.params.max_new_tokens - len(self.output_ids), 0)

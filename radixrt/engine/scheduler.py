@@ -31,6 +31,7 @@ from radixrt.engine.planner import Accounts, PlannerHooks, StepPlan, StepPlanner
 from radixrt.engine.request import DEFAULT_SCOPE, FinishReason, Req, RequestScope, Scheduled
 from radixrt.engine.speculation import SpecCounters, Speculation, decodes_only
 from radixrt.engine.stats import Counters, StatsInputs, StepLog, scheduler_stats
+from radixrt.engine.stop_strings import StopAutomaton, StopScanner
 from radixrt.engine.tenant_stats import TenantStats
 from radixrt.executor.lora_manager import AdapterError, AdapterInfo
 from radixrt.executor.model_loader import model_fingerprint
@@ -84,6 +85,7 @@ class Scheduler:
         self._ended: list[Req] = []  # finished outside a forward (aborts), reported by step()
         self._plan = StepPlan()  # this step's (what a failure must free)
         self.stalled = False
+        self._last_stops: tuple[SamplingParams, StopAutomaton] | None = None  # see _stop_scanner
         self.spec = Speculation.from_args(args, runner.context_length)
         self.constraints = Constraints(
             self.tokenizer,
@@ -178,11 +180,22 @@ class Scheduler:
             IncrementalDetokenizer(self.tokenizer, input_ids, params.skip_special_tokens),
             torch.Generator().manual_seed(seed),
             scope=scope,
+            stops=self._stop_scanner(params),
         )
         if self.spec is not None:
             self.spec.start(req)
         self.constraints.start(req, params)
         return req
+
+    def _stop_scanner(self, params: SamplingParams) -> StopScanner | None:
+        """A walk over a request's text for `params.stop`. Its automaton (up to 32 x 1,024
+        characters: tens of ms to build) is built once for the n samples of a request, which are
+        made one after another from one params object."""
+        if not params.stop:
+            return None
+        if self._last_stops is None or self._last_stops[0] is not params:
+            self._last_stops = (params, StopAutomaton(params.stop))
+        return StopScanner(self._last_stops[1])
 
     def with_adapter(self, scope: RequestScope) -> RequestScope:
         """`scope` with its adapter's digest; ValueError (`invalid_request`) for an adapter that

@@ -267,7 +267,7 @@ class Server:
             m.queue_time.observe(req.admitted_at - req.arrival)
 
     def _send_delta(self, client: ClientRequest, req: Req) -> None:
-        text_end = len(req.text) if req.finished else len(req.text) - _stop_holdback(req)
+        text_end = len(req.text) if req.finished else len(req.text) - req.stop_holdback()
         delta, ids = req.text[client.text_sent : text_end], req.output_ids[client.ids_sent :]
         if delta or ids:
             client.text_sent, client.ids_sent = max(text_end, client.text_sent), len(req.output_ids)
@@ -321,17 +321,6 @@ def _internal_rid(identity: bytes, rid: str) -> str:
 def _limit_key(identity: bytes, tenant: str) -> str:
     """Whom per-tenant limits count: a key file's tenant, else the client connection."""
     return f"tenant:{tenant}" if tenant else f"client:{identity.hex()}"
-
-
-def _stop_holdback(req: Req) -> int:
-    """Characters at the end of the text that could be the start of a stop string."""
-    longest = 0
-    for stop in req.params.stop:
-        for k in range(min(len(stop) - 1, len(req.text)), longest, -1):
-            if req.text.endswith(stop[:k]):
-                longest = k
-                break
-    return longest
 
 
 def _model_info(server: Server, caller: Caller, msg: dict[str, Any]) -> dict[str, Any]:

@@ -12,6 +12,7 @@ from typing import Any
 import msgpack
 
 MAX_CACHE_SALT_CHARS = 256  # a generate's `cache_salt`, checked by the runtime and the router
+MAX_PIN_ID_CHARS = 256  # a pin's `pin_id`, checked by the runtime (a router's prefix counts)
 
 
 class ErrorCode(str, Enum):

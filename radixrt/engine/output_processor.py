@@ -217,13 +217,9 @@ class OutputProcessor:
                 self._logits(hidden[lo - req.kv_len : hi - req.kv_len]), dim=-1
             )
             targets = torch.tensor(req.input_ids[lo + 1 : hi + 1])
-            picked = logprobs.gather(1, targets[:, None]).squeeze(1).tolist()
-            req.input_token_logprobs.extend(zip(picked, targets.tolist()))
-            if k := req.params.top_logprobs_num:
-                vals, ids = logprobs.topk(k, dim=-1)
-                req.input_top_logprobs.extend(
-                    list(zip(v, i)) for v, i in zip(vals.tolist(), ids.tolist())
-                )
+            picked = logprobs.gather(1, targets[:, None].to(logprobs.device)).squeeze(1)
+            k = req.params.top_logprobs_num
+            req.prompt_logprobs.add(picked, targets, tuple(logprobs.topk(k, dim=-1)) if k else ())
 
     def _stop_ids(self, req: Req) -> set[int]:
         ids = set(req.params.stop_token_ids)

@@ -167,6 +167,7 @@ class Scheduler:
         (ValueError, `context_length_exceeded`); its constraint starts compiling."""
         r = self.runner
         check_prompt(input_ids, params, r.vocab_size, r.context_length, self.kv.total_tokens)
+        check_prompt_logprobs(input_ids, params, self.args.max_prompt_logprob_entries)
         scope = self.with_adapter(scope)
         seed = (
             params.seed + sample_index
@@ -244,17 +245,33 @@ class Scheduler:
 
     def pin(self, pin_id: str, input_ids: list[int], salt: str = "", owner: str = "") -> int:
         """Lock the cached prefix of `input_ids` under `salt` so eviction cannot take it (fork's
-        shared prefix). Returns how many tokens are pinned (what the cache held). The pins whose
-        ids start with `owner` (one client's) hold at most `--max-pinned-tokens-per-client`
-        tokens together; past it, `rate_limited` and nothing more is pinned."""
-        tokens = self.kv.pin(pin_id, input_ids, salt)
-        most = self.args.max_pinned_tokens_per_client or self.kv.total_tokens // 2
-        held = self.kv.pinned_tokens(owner)
-        if held > most:
-            self.kv.unpin(pin_id)
+        shared prefix). Returns how many tokens are pinned (what the cache held); a pin of
+        nothing is refused (`invalid_request`: it would cost a pin and hold no prefix). The pins
+        of one `owner` (a tenant, or one client connection) number at most
+        `--max-pins-per-tenant` and hold at most `--max-pinned-tokens-per-client` tokens
+        together; past either, `rate_limited` and nothing more is pinned."""
+        count, most_pins = self.kv.pin_count(owner), self.args.max_pins_per_tenant
+        if count >= most_pins:
             raise RequestError(
                 ErrorCode.RATE_LIMITED,
-                f"this client would pin {held} tokens (at most {most}); unpin some first",
+                f"{count} pins are held (at most {most_pins}, --max-pins-per-tenant); "
+                "unpin some first",
+            )
+        tokens = self.kv.pin(pin_id, input_ids, salt, owner)
+        most = self.args.max_pinned_tokens_per_client or self.kv.total_tokens // 2
+        held = self.kv.pinned_tokens(owner)
+        if tokens == 0 or held > most:
+            self.kv.unpin(pin_id)
+        if tokens == 0:
+            raise RequestError(
+                ErrorCode.INVALID_REQUEST,
+                "no token of this prompt is cached (under its cache_salt): a pin holds a prefix "
+                "that a request has computed; run one first",
+            )
+        if held > most:
+            raise RequestError(
+                ErrorCode.RATE_LIMITED,
+                f"these pins would hold {held} tokens together (at most {most}); unpin some first",
             )
         return tokens
 
@@ -437,6 +454,23 @@ def _sampling_defaults(args: SchedulerArgs, generation_config: dict[str, Any]) -
     """What a request's unset sampling parameters take (docs/protocol.md): generation_config.json's
     under `--generation-config auto`, none under `ignore`."""
     return generation_defaults(generation_config) if args.generation_config == "auto" else {}
+
+
+def check_prompt_logprobs(input_ids: list[int], params: SamplingParams, most: int) -> None:
+    """`invalid_request` for a request whose prompt logprobs would be more than `most` values
+    (`--max-prompt-logprob-entries`): n samples x (the prompt token's + `top_logprobs_num`)
+    x the prompt positions scored (from `logprob_start_len` to the end)."""
+    if not (params.return_logprob and params.logprob_start_len >= 0):
+        return
+    scored = max(len(input_ids) - 1 - params.logprob_start_len, 0)
+    entries = params.n * (1 + params.top_logprobs_num) * scored
+    if entries > most:
+        raise RequestError(
+            ErrorCode.INVALID_REQUEST,
+            f"prompt logprobs of {params.n} samples x {1 + params.top_logprobs_num} values x "
+            f"{scored} prompt tokens = {entries}; at most {most} "
+            "(--max-prompt-logprob-entries): ask for fewer samples, top logprobs or positions",
+        )
 
 
 def check_prompt(

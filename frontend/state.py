@@ -18,6 +18,7 @@ from contextlib import contextmanager
 from typing import Any, NamedTuple
 
 from radixrt.client.endpoint import RuntimeEndpoint
+from radixrt.client.transport import InvalidRequestError
 from radixrt.frontend.chat_template import ChatTemplate
 from radixrt.frontend.openai_backend import OpenAI, ProgramPrompt
 from radixrt.frontend.primitives import Gen, Role, Select
@@ -254,12 +255,17 @@ class ProgramState:
     # ---- forks -------------------------------------------------------------------------------
     def fork(self, n: int) -> ForkGroup:
         """n copies of this state that share its KV: the prefix is prefilled once and pinned in
-        the runtime's cache until the group is joined or garbage-collected."""
+        the runtime's cache until the group is joined or garbage-collected (unless nothing of it
+        is still cached when the pin is asked for, which the runtime refuses: the copies then
+        run unpinned)."""
         pin_id = None
         if self._text and not isinstance(self.backend, OpenAI):  # an OpenAI server has no pins
             self.backend.generate(self._text, {"max_new_tokens": 0})
             pin_id = f"fork-{uuid.uuid4().hex}"
-            self.backend.pin(pin_id, self._text)
+            try:
+                self.backend.pin(pin_id, self._text)
+            except InvalidRequestError:  # evicted already: a pin of nothing holds nothing
+                pin_id = None
         children = []
         for _ in range(n):
             child = ProgramState(self.backend, self.template, self.defaults)

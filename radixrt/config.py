@@ -90,6 +90,8 @@ class SchedulerArgs:
     enable_priority_preemption: bool
     priority_aging_s: float
     max_pinned_tokens_per_client: int | None
+    max_pins_per_tenant: int
+    max_prompt_logprob_entries: int
     generation_config: str  # whose sampling defaults a request's unset parameters take
     max_loras_per_batch: int  # distinct adapters one batch may hold
 
@@ -233,12 +235,10 @@ class BatchSettings(SettingsGroup):
     max_running_requests: int
     max_prefill_tokens: int
     max_queued_requests: int
+    max_prompt_logprob_entries: int
 
     def __post_init__(self) -> None:
-        if min(self.max_running_requests, self.max_prefill_tokens, self.max_queued_requests) < 1:
-            raise ValueError(
-                "max_running_requests, max_prefill_tokens and max_queued_requests must be >= 1"
-            )
+        _at_least_one(**dataclasses.asdict(self))
 
 
 @dataclass(frozen=True)
@@ -336,10 +336,14 @@ class TenantLimits(SettingsGroup):
     name: ClassVar[str] = "tenants"
     max_inflight_per_tenant: int | None
     max_pinned_tokens_per_client: int | None
+    max_pins_per_tenant: int
     max_queued_tokens_per_tenant: int | None
+    tenant_max_priority: int
 
     def __post_init__(self) -> None:
-        _at_least_one(**dataclasses.asdict(self))
+        _at_least_one(
+            **{k: v for k, v in dataclasses.asdict(self).items() if k != "tenant_max_priority"}
+        )
 
 
 @dataclass(frozen=True)
@@ -872,6 +876,13 @@ class ServerArgs(Settings):
             "help": "waiting requests past which new ones get an 'overloaded' error",
         },
     )
+    max_prompt_logprob_entries: int = field(
+        default=1 << 22,
+        metadata={
+            "group": "batching",
+            "help": "prompt logprob values one request may ask for: n x (1 + top_logprobs_num) x scored prompt tokens; past it, 'invalid_request' before it is queued",
+        },
+    )
     # ---- tenants, priorities, deadlines, drain, limits (docs/protocol.md, "Tenants") ----
     api_key_file: str | None = field(
         default=None,
@@ -912,21 +923,35 @@ class ServerArgs(Settings):
         default=None,
         metadata={
             "group": "tenants",
-            "help": "requests one tenant (its API key; without a key file, one client connection) may have queued or running; past it, 'rate_limited'",
+            "help": "requests one tenant (its API key; without a key file, one client connection) may have queued or running; past it, 'rate_limited' (default: with --api-key-file, a quarter of --max-queued-requests; else no limit)",
         },
     )
     max_pinned_tokens_per_client: int | None = field(
         default=None,
         metadata={
             "group": "tenants",
-            "help": "cached prefix tokens one client connection may hold pinned (a fork's shared prefix) at once; past it, a pin gets 'rate_limited' (default: half the KV pool)",
+            "help": "cached prefix tokens one tenant (its API key; without a key file, one client connection) may hold pinned (a fork's shared prefix) at once; past it, a pin gets 'rate_limited' (default: half the KV pool)",
+        },
+    )
+    max_pins_per_tenant: int = field(
+        default=256,
+        metadata={
+            "group": "tenants",
+            "help": "pins one tenant (its API key; without a key file, one client connection) may hold at once; past it, a pin gets 'rate_limited'",
         },
     )
     max_queued_tokens_per_tenant: int | None = field(
         default=None,
         metadata={
             "group": "tenants",
-            "help": "prompt tokens one tenant may have waiting for admission; past it, 'rate_limited'",
+            "help": "prompt tokens one tenant may have waiting for admission; past it, 'rate_limited' (default: with --api-key-file, four times the KV pool; else no limit)",
+        },
+    )
+    tenant_max_priority: int = field(
+        default=0,
+        metadata={
+            "group": "tenants",
+            "help": "the most urgent priority a request sent with a key other than the admin's may have when the key's line sets no maxprio: a more urgent one is clamped to it (the admin's and a keyless server's requests are not capped)",
         },
     )
     tool_call_parser: str = field(

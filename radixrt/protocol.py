@@ -17,6 +17,9 @@ MAX_CACHE_SALT_CHARS = 256  # a generate's `cache_salt`, checked by the runtime 
 MAX_NESTING = 32
 # a rid is a string of at most this many characters (a router's key for a worker adds ~11)
 MAX_RID_CHARS = 1024
+# a pin's `pin_id`, checked by the runtime: room for what a router (~11) or the HTTP gateway
+# (its caller's scope) puts before a client's own id of at most 256 characters
+MAX_PIN_ID_CHARS = 1024
 
 
 class ErrorCode(str, Enum):

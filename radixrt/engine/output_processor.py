@@ -217,13 +217,9 @@ class OutputProcessor:
                 self._logits(hidden[lo - req.kv_len : hi - req.kv_len]), dim=-1
             )
             targets = torch.tensor(req.input_ids[lo + 1 : hi + 1])
-            picked = logprobs.gather(1, targets[:, None]).squeeze(1).tolist()
-            req.input_token_logprobs.extend(zip(picked, targets.tolist()))
-            if k := req.params.top_logprobs_num:
-                vals, ids = logprobs.topk(k, dim=-1)
-                req.input_top_logprobs.extend(
-                    list(zip(v, i)) for v, i in zip(vals.tolist(), ids.tolist())
-                )
+            picked = logprobs.gather(1, targets[:, None].to(logprobs.device)).squeeze(1)
+            k = req.params.top_logprobs_num
+            req.prompt_logprobs.add(picked, targets, tuple(logprobs.topk(k, dim=-1)) if k else ())
 
     def _stop_ids(self, req: Req) -> set[int]:
         ids = set(req.params.stop_token_ids)
@@ -257,12 +253,11 @@ class OutputProcessor:
             return
         delta = req.detokenizer.add(token)
         req.text += delta
-        for stop in params.stop:
-            pos = req.text.find(stop, max(0, len(req.text) - len(delta) - len(stop) + 1))
-            if pos != -1:
-                req.text = req.text[:pos]
-                req.finish_reason = FinishReason.stop(stop)
-                return
+        hit = req.stops.feed(delta) if req.stops is not None else None
+        if hit is not None:
+            req.text = req.text[: hit.start]
+            req.finish_reason = FinishReason.stop(params.stop[hit.index])
+            return
         if (
             len(req.output_ids) >= params.max_new_tokens
             or len(req.all_ids) >= self.runner.context_length

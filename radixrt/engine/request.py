@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 import torch
 
 from radixrt.engine.detokenizer import IncrementalDetokenizer
+from radixrt.engine.stop_strings import StopScanner
 from radixrt.mem_cache.radix_cache import TreeNode
 from radixrt.protocol import MAX_CACHE_SALT_CHARS, ErrorCode
 from radixrt.sampling_params import SamplingParams
@@ -112,6 +113,43 @@ class RequestScope:
 DEFAULT_SCOPE = RequestScope()
 
 
+@dataclass
+class PromptLogprobs:
+    """A request's prompt logprobs, kept as tensors until its reply is built (as Python pairs a
+    long prompt's top-k would take about 100 bytes a value): per scored position the prompt
+    token's logprob and id, and the `top_logprobs_num` best values and ids. Appended a chunk of
+    positions at a time; how many values a request may ask for is capped at the door
+    (`check_prompt_logprobs`)."""
+
+    values: list[torch.Tensor] = field(default_factory=list)  # float32 [m] per chunk
+    ids: list[torch.Tensor] = field(default_factory=list)  # int64 [m]
+    top_values: list[torch.Tensor] = field(default_factory=list)  # float32 [m, k]
+    top_ids: list[torch.Tensor] = field(default_factory=list)  # int64 [m, k]
+
+    def add(self, values: torch.Tensor, ids: torch.Tensor, top: tuple[torch.Tensor, ...]) -> None:
+        """One chunk: the prompt tokens' logprobs and ids, and (when asked) the top values and
+        ids; all moved to the CPU (float32 holds a bf16 or float32 logprob exactly)."""
+        self.values.append(values.float().cpu())
+        self.ids.append(ids.cpu())
+        if top:
+            top_values, top_ids = top
+            self.top_values.append(top_values.float().cpu())
+            self.top_ids.append(top_ids.cpu())
+
+    def chosen_pairs(self) -> list[tuple[float, int]]:
+        """(logprob, token id) of each scored prompt position."""
+        if not self.values:
+            return []
+        return list(zip(torch.cat(self.values).tolist(), torch.cat(self.ids).tolist()))
+
+    def top_pairs(self) -> list[list[tuple[float, int]]]:
+        """The (logprob, token id) pairs of the top tokens at each scored position."""
+        if not self.top_values:
+            return []
+        values, ids = torch.cat(self.top_values).tolist(), torch.cat(self.top_ids).tolist()
+        return [list(zip(v, i)) for v, i in zip(values, ids)]
+
+
 @dataclass(eq=False)
 class Req:
     rid: str
@@ -126,6 +164,7 @@ class Req:
     all_ids: list[int] = field(default_factory=list)  # input_ids + output_ids
     text: str = ""
     finish_reason: FinishReason | None = None
+    stops: StopScanner | None = None  # the walk over `text` looking for params.stop (if any)
 
     # Memory state; see mem_cache/slot_manager.py for who owns which part of the row.
     row: int | None = None
@@ -149,8 +188,7 @@ class Req:
     finish_time: float | None = None
     num_preemptions: int = 0
     forward_passes: int = 0  # forwards this request took part in (prefill chunks and decode steps)
-    input_token_logprobs: list[tuple[float, int]] = field(default_factory=list)
-    input_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    prompt_logprobs: PromptLogprobs = field(default_factory=PromptLogprobs)
     output_token_logprobs: list[tuple[float, int]] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
 
@@ -178,6 +216,19 @@ class Req:
     def tokens_to_compute(self) -> int:
         return len(self.all_ids) - self.kv_len
 
+    @property
+    def input_token_logprobs(self) -> list[tuple[float, int]]:
+        return self.prompt_logprobs.chosen_pairs()
+
+    @property
+    def input_top_logprobs(self) -> list[list[tuple[float, int]]]:
+        return self.prompt_logprobs.top_pairs()
+
+    def stop_holdback(self) -> int:
+        """Characters at the end of the text that could still begin a stop string: a stream
+        holds them back until they cannot."""
+        return 0 if self.stops is None else self.stops.holdback
+
     def remaining_new_tokens(self) -> int:
         return max(self.params.max_new_tokens - len(self.output_ids), 0)
 
@@ -201,6 +252,7 @@ class Req:
             "spec_accepted_tokens": self.drafts.accepted if self.drafts else 0,
         }
         if self.params.return_logprob:
+            # prompt logprobs become Python pairs only here, for the reply
             meta["input_token_logprobs"] = self.input_token_logprobs
             meta["output_token_logprobs"] = self.output_token_logprobs
             if self.params.top_logprobs_num:

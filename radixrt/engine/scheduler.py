@@ -31,6 +31,7 @@ from radixrt.engine.planner import Accounts, PlannerHooks, StepPlan, StepPlanner
 from radixrt.engine.request import DEFAULT_SCOPE, FinishReason, Req, RequestScope, Scheduled
 from radixrt.engine.speculation import SpecCounters, Speculation, decodes_only
 from radixrt.engine.stats import Counters, StatsInputs, StepLog, scheduler_stats
+from radixrt.engine.stop_strings import StopAutomaton, StopScanner
 from radixrt.engine.tenant_stats import TenantStats
 from radixrt.executor.lora_manager import AdapterError, AdapterInfo
 from radixrt.executor.model_loader import model_fingerprint
@@ -84,6 +85,7 @@ class Scheduler:
         self._ended: list[Req] = []  # finished outside a forward (aborts), reported by step()
         self._plan = StepPlan()  # this step's (what a failure must free)
         self.stalled = False
+        self._last_stops: tuple[SamplingParams, StopAutomaton] | None = None  # see _stop_scanner
         self.spec = Speculation.from_args(args, runner.context_length)
         self.constraints = Constraints(
             self.tokenizer,
@@ -165,6 +167,7 @@ class Scheduler:
         (ValueError, `context_length_exceeded`); its constraint starts compiling."""
         r = self.runner
         check_prompt(input_ids, params, r.vocab_size, r.context_length, self.kv.total_tokens)
+        check_prompt_logprobs(input_ids, params, self.args.max_prompt_logprob_entries)
         scope = self.with_adapter(scope)
         seed = (
             params.seed + sample_index
@@ -178,11 +181,22 @@ class Scheduler:
             IncrementalDetokenizer(self.tokenizer, input_ids, params.skip_special_tokens),
             torch.Generator().manual_seed(seed),
             scope=scope,
+            stops=self._stop_scanner(params),
         )
         if self.spec is not None:
             self.spec.start(req)
         self.constraints.start(req, params)
         return req
+
+    def _stop_scanner(self, params: SamplingParams) -> StopScanner | None:
+        """A walk over a request's text for `params.stop`. Its automaton (up to 32 x 1,024
+        characters: tens of ms to build) is built once for the n samples of a request, which are
+        made one after another from one params object."""
+        if not params.stop:
+            return None
+        if self._last_stops is None or self._last_stops[0] is not params:
+            self._last_stops = (params, StopAutomaton(params.stop))
+        return StopScanner(self._last_stops[1])
 
     def with_adapter(self, scope: RequestScope) -> RequestScope:
         """`scope` with its adapter's digest; ValueError (`invalid_request`) for an adapter that
@@ -231,17 +245,33 @@ class Scheduler:
 
     def pin(self, pin_id: str, input_ids: list[int], salt: str = "", owner: str = "") -> int:
         """Lock the cached prefix of `input_ids` under `salt` so eviction cannot take it (fork's
-        shared prefix). Returns how many tokens are pinned (what the cache held). The pins whose
-        ids start with `owner` (one client's) hold at most `--max-pinned-tokens-per-client`
-        tokens together; past it, `rate_limited` and nothing more is pinned."""
-        tokens = self.kv.pin(pin_id, input_ids, salt)
-        most = self.args.max_pinned_tokens_per_client or self.kv.total_tokens // 2
-        held = self.kv.pinned_tokens(owner)
-        if held > most:
-            self.kv.unpin(pin_id)
+        shared prefix). Returns how many tokens are pinned (what the cache held); a pin of
+        nothing is refused (`invalid_request`: it would cost a pin and hold no prefix). The pins
+        of one `owner` (a tenant, or one client connection) number at most
+        `--max-pins-per-tenant` and hold at most `--max-pinned-tokens-per-client` tokens
+        together; past either, `rate_limited` and nothing more is pinned."""
+        count, most_pins = self.kv.pin_count(owner), self.args.max_pins_per_tenant
+        if count >= most_pins:
             raise RequestError(
                 ErrorCode.RATE_LIMITED,
-                f"this client would pin {held} tokens (at most {most}); unpin some first",
+                f"{count} pins are held (at most {most_pins}, --max-pins-per-tenant); "
+                "unpin some first",
+            )
+        tokens = self.kv.pin(pin_id, input_ids, salt, owner)
+        most = self.args.max_pinned_tokens_per_client or self.kv.total_tokens // 2
+        held = self.kv.pinned_tokens(owner)
+        if tokens == 0 or held > most:
+            self.kv.unpin(pin_id)
+        if tokens == 0:
+            raise RequestError(
+                ErrorCode.INVALID_REQUEST,
+                "no token of this prompt is cached (under its cache_salt): a pin holds a prefix "
+                "that a request has computed; run one first",
+            )
+        if held > most:
+            raise RequestError(
+                ErrorCode.RATE_LIMITED,
+                f"these pins would hold {held} tokens together (at most {most}); unpin some first",
             )
         return tokens
 
@@ -424,6 +454,23 @@ def _sampling_defaults(args: SchedulerArgs, generation_config: dict[str, Any]) -
     """What a request's unset sampling parameters take (docs/protocol.md): generation_config.json's
     under `--generation-config auto`, none under `ignore`."""
     return generation_defaults(generation_config) if args.generation_config == "auto" else {}
+
+
+def check_prompt_logprobs(input_ids: list[int], params: SamplingParams, most: int) -> None:
+    """`invalid_request` for a request whose prompt logprobs would be more than `most` values
+    (`--max-prompt-logprob-entries`): n samples x (the prompt token's + `top_logprobs_num`)
+    x the prompt positions scored (from `logprob_start_len` to the end)."""
+    if not (params.return_logprob and params.logprob_start_len >= 0):
+        return
+    scored = max(len(input_ids) - 1 - params.logprob_start_len, 0)
+    entries = params.n * (1 + params.top_logprobs_num) * scored
+    if entries > most:
+        raise RequestError(
+            ErrorCode.INVALID_REQUEST,
+            f"prompt logprobs of {params.n} samples x {1 + params.top_logprobs_num} values x "
+            f"{scored} prompt tokens = {entries}; at most {most} "
+            "(--max-prompt-logprob-entries): ask for fewer samples, top logprobs or positions",
+        )
 
 
 def check_prompt(

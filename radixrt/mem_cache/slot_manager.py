@@ -93,10 +93,12 @@ class KVUsage:
 
 @dataclass(frozen=True)
 class Pin:
-    """A client's lock on a cached prefix: the node locked and how many tokens it ends."""
+    """A client's lock on a cached prefix: the node locked, how many tokens it ends, and whose
+    quota it counts against (`owner`: a tenant, or one client connection)."""
 
     node: TreeNode
     tokens: int
+    owner: str = ""
 
 
 class KVSlotManager:
@@ -356,20 +358,23 @@ class KVSlotManager:
         return aligned
 
     # ---- pins ------------------------------------------------------------------------------
-    def pin(self, pin_id: str, key: list[int], salt: str = "") -> int:
-        """Lock the cached prefix of `key` under `salt` until `unpin`; returns how many tokens
-        that is."""
+    def pin(self, pin_id: str, key: list[int], salt: str = "", owner: str = "") -> int:
+        """Lock the cached prefix of `key` under `salt` until `unpin`, on `owner`'s behalf;
+        returns how many tokens that is."""
         if pin_id in self.pins:
             raise ValueError(f"pin {pin_id!r} exists")
         match = self.tree.match_prefix(list(key), salt)
         self.tree.inc_lock_ref(match.node)
-        self.pins[pin_id] = Pin(match.node, len(match.slots))
+        self.pins[pin_id] = Pin(match.node, len(match.slots), owner)
         return len(match.slots)
 
-    def pinned_tokens(self, prefix: str) -> int:
-        """Tokens held by the pins whose id starts with `prefix` (one client's); a prefix two
-        pins share counts twice, so this bounds what they hold from above."""
-        return sum(p.tokens for pin_id, p in self.pins.items() if pin_id.startswith(prefix))
+    def pinned_tokens(self, owner: str) -> int:
+        """Tokens held by `owner`'s pins; a prefix two pins share counts twice, so this bounds
+        what they hold from above."""
+        return sum(p.tokens for p in self.pins.values() if p.owner == owner)
+
+    def pin_count(self, owner: str) -> int:
+        return sum(p.owner == owner for p in self.pins.values())
 
     def unpin(self, pin_id: str) -> bool:
         pin = self.pins.pop(pin_id, None)

@@ -262,13 +262,32 @@ def check_prompt_size(msg: dict[str, Any], max_bytes: int) -> None:
         )
 
 
+# what a tenant sees of `stats` besides its own row: the server's shape and load (free slots,
+# queue lengths), nothing of what other tenants cached, hit, pinned or compiled, nor any timing
+TENANT_VISIBLE_STATS = frozenset(
+    {
+        "tp_size",
+        "dp_size",
+        "router_policy",
+        "total_tokens",
+        "free_tokens",
+        "host_total_tokens",
+        "running",
+        "waiting",
+        "draining",
+        "alive",
+    }
+)
+
+
 def visible_stats(stats: dict[str, Any], principal: Principal) -> dict[str, Any]:
-    """`stats` as `principal` may see them: the admin sees every tenant's row; a tenant only its
-    own, in the top-level `tenants` and in each worker's (the router's `workers`)."""
+    """`stats` as `principal` may see them: the admin sees everything; a tenant its own row of
+    `tenants` and the fields of TENANT_VISIBLE_STATS, at the top and in each worker's (the
+    router's `workers`)."""
     if principal.admin:
         return stats
     mine = tenant_label(principal.tenant)
-    out = dict(stats)
+    out = {k: v for k, v in stats.items() if k in TENANT_VISIBLE_STATS}
     if isinstance(stats.get("tenants"), dict):
         out["tenants"] = {k: v for k, v in stats["tenants"].items() if k == mine}
     if isinstance(stats.get("workers"), list):

@@ -164,7 +164,7 @@ class _StatsCollector:
                 family = metric.family([MODEL])
                 family.add_metric([self.model_name], float(self.stats[key]))
                 yield family
-        if "total_tokens" in self.stats:
+        if {"total_tokens", "free_tokens", "evictable_tokens"} <= self.stats.keys():
             family = KV_USAGE.family([MODEL])
             family.add_metric([self.model_name], kv_usage_ratio(self.stats))
             yield family

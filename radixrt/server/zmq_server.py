@@ -21,7 +21,7 @@ from radixrt.config import ServerArgs
 from radixrt.engine.request import Req, RequestScope
 from radixrt.engine.scheduler import Scheduler
 from radixrt.lifecycle import exit_with_parent
-from radixrt.protocol import ErrorCode, RequestError, check_rid, error_reply
+from radixrt.protocol import MAX_PIN_ID_CHARS, ErrorCode, RequestError, check_rid, error_reply
 from radixrt.sampling_params import SamplingParams
 from radixrt.server.front import (
     Caller,
@@ -29,11 +29,12 @@ from radixrt.server.front import (
     FrontConfig,
     Op,
     Role,
-    check_prompt_size,
     visible_stats,
 )
 from radixrt.server.heap import Heap
 from radixrt.server.metrics import RuntimeMetrics
+from radixrt.server.prompts import PromptTokenizer
+from radixrt.server.tenants import Principal
 
 logger = logging.getLogger(__name__)
 
@@ -57,11 +58,32 @@ class ClientRequest:
     last_token_at: float | None = None  # when that step published
 
 
+@dataclass(frozen=True)
+class TenantCaps:
+    """The per-tenant limits in force (None: none): `--max-inflight-per-tenant` and
+    `--max-queued-tokens-per-tenant`, which with `--api-key-file` default to a quarter of the
+    queue and four times the KV pool, so no tenant can fill the queue alone."""
+
+    requests: int | None
+    queued_tokens: int | None
+
+    @classmethod
+    def of(cls, args: ServerArgs, pool_tokens: int) -> TenantCaps:
+        keyed = bool(args.api_key_file)
+        return cls(
+            args.max_inflight_per_tenant
+            or (max(args.max_queued_requests // 4, 1) if keyed else None),
+            args.max_queued_tokens_per_tenant or (4 * pool_tokens if keyed else None),
+        )
+
+
 class Server:
     def __init__(self, args: ServerArgs, endpoint: str):
         self.args = args
         self.scheduler = Scheduler.from_server_args(args)
         self.tokenizer = self.scheduler.tokenizer
+        self.prompts = PromptTokenizer(self.tokenizer, args.max_prompt_bytes)
+        self.tenant_caps = TenantCaps.of(args, self.scheduler.kv.total_tokens)
         self.ctx = zmq.Context()
         ops = {name: replace(op, run=partial(op.run, self)) for name, op in OPS.items()}
         self.front = ClientFront(self.ctx, endpoint, FrontConfig.from_server_args(args), ops)
@@ -84,11 +106,14 @@ class Server:
                     raise
                 logger.exception("a turn of the serving loop failed; serving on")
         self.scheduler.close()
+        self.prompts.close()
         self.front.close()
         self.ctx.term()
 
     def _serve_once(self) -> None:
         self._drain(block=not self.scheduler.has_work())
+        for tokenized in self.prompts.ready():  # its op runs again, now with the text's ids
+            self.front.dispatch(tokenized.caller, tokenized.msg)
         self._abort_vanished_clients()
         if self.scheduler.has_work():
             self._publish(self.scheduler.step())
@@ -135,7 +160,8 @@ class Server:
         self.ctx.term()
 
     def _drain(self, block: bool) -> None:
-        timeout = IDLE_POLL_MS if block else STALLED_POLL_MS if self.scheduler.stalled else 0
+        waits = self.scheduler.stalled or bool(self.prompts.pending)  # on a compile, a text
+        timeout = STALLED_POLL_MS if waits else IDLE_POLL_MS if block else 0
         self.front.drain(timeout)
 
     def _abort_vanished_clients(self) -> None:
@@ -144,6 +170,7 @@ class Server:
         gone = self.front.vanished({c.identity for c in self.clients.values()})
         if not gone:
             return
+        self.prompts.forget(gone)
         for identity in gone:
             self.scheduler.unpin_all(_internal_rid(identity, ""))
         for req, client in list(self.clients.items()):
@@ -190,10 +217,13 @@ class Server:
             raise ValueError("sampling_params must be a map")
         params = SamplingParams.from_dict(params, self.scheduler.sampling_defaults)
         scope = RequestScope.from_fields(tenant, msg).capped(
-            caller.principal.max_priority, self.args.schedule_low_priority_values_first
+            self._priority_cap(caller.principal), self.args.schedule_low_priority_values_first
         )
-        ids = _prompt_ids(self, msg)
         limit_key = _limit_key(identity, tenant)
+        self._check_limits(limit_key, tenant, params.n, 0)  # before a long text is tokenized
+        ids = self.prompts.ids(caller, msg)
+        if ids is None:  # a long text, being tokenized: this runs again when it is
+            return
         self._check_limits(limit_key, tenant, params.n, params.n * len(ids))
         if any(c.identity == identity and c.rid == rid for c in self.clients.values()):
             raise ValueError(f"rid {rid!r} is already in flight on this connection")
@@ -208,12 +238,19 @@ class Server:
             self.clients[req] = ClientRequest(identity, rid, stream, i, limit_key)
             self.scheduler.add_request(req)
 
+    def _priority_cap(self, principal: Principal) -> int | None:
+        """The most urgent priority `principal` may ask for: its key-file line's `maxprio`,
+        else `--tenant-max-priority` for any key but the admin's (None: no cap)."""
+        if principal.max_priority is not None or principal.admin:
+            return principal.max_priority
+        return self.args.tenant_max_priority
+
     def _check_limits(self, limit_key: str, tenant: str, requests: int, tokens: int) -> None:
         """Refuse with `rate_limited` a generate that would take its tenant (or connection) past
-        `--max-inflight-per-tenant` requests or `--max-queued-tokens-per-tenant` waiting prompt
-        tokens; other tenants are not affected."""
-        most_requests = self.args.max_inflight_per_tenant
-        most_tokens = self.args.max_queued_tokens_per_tenant
+        its in-flight requests or waiting prompt tokens (`TenantCaps`); other tenants are not
+        affected."""
+        most_requests = self.tenant_caps.requests
+        most_tokens = self.tenant_caps.queued_tokens
         if most_requests is None and most_tokens is None:
             return
         mine = [req for req, c in self.clients.items() if c.limit_key == limit_key]
@@ -265,7 +302,7 @@ class Server:
             m.queue_time.observe(req.admitted_at - req.arrival)
 
     def _send_delta(self, client: ClientRequest, req: Req) -> None:
-        text_end = len(req.text) if req.finished else len(req.text) - _stop_holdback(req)
+        text_end = len(req.text) if req.finished else len(req.text) - req.stop_holdback()
         delta, ids = req.text[client.text_sent : text_end], req.output_ids[client.ids_sent :]
         if delta or ids:
             client.text_sent, client.ids_sent = max(text_end, client.text_sent), len(req.output_ids)
@@ -321,17 +358,6 @@ def _limit_key(identity: bytes, tenant: str) -> str:
     return f"tenant:{tenant}" if tenant else f"client:{identity.hex()}"
 
 
-def _stop_holdback(req: Req) -> int:
-    """Characters at the end of the text that could be the start of a stop string."""
-    longest = 0
-    for stop in req.params.stop:
-        for k in range(min(len(stop) - 1, len(req.text)), longest, -1):
-            if req.text.endswith(stop[:k]):
-                longest = k
-                break
-    return longest
-
-
 def _model_info(server: Server, caller: Caller, msg: dict[str, Any]) -> dict[str, Any]:
     tok, info = server.tokenizer, server.scheduler.model_info()
     return {
@@ -354,30 +380,23 @@ def _shutdown(server: Server, caller: Caller, msg: dict[str, Any]) -> bool:
     return True
 
 
-def _prompt_ids(server: Server, msg: dict[str, Any]) -> list[int]:
-    text, ids = msg.get("text"), msg.get("input_ids")
-    if (text is None) == (ids is None):
-        raise ValueError("give exactly one of text or input_ids")
-    check_prompt_size(msg, server.args.max_prompt_bytes)
-    if text is not None:
-        if not isinstance(text, str):
-            raise ValueError("text must be a string")
-        return server.tokenizer.encode(text, add_special_tokens=False)
-    if not isinstance(ids, list) or not all(
-        isinstance(t, int) and not isinstance(t, bool) for t in ids
-    ):
-        raise ValueError("input_ids must be a list of ints")
-    return ids
-
-
-def _pin(server: Server, caller: Caller, msg: dict[str, Any]) -> int:
+def _pin(server: Server, caller: Caller, msg: dict[str, Any]) -> None:
+    """Pin a cached prefix under a `pin_id` of the caller's connection, on its tenant's quota
+    (`Scheduler.pin`); answered here, once a long text is tokenized."""
+    pin_id = msg.get("pin_id")
+    if not isinstance(pin_id, str) or not 0 < len(pin_id) <= MAX_PIN_ID_CHARS:
+        raise ValueError(f"pin needs a pin_id: a string of 1 to {MAX_PIN_ID_CHARS} characters")
     scope = server.scheduler.with_adapter(RequestScope.from_fields(caller.principal.tenant, msg))
-    return server.scheduler.pin(
-        _internal_rid(caller.identity, str(msg.get("pin_id"))),
-        _prompt_ids(server, msg),
+    ids = server.prompts.ids(caller, msg)
+    if ids is None:
+        return
+    tokens = server.scheduler.pin(
+        _internal_rid(caller.identity, pin_id),
+        ids,
         scope.salt,
-        owner=_internal_rid(caller.identity, ""),
+        owner=_limit_key(caller.identity, caller.principal.tenant),
     )
+    server._send(caller.identity, {"rid": msg.get("rid"), "result": tokens})
 
 
 def _load_lora(server: Server, caller: Caller, msg: dict[str, Any]) -> dict[str, Any]:
@@ -405,12 +424,13 @@ def _unpin(server: Server, caller: Caller, msg: dict[str, Any]) -> bool:
     return server.scheduler.unpin(_internal_rid(caller.identity, str(msg.get("pin_id"))))
 
 
-def _tokenize(server: Server, caller: Caller, msg: dict[str, Any]) -> list[int]:
-    text = msg.get("text")
-    if not isinstance(text, str):
+def _tokenize(server: Server, caller: Caller, msg: dict[str, Any]) -> None:
+    """A text's token ids; answered here, once a long text is tokenized."""
+    if not isinstance(msg.get("text"), str):
         raise ValueError("tokenize needs a string text")
-    check_prompt_size(msg, server.args.max_prompt_bytes)
-    return server.tokenizer.encode(text, add_special_tokens=False)
+    ids = server.prompts.ids(caller, msg)
+    if ids is not None:
+        server._send(caller.identity, {"rid": msg.get("rid"), "result": ids})
 
 
 def _stats(server: Server, caller: Caller, msg: dict[str, Any]) -> dict[str, Any]:
@@ -434,8 +454,8 @@ OPS: dict[str, Op] = {
     "abort": Op(_abort, **LATER),
     "health": Op(lambda s, c, m: True),
     "ping": Op(lambda s, c, m: {"server_id": s.server_id}),
-    "tokenize": Op(_tokenize),
-    "pin": Op(_pin),
+    "tokenize": Op(_tokenize, **LATER),
+    "pin": Op(_pin, **LATER),
     "unpin": Op(_unpin),
     "stats": Op(_stats),
     "metrics": Op(_metrics),

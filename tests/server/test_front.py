@@ -47,7 +47,8 @@ def key_file(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def guarded(tiny_model_dir, key_file):
-    """One request at a time (so priorities decide the order), tenants, an admin key, HTTP."""
+    """One request at a time (so priorities decide the order), tenants (those without a maxprio
+    capped at 5), an admin key, HTTP."""
     with launch_runtime(
         tiny_model_dir,
         http=True,
@@ -56,6 +57,7 @@ def guarded(tiny_model_dir, key_file):
         admin_api_key=ADMIN_KEY,
         max_frame_bytes=FRAME_LIMIT,
         max_prompt_bytes=4096,
+        tenant_max_priority=5,
     ) as r:
         yield r
 
@@ -171,7 +173,7 @@ def test_metrics_need_the_admin_key(guarded):
 
 def test_a_tenants_priority_is_capped_by_its_key_file_line(guarded):
     """One request runs at a time: behind a running one, alice asks priority 100 (capped to 1)
-    before bob asks 5, so bob's runs first."""
+    before bob asks 5 (his line sets no maxprio: --tenant-max-priority 5), so bob's runs first."""
     admin = rt.RuntimeEndpoint(guarded.url, api_key=ADMIN_KEY, timeout=REPLY_TIMEOUT_S)
     alice, bob = _endpoint(guarded.url, "alice"), _endpoint(guarded.url, "bob")
     finished: list[str] = []

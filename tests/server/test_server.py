@@ -159,6 +159,7 @@ def test_killed_client_has_its_request_aborted_and_pins_released(default_runtime
     script = (
         "import radixrt as rt\n"
         "e = rt.RuntimeEndpoint({url!r}, timeout=600)\n"
+        "e.generate(input_ids=[5, 6, 7, 8, 9, 10], sampling_params={{'max_new_tokens': 1}})\n"
         "print('pinned', e.pin('fork-prefix', [5, 6, 7, 8, 9, 10]), flush=True)\n"
         "params = {{'max_new_tokens': 100000, 'temperature': 0, 'ignore_eos': True}}\n"
         "if {stream}:\n"

@@ -31,7 +31,7 @@ from radixrt.server.http.gateway import (
     prepend,
     unless_disconnected,
 )
-from radixrt.server.http.pins import MAX_PIN_ID_CHARS, runtime_pin_id
+from radixrt.server.http.pins import MAX_CALLER_PIN_ID_CHARS, runtime_pin_id
 from radixrt.server.http.responses import sse_event
 
 # routes that need an accepted key when keys are set (/health stays open, as on /v1)
@@ -93,14 +93,14 @@ class AbortRequest(_Body):
 
 
 class PinRequest(_Body):
-    pin_id: str = Field(max_length=MAX_PIN_ID_CHARS)
+    pin_id: str = Field(max_length=MAX_CALLER_PIN_ID_CHARS)
     text: str | None = None
     input_ids: list[int] | None = None
     cache_salt: str | None = None
 
 
 class UnpinRequest(_Body):
-    pin_id: str = Field(max_length=MAX_PIN_ID_CHARS)
+    pin_id: str = Field(max_length=MAX_CALLER_PIN_ID_CHARS)
 
 
 class LoadLoraRequest(_Body):

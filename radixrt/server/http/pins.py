@@ -23,7 +23,8 @@ from radixrt.server.http.errors import APIError
 logger = logging.getLogger(__name__)
 
 MAX_PINS_PER_CALLER = 1024  # the gateway's own table stays bounded whatever the runtime allows
-MAX_PIN_ID_CHARS = 256
+# an HTTP caller's own pin id; the runtime's bound (protocol.MAX_PIN_ID_CHARS) leaves room for the scope
+MAX_CALLER_PIN_ID_CHARS = 256
 SWEEP_S = 1.0  # how often expired leases are looked for
 
 

@@ -3,9 +3,11 @@ intermediate 5632, 32 heads, 4 KV heads), no model loaded. GOP/s (2 M N K a seco
 layer's four linears: qkv, o, gate_up, down) at M = 1, 4, 32, 128, 512 rows, for each path this
 host runs (`--cpu-isa`'s: avx2; torch, the packed weights dequantized on each call) and for the
 kernel before the lane-interleaved panels (`kernel_baseline`), alternated rep by rep in one
-sitting, medians. Four layers' weights are cycled (about 110 MB in int4, past any L3), so few
-rows read them from memory: the host's read bandwidth is measured too, and each path's weight
-reads at M = 1 are reported as a fraction of it. Into `kernels.json`.
+sitting, medians. At few rows four layers' weights are cycled (about 110 MB in int4, past any
+L3), so that they are read from memory: the host's read bandwidth is measured too, and each
+path's weight reads at M = 1 are reported as a fraction of it; from 32 rows one layer is
+multiplied (the kernels are bound by arithmetic there), and the torch path always multiplies
+one layer. Threads: torch's (`OMP_NUM_THREADS`). Into `kernels.json`.
 """
 
 from __future__ import annotations
@@ -25,8 +27,9 @@ from radixrt.bench.results import RunResult
 from radixrt.bench.shapes import SHAPES
 
 ROWS = (1, 4, 32, 128, 512)
-LAYERS = 4  # cycled, so that few rows read the weights from memory, not from cache
-REPS = 5
+LAYERS = 4  # cycled at few rows, so that the weights are read from memory, not from cache
+FEW_ROWS = 4
+REPS = 3
 BANDWIDTH_BYTES = 512 << 20
 
 READ_SOURCE = r"""
@@ -156,7 +159,8 @@ def _paths() -> list[Path]:
             found.append(Path("avx2", layers, _each(linear), nbytes))
         else:
             dequantized = lambda x, w: torch.nn.functional.linear(x, w.dequantize())  # noqa: E731
-            found.append(Path(isa.value, layers, _each(dequantized), nbytes))
+            one = sum(w.nbytes for w in layers[0])
+            found.append(Path(isa.value, layers[:1], _each(dequantized), one))
     return found
 
 
@@ -174,27 +178,29 @@ def _measure(paths: list[Path], m: int, bandwidth: float) -> list[KernelRow]:
     """Every path at `m` rows, alternated rep by rep (one warm-up pass each first)."""
     gen = torch.Generator().manual_seed(m)
     xs = {k: torch.randn(m, k, generator=gen) for _, _, k in layer_shapes()}
-    ops = LAYERS * sum(2 * m * n * k for _, n, k in layer_shapes())
+    layer_ops = sum(2 * m * n * k for _, n, k in layer_shapes())
+    cycled = {p.name: p.layers if m <= FEW_ROWS else p.layers[:1] for p in paths}
     times: dict[str, list[float]] = {p.name: [] for p in paths}
     for rep in range(REPS + 1):
         for p in paths:
             start = time.perf_counter()
-            for layer in p.layers:
+            for layer in cycled[p.name]:
                 p.run(layer, xs)
             if rep:
                 times[p.name].append(time.perf_counter() - start)
     rows = []
     for p in paths:
+        layers = len(cycled[p.name])
+        ops, nbytes = layers * layer_ops, p.nbytes * layers // len(p.layers)
         t = statistics.median(times[p.name])
-        gbps = p.nbytes / t / 1e9
         rows.append(
             KernelRow(
                 p.name,
                 m,
                 ops / t / 1e9,
                 [ops / s / 1e9 for s in times[p.name]],
-                gbps,
-                gbps * 1e9 / bandwidth,
+                nbytes / t / 1e9,
+                nbytes / t / bandwidth,
             )
         )
     return rows

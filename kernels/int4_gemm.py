@@ -54,6 +54,9 @@ SOURCE = (
 #define UNPACK_MIN 8             /* rows from which a panel is unpacked into a buffer first */
 #define BLOCK_BYTES (256 * 1024) /* int8 activations of a block of rows: kept in L2 */
 #define AI __attribute__((always_inline))
+/* Pins a running sum: without it the compiler reorders a group's 32 integer sums of a 4-row tile
+   into one tree, keeps every product live at once and spills them to the stack. */
+#define KEEP(v) __asm__("" : "+x"(v))
 
 static inline AI __m256i bcast4(const int8_t *p) {
     int32_t v;
@@ -137,11 +140,13 @@ static inline AI void panel_rows(
                 if (bits == 4) {
                     s[i] = _mm256_add_epi16(s[i], _mm256_add_epi16(_mm256_maddubs_epi16(lo, al),
                                                                    _mm256_maddubs_epi16(hi, ah)));
+                    KEEP(s[i]);
                 } else {
                     const __m256i pl = _mm256_maddubs_epi16(lo_abs, _mm256_sign_epi8(al, lo));
                     const __m256i ph = _mm256_maddubs_epi16(hi_abs, _mm256_sign_epi8(ah, hi));
                     s[i] = _mm256_add_epi32(s[i], _mm256_add_epi32(_mm256_madd_epi16(pl, ones),
                                                                    _mm256_madd_epi16(ph, ones)));
+                    KEEP(s[i]);
                 }
             }
         }

@@ -63,6 +63,10 @@ def resolve(name: str, paths: list[Isa]) -> Isa:
         raise ValueError(f"--cpu-isa {name!r} is no path; choose one of {list(CHOICES)}")
     isa = Isa(name)
     if isa not in paths:
+        needs = " ".join(sorted(NEEDS[isa]))
         runs = ", ".join(p.value for p in paths)
-        raise ValueError(f"--cpu-isa {name}: this host cannot run it (it runs: {runs})")
+        raise ValueError(
+            f"--cpu-isa {name}: this host cannot run it (it needs the CPU flags {needs} and a C"
+            f" compiler; this host runs: {runs})"
+        )
     return isa

@@ -43,30 +43,42 @@ def test_auto_takes_the_best_path_and_warns_once_when_only_torch_is_left(caplog)
 def test_a_path_the_host_cannot_run_is_refused_in_one_line():
     with pytest.raises(ValueError) as refused:
         cpu_isa.resolve("avx2", [Isa.TORCH])
-    assert str(refused.value) == "--cpu-isa avx2: this host cannot run it (it runs: torch)"
+    assert str(refused.value) == (
+        "--cpu-isa avx2: this host cannot run it (it needs the CPU flags avx2 f16c fma and a C"
+        " compiler; this host runs: torch)"
+    )
     with pytest.raises(ValueError, match="no path"):
         cpu_isa.resolve("avx512", [Isa.AVX2, Isa.TORCH])
 
 
 def test_a_host_without_a_compiler_refuses_avx2_at_start(tiny_model_dir, tmp_path):
-    """A real process with no C compiler ($CC names none): the model runner refuses `avx2`
-    before reading any weight; `auto` falls back to torch."""
+    """Real processes with no C compiler ($CC names none): `radixrt serve --cpu-isa avx2` exits
+    at start with one line saying why; under `auto` the model runner falls back to torch with
+    one warning."""
+    env = {**os.environ, "CC": str(tmp_path / "no-such-compiler")}
+    serve = [sys.executable, "-m", "radixrt", "serve", "--model", str(tiny_model_dir)]
+    serve += ["--quantization", "int4", "--cpu-isa", "avx2", "--max-total-tokens", "64"]
+    refused = subprocess.run(serve, env=env, capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 2
+    last = refused.stderr.strip().splitlines()[-1]
+    assert last.startswith("radixrt serve: error: --cpu-isa avx2: this host cannot run it (")
     script = (
         "import sys\n"
         "from radixrt.config import ServerArgs\n"
         "from radixrt.executor.model_runner import ModelRunner\n"
-        "args = ServerArgs(model=sys.argv[1], max_total_tokens=64, quantization='int4',"
-        " cpu_isa=sys.argv[2])\n"
+        "args = ServerArgs(model=sys.argv[1], max_total_tokens=64, quantization='int4')\n"
         "print('path', ModelRunner(args.executor).cpu_isa.value)\n"
     )
-    env = {**os.environ, "CC": str(tmp_path / "no-such-compiler")}
-    run = [sys.executable, "-c", script, str(tiny_model_dir)]
-    refused = subprocess.run([*run, "avx2"], env=env, capture_output=True, text=True)
-    assert refused.returncode != 0
-    assert "ValueError: --cpu-isa avx2: this host cannot run it (it runs: torch)" in refused.stderr
-    fallback = subprocess.run([*run, "auto"], env=env, capture_output=True, text=True)
+    fallback = subprocess.run(
+        [sys.executable, "-c", script, str(tiny_model_dir)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert fallback.returncode == 0, fallback.stderr[-2000:]
     assert "path torch" in fallback.stdout
+    assert fallback.stderr.count("quantized linears run in torch") == 1
 
 
 @needs_avx2

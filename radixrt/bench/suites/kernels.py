@@ -17,6 +17,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 from tqdm import tqdm
@@ -31,6 +32,7 @@ LAYERS = 4  # cycled at few rows, so that the weights are read from memory, not 
 FEW_ROWS = 4
 REPS = 3
 BANDWIDTH_BYTES = 512 << 20
+Runner = Callable[[list[Any], dict[int, torch.Tensor]], None]  # one layer's multiplies
 
 READ_SOURCE = r"""
 /* The sum of x [n] (n a multiple of 1024): every byte read once, by every thread in turn. */
@@ -68,9 +70,9 @@ class KernelRow:
 def layer_shapes(shape: str = "tinyllama-1.1b") -> list[tuple[str, int, int]]:
     """A layer's linears of `shape` as (name, N, K), q/k/v and gate/up fused as served."""
     c = SHAPES[shape]
-    hidden, inter = c["hidden_size"], c["intermediate_size"]
-    head_dim = hidden // c["num_attention_heads"]
-    qkv = hidden + 2 * c["num_key_value_heads"] * head_dim
+    hidden, inter = int(c["hidden_size"]), int(c["intermediate_size"])
+    head_dim = hidden // int(c["num_attention_heads"])
+    qkv = hidden + 2 * int(c["num_key_value_heads"]) * head_dim
     return [
         ("qkv", qkv, hidden),
         ("o", hidden, hidden),
@@ -129,8 +131,8 @@ class Path:
     random rows; `nbytes` is what the layers' weights read."""
 
     name: str
-    layers: list
-    run: Callable[[list, dict[int, torch.Tensor]], None]
+    layers: list[list[Any]]  # per layer, its weights (any layout `run` takes)
+    run: Runner
     nbytes: int
 
 
@@ -164,10 +166,10 @@ def _paths() -> list[Path]:
     return found
 
 
-def _each(linear: Callable) -> Callable[[list, dict[int, torch.Tensor]], None]:
+def _each(linear: Callable[[torch.Tensor, Any], Any]) -> Runner:
     """`linear(x, w)` over a layer's weights, x the rows of each weight's input width."""
 
-    def run(layer: list, xs: dict[int, torch.Tensor]) -> None:
+    def run(layer: list[Any], xs: dict[int, torch.Tensor]) -> None:
         for w in layer:
             linear(xs[w.in_features], w)
 

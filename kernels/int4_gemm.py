@@ -4,19 +4,29 @@ weights (`--quantization int4`, GGUF Q4_0/Q4_1) or 8-bit ones (GGUF Q8_0) in gro
 A group of 32 weights of one output row is `w = d * q + m`: q unsigned 4-bit (0..15) with a
 scale d and an offset m (asymmetric; symmetric is m = -8 d, which is how GGUF's Q4_0 reads), or
 q signed 8-bit with m = 0 (Q8_0). d and m are float16, so a 4-bit weight costs 0.625 bytes, near
-llama.cpp's Q4_0 (0.5625) and Q4_1 (0.625); the nibbles are in GGUF's own order (byte b holds
-input b in its low half, input b + 16 in its high half), so GGUF blocks are copied in, never
-re-rounded.
+llama.cpp's Q4_0 (0.5625) and Q4_1 (0.625). GGUF's blocks are moved, never re-rounded: a block's
+nibbles keep GGUF's pairing (byte b holds input b in its low half, input b + 16 in its high half).
 
-Why this shape: batch-1 decode on a CPU is the time to read the weights, so they are packed once
-into tiles of 4 output rows x one group, in the order the kernel reads them (one sequential
-stream per thread), with the tile's 4 scales and 4 offsets beside. Activations are quantized
-per group to int8 on the fly (llama.cpp's Q8 activations, relative error about 1/254 of each
-group's largest value), so one `vpmaddubsw` multiplies 32 weight-activation pairs; the offset's
-share of a group is m times the activations' float sum, added once per group and row.
+The layout: panels of 8 output rows interleaved, one output row per 32-bit lane of an AVX2
+vector (llama.cpp's repacked Q4_0 is the model). A panel's group is 4 vectors of 32 bytes for
+4-bit weights: vector s holds, in lane j, bytes 4s..4s+3 of row j's block, so its low nibbles
+are inputs 4s..4s+3 and its high nibbles inputs 16+4s..16+4s+3; 8-bit groups are 8 vectors, vector t
+holding inputs 4t..4t+3 of each row (t < 4) or 16+4(t-4).. (t >= 4), the order the nibbles
+unpack in. Beside them, each panel's group has its 8 scales d, then its 8 offsets m.
 
-Int16 pair sums cannot overflow: |q| <= 15 (4-bit) or a sign-moved |q| <= 127 times |a| <= 127,
-two per lane, is at most 32,258.
+The multiply: activations are quantized per group of 32 to int8 once per call (llama.cpp's Q8
+activations; relative error about 1/254 of each group's largest value). Four consecutive
+activations of one row, broadcast to every lane, meet four weights of each of the 8 rows in one
+`vpmaddubsw`, so a lane accumulates one output and no horizontal add is ever needed. Int16 sums
+cannot overflow within a group: a pair is at most 2 * 15 * 127 = 3,810, and a lane sums 8 pairs
+(30,480); 8-bit weights move their sign onto the activation (`vpsignb`, |q| <= 128) and go to
+int32 at each step. A group's integer sum meets its float scales once; the offset's share of a
+group is m times the activations' float sum.
+
+Many rows (prefill, M >= 4): a register tile of 4 rows x one panel; the activation rows are
+taken in blocks of at most 256 KiB (they stay in L2 while every panel passes over them) and
+each panel's nibbles are unpacked once per block into a thread's buffer, then read by every
+tile. Few rows (decode, M <= 3): each panel is read once, unpacked in registers, as a stream.
 """
 
 from __future__ import annotations
@@ -26,23 +36,65 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import native
+from . import cpu_isa, native
 
-ROWS, GROUP = 4, 32  # a tile: output rows x inputs (one group)
+PANEL, GROUP = 8, 32  # a panel's output rows; inputs per group
 
 SOURCE = (
     native.AVX2_PRELUDE
     + r"""
 #include <math.h>
+#include <stdlib.h>
+#include <string.h>
 
-#define ROWS 4
+#define PANEL 8
 #define GROUP 32
-#define MT_MAX 4 /* activation rows per pass over a tile */
+#define MR 4                     /* activation rows of the GEMM's register tile */
+#define GEMV_MAX 3               /* up to this many rows, weights unpack in registers, read once */
+#define UNPACK_MIN 8             /* rows from which a panel is unpacked into a buffer first */
+#define BLOCK_BYTES (256 * 1024) /* int8 activations of a block of rows: kept in L2 */
+#define AI __attribute__((always_inline))
+/* Pins a running sum: without it the compiler reorders a group's 32 integer sums of a 4-row tile
+   into one tree, keeps every product live at once and spills them to the stack. */
+#define KEEP(v) __asm__("" : "+x"(v))
 
-/* x row [K] -> int8 a [G * 32] (zero past K), each group's scale xs [G] and float sum xsum [G]. */
-static void quantize_row(const float *row, int8_t *a, float *xs, float *xsum, int64_t K, int64_t G) {
-    for (int64_t g = 0; g < G; g++) {
-        const int64_t k0 = g * GROUP, n = K - k0 < GROUP ? K - k0 : GROUP;
+static inline AI __m256i bcast4(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+}
+
+/* 32 floats -> 32 int8 (round to nearest even, as lrintf), in order. */
+static inline AI __m256i round_group(const float *x, __m256 inv) {
+    __m256i i[4];
+    for (int c = 0; c < 4; c++) i[c] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + 8 * c), inv));
+    const __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
+    return _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+/* x row [K] -> int8 a [G * 32] (zero past K), each group's scale xs [G] and float sum xsum [G]:
+   a = round(x * (1 / s)), s = max |x| / 127 (1 for a group of zeros). */
+void quantize_row(const float *row, int8_t *a, float *xs, float *xsum, int64_t K, int64_t G) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    int64_t g = 0;
+    for (; (g + 1) * GROUP <= K; g++) {
+        const float *x = row + g * GROUP;
+        __m256 top = _mm256_setzero_ps(), sum = _mm256_setzero_ps();
+        for (int c = 0; c < 4; c++) {
+            const __m256 v = _mm256_loadu_ps(x + 8 * c);
+            top = _mm256_max_ps(top, _mm256_andnot_ps(sign, v));
+            sum = _mm256_add_ps(sum, v);
+        }
+        __m128 t = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
+        t = _mm_max_ps(t, _mm_movehl_ps(t, t));
+        const float m = _mm_cvtss_f32(_mm_max_ss(t, _mm_movehdup_ps(t)));
+        const float s = m > 0.0f ? m / 127.0f : 1.0f;
+        _mm256_storeu_si256((__m256i *)(a + g * GROUP), round_group(x, _mm256_set1_ps(1.0f / s)));
+        xs[g] = s;
+        xsum[g] = hsum8(sum);
+    }
+    for (; g < G; g++) { /* the last group, short of 32 inputs */
+        const int64_t k0 = g * GROUP, n = K - k0;
         float top = 0.0f, sum = 0.0f;
         for (int64_t k = 0; k < n; k++) {
             top = fmaxf(top, fabsf(row[k0 + k]));
@@ -56,112 +108,173 @@ static void quantize_row(const float *row, int8_t *a, float *xs, float *xsum, in
     }
 }
 
-/* The 32 weights of one tile row and group as bytes: 4-bit nibbles to 0..15, 8-bit as stored. */
-static inline __attribute__((always_inline)) __m256i unpack(const uint8_t *w, int bits) {
-    if (bits == 8) return _mm256_loadu_si256((const __m256i *)w);
-    const __m128i b = _mm_loadu_si128((const __m128i *)w);
-    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(b, 4), b), _mm256_set1_epi8(0x0F));
-}
-
-/* 8 int32 partial sums of q . a over a group: 4-bit q is unsigned already; signed 8-bit q is
-   made unsigned (|q|) with its sign moved onto the activation. */
-static inline __attribute__((always_inline)) __m256i dot32(__m256i q, __m256i a, int bits) {
-    const __m256i p = bits == 4 ? _mm256_maddubs_epi16(q, a)
-                                : _mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(a, q));
-    return _mm256_madd_epi16(p, _mm256_set1_epi16(1));
-}
-
-/* MT activation rows (1..MT_MAX) against one tile row of 4 outputs, every group. A group's
-   4 row sums are folded into one vector (lanes j and j + 4: row j's halves) before one convert
-   and one multiply-add by the rows' scales: fewer instructions than one per row. */
-static inline __attribute__((always_inline)) void tile(
-        const int8_t *a, const float *xs, const float *xsum, const uint8_t *wt, const uint16_t *dm,
-        const float *bias, float *out, int64_t MT, int64_t N, int64_t G, int64_t n0, int64_t nn,
-        int bits) {
-    const int64_t wbytes = bits == 4 ? 16 : 32, Kp = G * GROUP;
-    __m256 acc[MT_MAX];
-    __m128 offset[MT_MAX];
-    for (int i = 0; i < MT_MAX; i++) {
-        offset[i] = _mm_setzero_ps();
-        acc[i] = _mm256_setzero_ps();
-    }
+/* MT activation rows (a [MT, Kp] int8, xs and xsum [MT, G]) against one panel, every group:
+   acc[i] lane j = output (i, j). Weights `w`: a group every `wstep` bytes, either packed nibbles
+   (4 vectors, unpacked here) or bytes (8 vectors: 4-bit unpacked, or signed 8-bit). */
+static inline AI void panel_rows(
+        const int8_t *a, int64_t Kp, const float *xs, const float *xsum, int64_t G,
+        const uint8_t *w, int64_t wstep, const uint16_t *sc, __m256 *acc, const int MT,
+        const int bits, const int nibbles) {
+    const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0F);
+    for (int i = 0; i < MT; i++) acc[i] = _mm256_setzero_ps();
     for (int64_t g = 0; g < G; g++) {
-        const uint8_t *chunk = wt + g * ROWS * wbytes;
-        _mm_prefetch((const char *)(chunk + 16 * ROWS * wbytes), _MM_HINT_T0);
-        /* lanes 0..3: the rows' scales d, 4..7: their offsets m */
-        const __m256 dmf = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dm + g * 2 * ROWS)));
-        const __m256 dd = _mm256_permute2f128_ps(dmf, dmf, 0x00);
-        __m256i w[ROWS];
-        for (int j = 0; j < ROWS; j++) w[j] = unpack(chunk + wbytes * j, bits);
+        const uint8_t *wg = w + g * wstep;
+        if (nibbles) _mm_prefetch((const char *)(wg + 8 * wstep), _MM_HINT_T0);
+        __m256i s[MR];
+        for (int i = 0; i < MT; i++) s[i] = _mm256_setzero_si256();
+        for (int q = 0; q < 4; q++) {
+            __m256i lo, hi;
+            if (nibbles) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(wg + 32 * q));
+                lo = _mm256_and_si256(v, low);
+                hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+            } else {
+                lo = _mm256_loadu_si256((const __m256i *)(wg + 32 * q));
+                hi = _mm256_loadu_si256((const __m256i *)(wg + 32 * (q + 4)));
+            }
+            const __m256i lo_abs = bits == 8 ? _mm256_sign_epi8(lo, lo) : lo;
+            const __m256i hi_abs = bits == 8 ? _mm256_sign_epi8(hi, hi) : hi;
+            for (int i = 0; i < MT; i++) {
+                const int8_t *ai = a + i * Kp + g * GROUP + 4 * q;
+                const __m256i al = bcast4(ai), ah = bcast4(ai + 16);
+                if (bits == 4) {
+                    s[i] = _mm256_add_epi16(s[i], _mm256_add_epi16(_mm256_maddubs_epi16(lo, al),
+                                                                   _mm256_maddubs_epi16(hi, ah)));
+                    KEEP(s[i]);
+                } else {
+                    const __m256i pl = _mm256_maddubs_epi16(lo_abs, _mm256_sign_epi8(al, lo));
+                    const __m256i ph = _mm256_maddubs_epi16(hi_abs, _mm256_sign_epi8(ah, hi));
+                    s[i] = _mm256_add_epi32(s[i], _mm256_add_epi32(_mm256_madd_epi16(pl, ones),
+                                                                   _mm256_madd_epi16(ph, ones)));
+                    KEEP(s[i]);
+                }
+            }
+        }
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + g * 2 * PANEL)));
+        const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + g * 2 * PANEL + PANEL)));
         for (int i = 0; i < MT; i++) {
-            const __m256i av = _mm256_loadu_si256((const __m256i *)(a + i * Kp + g * GROUP));
-            const __m256i s = _mm256_hadd_epi32(
-                _mm256_hadd_epi32(dot32(w[0], av, bits), dot32(w[1], av, bits)),
-                _mm256_hadd_epi32(dot32(w[2], av, bits), dot32(w[3], av, bits)));
-            acc[i] = _mm256_fmadd_ps(
-                _mm256_cvtepi32_ps(s), _mm256_mul_ps(dd, _mm256_set1_ps(xs[i * G + g])), acc[i]);
-            offset[i] = _mm_fmadd_ps(
-                _mm256_extractf128_ps(dmf, 1), _mm_set1_ps(xsum[i * G + g]), offset[i]);
+            const __m256i isum = bits == 4 ? _mm256_madd_epi16(s[i], ones) : s[i];
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum),
+                                     _mm256_mul_ps(d, _mm256_set1_ps(xs[i * G + g])), acc[i]);
+            acc[i] = _mm256_fmadd_ps(m, _mm256_set1_ps(xsum[i * G + g]), acc[i]);
         }
     }
+}
+
+/* panel_rows, then its outputs (the panel's first nn of 8) with the bias into out [.., N]. */
+static inline AI void panel_out(
+        const int8_t *a, int64_t Kp, const float *xs, const float *xsum, int64_t G,
+        const uint8_t *w, int64_t wstep, const uint16_t *sc, const float *bias, float *out,
+        int64_t N, int64_t n0, int64_t nn, const int MT, const int bits, const int nibbles) {
+    __m256 acc[MR];
+    panel_rows(a, Kp, xs, xsum, G, w, wstep, sc, acc, MT, bits, nibbles);
     for (int i = 0; i < MT; i++) {
-        float m[4], v[8];
-        _mm_storeu_ps(m, offset[i]);
+        float v[PANEL];
         _mm256_storeu_ps(v, acc[i]);
-        for (int j = 0; j < nn; j++)
-            out[i * N + n0 + j] = v[j] + v[j + 4] + m[j] + (bias ? bias[n0 + j] : 0.0f);
+        for (int64_t j = 0; j < nn; j++) out[i * N + n0 + j] = v[j] + (bias ? bias[n0 + j] : 0.0f);
     }
 }
 
-/* out [M, N] = x @ dequant(w).T + bias, x [M, K] float; w packed [ceil(N/4), G, 4, bytes of a
-   group]; dm float16 [ceil(N/4), G, 8] (4 scales, 4 offsets); a [M, G * 32], xs and xsum [M, G]:
-   scratch for the quantized rows. One parallel region: rows, then tiles. */
-static inline __attribute__((always_inline)) void grouped_linear(
-        const float *x, int8_t *a, float *xs, float *xsum, const uint8_t *w, const uint16_t *dm,
-        const float *bias, float *out, int64_t M, int64_t N, int64_t K, int64_t G, int bits) {
-    const int64_t tiles = (N + ROWS - 1) / ROWS, wbytes = bits == 4 ? 16 : 32;
-    #pragma omp parallel
-    {
+/* A panel's 4-bit groups [G, 4 vectors] -> bytes [G, 8 vectors], in the order panel_rows reads. */
+static void unpack_panel(const uint8_t *w, uint8_t *buf, int64_t G) {
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    for (int64_t g = 0; g < G; g++)
+        for (int q = 0; q < 4; q++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(w + g * 128 + 32 * q));
+            _mm256_store_si256((__m256i *)(buf + g * 256 + 32 * q), _mm256_and_si256(v, low));
+            _mm256_store_si256((__m256i *)(buf + g * 256 + 32 * (q + 4)),
+                               _mm256_and_si256(_mm256_srli_epi16(v, 4), low));
+        }
+}
+
+#define ROWS_ARGS(r) a + (r) * Kp, Kp, xs + (r) * G, xsum + (r) * G, G
+#define CASES(call_args, n) \
+    switch (n) { \
+    case 1: panel_out(call_args, 1, bits, nibbles); break; \
+    case 2: panel_out(call_args, 2, bits, nibbles); break; \
+    case 3: panel_out(call_args, 3, bits, nibbles); break; \
+    }
+
+/* Rows [m0, m1) of out against panel p: tiles of MR rows, then the rest. */
+static inline AI void block_panel(
+        const int8_t *a, const float *xs, const float *xsum, const uint8_t *w, int64_t wstep,
+        const uint16_t *sc, const float *bias, float *out, int64_t m0, int64_t m1, int64_t N,
+        int64_t Kp, int64_t G, int64_t p, const int bits, const int nibbles) {
+    const int64_t n0 = p * PANEL, nn = N - n0 < PANEL ? N - n0 : PANEL;
+    int64_t i = m0;
+    for (; i + MR <= m1; i += MR)
+        panel_out(ROWS_ARGS(i), w, wstep, sc, bias, out + i * N, N, n0, nn, MR, bits, nibbles);
+#define REST ROWS_ARGS(i), w, wstep, sc, bias, out + i * N, N, n0, nn
+    CASES(REST, m1 - i)
+#undef REST
+}
+
+/* out [M, N] = x @ dequant(w).T + bias, x [M, K] float; w [ceil(N/8), G, group bytes * 8];
+   sc float16 [ceil(N/8), G, 16]; a [M, G * 32], xs and xsum [M, G]: scratch for the quantized
+   rows. Called by every thread of one parallel region (its loops are the region's work-sharing
+   loops): the rows' quantization, then the panels. Inlined into each entry point with `bits` a
+   constant, so that each width compiles to its own loops. */
+static inline AI void linear_body(
+        const float *x, int8_t *a, float *xs, float *xsum, const uint8_t *w, const uint16_t *sc,
+        const float *bias, float *out, int64_t M, int64_t N, int64_t K, int64_t G, const int bits) {
+    const int64_t panels = (N + PANEL - 1) / PANEL, Kp = G * GROUP, gbytes = bits * 32;
+    int64_t rows = BLOCK_BYTES / Kp / MR * MR;
+    rows = rows < MR ? MR : rows;
     #pragma omp for schedule(static)
     for (int64_t m = 0; m < M; m++)
-        quantize_row(x + m * K, a + m * G * GROUP, xs + m * G, xsum + m * G, K, G);
-    #pragma omp for schedule(static)
-    for (int64_t t = 0; t < tiles; t++) {
-        const int64_t n0 = t * ROWS, nn = N - n0 < ROWS ? N - n0 : ROWS;
-        const uint8_t *wt = w + t * G * ROWS * wbytes;
-        const uint16_t *dt = dm + t * G * 2 * ROWS;
-        int64_t m = 0;
-        for (; m + MT_MAX <= M; m += MT_MAX)
-            tile(a + m * G * GROUP, xs + m * G, xsum + m * G, wt, dt, bias, out + m * N, MT_MAX, N,
-                 G, n0, nn, bits);
-        /* the rest, with the row count a constant so that each case compiles to its own loop */
-        const int8_t *ar = a + m * G * GROUP;
-        const float *xr = xs + m * G, *sr = xsum + m * G;
-        float *o = out + m * N;
-        switch (M - m) {
-        case 1: tile(ar, xr, sr, wt, dt, bias, o, 1, N, G, n0, nn, bits); break;
-        case 2: tile(ar, xr, sr, wt, dt, bias, o, 2, N, G, n0, nn, bits); break;
-        case 3: tile(ar, xr, sr, wt, dt, bias, o, 3, N, G, n0, nn, bits); break;
+        quantize_row(x + m * K, a + m * Kp, xs + m * G, xsum + m * G, K, G);
+    if (M <= GEMV_MAX) {
+        const int nibbles = bits == 4;
+        #pragma omp for schedule(static)
+        for (int64_t p = 0; p < panels; p++) {
+            const int64_t n0 = p * PANEL, nn = N - n0 < PANEL ? N - n0 : PANEL;
+#define ARGS ROWS_ARGS(0), w + p * G * gbytes, gbytes, sc + p * G * 2 * PANEL, bias, out, N, n0, nn
+            CASES(ARGS, M)
+#undef ARGS
+        }
+        return;
+    }
+    uint8_t *buf = bits == 4 ? aligned_alloc(64, G * 256) : NULL;
+    for (int64_t m0 = 0; m0 < M; m0 += rows) {
+        const int64_t m1 = m0 + rows < M ? m0 + rows : M;
+        #pragma omp for schedule(static) nowait
+        for (int64_t p = 0; p < panels; p++) {
+            const uint8_t *wp = w + p * G * gbytes;
+            const uint16_t *sp = sc + p * G * 2 * PANEL;
+            if (bits == 8)
+                block_panel(a, xs, xsum, wp, 256, sp, bias, out, m0, m1, N, Kp, G, p, 8, 0);
+            else if (m1 - m0 < UNPACK_MIN) /* too few rows to repay the unpacking */
+                block_panel(a, xs, xsum, wp, 128, sp, bias, out, m0, m1, N, Kp, G, p, 4, 1);
+            else {
+                unpack_panel(wp, buf, G);
+                block_panel(a, xs, xsum, buf, 256, sp, bias, out, m0, m1, N, Kp, G, p, 4, 0);
+            }
         }
     }
-    }
+    free(buf);
 }
 
 void int4_linear(const float *x, int8_t *a, float *xs, float *xsum, const uint8_t *w,
-                 const uint16_t *dm, const float *bias, float *out, int64_t M, int64_t N,
+                 const uint16_t *sc, const float *bias, float *out, int64_t M, int64_t N,
                  int64_t K, int64_t G) {
-    grouped_linear(x, a, xs, xsum, w, dm, bias, out, M, N, K, G, 4);
+    #pragma omp parallel
+    linear_body(x, a, xs, xsum, w, sc, bias, out, M, N, K, G, 4);
 }
 
 void q8_linear(const float *x, int8_t *a, float *xs, float *xsum, const uint8_t *w,
-               const uint16_t *dm, const float *bias, float *out, int64_t M, int64_t N,
+               const uint16_t *sc, const float *bias, float *out, int64_t M, int64_t N,
                int64_t K, int64_t G) {
-    grouped_linear(x, a, xs, xsum, w, dm, bias, out, M, N, K, G, 8);
+    #pragma omp parallel
+    linear_body(x, a, xs, xsum, w, sc, bias, out, M, N, K, G, 8);
 }
 """
 )
 P, I = native.POINTER, native.INT64
-SIGNATURES = (("int4_linear", (P,) * 8 + (I,) * 4), ("q8_linear", (P,) * 8 + (I,) * 4))
+SIGNATURES = (
+    ("int4_linear", (P,) * 8 + (I,) * 4),
+    ("q8_linear", (P,) * 8 + (I,) * 4),
+    ("quantize_row", (P,) * 4 + (I,) * 2),
+)
 
 
 def _library():
@@ -170,7 +283,7 @@ def _library():
 
 def available() -> bool:
     """Whether this CPU runs the kernel (AVX2, a compiler to build it); builds it on first use."""
-    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") and _library() is not None
+    return cpu_isa.Isa.AVX2 in cpu_isa.host_paths() and _library() is not None
 
 
 class Bits(enum.IntEnum):
@@ -186,12 +299,13 @@ class Bits(enum.IntEnum):
 
 @dataclass
 class PackedGroups:
-    """A weight [N, K] as tiles of 4 rows x 32 inputs and each tile's float16 scales and
-    offsets; the kernel's arguments that never change are read once here rather than on every
-    call. Built by `quantize` (from float weights) or `from_blocks` (GGUF's blocks, as stored)."""
+    """A weight [N, K] as panels of 8 rows interleaved by lane (the module's docstring), with
+    each panel's float16 scales and offsets; the kernel's arguments that never change are read
+    once here rather than on every call. Built by `quantize` (from float weights) or
+    `from_blocks` (GGUF's blocks, as stored)."""
 
-    tiles: torch.Tensor  # uint8 [ceil(N/4), G, 4, group bytes], G = ceil(K/32)
-    scales: torch.Tensor  # float16 [ceil(N/4), G, 8]: the 4 rows' d, then their m
+    tiles: torch.Tensor  # uint8 [ceil(N/8), G, 8 * group bytes], G = ceil(K/32)
+    scales: torch.Tensor  # float16 [ceil(N/8), G, 16]: the 8 rows' d, then their m
     out_features: int
     in_features: int
     bits: Bits
@@ -243,30 +357,80 @@ class PackedGroups:
         cls, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, in_features: int, bits: Bits
     ) -> PackedGroups:
         """Rows of blocks as GGUF stores them: q [N, G, group bytes] (nibbles in GGUF's order,
-        or int8 values viewed as uint8), d and m float16 [N, G] (m None: zero)."""
+        or int8 values viewed as uint8), d and m float16 [N, G] (m None: zero). The bytes are
+        moved into panels (a transpose of 4-byte words), never converted."""
         n, groups = d.shape
-        np_ = -(-n // ROWS) * ROWS
+        np_ = -(-n // PANEL) * PANEL
         padded = torch.zeros(np_, groups, bits.group_bytes, dtype=torch.uint8)
         padded[:n] = q.view(torch.uint8)
+        words = padded.view(np_ // PANEL, PANEL, groups, bits.group_bytes // 4, 4)
+        tiles = words.permute(0, 2, 3, 1, 4).reshape(np_ // PANEL, groups, -1).contiguous()
+        del padded, words
         scales = torch.zeros(np_, groups, 2, dtype=torch.float16)
         scales[:n, :, 0] = d
         if m is not None:
             scales[:n, :, 1] = m
-        tiles = padded.view(np_ // ROWS, ROWS, groups, -1).transpose(1, 2).contiguous()
-        scales = scales.view(np_ // ROWS, ROWS, groups, 2).permute(0, 2, 3, 1).contiguous()
-        return cls(tiles, scales.view(np_ // ROWS, groups, 2 * ROWS), n, in_features, bits)
+        scales = scales.view(np_ // PANEL, PANEL, groups, 2).permute(0, 2, 3, 1)
+        return cls(
+            tiles,
+            scales.reshape(np_ // PANEL, groups, 2 * PANEL).contiguous(),
+            n,
+            in_features,
+            bits,
+        )
+
+    def blocks(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`from_blocks`' inverse: q uint8 [N, G, group bytes] (GGUF's order), d and m float16
+        [N, G] (m zero for 8-bit groups)."""
+        panels, groups = self.tiles.shape[:2]
+        words = self.tiles.view(panels, groups, -1, PANEL, 4).permute(0, 3, 1, 2, 4)
+        q = words.reshape(panels * PANEL, groups, -1)[: self.out_features]
+        sc = self.scales.view(panels, groups, 2, PANEL).permute(0, 3, 1, 2)
+        sc = sc.reshape(panels * PANEL, groups, 2)[: self.out_features]
+        return q, sc[..., 0], sc[..., 1]
 
     def dequantize(self) -> torch.Tensor:
         """The float32 weight [N, K] this stands for."""
-        t, groups = self.tiles.shape[:2]
-        q = self.tiles.transpose(1, 2).reshape(t * ROWS, groups, -1)
+        q, d, m = self.blocks()
         if self.bits == Bits.INT4:
             q = torch.cat([q & 0x0F, q >> 4], dim=2)
         else:
             q = q.view(torch.int8)
-        sc = self.scales.float().view(t, groups, 2, ROWS).permute(0, 3, 1, 2).reshape(-1, groups, 2)
-        w = q.float() * sc[..., :1] + sc[..., 1:]
-        return w.reshape(t * ROWS, -1)[: self.out_features, : self.in_features]
+        w = q.float() * d.float()[..., None] + m.float()[..., None]
+        return w.reshape(self.out_features, -1)[:, : self.in_features]
+
+
+@dataclass
+class QuantizedRows:
+    """Activations [M, K] as the kernel quantizes them: int8 values [M, G * 32], and each
+    group's scale and float sum [M, G]."""
+
+    values: torch.Tensor
+    scales: torch.Tensor
+    sums: torch.Tensor
+
+
+def quantize_rows(x: torch.Tensor) -> QuantizedRows:
+    """The kernel's own activation quantization of x [M, K] float32 (for tests and callers that
+    want to see it)."""
+    x = x.contiguous()
+    m, k = x.shape
+    groups = -(-k // GROUP)
+    rows = QuantizedRows(
+        torch.empty(m, groups * GROUP, dtype=torch.int8),
+        torch.empty(m, groups),
+        torch.empty(m, groups),
+    )
+    for i in range(m):
+        _library().quantize_row(
+            x[i].data_ptr(),
+            rows.values[i].data_ptr(),
+            rows.scales[i].data_ptr(),
+            rows.sums[i].data_ptr(),
+            k,
+            groups,
+        )
+    return rows
 
 
 def grouped_linear(x: torch.Tensor, w: PackedGroups, bias: torch.Tensor | None) -> torch.Tensor:

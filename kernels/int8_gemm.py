@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import native
+from . import cpu_isa, native
 
 ROWS, DEPTH = 4, 32  # a tile: output rows x inputs
 
@@ -116,7 +116,7 @@ def _library():
 
 def available() -> bool:
     """Whether this CPU runs the kernel (AVX2, a compiler to build it); builds it on first use."""
-    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") and _library() is not None
+    return cpu_isa.Isa.AVX2 in cpu_isa.host_paths() and _library() is not None
 
 
 @dataclass

@@ -40,6 +40,7 @@ class ExecutorArgs:
     device: str
     attention_backend: str
     quantization: str | None
+    cpu_isa: str
     disable_cuda_graph: bool
     max_total_tokens: int | None
     mem_fraction: float | None
@@ -604,6 +605,18 @@ class ServerArgs(Settings):
             " used as stored); gguf (a GGUF model's Q4_0/Q4_1/Q8_0 tensors as stored, the rest"
             " float)",
             "choices": ["int8", "int4", "gguf"],
+        },
+    )
+    cpu_isa: str = field(
+        default="auto",
+        metadata={
+            "group": "model",
+            "help": "the instruction-set path of the CPU's quantized linears (--quantization):"
+            " auto (the best this CPU runs; torch, with a warning, on a CPU without AVX2); avx2"
+            " (the C kernels); torch (the packed weights dequantized on every call: slow, any"
+            " CPU). Naming a path this CPU cannot run is refused at start; model_info and the"
+            " start-up log name the path taken",
+            "choices": ["auto", "avx2", "torch"],
         },
     )
     disable_cuda_graph: bool = field(

@@ -30,6 +30,7 @@ WORKLOADS = (
     "agent-tools",
     "grammar",
     "lora",
+    "kernels",
     "all",
 )
 BACKENDS = ("engine", "server", "http", "openai")
@@ -82,6 +83,8 @@ class BenchConfig(Settings):
         "grammar: compile and mask times of each grammar backend (tokenizer only); "
         "lora: decode step time at a batch of --num-requests (32) under 0/1/4/8 adapters against "
         "the base, and adapter load time; "
+        "kernels: the CPU's int4 GEMM GOP/s on the 1.1B shape at 1 to 512 rows per --cpu-isa "
+        "path and against the kernel before, and the host's read bandwidth (no model); "
         "all: every request and program workload in turn, plus a hit-rate plot",
         choices=WORKLOADS,
     )

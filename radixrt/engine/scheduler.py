@@ -58,6 +58,7 @@ class ModelInfo(NamedTuple):
     vocab_size: int
     weights: WeightCounts
     sampling_defaults: dict[str, Any]  # from generation_config.json (docs/protocol.md)
+    cpu_isa: str | None  # the CPU kernels' path (`--cpu-isa` resolved); None on CUDA
 
 
 class Scheduler:
@@ -152,6 +153,7 @@ class Scheduler:
             r.vocab_size,
             r.weights,
             self.sampling_defaults,
+            r.cpu_isa.value if r.cpu_isa else None,
         )
 
     # ---- requests in and out ---------------------------------------------------------------

@@ -5,6 +5,7 @@ each one's `TPGroup` and a `ModelRunner` over it, and sends rank 0's steps to th
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ from radixrt.executor.model_loader import (
     resolve_tokenizer_path,
 )
 from radixrt.forward_batch import ForwardBatch
+from radixrt.kernels import cpu_isa
 from radixrt.kernels.int4_gemm import Bits
 from radixrt.mem_cache.memory_pool import (
     PageAllocator,
@@ -137,7 +139,13 @@ class ModelRunner:
         self.generation_config = read_generation_config(self.model_path)
         self.eos_token_ids = self._eos_ids(self.generation_config)
 
-        check_quantization(args.quantization, self.device)
+        # the CPU kernels' path (None on CUDA); refused here, before any weight is read
+        self.cpu_isa = (
+            cpu_isa.resolve(args.cpu_isa, cpu_isa.host_paths())
+            if self.device.type == "cpu"
+            else None
+        )
+        check_quantization(args.quantization, self.device, self.cpu_isa)
         packed = self._gguf_plan()
         tied = bool(getattr(self.config, "tie_word_embeddings", False))
         self.model = load_model(
@@ -167,12 +175,14 @@ class ModelRunner:
         )
         self.graph_runner = self._graph_runner()
         logger.info(
-            "loaded %s (%s, %s, linears %s: %.0f MB) in %.1fs; KV pool %d tokens, page size %d",
+            "loaded %s (%s, %s, linears %s: %.0f MB, CPU kernels %s) in %.1fs; KV pool %d "
+            "tokens, page size %d",
             self.model_path.name,
             self.dtype,
             self.device,
             args.quantization or "float",
             linear_bytes(self.model) / 1e6,
+            self.cpu_isa.value if self.cpu_isa else "none",
             time.monotonic() - start,
             self.allocator.total_tokens,
             args.page_size,
@@ -202,14 +212,17 @@ class ModelRunner:
             for name, weight in gguf_weights.read_linears(packed).items():
                 parent, _, child = name.rpartition(".")
                 owner = self.model.get_submodule(parent)
-                setattr(owner, child, GroupedLinear(weight, getattr(owner, child).bias))
+                bias = getattr(owner, child).bias
+                setattr(owner, child, GroupedLinear(weight, bias, self.cpu_isa))
         if self.args.quantization == "int8":
-            replace_linears(self.model, Int8Linear)
+            replace_linears(self.model, functools.partial(Int8Linear, isa=self.cpu_isa))
         elif self.args.quantization == "int4":
             head = self.model.lm_head
             if isinstance(head, nn.Linear):
-                self.model.lm_head = GroupedLinear.quantize(head.weight, head.bias, Bits.INT8)
-            replace_linears(self.model, GroupedLinear.quantize)
+                self.model.lm_head = GroupedLinear.quantize(
+                    head.weight, head.bias, Bits.INT8, self.cpu_isa
+                )
+            replace_linears(self.model, functools.partial(GroupedLinear.quantize, isa=self.cpu_isa))
         elif prepack_available(self.device, self.dtype):
             replace_linears(self.model, PrepackedLinear)
 

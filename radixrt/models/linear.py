@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from radixrt.kernels import int4_gemm, int8_gemm
+from radixrt.kernels.cpu_isa import Isa
 
 BATCH_HINT = 32  # rows oneDNN tunes the layout for; any row count works
 QUANTIZATIONS = ("int8", "int4", "gguf")
@@ -43,14 +44,18 @@ class PrepackedLinear(nn.Module):
 
 
 class Int8Linear(nn.Module):
-    """Weight-only int8, symmetric, one scale per output channel; activations stay float."""
+    """Weight-only int8, symmetric, one scale per output channel; activations stay float.
+    `isa` (`--cpu-isa`): the C kernel (avx2), or torch on the dequantized weight."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, isa: Isa = Isa.AVX2):
         super().__init__()
         self.weight = int8_gemm.PackedInt8.quantize(weight)
         self.bias = None if bias is None else bias.detach().float().contiguous()
+        self.isa = isa
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.isa is Isa.TORCH:
+            return _torch_linear(x, self.weight.dequantize(), self.bias)
         if x.dtype == torch.float32:
             return int8_gemm.int8_linear(x, self.weight, self.bias)
         return int8_gemm.int8_linear(x.float(), self.weight, self.bias).to(x.dtype)
@@ -58,34 +63,52 @@ class Int8Linear(nn.Module):
 
 class GroupedLinear(nn.Module):
     """Weight-only 4- or 8-bit groups of 32 inputs (`int4_gemm.PackedGroups`); activations stay
-    float. Built from float weights (`quantize`, asymmetric) or from GGUF blocks as stored."""
+    float. Built from float weights (`quantize`, asymmetric) or from GGUF blocks as stored.
+    `isa` (`--cpu-isa`): the C kernel (avx2), or torch on the weight dequantized at each call
+    (no float copy is kept: the weights stay at their packed size on any path)."""
 
-    def __init__(self, weight: int4_gemm.PackedGroups, bias: torch.Tensor | None):
+    def __init__(
+        self, weight: int4_gemm.PackedGroups, bias: torch.Tensor | None, isa: Isa = Isa.AVX2
+    ):
         super().__init__()
         self.weight = weight
         self.bias = None if bias is None else bias.detach().float().contiguous()
+        self.isa = isa
 
     @classmethod
     def quantize(
-        cls, weight: torch.Tensor, bias: torch.Tensor | None, bits=int4_gemm.Bits.INT4
+        cls,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        bits=int4_gemm.Bits.INT4,
+        isa: Isa = Isa.AVX2,
     ) -> GroupedLinear:
-        return cls(int4_gemm.PackedGroups.quantize(weight, bits), bias)
+        return cls(int4_gemm.PackedGroups.quantize(weight, bits), bias, isa)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.isa is Isa.TORCH:
+            return _torch_linear(x, self.weight.dequantize(), self.bias)
         if x.dtype == torch.float32:
             return int4_gemm.grouped_linear(x, self.weight, self.bias)
         return int4_gemm.grouped_linear(x.float(), self.weight, self.bias).to(x.dtype)
 
 
-def check_quantization(name: str | None, device: torch.device) -> None:
-    """Raise ValueError where `--quantization name` cannot run."""
+def _torch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`--cpu-isa torch`: x @ weight.T + bias in float32, returned in x's dtype."""
+    return torch.nn.functional.linear(x.float(), weight, bias).to(x.dtype)
+
+
+def check_quantization(name: str | None, device: torch.device, isa: Isa | None) -> None:
+    """Raise ValueError where `--quantization name` cannot run on `isa` (None: not a CPU)."""
     if name is None:
         return
     if name not in QUANTIZATIONS:
         raise ValueError(f"unknown quantization {name!r}; choose one of {list(QUANTIZATIONS)}")
+    if device.type != "cpu" or isa is None:
+        raise ValueError(f"{name} weights run on CPUs only")
     kernel = int8_gemm if name == "int8" else int4_gemm
-    if device.type != "cpu" or not kernel.available():
-        raise ValueError(f"{name} weights run on CPUs with AVX2 and a C compiler only")
+    if isa is Isa.AVX2 and not kernel.available():
+        raise ValueError(f"the {name} kernel did not build; --cpu-isa torch runs without it")
 
 
 def replace_linears(

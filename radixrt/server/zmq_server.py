@@ -372,6 +372,7 @@ def _model_info(server: Server, caller: Caller, msg: dict[str, Any]) -> dict[str
         "weights": asdict(info.weights),
         "sampling_defaults": info.sampling_defaults,
         "lora_enabled": server.args.executor.lora_enabled,
+        "cpu_isa": info.cpu_isa,
     }
 
 

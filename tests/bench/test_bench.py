@@ -293,3 +293,20 @@ def test_agent_tools_over_http_at_tiny_size(tiny_model_dir, tmp_path, capsys):
     assert modes["auto"]["parse_valid"] in (None, 1.0)
     assert set(payload["turn_time_over_unconstrained"]) == {"required", "named", "auto"}
     assert "parse+valid" in capsys.readouterr().out
+
+
+def test_the_kernel_suite_measures_the_1b_layer_and_the_read_bandwidth():
+    """`--workload kernels`' linears are TinyLlama-1.1B's as served (q/k/v and gate/up fused),
+    and the read bandwidth it reports GEMV against comes from a real pass over memory."""
+    from radixrt.bench.suites.kernels import layer_shapes, read_bandwidth
+    from radixrt.kernels import native
+
+    assert layer_shapes() == [
+        ("qkv", 2048 + 2 * 4 * 64, 2048),
+        ("o", 2048, 2048),
+        ("gate_up", 2 * 5632, 2048),
+        ("down", 2048, 5632),
+    ]
+    if native.find_compiler() is None:
+        pytest.skip("needs a C compiler")
+    assert 1e8 < read_bandwidth() < 1e13

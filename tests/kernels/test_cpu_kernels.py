@@ -90,32 +90,64 @@ def test_int8_long_sums_do_not_overflow():
 
 
 def _grouped_reference(x: torch.Tensor, w: int4_gemm.PackedGroups, bias) -> torch.Tensor:
-    """What the grouped kernel computes, in float64: activations rounded per group of 32 to
-    int8 as the kernel rounds them, times d q; plus the offsets m times the exact activations."""
+    """What the grouped kernel computes, in float64: the activations as the kernel quantizes
+    them (checked on their own by `test_activation_quantization_is_round_to_nearest`) times
+    d q; plus the offsets m times the exact activations' group sums."""
     m, k = x.shape
-    groups = -(-k // 32)
-    xp = torch.zeros(m, groups * 32, dtype=torch.float64)
-    xp[:, :k] = x.double()
-    xp = xp.view(m, groups, 32)
-    s = xp.abs().amax(2, keepdim=True) / 127
-    s = torch.where(s > 0, s, 1.0)
-    xq = (torch.round(xp / s) * s).view(m, -1)[:, :k]
-    t = w.scales.shape[0]
-    offsets = w.scales.double().view(t, groups, 2, 4)[:, :, 1].permute(0, 2, 1).reshape(-1, groups)
-    offsets = offsets.repeat_interleave(32, 1)[: w.out_features, :k]
-    dq = w.dequantize().double() - offsets
-    return xq @ dq.T + x.double() @ offsets.T + (0 if bias is None else bias.double())
+    rows = int4_gemm.quantize_rows(x)
+    groups = rows.scales.shape[1]
+    xq = rows.values.double().view(m, groups, 32) * rows.scales.double()[..., None]
+    _, _, offsets = w.blocks()
+    dq = w.dequantize().double() - offsets.double().repeat_interleave(32, 1)[:, :k]
+    return (
+        xq.view(m, -1)[:, :k] @ dq.T
+        + rows.sums.double() @ offsets.double().T
+        + (0 if bias is None else bias.double())
+    )
+
+
+@needs_int4
+def test_activation_quantization_is_round_to_nearest():
+    """The kernel's int8 activations are exactly float32's round(x * (1 / s)), s = max |x| / 127
+    per group of 32 (ties to even), zero past K; a group of zeros has s = 1."""
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(5, 100, generator=gen) * torch.logspace(-4, 3, 5)[:, None]
+    x[1, 32:64] = 0
+    x[2, :32] = torch.arange(32) - 15.5  # halves: ties
+    rows = int4_gemm.quantize_rows(x)
+    padded = torch.zeros(5, 128)
+    padded[:, :100] = x
+    groups = padded.view(5, 4, 32)
+    top = groups.abs().amax(2)
+    s = torch.where(top > 0, top / 127, 1.0)
+    q = torch.round(groups * (1 / s)[..., None]).to(torch.int8).view(5, 128)
+    assert torch.equal(rows.values, q)
+    assert torch.equal(rows.scales, s)
+    torch.testing.assert_close(rows.sums, groups.sum(2))
 
 
 @needs_int4
 @pytest.mark.parametrize(
-    "m, n, k", [(1, 5, 7), (2, 33, 40), (3, 960, 576), (4, 96, 64), (5, 130, 95), (64, 70, 33)]
+    "m, n, k",
+    [
+        (1, 5, 7),
+        (2, 33, 40),
+        (3, 960, 576),
+        (4, 96, 64),
+        (5, 130, 95),
+        (7, 17, 64),
+        (8, 40, 256),
+        (13, 9, 160),
+        (64, 70, 33),
+        (70, 24, 8192),
+    ],
 )
 @pytest.mark.parametrize("kind", ["asymmetric", "symmetric", "q8"])
 def test_grouped_linear_matches_its_dequantized_weight(m, n, k, kind):
-    """Any row count (passes of 4 rows and their remainders), outputs not a multiple of the
-    tile, inputs one short of, one past or inside a group, with and without a bias; 4-bit both
-    ways and signed 8-bit groups (GGUF's Q8_0, values to -128)."""
+    """Any row count (the few-row path to 3; tiles of 4 rows and their remainders, with the
+    panel unpacked from 8 rows; 70 rows of 8,192 inputs: three blocks of 32 rows), outputs not
+    a multiple of the panel of 8, inputs one short of, one past or inside a group, with and
+    without a bias; 4-bit both ways and signed 8-bit groups (GGUF's Q8_0, values to -128)."""
     gen = torch.Generator().manual_seed(m * n + k)
     w, x = torch.randn(n, k, generator=gen), torch.randn(m, k, generator=gen)
     bias = torch.randn(n, generator=gen) if m % 2 else None
@@ -143,13 +175,13 @@ def test_int4_quantization_rounds_each_group_to_half_a_step(symmetric):
     w = torch.randn(9, 100) * torch.logspace(-3, 2, 9)[:, None]
     w[3, 32:64] = 0
     packed = int4_gemm.PackedGroups.quantize(w, symmetric=symmetric)
-    d = packed.scales.float().view(3, 4, 2, 4)[:, :, 0].permute(0, 2, 1).reshape(12, 4)[:9]
-    step = d.abs().repeat_interleave(32, 1)[:, :100]
+    step = packed.blocks()[1].float().abs().repeat_interleave(32, 1)[:, :100]
     error = (packed.dequantize() - w).abs()
     half = 1.0 if symmetric else 0.5
     assert (error <= step * half + 2e-3 * w.abs().amax(1, keepdim=True)).all()
     assert (packed.dequantize()[3, 32:64] == 0).all()
-    assert packed.nbytes == 12 * 4 * (16 + 4)  # 12 rows (9 padded) of 4 groups: 0.625 B a weight
+    # 16 rows (9 padded to two panels of 8) of 4 groups: 0.625 B a weight
+    assert packed.nbytes == 16 * 4 * (16 + 4)
 
 
 @pytest.mark.parametrize("rows", [1, 40])  # one thread, and the parallel loop

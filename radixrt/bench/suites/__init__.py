@@ -8,6 +8,7 @@ from radixrt.bench.suites import (
     every,
     grammar,
     http_chat,
+    kernels,
     lora,
     openai_server,
     programs,
@@ -15,7 +16,17 @@ from radixrt.bench.suites import (
 )
 
 # imported for their registrations
-MODULES = (agent_tools, every, grammar, http_chat, lora, openai_server, programs, requests)
+MODULES = (
+    agent_tools,
+    every,
+    grammar,
+    http_chat,
+    kernels,
+    lora,
+    openai_server,
+    programs,
+    requests,
+)
 
 
 def suite_for(config: BenchConfig) -> Suite:

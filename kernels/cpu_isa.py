@@ -1,0 +1,72 @@
+"""Which instruction-set path the CPU's weight kernels take (`--cpu-isa`), chosen once at start.
+
+Paths, best first: `avx2` (the C kernels of `int4_gemm` and `int8_gemm`, `vpmaddubsw`; needs
+AVX2, FMA and F16C, and a C compiler) and `torch` (the packed weights dequantized on each call
+and multiplied by torch: slow, but any CPU runs it). `auto` takes the best this host runs; a CPU
+without AVX2 falls back to torch with one warning. Naming a path this host cannot run is refused
+in one line. AVX-512 VNNI, AVX-VNNI and AMX paths are not built yet: each needs a host that has
+the instructions to be tested on.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from functools import cache
+
+from . import native
+
+logger = logging.getLogger(__name__)
+
+
+class Isa(str, enum.Enum):
+    """A path, by its `--cpu-isa` name."""
+
+    AVX2 = "avx2"
+    TORCH = "torch"
+
+
+CHOICES = ("auto", *(isa.value for isa in Isa))
+NEEDS = {Isa.AVX2: frozenset({"avx2", "fma", "f16c"})}  # /proc/cpuinfo flags a path needs
+
+
+@cache
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags as /proc/cpuinfo names them (empty where it cannot be read)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return frozenset()
+    return frozenset(line.partition(":")[2].split())
+
+
+def host_paths() -> list[Isa]:
+    """The paths this host runs, best first: its CPU has the instructions and, for a native
+    path, there is a C compiler to build the kernels."""
+    native_ok = native.find_compiler() is not None
+    flags = cpu_flags()
+    return [isa for isa, needs in NEEDS.items() if native_ok and needs <= flags] + [Isa.TORCH]
+
+
+def resolve(name: str, paths: list[Isa]) -> Isa:
+    """The path `--cpu-isa name` takes on a host that runs `paths` (`host_paths()`, best
+    first). ValueError, one line, for a path the host cannot run or a name that is no path."""
+    if name == "auto":
+        if paths[0] is Isa.TORCH:
+            logger.warning(
+                "this CPU lacks AVX2 (or there is no C compiler): quantized linears run in "
+                "torch (--cpu-isa torch), dequantizing their weights on every call, much slower"
+            )
+        return paths[0]
+    if name not in CHOICES:
+        raise ValueError(f"--cpu-isa {name!r} is no path; choose one of {list(CHOICES)}")
+    isa = Isa(name)
+    if isa not in paths:
+        needs = " ".join(sorted(NEEDS[isa]))
+        runs = ", ".join(p.value for p in paths)
+        raise ValueError(
+            f"--cpu-isa {name}: this host cannot run it (it needs the CPU flags {needs} and a C"
+            f" compiler; this host runs: {runs})"
+        )
+    return isa

@@ -1,0 +1,115 @@
+"""`--cpu-isa`: the path the CPU's quantized linears take. A path the host cannot run is refused
+at start in one line (here: `avx2` in a process without a C compiler), `auto` takes the best the
+host runs (torch with one warning where that is all), and `model_info` names the path taken. The
+torch path multiplies the same packed weights, dequantized, so it agrees with the kernels' up to
+their 8-bit activations."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import radixrt as rt
+from radixrt.config import ServerArgs
+from radixrt.executor.model_runner import ModelRunner
+from radixrt.forward_batch import ForwardBatch
+from radixrt.kernels import cpu_isa
+from radixrt.kernels.cpu_isa import Isa
+from radixrt.models.linear import GroupedLinear
+
+from timeouts import REPLY_TIMEOUT_S
+
+needs_avx2 = pytest.mark.skipif(
+    Isa.AVX2 not in cpu_isa.host_paths(), reason="needs AVX2 and a C compiler"
+)
+
+
+def test_the_flag_offers_the_kernels_paths():
+    assert ServerArgs.__dataclass_fields__["cpu_isa"].metadata["choices"] == list(cpu_isa.CHOICES)
+
+
+def test_auto_takes_the_best_path_and_warns_once_when_only_torch_is_left(caplog):
+    assert cpu_isa.resolve("auto", [Isa.AVX2, Isa.TORCH]) is Isa.AVX2
+    with caplog.at_level(logging.WARNING, logger="radixrt.kernels.cpu_isa"):
+        assert cpu_isa.resolve("auto", [Isa.TORCH]) is Isa.TORCH
+    assert len(caplog.records) == 1 and "lacks AVX2" in caplog.records[0].getMessage()
+
+
+def test_a_path_the_host_cannot_run_is_refused_in_one_line():
+    with pytest.raises(ValueError) as refused:
+        cpu_isa.resolve("avx2", [Isa.TORCH])
+    assert str(refused.value) == (
+        "--cpu-isa avx2: this host cannot run it (it needs the CPU flags avx2 f16c fma and a C"
+        " compiler; this host runs: torch)"
+    )
+    with pytest.raises(ValueError, match="no path"):
+        cpu_isa.resolve("avx512", [Isa.AVX2, Isa.TORCH])
+
+
+def test_a_host_without_a_compiler_refuses_avx2_at_start(tiny_model_dir, tmp_path):
+    """Real processes with no C compiler ($CC names none): `radixrt serve --cpu-isa avx2` exits
+    at start with one line saying why; under `auto` the model runner falls back to torch with
+    one warning."""
+    env = {**os.environ, "CC": str(tmp_path / "no-such-compiler")}
+    serve = [sys.executable, "-m", "radixrt", "serve", "--model", str(tiny_model_dir)]
+    serve += ["--quantization", "int4", "--cpu-isa", "avx2", "--max-total-tokens", "64"]
+    refused = subprocess.run(serve, env=env, capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 2
+    last = refused.stderr.strip().splitlines()[-1]
+    assert last.startswith("radixrt serve: error: --cpu-isa avx2: this host cannot run it (")
+    script = (
+        "import sys\n"
+        "from radixrt.config import ServerArgs\n"
+        "from radixrt.executor.model_runner import ModelRunner\n"
+        "args = ServerArgs(model=sys.argv[1], max_total_tokens=64, quantization='int4')\n"
+        "print('path', ModelRunner(args.executor).cpu_isa.value)\n"
+    )
+    fallback = subprocess.run(
+        [sys.executable, "-c", script, str(tiny_model_dir)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert fallback.returncode == 0, fallback.stderr[-2000:]
+    assert "path torch" in fallback.stdout
+    assert fallback.stderr.count("quantized linears run in torch") == 1
+
+
+@needs_avx2
+def test_the_torch_path_multiplies_the_same_weights(tiny_model_dir):
+    """int4 under `torch`: every quantized linear takes the torch path over the same packed
+    weights, and agrees with the kernel's up to its 8-bit activations (within 5% of the largest
+    output on this random model's wide weights); the model's forward runs on it. (Logits are
+    not compared: these weights amplify any rounding through the layers.)"""
+    args = ServerArgs(
+        model=str(tiny_model_dir), max_total_tokens=256, quantization="int4", cpu_isa="torch"
+    )
+    runner = ModelRunner(args.executor)
+    linears = [m for m in runner.model.modules() if isinstance(m, GroupedLinear)]
+    assert runner.cpu_isa is Isa.TORCH and linears and all(m.isa is Isa.TORCH for m in linears)
+    x = torch.randn(5, linears[0].weight.in_features)
+    kernel = GroupedLinear(linears[0].weight, linears[0].bias, Isa.AVX2)
+    scale = float(linears[0](x).abs().max())
+    torch.testing.assert_close(kernel(x), linears[0](x), rtol=0, atol=0.05 * scale)
+    n = 12
+    slots = torch.arange(1, n + 1)
+    runner.req_to_token_pool.req_to_token[1, :n] = slots.to(torch.int32)
+    batch = ForwardBatch(
+        torch.arange(5, 5 + n), torch.arange(n), slots, torch.tensor([1]), [0], [n]
+    )
+    assert torch.isfinite(runner.logits(runner.forward(batch))).all()
+
+
+@needs_avx2
+def test_model_info_names_the_path_taken(tiny_model_dir):
+    kwargs = dict(model=str(tiny_model_dir), max_total_tokens=256, log_level="warning")
+    with rt.Engine(**kwargs, quantization="int4", timeout=REPLY_TIMEOUT_S) as engine:
+        assert engine.model_info["cpu_isa"] == "avx2"
+        out = engine.generate(input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 2})
+        assert len(out["output_ids"]) == 2

@@ -614,9 +614,10 @@ class ServerArgs(Settings):
             "help": "the instruction-set path of the CPU's quantized linears (--quantization):"
             " auto (the best this CPU runs; torch, with a warning, on a CPU without AVX2); avx2"
             " (the C kernels); torch (the packed weights dequantized on every call: slow, any"
-            " CPU). Naming a path this CPU cannot run is refused at start; model_info and the"
-            " start-up log name the path taken",
-            "choices": ["auto", "avx2", "torch"],
+            " CPU); avx512-vnni and amx are named for the paths to come and refused (the CPU"
+            " lacks them, or they are not built yet). Naming a path this CPU cannot run is"
+            " refused at start; model_info and the start-up log name the path taken",
+            "choices": ["auto", "avx2", "torch", "avx512-vnni", "amx"],
         },
     )
     disable_cuda_graph: bool = field(

@@ -51,6 +51,15 @@ def test_a_path_the_host_cannot_run_is_refused_in_one_line():
         cpu_isa.resolve("avx512", [Isa.AVX2, Isa.TORCH])
 
 
+@pytest.mark.parametrize("name", sorted(cpu_isa.PLANNED))
+def test_a_path_not_built_yet_is_refused_by_name_whatever_the_cpu(name):
+    """DESIGN.md names avx512-vnni and amx: on a CPU without them the refusal names the flags,
+    on one with them it says the kernels are not built (never a silent fallback)."""
+    has = cpu_isa.PLANNED[name] <= cpu_isa.cpu_flags()
+    with pytest.raises(ValueError, match="not built yet" if has else "this CPU lacks"):
+        cpu_isa.resolve(name, [Isa.AVX2, Isa.TORCH])
+
+
 def test_a_host_without_a_compiler_refuses_avx2_at_start(tiny_model_dir, tmp_path):
     """Real processes with no C compiler ($CC names none): `radixrt serve --cpu-isa avx2` exits
     at start with one line saying why; under `auto` the model runner falls back to torch with

@@ -113,6 +113,8 @@ WORKER_MEMORY_BYTES = 3 << 30  # each worker's address space (RLIMIT_AS)
 MAX_INDEX_BYTES = 64 << 20  # an Index's binary form
 MAX_CACHE_BYTES = 512 << 20  # of the Indexes the cache holds, by their binary form
 MAX_CHOICES = 1024
+# A cache key's text (the constraint as given, or its JSON): past any constraint the checks accept
+MAX_KEY_CHARS = 2 * MAX_REGEX_CHARS
 _REPEAT = re.compile(r"\{(\d+)(?:,(\d*))?\}")
 
 
@@ -351,10 +353,10 @@ class ConstraintCompiler:
                 f"{self.compiles_per_tenant} at once); retry when one has finished",
                 busy=True,
             )
-        try:  # failed checks are not cached: they are cheap, values large
+        try:  # a failed check is cached too: `n` samples of a bad constraint check it once
             job = self._job(kind, value, tenant)
         except (ValueError, RecursionError) as e:
-            return self._failed(str(e) or type(e).__name__)
+            job = self._failed(str(e) or type(e).__name__)
         self._cache[key] = job
         self._trim_cache()
         self.poll()
@@ -691,12 +693,17 @@ def _schema_looks_cheap(schema: dict[str, Any], text: str) -> bool:
 def _key_text(kind: str, value: Any) -> str:
     """A constraint as the cache keys it, before any translation: a string as given, anything
     else as its JSON (in the order given: a schema's property order is its output's), checked for
-    nesting first; ValueError for a value that is not JSON."""
+    nesting first; ValueError for a value that is not JSON or longer than MAX_KEY_CHARS (no
+    check would accept it, and the cache holds its key)."""
     if isinstance(value, str):
-        return value
-    if nesting_depth(value) > MAX_SCHEMA_DEPTH:
+        text = value
+    elif nesting_depth(value) > MAX_SCHEMA_DEPTH:
         raise ValueError(f"{kind} nests deeper than {MAX_SCHEMA_DEPTH} levels")
-    try:
-        return json.dumps(value)
-    except (TypeError, ValueError) as e:  # a map with non-string keys or non-JSON values
-        raise ValueError(f"{kind} is not JSON: {e}") from None
+    else:
+        try:
+            text = json.dumps(value, ensure_ascii=False)
+        except (TypeError, ValueError) as e:  # a map with non-string keys or non-JSON values
+            raise ValueError(f"{kind} is not JSON: {e}") from None
+    if len(text) > MAX_KEY_CHARS:
+        raise ValueError(f"{kind} has {len(text)} chars; at most {MAX_KEY_CHARS}")
+    return text

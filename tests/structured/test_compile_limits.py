@@ -1,5 +1,7 @@
-"""Constraint compiles are bounded and killable: checks before compiling, worker processes killed
-at `--constraint-compile-timeout`, a fast lane and a per-tenant cap, nothing left behind."""
+"""Constraint compiles are bounded and killable: checks before compiling (a `$ref` expansion budget
+among them), worker processes killed at `--constraint-compile-timeout`, a fast lane, a per-tenant
+cap and a bounded wait (`overloaded`), a cache keyed per tenant by the constraint as given, every
+constraint answered in bounded time, nothing left behind."""
 
 from __future__ import annotations
 
@@ -10,14 +12,18 @@ from pathlib import Path
 
 import psutil
 import pytest
+from outlines_core.json_schema import build_regex_from_schema
 from transformers import AutoTokenizer
 
 from radixrt.client.transport import RemoteError
 from radixrt.structured import compiler as compiler_module
 from radixrt.structured.compiler import ConstraintCompiler
+from radixrt.structured.grammar import CompilerBusy
 from radixrt.structured.regexes import (
+    MAX_REGEX_CHARS,
     MAX_SCHEMA_CHARS,
     MAX_SCHEMA_DEPTH,
+    check_expansion,
     check_regex,
     load_schema,
     nesting_depth,
@@ -28,8 +34,23 @@ from helpers import launch_runtime
 from ownership import assert_no_leak
 
 TIMEOUT_S = 1.0  # the compiler's budget in the lane tests
-RUNTIME_TIMEOUT_S = 0.5  # the runtime's --constraint-compile-timeout: twenty of them run in turn
+RUNTIME_TIMEOUT_S = 0.5  # the runtime's --constraint-compile-timeout
+RUNTIME_BOUND_S = RUNTIME_TIMEOUT_S + max(RUNTIME_TIMEOUT_S, 1.0)  # the wait, then the compile
 GREEDY = {"max_new_tokens": 8, "temperature": 0}
+
+
+def fan_out(k: int) -> dict:
+    """Three levels of `k` required properties, each a `$ref` to the level below: a schema of
+    O(k) chars whose regex, every `$ref` written out, takes O(k^3) (6.5 MB at k = 64)."""
+
+    def level(child: dict) -> dict:
+        names = [f"p{i}" for i in range(k)]
+        return {"type": "object", "properties": dict.fromkeys(names, child), "required": names}
+
+    return {
+        "$defs": {"l2": level({"type": "integer"}), "l1": level({"$ref": "#/$defs/l2"})},
+        **level({"$ref": "#/$defs/l1"}),
+    }
 
 
 def expensive_schema(i: int) -> dict:
@@ -97,6 +118,37 @@ def test_schema_checks_do_not_recurse():
     assert schema_regex(nested(MAX_SCHEMA_DEPTH // 2 - 1))  # a deep but bounded one compiles
 
 
+def test_the_expansion_budget_stops_a_ref_fan_out_before_translating_it():
+    schema = fan_out(64)
+    assert len(json.dumps(schema)) < 8000
+    start = time.monotonic()
+    with pytest.raises(ValueError, match=f"over {MAX_REGEX_CHARS} chars.*expansion budget"):
+        schema_regex(schema)
+    assert time.monotonic() - start < 0.2  # the walk stops at the budget, not at 6.5 MB
+    assert schema_regex(fan_out(8))  # a fan-out within the budget translates
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        fan_out(4),
+        fan_out(12),
+        {"type": "object", "properties": {f"p{i}": {"type": "number"} for i in range(40)}},
+        {"type": "array", "items": {"type": "object", "properties": {"a": {"enum": ["x", 3]}}}},
+        {"anyOf": [{"type": ["null", "boolean"]}, {"const": "xyz"}, {"type": "string"}]},
+        {"type": "string", "pattern": "[a-z]+"},
+        {
+            "$defs": {"n": {"type": "object", "properties": {"a": {"$ref": "#/$defs/n"}}}},
+            "$ref": "#/$defs/n",
+        },
+    ],
+    ids=lambda s: json.dumps(s)[:30],
+)
+def test_the_expansion_estimate_is_a_lower_bound_of_the_regex(schema):
+    """So the budget never refuses a schema whose regex would have fitted."""
+    assert check_expansion(schema) <= len(build_regex_from_schema(json.dumps(schema), ""))
+
+
 def test_regex_checks():
     for bad, words in ((5, "must be a string"), ("a" * 70_000, "chars"), ("\ud800", "Unicode")):
         with pytest.raises(ValueError, match=words):
@@ -125,21 +177,25 @@ def _wait(compiler: ConstraintCompiler, jobs: list, limit_s: float) -> float:
 
 
 def test_fast_lane_and_tenant_cap(compiler):
-    heavy = [compiler.compile_async(json_schema=expensive_schema(i), tenant="a") for i in range(4)]
+    heavy = [compiler.compile_async(json_schema=expensive_schema(i), tenant="a") for i in range(3)]
     cheap = compiler.compile_async(regex=r"[0-9]{3}", tenant="a")
     assert _wait(compiler, [cheap], 3.0) < 1.0 and cheap.grammar is not None
     # tenant a holds one slow worker at a time; tenant b's expensive schema starts at once
     other = compiler.compile_async(json_schema=expensive_schema(99), tenant="b")
     assert _wait(compiler, [other], TIMEOUT_S + 2.0) > TIMEOUT_S * 0.9
     assert "too complex: compiling took over 1 s" in str(other.error)
-    assert sum(j.done for j in heavy) <= 3
-    _wait(compiler, heavy, 4 * TIMEOUT_S + 5.0)
-    assert all("too complex" in str(j.error) for j in heavy)
+    # a's first one ran its budget; the others waited theirs for a worker: busy, not cached
+    assert _wait(compiler, heavy, 2.0) < 1.0
+    assert "too complex" in str(heavy[0].error)
+    for job in heavy[1:]:
+        assert isinstance(job.error, CompilerBusy) and "waited 1 s" in str(job.error)
     assert compiler.stats().longest_s < TIMEOUT_S + 0.5
-    start = time.monotonic()  # the verdict is cached: a retry fails at once
-    assert compiler.compile_async(json_schema=expensive_schema(0)).error is heavy[0].error
-    assert time.monotonic() - start < 0.1
+    start = time.monotonic()  # the verdict is cached for the tenant: a retry fails at once
+    retry = compiler.compile_async(json_schema=expensive_schema(0), tenant="a")
+    assert retry.error is heavy[0].error and time.monotonic() - start < 0.1
+    assert not compiler.compile_async(json_schema=expensive_schema(1), tenant="a").done
     # an expensive regex that looks cheap overruns the fast lane, then gets the rest of its budget
+    _wait(compiler, [compiler.compile_async(json_schema=expensive_schema(1), tenant="a")], 5.0)
     killed = compiler.stats().killed
     sneaky = compiler.compile_async(regex="(a|b)*a" + "(a|b)" * 16)  # a DFA of 2^16 states
     _wait(compiler, [sneaky], TIMEOUT_S + 3.0)  # run time, plus starting a slow-lane worker
@@ -149,6 +205,49 @@ def test_fast_lane_and_tenant_cap(compiler):
     time.sleep(2.5)
     compiler.poll()
     assert compiler.stats().workers == 0
+
+
+def test_the_cache_is_per_tenant_and_keyed_before_translation(compiler):
+    schema = {"type": "object", "properties": {"k": {"type": "integer"}}, "required": ["k"]}
+    first = compiler.compile_async(json_schema=schema, tenant="a")
+    _wait(compiler, [first], 5.0)
+    started = compiler.stats().started
+    # an equal constraint, as a new map or as its text, is a hit: nothing is translated or built
+    assert compiler.compile_async(json_schema=json.loads(json.dumps(schema)), tenant="a") is first
+    assert compiler.stats().started == started
+    # another tenant's identical constraint is its own compile: no timing tells it a's
+    other = compiler.compile_async(json_schema=schema, tenant="b")
+    assert other is not first and compiler.stats().started == started + 1
+    _wait(compiler, [other], 5.0)
+    assert other.grammar is not None and other.grammar is not first.grammar
+    # a refused check is cached too: the samples of one bad request check it once
+    bad = compiler.compile_async(json_schema=fan_out(64), tenant="a")
+    assert "expansion budget" in str(bad.error)
+    assert compiler.compile_async(json_schema=fan_out(64), tenant="a") is bad
+
+
+def test_a_tenant_past_its_cap_is_refused_at_once(default_model_dir):
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
+    compiler = ConstraintCompiler(
+        tokenizer, 49152, compile_timeout_s=TIMEOUT_S, compiles_per_tenant=2
+    )
+    try:
+        held = [
+            compiler.compile_async(json_schema=expensive_schema(i), tenant="a") for i in range(2)
+        ]
+        start = time.monotonic()
+        refused = compiler.compile_async(json_schema=expensive_schema(2), tenant="a")
+        assert time.monotonic() - start < 0.1
+        assert isinstance(refused.error, CompilerBusy) and "at most 2 at once" in str(refused.error)
+        # a repeat of one in flight shares it; another tenant is not held to a's cap
+        assert compiler.compile_async(json_schema=expensive_schema(0), tenant="a") is held[0]
+        assert not compiler.compile_async(json_schema=expensive_schema(0), tenant="b").done
+        _wait(compiler, held, 2 * TIMEOUT_S + 2.0)
+        assert compiler.stats().refused >= 2  # the cap's refusal and held[1]'s wait
+        # once a's compiles have ended, a's next one is taken
+        assert not compiler.compile_async(json_schema=expensive_schema(3), tenant="a").done
+    finally:
+        compiler.close()
 
 
 def test_a_compile_past_its_memory_limit_fails_alone(default_model_dir, monkeypatch):
@@ -194,13 +293,18 @@ def _timed(runtime, params: dict) -> tuple[float, dict | RemoteError]:
     return time.monotonic() - start, out
 
 
-def test_twenty_expensive_schemas_do_not_hold_up_a_cheap_regex(runtime):
+def test_twenty_distinct_schemas_at_once_are_each_answered_in_bound(runtime):
+    """Twenty distinct schemas of one tenant, each seconds to compile: each is answered within
+    the wait plus the compile timeout (compiled, too complex, or overloaded past the tenant's
+    cap or wait), and a cheap regex sent meanwhile is served at once."""
     runtime.generate(input_ids=[5, 6, 7], sampling_params=GREEDY)  # warm
     server = psutil.Process(runtime._proc.pid)
     threads_before = server.num_threads()
     with ThreadPoolExecutor(21) as pool:
         heavy = [
-            pool.submit(_timed, runtime, {**GREEDY, "json_schema": expensive_schema(i)})
+            pool.submit(
+                _timed, runtime, {**GREEDY, "json_schema": {"type": "string", "maxLength": 200 + i}}
+            )
             for i in range(20)
         ]
         deadline = time.monotonic() + 10
@@ -210,17 +314,47 @@ def test_twenty_expensive_schemas_do_not_hold_up_a_cheap_regex(runtime):
         seconds, out = _timed(runtime, {**GREEDY, "regex": "[0-9]{3}"})
         assert seconds < 3.0 and len(out["text"]) == 3 and out["text"].isdigit()
         results = [f.result() for f in heavy]
-    for _, out in results:
-        assert isinstance(out, RemoteError) and out.code == "invalid_constraint", out
-        assert "too complex" in out.message
+    codes = [out.code for _, out in results if isinstance(out, RemoteError)]
+    for seconds, out in results:
+        assert seconds < RUNTIME_BOUND_S + 2.0, (seconds, out)
+        assert isinstance(out, RemoteError), out
+        assert out.code in ("invalid_constraint", "overloaded"), out
+        assert ("too complex" if out.code == "invalid_constraint" else "retry") in out.message
+    assert "overloaded" in codes and "invalid_constraint" in codes  # the cap and the budget
     compiles = runtime.stats()["constraint_compiles"]
     assert compiles["longest_s"] < RUNTIME_TIMEOUT_S + 0.5  # each one was killed at its budget
-    assert compiles["killed"] >= 20
+    assert compiles["refused"] >= 20 - 4  # past the default cap of 4 in flight
     deadline = time.monotonic() + 10
     while _compile_workers(runtime) and time.monotonic() < deadline:
         time.sleep(0.2)  # idle workers stop after a few seconds
     assert not _compile_workers(runtime)
     assert server.num_threads() <= threads_before  # no compile thread either
+    assert_no_leak(runtime)
+
+
+def test_a_ref_fan_out_is_refused_beside_a_plain_request(runtime):
+    """The fan-out, 64 samples of it, is refused by the expansion budget without being
+    translated or built; a plain request sent beside it finishes in seconds."""
+    started = runtime.stats()["constraint_compiles"]["started"]
+    with ThreadPoolExecutor(2) as pool:
+        fan = pool.submit(_timed, runtime, {**GREEDY, "n": 64, "json_schema": fan_out(64)})
+        seconds, out = _timed(runtime, GREEDY)
+        assert seconds < 3.0 and out["text"]
+        seconds, refused = fan.result()
+    assert seconds < 3.0 and isinstance(refused, RemoteError), refused
+    assert refused.code == "invalid_constraint" and "expansion budget" in refused.message
+    assert runtime.stats()["constraint_compiles"]["started"] == started
+    assert_no_leak(runtime)
+
+
+def test_the_samples_of_one_request_compile_once(runtime):
+    schema = {"type": "object", "properties": {"once": {"type": "integer"}}, "required": ["once"]}
+    started = runtime.stats()["constraint_compiles"]["started"]
+    outs = runtime.generate(
+        input_ids=[5, 6, 7], sampling_params={**GREEDY, "n": 4, "json_schema": schema}
+    )
+    assert len(outs) == 4 and all("once" in json.loads(o["text"]) for o in outs)
+    assert runtime.stats()["constraint_compiles"]["started"] == started + 1
     assert_no_leak(runtime)
 
 

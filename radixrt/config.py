@@ -749,10 +749,10 @@ class ServerArgs(Settings):
         },
     )
     constraint_compiles_per_tenant: int = field(
-        default=4,
+        default=8,
         metadata={
             "group": "structured",
-            "help": "constraints one tenant may have compiling or waiting to compile at once (repeats of one count once); past it a new one is refused at once with 'overloaded'",
+            "help": "expensive constraints (any a quick look does not judge cheap, and every llguidance grammar) one tenant may have compiling or waiting to compile at once (repeats of one count once); past it a new one is refused at once with 'overloaded'",
         },
     )
     grammar_backend: str = field(

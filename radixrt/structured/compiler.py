@@ -17,9 +17,9 @@ is answered in bounded time:
   by tenant (no tenant learns from a compile's speed what another asked for): a repeat,
   another sample of an `n > 1` request included, is answered from it at once, verdicts
   included (a constraint that timed out fails fast), before anything is translated;
-- a tenant with `compiles_per_tenant` constraints in flight (queued or compiling) has a new one
-  refused at once (`CompilerBusy`, the request's `overloaded`), so no queue grows past
-  tenants x cap;
+- a tenant with `compiles_per_tenant` expensive constraints in flight (queued or compiling in
+  the slow lane or on the llguidance thread) has a new one refused at once (`CompilerBusy`, the
+  request's `overloaded`), so no such queue grows past tenants x cap;
 - every constraint is first checked in the caller's process, cheaply and without recursion past
   a bound (types, nesting, sizes: `regexes.load_schema`, `check_schema`, `check_regex`), and a
   JSON schema's `$ref` expansion against a budget (`regexes.check_expansion`, which stops the
@@ -106,7 +106,7 @@ FAST_MAX_REPEAT = 16  # a counted repetition `{m,n}` past this sends a constrain
 FAST_MAX_CHARS = 4096
 SLOW_WORKERS = 2
 COMPILES_PER_TENANT = 1  # of one tenant's slow-lane compiles, how many run at once
-DEFAULT_COMPILES_PER_TENANT = 4  # of one tenant's constraints, how many may be in flight at once
+DEFAULT_COMPILES_PER_TENANT = 8  # of one tenant's expensive constraints, how many may be in flight
 WORKER_START_S = 1.0  # the least time a job may wait for a worker (one may have to start)
 IDLE_EXIT_S = 2.0  # a worker with nothing to do this long is stopped
 WORKER_MEMORY_BYTES = 3 << 30  # each worker's address space (RLIMIT_AS)
@@ -346,15 +346,11 @@ class ConstraintCompiler:
         if job is not None:
             self._cache.move_to_end(key)
             return job
-        if self._in_flight(tenant) >= self.compiles_per_tenant:
-            self._refused += 1
-            return self._failed(
-                f"too many constraints compiling for this tenant (at most "
-                f"{self.compiles_per_tenant} at once); retry when one has finished",
-                busy=True,
-            )
         try:  # a failed check is cached too: `n` samples of a bad constraint check it once
             job = self._job(kind, value, tenant)
+        except CompilerBusy as e:
+            self._refused += 1
+            return self._failed(str(e), busy=True)
         except (ValueError, RecursionError) as e:
             job = self._failed(str(e) or type(e).__name__)
         self._cache[key] = job
@@ -364,11 +360,13 @@ class ConstraintCompiler:
 
     def _job(self, kind: str, value: Any, tenant: str) -> CompileJob:
         """A checked constraint's job, queued on the lane or thread that builds it; ValueError
-        for a malformed constraint or one past the expansion budget."""
+        for a malformed constraint or one past the expansion budget, CompilerBusy for one its
+        tenant may not queue now (`_take`)."""
         backend = self._backend(kind, value)
         if backend == "llguidance":
             if kind in ("choices", "dtype"):  # as their regexes
                 kind, value = "regex", self._to_regex(kind, value)
+            self._take(tenant)
             job = self._new_job(
                 kind, value if isinstance(value, str) else json.dumps(value), tenant
             )
@@ -383,8 +381,20 @@ class ConstraintCompiler:
         else:
             job = self._new_job(kind, self._to_regex(kind, value), tenant)
             cheap = _looks_cheap(job.pattern)
+        if not cheap:
+            self._take(tenant)
         (self.fast if cheap else self.slow).push(job)
         return job
+
+    def _take(self, tenant: str) -> None:
+        """CompilerBusy unless the tenant has fewer than `compiles_per_tenant` expensive compiles
+        (slow lane, llguidance thread) queued or running: past its cap a tenant is refused at
+        once rather than queued. Cheap ones (the fast lane) are bounded by its budget instead."""
+        if self._in_flight(tenant) >= self.compiles_per_tenant:
+            raise CompilerBusy(
+                f"too many constraints compiling for this tenant (at most "
+                f"{self.compiles_per_tenant} at once); retry when one has finished"
+            )
 
     def _new_job(self, kind: str, pattern: str, tenant: str) -> CompileJob:
         return CompileJob(
@@ -458,9 +468,10 @@ class ConstraintCompiler:
         return self.fast.workers + self.slow.workers
 
     def _in_flight(self, tenant: str) -> int:
-        """The tenant's jobs queued or building, on the lanes and the llguidance thread."""
+        """The tenant's expensive jobs queued or building: the slow lane's, the llguidance
+        thread's."""
         building = sum(1 for job, _ in self._llg_builds if job.tenant == tenant)
-        return self.fast.in_flight(tenant) + self.slow.in_flight(tenant) + building
+        return self.slow.in_flight(tenant) + building
 
     def _busy(self, job: CompileJob, why: str) -> None:
         """Fail `job` with CompilerBusy and forget it, so a retry compiles afresh."""

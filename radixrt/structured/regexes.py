@@ -38,8 +38,7 @@ MAX_REGEX_CHARS = 64 * 1024  # a regex, as given or as a translation (tool calls
 # recursive one RECURSION_DEPTH times deep), so three levels of 64 properties, each a `$ref` to
 # the level below, make a 6.5 MB regex from a 6 KB schema. `check_expansion` walks the schema as
 # the translation would, adding up a lower bound of the regex's length, and stops the moment it
-# passes MAX_REGEX_CHARS (or MAX_EXPANDED_NODES nodes): no translation starts past the budget.
-MAX_EXPANDED_NODES = MAX_REGEX_CHARS // 4
+# passes MAX_REGEX_CHARS (or a quarter as many nodes): no translation starts past the budget.
 RECURSION_DEPTH = 3  # how many times deep outlines-core expands a `$ref` inside itself
 # the length of outlines-core's regex for each type, at least (a string's `pattern` replaces it)
 _TYPE_CHARS = {"integer": 19, "number": 49, "boolean": 12, "null": 4, "object": 2, "array": 2}
@@ -293,11 +292,12 @@ class _Expansion:
     refs: tuple[str, ...]
 
 
-def check_expansion(schema: dict[str, Any]) -> int:
+def check_expansion(schema: dict[str, Any], budget: int = MAX_REGEX_CHARS) -> int:
     """A lower bound of the length of outlines-core's regex for (loaded, checked) `schema`, its
-    `$ref`s expanded as the translation expands them; ValueError as soon as the running total
-    passes MAX_REGEX_CHARS or the walk MAX_EXPANDED_NODES nodes, so the cost of the check is
-    bounded by the budget however far the schema would expand. Nothing here recurses."""
+    `$ref`s expanded as the translation expands them; ValueError as soon as the
+    running total passes `budget` chars (MAX_REGEX_CHARS: what a regex may take) or the walk
+    `budget` / 4 nodes, so the cost of the check is bounded by the budget however far the schema
+    would expand. Nothing here recurses."""
     total, nodes = 0, 0
     stack = [_Expansion(schema, 1, ())]
     while stack:
@@ -306,11 +306,11 @@ def check_expansion(schema: dict[str, Any]) -> int:
         if isinstance(at.node, dict):
             total += _own_chars(at.node) * at.copies
             stack.extend(_inside(schema, at))
-        if total > MAX_REGEX_CHARS or nodes > MAX_EXPANDED_NODES:
+        if total > budget or nodes > budget // 4:
             raise ValueError(
                 f"json_schema is too large once its $refs are expanded: its regex would take over "
-                f"{MAX_REGEX_CHARS} chars or {MAX_EXPANDED_NODES} schema nodes (the expansion "
-                "budget); share less through $ref or split the schema"
+                f"{budget} chars or {budget // 4} schema nodes (the expansion budget); share "
+                "less through $ref or split the schema"
             )
     return total
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import time
+import urllib.error
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -30,27 +32,14 @@ from radixrt.structured.regexes import (
     schema_regex,
 )
 
-from helpers import launch_runtime
+from helpers import launch_runtime, ref_fan_out
 from ownership import assert_no_leak
+from timeouts import REPLY_TIMEOUT_S
 
 TIMEOUT_S = 1.0  # the compiler's budget in the lane tests
 RUNTIME_TIMEOUT_S = 0.5  # the runtime's --constraint-compile-timeout
 RUNTIME_BOUND_S = RUNTIME_TIMEOUT_S + max(RUNTIME_TIMEOUT_S, 1.0)  # the wait, then the compile
 GREEDY = {"max_new_tokens": 8, "temperature": 0}
-
-
-def fan_out(k: int) -> dict:
-    """Three levels of `k` required properties, each a `$ref` to the level below: a schema of
-    O(k) chars whose regex, every `$ref` written out, takes O(k^3) (6.5 MB at k = 64)."""
-
-    def level(child: dict) -> dict:
-        names = [f"p{i}" for i in range(k)]
-        return {"type": "object", "properties": dict.fromkeys(names, child), "required": names}
-
-    return {
-        "$defs": {"l2": level({"type": "integer"}), "l1": level({"$ref": "#/$defs/l2"})},
-        **level({"$ref": "#/$defs/l1"}),
-    }
 
 
 def expensive_schema(i: int) -> dict:
@@ -119,20 +108,20 @@ def test_schema_checks_do_not_recurse():
 
 
 def test_the_expansion_budget_stops_a_ref_fan_out_before_translating_it():
-    schema = fan_out(64)
+    schema = ref_fan_out(64)
     assert len(json.dumps(schema)) < 8000
     start = time.monotonic()
     with pytest.raises(ValueError, match=f"over {MAX_REGEX_CHARS} chars.*expansion budget"):
         schema_regex(schema)
     assert time.monotonic() - start < 0.2  # the walk stops at the budget, not at 6.5 MB
-    assert schema_regex(fan_out(8))  # a fan-out within the budget translates
+    assert schema_regex(ref_fan_out(8))  # a fan-out within the budget translates
 
 
 @pytest.mark.parametrize(
     "schema",
     [
-        fan_out(4),
-        fan_out(12),
+        ref_fan_out(4),
+        ref_fan_out(12),
         {"type": "object", "properties": {f"p{i}": {"type": "number"} for i in range(40)}},
         {"type": "array", "items": {"type": "object", "properties": {"a": {"enum": ["x", 3]}}}},
         {"anyOf": [{"type": ["null", "boolean"]}, {"const": "xyz"}, {"type": "string"}]},
@@ -221,9 +210,9 @@ def test_the_cache_is_per_tenant_and_keyed_before_translation(compiler):
     _wait(compiler, [other], 5.0)
     assert other.grammar is not None and other.grammar is not first.grammar
     # a refused check is cached too: the samples of one bad request check it once
-    bad = compiler.compile_async(json_schema=fan_out(64), tenant="a")
+    bad = compiler.compile_async(json_schema=ref_fan_out(64), tenant="a")
     assert "expansion budget" in str(bad.error)
-    assert compiler.compile_async(json_schema=fan_out(64), tenant="a") is bad
+    assert compiler.compile_async(json_schema=ref_fan_out(64), tenant="a") is bad
 
 
 def test_a_tenant_past_its_cap_is_refused_at_once(default_model_dir):
@@ -337,7 +326,7 @@ def test_a_ref_fan_out_is_refused_beside_a_plain_request(runtime):
     translated or built; a plain request sent beside it finishes in seconds."""
     started = runtime.stats()["constraint_compiles"]["started"]
     with ThreadPoolExecutor(2) as pool:
-        fan = pool.submit(_timed, runtime, {**GREEDY, "n": 64, "json_schema": fan_out(64)})
+        fan = pool.submit(_timed, runtime, {**GREEDY, "n": 64, "json_schema": ref_fan_out(64)})
         seconds, out = _timed(runtime, GREEDY)
         assert seconds < 3.0 and out["text"]
         seconds, refused = fan.result()
@@ -345,6 +334,36 @@ def test_a_ref_fan_out_is_refused_beside_a_plain_request(runtime):
     assert refused.code == "invalid_constraint" and "expansion budget" in refused.message
     assert runtime.stats()["constraint_compiles"]["started"] == started
     assert_no_leak(runtime)
+
+
+def _chat(runtime, body: dict) -> tuple[float, int, dict]:
+    """POST a chat completion to the gateway: seconds, status, JSON body."""
+    request = urllib.request.Request(
+        f"{runtime.http_url}/v1/chat/completions",
+        data=json.dumps({"model": "tiny", "max_tokens": 4, "temperature": 0, **body}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    start = time.monotonic()
+    try:
+        with urllib.request.urlopen(request, timeout=REPLY_TIMEOUT_S) as reply:
+            status, out = reply.status, json.loads(reply.read())
+    except urllib.error.HTTPError as e:
+        status, out = e.code, json.loads(e.read())
+    return time.monotonic() - start, status, out
+
+
+def test_a_ref_fan_out_tool_is_refused_by_the_gateway_beside_a_plain_chat(tiny_runtime):
+    """Tools render on the gateway's event loop: the fan-out is refused by the expansion budget
+    before it is translated, and a plain chat sent beside it is answered."""
+    messages = [{"role": "user", "content": "hi"}]
+    tool = {"type": "function", "function": {"name": "f", "parameters": ref_fan_out(64)}}
+    with ThreadPoolExecutor(2) as pool:
+        fan = pool.submit(_chat, tiny_runtime, {"messages": messages, "tools": [tool]})
+        seconds, status, out = _chat(tiny_runtime, {"messages": messages})
+        assert status == 200 and seconds < 5.0, out
+        seconds, status, out = fan.result()
+    assert status == 400 and seconds < 2.0, out
+    assert "expansion budget" in out["error"]["message"] and "tools[0]" in out["error"]["message"]
 
 
 def test_the_samples_of_one_request_compile_once(runtime):

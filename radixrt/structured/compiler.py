@@ -59,7 +59,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
@@ -593,13 +593,17 @@ class ConstraintCompiler:
         return job
 
     def _trim_cache(self) -> None:
-        """Drop the least recently used entries past `cache_size` or MAX_CACHE_BYTES (a dropped
-        job still running finishes for the requests that hold it)."""
+        """Drop entries past `cache_size` or MAX_CACHE_BYTES, each time the least recently used
+        of the tenant holding the most, so a tenant filling the cache evicts its own entries
+        before another's (whose repeats would otherwise slow down, a signal across tenants). A
+        dropped job still running finishes for the requests that hold it."""
         while len(self._cache) > self.cache_size or (
             len(self._cache) > 1
             and sum(j.grammar_bytes for j in self._cache.values()) > MAX_CACHE_BYTES
         ):
-            self._cache.popitem(last=False)
+            held = Counter(tenant for tenant, _, _ in self._cache)
+            most = max(held.values())
+            del self._cache[next(k for k in self._cache if held[k[0]] == most)]
 
     def _build_llguidance(self, job: CompileJob, value: Any) -> None:
         """Queue the translation and build of `job` (`value` as the request gave it) on the

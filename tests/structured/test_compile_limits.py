@@ -213,6 +213,12 @@ def test_the_cache_is_per_tenant_and_keyed_before_translation(compiler):
     bad = compiler.compile_async(json_schema=ref_fan_out(64), tenant="a")
     assert "expansion budget" in str(bad.error)
     assert compiler.compile_async(json_schema=ref_fan_out(64), tenant="a") is bad
+    # a tenant filling the cache evicts its own entries first, not another's
+    compiler.cache_size = 4
+    kept = compiler.compile_async(regex="[0-9]", tenant="b")
+    for i in range(8):
+        compiler.compile_async(regex=f"[0-9]{{{i + 2}}}", tenant="a")
+    assert compiler.compile_async(regex="[0-9]", tenant="b") is kept
 
 
 def test_a_tenant_past_its_cap_is_refused_at_once(default_model_dir):

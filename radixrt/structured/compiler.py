@@ -690,17 +690,20 @@ def _looks_cheap(pattern: str) -> bool:
     """Whether a regex goes to the fast lane: short, and no counted repetition past
     FAST_MAX_REPEAT (the DFA grows with those counts). A guess: the fast lane's budget bounds
     the cost of a wrong one."""
-    if len(pattern) > min(FAST_MAX_CHARS, MAX_REGEX_CHARS):
-        return False
-    return all(int(high or low) <= FAST_MAX_REPEAT for low, high in _REPEAT.findall(pattern))
+    return len(pattern) <= min(FAST_MAX_CHARS, MAX_REGEX_CHARS) and _small_repeats(pattern)
+
+
+def _small_repeats(text: str) -> bool:
+    """No counted repetition `{m,n}` in `text` past FAST_MAX_REPEAT."""
+    return all(int(high or low) <= FAST_MAX_REPEAT for low, high in _REPEAT.findall(text))
 
 
 def _schema_looks_cheap(schema: dict[str, Any], text: str) -> bool:
     """Whether a JSON schema's compile goes to the fast lane (its expansion is already known to
-    be short): no length or item count past FAST_MAX_REPEAT, no counted repetition past it in
-    a `pattern` (the text holds them)."""
+    be short): no length or item count past FAST_MAX_REPEAT, nor a counted repetition past it in
+    a `pattern` (its text, `text`, holds them as given)."""
     counts = ("minLength", "maxLength", "minItems", "maxItems")
-    return _looks_cheap(text[:FAST_MAX_CHARS]) and all(
+    return _small_repeats(text) and all(
         node.get(k, 0) <= FAST_MAX_REPEAT for _, node in schema_nodes(schema) for k in counts
     )
 

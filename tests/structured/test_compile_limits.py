@@ -342,6 +342,25 @@ def test_a_ref_fan_out_is_refused_beside_a_plain_request(runtime):
     assert_no_leak(runtime)
 
 
+def test_a_refused_constraint_is_answered_while_the_batch_is_full(tiny_model_dir):
+    """Admission stops looking once the batch is full, yet a constraint that failed ends its
+    request at the next step, its queue entry freed, while the running one decodes on."""
+    with launch_runtime(tiny_model_dir, max_running_requests=1) as runtime:
+        long = {"max_new_tokens": 200, "temperature": 0, "ignore_eos": True}
+        with ThreadPoolExecutor(1) as pool:
+            running = pool.submit(_timed, runtime, long)
+            deadline = time.monotonic() + 10
+            while runtime.stats()["running"] < 1:
+                assert time.monotonic() < deadline, "the long request never ran"
+                time.sleep(0.02)
+            seconds, refused = _timed(runtime, {**GREEDY, "json_schema": ref_fan_out(64)})
+            assert not running.done(), "the batch emptied before the refusal: nothing shown"
+            assert seconds < 3.0 and isinstance(refused, RemoteError), refused
+            assert refused.code == "invalid_constraint"
+            assert len(running.result()[1]["output_ids"]) == 200
+        assert_no_leak(runtime)
+
+
 def _chat(runtime, body: dict) -> tuple[float, int, dict]:
     """POST a chat completion to the gateway: seconds, status, JSON body."""
     request = urllib.request.Request(

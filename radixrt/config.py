@@ -75,6 +75,7 @@ class SchedulerArgs:
     disable_radix_cache: bool
     enable_jump_forward: bool
     constraint_compile_timeout: float
+    constraint_compiles_per_tenant: int
     grammar_backend: str
     speculative_algorithm: str | None
     speculative_num_draft_tokens: int
@@ -282,11 +283,13 @@ class StructuredSettings(SettingsGroup):
     name: ClassVar[str] = "structured"
     enable_jump_forward: bool
     constraint_compile_timeout: float
+    constraint_compiles_per_tenant: int
     grammar_backend: str
 
     def __post_init__(self) -> None:
         if not self.constraint_compile_timeout > 0:
             raise ValueError("constraint_compile_timeout must be > 0 seconds")
+        _at_least_one(constraint_compiles_per_tenant=self.constraint_compiles_per_tenant)
 
 
 @dataclass(frozen=True)
@@ -776,7 +779,14 @@ class ServerArgs(Settings):
         default=10.0,
         metadata={
             "group": "structured",
-            "help": "seconds a regex or JSON-schema constraint may take to compile; its worker process is then killed and the request ends with 'invalid_constraint' (too complex), a verdict kept for retries",
+            "help": "seconds a constraint may take to compile; its worker process is then killed and the request ends with 'invalid_constraint' (too complex), a verdict kept for retries. A constraint also waits at most this long (1 s at least) for a worker, then ends with 'overloaded': every constraint is answered within twice this",
+        },
+    )
+    constraint_compiles_per_tenant: int = field(
+        default=8,
+        metadata={
+            "group": "structured",
+            "help": "expensive constraints (any a quick look does not judge cheap, and every llguidance grammar) one tenant may have compiling or waiting to compile at once (repeats of one count once); past it a new one is refused at once with 'overloaded'",
         },
     )
     grammar_backend: str = field(

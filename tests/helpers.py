@@ -340,3 +340,17 @@ def kill_a_streaming_client(url: str, input_ids: list[int], max_new_tokens: int)
     finally:
         child.send_signal(signal.SIGKILL)
         child.wait(timeout=10)
+
+
+def ref_fan_out(k: int) -> dict:
+    """A JSON schema of three levels of `k` required properties, each a `$ref` to the level
+    below: O(k) chars whose regex, every `$ref` written out, takes O(k^3) (6.5 MB at k = 64)."""
+
+    def level(child: dict) -> dict:
+        names = [f"p{i}" for i in range(k)]
+        return {"type": "object", "properties": dict.fromkeys(names, child), "required": names}
+
+    return {
+        "$defs": {"l2": level({"type": "integer"}), "l1": level({"$ref": "#/$defs/l2"})},
+        **level({"$ref": "#/$defs/l1"}),
+    }

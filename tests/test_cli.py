@@ -72,6 +72,7 @@ BAD_SETTINGS = [
     (CacheSettings, {"hicache_storage_size": 0.0}, "hicache_storage_size"),
     (CacheSettings, {"preemption_mode": "swap"}, "enable_hierarchical_cache"),
     (StructuredSettings, {"constraint_compile_timeout": 0.0}, "constraint_compile_timeout"),
+    (StructuredSettings, {"constraint_compiles_per_tenant": 0}, "constraint_compiles_per_tenant"),
     (SpeculativeSettings, {"speculative_num_draft_tokens": 0}, "speculative_num_draft_tokens"),
     (LoraSettings, {"max_loras_per_batch": 0}, "max_loras_per_batch"),
     (LoraSettings, {"max_lora_rank": 0}, "max_lora_rank"),

@@ -1,5 +1,7 @@
 """Structured output as one object: a request's constraint compiles in the compiler's worker
 processes while it waits, and its walk (a `GrammarGuide`) starts when admission first looks at it.
+A request whose constraint failed (`invalid_constraint`) or that the compiler would not take in
+time (`overloaded`) ends at the next step, wherever it waits in the queue (`sweep`).
 The compiler (and its workers) exists from the first constrained request on."""
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from radixrt.engine.request import FinishReason, Req
 from radixrt.protocol import ErrorCode
 from radixrt.sampling_params import SamplingParams
 from radixrt.structured.compiler import CompileStats, ConstraintCompiler
+from radixrt.structured.grammar import CompilerBusy
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -25,6 +28,7 @@ class Constraints:
         tokenizer: PreTrainedTokenizerBase,
         vocab_size: int,
         compile_timeout_s: float,
+        compiles_per_tenant: int,
         grammar_backend: str,
         jump_forward: bool,
         finish: Callable[[Req], None],
@@ -32,6 +36,7 @@ class Constraints:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.compile_timeout_s = compile_timeout_s
+        self.compiles_per_tenant = compiles_per_tenant
         self.grammar_backend = grammar_backend
         self.jump_forward = jump_forward
         self.finish = finish
@@ -44,6 +49,7 @@ class Constraints:
                 self.vocab_size,
                 compile_timeout_s=self.compile_timeout_s,
                 backend=self.grammar_backend,
+                compiles_per_tenant=self.compiles_per_tenant,
             )
         return self.compiler
 
@@ -53,7 +59,8 @@ class Constraints:
         return self._compiler().eos_token_id
 
     def start(self, req: Req, params: SamplingParams) -> None:
-        """Start compiling the request's constraint, if it has one (admission waits for it)."""
+        """Start compiling the request's constraint, if it has one (admission waits for it); the
+        samples of one request share one compile (the compiler's cache)."""
         constraint = params.constraint()
         if constraint is not None:
             # the value is the client's, of any type: the compiler checks it
@@ -62,7 +69,8 @@ class Constraints:
 
     def ready(self, req: Req) -> bool:
         """False while the request's constraint compiles; a failed compile, or any failure to
-        start its walk, ends that request alone with `invalid_constraint`."""
+        start its walk, ends that request alone with `invalid_constraint` (`overloaded` when the
+        compiler would not take it in time)."""
         if req.constraint is None or req.guide is not None:
             return True
         if not self._compiler().ready(req.constraint):
@@ -74,9 +82,24 @@ class Constraints:
             return True
         except Exception as e:  # noqa: BLE001 (whatever the constraint raised is its own fault)
             message = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
-            req.finish_reason = FinishReason.abort(message, ErrorCode.INVALID_CONSTRAINT)
+            code = (
+                ErrorCode.OVERLOADED
+                if isinstance(e, CompilerBusy)
+                else ErrorCode.INVALID_CONSTRAINT
+            )
+            req.finish_reason = FinishReason.abort(message, code)
             self.finish(req)
             return False
+
+    def sweep(self, waiting: list[Req]) -> None:
+        """End every waiting request whose compile has failed, however far back it waits
+        (admission stops looking once a step is full). Drives the compiler first."""
+        if self.compiler is None:
+            return
+        self.compiler.poll()
+        for req in [r for r in waiting if r.constraint is not None and r.guide is None]:
+            if req.constraint is not None and req.constraint.error is not None:
+                self.ready(req)
 
     def poll(self) -> None:
         """While idle: the compiler stops its idle workers."""

@@ -92,6 +92,7 @@ class Scheduler:
             self.tokenizer,
             runner.vocab_size,
             args.constraint_compile_timeout,
+            args.constraint_compiles_per_tenant,
             args.grammar_backend,
             args.enable_jump_forward,
             self._finish,
@@ -305,6 +306,7 @@ class Scheduler:
 
     def _step(self) -> list[Req]:
         self._expire(time.monotonic())
+        self.constraints.sweep(self.waiting)
         plan = self.planner.schedule(self._plan).items
         self.stalled = not plan  # e.g. every waiting request's constraint is still compiling
         self.counters.count_forward(plan)

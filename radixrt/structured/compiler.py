@@ -11,30 +11,46 @@ dies with its parent. The Index comes back in outlines-core's own binary form
 larger than MAX_INDEX_BYTES is refused in the child (that size is also what the parent would
 spend decoding it and holding it in the cache).
 
-Scheduling, so that a cheap constraint never waits behind expensive ones:
-- the cache answers repeats at once, verdicts included (a constraint that timed out fails fast);
+Scheduling, so that a cheap constraint never waits behind expensive ones and every constraint
+is answered in bounded time:
+- the cache is keyed by the constraint as the request gave it (its kind and text, or JSON), and
+  by tenant (no tenant learns from a compile's speed what another asked for): a repeat,
+  another sample of an `n > 1` request included, is answered from it at once, verdicts
+  included (a constraint that timed out fails fast), before anything is translated;
+- a tenant with `compiles_per_tenant` expensive constraints in flight (queued or compiling in
+  the slow lane or on the llguidance thread) has a new one refused at once (`CompilerBusy`, the
+  request's `overloaded`), so no such queue grows past tenants x cap;
 - every constraint is first checked in the caller's process, cheaply and without recursion past
-  a bound (types, nesting, sizes: `regexes.load_schema`, `check_schema`, `check_regex`);
+  a bound (types, nesting, sizes: `regexes.load_schema`, `check_schema`, `check_regex`), and a
+  JSON schema's `$ref` expansion against a budget (`regexes.check_expansion`, which stops the
+  moment the budget is spent); its translation to a regex runs in the worker, where it can be
+  killed;
 - a *fast lane* (one worker) takes constraints that look cheap (short, no counted repetition
   past FAST_MAX_REPEAT) with a budget of FAST_BUDGET_S; one that overruns it is killed there
   and moves to the slow lane with what is left of its budget, so a misjudged one costs the fast
   lane at most FAST_BUDGET_S;
 - a *slow lane* (SLOW_WORKERS workers) takes the rest with the full budget,
   `--constraint-compile-timeout` in all; at most COMPILES_PER_TENANT of one tenant's compiles run
-  at once, and tenants take turns, so one tenant's twenty expensive schemas hold one worker while
-  other tenants use the other.
+  at once, and tenants take turns, so one tenant's expensive schemas hold one worker while
+  other tenants use the other;
+- a job waits for a worker at most `wait_s` (the compile timeout, or WORKER_START_S if longer:
+  a worker's start is not held against it), then fails with `CompilerBusy`, uncached; so each
+  constraint is answered within `wait_s` plus the compile timeout of being asked.
 The scheduler drives the lanes through `poll()` (from its admission loop and its idle tick),
 which reads replies, kills overruns, starts queued jobs, and stops workers idle for IDLE_EXIT_S;
 `close()` kills every worker.
 
 Constraints for llguidance (`ebnf` and `lark` always, JSON schemas with keywords only llguidance
-enforces, such as numeric bounds; every kind with `--grammar-backend llguidance`) skip the lanes: their builds take milliseconds and are bounded by llguidance's own
-limits (`llguidance_backend.py`), so one thread builds them in turn; `poll()` collects them, and a
-build still unfinished at its budget fails its job (the thread ends within those limits).
+enforces, such as numeric bounds; every kind with `--grammar-backend llguidance`) skip the lanes:
+their translations and builds take milliseconds and are bounded by explicit `LLParserLimits`
+(`llguidance_backend.py`: past them a build stops itself with an error), so one thread builds
+them in turn; `poll()` collects them, and a build unfinished at its deadline fails its job (the
+thread ends within those limits).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import pickle
 import re
@@ -43,7 +59,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
@@ -57,6 +73,7 @@ from radixrt.structured import llguidance_backend as llg
 from radixrt.structured.grammar import (
     CONSTRAINT_KINDS,
     DEFAULT_GRAMMAR_BACKEND,
+    CompilerBusy,
     ConstraintError,
     Grammar,
     backend_for,
@@ -66,10 +83,14 @@ from radixrt.structured.regexes import (
     DTYPE_REGEXES,
     JSON_WHITESPACE,
     MAX_REGEX_CHARS,
+    MAX_SCHEMA_DEPTH,
+    check_expansion,
     check_regex,
+    check_schema,
     load_schema,
     needs_grammar,
-    schema_regex,
+    nesting_depth,
+    schema_nodes,
 )
 from radixrt.structured.vocabulary import TokenTable, build_vocabulary
 
@@ -85,23 +106,30 @@ FAST_MAX_REPEAT = 16  # a counted repetition `{m,n}` past this sends a constrain
 FAST_MAX_CHARS = 4096
 SLOW_WORKERS = 2
 COMPILES_PER_TENANT = 1  # of one tenant's slow-lane compiles, how many run at once
+DEFAULT_COMPILES_PER_TENANT = 8  # of one tenant's expensive constraints, how many may be in flight
+WORKER_START_S = 1.0  # the least time a job may wait for a worker (one may have to start)
 IDLE_EXIT_S = 2.0  # a worker with nothing to do this long is stopped
 WORKER_MEMORY_BYTES = 3 << 30  # each worker's address space (RLIMIT_AS)
 MAX_INDEX_BYTES = 64 << 20  # an Index's binary form
 MAX_CACHE_BYTES = 512 << 20  # of the Indexes the cache holds, by their binary form
 MAX_CHOICES = 1024
+# A cache key's text (the constraint as given, or its JSON): past any constraint the checks accept
+MAX_KEY_CHARS = 2 * MAX_REGEX_CHARS
 _REPEAT = re.compile(r"\{(\d+)(?:,(\d*))?\}")
 
 
 @dataclass(eq=False)
 class CompileJob:
-    """One constraint's build, shared by every request that asks for it: queued, then running in
-    a worker, then done with a `grammar` or an `error` (which `result()` raises)."""
+    """One constraint's build, shared by every request (of one tenant) that asks for it: queued,
+    then running in a worker, then done with a `grammar` or an `error` (which `result()`
+    raises). `pattern` is what its builder reads: a regex, a JSON schema's text (outlines), or
+    the constraint as given (llguidance, which translates it on its thread)."""
 
     kind: str
     pattern: str
     tenant: str
     budget_s: float  # run time left before the verdict is "too complex"
+    wait_until: float = 0.0  # when a job still queued fails with CompilerBusy (monotonic)
     grammar: Grammar | None = None
     grammar_bytes: int = 0  # what the cache holds of it (an Index's binary form)
     error: ConstraintError | None = None
@@ -119,6 +147,9 @@ class CompileJob:
     def fail(self, message: str) -> None:
         self.error = ConstraintError(message)
 
+    def fail_busy(self, message: str) -> None:
+        self.error = CompilerBusy(message)
+
 
 @dataclass(frozen=True)
 class CompileStats:
@@ -127,6 +158,7 @@ class CompileStats:
     started: int = 0
     finished: int = 0
     killed: int = 0  # overran a budget (fast-lane moves included) or died
+    refused: int = 0  # CompilerBusy: a tenant past its cap, or a job that waited past its time
     longest_s: float = 0.0  # the longest single run in a worker
     workers: int = 0  # alive now
 
@@ -134,7 +166,7 @@ class CompileStats:
 class Worker:
     """One compile child process, its socket, and the job it runs."""
 
-    def __init__(self, vocabulary_file: int):
+    def __init__(self, vocabulary_file: int, whitespace: str):
         ours, theirs = socket.socketpair()
         self.process = subprocess.Popen(
             [
@@ -145,6 +177,8 @@ class Worker:
                 str(vocabulary_file),
                 str(WORKER_MEMORY_BYTES),
                 str(MAX_INDEX_BYTES),
+                str(MAX_REGEX_CHARS),
+                whitespace,
             ],
             pass_fds=(theirs.fileno(), vocabulary_file),
             stdin=subprocess.DEVNULL,
@@ -159,7 +193,9 @@ class Worker:
 
     def start(self, job: CompileJob, budget_s: float) -> None:
         self.job, self.started, self.deadline = job, time.monotonic(), time.monotonic() + budget_s
-        flag = wire.CHECK_SYNTAX if job.kind == "regex" else wire.BUILD
+        flag = {"regex": wire.CHECK_SYNTAX, "json_schema": wire.BUILD_SCHEMA}.get(
+            job.kind, wire.BUILD
+        )
         self.conn.send_bytes(flag + job.pattern.encode())
 
     def finish(self) -> tuple[CompileJob, float]:
@@ -207,6 +243,21 @@ class Lane:
             self.queues[tenant] = queue
         return job
 
+    def in_flight(self, tenant: str) -> int:
+        """The tenant's jobs queued or running here."""
+        return len(self.queues.get(tenant, ())) + self.running(tenant)
+
+    def expired(self, now: float) -> list[CompileJob]:
+        """Take out and return the queued jobs whose wait ended before `now`."""
+        gone = [j for queue in self.queues.values() for j in queue if j.wait_until < now]
+        for tenant in list(self.queues):
+            queue = deque(j for j in self.queues[tenant] if j.wait_until >= now)
+            if queue:
+                self.queues[tenant] = queue
+            else:
+                del self.queues[tenant]
+        return gone
+
 
 class ConstraintCompiler:
     """Compiles constraints to Grammars for one tokenizer (see the module docstring), with
@@ -225,6 +276,7 @@ class ConstraintCompiler:
         compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S,
         whitespace_pattern: str = JSON_WHITESPACE,
         backend: str = DEFAULT_GRAMMAR_BACKEND,
+        compiles_per_tenant: int = DEFAULT_COMPILES_PER_TENANT,
     ):
         if len(tokenizer) > vocab_size:
             raise ValueError(
@@ -232,6 +284,8 @@ class ConstraintCompiler:
             )
         if not compile_timeout_s > 0:
             raise ValueError("the constraint compile timeout must be > 0 seconds")
+        if compiles_per_tenant < 1:
+            raise ValueError("compiles_per_tenant must be >= 1")
         backend_for("regex", backend)  # raises for an unknown backend
         self.backend = backend
         self.hf_tokenizer = tokenizer
@@ -241,14 +295,17 @@ class ConstraintCompiler:
         self.vocab_size = vocab_size
         self.cache_size = cache_size
         self.compile_timeout_s = compile_timeout_s
+        self.wait_s = max(compile_timeout_s, WORKER_START_S)
+        self.compiles_per_tenant = compiles_per_tenant
         self.whitespace_pattern = whitespace_pattern
-        # Jobs finished or in flight, so concurrent requests for one constraint share one build.
-        # keyed by (backend, kind, regex or grammar text)
+        # Jobs finished or in flight, so concurrent requests for one constraint share one build:
+        # keyed by (tenant, kind, the constraint's text as given or its JSON), before any
+        # translation; the backend is this compiler's and follows from the constraint.
         self._cache: OrderedDict[tuple[str, str, str], CompileJob] = OrderedDict()
         # llguidance: its tokenizer, the build thread and the builds it has not returned yet
         self._llg_tokens: LLTokenizer | None = None
         self._llg_thread: ThreadPoolExecutor | None = None
-        self._llg_builds: list[tuple[CompileJob, Future[llg.LLGuidanceGrammar], float]] = []
+        self._llg_builds: list[tuple[CompileJob, Future[llg.LLGuidanceGrammar]]] = []
         self.fast = Lane("fast", 1, min(FAST_BUDGET_S, compile_timeout_s), 1)
         self.slow = Lane("slow", SLOW_WORKERS, compile_timeout_s, COMPILES_PER_TENANT)
         # The pickled vocabulary every worker reads first, in an unlinked file passed by fd:
@@ -256,7 +313,7 @@ class ConstraintCompiler:
         self._vocabulary_file = tempfile.TemporaryFile()
         self._vocabulary_file.write(pickle.dumps(self.vocabulary))
         self._vocabulary_file.flush()
-        self._started = self._finished = self._killed = 0
+        self._started = self._finished = self._killed = self._refused = 0
         self._longest_s = 0.0
 
     # ---- submitting and waiting ----------------------------------------------------------------
@@ -281,29 +338,68 @@ class ConstraintCompiler:
                 f"give exactly one of {', '.join(CONSTRAINT_KINDS)} (got {sorted(given)})"
             )
         kind, value = given.popitem()
-        try:  # not cached: checks are cheap, values large
-            backend = self._backend(kind, value)
-            pattern = (
-                self._to_regex(kind, value)
-                if backend == "outlines"
-                else self._to_grammar(kind, value)
-            )
-        except (ValueError, RecursionError) as e:
-            return self._failed(str(e) or type(e).__name__)
-        key = (backend, kind, pattern)
+        try:
+            key = (tenant, kind, _key_text(kind, value))
+        except ValueError as e:
+            return self._failed(str(e))
         job = self._cache.get(key)
         if job is not None:
             self._cache.move_to_end(key)
             return job
-        job = CompileJob(kind, pattern, tenant, self.compile_timeout_s)
-        if backend == "outlines":
-            (self.fast if _looks_cheap(pattern) else self.slow).push(job)
-        else:
-            self._build_llguidance(job)
+        try:  # a failed check is cached too: `n` samples of a bad constraint check it once
+            job = self._job(kind, value, tenant)
+        except CompilerBusy as e:
+            self._refused += 1
+            return self._failed(str(e), busy=True)
+        except (ValueError, RecursionError) as e:
+            job = self._failed(str(e) or type(e).__name__)
         self._cache[key] = job
         self._trim_cache()
         self.poll()
         return job
+
+    def _job(self, kind: str, value: Any, tenant: str) -> CompileJob:
+        """A checked constraint's job, queued on the lane or thread that builds it; ValueError
+        for a malformed constraint or one past the expansion budget, CompilerBusy for one its
+        tenant may not queue now (`_take`)."""
+        backend = self._backend(kind, value)
+        if backend == "llguidance":
+            if kind in ("choices", "dtype"):  # as their regexes
+                kind, value = "regex", self._to_regex(kind, value)
+            self._take(tenant)
+            job = self._new_job(
+                kind, value if isinstance(value, str) else json.dumps(value), tenant
+            )
+            self._build_llguidance(job, value)
+            return job
+        if kind == "json_schema":
+            schema = load_schema(value)
+            check_schema(schema)
+            expanded = check_expansion(schema)
+            job = self._new_job(kind, json.dumps(schema), tenant)
+            cheap = expanded <= FAST_MAX_CHARS and _schema_looks_cheap(schema, job.pattern)
+        else:
+            job = self._new_job(kind, self._to_regex(kind, value), tenant)
+            cheap = _looks_cheap(job.pattern)
+        if not cheap:
+            self._take(tenant)
+        (self.fast if cheap else self.slow).push(job)
+        return job
+
+    def _take(self, tenant: str) -> None:
+        """CompilerBusy unless the tenant has fewer than `compiles_per_tenant` expensive compiles
+        (slow lane, llguidance thread) queued or running: past its cap a tenant is refused at
+        once rather than queued. Cheap ones (the fast lane) are bounded by its budget instead."""
+        if self._in_flight(tenant) >= self.compiles_per_tenant:
+            raise CompilerBusy(
+                f"too many constraints compiling for this tenant (at most "
+                f"{self.compiles_per_tenant} at once); retry when one has finished"
+            )
+
+    def _new_job(self, kind: str, pattern: str, tenant: str) -> CompileJob:
+        return CompileJob(
+            kind, pattern, tenant, self.compile_timeout_s, time.monotonic() + self.wait_s
+        )
 
     def compile(self, **constraint: Any) -> Grammar:
         """`compile_async`, waited for: the Grammar, or a ConstraintError."""
@@ -322,8 +418,9 @@ class ConstraintCompiler:
 
     # ---- driving the lanes ---------------------------------------------------------------------
     def poll(self) -> None:
-        """Read what the workers answered, kill overruns, start queued jobs, stop idle workers.
-        Never blocks on a worker for longer than reading a reply it has begun to send."""
+        """Read what the workers answered, kill overruns, fail jobs that waited too long, start
+        queued jobs, stop idle workers. Never blocks on a worker for longer than reading a reply
+        it has begun to send."""
         self._collect_llguidance()
         workers = self._workers()
         if workers:
@@ -336,11 +433,18 @@ class ConstraintCompiler:
                     self._overran(lane, worker)
                 elif worker.job is None and worker.ready and now - worker.started > IDLE_EXIT_S:
                     self._retire(lane, worker)
+            for job in lane.expired(now):
+                self._busy(job, f"the constraint compiler is busy: it waited {self.wait_s:g} s")
             self._dispatch(lane)
 
     def stats(self) -> CompileStats:
         return CompileStats(
-            self._started, self._finished, self._killed, self._longest_s, len(self._workers())
+            self._started,
+            self._finished,
+            self._killed,
+            self._refused,
+            self._longest_s,
+            len(self._workers()),
         )
 
     def close(self) -> None:
@@ -351,7 +455,7 @@ class ConstraintCompiler:
                     worker.job.fail("the runtime stopped before the constraint compiled")
                 self._retire(lane, worker)
             self._fail_queued(lane, "the runtime stopped before the constraint compiled")
-        for job, future, _ in self._llg_builds:
+        for job, future in self._llg_builds:
             future.cancel()
             job.fail("the runtime stopped before the constraint compiled")
         self._llg_builds.clear()
@@ -362,6 +466,19 @@ class ConstraintCompiler:
     # ---- internals -----------------------------------------------------------------------------
     def _workers(self) -> list[Worker]:
         return self.fast.workers + self.slow.workers
+
+    def _in_flight(self, tenant: str) -> int:
+        """The tenant's expensive jobs queued or building: the slow lane's, the llguidance
+        thread's."""
+        building = sum(1 for job, _ in self._llg_builds if job.tenant == tenant)
+        return self.slow.in_flight(tenant) + building
+
+    def _busy(self, job: CompileJob, why: str) -> None:
+        """Fail `job` with CompilerBusy and forget it, so a retry compiles afresh."""
+        self._refused += 1
+        job.fail_busy(f"{job.kind} constraint not compiled: {why}; retry later")
+        for key in [k for k, j in self._cache.items() if j is job]:
+            del self._cache[key]
 
     def _lane_of(self, worker: Worker) -> Lane:
         return self.fast if worker in self.fast.workers else self.slow
@@ -405,7 +522,7 @@ class ConstraintCompiler:
         self._longest_s = max(self._longest_s, ran)
         self._retire(lane, worker)
         if lane is self.fast and job.budget_s > 0:
-            self.slow.push(job)
+            self.slow.push(job)  # its wait keeps its first deadline
         else:
             logger.warning(
                 "killed a %s constraint compile after %.1f s (%s lane)", job.kind, ran, lane.name
@@ -456,7 +573,7 @@ class ConstraintCompiler:
         """One more worker for `lane`; when none can start (out of processes or memory), what
         the lane has queued fails instead of waiting forever."""
         try:
-            lane.workers.append(Worker(self._vocabulary_file.fileno()))
+            lane.workers.append(Worker(self._vocabulary_file.fileno(), self.whitespace_pattern))
         except OSError as e:
             logger.error("cannot start a constraint compile worker: %s", e)
             self._fail_queued(lane, f"the constraint compiler is unavailable: {e}")
@@ -468,23 +585,30 @@ class ConstraintCompiler:
                 job.fail(message)
         lane.queues.clear()
 
-    def _failed(self, message: str) -> CompileJob:
+    @staticmethod
+    def _failed(message: str, busy: bool = False) -> CompileJob:
+        """A job failed before it was queued (not cached)."""
         job = CompileJob("constraint", "", "", 0.0)
-        job.fail(message)
+        job.fail_busy(message) if busy else job.fail(message)
         return job
 
     def _trim_cache(self) -> None:
-        """Drop the least recently used entries past `cache_size` or MAX_CACHE_BYTES (a dropped
-        job still running finishes for the requests that hold it)."""
+        """Drop entries past `cache_size` or MAX_CACHE_BYTES, each time the least recently used
+        of the tenant holding the most, so a tenant filling the cache evicts its own entries
+        before another's (whose repeats would otherwise slow down, a signal across tenants). A
+        dropped job still running finishes for the requests that hold it."""
         while len(self._cache) > self.cache_size or (
             len(self._cache) > 1
             and sum(j.grammar_bytes for j in self._cache.values()) > MAX_CACHE_BYTES
         ):
-            self._cache.popitem(last=False)
+            held = Counter(tenant for tenant, _, _ in self._cache)
+            most = max(held.values())
+            del self._cache[next(k for k in self._cache if held[k[0]] == most)]
 
-    def _build_llguidance(self, job: CompileJob) -> None:
-        """Queue `job` on the llguidance thread (started, with llguidance's tokenizer, on first
-        use); its budget counts from now, queueing included."""
+    def _build_llguidance(self, job: CompileJob, value: Any) -> None:
+        """Queue the translation and build of `job` (`value` as the request gave it) on the
+        llguidance thread (started, with llguidance's tokenizer, on first use); its time counts
+        from now, queueing included."""
         if self._llg_thread is None or self._llg_tokens is None:
             try:
                 self._llg_tokens = llg.tokenizer(self.hf_tokenizer, self.vocab_size)
@@ -493,16 +617,18 @@ class ConstraintCompiler:
                 return
             self._llg_thread = ThreadPoolExecutor(1, thread_name_prefix="llguidance-compile")
         future = self._llg_thread.submit(
-            llg.build, self._llg_tokens, job.kind, job.pattern, self.eos_token_id
+            llg.translate_and_build, self._llg_tokens, job.kind, value, self.eos_token_id
         )
         self._started += 1
-        self._llg_builds.append((job, future, time.monotonic() + job.budget_s))
+        self._llg_builds.append((job, future))
 
     def _collect_llguidance(self) -> None:
-        """Finish the llguidance jobs whose builds returned; fail those past their budget."""
+        """Finish the llguidance jobs whose builds returned; fail those unfinished at their
+        deadline: busy if the build has not begun within its wait, too complex if it has not ended
+        within the compile timeout after that (llguidance's limits end it soon after)."""
         now = time.monotonic()
         for build in list(self._llg_builds):
-            job, future, deadline = build
+            job, future = build
             if future.done():
                 self._llg_builds.remove(build)
                 self._finished += 1
@@ -512,7 +638,11 @@ class ConstraintCompiler:
                     job.error = e
                 except Exception as e:  # noqa: BLE001 (a build's failure is its job's only)
                     job.fail(f"cannot compile {job.kind} constraint: {type(e).__name__}: {e}")
-            elif now > deadline:
+            elif not future.running() and now > job.wait_until:
+                self._llg_builds.remove(build)
+                future.cancel()
+                self._busy(job, f"the constraint compiler is busy: it waited {self.wait_s:g} s")
+            elif now > job.wait_until + self.compile_timeout_s:
                 self._llg_builds.remove(build)
                 self._killed += 1
                 job.fail(
@@ -529,14 +659,10 @@ class ConstraintCompiler:
             return "llguidance"
         return backend
 
-    def _to_grammar(self, kind: str, value: Any) -> str:
-        """The llguidance grammar text of a constraint (choices and dtypes as their regexes)."""
-        if kind in ("choices", "dtype", "regex"):
-            return llg.grammar_text("regex", self._to_regex(kind, value))
-        return llg.grammar_text(kind, value)
-
-    def _to_regex(self, kind: str, value: Any) -> str:
-        """The regex of a constraint, checked for type and size; ValueError says what is wrong."""
+    @staticmethod
+    def _to_regex(kind: str, value: Any) -> str:
+        """The regex of a regex, choices or dtype constraint, checked for type and size;
+        ValueError says what is wrong."""
         if kind == "regex":
             check_regex(value)
             return cast(str, value)  # check_regex raised unless it is a string
@@ -553,19 +679,49 @@ class ConstraintCompiler:
             pattern = "(" + "|".join(re.escape(c) for c in value) + ")"
             check_regex(pattern, "choices' regex")
             return pattern
-        if kind == "dtype":
-            if not isinstance(value, str) or value not in DTYPE_REGEXES:
-                raise ConstraintError(
-                    f"unknown dtype {value!r}; expected one of {sorted(DTYPE_REGEXES)}"
-                )
-            return DTYPE_REGEXES[value]
-        return schema_regex(value, self.whitespace_pattern)
+        if not isinstance(value, str) or value not in DTYPE_REGEXES:
+            raise ConstraintError(
+                f"unknown dtype {value!r}; expected one of {sorted(DTYPE_REGEXES)}"
+            )
+        return DTYPE_REGEXES[value]
 
 
 def _looks_cheap(pattern: str) -> bool:
     """Whether a regex goes to the fast lane: short, and no counted repetition past
     FAST_MAX_REPEAT (the DFA grows with those counts). A guess: the fast lane's budget bounds
     the cost of a wrong one."""
-    if len(pattern) > min(FAST_MAX_CHARS, MAX_REGEX_CHARS):
-        return False
-    return all(int(high or low) <= FAST_MAX_REPEAT for low, high in _REPEAT.findall(pattern))
+    return len(pattern) <= min(FAST_MAX_CHARS, MAX_REGEX_CHARS) and _small_repeats(pattern)
+
+
+def _small_repeats(text: str) -> bool:
+    """No counted repetition `{m,n}` in `text` past FAST_MAX_REPEAT."""
+    return all(int(high or low) <= FAST_MAX_REPEAT for low, high in _REPEAT.findall(text))
+
+
+def _schema_looks_cheap(schema: dict[str, Any], text: str) -> bool:
+    """Whether a JSON schema's compile goes to the fast lane (its expansion is already known to
+    be short): no length or item count past FAST_MAX_REPEAT, nor a counted repetition past it in
+    a `pattern` (its text, `text`, holds them as given)."""
+    counts = ("minLength", "maxLength", "minItems", "maxItems")
+    return _small_repeats(text) and all(
+        node.get(k, 0) <= FAST_MAX_REPEAT for _, node in schema_nodes(schema) for k in counts
+    )
+
+
+def _key_text(kind: str, value: Any) -> str:
+    """A constraint as the cache keys it, before any translation: a string as given, anything
+    else as its JSON (in the order given: a schema's property order is its output's), checked for
+    nesting first; ValueError for a value that is not JSON or longer than MAX_KEY_CHARS (no
+    check would accept it, and the cache holds its key)."""
+    if isinstance(value, str):
+        text = value
+    elif nesting_depth(value) > MAX_SCHEMA_DEPTH:
+        raise ValueError(f"{kind} nests deeper than {MAX_SCHEMA_DEPTH} levels")
+    else:
+        try:
+            text = json.dumps(value, ensure_ascii=False)
+        except (TypeError, ValueError) as e:  # a map with non-string keys or non-JSON values
+            raise ValueError(f"{kind} is not JSON: {e}") from None
+    if len(text) > MAX_KEY_CHARS:
+        raise ValueError(f"{kind} has {len(text)} chars; at most {MAX_KEY_CHARS}")
+    return text

@@ -34,6 +34,12 @@ class ConstraintError(ValueError):
     `invalid_constraint`."""
 
 
+class CompilerBusy(ConstraintError):
+    """A constraint the compiler would not take or could not start in time: its tenant already
+    has its cap of compiles in flight, or it waited past its budget for a worker. Its request
+    ends with `overloaded`, and the verdict is not cached (a retry may compile)."""
+
+
 class GrammarGuide(Protocol):
     """One request's position in a compiled constraint."""
 

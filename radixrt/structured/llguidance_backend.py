@@ -1,11 +1,13 @@
 """The llguidance backend of `grammar.Grammar`: context-free grammars (GBNF, Lark), and regexes,
 JSON schemas, choices and dtypes when `--grammar-backend llguidance`.
 
-A constraint becomes llguidance's grammar text (`grammar_text`, cheap, in the caller), then an
-`LLMatcher` (`build`: the lexer is built over the vocabulary, milliseconds, the GIL released),
-kept as the template every request's walk deep-copies. A build cannot be killed, but it is
-bounded: llguidance's `LLParserLimits` cap the lexer's fuel and states and the grammar's size
-(an overrun is an error, not a hang), and every later mask step has its own fuel.
+A constraint becomes llguidance's grammar text (`grammar_text`), then an `LLMatcher` (`build`:
+the lexer is built over the vocabulary, milliseconds, the GIL released), kept as the template
+every request's walk deep-copies; the compiler runs both on its llguidance thread
+(`translate_and_build`), never on the serving loop. A build cannot be killed from outside, but
+it stops itself: LIMITS, set explicitly here rather than left to llguidance's defaults, cap the
+lexer's fuel and states and the grammar's size (an overrun is an error, not a hang), and every
+later mask step has its own fuel and item cap.
 """
 
 from __future__ import annotations
@@ -34,7 +36,18 @@ if TYPE_CHECKING:
 MAX_GRAMMAR_CHARS = MAX_REGEX_CHARS
 # compact JSON, as the outlines backend's JSON_WHITESPACE: short outputs, long forced runs
 JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False}
-LIMITS = LLParserLimits(verbose_errors=False)  # errors name the fault, not the parser's state
+# Each bound a build and a mask step obey (llguidance 1.9's defaults, made explicit so an upgrade
+# cannot loosen them): the Earley items of one row and of one step, the lexer's fuel to build
+# (initial) and per step, its DFA states, and the grammar's size in symbols.
+LIMITS = LLParserLimits(
+    max_items_in_row=2_000,
+    initial_lexer_fuel=1_000_000,
+    step_lexer_fuel=200_000,
+    step_max_items=50_000,
+    max_lexer_states=250_000,
+    max_grammar_size=500_000,
+    verbose_errors=False,  # errors name the fault, not the parser's state
+)
 
 
 def tokenizer(hf_tokenizer: PreTrainedTokenizerBase, vocab_size: int) -> LLTokenizer:
@@ -86,6 +99,14 @@ def check_implemented(text: str) -> None:
     ignored = [w for w in warnings if w.startswith(("Unimplemented keys", "Unknown format"))]
     if ignored:
         raise ConstraintError(f"constraint cannot be enforced while decoding: {'; '.join(ignored)}")
+
+
+def translate_and_build(
+    tokens: LLTokenizer, kind: str, value: Any, eos_token_id: int
+) -> LLGuidanceGrammar:
+    """`build` of `grammar_text(kind, value)`: the whole cost of a constraint, for the compiler's
+    thread; ConstraintError as either raises it."""
+    return build(tokens, kind, grammar_text(kind, value), eos_token_id)
 
 
 def build(tokens: LLTokenizer, kind: str, text: str, eos_token_id: int) -> LLGuidanceGrammar:

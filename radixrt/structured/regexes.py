@@ -6,9 +6,10 @@ from __future__ import annotations
 import copy
 import json
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
-from outlines_core.json_schema import build_regex_from_schema
+from radixrt.structured.compile_worker import schema_regex as translate
 
 # compact, as json.dumps(separators=(",", ":")): short outputs, long forced runs
 JSON_WHITESPACE = ""
@@ -33,6 +34,15 @@ MAX_SCHEMA_ITEMS = 64
 MAX_SCHEMA_DEPTH = 64  # nested JSON containers (maps and lists) in a schema
 MAX_SCHEMA_CHARS = 64 * 1024  # a schema's JSON text
 MAX_REGEX_CHARS = 64 * 1024  # a regex, as given or as a translation (tool calls make long ones)
+# The budget on a JSON schema's expansion: outlines-core writes every `$ref` out in full (a
+# recursive one RECURSION_DEPTH times deep), so three levels of 64 properties, each a `$ref` to
+# the level below, make a 6.5 MB regex from a 6 KB schema. `check_expansion` walks the schema as
+# the translation would, adding up a lower bound of the regex's length, and stops the moment it
+# passes MAX_REGEX_CHARS (or a quarter as many nodes): no translation starts past the budget.
+RECURSION_DEPTH = 3  # how many times deep outlines-core expands a `$ref` inside itself
+# the length of outlines-core's regex for each type, at least (a string's `pattern` replaces it)
+_TYPE_CHARS = {"integer": 19, "number": 49, "boolean": 12, "null": 4, "object": 2, "array": 2}
+_STRING_CHARS = 43
 _SCHEMA_KEYWORDS = ("type", "enum", "const", "$ref", "anyOf", "oneOf", "allOf")
 _SCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
 _SCHEMA_LISTS = ("prefixItems", "anyOf", "oneOf", "allOf")
@@ -264,16 +274,106 @@ def _check_keyword_types(node: dict[str, Any], path: str) -> None:
 
 def schema_regex(schema: Any, whitespace: str = JSON_WHITESPACE) -> str:
     """The regex of the JSON texts `schema` (JSON text or a decoded map) accepts; ValueError for
-    a schema that is malformed, too large or too complex to constrain (see `load_schema` and
-    `check_schema`)."""
+    a schema that is malformed, too large or too complex to constrain (see `load_schema`,
+    `check_schema` and `check_expansion`: the translation starts only within the budget)."""
     schema = load_schema(schema)
     check_schema(schema)
-    try:
-        regex: str = build_regex_from_schema(json.dumps(schema), whitespace)
-    except Exception as e:  # noqa: BLE001 (outlines-core raises several types for bad schemas)
-        raise ValueError(f"unsupported JSON schema: {e}") from None
-    check_regex(regex, "json_schema's regex")
-    return regex
+    check_expansion(schema)
+    return translate(json.dumps(schema), whitespace, MAX_REGEX_CHARS)
+
+
+@dataclass(frozen=True)
+class _Expansion:
+    """A schema node as the translation reaches it: how many times its regex is written out
+    (`copies`: optional properties and array items repeat) and the `$ref`s followed to reach it."""
+
+    node: Any
+    copies: int
+    refs: tuple[str, ...]
+
+
+def check_expansion(schema: dict[str, Any], budget: int = MAX_REGEX_CHARS) -> int:
+    """A lower bound of the length of outlines-core's regex for (loaded, checked) `schema`, its
+    `$ref`s expanded as the translation expands them; ValueError as soon as the
+    running total passes `budget` chars (MAX_REGEX_CHARS: what a regex may take) or the walk
+    `budget` / 4 nodes, so the cost of the check is bounded by the budget however far the schema
+    would expand. Nothing here recurses."""
+    total, nodes = 0, 0
+    stack = [_Expansion(schema, 1, ())]
+    while stack:
+        at = stack.pop()
+        nodes += 1
+        if isinstance(at.node, dict):
+            total += _own_chars(at.node) * at.copies
+            stack.extend(_inside(schema, at))
+        if total > budget or nodes > budget // 4:
+            raise ValueError(
+                f"json_schema is too large once its $refs are expanded: its regex would take over "
+                f"{budget} chars or {budget // 4} schema nodes (the expansion budget); share "
+                "less through $ref or split the schema"
+            )
+    return total
+
+
+def _own_chars(node: dict[str, Any]) -> int:
+    """The regex chars schema `node` writes itself (its subschemas counted apart), at least."""
+    chars = 0
+    if "enum" in node and isinstance(node["enum"], list):
+        chars += sum(len(json.dumps(v)) for v in node["enum"])
+    elif "const" in node:
+        chars += len(json.dumps(node["const"]))
+    else:
+        kinds = node.get("type")
+        for kind in kinds if isinstance(kinds, list) else [kinds]:
+            if kind == "string":
+                chars += len(node.get("pattern", "")) + 2 if "pattern" in node else _STRING_CHARS
+            else:
+                chars += _TYPE_CHARS.get(kind, 0) if isinstance(kind, str) else 0
+    properties = node.get("properties")
+    if isinstance(properties, dict):
+        chars += sum(len(json.dumps(name)) + 1 for name in properties)
+    return chars
+
+
+def _inside(root: dict[str, Any], at: _Expansion) -> Iterator[_Expansion]:
+    """The nodes the translation of `at` expands next: its subschemas (not its `$defs`), each as
+    many times as outlines-core writes it, and the target of its `$ref` unless that `$ref` is
+    already RECURSION_DEPTH deep on the way here (outlines-core stops there). outlines-core writes
+    an array's `items` twice (the first and the rest) and, when no property is required, the i-th
+    of k properties k - i times (each may be the first present)."""
+    node = at.node
+    properties = node.get("properties")
+    if isinstance(properties, dict):
+        k, optional = len(properties), not node.get("required")
+        for i, sub in enumerate(properties.values()):
+            yield _Expansion(sub, at.copies * (k - i if optional else 1), at.refs)
+    for where, sub in subschemas(node):
+        if not where.startswith((".properties.", ".$defs.", ".definitions.")):
+            yield _Expansion(sub, at.copies * (2 if where == ".items" else 1), at.refs)
+    ref = node.get("$ref")
+    if isinstance(ref, str) and at.refs.count(ref) < RECURSION_DEPTH:
+        target = _resolve(root, ref)
+        if target is not None:
+            yield _Expansion(target, at.copies, (*at.refs, ref))
+
+
+def _resolve(root: dict[str, Any], ref: str) -> Any:
+    """The node a local `$ref` ("#" or a JSON pointer "#/a/b") names in `root`; None for another
+    kind of `$ref` or a pointer to nothing (the translation reports those)."""
+    if ref == "#":
+        return root
+    if not ref.startswith("#/"):
+        return None
+    node: Any = root
+    for part in ref[2:].split("/"):
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return node
 
 
 def check_regex(regex: Any, what: str = "regex") -> None:

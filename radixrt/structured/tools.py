@@ -36,7 +36,13 @@ from radixrt.structured.patterns import (
     render,
     seq,
 )
-from radixrt.structured.regexes import check_schema, load_schema
+from radixrt.structured.regexes import (
+    MAX_REGEX_CHARS,
+    check_expansion,
+    check_schema,
+    load_schema,
+    needs_grammar,
+)
 
 PARSER_NAMES = ("auto", "hermes", "llama3-json", "mistral", "pythonic")
 _TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -70,38 +76,63 @@ class Tool:
 
 def parse_tools(tools: list[Any]) -> list[Tool]:
     """OpenAI's `tools` list → Tools; ToolError names the first malformed entry and why (a bad
-    name, a duplicate, parameters that are not an object schema or too complex to constrain)."""
+    name, a duplicate, parameters that are not an object schema or too complex to constrain).
+    Each tool's schema is translated here (the gateway's event loop), so first the tools'
+    schemas are checked, then, where they render as one regex, their `$ref` expansions together
+    against one budget (`check_expansion`): no translation starts past it, and all of them cost
+    at most one budget's worth."""
     parsed: list[Tool] = []
     for i, entry in enumerate(tools):
-        where = f"tools[{i}]"
-        if not isinstance(entry, dict) or entry.get("type", "function") != "function":
-            raise ToolError(
-                f'{where}: only {{"type": "function", "function": {{...}}}} is supported'
-            )
-        function = entry.get("function")
-        if not isinstance(function, dict):
-            raise ToolError(f"{where}.function must be an object with a name")
-        name = function.get("name")
-        if not isinstance(name, str) or not _TOOL_NAME.fullmatch(name):
-            raise ToolError(f"{where}.function.name must match [A-Za-z0-9_-]{{1,64}}, not {name!r}")
-        if any(t.name == name for t in parsed):
-            raise ToolError(f"{where}: a second tool named {name!r}")
-        parameters = function.get("parameters")
-        if parameters is None:
-            parameters = {"type": "object", "properties": {}}
-        if not isinstance(parameters, dict) or parameters.get("type", "object") != "object":
-            raise ToolError(f"{where}.function.parameters must be a JSON schema of type object")
-        tool = Tool(
-            name, parameters, str(function.get("description") or ""), bool(function.get("strict"))
-        )
-        try:  # checked now, so a bad schema is the caller's 400
+        parsed.append(_parse_tool(i, entry, parsed))
+    schemas = [t.parameters for t in parsed if isinstance(t.arguments, Json)]
+    if not any(needs_grammar(s) for s in schemas):  # else a Lark grammar: no $ref is expanded
+        left = MAX_REGEX_CHARS
+        for i, tool in enumerate(parsed):
             if isinstance(tool.arguments, Json):
-                check_schema(load_schema(parameters))
+                try:
+                    left -= check_expansion(tool.parameters, left)
+                except ValueError:
+                    raise ToolError(
+                        f"tools[{i}].function.parameters: with the tools before it, too large "
+                        f"once $refs are expanded: their regex would take over {MAX_REGEX_CHARS} "
+                        "chars (the expansion budget); share less through $ref or offer fewer tools"
+                    ) from None
+    for i, tool in enumerate(parsed):
+        try:  # translated now, so a schema outlines-core cannot read is the caller's 400
             render(tool.arguments)
         except ValueError as e:
-            raise ToolError(f"{where}.function.parameters: {e}") from None
-        parsed.append(tool)
+            raise ToolError(f"tools[{i}].function.parameters: {e}") from None
     return parsed
+
+
+def _parse_tool(i: int, entry: Any, parsed: list[Tool]) -> Tool:
+    """`tools[i]` → a Tool with its schema checked (not yet translated); ToolError names what is
+    wrong, a name among `parsed` (the tools before it) included."""
+    where = f"tools[{i}]"
+    if not isinstance(entry, dict) or entry.get("type", "function") != "function":
+        raise ToolError(f'{where}: only {{"type": "function", "function": {{...}}}} is supported')
+    function = entry.get("function")
+    if not isinstance(function, dict):
+        raise ToolError(f"{where}.function must be an object with a name")
+    name = function.get("name")
+    if not isinstance(name, str) or not _TOOL_NAME.fullmatch(name):
+        raise ToolError(f"{where}.function.name must match [A-Za-z0-9_-]{{1,64}}, not {name!r}")
+    if any(t.name == name for t in parsed):
+        raise ToolError(f"{where}: a second tool named {name!r}")
+    parameters = function.get("parameters")
+    if parameters is None:
+        parameters = {"type": "object", "properties": {}}
+    if not isinstance(parameters, dict) or parameters.get("type", "object") != "object":
+        raise ToolError(f"{where}.function.parameters must be a JSON schema of type object")
+    tool = Tool(
+        name, parameters, str(function.get("description") or ""), bool(function.get("strict"))
+    )
+    try:  # checked now, so a bad schema is the caller's 400
+        if isinstance(tool.arguments, Json):
+            check_schema(load_schema(parameters))
+    except ValueError as e:
+        raise ToolError(f"{where}.function.parameters: {e}") from None
+    return tool
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 import pytest
 from outlines_core import Index, Vocabulary
@@ -23,6 +24,8 @@ from radixrt.structured.tools import (
     prompt_messages,
     resolve_parser,
 )
+
+from helpers import ref_fan_out
 
 WEATHER = {
     "type": "function",
@@ -190,6 +193,28 @@ def test_streaming_holds_back_what_may_begin_the_trigger():
 def test_malformed_tools_are_refused_with_the_reason(tools, message):
     with pytest.raises(ToolError, match=re.escape(message)):
         parse_tools(tools)
+
+
+def _tool(name: str, parameters: dict) -> dict:
+    return {"type": "function", "function": {"name": name, "parameters": parameters}}
+
+
+def test_tool_schemas_are_bounded_by_one_expansion_budget_before_translation():
+    """Tools are translated on the gateway's event loop: a `$ref` fan-out is refused by the
+    expansion budget before any translation, and so are many tools each within it but over it
+    together; with a keyword only a grammar enforces, the tools render as Lark (no expansion)."""
+    for tools in (
+        [_tool("f", ref_fan_out(64))],
+        [_tool(f"f{i}", ref_fan_out(8)) for i in range(50)],
+    ):
+        start = time.monotonic()
+        with pytest.raises(ToolError, match="expansion budget"):
+            parse_tools(tools)
+        assert time.monotonic() - start < 0.5
+    assert len(parse_tools([_tool(f"f{i}", ref_fan_out(8)) for i in range(3)])) == 3
+    bounded = {**ref_fan_out(64), "minProperties": 1}
+    tools = parse_tools([_tool("f", bounded)])
+    assert HERMES.constraint(tools, ToolChoice("required"), False).kind == "lark"
 
 
 def test_tool_choice():

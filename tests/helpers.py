@@ -7,6 +7,7 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 from functools import lru_cache
 from pathlib import Path
@@ -354,3 +355,37 @@ def ref_fan_out(k: int) -> dict:
         "$defs": {"l2": level({"type": "integer"}), "l1": level({"$ref": "#/$defs/l2"})},
         **level({"$ref": "#/$defs/l1"}),
     }
+
+
+def finish_order(admin, queued: list[tuple[str, object, int]]) -> list[str]:
+    """On a runtime that runs one request at a time: a long stream from `admin` runs, then each
+    (name, endpoint, priority) of `queued` is sent in turn, 0.3 s apart, and waits behind it;
+    the stream is aborted once all wait, and the names are returned in the order their requests
+    finished (so priorities, as capped, decide it)."""
+    from radixrt.client.base import RequestOptions
+
+    finished: list[str] = []
+
+    def run(name: str, endpoint, priority: int) -> None:
+        endpoint.generate(
+            input_ids=[5, 6, 9],
+            sampling_params={"max_new_tokens": 4, "temperature": 0, "ignore_eos": True},
+            options=RequestOptions(priority=priority),
+        )
+        finished.append(name)
+
+    long = {"max_new_tokens": 1000, "temperature": 0, "ignore_eos": True}
+    blocker = admin.generate(input_ids=[5, 6, 7], sampling_params=long, stream=True)
+    next(blocker)
+    threads = [threading.Thread(target=run, args=item) for item in queued]
+    for t in threads:
+        t.start()
+        time.sleep(0.3)  # each request waits before the next arrives
+    deadline = time.monotonic() + 30
+    while admin.stats()["waiting"] < len(queued) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert admin.stats()["waiting"] == len(queued), "all must wait behind the running one"
+    blocker.close()  # aborts it: the waiting ones run, one at a time
+    for t in threads:
+        t.join(REPLY_TIMEOUT_S)
+    return finished

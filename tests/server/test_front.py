@@ -7,8 +7,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import threading
-import time
 import urllib.error
 import urllib.request
 
@@ -18,14 +16,13 @@ import pytest
 import zmq
 
 import radixrt as rt
-from radixrt.client.endpoint import RequestOptions
 from radixrt.client.transport import AuthenticationError, InvalidRequestError
 from radixrt.protocol import ADMIN_OPS
 from radixrt.server.front import Role
 from radixrt.server.router.router import Router
 from radixrt.server.zmq_server import OPS
 
-from helpers import launch_runtime
+from helpers import finish_order, launch_runtime
 from ownership import assert_no_leak
 from timeouts import REPLY_TIMEOUT_S
 
@@ -176,30 +173,8 @@ def test_a_tenants_priority_is_capped_by_its_key_file_line(guarded):
     before bob asks 5 (his line sets no maxprio: --tenant-max-priority 5), so bob's runs first."""
     admin = rt.RuntimeEndpoint(guarded.url, api_key=ADMIN_KEY, timeout=REPLY_TIMEOUT_S)
     alice, bob = _endpoint(guarded.url, "alice"), _endpoint(guarded.url, "bob")
-    finished: list[str] = []
-
-    def run(name: str, endpoint, priority: int) -> None:
-        endpoint.generate(
-            input_ids=[5, 6, 9], sampling_params=SHORT, options=RequestOptions(priority=priority)
-        )
-        finished.append(name)
-
     try:
-        blocker = admin.generate(input_ids=[5, 6, 7], sampling_params=LONG, stream=True)
-        next(blocker)
-        threads = [threading.Thread(target=run, args=("alice", alice, 100))]
-        threads.append(threading.Thread(target=run, args=("bob", bob, 5)))
-        for t in threads:
-            t.start()
-            time.sleep(0.3)  # alice's request waits before bob's arrives
-        deadline = time.monotonic() + 30
-        while admin.stats()["waiting"] < 2 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert admin.stats()["waiting"] == 2, "both must wait behind the running one"
-        blocker.close()  # aborts it: the waiting two run, one at a time
-        for t in threads:
-            t.join(REPLY_TIMEOUT_S)
-        assert finished == ["bob", "alice"]
+        assert finish_order(admin, [("alice", alice, 100), ("bob", bob, 5)]) == ["bob", "alice"]
     finally:
         for e in (admin, alice, bob):
             e.close()

@@ -15,11 +15,10 @@ import pytest
 from transformers import AutoTokenizer
 
 import radixrt as rt
-from radixrt.client.endpoint import RequestOptions
 from radixrt.client.transport import RemoteError
 from radixrt.protocol import MAX_PIN_ID_CHARS
 
-from helpers import launch_runtime
+from helpers import finish_order, launch_runtime
 from ownership import assert_no_leak, wait_idle
 from timeouts import REPLY_TIMEOUT_S
 
@@ -206,31 +205,8 @@ def test_a_tenants_priority_is_clamped_by_default(costs):
     """Neither tenant's key-file line sets a maxprio: alice's priority 100 counts as 0
     (`--tenant-max-priority`), so bob's request, queued before hers at 0, runs first."""
     alice, bob = _endpoint(costs, "alice"), _endpoint(costs, "bob")
-    finished: list[str] = []
-
-    def run(name: str, endpoint, priority: int) -> None:
-        endpoint.generate(
-            input_ids=[5, 6, 9], sampling_params=SHORT, options=RequestOptions(priority=priority)
-        )
-        finished.append(name)
-
     try:
-        blocker = costs.generate(input_ids=[5, 6, 7], sampling_params=LONG, stream=True)
-        next(blocker)
-        threads = [
-            threading.Thread(target=run, args=("bob", bob, 0)),
-            threading.Thread(target=run, args=("alice", alice, 100)),
-        ]
-        for t in threads:
-            t.start()
-            time.sleep(0.3)  # bob's request waits before alice's arrives
-        deadline = time.monotonic() + 30
-        while costs.stats()["waiting"] < 2 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        blocker.close()
-        for t in threads:
-            t.join(REPLY_TIMEOUT_S)
-        assert finished == ["bob", "alice"]
+        assert finish_order(costs, [("bob", bob, 0), ("alice", alice, 100)]) == ["bob", "alice"]
     finally:
         alice.close()
         bob.close()

@@ -12,9 +12,11 @@ from typing import Any
 import msgpack
 
 MAX_CACHE_SALT_CHARS = 256  # a generate's `cache_salt`, checked by the runtime and the router
-# A frame's maps and lists nest at most this deep (the top-level map is depth 1): deeper than any
-# request needs, far shallower than msgpack's packer allows, so whatever is echoed can be packed.
-MAX_NESTING = 32
+# A frame's maps and lists nest at most this deep (the top-level map is depth 1): room for the
+# deepest field a request may hold (a JSON schema of 64 levels, `regexes.MAX_SCHEMA_DEPTH`, under
+# sampling_params, which the constraint check answers with `invalid_constraint`), and well within
+# msgpack's packer (511 levels), so whatever a process re-packs or echoes can be packed.
+MAX_NESTING = 256
 # a rid is a string of at most this many characters (a router's key for a worker adds ~11)
 MAX_RID_CHARS = 1024
 # a pin's `pin_id`, checked by the runtime: room for what a router (~11) or the HTTP gateway

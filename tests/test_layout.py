@@ -50,7 +50,8 @@ ALLOWED = {
     "models": {"attention", "distributed", "kernels", "forward_batch"},
     "distributed": {"forward_batch"},  # the commands rank 0 sends carry a step's batch
     "attention": {"kernels", "forward_batch"},
-    "structured": {"kernels"},  # bitmask: the C pass that applies masks to CPU logits
+    # kernels: bitmask, the C pass that applies masks to CPU logits; protocol: nesting_depth
+    "structured": {"kernels", "protocol"},
     "speculative": set(),
     "kernels": set(),
     "frontend": {"client", "frontend", "structured"},  # structured.tools: calls, no torch

@@ -71,14 +71,14 @@ def raw_map(*entries: tuple[str, bytes]) -> bytes:
 
 def frame_attacks(api_key: str | None) -> list[bytes]:
     """Frames that once stopped a router or a TP runtime (issue 39), sent with `api_key` or
-    without: rids nested far past the decoder's bound and just within it, a rid too long to
+    without: rids nested past the decoder's bound (1,024 and 300 levels) and within it, a rid too long to
     echo, a map where a key belongs, rids at the edges of 64 bits, deep sampling params, and
     frames that are not a map at all. Each must cost its sender a reply at most."""
     auth = [("api_key", msgpack.packb(api_key))] if api_key else []
     health, generate = msgpack.packb("health"), msgpack.packb("generate")
     return [
         raw_map(("rid", nested_array(1024)), ("op", health), *auth),
-        raw_map(("rid", nested_array(40)), ("op", health), *auth),
+        raw_map(("rid", nested_array(300)), ("op", health), *auth),
         raw_map(("rid", nested_array(20)), ("op", health), *auth),
         raw_map(("rid", msgpack.packb("r" * 5000)), ("op", generate), *auth),
         b"\x81" + msgpack.packb({"x": list(range(60))}) + msgpack.packb(1),

@@ -68,6 +68,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from outlines_core import Index
 
+from radixrt.protocol import nesting_depth
 from radixrt.structured import compile_worker as wire
 from radixrt.structured import llguidance_backend as llg
 from radixrt.structured.grammar import (
@@ -89,7 +90,6 @@ from radixrt.structured.regexes import (
     check_schema,
     load_schema,
     needs_grammar,
-    nesting_depth,
     schema_nodes,
 )
 from radixrt.structured.vocabulary import TokenTable, build_vocabulary
@@ -715,7 +715,7 @@ def _key_text(kind: str, value: Any) -> str:
     check would accept it, and the cache holds its key)."""
     if isinstance(value, str):
         text = value
-    elif nesting_depth(value) > MAX_SCHEMA_DEPTH:
+    elif nesting_depth(value, MAX_SCHEMA_DEPTH) > MAX_SCHEMA_DEPTH:
         raise ValueError(f"{kind} nests deeper than {MAX_SCHEMA_DEPTH} levels")
     else:
         try:

@@ -9,6 +9,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from radixrt.protocol import nesting_depth
 from radixrt.structured.compile_worker import schema_regex as translate
 
 # compact, as json.dumps(separators=(",", ":")): short outputs, long forced runs
@@ -95,7 +96,7 @@ def load_schema(value: Any) -> dict[str, Any]:
             raise ValueError(f"json_schema is not valid JSON: {e}") from None
     if not isinstance(value, dict):
         raise ValueError(f"json_schema must be a JSON object, not {_kind(value)}")
-    if nesting_depth(value) > MAX_SCHEMA_DEPTH:
+    if nesting_depth(value, MAX_SCHEMA_DEPTH) > MAX_SCHEMA_DEPTH:
         raise ValueError(f"json_schema nests deeper than {MAX_SCHEMA_DEPTH} levels")
     try:
         size = len(json.dumps(value))
@@ -104,22 +105,6 @@ def load_schema(value: Any) -> dict[str, Any]:
     if size > MAX_SCHEMA_CHARS:
         raise ValueError(f"json_schema has {size} chars as JSON; at most {MAX_SCHEMA_CHARS}")
     return value
-
-
-def nesting_depth(value: Any) -> int:
-    """How many maps and lists deep `value` nests (0 for a scalar), counted without recursion."""
-    deepest, stack = 0, [(value, 1)]
-    while stack:
-        node, depth = stack.pop()
-        if isinstance(node, (dict, list)):
-            deepest = max(deepest, depth)
-            if depth <= MAX_SCHEMA_DEPTH:  # past the bound the answer is known; stop descending
-                stack.extend((child, depth + 1) for child in _children(node))
-    return deepest
-
-
-def _children(node: dict[Any, Any] | list[Any]) -> Iterable[Any]:
-    return node.values() if isinstance(node, dict) else node
 
 
 def _kind(value: Any) -> str:

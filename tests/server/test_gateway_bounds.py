@@ -216,7 +216,9 @@ def test_pins_are_each_callers_and_end_with_their_lease(runtime):
     status, pinned = _post(runtime, "/pin", {"pin_id": "fork", **prompt})
     assert status == 200 and pinned["pinned_tokens"] > 0 and pinned["lease_s"] == PIN_LEASE_S
     assert _post(runtime, "/pin", {"pin_id": "fork", **prompt})[0] == 400  # held already
-    assert _post(runtime, "/pin", {"pin_id": "fork", **prompt}, key=BOB)[0] == 200  # Bob's own
+    # Bob's own: the prompt cached under his tenant first (a pin of nothing is refused)
+    assert _post(runtime, "/v1/completions", _completion(prompt["text"]), key=BOB)[0] == 200
+    assert _post(runtime, "/pin", {"pin_id": "fork", **prompt}, key=BOB)[0] == 200
     assert _post(runtime, "/unpin", {"pin_id": "fork"}, key=BOB) == (200, {"success": True})
     assert _post(runtime, "/pin", {"pin_id": "x" * 1000, **prompt})[0] == 400  # id too long
     assert _gauges(runtime)["radixrt_http_pin_leases"] == 1

@@ -320,19 +320,19 @@ class LogThrottle:
 
     def __init__(self, log: logging.Logger):
         self.log = log
-        self.last: dict[str, float] = {}
-        self.held = 0
+        self.last: dict[str, float] = {}  # when each text was last logged
+        self.held: dict[str, int] = {}  # how many of each were held back since
 
     def note(self, what: str) -> None:
         now = time.monotonic()
         if now - self.last.get(what, -LOG_EVERY_S) < LOG_EVERY_S:
-            self.held += 1
+            self.held[what] = self.held.get(what, 0) + 1
             return
         if len(self.last) > MAX_PEERS:
             self.last.clear()
+            self.held.clear()
         self.last[what] = now
-        self.log.warning("%s (%d like it held back)", what, self.held)
-        self.held = 0
+        self.log.warning("%s (%d like it held back)", what, self.held.pop(what, 0))
 
 
 class ClientFront:

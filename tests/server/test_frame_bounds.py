@@ -9,6 +9,7 @@ served; and a keyless flood during which a real request is answered.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
@@ -31,6 +32,7 @@ from radixrt.server.front import (
     REFUSAL_BURST,
     ClientFront,
     FrontConfig,
+    LogThrottle,
     Op,
     PeerBudget,
     read_envelope,
@@ -278,3 +280,16 @@ def test_a_frame_that_outgrows_the_limit_at_the_router_is_refused_not_sent(tiny_
         out = fleet.generate(input_ids=[5, 6, 7], sampling_params=SHORT)
         assert out["meta_info"]["completion_tokens"] == 4
         assert all(w["alive"] for w in fleet.stats()["workers"])
+
+
+def test_a_flood_of_one_warning_is_logged_once_with_a_count(caplog):
+    throttle = LogThrottle(logging.getLogger("test-throttle"))
+    with caplog.at_level(logging.WARNING, logger="test-throttle"):
+        for _ in range(100):
+            throttle.note("the same")
+        throttle.note("another")
+    assert [r.getMessage() for r in caplog.records] == [
+        "the same (0 like it held back)",
+        "another (0 like it held back)",
+    ]
+    assert throttle.held == {"the same": 99}

@@ -9,6 +9,7 @@ import os
 os.environ["TRITON_INTERPRET"] = "1"
 
 import shutil
+from collections import defaultdict
 from pathlib import Path
 
 import pytest
@@ -28,6 +29,26 @@ def pytest_collection_modifyitems(items) -> None:
     for item in items:
         if MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.model)
+
+
+SECONDS_BY_DIRECTORY: dict[str, float] = defaultdict(float)
+
+
+def pytest_runtest_logreport(report) -> None:
+    """Add each phase's time (setup, call, teardown) to its test's directory; under xdist the
+    controller receives every worker's reports here too."""
+    SECONDS_BY_DIRECTORY[report.nodeid.split("::")[0].rpartition("/")[0]] += report.duration
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """The suite's time per test directory (docs/development.md keeps the figures), summed over
+    xdist workers, so the total may exceed the wall clock."""
+    if not SECONDS_BY_DIRECTORY:
+        return
+    terminalreporter.write_sep("=", "time per test directory (summed over workers)")
+    for directory, seconds in sorted(SECONDS_BY_DIRECTORY.items(), key=lambda kv: -kv[1]):
+        terminalreporter.write_line(f"{seconds:8.1f}s  {directory}")
+    terminalreporter.write_line(f"{sum(SECONDS_BY_DIRECTORY.values()):8.1f}s  in all")
 
 
 @pytest.fixture(scope="session")

@@ -20,6 +20,8 @@ from radixrt.server.front import PROBE
 
 from timeouts import REPLY_TIMEOUT_S
 
+DATA = Path(__file__).resolve().parent / "data"  # texts, datasets and tasks the tests read
+
 # The shape of every tiny random checkpoint the tests make (the default model's vocabulary, so
 # its tokenizer fits): each test adds what its family or case needs.
 TINY = dict(
@@ -389,3 +391,13 @@ def finish_order(admin, queued: list[tuple[str, object, int]]) -> list[str]:
     for t in threads:
         t.join(REPLY_TIMEOUT_S)
     return finished
+
+
+def seeded_id_prompts(n: int, seed: int = 0) -> list[list[int]]:
+    """`n` seeded prompts of token ids: a 20-token prefix they all share, then 1 to 11 of their
+    own (ids within the default vocabulary)."""
+    rng = random.Random(seed)
+    shared = [rng.randrange(3, 49152) for _ in range(20)]
+    return [
+        shared + [rng.randrange(3, 49152) for _ in range(rng.randrange(1, 12))] for _ in range(n)
+    ]

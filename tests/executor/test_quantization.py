@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,7 +18,9 @@ from radixrt.forward_batch import ForwardBatch
 from radixrt.kernels import int4_gemm, int8_gemm
 from radixrt.models.linear import GroupedLinear, Int8Linear
 
-TEXT = Path(__file__).resolve().parent.parent / "data" / "quality_text.txt"
+from helpers import DATA
+
+TEXT = DATA / "quality_text.txt"
 POSITIONS = 500
 
 pytestmark = [

@@ -13,7 +13,9 @@ GGUF stores a linear [N, K] as N rows of blocks:
 - Q5_K and Q6_K (5 and 6 bits, which 4-bit groups cannot hold): each group of 32 dequantized a
   few rows at a time and quantized again by Q8_0's rule into 8-bit groups (at most half an
   8-bit step, 1/254 of the group's largest magnitude, from gguf's values).
-llama.cpp's converter reorders the rows of a Llama's q and k projections (the two halves of each
+Tensors stacked into one linear (q/k/v, gate/up) share a width: where one is 8-bit (a Q4_K_M
+file's Q6_K v), the 4-bit ones are requantized to 8-bit groups the same way. llama.cpp's
+converter reorders the rows of a Llama's q and k projections (the two halves of each
 head's rotary pairs interleaved); `_unpermute` puts them back, as transformers does when it
 dequantizes.
 """
@@ -55,8 +57,8 @@ class Part:
 
 @dataclass(frozen=True)
 class GGUFPlan:
-    """The linears (module name -> parts, stacked by rows) whose every part is a packed type
-    of one width, in the file `reader` reads (gguf's `GGUFReader`: opened once, since parsing
+    """The linears (module name -> parts, stacked by rows) whose every part is of a packed
+    type, in the file `reader` reads (gguf's `GGUFReader`: opened once, since parsing
     the header of a model with a large vocabulary takes seconds)."""
 
     reader: Any
@@ -182,25 +184,35 @@ def _requantized(rows: torch.Tensor, kind: Any, k: int) -> tuple[torch.Tensor, t
 
 
 def _stack(tensors: list, parts: list[Part]) -> PackedGroups:
-    """Several tensors' rows, one after the other, as one packed weight."""
+    """Several tensors' rows, one after the other, as one packed weight: 8-bit groups if any
+    of them is 8-bit (a Q4_K_M file's Q6_K v beside Q4_K q and k), the 4-bit ones requantized."""
+    k = int(tensors[0].shape[0])
+    bits = max(PACKED_TYPES[t.tensor_type.name] for t in tensors)
     qs, ds, ms = [], [], []
     for tensor, part in zip(tensors, parts):
-        q, d, m, bits = blocks(tensor)
+        q, d, m, width = blocks(tensor)
+        if width != bits:
+            q, d, m = *_as_8_bit(q, d, m, k), None
         order = _unpermute(q.shape[0], part.heads)
         qs.append(q[order])
         ds.append(d[order])
         ms.append(None if m is None else m[order])
     m_all = None if ms[0] is None else torch.cat(ms)  # type: ignore[arg-type]
-    return PackedGroups.from_blocks(
-        torch.cat(qs), torch.cat(ds), m_all, int(tensors[0].shape[0]), bits
-    )
+    return PackedGroups.from_blocks(torch.cat(qs), torch.cat(ds), m_all, k, bits)
+
+
+def _as_8_bit(
+    q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """4-bit groups as 8-bit ones (within half an 8-bit step): one tensor's floats at a time."""
+    w = PackedGroups.from_blocks(q, d, m, k, Bits.INT4).dequantize()
+    q8, d8 = int8_groups(w.view(w.shape[0], -1, GROUP))
+    return q8.view(torch.uint8), d8
 
 
 def _packable(kinds: list[str | None]) -> bool:
-    """Whether tensors of these GGUF types stack into one packed weight: all packed, one width."""
-    if not all(k in PACKED_TYPES for k in kinds):
-        return False
-    return len({PACKED_TYPES[k] for k in kinds if k is not None}) == 1
+    """Whether tensors of these GGUF types stack into one packed weight: all of packed types."""
+    return all(k in PACKED_TYPES for k in kinds)
 
 
 def _unpermute(rows: int, heads: int) -> torch.Tensor:

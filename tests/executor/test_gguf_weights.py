@@ -18,7 +18,7 @@ K = 96  # three groups
 CONFIG = LlamaConfig(
     hidden_size=K, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=1
 )
-# name -> (rows, type): q and k share a width, v is 8-bit: q/k/v cannot stack into one layout
+# name -> (rows, type): q and k are 4-bit, v 8-bit: q/k/v stack as 8-bit groups
 TENSORS = {
     "blk.0.attn_q.weight": (K, T.Q4_0),
     "blk.0.attn_k.weight": (48, T.Q4_1),
@@ -63,21 +63,32 @@ def test_packed_blocks_equal_ggufs_dequantization(written, name):
     assert torch.equal(packed.dequantize(), _dequantized(tensor))
 
 
-def test_the_plan_stacks_only_packed_tensors_of_one_width(written):
+def test_the_plan_stacks_packed_tensors_in_the_widest_width(written):
+    """q/k/v mix 4- and 8-bit types: they stack as 8-bit groups (the 4-bit ones requantized,
+    within half an 8-bit step); gate/up are both 4-bit: copied as stored; down is float."""
     plan = gguf_weights.plan(written[0], CONFIG)
     assert set(plan.linears) == {
+        "layers.0.self_attn.qkv_proj",
         "layers.0.self_attn.o_proj",
         "layers.0.mlp.gate_up_proj",
         "lm_head",
     }
     assert plan.meta_weights(tied=True) == {
-        "layers.0.self_attn.o_proj.weight",
-        "layers.0.mlp.gate_up_proj.weight",
+        f"layers.0.{m}.weight"
+        for m in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj")
     }
     linears = gguf_weights.read_linears(plan)
     gate_up = torch.cat([_dequantized(written[1][f"blk.0.ffn_{p}.weight"]) for p in ("gate", "up")])
     assert torch.equal(linears["layers.0.mlp.gate_up_proj"].dequantize(), gate_up)
     assert linears["lm_head"].bits == int4_gemm.Bits.INT8
+    qkv = linears["layers.0.self_attn.qkv_proj"]
+    assert qkv.bits == int4_gemm.Bits.INT8
+    v = _dequantized(written[1]["blk.0.attn_v.weight"])
+    assert torch.equal(qkv.dequantize()[-48:], v)  # already 8-bit: as stored
+    k_rows = qkv.dequantize()[K : K + 48].view(48, -1, 32)
+    k_want = _dequantized(written[1]["blk.0.attn_k.weight"])[gguf_weights._unpermute(48, 2)]
+    k_want = k_want.view(48, -1, 32)
+    assert ((k_rows - k_want).abs() <= k_want.abs().amax(2, keepdim=True) / 254 * 1.01 + 1e-7).all()
 
 
 def test_q_and_k_rows_are_put_back_in_hugging_faces_order():

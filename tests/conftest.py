@@ -71,6 +71,15 @@ def tiny_model_dir(tmp_path_factory, default_model_dir) -> Path:
     return folder
 
 
+@pytest.fixture(scope="session")
+def quality_reference(default_model_dir):
+    """float32 on the default model over the quality text, what quantized weights are held
+    against (`helpers.quality_gates`)."""
+    from helpers import QualityReference
+
+    return QualityReference.of_default_model()
+
+
 # Runtimes shared by every module that needs no settings of its own (each start costs a process,
 # seconds of imports and a model load). A test that uses one may send it anything a client may,
 # but must leave it serving as it found it: no shutdown, no pins or tenants left behind, and no

@@ -111,6 +111,8 @@ def scheduler_stats(c: Counters, x: StatsInputs) -> dict[str, Any]:
         "storage_hit_tokens": c.storage_hit_tokens,
         "storage_rejected_blocks": u.storage_rejected_blocks,
         "swapped_out_tokens": u.swapped_out_tokens,
+        "kv_event_batches": u.kv_event_batches,
+        "kv_event_dropped_batches": u.kv_event_dropped_batches,
         "swapped_in_tokens": c.swapped_in_tokens,
         "spec_verifications": spec.verifications,
         "spec_draft_tokens": spec.draft_tokens,

@@ -105,6 +105,14 @@ RUNTIME_STATS = {
         "tokens of retracted requests loaded back at readmission",
         "counter",
     ),
+    "kv_event_batches": StatMetric(
+        "radixrt_kv_event_batches", "KV-cache event batches published", "counter"
+    ),
+    "kv_event_dropped_batches": StatMetric(
+        "radixrt_kv_event_dropped_batches",
+        "KV-cache event batches dropped: the queue was full or a subscriber could not take them",
+        "counter",
+    ),
     "spec_draft_tokens": StatMetric(
         "radixrt_spec_draft_tokens", "speculative draft tokens proposed", "counter"
     ),

@@ -98,13 +98,12 @@ class PageIndex:
     def __init__(self) -> None:
         self.held: dict[str, set[int]] = {"GPU": set(), "CPU": set()}
         self.last_seq = -1
-        self.gaps = 0
+        self.gaps = 0  # gaps a subscriber replayed
         self.stored: list[BlockStored] = []
 
     def apply(self, seq: int, payload: bytes) -> None:
         if seq <= self.last_seq:
             return  # a replayed batch already seen live
-        self.gaps += seq != self.last_seq + 1
         self.last_seq = seq
         for event in DECODER.decode(payload).events:
             if isinstance(event, BlockStored):
@@ -133,12 +132,18 @@ class Subscriber:
         self.topics: set[bytes] = set()
 
     def drain(self, quiet_ms: int = 300) -> int:
-        """Apply every batch that arrives until none has for `quiet_ms`; returns how many."""
+        """Apply every batch that arrives until none has for `quiet_ms`; returns how many. A
+        batch after a gap (batches this socket missed) is applied after a replay of the gap,
+        as an indexer must."""
         n = 0
         while self.sub.poll(quiet_ms):
-            topic, seq, payload = self.sub.recv_multipart()
+            topic, raw_seq, payload = self.sub.recv_multipart()
             self.topics.add(topic)
-            self.index.apply(int.from_bytes(seq, "big"), payload)
+            seq = int.from_bytes(raw_seq, "big")
+            if seq > self.index.last_seq + 1 and self.replay_endpoint is not None:
+                self.index.gaps += 1
+                self.replay(self.index.last_seq + 1)
+            self.index.apply(seq, payload)
             n += 1
         return n
 

@@ -32,12 +32,12 @@ where llm-d's default "gpu" tier points), "CPU" for the host tier. A page held i
 once per medium and removed per medium; `AllBlocksCleared` empties every medium.
 
 Publishing never slows serving: the tree's hook appends to a list; each step's batch goes to a
-bounded queue (`max_queue_size` batches) without waiting; a thread encodes and sends it without
-blocking (the PUB socket refuses rather than drops at its high-water mark `hwm`, so a batch a
-slow subscriber could not take is counted) and keeps the last `buffer_steps` batches for replay,
-sent or not. Batches lost to a full queue or refused by the socket are counted in
-`dropped_batches`. Nothing read from a socket is ever unpickled: a replay request is two frames
-of bytes.
+bounded queue (`max_queue_size` batches) without waiting, or is dropped and counted
+(`dropped_batches`, in `/metrics`) when the queue is full; a thread encodes and sends it and keeps
+the last `buffer_steps` batches for replay. A subscriber that reads too slowly loses batches past
+its high-water mark (`hwm`) on its own connection, as ZeroMQ's PUB does, without holding back the
+others: it sees the gap in the sequence numbers and replays it. Nothing read from a socket is
+ever unpickled: a replay request is two frames of bytes.
 """
 
 from __future__ import annotations
@@ -243,14 +243,9 @@ KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
 class EventCounts:
     """What the publisher did since start (read by `stats`, rendered in `/metrics`)."""
 
-    published_batches: int = 0  # sent on the PUB socket
-    queue_full_batches: int = 0  # lost to a full queue (counted by the serving thread)
-    refused_batches: int = 0  # refused by the socket: a subscriber was full (kept for replay)
+    published_batches: int = 0  # sent on the PUB socket (by the publisher thread)
+    dropped_batches: int = 0  # lost to a full queue (counted by the serving thread)
     replay_requests: int = 0
-
-    @property
-    def dropped_batches(self) -> int:
-        return self.queue_full_batches + self.refused_batches
 
 
 class KVEventSink:
@@ -333,7 +328,6 @@ class ZmqEventPublisher:
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.setsockopt(zmq.SNDHWM, cfg.hwm)
-        self._pub.setsockopt(zmq.XPUB_NODROP, 1)  # refuse (and count) rather than drop silently
         self._pub.setsockopt(zmq.LINGER, 0)
         self._replay: zmq.Socket[bytes] | None = None
         try:
@@ -357,7 +351,7 @@ class ZmqEventPublisher:
         try:
             self._queue.put_nowait(batch)
         except queue.Full:
-            self.counts.queue_full_batches += 1
+            self.counts.dropped_batches += 1
 
     def close(self) -> None:
         """Send what is queued, then stop the thread and close the sockets."""
@@ -376,23 +370,31 @@ class ZmqEventPublisher:
         packer = msgpack.Packer()
         while True:
             if self._replay is not None and self._replay.poll(0):
+                # a replay includes every batch published before the request came
+                if not self._send_queued(packer, 0):
+                    return
                 self._answer_replay()
-            try:
-                batch = self._queue.get(timeout=POLL_S)
-            except queue.Empty:
-                continue
-            if batch is None:
+            if not self._send_queued(packer, POLL_S):
                 return
+
+    def _send_queued(self, packer: msgpack.Packer, wait: float) -> bool:
+        """Send the batches queued now, waiting up to `wait` seconds for the first; False once
+        `close` asked the thread to end."""
+        for _ in range(max(1, self._queue.qsize())):
+            try:
+                batch = self._queue.get(timeout=wait)
+            except queue.Empty:
+                return True
+            if batch is None:
+                return False
             payload = packer.pack(
                 [batch.ts, [e.wire() for e in batch.events], self.data_parallel_rank]
             )
-            seq = batch.seq.to_bytes(8, "big")
             self._buffer.append((batch.seq, payload))
-            try:
-                self._pub.send_multipart([self._topic, seq, payload], flags=zmq.NOBLOCK)
-                self.counts.published_batches += 1
-            except zmq.Again:  # a subscriber's queue is full: it can replay this one
-                self.counts.refused_batches += 1
+            # never blocks: a subscriber past its high-water mark misses this one (and replays it)
+            self._pub.send_multipart([self._topic, batch.seq.to_bytes(8, "big"), payload])
+            self.counts.published_batches += 1
+        return True
 
     def _answer_replay(self) -> None:
         """Answer one replay request (vLLM's protocol); a malformed one is ignored."""

@@ -87,7 +87,7 @@ class KVUsage:
     storage_rejected_blocks: int
     swapped_out_tokens: int
     kv_event_batches: int  # published (--kv-events-config)
-    kv_event_dropped_batches: int  # lost to a full queue or refused by a full subscriber
+    kv_event_dropped_batches: int  # lost to a full queue
 
     @property
     def used_fraction(self) -> float:

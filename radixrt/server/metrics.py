@@ -110,7 +110,7 @@ RUNTIME_STATS = {
     ),
     "kv_event_dropped_batches": StatMetric(
         "radixrt_kv_event_dropped_batches",
-        "KV-cache event batches dropped: the queue was full or a subscriber could not take them",
+        "KV-cache event batches dropped because the publisher's queue was full",
         "counter",
     ),
     "spec_draft_tokens": StatMetric(

@@ -412,6 +412,7 @@ class Scheduler:
             tp_collective_time=self.runner.tp.collective_time,
             compiles=self.constraints.stats(),
             spec=self.spec.counters if self.spec is not None else SpecCounters(),
+            max_loras=self.args.max_loras_per_batch,
         )
         return scheduler_stats(self.counters, inputs)
 

@@ -14,6 +14,7 @@ Names keep the `radixrt_` prefix and follow the semantics and units of SGLang's 
 
 from __future__ import annotations
 
+import time
 from collections import Counter as Tally
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -152,6 +153,16 @@ TENANT_STATS = {
 }
 
 
+# vLLM's names for what endpoint pickers read (the Gateway API Inference Extension's defaults,
+# llm-d's scorers), each the radixrt series beside it: stats key -> (name, help)
+VLLM_ALIASES = {
+    "waiting": ("vllm:num_requests_waiting", "= radixrt_num_requests_waiting"),
+    "running": ("vllm:num_requests_running", "= radixrt_num_requests_running"),
+}
+VLLM_KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")  # now, before v0.10
+VLLM_LORA_INFO = "vllm:lora_requests_info"
+
+
 def kv_usage_ratio(stats: dict[str, Any]) -> float:
     """Slots neither free nor evictable over all slots (SGLang's `token_usage`, vLLM's
     `kv_cache_usage_perc`: both count a cached block nobody uses as free)."""
@@ -176,11 +187,39 @@ class _StatsCollector:
             family = KV_USAGE.family([MODEL])
             family.add_metric([self.model_name], kv_usage_ratio(self.stats))
             yield family
+        yield from self._vllm_aliases()
         tenants = self.stats.get("tenants", {})
         for key, metric in TENANT_STATS.items():
             family = metric.family([MODEL, "tenant"])
             for tenant, counters in tenants.items():
                 family.add_metric([self.model_name, tenant], float(counters[key]))
+            yield family
+
+    def _vllm_aliases(self) -> Iterator[Metric]:
+        """The series an endpoint picker reads under vLLM's names (docs/deploy.md)."""
+        for key, (name, helptext) in VLLM_ALIASES.items():
+            if key in self.stats:
+                family = GaugeMetricFamily(name, helptext, labels=[MODEL])
+                family.add_metric([self.model_name], float(self.stats[key]))
+                yield family
+        if {"total_tokens", "free_tokens", "evictable_tokens"} <= self.stats.keys():
+            for name in VLLM_KV_USAGE:
+                family = GaugeMetricFamily(name, "= radixrt_kv_usage_ratio", labels=[MODEL])
+                family.add_metric([self.model_name], kv_usage_ratio(self.stats))
+                yield family
+        if "running_lora_adapters" in self.stats:
+            # vLLM's: one sample whose labels list the adapters, its value the time it was taken
+            labels = [MODEL, "max_lora", "running_lora_adapters", "waiting_lora_adapters"]
+            family = GaugeMetricFamily(VLLM_LORA_INFO, "adapters in use", labels=labels)
+            family.add_metric(
+                [
+                    self.model_name,
+                    str(self.stats["max_loras_per_batch"]),
+                    ",".join(self.stats["running_lora_adapters"]),
+                    ",".join(self.stats["waiting_lora_adapters"]),
+                ],
+                time.time(),
+            )
             yield family
 
 

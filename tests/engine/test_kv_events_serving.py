@@ -104,3 +104,24 @@ def test_metrics_count_published_and_dropped_batches(served):
     assert published and float(published[0].rsplit(" ", 1)[1]) > 0
     assert "radixrt_kv_event_dropped_batches_total" in text
     assert engine.stats()["kv_event_batches"] > 0
+
+
+def _sample(text: str, name: str) -> float:
+    line = next(line for line in text.splitlines() if line.startswith(name + "{"))
+    return float(line.rsplit(" ", 1)[1])
+
+
+def test_metrics_carry_the_names_endpoint_pickers_read(served):
+    """vLLM's names for queue depth, running requests, KV usage and adapters in use, beside
+    radixrt's (the Gateway API Inference Extension's defaults)."""
+    engine, _ = served
+    text = engine.metrics()
+    for vllm, mine in [
+        ("vllm:num_requests_waiting", "radixrt_num_requests_waiting"),
+        ("vllm:num_requests_running", "radixrt_num_requests_running"),
+        ("vllm:kv_cache_usage_perc", "radixrt_kv_usage_ratio"),
+        ("vllm:gpu_cache_usage_perc", "radixrt_kv_usage_ratio"),
+    ]:
+        assert _sample(text, vllm) == _sample(text, mine)
+    assert "vllm:lora_requests_info{" in text and "max_lora=" in text
+    assert 'running_lora_adapters=""' in text

@@ -42,6 +42,7 @@ ever unpickled: a replay request is two frames of bytes.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -63,6 +64,7 @@ MEDIUM_DEVICE = "GPU"
 MEDIUM_HOST = "CPU"
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 POLL_S = 0.05  # the publisher thread's wait for a batch or a replay request
+CBOR_NULL = b"\xf6"
 BIND_HOSTS = ("*", "0.0.0.0", "[::]", "::", "127.0.0.1", "localhost", "[::1]", "::1")
 
 
@@ -150,17 +152,14 @@ def _cbor_head(major: int, n: int) -> bytes:
     raise ValueError("a CBOR argument takes at most 64 bits")
 
 
+@functools.lru_cache(maxsize=1 << 18)  # a vocabulary's worth: token ids repeat
+def _cbor_uint(n: int) -> bytes:
+    return _cbor_head(0, n)
+
+
 def _cbor_text(text: str) -> bytes:
     raw = text.encode()
     return _cbor_head(3, len(raw)) + raw
-
-
-def _cbor_block(parent: bytes, tokens: Sequence[int], extra: str | None) -> bytes:
-    """CBOR of vLLM's `(parent_block_hash, tuple(token_ids), extra_keys)`."""
-    parts = [_cbor_head(4, 3), _cbor_head(2, len(parent)), parent, _cbor_head(4, len(tokens))]
-    parts += [_cbor_head(0, t) for t in tokens]
-    parts.append(b"\xf6" if extra is None else _cbor_head(4, 1) + _cbor_text(extra))
-    return b"".join(parts)
 
 
 def seed_digest(seed: str) -> bytes:
@@ -173,13 +172,15 @@ def page_digests(
 ) -> list[bytes]:
     """The chained digests of the full pages of `tokens` following `parent`'s page; the first
     one carries `namespace` as its extra key (None: not a namespace's first page, or the
-    shared default namespace)."""
+    shared default namespace). Each hashes the CBOR of vLLM's `(parent, tuple(token_ids),
+    extra_keys)`: a 3-array of the 32-byte parent, the tokens' array and the extra keys."""
+    head, page_head = _cbor_head(4, 3) + _cbor_head(2, len(parent)), _cbor_head(4, page_size)
+    extra = CBOR_NULL if namespace is None else _cbor_head(4, 1) + _cbor_text(namespace)
     out = []
     for start in range(0, len(tokens) - page_size + 1, page_size):
-        parent = hashlib.sha256(
-            _cbor_block(parent, tokens[start : start + page_size], namespace)
-        ).digest()
-        namespace = None
+        body = b"".join(map(_cbor_uint, tokens[start : start + page_size]))
+        parent = hashlib.sha256(head + parent + page_head + body + extra).digest()
+        extra = CBOR_NULL
         out.append(parent)
     return out
 

@@ -10,6 +10,7 @@ import time
 import msgpack
 import pytest
 import torch
+import zmq
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from mem_cache.test_radix_cache import Harness, ops
@@ -238,3 +239,17 @@ def test_endpoints_bind_loopback_and_wildcards_and_connect_elsewhere():
 def test_dp_fleets_are_refused_with_one_endpoint():
     with pytest.raises(ValueError, match="dp_size"):
         ServerArgs(dp_size=2, kv_events_config='{"enable_kv_cache_events": true}')
+
+
+def test_an_endpoint_in_use_is_refused_at_start():
+    first = ZmqEventPublisher(
+        KVEventsConfig(enable_kv_cache_events=True, endpoint="tcp://127.0.0.1:0")
+    )
+    port = first._pub.getsockopt_string(zmq.LAST_ENDPOINT).rpartition(":")[2]
+    try:
+        with pytest.raises(ValueError, match="kv_events_config: cannot open"):
+            ZmqEventPublisher(
+                KVEventsConfig(enable_kv_cache_events=True, endpoint=f"tcp://127.0.0.1:{port}")
+            )
+    finally:
+        first.close()

@@ -22,6 +22,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar
 
+from radixrt.mem_cache.kv_events import KVEventsConfig
+
 SECRETS = {
     "api_key": "RADIXRT_API_KEY",
     "admin_api_key": "RADIXRT_ADMIN_API_KEY",
@@ -86,6 +88,7 @@ class SchedulerArgs:
     hicache_storage_dir: str | None
     hicache_storage_size: float
     preemption_mode: str | None
+    kv_events_config: str | None
     random_seed: int
     log_interval: int
     schedule_low_priority_values_first: bool
@@ -259,8 +262,11 @@ class CacheSettings(SettingsGroup):
     hicache_storage_dir: str | None
     hicache_storage_size: float
     preemption_mode: str | None
+    kv_events_config: str | None
 
     def __post_init__(self) -> None:
+        if self.kv_events_config is not None:
+            KVEventsConfig.from_json(self.kv_events_config)
         if self.page_size < 1:
             raise ValueError("page_size must be >= 1")
         _at_least_one(max_total_tokens=self.max_total_tokens)
@@ -893,6 +899,13 @@ class ServerArgs(Settings):
             "choices": ["recompute", "swap"],
         },
     )
+    kv_events_config: str | None = field(
+        default=None,
+        metadata={
+            "group": "cache",
+            "help": 'publish every page the radix tree stores, evicts or clears as KV-cache events over ZeroMQ, in vLLM\'s schema: vLLM\'s KVEventsConfig JSON, e.g. \'{"enable_kv_cache_events": true, "endpoint": "tcp://127.0.0.1:5557", "replay_endpoint": "tcp://127.0.0.1:5558", "topic": "kv@pod@model"}\' (keys: publisher, buffer_steps, hwm, max_queue_size too; docs/kv_events.md)',
+        },
+    )
     max_queued_requests: int = field(
         default=4096,
         metadata={
@@ -1065,6 +1078,11 @@ class ServerArgs(Settings):
     def __post_init__(self) -> None:
         super().__post_init__()  # choices, then every group's own rules
         # rules across two groups
+        if self.dp_size > 1 and self.kv_events_config is not None:
+            raise ValueError(
+                "kv_events_config with dp_size > 1: each worker needs its own endpoint; start "
+                "the workers with their own --kv-events-config behind `radixrt router`"
+            )
         if self.tp_size > 1 and self.enable_hierarchical_cache:
             raise ValueError("the host tier does not run with tp_size > 1 yet")
         if self.curve_client_keys and not self.disable_http:

@@ -27,6 +27,7 @@ RUNNERS = {
     "deploy/compose/compose.yaml",
     "deploy/k8s/worker.yaml",
     "deploy/k8s/router.yaml",
+    "deploy/inference-gateway/pool.yaml",
     "radixrt.service",
 }
 
@@ -148,3 +149,27 @@ def test_flags_exist_and_parse(invocation):
     missing = [f for f in invocation.flags if f not in helps]
     assert not missing, f"{invocation.source}: not in `radixrt {subcommand} --help`: {missing}"
     build_parser().parse_args(list(invocation.argv))  # values of the right type and choice
+
+
+def test_the_inference_pool_publishes_kv_events_the_picker_reads():
+    """The pool's `--kv-events-config` is a valid config that connects to the picker's KV-event
+    socket with llm-d's topic, and its page size and hash seed are the picker's block size
+    and hash seed."""
+    from radixrt.mem_cache.kv_events import KVEventsConfig, binds
+
+    folder = ROOT / "deploy/inference-gateway"
+    pool = next(yaml.safe_load_all((folder / "pool.yaml").read_text()))
+    container = pool["spec"]["template"]["spec"]["containers"][0]
+    args, env = container["args"], {e["name"]: e.get("value") for e in container["env"]}
+    config = KVEventsConfig.from_json(args[args.index("--kv-events-config") + 1])
+    assert config.enabled and not binds(config.endpoint) and config.topic.startswith("kv@")
+    picker = yaml.safe_load(
+        next(yaml.safe_load_all((folder / "epp.yaml").read_text()))["data"]["epp.yaml"]
+    )
+    scorer = next(p for p in picker["plugins"] if p["type"] == "precise-prefix-cache-scorer")
+    tokens = scorer["parameters"]["indexerConfig"]["tokenProcessorConfig"]
+    assert tokens["blockSize"] == int(args[args.index("--page-size") + 1])
+    assert tokens["hashSeed"] == env["PYTHONHASHSEED"]
+    assert scorer["parameters"]["kvEventsConfig"]["zmqEndpoint"].endswith(
+        ":" + config.endpoint.rpartition(":")[2]
+    )

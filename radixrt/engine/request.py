@@ -11,6 +11,7 @@ import torch
 
 from radixrt.engine.detokenizer import IncrementalDetokenizer
 from radixrt.engine.stop_strings import StopScanner
+from radixrt.mem_cache.kv_events import Adapter
 from radixrt.mem_cache.radix_cache import TreeNode
 from radixrt.protocol import MAX_CACHE_SALT_CHARS, ErrorCode
 from radixrt.sampling_params import SamplingParams
@@ -111,6 +112,17 @@ class RequestScope:
 
 
 DEFAULT_SCOPE = RequestScope()
+
+
+def adapter_of_salt(salt: str) -> Adapter | None:
+    """The adapter a cache namespace (`RequestScope.salt`) runs under, for KV events: its name,
+    and as its id the first 32 bits of its weights' digest (stable across restarts)."""
+    if not salt.startswith("L"):
+        return None
+    length, _, rest = salt[1:].partition(":")
+    name = rest[: int(length)]
+    digest = rest[int(length) + 1 :].partition(":")[0]
+    return Adapter(int(digest[:8] or "0", 16), name)
 
 
 @dataclass

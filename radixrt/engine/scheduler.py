@@ -28,7 +28,14 @@ from radixrt.engine.constraints import Constraints
 from radixrt.engine.detokenizer import IncrementalDetokenizer
 from radixrt.engine.output_processor import OutputProcessor, RequestEnds
 from radixrt.engine.planner import Accounts, PlannerHooks, StepPlan, StepPlanner
-from radixrt.engine.request import DEFAULT_SCOPE, FinishReason, Req, RequestScope, Scheduled
+from radixrt.engine.request import (
+    DEFAULT_SCOPE,
+    FinishReason,
+    Req,
+    RequestScope,
+    Scheduled,
+    adapter_of_salt,
+)
 from radixrt.engine.speculation import SpecCounters, Speculation, decodes_only
 from radixrt.engine.stats import Counters, StatsInputs, StepLog, scheduler_stats
 from radixrt.engine.stop_strings import StopAutomaton, StopScanner
@@ -38,6 +45,7 @@ from radixrt.executor.model_loader import model_fingerprint
 from radixrt.executor.model_runner import WeightCounts
 from radixrt.executor.tp_worker import TPDriver
 from radixrt.forward_batch import ForwardBatch
+from radixrt.mem_cache.kv_events import KVEventsConfig
 from radixrt.mem_cache.slot_manager import KVSlotManager
 from radixrt.mem_cache.tiers import DevicePool, TierConfig, build_slot_manager
 from radixrt.protocol import ErrorCode, RequestError
@@ -77,6 +85,7 @@ class Scheduler:
             DevicePool(runner.allocator, runner.req_to_token_pool, runner.kv_pool),
             _tiers(args),
             lambda: model_fingerprint(runner.model_path, runner.dtype, runner.args.quantization),
+            adapter_of_salt,
         )
         self.counters = Counters()
         self.tenants = TenantStats()
@@ -128,6 +137,7 @@ class Scheduler:
         """Called while there is no work: every second, a heartbeat to the other ranks (a dead
         rank raises here); the constraint compiler stops its idle workers."""
         self.constraints.poll()
+        self.kv.end_event_batch()
         now = time.monotonic()
         if now - self._last_heartbeat >= HEARTBEAT_S:
             self._last_heartbeat = now
@@ -302,6 +312,7 @@ class Scheduler:
             if self.tp_size > 1:
                 raise
             updated = self._fail_step(e)
+        self.kv.end_event_batch()
         return updated + [r for r in self._ended if r not in updated]
 
     def _step(self) -> list[Req]:
@@ -401,11 +412,14 @@ class Scheduler:
             tp_collective_time=self.runner.tp.collective_time,
             compiles=self.constraints.stats(),
             spec=self.spec.counters if self.spec is not None else SpecCounters(),
+            max_loras=self.args.max_loras_per_batch,
         )
         return scheduler_stats(self.counters, inputs)
 
     def flush_cache(self) -> bool:
-        return not self.has_work() and self.kv.flush()
+        flushed = not self.has_work() and self.kv.flush()
+        self.kv.end_event_batch()
+        return flushed
 
     def memory_snapshot(self) -> dict[str, Any]:
         """Who holds which KV slot, as plain data (see `KVSlotManager.snapshot`)."""
@@ -427,6 +441,9 @@ def _tiers(args: SchedulerArgs) -> TierConfig:
         hicache_storage_dir=args.hicache_storage_dir,
         hicache_storage_size=args.hicache_storage_size,
         preemption_mode=args.preemption_mode,
+        kv_events=KVEventsConfig.from_json(args.kv_events_config)
+        if args.kv_events_config is not None
+        else None,
     )
 
 

@@ -67,6 +67,7 @@ class StatsInputs:
     tp_collective_time: float
     compiles: CompileStats
     spec: SpecCounters
+    max_loras: int  # adapters one batch may hold (`--max-loras-per-batch`)
 
 
 def scheduler_stats(c: Counters, x: StatsInputs) -> dict[str, Any]:
@@ -111,6 +112,12 @@ def scheduler_stats(c: Counters, x: StatsInputs) -> dict[str, Any]:
         "storage_hit_tokens": c.storage_hit_tokens,
         "storage_rejected_blocks": u.storage_rejected_blocks,
         "swapped_out_tokens": u.swapped_out_tokens,
+        # the adapters requests run under (vLLM's `lora_requests_info`, which endpoint pickers read)
+        "running_lora_adapters": sorted({r.scope.lora_path for r in x.running} - {""}),
+        "waiting_lora_adapters": sorted({r.scope.lora_path for r in x.waiting} - {""}),
+        "max_loras_per_batch": x.max_loras,
+        "kv_event_batches": u.kv_event_batches,
+        "kv_event_dropped_batches": u.kv_event_dropped_batches,
         "swapped_in_tokens": c.swapped_in_tokens,
         "spec_verifications": spec.verifications,
         "spec_draft_tokens": spec.draft_tokens,

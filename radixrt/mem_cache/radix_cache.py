@@ -18,6 +18,11 @@ Cache isolation: every key lives under the root of its salt (`roots`, salt -> ro
 shared default `root`), so a request with one salt never matches, and never times, a prefix
 cached under another. Eviction is one LRU over the leaves of all roots; an emptied root other
 than the default is dropped.
+
+KV events: with an event sink (`events`, `kv_events.KVEventSink`) every node keeps the chained
+digests of its pages (`digests`), and the tree reports each page as it gets a device copy
+(insertion, load-back) or a host copy (backup, storage read), loses one (eviction, host
+reclaim), and everything at a flush. A split cuts the digests with the key; no event.
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ from collections.abc import Callable
 from typing import NamedTuple, Protocol
 
 import torch
+
+from radixrt.mem_cache.kv_events import MEDIUM_DEVICE, MEDIUM_HOST, KVEventSink
 
 EMPTY = torch.empty(0, dtype=torch.int64)
 SELECTIVE_HITS = 2  # write_through_selective backs a node up from its second use
@@ -55,6 +62,7 @@ class TreeNode:
         "hit_count",
         "last_access",
         "id",
+        "digests",
     )
     _ids = itertools.count()
 
@@ -74,6 +82,7 @@ class TreeNode:
         self.hit_count = 1  # its creation is its first use
         self.last_access = time.monotonic()
         self.id = next(TreeNode._ids)
+        self.digests: list[bytes] = []  # one per page, with KV events on
 
     @property
     def is_leaf(self) -> bool:
@@ -182,12 +191,14 @@ class RadixCache:
         disable: bool = False,
         host: HostTier | None = None,
         write_policy: str = "write_through_selective",  # CacheSettings checks the name
+        events: KVEventSink | None = None,
     ):
         self.page_size = page_size
         self.free_slots = free_slots
         self.disable = disable
         self.host = host
         self.write_policy = write_policy
+        self.events = events
         self.reset()
 
     def reset(self) -> None:
@@ -319,6 +330,7 @@ class RadixCache:
         parent.children[self._child_key(key)] = node
         self._refresh(node)
         self._refresh(parent)
+        self._stored(node, MEDIUM_HOST)
         return node
 
     def _add_leaf(
@@ -330,6 +342,7 @@ class RadixCache:
         self._account(node, +1)
         self._refresh(node)
         self._refresh(parent)
+        self._stored(node, MEDIUM_DEVICE)
         return node
 
     def _split(self, child: TreeNode, n: int) -> TreeNode:
@@ -342,6 +355,8 @@ class RadixCache:
         )
         upper.lock_ref, upper.last_access = child.lock_ref, child.last_access
         upper.hit_count = child.hit_count
+        cut = n // self.page_size
+        upper.digests, child.digests = child.digests[:cut], child.digests[cut:]
         upper.children = {self._child_key(child.key[n:]): child}
         child.up().children[self._child_key(child.key)] = upper
         child.parent = upper
@@ -385,6 +400,7 @@ class RadixCache:
         self._account(node, +1)
         self._refresh(node)
         self._refresh(node.up())
+        self._stored(node, MEDIUM_DEVICE)
 
     def _drop_device(self, node: TreeNode) -> None:
         self.free_slots(node.device_slots())
@@ -393,6 +409,8 @@ class RadixCache:
         node.value = None
         self._refresh(node)
         self._refresh(node.up())
+        if self.events is not None:
+            self.events.removed(node.digests, MEDIUM_DEVICE)
 
     def _remove(self, node: TreeNode) -> None:
         """Take a node with no device copy out of the tree, its (host-only) subtree with it."""
@@ -400,6 +418,8 @@ class RadixCache:
             self._remove(child)
         if node.host_value is not None:
             self._host().free(node.host_value)
+            if self.events is not None:
+                self.events.removed(node.digests, MEDIUM_HOST)
         self._device_lru.set(node, False)
         self._host_lru.set(node, False)
         parent = node.up()
@@ -428,6 +448,7 @@ class RadixCache:
         host.write(slots, node.device_slots())
         node.host_value = slots
         self.backed_up_tokens += n
+        self._stored(node, MEDIUM_HOST)
         return True
 
     def backup_path(self, node: TreeNode) -> int:
@@ -542,7 +563,24 @@ class RadixCache:
                 if node.on_host:
                     self._host().free(node.host_slots())
         self.reset()
+        if self.events is not None:
+            self.events.cleared()
         return True
+
+    # ---- KV events --------------------------------------------------------------------------
+    def _stored(self, node: TreeNode, medium: str) -> None:
+        """Report `node`'s pages as held on `medium`, hashing them first if they are new."""
+        events = self.events
+        if events is None:
+            return
+        parent = root = node.up()
+        while root.parent is not None:
+            root = root.parent
+        salt = self._root_salts[root.id]
+        parent_digest = parent.digests[-1] if parent.parent is not None else None
+        if not node.digests:
+            node.digests = events.digests(parent_digest, node.key, salt)
+        events.stored(node.digests, parent_digest, node.key, medium, salt)
 
     # ---- checks ----------------------------------------------------------------------------
     def all_nodes(self) -> list[TreeNode]:

@@ -36,6 +36,7 @@ from typing import Any, Protocol
 import torch
 
 from radixrt.mem_cache.host_pool import HostKVPool
+from radixrt.mem_cache.kv_events import ZmqEventPublisher
 from radixrt.mem_cache.memory_pool import PageAllocator, ReqToTokenPool
 from radixrt.mem_cache.radix_cache import PrefixMatch, PrefixPeek, RadixCache, TreeNode
 from radixrt.mem_cache.storage import KVStorage
@@ -85,6 +86,8 @@ class KVUsage:
     host_used_tokens: int
     storage_rejected_blocks: int
     swapped_out_tokens: int
+    kv_event_batches: int  # published (--kv-events-config)
+    kv_event_dropped_batches: int  # lost to a full queue
 
     @property
     def used_fraction(self) -> float:
@@ -111,9 +114,11 @@ class KVSlotManager:
         tree: RadixCache,
         storage: KVStorage | None = None,
         swap: bool = False,
+        publisher: ZmqEventPublisher | None = None,
     ):
         """`tree.host` (a `HostKVPool` or None) is the host tier; `storage` the disk tier (needs
-        the host tier); `swap`: retraction backs a request's pages up to the host."""
+        the host tier); `swap`: retraction backs a request's pages up to the host; `publisher`
+        sends the tree's KV events (`end_event_batch`)."""
         assert storage is None or tree.host is not None, "the disk tier reads through the host"
         self.allocator = allocator
         self.rows = req_to_token_pool
@@ -123,6 +128,7 @@ class KVSlotManager:
         assert host is None or isinstance(host, HostKVPool), "the host tier is a HostKVPool"
         self.host: HostKVPool | None = host
         self.storage = storage
+        self.publisher = publisher
         self.swap = swap and tree.host is not None and not tree.disable
         self.page_size = allocator.page_size
         self.total_tokens = allocator.total_tokens  # the device pool's size
@@ -169,6 +175,8 @@ class KVSlotManager:
             host_used_tokens=host.used_tokens() if host else 0,
             storage_rejected_blocks=storage.rejected_blocks if storage else 0,
             swapped_out_tokens=self.swapped_out_tokens,
+            kv_event_batches=self.publisher.counts.published_batches if self.publisher else 0,
+            kv_event_dropped_batches=self.publisher.counts.dropped_batches if self.publisher else 0,
         )
 
     def slots(self, holder: SlotHolder, start: int, n: int) -> torch.Tensor:
@@ -389,10 +397,19 @@ class KVSlotManager:
             self.unpin(pin_id)
         return len(ids)
 
+    def end_event_batch(self) -> None:
+        """Publish the KV events of the tree's changes since the last call as one batch (the
+        scheduler calls it after each step, idle turn and flush)."""
+        if self.tree.events is not None:
+            self.tree.events.end_batch()
+
     def close(self) -> None:
-        """Finish the disk tier's background writes."""
+        """Finish the disk tier's background writes and send the last KV events."""
         if self.storage is not None:
             self.storage.close()
+        if self.publisher is not None:
+            self.end_event_batch()
+            self.publisher.close()
 
     def flush(self) -> bool:
         """Drop every cached prefix; only when nothing holds a lock."""
@@ -474,10 +491,12 @@ def pool_snapshot(allocator: PageAllocator, tree: RadixCache) -> dict[str, Any]:
         "free_pages": allocator.free_page_ids().tolist(),
         "root": tree.root.id,
         "roots": [root.id for root in tree.roots.values()],
+        "root_of_salt": {salt: root.id for salt, root in tree.roots.items()},
         "nodes": [
             {
                 "id": n.id,
                 "parent": n.parent.id,
+                "key": n.key,
                 "slots": listed(n.value),
                 "host_slots": listed(n.host_value),
                 "lock_ref": n.lock_ref,

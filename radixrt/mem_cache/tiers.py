@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from radixrt.mem_cache.host_pool import HostKVPool, host_pool_tokens
+from radixrt.mem_cache.kv_events import Adapter, KVEventsConfig, KVEventSink, ZmqEventPublisher
 from radixrt.mem_cache.memory_pool import PageAllocator, ReqToTokenPool, TokenToKVPool
 from radixrt.mem_cache.radix_cache import RadixCache
 from radixrt.mem_cache.slot_manager import KVSlotManager
@@ -30,6 +31,7 @@ class TierConfig:
     hicache_storage_dir: str | None
     hicache_storage_size: float  # GB
     preemption_mode: str | None  # None: swap with a host tier, else recompute
+    kv_events: KVEventsConfig | None = None  # --kv-events-config
 
 
 @dataclass(frozen=True)
@@ -42,24 +44,36 @@ class DevicePool:
 
 
 def build_slot_manager(
-    pool: DevicePool, tiers: TierConfig, fingerprint: Callable[[], str]
+    pool: DevicePool,
+    tiers: TierConfig,
+    fingerprint: Callable[[], str],
+    adapter_of: Callable[[str], Adapter | None] = lambda salt: None,
 ) -> KVSlotManager:
     """The slot manager over `pool` with the tiers `tiers` asks for. `fingerprint` names the
     model whose KV the disk tier stores (called only when there is one: it reads the weights'
-    files)."""
+    files); `adapter_of` names the adapter of a cache namespace (for KV events)."""
     host = _host_pool(pool, tiers) if tiers.enable_hierarchical_cache else None
+    publisher = None
+    if tiers.kv_events is not None and tiers.kv_events.enabled and not tiers.disable_radix_cache:
+        publisher = ZmqEventPublisher(tiers.kv_events)
+        logger.info("KV events on %s", tiers.kv_events.endpoint)
     tree = RadixCache(
         pool.allocator.page_size,
         pool.allocator.free,
         disable=tiers.disable_radix_cache,
         host=host,
         write_policy=tiers.hicache_write_policy,
+        events=KVEventSink(pool.allocator.page_size, adapter_of, publisher.publish)
+        if publisher is not None
+        else None,
     )
     storage = None
     if tiers.hicache_storage_dir and host is not None:
         storage = _storage(pool.allocator.page_size, host, tiers, fingerprint())
     mode = tiers.preemption_mode or ("swap" if host else "recompute")
-    return KVSlotManager(pool.allocator, pool.rows, tree, storage=storage, swap=mode == "swap")
+    return KVSlotManager(
+        pool.allocator, pool.rows, tree, storage=storage, swap=mode == "swap", publisher=publisher
+    )
 
 
 def _host_pool(pool: DevicePool, tiers: TierConfig) -> HostKVPool:

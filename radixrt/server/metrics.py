@@ -14,6 +14,7 @@ Names keep the `radixrt_` prefix and follow the semantics and units of SGLang's 
 
 from __future__ import annotations
 
+import time
 from collections import Counter as Tally
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -105,6 +106,14 @@ RUNTIME_STATS = {
         "tokens of retracted requests loaded back at readmission",
         "counter",
     ),
+    "kv_event_batches": StatMetric(
+        "radixrt_kv_event_batches", "KV-cache event batches published", "counter"
+    ),
+    "kv_event_dropped_batches": StatMetric(
+        "radixrt_kv_event_dropped_batches",
+        "KV-cache event batches dropped because the publisher's queue was full",
+        "counter",
+    ),
     "spec_draft_tokens": StatMetric(
         "radixrt_spec_draft_tokens", "speculative draft tokens proposed", "counter"
     ),
@@ -144,11 +153,22 @@ TENANT_STATS = {
 }
 
 
+# vLLM's names for what endpoint pickers read (the Gateway API Inference Extension's defaults,
+# llm-d's scorers), each the radixrt series beside it: stats key -> (name, help)
+VLLM_ALIASES = {
+    "waiting": ("vllm:num_requests_waiting", "= radixrt_num_requests_waiting"),
+    "running": ("vllm:num_requests_running", "= radixrt_num_requests_running"),
+}
+VLLM_KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")  # now, before v0.10
+VLLM_LORA_INFO = "vllm:lora_requests_info"
+
+
 # the families a tenant's view holds (`RuntimeMetrics.render`, `merge_worker_metrics`): the stats
 # it may see and its own tenant rows
 TENANT_FAMILIES = frozenset(
     {m.name for key, m in RUNTIME_STATS.items() if key in TENANT_VISIBLE_STATS}
     | {m.name for m in TENANT_STATS.values()}
+    | {name for key, (name, _) in VLLM_ALIASES.items() if key in TENANT_VISIBLE_STATS}
 )
 
 
@@ -176,11 +196,39 @@ class _StatsCollector:
             family = KV_USAGE.family([MODEL])
             family.add_metric([self.model_name], kv_usage_ratio(self.stats))
             yield family
+        yield from self._vllm_aliases()
         tenants = self.stats.get("tenants", {})
         for key, metric in TENANT_STATS.items():
             family = metric.family([MODEL, "tenant"])
             for tenant, counters in tenants.items():
                 family.add_metric([self.model_name, tenant], float(counters[key]))
+            yield family
+
+    def _vllm_aliases(self) -> Iterator[Metric]:
+        """The series an endpoint picker reads under vLLM's names (docs/deploy.md)."""
+        for key, (name, helptext) in VLLM_ALIASES.items():
+            if key in self.stats:
+                family = GaugeMetricFamily(name, helptext, labels=[MODEL])
+                family.add_metric([self.model_name], float(self.stats[key]))
+                yield family
+        if {"total_tokens", "free_tokens", "evictable_tokens"} <= self.stats.keys():
+            for name in VLLM_KV_USAGE:
+                family = GaugeMetricFamily(name, "= radixrt_kv_usage_ratio", labels=[MODEL])
+                family.add_metric([self.model_name], kv_usage_ratio(self.stats))
+                yield family
+        if "running_lora_adapters" in self.stats:
+            # vLLM's: one sample whose labels list the adapters, its value the time it was taken
+            labels = [MODEL, "max_lora", "running_lora_adapters", "waiting_lora_adapters"]
+            family = GaugeMetricFamily(VLLM_LORA_INFO, "adapters in use", labels=labels)
+            family.add_metric(
+                [
+                    self.model_name,
+                    str(self.stats["max_loras_per_batch"]),
+                    ",".join(self.stats["running_lora_adapters"]),
+                    ",".join(self.stats["waiting_lora_adapters"]),
+                ],
+                time.time(),
+            )
             yield family
 
 

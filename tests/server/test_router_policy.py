@@ -98,7 +98,7 @@ def test_cache_aware_sends_to_the_idlest_when_load_is_out_of_balance():
     # both thresholds must hold: 40 against 30 is over the absolute gap but not 1.5x
     workers[1].load = 30
     settings = replace(
-        RouterSettings.defaults(), router_balance_abs_threshold=5, router_balance_rel_threshold=1.5
+        RouterSettings(), router_balance_abs_threshold=5, router_balance_rel_threshold=1.5
     )
     route = CacheAwarePolicy(settings).choose(prompt(range(50)), workers)
     assert route.worker is workers[0] and route.reason is RouteReason.MATCH
@@ -112,7 +112,7 @@ def test_round_robin_and_shortest_queue():
 
 
 def test_policy_names_and_thresholds_are_checked():
-    defaults = RouterSettings.defaults()
+    defaults = RouterSettings()
     assert make_policy(replace(defaults, router_policy="round-robin")).name == "round-robin"
     with pytest.raises(ValueError, match="unknown router policy"):
         make_policy(replace(defaults, router_policy="random"))

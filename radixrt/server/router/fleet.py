@@ -118,8 +118,8 @@ def router_config(args: ServerArgs, urls: list[str]) -> RouterConfig:
     )
     return RouterConfig(
         workers=tuple(urls),
-        routing=args.group(RouterSettings),
-        front=FrontConfig.from_server_args(args),
+        routing=RouterSettings.of(args),
+        front=FrontConfig.of(args),
         worker_api_key=KeyRing.from_settings(
             args.api_key, args.api_key_file, args.admin_api_key
         ).any_key(),
@@ -133,7 +133,7 @@ def run_fleet(args: ServerArgs) -> None:
     (which drains the router and the workers first). A drained fleet whose workers did not all
     exit 0 exits 1."""
     logging.basicConfig(level=args.log_level.upper(), format="[%(asctime)s %(name)s] %(message)s")
-    FrontConfig.from_server_args(args).check_exposure(args.host)
+    FrontConfig.of(args).check_exposure(args.host)
     exit_with_parent()  # and the workers, which watch this process, follow
     gateway = None
     if not args.disable_http:  # before the workers load: a busy port fails at once

@@ -17,10 +17,10 @@ logger = logging.getLogger(__name__)
 
 def router_config(args: RouterArgs) -> RouterConfig:
     """What the router runs with: `args`, the workers' key defaulting to one the clients use."""
-    front = FrontConfig.from_server_args(args)
+    front = FrontConfig.of(args)
     return RouterConfig(
         workers=args.worker,
-        routing=args.group(RouterSettings),
+        routing=RouterSettings.of(args),
         front=front,
         worker_api_key=args.worker_api_key
         or KeyRing.from_settings(front.api_key, front.api_key_file, front.admin_api_key).any_key(),

@@ -74,7 +74,7 @@ class RouterConfig:
     `worker_api_key`."""
 
     workers: tuple[str, ...]  # at least one (`RouterArgs` checks it)
-    routing: RouterSettings = field(default_factory=RouterSettings.defaults)
+    routing: RouterSettings = field(default_factory=RouterSettings)
     front: FrontConfig = field(default_factory=FrontConfig)
     worker_api_key: str | None = None  # what the router sends to the workers
     worker_curve_server_key: str | None = None  # the workers' public key

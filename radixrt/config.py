@@ -74,7 +74,8 @@ def shared(
     `why` (appended to the help) then explains."""
     f = _fields(owner)[name]
     default = f.default if default is dataclasses.MISSING else default
-    return field(default=default, metadata={**f.metadata, "help": f.metadata["help"] + why})
+    metadata = {**f.metadata, "help": f.metadata["help"] + why, "shares": owner}
+    return field(default=default, metadata=metadata)
 
 
 def _fields(cls: Any) -> dict[str, dataclasses.Field[Any]]:

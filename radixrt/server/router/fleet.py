@@ -21,7 +21,7 @@ from typing import Any
 import zmq
 
 from radixrt.client.launcher import Engine
-from radixrt.config import RouterSettings, ServerArgs
+from radixrt.config import RouterSettings, ServerArgs, WorkerSettings
 from radixrt.lifecycle import exit_with_parent
 from radixrt.server.front import FrontConfig
 from radixrt.server.router.router import DRAIN_SLACK_S, Router, RouterConfig
@@ -116,16 +116,14 @@ def router_config(args: ServerArgs, urls: list[str]) -> RouterConfig:
     public = (
         zmq.curve_public(args.curve_secret_key.encode()).decode() if args.curve_secret_key else None
     )
-    return RouterConfig(
-        workers=tuple(urls),
-        routing=RouterSettings.of(args),
-        front=FrontConfig.of(args),
+    fleet = WorkerSettings(
+        worker=tuple(urls),
         worker_api_key=KeyRing.from_settings(
             args.api_key, args.api_key_file, args.admin_api_key
         ).any_key(),
         worker_curve_server_key=public,
-        drain_timeout=args.drain_timeout,
     )
+    return RouterConfig(fleet=fleet, routing=RouterSettings.of(args), front=FrontConfig.of(args))
 
 
 def run_fleet(args: ServerArgs) -> None:

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from radixrt.config import RouterSettings
+from radixrt.config import ROUTER_POLICIES, RouterSettings
 from radixrt.server.router.policy import (
     CacheAwarePolicy,
     RoundRobinPolicy,
@@ -113,9 +113,10 @@ def test_round_robin_and_shortest_queue():
 
 def test_policy_names_and_thresholds_are_checked():
     defaults = RouterSettings()
-    assert make_policy(replace(defaults, router_policy="round-robin")).name == "round-robin"
-    with pytest.raises(ValueError, match="unknown router policy"):
-        make_policy(replace(defaults, router_policy="random"))
+    for name in ROUTER_POLICIES:  # each name the setting takes is a policy
+        assert make_policy(replace(defaults, router_policy=name)).name == name
+    with pytest.raises(ValueError, match="router_policy must be one of"):
+        replace(defaults, router_policy="random")
     with pytest.raises(ValueError, match="router_cache_threshold"):
         replace(defaults, router_cache_threshold=2)
 

@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast lint format model flags-doc bench bench-spec bench-hicache bench-dp bench-peers gpu-check clean soak
+.PHONY: demo test test-fast lint format model flags-doc bench bench-spec bench-hicache bench-dp bench-peers gpu-check clean soak soak-ci
 
 # torch is pinned to the CPU wheel that lies on this kind of machine's disk; a bare
 # `pip install torch` would pull a multi-GB CUDA build.
@@ -24,7 +24,11 @@ demo: model
 	$(BIN)/python examples/demo.py
 
 test: model
-	$(BIN)/python -m pytest -q --durations=30
+	$(BIN)/python -m pytest -q -m "not soak" --durations=30
+
+# the soak's 60-second version (tests/reliability/test_soak.py); CI runs it after `make test`
+soak-ci: model
+	$(BIN)/python -m pytest -q -m soak
 
 # the model-free tests (no model fixture), for the edit-test loop
 test-fast: $(STAMP)

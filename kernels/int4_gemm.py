@@ -336,9 +336,7 @@ class PackedGroups:
         w[:, :k] = weight.detach().float()
         w = w.view(n, groups, GROUP)
         if bits == Bits.INT8:
-            d = (w.abs().amax(dim=2) / 127).half()
-            inv = torch.where(d == 0, 0.0, 1 / d.float())
-            q = torch.round(w * inv[..., None]).clamp_(-127, 127).to(torch.int8)
+            q, d = int8_groups(w)
             return cls.from_blocks(q, d, None, k, bits)
         if symmetric:
             top = w.gather(2, w.abs().argmax(dim=2, keepdim=True)).squeeze(2)
@@ -408,6 +406,14 @@ class QuantizedRows:
     values: torch.Tensor
     scales: torch.Tensor
     sums: torch.Tensor
+
+
+def int8_groups(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Groups of 32 weights w [N, G, 32] float32 by Q8_0's rule: q int8 [N, G, 32] in [-127,
+    127] and d float16 [N, G], w ~ d q (the largest magnitude maps to 127)."""
+    d = (w.abs().amax(dim=2) / 127).half()
+    inv = torch.where(d == 0, 0.0, 1 / d.float())
+    return torch.round(w * inv[..., None]).clamp_(-127, 127).to(torch.int8), d
 
 
 def quantize_rows(x: torch.Tensor) -> QuantizedRows:

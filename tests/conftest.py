@@ -9,6 +9,7 @@ import os
 os.environ["TRITON_INTERPRET"] = "1"
 
 import shutil
+from collections import defaultdict
 from pathlib import Path
 
 import pytest
@@ -30,6 +31,26 @@ def pytest_collection_modifyitems(items) -> None:
             item.add_marker(pytest.mark.model)
 
 
+SECONDS_BY_DIRECTORY: dict[str, float] = defaultdict(float)
+
+
+def pytest_runtest_logreport(report) -> None:
+    """Add each phase's time (setup, call, teardown) to its test's directory; under xdist the
+    controller receives every worker's reports here too."""
+    SECONDS_BY_DIRECTORY[report.nodeid.split("::")[0].rpartition("/")[0]] += report.duration
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """The suite's time per test directory (docs/development.md keeps the figures), summed over
+    xdist workers, so the total may exceed the wall clock."""
+    if not SECONDS_BY_DIRECTORY:
+        return
+    terminalreporter.write_sep("=", "time per test directory (summed over workers)")
+    for directory, seconds in sorted(SECONDS_BY_DIRECTORY.items(), key=lambda kv: -kv[1]):
+        terminalreporter.write_line(f"{seconds:8.1f}s  {directory}")
+    terminalreporter.write_line(f"{sum(SECONDS_BY_DIRECTORY.values()):8.1f}s  in all")
+
+
 @pytest.fixture(scope="session")
 def default_model_dir() -> Path:
     return resolve_model_path("default")
@@ -48,6 +69,15 @@ def tiny_model_dir(tmp_path_factory, default_model_dir) -> Path:
         if (default_model_dir / name).is_file():
             shutil.copy(default_model_dir / name, folder / name)
     return folder
+
+
+@pytest.fixture(scope="session")
+def quality_reference(default_model_dir):
+    """float32 on the default model over the quality text, what quantized weights are held
+    against (`helpers.quality_gates`)."""
+    from helpers import QualityReference
+
+    return QualityReference.of_default_model()
 
 
 # Runtimes shared by every module that needs no settings of its own (each start costs a process,

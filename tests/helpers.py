@@ -9,8 +9,10 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
 import msgpack
 import torch
@@ -19,6 +21,8 @@ import zmq
 from radixrt.server.front import PROBE
 
 from timeouts import REPLY_TIMEOUT_S
+
+DATA = Path(__file__).resolve().parent / "data"  # texts, datasets and tasks the tests read
 
 # The shape of every tiny random checkpoint the tests make (the default model's vocabulary, so
 # its tokenizer fits): each test adds what its family or case needs.
@@ -389,3 +393,64 @@ def finish_order(admin, queued: list[tuple[str, object, int]]) -> list[str]:
     for t in threads:
         t.join(REPLY_TIMEOUT_S)
     return finished
+
+
+def seeded_id_prompts(n: int, seed: int = 0) -> list[list[int]]:
+    """`n` seeded prompts of token ids: a 20-token prefix they all share, then 1 to 11 of their
+    own (ids within the default vocabulary)."""
+    rng = random.Random(seed)
+    shared = [rng.randrange(3, 49152) for _ in range(20)]
+    return [
+        shared + [rng.randrange(3, 49152) for _ in range(rng.randrange(1, 12))] for _ in range(n)
+    ]
+
+
+QUALITY_TEXT = DATA / "quality_text.txt"  # the quality gates' fixed text
+QUALITY_POSITIONS = 500  # teacher-forced positions the gates score
+
+
+def teacher_forced_logits(runner, ids: list[int]) -> torch.Tensor:
+    """Logits [n, V] float64 of a ModelRunner at every position of `ids`, in one prefill over
+    slots 1..n."""
+    from radixrt.forward_batch import ForwardBatch
+
+    n = len(ids)
+    slots = torch.arange(1, n + 1)
+    runner.req_to_token_pool.req_to_token[1, :n] = slots.to(torch.int32)
+    positions = torch.arange(n)
+    batch = ForwardBatch(torch.tensor(ids), positions, slots, torch.tensor([1]), [0], [n])
+    return runner.logits(runner.forward(batch)).double()
+
+
+@dataclass
+class QualityReference:
+    """float32's ModelRunner on the default model, the quality text's first ids and its
+    teacher-forced logits: what quantized weights are held against."""
+
+    runner: Any
+    ids: list[int]
+    logits: torch.Tensor
+
+    @classmethod
+    def of_default_model(cls) -> QualityReference:
+        from radixrt.config import ServerArgs
+        from radixrt.executor.model_runner import ModelRunner
+
+        runner = ModelRunner(ServerArgs(max_total_tokens=1024).executor)
+        ids = runner.tokenizer.encode(QUALITY_TEXT.read_text())[: QUALITY_POSITIONS + 1]
+        assert len(ids) == QUALITY_POSITIONS + 1
+        return cls(runner, ids, teacher_forced_logits(runner, ids)[:QUALITY_POSITIONS])
+
+
+def quality_gates(reference: QualityReference, runner, name: str) -> tuple[float, float]:
+    """(perplexity over float32's, top-1 agreement with float32) of a ModelRunner on the
+    quality text."""
+    logits = teacher_forced_logits(runner, reference.ids)[:QUALITY_POSITIONS]
+    targets = torch.tensor(reference.ids[1:])
+    ppl = [
+        float(torch.exp(-rows.log_softmax(-1).gather(1, targets[:, None]).mean()))
+        for rows in (reference.logits, logits)
+    ]
+    agreement = float((logits.argmax(-1) == reference.logits.argmax(-1)).double().mean())
+    print(f"perplexity float32 {ppl[0]:.3f}, {name} {ppl[1]:.3f}; top-1 {agreement:.3f}")
+    return ppl[1] / ppl[0], agreement

@@ -8,13 +8,14 @@ import os
 import platform
 import subprocess
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from radixrt.bench.config import BenchConfig
 from radixrt.bench.floors import MachineRates
 from radixrt.bench.results import RunResult
+from radixrt.bench.systems import Servers
 from radixrt.bench.table import baseline_of, print_table
 
 PACKAGES = (
@@ -98,12 +99,14 @@ def _git_commit() -> str | None:
 
 @dataclass(frozen=True)
 class BenchRun:
-    """One `radixrt bench` invocation as a suite sees it: its config, its setup and the folder
-    its results go to (made before the suite runs)."""
+    """One `radixrt bench` invocation as a suite sees it: its config, its setup, the folder its
+    results go to (made before the suite runs) and its radixrt servers (`run_bench` closes them
+    when the suite ends)."""
 
     config: BenchConfig
     setup: Setup
     out_dir: Path
+    servers: Servers = field(default_factory=Servers)
 
     def write(self, name: str, payload: dict[str, Any]) -> None:
         """`payload` with the setup first, as `<out_dir>/<name>.json`."""

@@ -24,4 +24,8 @@ def run_bench(config: BenchConfig) -> dict[str, list[RunResult]]:
     out_dir = Path(config.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     setup = Setup.collect(config, resolve_model_path(config.model))
-    return suite_for(config)(BenchRun(config, setup, out_dir))
+    run = BenchRun(config, setup, out_dir)
+    try:
+        return suite_for(config)(run)
+    finally:
+        run.servers.close()

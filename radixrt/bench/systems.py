@@ -2,7 +2,8 @@
 
 A radixrt system is launched with the run's `BenchServer` settings and its variant's over them;
 a data-parallel variant's fleet shares `--max-total-tokens` among its workers, so every system
-has the same KV memory. A sweep reuses one server for every load, its cache flushed between.
+has the same KV memory. One server per system serves the whole bench run (every load of a
+sweep, every workload of `--workload all`), its cache flushed before each load.
 """
 
 from __future__ import annotations
@@ -32,6 +33,30 @@ MAX_LLAMA_SLOTS = 64
 TRANSFORMERS_BATCH = 64  # transformers' padded batch when --concurrency is unset
 
 
+class Servers:
+    """The radixrt servers of one bench run, each started on first use and kept until `close`:
+    a start costs seconds of imports and a model load, so with several workloads one server per
+    (system, launcher kind) serves them in turn, its cache flushed before each load. A result's
+    peak memory is therefore the server's peak so far in the run."""
+
+    def __init__(self) -> None:
+        self._live: dict[tuple[str, type], Any] = {}
+
+    def get(self, server: BenchServer, system: str, kind: type) -> Any:
+        """`system`'s running server (`kind`: Runtime or Engine), started now if it is not."""
+        key = (system, kind)
+        if key not in self._live:
+            target = radixrt_target(server, system, kind)
+            target.generate("warm up", {"max_new_tokens": 2})
+            self._live[key] = target
+        return self._live[key]
+
+    def close(self) -> None:
+        """Shut every server down (the run is over)."""
+        while self._live:
+            self._live.popitem()[1].shutdown()
+
+
 @dataclass(frozen=True)
 class RequestJob:
     """One request workload's inputs, the same for every system compared on it."""
@@ -41,6 +66,7 @@ class RequestJob:
     tokenizer: Any  # the model's Hugging Face tokenizer
     model_dir: Path
     machine: MachineRates  # measured once, before the first run
+    servers: Servers  # the run's, shared by its workloads
 
     def render(self, messages: list[dict[str, str]]) -> str:
         """A chat session's history as the model's prompt."""
@@ -82,20 +108,19 @@ def _run_radixrt(system: str, job: RequestJob) -> list[RunResult]:
     from radixrt.client.launcher import Engine, Runtime
 
     kind = Runtime if job.config.backend == "server" else Engine
+    target = job.servers.get(job.config.server, system, kind)
+    weights = target.model_info["weights"]
     results = []
-    with radixrt_target(job.config.server, system, kind) as target:
-        target.generate("warm up", {"max_new_tokens": 2})
-        weights = target.model_info["weights"]
-        for load in job.config.loads:
-            target.flush_cache()
-            before = target.stats()
-            traces, duration = run_load(
-                target, job.sessions, load, job.render, desc=f"{system} ({load.describe()})"
-            )
-            counters = ServerCounters(stats_delta(before, target.stats()), job.machine, weights)
-            result = result_of(system, load, traces, duration, job.config.slo, counters)
-            result.rank_peak_rss_mb = rank_peak_rss_mb(target)
-            results.append(result)
+    for load in job.config.loads:
+        target.flush_cache()
+        before = target.stats()
+        traces, duration = run_load(
+            target, job.sessions, load, job.render, desc=f"{system} ({load.describe()})"
+        )
+        counters = ServerCounters(stats_delta(before, target.stats()), job.machine, weights)
+        result = result_of(system, load, traces, duration, job.config.slo, counters)
+        result.rank_peak_rss_mb = rank_peak_rss_mb(target)
+        results.append(result)
     return results
 
 

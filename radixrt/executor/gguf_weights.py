@@ -1,12 +1,23 @@
-"""A GGUF file's Q4_0, Q4_1 and Q8_0 linears read straight into the grouped kernel's packed
-layout (`kernels/int4_gemm.py`): their blocks are copied, never dequantized, so serving them
-holds no float32 copy of those weights (`--quantization gguf`, and `int4` on a GGUF model).
+"""A GGUF file's quantized linears read straight into the grouped kernel's packed layout
+(`kernels/int4_gemm.py`, groups of 32): serving them holds no float32 copy of those weights
+(`--quantization gguf`, and `int4` on a GGUF model).
 
-GGUF stores a linear [N, K] as N rows of K/32 blocks: Q4_0 is a float16 scale d and 16 bytes of
-nibbles (w = d (q - 8)), Q4_1 a scale d, an offset m and the nibbles (w = d q + m), Q8_0 a scale
-and 32 signed bytes. llama.cpp's converter reorders the rows of a Llama's q and k projections
-(the two halves of each head's rotary pairs interleaved); `_unpermute` puts them back, as
-transformers does when it dequantizes.
+GGUF stores a linear [N, K] as N rows of blocks:
+- Q4_0: per 32, a float16 scale d and 16 bytes of nibbles (w = d (q - 8)); Q4_1 adds an offset
+  m (w = d q + m); Q8_0: d and 32 signed bytes. Their blocks are copied, never converted.
+- Q4_K: per 256, float16 d and dmin, then eight 6-bit scales and mins (12 bytes) for its eight
+  sub-blocks of 32, then their nibbles (w = d sc q - dmin mn). Each sub-block becomes one 4-bit
+  group with scale d sc and offset -dmin mn, computed once per sub-block and stored as float16
+  (the kernel's scale type: within float16's rounding, 2^-11 relative, of gguf's values); the
+  nibbles are only reordered.
+- Q5_K and Q6_K (5 and 6 bits, which 4-bit groups cannot hold): each group of 32 dequantized a
+  few rows at a time and quantized again by Q8_0's rule into 8-bit groups (at most half an
+  8-bit step, 1/254 of the group's largest magnitude, from gguf's values).
+Tensors stacked into one linear (q/k/v, gate/up) share a width: where one is 8-bit (a Q4_K_M
+file's Q6_K v), the 4-bit ones are requantized to 8-bit groups the same way. llama.cpp's
+converter reorders the rows of a Llama's q and k projections (the two halves of each
+head's rotary pairs interleaved); `_unpermute` puts them back, as transformers does when it
+dequantizes.
 """
 
 from __future__ import annotations
@@ -18,10 +29,20 @@ from typing import Any
 import numpy as np
 import torch
 
-from radixrt.kernels.int4_gemm import Bits, PackedGroups
+from radixrt.kernels.int4_gemm import GROUP, Bits, PackedGroups, int8_groups
 
-# GGUF type name -> (bits, bytes before the values: d, or d and m)
-PACKED_TYPES = {"Q4_0": (Bits.INT4, 2), "Q4_1": (Bits.INT4, 4), "Q8_0": (Bits.INT8, 2)}
+# GGUF type name -> the width of the groups its blocks become
+PACKED_TYPES = {
+    "Q4_0": Bits.INT4,
+    "Q4_1": Bits.INT4,
+    "Q8_0": Bits.INT8,
+    "Q4_K": Bits.INT4,
+    "Q5_K": Bits.INT8,
+    "Q6_K": Bits.INT8,
+}
+SUPER = 256  # values in a K-quant super-block
+Q4_K_BYTES = 144  # d, dmin (float16), 12 bytes of 6-bit scales and mins, 128 of nibbles
+REQUANTIZE_FLOATS = 1 << 22  # Q5_K/Q6_K rows dequantized at once: at most 16 MB of float32
 ARCHITECTURES = ("llama", "qwen2")  # whose tensor names and row orders `plan` knows
 
 
@@ -36,8 +57,8 @@ class Part:
 
 @dataclass(frozen=True)
 class GGUFPlan:
-    """The linears (module name -> parts, stacked by rows) whose every part is a packed type
-    of one width, in the file `reader` reads (gguf's `GGUFReader`: opened once, since parsing
+    """The linears (module name -> parts, stacked by rows) whose every part is of a packed
+    type, in the file `reader` reads (gguf's `GGUFReader`: opened once, since parsing
     the header of a model with a large vocabulary takes seconds)."""
 
     reader: Any
@@ -100,43 +121,98 @@ def read_linears(plan: GGUFPlan) -> dict[str, PackedGroups]:
 
 
 def blocks(tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, Bits]:
-    """A Q4_0/Q4_1/Q8_0 GGUF tensor's rows of blocks: values [N, G, group bytes], d and m
-    float16 [N, G] (m None for Q8_0), and their width."""
-    bits, head = PACKED_TYPES[tensor.tensor_type.name]
+    """A packed-type GGUF tensor's rows as groups of 32: values [N, G, group bytes] (nibbles in
+    Q4_0's order, or int8 viewed as uint8), d and m float16 [N, G] (m None for 8-bit groups),
+    and their width."""
+    kind = tensor.tensor_type.name
     raw = torch.from_numpy(np.array(tensor.data))  # a copy: the reader maps the file
     n, k = int(tensor.shape[1]), int(tensor.shape[0])
-    raw = raw.view(n, k // 32, head + bits.group_bytes)
+    if kind == "Q4_K":
+        return (*_q4_k(raw.view(n, k // SUPER, Q4_K_BYTES)), Bits.INT4)
+    if kind in ("Q5_K", "Q6_K"):
+        q, d = _requantized(raw.view(n, -1), tensor.tensor_type, k)
+        return q.view(torch.uint8), d, None, Bits.INT8
+    head = 4 if kind == "Q4_1" else 2  # the bytes before the values: d, or d and m
+    raw = raw.view(n, k // GROUP, head + PACKED_TYPES[kind].group_bytes)
     d = raw[..., :2].contiguous().view(torch.float16)[..., 0]
     q = raw[..., head:]
-    if tensor.tensor_type.name == "Q4_1":
+    if kind == "Q4_1":
         m = raw[..., 2:4].contiguous().view(torch.float16)[..., 0]
-    elif tensor.tensor_type.name == "Q4_0":
+    elif kind == "Q4_0":
         m = (-8 * d.float()).half()  # exact: a power-of-two multiple
     else:
         m = None
-    return q, d, m, bits
+    return q, d, m, PACKED_TYPES[kind]
+
+
+def _q4_k(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_K super-blocks [N, S, 144] -> nibbles [N, 8S, 16] in Q4_0's order (byte j holds
+    values j and j + 16 of its group), scales d sc and offsets -dmin mn float16 [N, 8S]."""
+    n, s, _ = raw.shape
+    d = raw[..., 0:2].contiguous().view(torch.float16).float()  # [N, S, 1]
+    dmin = raw[..., 2:4].contiguous().view(torch.float16).float()
+    b = raw[..., 4:16].to(torch.int32)
+    # llama.cpp's get_scale_min_k4: sub-blocks 0-3 in the low 6 bits of bytes 0-3 (scales)
+    # and 4-7 (mins); 4-7 in the nibbles of bytes 8-11, their top 2 bits in bytes 0-7's
+    scales = torch.cat([b[..., 0:4] & 63, (b[..., 8:12] & 0xF) | ((b[..., 0:4] >> 6) << 4)], -1)
+    mins = torch.cat([b[..., 4:8] & 63, (b[..., 8:12] >> 4) | ((b[..., 4:8] >> 6) << 4)], -1)
+    # each 32 bytes of nibbles hold two sub-blocks: the low nibbles, then the high
+    qs = raw[..., 16:].view(n, s, 4, 1, 32)
+    values = torch.cat([qs & 0xF, qs >> 4], dim=3).view(n, s * 8, GROUP)
+    nibbles = values[..., :16] | (values[..., 16:] << 4)
+    scale = (d * scales).view(n, s * 8).half()
+    offset = (-(dmin * mins)).view(n, s * 8).half()
+    return nibbles.contiguous(), scale, offset
+
+
+def _requantized(rows: torch.Tensor, kind: Any, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Q5_K/Q6_K tensor's rows of bytes [N, row bytes] as 8-bit groups (q int8 [N, G, 32], d
+    float16 [N, G]), dequantized by gguf a few rows at a time so no float copy of the whole
+    tensor exists."""
+    import gguf
+
+    n = rows.shape[0]
+    step = max(1, REQUANTIZE_FLOATS // k)
+    qs, ds = [], []
+    for start in range(0, n, step):
+        chunk = rows[start : start + step].numpy()
+        w = torch.from_numpy(gguf.quants.dequantize(chunk, kind).reshape(-1, k).copy())
+        q, d = int8_groups(w.view(-1, k // GROUP, GROUP))
+        qs.append(q)
+        ds.append(d)
+    return torch.cat(qs), torch.cat(ds)
 
 
 def _stack(tensors: list, parts: list[Part]) -> PackedGroups:
-    """Several tensors' rows, one after the other, as one packed weight."""
+    """Several tensors' rows, one after the other, as one packed weight: 8-bit groups if any
+    of them is 8-bit (a Q4_K_M file's Q6_K v beside Q4_K q and k), the 4-bit ones requantized."""
+    k = int(tensors[0].shape[0])
+    bits = max(PACKED_TYPES[t.tensor_type.name] for t in tensors)
     qs, ds, ms = [], [], []
     for tensor, part in zip(tensors, parts):
-        q, d, m, bits = blocks(tensor)
+        q, d, m, width = blocks(tensor)
+        if width != bits:
+            q, d, m = *_as_8_bit(q, d, m, k), None
         order = _unpermute(q.shape[0], part.heads)
         qs.append(q[order])
         ds.append(d[order])
         ms.append(None if m is None else m[order])
     m_all = None if ms[0] is None else torch.cat(ms)  # type: ignore[arg-type]
-    return PackedGroups.from_blocks(
-        torch.cat(qs), torch.cat(ds), m_all, int(tensors[0].shape[0]), bits
-    )
+    return PackedGroups.from_blocks(torch.cat(qs), torch.cat(ds), m_all, k, bits)
+
+
+def _as_8_bit(
+    q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """4-bit groups as 8-bit ones (within half an 8-bit step): one tensor's floats at a time."""
+    w = PackedGroups.from_blocks(q, d, m, k, Bits.INT4).dequantize()
+    q8, d8 = int8_groups(w.view(w.shape[0], -1, GROUP))
+    return q8.view(torch.uint8), d8
 
 
 def _packable(kinds: list[str | None]) -> bool:
-    """Whether tensors of these GGUF types stack into one packed weight: all packed, one width."""
-    if not all(k in PACKED_TYPES for k in kinds):
-        return False
-    return len({PACKED_TYPES[k][0] for k in kinds if k is not None}) == 1
+    """Whether tensors of these GGUF types stack into one packed weight: all of packed types."""
+    return all(k in PACKED_TYPES for k in kinds)
 
 
 def _unpermute(rows: int, heads: int) -> torch.Tensor:

@@ -200,7 +200,8 @@ class ModelRunner:
             return None
         packed = gguf_weights.plan(source, self.config)
         if name == "gguf" and not packed.linears:
-            raise ValueError(f"{source} has no Q4_0/Q4_1/Q8_0 linears of a Llama or Qwen2 model")
+            kinds = "/".join(gguf_weights.PACKED_TYPES)
+            raise ValueError(f"{source} has no {kinds} linears of a Llama or Qwen2 model")
         return packed
 
     def _replace_linears(self, packed: gguf_weights.GGUFPlan | None) -> None:

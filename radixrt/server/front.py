@@ -46,7 +46,7 @@ from radixrt.protocol import (
     wire_rid,
 )
 from radixrt.server.exposure import bind_client_socket, check_exposure
-from radixrt.server.tenants import KeyRing, Principal
+from radixrt.server.tenants import TENANT_VISIBLE_STATS, KeyRing, Principal
 
 logger = logging.getLogger(__name__)
 
@@ -241,24 +241,6 @@ def check_prompt_size(msg: dict[str, Any], max_bytes: int) -> None:
             ErrorCode.INVALID_REQUEST,
             f"the prompt is {size} bytes; at most {max_bytes} (--max-prompt-bytes)",
         )
-
-
-# what a tenant sees of `stats` besides its own row: the server's shape and load (free slots,
-# queue lengths), nothing of what other tenants cached, hit, pinned or compiled, nor any timing
-TENANT_VISIBLE_STATS = frozenset(
-    {
-        "tp_size",
-        "dp_size",
-        "router_policy",
-        "total_tokens",
-        "free_tokens",
-        "host_total_tokens",
-        "running",
-        "waiting",
-        "draining",
-        "alive",
-    }
-)
 
 
 def visible_stats(stats: dict[str, Any], principal: Principal) -> dict[str, Any]:

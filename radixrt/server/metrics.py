@@ -15,7 +15,7 @@ Names keep the `radixrt_` prefix and follow the semantics and units of SGLang's 
 from __future__ import annotations
 
 from collections import Counter as Tally
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,7 +30,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.parser import text_string_to_metric_families
 
 from radixrt.protocol import tenant_label
-from radixrt.server.tenants import Principal
+from radixrt.server.tenants import TENANT_VISIBLE_STATS, Principal
 
 disable_created_metrics()  # no `*_created` series: a scraper reads rates from the counters
 
@@ -144,6 +144,14 @@ TENANT_STATS = {
 }
 
 
+# the families a tenant's view holds (`RuntimeMetrics.render`, `merge_worker_metrics`): the stats
+# it may see and its own tenant rows
+TENANT_FAMILIES = frozenset(
+    {m.name for key, m in RUNTIME_STATS.items() if key in TENANT_VISIBLE_STATS}
+    | {m.name for m in TENANT_STATS.values()}
+)
+
+
 def kv_usage_ratio(stats: dict[str, Any]) -> float:
     """Slots neither free nor evictable over all slots (SGLang's `token_usage`, vLLM's
     `kv_cache_usage_perc`: both count a cached block nobody uses as free)."""
@@ -216,6 +224,10 @@ class RuntimeMetrics:
         )
         self.stats = _StatsCollector(model_name)
         self.registry.register(self.stats)
+        # a tenant's view: the stats it may see, none of the histograms and counters that
+        # every tenant's requests move (their timings would tell one tenant of another's load)
+        self.tenant_registry = CollectorRegistry()
+        self.tenant_registry.register(self.stats)
 
     def finish(self, reason: str) -> None:
         self.finished.labels(self.model_name, reason).inc()
@@ -223,9 +235,11 @@ class RuntimeMetrics:
     def error(self, code: str) -> None:
         self.errors.labels(self.model_name, code).inc()
 
-    def render(self, stats: dict[str, Any]) -> str:
+    def render(self, stats: dict[str, Any], *, admin: bool) -> str:
+        """The Prometheus text of `stats` (as the caller may see them) and, for the admin only,
+        the request histograms and counters of every tenant's traffic."""
         self.stats.stats = stats
-        return generate_latest(self.registry).decode()
+        return generate_latest(self.registry if admin else self.tenant_registry).decode()
 
 
 class _HttpRequests:
@@ -292,13 +306,15 @@ class RouterCounts:
 def merge_worker_metrics(texts: dict[int, str], router: RouterCounts, viewer: Principal) -> str:
     """One exposition of several workers' texts, each sample labelled with its `worker` index
     (the same series from two workers must not collide), then the router's own counters. A
-    tenant `viewer` sees only its own tenant rows, as in `stats` (the workers may have been
-    asked with the router's key)."""
+    tenant `viewer` sees what one runtime shows a tenant (TENANT_FAMILIES, its own tenant rows
+    only), as in `stats`: the workers may have been asked with the router's key."""
     families: dict[str, Metric] = {}
     model_name = ""
     mine = None if viewer.admin else tenant_label(viewer.tenant)
     for index, text in sorted(texts.items()):
         for parsed in text_string_to_metric_families(text):
+            if mine is not None and parsed.name not in TENANT_FAMILIES:
+                continue
             family = families.setdefault(
                 parsed.name, Metric(parsed.name, parsed.documentation, parsed.type)
             )
@@ -307,11 +323,17 @@ def merge_worker_metrics(texts: dict[int, str], router: RouterCounts, viewer: Pr
                 if mine is None or s.labels.get("tenant", mine) == mine:
                     family.add_sample(s.name, {**s.labels, "worker": str(index)}, s.value)
     registry = CollectorRegistry()
-    registry.register(_Fixed([*families.values(), *_router_families(router, model_name)]))
+    own = _router_families(router, model_name)
+    if mine is not None:  # the fleet's shape only: the routing counters count everyone's requests
+        own = [f for f in own if f.name in ROUTER_SHAPE]
+    registry.register(_Fixed([*families.values(), *own]))
     return generate_latest(registry).decode()
 
 
-def _router_families(router: RouterCounts, model_name: str) -> Iterable[Metric]:
+ROUTER_SHAPE = frozenset({"radixrt_router_workers", "radixrt_router_workers_alive"})
+
+
+def _router_families(router: RouterCounts, model_name: str) -> list[Metric]:
     routed = CounterMetricFamily(
         "radixrt_router_requests", "generates routed, by the policy's reason",
         labels=[MODEL, "reason"],

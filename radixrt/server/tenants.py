@@ -109,3 +109,21 @@ class KeyRing:
     def any_key(self) -> str | None:
         """A key to speak to the server with: the admin's when there is one."""
         return self.admin_key() or next(iter(self.keys), None)
+
+
+# what a tenant sees of `stats` besides its own row: the server's shape and load (free slots,
+# queue lengths), nothing of what other tenants cached, hit, pinned or compiled, nor any timing
+TENANT_VISIBLE_STATS = frozenset(
+    {
+        "tp_size",
+        "dp_size",
+        "router_policy",
+        "total_tokens",
+        "free_tokens",
+        "host_total_tokens",
+        "running",
+        "waiting",
+        "draining",
+        "alive",
+    }
+)

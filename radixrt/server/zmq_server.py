@@ -440,8 +440,8 @@ def _stats(server: Server, caller: Caller, msg: dict[str, Any]) -> dict[str, Any
 
 
 def _metrics(server: Server, caller: Caller, msg: dict[str, Any]) -> str:
-    """This runtime's Prometheus text (its tenant rows as `stats` shows them to the caller)."""
-    return server.metrics.render(_stats(server, caller, msg))
+    """This runtime's Prometheus text as the caller may see it (`RuntimeMetrics.render`)."""
+    return server.metrics.render(_stats(server, caller, msg), admin=caller.principal.admin)
 
 
 def _abort(server: Server, caller: Caller, msg: dict[str, Any]) -> None:

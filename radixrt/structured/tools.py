@@ -77,8 +77,8 @@ class Tool:
 def parse_tools(tools: list[Any]) -> list[Tool]:
     """OpenAI's `tools` list → Tools; ToolError names the first malformed entry and why (a bad
     name, a duplicate, parameters that are not an object schema or too complex to constrain).
-    Each tool's schema is translated here (the gateway's event loop), so first the tools'
-    schemas are checked, then, where they render as one regex, their `$ref` expansions together
+    Each tool's schema is translated here (the gateway calls this in a worker thread, not on its
+    event loop), so first the tools' schemas are checked, then, where they render as one regex, their `$ref` expansions together
     against one budget (`check_expansion`): no translation starts past it, and all of them cost
     at most one budget's worth."""
     parsed: list[Tool] = []

@@ -19,7 +19,9 @@ from radixrt.bench.results import result_of
 from radixrt.bench.workloads import Session, Turn, WorkloadConfig
 from radixrt.cli import main
 
-SHAREGPT = Path(__file__).resolve().parents[1] / "data" / "sharegpt_small.json"
+from helpers import DATA
+
+SHAREGPT = DATA / "sharegpt_small.json"
 VLLM_KEYS = (
     "completed",
     "total_input_tokens",

@@ -18,7 +18,7 @@ K = 96  # three groups
 CONFIG = LlamaConfig(
     hidden_size=K, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=1
 )
-# name -> (rows, type): q and k share a width, v is 8-bit: q/k/v cannot stack into one layout
+# name -> (rows, type): q and k are 4-bit, v 8-bit: q/k/v stack as 8-bit groups
 TENSORS = {
     "blk.0.attn_q.weight": (K, T.Q4_0),
     "blk.0.attn_k.weight": (48, T.Q4_1),
@@ -63,21 +63,32 @@ def test_packed_blocks_equal_ggufs_dequantization(written, name):
     assert torch.equal(packed.dequantize(), _dequantized(tensor))
 
 
-def test_the_plan_stacks_only_packed_tensors_of_one_width(written):
+def test_the_plan_stacks_packed_tensors_in_the_widest_width(written):
+    """q/k/v mix 4- and 8-bit types: they stack as 8-bit groups (the 4-bit ones requantized,
+    within half an 8-bit step); gate/up are both 4-bit: copied as stored; down is float."""
     plan = gguf_weights.plan(written[0], CONFIG)
     assert set(plan.linears) == {
+        "layers.0.self_attn.qkv_proj",
         "layers.0.self_attn.o_proj",
         "layers.0.mlp.gate_up_proj",
         "lm_head",
     }
     assert plan.meta_weights(tied=True) == {
-        "layers.0.self_attn.o_proj.weight",
-        "layers.0.mlp.gate_up_proj.weight",
+        f"layers.0.{m}.weight"
+        for m in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj")
     }
     linears = gguf_weights.read_linears(plan)
     gate_up = torch.cat([_dequantized(written[1][f"blk.0.ffn_{p}.weight"]) for p in ("gate", "up")])
     assert torch.equal(linears["layers.0.mlp.gate_up_proj"].dequantize(), gate_up)
     assert linears["lm_head"].bits == int4_gemm.Bits.INT8
+    qkv = linears["layers.0.self_attn.qkv_proj"]
+    assert qkv.bits == int4_gemm.Bits.INT8
+    v = _dequantized(written[1]["blk.0.attn_v.weight"])
+    assert torch.equal(qkv.dequantize()[-48:], v)  # already 8-bit: as stored
+    k_rows = qkv.dequantize()[K : K + 48].view(48, -1, 32)
+    k_want = _dequantized(written[1]["blk.0.attn_k.weight"])[gguf_weights._unpermute(48, 2)]
+    k_want = k_want.view(48, -1, 32)
+    assert ((k_rows - k_want).abs() <= k_want.abs().amax(2, keepdim=True) / 254 * 1.01 + 1e-7).all()
 
 
 def test_q_and_k_rows_are_put_back_in_hugging_faces_order():
@@ -86,3 +97,60 @@ def test_q_and_k_rows_are_put_back_in_hugging_faces_order():
     hf = torch.arange(rows * 3.0).view(rows, 3)
     converted = hf.reshape(heads, 2, rows // heads // 2, 3).swapaxes(1, 2).reshape(rows, 3)
     assert torch.equal(converted[gguf_weights._unpermute(rows, heads)], hf)
+
+
+KQ = 512  # two K-quant super-blocks a row
+# K-quant type -> (bytes a super-block, offsets of its float16 fields)
+K_QUANTS = {T.Q4_K: (144, (0, 2)), T.Q5_K: (176, (0, 2)), T.Q6_K: (210, (208,))}
+
+
+def _k_quant_tensor(tmp_path, kind, rows: int = 24):
+    """A GGUF holding one tensor of `kind` with random blocks (random bytes, with sane float16
+    scales), read back by gguf's reader."""
+    size, floats = K_QUANTS[kind]
+    rng = np.random.default_rng(int(kind))
+    raw = rng.integers(0, 256, (rows, KQ // 256, size), dtype=np.uint8)
+    for at in floats:
+        scale = rng.uniform(1e-3, 2e-2, (rows, KQ // 256)).astype(np.float16)
+        raw[..., at : at + 2] = scale.view(np.uint8).reshape(rows, KQ // 256, 2)
+    path = tmp_path / f"{kind.name}.gguf"
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_tensor("w", raw.reshape(rows, -1), raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return gguf.GGUFReader(path).tensors[0]
+
+
+def test_q4_k_becomes_4_bit_groups_within_float16_rounding(tmp_path):
+    """Each Q4_K sub-block is one 4-bit group: its nibbles as stored (reordered), its scale d sc
+    and offset -dmin mn rounded once to float16, the kernel's scale type."""
+    tensor = _k_quant_tensor(tmp_path, T.Q4_K)
+    q, d, m, bits = gguf_weights.blocks(tensor)
+    assert bits == int4_gemm.Bits.INT4 and q.shape == (24, KQ // 32, 16)
+    got = int4_gemm.PackedGroups.from_blocks(q, d, m, KQ, bits).dequantize()
+    want = _dequantized(tensor)
+    torch.testing.assert_close(got, want, rtol=2**-10, atol=2**-10 * float(want.abs().max()))
+
+
+@pytest.mark.parametrize("kind", [T.Q5_K, T.Q6_K])
+def test_q5_k_and_q6_k_become_8_bit_groups_within_half_a_step(tmp_path, kind):
+    """5 and 6 bits do not fit 4-bit groups: each group of 32 is quantized again by Q8_0's rule,
+    at most half an 8-bit step (1/254 of its largest magnitude) from gguf's value."""
+    tensor = _k_quant_tensor(tmp_path, kind)
+    q, d, m, bits = gguf_weights.blocks(tensor)
+    assert bits == int4_gemm.Bits.INT8 and m is None
+    got = int4_gemm.PackedGroups.from_blocks(q, d, m, KQ, bits).dequantize()
+    want = _dequantized(tensor).view(24, KQ // 32, 32)
+    step = want.abs().amax(dim=2, keepdim=True) / 127
+    assert ((got.view_as(want) - want).abs() <= step * 0.51 + 1e-7).all()
+
+
+def test_k_quant_rows_are_requantized_a_few_at_a_time(tmp_path, monkeypatch):
+    """The Q5_K/Q6_K path dequantizes rows in chunks (here of 3 rows): the same groups as at once."""
+    tensor = _k_quant_tensor(tmp_path, T.Q6_K)
+    whole = gguf_weights.blocks(tensor)
+    monkeypatch.setattr(gguf_weights, "REQUANTIZE_FLOATS", 3 * KQ)
+    chunked = gguf_weights.blocks(tensor)
+    assert torch.equal(whole[0], chunked[0]) and torch.equal(whole[1], chunked[1])

@@ -6,8 +6,6 @@ positions; int4's (the default model's own Q4_1 blocks) within 5% and >= 90%."""
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,12 +13,10 @@ import torch
 from radixrt.config import ServerArgs
 from radixrt.executor.model_loader import default_gguf_path
 from radixrt.executor.model_runner import ModelRunner, linear_bytes
-from radixrt.forward_batch import ForwardBatch
 from radixrt.kernels import int4_gemm, int8_gemm
 from radixrt.models.linear import GroupedLinear, Int8Linear
 
-TEXT = Path(__file__).resolve().parent.parent / "data" / "quality_text.txt"
-POSITIONS = 500
+from helpers import quality_gates, teacher_forced_logits
 
 pytestmark = [
     pytest.mark.skipif(not int8_gemm.available(), reason="int8 needs AVX2 and a compiler"),
@@ -28,51 +24,11 @@ pytestmark = [
 ]
 
 
-def _teacher_forced_logits(runner: ModelRunner, ids: list[int]) -> torch.Tensor:
-    """Logits [n, V] at every position of `ids`, in one prefill over slots 1..n."""
-    n = len(ids)
-    slots = torch.arange(1, n + 1)
-    runner.req_to_token_pool.req_to_token[1, :n] = slots.to(torch.int32)
-    positions = torch.arange(n)
-    batch = ForwardBatch(torch.tensor(ids), positions, slots, torch.tensor([1]), [0], [n])
-    return runner.logits(runner.forward(batch)).double()
-
-
-@dataclass
-class Reference:
-    """float32's runner on the default model, the text's ids and its teacher-forced logits."""
-
-    runner: ModelRunner
-    ids: list[int]
-    logits: torch.Tensor
-
-
-@pytest.fixture(scope="module")
-def reference() -> Reference:
-    runner = ModelRunner(ServerArgs(max_total_tokens=1024).executor)
-    ids = runner.tokenizer.encode(TEXT.read_text())[: POSITIONS + 1]
-    assert len(ids) == POSITIONS + 1
-    return Reference(runner, ids, _teacher_forced_logits(runner, ids)[:POSITIONS])
-
-
-def _gates(reference: Reference, runner: ModelRunner, name: str) -> tuple[float, float]:
-    """(perplexity over float32's, top-1 agreement with float32) of `runner` on the text."""
-    logits = _teacher_forced_logits(runner, reference.ids)[:POSITIONS]
-    targets = torch.tensor(reference.ids[1:])
-    ppl = [
-        float(torch.exp(-rows.log_softmax(-1).gather(1, targets[:, None]).mean()))
-        for rows in (reference.logits, logits)
-    ]
-    agreement = float((logits.argmax(-1) == reference.logits.argmax(-1)).double().mean())
-    print(f"perplexity float32 {ppl[0]:.3f}, {name} {ppl[1]:.3f}; top-1 {agreement:.3f}")
-    return ppl[1] / ppl[0], agreement
-
-
-def test_int8_weights_pass_the_quality_gates(reference):
+def test_int8_weights_pass_the_quality_gates(quality_reference):
     runner = ModelRunner(ServerArgs(max_total_tokens=1024, quantization="int8").executor)
     assert sum(isinstance(m, Int8Linear) for m in runner.model.modules()) == 4 * 30 + 1
-    assert runner.weights.weight_bytes * 4 == reference.runner.weights.weight_bytes
-    ratio, agreement = _gates(reference, runner, "int8")
+    assert runner.weights.weight_bytes * 4 == quality_reference.runner.weights.weight_bytes
+    ratio, agreement = quality_gates(quality_reference, runner, "int8")
     assert abs(ratio - 1) <= 0.02
     assert agreement >= 0.95
 
@@ -87,15 +43,15 @@ def int4_runner() -> ModelRunner:
     return ModelRunner(ServerArgs(max_total_tokens=1024, quantization="int4").executor)
 
 
-def test_int4_weights_pass_the_quality_gates(reference, int4_runner):
+def test_int4_weights_pass_the_quality_gates(quality_reference, int4_runner):
     """The default model under `int4` serves its GGUF's own blocks: Q4_1 linears, the Q8_0
     embedding as the output projection (quantizing its float copy again would give the same
     Q4_1 grid back, so this is also what int4 from float weights scores here)."""
     linears = [m for m in int4_runner.model.modules() if isinstance(m, GroupedLinear)]
     assert len(linears) == 4 * 30 + 1
     assert int4_runner.model.lm_head.weight.bits == int4_gemm.Bits.INT8
-    assert linear_bytes(int4_runner.model) < linear_bytes(reference.runner.model) / 5
-    ratio, agreement = _gates(reference, int4_runner, "int4")
+    assert linear_bytes(int4_runner.model) < linear_bytes(quality_reference.runner.model) / 5
+    ratio, agreement = quality_gates(quality_reference, int4_runner, "int4")
     assert abs(ratio - 1) <= 0.05
     assert agreement >= 0.90
 
@@ -111,14 +67,14 @@ def test_int4_quantizes_float_weights_where_no_gguf_holds_them(tiny_model_dir):
     assert len(linears) == 4 * runner.config.num_hidden_layers + 1
     assert runner.model.lm_head.weight.bits == int4_gemm.Bits.INT8
     assert all(m.weight.bits == int4_gemm.Bits.INT4 for m in linears[:-1])
-    logits = _teacher_forced_logits(runner, list(range(5, 45)))
+    logits = teacher_forced_logits(runner, list(range(5, 45)))
     assert logits.shape == (40, runner.vocab_size) and torch.isfinite(logits).all()
 
 
 GREEDY_TOKENS = 16
 
 
-def test_the_packed_q4_1_weights_predict_llama_cpps_greedy_tokens(reference, int4_runner):
+def test_the_packed_q4_1_weights_predict_llama_cpps_greedy_tokens(quality_reference, int4_runner):
     """llama.cpp's greedy continuation of the text on the same GGUF file, and the next token
     the packed weights predict at each of its positions (teacher-forced): the same at >= 14 of
     16. Not a greedy run against a greedy run: the third token here is a near-tie in float32
@@ -127,11 +83,11 @@ def test_the_packed_q4_1_weights_predict_llama_cpps_greedy_tokens(reference, int
     llama_cpp = pytest.importorskip(
         "llama_cpp", reason="llama.cpp's tokens need llama-cpp-python: `make bench-peers`"
     )
-    prompt = reference.ids[:48]
+    prompt = quality_reference.ids[:48]
     llm = llama_cpp.Llama(str(default_gguf_path()), n_ctx=256, n_threads=2, verbose=False)
     theirs = list(itertools.islice(llm.generate(prompt, temp=0.0, top_k=1), GREEDY_TOKENS))
     llm.close()
-    logits = _teacher_forced_logits(int4_runner, prompt + theirs)
+    logits = teacher_forced_logits(int4_runner, prompt + theirs)
     ours = logits[len(prompt) - 1 : -1].argmax(-1).tolist()
     print(f"llama.cpp {theirs}\nradixrt   {ours}")
     assert sum(a == b for a, b in zip(ours, theirs)) >= 14

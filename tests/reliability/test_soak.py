@@ -1,6 +1,10 @@
-"""The soak's 60-second version on the tiny model (`make soak` runs the long one)."""
+"""The soak's 60-second version on the tiny model: `make soak-ci` runs it (CI does, after `make
+test`, which leaves it out: a fixed-duration run gains nothing from a faster suite); `make soak`
+runs the long one."""
 
 from __future__ import annotations
+
+import pytest
 
 from radixrt.reliability.soak import KINDS, Soak, SoakConfig
 
@@ -15,6 +19,7 @@ KNOWN_CODES = {
 }
 
 
+@pytest.mark.soak
 def test_soak_60s(tiny_model_dir, tmp_path):
     report = Soak(
         SoakConfig(str(tiny_model_dir), 60, 4, tmp_path, kill_every_s=12, max_total_tokens=2048)

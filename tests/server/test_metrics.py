@@ -143,3 +143,33 @@ def test_promtool_accepts_the_live_text_and_the_dashboard(tiny_runtime, tmp_path
         [promtool, "check", "rules", str(tmp_path / "rules.json")], capture_output=True, text=True
     )
     assert check.returncode == 0, check.stdout + check.stderr
+
+
+def test_a_tenant_sees_no_ones_timings_from_a_runtime_or_a_fleet():
+    """The admin's text has every request's histograms and finish counts; a tenant's (from one
+    runtime, or merged by the router from texts the workers rendered for the admin) has only
+    the server's shape and load and its own tenant rows."""
+    from radixrt.server.metrics import ROUTER_SHAPE, TENANT_FAMILIES, RuntimeMetrics
+    from radixrt.server.tenants import Principal
+
+    metrics = RuntimeMetrics("m")
+    metrics.ttft.observe(0.2)
+    metrics.finish("stop")
+    row = {"requests": 1, "prompt_tokens": 4, "cached_prompt_tokens": 0, "timeouts": 0,
+           "rate_limited": 0, "running": 0, "waiting": 0}  # fmt: skip
+    stats = {"running": 1, "waiting": 0, "tenants": {"alice": row, "bob": row}}
+    admin_text = metrics.render(stats, admin=True)
+    alice = Principal(tenant="alice")
+    texts = {
+        "runtime": metrics.render({**stats, "tenants": {"alice": row}}, admin=False),
+        "fleet": merge_worker_metrics({0: admin_text}, RouterCounts({}, 1, 1), alice),
+    }
+    assert {"radixrt_time_to_first_token_seconds", "radixrt_request_success"} <= {
+        f.name for f in text_string_to_metric_families(admin_text)
+    }
+    for where, text in texts.items():
+        families = {f.name: f for f in text_string_to_metric_families(text)}
+        assert "radixrt_num_requests_running" in families, where
+        assert set(families) - ROUTER_SHAPE <= TENANT_FAMILIES, where
+        tenants = {s.labels["tenant"] for s in families["radixrt_tenant_requests"].samples}
+        assert tenants == {"alice"}, where

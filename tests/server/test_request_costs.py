@@ -223,6 +223,11 @@ def test_a_tenant_sees_only_its_own_stats(costs):
                     "constraint_compiles", "step_time_s"):  # fmt: skip
             assert key in full and key not in mine, key
         assert set(mine["tenants"]) == {"alice"} and mine["total_tokens"] == full["total_tokens"]
-        assert "radixrt_tenant_requests" in alice.metrics()  # its own rows still render
+        text = alice.metrics()
+        assert "radixrt_tenant_requests" in text  # its own rows still render
+        # ... but no timing of anyone's requests, nor counts of everyone's finishes and errors
+        for name in ("time_to_first_token", "inter_token_latency", "e2e_request_latency",
+                     "queue_time", "request_success", "request_errors"):  # fmt: skip
+            assert f"radixrt_{name}" in costs.metrics() and f"radixrt_{name}" not in text, name
     finally:
         alice.close()

@@ -101,7 +101,8 @@ def test_schema_checks_do_not_recurse():
     deep: list = []
     for _ in range(100_000):  # deeper than Python's recursion limit
         deep = [deep]
-    assert nesting_depth(deep, MAX_SCHEMA_DEPTH) == MAX_SCHEMA_DEPTH + 1  # it stops looking past the bound
+    # it stops looking past the bound
+    assert nesting_depth(deep, MAX_SCHEMA_DEPTH) == MAX_SCHEMA_DEPTH + 1
     with pytest.raises(ValueError, match="nests deeper"):
         load_schema({"type": "array", "items": deep})
     assert schema_regex(nested(MAX_SCHEMA_DEPTH // 2 - 1))  # a deep but bounded one compiles

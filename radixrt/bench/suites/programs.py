@@ -11,8 +11,15 @@ from radixrt.bench.programs import PROGRAM_WORKLOADS, program_workloads
 from radixrt.bench.registry import register
 from radixrt.bench.report import BenchRun
 from radixrt.bench.results import RunResult
-from radixrt.bench.systems import radixrt_target
 from radixrt.bench.variants import VARIANTS
+
+PROGRAM_COUNTERS = (
+    "generated_tokens",
+    "prompt_tokens_total",
+    "cached_prompt_tokens_total",
+    "num_preemptions",
+    "evicted_tokens",
+)  # the stats a program run reads as their change over it
 
 
 @register(*PROGRAM_WORKLOADS)
@@ -32,28 +39,33 @@ def run_program_workloads(run: BenchRun, workloads: list[str]) -> dict[str, list
 
 
 def run_programs(run: BenchRun, workload: str, system: str) -> RunResult:
-    """One system's run of the whole batch; its summary counts programs as requests."""
+    """One system's run of the whole batch (its cache flushed first, its counters read before
+    and after: the server may have served other workloads); its summary counts programs as
+    requests."""
     from radixrt.client.launcher import Runtime
 
     config = run.config
     program, batch = program_workloads(config.shape.num_requests, config.seed)[workload]
-    with radixrt_target(config.server, system, Runtime) as runtime:
-        start = time.monotonic()
-        for state in program.run_batch(batch, backend=runtime, temperature=0, progress_bar=True):
-            state.text()  # raises if the program failed
-        duration = time.monotonic() - start
-        stats = runtime.stats()
+    runtime = run.servers.get(config.server, system, Runtime)
+    runtime.flush_cache()
+    before = runtime.stats()
+    start = time.monotonic()
+    for state in program.run_batch(batch, backend=runtime, temperature=0, progress_bar=True):
+        state.text()  # raises if the program failed
+    duration = time.monotonic() - start
+    after = runtime.stats()
+    counted = {k: after[k] - before[k] for k in PROGRAM_COUNTERS}
     summary = summarize([], duration, config.slo)
     summary.requests, summary.request_throughput = len(batch), len(batch) / duration
-    summary.output_tokens = stats["generated_tokens"]
-    summary.output_throughput = stats["generated_tokens"] / duration
+    summary.output_tokens = counted["generated_tokens"]
+    summary.output_throughput = counted["generated_tokens"] / duration
     return RunResult(
         system,
         f"run_batch of {len(batch)} programs",
         None,
         None,
         summary,
-        stats["cache_hit_rate"],
-        stats["num_preemptions"],
-        stats["evicted_tokens"],
+        counted["cached_prompt_tokens_total"] / max(counted["prompt_tokens_total"], 1),
+        counted["num_preemptions"],
+        counted["evicted_tokens"],
     )

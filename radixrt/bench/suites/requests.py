@@ -38,7 +38,7 @@ def run_request_workloads(run: BenchRun, workloads: list[str]) -> dict[str, list
     for workload in workloads:
         make = ALL_REQUEST_WORKLOADS[workload]
         sessions = make(tokenizer, run.config.shape)
-        job = RequestJob(run.config, sessions, tokenizer, model_dir, machine)
+        job = RequestJob(run.config, sessions, tokenizer, model_dir, machine, run.servers)
         systems = run.config.systems_for(workload)
         results = [r for system in systems for r in run_system(system, job)]
         run.report(workload, systems, results)

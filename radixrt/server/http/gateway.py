@@ -223,7 +223,9 @@ class Gateway:
         if req.logprobs:
             params.update(return_logprob=True, top_logprobs_num=req.top_logprobs or 0)
         add_constraint(params, constraint_params(req.response_format), "response_format")
-        tools = ChatTools.of(req, model.tool_parser)
+        # the tools' schemas are translated off the event loop (bounded by the expansion budget,
+        # but still up to a fraction of a second each): other callers' streams go on meanwhile
+        tools = await asyncio.to_thread(ChatTools.of, req, model.tool_parser)
         if tools.constraint is not None:
             add_constraint(params, tools.constraint.params(), "tools")
         messages, template_tools = tools.messages(

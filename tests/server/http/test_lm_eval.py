@@ -4,13 +4,13 @@ shipped in tests/data/lm_eval, give per sample what its `hf` model gives on the 
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 from lm_eval import simple_evaluate
 from lm_eval.tasks import TaskManager
 
-TASKS = Path(__file__).parent.parent / "data" / "lm_eval"
+from helpers import DATA
+
+TASKS = DATA / "lm_eval"
 MC, GEN = "radixrt_tiny_mc", "radixrt_tiny_gen"
 LOGLIKELIHOOD_ATOL = 1e-3  # float32 sums of a few logprobs, batched differently
 

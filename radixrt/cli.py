@@ -54,7 +54,11 @@ def _leave() -> None:
 def _http_gateway(args: argparse.Namespace) -> None:
     from radixrt.server.http.process import run_gateway
 
-    limits = GatewaySettings(args.max_body_bytes, args.http_request_timeout, args.http_pin_lease)
+    limits = GatewaySettings(
+        max_frame_bytes=args.max_body_bytes,
+        http_request_timeout=args.http_request_timeout,
+        http_pin_lease=args.http_pin_lease,
+    )
     run_gateway(
         args.url,
         args.fd,

@@ -1,8 +1,8 @@
-"""docs/flags.md, generated from the settings dataclasses: every flag of `radixrt serve`,
-`radixrt router` and `radixrt bench`, by the feature groups `--help` shows them in.
+"""docs/flags.md, generated from the settings groups: every flag of `radixrt serve`, `radixrt
+router` and `radixrt bench`, in the sections `--help` shows them in.
 
-The page is never edited by hand: a flag added to `ServerArgs` (or `RouterArgs`, `BenchConfig`)
-changes it, and `tests/test_docs.py` fails until it is regenerated with
+The page is never edited by hand: a setting added to a group of `ServerArgs` (or `RouterArgs`,
+`BenchConfig`) changes it, and `tests/test_docs.py` fails until it is regenerated with
 `python -m radixrt.flags_doc --write` (`make flags-doc`).
 """
 
@@ -39,11 +39,9 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
-def _row(f: dataclasses.Field[Any]) -> str:
-    names = ", ".join(
-        f"`{n}`" for n in ["--" + f.name.replace("_", "-"), *f.metadata.get("aliases", ())]
-    )
-    helptext = f.metadata.get("help", "")
+def _row(f: dataclasses.Field[Any], aliases: tuple[str, ...]) -> str:
+    names = ", ".join(f"`{n}`" for n in ["--" + f.name.replace("_", "-"), *aliases])
+    helptext = f.metadata["help"]
     choices = f.metadata.get("choices")
     if choices:
         helptext += f" (one of {', '.join(f'`{c}`' for c in choices)})"
@@ -51,14 +49,11 @@ def _row(f: dataclasses.Field[Any]) -> str:
 
 
 def command_section(command: str, settings: type[Settings]) -> str:
-    """One command's flags: a table per feature group, in `--help`'s order."""
-    fields = dataclasses.fields(settings)  # type: ignore[arg-type]
+    """One command's flags: a table per `--help` section, in `--help`'s order."""
     lines = [f"## `{command}`", ""]
-    for group, title in settings.group_titles.items():
-        members = [f for f in fields if f.metadata["group"] == group]
-        if members:
-            lines += [f"### {title}", "", "| flag | default | meaning |", "|---|---|---|"]
-            lines += [_row(f) for f in members] + [""]
+    for title, members in settings.sections().items():
+        lines += [f"### {title}", "", "| flag | default | meaning |", "|---|---|---|"]
+        lines += [_row(f, settings.aliases.get(f.name, ())) for f in members] + [""]
     return "\n".join(lines)
 
 

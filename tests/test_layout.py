@@ -36,7 +36,7 @@ ALLOWED = {
         "sampling_params",
         "forward_batch",
     },
-    "mem_cache": set(),
+    "mem_cache": {"config"},  # the cache settings the tiers are built from
     "executor": {
         "models",
         "attention",

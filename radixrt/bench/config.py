@@ -1,19 +1,18 @@
-"""`radixrt bench`'s settings: one frozen `BenchConfig` whose flags are generated from its fields
-by `radixrt.config.Settings`, the mechanism of `radixrt serve`'s `ServerArgs`.
+"""`radixrt bench`'s settings: one frozen `BenchConfig` composed of groups, as `radixrt serve`'s
+`ServerArgs` is (`radixrt.config.Settings` generates the flags, one a setting, in the `--help`
+section of the group that declares it).
 
-The fields stay flat (one flag each, in the `--help` section their "group" names), and the
-records the bench's parts take are built from them: `server` (what every radixrt system is
-launched with), `shape` (the workload's `WorkloadConfig`), `loads` (one `Load` per run of a
-system) and `slo`. A field that means what a `radixrt serve` flag means is that flag's field
-(`server_field`): same name, help and choices, and the server's default unless the bench needs
-its own, which its help then states.
+The records the bench's parts take are built from it: `server` (its `BenchServer` group: what
+every radixrt system is launched with), `shape` (the workload's `WorkloadConfig`), `loads` (one
+`Load` per run of a system) and `slo`. A setting that means what a `radixrt serve` flag means
+is that flag's (`shared`): same name, help and choices, and the server's default unless the
+bench needs its own, which its help then states.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from dataclasses import dataclass
+from typing import ClassVar
 
 from radixrt.bench.datasets import DATASET_WORKLOADS
 from radixrt.bench.load import Load
@@ -21,7 +20,15 @@ from radixrt.bench.metrics import SLO
 from radixrt.bench.programs import PROGRAM_WORKLOADS
 from radixrt.bench.variants import DEFAULT_SYSTEMS, PEERS, VARIANTS
 from radixrt.bench.workloads import REQUEST_WORKLOADS, WorkloadConfig
-from radixrt.config import ServerArgs, Settings, server_field
+from radixrt.config import (
+    BatchSettings,
+    CacheSettings,
+    ModelSettings,
+    ParallelSettings,
+    Settings,
+    setting,
+    shared,
+)
 
 WORKLOADS = (
     *REQUEST_WORKLOADS,
@@ -36,167 +43,88 @@ WORKLOADS = (
 BACKENDS = ("engine", "server", "http", "openai")
 DEFAULT_NUM_REQUESTS = 64  # of request and program workloads; the HTTP suites keep their own
 
-BENCH_GROUP_TITLES = {
-    "suite": "what runs",
-    "server": "the model and radixrt's settings (as `radixrt serve`'s flags; a variant may override them)",
-    "load": "load",
-    "shape": "workload shape",
-    "output": "results",
-}
+
+@dataclass(frozen=True, kw_only=True)
+class BenchSuite(Settings):
+    section: ClassVar[str] = "what runs"
+    # fmt: off
+    workload: str = setting("shared-prefix", "request workloads: shared-prefix, multi-prefix, multi-turn, long-prompt, random, json, agent-loop, few-shot, sharegpt (--dataset-path); DSL programs: agent, few-shot-select, tree-of-thought; agent-tools (with --backend http): tool-calling agents per tool_choice against an unconstrained run; grammar: compile and mask times of each grammar backend (tokenizer only); lora: decode step time at a batch of --num-requests (32) under 0/1/4/8 adapters against the base, and adapter load time; kernels: the CPU's int4 GEMM GOP/s on the 1.1B shape at 1 to 512 rows per --cpu-isa path and against the kernel before, and the host's read bandwidth (no model); all: every request and program workload in turn, plus a hit-rate plot", choices=WORKLOADS)
+    systems: str | None = setting(None, f"comma list of {', '.join([*VARIANTS, *PEERS])} (default: the workload's own comparison)")
+    backend: str = setting("engine", "engine: rt.Engine (ipc socket); server: rt.Runtime over TCP; http: multi-turn chat through the OpenAI API against the same conversations over ZeroMQ; openai: a request workload against the OpenAI-compatible server at --base-url (nothing is started)", choices=BACKENDS)
+    base_url: str | None = setting(None, "with --backend openai: the server, e.g. http://127.0.0.1:8000 (or its /v1); the key is $OPENAI_API_KEY; --model names the tokenizer the workload is built with")
+    served_model_name: str | None = setting(None, "with --backend openai: the model name requests send (default: the server's first in /v1/models)")
+    # fmt: on
 
 
-def _server(name: str, bench_default: Any = dataclasses.MISSING, why: str = "") -> Any:
-    """`radixrt serve`'s field `name` under the bench's "server" group, with the bench's own
-    default where it needs one; `why` (appended to the help) says why."""
-    helptext = ServerArgs.__dataclass_fields__[name].metadata["help"] + why
-    return server_field(name, bench_default, group="server", help=helptext)
+@dataclass(frozen=True, kw_only=True)
+class BenchServer(Settings):
+    """What every radixrt system of a run is launched with, before its variant's settings: a
+    `radixrt serve` setting is serve's own (`shared`), at the bench's default where it needs
+    one."""
+
+    section: ClassVar[str] = (
+        "the model and radixrt's settings (as `radixrt serve`'s flags; a variant may override them)"
+    )
+    # fmt: off
+    model: str = shared(ModelSettings, "model")
+    model_shape: str | None = setting(None, "replaces --model: a random-weight checkpoint of this model's shape, made once under the cache dir with its Q4_0 and Q8_0 GGUF files (radixrt runs the float32 weights, quantizing them itself; the llama.cpp peers the GGUF --llama-gguf-type names)", choices=("tinyllama-1.1b",))
+    llama_gguf_type: str = setting("Q4_0", "with --model-shape: the GGUF file the llama.cpp peers run", choices=("Q4_0", "Q8_0"))
+    dtype: str = shared(ModelSettings, "dtype")
+    max_total_tokens: int | None = shared(CacheSettings, "max_total_tokens", 65536, "; the bench sets it so that every system has the same KV memory (a fleet shares it among its workers)")
+    tp_size: int = shared(ParallelSettings, "tp_size")
+    chunked_prefill_size: int = shared(BatchSettings, "chunked_prefill_size")
+    # fmt: on
 
 
-def _flag(group: str, default: Any, helptext: str = "", **metadata: Any) -> Any:
-    return field(default=default, metadata={"group": group, "help": helptext, **metadata})
+@dataclass(frozen=True, kw_only=True)
+class BenchLoad(Settings):
+    section: ClassVar[str] = "load"
+    # fmt: off
+    request_rate: float | None = setting(None, "open loop: Poisson arrivals per second (default: all at once)")
+    concurrency: int | None = setting(None, "closed loop: this many clients, each sending its next session when one ends (transformers: its batch, 64 when unset)")
+    sweep_rate: str | None = setting(None, "comma list of request rates: run each system at each, plot throughput and TTFT against rate, and report where median TTFT crosses the SLO")
+    max_concurrency: int | None = setting(None, "at most this many requests in flight, arrivals waiting their turn (vLLM's flag; with no --request-rate: this many clients at once)")
+    max_duration: float | None = setting(None, "seconds after which no new session starts")
+    slo_ttft: float = setting(1.0, "goodput SLO: time to first token (s)")
+    slo_tpot: float = setting(0.05, "goodput SLO: time per output token (s)")
+    # fmt: on
 
 
-@dataclass(frozen=True)
-class ServerPart:
-    """What every radixrt system of a run is launched with, before its variant's settings."""
+@dataclass(frozen=True, kw_only=True)
+class BenchShape(Settings):
+    section: ClassVar[str] = "workload shape"
+    # fmt: off
+    num_requests: int | None = setting(None, f"requests (conversations, programs) per run (default: {DEFAULT_NUM_REQUESTS}; 10 conversations with --backend http, 8 agents with agent-tools)")
+    max_new_tokens: int = setting(64, "mean output length")
+    fixed_output_len: bool = setting(False, "every output exactly --max-new-tokens long")
+    prefix_tokens: int = setting(500, "shared-prefix: shared system prompt length")
+    question_tokens: int = setting(30, "a question's length")
+    turns: int = setting(6, "multi-turn: turns per conversation; agent-tools: tool-call turns per agent")
+    num_prefixes: int = setting(8, "multi-prefix: distinct system prompts")
+    long_prompts: int = setting(4, "long-prompt: long prompts among the short ones")
+    long_tokens: int = setting(4000, "long-prompt: a long prompt's length")
+    random_input_len: int | None = setting(None, "random: every prompt this many tokens (default: --question-tokens to 4x)")
+    random_output_len: int | None = setting(None, "random: every output this many tokens (default: as --max-new-tokens)")
+    dataset_path: str | None = setting(None, "sharegpt: a ShareGPT-format JSON or JSON Lines file (each conversation's first human turn is a prompt, its reply's length the output's)")
+    seed: int = setting(0, "of the workload's text and of the open loop's arrivals")
+    temperature: float = setting(0.0, "of every request (0: greedy; sampled text has less to copy for speculation)")
+    # fmt: on
 
-    model: str
-    dtype: str
-    max_total_tokens: int | None
-    tp_size: int
-    chunked_prefill_size: int
+
+@dataclass(frozen=True, kw_only=True)
+class BenchOutput(Settings):
+    section: ClassVar[str] = "results"
+    # fmt: off
+    output_dir: str = setting("bench_results", "JSON results and PNG plots go here")
+    # fmt: on
 
 
-@dataclass(frozen=True)
-class BenchConfig(Settings):
+@dataclass(frozen=True, kw_only=True)
+class BenchConfig(BenchSuite, BenchServer, BenchLoad, BenchShape, BenchOutput):
     """Every flag of `radixrt bench`. Built (so checked) once from the command line; the suite
     its `suite_key` names runs it (`radixrt.bench.suites`)."""
 
-    group_titles: ClassVar[dict[str, str]] = BENCH_GROUP_TITLES
-
-    workload: str = _flag(
-        "suite",
-        "shared-prefix",
-        "request workloads: shared-prefix, multi-prefix, multi-turn, long-prompt, random, json, "
-        "agent-loop, few-shot, sharegpt (--dataset-path); DSL programs: agent, few-shot-select, tree-of-thought; agent-tools "
-        "(with --backend http): tool-calling agents per tool_choice against an unconstrained run; "
-        "grammar: compile and mask times of each grammar backend (tokenizer only); "
-        "lora: decode step time at a batch of --num-requests (32) under 0/1/4/8 adapters against "
-        "the base, and adapter load time; "
-        "kernels: the CPU's int4 GEMM GOP/s on the 1.1B shape at 1 to 512 rows per --cpu-isa "
-        "path and against the kernel before, and the host's read bandwidth (no model); "
-        "all: every request and program workload in turn, plus a hit-rate plot",
-        choices=WORKLOADS,
-    )
-    systems: str | None = _flag(
-        "suite",
-        None,
-        f"comma list of {', '.join([*VARIANTS, *PEERS])} (default: the workload's own comparison)",
-    )
-    backend: str = _flag(
-        "suite",
-        "engine",
-        "engine: rt.Engine (ipc socket); server: rt.Runtime over TCP; http: multi-turn chat "
-        "through the OpenAI API against the same conversations over ZeroMQ; openai: a request "
-        "workload against the OpenAI-compatible server at --base-url (nothing is started)",
-        choices=BACKENDS,
-    )
-    base_url: str | None = _flag(
-        "suite",
-        None,
-        "with --backend openai: the server, e.g. http://127.0.0.1:8000 (or its /v1); the key "
-        "is $OPENAI_API_KEY; --model names the tokenizer the workload is built with",
-    )
-    served_model_name: str | None = _flag(
-        "suite",
-        None,
-        "with --backend openai: the model name requests send (default: the server's first in "
-        "/v1/models)",
-    )
-    model: str = _server("model")
-    model_shape: str | None = _flag(
-        "server",
-        None,
-        "replaces --model: a random-weight checkpoint of this model's shape, made once under "
-        "the cache dir with its Q4_0 and Q8_0 GGUF files (radixrt runs the float32 weights, "
-        "quantizing them itself; the llama.cpp peers the GGUF --llama-gguf-type names)",
-        choices=["tinyllama-1.1b"],
-    )
-    llama_gguf_type: str = _flag(
-        "server",
-        "Q4_0",
-        "with --model-shape: the GGUF file the llama.cpp peers run",
-        choices=["Q4_0", "Q8_0"],
-    )
-    dtype: str = _server("dtype")
-    max_total_tokens: int | None = _server(
-        "max_total_tokens",
-        65536,
-        "; the bench sets it so that every system has the same KV memory (a fleet shares it "
-        "among its workers)",
-    )
-    tp_size: int = _server("tp_size")
-    chunked_prefill_size: int = _server("chunked_prefill_size")
-    request_rate: float | None = _flag(
-        "load", None, "open loop: Poisson arrivals per second (default: all at once)"
-    )
-    concurrency: int | None = _flag(
-        "load",
-        None,
-        "closed loop: this many clients, each sending its next session when one ends "
-        "(transformers: its batch, 64 when unset)",
-    )
-    sweep_rate: str | None = _flag(
-        "load",
-        None,
-        "comma list of request rates: run each system at each, plot throughput and TTFT against "
-        "rate, and report where median TTFT crosses the SLO",
-    )
-    max_concurrency: int | None = _flag(
-        "load",
-        None,
-        "at most this many requests in flight, arrivals waiting their turn (vLLM's flag; "
-        "with no --request-rate: this many clients at once)",
-    )
-    max_duration: float | None = _flag("load", None, "seconds after which no new session starts")
-    slo_ttft: float = _flag("load", 1.0, "goodput SLO: time to first token (s)")
-    slo_tpot: float = _flag("load", 0.05, "goodput SLO: time per output token (s)")
-    num_requests: int | None = _flag(
-        "shape",
-        None,
-        f"requests (conversations, programs) per run (default: {DEFAULT_NUM_REQUESTS}; "
-        "10 conversations with --backend http, 8 agents with agent-tools)",
-    )
-    max_new_tokens: int = _flag("shape", 64, "mean output length")
-    fixed_output_len: bool = _flag("shape", False, "every output exactly --max-new-tokens long")
-    prefix_tokens: int = _flag("shape", 500, "shared-prefix: shared system prompt length")
-    question_tokens: int = _flag("shape", 30, "a question's length")
-    turns: int = _flag(
-        "shape", 6, "multi-turn: turns per conversation; agent-tools: tool-call turns per agent"
-    )
-    num_prefixes: int = _flag("shape", 8, "multi-prefix: distinct system prompts")
-    long_prompts: int = _flag("shape", 4, "long-prompt: long prompts among the short ones")
-    long_tokens: int = _flag("shape", 4000, "long-prompt: a long prompt's length")
-    random_input_len: int | None = _flag(
-        "shape", None, "random: every prompt this many tokens (default: --question-tokens to 4x)"
-    )
-    random_output_len: int | None = _flag(
-        "shape", None, "random: every output this many tokens (default: as --max-new-tokens)"
-    )
-    dataset_path: str | None = _flag(
-        "shape",
-        None,
-        "sharegpt: a ShareGPT-format JSON or JSON Lines file (each conversation's first human "
-        "turn is a prompt, its reply's length the output's)",
-    )
-    seed: int = _flag("shape", 0, "of the workload's text and of the open loop's arrivals")
-    temperature: float = _flag(
-        "shape", 0.0, "of every request (0: greedy; sampled text has less to copy for speculation)"
-    )
-    output_dir: str = _flag("output", "bench_results", "JSON results and PNG plots go here")
-
-    def __post_init__(self) -> None:
-        super().__post_init__()  # choices
+    def check(self) -> None:
         if self.workload == "agent-tools" and self.backend != "http":
             raise ValueError("--workload agent-tools runs over HTTP: add --backend http")
         if (self.backend == "openai") != (self.base_url is not None):
@@ -229,10 +157,8 @@ class BenchConfig(Settings):
         return (self.systems or DEFAULT_SYSTEMS[workload]).split(",")
 
     @property
-    def server(self) -> ServerPart:
-        return ServerPart(
-            self.model, self.dtype, self.max_total_tokens, self.tp_size, self.chunked_prefill_size
-        )
+    def server(self) -> BenchServer:
+        return BenchServer.of(self)
 
     @property
     def shape(self) -> WorkloadConfig:

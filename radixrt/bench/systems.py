@@ -1,6 +1,6 @@
 """Run one system (a radixrt variant or a peer) over one request workload under each load.
 
-A radixrt system is launched with the run's `ServerPart` and its variant's settings over them;
+A radixrt system is launched with the run's `BenchServer` settings and its variant's over them;
 a data-parallel variant's fleet shares `--max-total-tokens` among its workers, so every system
 has the same KV memory. One server per system serves the whole bench run (every load of a
 sweep, every workload of `--workload all`), its cache flushed before each load.
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from radixrt.bench.config import BenchConfig, ServerPart
+from radixrt.bench.config import BenchConfig, BenchServer
 from radixrt.bench.floors import MachineRates
 from radixrt.bench.load import REPLY_TIMEOUT_S, Load, run_load
 from radixrt.bench.peers import (
@@ -42,7 +42,7 @@ class Servers:
     def __init__(self) -> None:
         self._live: dict[tuple[str, type], Any] = {}
 
-    def get(self, server: ServerPart, system: str, kind: type) -> Any:
+    def get(self, server: BenchServer, system: str, kind: type) -> Any:
         """`system`'s running server (`kind`: Runtime or Engine), started now if it is not."""
         key = (system, kind)
         if key not in self._live:
@@ -76,7 +76,7 @@ class RequestJob:
         return text
 
 
-def radixrt_target(server: ServerPart, system: str, kind: type) -> Any:
+def radixrt_target(server: BenchServer, system: str, kind: type) -> Any:
     """A launcher (`kind`: Runtime or Engine) of `system`'s settings over the run's."""
     variant = VARIANTS[system]
     pool = server.max_total_tokens and server.max_total_tokens // variant.get("dp_size", 1)

@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from radixrt.config import SchedulerArgs, ServerArgs
+from radixrt.config import CacheSettings, SchedulerArgs, ServerArgs
 from radixrt.engine.constraints import Constraints
 from radixrt.engine.detokenizer import IncrementalDetokenizer
 from radixrt.engine.output_processor import OutputProcessor, RequestEnds
@@ -45,9 +45,8 @@ from radixrt.executor.model_loader import model_fingerprint
 from radixrt.executor.model_runner import WeightCounts
 from radixrt.executor.tp_worker import TPDriver
 from radixrt.forward_batch import ForwardBatch
-from radixrt.mem_cache.kv_events import KVEventsConfig
 from radixrt.mem_cache.slot_manager import KVSlotManager
-from radixrt.mem_cache.tiers import DevicePool, TierConfig, build_slot_manager
+from radixrt.mem_cache.tiers import DevicePool, build_slot_manager
 from radixrt.protocol import ErrorCode, RequestError
 from radixrt.sampling_params import SamplingParams, generation_defaults
 
@@ -83,7 +82,7 @@ class Scheduler:
         self.sampling_defaults = _sampling_defaults(args, runner.generation_config)
         self.kv = build_slot_manager(
             DevicePool(runner.allocator, runner.req_to_token_pool, runner.kv_pool),
-            _tiers(args),
+            CacheSettings.of(args),
             lambda: model_fingerprint(runner.model_path, runner.dtype, runner.args.quantization),
             adapter_of_salt,
         )
@@ -428,23 +427,6 @@ class Scheduler:
     def check_invariants(self) -> None:
         """Invariants 2 and 3: every page has one owner, the tree is consistent, locks add up."""
         self.kv.check(self.running)
-
-
-def _tiers(args: SchedulerArgs) -> TierConfig:
-    """The memory tiers the serve flags ask for."""
-    return TierConfig(
-        disable_radix_cache=args.disable_radix_cache,
-        enable_hierarchical_cache=args.enable_hierarchical_cache,
-        hicache_ratio=args.hicache_ratio,
-        hicache_size=args.hicache_size,
-        hicache_write_policy=args.hicache_write_policy,
-        hicache_storage_dir=args.hicache_storage_dir,
-        hicache_storage_size=args.hicache_storage_size,
-        preemption_mode=args.preemption_mode,
-        kv_events=KVEventsConfig.from_json(args.kv_events_config)
-        if args.kv_events_config is not None
-        else None,
-    )
 
 
 def build_batch(plan: list[Scheduled], kv: KVSlotManager, device: torch.device) -> ForwardBatch:

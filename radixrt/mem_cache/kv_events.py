@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import json
 import logging
 import os
 import queue
@@ -52,11 +51,13 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
 import zmq
+
+from radixrt.config import KVEventsConfig
 
 logger = logging.getLogger(__name__)
 
@@ -66,71 +67,6 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)
 POLL_S = 0.05  # the publisher thread's wait for a batch or a replay request
 CBOR_NULL = b"\xf6"
 BIND_HOSTS = ("*", "0.0.0.0", "[::]", "::", "127.0.0.1", "localhost", "[::1]", "::1")
-
-
-@dataclass(frozen=True)
-class KVEventsConfig:
-    """`--kv-events-config`: vLLM's `KVEventsConfig` JSON, the same keys and defaults except
-    `endpoint`, which binds the loopback interface unless it says otherwise. An endpoint whose
-    host is a wildcard (`*`, `0.0.0.0`, `::`), a loopback address, or an ipc:// or inproc://
-    address is bound; any other host is connected to (an indexer that binds, as llm-d's does)."""
-
-    enable_kv_cache_events: bool = False
-    publisher: str | None = None  # "zmq" when events are enabled, else "null" (vLLM's rule)
-    endpoint: str = "tcp://127.0.0.1:5557"
-    replay_endpoint: str | None = None
-    buffer_steps: int = 10_000
-    hwm: int = 100_000
-    max_queue_size: int = 100_000
-    topic: str = ""
-
-    @classmethod
-    def from_json(cls, text: str) -> KVEventsConfig:
-        """Parse and check; a ValueError names the bad or unknown key."""
-        try:
-            raw = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"kv_events_config is not JSON: {e}") from None
-        if not isinstance(raw, dict):
-            raise ValueError("kv_events_config must be a JSON object")
-        known = {f.name: f for f in fields(cls)}
-        for key, value in raw.items():
-            if key not in known:
-                raise ValueError(f"kv_events_config: unknown key {key!r}")
-            _check_type(key, value, str(known[key].type))
-        return cls(**raw)
-
-    def __post_init__(self) -> None:
-        if self.publisher not in (None, "null", "zmq"):
-            raise ValueError(
-                f"kv_events_config: publisher must be 'zmq' or 'null', not {self.publisher!r}"
-            )
-        for name in ("buffer_steps", "hwm", "max_queue_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"kv_events_config: {name} must be >= 1")
-        for name in ("endpoint", "replay_endpoint"):
-            address = getattr(self, name)
-            if address is not None and not address.startswith(("tcp://", "ipc://", "inproc://")):
-                raise ValueError(
-                    f"kv_events_config: {name} must be a tcp://, ipc:// or inproc:// address"
-                )
-
-    @property
-    def enabled(self) -> bool:
-        """Whether events are published (vLLM's: enabled, and the publisher is not "null")."""
-        publisher = self.publisher or ("zmq" if self.enable_kv_cache_events else "null")
-        return self.enable_kv_cache_events and publisher == "zmq"
-
-
-def _check_type(key: str, value: Any, kind: str) -> None:
-    ok = {
-        "bool": isinstance(value, bool),
-        "int": isinstance(value, int) and not isinstance(value, bool),
-        "str": isinstance(value, str),
-        "str | None": value is None or isinstance(value, str),
-    }[kind]
-    if not ok:
-        raise ValueError(f"kv_events_config: {key} must be {kind.replace(' | None', ' or null')}")
 
 
 def binds(endpoint: str) -> bool:

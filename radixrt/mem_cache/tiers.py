@@ -9,29 +9,15 @@ from dataclasses import dataclass
 
 import torch
 
+from radixrt.config import CacheSettings
 from radixrt.mem_cache.host_pool import HostKVPool, host_pool_tokens
-from radixrt.mem_cache.kv_events import Adapter, KVEventsConfig, KVEventSink, ZmqEventPublisher
+from radixrt.mem_cache.kv_events import Adapter, KVEventSink, ZmqEventPublisher
 from radixrt.mem_cache.memory_pool import PageAllocator, ReqToTokenPool, TokenToKVPool
 from radixrt.mem_cache.radix_cache import RadixCache
 from radixrt.mem_cache.slot_manager import KVSlotManager
 from radixrt.mem_cache.storage import STORAGE_BLOCK_TOKENS, KVStorage
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class TierConfig:
-    """The memory tiers asked for (the serve flags of the same names)."""
-
-    disable_radix_cache: bool
-    enable_hierarchical_cache: bool
-    hicache_ratio: float
-    hicache_size: float | None  # GB of KV; overrides hicache_ratio
-    hicache_write_policy: str
-    hicache_storage_dir: str | None
-    hicache_storage_size: float  # GB
-    preemption_mode: str | None  # None: swap with a host tier, else recompute
-    kv_events: KVEventsConfig | None = None  # --kv-events-config
 
 
 @dataclass(frozen=True)
@@ -45,18 +31,19 @@ class DevicePool:
 
 def build_slot_manager(
     pool: DevicePool,
-    tiers: TierConfig,
+    tiers: CacheSettings,
     fingerprint: Callable[[], str],
     adapter_of: Callable[[str], Adapter | None] = lambda salt: None,
 ) -> KVSlotManager:
-    """The slot manager over `pool` with the tiers `tiers` asks for. `fingerprint` names the
-    model whose KV the disk tier stores (called only when there is one: it reads the weights'
+    """The slot manager over `pool` with the tiers the cache settings `tiers` ask for.
+    `fingerprint` names the model whose KV the disk tier stores (called only when there is one: it reads the weights'
     files); `adapter_of` names the adapter of a cache namespace (for KV events)."""
     host = _host_pool(pool, tiers) if tiers.enable_hierarchical_cache else None
     publisher = None
-    if tiers.kv_events is not None and tiers.kv_events.enabled and not tiers.disable_radix_cache:
-        publisher = ZmqEventPublisher(tiers.kv_events)
-        logger.info("KV events on %s", tiers.kv_events.endpoint)
+    events = tiers.kv_events
+    if events is not None and events.enabled and not tiers.disable_radix_cache:
+        publisher = ZmqEventPublisher(events)
+        logger.info("KV events on %s", events.endpoint)
     tree = RadixCache(
         pool.allocator.page_size,
         pool.allocator.free,
@@ -76,7 +63,7 @@ def build_slot_manager(
     )
 
 
-def _host_pool(pool: DevicePool, tiers: TierConfig) -> HostKVPool:
+def _host_pool(pool: DevicePool, tiers: CacheSettings) -> HostKVPool:
     tokens = host_pool_tokens(
         pool.allocator.total_tokens, tiers.hicache_ratio, tiers.hicache_size, pool.kv
     )
@@ -85,7 +72,7 @@ def _host_pool(pool: DevicePool, tiers: TierConfig) -> HostKVPool:
     return host
 
 
-def _storage(page_size: int, host: HostKVPool, tiers: TierConfig, model: str) -> KVStorage:
+def _storage(page_size: int, host: HostKVPool, tiers: CacheSettings, model: str) -> KVStorage:
     """The disk tier: blocks of whole pages, named for the model and the K/V's shapes."""
     assert tiers.hicache_storage_dir is not None, "there is a disk tier"
     block = -(-STORAGE_BLOCK_TOKENS // page_size) * page_size

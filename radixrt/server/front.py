@@ -36,7 +36,7 @@ import zmq
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils import z85
 
-from radixrt.config import RouterArgs, ServerArgs
+from radixrt.config import FrontSettings, KeySettings
 from radixrt.protocol import (
     ErrorCode,
     RequestError,
@@ -105,34 +105,15 @@ class Op:
     answers: bool = True
 
 
-@dataclass(frozen=True)
-class FrontConfig:
-    """The flags of the client-facing socket (ServerArgs names them; RouterArgs takes them from it)."""
+@dataclass(frozen=True, kw_only=True)
+class FrontConfig(KeySettings, FrontSettings):
+    """What the client-facing socket needs: its keys and limits, the groups `ServerArgs` and
+    `RouterArgs` share (`FrontConfig.of(args)`)."""
 
-    api_key: str | None = None
-    api_key_file: str | None = None
-    admin_api_key: str | None = None
-    curve_secret_key: str | None = None
-    curve_client_keys: str | None = None
-    max_frame_bytes: int = ServerArgs.max_frame_bytes
-    max_prompt_bytes: int = ServerArgs.max_prompt_bytes
-
-    def __post_init__(self) -> None:
+    def check(self) -> None:
         # checked here, not in ServerArgs: the secret may arrive by environment after parsing
         if self.curve_client_keys and not self.curve_secret_key:
             raise ValueError("--curve-client-keys needs --curve-secret-key (the server's key)")
-
-    @classmethod
-    def from_server_args(cls, args: ServerArgs | RouterArgs) -> FrontConfig:
-        return cls(
-            args.api_key,
-            args.api_key_file,
-            args.admin_api_key,
-            args.curve_secret_key,
-            args.curve_client_keys,
-            args.max_frame_bytes,
-            args.max_prompt_bytes,
-        )
 
     @property
     def keyed(self) -> bool:

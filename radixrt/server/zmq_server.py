@@ -86,7 +86,7 @@ class Server:
         self.tenant_caps = TenantCaps.of(args, self.scheduler.kv.total_tokens)
         self.ctx = zmq.Context()
         ops = {name: replace(op, run=partial(op.run, self)) for name, op in OPS.items()}
-        self.front = ClientFront(self.ctx, endpoint, FrontConfig.from_server_args(args), ops)
+        self.front = ClientFront(self.ctx, endpoint, FrontConfig.of(args), ops)
         self.clients: dict[Req, ClientRequest] = {}
         self.server_id = uuid.uuid4().hex
         self.running = True
@@ -476,7 +476,7 @@ def run_server(args: ServerArgs) -> None:
     first: running and queued requests finish, up to `--drain-timeout`)."""
     logging.basicConfig(level=args.log_level.upper(), format="[%(asctime)s %(name)s] %(message)s")
     args = args.with_secrets_from_env()
-    FrontConfig.from_server_args(args).check_exposure(args.host)
+    FrontConfig.of(args).check_exposure(args.host)
     exit_with_parent()  # a runtime started by rt.Runtime / rt.Engine ends with its launcher
     gateway = None
     # before loading the model: a busy port fails at once, and the child starts meanwhile

@@ -76,7 +76,7 @@ def test_flags_round_trip():
 def test_help_lists_the_flags_by_group():
     parser = _parser()
     text = parser.format_help()
-    for title in BenchConfig.group_titles.values():
+    for title in BenchConfig.sections():
         assert f"\n{title}:" in text
     helps = {action.dest: action.help or "" for action in parser._actions}
     assert helps["request_rate"].count("default:") == 1  # a help naming its default: once

@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from radixrt.config import ServerArgs
+from radixrt.config import CacheSettings, ServerArgs
 from radixrt.engine.budget import MIN_NEW_TOKEN_RATIO
 from radixrt.engine.planner import Accounts, PlannerHooks, StepPlan, StepPlanner
 from radixrt.engine.request import Req, RequestScope
@@ -19,13 +19,13 @@ from radixrt.engine.stats import Counters, StepLog
 from radixrt.engine.tenant_stats import TenantStats
 from radixrt.mem_cache.memory_pool import PageAllocator, ReqToTokenPool, TokenToKVPool
 from radixrt.mem_cache.slot_manager import KVSlotManager
-from radixrt.mem_cache.tiers import DevicePool, TierConfig, build_slot_manager
+from radixrt.mem_cache.tiers import DevicePool, build_slot_manager
 from radixrt.sampling_params import SamplingParams
 
 from ownership import assert_slot_ownership
 
 CPU = torch.device("cpu")
-NO_TIERS = TierConfig(False, False, 2.0, None, "write_through_selective", None, 1.0, None)
+NO_TIERS = CacheSettings()
 
 
 def _kv(total_tokens: int, page_size: int = 1, rows: int = 8) -> KVSlotManager:

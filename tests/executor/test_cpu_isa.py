@@ -30,7 +30,7 @@ needs_avx2 = pytest.mark.skipif(
 
 
 def test_the_flag_offers_the_kernels_paths():
-    assert ServerArgs.__dataclass_fields__["cpu_isa"].metadata["choices"] == list(cpu_isa.CHOICES)
+    assert ServerArgs.__dataclass_fields__["cpu_isa"].metadata["choices"] == tuple(cpu_isa.CHOICES)
 
 
 def test_auto_takes_the_best_path_and_warns_once_when_only_torch_is_left(caplog):

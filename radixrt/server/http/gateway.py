@@ -121,7 +121,7 @@ class Gateway:
         REPLY_GRACE_S (run_gateway builds it so)."""
         self.endpoint = endpoint
         self.reasoning = REASONING_PARSERS[reasoning_parser] if reasoning_parser else None
-        self.limits = limits or GatewaySettings.defaults()
+        self.limits = limits or GatewaySettings()
         self.pins = PinLeases(self.limits.http_pin_lease)
         self.keys = keys or KeyRing()
         self.tool_call_parser = tool_call_parser

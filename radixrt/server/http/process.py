@@ -102,7 +102,7 @@ def run_gateway(
     `limits` (default: serve's defaults): no frame past the runtime's limit is sent, and no
     reply is waited for longer than the request timeout and a grace."""
     logging.basicConfig(level=log_level.upper(), format="[%(asctime)s %(name)s] %(message)s")
-    limits = limits or GatewaySettings.defaults()
+    limits = limits or GatewaySettings()
     keys = KeyRing.from_settings(api_key, api_key_file, admin_api_key)
     endpoint = RuntimeEndpoint(
         url,

@@ -21,7 +21,7 @@ from typing import Any
 import zmq
 
 from radixrt.client.launcher import Engine
-from radixrt.config import RouterSettings, ServerArgs
+from radixrt.config import RouterSettings, ServerArgs, WorkerSettings
 from radixrt.lifecycle import exit_with_parent
 from radixrt.server.front import FrontConfig
 from radixrt.server.router.router import DRAIN_SLACK_S, Router, RouterConfig
@@ -116,16 +116,14 @@ def router_config(args: ServerArgs, urls: list[str]) -> RouterConfig:
     public = (
         zmq.curve_public(args.curve_secret_key.encode()).decode() if args.curve_secret_key else None
     )
-    return RouterConfig(
-        workers=tuple(urls),
-        routing=args.group(RouterSettings),
-        front=FrontConfig.from_server_args(args),
+    fleet = WorkerSettings(
+        worker=tuple(urls),
         worker_api_key=KeyRing.from_settings(
             args.api_key, args.api_key_file, args.admin_api_key
         ).any_key(),
         worker_curve_server_key=public,
-        drain_timeout=args.drain_timeout,
     )
+    return RouterConfig(fleet=fleet, routing=RouterSettings.of(args), front=FrontConfig.of(args))
 
 
 def run_fleet(args: ServerArgs) -> None:
@@ -133,7 +131,7 @@ def run_fleet(args: ServerArgs) -> None:
     (which drains the router and the workers first). A drained fleet whose workers did not all
     exit 0 exits 1."""
     logging.basicConfig(level=args.log_level.upper(), format="[%(asctime)s %(name)s] %(message)s")
-    FrontConfig.from_server_args(args).check_exposure(args.host)
+    FrontConfig.of(args).check_exposure(args.host)
     exit_with_parent()  # and the workers, which watch this process, follow
     gateway = None
     if not args.disable_http:  # before the workers load: a busy port fails at once

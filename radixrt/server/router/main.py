@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import logging
 import signal
+from dataclasses import replace
 from typing import Any
 
-from radixrt.config import RouterArgs, RouterSettings
+from radixrt.config import RouterArgs, RouterSettings, WorkerSettings
 from radixrt.server.front import FrontConfig
 from radixrt.server.router.metrics_http import serve_metrics
 from radixrt.server.router.router import Router, RouterConfig
@@ -17,17 +18,13 @@ logger = logging.getLogger(__name__)
 
 def router_config(args: RouterArgs) -> RouterConfig:
     """What the router runs with: `args`, the workers' key defaulting to one the clients use."""
-    front = FrontConfig.from_server_args(args)
-    return RouterConfig(
-        workers=args.worker,
-        routing=args.group(RouterSettings),
-        front=front,
-        worker_api_key=args.worker_api_key
-        or KeyRing.from_settings(front.api_key, front.api_key_file, front.admin_api_key).any_key(),
-        worker_curve_server_key=args.worker_curve_server_key,
-        tokenizer=args.tokenizer,
-        drain_timeout=args.drain_timeout,
+    front = FrontConfig.of(args)
+    worker_api_key = (
+        args.worker_api_key
+        or KeyRing.from_settings(front.api_key, front.api_key_file, front.admin_api_key).any_key()
     )
+    fleet = replace(WorkerSettings.of(args), worker_api_key=worker_api_key)
+    return RouterConfig(fleet=fleet, routing=RouterSettings.of(args), front=front)
 
 
 def run_router(args: RouterArgs) -> None:
@@ -44,7 +41,7 @@ def run_router(args: RouterArgs) -> None:
     signal.signal(signal.SIGTERM, lambda *_: router.begin_drain())
     signal.signal(signal.SIGINT, stop)
     logger.info(
-        "routing %d workers on %s (%s)", len(config.workers), args.endpoint, args.router_policy
+        "routing %d workers on %s (%s)", len(config.fleet.worker), args.endpoint, args.router_policy
     )
     metrics = None
     if args.metrics_port is not None:

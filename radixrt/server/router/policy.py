@@ -47,7 +47,7 @@ class CacheAwarePolicy:
 
     def __init__(self, settings: RouterSettings | None = None):
         """`settings`' thresholds (`RouterSettings` says why their defaults), else the defaults."""
-        self.settings = settings or RouterSettings.defaults()
+        self.settings = settings or RouterSettings()
 
     def choose(self, prompt: Prompt, workers: list[WorkerView]) -> Route:
         t = self.settings

@@ -24,7 +24,7 @@ from typing import Any
 
 import zmq
 
-from radixrt.config import RouterSettings
+from radixrt.config import RouterSettings, WorkerSettings
 from radixrt.protocol import (
     MAX_CACHE_SALT_CHARS,
     ErrorCode,
@@ -64,22 +64,20 @@ DRAIN_SLACK_S = 5.0
 
 @dataclass(frozen=True)
 class RouterConfig:
-    """What `radixrt router` and `serve --dp-size` set: workers, policy, the clients' socket
-    (`front`: keys, roles, CURVE, limits: the runtime's rules) and the workers' keys.
+    """What `radixrt router` and `serve --dp-size` run with: the workers (`fleet`: their
+    addresses, the key and CURVE key the router sends them, their tokenizer), the policy
+    (`routing`) and the clients' socket (`front`: keys, roles, CURVE, limits and the drain
+    timeout: the runtime's rules).
 
     With a key file (`front.api_key_file`) the router forwards each client's own `api_key`, so
     the workers (which must accept the same keys: `serve --dp-size` passes them the file and the
-    admin key) see the right tenant, priority cap and role; `worker_api_key` then only carries
-    the router's own calls (pings, its stats). Without one, every message goes on with
-    `worker_api_key`."""
+    admin key) see the right tenant, priority cap and role; `fleet.worker_api_key` then only
+    carries the router's own calls (pings, its stats). Without one, every message goes on with
+    `fleet.worker_api_key`."""
 
-    workers: tuple[str, ...]  # at least one (`RouterArgs` checks it)
-    routing: RouterSettings = field(default_factory=RouterSettings.defaults)
+    fleet: WorkerSettings  # at least one worker (`RouterArgs` checks it)
+    routing: RouterSettings = field(default_factory=RouterSettings)
     front: FrontConfig = field(default_factory=FrontConfig)
-    worker_api_key: str | None = None  # what the router sends to the workers
-    worker_curve_server_key: str | None = None  # the workers' public key
-    tokenizer: str | None = None  # tokenizer.json, when the workers' model_path is not local
-    drain_timeout: float = 30.0  # on SIGTERM: how long requests in flight may take to finish
 
     @property
     def forwards_client_keys(self) -> bool:
@@ -123,11 +121,11 @@ class Router:
                 self.ctx,
                 i,
                 url,
-                config.worker_api_key,
-                config.worker_curve_server_key,
+                config.fleet.worker_api_key,
+                config.fleet.worker_curve_server_key,
                 config.front.max_frame_bytes,
             )
-            for i, url in enumerate(config.workers)
+            for i, url in enumerate(config.fleet.worker)
         ]
         self.policy = make_policy(config.routing)
         self.worker_poller = zmq.Poller()  # what a startup waits on: the workers only
@@ -140,7 +138,8 @@ class Router:
         self.pins = PinBook()
         self.counters = {f"routed_by_{r.value}": 0 for r in RouteReason}
         self.counters.update(resent_requests=0, lost_requests=0)
-        self.tokenizer = _load_tokenizer(config.tokenizer) if config.tokenizer else None
+        tokenizer = config.fleet.tokenizer
+        self.tokenizer = _load_tokenizer(tokenizer) if tokenizer else None
         self.server_id = uuid.uuid4().hex
         self._next_ping = 0.0
         self.running = True
@@ -214,7 +213,7 @@ class Router:
         flight has finished, or `--drain-timeout` (plus `DRAIN_SLACK_S`) later, when the rest
         end with `draining`. The workers are not told: a fleet forwards the signal itself."""
         if self.drain_deadline is None:
-            self.drain_deadline = time.monotonic() + self.config.drain_timeout + DRAIN_SLACK_S
+            self.drain_deadline = time.monotonic() + self.config.front.drain_timeout + DRAIN_SLACK_S
             logger.info("draining: %d requests in flight", len(self.flights))
 
     def _drain_step(self) -> None:

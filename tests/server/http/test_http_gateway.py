@@ -28,7 +28,7 @@ QUESTION = [
 ]
 KEY = "sesame"
 HTTP_TIMEOUT_S = 60.0  # one reply from the gateway on a loaded 2-core machine, with room to spare
-MAX_BODY_BYTES = GatewaySettings.defaults().max_frame_bytes  # the gateway's body cap
+MAX_BODY_BYTES = GatewaySettings().max_frame_bytes  # the gateway's body cap
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from radixrt.config import RouterSettings
+from radixrt.config import ROUTER_POLICIES, RouterSettings
 from radixrt.server.router.policy import (
     CacheAwarePolicy,
     RoundRobinPolicy,
@@ -98,7 +98,7 @@ def test_cache_aware_sends_to_the_idlest_when_load_is_out_of_balance():
     # both thresholds must hold: 40 against 30 is over the absolute gap but not 1.5x
     workers[1].load = 30
     settings = replace(
-        RouterSettings.defaults(), router_balance_abs_threshold=5, router_balance_rel_threshold=1.5
+        RouterSettings(), router_balance_abs_threshold=5, router_balance_rel_threshold=1.5
     )
     route = CacheAwarePolicy(settings).choose(prompt(range(50)), workers)
     assert route.worker is workers[0] and route.reason is RouteReason.MATCH
@@ -112,10 +112,11 @@ def test_round_robin_and_shortest_queue():
 
 
 def test_policy_names_and_thresholds_are_checked():
-    defaults = RouterSettings.defaults()
-    assert make_policy(replace(defaults, router_policy="round-robin")).name == "round-robin"
-    with pytest.raises(ValueError, match="unknown router policy"):
-        make_policy(replace(defaults, router_policy="random"))
+    defaults = RouterSettings()
+    for name in ROUTER_POLICIES:  # each name the setting takes is a policy
+        assert make_policy(replace(defaults, router_policy=name)).name == name
+    with pytest.raises(ValueError, match="router_policy must be one of"):
+        replace(defaults, router_policy="random")
     with pytest.raises(ValueError, match="router_cache_threshold"):
         replace(defaults, router_cache_threshold=2)
 

@@ -115,8 +115,18 @@ ADMIN_OPS = frozenset(
         "check_invariants",
         "load_lora_adapter",
         "unload_lora_adapter",
+        "update_weights_from_disk",
+        "update_weights_from_tensor",
+        "pause_generation",
+        "continue_generation",
+        "release_memory_occupation",
+        "resume_memory_occupation",
     }
 )
+
+# how long a caller (the HTTP gateway, a router) waits for a weight update's answer: the update
+# first waits for the requests in flight to finish, then loads (docs/rl.md)
+WEIGHT_UPDATE_WAIT_S = 3600.0
 
 DEFAULT_TENANT_LABEL = "default"  # how the tenant "" (no key file) is named in stats
 

@@ -18,6 +18,7 @@ import logging
 import os
 import socket
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -28,8 +29,11 @@ from radixrt.distributed.commands import (
     HEARTBEAT,
     LOAD_LORA,
     LOGITS,
+    RELEASE_KV,
+    RESUME_KV,
     SHUTDOWN,
     UNLOAD_LORA,
+    UPDATE_WEIGHTS,
     decode_forward,
     encode_forward,
     logits_header,
@@ -156,6 +160,12 @@ def serve_commands(runner: ModelRunner) -> None:
             runner.lora.load(header["name"], header["path"])
         elif op == UNLOAD_LORA:
             runner.lora.unload(header["name"])
+        elif op == UPDATE_WEIGHTS:
+            runner.update_weights(Path(header["path"]), header["checkpoint"])
+        elif op == RELEASE_KV:
+            runner.release_kv()
+        elif op == RESUME_KV:
+            runner.resume_kv()
         elif op == SHUTDOWN:
             return
 
@@ -222,6 +232,25 @@ class TPDriver:
         self._lora().unload(name)
         if self.tp.size > 1:
             self.tp.send({"op": UNLOAD_LORA, "name": name})
+
+    def update_weights(self, folder: Path, checkpoint: bool) -> None:
+        """`ModelRunner.update_weights` on rank 0 (a ValueError names what it refuses, and no
+        rank's weights change), then on the other ranks, each loading its own shard of the
+        same files as at start (they must see `folder` too: one node, or a shared path)."""
+        self.runner.update_weights(folder, checkpoint)
+        if self.tp.size > 1:
+            self.tp.send({"op": UPDATE_WEIGHTS, "path": str(folder), "checkpoint": checkpoint})
+
+    def release_kv(self) -> None:
+        """Free the KV pool's memory on every rank."""
+        self.runner.release_kv()
+        if self.tp.size > 1:
+            self.tp.send({"op": RELEASE_KV})
+
+    def resume_kv(self) -> None:
+        self.runner.resume_kv()
+        if self.tp.size > 1:
+            self.tp.send({"op": RESUME_KV})
 
     def _lora(self) -> LoraManager:
         if self.runner.lora is None:

@@ -514,6 +514,7 @@ class Scheduler:
             **scheduler_stats(self.counters, inputs),
             "weight_version": self.weight_version,
             "generation_paused": self.paused,
+            "weight_update_waiting": self.holding,
             "memory_released": self.kv_released,
         }
 

@@ -183,6 +183,55 @@ class ZmqEndpoint(Endpoint):
             **version_field(weight_version),
         )
 
+    def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str = "weight_update_group",
+        backend: str = "gloo",
+    ) -> dict[str, Any]:
+        """Have the runtime join a trainer's group (the trainer is rank 0 and hosts its store
+        at `master_address:master_port`; the runtime is rank `rank_offset`). Blocks until the
+        group forms: call it from a thread while the trainer joins."""
+        return self.client.call(
+            "init_weights_update_group",
+            self.timeout,
+            master_address=master_address,
+            master_port=master_port,
+            rank_offset=rank_offset,
+            world_size=world_size,
+            group_name=group_name,
+            backend=backend,
+        )
+
+    def update_weights_from_distributed(
+        self,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        group_name: str = "weight_update_group",
+        weight_version: str | None = None,
+        abort_all_requests: bool = False,
+    ) -> dict[str, Any]:
+        """Serve the tensors the trainer broadcasts over the group, in the order of `names`
+        (every weight of the model); answered as `update_weights_from_disk`. The trainer's
+        broadcasts run meanwhile (from another thread)."""
+        return self.client.call(
+            "update_weights_from_distributed",
+            self.timeout,
+            names=names,
+            dtypes=dtypes,
+            shapes=shapes,
+            group_name=group_name,
+            abort_all_requests=abort_all_requests,
+            **version_field(weight_version),
+        )
+
+    def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict:
+        return self.client.call("destroy_weights_update_group", self.timeout, group_name=group_name)
+
     def pause_generation(self, mode: str = "abort") -> bool:
         """Stop generating until `continue_generation`: `abort` ends what is in flight (each
         request answers with what it has), `in_place` keeps it with its KV."""

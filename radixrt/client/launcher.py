@@ -26,6 +26,7 @@ import zmq
 from radixrt.client.endpoint import ZmqEndpoint, load_tokenizer, version_field
 from radixrt.config import SECRETS, ServerArgs
 from radixrt.lifecycle import PARENT_PID_ENV
+from radixrt.protocol import tensor_handoff_dir
 
 START_TIMEOUT_S = 600
 LOG_TAIL_LINES = 30
@@ -193,7 +194,7 @@ class Engine(Runtime):
         file in shared memory (/dev/shm where there is one), never pickled, removed after."""
         from safetensors.torch import save_file  # torch only on this path
 
-        folder = Path(tempfile.mkdtemp(prefix="radixrt-weights-", dir=_shared_memory_dir()))
+        folder = Path(tempfile.mkdtemp(prefix="radixrt-weights-", dir=tensor_handoff_dir()))
         try:
             save_file(_distinct(named_tensors), folder / "model.safetensors")
             return self.client.call(
@@ -205,11 +206,6 @@ class Engine(Runtime):
             )
         finally:
             shutil.rmtree(folder, ignore_errors=True)
-
-
-def _shared_memory_dir() -> str | None:
-    """/dev/shm when this machine has it (the tensors never touch a disk), else the default."""
-    return "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
 
 
 def _distinct(named_tensors: list[tuple[str, Any]] | dict[str, Any]) -> dict[str, Any]:

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import shutil
+import tempfile
 import time
 import uuid
 from collections.abc import Callable
@@ -24,6 +26,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
+from safetensors.torch import save_file
 
 from radixrt.config import SchedulerArgs, ServerArgs
 from radixrt.engine.constraints import Constraints
@@ -39,10 +42,11 @@ from radixrt.executor.lora_manager import AdapterError, AdapterInfo
 from radixrt.executor.model_loader import model_fingerprint
 from radixrt.executor.model_runner import WeightCounts
 from radixrt.executor.tp_worker import TPDriver
+from radixrt.executor.weight_update import TensorSpec
 from radixrt.forward_batch import ForwardBatch
 from radixrt.mem_cache.slot_manager import KVSlotManager
 from radixrt.mem_cache.tiers import DevicePool, TierConfig, build_slot_manager
-from radixrt.protocol import ErrorCode, RequestError
+from radixrt.protocol import ErrorCode, RequestError, tensor_handoff_dir
 from radixrt.sampling_params import SamplingParams, generation_defaults
 
 logger = logging.getLogger(__name__)
@@ -53,6 +57,17 @@ INITIAL_WEIGHT_VERSION = "0"  # the weights loaded at start; each update makes i
 # answers with what it has, finish reason `abort`); `in_place` stops stepping and keeps every
 # request with its KV, to go on at `continue_generation`
 PAUSE_MODES = ("abort", "in_place")
+
+
+@dataclass(frozen=True)
+class WeightsGroupSpec:
+    """Where a trainer's group meets (`init_weights_update_group`) and this runtime's place."""
+
+    name: str
+    address: str
+    port: int
+    rank: int
+    world_size: int
 
 
 @dataclass(frozen=True)
@@ -345,6 +360,36 @@ class Scheduler:
             "serving weight version %s from %s (%.2f s)", self.weight_version, folder, seconds
         )
         return WeightUpdate(self.weight_version, seconds)
+
+    def join_weights_group(self, group: WeightsGroupSpec) -> None:
+        """Join a trainer's group (`init_weights_update_group`); blocks until it has formed."""
+        self.driver.join_weights_group(
+            group.name, group.address, group.port, group.rank, group.world_size
+        )
+
+    @staticmethod
+    def tensor_specs(names: object, dtypes: object, shapes: object) -> list[TensorSpec]:
+        """What `update_weights_from_distributed` will receive (`TensorSpec.parse`: checked
+        before anything is received, so a refusal leaves the trainer's group in step)."""
+        return TensorSpec.parse(names, dtypes, shapes)
+
+    def leave_weights_group(self, name: str) -> None:
+        self.driver.leave_weights_group(name)
+
+    def update_weights_from_group(
+        self, name: str, specs: list[TensorSpec], version: str | None
+    ) -> WeightUpdate:
+        """Receive the tensors the trainer broadcasts over group `name`, then serve them as
+        `update_weights` does (checked, atomic): they are handed to it as one safetensors
+        file in shared memory, removed after."""
+        tensors = self.driver.receive_weights(name, specs)
+        folder = Path(tempfile.mkdtemp(prefix="radixrt-weights-", dir=tensor_handoff_dir()))
+        try:
+            save_file(tensors, folder / "model.safetensors")
+            del tensors
+            return self.update_weights(folder, False, version)
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
 
     def pause(self, mode: str) -> list[Req]:
         """Stop generating until `resume` (`pause_generation`); under `abort` every waiting and

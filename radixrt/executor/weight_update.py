@@ -10,6 +10,7 @@ the old weights intact. Staging holds a second copy of the weights for the time 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -35,8 +36,44 @@ ARCHITECTURE_FIELDS = (
     "num_experts",
     "moe_intermediate_size",
 )
+# the dtypes a trainer may broadcast a weight in (`update_weights_from_distributed`)
+DTYPES = {name: getattr(torch, name) for name in ("float32", "float16", "bfloat16", "float64")}
 # linears rebuilt from float weights after loading (prepacked or quantized): swapped whole
 PACKED_LINEARS = (PrepackedLinear, Int8Linear, GroupedLinear)
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One tensor a trainer broadcasts: its checkpoint name, dtype (a `DTYPES` name) and shape."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    @classmethod
+    def parse(cls, names: object, dtypes: object, shapes: object) -> list[TensorSpec]:
+        """SGLang's `names`, `dtypes` (`"bfloat16"` or `"torch.bfloat16"`) and `shapes`, one
+        entry per tensor; ValueError naming what is wrong."""
+        if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)):
+            raise ValueError("names, dtypes and shapes must be lists")
+        if not len(names) == len(dtypes) == len(shapes) or not names:
+            raise ValueError("names, dtypes and shapes must be one entry per tensor, at least one")
+        if len(set(map(str, names))) != len(names):
+            raise ValueError("a tensor is named twice in names")
+        specs = []
+        for name, dtype, shape in zip(names, dtypes, shapes):
+            dtype = dtype.removeprefix("torch.") if isinstance(dtype, str) else dtype
+            if not isinstance(name, str) or dtype not in DTYPES:
+                raise ValueError(f"tensor {name!r}: a string name and a dtype of {list(DTYPES)}")
+            if not isinstance(shape, list) or not all(
+                isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape
+            ):
+                raise ValueError(f"tensor {name!r}: its shape must be a list of sizes")
+            specs.append(cls(name, dtype, tuple(shape)))
+        return specs
+
+    def empty(self) -> torch.Tensor:
+        return torch.empty(self.shape, dtype=DTYPES[self.dtype])
 
 
 def check_same_architecture(served, folder: Path) -> None:

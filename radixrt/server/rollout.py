@@ -1,6 +1,8 @@
 """The ops a reinforcement-learning trainer drives a rollout engine with (SGLang's names; every
 one but `get_weight_version` is an admin op): `update_weights_from_disk`,
-`update_weights_from_tensor` (the named tensors an `rt.Engine` wrote), `pause_generation`,
+`update_weights_from_tensor` (the named tensors an `rt.Engine` wrote),
+`init_weights_update_group` / `update_weights_from_distributed` / `destroy_weights_update_group`
+(a trainer's gloo group broadcasts them), `pause_generation`,
 `continue_generation`, `release_memory_occupation`, `resume_memory_occupation`.
 
 New weights never meet a request half-way: an update waits until no request that has started is
@@ -13,10 +15,13 @@ whole contract.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from radixrt.engine.scheduler import Scheduler, WeightsGroupSpec, WeightUpdate
 from radixrt.protocol import ErrorCode, RequestError, error_reply
 
 if TYPE_CHECKING:
@@ -29,18 +34,32 @@ MAX_VERSION_CHARS = 256
 UPDATE_FIELDS = frozenset({"op", "rid", "abort_all_requests", "weight_version"})
 DISK_FIELDS = UPDATE_FIELDS | {"model_path", "load_format"}
 TENSOR_FIELDS = UPDATE_FIELDS | {"path"}
+DISTRIBUTED_FIELDS = UPDATE_FIELDS | {"names", "dtypes", "shapes", "group_name", "flush_cache"}
+GROUP_FIELDS = frozenset(
+    {
+        "op",
+        "rid",
+        "master_address",
+        "master_port",
+        "rank_offset",
+        "world_size",
+        "group_name",
+        "backend",
+    }
+)
+DEFAULT_GROUP = "weight_update_group"  # SGLang's default group_name
 LOAD_FORMATS = (None, "auto", "safetensors")
 MEMORY_TAGS = ("kv_cache",)  # what release/resume_memory_occupation free and restore
 
 
 @dataclass(frozen=True)
 class PendingUpdate:
-    """An update waiting for the requests in flight to finish, and whom it answers."""
+    """An update waiting for the requests in flight to finish, and whom it answers; `load`
+    runs it (a `Scheduler` update with its source bound) given the version asked for."""
 
     identity: bytes
     rid: Any
-    folder: Path
-    checkpoint: bool  # a model folder (its config.json checked), else an Engine's tensors
+    load: Callable[[str | None], WeightUpdate]
     version: str | None
 
 
@@ -59,7 +78,8 @@ def update_from_disk(server: Server, caller: Caller, msg: dict[str, Any]) -> Non
         raise ValueError("update_weights_from_disk needs a string model_path")
     if msg.get("load_format") not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {list(LOAD_FORMATS)}")
-    _request_update(server, caller, msg, Path(path).expanduser(), checkpoint=True)
+    load = partial(server.scheduler.update_weights, Path(path).expanduser(), True)
+    _request_update(server, caller, msg, load)
 
 
 def update_from_tensor(server: Server, caller: Caller, msg: dict[str, Any]) -> None:
@@ -69,11 +89,63 @@ def update_from_tensor(server: Server, caller: Caller, msg: dict[str, Any]) -> N
     path = msg.get("path")
     if not isinstance(path, str) or not path:
         raise ValueError("update_weights_from_tensor needs a string path")
-    _request_update(server, caller, msg, Path(path), checkpoint=False)
+    _request_update(
+        server, caller, msg, partial(server.scheduler.update_weights, Path(path), False)
+    )
+
+
+def init_group(server: Server, caller: Caller, msg: dict[str, Any]) -> dict[str, Any]:
+    """Join a trainer's group (SGLang's `init_weights_update_group`): at `master_address`:
+    `master_port`, as rank `rank_offset` of `world_size` (the trainer is rank 0), under
+    `group_name`; gloo only. Answered once the group has formed (the loop waits for it)."""
+    check_fields(msg, GROUP_FIELDS)
+    address, port = msg.get("master_address"), msg.get("master_port")
+    rank, size = msg.get("rank_offset"), msg.get("world_size")
+    if not isinstance(address, str) or not all(_count(v) for v in (port, rank, size)):
+        raise ValueError(
+            "init_weights_update_group needs a string master_address and ints master_port, "
+            "rank_offset and world_size"
+        )
+    if not 0 < rank < size:
+        raise ValueError("rank_offset must be in [1, world_size): the trainer is rank 0")
+    if msg.get("backend", "gloo") != "gloo":
+        raise ValueError("backend must be gloo (the CPU's; nccl is not built)")
+    name = _group_name(msg)
+    server.scheduler.join_weights_group(WeightsGroupSpec(name, address, port, rank, size))
+    return {"success": True, "message": f"joined group {name!r} as rank {rank} of {size}"}
+
+
+def destroy_group(server: Server, caller: Caller, msg: dict[str, Any]) -> dict[str, Any]:
+    check_fields(msg, frozenset({"op", "rid", "group_name"}))
+    server.scheduler.leave_weights_group(_group_name(msg))
+    return {"success": True}
+
+
+def update_from_group(server: Server, caller: Caller, msg: dict[str, Any]) -> None:
+    """SGLang's `update_weights_from_distributed`: the tensors `names` (`dtypes`, `shapes`)
+    that the trainer broadcasts over `group_name`, in that order, received once the requests
+    in flight finished (the trainer's broadcasts wait for it), then served as from disk."""
+    check_fields(msg, DISTRIBUTED_FIELDS)
+    if msg.get("flush_cache", True) is not True:
+        raise ValueError("flush_cache must be true: new weights always forget the cache")
+    specs = Scheduler.tensor_specs(msg.get("names"), msg.get("dtypes"), msg.get("shapes"))
+    load = partial(server.scheduler.update_weights_from_group, _group_name(msg), specs)
+    _request_update(server, caller, msg, load)
+
+
+def _count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _group_name(msg: dict[str, Any]) -> str:
+    name = msg.get("group_name", DEFAULT_GROUP)
+    if not isinstance(name, str) or not 0 < len(name) <= MAX_VERSION_CHARS:
+        raise ValueError(f"group_name must be a string of 1 to {MAX_VERSION_CHARS} characters")
+    return name
 
 
 def _request_update(
-    server: Server, caller: Caller, msg: dict[str, Any], folder: Path, checkpoint: bool
+    server: Server, caller: Caller, msg: dict[str, Any], load: Callable[[str | None], WeightUpdate]
 ) -> None:
     version, abort = msg.get("weight_version"), msg.get("abort_all_requests", False)
     if version is not None and (
@@ -94,9 +166,7 @@ def _request_update(
             f"{busy} requests are paused in place: continue_generation first, pause with mode "
             "abort, or pass abort_all_requests",
         )
-    server.pending_update = PendingUpdate(
-        caller.identity, msg.get("rid"), folder, checkpoint, version
-    )
+    server.pending_update = PendingUpdate(caller.identity, msg.get("rid"), load, version)
     scheduler.holding = True
     run_pending_update(server)
 
@@ -109,7 +179,7 @@ def run_pending_update(server: Server) -> None:
         return
     server.pending_update, scheduler.holding = None, False
     try:
-        done = scheduler.update_weights(update.folder, update.checkpoint, update.version)
+        done = update.load(update.version)
         reply = {"rid": update.rid, "result": {"success": True, **asdict(done)}}
     except RequestError as e:
         reply = error_reply(update.rid, e.code, str(e))

@@ -478,6 +478,9 @@ OPS: dict[str, Op] = {
     "continue_generation": Op(rollout.continue_generation, Role.ADMIN),
     "release_memory_occupation": Op(rollout.release_memory, Role.ADMIN),
     "resume_memory_occupation": Op(rollout.resume_memory, Role.ADMIN),
+    "init_weights_update_group": Op(rollout.init_group, Role.ADMIN),
+    "update_weights_from_distributed": Op(rollout.update_from_group, Role.ADMIN, **LATER),
+    "destroy_weights_update_group": Op(rollout.destroy_group, Role.ADMIN),
     "get_weight_version": Op(rollout.weight_version),
 }
 

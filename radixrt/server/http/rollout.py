@@ -10,9 +10,9 @@ from collections.abc import Awaitable, Callable
 from typing import Any, Literal
 
 from fastapi import FastAPI, Request
-from pydantic import BaseModel, ConfigDict
 
 from radixrt.protocol import WEIGHT_UPDATE_WAIT_S
+from radixrt.server.http.schemas import Body
 
 ROLLOUT_ROUTES = (
     "/update_weights_from_disk",
@@ -24,26 +24,22 @@ ROLLOUT_ROUTES = (
 )
 
 
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid")  # an unknown field is a 400 naming it
-
-
-class UpdateWeightsFromDiskRequest(_Body):
+class UpdateWeightsFromDiskRequest(Body):
     model_path: str
     load_format: str | None = None
     abort_all_requests: bool = False
     weight_version: str | None = None
 
 
-class PauseGenerationRequest(_Body):
+class PauseGenerationRequest(Body):
     mode: Literal["abort", "in_place"] = "abort"
 
 
-class EmptyRequest(_Body):
+class EmptyRequest(Body):
     pass
 
 
-class MemoryOccupationRequest(_Body):
+class MemoryOccupationRequest(Body):
     tags: list[Literal["kv_cache"]] | None = None
 
 

@@ -292,27 +292,6 @@ def test_release_and_resume_memory(served, tiny_model_dir):
     assert got["meta_info"]["cached_tokens"] == 0  # the cache went with the pool
 
 
-def test_engine_update_from_tensor(tiny_model_dir, trained, fresh):
-    """`rt.Engine.update_weights_from_tensor`: the trainer's state_dict, in process; a wrong
-    name or shape is refused by name and the old weights stay."""
-    folder, state = trained
-    with rt.Engine(
-        model=str(tiny_model_dir), max_total_tokens=2048, log_level="warning",
-        timeout=REPLY_TIMEOUT_S,
-    ) as engine:  # fmt: skip
-        before = _generate(engine)
-        bad = {k.replace("q_proj", "query"): v for k, v in state.items()}
-        with pytest.raises(InvalidRequestError) as info:
-            engine.update_weights_from_tensor(bad)
-        assert "model.layers.0.self_attn.q_proj.weight" in info.value.message
-        _same_answer(_generate(engine), before)
-        done = engine.update_weights_from_tensor(list(state.items()))
-        assert done["weight_version"] == "1"
-        got = _generate(engine)
-        assert got["meta_info"]["cached_tokens"] == 0
-        _same_answer(got, _generate(fresh))
-
-
 def test_an_update_through_the_router_reaches_every_worker(tiny_model_dir, trained, fresh):
     with launch_runtime(tiny_model_dir, dp_size=2) as fleet:
         fleet.generate(input_ids=PROMPT, sampling_params=GREEDY)
@@ -365,18 +344,29 @@ def test_quantized_serving_requantizes_new_weights(tiny_model_dir, trained, quan
         started.close()
 
 
-def test_tensor_parallel_ranks_each_take_their_shard(tiny_model_dir, trained, fresh):
-    """Over two ranks: updates from disk and from tensors reach both (each loads its own shard
-    as at start), and the pool is released and resumed on both."""
+def test_engine_updates_from_tensor_and_disk_over_two_ranks(tiny_model_dir, trained, fresh):
+    """`rt.Engine.update_weights_from_tensor` (the trainer's state_dict, in process) and from
+    disk, over two tensor-parallel ranks (each loads its own shard as at start); a wrong name is
+    refused by name with the old weights kept; the pool is released and resumed on both."""
     folder, state = trained
     want = _generate(fresh)
     with rt.Engine(
         model=str(tiny_model_dir), tp_size=2, log_level="warning", timeout=REPLY_TIMEOUT_S
     ) as engine:
-        engine.update_weights_from_disk(str(folder))
-        _same_answer(_generate(engine), want, 1e-4)
+        before = _generate(engine)
+        bad = {k.replace("q_proj", "query"): v for k, v in state.items()}
+        with pytest.raises(InvalidRequestError) as info:
+            engine.update_weights_from_tensor(bad)
+        assert "model.layers.0.self_attn.q_proj.weight" in info.value.message
+        _same_answer(_generate(engine), before)
+
+        assert engine.update_weights_from_tensor(list(state.items()))["weight_version"] == "1"
+        got = _generate(engine)
+        assert got["meta_info"]["cached_tokens"] == 0
+        _same_answer(got, want, 1e-4)
         engine.update_weights_from_disk(str(tiny_model_dir))
-        engine.update_weights_from_tensor(state)
+        _same_answer(_generate(engine), before)
+        engine.update_weights_from_disk(str(folder))
         assert engine.release_memory_occupation() and engine.resume_memory_occupation()
         got = _generate(engine)
         assert got["meta_info"]["weight_version"] == "3"
@@ -384,8 +374,9 @@ def test_tensor_parallel_ranks_each_take_their_shard(tiny_model_dir, trained, fr
 
 
 def test_update_from_a_trainers_group(served, fresh, trained, tiny_model_dir):
-    """The trainer (this process) hosts a gloo group, the runtime joins it as rank 1, and the
-    trainer broadcasts every weight: served as from disk."""
+    """The trainer (this process) hosts a gloo group, the runtime joins it as rank 1 (over
+    ZeroMQ), and the trainer broadcasts every weight (the update asked over HTTP): served as
+    from disk."""
     import datetime
 
     import torch.distributed as dist
@@ -401,19 +392,19 @@ def test_update_from_a_trainers_group(served, fresh, trained, tiny_model_dir):
         store = dist.TCPStore("127.0.0.1", port, 2, is_master=True, timeout=wait)
         group = dist.ProcessGroupGloo(store, 0, 2, wait)
         assert joined.result()["success"]
-        update = pool.submit(
-            served.update_weights_from_distributed,
-            names,
-            [str(state[n].dtype) for n in names],
-            [list(state[n].shape) for n in names],
-            "trainer",
-            "from-group",
-        )
+        body = {
+            "names": names,
+            "dtypes": [str(state[n].dtype) for n in names],
+            "shapes": [list(state[n].shape) for n in names],
+            "group_name": "trainer",
+            "weight_version": "from-group",
+        }
+        update = pool.submit(_http, served, "/update_weights_from_distributed", body)
         options = dist.BroadcastOptions()
         options.rootRank = 0
         for name in names:
             group.broadcast([state[name].contiguous()], options).wait()
-        assert update.result()["weight_version"] == "from-group"
+        assert update.result() == (200, {**update.result()[1], "weight_version": "from-group"})
     assert served.destroy_weights_update_group("trainer")["success"]
     with pytest.raises(InvalidRequestError):
         served.update_weights_from_distributed(names[:1], ["float32"], [[1]], "trainer")

@@ -63,13 +63,19 @@ WORKER_SILENCE_S = 60.0
 DRAIN_SLACK_S = 5.0
 # the reinforcement-learning admin ops (server/rollout.py), sent to every worker; an update
 # waits on each worker for its requests in flight, so its gather waits longer
-WEIGHT_UPDATES = ("update_weights_from_disk",)
+WEIGHT_UPDATES = ("update_weights_from_disk", "update_weights_from_tensor")
 ROLLOUT_OPS = (
     *WEIGHT_UPDATES,
     "pause_generation",
     "continue_generation",
     "release_memory_occupation",
     "resume_memory_occupation",
+)
+# a trainer's group is joined by each worker as its own rank: not through the router
+GROUP_OPS = (
+    "init_weights_update_group",
+    "update_weights_from_distributed",
+    "destroy_weights_update_group",
 )
 
 
@@ -283,6 +289,7 @@ class Router:
             "unload_lora_adapter": Op(self._to_all, Role.ADMIN, **later),
             **{op: Op(self._to_all, Role.ADMIN, **later) for op in ROLLOUT_OPS},
             "get_weight_version": Op(self._to_one, **later),
+            **{op: Op(_refuse_group, Role.ADMIN) for op in GROUP_OPS},
         }
 
     def _for_workers(self, caller: Caller, msg: dict[str, Any]) -> dict[str, Any]:
@@ -659,3 +666,10 @@ def _load_tokenizer(path: str):
     from tokenizers import Tokenizer  # transformers' own fast tokenizer, without torch
 
     return Tokenizer.from_file(path)
+
+
+def _refuse_group(caller: Caller, msg: dict[str, Any]) -> None:
+    raise ValueError(
+        f"{msg.get('op')} goes to each worker itself (each joins the trainer's group as its own "
+        "rank_offset), not through a router"
+    )

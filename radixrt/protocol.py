@@ -5,6 +5,7 @@ Imported by the client side and the HTTP gateway too, so it needs neither torch 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from enum import Enum
 from typing import Any
@@ -115,8 +116,29 @@ ADMIN_OPS = frozenset(
         "check_invariants",
         "load_lora_adapter",
         "unload_lora_adapter",
+        "update_weights_from_disk",
+        "update_weights_from_tensor",
+        "init_weights_update_group",
+        "update_weights_from_distributed",
+        "destroy_weights_update_group",
+        "pause_generation",
+        "continue_generation",
+        "release_memory_occupation",
+        "resume_memory_occupation",
     }
 )
+
+
+def tensor_handoff_dir() -> str | None:
+    """Where named tensors are handed to the runtime as safetensors files on its machine (an
+    `rt.Engine`'s `update_weights_from_tensor`, a trainer group's broadcast): /dev/shm where
+    this process may write there (the tensors never touch a disk), else the temp default."""
+    return "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
+
+
+# how long a caller (the HTTP gateway, a router) waits for a weight update's answer: the update
+# first waits for the requests in flight to finish, then loads (docs/rl.md)
+WEIGHT_UPDATE_WAIT_S = 3600.0
 
 DEFAULT_TENANT_LABEL = "default"  # how the tenant "" (no key file) is named in stats
 

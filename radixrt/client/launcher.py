@@ -23,9 +23,10 @@ from typing import Any
 
 import zmq
 
-from radixrt.client.endpoint import ZmqEndpoint, load_tokenizer
+from radixrt.client.endpoint import ZmqEndpoint, load_tokenizer, version_field
 from radixrt.config import SECRETS, ServerArgs
 from radixrt.lifecycle import PARENT_PID_ENV
+from radixrt.protocol import tensor_handoff_dir
 
 START_TIMEOUT_S = 600
 LOG_TAIL_LINES = 30
@@ -180,6 +181,45 @@ class Engine(Runtime):
 
     def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
         return "(see the runtime's log above)"
+
+    def update_weights_from_tensor(
+        self,
+        named_tensors: list[tuple[str, Any]] | dict[str, Any],
+        weight_version: str | None = None,
+        abort_all_requests: bool = False,
+    ) -> dict[str, Any]:
+        """Serve these weights (every tensor of the model by its checkpoint name, as a
+        `state_dict()` names them; on any device and dtype) once the requests in flight finish,
+        as `update_weights_from_disk` does. They reach the runtime process as a safetensors
+        file in shared memory (/dev/shm where there is one), never pickled, removed after."""
+        from safetensors.torch import save_file  # torch only on this path
+
+        folder = Path(tempfile.mkdtemp(prefix="radixrt-weights-", dir=tensor_handoff_dir()))
+        try:
+            save_file(_distinct(named_tensors), folder / "model.safetensors")
+            return self.client.call(
+                "update_weights_from_tensor",
+                self.timeout,
+                path=str(folder),
+                abort_all_requests=abort_all_requests,
+                **version_field(weight_version),
+            )
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _distinct(named_tensors: list[tuple[str, Any]] | dict[str, Any]) -> dict[str, Any]:
+    """Contiguous CPU copies by name, each storage once: a tied weight (lm_head sharing the
+    embedding's storage) is left out, as save_pretrained leaves it, since safetensors refuses
+    shared tensors."""
+    items = named_tensors.items() if isinstance(named_tensors, dict) else named_tensors
+    out, seen = {}, set()
+    for name, tensor in items:
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
+        if key not in seen:
+            seen.add(key)
+            out[name] = tensor.detach().to("cpu").contiguous()
+    return out
 
 
 def _http_ok(url: str) -> bool:

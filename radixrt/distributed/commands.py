@@ -15,6 +15,8 @@ from radixrt.forward_batch import ForwardBatch
 
 FORWARD, LOGITS, HEARTBEAT, SHUTDOWN = "forward", "logits", "heartbeat", "shutdown"
 LOAD_LORA, UNLOAD_LORA = "load_lora", "unload_lora"  # header: name (and path to load)
+UPDATE_WEIGHTS = "update_weights"  # header: path (a safetensors folder) and checkpoint (bool)
+RELEASE_KV, RESUME_KV = "release_kv", "resume_kv"  # the KV pool's memory freed, and back
 
 
 def encode_forward(

@@ -125,6 +125,12 @@ class TPGroup:
         dist.broadcast(box, 0, group=self.cpu_group)
         return int(box)
 
+    def barrier(self) -> None:
+        """Return once every rank has called it: rank 0 waits for the others to finish a
+        command (a weight update, whose files the caller removes after)."""
+        if self.size > 1:
+            dist.barrier(group=self.cpu_group)
+
     # ---- commands from rank 0 --------------------------------------------------------------
     def send(self, header: dict[str, Any], payload: torch.Tensor | None = None) -> None:
         """Rank 0: a command as msgpack bytes, then an optional int64 CPU payload."""

@@ -196,6 +196,7 @@ class Req:
     host_cached_tokens: int = 0  # of which loaded back from the host tier
     storage_cached_tokens: int = 0  # of which read from the disk tier
     admitted_at: float | None = None  # first admission to a batch: its queue time ends there
+    weight_version: str = ""  # the weights every token was computed with (set at admission)
     first_token_time: float | None = None
     finish_time: float | None = None
     num_preemptions: int = 0
@@ -262,6 +263,7 @@ class Req:
             "num_preemptions": self.num_preemptions,
             "forward_passes": self.forward_passes,
             "spec_accepted_tokens": self.drafts.accepted if self.drafts else 0,
+            "weight_version": self.weight_version,
         }
         if self.params.return_logprob:
             # prompt logprobs become Python pairs only here, for the reply

@@ -16,12 +16,17 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import shutil
+import tempfile
 import time
+import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
+from safetensors.torch import save_file
 
 from radixrt.config import CacheSettings, SchedulerArgs, ServerArgs
 from radixrt.engine.constraints import Constraints
@@ -44,15 +49,40 @@ from radixrt.executor.lora_manager import AdapterError, AdapterInfo
 from radixrt.executor.model_loader import model_fingerprint
 from radixrt.executor.model_runner import WeightCounts
 from radixrt.executor.tp_worker import TPDriver
+from radixrt.executor.weight_update import TensorSpec
 from radixrt.forward_batch import ForwardBatch
 from radixrt.mem_cache.slot_manager import KVSlotManager
 from radixrt.mem_cache.tiers import DevicePool, build_slot_manager
-from radixrt.protocol import ErrorCode, RequestError
+from radixrt.protocol import ErrorCode, RequestError, tensor_handoff_dir
 from radixrt.sampling_params import SamplingParams, generation_defaults
 
 logger = logging.getLogger(__name__)
 
 HEARTBEAT_S = 1.0  # idle, rank 0 tells the other tensor-parallel ranks it is alive this often
+INITIAL_WEIGHT_VERSION = "0"  # the weights loaded at start; each update makes its own
+# `pause_generation` modes (SGLang's names): `abort` ends what is in flight (each request
+# answers with what it has, finish reason `abort`); `in_place` stops stepping and keeps every
+# request with its KV, to go on at `continue_generation`
+PAUSE_MODES = ("abort", "in_place")
+
+
+@dataclass(frozen=True)
+class WeightsGroupSpec:
+    """Where a trainer's group meets (`init_weights_update_group`) and this runtime's place."""
+
+    name: str
+    address: str
+    port: int
+    rank: int
+    world_size: int
+
+
+@dataclass(frozen=True)
+class WeightUpdate:
+    """What an update answers: the version now served, and the seconds the load took."""
+
+    weight_version: str
+    seconds: float
 
 
 class ModelInfo(NamedTuple):
@@ -113,7 +143,7 @@ class Scheduler:
             self.running,
             Accounts(self.counters, self.tenants, self.log),
             self.spec,
-            PlannerHooks(self.constraints.ready, self._finish),
+            PlannerHooks(self._ready, self._finish),
         )
         self.output = OutputProcessor(
             driver,
@@ -124,6 +154,11 @@ class Scheduler:
             RequestEnds(self._finish, self._fail, self._guard),
         )
         self._last_heartbeat = time.monotonic()
+        self.weight_version = INITIAL_WEIGHT_VERSION
+        self.weight_updates = 0
+        self.paused: str | None = None  # a `PAUSE_MODES` mode until `continue_generation`
+        self.holding = False  # an update waits: requests not yet started stay queued
+        self.kv_released = False  # `release_memory_occupation` until `resume_memory_occupation`
 
     def close(self) -> None:
         """Finish what runs in the background (the disk tier's writes), kill the constraint
@@ -296,6 +331,121 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def can_step(self) -> bool:
+        """Whether `step()` may run: there is work, generation is not paused and the KV pool
+        is not released."""
+        return self.has_work() and self.paused is None and not self.kv_released
+
+    def _ready(self, req: Req) -> bool:
+        """Whether admission may take `req`: its constraint compiled, and (while an update
+        waits) it has started already, so its tokens all come from one weight version."""
+        return self.constraints.ready(req) and not (self.holding and req.admitted_at is None)
+
+    # ---- reinforcement learning: new weights, pauses, the pool's memory ----------------------
+    def in_flight(self) -> list[Req]:
+        """Requests computed under the weights served now: running, or admitted once and
+        retracted back to the queue. New weights wait until there are none."""
+        return [r for r in self.running + self.waiting if r.admitted_at is not None]
+
+    def update_weights(self, folder: Path, checkpoint: bool, version: str | None) -> WeightUpdate:
+        """Serve the weights in `folder` (`ModelRunner.update_weights`: ValueError, naming what
+        is refused, with the old weights kept) under `version` (default: the count of updates
+        so far), and forget every cached prefix (`KVSlotManager.forget_weights`), so no KV of
+        the old weights is ever reused. Only while nothing is in flight (`in_flight`)."""
+        if self.in_flight():
+            raise RuntimeError("new weights while requests are in flight")
+        if not folder.is_dir():
+            raise ValueError(f"{str(folder)!r} is not a folder on the runtime's machine")
+        start = time.perf_counter()
+        try:
+            self.driver.update_weights(folder, checkpoint)
+        except OSError as e:  # a file that cannot be read: refused, the old weights stay
+            raise ValueError(f"the weights could not be read: {e}") from e
+        self.weight_updates += 1
+        self.weight_version = version or str(self.weight_updates)
+        self.kv.forget_weights(uuid.uuid4().hex)
+        seconds = time.perf_counter() - start
+        logger.info(
+            "serving weight version %s from %s (%.2f s)", self.weight_version, folder, seconds
+        )
+        return WeightUpdate(self.weight_version, seconds)
+
+    def join_weights_group(self, group: WeightsGroupSpec) -> None:
+        """Join a trainer's group (`init_weights_update_group`); blocks until it has formed."""
+        self.driver.join_weights_group(
+            group.name, group.address, group.port, group.rank, group.world_size
+        )
+
+    @staticmethod
+    def tensor_specs(names: object, dtypes: object, shapes: object) -> list[TensorSpec]:
+        """What `update_weights_from_distributed` will receive (`TensorSpec.parse`: checked
+        before anything is received, so a refusal leaves the trainer's group in step)."""
+        return TensorSpec.parse(names, dtypes, shapes)
+
+    def leave_weights_group(self, name: str) -> None:
+        self.driver.leave_weights_group(name)
+
+    def update_weights_from_group(
+        self, name: str, specs: list[TensorSpec], version: str | None
+    ) -> WeightUpdate:
+        """Receive the tensors the trainer broadcasts over group `name`, then serve them as
+        `update_weights` does (checked, atomic): they are handed to it as one safetensors
+        file in shared memory, removed after."""
+        tensors = self.driver.receive_weights(name, specs)
+        folder = Path(tempfile.mkdtemp(prefix="radixrt-weights-", dir=tensor_handoff_dir()))
+        try:
+            save_file(tensors, folder / "model.safetensors")
+            del tensors
+            return self.update_weights(folder, False, version)
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+
+    def pause(self, mode: str) -> list[Req]:
+        """Stop generating until `resume` (`pause_generation`); under `abort` every waiting and
+        running request ends now with what it has (returned: their replies go out)."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode must be one of {list(PAUSE_MODES)}, got {mode!r}")
+        ended = self.abort_all("generation was paused (mode abort)") if mode == "abort" else []
+        self.paused = mode
+        return ended
+
+    def abort_all(self, message: str) -> list[Req]:
+        """End every waiting and running request now with what it has (finish reason `abort`,
+        no error: a rollout keeps its partial output); returns them, for their replies."""
+        ended = self.waiting + self.running
+        self.counters.aborted_requests += len(ended)
+        for req in ended:
+            req.finish_reason = FinishReason.abort(message)
+            self._finish(req)
+        return ended
+
+    def resume(self) -> None:
+        """Generate again after `pause` (`continue_generation`)."""
+        self.paused = None
+
+    def release_memory(self) -> None:
+        """Free the KV pool's memory on every rank (`release_memory_occupation`): pins released,
+        the cache flushed, and no request admitted until `resume_memory`. `invalid_request`
+        while requests are in flight (pause with mode abort, or let them finish, first)."""
+        busy = len(self.in_flight())
+        if busy:
+            raise RequestError(
+                ErrorCode.INVALID_REQUEST,
+                f"{busy} requests are in flight: pause_generation with mode abort first, or let "
+                "them finish",
+            )
+        if not self.kv_released:
+            self.kv.unpin_all("")
+            self.kv.flush()
+            self.driver.release_kv()
+            self.kv_released = True
+
+    def resume_memory(self) -> None:
+        """The KV pool's memory back (`resume_memory_occupation`); requests are admitted again."""
+        if self.kv_released:
+            self.driver.resume_kv()
+            self.kv_released = False
+
     # ---- one step ----------------------------------------------------------------------------
     def step(self) -> list[Req]:
         """Run one forward; returns the requests that got a new token or finished.
@@ -318,6 +468,8 @@ class Scheduler:
         self._expire(time.monotonic())
         self.constraints.sweep(self.waiting)
         plan = self.planner.schedule(self._plan).items
+        for item in self._plan.admitted:
+            item.req.weight_version = item.req.weight_version or self.weight_version
         self.stalled = not plan  # e.g. every waiting request's constraint is still compiling
         self.counters.count_forward(plan)
         start = time.perf_counter()
@@ -391,6 +543,7 @@ class Scheduler:
 
     def _finish(self, req: Req) -> None:
         req.finish_time = time.monotonic()
+        req.weight_version = req.weight_version or self.weight_version
         if self.spec is not None:
             self.spec.finished(req)
         self._ended.append(req)
@@ -413,7 +566,13 @@ class Scheduler:
             spec=self.spec.counters if self.spec is not None else SpecCounters(),
             max_loras=self.args.max_loras_per_batch,
         )
-        return scheduler_stats(self.counters, inputs)
+        return {
+            **scheduler_stats(self.counters, inputs),
+            "weight_version": self.weight_version,
+            "generation_paused": self.paused,
+            "weight_update_waiting": self.holding,
+            "memory_released": self.kv_released,
+        }
 
     def flush_cache(self) -> bool:
         flushed = not self.has_work() and self.kv.flush()

@@ -9,6 +9,7 @@ import functools
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -27,6 +28,7 @@ from radixrt.executor.model_loader import (
     resolve_model_path,
     resolve_tokenizer_path,
 )
+from radixrt.executor.weight_update import adopt_weights, check_same_architecture
 from radixrt.forward_batch import ForwardBatch
 from radixrt.kernels import cpu_isa
 from radixrt.kernels.int4_gemm import Bits
@@ -160,7 +162,7 @@ class ModelRunner:
         self.weights = WeightCounts.of(
             self.model, self.config, BYTES_PER_WEIGHT.get(args.quantization or "")
         )
-        self._replace_linears(packed)
+        self._replace_linears(self.model, packed)
         self.vocab_size = self.config.vocab_size
         self.lora = self._init_lora()
 
@@ -204,28 +206,57 @@ class ModelRunner:
             raise ValueError(f"{source} has no {kinds} linears of a Llama or Qwen2 model")
         return packed
 
-    def _replace_linears(self, packed: gguf_weights.GGUFPlan | None) -> None:
-        """GGUF's packed linears first, then the rest: int8, int4 from float (the output
-        projection in 8-bit groups, as llama.cpp keeps it above 4 bits: in 4 bits it alone
-        failed the quality gates), or float32 prepacked (under `gguf`, what GGUF did not pack
-        stays float, as before)."""
+    def _replace_linears(self, model: nn.Module, packed: gguf_weights.GGUFPlan | None) -> None:
+        """`model`'s linears: GGUF's packed ones first, then the rest: int8, int4 from float
+        (the output projection in 8-bit groups, as llama.cpp keeps it above 4 bits: in 4 bits
+        it alone failed the quality gates), or float32 prepacked (under `gguf`, what GGUF did
+        not pack stays float, as before)."""
         if packed is not None:
             for name, weight in gguf_weights.read_linears(packed).items():
                 parent, _, child = name.rpartition(".")
-                owner = self.model.get_submodule(parent)
+                owner = model.get_submodule(parent)
                 bias = getattr(owner, child).bias
                 setattr(owner, child, GroupedLinear(weight, bias, self.cpu_isa))
         if self.args.quantization == "int8":
-            replace_linears(self.model, functools.partial(Int8Linear, isa=self.cpu_isa))
+            replace_linears(model, functools.partial(Int8Linear, isa=self.cpu_isa))
         elif self.args.quantization == "int4":
-            head = self.model.lm_head
+            head = model.lm_head
             if isinstance(head, nn.Linear):
-                self.model.lm_head = GroupedLinear.quantize(
+                model.lm_head = GroupedLinear.quantize(
                     head.weight, head.bias, Bits.INT8, self.cpu_isa
                 )
-            replace_linears(self.model, functools.partial(GroupedLinear.quantize, isa=self.cpu_isa))
+            replace_linears(model, functools.partial(GroupedLinear.quantize, isa=self.cpu_isa))
         elif prepack_available(self.device, self.dtype):
-            replace_linears(self.model, PrepackedLinear)
+            replace_linears(model, PrepackedLinear)
+
+    # ---- weights and memory for reinforcement learning ------------------------------------------
+    def update_weights(self, folder: Path, checkpoint: bool) -> None:
+        """Serve the safetensors weights in `folder` from now on: a model checkpoint folder
+        (`checkpoint`: its config.json must give the served architecture) or the named tensors
+        an `rt.Engine` wrote. They are staged as at start (this rank's shard, every name and
+        shape checked, then quantized or prepacked as the served ones: int8 and int4 are
+        re-quantized, GGUF blocks are not taken) and adopted only once all of them loaded
+        (`weight_update`): a ValueError names what is refused, and the old weights stay."""
+        if self.args.quantization == "gguf":
+            raise ValueError(
+                "--quantization gguf serves the GGUF file's blocks as read: it takes no new weights"
+            )
+        if checkpoint:
+            check_same_architecture(self.config, folder)
+        staged = load_model(folder, self.config, self.context_length, self.tp, self.dtype)
+        self._replace_linears(staged, None)
+        adopt_weights(self.model, staged)
+
+    def release_kv(self) -> None:
+        """Free the KV pool's memory (`release_memory_occupation`); the caller holds every
+        request off it until `resume_kv`."""
+        self.kv_pool.release()
+
+    def resume_kv(self) -> None:
+        """The KV pool's memory again (zeroed), and decode graphs captured over it anew."""
+        self.kv_pool.restore()
+        if self.graph_runner is not None:
+            self.graph_runner = self._graph_runner()
 
     def _eos_ids(self, generation: dict) -> set[int]:
         """The config's, the tokenizer's and generation_config.json's end-of-sequence ids."""

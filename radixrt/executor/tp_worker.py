@@ -18,6 +18,7 @@ import logging
 import os
 import socket
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -28,16 +29,21 @@ from radixrt.distributed.commands import (
     HEARTBEAT,
     LOAD_LORA,
     LOGITS,
+    RELEASE_KV,
+    RESUME_KV,
     SHUTDOWN,
     UNLOAD_LORA,
+    UPDATE_WEIGHTS,
     decode_forward,
     encode_forward,
     logits_header,
 )
 from radixrt.distributed.group import TPGroup, threads_per_rank
+from radixrt.distributed.weights_group import WeightsGroup
 from radixrt.executor.lora_manager import AdapterInfo, LoraManager
 from radixrt.executor.model_loader import resolve_model_path
 from radixrt.executor.model_runner import ModelRunner, resolve_device
+from radixrt.executor.weight_update import TensorSpec
 from radixrt.forward_batch import ForwardBatch
 from radixrt.lifecycle import exit_with_parent
 from radixrt.models.lora import AdapterError
@@ -156,6 +162,13 @@ def serve_commands(runner: ModelRunner) -> None:
             runner.lora.load(header["name"], header["path"])
         elif op == UNLOAD_LORA:
             runner.lora.unload(header["name"])
+        elif op == UPDATE_WEIGHTS:
+            runner.update_weights(Path(header["path"]), header["checkpoint"])
+            tp.barrier()
+        elif op == RELEASE_KV:
+            runner.release_kv()
+        elif op == RESUME_KV:
+            runner.resume_kv()
         elif op == SHUTDOWN:
             return
 
@@ -181,6 +194,7 @@ class TPDriver:
         self.runner = runner
         self.tp = runner.tp
         self.ranks = ranks  # the other ranks on this node, watched for a death
+        self.weights_groups: dict[str, WeightsGroup] = {}  # trainers' groups, by name
 
     @classmethod
     def start(cls, args: ExecutorArgs) -> TPDriver:
@@ -222,6 +236,52 @@ class TPDriver:
         self._lora().unload(name)
         if self.tp.size > 1:
             self.tp.send({"op": UNLOAD_LORA, "name": name})
+
+    def update_weights(self, folder: Path, checkpoint: bool) -> None:
+        """`ModelRunner.update_weights` on rank 0 (a ValueError names what it refuses, and no
+        rank's weights change), then on the other ranks, each loading its own shard of the
+        same files as at start (they must see `folder` too: one node, or a shared path);
+        returns once every rank has (the caller may then remove the files)."""
+        self.runner.update_weights(folder, checkpoint)
+        if self.tp.size > 1:
+            self.tp.send({"op": UPDATE_WEIGHTS, "path": str(folder), "checkpoint": checkpoint})
+            self.tp.barrier()
+
+    def join_weights_group(
+        self, name: str, address: str, port: int, rank: int, world_size: int
+    ) -> None:
+        """Join a trainer's group as `rank` (`init_weights_update_group`; blocks until every
+        member has). ValueError under tensor parallelism (each rank would have to join) and for
+        a name already joined."""
+        if self.tp.size > 1:
+            raise ValueError("weights from a trainer's group need --tp-size 1")
+        if name in self.weights_groups:
+            raise ValueError(f"this runtime is in a group named {name!r} already")
+        self.weights_groups[name] = WeightsGroup(address, port, rank, world_size)
+
+    def leave_weights_group(self, name: str) -> None:
+        if self.weights_groups.pop(name, None) is None:
+            raise ValueError(f"this runtime is in no group named {name!r}")
+
+    def receive_weights(self, name: str, specs: list[TensorSpec]) -> dict[str, torch.Tensor]:
+        """The tensors the trainer broadcasts over group `name`, by name."""
+        group = self.weights_groups.get(name)
+        if group is None:
+            raise ValueError(f"this runtime is in no group named {name!r}")
+        tensors = {spec.name: spec.empty() for spec in specs}
+        group.receive(list(tensors.values()))
+        return tensors
+
+    def release_kv(self) -> None:
+        """Free the KV pool's memory on every rank."""
+        self.runner.release_kv()
+        if self.tp.size > 1:
+            self.tp.send({"op": RELEASE_KV})
+
+    def resume_kv(self) -> None:
+        self.runner.resume_kv()
+        if self.tp.size > 1:
+            self.tp.send({"op": RESUME_KV})
 
     def _lora(self) -> LoraManager:
         if self.runner.lora is None:

@@ -6,6 +6,8 @@ and enforced in one place: `radixrt.mem_cache.slot_manager`. Page 0 is padding o
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 
@@ -104,9 +106,33 @@ class TokenToKVPool:
         dtype: torch.dtype,
         device: torch.device,
     ):
-        shape = (num_slots, num_kv_heads, head_dim)
-        self.k_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.shape = (num_slots, num_kv_heads, head_dim)
+        self.num_layers = num_layers
+        self.k_buffers: list[torch.Tensor] = []
+        self.v_buffers: list[torch.Tensor] = []
+        self._allocate(lambda: torch.zeros(self.shape, dtype=dtype, device=device))
+
+    def _allocate(self, make: Callable[[], torch.Tensor]) -> None:
+        self.k_buffers = [make() for _ in range(self.num_layers)]
+        self.v_buffers = [make() for _ in range(self.num_layers)]
+
+    @property
+    def released(self) -> bool:
+        return self.k_buffers[0].shape != self.shape
+
+    def release(self) -> None:
+        """Free every buffer's memory (`release_memory_occupation`): each becomes an empty
+        tensor of the same dtype and device until `restore`; no KV may be read meanwhile."""
+        dtype, device = self.k_buffers[0].dtype, self.k_buffers[0].device
+        self._allocate(lambda: torch.empty(0, dtype=dtype, device=device))
+        if device.type == "cuda":  # back to the device, for a trainer sharing it
+            torch.cuda.empty_cache()
+
+    def restore(self) -> None:
+        """The buffers again, zeroed, after `release` (a no-op when they are there)."""
+        if self.released:
+            k = self.k_buffers[0]
+            self._allocate(lambda: torch.zeros(self.shape, dtype=k.dtype, device=k.device))
 
     def set_kv(self, layer_id: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         self.k_buffers[layer_id].index_copy_(0, slots, k)

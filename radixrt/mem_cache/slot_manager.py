@@ -418,6 +418,16 @@ class KVSlotManager:
         self.peak_used_tokens = 0
         return True
 
+    def forget_weights(self, label: str) -> None:
+        """Never return KV computed before now (new weights): every pin released, the device and
+        host tiers flushed, the disk tier re-seeded with `label` (unique to this update).
+        RuntimeError while a request holds KV: the caller waits until none does."""
+        self.unpin_all("")
+        if not self.flush():
+            raise RuntimeError("a request still holds KV; the cache cannot be forgotten")
+        if self.storage is not None:
+            self.storage.reseed(label)
+
     # ---- checks ----------------------------------------------------------------------------
     def snapshot(self, holders: Sequence[SlotHolder], names: list[str]) -> dict[str, Any]:
         """Who holds which slot, as plain data, for checkers that must not share this code:

@@ -204,6 +204,12 @@ class KVStorage:
             keys.append(prev.hex())
         return keys
 
+    def reseed(self, label: str) -> None:
+        """Key every block from now on under a chain seeded with `label` too (new weights: an
+        update's unique label): blocks written before are never found again, here or after a
+        restart, and age out of the directory by its size bound."""
+        self.seed = hashlib.blake2b(self.seed + label.encode(), digest_size=16).digest()
+
     def contains(self, key: str) -> bool:
         with self._lock:
             return key in self._index or key in self._pending

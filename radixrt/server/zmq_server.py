@@ -23,6 +23,7 @@ from radixrt.engine.scheduler import Scheduler
 from radixrt.lifecycle import exit_with_parent
 from radixrt.protocol import MAX_PIN_ID_CHARS, ErrorCode, RequestError, check_rid, error_reply
 from radixrt.sampling_params import SamplingParams
+from radixrt.server import rollout
 from radixrt.server.front import (
     Caller,
     ClientFront,
@@ -93,6 +94,7 @@ class Server:
         self.drain_deadline: float | None = None  # set by SIGTERM: refuse new work, finish old
         self.heap = Heap()
         self.metrics = RuntimeMetrics(args.model_name)
+        self.pending_update: rollout.PendingUpdate | None = None  # waits for requests in flight
 
     # ---- the loop ----------------------------------------------------------------------------
     def serve_forever(self) -> None:
@@ -111,14 +113,15 @@ class Server:
         self.ctx.term()
 
     def _serve_once(self) -> None:
-        self._drain(block=not self.scheduler.has_work())
+        self._drain(block=not self.scheduler.can_step())
         for tokenized in self.prompts.ready():  # its op runs again, now with the text's ids
             self.front.dispatch(tokenized.caller, tokenized.msg)
         self._abort_vanished_clients()
-        if self.scheduler.has_work():
+        if self.scheduler.can_step():
             self._publish(self.scheduler.step())
         else:
             self.scheduler.idle()
+        rollout.run_pending_update(self)
         if self.drain_deadline is not None:
             self._drain_step()
         self.heap.tick()
@@ -373,6 +376,7 @@ def _model_info(server: Server, caller: Caller, msg: dict[str, Any]) -> dict[str
         "sampling_defaults": info.sampling_defaults,
         "lora_enabled": server.args.executor.lora_enabled,
         "cpu_isa": info.cpu_isa,
+        "weight_version": server.scheduler.weight_version,
     }
 
 
@@ -468,6 +472,16 @@ OPS: dict[str, Op] = {
     "check_invariants": Op(lambda s, c, m: s.scheduler.check_invariants() or True, Role.ADMIN),
     "memory_snapshot": Op(lambda s, c, m: s.scheduler.memory_snapshot(), Role.ADMIN),
     "shutdown": Op(_shutdown, Role.ADMIN),
+    "update_weights_from_disk": Op(rollout.update_from_disk, Role.ADMIN, **LATER),
+    "update_weights_from_tensor": Op(rollout.update_from_tensor, Role.ADMIN, **LATER),
+    "pause_generation": Op(rollout.pause_generation, Role.ADMIN),
+    "continue_generation": Op(rollout.continue_generation, Role.ADMIN),
+    "release_memory_occupation": Op(rollout.release_memory, Role.ADMIN),
+    "resume_memory_occupation": Op(rollout.resume_memory, Role.ADMIN),
+    "init_weights_update_group": Op(rollout.init_group, Role.ADMIN),
+    "update_weights_from_distributed": Op(rollout.update_from_group, Role.ADMIN, **LATER),
+    "destroy_weights_update_group": Op(rollout.destroy_group, Role.ADMIN),
+    "get_weight_version": Op(rollout.weight_version),
 }
 
 

@@ -198,3 +198,17 @@ def test_the_fingerprint_separates_weights_dtype_and_quantization(tiny_model_dir
     config["rms_norm_eps"] *= 10  # the same weights computing other KV
     (copy / "config.json").write_text(json.dumps(config))
     assert model_fingerprint(copy, torch.float32, None) != base
+
+
+def test_a_reseed_leaves_the_blocks_of_older_weights_unfound(tmp_path):
+    """New weights (`KVSlotManager.forget_weights` reseeds with a label of its own): the keys
+    of a prompt's blocks change, so a block written before is never read for it again."""
+    storage = _storage(tmp_path)
+    ids = list(range(SHAPE[1]))
+    (before,) = storage.block_keys(ids, 1)
+    storage.write(before, _block(1))
+    storage.wait()
+    storage.reseed("update-1")
+    (after,) = storage.block_keys(ids, 1)
+    assert after != before and not storage.contains(after) and storage.read(after) is None
+    storage.close()

@@ -33,6 +33,7 @@ from radixrt.server.http.gateway import (
 )
 from radixrt.server.http.pins import MAX_CALLER_PIN_ID_CHARS, runtime_pin_id
 from radixrt.server.http.responses import sse_event
+from radixrt.server.http.rollout import ROLLOUT_ROUTES, add_rollout_routes
 
 # routes that need an accepted key when keys are set (/health stays open, as on /v1)
 KEYED_ROUTES = (
@@ -49,6 +50,7 @@ KEYED_ROUTES = (
     "/load_lora_adapter",
     "/unload_lora_adapter",
     "/list_lora_adapters",
+    *ROLLOUT_ROUTES,
 )
 CONTROL_TIMEOUT_S = 30.0
 HEALTH_GENERATE_PARAMS = {"max_new_tokens": 1, "temperature": 0}
@@ -204,13 +206,16 @@ class NativeAPI:
         key = self.key_of(request)
         return {"api_key": key} if key else {}
 
-    async def _call(self, request: Request, op: str, **fields: Any) -> Any:
-        """A control op with the caller's key; its error as an HTTP error."""
+    async def _call(
+        self, request: Request, op: str, wait_s: float = CONTROL_TIMEOUT_S, **fields: Any
+    ) -> Any:
+        """A control op with the caller's key, its reply awaited `wait_s` seconds at most; its
+        error as an HTTP error."""
         try:
             return await asyncio.to_thread(
                 self.gateway.endpoint.client.call,
                 op,
-                CONTROL_TIMEOUT_S,
+                wait_s,
                 **self._key_fields(request),
                 **fields,
             )
@@ -436,3 +441,4 @@ def add_native_routes(app: FastAPI, gateway: Gateway) -> None:
     app.get("/get_model_info")(native.get_model_info)
     app.get("/get_server_info")(native.get_server_info)
     app.get("/health_generate")(native.health_generate)
+    add_rollout_routes(app, native._call)

@@ -27,6 +27,7 @@ import zmq
 from radixrt.config import RouterSettings, WorkerSettings
 from radixrt.protocol import (
     MAX_CACHE_SALT_CHARS,
+    WEIGHT_UPDATE_WAIT_S,
     ErrorCode,
     RequestError,
     check_rid,
@@ -60,6 +61,22 @@ WORKER_SILENCE_S = 60.0
 # A draining router waits this much past --drain-timeout: the workers end what is left at their
 # own deadline, and their `draining` errors have this long to come back through the router.
 DRAIN_SLACK_S = 5.0
+# the reinforcement-learning admin ops (server/rollout.py), sent to every worker; an update
+# waits on each worker for its requests in flight, so its gather waits longer
+WEIGHT_UPDATES = ("update_weights_from_disk", "update_weights_from_tensor")
+ROLLOUT_OPS = (
+    *WEIGHT_UPDATES,
+    "pause_generation",
+    "continue_generation",
+    "release_memory_occupation",
+    "resume_memory_occupation",
+)
+# a trainer's group is joined by each worker as its own rank: not through the router
+GROUP_OPS = (
+    "init_weights_update_group",
+    "update_weights_from_distributed",
+    "destroy_weights_update_group",
+)
 
 
 @dataclass(frozen=True)
@@ -269,6 +286,9 @@ class Router:
             "list_lora_adapters": Op(self._to_one, **later),
             "load_lora_adapter": Op(self._to_all, Role.ADMIN, **later),
             "unload_lora_adapter": Op(self._to_all, Role.ADMIN, **later),
+            **{op: Op(self._to_all, Role.ADMIN, **later) for op in ROLLOUT_OPS},
+            "get_weight_version": Op(self._to_one, **later),
+            **{op: Op(_refuse_group, Role.ADMIN) for op in GROUP_OPS},
         }
 
     def _for_workers(self, caller: Caller, msg: dict[str, Any]) -> dict[str, Any]:
@@ -559,7 +579,8 @@ class Router:
             identity,
             msg.get("rid"),
             str(msg.get("op")),
-            time.monotonic() + GATHER_TIMEOUT_S,
+            time.monotonic()
+            + (WEIGHT_UPDATE_WAIT_S if msg.get("op") in WEIGHT_UPDATES else GATHER_TIMEOUT_S),
             pin=pin,
             viewer=caller.principal,
         )
@@ -590,6 +611,9 @@ class Router:
         if not replies:
             return error_reply(None, ErrorCode.WORKER_LOST, "no worker answered")
         results = [r.get("result") for r in replies]
+        if gather.op in WEIGHT_UPDATES:  # the workers forgot their caches: so does the router
+            for i in gather.replies:
+                self.workers[i].tree.clear()
         if gather.op == "flush_cache":
             if all(results):
                 for i in gather.replies:
@@ -641,3 +665,10 @@ def _load_tokenizer(path: str):
     from tokenizers import Tokenizer  # transformers' own fast tokenizer, without torch
 
     return Tokenizer.from_file(path)
+
+
+def _refuse_group(caller: Caller, msg: dict[str, Any]) -> None:
+    raise ValueError(
+        f"{msg.get('op')} goes to each worker itself (each joins the trainer's group as its own "
+        "rank_offset), not through a router"
+    )

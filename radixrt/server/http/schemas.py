@@ -5,11 +5,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from inspect import signature
-from typing import Any, Literal
+from typing import Any, Literal, Union, get_args, get_type_hints
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, create_model
 
 from radixrt.client.endpoint import Prompt
+from radixrt.protocol import GenerateOptions, option_fields, spec_of
 from radixrt.server.http.errors import APIError
 from radixrt.structured.patterns import Constraint
 from radixrt.structured.regexes import JSON_OBJECT_LARK
@@ -62,7 +63,35 @@ _SAMPLING_FIELDS = (
 CONSTRAINT_FIELDS = ("regex", "json_schema", "ebnf", "lark")
 
 
-class GenerateRequest(Body):
+def options_body(
+    base: type[BaseModel], *, native: bool, options: type[GenerateOptions] = GenerateOptions
+) -> type[BaseModel]:
+    """A body class under `base` holding `options`' request fields (docs/protocol.md's table),
+    typed as declared: those of the OpenAI bodies, or (`native`, the native /generate) every
+    one, a per-prompt one as one value or a list of them."""
+    hints = get_type_hints(options)
+    fields: dict[str, Any] = {
+        f.name: (_body_type(hints[f.name], native and spec_of(f).per_prompt), None)
+        for f in option_fields(options)
+        if native or spec_of(f).openai
+    }
+    name = f"{'Native' if native else 'OpenAI'}{options.__name__}"
+    return create_model(name, __base__=base, **fields)
+
+
+def _body_type(hint: Any, per_prompt: bool) -> Any:
+    """`T | None`, or `T | list[T] | None` for a per-prompt field."""
+    if not per_prompt:
+        return hint
+    value = Union[tuple(a for a in get_args(hint) if a is not type(None))]  # noqa: UP007
+    return value | list[value] | None
+
+
+# the request fields of the OpenAI bodies (`cache_salt`, `priority`, `timeout`, ...)
+OpenAIOptions = options_body(Body, native=False)
+
+
+class GenerateRequest(OpenAIOptions):  # type: ignore[misc,valid-type]
     model: str | None = None
     n: int | None = None
     stream: bool = False
@@ -86,10 +115,6 @@ class GenerateRequest(Body):
     json_schema: str | dict[str, Any] | None = None
     ebnf: str | None = None  # a GBNF grammar (SGLang's name; llama.cpp's dialect)
     lark: str | None = None  # a Lark grammar (radixrt's own)
-    # radixrt's own (docs/protocol.md): the cache namespace, the scheduling priority, a deadline
-    cache_salt: str | None = None
-    priority: int | None = None
-    timeout: float | None = None
     # OpenAI's fields that change nothing here: accepted knowingly, and ignored
     user: str | None = None
     metadata: dict[str, Any] | None = None

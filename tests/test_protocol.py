@@ -1,8 +1,9 @@
 """The request contract: `GenerateOptions` (radixrt/protocol.py) declares each request field
-once, and every surface is derived from it: the ZeroMQ generate's field set, the OpenAI and
-native HTTP bodies, the engine's scope, the router's namespace, the client's options and
-docs/protocol.md's table. Model-free, except the last test, which sends every declared field
-over each surface of a real runtime and gateway."""
+once, and `SamplingParams` (radixrt/sampling_params.py) each sampling parameter; every surface
+is derived from them: the ZeroMQ generate's field set, the OpenAI and native HTTP bodies, the
+engine's scope, the router's namespace, the client's options and docs/protocol.md's tables.
+Model-free, except the last test, which sends every declared field over each surface of a real
+runtime and gateway."""
 
 from __future__ import annotations
 
@@ -30,10 +31,11 @@ from radixrt.protocol import (
     request_field,
     spec_of,
 )
-from radixrt.protocol_doc import field_table
+from radixrt.protocol_doc import field_table, sampling_table
+from radixrt.sampling_params import GENERATION_CONFIG_FIELDS, SamplingParams, param
 from radixrt.server.front import PROBE
 from radixrt.server.http.native import NativeGenerateRequest, _per_prompt_fields
-from radixrt.server.http.schemas import Body, CompletionRequest, GenerateRequest, options_body
+from radixrt.server.http.schemas import Body, CompletionRequest, GenerateRequest, request_body
 from radixrt.server.router.prefix_tree import Namespace
 from radixrt.server.router.router import namespace_of
 
@@ -72,9 +74,9 @@ def test_a_new_field_reaches_every_surface():
     """Declared once in a subclass, the field is in the ZeroMQ field set, both HTTP bodies
     (per prompt in the native one), the docs table, the wire map and the namespace."""
     assert generate_fields(Extended) == GENERATE_FIELDS | {"sampling_seed"}
-    native = options_body(Body, native=True, options=Extended)
+    native = request_body(Body, native=True, options=Extended)
     assert native.model_validate({"sampling_seed": [2, 4]}).sampling_seed == [2, 4]
-    openai = options_body(Body, native=False, options=Extended)
+    openai = request_body(Body, native=False, options=Extended)
     assert openai.model_validate({"sampling_seed": 2}).sampling_seed == 2
     with pytest.raises(ValidationError):
         openai.model_validate({"sampling_seed": [2]})  # a list is the native body's only
@@ -85,6 +87,53 @@ def test_a_new_field_reaches_every_surface():
     assert options.namespace() == {"cache_salt": "s", "lora_path": "", "sampling_seed": 4}
     with pytest.raises(ValueError, match="sampling_seed must be an even integer"):
         Extended.from_wire({"sampling_seed": 3})
+
+
+@dataclass(kw_only=True)
+class MoreSampling(SamplingParams):
+    """A sampling parameter a contributor adds (issue 42's `no_stop_trim`, say)."""
+
+    no_stop_trim: bool = param(
+        False, kind=bool, openai="no_stop_trim", native=True, doc="keep the stop string"
+    )
+
+
+def test_a_new_sampling_parameter_reaches_every_surface():
+    """Declared once, it is checked by kind, taken by the OpenAI bodies under its name there
+    and by the native /generate top level, and listed in the docs table."""
+    assert MoreSampling.from_dict({"no_stop_trim": True}).no_stop_trim is True
+    with pytest.raises(ValueError, match="no_stop_trim must be of type bool"):
+        MoreSampling.from_dict({"no_stop_trim": 1})
+    openai = request_body(Body, native=False, sampling=MoreSampling)
+    assert openai.model_validate({"no_stop_trim": True, "min_tokens": 2}).no_stop_trim is True
+    native = request_body(Body, native=True, sampling=MoreSampling)
+    assert native.model_validate({"no_stop_trim": True}).no_stop_trim is True
+    with pytest.raises(ValidationError, match="min_new_tokens"):  # only top-level ones natively
+        native.model_validate({"min_new_tokens": 2})
+    assert "| `no_stop_trim` | boolean | `false` | OpenAI bodies (`no_stop_trim`), native" in (
+        sampling_table(MoreSampling)
+    )
+    with pytest.raises(TypeError):
+        SamplingParams(16)  # type: ignore[misc]
+
+
+def test_openai_sampling_fields_go_to_the_wire_by_their_wire_names():
+    body = CompletionRequest(prompt="x", min_tokens=2, stop="s", temperature=0, cache_salt="c")
+    assert body.sampling_params(8) == {
+        "max_new_tokens": 8,
+        "min_new_tokens": 2,
+        "stop": "s",
+        "temperature": 0,
+    }
+    assert NativeGenerateRequest(text="x", return_logprob=True).return_logprob is True
+    assert GENERATION_CONFIG_FIELDS == (
+        "max_new_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "repetition_penalty",
+    )
 
 
 def test_the_served_surfaces_are_the_declared_ones():

@@ -11,6 +11,7 @@ docs/protocol.md ("The native HTTP API") is the reference.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
@@ -23,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from radixrt import __version__
 from radixrt.client.endpoint import Prompt, RequestOptions
 from radixrt.protocol import ErrorCode, option_fields, spec_of
+from radixrt.sampling_params import SamplingParams, param_spec
 from radixrt.server.http.errors import RUNTIME_EXCEPTIONS, APIError, from_runtime_error
 from radixrt.server.http.gateway import (
     MAX_FANOUT,
@@ -33,7 +35,7 @@ from radixrt.server.http.gateway import (
 )
 from radixrt.server.http.pins import MAX_CALLER_PIN_ID_CHARS, runtime_pin_id
 from radixrt.server.http.responses import sse_event
-from radixrt.server.http.schemas import options_body
+from radixrt.server.http.schemas import request_body
 
 # routes that need an accepted key when keys are set (/health stays open, as on /v1)
 KEYED_ROUTES = (
@@ -53,25 +55,24 @@ KEYED_ROUTES = (
 )
 CONTROL_TIMEOUT_S = 30.0
 HEALTH_GENERATE_PARAMS = {"max_new_tokens": 1, "temperature": 0}
-# top-level logprob fields of a native /generate, which the wire carries in sampling_params
-LOGPROB_FIELDS = ("return_logprob", "logprob_start_len", "top_logprobs_num")
+# the sampling parameters a native /generate takes top level (SGLang's logprob fields); the wire
+# carries them in sampling_params
+TOP_LEVEL_PARAMS = tuple(f.name for f in dataclasses.fields(SamplingParams) if param_spec(f).native)
 
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid")  # an unknown field is a 400 naming it
 
 
-class NativeGenerateRequest(options_body(_Body, native=True)):  # type: ignore[misc]
-    """SGLang's `GenerateReqInput`, the fields radixrt serves (one prompt or a batch), and the
-    request fields (`GenerateOptions`: `cache_salt`, `priority`, `timeout`, `lora_path`, ...)."""
+class NativeGenerateRequest(request_body(_Body, native=True)):  # type: ignore[misc]
+    """SGLang's `GenerateReqInput`, the fields radixrt serves (one prompt or a batch): with
+    the request fields (`GenerateOptions`: `cache_salt`, `priority`, `timeout`, `lora_path`,
+    ...) and the sampling parameters it takes top level (`return_logprob`, ...)."""
 
     text: str | list[str] | None = None
     input_ids: list[int] | list[list[int]] | None = None
     sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
     stream: bool = False
-    return_logprob: bool | None = None
-    logprob_start_len: int | None = None
-    top_logprobs_num: int | None = None
     rid: str | list[str] | None = None
 
 
@@ -154,7 +155,7 @@ def _calls(req: NativeGenerateRequest, key: str | None) -> tuple[list[NativeCall
     if len(rids) != len(prompts) or len(set(rids)) != len(rids):
         raise _invalid("rid must be one distinct string per prompt", "rid")
     own = _per_prompt_fields(req, len(prompts))
-    logprobs = {k: getattr(req, k) for k in LOGPROB_FIELDS if getattr(req, k) is not None}
+    logprobs = {k: getattr(req, k) for k in TOP_LEVEL_PARAMS if getattr(req, k) is not None}
     return [
         NativeCall(f"native-{uuid.uuid4().hex}", r, key, p, {**sp, **logprobs}, mine)
         for r, p, sp, mine in zip(rids, prompts, params, own)

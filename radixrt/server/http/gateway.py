@@ -25,7 +25,7 @@ from radixrt.client.endpoint import (
     load_tokenizer,
 )
 from radixrt.config import GatewaySettings
-from radixrt.protocol import option_fields, spec_of
+from radixrt.protocol import option_fields
 from radixrt.server.http.errors import RUNTIME_EXCEPTIONS, APIError, from_runtime_error
 from radixrt.server.http.pins import PinLease, PinLeases
 from radixrt.server.http.reasoning import REASONING_PARSERS
@@ -166,15 +166,16 @@ class Gateway:
         return principal is not None and principal.admin
 
     async def options(self, request: Request, req: BaseModel) -> RequestOptions:
-        """A request's options from its body: the request fields of the OpenAI bodies it sets
-        (`GenerateOptions`; a body without one, as an agent API's, sends none), the client's
-        own key (the runtime names its tenant) and the adapter its `model` names (vLLM's
-        convention: the served model's name, or no `model`, is the base model). The timeout is
-        the body's, at most the gateway's (`--http-request-timeout`): the runtime ends the
-        request then, before the gateway stops waiting for it."""
+        """A request's options from its body: the request fields it has (`GenerateOptions`;
+        one a body lacks, as an agent API's may, is not sent; the native route sets the
+        per-prompt ones of each prompt over these, `NativeCall.with_own`), the client's own key
+        (the runtime names its tenant) and the adapter its `model` names (vLLM's convention:
+        the served model's name, or no `model`, is the base model). The timeout is the body's,
+        at most the gateway's (`--http-request-timeout`): the runtime ends the request then,
+        before the gateway stops waiting for it."""
         key = bearer(dict(request.headers.raw)) if self.keys.keys else None
         lora = await self.adapter_named(getattr(req, "model", None))  # native bodies have none
-        body = {f.name: getattr(req, f.name, None) for f in option_fields() if spec_of(f).openai}
+        body = {f.name: getattr(req, f.name, None) for f in option_fields()}
         bound = self.limits.http_request_timeout
         timeout = bound if body.get("timeout") is None else min(body["timeout"], bound)
         fields = {**body, "timeout": timeout, "lora_path": lora}

@@ -121,11 +121,13 @@ class NativeCall:
     key: str | None  # the caller's (None without keys): rids are the caller's own
     prompt: Prompt
     params: dict[str, Any]
-    # this prompt's per-prompt request fields the body set (`lora_path`: its adapter)
+    # this prompt's values of every per-prompt request field the body set (`lora_path`: its
+    # adapter)
     own: dict[str, Any] = field(default_factory=dict)
 
     def with_own(self, options: RequestOptions) -> RequestOptions:
-        """The call's options, with this prompt's own fields over them."""
+        """The call's options (`Gateway.options`), with this prompt's own values over them: a
+        per-prompt field the body gave as a list is never sent whole."""
         return replace(options, **self.own)
 
 

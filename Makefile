@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast lint format model flags-doc bench bench-spec bench-hicache bench-dp bench-peers gpu-check clean soak soak-ci
+.PHONY: demo test test-fast lint format model flags-doc protocol-doc bench bench-spec bench-hicache bench-dp bench-peers gpu-check clean soak soak-ci
 
 # torch is pinned to the CPU wheel that lies on this kind of machine's disk; a bare
 # `pip install torch` would pull a multi-GB CUDA build.
@@ -44,6 +44,9 @@ lint: $(STAMP)
 # docs/flags.md from the settings dataclasses (tests/test_docs.py fails while it is stale)
 flags-doc: $(STAMP)
 	$(BIN)/python -m radixrt.flags_doc --write
+
+protocol-doc: $(STAMP)
+	$(BIN)/python -m radixrt.protocol_doc --write
 
 format: $(STAMP)
 	$(BIN)/ruff check --fix .

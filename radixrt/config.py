@@ -418,7 +418,6 @@ def _check_type(key: str, value: Any, kind: str) -> None:
         raise ValueError(f"kv_events_config: {key} must be {kind.replace(' | None', ' or null')}")
 
 
-
 @dataclass(frozen=True, kw_only=True)
 class CacheSettings(Settings):
     """The KV pool, the radix tree, and the host and disk tiers under it."""

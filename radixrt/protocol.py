@@ -1,14 +1,19 @@
-"""What both ends of the wire agree on: stable error codes (docs/protocol.md lists them).
+"""What both ends of the wire agree on: stable error codes (docs/protocol.md lists them) and the
+request contract, `GenerateOptions`: the fields of a generate beside its prompt and sampling, from
+which the ZeroMQ field set, the HTTP request bodies, the cache scope and namespace, and the docs'
+field table are derived.
 
 Imported by the client side and the HTTP gateway too, so it needs neither torch nor the engine.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import Any, TypeVar
 
 import msgpack
 
@@ -168,3 +173,158 @@ def decode_map(
             None, ErrorCode.INVALID_REQUEST, f"maps and lists nest deeper than {MAX_NESTING}"
         )
     return msg, None
+
+
+# ---- the request contract ------------------------------------------------------------------
+# A generate map's fields that are not options: the op, its rid, the prompt, sampling, streaming.
+GENERATE_BASE_FIELDS = ("op", "rid", "text", "input_ids", "sampling_params", "stream")
+
+
+@dataclass(frozen=True, kw_only=True)
+class FieldSpec:
+    """How one `GenerateOptions` field travels and is checked.
+
+        `doc`: its line in docs/protocol.md's field table; `example`: a value every server accepts
+    (the table shows it; tests send it over each surface). `check(name, value)` raises a ValueError
+        naming the field for a value it refuses (None, "not sent", is never checked). `unset`: what
+        the engine reads when a request leaves it out. `openai`: a field of the OpenAI-compatible
+        bodies (/v1/completions, /v1/chat/completions) too, not only of ZeroMQ's `generate` and the
+        native /generate. `per_prompt`: the native /generate also takes a list, one per prompt.
+        `namespace`: it names the cache namespace (prefixes are shared only within one), so pins
+        carry it and a router's trees are keyed by it."""
+
+    doc: str
+    example: Any
+    check: Callable[[str, Any], None]
+    unset: Any = None
+    openai: bool = True
+    per_prompt: bool = False
+    namespace: bool = False
+
+
+def request_field(**spec: Any) -> Any:
+    """A `GenerateOptions` field: None (not sent) by default, its `FieldSpec(**spec)` in its
+    metadata."""
+    return field(default=None, metadata={"spec": FieldSpec(**spec)})
+
+
+def _short_string(name: str, value: Any) -> None:
+    if not isinstance(value, str) or len(value) > MAX_CACHE_SALT_CHARS:
+        raise ValueError(f"{name} must be a string of at most {MAX_CACHE_SALT_CHARS} chars")
+
+
+def _integer(name: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"{name} must be an integer")
+
+
+def _seconds(name: str, value: Any) -> None:
+    if not isinstance(value, int | float) or isinstance(value, bool) or not value > 0:
+        raise ValueError(f"{name} must be a number of seconds > 0")
+
+
+OptionsT = TypeVar("OptionsT", bound="GenerateOptions")
+
+
+@dataclass(frozen=True, kw_only=True)
+class GenerateOptions:
+    """A generate's request-level fields beside its prompt and sampling, declared once: each
+    field's `FieldSpec` says where it travels and how it is checked. The ZeroMQ `generate`
+    map's field set (`generate_fields`), the HTTP bodies' fields (server/http/schemas.py), the
+    engine's `RequestScope`, a router's `Namespace`, the client's `RequestOptions` and the
+    table in docs/protocol.md are all derived from here, so a new field is added here (and
+    where its behaviour lives) and nowhere else. Keyword construction only: a field added
+    between two others cannot shift them. None: not sent."""
+
+    cache_salt: str | None = request_field(
+        doc=f"a string of at most {MAX_CACHE_SALT_CHARS} characters: prefixes are shared only among "
+        "requests of the same salt and tenant",
+        example="tenant-a",
+        check=_short_string,
+        unset="",
+        namespace=True,
+    )
+    priority: int | None = request_field(
+        doc="an integer, default 0: higher runs first (`--schedule-low-priority-values-first`: "
+        "lower), capped by the tenant's `maxprio`",
+        example=0,
+        check=_integer,
+        unset=0,
+    )
+    timeout: float | None = request_field(
+        doc="seconds > 0 from arrival: past it the request ends with error `timeout`",
+        example=60.0,
+        check=_seconds,
+    )
+    lora_path: str | None = request_field(
+        doc='the name of a loaded LoRA adapter (absent or `""`: the base model; a name not loaded: '
+        "`invalid_request`); over OpenAI's bodies `model` names it",
+        example="",
+        check=_short_string,
+        unset="",
+        openai=False,
+        per_prompt=True,
+        namespace=True,
+    )
+
+    @classmethod
+    def from_wire(cls: type[OptionsT], msg: Mapping[str, Any]) -> OptionsT:
+        """The options a generate (or pin) map carries, each checked: a ValueError names the
+        first bad one. `msg`'s other keys are not read (`generate_fields` bounds them)."""
+        values = {f.name: msg.get(f.name) for f in option_fields(cls)}
+        for f in option_fields(cls):
+            if values[f.name] is not None:
+                spec_of(f).check(f.name, values[f.name])
+        return cls(**values)
+
+    def wire(self) -> dict[str, Any]:
+        """The options set, as a generate map carries them."""
+        return {
+            f.name: getattr(self, f.name)
+            for f in option_fields(type(self))
+            if getattr(self, f.name) is not None
+        }
+
+    def resolved(self) -> dict[str, Any]:
+        """Every option, those not sent as their `unset` value: what the engine reads."""
+        return {
+            f.name: spec_of(f).unset if getattr(self, f.name) is None else getattr(self, f.name)
+            for f in option_fields(type(self))
+        }
+
+    def namespace(self) -> dict[str, Any]:
+        """The options naming the cache namespace, resolved (a router's `Namespace` fields)."""
+        resolved = self.resolved()
+        fields = option_fields(type(self))
+        return {f.name: resolved[f.name] for f in fields if spec_of(f).namespace}
+
+    def over(self: OptionsT, defaults: OptionsT) -> OptionsT:
+        """These options, with `defaults`' where these say nothing (None)."""
+        unset = {
+            f.name: getattr(defaults, f.name)
+            for f in dataclasses.fields(self)
+            if getattr(self, f.name) is None
+        }
+        return dataclasses.replace(self, **unset)
+
+
+def spec_of(f: dataclasses.Field[Any]) -> FieldSpec:
+    spec: FieldSpec = f.metadata["spec"]
+    return spec
+
+
+def option_fields(
+    options: type[GenerateOptions] = GenerateOptions,
+) -> tuple[dataclasses.Field[Any], ...]:
+    """The request fields `options` declares (a subclass's own too; `RequestOptions`' `api_key`,
+    a frame field, has no `FieldSpec` and is not one)."""
+    return tuple(f for f in dataclasses.fields(options) if "spec" in f.metadata)
+
+
+def generate_fields(options: type[GenerateOptions] = GenerateOptions) -> frozenset[str]:
+    """What a generate map may hold (its `api_key` is read, and removed, by the front before);
+    any other field is refused by name."""
+    return frozenset(GENERATE_BASE_FIELDS) | {f.name for f in option_fields(options)}
+
+
+GENERATE_FIELDS = generate_fields()

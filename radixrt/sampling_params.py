@@ -8,24 +8,7 @@ from typing import Any
 
 from radixrt.structured.grammar import CONSTRAINT_KINDS
 
-_INT_FIELDS = (
-    "max_new_tokens",
-    "min_new_tokens",
-    "top_k",
-    "n",
-    "top_logprobs_num",
-    "logprob_start_len",
-)
-_FLOAT_FIELDS = (
-    "temperature",
-    "top_p",
-    "min_p",
-    "frequency_penalty",
-    "presence_penalty",
-    "repetition_penalty",
-)
-_BOOL_FIELDS = ("ignore_eos", "skip_special_tokens", "return_logprob")
-
+NUMBER = (int, float)  # a float parameter takes an int too (JSON writes 1.0 as 1)
 # The smallest temperature that still samples. float32 keeps far smaller numbers, but logits
 # divided by less than this overflow to inf (and then NaN) before the softmax; 0 is greedy.
 MIN_TEMPERATURE = 1e-5
@@ -36,45 +19,134 @@ MAX_STOP_TOKEN_IDS = 1024
 MAX_SEED = (1 << 63) - 1  # torch generators take 64-bit seeds; n samples add their index
 MAX_LOGIT_BIAS = 100.0  # OpenAI's bound: -100 bans a token, +100 all but forces it
 MAX_LOGIT_BIAS_ENTRIES = 1024
-# generation_config.json's fields a request's unset parameters take (vLLM's set)
-GENERATION_CONFIG_FIELDS = (
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "repetition_penalty",
-    "max_new_tokens",
-)
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
+class ParamSpec:
+    """How one sampling parameter is checked and where it travels besides `sampling_params`.
+
+    `doc`: its line in docs/protocol.md's table. `kind`: the type its value must have (None:
+    its own code in `validate` checks it). `openai`: its name as a field of the OpenAI bodies
+    (/v1/completions, /v1/chat/completions; None: not one), `body` its type there when not the
+    declared one. `native`: the native /generate takes it top level too (SGLang's logprob
+    fields). `generation_config`: a model's generation_config.json may set its default (vLLM's
+    set)."""
+
+    doc: str
+    kind: type | tuple[type, ...] | None = None
+    openai: str | None = None
+    body: Any = None
+    native: bool = False
+    generation_config: bool = False
+
+
+def param(
+    default: Any = dataclasses.MISSING, *, factory: Any = dataclasses.MISSING, **spec: Any
+) -> Any:
+    """A `SamplingParams` field: its default (or `factory`), its `ParamSpec(**spec)`."""
+    return field(default=default, default_factory=factory, metadata={"spec": ParamSpec(**spec)})
+
+
+def param_spec(f: dataclasses.Field[Any]) -> ParamSpec:
+    spec: ParamSpec = f.metadata["spec"]
+    return spec
+
+
+@dataclass(kw_only=True)
 class SamplingParams:
-    max_new_tokens: int = 128
-    min_new_tokens: int = 0
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
-    skip_special_tokens: bool = True
-    seed: int | None = None
-    n: int = 1
-    return_logprob: bool = False
-    top_logprobs_num: int = 0
-    logprob_start_len: int = -1  # prompt logprobs from this position; -1: none
-    regex: str | None = None  # constraints (at most one): see radixrt/structured/
-    json_schema: str | dict | None = None
-    choices: list[str] | None = None
-    dtype: str | None = None  # "int", "float", "bool" or "str"
-    ebnf: str | None = None  # a GBNF grammar (llama.cpp's dialect)
-    lark: str | None = None  # a Lark grammar (llguidance's dialect)
-    # token id -> added to its logit before sampling; ids may arrive as strings (JSON's keys)
-    logit_bias: dict[int, float] | None = None
+    """A request's `sampling_params`, each parameter declared once with its `ParamSpec`: the
+    OpenAI bodies' sampling fields, the native /generate's top-level logprob fields, the
+    generation_config.json defaults and docs/protocol.md's table derive from here. Keyword
+    construction only."""
+
+    max_new_tokens: int = param(
+        128,
+        kind=int,
+        generation_config=True,
+        doc="tokens generated at most; 0 scores the prompt (prefill only, with `return_logprob` "
+        "and `logprob_start_len` for its logprobs)",
+    )
+    min_new_tokens: int = param(
+        0, kind=int, openai="min_tokens", doc="tokens generated before a stop may end it"
+    )
+    temperature: float = param(
+        1.0, kind=NUMBER, openai="temperature", generation_config=True, doc="0 = greedy"
+    )
+    top_p: float = param(
+        1.0, kind=NUMBER, openai="top_p", generation_config=True, doc="nucleus sampling's mass"
+    )
+    top_k: int = param(-1, kind=int, openai="top_k", generation_config=True, doc="-1 = off")
+    min_p: float = param(
+        0.0,
+        kind=NUMBER,
+        openai="min_p",
+        generation_config=True,
+        doc="least probability, relative to the top token's",
+    )
+    frequency_penalty: float = param(
+        0.0, kind=NUMBER, openai="frequency_penalty", doc="OpenAI's, per occurrence in the output"
+    )
+    presence_penalty: float = param(
+        0.0, kind=NUMBER, openai="presence_penalty", doc="OpenAI's, once per token in the output"
+    )
+    repetition_penalty: float = param(
+        1.0,
+        kind=NUMBER,
+        openai="repetition_penalty",
+        generation_config=True,
+        doc="divides (multiplies, when negative) the logits of tokens seen in prompt or output",
+    )
+    stop: list[str] = param(
+        factory=list, openai="stop", body=str | list[str], doc="a string or a list of them"
+    )
+    stop_token_ids: list[int] = param(
+        factory=list, openai="stop_token_ids", doc="token ids that end the output"
+    )
+    ignore_eos: bool = param(
+        False,
+        kind=bool,
+        openai="ignore_eos",
+        doc="the model's end-of-sequence tokens do not stop it",
+    )
+    skip_special_tokens: bool = param(
+        True, kind=bool, openai="skip_special_tokens", doc="special tokens are left out of the text"
+    )
+    seed: int | None = param(  # checked with its range
+        None, openai="seed", doc="makes sampling repeatable (sample i of n uses seed + i)"
+    )
+    n: int = param(1, kind=int, openai="n", doc="samples of the prompt")
+    return_logprob: bool = param(
+        False, kind=bool, native=True, doc="the output tokens' logprobs in `meta_info`"
+    )
+    top_logprobs_num: int = param(
+        0,
+        kind=int,
+        native=True,
+        doc="the top tokens' logprobs at each output position (with `logprob_start_len`, at the "
+        "prompt's positions too)",
+    )
+    logprob_start_len: int = param(
+        -1, kind=int, native=True, doc="prompt logprobs from this position; -1: none"
+    )
+    # constraints (at most one): see radixrt/structured/
+    regex: str | None = param(None, openai="regex", doc="the output matches this regex")
+    json_schema: str | dict | None = param(
+        None, openai="json_schema", body=str | dict[str, Any], doc="a JSON schema, as text or a map"
+    )
+    choices: list[str] | None = param(None, doc="the output is one of these strings")
+    dtype: str | None = param(
+        None, doc='the output is a JSON value of this type: `"int"`, `"float"`, `"bool"` or `"str"`'
+    )
+    ebnf: str | None = param(None, openai="ebnf", doc="a GBNF grammar (llama.cpp's dialect)")
+    lark: str | None = param(None, openai="lark", doc="a Lark grammar (llguidance's dialect)")
+    logit_bias: dict[int, float] | None = param(
+        None,
+        openai="logit_bias",
+        body=dict[str, float],  # JSON writes a map's keys as strings
+        doc="a map of token id, an int or its decimal string as JSON writes keys, to a bias "
+        "added to that token's logit before any filter; -100 all but bans it, +100 all but "
+        "forces it; logprobs stay the model's own",
+    )
 
     @classmethod
     def from_dict(
@@ -98,12 +170,10 @@ class SamplingParams:
         return sp
 
     def validate(self) -> None:
-        for name in _INT_FIELDS:
-            _check_type(name, getattr(self, name), int)
-        for name in _FLOAT_FIELDS:
-            _check_type(name, getattr(self, name), (int, float))
-        for name in _BOOL_FIELDS:
-            _check_type(name, getattr(self, name), bool)
+        for f in dataclasses.fields(self):
+            kind, value = param_spec(f).kind, getattr(self, f.name)
+            if kind is not None and not (value is None and f.default is None):
+                _check_type(f.name, value, kind)
         if self.seed is not None:
             _check_type("seed", self.seed, int)
             _check_range("seed", self.seed, 0, MAX_SEED - 64)
@@ -205,6 +275,27 @@ class SamplingParams:
             or self.presence_penalty != 0.0
             or self.repetition_penalty != 1.0
         )
+
+
+# generation_config.json's fields a request's unset parameters take (vLLM's set)
+GENERATION_CONFIG_FIELDS = tuple(
+    f.name for f in dataclasses.fields(SamplingParams) if param_spec(f).generation_config
+)
+# the constraint parameters (at most one per request) the OpenAI bodies carry
+OPENAI_CONSTRAINTS = tuple(
+    f.name
+    for f in dataclasses.fields(SamplingParams)
+    if f.name in CONSTRAINT_KINDS and param_spec(f).openai is not None
+)
+
+
+def openai_names() -> dict[str, str]:
+    """Each sampling parameter the OpenAI bodies carry -> its name there."""
+    return {
+        f.name: spec.openai
+        for f in dataclasses.fields(SamplingParams)
+        if (spec := param_spec(f)).openai is not None
+    }
 
 
 def _token_id_keys(bias: Any) -> Any:

@@ -15,6 +15,8 @@ from pathlib import Path
 from radixrt.cli import build_parser
 from radixrt.config import ServerArgs
 from radixrt.flags_doc import PAGE, render
+from radixrt.protocol_doc import PAGE as PROTOCOL_PAGE
+from radixrt.protocol_doc import render as render_protocol
 
 from timeouts import REPLY_TIMEOUT_S
 
@@ -39,6 +41,13 @@ def test_flags_page_is_current():
     """docs/flags.md is what the settings generate; a new or changed flag fails this until the
     page is regenerated (`make flags-doc`)."""
     assert PAGE.read_text() == render(), "docs/flags.md is stale: run `make flags-doc`"
+
+
+def test_request_field_table_is_current():
+    """docs/protocol.md's request-field table is what `GenerateOptions` generates; a new or
+    changed request field fails this until it is regenerated (`make protocol-doc`)."""
+    page = PROTOCOL_PAGE.read_text()
+    assert page == render_protocol(page), "docs/protocol.md is stale: run `make protocol-doc`"
 
 
 def test_readme_first_screen_is_short_and_serves_a_model():

@@ -4,43 +4,36 @@
 
 from __future__ import annotations
 
-import dataclasses
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from radixrt.protocol import GenerateOptions, option_fields, spec_of
+
 Prompt = str | list[int]
 
 
-@dataclass(frozen=True)
-class RequestOptions:
-    """Per-request fields of a generate beside the prompt and sampling (docs/protocol.md):
-    `cache_salt` (prefixes are shared only with requests of the same salt), `priority`,
-    `timeout` (seconds until the request ends with code `timeout`), `api_key` (this
-    request's own key, naming its tenant; default: the endpoint's) and `lora_path` (the LoRA
-    adapter to run under; "" the base model). None: not sent."""
+@dataclass(frozen=True, kw_only=True)
+class RequestOptions(GenerateOptions):
+    """A call's request fields (`GenerateOptions`, docs/protocol.md's table: `cache_salt`,
+    `priority`, `timeout`, `lora_path`, ...) and `api_key`, this request's own key naming its
+    tenant (default: the endpoint's; over HTTP it goes as the bearer token). None: not sent.
+    Keyword construction only."""
 
-    cache_salt: str | None = None
-    priority: int | None = None
-    timeout: float | None = None
     api_key: str | None = None
-    lora_path: str | None = None
-
-    def over(self, defaults: RequestOptions) -> RequestOptions:
-        """These options, with `defaults` where these say nothing."""
-        return RequestOptions(
-            **{
-                f.name: getattr(self, f.name)
-                if getattr(self, f.name) is not None
-                else getattr(defaults, f.name)
-                for f in dataclasses.fields(self)
-            }
-        )
 
     def fields(self) -> dict[str, Any]:
-        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+        """The request fields set, and the key when set: what a ZeroMQ map carries."""
+        key = {"api_key": self.api_key} if self.api_key is not None else {}
+        return {**self.wire(), **key}
+
+    def pin_fields(self) -> dict[str, Any]:
+        """What a pin carries: the namespace options set (a pin has no priority or deadline),
+        and the key when set."""
+        names = {f.name for f in option_fields() if spec_of(f).namespace} | {"api_key"}
+        return {k: v for k, v in self.fields().items() if k in names}
 
 
 class Endpoint(ABC):

@@ -139,9 +139,7 @@ class ZmqEndpoint(Endpoint):
         """Keep the cached prefix of `prompt` (under the options' cache salt) from eviction until
         `unpin`; returns tokens pinned."""
         key = "text" if isinstance(prompt, str) else "input_ids"
-        fields = (options or RequestOptions()).over(self.options).fields()
-        fields.pop("priority", None)
-        fields.pop("timeout", None)
+        fields = (options or RequestOptions()).over(self.options).pin_fields()
         return self.client.call("pin", self.timeout, pin_id=pin_id, **{key: prompt}, **fields)
 
     def unpin(self, pin_id: str) -> bool:

@@ -89,7 +89,7 @@ class HttpEndpoint(Endpoint):
         body = {
             key: items[0] if single else items,
             "sampling_params": (params[0] or {}) if single else [p or {} for p in params],
-            **{k: v for k, v in opts.fields().items() if k != "api_key"},
+            **opts.wire(),  # the key goes as the bearer token
         }
         if rid is not None:
             body["rid"] = rid

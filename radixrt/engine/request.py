@@ -13,7 +13,7 @@ from radixrt.engine.detokenizer import IncrementalDetokenizer
 from radixrt.engine.stop_strings import StopScanner
 from radixrt.mem_cache.kv_events import Adapter
 from radixrt.mem_cache.radix_cache import TreeNode
-from radixrt.protocol import MAX_CACHE_SALT_CHARS, ErrorCode
+from radixrt.protocol import ErrorCode, GenerateOptions
 from radixrt.sampling_params import SamplingParams
 from radixrt.speculative import RequestDrafts
 
@@ -72,20 +72,12 @@ class RequestScope:
 
     @classmethod
     def from_fields(cls, tenant: str, fields: dict[str, Any]) -> RequestScope:
-        """The scope a generate map asks for; a ValueError names a bad field."""
-        salt, priority, timeout = (fields.get(k) for k in ("cache_salt", "priority", "timeout"))
-        if salt is not None and (not isinstance(salt, str) or len(salt) > MAX_CACHE_SALT_CHARS):
-            raise ValueError(f"cache_salt must be a string of at most {MAX_CACHE_SALT_CHARS} chars")
-        lora = fields.get("lora_path")
-        if lora is not None and (not isinstance(lora, str) or len(lora) > MAX_CACHE_SALT_CHARS):
-            raise ValueError(f"lora_path must be a string of at most {MAX_CACHE_SALT_CHARS} chars")
-        if priority is not None and (not isinstance(priority, int) or isinstance(priority, bool)):
-            raise ValueError("priority must be an integer")
-        if timeout is not None and (
-            not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not timeout > 0
-        ):
-            raise ValueError("timeout must be a number of seconds > 0")
-        return cls(tenant, salt or "", priority or 0, timeout, lora or "")
+        """The scope a generate (or pin) map asks for: the `GenerateOptions` it holds, each
+        not sent as its `unset` value (an option the engine does not read has no field here);
+        a ValueError names a bad field."""
+        resolved = GenerateOptions.from_wire(fields).resolved()
+        mine = {f.name for f in dataclasses.fields(cls)}
+        return cls(tenant=tenant, **{k: v for k, v in resolved.items() if k in mine})
 
     def capped(self, most_urgent: int | None, low_values_first: bool) -> RequestScope:
         """This scope with its priority clamped to its tenant's cap (`tenant:key:maxprio` in the

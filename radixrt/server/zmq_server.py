@@ -21,7 +21,14 @@ from radixrt.config import ServerArgs
 from radixrt.engine.request import Req, RequestScope
 from radixrt.engine.scheduler import Scheduler
 from radixrt.lifecycle import exit_with_parent
-from radixrt.protocol import MAX_PIN_ID_CHARS, ErrorCode, RequestError, check_rid, error_reply
+from radixrt.protocol import (
+    GENERATE_FIELDS,
+    MAX_PIN_ID_CHARS,
+    ErrorCode,
+    RequestError,
+    check_rid,
+    error_reply,
+)
 from radixrt.sampling_params import SamplingParams
 from radixrt.server import rollout
 from radixrt.server.front import (
@@ -335,21 +342,6 @@ def _final_reply(client: ClientRequest, req: Req) -> dict[str, Any]:
     except Exception as e:
         logger.exception("the result of request %s could not be built", req.rid)
         return error_reply(client.rid, ErrorCode.INTERNAL_ERROR, f"{type(e).__name__}: {e}")
-
-
-# what a generate map may hold (docs/protocol.md); any other field is refused by name
-GENERATE_FIELDS = {
-    "op",
-    "rid",
-    "text",
-    "input_ids",
-    "sampling_params",
-    "stream",
-    "cache_salt",
-    "priority",
-    "timeout",
-    "lora_path",
-}
 
 
 def _internal_rid(identity: bytes, rid: str) -> str:

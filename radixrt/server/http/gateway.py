@@ -15,6 +15,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from jinja2 import TemplateError
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel
 
 from radixrt.client.endpoint import (
     Prompt,
@@ -24,6 +25,7 @@ from radixrt.client.endpoint import (
     load_tokenizer,
 )
 from radixrt.config import GatewaySettings
+from radixrt.protocol import option_fields
 from radixrt.server.http.errors import RUNTIME_EXCEPTIONS, APIError, from_runtime_error
 from radixrt.server.http.pins import PinLease, PinLeases
 from radixrt.server.http.reasoning import REASONING_PARSERS
@@ -163,17 +165,21 @@ class Gateway:
         principal = self.keys.principal_of(bearer(headers))
         return principal is not None and principal.admin
 
-    async def options(self, request: Request, req: GenerateRequest) -> RequestOptions:
-        """The body's tenancy fields, the client's own key (the runtime names its tenant) and
-        the adapter its `model` names (vLLM's convention: the served model's name, or no
-        `model`, is the base model). The timeout is the body's, at most the gateway's
-        (`--http-request-timeout`): the runtime ends the request then, before the gateway
-        stops waiting for it."""
+    async def options(self, request: Request, req: BaseModel) -> RequestOptions:
+        """A request's options from its body: the request fields it has (`GenerateOptions`;
+        one a body lacks, as an agent API's may, is not sent; the native route sets the
+        per-prompt ones of each prompt over these, `NativeCall.with_own`), the client's own key
+        (the runtime names its tenant) and the adapter its `model` names (vLLM's convention:
+        the served model's name, or no `model`, is the base model). The timeout is the body's,
+        at most the gateway's (`--http-request-timeout`): the runtime ends the request then,
+        before the gateway stops waiting for it."""
         key = bearer(dict(request.headers.raw)) if self.keys.keys else None
         lora = await self.adapter_named(getattr(req, "model", None))  # native bodies have none
+        body = {f.name: getattr(req, f.name, None) for f in option_fields()}
         bound = self.limits.http_request_timeout
-        timeout = bound if req.timeout is None else min(req.timeout, bound)
-        return RequestOptions(req.cache_salt, req.priority, timeout, key or None, lora)
+        timeout = bound if body.get("timeout") is None else min(body["timeout"], bound)
+        fields = {**body, "timeout": timeout, "lora_path": lora}
+        return RequestOptions(**fields, api_key=key or None)
 
     async def adapter_named(self, name: str | None) -> str | None:
         """The adapter `model` names, None for the base model. Where adapters are served, `name`

@@ -11,9 +11,10 @@ docs/protocol.md ("The native HTTP API") is the reference.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -22,7 +23,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from radixrt import __version__
 from radixrt.client.endpoint import Prompt, RequestOptions
-from radixrt.protocol import ErrorCode
+from radixrt.protocol import ErrorCode, option_fields, spec_of
+from radixrt.sampling_params import SamplingParams, param_spec
 from radixrt.server.http.errors import RUNTIME_EXCEPTIONS, APIError, from_runtime_error
 from radixrt.server.http.gateway import (
     MAX_FANOUT,
@@ -34,6 +36,7 @@ from radixrt.server.http.gateway import (
 from radixrt.server.http.pins import MAX_CALLER_PIN_ID_CHARS, runtime_pin_id
 from radixrt.server.http.responses import sse_event
 from radixrt.server.http.rollout import ROLLOUT_ROUTES, add_rollout_routes
+from radixrt.server.http.schemas import request_body
 
 # routes that need an accepted key when keys are set (/health stays open, as on /v1)
 KEYED_ROUTES = (
@@ -54,30 +57,25 @@ KEYED_ROUTES = (
 )
 CONTROL_TIMEOUT_S = 30.0
 HEALTH_GENERATE_PARAMS = {"max_new_tokens": 1, "temperature": 0}
-# top-level logprob fields of a native /generate, which the wire carries in sampling_params
-LOGPROB_FIELDS = ("return_logprob", "logprob_start_len", "top_logprobs_num")
+# the sampling parameters a native /generate takes top level (SGLang's logprob fields); the wire
+# carries them in sampling_params
+TOP_LEVEL_PARAMS = tuple(f.name for f in dataclasses.fields(SamplingParams) if param_spec(f).native)
 
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid")  # an unknown field is a 400 naming it
 
 
-class NativeGenerateRequest(_Body):
-    """SGLang's `GenerateReqInput`, the fields radixrt serves (one prompt or a batch)."""
+class NativeGenerateRequest(request_body(_Body, native=True)):  # type: ignore[misc]
+    """SGLang's `GenerateReqInput`, the fields radixrt serves (one prompt or a batch): with
+    the request fields (`GenerateOptions`: `cache_salt`, `priority`, `timeout`, `lora_path`,
+    ...) and the sampling parameters it takes top level (`return_logprob`, ...)."""
 
     text: str | list[str] | None = None
     input_ids: list[int] | list[list[int]] | None = None
     sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
     stream: bool = False
-    return_logprob: bool | None = None
-    logprob_start_len: int | None = None
-    top_logprobs_num: int | None = None
     rid: str | list[str] | None = None
-    # radixrt's own (docs/protocol.md): the cache namespace, the scheduling priority, a deadline
-    cache_salt: str | None = None
-    priority: int | None = None
-    timeout: float | None = None
-    lora_path: str | list[str] | None = None  # the adapter of every prompt, or of each
 
 
 class TokenizeRequest(_Body):
@@ -125,10 +123,14 @@ class NativeCall:
     key: str | None  # the caller's (None without keys): rids are the caller's own
     prompt: Prompt
     params: dict[str, Any]
-    lora_path: str | None = None  # None: the body named no adapter
+    # this prompt's values of every per-prompt request field the body set (`lora_path`: its
+    # adapter)
+    own: dict[str, Any] = field(default_factory=dict)
 
-    def with_adapter(self, options: RequestOptions) -> RequestOptions:
-        return options if self.lora_path is None else replace(options, lora_path=self.lora_path)
+    def with_own(self, options: RequestOptions) -> RequestOptions:
+        """The call's options (`Gateway.options`), with this prompt's own values over them: a
+        per-prompt field the body gave as a list is never sent whole."""
+        return replace(options, **self.own)
 
 
 def _prompts(req: NativeGenerateRequest) -> tuple[list[Prompt], bool]:
@@ -156,14 +158,29 @@ def _calls(req: NativeGenerateRequest, key: str | None) -> tuple[list[NativeCall
         raise _invalid("sampling_params must be one map or one per prompt", "sampling_params")
     if len(rids) != len(prompts) or len(set(rids)) != len(rids):
         raise _invalid("rid must be one distinct string per prompt", "rid")
-    loras = [req.lora_path] * len(prompts) if not isinstance(req.lora_path, list) else req.lora_path
-    if len(loras) != len(prompts):
-        raise _invalid("lora_path must be one name or one per prompt", "lora_path")
-    logprobs = {k: getattr(req, k) for k in LOGPROB_FIELDS if getattr(req, k) is not None}
+    own = _per_prompt_fields(req, len(prompts))
+    logprobs = {k: getattr(req, k) for k in TOP_LEVEL_PARAMS if getattr(req, k) is not None}
     return [
-        NativeCall(f"native-{uuid.uuid4().hex}", r, key, p, {**sp, **logprobs}, lora)
-        for r, p, sp, lora in zip(rids, prompts, params, loras)
+        NativeCall(f"native-{uuid.uuid4().hex}", r, key, p, {**sp, **logprobs}, mine)
+        for r, p, sp, mine in zip(rids, prompts, params, own)
     ], single
+
+
+def _per_prompt_fields(req: NativeGenerateRequest, count: int) -> list[dict[str, Any]]:
+    """Each prompt's own per-prompt request fields (`FieldSpec.per_prompt`): the body's one
+    value for every prompt, or its list, one per prompt; a field not set is left out."""
+    own: list[dict[str, Any]] = [{} for _ in range(count)]
+    for f in option_fields():
+        value = getattr(req, f.name)
+        if not spec_of(f).per_prompt or value is None:
+            continue
+        values = value if isinstance(value, list) else [value] * count
+        if len(values) != count:
+            raise _invalid(f"{f.name} must be one value or one per prompt", f.name)
+        for mine, v in zip(own, values):
+            if v is not None:
+                mine[f.name] = v
+    return own
 
 
 def _invalid(message: str, param: str | None = None) -> APIError:
@@ -258,7 +275,7 @@ class NativeAPI:
             self.in_flight.pop((c.key, c.rid), None)
 
     async def _one(self, call: NativeCall, options: RequestOptions) -> list[dict[str, Any]]:
-        options = call.with_adapter(options)
+        options = call.with_own(options)
         out = await self.gateway.endpoint.async_generate(
             call.prompt, call.params, rid=call.runtime_rid, options=options
         )
@@ -267,7 +284,7 @@ class NativeAPI:
 
     async def _stream(self, call: NativeCall, options: RequestOptions) -> AsyncIterator[dict]:
         replies = self.gateway.endpoint.async_stream(
-            call.prompt, call.params, rid=call.runtime_rid, options=call.with_adapter(options)
+            call.prompt, call.params, rid=call.runtime_rid, options=call.with_own(options)
         )
         try:
             async for reply in replies:

@@ -3,13 +3,17 @@ sampling parameters for the runtime."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from inspect import signature
-from typing import Any, Literal
+from types import UnionType
+from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, create_model
 
 from radixrt.client.endpoint import Prompt
+from radixrt.protocol import GenerateOptions, option_fields, spec_of
+from radixrt.sampling_params import OPENAI_CONSTRAINTS, SamplingParams, openai_names, param_spec
 from radixrt.server.http.errors import APIError
 from radixrt.structured.patterns import Constraint
 from radixrt.structured.regexes import JSON_OBJECT_LARK
@@ -36,60 +40,60 @@ class StreamOptions(Body):
     include_usage: bool = False
 
 
-# request field -> its sampling parameter on the wire (docs/protocol.md), where the names differ
-_WIRE_NAMES = {"min_tokens": "min_new_tokens"}
-_SAMPLING_FIELDS = (
-    "n",
-    "stop",
-    "temperature",
-    "top_p",
-    "seed",
-    "frequency_penalty",
-    "presence_penalty",
-    "logit_bias",
-    "top_k",
-    "min_p",
-    "repetition_penalty",
-    "min_tokens",
-    "stop_token_ids",
-    "ignore_eos",
-    "skip_special_tokens",
-    "regex",
-    "json_schema",
-    "ebnf",
-    "lark",
-)
-CONSTRAINT_FIELDS = ("regex", "json_schema", "ebnf", "lark")
+def request_body(
+    base: type[BaseModel],
+    *,
+    native: bool,
+    options: type[GenerateOptions] = GenerateOptions,
+    sampling: type[SamplingParams] = SamplingParams,
+) -> type[BaseModel]:
+    """A body class under `base` holding the fields a request body takes from the declarations
+    (docs/protocol.md's tables), each optional (None: not sent): for the OpenAI bodies, the
+    request fields they carry and the sampling parameters under their names there; for the
+    native /generate (`native`), every request field (a per-prompt one as one value or a list
+    of them) and the sampling parameters it takes top level."""
+    fields = {**_option_fields(options, native), **_param_fields(sampling, native)}
+    return create_model(f"{'Native' if native else 'OpenAI'}Fields", __base__=base, **fields)
 
 
-class GenerateRequest(Body):
+def _option_fields(options: type[GenerateOptions], native: bool) -> dict[str, Any]:
+    hints = get_type_hints(options)
+    return {
+        f.name: (_optional(hints[f.name], native and spec_of(f).per_prompt), None)
+        for f in option_fields(options)
+        if native or spec_of(f).openai
+    }
+
+
+def _param_fields(sampling: type[SamplingParams], native: bool) -> dict[str, Any]:
+    hints, fields = get_type_hints(sampling), {}
+    for f in dataclasses.fields(sampling):
+        spec = param_spec(f)
+        if native:
+            name = f.name if spec.native else None
+        else:
+            name = spec.openai
+        if name is not None:
+            fields[name] = (_optional(spec.body or hints[f.name], False), None)
+    return fields
+
+
+def _optional(hint: Any, per_prompt: bool) -> Any:
+    """`T | None`, or `T | list[T] | None` for a per-prompt field."""
+    kinds = get_args(hint) if get_origin(hint) in (Union, UnionType) else (hint,)
+    value = Union[tuple(k for k in kinds if k is not type(None))]  # noqa: UP007
+    return value | list[value] | None if per_prompt else value | None
+
+
+# the request fields and sampling parameters of the OpenAI bodies (`cache_salt`, `temperature`,
+# `min_tokens`, ...)
+OpenAIFields = request_body(Body, native=False)
+
+
+class GenerateRequest(OpenAIFields):  # type: ignore[misc,valid-type]
     model: str | None = None
-    n: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    seed: int | None = None
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None  # token id (as JSON writes map keys) -> bias
-    # SGLang's and vLLM's sampling extras, each a wire sampling parameter (docs/protocol.md)
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    min_tokens: int | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool | None = None
-    skip_special_tokens: bool | None = None
-    regex: str | None = None
-    json_schema: str | dict[str, Any] | None = None
-    ebnf: str | None = None  # a GBNF grammar (SGLang's name; llama.cpp's dialect)
-    lark: str | None = None  # a Lark grammar (radixrt's own)
-    # radixrt's own (docs/protocol.md): the cache namespace, the scheduling priority, a deadline
-    cache_salt: str | None = None
-    priority: int | None = None
-    timeout: float | None = None
     # OpenAI's fields that change nothing here: accepted knowingly, and ignored
     user: str | None = None
     metadata: dict[str, Any] | None = None
@@ -100,7 +104,7 @@ class GenerateRequest(Body):
 
     def sampling_params(self, max_new_tokens: int) -> dict[str, Any]:
         """The runtime validates the values (docs/protocol.md); unset ones keep its defaults."""
-        given = {_WIRE_NAMES.get(k, k): getattr(self, k) for k in _SAMPLING_FIELDS}
+        given = {k: getattr(self, name) for k, name in openai_names().items()}
         return {
             "max_new_tokens": max_new_tokens,
             **{k: v for k, v in given.items() if v is not None},
@@ -194,10 +198,10 @@ def message_dict(m: ChatMessage) -> dict[str, Any]:
 def add_constraint(params: dict[str, Any], constraint: dict[str, Any], param: str) -> None:
     """Add one more source's constraint to the sampling params; 400 when they already hold one
     (`regex` or `json_schema` given in the body): one reply decodes under one constraint."""
-    if constraint and any(params.get(k) is not None for k in CONSTRAINT_FIELDS):
+    if constraint and any(params.get(k) is not None for k in OPENAI_CONSTRAINTS):
         raise APIError(
             400,
-            f"{param} cannot be combined with {', '.join(CONSTRAINT_FIELDS)}: give one constraint",
+            f"{param} cannot be combined with {', '.join(OPENAI_CONSTRAINTS)}: give one constraint",
             param=param,
             code="invalid_request",
         )

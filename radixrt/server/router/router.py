@@ -26,9 +26,9 @@ import zmq
 
 from radixrt.config import RouterSettings, WorkerSettings
 from radixrt.protocol import (
-    MAX_CACHE_SALT_CHARS,
     WEIGHT_UPDATE_WAIT_S,
     ErrorCode,
+    GenerateOptions,
     RequestError,
     check_rid,
     error_reply,
@@ -102,14 +102,10 @@ class RouterConfig:
 
 
 def namespace_of(tenant: str, msg: dict[str, Any]) -> Namespace:
-    """The cache namespace a generate or pin from `tenant` is matched in: its tenant, its
-    `cache_salt` and its LoRA adapter (the workers share a prefix only within one). A
-    ValueError names a bad salt or adapter name."""
-    salt, lora = msg.get("cache_salt"), msg.get("lora_path")
-    for name, value in (("cache_salt", salt), ("lora_path", lora)):
-        if value is not None and (not isinstance(value, str) or len(value) > MAX_CACHE_SALT_CHARS):
-            raise ValueError(f"{name} must be a string of at most {MAX_CACHE_SALT_CHARS} chars")
-    return Namespace(tenant, salt or "", lora or "")
+    """The cache namespace a generate or pin from `tenant` is matched in: its tenant and the
+    options naming a namespace (`cache_salt`, the LoRA adapter; the workers share a prefix only
+    within one). A ValueError names a bad option, as the worker would."""
+    return Namespace(tenant=tenant, **GenerateOptions.from_wire(msg).namespace())
 
 
 @dataclass(eq=False)

@@ -1,0 +1,247 @@
+"""The request contract: `GenerateOptions` (radixrt/protocol.py) declares each request field
+once, and `SamplingParams` (radixrt/sampling_params.py) each sampling parameter; every surface
+is derived from them: the ZeroMQ generate's field set, the OpenAI and native HTTP bodies, the
+engine's scope, the router's namespace, the client's options and docs/protocol.md's tables.
+Model-free, except the last test, which sends every declared field over each surface of a real
+runtime and gateway."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+
+import msgpack
+import pytest
+import zmq
+from pydantic import ValidationError
+
+from radixrt.client.base import RequestOptions
+from radixrt.engine.request import RequestScope
+from radixrt.protocol import (
+    GENERATE_BASE_FIELDS,
+    GENERATE_FIELDS,
+    ErrorCode,
+    GenerateOptions,
+    generate_fields,
+    option_fields,
+    request_field,
+    spec_of,
+)
+from radixrt.protocol_doc import field_table, sampling_table
+from radixrt.sampling_params import GENERATION_CONFIG_FIELDS, SamplingParams, param
+from radixrt.server.front import PROBE
+from radixrt.server.http.native import NativeGenerateRequest, _per_prompt_fields
+from radixrt.server.http.schemas import Body, CompletionRequest, GenerateRequest, request_body
+from radixrt.server.router.prefix_tree import Namespace
+from radixrt.server.router.router import namespace_of
+
+from timeouts import REPLY_TIMEOUT_S
+
+OPTIONS = {f.name for f in option_fields()}
+
+
+def _check_even(name, value):
+    if not isinstance(value, int) or value % 2:
+        raise ValueError(f"{name} must be an even integer")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Extended(GenerateOptions):
+    """What a contributor adds: one declaration (issue 42's `sampling_seed`, say)."""
+
+    sampling_seed: int | None = request_field(
+        doc="an even integer", example=2, check=_check_even, per_prompt=True, namespace=True
+    )
+
+
+def test_positional_construction_raises():
+    """A field inserted between two others cannot silently shift them: no positions at all."""
+    with pytest.raises(TypeError):
+        GenerateOptions("salt")  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        RequestOptions("salt", 1)  # type: ignore[misc]
+    assert RequestOptions(cache_salt="s", api_key="k").fields() == {
+        "cache_salt": "s",
+        "api_key": "k",
+    }
+
+
+def test_a_new_field_reaches_every_surface():
+    """Declared once in a subclass, the field is in the ZeroMQ field set, both HTTP bodies
+    (per prompt in the native one), the docs table, the wire map and the namespace."""
+    assert generate_fields(Extended) == GENERATE_FIELDS | {"sampling_seed"}
+    native = request_body(Body, native=True, options=Extended)
+    assert native.model_validate({"sampling_seed": [2, 4]}).sampling_seed == [2, 4]
+    openai = request_body(Body, native=False, options=Extended)
+    assert openai.model_validate({"sampling_seed": 2}).sampling_seed == 2
+    with pytest.raises(ValidationError):
+        openai.model_validate({"sampling_seed": [2]})  # a list is the native body's only
+    table = field_table(Extended)
+    assert "| `sampling_seed` | integer | `2` |" in table and "an even integer" in table
+    options = Extended.from_wire({"sampling_seed": 4, "cache_salt": "s", "other": 1})
+    assert options.wire() == {"cache_salt": "s", "sampling_seed": 4}
+    assert options.namespace() == {"cache_salt": "s", "lora_path": "", "sampling_seed": 4}
+    with pytest.raises(ValueError, match="sampling_seed must be an even integer"):
+        Extended.from_wire({"sampling_seed": 3})
+
+
+@dataclass(kw_only=True)
+class MoreSampling(SamplingParams):
+    """A sampling parameter a contributor adds (issue 42's `no_stop_trim`, say)."""
+
+    no_stop_trim: bool = param(
+        False, kind=bool, openai="no_stop_trim", native=True, doc="keep the stop string"
+    )
+
+
+def test_a_new_sampling_parameter_reaches_every_surface():
+    """Declared once, it is checked by kind, taken by the OpenAI bodies under its name there
+    and by the native /generate top level, and listed in the docs table."""
+    assert MoreSampling.from_dict({"no_stop_trim": True}).no_stop_trim is True
+    with pytest.raises(ValueError, match="no_stop_trim must be of type bool"):
+        MoreSampling.from_dict({"no_stop_trim": 1})
+    openai = request_body(Body, native=False, sampling=MoreSampling)
+    assert openai.model_validate({"no_stop_trim": True, "min_tokens": 2}).no_stop_trim is True
+    native = request_body(Body, native=True, sampling=MoreSampling)
+    assert native.model_validate({"no_stop_trim": True}).no_stop_trim is True
+    with pytest.raises(ValidationError, match="min_new_tokens"):  # only top-level ones natively
+        native.model_validate({"min_new_tokens": 2})
+    assert "| `no_stop_trim` | boolean | `false` | OpenAI bodies (`no_stop_trim`), native" in (
+        sampling_table(MoreSampling)
+    )
+    with pytest.raises(TypeError):
+        SamplingParams(16)  # type: ignore[misc]
+
+
+def test_openai_sampling_fields_go_to_the_wire_by_their_wire_names():
+    body = CompletionRequest(prompt="x", min_tokens=2, stop="s", temperature=0, cache_salt="c")
+    assert body.sampling_params(8) == {
+        "max_new_tokens": 8,
+        "min_new_tokens": 2,
+        "stop": "s",
+        "temperature": 0,
+    }
+    assert NativeGenerateRequest(text="x", return_logprob=True).return_logprob is True
+    assert GENERATION_CONFIG_FIELDS == (
+        "max_new_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "repetition_penalty",
+    )
+
+
+def test_the_served_surfaces_are_the_declared_ones():
+    """What the server uses is what the declaration derives, and nothing else names a field."""
+    assert GENERATE_FIELDS == frozenset(GENERATE_BASE_FIELDS) | OPTIONS
+    assert OPTIONS <= set(NativeGenerateRequest.model_fields)
+    openai = {f.name for f in option_fields() if spec_of(f).openai}
+    assert OPTIONS & set(GenerateRequest.model_fields) == openai
+    assert "lora_path" in OPTIONS - openai  # over OpenAI's bodies `model` names the adapter
+    assert {f.name for f in dataclasses.fields(RequestOptions)} == OPTIONS | {"api_key"}
+    examples = {f.name: spec_of(f).example for f in option_fields()}
+    assert GenerateOptions.from_wire(examples).wire() == examples
+    scope = RequestScope.from_fields("alice", examples)
+    assert {k: getattr(scope, k) for k in examples} == examples and scope.tenant == "alice"
+    assert namespace_of("alice", examples) == Namespace(
+        "alice", examples["cache_salt"], examples["lora_path"]
+    )
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"cache_salt": 3}, "cache_salt must be a string of at most 256 chars"),
+        ({"cache_salt": "x" * 257}, "cache_salt must be a string of at most 256 chars"),
+        ({"lora_path": ["a"]}, "lora_path must be a string of at most 256 chars"),
+        ({"priority": "high"}, "priority must be an integer"),
+        ({"priority": True}, "priority must be an integer"),
+        ({"timeout": 0}, r"timeout must be a number of seconds > 0"),
+        ({"timeout": float("nan")}, r"timeout must be a number of seconds > 0"),
+    ],
+)
+def test_a_bad_value_is_refused_by_name_by_the_runtime_and_the_router(fields, message):
+    with pytest.raises(ValueError, match=message):
+        RequestScope.from_fields("", fields)
+    with pytest.raises(ValueError, match=message):
+        namespace_of("", fields)
+
+
+def test_unknown_body_fields_are_refused_by_name():
+    with pytest.raises(ValidationError, match="lora_pth"):
+        NativeGenerateRequest.model_validate({"text": "x", "lora_pth": "a"})
+    with pytest.raises(ValidationError, match="lora_path"):  # OpenAI's: `model` names it
+        CompletionRequest.model_validate({"prompt": "x", "lora_path": "a"})
+
+
+def test_per_prompt_fields_are_one_value_or_one_per_prompt():
+    one = NativeGenerateRequest(text=["a", "b"], lora_path="x")
+    assert _per_prompt_fields(one, 2) == [{"lora_path": "x"}, {"lora_path": "x"}]
+    each = NativeGenerateRequest(text=["a", "b"], lora_path=["x", "y"])
+    assert _per_prompt_fields(each, 2) == [{"lora_path": "x"}, {"lora_path": "y"}]
+    assert _per_prompt_fields(NativeGenerateRequest(text=["a", "b"]), 2) == [{}, {}]
+    with pytest.raises(Exception, match="lora_path must be one value or one per prompt"):
+        _per_prompt_fields(NativeGenerateRequest(text=["a", "b"], lora_path=["x"]), 2)
+
+
+def _post(url: str, body: dict) -> tuple[int, dict]:
+    request = urllib.request.Request(
+        url, json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=REPLY_TIMEOUT_S) as reply:
+            return reply.status, json.loads(reply.read())
+    except urllib.error.HTTPError as e:
+        with e:
+            return e.code, json.loads(e.read())
+
+
+def _zmq_generate(url: str, msg: dict) -> dict:
+    """One generate map straight on a DEALER socket (no client in between); its final reply."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(url)
+    try:
+        sock.send(msgpack.packb({"op": "generate", "rid": "r", **msg}))
+        deadline = time.monotonic() + REPLY_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if sock.poll(1000):
+                reply = msgpack.unpackb(sock.recv(), raw=False)
+                if reply != PROBE and (reply.get("finished") or "error" in reply):
+                    return reply
+        raise TimeoutError("no reply to the generate")
+    finally:
+        sock.close()
+        ctx.term()
+
+
+@pytest.mark.model
+def test_every_declared_field_is_served_on_every_surface(tiny_runtime):
+    """Each field's example is accepted by ZeroMQ's generate, the native /generate and (where
+    declared) /v1/completions; a field no declaration names is refused by name on each."""
+    examples = {f.name: spec_of(f).example for f in option_fields()}
+    openai = {f.name: spec_of(f).example for f in option_fields() if spec_of(f).openai}
+    params = {"max_new_tokens": 2, "temperature": 0}
+    http = tiny_runtime.http_url
+    reply = _zmq_generate(tiny_runtime.url, {"text": "Hi", "sampling_params": params, **examples})
+    assert reply["finished"] and "error" not in reply, reply
+    status, body = _post(f"{http}/generate", {"text": "Hi", "sampling_params": params, **examples})
+    assert status == 200, body
+    completion = {"model": "tiny", "prompt": "Hi", "max_tokens": 2, "temperature": 0}
+    status, body = _post(f"{http}/v1/completions", {**completion, **openai})
+    assert status == 200, body
+    reply = _zmq_generate(tiny_runtime.url, {"text": "Hi", "cache_slat": "s"})
+    assert reply["error"]["code"] == ErrorCode.INVALID_REQUEST.value
+    assert reply["error"]["message"] == "unknown generate fields: ['cache_slat']"
+    for path, body in [
+        ("/generate", {"text": "Hi", "cache_slat": "s"}),
+        ("/v1/completions", {**completion, "cache_slat": "s"}),
+    ]:
+        status, answer = _post(f"{http}{path}", body)
+        assert status == 400 and "cache_slat" in answer["error"]["message"], answer

@@ -157,7 +157,7 @@ def test_five_turns_read_their_history_from_the_cache(client):
     for turn in range(5):
         history.append({"role": "user", "content": f"Tell me one fact about the number {turn}."})
         reply = client.messages.create(
-            model="default", max_tokens=16, system="Be brief.", messages=history, **GREEDY
+            model="default", max_tokens=8, system="Be brief.", messages=history, **GREEDY
         )
         usage = reply.usage
         if previous_prompt is not None:

@@ -17,6 +17,7 @@ from radixrt.server.http.errors import APIError
 from radixrt.server.http.gateway import OPENAI_ROUTES, Gateway
 from radixrt.server.http.messages import MESSAGES_ROUTES, add_messages_routes, error_response
 from radixrt.server.http.native import KEYED_ROUTES, add_native_routes
+from radixrt.server.http.openai_responses import RESPONSES_ROUTES, add_responses_routes
 from radixrt.server.http.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -33,7 +34,7 @@ class _Guard:
         self.app, self.gateway = app, gateway
         self.keyed_routes = keyed_routes  # beside /v1/*: need an accepted key
         # labelled by name in the metrics
-        self.routes = {*OPENAI_ROUTES, *MESSAGES_ROUTES, *keyed_routes}
+        self.routes = {*OPENAI_ROUTES, *MESSAGES_ROUTES, *RESPONSES_ROUTES, *keyed_routes}
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -165,5 +166,6 @@ def build_app(gateway: Gateway) -> FastAPI:
     app.get("/metrics")(gateway.render_metrics)
     add_native_routes(app, gateway)
     add_messages_routes(app, gateway)
+    add_responses_routes(app, gateway)
     app.add_middleware(_Guard, gateway=gateway, keyed_routes=KEYED_ROUTES)
     return app

@@ -54,6 +54,7 @@ Part = Annotated[InputText | UnsupportedPart, Field(discriminator="type")]
 
 
 def _text_as_parts(content: Any) -> Any:
+    """A string content is one text part (so a bad part's error names just the part)."""
     return [{"type": "input_text", "text": content}] if isinstance(content, str) else content
 
 
@@ -283,6 +284,8 @@ class ItemStream:
     open: bool = False
 
     def feed(self, delta: str, final: bool = False) -> list[dict[str, Any]]:
+        """The events this much more text lets out (`final`: the reply is over; the last item
+        is done)."""
         events = [e for piece in self.choice.feed(delta, final) for e in self._piece(piece)]
         if final and self.open:
             events += self._close()
@@ -430,6 +433,7 @@ class ResponsesAPI:
         self.store = ResponseStore()
 
     def tenant(self, request: Request) -> str:
+        """Whose store the caller's key opens (the guard has refused a wrong key already)."""
         principal = self.gateway.keys.principal_of(bearer(dict(request.headers.raw)))
         return principal.tenant if principal else ""
 

@@ -15,7 +15,9 @@ from fastapi.responses import JSONResponse, Response
 from radixrt.protocol import ErrorCode
 from radixrt.server.http.errors import APIError
 from radixrt.server.http.gateway import OPENAI_ROUTES, Gateway
+from radixrt.server.http.messages import MESSAGES_ROUTES, add_messages_routes, error_response
 from radixrt.server.http.native import KEYED_ROUTES, add_native_routes
+from radixrt.server.http.openai_responses import RESPONSES_ROUTES, add_responses_routes
 from radixrt.server.http.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -31,7 +33,8 @@ class _Guard:
     def __init__(self, app, gateway: Gateway, keyed_routes: tuple[str, ...] = ()):
         self.app, self.gateway = app, gateway
         self.keyed_routes = keyed_routes  # beside /v1/*: need an accepted key
-        self.routes = {*OPENAI_ROUTES, *keyed_routes}  # labelled by name in the metrics
+        # labelled by name in the metrics
+        self.routes = {*OPENAI_ROUTES, *MESSAGES_ROUTES, *RESPONSES_ROUTES, *keyed_routes}
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -48,12 +51,12 @@ class _Guard:
         try:
             error = self._refusal(path, dict(scope["headers"]))
             if error is not None:
-                return await error.response()(scope, receive, send_observed)
+                return await error_response(path, error)(scope, receive, send_observed)
             limit = self.gateway.limits.max_frame_bytes
             body = await _read_body(scope, receive, limit)
             if body is None:
                 error = APIError(413, f"the request body is over {limit} bytes")
-                return await error.response()(scope, receive, send_observed)
+                return await error_response(path, error)(scope, receive, send_observed)
             await self.app(scope, _replay(body, receive), send_observed)
         finally:
             self.gateway.metrics.count(path if path in self.routes else "other", status)
@@ -68,7 +71,7 @@ class _Guard:
             return None
         return APIError(
             401,
-            f"missing or wrong {needed} (Authorization: Bearer ...)",
+            f"missing or wrong {needed} (Authorization: Bearer ..., or x-api-key: ...)",
             "authentication_error",
             code="invalid_api_key",
         )
@@ -144,11 +147,11 @@ def build_app(gateway: Gateway) -> FastAPI:
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError) -> JSONResponse:
-        return e.response()
+        return error_response(request.url.path, e)
 
     @app.exception_handler(RequestValidationError)
     async def bad_request(request: Request, e: RequestValidationError) -> JSONResponse:
-        return validation_error(e.errors()).response()
+        return error_response(request.url.path, validation_error(e.errors()))
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request) -> Response:
@@ -162,5 +165,7 @@ def build_app(gateway: Gateway) -> FastAPI:
     app.get("/health")(gateway.health)
     app.get("/metrics")(gateway.render_metrics)
     add_native_routes(app, gateway)
+    add_messages_routes(app, gateway)
+    add_responses_routes(app, gateway)
     app.add_middleware(_Guard, gateway=gateway, keyed_routes=KEYED_ROUTES)
     return app

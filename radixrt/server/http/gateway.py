@@ -104,6 +104,16 @@ class _Model:
     lora_enabled: bool  # adapters are served: `model` names one, or the served model
 
 
+@dataclass(frozen=True)
+class ChatPlan:
+    """A chat request ready for the runtime: its prompt text, its sampling params, and how its
+    reply reads back (reasoning, tool calls)."""
+
+    prompt: str
+    params: dict[str, Any]
+    shape: ResponseShape
+
+
 # The most generate requests one HTTP call may fan out to (prompts x n): one call must not fill
 # the queue that every client shares.
 MAX_FANOUT = 256
@@ -222,6 +232,14 @@ class Gateway:
 
     async def chat(self, request: Request, req: ChatCompletionRequest) -> Response:
         model = await self.model()
+        plan = await self.chat_plan(model, req)
+        return await self._respond(request, req, model, [plan.prompt], plan.params, plan.shape)
+
+    async def chat_plan(self, model: _Model, req: ChatCompletionRequest) -> ChatPlan:
+        """A chat request as the runtime runs it: the prompt (the messages and tools through the
+        model's chat template), the sampling params (with the response_format or tool
+        constraint) and how the reply reads back. Every API that speaks chat (Anthropic's
+        Messages too) comes through here. 400 for what cannot be rendered or constrained."""
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         limits = [v for v in (req.max_completion_tokens, req.max_tokens) if v is not None]
@@ -254,7 +272,7 @@ class Gateway:
             tool_parser=tools.reply_parser,
             reasoning=self.reasoning,
         )
-        return await self._respond(request, req, model, [prompt], params, shape)
+        return ChatPlan(prompt, params, shape)
 
     async def _respond(
         self,
@@ -436,4 +454,8 @@ class Gateway:
 
 
 def bearer(headers: dict[bytes, bytes]) -> str:
-    return headers.get(b"authorization", b"").removeprefix(b"Bearer ").strip().decode("latin-1")
+    """The client's API key: `Authorization: Bearer <key>` (OpenAI's), else `x-api-key: <key>`
+    (Anthropic's: its SDK and Claude Code send that)."""
+    if b"authorization" in headers:
+        return headers[b"authorization"].removeprefix(b"Bearer ").strip().decode("latin-1")
+    return headers.get(b"x-api-key", b"").strip().decode("latin-1")

@@ -377,6 +377,27 @@ def test_no_authorization_header_is_401(runtime):
     assert runtime.stats()["generated_tokens"] == generated
 
 
+def test_anthropics_x_api_key_is_checked_like_a_bearer_key(runtime):
+    """The `anthropic` SDK sends its key as `x-api-key`: the server's key is served, a wrong one
+    is a 401 in Anthropic's shape on /v1/messages."""
+    import anthropic
+
+    def client(key: str) -> anthropic.Anthropic:
+        return anthropic.Anthropic(
+            base_url=runtime.http_url, api_key=key, max_retries=0, timeout=HTTP_TIMEOUT_S
+        )
+
+    messages = [{"role": "user", "content": "Hi"}]
+    with client(KEY) as good:
+        reply = good.messages.create(model="tiny", max_tokens=2, messages=messages)
+    assert reply.usage.output_tokens == 2
+    with client("wrong") as bad, pytest.raises(anthropic.AuthenticationError) as info:
+        bad.messages.create(model="tiny", max_tokens=2, messages=messages)
+    assert info.value.status_code == 401
+    assert info.value.body["type"] == "error"
+    assert info.value.body["error"]["type"] == "authentication_error"
+
+
 LONG_CHAT = [{"role": "user", "content": "hello " * 1100}]
 
 

@@ -95,9 +95,22 @@ def reasoning_runtime(default_model_dir):
         yield r
 
 
+def _greedy_split(runtime, model_dir) -> ReasoningSplit:
+    """QUESTION's greedy reply under THINKING_SCHEMA, over ZeroMQ, split by deepseek-r1."""
+    from transformers import AutoTokenizer
+
+    prompt = AutoTokenizer.from_pretrained(model_dir).apply_chat_template(
+        QUESTION, tokenize=False, add_generation_prompt=True
+    )
+    raw = runtime.generate(
+        prompt, {"temperature": 0, "max_new_tokens": 24, "json_schema": THINKING_SCHEMA}
+    )["text"]
+    assert "</think>" in raw
+    return R1.split(raw)
+
+
 def test_a_forced_think_block_comes_back_split(reasoning_runtime, default_model_dir):
     import openai
-    from transformers import AutoTokenizer
 
     request = {
         "model": "default",
@@ -109,14 +122,7 @@ def test_a_forced_think_block_comes_back_split(reasoning_runtime, default_model_
             "json_schema": {"name": "thought", "schema": THINKING_SCHEMA},
         },
     }
-    prompt = AutoTokenizer.from_pretrained(default_model_dir).apply_chat_template(
-        QUESTION, tokenize=False, add_generation_prompt=True
-    )
-    raw = reasoning_runtime.generate(
-        prompt, {"temperature": 0, "max_new_tokens": 24, "json_schema": THINKING_SCHEMA}
-    )["text"]
-    assert "</think>" in raw
-    expected = R1.split(raw)
+    expected = _greedy_split(reasoning_runtime, default_model_dir)
     url = f"{reasoning_runtime.http_url}/v1"
     with openai.OpenAI(base_url=url, api_key="none", max_retries=0) as client:
         message = client.chat.completions.create(**request).choices[0].message
@@ -128,6 +134,32 @@ def test_a_forced_think_block_comes_back_split(reasoning_runtime, default_model_
         "".join(d.content or "" for d in deltas),
     )
     assert streamed == expected
+
+
+def test_messages_get_the_reasoning_as_a_thinking_block(reasoning_runtime, default_model_dir):
+    """Anthropic's Messages API on the same reply: a `thinking` block, then the answer's text
+    block (output_config's schema is response_format's); streamed, the same blocks."""
+    import anthropic
+
+    request = {
+        "model": "default",
+        "max_tokens": 24,
+        "messages": QUESTION,
+        "thinking": {"type": "enabled", "budget_tokens": 1024},
+        "output_config": {"format": {"type": "json_schema", "schema": THINKING_SCHEMA}},
+        "extra_body": {"temperature": 0},
+    }
+    expected = _greedy_split(reasoning_runtime, default_model_dir)
+    with anthropic.Anthropic(
+        base_url=reasoning_runtime.http_url, api_key="none", max_retries=0
+    ) as client:
+        whole = client.messages.create(**request)
+        with client.messages.stream(**request) as stream:
+            streamed = stream.get_final_message()
+    for reply in (whole, streamed):
+        thinking, text = reply.content
+        assert (thinking.type, text.type) == ("thinking", "text")
+        assert (thinking.thinking, text.text) == expected
 
 
 def test_a_streamed_choice_reads_calls_from_the_answer_only():

@@ -1,0 +1,344 @@
+"""The bodies of Anthropic's Messages API (`POST /v1/messages`, `/v1/messages/count_tokens`) and
+their translation into a chat completions request, so that a Messages request takes the chat path
+itself (`Gateway.chat_plan`): the model's chat template, the same always-parsing tool
+constraint, the same reasoning split. messages.py answers them.
+
+Every field is honoured, accepted knowingly and ignored (`metadata`, `cache_control`: the radix
+tree caches every prefix anyway, `service_tier`, `output_config.effort`), or refused by name;
+content blocks a text model cannot take (images, documents, server tools' blocks) are refused
+naming the block."""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+
+from radixrt.protocol import ErrorCode
+from radixrt.server.http.errors import APIError
+from radixrt.server.http.schemas import Body, ChatCompletionRequest, ChatMessage
+
+# what a model without the reasoning parser gets asked, where its template reads it (Qwen3's)
+_THINKING_SWITCH = re.compile(r"\benable_thinking\b")
+
+
+class CacheControl(Body):
+    """Anthropic's prompt-caching marker: accepted, and needless (every prefix is cached)."""
+
+    type: Literal["ephemeral"]
+    ttl: str | None = None
+
+
+class TextBlock(Body):
+    type: Literal["text"]
+    text: str
+    cache_control: CacheControl | None = None
+
+
+class ToolUseBlock(Body):
+    type: Literal["tool_use"]
+    id: str = Field(min_length=1)
+    name: str
+    input: dict[str, Any]
+    cache_control: CacheControl | None = None
+
+
+class UnsupportedBlock(BaseModel):
+    """A block Anthropic defines that a text model here cannot take: refused naming its type."""
+
+    model_config = ConfigDict(extra="allow")
+    type: Literal[
+        "image",
+        "document",
+        "search_result",
+        "server_tool_use",
+        "web_search_tool_result",
+        "web_fetch_tool_result",
+        "code_execution_tool_result",
+        "mcp_tool_use",
+        "mcp_tool_result",
+        "container_upload",
+    ]
+
+
+ResultPart = Annotated[TextBlock | UnsupportedBlock, Field(discriminator="type")]
+
+
+class ToolResultBlock(Body):
+    type: Literal["tool_result"]
+    tool_use_id: str = Field(min_length=1)
+    content: str | list[ResultPart] | None = None
+    is_error: bool = False  # accepted; the result's text says what went wrong
+    cache_control: CacheControl | None = None
+
+
+class ThinkingBlock(Body):
+    """Reasoning from an earlier reply: not rendered again (chat templates drop old reasoning)."""
+
+    type: Literal["thinking"]
+    thinking: str
+    signature: str | None = None
+
+
+class RedactedThinkingBlock(Body):
+    type: Literal["redacted_thinking"]
+    data: str
+
+
+ContentBlock = Annotated[
+    TextBlock
+    | ToolUseBlock
+    | ToolResultBlock
+    | ThinkingBlock
+    | RedactedThinkingBlock
+    | UnsupportedBlock,
+    Field(discriminator="type"),
+]
+
+
+def _text_as_blocks(content: Any) -> Any:
+    """A string content is one text block (so a bad block's error names just the block)."""
+    return [{"type": "text", "text": content}] if isinstance(content, str) else content
+
+
+class Message(Body):
+    role: Literal["user", "assistant"]
+    content: Annotated[list[ContentBlock], BeforeValidator(_text_as_blocks)]
+
+
+class ToolSpec(Body):
+    """A client tool: its arguments' JSON schema is `input_schema`. Server tools (web search,
+    code execution, ...) have other fields and are refused by name."""
+
+    name: str
+    input_schema: dict[str, Any]
+    description: str | None = None
+    type: Literal["custom"] | None = None
+    cache_control: CacheControl | None = None
+
+    def to_openai(self) -> dict[str, Any]:
+        function = {"name": self.name, "parameters": self.input_schema}
+        if self.description:
+            function["description"] = self.description
+        return {"type": "function", "function": function}
+
+
+class ToolChoiceSpec(Body):
+    """auto (the default with tools), any (some tool must be called), tool (that one), none."""
+
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool = False
+
+    def to_openai(self) -> str | dict[str, Any]:
+        if self.type == "tool":
+            if self.name is None:
+                raise _bad("tool_choice", '{"type": "tool"} needs a name')
+            return {"type": "function", "function": {"name": self.name}}
+        if self.name is not None:
+            raise _bad("tool_choice", f"{self.type!r} takes no name")
+        return "required" if self.type == "any" else self.type
+
+
+class ThinkingSpec(Body):
+    """`enabled`/`adaptive`: the reply's reasoning comes back as `thinking` blocks (where the
+    server runs a reasoning parser); `disabled`: a template with an `enable_thinking` switch is
+    told so. `budget_tokens` is accepted; the reasoning is bounded by `max_tokens` only."""
+
+    type: Literal["enabled", "disabled", "adaptive"]
+    budget_tokens: int | None = Field(None, ge=1)
+    display: Literal["summarized", "omitted"] | None = None
+
+
+class Metadata(Body):
+    user_id: str | None = None  # accepted and ignored
+
+
+class JsonOutputFormat(Body):
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(Body):
+    """Structured output: the reply's text decodes under `format`'s JSON schema."""
+
+    format: JsonOutputFormat | None = None
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None  # ignored
+
+
+class MessagesPrompt(Body):
+    """What makes the prompt: the fields `count_tokens` takes, and `create` too."""
+
+    model: str
+    messages: list[Message] = Field(min_length=1)
+    system: str | list[TextBlock] | None = None
+    tools: list[ToolSpec] | None = None
+    tool_choice: ToolChoiceSpec | None = None
+    thinking: ThinkingSpec | None = None
+    output_config: OutputConfig | None = None
+    cache_control: CacheControl | None = None
+
+
+class MessagesRequest(MessagesPrompt):
+    max_tokens: int = Field(ge=1)  # required, as Anthropic requires it
+    stop_sequences: list[str] | None = None
+    temperature: float | None = Field(None, ge=0, le=1)
+    top_p: float | None = None
+    top_k: int | None = None
+    stream: bool = False
+    metadata: Metadata | None = None
+    service_tier: Literal["auto", "standard_only"] | None = None  # accepted and ignored
+    # radixrt's own (docs/protocol.md), as on every other route
+    cache_salt: str | None = None
+    priority: int | None = None
+    timeout: float | None = None
+
+
+def chat_request(req: MessagesPrompt, template: str | None) -> ChatCompletionRequest:
+    """The chat completions request that runs `req`: its history as OpenAI messages (tool_use
+    blocks as `tool_calls`, tool_result blocks as `tool` messages), its tools and tool_choice,
+    and, when the last message is the assistant's, a reply that continues it (Anthropic's
+    prefill). 400 naming the block for a block in the wrong place or a tool_result that answers
+    no tool_use of the message before it."""
+    sampling: dict[str, Any] = {}
+    if isinstance(req, MessagesRequest):
+        sampling = {
+            "max_tokens": req.max_tokens,
+            "stop": req.stop_sequences,
+            "temperature": req.temperature,
+            "top_p": req.top_p,
+            "top_k": req.top_k,
+            "cache_salt": req.cache_salt,
+            "priority": req.priority,
+            "timeout": req.timeout,
+        }
+    fmt = req.output_config.format if req.output_config else None
+    choice = req.tool_choice
+    return ChatCompletionRequest(
+        model=req.model,
+        messages=[ChatMessage(**m) for m in chat_messages(req)],
+        tools=[t.to_openai() for t in req.tools] if req.tools else None,
+        tool_choice=choice.to_openai() if choice else None,
+        parallel_tool_calls=not (choice and choice.disable_parallel_tool_use),
+        response_format={"type": "json_schema", "json_schema": {"schema": fmt.schema_}}
+        if fmt
+        else None,
+        continue_final_message=req.messages[-1].role == "assistant",
+        chat_template_kwargs=_thinking_switch(req.thinking, template),
+        **{k: v for k, v in sampling.items() if v is not None},
+    )
+
+
+def _bad(where: str, message: str) -> APIError:
+    """A 400 (`invalid_request`) about the field or block at `where`."""
+    return APIError(400, f"{where}: {message}", param=where, code=ErrorCode.INVALID_REQUEST.value)
+
+
+def _thinking_switch(thinking: ThinkingSpec | None, template: str | None) -> dict[str, Any]:
+    if thinking is None or template is None or not _THINKING_SWITCH.search(template):
+        return {}
+    return {"enable_thinking": thinking.type != "disabled"}
+
+
+def chat_messages(req: MessagesPrompt) -> list[dict[str, Any]]:
+    """The system prompt and messages as OpenAI chat messages. Consecutive messages of one role
+    are one turn (as Anthropic combines them)."""
+    out: list[dict[str, Any]] = []
+    if req.system:
+        system = req.system if isinstance(req.system, str) else _joined(req.system)
+        out.append({"role": "system", "content": system})
+    turns = _turns(req.messages)
+    calls: set[str] = set()  # the tool_use ids of the assistant turn before
+    for n, (where, role, blocks) in enumerate(turns):
+        if role == "assistant":
+            out.append(_assistant_message(where, blocks, last=n == len(turns) - 1))
+            calls = {b.id for _, b in blocks if isinstance(b, ToolUseBlock)}
+        else:
+            out += _user_messages(where, blocks, calls)
+            calls = set()
+    return out
+
+
+def _turns(messages: list[Message]) -> list[tuple[str, str, list[tuple[str, Any]]]]:
+    """Messages grouped into turns: (where the turn starts, role, its blocks each with where it
+    is, e.g. `messages[2].content[0]`)."""
+    turns: list[tuple[str, str, list[tuple[str, Any]]]] = []
+    for i, m in enumerate(messages):
+        blocks = [(f"messages[{i}].content[{j}]", b) for j, b in enumerate(m.content)]
+        if turns and turns[-1][1] == m.role:
+            turns[-1][2].extend(blocks)
+        else:
+            turns.append((f"messages[{i}]", m.role, blocks))
+    return turns
+
+
+def _refuse(where: str, block: Any, role: str) -> APIError:
+    """A block this server cannot take, or one in a message of the wrong role."""
+    if isinstance(block, UnsupportedBlock):
+        why = "this server serves a text-only model and its own tools only"
+        return _bad(where, f"{block.type} blocks are not supported: {why}")
+    return _bad(where, f"a {block.type} block cannot be in a {role} message")
+
+
+def _assistant_message(where: str, blocks: list[tuple[str, Any]], last: bool) -> dict[str, Any]:
+    text, calls = [], []
+    for at, block in blocks:
+        if isinstance(block, TextBlock):
+            text.append(block.text)
+        elif isinstance(block, ToolUseBlock):
+            function = {"name": block.name, "arguments": block.input}
+            calls.append({"id": block.id, "type": "function", "function": function})
+        elif not isinstance(block, ThinkingBlock | RedactedThinkingBlock):
+            raise _refuse(at, block, "assistant")
+    if calls and last:
+        raise _bad(where, "tool_use blocks need tool_result blocks in a user message after them")
+    message: dict[str, Any] = {"role": "assistant", "content": "".join(text)}
+    return {**message, "tool_calls": calls} if calls else message
+
+
+def _user_messages(
+    where: str, blocks: list[tuple[str, Any]], calls: set[str]
+) -> list[dict[str, Any]]:
+    """A user turn: each tool_result a `tool` message (answering one of `calls`, the tool_use
+    ids of the assistant turn before), the text blocks between them one user message each."""
+    out: list[dict[str, Any]] = []
+    text: list[str] = []
+    answered: set[str] = set()
+    for at, block in blocks:
+        if isinstance(block, TextBlock):
+            text.append(block.text)
+        elif isinstance(block, ToolResultBlock):
+            if block.tool_use_id not in calls:
+                raise _bad(
+                    at,
+                    f"tool_result answers tool_use_id {block.tool_use_id!r}, which no tool_use "
+                    "block of the assistant message before it has",
+                )
+            if text:
+                out.append({"role": "user", "content": "\n\n".join(text)})
+                text = []
+            answered.add(block.tool_use_id)
+            content = _result_text(at, block)
+            out.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": content})
+        else:
+            raise _refuse(at, block, "user")
+    if calls - answered:
+        missing = sorted(calls - answered)
+        raise _bad(where, f"tool_use ids {missing} have no tool_result block in this message")
+    if text:
+        out.append({"role": "user", "content": "\n\n".join(text)})
+    return out
+
+
+def _result_text(where: str, block: ToolResultBlock) -> str:
+    if block.content is None or isinstance(block.content, str):
+        return block.content or ""
+    for j, part in enumerate(block.content):
+        if isinstance(part, UnsupportedBlock):
+            raise _refuse(f"{where}.content[{j}]", part, "tool_result")
+    return _joined(block.content)
+
+
+def _joined(blocks: list[Any]) -> str:
+    return "\n\n".join(b.text for b in blocks)

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
+from radixrt.executor.model_loader import read_into
 from radixrt.kernels.int4_gemm import Bits, PackedGroups
 
 # GGUF type name -> (bits, bytes before the values: d, or d and m)
@@ -103,7 +103,11 @@ def blocks(tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, Bit
     """A Q4_0/Q4_1/Q8_0 GGUF tensor's rows of blocks: values [N, G, group bytes], d and m
     float16 [N, G] (m None for Q8_0), and their width."""
     bits, head = PACKED_TYPES[tensor.tensor_type.name]
-    raw = torch.from_numpy(np.array(tensor.data))  # a copy: the reader maps the file
+    raw = torch.empty(int(tensor.n_bytes), dtype=torch.uint8)
+    # read, not copied from the reader's map: pages read through it stay resident while the
+    # reader lives, the whole file's by the last tensor
+    with open(tensor.data.filename, "rb", buffering=0) as f:
+        read_into(f.fileno(), raw, int(tensor.data_offset), f.name)
     n, k = int(tensor.shape[1]), int(tensor.shape[0])
     raw = raw.view(n, k // 32, head + bits.group_bytes)
     d = raw[..., :2].contiguous().view(torch.float16)[..., 0]

@@ -333,13 +333,20 @@ class WeightReader:
         next read; grown for a row larger than a chunk)."""
         if size > self._scratch.numel():
             self._scratch = torch.empty(size, dtype=torch.uint8)
-        view, done = memoryview(self._scratch.numpy())[:size], 0
-        while done < size:  # one read returns at most ~2 GiB
-            n = os.preadv(t.file.fileno(), [view[done:]], offset + done)
-            if n == 0:
-                raise ValueError(f"{t.file.name!r} ends inside a tensor: the file is truncated")
-            done += n
+        read_into(t.file.fileno(), self._scratch[:size], offset, t.file.name)
         return self._scratch[:size]
+
+
+def read_into(fd: int, out: torch.Tensor, offset: int, name: str) -> None:
+    """Fill the contiguous CPU tensor `out` with the bytes of file `fd` from `offset`, with plain
+    reads (pages read through a map would stay resident while it lives); ValueError naming the
+    file where it ends first."""
+    view, done = memoryview(out.view(torch.uint8).reshape(-1).numpy()), 0
+    while done < len(view):  # one read returns at most ~2 GiB
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n == 0:
+            raise ValueError(f"{name!r} ends inside a tensor: the file is truncated")
+        done += n
 
 
 def load_model(

@@ -65,9 +65,10 @@ def test_a_quantized_load_peaks_near_the_packed_weights_not_the_float_ones(
     checkpoint, quantization
 ):
     """Each linear is packed as its weight is read, so the load's peak is what the model holds
-    (packed linears, float embedding and norms) plus one float buffer of the largest linear
-    plus the fixed costs, far under the float32 checkpoint (235 MB; the float load above peaks
-    at 1.0x of it). The packed spot check equals the stored weight packed whole."""
+    (packed linears, float embedding and norms; 1.5x of it, generous) plus one float buffer of
+    the largest linear plus the fixed costs, far under the float32 checkpoint (235 MB; the
+    float load above peaks at 1.0x of it). The packed spot check equals the stored weight
+    packed whole."""
     result = measure(checkpoint, "float32", quantization, timeout=120)
     assert result.same
     float_bytes = (checkpoint / "model.safetensors").stat().st_size
@@ -76,7 +77,8 @@ def test_a_quantized_load_peaks_near_the_packed_weights_not_the_float_ones(
         f" {result.weights / 1e6:.0f} MB, float checkpoint {float_bytes / 1e6:.0f} MB"
     )
     fixed = WeightReader.CHUNK_BYTES + PROCESS_NOISE_BYTES
-    assert result.growth <= 1.2 * result.weights + result.largest + fixed
+    # 1.5x, not the float loads' 1.2x: rounding's temporaries and the packed results share the heap
+    assert result.growth <= 1.5 * result.weights + result.largest + fixed
     assert result.growth < 0.7 * float_bytes
 
 

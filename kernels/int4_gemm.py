@@ -39,6 +39,7 @@ import torch
 from . import cpu_isa, native
 
 PANEL, GROUP = 8, 32  # a panel's output rows; inputs per group
+QUANTIZE_BYTES = 4 << 20  # float weights `PackedGroups.quantize` rounds at a time
 
 SOURCE = (
     native.AVX2_PRELUDE
@@ -297,6 +298,30 @@ class Bits(enum.IntEnum):
         return GROUP * self // 8
 
 
+def _round(
+    weight: torch.Tensor, bits: Bits, symmetric: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Rows of float weights as `PackedGroups.from_blocks` takes them: q [N, G, group bytes],
+    d and m float16 [N, G] (m None for 8-bit groups), rounded by `PackedGroups.quantize`'s rules."""
+    n, k = weight.shape
+    groups = -(-k // GROUP)
+    w = torch.zeros(n, groups * GROUP)
+    w[:, :k] = weight.detach()
+    w = w.view(n, groups, GROUP)
+    if bits == Bits.INT8:
+        return *int8_groups(w), None
+    if symmetric:
+        top = w.gather(2, w.abs().argmax(dim=2, keepdim=True)).squeeze(2)
+        d = (top / -8).half()
+        m = (-8 * d.float()).half()
+    else:
+        low, high = w.amin(dim=2), w.amax(dim=2)
+        d, m = ((high - low) / 15).half(), low.half()
+    inv = torch.where(d == 0, 0.0, 1 / d.float())
+    q = torch.round((w - m.float()[..., None]) * inv[..., None]).clamp_(0, 15).to(torch.uint8)
+    return q[..., :16] | (q[..., 16:] << 4), d, m
+
+
 @dataclass
 class PackedGroups:
     """A weight [N, K] as panels of 8 rows interleaved by lane (the module's docstring), with
@@ -329,26 +354,21 @@ class PackedGroups:
     ) -> PackedGroups:
         """Groups of 32 by round-to-nearest. 4-bit asymmetric spans each group's [min, max]
         with 16 levels; 4-bit symmetric is GGUF's Q4_0 rule (the largest magnitude maps to -8,
-        so q - 8 covers [-8, 7] d); 8-bit is Q8_0's (symmetric, q in [-127, 127])."""
+        so q - 8 covers [-8, 7] d); 8-bit is Q8_0's (symmetric, q in [-127, 127]). Rows are
+        rounded and packed `QUANTIZE_BYTES` of float at a time, straight into the result: the
+        temporaries stay that small whatever the weight (rows round independently, so the
+        result is the same as in one pass)."""
         n, k = weight.shape
         groups = -(-k // GROUP)
-        w = torch.zeros(n, groups * GROUP)
-        w[:, :k] = weight.detach().float()
-        w = w.view(n, groups, GROUP)
-        if bits == Bits.INT8:
-            q, d = int8_groups(w)
-            return cls.from_blocks(q, d, None, k, bits)
-        if symmetric:
-            top = w.gather(2, w.abs().argmax(dim=2, keepdim=True)).squeeze(2)
-            d = (top / -8).half()
-            m = (-8 * d.float()).half()
-        else:
-            low, high = w.amin(dim=2), w.amax(dim=2)
-            d, m = ((high - low) / 15).half(), low.half()
-        inv = torch.where(d == 0, 0.0, 1 / d.float())
-        q = torch.round((w - m.float()[..., None]) * inv[..., None]).clamp_(0, 15).to(torch.uint8)
-        nibbles = q[..., :16] | (q[..., 16:] << 4)
-        return cls.from_blocks(nibbles, d, m, k, bits)
+        tiles = torch.empty(-(-n // PANEL), groups, PANEL * bits.group_bytes, dtype=torch.uint8)
+        scales = torch.empty(-(-n // PANEL), groups, 2 * PANEL, dtype=torch.float16)
+        step = max(1, QUANTIZE_BYTES // (groups * GROUP * 4 * PANEL)) * PANEL
+        for start in range(0, n, step):
+            part = cls.from_blocks(*_round(weight[start : start + step], bits, symmetric), k, bits)
+            at = start // PANEL
+            tiles[at : at + part.tiles.shape[0]] = part.tiles
+            scales[at : at + part.scales.shape[0]] = part.scales
+        return cls(tiles, scales, n, k, bits)
 
     @classmethod
     def from_blocks(

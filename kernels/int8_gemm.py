@@ -25,6 +25,7 @@ import torch
 from . import cpu_isa, native
 
 ROWS, DEPTH = 4, 32  # a tile: output rows x inputs
+QUANTIZE_BYTES = 4 << 20  # float weights `PackedInt8.quantize` rounds at a time
 
 SOURCE = (
     native.AVX2_PRELUDE
@@ -139,12 +140,22 @@ class PackedInt8:
 
     @classmethod
     def quantize(cls, weight: torch.Tensor) -> PackedInt8:
-        """Symmetric per-channel rounding: w ~= q * scale with q in [-127, 127]."""
+        """Symmetric per-channel rounding: w ~= q * scale with q in [-127, 127]. Rows are
+        rounded and packed `QUANTIZE_BYTES` of float at a time, straight into the result (rows
+        round independently: the same result as in one pass, with small temporaries)."""
         n, k = weight.shape
-        w = weight.detach().float()
-        scales = (w.abs().amax(dim=1) / 127).clamp_min(torch.finfo(torch.float32).tiny)
-        q = torch.round(w / scales[:, None]).clamp_(-127, 127).to(torch.int8)
-        return cls(pack(q), scales.contiguous(), n, k)
+        kp = -(-k // DEPTH) * DEPTH
+        tiles = torch.empty(-(-n // ROWS), kp // DEPTH, ROWS, DEPTH, dtype=torch.int8)
+        scales = torch.empty(n)
+        step = max(1, QUANTIZE_BYTES // (kp * 4 * ROWS)) * ROWS
+        for start in range(0, n, step):
+            w = weight[start : start + step].detach().float()
+            part = scales[start : start + step]
+            torch.clamp_min(w.abs().amax(dim=1) / 127, torch.finfo(torch.float32).tiny, out=part)
+            q = torch.round(w / part[:, None]).clamp_(-127, 127).to(torch.int8)
+            packed = pack(q)
+            tiles[start // ROWS : start // ROWS + packed.shape[0]] = packed
+        return cls(tiles, scales, n, k)
 
     def dequantize(self) -> torch.Tensor:
         """The float32 weight [N, K] this stands for."""

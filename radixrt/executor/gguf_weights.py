@@ -26,9 +26,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
+from radixrt.executor.model_loader import read_into
 from radixrt.kernels.int4_gemm import GROUP, Bits, PackedGroups, int8_groups
 
 # GGUF type name -> the width of the groups its blocks become
@@ -125,7 +125,11 @@ def blocks(tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, Bit
     Q4_0's order, or int8 viewed as uint8), d and m float16 [N, G] (m None for 8-bit groups),
     and their width."""
     kind = tensor.tensor_type.name
-    raw = torch.from_numpy(np.array(tensor.data))  # a copy: the reader maps the file
+    raw = torch.empty(int(tensor.n_bytes), dtype=torch.uint8)
+    # read, not copied from the reader's map: pages read through it stay resident while the
+    # reader lives, the whole file's by the last tensor
+    with open(tensor.data.filename, "rb", buffering=0) as f:
+        read_into(f.fileno(), raw, int(tensor.data_offset), f.name)
     n, k = int(tensor.shape[1]), int(tensor.shape[0])
     if kind == "Q4_K":
         return (*_q4_k(raw.view(n, k // SUPER, Q4_K_BYTES)), Bits.INT4)

@@ -12,6 +12,7 @@ import math
 import os
 import re
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -23,6 +24,7 @@ from torch import nn
 from radixrt.distributed.group import TPGroup
 from radixrt.models import model_class
 from radixrt.models.interface import CausalLM
+from radixrt.models.linear import LinearPacking, Packed
 from radixrt.models.support import check_all_read
 
 logger = logging.getLogger(__name__)
@@ -331,13 +333,20 @@ class WeightReader:
         next read; grown for a row larger than a chunk)."""
         if size > self._scratch.numel():
             self._scratch = torch.empty(size, dtype=torch.uint8)
-        view, done = memoryview(self._scratch.numpy())[:size], 0
-        while done < size:  # one read returns at most ~2 GiB
-            n = os.preadv(t.file.fileno(), [view[done:]], offset + done)
-            if n == 0:
-                raise ValueError(f"{t.file.name!r} ends inside a tensor: the file is truncated")
-            done += n
+        read_into(t.file.fileno(), self._scratch[:size], offset, t.file.name)
         return self._scratch[:size]
+
+
+def read_into(fd: int, out: torch.Tensor, offset: int, name: str) -> None:
+    """Fill the contiguous CPU tensor `out` with the bytes of file `fd` from `offset`, with plain
+    reads (pages read through a map would stay resident while it lives); ValueError naming the
+    file where it ends first."""
+    view, done = memoryview(out.view(torch.uint8).reshape(-1).numpy()), 0
+    while done < len(view):  # one read returns at most ~2 GiB
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n == 0:
+            raise ValueError(f"{name!r} ends inside a tensor: the file is truncated")
+        done += n
 
 
 def load_model(
@@ -347,6 +356,7 @@ def load_model(
     tp: TPGroup,
     dtype: torch.dtype,
     meta: frozenset[str] = frozenset(),
+    packing: LinearPacking | None = None,
 ) -> CausalLM:
     """This rank's model, its weights read from `folder` straight into `dtype` on `tp.device`.
     It is built on the meta device (no memory, no random initialisation), each parameter is
@@ -354,36 +364,139 @@ def load_model(
     time: host memory peaks near the weights in `dtype` plus the largest tensor as stored (on
     CUDA, that one tensor alone). Computed buffers (rotary tables) are built on the CPU while
     the rest is meta, and moved. Parameters named in `meta` stay on the meta device, never
-    read: the caller fills their modules another way (packed GGUF blocks). ValueError, naming
-    them, for tensors the checkpoint lacks or the architecture does not use."""
+    read: the caller fills their modules another way (packed GGUF blocks). With `packing`,
+    every `nn.Linear` with a weight of its own (not in `meta`, not tied) is packed as its
+    weight is read (`PackingReader`) and replaced by its packed module: the float weights of
+    the linears never exist together, only the largest one at a time. ValueError, naming them,
+    for tensors the checkpoint lacks or the architecture does not use."""
     with torch.device("meta"):
         model = model_class(config)(config, context_length, tp)
     if not isinstance(model, nn.Module) or not isinstance(model, CausalLM):
         raise TypeError(f"{type(model).__name__} does not keep models.interface.CausalLM")
-    _materialize(model, tp.device, dtype, meta)
+    streamed = _own_linears(model, meta) if packing is not None else []
+    _materialize(model, tp.device, dtype, meta, frozenset(f"{n}.weight" for n in streamed))
     reader = WeightReader(folder)
     try:
-        model.load_weights(reader)
+        if packing is None:
+            model.load_weights(reader)
+        else:
+            packer = PackingReader(reader, model, streamed, packing)
+            model.load_weights(packer)
+            packer.replace()
     finally:
         reader.close()
     check_all_read(reader.names, reader.read, model.tied)
     return model.eval()
 
 
+def _own_linears(model: nn.Module, meta: frozenset[str]) -> list[str]:
+    """The `nn.Linear`s whose weight is theirs alone (not shared with another module, as a
+    tied output projection shares the embedding's) and is read from the checkpoint."""
+    owners: dict[int, int] = {}
+    for module in model.modules():
+        for param in module._parameters.values():
+            if param is not None:
+                owners[id(param)] = owners.get(id(param), 0) + 1
+    return [
+        name
+        for name, module in model.named_modules()
+        if isinstance(module, nn.Linear)
+        and f"{name}.weight" not in meta
+        and owners[id(module.weight)] == 1
+    ]
+
+
+class PackingReader:
+    """A `WeightReader` for a model whose linears are packed as they are read: a copy into the
+    weight of one of `linears` (a placeholder that `_materialize` gave no memory, known by its
+    address) goes to a float buffer of the weight's shape instead, which is packed at once
+    (`LinearPacking.pack`) and reused for the next weight. The buffer is sized for the largest
+    of them, once. Everything else passes through. `replace` puts the packed modules in place
+    after `load_weights`, when their biases are in (q/k/v biases come after their weights)."""
+
+    def __init__(
+        self, reader: WeightReader, model: nn.Module, linears: list[str], packing: LinearPacking
+    ):
+        self._reader, self._model, self._packing = reader, model, packing
+        weights = {name: model.get_submodule(name).weight for name in linears}
+        self._targets = {w.data_ptr(): name for name, w in weights.items()}
+        self._size = max((w.numel() for w in weights.values()), default=0)
+        self._dtype = next((w.dtype for w in weights.values()), torch.float32)
+        self._buffer: torch.Tensor | None = None
+        self.packed: dict[str, Packed] = {}
+
+    def whole(self, name: str) -> torch.Tensor:
+        return self._reader.whole(name)
+
+    def skip(self, name: str) -> None:
+        self._reader.skip(name)
+
+    def copy_rows(
+        self, out: torch.Tensor, name: str, start: int | None = None, end: int | None = None
+    ) -> None:
+        self._fill(out, lambda into: self._reader.copy_rows(into, name, start, end))
+
+    def stack_rows(self, out: torch.Tensor, parts: list[tuple[str, int, int]]) -> None:
+        self._fill(out, lambda into: self._reader.stack_rows(into, parts))
+
+    def copy_cols(self, out: torch.Tensor, name: str, start: int, end: int) -> None:
+        self._fill(out, lambda into: self._reader.copy_cols(into, name, start, end))
+
+    def _fill(self, out: torch.Tensor, read: Callable[[torch.Tensor], None]) -> None:
+        """`read` into `out`, or, where `out` is a placeholder, into the buffer, then packed."""
+        placeholder = not out.is_meta and out.numel() > 0
+        linear = self._targets.get(out.data_ptr()) if placeholder else None
+        if linear is None:
+            read(out)
+            return
+        weight = self._model.get_submodule(linear).weight
+        if out.shape != weight.shape or linear in self.packed:
+            raise ValueError(f"{linear}'s weight must be read whole and once to be packed")
+        if self._buffer is None:
+            self._buffer = torch.empty(self._size, dtype=self._dtype, device=out.device)
+        into = self._buffer[: out.numel()].view(out.shape)
+        read(into)
+        self.packed[linear] = self._packing.pack(linear, into)
+
+    def replace(self) -> None:
+        """Every linear by its packed module; RuntimeError for one whose weight was never
+        read (the model's `load_weights` did not fill it)."""
+        self._buffer = None
+        missing = set(self._targets.values()) - set(self.packed)
+        if missing:
+            raise RuntimeError(f"linears never read from the checkpoint: {sorted(missing)[:4]}")
+        for name, packed in self.packed.items():
+            parent, _, child = name.rpartition(".")
+            owner = self._model.get_submodule(parent)
+            module = self._packing.module(packed, getattr(owner, child).bias)
+            setattr(owner, child, module)
+        self.packed = {}
+
+
 def _materialize(
-    model: nn.Module, device: torch.device, dtype: torch.dtype, meta: frozenset[str]
+    model: nn.Module,
+    device: torch.device,
+    dtype: torch.dtype,
+    meta: frozenset[str],
+    placeholders: frozenset[str] = frozenset(),
 ) -> None:
     """Replace every meta parameter but those named in `meta` with uninitialised storage of
     `dtype` on `device`, one tensor per parameter however many modules share it (tied
     embeddings stay tied), and move the buffers, which were computed at build, to `device`.
-    Parameters need no gradient: the model only ever runs under inference mode."""
+    Parameters named in `placeholders` get one element of storage, expanded to their shape:
+    no memory, but an address of their own (`PackingReader` knows them by it). Parameters
+    need no gradient: the model only ever runs under inference mode."""
     made: dict[int, nn.Parameter] = {}
     for prefix, module in model.named_modules():
         for name, param in module._parameters.items():
-            if param is None or f"{prefix}.{name}".lstrip(".") in meta:
+            full = f"{prefix}.{name}".lstrip(".")
+            if param is None or full in meta:
                 continue
             if id(param) not in made:
-                empty = torch.empty(param.shape, device=device, dtype=dtype)
+                if full in placeholders:
+                    empty = torch.empty(1, device=device, dtype=dtype).expand(param.shape)
+                else:
+                    empty = torch.empty(param.shape, device=device, dtype=dtype)
                 made[id(param)] = nn.Parameter(empty, requires_grad=False)
             module._parameters[name] = made[id(param)]
     for module in model.modules():  # not `model.to`: it cannot move the parameters left meta

@@ -5,7 +5,6 @@ each one's `TPGroup` and a `ModelRunner` over it, and sends rank 0's steps to th
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
 from dataclasses import dataclass
@@ -31,7 +30,6 @@ from radixrt.executor.model_loader import (
 from radixrt.executor.weight_update import adopt_weights, check_same_architecture
 from radixrt.forward_batch import ForwardBatch
 from radixrt.kernels import cpu_isa
-from radixrt.kernels.int4_gemm import Bits
 from radixrt.mem_cache.memory_pool import (
     PageAllocator,
     ReqToTokenPool,
@@ -42,10 +40,10 @@ from radixrt.models.linear import (
     BYTES_PER_WEIGHT,
     GroupedLinear,
     Int8Linear,
+    LinearPacking,
     PrepackedLinear,
     check_quantization,
-    prepack_available,
-    replace_linears,
+    features,
 )
 from radixrt.models.support import check_supported
 
@@ -92,15 +90,15 @@ class WeightCounts:
     attention_flops_per_pair: int
 
     @classmethod
-    def of(cls, model: nn.Module, config, bytes_per_weight: float | None = None) -> WeightCounts:
-        """Counts of `model`'s `nn.Linear`s, at their own element size unless told otherwise
-        (quantized weights are counted before they replace the float ones)."""
-        linears = [(n, m.weight) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
-        head = sum(w.numel() for n, w in linears if n == "lm_head")
-        layers = sum(w.numel() for n, w in linears if n != "lm_head")
-        size = bytes_per_weight or (linears[0][1].element_size() if linears else 0)
+    def of(cls, model: nn.Module, config, bytes_per_weight: float) -> WeightCounts:
+        """Counts of `model`'s linears (float, prepacked or quantized: `features`), at
+        `bytes_per_weight` each."""
+        linears = [(n, features(m)) for n, m in model.named_modules()]
+        sizes = {n: f[0] * f[1] for n, f in linears if f is not None}
+        head = sizes.get("lm_head", 0)
+        layers = sum(sizes.values()) - head
         per_pair = 4 * config.num_hidden_layers * config.num_attention_heads * model.head_dim
-        return cls(layers, head, int((layers + head) * size), per_pair)
+        return cls(layers, head, int((layers + head) * bytes_per_weight), per_pair)
 
 
 def linear_bytes(model: nn.Module) -> int:
@@ -150,6 +148,7 @@ class ModelRunner:
         check_quantization(args.quantization, self.device, self.cpu_isa)
         packed = self._gguf_plan()
         tied = bool(getattr(self.config, "tie_word_embeddings", False))
+        packing = LinearPacking.of(args.quantization, self.device, self.dtype, self.cpu_isa)
         self.model = load_model(
             self.model_path,
             self.config,
@@ -157,12 +156,15 @@ class ModelRunner:
             self.tp,
             self.dtype,
             packed.meta_weights(tied) if packed else frozenset(),
+            packing,
         )
-        # counted before the replacements hide the weights
         self.weights = WeightCounts.of(
-            self.model, self.config, BYTES_PER_WEIGHT.get(args.quantization or "")
+            self.model,
+            self.config,
+            BYTES_PER_WEIGHT.get(args.quantization or "", self.dtype.itemsize),
         )
-        self._replace_linears(self.model, packed)
+        self.packing = packing  # what weight updates pack their linears with too
+        self._replace_linears(self.model, packed, packing)
         self.vocab_size = self.config.vocab_size
         self.lora = self._init_lora()
 
@@ -206,28 +208,24 @@ class ModelRunner:
             raise ValueError(f"{source} has no {kinds} linears of a Llama or Qwen2 model")
         return packed
 
-    def _replace_linears(self, model: nn.Module, packed: gguf_weights.GGUFPlan | None) -> None:
-        """`model`'s linears: GGUF's packed ones first, then the rest: int8, int4 from float
-        (the output projection in 8-bit groups, as llama.cpp keeps it above 4 bits: in 4 bits
-        it alone failed the quality gates), or float32 prepacked (under `gguf`, what GGUF did
-        not pack stays float, as before)."""
+    def _replace_linears(
+        self,
+        model: nn.Module,
+        packed: gguf_weights.GGUFPlan | None,
+        packing: LinearPacking | None,
+    ) -> None:
+        """`model`'s GGUF packed linears, then those the loader did not pack as it read them (a
+        tied output projection: its float weight is the embedding's, which stays): int8, int4
+        from float (the output projection in 8-bit groups) or float32 prepacked
+        (`LinearPacking`; under `gguf`, what GGUF did not pack stays float, as before)."""
         if packed is not None:
             for name, weight in gguf_weights.read_linears(packed).items():
                 parent, _, child = name.rpartition(".")
                 owner = model.get_submodule(parent)
                 bias = getattr(owner, child).bias
                 setattr(owner, child, GroupedLinear(weight, bias, self.cpu_isa))
-        if self.args.quantization == "int8":
-            replace_linears(model, functools.partial(Int8Linear, isa=self.cpu_isa))
-        elif self.args.quantization == "int4":
-            head = model.lm_head
-            if isinstance(head, nn.Linear):
-                model.lm_head = GroupedLinear.quantize(
-                    head.weight, head.bias, Bits.INT8, self.cpu_isa
-                )
-            replace_linears(model, functools.partial(GroupedLinear.quantize, isa=self.cpu_isa))
-        elif prepack_available(self.device, self.dtype):
-            replace_linears(model, PrepackedLinear)
+        if packing is not None:
+            packing.replace(model)
 
     # ---- weights and memory for reinforcement learning ------------------------------------------
     def update_weights(self, folder: Path, checkpoint: bool) -> None:
@@ -243,8 +241,10 @@ class ModelRunner:
             )
         if checkpoint:
             check_same_architecture(self.config, folder)
-        staged = load_model(folder, self.config, self.context_length, self.tp, self.dtype)
-        self._replace_linears(staged, None)
+        staged = load_model(
+            folder, self.config, self.context_length, self.tp, self.dtype, packing=self.packing
+        )
+        self._replace_linears(staged, None, self.packing)
         adopt_weights(self.model, staged)
 
     def release_kv(self) -> None:

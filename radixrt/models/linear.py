@@ -1,6 +1,7 @@
-"""CPU replacements for `nn.Linear`, swapped in after loading: float32 weights prepacked for
-oneDNN (the default), weight-only int8 (`--quantization int8`) and grouped 4- or 8-bit weights
-(`--quantization int4`, and GGUF's Q4_0/Q4_1/Q8_0 blocks kept packed: `gguf`).
+"""CPU replacements for `nn.Linear`, packed as the loader reads each weight (`LinearPacking`):
+float32 weights prepacked for oneDNN (the default), weight-only int8 (`--quantization int8`) and
+grouped 4- or 8-bit weights (`--quantization int4`, and GGUF's Q4_0/Q4_1/Q8_0 blocks kept
+packed: `gguf`).
 
 `F.linear` on the CPU hands the weight to MKL, which repacks it on every call. For the few rows
 of a decode step that repacking costs as much as the multiply: SmolLM2's 49k-row output
@@ -15,7 +16,7 @@ to quality gates (perplexity, top-1 agreement).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -34,10 +35,16 @@ def prepack_available(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 class PrepackedLinear(nn.Module):
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+    """A float32 weight in oneDNN's layout (`prepack`), multiplied by oneDNN."""
+
+    def __init__(self, packed: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), BATCH_HINT)
+        self.packed = packed
         self.bias = None if bias is None else bias.detach().clone()
+
+    @classmethod
+    def prepack(cls, weight: torch.Tensor, bias: torch.Tensor | None) -> PrepackedLinear:
+        return cls(prepack(weight), bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
@@ -47,11 +54,19 @@ class Int8Linear(nn.Module):
     """Weight-only int8, symmetric, one scale per output channel; activations stay float.
     `isa` (`--cpu-isa`): the C kernel (avx2), or torch on the dequantized weight."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, isa: Isa = Isa.AVX2):
+    def __init__(
+        self, weight: int8_gemm.PackedInt8, bias: torch.Tensor | None, isa: Isa = Isa.AVX2
+    ):
         super().__init__()
-        self.weight = int8_gemm.PackedInt8.quantize(weight)
+        self.weight = weight
         self.bias = None if bias is None else bias.detach().float().contiguous()
         self.isa = isa
+
+    @classmethod
+    def quantize(
+        cls, weight: torch.Tensor, bias: torch.Tensor | None, isa: Isa = Isa.AVX2
+    ) -> Int8Linear:
+        return cls(int8_gemm.PackedInt8.quantize(weight), bias, isa)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.isa is Isa.TORCH:
@@ -111,12 +126,73 @@ def check_quantization(name: str | None, device: torch.device, isa: Isa | None) 
         raise ValueError(f"the {name} kernel did not build; --cpu-isa torch runs without it")
 
 
-def replace_linears(
-    model: nn.Module, kind: Callable[[torch.Tensor, torch.Tensor | None], nn.Module]
-) -> None:
-    """Replace every `nn.Linear` in `model` by `kind(weight, bias)`, in place."""
-    for name, child in model.named_children():
-        if isinstance(child, nn.Linear):
-            setattr(model, name, kind(child.weight, child.bias))
-        else:
-            replace_linears(child, kind)
+def prepack(weight: torch.Tensor) -> torch.Tensor:
+    """A float32 weight [N, K] in oneDNN's layout for `BATCH_HINT` rows (a copy)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), BATCH_HINT)
+
+
+def features(module: nn.Module) -> tuple[int, int] | None:
+    """(out, in) features of a linear, float, prepacked or quantized; None for another module."""
+    if isinstance(module, nn.Linear):
+        return module.out_features, module.in_features
+    if isinstance(module, GroupedLinear | Int8Linear):
+        return module.weight.out_features, module.weight.in_features
+    if isinstance(module, PrepackedLinear):
+        out, in_ = module.packed.shape
+        return out, in_
+    return None
+
+
+Packed = int8_gemm.PackedInt8 | int4_gemm.PackedGroups | torch.Tensor
+
+
+@dataclass(frozen=True)
+class LinearPacking:
+    """What a CPU run makes of its `nn.Linear`s: int8 (`Int8Linear`), int4 (`GroupedLinear`;
+    the output projection `lm_head` in 8-bit groups, as llama.cpp keeps it above 4 bits: in 4
+    bits it alone failed the quality gates), or float32 prepacked for oneDNN (`quantization`
+    None, or `gguf` for what its file does not hold packed). The loader calls `pack` on each
+    float weight as it is read, so that the float copy of the model never exists whole, and
+    `module` once the biases are in; `replace` does both to the linears left (a tied output
+    projection, whose float weight is the embedding's)."""
+
+    quantization: str | None
+    isa: Isa
+
+    @classmethod
+    def of(
+        cls, quantization: str | None, device: torch.device, dtype: torch.dtype, isa: Isa | None
+    ) -> LinearPacking | None:
+        """The run's packing; None where the linears stay `nn.Linear` (not a CPU, or float
+        weights oneDNN cannot prepack)."""
+        if quantization in ("int8", "int4") and isa is not None:
+            return cls(quantization, isa)
+        if prepack_available(device, dtype):
+            return cls(None, isa or Isa.AVX2)
+        return None
+
+    def pack(self, name: str, weight: torch.Tensor) -> Packed:
+        """`weight` [N, K] of the linear `name` (as `named_modules` names it) in its packed
+        form; it holds no reference to `weight`."""
+        if self.quantization == "int8":
+            return int8_gemm.PackedInt8.quantize(weight)
+        if self.quantization == "int4":
+            bits = int4_gemm.Bits.INT8 if name == "lm_head" else int4_gemm.Bits.INT4
+            return int4_gemm.PackedGroups.quantize(weight, bits)
+        return prepack(weight)
+
+    def module(self, packed: Packed, bias: torch.Tensor | None) -> nn.Module:
+        """The module that serves a packed weight with `bias` (copied)."""
+        if isinstance(packed, int8_gemm.PackedInt8):
+            return Int8Linear(packed, bias, self.isa)
+        if isinstance(packed, int4_gemm.PackedGroups):
+            return GroupedLinear(packed, bias, self.isa)
+        return PrepackedLinear(packed, bias)
+
+    def replace(self, model: nn.Module) -> None:
+        """Replace every `nn.Linear` left in `model` by its packed module, in place."""
+        for name, linear in list(model.named_modules()):
+            if isinstance(linear, nn.Linear):
+                parent, _, child = name.rpartition(".")
+                packed = self.pack(name, linear.weight)
+                setattr(model.get_submodule(parent), child, self.module(packed, linear.bias))

@@ -139,7 +139,7 @@ def test_delta_adds_to_an_int8_base():
     if not int8_gemm.available():
         pytest.skip("int8 weights need AVX2 and a C compiler")
     torch.manual_seed(0)
-    base = Int8Linear(torch.randn(24, 40), None)
+    base = Int8Linear.quantize(torch.randn(24, 40), None)
     a, b = torch.randn(2, 40, 8), torch.randn(2, 8, 24)
     state = LoraState()
     site = LoraSite(base, a, b, state)

@@ -80,7 +80,8 @@ def test_incremental_detokenizer_never_splits_a_character(default_model_dir):
 
 
 def test_prepacked_linear_matches_f_linear_and_replaces_every_linear():
-    from radixrt.models.linear import PrepackedLinear, prepack_available, replace_linears
+    from radixrt.kernels.cpu_isa import Isa
+    from radixrt.models.linear import LinearPacking, PrepackedLinear, prepack_available
 
     if not prepack_available(torch.device("cpu"), torch.float32):
         pytest.skip("this torch has no oneDNN")
@@ -89,7 +90,7 @@ def test_prepacked_linear_matches_f_linear_and_replaces_every_linear():
         torch.nn.Linear(64, 96), torch.nn.Sequential(torch.nn.Linear(96, 8, bias=False))
     )
     weight, bias = model[0].weight.detach().clone(), model[0].bias.detach().clone()
-    replace_linears(model, PrepackedLinear)
+    LinearPacking(None, Isa.AVX2).replace(model)
     assert isinstance(model[0], PrepackedLinear) and isinstance(model[1][0], PrepackedLinear)
     for rows in (1, 5, 70):  # any row count, not only the one the layout was tuned for
         x = torch.randn(rows, 64)

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 import torch
 
 from radixrt.engine.detokenizer import IncrementalDetokenizer
-from radixrt.engine.stop_strings import StopScanner
+from radixrt.engine.stop_strings import StopRegexes, StopScanner
 from radixrt.mem_cache.kv_events import Adapter
 from radixrt.mem_cache.radix_cache import TreeNode
 from radixrt.protocol import ErrorCode, GenerateOptions
@@ -169,6 +169,7 @@ class Req:
     text: str = ""
     finish_reason: FinishReason | None = None
     stops: StopScanner | None = None  # the walk over `text` looking for params.stop (if any)
+    stop_regexes: StopRegexes | None = None  # params.stop_regex (if any)
 
     # Memory state; see mem_cache/slot_manager.py for who owns which part of the row.
     row: int | None = None
@@ -227,7 +228,7 @@ class Req:
         first with logprob None (its logits are not computed, and at position 0 nothing
         predicts it); the OpenAI `echo` shows the same list."""
         first = self._first_scored_token()
-        return first + self.prompt_logprobs.chosen_pairs() if first else []
+        return [*first, *self.prompt_logprobs.chosen_pairs()] if first else []
 
     @property
     def input_top_logprobs(self) -> list[list[tuple[float, int]] | None]:

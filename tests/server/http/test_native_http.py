@@ -127,8 +127,11 @@ def test_input_token_logprobs_equal_transformers(runtime, tiny_model_dir):
     with torch.inference_mode():
         logits = _hf_model(str(tiny_model_dir))(torch.tensor([ids])).logits[0]
     expected = torch.log_softmax(logits.float(), -1)[:-1].gather(1, torch.tensor([ids[1:]]).T)
-    scored = [entry for entry in meta["input_token_logprobs"] if entry[0] is not None]
-    assert len(scored) == len(ids) - 1  # every token after the first
+    # SGLang's: every prompt token from logprob_start_len, the first's logprob null
+    assert meta["input_token_logprobs"][0] == [None, ids[0], None]
+    assert meta["input_top_logprobs"][0] is None
+    scored = meta["input_token_logprobs"][1:]
+    assert len(scored) == len(ids) - 1 and all(entry[0] is not None for entry in scored)
     assert [entry[1] for entry in scored] == ids[-len(scored) :]
     got = torch.tensor([entry[0] for entry in scored])
     torch.testing.assert_close(got, expected[-len(scored) :, 0], atol=1e-4, rtol=1e-4)

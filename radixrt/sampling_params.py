@@ -9,6 +9,7 @@ from typing import Any
 import regex
 
 from radixrt.structured.grammar import CONSTRAINT_KINDS
+from radixrt.structured.structural_tag import structural_tag_lark
 
 NUMBER = (int, float)  # a float parameter takes an int too (JSON writes 1.0 as 1)
 # The smallest temperature that still samples. float32 keeps far smaller numbers, but logits
@@ -190,6 +191,7 @@ class SamplingParams:
                 params[name] = [params[name]]
         if isinstance(params.get("stop_token_ids"), int):
             params["stop_token_ids"] = [params["stop_token_ids"]]
+        _structural_tag_as_lark(params)
         if params.get("logit_bias") is not None:
             params["logit_bias"] = _token_id_keys(params["logit_bias"])
         sp = cls(**params)
@@ -355,6 +357,16 @@ def _sglang_names(params: dict[str, Any]) -> dict[str, Any]:
         if own not in out or value is not None:
             out[own] = value
     return out
+
+
+def _structural_tag_as_lark(params: dict[str, Any]) -> None:
+    """SGLang's `structural_tag` (in place) as the Lark grammar llguidance builds for it."""
+    tag = params.pop("structural_tag", None)
+    if tag is None:
+        return
+    if params.get("lark") is not None:
+        raise ValueError("give one of structural_tag and lark")
+    params["lark"] = structural_tag_lark(tag)
 
 
 def _token_id_keys(bias: Any) -> Any:

@@ -109,6 +109,11 @@ class DetokenizeRequest(_Body):
     skip_special_tokens: bool = True
 
 
+class ConcateAndAppendRequest(_Body):
+    src_rids: list[str]
+    dst_rid: str
+
+
 class AbortRequest(_Body):
     rid: str
 
@@ -393,15 +398,13 @@ class NativeAPI:
             "internal_states": [stats],
         }
 
-    async def concate_and_append_request(self) -> None:
-        """SGLang's frontend joins forked states' KV caches here; radixrt's radix cache finds the
-        joined text's prefix by itself, so there is nothing to splice: refused, saying so."""
-        raise APIError(
-            501,
-            "concate_and_append_request is not supported: radixrt does not splice requests' KV "
-            "caches (its radix cache reuses the joined text's prefix when it is sent)",
-            code=ErrorCode.INVALID_REQUEST.value,
-        )
+    async def concate_and_append_request(self, req: ConcateAndAppendRequest) -> dict:
+        """SGLang's frontend (`join("concate_and_append")`, and any join under its default
+        parallel encoding) asks here to splice forked branches' KV caches after the parent's;
+        it has already appended their text itself. radixrt splices nothing: the next request
+        sends the joined text, whose K/V the radix cache reuses up to the branches and
+        computes after them in full context. So this succeeds doing nothing."""
+        return {"success": True}
 
     async def health_generate(self, request: Request) -> dict:
         """200 once the runtime generated one token."""
@@ -513,6 +516,10 @@ def add_native_routes(app: FastAPI, gateway: Gateway) -> None:
     app.get("/get_model_info")(native.get_model_info)
     app.get("/get_server_info")(native.get_server_info)
     app.get("/server_info")(native.get_server_info)  # SGLang's newer name
-    app.post("/concate_and_append_request")(native.concate_and_append_request)
+
+    @app.post("/concate_and_append_request")
+    async def concate_and_append_request(req: ConcateAndAppendRequest) -> dict:
+        return await native.concate_and_append_request(req)
+
     app.get("/health_generate")(native.health_generate)
     add_rollout_routes(app, native._call)

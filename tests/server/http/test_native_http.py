@@ -4,6 +4,7 @@ programs over it, against a real runtime and gateway (the tiny random model)."""
 from __future__ import annotations
 
 import json
+import re
 import threading
 import urllib.error
 import urllib.request
@@ -151,6 +152,125 @@ def test_control_routes(runtime):
     assert tokens["count"] == len(tokens["tokens"])
     status, text = _call(runtime, "/detokenize", {"tokens": tokens["tokens"]})
     assert status == 200 and text["text"] == PROMPT
+
+
+def test_sglangs_routes_and_keys(runtime):
+    """What SGLang's frontend and clients call besides /generate: /server_info (its newer
+    name), /get_model_info's keys, and /concate_and_append_request, which succeeds doing
+    nothing (the frontend appended the branches' text itself)."""
+    status, info = _call(runtime, "/get_model_info")
+    assert status == 200 and info["tokenizer_path"] == info["model_path"]
+    assert info["has_image_understanding"] is False and info["weight_version"] == "default"
+    status, server = _call(runtime, "/server_info")
+    assert status == 200 and server == {**server, "version": rt.__version__}
+    body = {"src_rids": ["a", "b"], "dst_rid": "c"}
+    assert _call(runtime, "/concate_and_append_request", body) == (200, {"success": True})
+    status, models = _call(runtime, "/v1/models")
+    assert status == 200 and models["data"]
+
+
+@pytest.mark.parametrize("field", ["image_data", "input_embeds", "custom_logit_processor"])
+def test_unserved_generate_fields_are_refused_saying_why(runtime, field):
+    status, body = _call(runtime, "/generate", {"text": PROMPT, field: "x"})
+    assert status == 400 and f"{field} is not supported: radixrt" in body["error"]["message"]
+
+
+def _greedy_text(runtime, **params) -> tuple[str, dict]:
+    status, body = _call(
+        runtime, "/generate", {"text": PROMPT, "sampling_params": {**GREEDY, **params}}
+    )
+    assert status == 200, body
+    return body["text"], body["meta_info"]
+
+
+def test_stop_regex_ends_the_text_at_its_first_match(runtime):
+    free, _ = _greedy_text(runtime, max_new_tokens=24)
+    pattern = "." + re.escape(free[9:11])  # fixed length: the earliest match is the leftmost
+    start = re.search(pattern, free, re.DOTALL).start()
+    text, meta = _greedy_text(runtime, max_new_tokens=24, stop_regex=pattern)
+    assert text == free[:start]
+    assert meta["finish_reason"] == {"type": "stop", "matched": pattern}
+    kept, _ = _greedy_text(runtime, max_new_tokens=24, stop_regex=[pattern], no_stop_trim=True)
+    assert kept == free[: start + 3]
+    status, body = _call(
+        runtime, "/generate", {"text": PROMPT, "sampling_params": {"stop_regex": "(a"}}
+    )
+    assert status == 400 and "stop_regex" in body["error"]["message"]
+
+
+def test_no_stop_trim_keeps_the_stop_string(runtime):
+    free, _ = _greedy_text(runtime, max_new_tokens=24)
+    stop = free[8:11]
+    start = free.index(stop)
+    assert _greedy_text(runtime, max_new_tokens=24, stop=stop)[0] == free[:start]
+    assert (
+        _greedy_text(runtime, max_new_tokens=24, stop=stop, no_stop_trim=True)[0]
+        == free[: start + 3]
+    )
+
+
+def test_sampling_seed_is_seed(runtime):
+    sampled = {"temperature": 1.0, "ignore_eos": True, "max_new_tokens": 12}
+    by_name = [_greedy_text(runtime, **sampled, sampling_seed=7)[0] for _ in range(2)]
+    assert by_name[0] == by_name[1] == _greedy_text(runtime, **sampled, seed=7)[0]
+    assert by_name[0] != _greedy_text(runtime, **sampled, sampling_seed=8)[0]
+
+
+def test_sglangs_null_and_unservable_parameters(runtime):
+    """SGLang's clients send every parameter: null lists are none, `custom_params` is refused
+    by name unless null, and `spaces_between_special_tokens` reaches the tokenizer (a fast one,
+    as here and in SGLang, has no such option: the text is the same)."""
+    plain, _ = _greedy_text(runtime)
+    nulls = {"stop": None, "stop_token_ids": None, "stop_regex": None, "custom_params": None}
+    assert _greedy_text(runtime, **nulls)[0] == plain
+    spaced = {"skip_special_tokens": False, "spaces_between_special_tokens": False}
+    assert _greedy_text(runtime, **spaced)[0] == _greedy_text(runtime, skip_special_tokens=False)[0]
+    status, body = _call(
+        runtime, "/generate", {"text": PROMPT, "sampling_params": {"custom_params": {"a": 1}}}
+    )
+    assert status == 400 and "custom_params is not supported" in body["error"]["message"]
+
+
+def test_return_text_in_logprobs(runtime):
+    status, body = _call(
+        runtime,
+        "/generate",
+        {
+            "text": PROMPT,
+            "sampling_params": GREEDY,
+            "return_logprob": True,
+            "return_text_in_logprobs": True,
+            "logprob_start_len": 0,
+            "top_logprobs_num": 2,
+        },
+    )
+    assert status == 200
+    meta = body["meta_info"]
+    decode = runtime.tokenizer.decode
+    for key in ("input_token_logprobs", "output_token_logprobs"):
+        assert all(text == decode([tid]) for _, tid, text in meta[key])
+    assert all(text == decode([tid]) for top in meta["output_top_logprobs"] for _, tid, text in top)
+    assert meta["input_top_logprobs"][0] is None and len(meta["input_top_logprobs"][1]) == 2
+
+
+def test_structural_tag_constrains_the_tagged_segment(runtime):
+    """SGLang's structural_tag: free text, and a tag's `begin` forces its schema's JSON and its
+    `end`; a malformed one is refused by name."""
+    tag = {
+        "structures": [{"begin": "<f=now>", "schema": {"type": "integer"}, "end": "</f>"}],
+        "triggers": ["<f="],
+    }
+    prompt = {"text": PROMPT + " <f=now>"}
+    status, body = _call(
+        runtime, "/generate", {**prompt, "sampling_params": {**GREEDY, "structural_tag": tag}}
+    )
+    assert status == 200, body  # a random model: text, then whatever the tag allows
+    status, body = _call(
+        runtime,
+        "/generate",
+        {"text": PROMPT, "sampling_params": {"structural_tag": {"structures": []}}},
+    )
+    assert status == 400 and "structural_tag" in body["error"]["message"]
 
 
 def test_flush_cache_needs_the_admin_key(runtime):

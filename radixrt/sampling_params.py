@@ -180,6 +180,7 @@ class SamplingParams:
         """Validated parameters: those given, else `defaults` (the model's generation config),
         else the fields' own defaults."""
         params = {**(defaults or {}), **_sglang_names(params or {})}
+        _structural_tag_as_lark(params)
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = set(params) - known
         if unknown:
@@ -191,7 +192,6 @@ class SamplingParams:
                 params[name] = [params[name]]
         if isinstance(params.get("stop_token_ids"), int):
             params["stop_token_ids"] = [params["stop_token_ids"]]
-        _structural_tag_as_lark(params)
         if params.get("logit_bias") is not None:
             params["logit_bias"] = _token_id_keys(params["logit_bias"])
         sp = cls(**params)

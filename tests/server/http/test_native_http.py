@@ -254,17 +254,22 @@ def test_return_text_in_logprobs(runtime):
 
 
 def test_structural_tag_constrains_the_tagged_segment(runtime):
-    """SGLang's structural_tag: free text, and a tag's `begin` forces its schema's JSON and its
-    `end`; a malformed one is refused by name."""
+    """SGLang's structural_tag: free text, but once a trigger appears its structure's `begin`,
+    schema and `end` follow. The trigger is two characters the free text has (followed there
+    by something else): under the tag, each occurrence goes on as the tag says."""
+    free, _ = _greedy_text(runtime, max_new_tokens=24)
+    at = next(i for i in range(4, len(free) - 2) if free[i : i + 2].isalpha())
+    trigger = free[at : at + 2]
     tag = {
-        "structures": [{"begin": "<f=now>", "schema": {"type": "integer"}, "end": "</f>"}],
-        "triggers": ["<f="],
+        "structures": [{"begin": trigger + "=>", "schema": {"type": "integer"}, "end": "</f>"}],
+        "triggers": [trigger],
     }
-    prompt = {"text": PROMPT + " <f=now>"}
-    status, body = _call(
-        runtime, "/generate", {**prompt, "sampling_params": {**GREEDY, "structural_tag": tag}}
+    text, _ = _greedy_text(runtime, max_new_tokens=24, structural_tag=json.dumps(tag))
+    after = [text[i + 2 :] for i in range(len(text) - 1) if text.startswith(trigger, i)]
+    assert all(re.match(r"=?$|=>-?\d*(</f>|</?f?$|$)", rest) for rest in after), text
+    assert not all(
+        free[i + 2 :].startswith("=>") for i in range(len(free)) if free.startswith(trigger, i)
     )
-    assert status == 200, body  # a random model: text, then whatever the tag allows
     status, body = _call(
         runtime,
         "/generate",
@@ -338,6 +343,26 @@ def test_dsl_programs_run_unchanged_over_http(runtime, http):
     assert over_http.text() == over_zmq.text()
     streamed = program.run(question="Is 2+2 four?", backend=http, stream=True)
     assert "".join(streamed.text_iter()) == over_zmq.text()
+
+
+def test_prompt_logprobs_over_http_equal_zmq(runtime, http):
+    """rt.RuntimeEndpoint over HTTP gives the ZeroMQ endpoint's shapes: pairs, and the first
+    prompt token's logprob and top row null."""
+    params = {**GREEDY, "return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 2}
+    over_http = http.generate(PROMPT, params)["meta_info"]
+    over_zmq = runtime.generate(PROMPT, params)["meta_info"]
+    for key in ("input_token_logprobs", "input_top_logprobs", "output_top_logprobs"):
+        assert _close(over_http[key], over_zmq[key]), key
+    assert over_http["input_top_logprobs"][0] is None
+
+
+def _close(a, b) -> bool:
+    """Equal, floats within 1e-5, inside lists and tuples alike."""
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(map(_close, a, b))
+    if isinstance(a, float) and isinstance(b, float):
+        return abs(a - b) < 1e-5
+    return a == b
 
 
 def test_stats_and_flush_cache_over_http(runtime, http):

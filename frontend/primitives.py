@@ -52,6 +52,8 @@ class Gen(Expr):
     tool_choice: Any = None
     parallel_tool_calls: bool = True
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit
+    min_tokens: int | None = None  # tokens generated before a stop may end it
+    stop_regex: str | list[str] | None = None  # the text ends at a match (SGLang's)
 
     def sampling_params(self, defaults: dict[str, Any]) -> dict[str, Any]:
         """The runtime's sampling params: this gen's values over the run's defaults."""
@@ -60,8 +62,8 @@ class Gen(Expr):
             value = getattr(self, f.name)
             if value is None or f.name in _NOT_SAMPLING:
                 continue
-            if f.name == "max_tokens":
-                params["max_new_tokens"] = value
+            if f.name in ("max_tokens", "min_tokens"):
+                params[f.name.replace("tokens", "new_tokens")] = value
             elif f.name == "dtype":
                 params["dtype"] = DTYPE_NAMES.get(value, value)
             else:
@@ -136,13 +138,16 @@ def gen(
     tool_choice: Any = None,
     parallel_tool_calls: bool = True,
     logit_bias: dict[int, float] | None = None,
+    min_tokens: int | None = None,
+    stop_regex: str | list[str] | None = None,
 ) -> Gen | Select:
     """Generate text into variable `name`. With `choices`, the same as `select`. With `tools`
     (OpenAI's function tools), the reply decodes under the tool-call constraint of `tool_choice`
     (`auto` by default, `required`, `none` or a function's name) and `name` holds the parsed
     calls, `[{"name", "arguments"}]`; the meta info adds the reply's `content`. `logit_bias`:
     token id -> a bias in [-100, 100] added to its logit. `ebnf` (GBNF, llama.cpp's dialect) and
-    `lark` constrain the text to a context-free grammar."""
+    `lark` constrain the text to a context-free grammar. `min_tokens` and `stop_regex` as in
+    SGLang's `gen`."""
     if choices is not None and regex is None and json_schema is None:
         return Select(name, list(choices), temperature or 0.0)
     return Gen(
@@ -171,6 +176,8 @@ def gen(
         else tool_choice,
         parallel_tool_calls,
         logit_bias,
+        min_tokens,
+        stop_regex,
     )
 
 

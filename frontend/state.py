@@ -153,7 +153,8 @@ class ProgramState:
                 for _, first in prompts
             ],
         )
-        return [[lp for lp, _ in out["meta_info"]["input_token_logprobs"]] for out in outs]
+        # the first entry is the token at logprob_start_len, with None (SGLang's convention)
+        return [[lp for lp, _ in out["meta_info"]["input_token_logprobs"][1:]] for out in outs]
 
     def _role_expr(self, r: Role) -> None:
         if r.part in ("whole", "begin"):

@@ -513,6 +513,9 @@ class LoraSettings(Settings):
         return self.enable_lora or bool(self.lora_paths)
 
     def check(self) -> None:
+        if isinstance(self.lora_paths, dict):  # SGLang's form, {name: path}, as name=path entries
+            entries = tuple(f"{name}={path}" for name, path in self.lora_paths.items())
+            object.__setattr__(self, "lora_paths", entries)
         if self.max_loras_per_batch < 1:
             raise ValueError("max_loras_per_batch must be >= 1")
         if self.max_lora_rank is not None and self.max_lora_rank < 1:

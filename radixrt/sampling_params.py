@@ -6,7 +6,10 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+import regex
+
 from radixrt.structured.grammar import CONSTRAINT_KINDS
+from radixrt.structured.structural_tag import structural_tag_lark
 
 NUMBER = (int, float)  # a float parameter takes an int too (JSON writes 1.0 as 1)
 # The smallest temperature that still samples. float32 keeps far smaller numbers, but logits
@@ -16,6 +19,14 @@ MIN_REPETITION_PENALTY = 1e-2
 MAX_STOP_STRINGS = 32  # every stop string is searched for after every token
 MAX_STOP_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
+MAX_STOP_REGEXES = 8  # each is searched for in the text after every token
+# SGLang's names for radixrt's parameters
+_ALIASES = {"sampling_seed": "seed"}
+# SGLang's sampling parameters radixrt cannot honour: refused by name, with why, unless null
+_UNSERVED = {
+    "custom_params": "it feeds a custom logit processor, and radixrt never runs code a request "
+    "sends",
+}
 MAX_SEED = (1 << 63) - 1  # torch generators take 64-bit seeds; n samples add their index
 MAX_LOGIT_BIAS = 100.0  # OpenAI's bound: -100 bans a token, +100 all but forces it
 MAX_LOGIT_BIAS_ENTRIES = 1024
@@ -102,6 +113,14 @@ class SamplingParams:
     stop_token_ids: list[int] = param(
         factory=list, openai="stop_token_ids", doc="token ids that end the output"
     )
+    stop_regex: list[str] = param(  # checked with the stops
+        factory=list,
+        doc="SGLang's: a regex or a list of them; the output ends at the first match in its "
+        "text, cut there",
+    )
+    no_stop_trim: bool = param(
+        False, kind=bool, doc="the stop string, regex match or stop token stays in the text"
+    )
     ignore_eos: bool = param(
         False,
         kind=bool,
@@ -110,6 +129,12 @@ class SamplingParams:
     )
     skip_special_tokens: bool = param(
         True, kind=bool, openai="skip_special_tokens", doc="special tokens are left out of the text"
+    )
+    spaces_between_special_tokens: bool = param(
+        True,
+        kind=bool,
+        doc="with special tokens kept, spaces between them (tokenizers with this option; fast "
+        "ones have none and ignore it, as in SGLang)",
     )
     seed: int | None = param(  # checked with its range
         None, openai="seed", doc="makes sampling repeatable (sample i of n uses seed + i)"
@@ -154,13 +179,17 @@ class SamplingParams:
     ) -> SamplingParams:
         """Validated parameters: those given, else `defaults` (the model's generation config),
         else the fields' own defaults."""
-        params = {**(defaults or {}), **(params or {})}
+        params = {**(defaults or {}), **_sglang_names(params or {})}
+        _structural_tag_as_lark(params)
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = set(params) - known
         if unknown:
             raise ValueError(f"unknown sampling parameters: {sorted(unknown)}")
-        if isinstance(params.get("stop"), str):
-            params["stop"] = [params["stop"]]
+        for name in ("stop", "stop_token_ids", "stop_regex"):
+            if name in params and params[name] is None:  # SGLang's clients send null for none
+                del params[name]
+            if name != "stop_token_ids" and isinstance(params.get(name), str):
+                params[name] = [params[name]]
         if isinstance(params.get("stop_token_ids"), int):
             params["stop_token_ids"] = [params["stop_token_ids"]]
         if params.get("logit_bias") is not None:
@@ -225,6 +254,21 @@ class SamplingParams:
             raise ValueError("stop_token_ids must be a list of non-negative ints")
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise ValueError(f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids")
+        if not isinstance(self.stop_regex, list) or not all(
+            isinstance(r, str) and r for r in self.stop_regex
+        ):
+            raise ValueError("stop_regex must be a non-empty string or a list of them")
+        if len(self.stop_regex) > MAX_STOP_REGEXES or any(
+            len(r) > MAX_STOP_CHARS for r in self.stop_regex
+        ):
+            raise ValueError(
+                f"stop_regex takes at most {MAX_STOP_REGEXES} patterns of at most {MAX_STOP_CHARS} characters"
+            )
+        for pattern in self.stop_regex:
+            try:
+                regex.compile(pattern)  # as the engine matches it (engine/stop_strings.py)
+            except regex.error as e:
+                raise ValueError(f"stop_regex {pattern!r} is not a regex: {e}") from None
 
     def _validate_logit_bias(self) -> None:
         if self.logit_bias is None:
@@ -296,6 +340,33 @@ def openai_names() -> dict[str, str]:
         for f in dataclasses.fields(SamplingParams)
         if (spec := param_spec(f)).openai is not None
     }
+
+
+def _sglang_names(params: dict[str, Any]) -> dict[str, Any]:
+    """SGLang's parameter names as radixrt's (`sampling_seed` is `seed`); one it cannot honour
+    is refused by name, with why, unless it is null (SGLang's clients send every field)."""
+    out = {}
+    for name, value in params.items():
+        if name in _UNSERVED:
+            if value is not None:
+                raise ValueError(f"{name} is not supported: {_UNSERVED[name]}")
+            continue
+        own = _ALIASES.get(name, name)
+        if own in out and value is not None and out[own] != value:
+            raise ValueError(f"give one of {own} and {name}")
+        if own not in out or value is not None:
+            out[own] = value
+    return out
+
+
+def _structural_tag_as_lark(params: dict[str, Any]) -> None:
+    """SGLang's `structural_tag` (in place) as the Lark grammar llguidance builds for it."""
+    tag = params.pop("structural_tag", None)
+    if tag is None:
+        return
+    if params.get("lark") is not None:
+        raise ValueError("give one of structural_tag and lark")
+    params["lark"] = structural_tag_lark(tag)
 
 
 def _token_id_keys(bias: Any) -> Any:

@@ -279,10 +279,11 @@ def _sample(body: dict[str, Any]) -> dict[str, Any]:
     for key in LOGPROB_KEYS:
         if key in meta:
             meta[key] = [[lp, tid] for lp, tid, *_ in meta[key]]
-    if "output_top_logprobs" in meta:
-        meta["output_top_logprobs"] = [
-            [[lp, tid] for lp, tid, *_ in top] for top in meta["output_top_logprobs"]
-        ]
+    for key in ("input_top_logprobs", "output_top_logprobs"):
+        if key in meta:  # a row is null at the first prompt token
+            meta[key] = [
+                top if top is None else [[lp, tid] for lp, tid, *_ in top] for top in meta[key]
+            ]
     return {"text": body["text"], "output_ids": body["output_ids"], "meta_info": meta}
 
 

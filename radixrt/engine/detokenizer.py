@@ -22,16 +22,23 @@ class IncrementalDetokenizer:
         tokenizer: PreTrainedTokenizerBase,
         prompt_ids: list[int],
         skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = True,
     ):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        # honoured by the tokenizers that have the option; fast ones ignore it
+        self.spaces_between_special_tokens = spaces_between_special_tokens
         self.ids = list(prompt_ids[-_CONTEXT_TOKENS:])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
 
     def _decode(self, ids: list[int]) -> str:
         # one list of ids decodes to one string (a list of strings is for a batch of lists)
-        text = self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        # passed only when off: it is on by default where a tokenizer has it at all
+        spaces = (
+            {} if self.spaces_between_special_tokens else {"spaces_between_special_tokens": False}
+        )
+        text = self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens, **spaces)
         return cast(str, text)
 
     def add(self, token_id: int) -> str:

@@ -18,6 +18,7 @@ from radixrt.engine.request import FinishReason, Req, Scheduled
 from radixrt.engine.sampler import NAN_LOGITS, SampleOutput, sample
 from radixrt.engine.speculation import Speculation
 from radixrt.engine.stats import Counters
+from radixrt.engine.stop_strings import STOP_REGEX_TIMEOUT_S, StopRegexTimeout
 from radixrt.executor.tp_worker import TPDriver
 from radixrt.mem_cache.slot_manager import KVSlotManager
 from radixrt.protocol import ErrorCode
@@ -232,6 +233,24 @@ class OutputProcessor:
             sorted(self._stop_ids(req)) if len(req.output_ids) < req.params.min_new_tokens else []
         )
 
+    def _stop_regex(self, req: Req) -> bool:
+        """Whether a `stop_regex` pattern matches the text (then the request finishes there,
+        the match cut unless `no_stop_trim`); a search that times out aborts the request."""
+        assert req.stop_regexes is not None
+        try:
+            hit = req.stop_regexes.search(req.text)
+        except StopRegexTimeout as e:
+            req.finish_reason = FinishReason.abort(
+                f"stop_regex {e} took over {STOP_REGEX_TIMEOUT_S}s to search the text",
+                ErrorCode.INVALID_REQUEST,
+            )
+            return True
+        if hit is None:
+            return False
+        req.text = req.text[: hit.end if req.params.no_stop_trim else hit.start]
+        req.finish_reason = FinishReason.stop(req.params.stop_regex[hit.index])
+        return True
+
     def _append_token(self, req: Req, token: int) -> None:
         """Append one token: advance the constraint, detokenize, and decide whether (and why)
         the request finishes: a complete constraint, a stop token, a stop string (cut from the
@@ -249,14 +268,17 @@ class OutputProcessor:
                 return
         if token in self._stop_ids(req):
             req.finish_reason = FinishReason.stop(token)
-            req.text += req.detokenizer.flush()
+            kept = req.detokenizer.add(token) if params.no_stop_trim else ""
+            req.text += kept + req.detokenizer.flush()
             return
         delta = req.detokenizer.add(token)
         req.text += delta
         hit = req.stops.feed(delta) if req.stops is not None else None
         if hit is not None:
-            req.text = req.text[: hit.start]
+            req.text = req.text[: hit.end if params.no_stop_trim else hit.start]
             req.finish_reason = FinishReason.stop(params.stop[hit.index])
+            return
+        if delta and req.stop_regexes is not None and self._stop_regex(req):
             return
         if (
             len(req.output_ids) >= params.max_new_tokens

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 import torch
 
 from radixrt.engine.detokenizer import IncrementalDetokenizer
-from radixrt.engine.stop_strings import StopScanner
+from radixrt.engine.stop_strings import StopRegexes, StopScanner
 from radixrt.mem_cache.kv_events import Adapter
 from radixrt.mem_cache.radix_cache import TreeNode
 from radixrt.protocol import ErrorCode, GenerateOptions
@@ -169,6 +169,7 @@ class Req:
     text: str = ""
     finish_reason: FinishReason | None = None
     stops: StopScanner | None = None  # the walk over `text` looking for params.stop (if any)
+    stop_regexes: StopRegexes | None = None  # params.stop_regex (if any)
 
     # Memory state; see mem_cache/slot_manager.py for who owns which part of the row.
     row: int | None = None
@@ -222,12 +223,25 @@ class Req:
         return len(self.all_ids) - self.kv_len
 
     @property
-    def input_token_logprobs(self) -> list[tuple[float, int]]:
-        return self.prompt_logprobs.chosen_pairs()
+    def input_token_logprobs(self) -> list[tuple[float | None, int]]:
+        """SGLang's convention: one entry per prompt token from `logprob_start_len` on, the
+        first with logprob None (its logits are not computed, and at position 0 nothing
+        predicts it); the OpenAI `echo` shows the same list."""
+        first = self._first_scored_token()
+        return [*first, *self.prompt_logprobs.chosen_pairs()] if first else []
 
     @property
-    def input_top_logprobs(self) -> list[list[tuple[float, int]]]:
-        return self.prompt_logprobs.top_pairs()
+    def input_top_logprobs(self) -> list[list[tuple[float, int]] | None]:
+        """The top tokens at each entry of `input_token_logprobs` (None at its first)."""
+        first: list[list[tuple[float, int]] | None] = [None]
+        return first + list(self.prompt_logprobs.top_pairs()) if self._first_scored_token() else []
+
+    def _first_scored_token(self) -> list[tuple[float | None, int]]:
+        """[(None, the token at `logprob_start_len`)], or [] when no prompt token is scored."""
+        start = self.params.logprob_start_len
+        if not self.wants_prompt_logprobs() or start >= len(self.input_ids):
+            return []
+        return [(None, self.input_ids[start])]
 
     def stop_holdback(self) -> int:
         """Characters at the end of the text that could still begin a stop string: a stream

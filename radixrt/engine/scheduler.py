@@ -43,7 +43,7 @@ from radixrt.engine.request import (
 )
 from radixrt.engine.speculation import SpecCounters, Speculation, decodes_only
 from radixrt.engine.stats import Counters, StatsInputs, StepLog, scheduler_stats
-from radixrt.engine.stop_strings import StopAutomaton, StopScanner
+from radixrt.engine.stop_strings import StopAutomaton, StopRegexes, StopScanner
 from radixrt.engine.tenant_stats import TenantStats
 from radixrt.executor.lora_manager import AdapterError, AdapterInfo
 from radixrt.executor.model_loader import model_fingerprint
@@ -225,10 +225,16 @@ class Scheduler:
             rid,
             list(input_ids),
             params,
-            IncrementalDetokenizer(self.tokenizer, input_ids, params.skip_special_tokens),
+            IncrementalDetokenizer(
+                self.tokenizer,
+                input_ids,
+                params.skip_special_tokens,
+                params.spaces_between_special_tokens,
+            ),
             torch.Generator().manual_seed(seed),
             scope=scope,
             stops=self._stop_scanner(params),
+            stop_regexes=StopRegexes(params.stop_regex) if params.stop_regex else None,
         )
         if self.spec is not None:
             self.spec.start(req)

@@ -16,16 +16,23 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import regex
+
 NO_STOP = 1 << 30  # `first` of a state where no stop string ends
 _CHARS = 0x110000  # code points: an edge's key is state * _CHARS + ord(char)
+# what one search of a request's text for its stop regexes may take: a pattern that backtracks
+# catastrophically ends its own request (`StopRegexTimeout`), not the batch's progress
+STOP_REGEX_TIMEOUT_S = 0.05
 
 
 @dataclass(frozen=True)
 class StopHit:
-    """A stop string found in the text: which one (its index in `stop`), and where it starts."""
+    """A stop string (or regex match) found in the text: which one (its index in `stop` or
+    `stop_regex`), and where it starts and ends."""
 
     index: int
     start: int
+    end: int
 
 
 class StopAutomaton:
@@ -107,10 +114,37 @@ class StopScanner:
         self.fed += len(delta)
         if best == NO_STOP:
             return None
-        return StopHit(best, best_end - len(a.stops[best]))
+        return StopHit(best, best_end - len(a.stops[best]), best_end)
 
     @property
     def holdback(self) -> int:
         """Characters at the end of the text that could still begin a stop string (while no
         stop string has been found, the longest suffix that is a proper prefix of one)."""
         return self.automaton.depth[self.state]
+
+
+class StopRegexTimeout(Exception):
+    """A stop regex's search took longer than STOP_REGEX_TIMEOUT_S."""
+
+
+class StopRegexes:
+    """A request's `stop_regex` patterns (SGLang's), searched for in its whole text after each
+    token, as a match may start anywhere before the newest piece. Python's `re` syntax, matched
+    by the `regex` module, whose timeout bounds each search."""
+
+    def __init__(self, patterns: Sequence[str]):
+        self.patterns = tuple(patterns)
+        self.compiled = [regex.compile(p) for p in self.patterns]
+
+    def search(self, text: str) -> StopHit | None:
+        """The match that starts first (the earlier pattern on a tie), or None;
+        StopRegexTimeout when a search runs too long."""
+        best: StopHit | None = None
+        for index, pattern in enumerate(self.compiled):
+            try:
+                match = pattern.search(text, timeout=STOP_REGEX_TIMEOUT_S)
+            except TimeoutError:
+                raise StopRegexTimeout(self.patterns[index]) from None
+            if match is not None and (best is None or match.start() < best.start):
+                best = StopHit(index, match.start(), match.end())
+        return best

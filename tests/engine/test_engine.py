@@ -112,7 +112,10 @@ def test_logprobs(engine):
     for (lp, tok), top in zip(meta["output_token_logprobs"], meta["output_top_logprobs"]):
         assert top[0][1] == tok and abs(top[0][0] - lp) < 1e-5  # greedy picks the top token
     n_prompt = meta["prompt_tokens"]
-    assert len(meta["input_token_logprobs"]) == n_prompt - 1
+    # SGLang's convention: every prompt token from logprob_start_len, the first with None
+    assert len(meta["input_token_logprobs"]) == n_prompt
+    assert meta["input_token_logprobs"][0][0] is None
+    assert all(lp <= 0 for lp, _ in meta["input_token_logprobs"][1:])
 
 
 def test_invalid_input_raises_value_error(engine):

@@ -256,3 +256,13 @@ def test_adapter_namespaces_are_apart_from_salts_and_from_each_other():
     assert namespace_of("alice", {}) != namespace_of("alice", {"lora_path": "a1"})
     with pytest.raises(ValueError, match="lora_path must be a string"):
         RequestScope.from_fields("", {"lora_path": 3})
+
+
+def test_lora_paths_take_sglangs_dict():
+    """`rt.Engine(lora_paths={name: path})`, SGLang's form, is the `name=path` list."""
+    args = rt.ServerArgs.from_kwargs(lora_paths={"a1": "/adapters/a1", "a2": "/adapters/a2"})
+    assert args.lora_paths == ("a1=/adapters/a1", "a2=/adapters/a2")
+    assert args.executor.lora_enabled
+    assert "--lora-paths=a2=/adapters/a2" in args.to_cli_args()
+    with pytest.raises(ValueError, match="name=path"):
+        rt.ServerArgs(lora_paths={"": "/adapters/a1"})

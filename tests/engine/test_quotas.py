@@ -56,6 +56,7 @@ def test_prompt_logprobs_in_chunks_equal_transformers(tiny_model_dir):
     with torch.inference_mode():
         logits = _hf_model(str(tiny_model_dir))(torch.tensor([ids])).logits[0]
     expected = torch.log_softmax(logits, dim=-1)[torch.arange(3, n - 1), ids[4:]]
-    got = torch.tensor([lp for lp, _ in req.input_token_logprobs])
-    assert [t for _, t in req.input_token_logprobs] == ids[4:]
+    assert req.input_token_logprobs[0] == (None, ids[3])  # the first token's: not computed
+    got = torch.tensor([lp for lp, _ in req.input_token_logprobs[1:]])
+    assert [t for _, t in req.input_token_logprobs[1:]] == ids[4:]
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)

@@ -180,7 +180,7 @@ def test_family_prompt_logprobs_equal_transformers(name, tmp_path, tiny_model_di
     with torch.inference_mode():
         logits = _hf_model(str(folder))(torch.tensor([ids])).logits[0]
     expected = torch.log_softmax(logits, dim=-1)[torch.arange(len(ids) - 1), ids[1:]]
-    got = torch.tensor([lp for lp, _ in req.input_token_logprobs])
+    got = torch.tensor([lp for lp, _ in req.input_token_logprobs[1:]])  # the first's is None
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
 
 

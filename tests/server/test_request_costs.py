@@ -141,9 +141,10 @@ def test_prompt_logprobs_past_the_cap_are_refused_by_name(costs):
         assert error.code == "invalid_request" and "1194" in error.message
         out = alice.generate(input_ids=ids, sampling_params={**asked, "top_logprobs_num": 3})
         meta = out["meta_info"]  # 4 x 199 = 796 values: under the cap
-        assert [t for _, t in meta["input_token_logprobs"]] == ids[1:]
-        assert all(len(top) == 3 for top in meta["input_top_logprobs"])
-        assert len(meta["input_top_logprobs"]) == 199
+        assert [t for _, t in meta["input_token_logprobs"]] == ids  # the first's logprob None
+        assert meta["input_top_logprobs"][0] is None
+        assert all(len(top) == 3 for top in meta["input_top_logprobs"][1:])
+        assert len(meta["input_top_logprobs"]) == 200
     finally:
         alice.close()
 

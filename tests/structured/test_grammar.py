@@ -102,6 +102,26 @@ def test_lark_mask_walk(compiler, tokenizer):
     assert texts and all(PAIRS.fullmatch(t) for t in texts)
 
 
+def test_structural_tag_holds_only_the_tagged_segment(compiler, tokenizer):
+    """SGLang's structural_tag, as the sampling params translate it: free text around, the
+    trigger starts its structure, whose JSON and end are then enforced."""
+    tag = {
+        "structures": [
+            {"begin": "<f=now>", "schema": {"type": "integer"}, "end": "</f>"},
+            {"begin": "<f=say>", "schema": {"type": "string"}, "end": "</f>"},
+        ],
+        "triggers": ["<f="],
+    }
+    lark = SamplingParams.from_dict({"structural_tag": json.dumps(tag)}).lark
+    for text in ("no tags", 'a <f=now>12</f> b <f=say>"hi"</f>', "<f=now>-3</f>"):
+        walk_text(compiler, tokenizer, text, lark=lark)
+    guide = compiler.compile(lark=lark).guide()
+    for token in tokenizer.encode("x <f=now>", add_special_tokens=False):
+        guide.advance(token)
+    with pytest.raises(ValueError):  # the integer the structure holds, not text
+        guide.advance(tokenizer.encode("abc", add_special_tokens=False)[0])
+
+
 def test_bad_grammars_fail_by_name(compiler):
     for constraint in (
         {"ebnf": "root ::= ("},

@@ -13,13 +13,13 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from radixrt import __version__
 from radixrt.client.endpoint import Prompt, RequestOptions
@@ -44,6 +44,8 @@ KEYED_ROUTES = (
     "/flush_cache",
     "/get_model_info",
     "/get_server_info",
+    "/server_info",
+    "/concate_and_append_request",
     "/health_generate",
     "/tokenize",
     "/detokenize",
@@ -60,6 +62,16 @@ HEALTH_GENERATE_PARAMS = {"max_new_tokens": 1, "temperature": 0}
 # the sampling parameters a native /generate takes top level (SGLang's logprob fields); the wire
 # carries them in sampling_params
 TOP_LEVEL_PARAMS = tuple(f.name for f in dataclasses.fields(SamplingParams) if param_spec(f).native)
+# SGLang's /generate fields radixrt cannot serve, each refused by name with why (not as unknown)
+UNSERVED_FIELDS = {
+    "image_data": "radixrt serves text-only models (no image inputs)",
+    "video_data": "radixrt serves text-only models (no video inputs)",
+    "audio_data": "radixrt serves text-only models (no audio inputs)",
+    "input_embeds": "radixrt takes prompts as text or token ids, not embeddings",
+    "custom_logit_processor": "radixrt never runs code a request sends (it would be unpickled)",
+    "return_hidden_states": "radixrt does not return hidden states",
+    "session_params": "radixrt has no sessions; its radix cache reuses a shared prefix by itself",
+}
 
 
 class _Body(BaseModel):
@@ -76,6 +88,15 @@ class NativeGenerateRequest(request_body(_Body, native=True)):  # type: ignore[m
     sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
     stream: bool = False
     rid: str | list[str] | None = None
+    return_text_in_logprobs: bool = False  # each logprob triple's third item: its token's text
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unserved(cls, body: Any) -> Any:
+        unserved = [k for k in UNSERVED_FIELDS if isinstance(body, dict) and k in body]
+        if unserved:
+            raise ValueError(f"{unserved[0]} is not supported: {UNSERVED_FIELDS[unserved[0]]}")
+        return body
 
 
 class TokenizeRequest(_Body):
@@ -86,6 +107,11 @@ class TokenizeRequest(_Body):
 class DetokenizeRequest(_Body):
     tokens: list[int]
     skip_special_tokens: bool = True
+
+
+class ConcateAndAppendRequest(_Body):
+    src_rids: list[str]
+    dst_rid: str
 
 
 class AbortRequest(_Body):
@@ -187,20 +213,25 @@ def _invalid(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param=param, code=ErrorCode.INVALID_REQUEST.value)
 
 
-def _triples(pairs: list) -> list[list]:
-    """The runtime's `[logprob, token_id]` as SGLang's `[logprob, token_id, text]` (no text:
-    radixrt has no `return_text_in_logprobs`)."""
-    return [[lp, tid, None] for lp, tid in pairs]
+TokenText = Callable[[int], str]
 
 
-def sample_body(sample: dict[str, Any], rid: str) -> dict[str, Any]:
-    """One finished sample in SGLang's shape: `text`, `output_ids`, `meta_info` with `id`."""
+def _triples(pairs: list, text: TokenText | None) -> list[list]:
+    """The runtime's `[logprob, token_id]` as SGLang's `[logprob, token_id, text]`: the token's
+    text with `return_text_in_logprobs` (`text` given), else None."""
+    return [[lp, tid, text(tid) if text else None] for lp, tid in pairs]
+
+
+def sample_body(sample: dict[str, Any], rid: str, text: TokenText | None = None) -> dict[str, Any]:
+    """One finished sample in SGLang's shape: `text`, `output_ids`, `meta_info` with `id`, its
+    logprobs as triples (a top-logprob row that is None, at the first prompt token, stays so)."""
     meta = {**sample["meta_info"], "id": rid}
     for key in ("input_token_logprobs", "output_token_logprobs"):
         if key in meta:
-            meta[key] = _triples(meta[key])
-    if "output_top_logprobs" in meta:
-        meta["output_top_logprobs"] = [_triples(top) for top in meta["output_top_logprobs"]]
+            meta[key] = _triples(meta[key], text)
+    for key in ("input_top_logprobs", "output_top_logprobs"):
+        if key in meta:
+            meta[key] = [top if top is None else _triples(top, text) for top in meta[key]]
     return {"text": sample["text"], "output_ids": sample["output_ids"], "meta_info": meta}
 
 
@@ -246,6 +277,7 @@ class NativeAPI:
         if fanout > MAX_FANOUT:
             raise _invalid(f"{fanout} requests (prompts x n); at most {MAX_FANOUT} per call")
         options = await self.gateway.options(request, req)
+        text = await self._token_text() if req.return_text_in_logprobs else None
         self._claim(calls)
         try:
             if req.stream:
@@ -253,15 +285,20 @@ class NativeAPI:
                     raise _invalid("stream: true takes one prompt", "stream")
                 replies = self._stream(calls[0], options)
                 (first,) = await unless_disconnected(request, [replies.__anext__()])
-                events = self._events(calls[0], prepend(first, replies))
+                events = self._events(calls[0], prepend(first, replies), text)
                 return StreamingResponse(events, media_type="text/event-stream")
-            outs = await unless_disconnected(request, [self._one(c, options) for c in calls])
+            outs = await unless_disconnected(request, [self._one(c, options, text) for c in calls])
         except BaseException:
             self._release(calls)
             raise
         self._release(calls)
         bodies = [b for per_prompt in outs for b in per_prompt]
         return JSONResponse(bodies[0] if single and len(bodies) == 1 else bodies)
+
+    async def _token_text(self) -> TokenText:
+        """A token id's text as `return_text_in_logprobs` shows it (the token decoded alone)."""
+        tokenizer = (await self.gateway.model()).tokenizer
+        return lambda tid: tokenizer.decode([tid])
 
     def _claim(self, calls: list[NativeCall]) -> None:
         taken = [c.rid for c in calls if (c.key, c.rid) in self.in_flight]
@@ -274,13 +311,15 @@ class NativeAPI:
         for c in calls:
             self.in_flight.pop((c.key, c.rid), None)
 
-    async def _one(self, call: NativeCall, options: RequestOptions) -> list[dict[str, Any]]:
+    async def _one(
+        self, call: NativeCall, options: RequestOptions, text: TokenText | None
+    ) -> list[dict[str, Any]]:
         options = call.with_own(options)
         out = await self.gateway.endpoint.async_generate(
             call.prompt, call.params, rid=call.runtime_rid, options=options
         )
         samples = out if isinstance(out, list) else [out]
-        return [sample_body(s, call.rid) for s in samples]
+        return [sample_body(s, call.rid, text) for s in samples]
 
     async def _stream(self, call: NativeCall, options: RequestOptions) -> AsyncIterator[dict]:
         replies = self.gateway.endpoint.async_stream(
@@ -293,7 +332,9 @@ class NativeAPI:
             await replies.aclose()  # aborts the request when the caller left early
             self._release([call])
 
-    async def _events(self, call: NativeCall, replies: AsyncIterator[dict]) -> AsyncIterator[str]:
+    async def _events(
+        self, call: NativeCall, replies: AsyncIterator[dict], text: TokenText | None
+    ) -> AsyncIterator[str]:
         """SGLang's stream: each event holds the sample's text and ids so far (cumulative), the
         last one its `meta_info` with `finish_reason`; then `data: [DONE]`."""
         n = max(1, call.params.get("n") or 1)
@@ -303,7 +344,7 @@ class NativeAPI:
             async for reply in replies:
                 index = reply.get("index", 0)
                 if reply["finished"]:
-                    body = sample_body(reply, call.rid)
+                    body = sample_body(reply, call.rid, text)
                 elif reply["delta"] or reply["token_ids"]:
                     texts[index] = texts.get(index, "") + reply["delta"]
                     ids[index] = ids.get(index, []) + list(reply["token_ids"])
@@ -333,8 +374,17 @@ class NativeAPI:
         return JSONResponse({"success": flushed, "message": message}, 200 if flushed else 400)
 
     async def get_model_info(self, request: Request) -> dict:
+        """The runtime's `model_info` with SGLang's keys (its frontend reads `model_path`)."""
         info = await self._call(request, "model_info")
-        return {**info, "tokenizer_path": info["model_path"], "is_generation": True}
+        return {
+            **info,
+            "tokenizer_path": info["model_path"],
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": "default",
+            "has_image_understanding": False,
+            "has_audio_understanding": False,
+        }
 
     async def get_server_info(self, request: Request) -> dict:
         """The runtime's `stats` (as the caller's key may see them) as SGLang's
@@ -347,6 +397,14 @@ class NativeAPI:
             "context_length": model.context_length,
             "internal_states": [stats],
         }
+
+    async def concate_and_append_request(self, req: ConcateAndAppendRequest) -> dict:
+        """SGLang's frontend (`join("concate_and_append")`, and any join under its default
+        parallel encoding) asks here to splice forked branches' KV caches after the parent's;
+        it has already appended their text itself. radixrt splices nothing: the next request
+        sends the joined text, whose K/V the radix cache reuses up to the branches and
+        computes after them in full context. So this succeeds doing nothing."""
+        return {"success": True}
 
     async def health_generate(self, request: Request) -> dict:
         """200 once the runtime generated one token."""
@@ -457,5 +515,11 @@ def add_native_routes(app: FastAPI, gateway: Gateway) -> None:
     app.api_route("/flush_cache", methods=["GET", "POST"])(native.flush_cache)
     app.get("/get_model_info")(native.get_model_info)
     app.get("/get_server_info")(native.get_server_info)
+    app.get("/server_info")(native.get_server_info)  # SGLang's newer name
+
+    @app.post("/concate_and_append_request")
+    async def concate_and_append_request(req: ConcateAndAppendRequest) -> dict:
+        return await native.concate_and_append_request(req)
+
     app.get("/health_generate")(native.health_generate)
     add_rollout_routes(app, native._call)

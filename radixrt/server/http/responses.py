@@ -15,7 +15,7 @@ from radixrt.structured.tools import ToolCallParser, new_call_id
 class Echo(NamedTuple):
     """A completion prompt echoed before its completion (`echo: true`): its text as given, and
     its token ids, which the gateway tokenizes itself so that each echoed logprob has its token
-    (the runtime's prompt logprobs start at the second token)."""
+    (the runtime's prompt logprobs are of the ids it was sent)."""
 
     text: str
     ids: list[int]
@@ -129,7 +129,7 @@ class ResponseShape:
         asked_tops = "output_top_logprobs" in meta
         top_dicts = [dict(top) for top in tops] if asked_tops else None
         if echo is not None:
-            prompt, prompt_tops = self._prompt_logprobs(meta, echo)
+            prompt, prompt_tops = self._prompt_logprobs(meta)
             chosen = prompt + chosen
             top_dicts = prompt_tops + top_dicts if asked_tops else None
         offsets = list(itertools.accumulate((len(t) for t, _ in chosen), initial=0))[:-1]
@@ -141,17 +141,18 @@ class ResponseShape:
         }
 
     def _prompt_logprobs(
-        self, meta: dict[str, Any], echo: Echo
+        self, meta: dict[str, Any]
     ) -> tuple[list[tuple[str, float | None]], list[dict[str, float] | None]]:
         """The echoed prompt's (token, logprob) pairs and top-logprob maps, as OpenAI has them:
-        the first token, which nothing predicts, has None for both."""
+        the first token, which nothing predicts, has None for both (the runtime's
+        `input_token_logprobs` from position 0 already start so, as SGLang's do)."""
         decode = self.tokenizer.decode
         scored = [(decode([tid]), lp) for lp, tid in meta["input_token_logprobs"]]
         tops = [
-            {decode([tid]): lp for lp, tid in top} for top in meta.get("input_top_logprobs", [])
+            None if top is None else {decode([tid]): lp for lp, tid in top}
+            for top in meta.get("input_top_logprobs", [None] * len(scored))
         ]
-        first = [(decode(echo.ids[:1]), None)] if echo.ids else []
-        return first + scored, [None] * len(first) + tops
+        return scored, tops
 
 
 @dataclass

@@ -4,6 +4,7 @@ programs over it, against a real runtime and gateway (the tiny random model)."""
 from __future__ import annotations
 
 import json
+import re
 import threading
 import urllib.error
 import urllib.request
@@ -127,8 +128,11 @@ def test_input_token_logprobs_equal_transformers(runtime, tiny_model_dir):
     with torch.inference_mode():
         logits = _hf_model(str(tiny_model_dir))(torch.tensor([ids])).logits[0]
     expected = torch.log_softmax(logits.float(), -1)[:-1].gather(1, torch.tensor([ids[1:]]).T)
-    scored = [entry for entry in meta["input_token_logprobs"] if entry[0] is not None]
-    assert len(scored) == len(ids) - 1  # every token after the first
+    # SGLang's: every prompt token from logprob_start_len, the first's logprob null
+    assert meta["input_token_logprobs"][0] == [None, ids[0], None]
+    assert meta["input_top_logprobs"][0] is None
+    scored = meta["input_token_logprobs"][1:]
+    assert len(scored) == len(ids) - 1 and all(entry[0] is not None for entry in scored)
     assert [entry[1] for entry in scored] == ids[-len(scored) :]
     got = torch.tensor([entry[0] for entry in scored])
     torch.testing.assert_close(got, expected[-len(scored) :, 0], atol=1e-4, rtol=1e-4)
@@ -148,6 +152,130 @@ def test_control_routes(runtime):
     assert tokens["count"] == len(tokens["tokens"])
     status, text = _call(runtime, "/detokenize", {"tokens": tokens["tokens"]})
     assert status == 200 and text["text"] == PROMPT
+
+
+def test_sglangs_routes_and_keys(runtime):
+    """What SGLang's frontend and clients call besides /generate: /server_info (its newer
+    name), /get_model_info's keys, and /concate_and_append_request, which succeeds doing
+    nothing (the frontend appended the branches' text itself)."""
+    status, info = _call(runtime, "/get_model_info")
+    assert status == 200 and info["tokenizer_path"] == info["model_path"]
+    assert info["has_image_understanding"] is False and info["weight_version"] == "default"
+    status, server = _call(runtime, "/server_info")
+    assert status == 200 and server == {**server, "version": rt.__version__}
+    body = {"src_rids": ["a", "b"], "dst_rid": "c"}
+    assert _call(runtime, "/concate_and_append_request", body) == (200, {"success": True})
+    status, models = _call(runtime, "/v1/models")
+    assert status == 200 and models["data"]
+
+
+@pytest.mark.parametrize("field", ["image_data", "input_embeds", "custom_logit_processor"])
+def test_unserved_generate_fields_are_refused_saying_why(runtime, field):
+    status, body = _call(runtime, "/generate", {"text": PROMPT, field: "x"})
+    assert status == 400 and f"{field} is not supported: radixrt" in body["error"]["message"]
+
+
+def _greedy_text(runtime, **params) -> tuple[str, dict]:
+    status, body = _call(
+        runtime, "/generate", {"text": PROMPT, "sampling_params": {**GREEDY, **params}}
+    )
+    assert status == 200, body
+    return body["text"], body["meta_info"]
+
+
+def test_stop_regex_ends_the_text_at_its_first_match(runtime):
+    free, _ = _greedy_text(runtime, max_new_tokens=24)
+    pattern = "." + re.escape(free[9:11])  # fixed length: the earliest match is the leftmost
+    start = re.search(pattern, free, re.DOTALL).start()
+    text, meta = _greedy_text(runtime, max_new_tokens=24, stop_regex=pattern)
+    assert text == free[:start]
+    assert meta["finish_reason"] == {"type": "stop", "matched": pattern}
+    kept, _ = _greedy_text(runtime, max_new_tokens=24, stop_regex=[pattern], no_stop_trim=True)
+    assert kept == free[: start + 3]
+    status, body = _call(
+        runtime, "/generate", {"text": PROMPT, "sampling_params": {"stop_regex": "(a"}}
+    )
+    assert status == 400 and "stop_regex" in body["error"]["message"]
+
+
+def test_no_stop_trim_keeps_the_stop_string(runtime):
+    free, _ = _greedy_text(runtime, max_new_tokens=24)
+    stop = free[8:11]
+    start = free.index(stop)
+    assert _greedy_text(runtime, max_new_tokens=24, stop=stop)[0] == free[:start]
+    assert (
+        _greedy_text(runtime, max_new_tokens=24, stop=stop, no_stop_trim=True)[0]
+        == free[: start + 3]
+    )
+
+
+def test_sampling_seed_is_seed(runtime):
+    sampled = {"temperature": 1.0, "ignore_eos": True, "max_new_tokens": 12}
+    by_name = [_greedy_text(runtime, **sampled, sampling_seed=7)[0] for _ in range(2)]
+    assert by_name[0] == by_name[1] == _greedy_text(runtime, **sampled, seed=7)[0]
+    assert by_name[0] != _greedy_text(runtime, **sampled, sampling_seed=8)[0]
+
+
+def test_sglangs_null_and_unservable_parameters(runtime):
+    """SGLang's clients send every parameter: null lists are none, `custom_params` is refused
+    by name unless null, and `spaces_between_special_tokens` reaches the tokenizer (a fast one,
+    as here and in SGLang, has no such option: the text is the same)."""
+    plain, _ = _greedy_text(runtime)
+    nulls = {"stop": None, "stop_token_ids": None, "stop_regex": None, "custom_params": None}
+    assert _greedy_text(runtime, **nulls)[0] == plain
+    spaced = {"skip_special_tokens": False, "spaces_between_special_tokens": False}
+    assert _greedy_text(runtime, **spaced)[0] == _greedy_text(runtime, skip_special_tokens=False)[0]
+    status, body = _call(
+        runtime, "/generate", {"text": PROMPT, "sampling_params": {"custom_params": {"a": 1}}}
+    )
+    assert status == 400 and "custom_params is not supported" in body["error"]["message"]
+
+
+def test_return_text_in_logprobs(runtime):
+    status, body = _call(
+        runtime,
+        "/generate",
+        {
+            "text": PROMPT,
+            "sampling_params": GREEDY,
+            "return_logprob": True,
+            "return_text_in_logprobs": True,
+            "logprob_start_len": 0,
+            "top_logprobs_num": 2,
+        },
+    )
+    assert status == 200
+    meta = body["meta_info"]
+    decode = runtime.tokenizer.decode
+    for key in ("input_token_logprobs", "output_token_logprobs"):
+        assert all(text == decode([tid]) for _, tid, text in meta[key])
+    assert all(text == decode([tid]) for top in meta["output_top_logprobs"] for _, tid, text in top)
+    assert meta["input_top_logprobs"][0] is None and len(meta["input_top_logprobs"][1]) == 2
+
+
+def test_structural_tag_constrains_the_tagged_segment(runtime):
+    """SGLang's structural_tag: free text, but once a trigger appears its structure's `begin`,
+    schema and `end` follow. The trigger is two characters the free text has (followed there
+    by something else): under the tag, each occurrence goes on as the tag says."""
+    free, _ = _greedy_text(runtime, max_new_tokens=24)
+    at = next(i for i in range(4, len(free) - 2) if free[i : i + 2].isalpha())
+    trigger = free[at : at + 2]
+    tag = {
+        "structures": [{"begin": trigger + "=>", "schema": {"type": "integer"}, "end": "</f>"}],
+        "triggers": [trigger],
+    }
+    text, _ = _greedy_text(runtime, max_new_tokens=24, structural_tag=json.dumps(tag))
+    after = [text[i + 2 :] for i in range(len(text) - 1) if text.startswith(trigger, i)]
+    assert all(re.match(r"=?$|=>-?\d*(</f>|</?f?$|$)", rest) for rest in after), text
+    assert not all(
+        free[i + 2 :].startswith("=>") for i in range(len(free)) if free.startswith(trigger, i)
+    )
+    status, body = _call(
+        runtime,
+        "/generate",
+        {"text": PROMPT, "sampling_params": {"structural_tag": {"structures": []}}},
+    )
+    assert status == 400 and "structural_tag" in body["error"]["message"]
 
 
 def test_flush_cache_needs_the_admin_key(runtime):
@@ -215,6 +343,26 @@ def test_dsl_programs_run_unchanged_over_http(runtime, http):
     assert over_http.text() == over_zmq.text()
     streamed = program.run(question="Is 2+2 four?", backend=http, stream=True)
     assert "".join(streamed.text_iter()) == over_zmq.text()
+
+
+def test_prompt_logprobs_over_http_equal_zmq(runtime, http):
+    """rt.RuntimeEndpoint over HTTP gives the ZeroMQ endpoint's shapes: pairs, and the first
+    prompt token's logprob and top row null."""
+    params = {**GREEDY, "return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 2}
+    over_http = http.generate(PROMPT, params)["meta_info"]
+    over_zmq = runtime.generate(PROMPT, params)["meta_info"]
+    for key in ("input_token_logprobs", "input_top_logprobs", "output_top_logprobs"):
+        assert _close(over_http[key], over_zmq[key]), key
+    assert over_http["input_top_logprobs"][0] is None
+
+
+def _close(a, b) -> bool:
+    """Equal, floats within 1e-5, inside lists and tuples alike."""
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(map(_close, a, b))
+    if isinstance(a, float) and isinstance(b, float):
+        return abs(a - b) < 1e-5
+    return a == b
 
 
 def test_stats_and_flush_cache_over_http(runtime, http):

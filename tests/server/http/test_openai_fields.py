@@ -351,7 +351,7 @@ def test_echo_without_logprobs_and_streamed(client):
 
 def test_echo_logprobs_equal_native_generates(runtime, client):
     """One prompt scored two ways: completions' echo and native /generate's
-    `input_token_logprobs` give the same logprob for every prompt token after the first."""
+    `input_token_logprobs` give the same list: every prompt token, the first's logprob None."""
     ids = runtime.tokenizer.encode(PROMPT, add_special_tokens=False)
     echoed = _complete(client, max_tokens=0, echo=True, logprobs=1).choices[0].logprobs
     status, native = _post(
@@ -365,10 +365,10 @@ def test_echo_logprobs_equal_native_generates(runtime, client):
         },
     )
     assert status == 200, native
-    scored = [
-        (lp, tok) for lp, tok, _ in native["meta_info"]["input_token_logprobs"] if lp is not None
-    ]
-    assert [tok for _, tok in scored] == ids[1:]
+    entries = native["meta_info"]["input_token_logprobs"]
+    assert [tok for _, tok, _ in entries] == ids and len(echoed.token_logprobs) == len(ids)
+    assert entries[0][0] is None and echoed.token_logprobs[0] is None
+    scored = [(lp, tok) for lp, tok, _ in entries[1:]]
     torch.testing.assert_close(
         torch.tensor(echoed.token_logprobs[1 : len(ids)]),
         torch.tensor([lp for lp, _ in scored]),

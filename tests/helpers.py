@@ -454,3 +454,34 @@ def quality_gates(reference: QualityReference, runner, name: str) -> tuple[float
     agreement = float((logits.argmax(-1) == reference.logits.argmax(-1)).double().mean())
     print(f"perplexity float32 {ppl[0]:.3f}, {name} {ppl[1]:.3f}; top-1 {agreement:.3f}")
     return ppl[1] / ppl[0], agreement
+
+
+def run_weather_agent(model_class: str, http_url: str, max_tokens: int) -> None:
+    """openai-agents, unchanged, with its `model_class` (OpenAIChatCompletionsModel or
+    OpenAIResponsesModel) against a gateway at `http_url`: the model must call get_weather on
+    the first turn (tool_choice required, reset after the call), then answer."""
+    import agents
+    import openai
+
+    agents.set_tracing_disabled(True)
+    seen: list[str] = []
+
+    @agents.function_tool
+    def get_weather(city: str) -> str:
+        """The current weather in a city."""
+        seen.append(city)
+        return f"It is sunny and 21 degrees in {city}."
+
+    client = openai.AsyncOpenAI(base_url=f"{http_url}/v1", api_key="unused", max_retries=0)
+    agent = agents.Agent(
+        name="weather",
+        instructions="Answer questions about the weather with the get_weather tool.",
+        tools=[get_weather],
+        model=getattr(agents, model_class)(model="default", openai_client=client),
+        model_settings=agents.ModelSettings(
+            tool_choice="required", temperature=0, max_tokens=max_tokens
+        ),
+    )
+    result = agents.Runner.run_sync(agent, "What is the weather in Paris?", max_turns=4)
+    assert seen and all(isinstance(city, str) for city in seen)
+    assert isinstance(result.final_output, str) and result.final_output

@@ -12,6 +12,7 @@ import jsonschema
 import openai
 import pytest
 
+from helpers import run_weather_agent
 from timeouts import REPLY_TIMEOUT_S
 
 GREEDY = {"model": "default", "temperature": 0}
@@ -177,30 +178,4 @@ def test_an_openai_agents_agent_runs_on_the_responses_model(default_runtime):
     """openai-agents, unchanged, with its Responses model class: the model must call the tool
     on the first turn (tool_choice required, reset after the call), then answers. The limit is
     generous: the SDK treats a reply cut by max_output_tokens (`incomplete`) as a failure."""
-    import agents
-
-    agents.set_tracing_disabled(True)
-    seen: list[str] = []
-
-    @agents.function_tool
-    def get_weather(city: str) -> str:
-        """The current weather in a city."""
-        seen.append(city)
-        return f"It is sunny and 21 degrees in {city}."
-
-    model = agents.OpenAIResponsesModel(
-        model="default",
-        openai_client=openai.AsyncOpenAI(
-            base_url=f"{default_runtime.http_url}/v1", api_key="unused", max_retries=0
-        ),
-    )
-    agent = agents.Agent(
-        name="weather",
-        instructions="Answer questions about the weather with the get_weather tool.",
-        tools=[get_weather],
-        model=model,
-        model_settings=agents.ModelSettings(tool_choice="required", temperature=0, max_tokens=400),
-    )
-    result = agents.Runner.run_sync(agent, "What is the weather in Paris?", max_turns=4)
-    assert seen and all(isinstance(city, str) for city in seen)
-    assert isinstance(result.final_output, str) and result.final_output
+    run_weather_agent("OpenAIResponsesModel", default_runtime.http_url, max_tokens=400)

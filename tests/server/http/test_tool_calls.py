@@ -11,6 +11,7 @@ import jsonschema
 import openai
 import pytest
 
+from helpers import run_weather_agent
 from timeouts import REPLY_TIMEOUT_S
 
 WEATHER = {
@@ -227,33 +228,7 @@ def test_malformed_tools_get_400_with_a_message(client, tools, tool_choice, mess
 def test_an_openai_agents_agent_calls_a_python_function(runtime):
     """openai-agents, unchanged, drives the server through Chat Completions: the model must call
     the tool on the first turn (tool_choice required, reset after the call), then answers."""
-    import agents
-
-    agents.set_tracing_disabled(True)
-    seen: list[str] = []
-
-    @agents.function_tool
-    def get_weather(city: str) -> str:
-        """The current weather in a city."""
-        seen.append(city)
-        return f"It is sunny and 21 degrees in {city}."
-
-    model = agents.OpenAIChatCompletionsModel(
-        model="default",
-        openai_client=openai.AsyncOpenAI(
-            base_url=f"{runtime.http_url}/v1", api_key="unused", max_retries=0
-        ),
-    )
-    agent = agents.Agent(
-        name="weather",
-        instructions="Answer questions about the weather with the get_weather tool.",
-        tools=[get_weather],
-        model=model,
-        model_settings=agents.ModelSettings(tool_choice="required", temperature=0, max_tokens=48),
-    )
-    result = agents.Runner.run_sync(agent, "What is the weather in Paris?", max_turns=4)
-    assert seen and all(isinstance(city, str) for city in seen)
-    assert isinstance(result.final_output, str) and result.final_output
+    run_weather_agent("OpenAIChatCompletionsModel", runtime.http_url, max_tokens=48)
 
 
 @pytest.mark.parametrize("parser", ["hermes", "mistral", "pythonic"])

@@ -181,6 +181,12 @@ def make_scheduler(model_dir, **overrides):
     return Scheduler.from_server_args(ServerArgs(model=str(model_dir), **settings))
 
 
+def serve_argv(model, *flags: str) -> list[str]:
+    """`python -m radixrt serve --model MODEL FLAGS...`, for tests that run the command itself
+    (a restart on the same port, a refusal at start)."""
+    return [sys.executable, "-m", "radixrt", "serve", "--model", str(model), *flags]
+
+
 def launch_runtime(model, *, http: bool = False, **overrides):
     """`rt.Runtime` on `model` as the tests start it: ZeroMQ only unless `http` (the gateway costs
     a process and seconds of start-up where HTTP is not the point), a 2048-token pool, warnings

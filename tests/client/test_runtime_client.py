@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import subprocess
-import sys
 import threading
 import time
 
@@ -14,7 +13,7 @@ import pytest
 import radixrt as rt
 from radixrt.client.launcher import free_port
 
-from helpers import seeded_id_prompts
+from helpers import seeded_id_prompts, serve_argv
 from ownership import assert_no_leak
 
 
@@ -97,13 +96,8 @@ def test_async_stream(runtime):
 
 def test_server_restart_fails_in_flight_requests_then_recovers(tiny_model_dir):
     port = free_port()
-    cmd = [
-        sys.executable,
-        "-m",
-        "radixrt",
-        "serve",
-        "--model",
-        str(tiny_model_dir),
+    cmd = serve_argv(
+        tiny_model_dir,
         "--zmq-port",
         str(port),
         "--disable-http",  # restarted on the same ZeroMQ port; HTTP is not the point
@@ -111,7 +105,7 @@ def test_server_restart_fails_in_flight_requests_then_recovers(tiny_model_dir):
         "1024",
         "--log-level",
         "warning",
-    ]
+    )
     server = subprocess.Popen(cmd)
     endpoint = rt.RuntimeEndpoint(f"tcp://127.0.0.1:{port}", timeout=120)
     try:

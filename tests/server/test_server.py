@@ -15,7 +15,12 @@ import zmq
 import radixrt as rt
 from radixrt.client.transport import RemoteError
 
-from helpers import assert_bad_frames_get_their_errors, launch_runtime, seeded_id_prompts
+from helpers import (
+    assert_bad_frames_get_their_errors,
+    launch_runtime,
+    seeded_id_prompts,
+    serve_argv,
+)
 from ownership import assert_no_leak, wait_idle
 from timeouts import REPLY_TIMEOUT_S
 
@@ -140,18 +145,7 @@ def test_api_key_is_required_when_set(tiny_model_dir):
 def test_non_loopback_bind_needs_an_api_key(tiny_model_dir):
     env = {k: v for k, v in os.environ.items() if k != "RADIXRT_API_KEY"}
     proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "radixrt",
-            "serve",
-            "--model",
-            str(tiny_model_dir),
-            "--host",
-            "0.0.0.0",
-            "--port",
-            "1",
-        ],
+        serve_argv(tiny_model_dir, "--host", "0.0.0.0", "--port", "1"),
         capture_output=True,
         text=True,
         env=env,

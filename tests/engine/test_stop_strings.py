@@ -21,7 +21,7 @@ def reference_feed(text: str, delta: str, stops: list[str]) -> tuple[str, StopHi
     for index, stop in enumerate(stops):
         pos = text.find(stop, max(0, len(text) - len(delta) - len(stop) + 1))
         if pos != -1:
-            return text, StopHit(index, pos)
+            return text, StopHit(index, pos, pos + len(stop))
     return text, None
 
 
@@ -62,23 +62,23 @@ def test_a_stop_spanning_deltas_is_cut_where_it_starts():
     assert scanner.feed("hello </") is None
     assert scanner.holdback == 2  # "</" may begin "</end>": a stream holds it back
     assert scanner.feed("en") is None and scanner.holdback == 4
-    assert scanner.feed("d> tail") == StopHit(0, 6)
+    assert scanner.feed("d> tail") == StopHit(0, 6, 12)
 
 
 def test_the_first_stop_in_the_requests_order_wins_within_one_delta():
     """Two stops ending in one delta: the earlier in `stop` wins even where it starts later,
     as before (the order is the request's, not the text's)."""
-    assert StopScanner(StopAutomaton(["b", "a"])).feed("xab") == StopHit(0, 2)
-    assert StopScanner(StopAutomaton(["a", "b"])).feed("xab") == StopHit(0, 1)
+    assert StopScanner(StopAutomaton(["b", "a"])).feed("xab") == StopHit(0, 2, 3)
+    assert StopScanner(StopAutomaton(["a", "b"])).feed("xab") == StopHit(0, 1, 2)
     # a stop inside a longer one's prefix, and a repeated stop
-    assert StopScanner(StopAutomaton(["abcd", "bc", "bc"])).feed("abc") == StopHit(1, 1)
+    assert StopScanner(StopAutomaton(["abcd", "bc", "bc"])).feed("abc") == StopHit(1, 1, 3)
 
 
 def test_unicode_and_unmatched_text():
     scanner = StopScanner(StopAutomaton(["ünï", "😀x"]))
     assert scanner.feed("😀ü") is None and scanner.holdback == 1
     assert scanner.feed("n") is None and scanner.holdback == 2
-    assert scanner.feed("ï") == StopHit(0, 1)
+    assert scanner.feed("ï") == StopHit(0, 1, 4)
 
 
 def _work_per_char(stops: list[str], text: str) -> float:

@@ -71,10 +71,11 @@ def tiny_model_dir(tmp_path_factory, default_model_dir) -> Path:
     return folder
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def quality_reference(default_model_dir):
     """float32 on the default model over the quality text, what quantized weights are held
-    against (`helpers.quality_gates`)."""
+    against (`helpers.quality_gates`). Per module: a float model kept alive past its module
+    would be in the way of tests that look for float copies left after a quantized load."""
     from helpers import QualityReference
 
     return QualityReference.of_default_model()

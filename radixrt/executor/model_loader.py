@@ -133,15 +133,25 @@ def read_generation_config(folder: Path) -> dict:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
+def conversion_folder(gguf: Path) -> Path:
+    """Where `convert_gguf` puts a GGUF file's safetensors copy: keyed by content, not path, so
+    every virtualenv holding the same wheel shares one conversion."""
+    with open(gguf, "rb") as f:
+        digest = hashlib.sha256(f.read(1 << 22) + str(gguf.stat().st_size).encode()).hexdigest()
+    return cache_dir() / "models" / f"{gguf.stem}-{digest[:12]}"
+
+
 def convert_gguf(gguf: Path) -> Path:
     """Dequantize a GGUF file with transformers, once; later loads read the safetensors copy."""
-    # Keyed by content, not path: every virtualenv holding the same wheel shares one conversion.
-    with open(gguf, "rb") as f:
-        digest = hashlib.sha256(f.read(1 << 22) + str(gguf.stat().st_size).encode()).hexdigest()[
-            :12
-        ]
-    out = cache_dir() / "models" / f"{gguf.stem}-{digest}"
-    if (out / READY_MARKER).is_file():
+    out = conversion_folder(gguf)
+    marker = out / READY_MARKER
+    if marker.is_file():
+        if not Path(marker.read_text()).is_file():
+            # the file it was converted from is gone (a test's temporary copy, another
+            # virtualenv's wheel): this one has the same content, and packed loads read it
+            moved = marker.with_name(f"{marker.name}.tmp{os.getpid()}")
+            moved.write_text(str(gguf.resolve()))
+            os.replace(moved, marker)
         return out
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -166,7 +176,7 @@ def convert_gguf(gguf: Path) -> Path:
     config.save_pretrained(tmp)
     model.generation_config.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    (tmp / READY_MARKER).write_text(str(gguf))
+    (tmp / READY_MARKER).write_text(str(gguf.resolve()))
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)
     return out

@@ -154,3 +154,22 @@ def test_k_quant_rows_are_requantized_a_few_at_a_time(tmp_path, monkeypatch):
     monkeypatch.setattr(gguf_weights, "REQUANTIZE_FLOATS", 3 * KQ)
     chunked = gguf_weights.blocks(tensor)
     assert torch.equal(whole[0], chunked[0]) and torch.equal(whole[1], chunked[1])
+
+
+def test_a_cached_conversion_follows_its_file_to_a_new_place(tmp_path, monkeypatch):
+    """A conversion is shared by content: when the file it was made from is gone (a test's
+    temporary copy, another virtualenv's wheel), loading the same content from elsewhere
+    points its marker there, so the packed blocks are read from a file that exists."""
+    from radixrt.executor.model_loader import READY_MARKER, conversion_folder, convert_gguf
+
+    monkeypatch.setenv("RADIXRT_CACHE_DIR", str(tmp_path / "cache"))
+    first, second = tmp_path / "a" / "m.gguf", tmp_path / "b" / "m.gguf"
+    for path in (first, second):
+        path.parent.mkdir()
+        path.write_bytes(b"GGUF" + bytes(64))
+    out = conversion_folder(first)
+    out.mkdir(parents=True)
+    (out / READY_MARKER).write_text(str(first))
+    first.unlink()
+    assert convert_gguf(second) == out  # the cached copy, not converted again
+    assert gguf_weights.gguf_source(out, READY_MARKER) == second.resolve()

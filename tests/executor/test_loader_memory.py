@@ -82,6 +82,21 @@ def test_a_quantized_load_peaks_near_the_packed_weights_not_the_float_ones(
     assert result.growth < 0.7 * float_bytes
 
 
+def _float_storages() -> dict[int, int]:
+    """Every live float CPU tensor's storage (address -> bytes), found through the garbage
+    collector; opaque tensors (oneDNN's prepacked weights) have no storage to count."""
+    gc.collect()
+    return {
+        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+        for t in gc.get_objects()
+        if issubclass(type(t), torch.Tensor)
+        and t.layout == torch.strided
+        and not t.is_mkldnn
+        and t.is_floating_point()
+        and t.device.type == "cpu"
+    }
+
+
 def test_a_quantized_load_keeps_no_float_copy_of_a_packed_linear(checkpoint):
     """After an int4 load, no live tensor holds the float weight of a packed linear: the
     float tensors alive (found through the garbage collector, storages counted once) are
@@ -94,6 +109,7 @@ def test_a_quantized_load_keeps_no_float_copy_of_a_packed_linear(checkpoint):
     from radixrt.models.linear import GroupedLinear, LinearPacking
 
     config = AutoConfig.from_pretrained(checkpoint)
+    before = _float_storages()  # what other tests left alive is not this load's
     model = load_model(
         checkpoint, config, 256, TPGroup(), torch.float32, packing=LinearPacking("int4", Isa.AVX2)
     )
@@ -102,11 +118,9 @@ def test_a_quantized_load_keeps_no_float_copy_of_a_packed_linear(checkpoint):
     assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
     smallest = min(m.weight.out_features * m.weight.in_features for m in packed) * 4
     own = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    gc.collect()
-    alive = {
-        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-        for t in gc.get_objects()
-        if issubclass(type(t), torch.Tensor) and t.is_floating_point() and t.device.type == "cpu"
+    large = {
+        ptr: n
+        for ptr, n in _float_storages().items()
+        if n >= smallest and ptr not in own and ptr not in before
     }
-    large = {ptr: n for ptr, n in alive.items() if n >= smallest and ptr not in own}
     assert not large, f"float storages of a linear's size alive: {sorted(large.values())}"

@@ -374,14 +374,14 @@ class NativeAPI:
         return JSONResponse({"success": flushed, "message": message}, 200 if flushed else 400)
 
     async def get_model_info(self, request: Request) -> dict:
-        """The runtime's `model_info` with SGLang's keys (its frontend reads `model_path`)."""
+        """The runtime's `model_info` (its `weight_version` among them) with SGLang's keys (its
+        frontend reads `model_path`)."""
         info = await self._call(request, "model_info")
         return {
             **info,
             "tokenizer_path": info["model_path"],
             "is_generation": True,
             "preferred_sampling_params": None,
-            "weight_version": "default",
             "has_image_understanding": False,
             "has_audio_understanding": False,
         }

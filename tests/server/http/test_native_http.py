@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import radixrt as rt
+from radixrt.engine.scheduler import INITIAL_WEIGHT_VERSION
 
 from helpers import _hf_model, launch_runtime
 from timeouts import REPLY_TIMEOUT_S
@@ -160,7 +161,8 @@ def test_sglangs_routes_and_keys(runtime):
     nothing (the frontend appended the branches' text itself)."""
     status, info = _call(runtime, "/get_model_info")
     assert status == 200 and info["tokenizer_path"] == info["model_path"]
-    assert info["has_image_understanding"] is False and info["weight_version"] == "default"
+    assert info["has_image_understanding"] is False
+    assert info["weight_version"] == INITIAL_WEIGHT_VERSION  # the runtime's, no update yet
     status, server = _call(runtime, "/server_info")
     assert status == 200 and server == {**server, "version": rt.__version__}
     body = {"src_rids": ["a", "b"], "dst_rid": "c"}

@@ -38,7 +38,7 @@ SECRETS = {
 }  # field -> env var
 
 MIN_FRAME_BYTES = 4096  # a smaller frame limit would refuse ordinary requests
-REASONING_PARSER_NAMES = ("deepseek-r1", "qwen3")  # server/http/reasoning.py has each one
+REASONING_PARSER_NAMES = ("deepseek-r1", "qwen3")  # structured/reasoning.py has each one
 HICACHE_WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 ROUTER_POLICIES = ("cache-aware", "round-robin", "shortest-queue")
 
@@ -475,7 +475,7 @@ class StructuredSettings(Settings):
     constraint_compiles_per_tenant: int = setting(8, "expensive constraints (any a quick look does not judge cheap, and every llguidance grammar) one tenant may have compiling or waiting to compile at once (repeats of one count once); past it a new one is refused at once with 'overloaded'")
     grammar_backend: str = setting("outlines", "what compiles regex, JSON-schema, choices and dtype constraints: outlines-core (regex automata, built in killable processes) or llguidance (a grammar engine: JSON at any depth, schemas' numeric bounds); ebnf and lark grammars always use llguidance", choices=("outlines", "llguidance"))
     tool_call_parser: str = setting("auto", "how models write tool calls on /v1/chat/completions, and how they are read and constrained: hermes (<tool_call>{...}</tool_call>), llama3-json, mistral, pythonic, or auto (the chat template's format, else hermes)", choices=("auto", "hermes", "llama3-json", "mistral", "pythonic"))
-    reasoning_parser: str | None = setting(None, "split a reasoning model's <think>...</think> from the answer into message.reasoning_content (streamed: delta.reasoning_content) on /v1/chat/completions: deepseek-r1 (the reply starts inside the block: the template opened it) or qwen3 (only a reply that starts with <think>); off when unset", choices=REASONING_PARSER_NAMES)
+    reasoning_parser: str | None = setting(None, "split a reasoning model's <think>...</think> from the answer into message.reasoning_content (streamed: delta.reasoning_content) on /v1/chat/completions: deepseek-r1 (the reply starts inside the block: the template opened it) or qwen3 (only a reply that starts with <think>); off when unset. With it, a request's constraint (response_format, a required tool call, a DSL regex or schema) applies from the token after </think>, and max_reasoning_tokens bounds the block", choices=REASONING_PARSER_NAMES)
     # fmt: on
 
     def check(self) -> None:

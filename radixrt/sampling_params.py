@@ -164,6 +164,12 @@ class SamplingParams:
     )
     ebnf: str | None = param(None, openai="ebnf", doc="a GBNF grammar (llama.cpp's dialect)")
     lark: str | None = param(None, openai="lark", doc="a Lark grammar (llguidance's dialect)")
+    max_reasoning_tokens: int | None = param(
+        None,
+        openai="max_reasoning_tokens",
+        doc="with `--reasoning-parser`: the reasoning block's tokens at most, then `</think>` is "
+        "forced and the answer (and its constraint) begins",
+    )
     logit_bias: dict[int, float] | None = param(
         None,
         openai="logit_bias",
@@ -227,6 +233,9 @@ class SamplingParams:
         _check_range("n", self.n, 1, 64)
         _check_range("top_logprobs_num", self.top_logprobs_num, 0, 20)
         _check_range("logprob_start_len", self.logprob_start_len, -1, 1 << 30)
+        if self.max_reasoning_tokens is not None:
+            _check_type("max_reasoning_tokens", self.max_reasoning_tokens, int)
+            _check_range("max_reasoning_tokens", self.max_reasoning_tokens, 0, self.max_new_tokens)
         constraints = self.constraint()
         if constraints is not None:
             kind, value = constraints

@@ -1,6 +1,7 @@
 """Structured output as one object: a request's constraint compiles in the compiler's worker
 processes while it waits, and its walk (a `GrammarGuide`) starts when admission first looks at it.
-A request whose constraint failed (`invalid_constraint`) or that the compiler would not take in
+With `--reasoning-parser`, a constraint starts after the reasoning block, and a request's
+`max_reasoning_tokens` bounds that block (`structured/reasoning.py`). A request whose constraint failed (`invalid_constraint`) or that the compiler would not take in
 time (`overloaded`) ends at the next step, wherever it waits in the queue (`sweep`).
 The compiler (and its workers) exists from the first constrained request on."""
 
@@ -13,7 +14,8 @@ from radixrt.engine.request import FinishReason, Req
 from radixrt.protocol import ErrorCode
 from radixrt.sampling_params import SamplingParams
 from radixrt.structured.compiler import CompileStats, ConstraintCompiler
-from radixrt.structured.grammar import CompilerBusy
+from radixrt.structured.grammar import CompilerBusy, GrammarGuide
+from radixrt.structured.reasoning import OPENS_THINKING, ReasoningGuide, ThinkTags
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -32,7 +34,11 @@ class Constraints:
         grammar_backend: str,
         jump_forward: bool,
         finish: Callable[[Req], None],
+        reasoning_parser: str | None = None,
+        stop_ids: frozenset[int] = frozenset(),
     ):
+        """`reasoning_parser`: the one that runs (constraints wait for the block's end), if any;
+        `stop_ids`: the model's EOS ids, which a reply may not write while it reasons."""
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.compile_timeout_s = compile_timeout_s
@@ -40,7 +46,10 @@ class Constraints:
         self.grammar_backend = grammar_backend
         self.jump_forward = jump_forward
         self.finish = finish
+        self.reasoning_parser = reasoning_parser
+        self.stop_ids = stop_ids
         self.compiler: ConstraintCompiler | None = None
+        self._tags: ThinkTags | None = None
 
     def _compiler(self) -> ConstraintCompiler:
         if self.compiler is None:
@@ -61,11 +70,30 @@ class Constraints:
     def start(self, req: Req, params: SamplingParams) -> None:
         """Start compiling the request's constraint, if it has one (admission waits for it); the
         samples of one request share one compile (the compiler's cache)."""
+        if params.max_reasoning_tokens is not None and self.reasoning_parser is None:
+            raise ValueError("max_reasoning_tokens needs a server started with --reasoning-parser")
         constraint = params.constraint()
         if constraint is not None:
             # the value is the client's, of any type: the compiler checks it
             given: dict[str, Any] = {constraint[0]: constraint[1]}
             req.constraint = self._compiler().compile_async(**given, tenant=req.scope.tenant)
+        elif params.max_reasoning_tokens is not None:
+            req.guide = self._after_reasoning(req, None)
+
+    def _after_reasoning(self, req: Req, guide: GrammarGuide | None) -> GrammarGuide | None:
+        """The request's walk, started after the reasoning block when a reasoning parser runs."""
+        if self.reasoning_parser is None:
+            return guide
+        if self._tags is None:
+            compiler = self._compiler()
+            self._tags = ThinkTags.build(compiler.tokens, {*self.stop_ids, compiler.eos_token_id})
+        return ReasoningGuide(
+            self._tags,
+            guide,
+            req.input_ids,
+            req.params.max_reasoning_tokens,
+            inside=OPENS_THINKING[self.reasoning_parser],
+        )
 
     def ready(self, req: Req) -> bool:
         """False while the request's constraint compiles; a failed compile, or any failure to
@@ -78,7 +106,7 @@ class Constraints:
         try:
             # forced tokens get no logprobs
             jump = self.jump_forward and not req.params.return_logprob
-            req.guide = req.constraint.result().guide(jump_forward=jump)
+            req.guide = self._after_reasoning(req, req.constraint.result().guide(jump_forward=jump))
             return True
         except Exception as e:  # noqa: BLE001 (whatever the constraint raised is its own fault)
             message = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"

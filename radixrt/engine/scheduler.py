@@ -134,6 +134,8 @@ class Scheduler:
             args.grammar_backend,
             args.enable_jump_forward,
             self._finish,
+            reasoning_parser=args.reasoning_parser,
+            stop_ids=frozenset(runner.eos_token_ids),
         )
         self.log = StepLog(self.counters, self.kv, args.log_interval)
         self.planner = StepPlanner(

@@ -144,7 +144,8 @@ class ToolChoiceSpec(Body):
 class ThinkingSpec(Body):
     """`enabled`/`adaptive`: the reply's reasoning comes back as `thinking` blocks (where the
     server runs a reasoning parser); `disabled`: a template with an `enable_thinking` switch is
-    told so. `budget_tokens` is accepted; the reasoning is bounded by `max_tokens` only."""
+    told so. `budget_tokens` bounds the reasoning (`max_reasoning_tokens`, at most `max_tokens`)
+    where the server runs a reasoning parser, and is accepted and unused where it does not."""
 
     type: Literal["enabled", "disabled", "adaptive"]
     budget_tokens: int | None = Field(None, ge=1)
@@ -195,15 +196,22 @@ class MessagesRequest(MessagesPrompt):
     timeout: float | None = None
 
 
-def chat_request(req: MessagesPrompt, template: str | None) -> ChatCompletionRequest:
+def chat_request(
+    req: MessagesPrompt, template: str | None, reasoning: bool = False
+) -> ChatCompletionRequest:
     """The chat completions request that runs `req`: its history as OpenAI messages (tool_use
     blocks as `tool_calls`, tool_result blocks as `tool` messages), its tools and tool_choice,
     and, when the last message is the assistant's, a reply that continues it (Anthropic's
     prefill). 400 naming the block for a block in the wrong place or a tool_result that answers
-    no tool_use of the message before it."""
+    no tool_use of the message before it. `reasoning`: the server runs a reasoning parser, so
+    a thinking budget bounds the reasoning."""
     sampling: dict[str, Any] = {}
     if isinstance(req, MessagesRequest):
+        budget = (
+            req.thinking.budget_tokens if req.thinking and req.thinking.type == "enabled" else None
+        )
         sampling = {
+            "max_reasoning_tokens": min(budget, req.max_tokens) if reasoning and budget else None,
             "max_tokens": req.max_tokens,
             "stop": req.stop_sequences,
             "temperature": req.temperature,

@@ -200,7 +200,7 @@ class MessagesAPI:
 
     async def create(self, request: Request, req: MessagesRequest) -> Response:
         model = await self.gateway.model()
-        chat = chat_request(req, model.template)
+        chat = chat_request(req, model.template, self.gateway.reasoning is not None)
         plan = await self.gateway.chat_plan(model, chat)
         options = await self.gateway.options(request, chat)
         head = self._head(model.name)

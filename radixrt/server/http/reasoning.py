@@ -15,8 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
-THINK_START = "<think>"
-THINK_END = "</think>"
+from radixrt.structured.reasoning import OPENS_THINKING, THINK_END, THINK_START
 
 
 class ReasoningSplit(NamedTuple):
@@ -59,10 +58,7 @@ def _partial_end(text: str) -> int:
     return 0
 
 
-REASONING_PARSERS = {
-    "deepseek-r1": ReasoningParser("deepseek-r1", opens_thinking=True),
-    "qwen3": ReasoningParser("qwen3", opens_thinking=False),
-}
+REASONING_PARSERS = {name: ReasoningParser(name, opens) for name, opens in OPENS_THINKING.items()}
 
 
 @dataclass

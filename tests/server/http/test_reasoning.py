@@ -72,20 +72,21 @@ def test_a_stream_lets_text_out_as_soon_as_it_is_certain():
     assert stream.feed("is is plain") == ReasoningSplit("", "<this is plain")
 
 
-# ---- end to end: the default model, its reply forced to hold a think block ---------------------
-# A JSON-schema string whose pattern puts `</think>` between a short free thought and a choice of
-# answers: the reply is a real greedy generation (the quotes of the JSON string included) that
-# deepseek-r1 must split; short, so that it takes a few decode steps.
-THINKING_SCHEMA = {
-    "type": "string",
-    "pattern": "^(I think|Let me see|Hmm)[a-z ]{0,6}</think>(Paris|London|Rome)$",
+# ---- end to end: the default model thinks, then answers under a schema --------------------------
+# The reply is prefilled with `<think>` (Anthropic's prefill, chat's continue_final_message), so it
+# starts inside the block; the schema applies only after `</think>`, which the budget forces.
+ANSWER_SCHEMA = {
+    "type": "object",
+    "properties": {"city": {"enum": ["Paris", "London", "Rome"]}},
+    "required": ["city"],
 }
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+PREFILLED = [*QUESTION, {"role": "assistant", "content": "<think>\n"}]
+BUDGET, MAX_TOKENS = 12, 40
 
 
 @pytest.fixture(scope="module")
 def reasoning_runtime(default_model_dir):
-
     with launch_runtime(
         default_model_dir,
         http=True,
@@ -95,34 +96,80 @@ def reasoning_runtime(default_model_dir):
         yield r
 
 
-def _greedy_split(runtime, model_dir) -> ReasoningSplit:
-    """QUESTION's greedy reply under THINKING_SCHEMA, over ZeroMQ, split by deepseek-r1."""
+@pytest.fixture(scope="module")
+def tokenizer(default_model_dir):
     from transformers import AutoTokenizer
 
-    prompt = AutoTokenizer.from_pretrained(model_dir).apply_chat_template(
-        QUESTION, tokenize=False, add_generation_prompt=True
+    return AutoTokenizer.from_pretrained(default_model_dir)
+
+
+@pytest.fixture(scope="module")
+def prefilled_prompt(tokenizer) -> str:
+    return tokenizer.apply_chat_template(PREFILLED, tokenize=False, continue_final_message=True)
+
+
+def _answer(split: ReasoningSplit) -> str:
+    """The split's answer, checked: some reasoning, then JSON that the schema accepts."""
+    assert split.reasoning, split
+    assert json.loads(split.content)["city"] in ANSWER_SCHEMA["properties"]["city"]["enum"]
+    return split.content
+
+
+def test_a_schema_applies_after_the_reasoning_in_every_sample(
+    reasoning_runtime, prefilled_prompt, tokenizer
+):
+    """50 sampled replies: each reasons freely (bounded by its budget), closes the block, and
+    answers in JSON that parses; the budget is the reasoning's length at most."""
+    out = reasoning_runtime.generate(
+        prefilled_prompt,
+        {
+            "temperature": 1.0,
+            "seed": 7,
+            "n": 50,
+            "max_new_tokens": MAX_TOKENS,
+            "max_reasoning_tokens": BUDGET,
+            "json_schema": ANSWER_SCHEMA,
+        },
     )
+    assert len(out) == 50
+    for sample in out:
+        _answer(R1.split(sample["text"]))
+        reasoning = sample["text"].split("</think>")[0]
+        assert len(tokenizer.encode(reasoning)) <= BUDGET + 2
+
+
+def _greedy_split(runtime, prompt: str) -> ReasoningSplit:
     raw = runtime.generate(
-        prompt, {"temperature": 0, "max_new_tokens": 24, "json_schema": THINKING_SCHEMA}
+        prompt,
+        {
+            "temperature": 0,
+            "max_new_tokens": MAX_TOKENS,
+            "max_reasoning_tokens": BUDGET,
+            "json_schema": ANSWER_SCHEMA,
+        },
     )["text"]
-    assert "</think>" in raw
-    return R1.split(raw)
+    split = R1.split(raw)
+    _answer(split)
+    return split
 
 
-def test_a_forced_think_block_comes_back_split(reasoning_runtime, default_model_dir):
+def test_chat_gets_the_reasoning_apart_and_the_answer_constrained(
+    reasoning_runtime, prefilled_prompt
+):
     import openai
 
     request = {
         "model": "default",
-        "messages": QUESTION,
+        "messages": PREFILLED,
         "temperature": 0,
-        "max_tokens": 24,
+        "max_tokens": MAX_TOKENS,
         "response_format": {
             "type": "json_schema",
-            "json_schema": {"name": "thought", "schema": THINKING_SCHEMA},
+            "json_schema": {"name": "city", "schema": ANSWER_SCHEMA},
         },
+        "extra_body": {"continue_final_message": True, "max_reasoning_tokens": BUDGET},
     }
-    expected = _greedy_split(reasoning_runtime, default_model_dir)
+    expected = _greedy_split(reasoning_runtime, prefilled_prompt)
     url = f"{reasoning_runtime.http_url}/v1"
     with openai.OpenAI(base_url=url, api_key="none", max_retries=0) as client:
         message = client.chat.completions.create(**request).choices[0].message
@@ -136,20 +183,21 @@ def test_a_forced_think_block_comes_back_split(reasoning_runtime, default_model_
     assert streamed == expected
 
 
-def test_messages_get_the_reasoning_as_a_thinking_block(reasoning_runtime, default_model_dir):
-    """Anthropic's Messages API on the same reply: a `thinking` block, then the answer's text
-    block (output_config's schema is response_format's); streamed, the same blocks."""
+def test_messages_get_the_reasoning_as_a_thinking_block(reasoning_runtime, prefilled_prompt):
+    """Anthropic's Messages API on the same reply: a `thinking` block (its budget the
+    reasoning's), then the answer's text block (output_config's schema is response_format's);
+    streamed, the same blocks."""
     import anthropic
 
     request = {
         "model": "default",
-        "max_tokens": 24,
-        "messages": QUESTION,
-        "thinking": {"type": "enabled", "budget_tokens": 1024},
-        "output_config": {"format": {"type": "json_schema", "schema": THINKING_SCHEMA}},
+        "max_tokens": MAX_TOKENS,
+        "messages": PREFILLED,
+        "thinking": {"type": "enabled", "budget_tokens": BUDGET},
+        "output_config": {"format": {"type": "json_schema", "schema": ANSWER_SCHEMA}},
         "extra_body": {"temperature": 0},
     }
-    expected = _greedy_split(reasoning_runtime, default_model_dir)
+    expected = _greedy_split(reasoning_runtime, prefilled_prompt)
     with anthropic.Anthropic(
         base_url=reasoning_runtime.http_url, api_key="none", max_retries=0
     ) as client:
@@ -160,6 +208,13 @@ def test_messages_get_the_reasoning_as_a_thinking_block(reasoning_runtime, defau
         thinking, text = reply.content
         assert (thinking.type, text.type) == ("thinking", "text")
         assert (thinking.thinking, text.text) == expected
+
+
+def test_a_budget_needs_a_reasoning_parser(tiny_runtime):
+    from radixrt.client.transport import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError, match="max_reasoning_tokens needs"):
+        tiny_runtime.generate("hi", {"max_new_tokens": 4, "max_reasoning_tokens": 2})
 
 
 def test_a_streamed_choice_reads_calls_from_the_answer_only():

@@ -243,6 +243,7 @@ class ModelSettings(Settings):
     disable_cuda_graph: bool = setting(False, "on CUDA, launch every decode step's kernels instead of replaying graphs")
     generation_config: str = setting("auto", "auto: the model's generation_config.json gives the sampling defaults a request does not set (docs/protocol.md); ignore: radixrt's own", choices=("auto", "ignore"))
     context_length: int | None = setting(None, "max prompt+output tokens per request (default: the model's)")
+    is_embedding: bool = setting(False, "serve embeddings, not generation: POST /v1/embeddings (and generate requests of max_new_tokens 0, whose reply carries `embedding`) pool the prompt's final hidden states as the model's sentence-transformers files say (last token or mean; normalized where they list Normalize; last token, normalized, without them)")
     # fmt: on
 
 

@@ -97,6 +97,17 @@ class Endpoint(ABC):
     @abstractmethod
     def abort(self, rid: str) -> None: ...
 
+    def encode(
+        self,
+        prompt: Prompt | list[Prompt] | None = None,
+        input_ids: list[int] | list[list[int]] | None = None,
+    ) -> dict | list:
+        """An --is-embedding server's vector of each prompt (SGLang's `Engine.encode`): one
+        prompt -> `{"embedding", "meta_info", ...}`, a list of prompts -> a list."""
+        out = self.generate(prompt, {"max_new_tokens": 0}, input_ids=input_ids)
+        assert isinstance(out, (dict, list)), "a generate without stream is a result"
+        return out
+
     # ---- introspection and control -----------------------------------------------------------
     @abstractmethod
     def stats(self) -> dict[str, Any]: ...

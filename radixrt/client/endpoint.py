@@ -304,7 +304,11 @@ def _with_adapters(
 
 
 def _results(finals: list[dict]) -> dict | list[dict]:
-    outs = [{k: r[k] for k in ("text", "output_ids", "meta_info")} for r in finals]
+    # `embedding`: an --is-embedding server's vector
+    outs = [
+        {k: r[k] for k in ("text", "output_ids", "meta_info", "embedding") if k in r}
+        for r in finals
+    ]
     return outs[0] if len(outs) == 1 else outs
 
 

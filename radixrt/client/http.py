@@ -284,7 +284,10 @@ def _sample(body: dict[str, Any]) -> dict[str, Any]:
             meta[key] = [
                 top if top is None else [[lp, tid] for lp, tid, *_ in top] for top in meta[key]
             ]
-    return {"text": body["text"], "output_ids": body["output_ids"], "meta_info": meta}
+    sample = {"text": body["text"], "output_ids": body["output_ids"], "meta_info": meta}
+    if "embedding" in body:  # an --is-embedding server's vector
+        sample["embedding"] = body["embedding"]
+    return sample
 
 
 def _group(bodies: list[dict], counts: list[int]) -> list[dict | list[dict]]:

@@ -75,6 +75,11 @@ class OutputProcessor:
             ):
                 offset += n
                 continue
+            if req.pooling is not None and not self.guard(
+                req, req.pool, hidden[offset : offset + n]
+            ):
+                offset += n
+                continue
             req.kv_len += n
             if n > 1 or not req.output_ids:
                 self.kv.cache_unfinished(req)  # share the prompt with requests admitted after it

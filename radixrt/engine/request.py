@@ -18,6 +18,7 @@ from radixrt.sampling_params import SamplingParams
 from radixrt.speculative import RequestDrafts
 
 if TYPE_CHECKING:
+    from radixrt.models.pooling import Pooling
     from radixrt.structured.compiler import CompileJob
     from radixrt.structured.grammar import GrammarGuide
 
@@ -181,6 +182,13 @@ class Req:
     constraint: CompileJob | None = None
     guide: GrammarGuide | None = None
 
+    # --is-embedding: how the prompt's hidden states pool, the sum of those pooled so far (mean
+    # pooling) and how many positions it holds, and the reply's vector once the prompt is read
+    pooling: Pooling | None = None
+    pooled: torch.Tensor | None = None
+    pooled_tokens: int = 0
+    embedding: list[float] | None = None
+
     # Speculative decoding: the request's n-gram index and draft length (None when off)
     drafts: RequestDrafts | None = None
 
@@ -282,11 +290,30 @@ class Req:
         return meta
 
     def result(self) -> dict[str, Any]:
-        return {
+        result = {
             "text": self.text,
             "output_ids": list(self.output_ids),
             "meta_info": self.meta_info(),
         }
+        if self.embedding is not None:
+            result["embedding"] = self.embedding
+        return result
+
+    def pool(self, hidden: torch.Tensor) -> None:
+        """Take the final hidden states of the prompt positions this step computed (`hidden`,
+        from `kv_len` on): mean pooling sums each position once (a recomputed one is not added
+        again); the last position sets the reply's `embedding`."""
+        assert self.pooling is not None, "only an --is-embedding request pools"
+        end = self.kv_len + len(hidden)
+        if self.pooling.mode == "mean":
+            new = hidden[max(self.pooled_tokens - self.kv_len, 0) :].sum(0)
+            self.pooled = new if self.pooled is None else self.pooled + new
+            self.pooled_tokens = max(self.pooled_tokens, end)
+        if end == len(self.input_ids):
+            pooled = (
+                hidden[-1] if self.pooling.mode == "last" else self.pooled / len(self.input_ids)
+            )
+            self.embedding = self.pooling.finish(pooled)
 
 
 class Scheduled(NamedTuple):

@@ -25,10 +25,13 @@ AGING_TOKENS_PER_SECOND = 256  # a request waiting 1 s ranks as if 256 more toke
 
 def match_key(req: Req) -> list[int]:
     """The prefix a request may take from the cache: at least one token must still be computed,
-    and prompt logprobs need hidden states from `logprob_start_len` on."""
+    and prompt logprobs need hidden states from `logprob_start_len` on (mean pooling, from the
+    first position)."""
     end = len(req.all_ids) - 1
     if req.wants_prompt_logprobs():
         end = min(end, req.params.logprob_start_len)
+    if req.pooling is not None and req.pooling.mode == "mean":
+        end = 0
     return req.all_ids[:end]
 
 

@@ -96,6 +96,7 @@ class ModelInfo(NamedTuple):
     weights: WeightCounts
     sampling_defaults: dict[str, Any]  # from generation_config.json (docs/protocol.md)
     cpu_isa: str | None  # the CPU kernels' path (`--cpu-isa` resolved); None on CUDA
+    embedding: dict[str, Any] | None  # `--is-embedding`: the pooling (`Pooling.info`)
 
 
 class Scheduler:
@@ -201,6 +202,7 @@ class Scheduler:
             r.weights,
             self.sampling_defaults,
             r.cpu_isa.value if r.cpu_isa else None,
+            r.pooling.info() if r.pooling else None,
         )
 
     # ---- requests in and out ---------------------------------------------------------------
@@ -217,6 +219,11 @@ class Scheduler:
         r = self.runner
         check_prompt(input_ids, params, r.vocab_size, r.context_length, self.kv.total_tokens)
         check_prompt_logprobs(input_ids, params, self.args.max_prompt_logprob_entries)
+        if r.pooling is not None and params.max_new_tokens != 0:
+            raise ValueError(
+                "this server embeds (--is-embedding) and generates nothing: send max_new_tokens 0 "
+                "(or POST /v1/embeddings)"
+            )
         scope = self.with_adapter(scope)
         seed = (
             params.seed + sample_index
@@ -237,6 +244,7 @@ class Scheduler:
             scope=scope,
             stops=self._stop_scanner(params),
             stop_regexes=StopRegexes(params.stop_regex) if params.stop_regex else None,
+            pooling=r.pooling,
         )
         if self.spec is not None:
             self.spec.start(req)

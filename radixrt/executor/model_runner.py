@@ -45,6 +45,7 @@ from radixrt.models.linear import (
     check_quantization,
     features,
 )
+from radixrt.models.pooling import Pooling
 from radixrt.models.support import check_supported
 
 logger = logging.getLogger(__name__)
@@ -138,6 +139,7 @@ class ModelRunner:
         self.context_length = check_supported(self.config, args.context_length)
         self.generation_config = read_generation_config(self.model_path)
         self.eos_token_ids = self._eos_ids(self.generation_config)
+        self.pooling = Pooling.of_model(self.model_path, self.config) if args.is_embedding else None
 
         # the CPU kernels' path (None on CUDA); refused here, before any weight is read
         self.cpu_isa = (

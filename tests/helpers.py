@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import pickle
 import random
 import signal
@@ -9,6 +10,8 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -168,6 +171,19 @@ def allowed_ids(row: torch.Tensor) -> list[int]:
     in order."""
     bits = (row.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1
     return bits.view(-1).nonzero().view(-1).tolist()
+
+
+def post_json(url: str, body: dict) -> tuple[int, dict]:
+    """POST `body` as JSON to `url`; the status and the JSON reply, an error's too."""
+    request = urllib.request.Request(
+        url, json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=REPLY_TIMEOUT_S) as reply:
+            return reply.status, json.loads(reply.read())
+    except urllib.error.HTTPError as e:
+        with e:
+            return e.code, json.loads(e.read())
 
 
 def make_scheduler(model_dir, **overrides):

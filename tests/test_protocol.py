@@ -8,10 +8,7 @@ runtime and gateway."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass
 
 import msgpack
@@ -39,6 +36,7 @@ from radixrt.server.http.schemas import Body, CompletionRequest, GenerateRequest
 from radixrt.server.router.prefix_tree import Namespace
 from radixrt.server.router.router import namespace_of
 
+from helpers import post_json
 from timeouts import REPLY_TIMEOUT_S
 
 OPTIONS = {f.name for f in option_fields()}
@@ -189,18 +187,6 @@ def test_per_prompt_fields_are_one_value_or_one_per_prompt():
         _per_prompt_fields(NativeGenerateRequest(text=["a", "b"], lora_path=["x"]), 2)
 
 
-def _post(url: str, body: dict) -> tuple[int, dict]:
-    request = urllib.request.Request(
-        url, json.dumps(body).encode(), {"Content-Type": "application/json"}
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=REPLY_TIMEOUT_S) as reply:
-            return reply.status, json.loads(reply.read())
-    except urllib.error.HTTPError as e:
-        with e:
-            return e.code, json.loads(e.read())
-
-
 def _zmq_generate(url: str, msg: dict) -> dict:
     """One generate map straight on a DEALER socket (no client in between); its final reply."""
     ctx = zmq.Context()
@@ -231,10 +217,12 @@ def test_every_declared_field_is_served_on_every_surface(tiny_runtime):
     http = tiny_runtime.http_url
     reply = _zmq_generate(tiny_runtime.url, {"text": "Hi", "sampling_params": params, **examples})
     assert reply["finished"] and "error" not in reply, reply
-    status, body = _post(f"{http}/generate", {"text": "Hi", "sampling_params": params, **examples})
+    status, body = post_json(
+        f"{http}/generate", {"text": "Hi", "sampling_params": params, **examples}
+    )
     assert status == 200, body
     completion = {"model": "tiny", "prompt": "Hi", "max_tokens": 2, "temperature": 0}
-    status, body = _post(f"{http}/v1/completions", {**completion, **openai})
+    status, body = post_json(f"{http}/v1/completions", {**completion, **openai})
     assert status == 200, body
     reply = _zmq_generate(tiny_runtime.url, {"text": "Hi", "cache_slat": "s"})
     assert reply["error"]["code"] == ErrorCode.INVALID_REQUEST.value
@@ -243,5 +231,5 @@ def test_every_declared_field_is_served_on_every_surface(tiny_runtime):
         ("/generate", {"text": "Hi", "cache_slat": "s"}),
         ("/v1/completions", {**completion, "cache_slat": "s"}),
     ]:
-        status, answer = _post(f"{http}{path}", body)
+        status, answer = post_json(f"{http}{path}", body)
         assert status == 400 and "cache_slat" in answer["error"]["message"], answer

@@ -310,10 +310,11 @@ class Req:
             self.pooled = new if self.pooled is None else self.pooled + new
             self.pooled_tokens = max(self.pooled_tokens, end)
         if end == len(self.input_ids):
-            pooled = (
-                hidden[-1] if self.pooling.mode == "last" else self.pooled / len(self.input_ids)
-            )
-            self.embedding = self.pooling.finish(pooled)
+            if self.pooling.mode == "last":
+                self.embedding = self.pooling.finish(hidden[-1])
+            else:
+                assert self.pooled is not None, "a prompt has a position"
+                self.embedding = self.pooling.finish(self.pooled / len(self.input_ids))
 
 
 class Scheduled(NamedTuple):

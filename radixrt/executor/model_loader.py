@@ -264,10 +264,22 @@ class WeightReader:
                     _SAFETENSORS_DTYPES[entry["dtype"]],
                     tuple(entry["shape"]),
                 )
+        if "embed_tokens.weight" in self._where and "model.embed_tokens.weight" not in self._where:
+            self._headless()
         self.read: set[str] = set()  # names of the tensors read so far
         # one buffer for every read: freeing chunks would raise glibc's mmap threshold and
         # leave later ones on its heap, held after the load
         self._scratch = torch.empty(self.CHUNK_BYTES, dtype=torch.uint8)
+
+    def _headless(self) -> None:
+        """A base model's checkpoint (`LlamaModel`, not `LlamaForCausalLM`: how
+        sentence-transformers saves Qwen3-Embedding and e5-mistral): its names get the `model.`
+        prefix, and a missing `lm_head.weight` reads the embeddings, as a tied model's does,
+        which is right only for an embedding server (--is-embedding computes no logits)."""
+        self._where = {f"model.{name}": stored for name, stored in self._where.items()}
+        if "lm_head.weight" not in self._where:
+            logger.warning("the checkpoint has no lm_head: serve it with --is-embedding")
+            self._where["lm_head.weight"] = self._where["model.embed_tokens.weight"]
 
     def close(self) -> None:
         for f in self._files:

@@ -51,6 +51,15 @@ class Phase(Enum):
     ANSWER = "answer"
 
 
+class Step(Enum):
+    """What a token did to a walk: refused; taken by the walk (reasoning, a tag); or the
+    answer's first token, which the wrapped guide takes too."""
+
+    REFUSED = "refused"
+    TAKEN = "taken"
+    ANSWERS = "answers"
+
+
 @dataclass(frozen=True, eq=False)
 class ThinkTags:
     """What every walk of one tokenizer shares: its tokens' bytes, the ids that may spell part of
@@ -164,25 +173,26 @@ class ReasoningGuide:
     def _inner_allows(self, token: int) -> bool:
         return self.inner is not None and self.inner.allowed_prefix([token]) == 1
 
-    def _step(self, walk: Walk, token: int) -> bool:
-        """Move `walk` past `token` (never into the inner guide); False if the token is not
-        allowed there. A walk that reaches `ANSWER` stays there."""
+    def _step(self, walk: Walk, token: int) -> Step:
+        """Move `walk` (never the inner guide) past `token`, a token before the answer's."""
         data = self.tags.bytes_of[token] if token < len(self.tags.bytes_of) else b""
         if walk.phase is Phase.OPENING:
             opened = walk.opened + data
             if not walk.opened and self._inner_allows(token):
                 walk.phase = Phase.ANSWER
-            elif _START in opened:
+                return Step.ANSWERS
+            if _START in opened:
                 walk.phase, walk.tail = Phase.THINKING, opened[opened.index(_START) + len(_START) :]
             elif data and _START.startswith(opened):
                 walk.opened = opened
             elif self.inner is None:
                 walk.phase = Phase.ANSWER  # no constraint: text that is no tag is the answer
+                return Step.ANSWERS
             else:
-                return False
+                return Step.REFUSED
         elif walk.phase is Phase.THINKING:
             if token in self.tags.stop_ids or _closes_badly(walk.tail, data):
-                return False
+                return Step.REFUSED
             walk.thought += 1
             text = walk.tail + data
             if _END in text:
@@ -193,11 +203,11 @@ class ReasoningGuide:
                     self._close(walk)
         elif walk.phase is Phase.CLOSING:
             if token != walk.forced[0]:
-                return False
+                return Step.REFUSED
             walk.forced.pop(0)
             if not walk.forced:
                 walk.phase = Phase.ANSWER
-        return True
+        return Step.TAKEN
 
     # ---- GrammarGuide ---------------------------------------------------------------------------
     def advance(self, token_id: int) -> None:
@@ -205,13 +215,12 @@ class ReasoningGuide:
             if self.inner is not None:
                 self.inner.advance(token_id)
             return
-        was_opening = self.walk.phase is Phase.OPENING and not self.walk.opened
-        if not self._step(self.walk, token_id):
-            raise ValueError(
-                f"token {token_id} is not allowed in the {self.walk.phase.value} phase"
-            )
-        if was_opening and self.walk.phase is Phase.ANSWER and self.inner is not None:
-            self.inner.advance(token_id)  # the answer began with this token
+        phase = self.walk.phase
+        step = self._step(self.walk, token_id)
+        if step is Step.REFUSED:
+            raise ValueError(f"token {token_id} is not allowed in the {phase.value} phase")
+        if step is Step.ANSWERS and self.inner is not None:
+            self.inner.advance(token_id)
 
     def jump_forward(self, token_id: int) -> list[int]:
         answering = self.walk.phase is Phase.ANSWER or (
@@ -229,10 +238,10 @@ class ReasoningGuide:
             if walk.phase is Phase.ANSWER:
                 rest = token_ids[i:]
                 return i + (self.inner.allowed_prefix(rest) if self.inner else len(rest))
-            was_opening = walk.phase is Phase.OPENING and not walk.opened
-            if not self._step(walk, token):
+            step = self._step(walk, token)
+            if step is Step.REFUSED:
                 return i
-            if was_opening and walk.phase is Phase.ANSWER and self.inner is not None:
+            if step is Step.ANSWERS and self.inner is not None:
                 return i + self.inner.allowed_prefix(token_ids[i:])
         return len(token_ids)
 

@@ -13,6 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 
 from radixrt.protocol import ErrorCode
+from radixrt.server.http.embeddings import add_embedding_routes
 from radixrt.server.http.errors import APIError
 from radixrt.server.http.gateway import OPENAI_ROUTES, Gateway
 from radixrt.server.http.messages import MESSAGES_ROUTES, add_messages_routes, error_response
@@ -167,5 +168,6 @@ def build_app(gateway: Gateway) -> FastAPI:
     add_native_routes(app, gateway)
     add_messages_routes(app, gateway)
     add_responses_routes(app, gateway)
+    add_embedding_routes(app, gateway)
     app.add_middleware(_Guard, gateway=gateway, keyed_routes=KEYED_ROUTES)
     return app

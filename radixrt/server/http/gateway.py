@@ -60,7 +60,14 @@ HEALTH_TIMEOUT_S = 5.0
 # reply before it answers 504 itself (a runtime that never answers: stopped, or a lost frame)
 REPLY_GRACE_S = 5.0
 # the routes app.build_app serves over a Gateway (beside the native ones), by name in the metrics
-OPENAI_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+OPENAI_ROUTES = (
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/v1/embeddings",
+    "/v1/models",
+    "/health",
+    "/metrics",
+)
 
 
 async def unless_disconnected(request: Request, coros: list) -> list:
@@ -102,6 +109,7 @@ class _Model:
     template: str | None
     tool_parser: ToolCallParser  # how this model writes tool calls (--tool-call-parser)
     lora_enabled: bool  # adapters are served: `model` names one, or the served model
+    embedding: dict[str, Any] | None  # --is-embedding: the pooling (model_info's)
 
 
 @dataclass(frozen=True)
@@ -165,6 +173,7 @@ class Gateway:
             template,
             parser,
             bool(info.get("lora_enabled")),
+            info.get("embedding"),
         )
 
     def authorized(self, headers: dict[bytes, bytes]) -> bool:

@@ -45,15 +45,18 @@ def request_body(
     *,
     native: bool,
     options: type[GenerateOptions] = GenerateOptions,
-    sampling: type[SamplingParams] = SamplingParams,
+    sampling: type[SamplingParams] | None = SamplingParams,
 ) -> type[BaseModel]:
     """A body class under `base` holding the fields a request body takes from the declarations
     (docs/protocol.md's tables), each optional (None: not sent): for the OpenAI bodies, the
     request fields they carry and the sampling parameters under their names there; for the
     native /generate (`native`), every request field (a per-prompt one as one value or a list
-    of them) and the sampling parameters it takes top level."""
-    fields = {**_option_fields(options, native), **_param_fields(sampling, native)}
-    return create_model(f"{'Native' if native else 'OpenAI'}Fields", __base__=base, **fields)
+    of them) and the sampling parameters it takes top level. `sampling` None: no sampling
+    parameters (a body that generates nothing: /v1/embeddings)."""
+    params = _param_fields(sampling, native) if sampling is not None else {}
+    fields = {**_option_fields(options, native), **params}
+    name = f"{'Native' if native else 'OpenAI'}{'' if sampling else 'Option'}Fields"
+    return create_model(name, __base__=base, **fields)
 
 
 def _option_fields(options: type[GenerateOptions], native: bool) -> dict[str, Any]:

@@ -8,8 +8,6 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import urllib.error
-import urllib.request
 
 import huggingface_hub.constants
 import jinja2
@@ -19,7 +17,7 @@ import torch
 
 from radixrt.executor.model_loader import hub_snapshot, load_chat_template, resolve_model_path
 
-from helpers import _hf_model, launch_runtime
+from helpers import _hf_model, launch_runtime, post_json
 
 HUB_ID = "radixrt-tests/tiny-llama"
 SERVED = "tiny"
@@ -74,19 +72,6 @@ def client(runtime):
         base_url=f"{runtime.http_url}/v1", api_key="-", max_retries=0, timeout=HTTP_TIMEOUT_S
     ) as c:
         yield c
-
-
-def _post(runtime, path: str, body: dict) -> tuple[int, dict]:
-    request = urllib.request.Request(
-        f"{runtime.http_url}{path}",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=HTTP_TIMEOUT_S) as reply:
-            return reply.status, json.loads(reply.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
 
 
 def _greedy_ids(runtime, n: int) -> list[int]:
@@ -154,7 +139,9 @@ def test_logit_bias_forces_and_bans(runtime, client):
 def test_logit_bias_is_checked_against_the_vocabulary(runtime):
     vocab = runtime.model_info["vocab_size"]
     for bias, words in (({str(vocab): 1}, "token ids must be in"), ({"7": 101}, "logit_bias[7]")):
-        status, body = _post(runtime, "/v1/completions", {"prompt": PROMPT, "logit_bias": bias})
+        status, body = post_json(
+            f"{runtime.http_url}/v1/completions", {"prompt": PROMPT, "logit_bias": bias}
+        )
         assert status == 400 and words in body["error"]["message"], body
 
 
@@ -223,9 +210,8 @@ def test_grammars_as_extra_fields_and_json_object(runtime, client):
         extra_body={"lark": 'start: "(" /[a-z]/ ")"'},
     )
     assert re.fullmatch(r"\([a-z]\)", pair.choices[0].message.content)
-    status, body = _post(
-        runtime,
-        "/generate",
+    status, body = post_json(
+        f"{runtime.http_url}/generate",
         {"text": PROMPT, "sampling_params": {"max_new_tokens": 8, "lark": 'start: "ab"'}},
     )
     assert status == 200 and body["text"] == "ab", body
@@ -240,14 +226,15 @@ def test_grammars_as_extra_fields_and_json_object(runtime, client):
     assert text.startswith("{")
     if obj.choices[0].finish_reason == "stop":
         assert isinstance(json.loads(text), dict)
-    status, body = _post(runtime, "/v1/completions", {"prompt": PROMPT, "ebnf": "root ::= ("})
+    status, body = post_json(
+        f"{runtime.http_url}/v1/completions", {"prompt": PROMPT, "ebnf": "root ::= ("}
+    )
     assert status == 400 and body["error"]["code"] == "invalid_constraint", body
 
 
 def test_a_constraint_from_two_sources_is_refused(runtime):
-    status, body = _post(
-        runtime,
-        "/v1/chat/completions",
+    status, body = post_json(
+        f"{runtime.http_url}/v1/chat/completions",
         {"messages": QUESTION, "regex": "a+", "response_format": {"type": "json_object"}},
     )
     assert status == 400 and body["error"]["param"] == "response_format", body
@@ -262,7 +249,7 @@ def test_unknown_fields_are_refused_by_name(runtime, client):
             {"messages": QUESTION, "response_format": {"type": "text", "strict": 1}},
         ),
     ):
-        status, reply = _post(runtime, path, body)
+        status, reply = post_json(runtime.http_url + path, body)
         error = reply["error"]
         misspelled = [k for k in ("max_tokns", "top_kk", "strict") if k in json.dumps(body)][0]
         assert status == 400 and error["code"] == "invalid_request", reply
@@ -354,9 +341,8 @@ def test_echo_logprobs_equal_native_generates(runtime, client):
     `input_token_logprobs` give the same list: every prompt token, the first's logprob None."""
     ids = runtime.tokenizer.encode(PROMPT, add_special_tokens=False)
     echoed = _complete(client, max_tokens=0, echo=True, logprobs=1).choices[0].logprobs
-    status, native = _post(
-        runtime,
-        "/generate",
+    status, native = post_json(
+        f"{runtime.http_url}/generate",
         {
             "input_ids": ids,
             "sampling_params": {"max_new_tokens": 1, "temperature": 0},

@@ -54,6 +54,7 @@ class Gen(Expr):
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit
     min_tokens: int | None = None  # tokens generated before a stop may end it
     stop_regex: str | list[str] | None = None  # the text ends at a match (SGLang's)
+    max_reasoning_tokens: int | None = None  # the reasoning block's bound (--reasoning-parser)
 
     def sampling_params(self, defaults: dict[str, Any]) -> dict[str, Any]:
         """The runtime's sampling params: this gen's values over the run's defaults."""
@@ -140,6 +141,7 @@ def gen(
     logit_bias: dict[int, float] | None = None,
     min_tokens: int | None = None,
     stop_regex: str | list[str] | None = None,
+    max_reasoning_tokens: int | None = None,
 ) -> Gen | Select:
     """Generate text into variable `name`. With `choices`, the same as `select`. With `tools`
     (OpenAI's function tools), the reply decodes under the tool-call constraint of `tool_choice`
@@ -147,7 +149,8 @@ def gen(
     calls, `[{"name", "arguments"}]`; the meta info adds the reply's `content`. `logit_bias`:
     token id -> a bias in [-100, 100] added to its logit. `ebnf` (GBNF, llama.cpp's dialect) and
     `lark` constrain the text to a context-free grammar. `min_tokens` and `stop_regex` as in
-    SGLang's `gen`."""
+    SGLang's `gen`. On a server with `--reasoning-parser`, a constraint applies after the
+    reasoning block, which `max_reasoning_tokens` bounds."""
     if choices is not None and regex is None and json_schema is None:
         return Select(name, list(choices), temperature or 0.0)
     return Gen(
@@ -178,6 +181,7 @@ def gen(
         logit_bias,
         min_tokens,
         stop_regex,
+        max_reasoning_tokens,
     )
 
 

@@ -210,6 +210,21 @@ def test_messages_get_the_reasoning_as_a_thinking_block(reasoning_runtime, prefi
         assert (thinking.thinking, text.text) == expected
 
 
+def test_a_dsl_gen_reasons_then_matches_its_regex(reasoning_runtime, prefilled_prompt):
+    import radixrt as rt
+
+    @rt.function
+    def ask(s):
+        s += prefilled_prompt
+        s += rt.gen(
+            "answer", max_tokens=MAX_TOKENS, max_reasoning_tokens=BUDGET, regex="(Paris|Rome)"
+        )
+
+    reply = ask.run(backend=reasoning_runtime, temperature=0)["answer"]
+    reasoning, answer = R1.split(reply)
+    assert reasoning and answer in ("Paris", "Rome")
+
+
 def test_a_budget_needs_a_reasoning_parser(tiny_runtime):
     from radixrt.client.transport import InvalidRequestError
 

@@ -3,7 +3,8 @@ replicas of the tiny model built by `build_openai_app` with `RadixrtServer`, rea
 official `openai` client through Ray's HTTP proxy. Greedy output equals one `rt.Engine`'s; on a
 multi-prefix workload `RadixAffinityRouter` gives at least 1.5x the prefix-cache hit rate of
 Ray's default power-of-two routing (the same workload as scripts/ray_routing.py); and when
-Serve and Ray shut down, the runtimes the replicas started are gone."""
+Serve deletes the app, the runtimes the replicas started are gone. `QueueDepthPolicy`'s rule on
+plain numbers."""
 
 from __future__ import annotations
 
@@ -18,9 +19,11 @@ import psutil
 import pytest
 import ray
 from ray import serve
+from ray.serve._private.common import DeploymentID, ReplicaID
+from ray.serve.config import AutoscalingContext
 
-import radixrt as rt
 from radixrt.client.launcher import free_port
+from radixrt.integrations.ray import RUNNING, WAITING, QueueDepthPolicy
 
 ROOT = Path(__file__).parents[2]
 _spec = importlib.util.spec_from_file_location("ray_routing", ROOT / "scripts/ray_routing.py")
@@ -74,14 +77,13 @@ def deploy(model: Path, affinity: bool) -> None:
 
 
 def test_two_replicas_serve_as_one_engine_and_affinity_routing_raises_the_hit_rate(
-    serve_url, tiny_model_dir
+    serve_url, tiny_model_dir, tiny_runtime
 ):
     client = openai.OpenAI(base_url=serve_url, api_key="unused", max_retries=0)
-    with rt.Engine(model=str(tiny_model_dir), **ENGINE) as engine:
-        expected = [
-            engine.generate(p, {"max_new_tokens": 8, "temperature": 0})["text"] for p in PROMPTS
-        ]
-        engine_tokens = engine.tokenize(PROMPTS[0])
+    expected = [
+        tiny_runtime.generate(p, {"max_new_tokens": 8, "temperature": 0})["text"] for p in PROMPTS
+    ]
+    engine_tokens = tiny_runtime.tokenize(PROMPTS[0])
     deploy(tiny_model_dir, affinity=False)
     replicas = runtimes_of_replicas()
     assert len(replicas) == 2
@@ -124,3 +126,47 @@ def test_two_replicas_serve_as_one_engine_and_affinity_routing_raises_the_hit_ra
     serve.delete("radixrt")
     gone, alive = psutil.wait_procs(replicas, timeout=30)
     assert not alive, [p.pid for p in alive]
+
+
+def autoscaling_context(current: int, waiting: list[float], running: list[float]):
+    deployment = DeploymentID(name="RadixrtServer:model", app_name="radixrt")
+    replicas = [ReplicaID(str(i), deployment) for i in range(len(waiting))]
+    return AutoscalingContext(
+        deployment_id=deployment,
+        deployment_name=deployment.name,
+        app_name=deployment.app_name,
+        current_num_replicas=current,
+        target_num_replicas=current,
+        running_replicas=replicas,
+        total_num_requests=sum(waiting) + sum(running),
+        total_queued_requests=0,
+        aggregated_metrics={
+            WAITING: dict(zip(replicas, waiting)),
+            RUNNING: dict(zip(replicas, running)),
+        },
+        raw_metrics={},
+        capacity_adjusted_min_replicas=1,
+        capacity_adjusted_max_replicas=4,
+        policy_state={},
+        last_scale_up_time=None,
+        last_scale_down_time=None,
+        current_time=None,
+        config=None,
+    )
+
+
+@pytest.mark.parametrize(
+    ("current", "waiting", "running", "replicas"),
+    [
+        (2, [3, 4], [8, 8], 4),  # 7 waiting > 2 per replica: enough replicas for 2 each
+        (2, [20, 20], [8, 8], 4),  # ... bounded by max_replicas
+        (2, [1, 2], [8, 8], 2),  # 3 waiting <= 2 per replica: as many as now
+        (3, [0, 0, 0], [5, 0, 1], 3),  # busy but none waiting: as many as now
+        (3, [0, 0, 0], [0, 0, 0], 1),  # idle: min_replicas
+    ],
+)
+def test_queue_depth_policy_scales_on_waiting_requests(current, waiting, running, replicas):
+    policy = QueueDepthPolicy(target_waiting=2)
+    assert policy(autoscaling_context(current, waiting, running))[0] == replicas
+    with pytest.raises(ValueError, match="target_waiting"):
+        QueueDepthPolicy(target_waiting=0)

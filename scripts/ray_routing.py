@@ -3,12 +3,14 @@
 
 The workload: `--prefixes` system prompts of about `--prefix-words` words, each asked
 `--questions` short questions, sent one at a time in rounds (every prefix once per round), so
-the default router's choice is a coin toss each time. Each replica's pool holds about half the
-prefixes (`--max-total-tokens`), so what matters is which replica a prefix's requests reach:
-always the same one (affinity), or either (the default). The hit rate is the cached share of
+the default router's choice is between two idle replicas each time (a coin toss, or a turn each
+when its queue-length cache lags; the odd prefix count keeps the turns from pinning a prefix to
+one replica). Each replica's pool holds about half the prefixes (`--max-total-tokens`), so what
+matters is which replica a prefix's requests reach: always the same one (affinity), or either
+(the default). The hit rate is the cached share of
 prompt tokens, from each response's `usage.prompt_tokens_details.cached_tokens`.
 
-    python scripts/ray_routing.py [--model PATH] [--prefixes 12] [--questions 4]
+    python scripts/ray_routing.py [--model PATH] [--prefixes 13] [--questions 4]
 
 tests/integrations/test_ray_serve.py runs the same functions on the tiny random model.
 """
@@ -29,7 +31,7 @@ WORDS = "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lim
 
 @dataclass(frozen=True)
 class Workload:
-    prefixes: int = 12
+    prefixes: int = 13
     questions: int = 4
     prefix_words: int = 90
     max_tokens: int = 4
@@ -119,10 +121,10 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="default")
-    parser.add_argument("--prefixes", type=int, default=12)
+    parser.add_argument("--prefixes", type=int, default=13)
     parser.add_argument("--questions", type=int, default=4)
     parser.add_argument("--prefix-words", type=int, default=90)
-    parser.add_argument("--max-total-tokens", type=int, default=1280)
+    parser.add_argument("--max-total-tokens", type=int, default=1450)
     parser.add_argument("--num-cpus", type=int, default=2)
     args = parser.parse_args()
     workload = Workload(args.prefixes, args.questions, args.prefix_words)

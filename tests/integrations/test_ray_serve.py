@@ -109,6 +109,14 @@ def test_two_replicas_serve_as_one_engine_and_affinity_routing_raises_the_hit_ra
             model="model", messages=messages, max_tokens=2, extra_body={"no_such_field": 1}
         )
 
+    # what radixrt's gateway refuses comes back as Ray's error with radixrt's message
+    with pytest.raises(openai.BadRequestError, match="top_logprobs needs logprobs"):
+        client.chat.completions.create(
+            model="model", messages=messages, max_tokens=2, top_logprobs=2
+        )
+    with pytest.raises(openai.BadRequestError, match="generation models only"):
+        client.embeddings.create(model="model", input="hello")
+
     tokens = json_post(
         f"{serve_url.removesuffix('/v1')}/tokenize", model="model", prompt=PROMPTS[0]
     )

@@ -10,7 +10,7 @@ matters is which replica a prefix's requests reach: always the same one (affinit
 (the default). The hit rate is the cached share of
 prompt tokens, from each response's `usage.prompt_tokens_details.cached_tokens`.
 
-    python scripts/ray_routing.py [--model PATH] [--prefixes 13] [--questions 4]
+    python scripts/ray_routing.py [--model PATH] [--prefixes 13] [--questions 6]
 
 tests/integrations/test_ray_serve.py runs the same functions on the tiny random model.
 """
@@ -32,7 +32,7 @@ WORDS = "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lim
 @dataclass(frozen=True)
 class Workload:
     prefixes: int = 13
-    questions: int = 4
+    questions: int = 6
     prefix_words: int = 90
     max_tokens: int = 4
     seed: int = 0
@@ -122,9 +122,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="default")
     parser.add_argument("--prefixes", type=int, default=13)
-    parser.add_argument("--questions", type=int, default=4)
+    parser.add_argument("--questions", type=int, default=6)
     parser.add_argument("--prefix-words", type=int, default=90)
-    parser.add_argument("--max-total-tokens", type=int, default=1450)
+    parser.add_argument("--max-total-tokens", type=int, default=1350)
     parser.add_argument("--num-cpus", type=int, default=2)
     args = parser.parse_args()
     workload = Workload(args.prefixes, args.questions, args.prefix_words)

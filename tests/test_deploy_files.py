@@ -28,6 +28,7 @@ RUNNERS = {
     "deploy/k8s/worker.yaml",
     "deploy/k8s/router.yaml",
     "deploy/inference-gateway/pool.yaml",
+    "deploy/k8s-multinode/lws-tp.yaml",
     "radixrt.service",
 }
 
@@ -173,3 +174,19 @@ def test_the_inference_pool_publishes_kv_events_the_picker_reads():
     assert scorer["parameters"]["kvEventsConfig"]["zmqEndpoint"].endswith(
         ":" + config.endpoint.rpartition(":")[2]
     )
+
+
+def test_the_leader_worker_set_is_one_tensor_parallel_group_over_its_pods():
+    """Leader and worker run the same model and TP shape, one node rank each (0 the leader),
+    over as many nodes as the group has pods, meeting at the leader's address."""
+    lws = next(yaml.safe_load_all((ROOT / "deploy/k8s-multinode/lws-tp.yaml").read_text()))
+    spec = lws["spec"]["leaderWorkerTemplate"]
+    parser = build_parser()
+    args = [
+        parser.parse_args(spec[t]["spec"]["containers"][0]["args"])
+        for t in ("leaderTemplate", "workerTemplate")
+    ]
+    assert [a.node_rank for a in args] == list(range(spec["size"]))
+    for a in args:
+        assert (a.model, a.tp_size, a.nnodes) == (args[0].model, 2, spec["size"])
+        assert a.dist_init_addr == "$(LWS_LEADER_ADDRESS):29500"

@@ -55,6 +55,8 @@ ALLOWED = {
     "speculative": set(),
     "kernels": set(),
     "frontend": {"client", "frontend", "structured"},  # structured.tools: calls, no torch
+    # Ray Serve: rt.Engine in each replica, the gateway's handlers, the router's policy and trees
+    "integrations": {"client", "server", "config", "protocol"},
 }
 NOT_SOURCES = (
     ".git",

@@ -1,0 +1,1 @@
+"""radixrt inside other serving systems: `radixrt.integrations.ray` (Ray Serve LLM)."""

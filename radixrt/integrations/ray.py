@@ -43,6 +43,7 @@ from ray.llm._internal.serve.core.configs.openai_api_models import (
     ChatCompletionResponse,
     CompletionResponse,
     DetokenizeResponse,
+    EmbeddingResponse,
     ErrorInfo,
     ErrorResponse,
     TokenizeResponse,
@@ -61,8 +62,8 @@ from ray.serve.llm import build_openai_app as ray_build_openai_app
 
 from radixrt.client.launcher import Engine
 from radixrt.config import RouterSettings
-from radixrt.protocol import ErrorCode
 from radixrt.server.http.app import validation_error
+from radixrt.server.http.embeddings import EmbeddingRequest, embed
 from radixrt.server.http.errors import APIError
 from radixrt.server.http.gateway import HEALTH_TIMEOUT_S, Gateway, bearer
 from radixrt.server.http.native import DetokenizeRequest, NativeAPI, TokenizeRequest
@@ -133,15 +134,15 @@ class RadixrtServer:
 
     async def embeddings(
         self, request: Any, raw_request_info: RawRequestInfo | None = None
-    ) -> AsyncIterator[ErrorResponse]:
-        yield _error(
-            APIError(
-                400,
-                "embeddings: radixrt serves generation models only (no /v1/embeddings)",
-                param="input",
-                code=ErrorCode.INVALID_REQUEST.value,
-            )
-        )
+    ) -> AsyncIterator[EmbeddingResponse | ErrorResponse]:
+        """`/v1/embeddings` of a replica started with `is_embedding=True` (refused by name
+        by one that generates)."""
+        try:
+            req = _ours(EmbeddingRequest, request)
+            body = await embed(self.gateway, _starlette_request(raw_request_info), req)
+            yield EmbeddingResponse.model_validate(body)
+        except APIError as e:
+            yield _error(e)
 
     async def tokenize(
         self, request: Any, raw_request_info: RawRequestInfo | None = None

@@ -116,7 +116,7 @@ def test_two_replicas_serve_as_one_engine_and_affinity_routing_raises_the_hit_ra
         client.chat.completions.create(
             model="model", messages=messages, max_tokens=2, top_logprobs=2
         )
-    with pytest.raises(openai.BadRequestError, match="generation models only"):
+    with pytest.raises(openai.BadRequestError, match="--is-embedding"):
         client.embeddings.create(model="model", input="hello")
 
     tokens = json_post(

@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 import torch
 
+from radixrt.kernels import cpu_paged
 from radixrt.mem_cache.kv_quant import KVFormat
 
 
@@ -154,6 +155,13 @@ class TokenToKVPool:
     def set_kv(self, layer_id: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store the K/V rows `[T, kv_heads, head_dim]` at `slots`, quantized once here when
         the pool is."""
+        k_buf, v_buf = self.k_buffers[layer_id], self.v_buffers[layer_id]
+        if self.fmt is KVFormat.INT8 and cpu_paged.supports_quantized(
+            k_buf, self.head_dim, k.dtype
+        ):
+            cpu_paged.quantize_int8(k, slots, k_buf)  # one call, torch's bytes
+            cpu_paged.quantize_int8(v, slots, v_buf)
+            return
         if self.fmt:
             k, v = self.fmt.quantize(k), self.fmt.quantize(v)
         self.k_buffers[layer_id].index_copy_(0, slots, k)

@@ -1,4 +1,4 @@
-"""Decode attention that reads K/V where they lie in the paged pool (CPU, float32).
+"""Decode attention that reads K/V where they lie in the paged pool (CPU, float32 or quantized).
 
 The torch path gathers each request's keys and values out of the pool into a padded tensor every
 step, then attends over the copy: a decode step's memory traffic is the context copied, written
@@ -7,6 +7,11 @@ with an online softmax: scores as vector dot products (a key row serves all quer
 head), exponentials eight at a time. One OpenMP task per (request, KV head, key range); a small
 batch's long contexts are cut into ranges so every core has work. It returns the log-sum-exp too,
 for the cascade merge with the shared prefix.
+
+A quantized pool (`--kv-cache-dtype`: rows of one-byte codes and a float32 scale per token and
+KV head) has its own entry, `paged_decode_quantized`: the same tasks and merge, each key and value
+row decoded to floats as it is read (int8, or FP8 E4M3/E5M2 through the F16C half conversion),
+so a long context reads a quarter of float32's bytes; `quantize_int8` writes such rows.
 
 Plain C built on first use (`native`). Without a compiler the backend keeps the gather path
 (`supports()` says which).

@@ -147,9 +147,7 @@ class ModelRunner:
             else None
         )
         check_quantization(args.quantization, self.device, self.cpu_isa)
-        self.kv_format = resolve_kv_format(
-            args.kv_cache_dtype, self.device, args.attention_backend
-        )
+        self.kv_format = resolve_kv_format(args.kv_cache_dtype, self.device, args.attention_backend)
         packed = self._gguf_plan()
         tied = bool(getattr(self.config, "tie_word_embeddings", False))
         packing = LinearPacking.of(args.quantization, self.device, self.dtype, self.cpu_isa)

@@ -164,7 +164,6 @@ class Attention(nn.Module):
         o = attn.forward(self.layer_id, q, k, v, batch)
         return self.tp.all_reduce(self.o_proj(o.reshape(-1, self.q_size)))
 
-
     def _rope_rows(
         self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

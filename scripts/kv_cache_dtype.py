@@ -3,7 +3,7 @@ budget, the host and disk tiers' bytes per token, and the decode step at long co
 float32 KV (the model's forward alone: the pool is filled with random K/V, written through the
 pool's own `set_kv`, so no prefill is timed or needed).
 
-    .venv/bin/python scripts/kv_cache_dtype.py --context 2048 8192 --batch 1 4
+    .venv/bin/python scripts/kv_cache_dtype.py --context 2048 8000 --batch 1
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ def disk_bytes_per_token(runner: ModelRunner) -> float:
     pool = runner.kv_pool
     shape = (pool.num_layers, STORAGE_BLOCK_TOKENS, *pool.shape[1:])
     block = torch.zeros(shape, dtype=pool.k_buffers[0].dtype)
-    data = save_safetensors({"k": block, "v": block}, {"checksum": "0" * 64})
+    data = save_safetensors({"k": block, "v": block.clone()}, {"checksum": "0" * 64})
     return len(data) / STORAGE_BLOCK_TOKENS
 
 
@@ -71,7 +71,7 @@ def decode_ms(runner: ModelRunner, batch: int, context: int, steps: int) -> floa
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--context", type=int, nargs="+", default=[2048, 8192])
+    parser.add_argument("--context", type=int, nargs="+", default=[2048, 8000])
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--steps", type=int, default=5)
     args = parser.parse_args()

@@ -1,4 +1,4 @@
-"""Decode attention that reads K/V where they lie in the paged pool (CPU, float32).
+"""Decode attention that reads K/V where they lie in the paged pool (CPU, float32 or quantized).
 
 The torch path gathers each request's keys and values out of the pool into a padded tensor every
 step, then attends over the copy: a decode step's memory traffic is the context copied, written
@@ -7,6 +7,11 @@ with an online softmax: scores as vector dot products (a key row serves all quer
 head), exponentials eight at a time. One OpenMP task per (request, KV head, key range); a small
 batch's long contexts are cut into ranges so every core has work. It returns the log-sum-exp too,
 for the cascade merge with the shared prefix.
+
+A quantized pool (`--kv-cache-dtype`: rows of one-byte codes and a float32 scale per token and
+KV head) has its own entry, `paged_decode_quantized`: the same tasks and merge, each key and value
+row decoded to floats as it is read (int8, or FP8 E4M3/E5M2 through the F16C half conversion),
+so a long context reads a quarter of float32's bytes; `quantize_int8` writes such rows.
 
 Plain C built on first use (`native`). Without a compiler the backend keeps the gather path
 (`supports()` says which).
@@ -121,26 +126,11 @@ static void attend(const float *qh, const float *k, const float *v, const int64_
     }
 }
 
-/* q [B, Hq, D]; k, v [S, Hkv, D]; slots [B, L]; lens [B]; out [B, Hq, D]; lse [B, Hq].
-   Each request's keys are cut into `splits` ranges, one task per (request, KV head, range), so a
-   small batch still fills every core; then each (request, KV head) merges its ranges by their
-   maxima. part: scratch [B, Hkv, splits, G, D + 2]. */
-void paged_decode(const float *q, const float *k, const float *v, const int64_t *slots,
-                  const int64_t *lens, float *out, float *lse, int64_t B, int64_t Hq, int64_t Hkv,
-                  int64_t D, int64_t L, float scale, float cap, int64_t splits, float *part) {
+/* Inside a parallel region: each (request, query head) merges its key ranges' parts by their
+   maxima into out [B, Hq, D] and lse [B, Hq]. */
+static void merge_ranges(const float *part, float *out, float *lse, int64_t B, int64_t Hq,
+                         int64_t Hkv, int64_t D, int64_t splits) {
     const int64_t G = Hq / Hkv, stride = G * (D + 2);
-    #pragma omp parallel
-    {
-    #pragma omp for collapse(3) schedule(dynamic)
-    for (int64_t b = 0; b < B; b++)
-        for (int64_t h = 0; h < Hkv; h++)
-            for (int64_t sp = 0; sp < splits; sp++) {
-                const int64_t size = (lens[b] + splits - 1) / splits;
-                const int64_t lo = sp * size < lens[b] ? sp * size : lens[b];
-                const int64_t hi = lo + size < lens[b] ? lo + size : lens[b];
-                attend(q + (b * Hq + h * G) * D, k, v, slots + b * L + lo, hi - lo, h, Hkv, G, D,
-                       scale, cap, part + ((b * Hkv + h) * splits + sp) * stride);
-            }
     #pragma omp for collapse(2) schedule(static)
     for (int64_t b = 0; b < B; b++)
         for (int64_t h = 0; h < Hkv; h++)
@@ -162,13 +152,179 @@ void paged_decode(const float *q, const float *k, const float *v, const int64_t 
                 for (int64_t d = 0; d < D; d++) o[d] *= inv;
                 lse[b * Hq + h * G + g] = total > 0.0f ? top + logf(total) : -INFINITY;
             }
+}
+
+/* q [B, Hq, D]; k, v [S, Hkv, D]; slots [B, L]; lens [B]; out [B, Hq, D]; lse [B, Hq].
+   Each request's keys are cut into `splits` ranges, one task per (request, KV head, range), so a
+   small batch still fills every core; then each (request, KV head) merges its ranges by their
+   maxima. part: scratch [B, Hkv, splits, G, D + 2]. */
+void paged_decode(const float *q, const float *k, const float *v, const int64_t *slots,
+                  const int64_t *lens, float *out, float *lse, int64_t B, int64_t Hq, int64_t Hkv,
+                  int64_t D, int64_t L, float scale, float cap, int64_t splits, float *part) {
+    const int64_t G = Hq / Hkv, stride = G * (D + 2);
+    #pragma omp parallel
+    {
+    #pragma omp for collapse(3) schedule(dynamic)
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t h = 0; h < Hkv; h++)
+            for (int64_t sp = 0; sp < splits; sp++) {
+                const int64_t size = (lens[b] + splits - 1) / splits;
+                const int64_t lo = sp * size < lens[b] ? sp * size : lens[b];
+                const int64_t hi = lo + size < lens[b] ? lo + size : lens[b];
+                attend(q + (b * Hq + h * G) * D, k, v, slots + b * L + lo, hi - lo, h, Hkv, G, D,
+                       scale, cap, part + ((b * Hkv + h) * splits + sp) * stride);
+            }
+    merge_ranges(part, out, lse, B, Hq, Hkv, D, splits);
     }
 }
 """
 )
+# Quantized pools (`--kv-cache-dtype`, radixrt/mem_cache/kv_quant.py): each (slot, KV head) row
+# is W = D + 4 bytes, D one-byte codes then the row's float32 scale. A key or value row is
+# decoded once into floats (codes times scale, eight at a time) and then used as the float kernel
+# uses its rows: a quarter of the bytes read from memory.
+SOURCE += r"""
+#include <string.h>
+
+/* Eight codes -> eight floats, to be multiplied by the row's scale. kind 0: int8. 1: FP8 E4M3
+   (no infinities): sign, exponent and mantissa moved into a half's fields give the value times
+   2^-8, the subnormals too; row_scale puts the 2^8 back. 2: FP8 E5M2, a half's top byte. */
+static inline __m256 codes8(const int8_t *p, int64_t kind) {
+    const __m128i b = _mm_loadl_epi64((const __m128i *)p);
+    if (kind == 0) return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+    const __m128i h = _mm_cvtepu8_epi16(b);
+    if (kind == 2) return _mm256_cvtph_ps(_mm_slli_epi16(h, 8));
+    const __m128i sign = _mm_slli_epi16(_mm_and_si128(h, _mm_set1_epi16(0x80)), 8);
+    return _mm256_cvtph_ps(_mm_or_si128(sign, _mm_slli_epi16(_mm_and_si128(h, _mm_set1_epi16(0x7f)), 7)));
+}
+
+static inline float row_scale(const int8_t *row, int64_t D, int64_t kind) {
+    float s;
+    memcpy(&s, row + D, sizeof s);
+    return kind == 1 ? s * 256.0f : s;
+}
+
+/* A quantized row's D values (D a multiple of 8) into out. */
+static inline void load_row(const int8_t *row, int64_t D, int64_t kind, float *out) {
+    const __m256 s = _mm256_set1_ps(row_scale(row, D, kind));
+    for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(out + d, _mm256_mul_ps(codes8(row + d, kind), s));
+}
+
+/* attend() over quantized rows k, v [S, Hkv, D + 4]: the same blocks, online softmax and
+   accumulation, each key and value row decoded once into floats first. */
+static void attend_quantized(const float *qh, const int8_t *k, const int8_t *v, const int64_t *rows,
+                             int64_t n_keys, int64_t h, int64_t Hkv, int64_t G, int64_t D,
+                             float scale, float cap, int64_t kind, float *part) {
+    const int64_t W = D + 4;
+    float m[MAX_GROUP], l[MAX_GROUP], acc[MAX_GROUP][MAX_DIM], qs[MAX_GROUP][MAX_DIM];
+    float sc[MAX_GROUP][BLOCK] __attribute__((aligned(32))), s[MAX_GROUP][BLOCK] __attribute__((aligned(32)));
+    float row[MAX_DIM] __attribute__((aligned(32)));
+    for (int64_t g = 0; g < G; g++) {
+        m[g] = -INFINITY;
+        l[g] = 0.0f;
+        for (int64_t d = 0; d < D; d++) {
+            acc[g][d] = 0.0f;
+            qs[g][d] = qh[g * D + d] * scale;
+        }
+    }
+    for (int64_t start = 0; start < n_keys; start += BLOCK) {
+        const int64_t n = n_keys - start < BLOCK ? n_keys - start : BLOCK;
+        for (int64_t j = 0; j < n; j++) {
+            load_row(k + (rows[start + j] * Hkv + h) * W, D, kind, row);
+            for (int64_t g = 0; g < G; g++) sc[g][j] = dot(qs[g], row, D);
+        }
+        if (cap > 0.0f)
+            for (int64_t g = 0; g < G; g++)
+                for (int64_t j = 0; j < n; j++) sc[g][j] = cap * tanhf(sc[g][j] / cap);
+        for (int64_t g = 0; g < G; g++) {
+            float *sg = sc[g];
+            for (int64_t j = n; j < BLOCK; j++) sg[j] = 0.0f;
+            float block_max = m[g];
+            for (int64_t j = 0; j < n; j++) block_max = sg[j] > block_max ? sg[j] : block_max;
+            const float correction = expf(m[g] - block_max);
+            __m256 sum8 = _mm256_setzero_ps();
+            for (int64_t j = 0; j < BLOCK; j += 8) {
+                __m256 p = exp8(_mm256_sub_ps(_mm256_load_ps(sg + j), _mm256_set1_ps(block_max)));
+                const __m256 live = _mm256_cmp_ps(
+                    _mm256_add_ps(_mm256_set1_ps((float)j), _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7)),
+                    _mm256_set1_ps((float)n), _CMP_LT_OQ);
+                p = _mm256_and_ps(p, live);
+                _mm256_store_ps(s[g] + j, p);
+                sum8 = _mm256_add_ps(sum8, p);
+            }
+            l[g] = l[g] * correction + hsum8(sum8);
+            m[g] = block_max;
+            #pragma omp simd
+            for (int64_t d = 0; d < D; d++) acc[g][d] *= correction;
+        }
+        for (int64_t j = 0; j < n; j++) {
+            load_row(v + (rows[start + j] * Hkv + h) * W, D, kind, row);
+            for (int64_t g = 0; g < G; g++) {
+                const float p = s[g][j];
+                #pragma omp simd
+                for (int64_t d = 0; d < D; d++) acc[g][d] += p * row[d];
+            }
+        }
+    }
+    for (int64_t g = 0; g < G; g++) {
+        float *o = part + g * (D + 2);
+        for (int64_t d = 0; d < D; d++) o[d] = acc[g][d];
+        o[D] = m[g];
+        o[D + 1] = l[g];
+    }
+}
+
+/* paged_decode() over quantized pools k, v [S, Hkv, D + 4] of codes `kind`. */
+void paged_decode_quantized(const float *q, const int8_t *k, const int8_t *v, const int64_t *slots,
+                            const int64_t *lens, float *out, float *lse, int64_t B, int64_t Hq,
+                            int64_t Hkv, int64_t D, int64_t L, float scale, float cap,
+                            int64_t splits, float *part, int64_t kind) {
+    const int64_t G = Hq / Hkv, stride = G * (D + 2);
+    #pragma omp parallel
+    {
+    #pragma omp for collapse(3) schedule(dynamic)
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t h = 0; h < Hkv; h++)
+            for (int64_t sp = 0; sp < splits; sp++) {
+                const int64_t size = (lens[b] + splits - 1) / splits;
+                const int64_t lo = sp * size < lens[b] ? sp * size : lens[b];
+                const int64_t hi = lo + size < lens[b] ? lo + size : lens[b];
+                attend_quantized(q + (b * Hq + h * G) * D, k, v, slots + b * L + lo, hi - lo, h,
+                                 Hkv, G, D, scale, cap, kind,
+                                 part + ((b * Hkv + h) * splits + sp) * stride);
+            }
+    merge_ranges(part, out, lse, B, Hq, Hkv, D, splits);
+    }
+}
+
+/* x [T, H, D] float rows -> int8 rows of buf [S, H, D + 4] at slots[t]: codes round(x / scale)
+   with scale = max |x| / 127 (0 for a row of zeros, its codes 0), then the scale's bytes; the
+   same arithmetic as KVFormat.quantize, so both write the same bytes. */
+void quantize_int8(const float *x, const int64_t *slots, int8_t *buf, int64_t T, int64_t H,
+                   int64_t D) {
+    #pragma omp parallel for collapse(2) schedule(static) if (T > 16)
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t h = 0; h < H; h++) {
+            const float *r = x + (t * H + h) * D;
+            int8_t *o = buf + (slots[t] * H + h) * (D + 4);
+            float amax = 0.0f;
+            for (int64_t d = 0; d < D; d++) amax = fabsf(r[d]) > amax ? fabsf(r[d]) : amax;
+            const float scale = amax / 127.0f, div = scale > 0.0f ? scale : 1.0f;
+            for (int64_t d = 0; d < D; d++) {
+                const float c = nearbyintf(r[d] / div);
+                o[d] = (int8_t)(c > 127.0f ? 127.0f : c < -127.0f ? -127.0f : c);
+            }
+            memcpy(o + D, &scale, sizeof scale);
+        }
+}
+"""
 MAX_GROUP, MAX_DIM = 16, 256
 P, I = native.POINTER, native.INT64
-SIGNATURES = (("paged_decode", (P,) * 7 + (I,) * 5 + (native.FLOAT, native.FLOAT, I, P)),)
+SIGNATURES = (
+    ("paged_decode", (P,) * 7 + (I,) * 5 + (native.FLOAT, native.FLOAT, I, P)),
+    ("paged_decode_quantized", (P,) * 7 + (I,) * 5 + (native.FLOAT, native.FLOAT, I, P, I)),
+    ("quantize_int8", (P,) * 3 + (I,) * 3),
+)
 MAX_SPLITS = 8
 MIN_SPLIT_KEYS = 256  # a range shorter than this costs more to merge than it saves
 
@@ -184,6 +340,21 @@ def supports(k_buf: torch.Tensor) -> bool:
         k_buf.device.type == "cpu"
         and k_buf.dtype == torch.float32
         and k_buf.shape[2] <= MAX_DIM
+        and _library() is not None
+    )
+
+
+def supports_quantized(k_buf: torch.Tensor, head_dim: int, dtype: torch.dtype) -> bool:
+    """Whether decodes over this quantized pool buffer (`int8 [S, Hkv, head_dim + 4]`, read in
+    `dtype`) can run in place: float32 queries on the CPU, a head size the kernel takes (a
+    multiple of 8), a compiler to build it."""
+    return (
+        k_buf.device.type == "cpu"
+        and k_buf.dtype == torch.int8
+        and dtype == torch.float32
+        and head_dim <= MAX_DIM
+        and head_dim % 8 == 0
+        and k_buf.shape[2] == head_dim + 4
         and _library() is not None
     )
 
@@ -228,6 +399,58 @@ def paged_decode(
         part.data_ptr(),
     )
     return out, lse
+
+
+def paged_decode_quantized(
+    q: torch.Tensor,
+    k_buf: torch.Tensor,
+    v_buf: torch.Tensor,
+    slots: torch.Tensor,
+    lens: torch.Tensor,
+    kind: int,
+    logit_cap: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`paged_decode` over a quantized pool's rows `int8 [S, Hkv, D + 4]` whose codes are
+    `kind` (`KVFormat.kernel_kind`): each row dequantized as it is read."""
+    b, hq, d = q.shape
+    q, slots, lens = q.contiguous(), slots.contiguous(), lens.contiguous()
+    assert k_buf.is_contiguous() and v_buf.is_contiguous() and k_buf.shape[2] == d + 4
+    assert slots.dtype == lens.dtype == torch.int64
+    hkv = k_buf.shape[1]
+    splits = _splits(b * hkv, slots.shape[1])
+    out = torch.empty_like(q)
+    lse = torch.empty(b, hq, dtype=torch.float32)
+    part = torch.empty(b * hkv * splits * (hq // hkv) * (d + 2), dtype=torch.float32)
+    _library().paged_decode_quantized(
+        q.data_ptr(),
+        k_buf.data_ptr(),
+        v_buf.data_ptr(),
+        slots.data_ptr(),
+        lens.data_ptr(),
+        out.data_ptr(),
+        lse.data_ptr(),
+        b,
+        hq,
+        hkv,
+        d,
+        slots.shape[1],
+        d**-0.5,
+        logit_cap or 0.0,
+        splits,
+        part.data_ptr(),
+        kind,
+    )
+    return out, lse
+
+
+def quantize_int8(x: torch.Tensor, slots: torch.Tensor, buf: torch.Tensor) -> None:
+    """Write float rows x [T, H, D] into the int8 pool buffer [S, H, D + 4] at `slots` [T]
+    (int64), quantized: the same bytes as `KVFormat.INT8.quantize`, in one call."""
+    x, slots = x.contiguous(), slots.contiguous()
+    t, h, d = x.shape
+    assert x.dtype == torch.float32 and buf.dtype == torch.int8 and buf.shape[1:] == (h, d + 4)
+    assert slots.dtype == torch.int64 and buf.is_contiguous()
+    _library().quantize_int8(x.data_ptr(), slots.data_ptr(), buf.data_ptr(), t, h, d)
 
 
 def _splits(tasks: int, longest: int) -> int:

@@ -428,6 +428,7 @@ class CacheSettings(Settings):
     max_total_tokens: int | None = setting(None, "KV slots in the token pool; overrides --mem-fraction")
     mem_fraction: float | None = setting(None, "fraction of free memory given to the KV pool when --max-total-tokens is not set (default: 0.8 on CUDA, 0.1 on CPU)")
     page_size: int = setting(1, "tokens per KV page; the radix tree matches whole pages")
+    kv_cache_dtype: str = setting("auto", "what the KV pool stores: auto (the model's dtype) or, on the CPU with the torch attention backend, one byte a value with a float32 scale per token and KV head: int8, fp8_e4m3 or fp8_e5m2 (about 4x the tokens of float32 KV in the same memory; not token-exact, quality-gated: docs/benchmarks.md); the host and disk tiers and swap keep that form; refused at start where the backend cannot read it (CUDA, triton)", choices=("auto", "int8", "fp8_e4m3", "fp8_e5m2"))
     disable_radix_cache: bool = setting(False, "turn prefix matching off (same code path, no reuse)")
     enable_hierarchical_cache: bool = setting(False, "keep prefixes evicted from the KV pool in host memory and load them back instead of recomputing them")
     hicache_ratio: float = setting(2.0, "host tier size as a multiple of the KV pool (unless --hicache-size)")

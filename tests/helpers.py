@@ -23,6 +23,7 @@ import zmq
 
 from radixrt.server.front import PROBE
 
+from ownership import assert_all_free, assert_slot_ownership
 from timeouts import REPLY_TIMEOUT_S
 
 DATA = Path(__file__).resolve().parent / "data"  # texts, datasets and tasks the tests read
@@ -195,6 +196,27 @@ def make_scheduler(model_dir, **overrides):
 
     settings = {"attention_backend": "torch", "max_total_tokens": 512, **overrides}
     return Scheduler.from_server_args(ServerArgs(model=str(model_dir), **settings))
+
+
+def tier_engine(model_dir, **overrides):
+    """An in-process `rt.Engine` on `model_dir` for the memory tiers' tests: warnings only,
+    every reply waited for at most REPLY_TIMEOUT_S; `overrides` are `ServerArgs` fields."""
+    import radixrt as rt
+
+    return rt.Engine(
+        model=str(model_dir), log_level="warning", timeout=REPLY_TIMEOUT_S, **overrides
+    )
+
+
+def assert_tiers_free(engine) -> None:
+    """Nothing leaked: the invariants hold and, after a flush, both pools are entirely free."""
+    engine.check_invariants()
+    assert_slot_ownership(engine.memory_snapshot())
+    assert engine.flush_cache()
+    assert_all_free(engine.memory_snapshot())
+    stats = engine.stats()
+    assert stats["free_tokens"] == stats["total_tokens"]
+    assert stats["host_used_tokens"] == 0
 
 
 def serve_argv(model, *flags: str) -> list[str]:

@@ -81,8 +81,13 @@ class TorchAttentionBackend:
         self.logit_cap = logit_cap
         if kv_pool.k_buffers[0].device.type == "cpu":
             native.find_compiler()  # warns now, at start, when the C kernels cannot be built
-        # decodes read K/V in the pool rather than gathering them (cpu_paged; float32 CPU)
-        self.in_place = cpu_paged.supports(kv_pool.k_buffers[0])
+        # decodes read K/V in the pool rather than gathering them (cpu_paged; float32 CPU, or
+        # a quantized pool's rows, dequantized as they are read)
+        self.in_place = (
+            cpu_paged.supports_quantized(kv_pool.k_buffers[0], kv_pool.head_dim, kv_pool.dtype)
+            if kv_pool.fmt
+            else cpu_paged.supports(kv_pool.k_buffers[0])
+        )
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         batch.attn_metadata = {w: self._metadata(batch, w) for w in set(self.windows)}
@@ -122,7 +127,7 @@ class TorchAttentionBackend:
         decode_tokens = torch.tensor([row for row, _, _ in queries], device=device)
         shared_slots = _as_run(slots[0, :shared]) if shared else None
         slots, mask = slots[:, shared:], mask[:, shared:]
-        bias = torch.zeros(mask.shape, dtype=self.kv_pool.k_buffers[0].dtype, device=device)
+        bias = torch.zeros(mask.shape, dtype=self.kv_pool.dtype, device=device)
         bias.masked_fill_(~mask, float("-inf"))
         return TorchMetadata(
             decode_tokens,
@@ -171,7 +176,7 @@ class TorchAttentionBackend:
             seen = keys[:, None, :] <= at
             if window:
                 seen &= keys[:, None, :] > at - window
-            mask = torch.zeros(seen.shape, dtype=self.kv_pool.k_buffers[0].dtype, device=device)
+            mask = torch.zeros(seen.shape, dtype=self.kv_pool.dtype, device=device)
             mask = mask.masked_fill_(~seen, float("-inf"))[:, None]
         return _ExtendGroup(tokens, padded, slots, mask, (len(group), width))
 
@@ -201,8 +206,8 @@ class TorchAttentionBackend:
         b, width = group.shape
         qp = q.new_zeros((b * width, *q.shape[1:])).index_copy_(0, group.padded, q[group.tokens])
         qp = qp.view(b, width, *q.shape[1:]).transpose(1, 2)  # [B, Hq, E, D]
-        kp = gather_slots(k_buf, group.slots).transpose(1, 2)  # [B, Hkv, L, D]
-        vp = gather_slots(v_buf, group.slots).transpose(1, 2)
+        kp = self.kv_pool.read(gather_slots(k_buf, group.slots)).transpose(1, 2)  # [B, Hkv, L, D]
+        vp = self.kv_pool.read(gather_slots(v_buf, group.slots)).transpose(1, 2)
         o = _sdpa(qp, kp, vp, group.mask, self.logit_cap)
         return o.transpose(1, 2).reshape(b * width, *q.shape[1:]).index_select(0, group.padded)
 
@@ -213,15 +218,13 @@ class TorchAttentionBackend:
         b, hq, d = q.shape
         hkv = k_buf.shape[1]
         if self.in_place and hq // hkv <= cpu_paged.MAX_GROUP:
-            o2, lse2 = cpu_paged.paged_decode(
-                q, k_buf, v_buf, meta.decode_slots, meta.decode_lens, self.logit_cap
-            )
+            o2, lse2 = self._paged_decode(q, k_buf, v_buf, meta)
             if meta.shared_slots is None:
                 return o2
             o2, lse2 = o2.view(b, hkv, hq // hkv, d), lse2.view(b, hkv, hq // hkv)
             return _merge(*self._attend_prefix(q, k_buf, v_buf, meta.shared_slots), o2, lse2)
-        kd = gather_slots(k_buf, meta.decode_slots)  # [B, L, Hkv, D]
-        vd = gather_slots(v_buf, meta.decode_slots)
+        kd = self.kv_pool.read(gather_slots(k_buf, meta.decode_slots))  # [B, L, Hkv, D]
+        vd = self.kv_pool.read(gather_slots(v_buf, meta.decode_slots))
         if meta.shared_slots is None:
             od = _sdpa(
                 q.unsqueeze(2),
@@ -238,6 +241,20 @@ class TorchAttentionBackend:
         )
         return _merge(*self._attend_prefix(q, k_buf, v_buf, meta.shared_slots), o2, lse2)
 
+    def _paged_decode(
+        self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, meta: TorchMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The C kernel over each decode's private keys, in place: float rows, or a quantized
+        pool's rows dequantized as read."""
+        fmt = self.kv_pool.fmt
+        if fmt is None:
+            return cpu_paged.paged_decode(
+                q, k_buf, v_buf, meta.decode_slots, meta.decode_lens, self.logit_cap
+            )
+        return cpu_paged.paged_decode_quantized(
+            q, k_buf, v_buf, meta.decode_slots, meta.decode_lens, fmt.kernel_kind, self.logit_cap
+        )
+
     def _attend_prefix(
         self,
         q: torch.Tensor,
@@ -250,8 +267,8 @@ class TorchAttentionBackend:
         b, hq, d = q.shape
         hkv = k_buf.shape[1]
         qg = q.view(b, hkv, hq // hkv, d).transpose(0, 1).reshape(1, hkv, -1, d)
-        ks = gather_slots(k_buf, shared).transpose(0, 1)[None]  # [1, Hkv, C, D]
-        vs = gather_slots(v_buf, shared).transpose(0, 1)[None]
+        ks = self.kv_pool.read(gather_slots(k_buf, shared)).transpose(0, 1)[None]  # [1, Hkv, C, D]
+        vs = self.kv_pool.read(gather_slots(v_buf, shared)).transpose(0, 1)[None]
         o1, lse1 = _attend(qg, ks, vs, cap=self.logit_cap)
         return o1.view(hkv, b, -1, d).transpose(0, 1), lse1.view(hkv, b, -1).transpose(0, 1)
 

@@ -85,6 +85,18 @@ class WeightUpdate:
     seconds: float
 
 
+@dataclass(frozen=True)
+class KVCapacity:
+    """The KV pool as sized at start: what it stores (`--kv-cache-dtype`, `auto` resolved to
+    the model's dtype), the tokens it holds (SGLang's `max_total_num_tokens`) and the bytes a
+    token takes in it (every layer's K and V, quantized rows' scales included), which the host
+    and disk tiers move too."""
+
+    kv_cache_dtype: str
+    max_total_num_tokens: int
+    kv_bytes_per_token: int
+
+
 class ModelInfo(NamedTuple):
     """What the `model_info` op tells about the model served."""
 
@@ -97,6 +109,7 @@ class ModelInfo(NamedTuple):
     sampling_defaults: dict[str, Any]  # from generation_config.json (docs/protocol.md)
     cpu_isa: str | None  # the CPU kernels' path (`--cpu-isa` resolved); None on CUDA
     embedding: dict[str, Any] | None  # `--is-embedding`: the pooling (`Pooling.info`)
+    kv: KVCapacity
 
 
 class Scheduler:
@@ -203,6 +216,11 @@ class Scheduler:
             self.sampling_defaults,
             r.cpu_isa.value if r.cpu_isa else None,
             r.pooling.info() if r.pooling else None,
+            KVCapacity(
+                r.kv_pool.fmt.value if r.kv_pool.fmt else str(r.dtype).removeprefix("torch."),
+                self.kv.total_tokens,
+                r.kv_pool.bytes_per_token,
+            ),
         )
 
     # ---- requests in and out ---------------------------------------------------------------

@@ -30,6 +30,7 @@ from radixrt.executor.model_loader import (
 from radixrt.executor.weight_update import adopt_weights, check_same_architecture
 from radixrt.forward_batch import ForwardBatch
 from radixrt.kernels import cpu_isa
+from radixrt.mem_cache.kv_quant import resolve_kv_format
 from radixrt.mem_cache.memory_pool import (
     PageAllocator,
     ReqToTokenPool,
@@ -148,6 +149,7 @@ class ModelRunner:
             else None
         )
         check_quantization(args.quantization, self.device, self.cpu_isa)
+        self.kv_format = resolve_kv_format(args.kv_cache_dtype, self.device, args.attention_backend)
         packed = self._gguf_plan()
         tied = bool(getattr(self.config, "tie_word_embeddings", False))
         packing = LinearPacking.of(args.quantization, self.device, self.dtype, self.cpu_isa)
@@ -182,7 +184,7 @@ class ModelRunner:
         self.graph_runner = self._graph_runner()
         logger.info(
             "loaded %s (%s, %s, linears %s: %.0f MB, CPU kernels %s) in %.1fs; KV pool %d "
-            "tokens, page size %d",
+            "tokens (%s), page size %d",
             self.model_path.name,
             self.dtype,
             self.device,
@@ -191,6 +193,7 @@ class ModelRunner:
             self.cpu_isa.value if self.cpu_isa else "none",
             time.monotonic() - start,
             self.allocator.total_tokens,
+            args.kv_cache_dtype,
             args.page_size,
         )
 
@@ -277,7 +280,7 @@ class ModelRunner:
         cfg, args = self.config, self.args
         kv_heads = self.model.shard.num_kv_heads
         per_token = bytes_per_token(
-            cfg.num_hidden_layers, kv_heads, self.model.head_dim, self.dtype
+            cfg.num_hidden_layers, kv_heads, self.model.head_dim, self.dtype, self.kv_format
         )
         total = args.max_total_tokens
         if total is None:
@@ -294,6 +297,7 @@ class ModelRunner:
             self.model.head_dim,
             self.dtype,
             self.device,
+            self.kv_format,
         )
         self.req_to_token_pool = ReqToTokenPool(
             args.max_running_requests + 1, self.context_length + 1, self.device

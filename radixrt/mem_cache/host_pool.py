@@ -1,7 +1,8 @@
 """The host tier's KV pool: evicted prefixes and swapped-out requests in host memory.
 
 Paged like the device pool (same page size, page 0 reserved) so a node's host slots are whole
-pages. On CUDA the buffers are pinned so copies are DMA transfers; on the CPU a copy is a memcpy
+pages. Its buffers have the device pool's shapes and dtype, so a quantized pool's rows (codes
+and scales, `kv_quant`) are held and moved as they are, never re-quantized. On CUDA the buffers are pinned so copies are DMA transfers; on the CPU a copy is a memcpy
 between two buffers of the same memory.
 """
 
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from radixrt.mem_cache.memory_pool import PageAllocator, TokenToKVPool, bytes_per_token
+from radixrt.mem_cache.memory_pool import PageAllocator, TokenToKVPool
 from radixrt.mem_cache.storage import BlockKV
 
 
@@ -91,6 +92,4 @@ def host_pool_tokens(
     """Tokens of the host tier: `size_gb` of KV when given, else `ratio` times the device pool."""
     if size_gb is None:
         return int(device_tokens * ratio)
-    k0 = device_pool.k_buffers[0]
-    per_token = bytes_per_token(len(device_pool.k_buffers), k0.shape[1], k0.shape[2], k0.dtype)
-    return int(size_gb * 2**30 / per_token)
+    return int(size_gb * 2**30 / device_pool.bytes_per_token)

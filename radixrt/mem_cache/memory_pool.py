@@ -10,6 +10,9 @@ from collections.abc import Callable
 
 import torch
 
+from radixrt.kernels import cpu_paged
+from radixrt.mem_cache.kv_quant import KVFormat
+
 
 class ReqToTokenPool:
     """Rows of slot indices: row r, column i is the KV slot of token i of the request in row r."""
@@ -95,7 +98,9 @@ class PageAllocator:
 
 
 class TokenToKVPool:
-    """Per-layer K and V buffers `[slots, kv_heads, head_dim]`, indexed by slot."""
+    """Per-layer K and V buffers `[slots, kv_heads, head_dim]` of `dtype`, indexed by slot; with
+    a quantized `fmt` (`--kv-cache-dtype`), `int8 [slots, kv_heads, head_dim + 4]` rows of codes
+    and their scale (`kv_quant`), which `set_kv` writes and readers dequantize."""
 
     def __init__(
         self,
@@ -105,9 +110,16 @@ class TokenToKVPool:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device,
+        fmt: KVFormat | None = None,
     ):
-        self.shape = (num_slots, num_kv_heads, head_dim)
+        self.fmt = fmt
+        self.head_dim = head_dim
+        self.dtype = dtype  # what readers compute in (the model's), whatever the pool stores
+        width = fmt.row_width(head_dim) if fmt else head_dim
+        self.shape = (num_slots, num_kv_heads, width)
         self.num_layers = num_layers
+        if fmt:
+            dtype = torch.int8
         self.k_buffers: list[torch.Tensor] = []
         self.v_buffers: list[torch.Tensor] = []
         self._allocate(lambda: torch.zeros(self.shape, dtype=dtype, device=device))
@@ -134,10 +146,41 @@ class TokenToKVPool:
             k = self.k_buffers[0]
             self._allocate(lambda: torch.zeros(self.shape, dtype=k.dtype, device=k.device))
 
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes one token's K and V take over all layers, as stored (scales included)."""
+        k = self.k_buffers[0]
+        return 2 * self.num_layers * self.shape[1] * self.shape[2] * k.element_size()
+
     def set_kv(self, layer_id: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store the K/V rows `[T, kv_heads, head_dim]` at `slots`, quantized once here when
+        the pool is."""
+        k_buf, v_buf = self.k_buffers[layer_id], self.v_buffers[layer_id]
+        if self.fmt is KVFormat.INT8 and cpu_paged.supports_quantized(
+            k_buf, self.head_dim, k.dtype
+        ):
+            cpu_paged.quantize_int8(k, slots, k_buf)  # one call, torch's bytes
+            cpu_paged.quantize_int8(v, slots, v_buf)
+            return
+        if self.fmt:
+            k, v = self.fmt.quantize(k), self.fmt.quantize(v)
         self.k_buffers[layer_id].index_copy_(0, slots, k)
         self.v_buffers[layer_id].index_copy_(0, slots, v)
 
+    def read(self, rows: torch.Tensor) -> torch.Tensor:
+        """Rows gathered from a buffer `[..., kv_heads, width]` as the values they hold, in the
+        model's dtype (the rows themselves when the pool is not quantized)."""
+        return self.fmt.dequantize(rows, self.dtype) if self.fmt else rows
 
-def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+
+def bytes_per_token(
+    num_layers: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    fmt: KVFormat | None = None,
+) -> int:
+    """Bytes one token's K and V take in a pool of `dtype`, or of the quantized `fmt`."""
+    if fmt:
+        return 2 * num_layers * num_kv_heads * fmt.row_width(head_dim)
     return 2 * num_layers * num_kv_heads * head_dim * torch.tensor([], dtype=dtype).element_size()

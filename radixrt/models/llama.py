@@ -135,14 +135,16 @@ class Attention(nn.Module):
         whole_heads_rotated = cos_sin[0].shape[-1] == self.head_dim
         if cpu_fused.supports(qkv) and whole_heads_rotated and not self.qk_norm:
             # q rotated; k rotated and v stored in the pool
-            k_buf, v_buf = (
-                attn.kv_pool.k_buffers[self.layer_id],
-                attn.kv_pool.v_buffers[self.layer_id],
-            )
             cos, sin = cos_sin
-            q = cpu_fused.rope_and_store(
-                qkv, cos[:, 0], sin[:, 0], self.num_heads, k_buf, v_buf, batch.out_slots
-            )
+            if attn.kv_pool.fmt is None:
+                k_buf = attn.kv_pool.k_buffers[self.layer_id]
+                v_buf = attn.kv_pool.v_buffers[self.layer_id]
+                q = cpu_fused.rope_and_store(
+                    qkv, cos[:, 0], sin[:, 0], self.num_heads, k_buf, v_buf, batch.out_slots
+                )
+            else:  # rotated into rows of their own, then quantized into the pool
+                q, k, v = self._rope_rows(qkv, cos[:, 0], sin[:, 0])
+                attn.kv_pool.set_kv(self.layer_id, batch.out_slots, k, v)
             if self.query_scale != 1.0:
                 q = q * self.query_scale
             out = self.o_proj(
@@ -161,6 +163,17 @@ class Attention(nn.Module):
         attn.kv_pool.set_kv(self.layer_id, batch.out_slots, k, v)
         o = attn.forward(self.layer_id, q, k, v, batch)
         return self.tp.all_reduce(self.o_proj(o.reshape(-1, self.q_size)))
+
+    def _rope_rows(
+        self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The fused rotary kernel into fresh rows: q, k rotated and v [T, heads, D] each."""
+        t = qkv.shape[0]
+        k = qkv.new_empty(t, self.num_kv_heads, self.head_dim)
+        v = torch.empty_like(k)
+        rows = torch.arange(t, dtype=torch.int64)
+        q = cpu_fused.rope_and_store(qkv, cos, sin, self.num_heads, k, v, rows)
+        return q, k, v
 
 
 class MLP(GatedMLP):

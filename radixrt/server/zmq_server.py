@@ -369,6 +369,7 @@ def _model_info(server: Server, caller: Caller, msg: dict[str, Any]) -> dict[str
         "lora_enabled": server.args.executor.lora_enabled,
         "cpu_isa": info.cpu_isa,
         "embedding": info.embedding,
+        **asdict(info.kv),
         "weight_version": server.scheduler.weight_version,
     }
 

@@ -1,0 +1,94 @@
+"""Quantized KV rows (`--kv-cache-dtype int8|fp8_e4m3|fp8_e5m2`): one byte a value and one
+float32 scale per token and KV head, stored together.
+
+A quantized pool buffer is `int8 [slots, kv_heads, head_dim + 4]`: each (token, head) row holds
+its `head_dim` codes then the 4 bytes of its scale, so a slot's page carries its own scales and
+every tier (the host pool, swap, the disk tier's blocks) moves the quantized form as plain bytes,
+as is, with no code of its own. A row is quantized once, when the token's K/V is written: the
+scale is the row's largest magnitude over the format's largest code (127 for int8, 448 for
+E4M3, 57344 for E5M2), so every value is within half a step of its code; a row of zeros gets
+scale 0 and codes 0. Reading multiplies codes by the scale (`dequantize`, or the C decode kernel
+in place, `kernels/cpu_paged`).
+"""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+
+SCALE_BYTES = 4  # one float32 per row
+
+
+class KVFormat(str, enum.Enum):
+    """A quantized KV format, by its `--kv-cache-dtype` name (`auto`, the model's dtype, is
+    no format: the pool holds floats)."""
+
+    INT8 = "int8"
+    FP8_E4M3 = "fp8_e4m3"
+    FP8_E5M2 = "fp8_e5m2"
+
+    @property
+    def code_dtype(self) -> torch.dtype:
+        """The dtype a row's codes are, viewed from its bytes."""
+        return {
+            KVFormat.INT8: torch.int8,
+            KVFormat.FP8_E4M3: torch.float8_e4m3fn,
+            KVFormat.FP8_E5M2: torch.float8_e5m2,
+        }[self]
+
+    @property
+    def max_code(self) -> float:
+        """The largest magnitude a code holds: a row's largest value maps onto it."""
+        if self is KVFormat.INT8:
+            return 127.0
+        return float(torch.finfo(self.code_dtype).max)
+
+    @property
+    def kernel_kind(self) -> int:
+        """How the C kernels decode a code (`kernels/cpu_paged`: 0 int8, 1 E4M3, 2 E5M2)."""
+        return list(KVFormat).index(self)
+
+    def row_width(self, head_dim: int) -> int:
+        """Bytes of one (token, head) row: the codes, then the scale."""
+        return head_dim + SCALE_BYTES
+
+    def quantize(self, x: torch.Tensor) -> torch.Tensor:
+        """Float rows `[..., D]` -> their quantized rows, `int8 [..., D + 4]`."""
+        x = x.float()
+        scale = x.abs().amax(dim=-1, keepdim=True) / self.max_code
+        scaled = x / torch.where(scale > 0, scale, 1.0)
+        if self is KVFormat.INT8:
+            codes = scaled.round_().clamp_(-127, 127).to(torch.int8)
+        else:
+            codes = scaled.clamp_(-self.max_code, self.max_code).to(self.code_dtype)
+        return torch.cat([codes.view(torch.int8), scale.view(torch.int8)], dim=-1)
+
+    def dequantize(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Quantized rows `int8 [..., D + 4]` -> their values `[..., D]` in `dtype`."""
+        d = rows.shape[-1] - SCALE_BYTES
+        codes = rows[..., :d].view(self.code_dtype)
+        scale = rows[..., d:].contiguous().view(torch.float32)
+        return (codes.float() * scale).to(dtype)
+
+
+def parse_kv_format(name: str) -> KVFormat | None:
+    """`--kv-cache-dtype` -> its format; None for `auto` (the model's dtype)."""
+    return None if name == "auto" else KVFormat(name)
+
+
+def resolve_kv_format(name: str, device: torch.device, attention_backend: str) -> KVFormat | None:
+    """`--kv-cache-dtype name` for a pool on `device` read by `attention_backend` (`auto`,
+    `torch`, `triton`): its format, None for `auto`. ValueError, one line, where the path cannot
+    read quantized rows: only the torch backend on the CPU has the kernels (C in place, or
+    gather and dequantize); the Triton kernels and CUDA read the model's dtype only."""
+    if name == "auto":
+        return None
+    fmt = KVFormat(name)
+    if device.type != "cpu" or attention_backend == "triton":
+        path = f"the {attention_backend} attention backend on {device.type}"
+        raise ValueError(
+            f"--kv-cache-dtype {name}: {path} reads the KV pool at the model's dtype only (its"
+            " quantized kernels are not built); the torch backend on the CPU honours it"
+        )
+    return fmt

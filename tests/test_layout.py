@@ -36,7 +36,7 @@ ALLOWED = {
         "sampling_params",
         "forward_batch",
     },
-    "mem_cache": {"config"},  # the cache settings the tiers are built from
+    "mem_cache": {"config", "kernels"},  # the cache settings; the C writer of quantized KV rows
     "executor": {
         "models",
         "attention",

@@ -96,6 +96,7 @@ class ModelInfo(NamedTuple):
     weights: WeightCounts
     sampling_defaults: dict[str, Any]  # from generation_config.json (docs/protocol.md)
     cpu_isa: str | None  # the CPU kernels' path (`--cpu-isa` resolved); None on CUDA
+    quantization: str  # what the linears run as: float, --quantization, or the checkpoint's own
 
 
 class Scheduler:
@@ -199,6 +200,7 @@ class Scheduler:
             r.weights,
             self.sampling_defaults,
             r.cpu_isa.value if r.cpu_isa else None,
+            r.quantization_path,
         )
 
     # ---- requests in and out ---------------------------------------------------------------

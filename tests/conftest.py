@@ -20,7 +20,11 @@ from radixrt.executor.model_loader import resolve_model_path
 from helpers import TINY, launch_runtime
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
-MODEL_FIXTURES = {"default_model_dir", "tiny_model_dir"}  # the runtimes below use them
+MODEL_FIXTURES = {
+    "default_model_dir",
+    "tiny_model_dir",
+    "small_model_dir",
+}  # the runtimes below use them
 
 
 def pytest_collection_modifyitems(items) -> None:
@@ -69,6 +73,15 @@ def tiny_model_dir(tmp_path_factory, default_model_dir) -> Path:
         if (default_model_dir / name).is_file():
             shutil.copy(default_model_dir / name, folder / name)
     return folder
+
+
+@pytest.fixture(scope="session")
+def small_model_dir(tmp_path_factory, default_model_dir) -> Path:
+    """The default model's first layers, float: a trained model small enough to quantize in
+    seconds (tests/executor/test_prequantized*.py)."""
+    from quant_packers import write_small_model
+
+    return write_small_model(default_model_dir, tmp_path_factory.mktemp("small-model"))
 
 
 @pytest.fixture(scope="module")

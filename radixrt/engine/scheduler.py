@@ -110,6 +110,7 @@ class ModelInfo(NamedTuple):
     cpu_isa: str | None  # the CPU kernels' path (`--cpu-isa` resolved); None on CUDA
     embedding: dict[str, Any] | None  # `--is-embedding`: the pooling (`Pooling.info`)
     kv: KVCapacity
+    quantization: str  # what the linears run as: float, --quantization, or the checkpoint's own
 
 
 class Scheduler:
@@ -221,6 +222,7 @@ class Scheduler:
                 self.kv.total_tokens,
                 r.kv_pool.bytes_per_token,
             ),
+            r.quantization_path,
         )
 
     # ---- requests in and out ---------------------------------------------------------------

@@ -25,6 +25,7 @@ from radixrt.distributed.group import TPGroup
 from radixrt.models import model_class
 from radixrt.models.interface import CausalLM
 from radixrt.models.linear import LinearPacking, Packed
+from radixrt.models.quantized import PermutedGroups
 from radixrt.models.support import check_all_read
 
 logger = logging.getLogger(__name__)
@@ -440,6 +441,7 @@ class PackingReader:
         self, reader: WeightReader, model: nn.Module, linears: list[str], packing: LinearPacking
     ):
         self._reader, self._model, self._packing = reader, model, packing
+        self._names = reader.names
         weights = {name: model.get_submodule(name).weight for name in linears}
         self._targets = {w.data_ptr(): name for name, w in weights.items()}
         self._size = max((w.numel() for w in weights.values()), default=0)
@@ -456,16 +458,24 @@ class PackingReader:
     def copy_rows(
         self, out: torch.Tensor, name: str, start: int | None = None, end: int | None = None
     ) -> None:
-        self._fill(out, lambda into: self._reader.copy_rows(into, name, start, end))
+        read = [(name, start, end)]
+        self._fill(out, read, lambda into: self._reader.copy_rows(into, name, start, end))
 
     def stack_rows(self, out: torch.Tensor, parts: list[tuple[str, int, int]]) -> None:
-        self._fill(out, lambda into: self._reader.stack_rows(into, parts))
+        self._fill(out, parts, lambda into: self._reader.stack_rows(into, parts))
 
     def copy_cols(self, out: torch.Tensor, name: str, start: int, end: int) -> None:
-        self._fill(out, lambda into: self._reader.copy_cols(into, name, start, end))
+        read = [(name, start, end)]
+        self._fill(out, read, lambda into: self._reader.copy_cols(into, name, start, end))
 
-    def _fill(self, out: torch.Tensor, read: Callable[[torch.Tensor], None]) -> None:
-        """`read` into `out`, or, where `out` is a placeholder, into the buffer, then packed."""
+    def _fill(
+        self,
+        out: torch.Tensor,
+        parts: list[tuple[str, int | None, int | None]],
+        read: Callable[[torch.Tensor], None],
+    ) -> None:
+        """`read` into `out`, or, where `out` is a placeholder, into the buffer, then packed;
+        a pre-quantized checkpoint's linear (`parts`: the tensors and rows read) is read packed."""
         placeholder = not out.is_meta and out.numel() > 0
         linear = self._targets.get(out.data_ptr()) if placeholder else None
         if linear is None:
@@ -474,11 +484,36 @@ class PackingReader:
         weight = self._model.get_submodule(linear).weight
         if out.shape != weight.shape or linear in self.packed:
             raise ValueError(f"{linear}'s weight must be read whole and once to be packed")
+        quantized = self._quantized(parts)
+        if quantized:
+            checkpoint = self._packing.checkpoint
+            assert checkpoint is not None
+            packed = checkpoint.read(self._reader, self._names, quantized)
+            inner = packed.weight if isinstance(packed, PermutedGroups) else packed
+            if (inner.out_features, inner.in_features) != tuple(out.shape):
+                raise ValueError(f"{quantized}: packed {tuple(out.shape)} expected (one rank)")
+            self.packed[linear] = packed
+            return
         if self._buffer is None:
             self._buffer = torch.empty(self._size, dtype=self._dtype, device=out.device)
         into = self._buffer[: out.numel()].view(out.shape)
         read(into)
         self.packed[linear] = self._packing.pack(linear, into)
+
+    def _quantized(self, parts: list[tuple[str, int | None, int | None]]) -> list[str]:
+        """The checkpoint modules whose quantized weights `parts` read (none for float ones);
+        ValueError where some are quantized and others not. Their rows are read whole: a
+        pre-quantized checkpoint loads on one rank, which the packed shape checks."""
+        checkpoint = self._packing.checkpoint
+        if checkpoint is None:
+            return []
+        modules = [name.removesuffix(".weight") for name, _, _ in parts]
+        held = [checkpoint.holds(self._names, m) for m in modules]
+        if not any(held):
+            return []
+        if not all(held):
+            raise ValueError(f"{modules} are fused, but only some of them are quantized")
+        return modules
 
     def replace(self) -> None:
         """Every linear by its packed module; RuntimeError for one whose weight was never

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -47,6 +47,7 @@ from radixrt.models.linear import (
     features,
 )
 from radixrt.models.pooling import Pooling
+from radixrt.models.quantized import CheckpointQuant
 from radixrt.models.support import check_supported
 
 logger = logging.getLogger(__name__)
@@ -150,9 +151,10 @@ class ModelRunner:
         )
         check_quantization(args.quantization, self.device, self.cpu_isa)
         self.kv_format = resolve_kv_format(args.kv_cache_dtype, self.device, args.attention_backend)
+        self.checkpoint_quant = CheckpointQuant.of(self.config)
         packed = self._gguf_plan()
         tied = bool(getattr(self.config, "tie_word_embeddings", False))
-        packing = LinearPacking.of(args.quantization, self.device, self.dtype, self.cpu_isa)
+        packing = self._packing()
         self.model = load_model(
             self.model_path,
             self.config,
@@ -165,7 +167,9 @@ class ModelRunner:
         self.weights = WeightCounts.of(
             self.model,
             self.config,
-            BYTES_PER_WEIGHT.get(args.quantization or "", self.dtype.itemsize),
+            self.checkpoint_quant.bytes_per_weight
+            if self.checkpoint_quant
+            else BYTES_PER_WEIGHT.get(args.quantization or "", self.dtype.itemsize),
         )
         self.packing = packing  # what weight updates pack their linears with too
         self._replace_linears(self.model, packed, packing)
@@ -188,7 +192,7 @@ class ModelRunner:
             self.model_path.name,
             self.dtype,
             self.device,
-            args.quantization or "float",
+            self.quantization_path,
             linear_bytes(self.model) / 1e6,
             self.cpu_isa.value if self.cpu_isa else "none",
             time.monotonic() - start,
@@ -196,6 +200,36 @@ class ModelRunner:
             args.kv_cache_dtype,
             args.page_size,
         )
+
+    @property
+    def quantization_path(self) -> str:
+        """What the linears run as (`model_info` names it): the checkpoint's own quantization
+        read packed, `--quantization`, or float."""
+        if self.checkpoint_quant is not None:
+            return self.checkpoint_quant.describe()
+        return self.args.quantization or "float"
+
+    def _packing(self) -> LinearPacking | None:
+        """`LinearPacking.of` the run; a pre-quantized checkpoint's linears are read packed
+        into the CPU kernels' layouts, which needs a CPU with them, float32 for the float rest,
+        one rank, and no `--quantization` of its own (it would requantize them). ValueError,
+        one line, naming what is missing."""
+        args, quant = self.args, self.checkpoint_quant
+        packing = LinearPacking.of(args.quantization, self.device, self.dtype, self.cpu_isa)
+        if quant is None:
+            return packing
+        if args.quantization:
+            raise ValueError(
+                f"--quantization {args.quantization}: the checkpoint is already quantized "
+                f"({quant.method}); serve it without --quantization"
+            )
+        if self.device.type != "cpu" or self.tp.size > 1 or packing is None:
+            raise ValueError(
+                f"{quant.method} checkpoints are served packed on the CPU, one rank, float32"
+            )
+        check_quantization("int4", self.device, self.cpu_isa)
+        check_quantization("int8", self.device, self.cpu_isa)
+        return replace(packing, checkpoint=quant)
 
     def _gguf_plan(self) -> gguf_weights.GGUFPlan | None:
         """The linears to take packed from the GGUF file the model came from: under `gguf`
@@ -243,6 +277,10 @@ class ModelRunner:
         if self.args.quantization == "gguf":
             raise ValueError(
                 "--quantization gguf serves the GGUF file's blocks as read: it takes no new weights"
+            )
+        if self.checkpoint_quant is not None:
+            raise ValueError(
+                f"a {self.checkpoint_quant.method} checkpoint is served as read: it takes no new weights"
             )
         if checkpoint:
             check_same_architecture(self.config, folder)

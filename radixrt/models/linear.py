@@ -23,6 +23,7 @@ from torch import nn
 
 from radixrt.kernels import int4_gemm, int8_gemm
 from radixrt.kernels.cpu_isa import Isa
+from radixrt.models.quantized import CheckpointQuant, PermutedGroups
 
 BATCH_HINT = 32  # rows oneDNN tunes the layout for; any row count works
 QUANTIZATIONS = ("int8", "int4", "gguf")
@@ -78,17 +79,25 @@ class Int8Linear(nn.Module):
 
 class GroupedLinear(nn.Module):
     """Weight-only 4- or 8-bit groups of 32 inputs (`int4_gemm.PackedGroups`); activations stay
-    float. Built from float weights (`quantize`, asymmetric) or from GGUF blocks as stored.
-    `isa` (`--cpu-isa`): the C kernel (avx2), or torch on the weight dequantized at each call
-    (no float copy is kept: the weights stay at their packed size on any path)."""
+    float. Built from float weights (`quantize`, asymmetric), from GGUF blocks or from a
+    pre-quantized checkpoint's groups as stored (`models/quantized.py`). `perm`: the order the
+    weight takes its inputs in (GPTQ's act-order: sorted by group), gathered from the
+    activations on every call; None: as given. `isa` (`--cpu-isa`): the C kernel (avx2), or
+    torch on the weight dequantized at each call (no float copy is kept: the weights stay at
+    their packed size on any path)."""
 
     def __init__(
-        self, weight: int4_gemm.PackedGroups, bias: torch.Tensor | None, isa: Isa = Isa.AVX2
+        self,
+        weight: int4_gemm.PackedGroups,
+        bias: torch.Tensor | None,
+        isa: Isa = Isa.AVX2,
+        perm: torch.Tensor | None = None,
     ):
         super().__init__()
         self.weight = weight
         self.bias = None if bias is None else bias.detach().float().contiguous()
         self.isa = isa
+        self.perm = perm
 
     @classmethod
     def quantize(
@@ -101,6 +110,8 @@ class GroupedLinear(nn.Module):
         return cls(int4_gemm.PackedGroups.quantize(weight, bits), bias, isa)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.perm is not None:
+            x = x.index_select(-1, self.perm)
         if self.isa is Isa.TORCH:
             return _torch_linear(x, self.weight.dequantize(), self.bias)
         if x.dtype == torch.float32:
@@ -143,7 +154,7 @@ def features(module: nn.Module) -> tuple[int, int] | None:
     return None
 
 
-Packed = int8_gemm.PackedInt8 | int4_gemm.PackedGroups | torch.Tensor
+Packed = int8_gemm.PackedInt8 | int4_gemm.PackedGroups | PermutedGroups | torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -154,10 +165,13 @@ class LinearPacking:
     None, or `gguf` for what its file does not hold packed). The loader calls `pack` on each
     float weight as it is read, so that the float copy of the model never exists whole, and
     `module` once the biases are in; `replace` does both to the linears left (a tied output
-    projection, whose float weight is the embedding's)."""
+    projection, whose float weight is the embedding's). A pre-quantized checkpoint's linears
+    (`checkpoint`) are read packed instead (`CheckpointQuant.read`); its float ones (an output
+    projection it left float) are prepacked."""
 
     quantization: str | None
     isa: Isa
+    checkpoint: CheckpointQuant | None = None
 
     @classmethod
     def of(
@@ -187,6 +201,8 @@ class LinearPacking:
             return Int8Linear(packed, bias, self.isa)
         if isinstance(packed, int4_gemm.PackedGroups):
             return GroupedLinear(packed, bias, self.isa)
+        if isinstance(packed, PermutedGroups):
+            return GroupedLinear(packed.weight, bias, self.isa, packed.perm)
         return PrepackedLinear(packed, bias)
 
     def replace(self, model: nn.Module) -> None:

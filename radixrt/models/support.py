@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 
 from radixrt.models.family import ACTIVATIONS, activation_of, rope_per_layer_type
+from radixrt.models.quantized import CheckpointQuant
 
 logger = logging.getLogger(__name__)
 
@@ -56,18 +57,13 @@ def exact_limits(config) -> list[tuple[int, str, str]]:
 
 def check_supported(config, context_length: int | None) -> int:
     """The context length to serve (`context_length` as given, else the checkpoint's), after
-    refusing what cannot be honoured: a `quantization_config`, a rope type whose table depends
+    refusing what cannot be honoured: a `quantization_config` radixrt cannot read packed
+    (GPTQ, AWQ and compressed-tensors it can: `models/quantized.py`), a rope type whose table depends
     on the sequence's length, an MLP activation not computed, a field that changes the attention
     itself (`UNSUPPORTED_FIELDS`: bidirectional attention), or a context asked for
     beyond what longrope serves exactly (`exact_limits`). Without an explicit context length
     that caps the context, within which radixrt's rotary tables are transformers': exact."""
-    quant = getattr(config, "quantization_config", None)
-    if quant:
-        method = quant.get("quant_method") if isinstance(quant, dict) else type(quant).__name__
-        raise ValueError(
-            f"config.json: quantization_config ({method}) is not supported; load a float "
-            "checkpoint (and use --quantization int8 for int8 weights)"
-        )
+    CheckpointQuant.of(config)  # refuses what cannot be read packed (models/quantized.py)
     for kind in map(rope_type, rope_parameters(config)):
         if kind not in STATIC_ROPE_TYPES:
             raise ValueError(

@@ -370,6 +370,7 @@ def _model_info(server: Server, caller: Caller, msg: dict[str, Any]) -> dict[str
         "cpu_isa": info.cpu_isa,
         "embedding": info.embedding,
         **asdict(info.kv),
+        "quantization": info.quantization,
         "weight_version": server.scheduler.weight_version,
     }
 

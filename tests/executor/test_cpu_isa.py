@@ -120,5 +120,6 @@ def test_model_info_names_the_path_taken(tiny_model_dir):
     kwargs = dict(model=str(tiny_model_dir), max_total_tokens=256, log_level="warning")
     with rt.Engine(**kwargs, quantization="int4", timeout=REPLY_TIMEOUT_S) as engine:
         assert engine.model_info["cpu_isa"] == "avx2"
+        assert engine.model_info["quantization"] == "int4"
         out = engine.generate(input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 2})
         assert len(out["output_ids"]) == 2

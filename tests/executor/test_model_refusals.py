@@ -45,7 +45,10 @@ def _edit_config(folder, **fields) -> None:
 @pytest.mark.parametrize(
     "fields, words",
     [
-        ({"quantization_config": {"quant_method": "awq", "bits": 4}}, "quantization_config (awq)"),
+        (
+            {"quantization_config": {"quant_method": "awq", "bits": 3}},
+            "quantization_config (awq) bits 3",
+        ),
         (
             {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}},
             "rope_scaling type 'dynamic'",

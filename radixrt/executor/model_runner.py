@@ -29,7 +29,7 @@ from radixrt.executor.model_loader import (
 )
 from radixrt.executor.weight_update import adopt_weights, check_same_architecture
 from radixrt.forward_batch import ForwardBatch
-from radixrt.kernels import cpu_isa
+from radixrt.kernels import cpu_isa, fixed_gemm
 from radixrt.mem_cache.memory_pool import (
     PageAllocator,
     ReqToTokenPool,
@@ -38,6 +38,7 @@ from radixrt.mem_cache.memory_pool import (
 )
 from radixrt.models.linear import (
     BYTES_PER_WEIGHT,
+    FixedOrderLinear,
     GroupedLinear,
     Int8Linear,
     LinearPacking,
@@ -113,7 +114,31 @@ def linear_bytes(model: nn.Module) -> int:
             total += module.weight.nbytes
         elif isinstance(module, PrepackedLinear):
             total += module.packed.nbytes
+        elif isinstance(module, FixedOrderLinear):
+            total += module.nbytes
     return total
+
+
+def check_deterministic(
+    args: ExecutorArgs, device: torch.device, dtype: torch.dtype, isa: cpu_isa.Isa | None, config
+) -> None:
+    """ValueError naming what `--enable-deterministic-inference` cannot honour here: its fixed-
+    order kernels are the CPU's C kernels on float32 (or int8/int4 weights) with the torch
+    attention backend; MoE routing and LoRA deltas have no fixed-order path yet."""
+    flag = "--enable-deterministic-inference"
+    if device.type != "cpu" or isa is None or not fixed_gemm.available():
+        raise ValueError(f"{flag} runs on CPUs with AVX2 and a C compiler only")
+    if isa is cpu_isa.Isa.TORCH:
+        raise ValueError(f"{flag} needs the C kernels: --cpu-isa torch is refused with it")
+    if dtype != torch.float32:
+        raise ValueError(f"{flag} needs --dtype float32 (the fixed-order kernels are float32)")
+    if args.attention_backend == "triton":
+        raise ValueError(f"{flag} attends with the torch backend on the CPU, not triton")
+    if args.lora_paths:
+        raise ValueError(f"{flag} does not cover LoRA adapters yet (their deltas' kernel)")
+    experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
+    if experts:
+        raise ValueError(f"{flag} does not cover mixture-of-experts models yet")
 
 
 class ModelRunner:
@@ -146,9 +171,18 @@ class ModelRunner:
             else None
         )
         check_quantization(args.quantization, self.device, self.cpu_isa)
+        if args.enable_deterministic_inference:
+            check_deterministic(args, self.device, self.dtype, self.cpu_isa, self.config)
         packed = self._gguf_plan()
         tied = bool(getattr(self.config, "tie_word_embeddings", False))
-        packing = LinearPacking.of(args.quantization, self.device, self.dtype, self.cpu_isa)
+        packing = LinearPacking.of(
+            args.quantization,
+            self.device,
+            self.dtype,
+            self.cpu_isa,
+            args.enable_deterministic_inference,
+            self.tp.size,
+        )
         self.model = load_model(
             self.model_path,
             self.config,
@@ -176,6 +210,7 @@ class ModelRunner:
             self.kv_pool,
             self.model.family.windows,
             self.model.family.attn_logit_softcap,
+            args.enable_deterministic_inference,
         )
         self.graph_runner = self._graph_runner()
         logger.info(

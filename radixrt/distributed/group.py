@@ -34,6 +34,7 @@ def pairwise_sum(parts: list[torch.Tensor]) -> torch.Tensor:
     half = (len(parts) + 1) // 2
     return pairwise_sum(parts[:half]) + pairwise_sum(parts[half:])
 
+
 # a collective that waits longer than this fails; rank 0 sends a heartbeat every second when idle
 COLLECTIVE_TIMEOUT_S = 60
 

@@ -243,7 +243,7 @@ class ModelSettings(Settings):
     disable_cuda_graph: bool = setting(False, "on CUDA, launch every decode step's kernels instead of replaying graphs")
     generation_config: str = setting("auto", "auto: the model's generation_config.json gives the sampling defaults a request does not set (docs/protocol.md); ignore: radixrt's own", choices=("auto", "ignore"))
     context_length: int | None = setting(None, "max prompt+output tokens per request (default: the model's)")
-    enable_deterministic_inference: bool = setting(False, "bitwise-reproducible serving (SGLang's name): a request's tokens and logprobs do not depend on its batch, how much of its prompt came from the cache, the prefill chunk size, speculation or tp 1 vs 2; every linear and attention row is summed in one fixed order (slower; docs/serving.md). CPU, float32 weights and KV or --quantization int8/int4, the torch attention backend")
+    enable_deterministic_inference: bool = setting(False, "bitwise-reproducible serving (SGLang's name): a request's tokens and logprobs do not depend on its batch, how much of its prompt came from the cache, the prefill chunk size, speculation or tp 1 vs 2; every linear and attention row is summed in one fixed order (slower; docs/serving.md). CPU, float32 weights and KV or --quantization int8/int4")
     # fmt: on
 
 

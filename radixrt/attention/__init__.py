@@ -45,7 +45,7 @@ def create_backend(
     """The backend `name` over the pool; `windows` gives each layer's sliding window (None:
     global; empty: every layer global), which the backend attends only within; with
     `logit_cap` every score s is soft-capped to cap * tanh(s / cap) before the softmax;
-    `deterministic` (torch only): every query row reduced in one fixed order
+    `deterministic`: every query row reduced in one fixed order
     (`--enable-deterministic-inference`)."""
     if name == "auto":
         name = "triton" if device.type == "cuda" else "torch"
@@ -56,5 +56,5 @@ def create_backend(
     if name == "triton":
         from radixrt.attention.triton_backend import TritonAttentionBackend
 
-        return TritonAttentionBackend(req_to_token, kv_pool, windows, logit_cap)
+        return TritonAttentionBackend(req_to_token, kv_pool, windows, logit_cap, deterministic)
     raise ValueError(f"unknown attention backend {name!r}")

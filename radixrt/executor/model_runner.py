@@ -123,8 +123,8 @@ def check_deterministic(
     args: ExecutorArgs, device: torch.device, dtype: torch.dtype, isa: cpu_isa.Isa | None, config
 ) -> None:
     """ValueError naming what `--enable-deterministic-inference` cannot honour here: its fixed-
-    order kernels are the CPU's C kernels on float32 (or int8/int4 weights) with the torch
-    attention backend; MoE routing and LoRA deltas have no fixed-order path yet."""
+    order kernels are the CPU's C kernels on float32 (or int8/int4 weights); the attention
+    backends have fixed-order paths both (triton runs on the CPU under its interpreter); MoE routing and LoRA deltas have no fixed-order path yet."""
     flag = "--enable-deterministic-inference"
     if device.type != "cpu" or isa is None or not fixed_gemm.available():
         raise ValueError(f"{flag} runs on CPUs with AVX2 and a C compiler only")
@@ -132,8 +132,6 @@ def check_deterministic(
         raise ValueError(f"{flag} needs the C kernels: --cpu-isa torch is refused with it")
     if dtype != torch.float32:
         raise ValueError(f"{flag} needs --dtype float32 (the fixed-order kernels are float32)")
-    if args.attention_backend == "triton":
-        raise ValueError(f"{flag} attends with the torch backend on the CPU, not triton")
     if args.lora_paths:
         raise ValueError(f"{flag} does not cover LoRA adapters yet (their deltas' kernel)")
     experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)

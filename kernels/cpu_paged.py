@@ -366,17 +366,20 @@ def paged_decode(
     slots: torch.Tensor,
     lens: torch.Tensor,
     logit_cap: float | None = None,
+    splits: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q [B, Hq, D] over the keys `slots[b, :lens[b]]` of the pool -> out [B, Hq, D] and the
     log-sum-exp of the scaled scores [B, Hq] (-inf and zeros for a request with no keys); with
-    `logit_cap` the scores are soft-capped first (cap * tanh(score / cap))."""
+    `logit_cap` the scores are soft-capped first (cap * tanh(score / cap)). `splits`: key ranges
+    per (request, KV head), chosen by the batch and thread count when None; 1 makes each row's
+    sum independent of both (the deterministic mode)."""
     b, hq, d = q.shape
     q, slots, lens = q.contiguous(), slots.contiguous(), lens.contiguous()
     assert (
         k_buf.is_contiguous() and v_buf.is_contiguous() and slots.dtype == lens.dtype == torch.int64
     )
     hkv = k_buf.shape[1]
-    splits = _splits(b * hkv, slots.shape[1])
+    splits = splits or _splits(b * hkv, slots.shape[1])
     out = torch.empty_like(q)
     lse = torch.empty(b, hq, dtype=torch.float32)
     part = torch.empty(b * hkv * splits * (hq // hkv) * (d + 2), dtype=torch.float32)

@@ -244,6 +244,7 @@ class ModelSettings(Settings):
     generation_config: str = setting("auto", "auto: the model's generation_config.json gives the sampling defaults a request does not set (docs/protocol.md); ignore: radixrt's own", choices=("auto", "ignore"))
     context_length: int | None = setting(None, "max prompt+output tokens per request (default: the model's)")
     is_embedding: bool = setting(False, "serve embeddings, not generation: POST /v1/embeddings (and generate requests of max_new_tokens 0, whose reply carries `embedding`) pool the prompt's final hidden states as the model's sentence-transformers files say (last token or mean; normalized where they list Normalize; last token, normalized, without them)")
+    enable_deterministic_inference: bool = setting(False, "bitwise-reproducible serving (SGLang's name): a request's tokens and logprobs do not depend on its batch, how much of its prompt came from the cache, the prefill chunk size, speculation or tp 1 vs 2; every linear and attention row is summed in one fixed order (slower; docs/serving.md). CPU, float32 weights and KV or --quantization int8/int4")
     # fmt: on
 
 

@@ -8,7 +8,8 @@ radixrt.Engine with the triton and torch attention backends, (d) decode steps at
 from CUDA graphs against eager launches: time per step, and where greedy outputs first differ, (e) speculative
 decoding against plain decoding, (f) the host tier: copy bandwidth and load-backs end to end, (g) the engine at
 tp_size=1 on CUDA, and 2 over two GPUs where the machine has them, (h) each model family's greedy tokens
-on CUDA against transformers. Writes $OUT/gpu_check.json and $OUT/gpu_check.txt,
+on CUDA against transformers, (i) the deterministic mode's Triton layout (`FIXED_KV_SPLITS`
+splits per row): each row's output bitwise the same in a batch of 32 mixed rows as alone. Writes $OUT/gpu_check.json and $OUT/gpu_check.txt,
 rewritten after every section so a timeout still leaves the finished parts.
 """
 
@@ -695,6 +696,34 @@ def check_fused_moe() -> None:
         save()
 
 
+def check_deterministic_rows() -> None:
+    """(i) `--enable-deterministic-inference`'s Triton attention: every row a decode row with
+    FIXED_KV_SPLITS splits; a row's output in a batch of 32 mixed contexts (1 to 6000 keys) equals,
+    bit for bit, the row computed alone, for each model shape."""
+    from radixrt.attention.triton_backend import FIXED_KV_SPLITS
+
+    results["deterministic_rows"] = {}
+    for name, (hq, hkv, d) in MODELS.items():
+        torch.manual_seed(0)
+        lens = [1, 7, 64, 65, 500, 6000] + [int(x) for x in torch.randint(1, 3000, (26,))]
+        b = paged_batch(hq, hkv, d, lens, [1] * len(lens))
+        together = run_decode(kernels.decode_attention_fwd, b, FIXED_KV_SPLITS)
+        differing = 0
+        for i, n in enumerate(lens):
+            start = int(b["kv_indptr"][i])
+            alone = {
+                **b,
+                "q_extend": b["q_extend"][i : i + 1],
+                "kv_indptr": indptr([n]),
+                "kv_indices": b["kv_indices"][start : start + n],
+            }
+            out = run_decode(kernels.decode_attention_fwd, alone, FIXED_KV_SPLITS)
+            differing += not torch.equal(out[0], together[i])
+        results["deterministic_rows"][name] = {"rows": len(lens), "differing": differing}
+        log(f"  deterministic rows {name}: {differing} of {len(lens)} differ alone vs batched")
+    save()
+
+
 def main() -> None:
     results.update(
         device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__
@@ -712,6 +741,7 @@ def main() -> None:
         check_engine,
         check_families,
         check_fused_moe,
+        check_deterministic_rows,
     ):
         try:
             section()

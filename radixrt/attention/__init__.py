@@ -40,18 +40,21 @@ def create_backend(
     kv_pool,
     windows: tuple[int | None, ...] = (),
     logit_cap: float | None = None,
+    deterministic: bool = False,
 ) -> AttentionBackend:
     """The backend `name` over the pool; `windows` gives each layer's sliding window (None:
     global; empty: every layer global), which the backend attends only within; with
-    `logit_cap` every score s is soft-capped to cap * tanh(s / cap) before the softmax."""
+    `logit_cap` every score s is soft-capped to cap * tanh(s / cap) before the softmax;
+    `deterministic`: every query row reduced in one fixed order
+    (`--enable-deterministic-inference`)."""
     if name == "auto":
         name = "triton" if device.type == "cuda" else "torch"
     if name == "torch":
         from radixrt.attention.torch_backend import TorchAttentionBackend
 
-        return TorchAttentionBackend(req_to_token, kv_pool, windows, logit_cap)
+        return TorchAttentionBackend(req_to_token, kv_pool, windows, logit_cap, deterministic)
     if name == "triton":
         from radixrt.attention.triton_backend import TritonAttentionBackend
 
-        return TritonAttentionBackend(req_to_token, kv_pool, windows, logit_cap)
+        return TritonAttentionBackend(req_to_token, kv_pool, windows, logit_cap, deterministic)
     raise ValueError(f"unknown attention backend {name!r}")

@@ -18,6 +18,14 @@ of the model's layers) gathers, for a query at position p, the keys from max(0, 
 and masks the earlier ones an extend's later queries no longer see. With a logit cap (Gemma 2)
 the scores are soft-capped before the softmax: in the C kernel, and by plain torch math where
 SDPA would run (it cannot cap).
+
+Under `--enable-deterministic-inference` (`deterministic`) every query row, a prompt's as a
+decode's, is one decode row of the C kernel, read in place over exactly the keys it sees, in one
+key range (no split by batch or thread count) and without the shared-prefix merge: a row's sum
+runs over its keys in order in blocks of 32 whatever the batch, and a prompt token computed in a
+prefill, a chunk, a verified draft or after a cache hit reduces as it would decoded. The cost:
+an extend's rows each walk their keys (no SDPA over the chunk), and the step's slot table is
+rows x longest context.
 """
 
 from __future__ import annotations
@@ -74,6 +82,7 @@ class TorchAttentionBackend:
         kv_pool: TokenToKVPool,
         windows: tuple[int | None, ...] = (),
         logit_cap: float | None = None,
+        deterministic: bool = False,
     ):
         self.req_to_token = req_to_token
         self.kv_pool = kv_pool
@@ -88,6 +97,12 @@ class TorchAttentionBackend:
             if kv_pool.fmt
             else cpu_paged.supports(kv_pool.k_buffers[0])
         )
+        self.deterministic = deterministic
+        if deterministic and not self.in_place:
+            raise ValueError(
+                "--enable-deterministic-inference attends with the in-place C kernel: a float32 "
+                "KV pool on the CPU, a head size up to 256 and a C compiler"
+            )
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         batch.attn_metadata = {w: self._metadata(batch, w) for w in set(self.windows)}
@@ -100,6 +115,8 @@ class TorchAttentionBackend:
         for e in batch.extend_lens:
             starts.append(starts[-1] + e)
         as_rows = MAX_DECODE_ROWS if self.in_place else 1
+        if self.deterministic:  # every row a decode row, however long its extend
+            as_rows = max(batch.extend_lens, default=1)
         decodes = [i for i, e in enumerate(batch.extend_lens) if e <= as_rows]
         extending = [i for i, e in enumerate(batch.extend_lens) if e > as_rows]
         extends = [
@@ -122,7 +139,7 @@ class TorchAttentionBackend:
         slots = self._slots(batch.rows[[i for _, i, _ in queries]], first, max_len)
         mask = torch.arange(max_len, device=device)[None, :] < lens[:, None]
         shared = _shared_prefix_len(slots, mask) if len(queries) > 1 else 0
-        if shared < MIN_SHARED_PREFIX:
+        if shared < MIN_SHARED_PREFIX or self.deterministic:
             shared = 0
         decode_tokens = torch.tensor([row for row, _, _ in queries], device=device)
         shared_slots = _as_run(slots[0, :shared]) if shared else None
@@ -249,7 +266,13 @@ class TorchAttentionBackend:
         fmt = self.kv_pool.fmt
         if fmt is None:
             return cpu_paged.paged_decode(
-                q, k_buf, v_buf, meta.decode_slots, meta.decode_lens, self.logit_cap
+                q,
+                k_buf,
+                v_buf,
+                meta.decode_slots,
+                meta.decode_lens,
+                self.logit_cap,
+                splits=1 if self.deterministic else None,  # one key range: one order
             )
         return cpu_paged.paged_decode_quantized(
             q, k_buf, v_buf, meta.decode_slots, meta.decode_lens, fmt.kernel_kind, self.logit_cap

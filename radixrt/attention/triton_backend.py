@@ -4,6 +4,11 @@ A step of decodes only (one new token each) runs the split-KV decode kernel over
 whole context. Any other step, prefills and decodes mixed, runs the extend kernel once for the
 whole batch: a decode is just an extend of one token. One layout serves every layer: a layer with
 a sliding window passes it to the kernels, which read only the keys within it.
+
+Under `--enable-deterministic-inference` (`deterministic`) every step runs the decode kernel,
+one row per new token over exactly the keys it sees, with `FIXED_KV_SPLITS` splits whatever the
+batch: a row's split boundaries, each split's blocks and the merge then depend on its context
+length alone, so a prompt token reduces as it would decoded, cached prefix or not.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ if TYPE_CHECKING:  # types only: the pools' owners import this package, not the 
 
 MAX_KV_SPLITS = 8
 MIN_SPLIT_LEN = 64  # one decode-kernel KV block; shorter splits only add merge work
+FIXED_KV_SPLITS = 4  # the deterministic mode's splits per row, whatever the batch
 
 
 @dataclass
@@ -50,14 +56,19 @@ class TritonAttentionBackend:
         kv_pool: TokenToKVPool,
         windows: tuple[int | None, ...] = (),
         logit_cap: float | None = None,
+        deterministic: bool = False,
     ):
         self.req_to_token = req_to_token
         self.kv_pool = kv_pool
         self.windows = windows or (None,) * len(kv_pool.k_buffers)
         self.logit_cap = logit_cap or 0.0
+        self.deterministic = deterministic
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         device = self.req_to_token.device
+        if self.deterministic:
+            batch.attn_metadata = self._rows_metadata(batch)
+            return
         decode = all(e == 1 for e in batch.extend_lens)
         # The decode kernel reads the current token from the pool; the extend kernel reads new tokens from k/v.
         kv_lens = batch.seq_lens if decode else batch.prefix_lens
@@ -75,6 +86,29 @@ class TritonAttentionBackend:
             kv_indices=table[mask],
             max_extend_len=max(batch.extend_lens),
             num_kv_splits=num_kv_splits,
+        )
+
+    def _rows_metadata(self, batch: ForwardBatch) -> TritonMetadata:
+        """Every new token a decode row over its own keys (its request's table up to its
+        position), `FIXED_KV_SPLITS` splits each: the deterministic mode's layout."""
+        device = self.req_to_token.device
+        lens = [p + j + 1 for p, e in zip(batch.prefix_lens, batch.extend_lens) for j in range(e)]
+        owner = torch.repeat_interleave(
+            torch.arange(len(batch.extend_lens), device=device),
+            torch.tensor(batch.extend_lens, device=device),
+        )
+        kv_indptr = _indptr(lens, device)
+        lens_t = torch.tensor(lens, device=device)
+        starts = torch.repeat_interleave(kv_indptr[:-1].long(), lens_t)
+        pos = torch.arange(int(kv_indptr[-1]), device=device) - starts
+        rows = torch.repeat_interleave(batch.rows[owner], lens_t)
+        return TritonMetadata(
+            decode=True,
+            qo_indptr=_indptr([1] * len(lens), device),
+            kv_indptr=kv_indptr,
+            kv_indices=self.req_to_token[rows, pos],
+            max_extend_len=1,
+            num_kv_splits=FIXED_KV_SPLITS,
         )
 
     def forward(

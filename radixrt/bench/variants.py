@@ -24,6 +24,10 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "radixrt-int4": {"quantization": "int4"},
     "radixrt-gguf": {"quantization": "gguf"},
     "radixrt-spec": {"speculative_algorithm": "ngram"},
+    # bitwise-reproducible serving, against the fast path of the same weights
+    "radixrt-deterministic": {"enable_deterministic_inference": True},
+    "radixrt-int8-deterministic": {"quantization": "int8", "enable_deterministic_inference": True},
+    "radixrt-int4-deterministic": {"quantization": "int4", "enable_deterministic_inference": True},
     "radixrt-no-jump-forward-spec": {
         "enable_jump_forward": False,
         "speculative_algorithm": "ngram",

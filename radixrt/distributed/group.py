@@ -24,6 +24,17 @@ import torch.distributed as dist
 
 from radixrt.distributed.shm_allreduce import ShmAllReduce
 
+
+def pairwise_sum(parts: list[torch.Tensor]) -> torch.Tensor:
+    """(p0 + p1) + (p2 + p3) ...: halves summed alone, then added. The deterministic mode sums
+    ranks' parts and a linear's input segments this way, so that a sum over the first half of
+    a run is one subtree wherever it was computed."""
+    if len(parts) == 1:
+        return parts[0]
+    half = (len(parts) + 1) // 2
+    return pairwise_sum(parts[:half]) + pairwise_sum(parts[half:])
+
+
 # a collective that waits longer than this fails; rank 0 sends a heartbeat every second when idle
 COLLECTIVE_TIMEOUT_S = 60
 
@@ -40,6 +51,9 @@ class TPGroup:
     shm: ShmAllReduce | None = None  # the all-reduce of CPU ranks on one machine
     # --ep-size: each rank holds a share of the experts whole, not a slice of every expert
     expert_parallel: bool = False
+    # --enable-deterministic-inference: every all-reduce sums the ranks' parts in one fixed
+    # order (pairwise by rank, `fixed_order_sum`) whatever the transport and the tensor's size
+    deterministic: bool = False
 
     def _timed(self, op: Callable[[], Any]) -> Any:
         start = time.perf_counter()
@@ -91,6 +105,9 @@ class TPGroup:
         """Sum `x` over the ranks, in place."""
         if self.size == 1:
             return x
+        if self.deterministic and self.size > 2:
+            return self._timed(lambda: self._fixed_order_all_reduce(x))
+        # two ranks: every path below adds rank 0's part and rank 1's, the same bits either way
         if self.shm is not None and self.shm.fits(x):
             return self._timed(lambda: self.shm(x))
         if x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16):
@@ -99,6 +116,15 @@ class TPGroup:
             return x.copy_(wide)
         self._timed(lambda: dist.all_reduce(x))
         return x
+
+    def _fixed_order_all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """`all_reduce` in the pairwise rank order of `pairwise_sum`, in float32: gloo's and
+        NCCL's rings sum an element in an order that depends on which chunk of the tensor it
+        falls in, so on the tensor's size (the batch)."""
+        wide = x.float().contiguous()
+        parts = [torch.empty_like(wide) for _ in range(self.size)]
+        dist.all_gather(parts, wide)
+        return x.copy_(pairwise_sum(parts))
 
     def gather_last_dim(self, x: torch.Tensor, widths: list[int]) -> torch.Tensor | None:
         """Rank r's `x` [rows, widths[r]] side by side on rank 0 (None on the others)."""

@@ -29,7 +29,7 @@ from radixrt.executor.model_loader import (
 )
 from radixrt.executor.weight_update import adopt_weights, check_same_architecture
 from radixrt.forward_batch import ForwardBatch
-from radixrt.kernels import cpu_isa
+from radixrt.kernels import cpu_isa, fixed_gemm
 from radixrt.mem_cache.kv_quant import resolve_kv_format
 from radixrt.mem_cache.memory_pool import (
     PageAllocator,
@@ -39,6 +39,7 @@ from radixrt.mem_cache.memory_pool import (
 )
 from radixrt.models.linear import (
     BYTES_PER_WEIGHT,
+    FixedOrderLinear,
     GroupedLinear,
     Int8Linear,
     LinearPacking,
@@ -116,7 +117,31 @@ def linear_bytes(model: nn.Module) -> int:
             total += module.weight.nbytes
         elif isinstance(module, PrepackedLinear):
             total += module.packed.nbytes
+        elif isinstance(module, FixedOrderLinear):
+            total += module.nbytes
     return total
+
+
+def check_deterministic(
+    args: ExecutorArgs, device: torch.device, dtype: torch.dtype, isa: cpu_isa.Isa | None, config
+) -> None:
+    """ValueError naming what `--enable-deterministic-inference` cannot honour here: its fixed-
+    order kernels are the CPU's C kernels on float32 (or int8/int4 weights); the attention
+    backends have fixed-order paths both (triton runs on the CPU under its interpreter); MoE routing and LoRA deltas have no fixed-order path yet."""
+    flag = "--enable-deterministic-inference"
+    if device.type != "cpu" or isa is None or not fixed_gemm.available():
+        raise ValueError(f"{flag} runs on CPUs with AVX2 and a C compiler only")
+    if isa is cpu_isa.Isa.TORCH:
+        raise ValueError(f"{flag} needs the C kernels: --cpu-isa torch is refused with it")
+    if dtype != torch.float32:
+        raise ValueError(f"{flag} needs --dtype float32 (the fixed-order kernels are float32)")
+    if args.lora_paths:
+        raise ValueError(f"{flag} does not cover LoRA adapters yet (their deltas' kernel)")
+    if args.kv_cache_dtype != "auto":
+        raise ValueError(f"{flag} needs --kv-cache-dtype auto (its attention reads float32 rows)")
+    experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
+    if experts:
+        raise ValueError(f"{flag} does not cover mixture-of-experts models yet")
 
 
 class ModelRunner:
@@ -152,6 +177,8 @@ class ModelRunner:
         check_quantization(args.quantization, self.device, self.cpu_isa)
         self.kv_format = resolve_kv_format(args.kv_cache_dtype, self.device, args.attention_backend)
         self.checkpoint_quant = CheckpointQuant.of(self.config)
+        if args.enable_deterministic_inference:
+            check_deterministic(args, self.device, self.dtype, self.cpu_isa, self.config)
         packed = self._gguf_plan()
         tied = bool(getattr(self.config, "tie_word_embeddings", False))
         packing = self._packing()
@@ -184,6 +211,7 @@ class ModelRunner:
             self.kv_pool,
             self.model.family.windows,
             self.model.family.attn_logit_softcap,
+            args.enable_deterministic_inference,
         )
         self.graph_runner = self._graph_runner()
         logger.info(
@@ -215,9 +243,21 @@ class ModelRunner:
         one rank, and no `--quantization` of its own (it would requantize them). ValueError,
         one line, naming what is missing."""
         args, quant = self.args, self.checkpoint_quant
-        packing = LinearPacking.of(args.quantization, self.device, self.dtype, self.cpu_isa)
+        packing = LinearPacking.of(
+            args.quantization,
+            self.device,
+            self.dtype,
+            self.cpu_isa,
+            args.enable_deterministic_inference,
+            self.tp.size,
+        )
         if quant is None:
             return packing
+        if args.enable_deterministic_inference:
+            raise ValueError(
+                f"--enable-deterministic-inference serves float32 or --quantization int8/int4 "
+                f"weights, not a {quant.method} checkpoint (its linears are not cut in fixed order)"
+            )
         if args.quantization:
             raise ValueError(
                 f"--quantization {args.quantization}: the checkpoint is already quantized "

@@ -126,6 +126,7 @@ def _join_group(args: ExecutorArgs, rank: int, init_method: str) -> TPGroup:
     device = resolve_device(args.device, local_rank(args, rank))
     group = TPGroup.init(rank, args.tp_size, init_method, device, args.nnodes == 1)
     group.expert_parallel = args.ep_size > 1
+    group.deterministic = args.enable_deterministic_inference
     return group
 
 

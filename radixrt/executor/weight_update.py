@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from transformers import AutoConfig
 
-from radixrt.models.linear import GroupedLinear, Int8Linear, PrepackedLinear
+from radixrt.models.linear import FixedOrderLinear, GroupedLinear, Int8Linear, PrepackedLinear
 from radixrt.models.lora import LoraSite
 
 # the config fields that fix the architecture and every weight's shape: an update must keep them
@@ -39,7 +39,7 @@ ARCHITECTURE_FIELDS = (
 # the dtypes a trainer may broadcast a weight in (`update_weights_from_distributed`)
 DTYPES = {name: getattr(torch, name) for name in ("float32", "float16", "bfloat16", "float64")}
 # linears rebuilt from float weights after loading (prepacked or quantized): swapped whole
-PACKED_LINEARS = (PrepackedLinear, Int8Linear, GroupedLinear)
+PACKED_LINEARS = (PrepackedLinear, Int8Linear, GroupedLinear, FixedOrderLinear)
 
 
 @dataclass(frozen=True)

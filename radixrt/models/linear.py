@@ -12,6 +12,14 @@ Int8 weights are a quarter of the bytes, and a decode step at small batches is t
 the weights: `kernels/int8_gemm.py` says how they are multiplied. Int4 groups read 0.625
 bytes a weight (`kernels/int4_gemm.py`). Neither is token-exact against float32; tests hold them
 to quality gates (perplexity, top-1 agreement).
+
+Under `--enable-deterministic-inference` every linear is a `FixedOrderLinear`: each output is
+summed in an order that does not depend on the number of rows (`kernels/fixed_gemm.py` for float
+weights; the int8 and int4 kernels already sum each row alone: integer sums, then the same float
+steps for any tile), and a row-parallel linear (`ROW_PARALLEL`: its inputs are what tensor
+parallelism splits) is cut along its inputs into `FIXED_ORDER_SEGMENTS` consecutive parts, each
+summed alone, the parts added pairwise: at `--tp-size 2` each rank holds one part and the
+all-reduce adds the two, so the bits equal those at tp 1.
 """
 
 from __future__ import annotations
@@ -21,7 +29,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from radixrt.kernels import int4_gemm, int8_gemm
+from radixrt.distributed.group import pairwise_sum
+from radixrt.distributed.sharding import split_range
+from radixrt.kernels import fixed_gemm, int4_gemm, int8_gemm
 from radixrt.kernels.cpu_isa import Isa
 from radixrt.models.quantized import CheckpointQuant, PermutedGroups
 
@@ -29,6 +39,11 @@ BATCH_HINT = 32  # rows oneDNN tunes the layout for; any row count works
 QUANTIZATIONS = ("int8", "int4", "gguf")
 # bytes a weight reads, for the floors' counts (GGUF's Q8_0 tensors, 1.06, count as int4's)
 BYTES_PER_WEIGHT = {"int8": 1.0, "int4": 0.625, "gguf": 0.625}
+# the linears whose inputs tensor parallelism splits over the ranks (an all-reduce sums them)
+ROW_PARALLEL = ("o_proj", "down_proj")
+# parts a row-parallel linear's inputs are summed in under the deterministic mode: tp 1 and 2
+# give the same bits (each rank of 2 holds one part)
+FIXED_ORDER_SEGMENTS = 2
 
 
 def prepack_available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -119,6 +134,59 @@ class GroupedLinear(nn.Module):
         return int4_gemm.grouped_linear(x.float(), self.weight, self.bias).to(x.dtype)
 
 
+class PanelLinear(nn.Module):
+    """A float32 weight in fixed-order panels (`fixed_gemm`), no bias: a part of a
+    `FixedOrderLinear`."""
+
+    def __init__(self, weight: fixed_gemm.PackedPanels):
+        super().__init__()
+        self.weight = weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return fixed_gemm.fixed_linear(x.float(), self.weight).to(x.dtype)
+
+
+class FixedOrderLinear(nn.Module):
+    """A linear whose outputs are bitwise independent of the rows computed beside them
+    (`--enable-deterministic-inference`): `parts` (bias-free, each over consecutive inputs,
+    each summing a row alone) added pairwise, (p0 + p1) + (p2 + p3), then the bias. Its parts
+    are not submodules: the model's linear counts see one linear."""
+
+    def __init__(self, parts: tuple[nn.Module, ...], bias: torch.Tensor | None):
+        super().__init__()
+        self.parts = parts
+        self.bias = None if bias is None else bias.detach().float().contiguous()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if len(self.parts) == 1:
+            out = self.parts[0](x)
+        else:
+            out = pairwise_sum([part(x[:, lo:hi]) for part, (lo, hi) in self.spans()])
+        return out if self.bias is None else out + self.bias.to(out.dtype)
+
+    def spans(self) -> list[tuple[nn.Module, tuple[int, int]]]:
+        """Each part with the inputs [lo, hi) it takes."""
+        spans, lo = [], 0
+        for part in self.parts:
+            width = features(part)
+            assert width is not None
+            spans.append((part, (lo, lo + width[1])))
+            lo += width[1]
+        return spans
+
+    @property
+    def nbytes(self) -> int:
+        return sum(_part_bytes(p) for p in self.parts)
+
+
+def _part_bytes(part: nn.Module) -> int:
+    if isinstance(part, Int8Linear):
+        return part.weight.tiles.nbytes + part.weight.scales.nbytes
+    weight = part.weight
+    assert isinstance(weight, fixed_gemm.PackedPanels | int4_gemm.PackedGroups)
+    return weight.nbytes
+
+
 def _torch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """`--cpu-isa torch`: x @ weight.T + bias in float32, returned in x's dtype."""
     return torch.nn.functional.linear(x.float(), weight, bias).to(x.dtype)
@@ -151,10 +219,23 @@ def features(module: nn.Module) -> tuple[int, int] | None:
     if isinstance(module, PrepackedLinear):
         out, in_ = module.packed.shape
         return out, in_
+    if isinstance(module, PanelLinear):
+        return module.weight.out_features, module.weight.in_features
+    if isinstance(module, FixedOrderLinear):
+        widths = [features(p) for p in module.parts]
+        return widths[0][0], sum(w[1] for w in widths)  # type: ignore[index]
     return None
 
 
-Packed = int8_gemm.PackedInt8 | int4_gemm.PackedGroups | PermutedGroups | torch.Tensor
+@dataclass(frozen=True)
+class Segments:
+    """A weight packed for `FixedOrderLinear`: its inputs cut into consecutive parts, each
+    packed alone."""
+
+    parts: tuple[int8_gemm.PackedInt8 | int4_gemm.PackedGroups | fixed_gemm.PackedPanels, ...]
+
+
+Packed = int8_gemm.PackedInt8 | int4_gemm.PackedGroups | PermutedGroups | torch.Tensor | Segments
 
 
 @dataclass(frozen=True)
@@ -162,7 +243,9 @@ class LinearPacking:
     """What a CPU run makes of its `nn.Linear`s: int8 (`Int8Linear`), int4 (`GroupedLinear`;
     the output projection `lm_head` in 8-bit groups, as llama.cpp keeps it above 4 bits: in 4
     bits it alone failed the quality gates), or float32 prepacked for oneDNN (`quantization`
-    None, or `gguf` for what its file does not hold packed). The loader calls `pack` on each
+    None, or `gguf` for what its file does not hold packed); with `deterministic`, each as a
+    `FixedOrderLinear` (float32 in fixed-order panels), a row-parallel one in
+    `FIXED_ORDER_SEGMENTS // tp_size` parts. The loader calls `pack` on each
     float weight as it is read, so that the float copy of the model never exists whole, and
     `module` once the biases are in; `replace` does both to the linears left (a tied output
     projection, whose float weight is the embedding's). A pre-quantized checkpoint's linears
@@ -172,22 +255,37 @@ class LinearPacking:
     quantization: str | None
     isa: Isa
     checkpoint: CheckpointQuant | None = None
+    deterministic: bool = False
+    tp_size: int = 1
 
     @classmethod
     def of(
-        cls, quantization: str | None, device: torch.device, dtype: torch.dtype, isa: Isa | None
+        cls,
+        quantization: str | None,
+        device: torch.device,
+        dtype: torch.dtype,
+        isa: Isa | None,
+        deterministic: bool = False,
+        tp_size: int = 1,
     ) -> LinearPacking | None:
         """The run's packing; None where the linears stay `nn.Linear` (not a CPU, or float
         weights oneDNN cannot prepack)."""
         if quantization in ("int8", "int4") and isa is not None:
-            return cls(quantization, isa)
+            return cls(quantization, isa, deterministic, tp_size)
         if prepack_available(device, dtype):
-            return cls(None, isa or Isa.AVX2)
+            return cls(None, isa or Isa.AVX2, deterministic, tp_size)
         return None
 
     def pack(self, name: str, weight: torch.Tensor) -> Packed:
         """`weight` [N, K] of the linear `name` (as `named_modules` names it) in its packed
         form; it holds no reference to `weight`."""
+        if self.deterministic:
+            return self._segments(name, weight)
+        return self._pack_one(name, weight)
+
+    def _pack_one(self, name: str, weight: torch.Tensor) -> Packed:
+        if self.deterministic and self.quantization is None:
+            return fixed_gemm.PackedPanels.pack(weight)
         if self.quantization == "int8":
             return int8_gemm.PackedInt8.quantize(weight)
         if self.quantization == "int4":
@@ -195,8 +293,22 @@ class LinearPacking:
             return int4_gemm.PackedGroups.quantize(weight, bits)
         return prepack(weight)
 
+    def _segments(self, name: str, weight: torch.Tensor) -> Segments:
+        """`weight` cut along its inputs: a row-parallel linear into this rank's share of
+        `FIXED_ORDER_SEGMENTS` parts, any other whole."""
+        row_parallel = name.rpartition(".")[2] in ROW_PARALLEL
+        n = max(1, FIXED_ORDER_SEGMENTS // self.tp_size) if row_parallel else 1
+        k = weight.shape[1]
+        spans = [split_range(k, n, s) for s in range(n)]
+        return Segments(tuple(self._pack_one(name, weight[:, lo:hi]) for lo, hi in spans))
+
     def module(self, packed: Packed, bias: torch.Tensor | None) -> nn.Module:
         """The module that serves a packed weight with `bias` (copied)."""
+        if isinstance(packed, Segments):
+            parts = tuple(self.module(p, None) for p in packed.parts)
+            return FixedOrderLinear(parts, bias)
+        if isinstance(packed, fixed_gemm.PackedPanels):
+            return PanelLinear(packed)
         if isinstance(packed, int8_gemm.PackedInt8):
             return Int8Linear(packed, bias, self.isa)
         if isinstance(packed, int4_gemm.PackedGroups):

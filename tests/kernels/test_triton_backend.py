@@ -6,7 +6,7 @@ from radixrt.attention import triton_backend
 from radixrt.attention.triton_backend import TritonAttentionBackend
 from radixrt.kernels import decode_attention, extend_attention
 
-from helpers import LaunchSpy, make_scheduler, run_in_process
+from helpers import LaunchSpy, drain, make_scheduler, run_in_process
 from ownership import assert_no_leak
 
 SAMPLING = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
@@ -82,3 +82,46 @@ def test_triton_backend_small_tiles_matches_torch(tiny_model_dir, monkeypatch):
     assert all(kw["BLOCK_N"] == 16 for _, kw in decode.launches)
     assert max(grid[2] for grid, _ in extend.launches) > 1, "no extend spanned two query tiles"
     assert max(grid[2] for grid, _ in decode.launches) > 1, "no decode ran several KV splits"
+
+
+def _logprobs_in_process(scheduler, batches: list[list[list[int]]]) -> list[tuple]:
+    """Greedy tokens with each one's logprob and top-5, every batch after the one before."""
+    from radixrt.sampling_params import SamplingParams
+
+    params = {**SAMPLING, "max_new_tokens": 3, "return_logprob": True, "top_logprobs_num": 5}
+    outs = []
+    for b, prompts in enumerate(batches):
+        reqs = [
+            scheduler.make_request(f"{b}-{i}", p, SamplingParams.from_dict(params))
+            for i, p in enumerate(prompts)
+        ]
+        for req in reqs:
+            scheduler.add_request(req)
+        drain(scheduler)
+        outs += [(r.output_ids, r.output_token_logprobs, r.output_top_logprobs) for r in reqs]
+    return outs
+
+
+def test_deterministic_rows_do_not_depend_on_batch_cache_or_chunks(tiny_model_dir):
+    """`--enable-deterministic-inference` on the Triton backend: each prompt's tokens, logprobs
+    and top-5 are the same bits alone on a cold cache, together in one batch with their shared
+    prefix cached, and prefilled in chunks of 4 (two prompts: the interpreter is slow)."""
+    prompts = PROMPTS[:2]
+    scheduler = make_scheduler(
+        tiny_model_dir, attention_backend="triton", enable_deterministic_inference=True
+    )
+    alone = []
+    for p in prompts:
+        scheduler.flush_cache()
+        alone += _logprobs_in_process(scheduler, [[p]])
+    # the first prompt cached, then both together: the second's shared prefix comes from the cache
+    together = _logprobs_in_process(scheduler, [prompts])
+    assert together == alone
+    assert_no_leak(scheduler)
+    chunked = make_scheduler(
+        tiny_model_dir,
+        attention_backend="triton",
+        enable_deterministic_inference=True,
+        chunked_prefill_size=4,
+    )
+    assert _logprobs_in_process(chunked, [prompts]) == alone

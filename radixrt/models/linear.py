@@ -24,7 +24,7 @@ all-reduce adds the two, so the bits equal those at tp 1.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 
 import torch
 from torch import nn
@@ -254,6 +254,7 @@ class LinearPacking:
 
     quantization: str | None
     isa: Isa
+    _: KW_ONLY
     checkpoint: CheckpointQuant | None = None
     deterministic: bool = False
     tp_size: int = 1
@@ -271,9 +272,9 @@ class LinearPacking:
         """The run's packing; None where the linears stay `nn.Linear` (not a CPU, or float
         weights oneDNN cannot prepack)."""
         if quantization in ("int8", "int4") and isa is not None:
-            return cls(quantization, isa, deterministic, tp_size)
+            return cls(quantization, isa, deterministic=deterministic, tp_size=tp_size)
         if prepack_available(device, dtype):
-            return cls(None, isa or Isa.AVX2, deterministic, tp_size)
+            return cls(None, isa or Isa.AVX2, deterministic=deterministic, tp_size=tp_size)
         return None
 
     def pack(self, name: str, weight: torch.Tensor) -> Packed:

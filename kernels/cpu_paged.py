@@ -60,6 +60,61 @@ static inline float dot(const float *q, const float *k, int64_t D) {
     return total;
 }
 
+/* The state of one task's online softmax, per query head g of a KV head: the running max m,
+   the sum l, the unnormalized accumulator acc, and the scaled query qs. */
+static inline void heads_start(const float *qh, int64_t G, int64_t D, float scale, float *m,
+                               float *l, float acc[][MAX_DIM], float qs[][MAX_DIM]) {
+    for (int64_t g = 0; g < G; g++) {
+        m[g] = -INFINITY;
+        l[g] = 0.0f;
+        for (int64_t d = 0; d < D; d++) {
+            acc[g][d] = 0.0f;
+            qs[g][d] = qh[g * D + d] * scale;
+        }
+    }
+}
+
+/* One block of n scores sc [G][BLOCK] into the softmax state: soft-capped when cap > 0, then
+   the block's probabilities into s and the accumulators rescaled to the new maxima. */
+static inline void softmax_block(float sc[][BLOCK], float s[][BLOCK], int64_t n, int64_t G,
+                                 int64_t D, float cap, float *m, float *l, float acc[][MAX_DIM]) {
+    if (cap > 0.0f)
+        for (int64_t g = 0; g < G; g++)
+            for (int64_t j = 0; j < n; j++) sc[g][j] = cap * tanhf(sc[g][j] / cap);
+    for (int64_t g = 0; g < G; g++) {
+        float *sg = sc[g];
+        for (int64_t j = n; j < BLOCK; j++) sg[j] = 0.0f;
+        float block_max = m[g];
+        for (int64_t j = 0; j < n; j++) block_max = sg[j] > block_max ? sg[j] : block_max;
+        const float correction = expf(m[g] - block_max);
+        __m256 sum8 = _mm256_setzero_ps();
+        for (int64_t j = 0; j < BLOCK; j += 8) {
+            __m256 p = exp8(_mm256_sub_ps(_mm256_load_ps(sg + j), _mm256_set1_ps(block_max)));
+            const __m256 live = _mm256_cmp_ps(
+                _mm256_add_ps(_mm256_set1_ps((float)j), _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7)),
+                _mm256_set1_ps((float)n), _CMP_LT_OQ);
+            p = _mm256_and_ps(p, live);
+            _mm256_store_ps(s[g] + j, p);
+            sum8 = _mm256_add_ps(sum8, p);
+        }
+        l[g] = l[g] * correction + hsum8(sum8);
+        m[g] = block_max;
+        #pragma omp simd
+        for (int64_t d = 0; d < D; d++) acc[g][d] *= correction;
+    }
+}
+
+/* The state into part [G][D + 2]: the accumulator, then m and l. */
+static inline void heads_store(const float *m, const float *l, float acc[][MAX_DIM], int64_t G,
+                               int64_t D, float *part) {
+    for (int64_t g = 0; g < G; g++) {
+        float *o = part + g * (D + 2);
+        for (int64_t d = 0; d < D; d++) o[d] = acc[g][d];
+        o[D] = m[g];
+        o[D + 1] = l[g];
+    }
+}
+
 /* One task: keys [lo, hi) of request b for KV head h, all G query heads of it. Leaves the
    running max m, the sum l and the unnormalized accumulator in part [G][D + 2]. With cap > 0 each
    score s becomes cap * tanh(s / cap) (Gemma 2's soft-capping). Keys go in blocks
@@ -71,44 +126,14 @@ static void attend(const float *qh, const float *k, const float *v, const int64_
                    float cap, float *part) {
     float m[MAX_GROUP], l[MAX_GROUP], acc[MAX_GROUP][MAX_DIM], qs[MAX_GROUP][MAX_DIM];
     float sc[MAX_GROUP][BLOCK] __attribute__((aligned(32))), s[MAX_GROUP][BLOCK] __attribute__((aligned(32)));
-    for (int64_t g = 0; g < G; g++) {
-        m[g] = -INFINITY;
-        l[g] = 0.0f;
-        for (int64_t d = 0; d < D; d++) {
-            acc[g][d] = 0.0f;
-            qs[g][d] = qh[g * D + d] * scale;
-        }
-    }
+    heads_start(qh, G, D, scale, m, l, acc, qs);
     for (int64_t start = 0; start < n_keys; start += BLOCK) {
         const int64_t n = n_keys - start < BLOCK ? n_keys - start : BLOCK;
         for (int64_t j = 0; j < n; j++) {
             const float *kr = k + (rows[start + j] * Hkv + h) * D;
             for (int64_t g = 0; g < G; g++) sc[g][j] = dot(qs[g], kr, D);
         }
-        if (cap > 0.0f)
-            for (int64_t g = 0; g < G; g++)
-                for (int64_t j = 0; j < n; j++) sc[g][j] = cap * tanhf(sc[g][j] / cap);
-        for (int64_t g = 0; g < G; g++) {
-            float *sg = sc[g];
-            for (int64_t j = n; j < BLOCK; j++) sg[j] = 0.0f;
-            float block_max = m[g];
-            for (int64_t j = 0; j < n; j++) block_max = sg[j] > block_max ? sg[j] : block_max;
-            const float correction = expf(m[g] - block_max);
-            __m256 sum8 = _mm256_setzero_ps();
-            for (int64_t j = 0; j < BLOCK; j += 8) {
-                __m256 p = exp8(_mm256_sub_ps(_mm256_load_ps(sg + j), _mm256_set1_ps(block_max)));
-                const __m256 live = _mm256_cmp_ps(
-                    _mm256_add_ps(_mm256_set1_ps((float)j), _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7)),
-                    _mm256_set1_ps((float)n), _CMP_LT_OQ);
-                p = _mm256_and_ps(p, live);
-                _mm256_store_ps(s[g] + j, p);
-                sum8 = _mm256_add_ps(sum8, p);
-            }
-            l[g] = l[g] * correction + hsum8(sum8);
-            m[g] = block_max;
-            #pragma omp simd
-            for (int64_t d = 0; d < D; d++) acc[g][d] *= correction;
-        }
+        softmax_block(sc, s, n, G, D, cap, m, l, acc);
         for (int64_t j = 0; j < n; j++) {
             const float *vr = v + (rows[start + j] * Hkv + h) * D;
             for (int64_t g = 0; g < G; g++) {
@@ -118,12 +143,7 @@ static void attend(const float *qh, const float *k, const float *v, const int64_
             }
         }
     }
-    for (int64_t g = 0; g < G; g++) {
-        float *o = part + g * (D + 2);
-        for (int64_t d = 0; d < D; d++) o[d] = acc[g][d];
-        o[D] = m[g];
-        o[D + 1] = l[g];
-    }
+    heads_store(m, l, acc, G, D, part);
 }
 
 /* Inside a parallel region: each (request, query head) merges its key ranges' parts by their
@@ -219,44 +239,14 @@ static void attend_quantized(const float *qh, const int8_t *k, const int8_t *v, 
     float m[MAX_GROUP], l[MAX_GROUP], acc[MAX_GROUP][MAX_DIM], qs[MAX_GROUP][MAX_DIM];
     float sc[MAX_GROUP][BLOCK] __attribute__((aligned(32))), s[MAX_GROUP][BLOCK] __attribute__((aligned(32)));
     float row[MAX_DIM] __attribute__((aligned(32)));
-    for (int64_t g = 0; g < G; g++) {
-        m[g] = -INFINITY;
-        l[g] = 0.0f;
-        for (int64_t d = 0; d < D; d++) {
-            acc[g][d] = 0.0f;
-            qs[g][d] = qh[g * D + d] * scale;
-        }
-    }
+    heads_start(qh, G, D, scale, m, l, acc, qs);
     for (int64_t start = 0; start < n_keys; start += BLOCK) {
         const int64_t n = n_keys - start < BLOCK ? n_keys - start : BLOCK;
         for (int64_t j = 0; j < n; j++) {
             load_row(k + (rows[start + j] * Hkv + h) * W, D, kind, row);
             for (int64_t g = 0; g < G; g++) sc[g][j] = dot(qs[g], row, D);
         }
-        if (cap > 0.0f)
-            for (int64_t g = 0; g < G; g++)
-                for (int64_t j = 0; j < n; j++) sc[g][j] = cap * tanhf(sc[g][j] / cap);
-        for (int64_t g = 0; g < G; g++) {
-            float *sg = sc[g];
-            for (int64_t j = n; j < BLOCK; j++) sg[j] = 0.0f;
-            float block_max = m[g];
-            for (int64_t j = 0; j < n; j++) block_max = sg[j] > block_max ? sg[j] : block_max;
-            const float correction = expf(m[g] - block_max);
-            __m256 sum8 = _mm256_setzero_ps();
-            for (int64_t j = 0; j < BLOCK; j += 8) {
-                __m256 p = exp8(_mm256_sub_ps(_mm256_load_ps(sg + j), _mm256_set1_ps(block_max)));
-                const __m256 live = _mm256_cmp_ps(
-                    _mm256_add_ps(_mm256_set1_ps((float)j), _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7)),
-                    _mm256_set1_ps((float)n), _CMP_LT_OQ);
-                p = _mm256_and_ps(p, live);
-                _mm256_store_ps(s[g] + j, p);
-                sum8 = _mm256_add_ps(sum8, p);
-            }
-            l[g] = l[g] * correction + hsum8(sum8);
-            m[g] = block_max;
-            #pragma omp simd
-            for (int64_t d = 0; d < D; d++) acc[g][d] *= correction;
-        }
+        softmax_block(sc, s, n, G, D, cap, m, l, acc);
         for (int64_t j = 0; j < n; j++) {
             load_row(v + (rows[start + j] * Hkv + h) * W, D, kind, row);
             for (int64_t g = 0; g < G; g++) {
@@ -266,12 +256,7 @@ static void attend_quantized(const float *qh, const int8_t *k, const int8_t *v, 
             }
         }
     }
-    for (int64_t g = 0; g < G; g++) {
-        float *o = part + g * (D + 2);
-        for (int64_t d = 0; d < D; d++) o[d] = acc[g][d];
-        o[D] = m[g];
-        o[D + 1] = l[g];
-    }
+    heads_store(m, l, acc, G, D, part);
 }
 
 /* paged_decode() over quantized pools k, v [S, Hkv, D + 4] of codes `kind`. */
@@ -367,64 +352,26 @@ def paged_decode(
     lens: torch.Tensor,
     logit_cap: float | None = None,
     splits: int | None = None,
+    kind: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q [B, Hq, D] over the keys `slots[b, :lens[b]]` of the pool -> out [B, Hq, D] and the
     log-sum-exp of the scaled scores [B, Hq] (-inf and zeros for a request with no keys); with
     `logit_cap` the scores are soft-capped first (cap * tanh(score / cap)). `splits`: key ranges
     per (request, KV head), chosen by the batch and thread count when None; 1 makes each row's
-    sum independent of both (the deterministic mode)."""
+    sum independent of both (the deterministic mode). `kind`: a quantized pool's codes
+    (`KVFormat.kernel_kind`), its rows `int8 [S, Hkv, D + 4]` each dequantized as it is read;
+    None for float32 rows."""
     b, hq, d = q.shape
     q, slots, lens = q.contiguous(), slots.contiguous(), lens.contiguous()
-    assert (
-        k_buf.is_contiguous() and v_buf.is_contiguous() and slots.dtype == lens.dtype == torch.int64
-    )
+    assert k_buf.is_contiguous() and v_buf.is_contiguous()
+    assert slots.dtype == lens.dtype == torch.int64
+    assert kind is None or k_buf.shape[2] == d + 4, "a quantized row is D codes and a scale"
     hkv = k_buf.shape[1]
     splits = splits or _splits(b * hkv, slots.shape[1])
     out = torch.empty_like(q)
     lse = torch.empty(b, hq, dtype=torch.float32)
     part = torch.empty(b * hkv * splits * (hq // hkv) * (d + 2), dtype=torch.float32)
-    _library().paged_decode(
-        q.data_ptr(),
-        k_buf.data_ptr(),
-        v_buf.data_ptr(),
-        slots.data_ptr(),
-        lens.data_ptr(),
-        out.data_ptr(),
-        lse.data_ptr(),
-        b,
-        hq,
-        k_buf.shape[1],
-        d,
-        slots.shape[1],
-        d**-0.5,
-        logit_cap or 0.0,
-        splits,
-        part.data_ptr(),
-    )
-    return out, lse
-
-
-def paged_decode_quantized(
-    q: torch.Tensor,
-    k_buf: torch.Tensor,
-    v_buf: torch.Tensor,
-    slots: torch.Tensor,
-    lens: torch.Tensor,
-    kind: int,
-    logit_cap: float | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`paged_decode` over a quantized pool's rows `int8 [S, Hkv, D + 4]` whose codes are
-    `kind` (`KVFormat.kernel_kind`): each row dequantized as it is read."""
-    b, hq, d = q.shape
-    q, slots, lens = q.contiguous(), slots.contiguous(), lens.contiguous()
-    assert k_buf.is_contiguous() and v_buf.is_contiguous() and k_buf.shape[2] == d + 4
-    assert slots.dtype == lens.dtype == torch.int64
-    hkv = k_buf.shape[1]
-    splits = _splits(b * hkv, slots.shape[1])
-    out = torch.empty_like(q)
-    lse = torch.empty(b, hq, dtype=torch.float32)
-    part = torch.empty(b * hkv * splits * (hq // hkv) * (d + 2), dtype=torch.float32)
-    _library().paged_decode_quantized(
+    args = [
         q.data_ptr(),
         k_buf.data_ptr(),
         v_buf.data_ptr(),
@@ -441,8 +388,11 @@ def paged_decode_quantized(
         logit_cap or 0.0,
         splits,
         part.data_ptr(),
-        kind,
-    )
+    ]
+    if kind is None:
+        _library().paged_decode(*args)
+    else:
+        _library().paged_decode_quantized(*args, kind)
     return out, lse
 
 

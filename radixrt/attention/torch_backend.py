@@ -264,18 +264,15 @@ class TorchAttentionBackend:
         """The C kernel over each decode's private keys, in place: float rows, or a quantized
         pool's rows dequantized as read."""
         fmt = self.kv_pool.fmt
-        if fmt is None:
-            return cpu_paged.paged_decode(
-                q,
-                k_buf,
-                v_buf,
-                meta.decode_slots,
-                meta.decode_lens,
-                self.logit_cap,
-                splits=1 if self.deterministic else None,  # one key range: one order
-            )
-        return cpu_paged.paged_decode_quantized(
-            q, k_buf, v_buf, meta.decode_slots, meta.decode_lens, fmt.kernel_kind, self.logit_cap
+        return cpu_paged.paged_decode(
+            q,
+            k_buf,
+            v_buf,
+            meta.decode_slots,
+            meta.decode_lens,
+            self.logit_cap,
+            splits=1 if self.deterministic else None,  # one key range: one order
+            kind=fmt.kernel_kind if fmt else None,
         )
 
     def _attend_prefix(

@@ -31,7 +31,7 @@ def test_quantized_decode_reads_the_rows_torch_dequantizes(fmt, hq, hkv, d, lens
     slots = torch.randint(1, 3000, (len(lens), int(lens.max())), generator=gen)
     q = torch.randn(len(lens), hq, d, generator=gen)
     assert cpu_paged.supports_quantized(kq, d, torch.float32)
-    out, lse = cpu_paged.paged_decode_quantized(q, kq, vq, slots, lens, fmt.kernel_kind, cap)
+    out, lse = cpu_paged.paged_decode(q, kq, vq, slots, lens, cap, kind=fmt.kernel_kind)
     kf, vf = fmt.dequantize(kq, torch.float64), fmt.dequantize(vq, torch.float64)
     for b, n in enumerate(lens.tolist()):
         if n == 0:

@@ -9,7 +9,7 @@ batch's long contexts are cut into ranges so every core has work. It returns the
 for the cascade merge with the shared prefix.
 
 A quantized pool (`--kv-cache-dtype`: rows of one-byte codes and a float32 scale per token and
-KV head) has its own entry, `paged_decode_quantized`: the same tasks and merge, each key and value
+KV head) takes the same entry, tasks and merge (`kind` names its codes), each key and value
 row decoded to floats as it is read (int8, or FP8 E4M3/E5M2 through the F16C half conversion),
 so a long context reads a quarter of float32's bytes; `quantize_int8` writes such rows.
 
@@ -174,29 +174,6 @@ static void merge_ranges(const float *part, float *out, float *lse, int64_t B, i
             }
 }
 
-/* q [B, Hq, D]; k, v [S, Hkv, D]; slots [B, L]; lens [B]; out [B, Hq, D]; lse [B, Hq].
-   Each request's keys are cut into `splits` ranges, one task per (request, KV head, range), so a
-   small batch still fills every core; then each (request, KV head) merges its ranges by their
-   maxima. part: scratch [B, Hkv, splits, G, D + 2]. */
-void paged_decode(const float *q, const float *k, const float *v, const int64_t *slots,
-                  const int64_t *lens, float *out, float *lse, int64_t B, int64_t Hq, int64_t Hkv,
-                  int64_t D, int64_t L, float scale, float cap, int64_t splits, float *part) {
-    const int64_t G = Hq / Hkv, stride = G * (D + 2);
-    #pragma omp parallel
-    {
-    #pragma omp for collapse(3) schedule(dynamic)
-    for (int64_t b = 0; b < B; b++)
-        for (int64_t h = 0; h < Hkv; h++)
-            for (int64_t sp = 0; sp < splits; sp++) {
-                const int64_t size = (lens[b] + splits - 1) / splits;
-                const int64_t lo = sp * size < lens[b] ? sp * size : lens[b];
-                const int64_t hi = lo + size < lens[b] ? lo + size : lens[b];
-                attend(q + (b * Hq + h * G) * D, k, v, slots + b * L + lo, hi - lo, h, Hkv, G, D,
-                       scale, cap, part + ((b * Hkv + h) * splits + sp) * stride);
-            }
-    merge_ranges(part, out, lse, B, Hq, Hkv, D, splits);
-    }
-}
 """
 )
 # Quantized pools (`--kv-cache-dtype`, radixrt/mem_cache/kv_quant.py): each (slot, KV head) row
@@ -259,11 +236,15 @@ static void attend_quantized(const float *qh, const int8_t *k, const int8_t *v, 
     heads_store(m, l, acc, G, D, part);
 }
 
-/* paged_decode() over quantized pools k, v [S, Hkv, D + 4] of codes `kind`. */
-void paged_decode_quantized(const float *q, const int8_t *k, const int8_t *v, const int64_t *slots,
-                            const int64_t *lens, float *out, float *lse, int64_t B, int64_t Hq,
-                            int64_t Hkv, int64_t D, int64_t L, float scale, float cap,
-                            int64_t splits, float *part, int64_t kind) {
+/* q [B, Hq, D]; k, v [S, Hkv, D]; slots [B, L]; lens [B]; out [B, Hq, D]; lse [B, Hq].
+   Each request's keys are cut into `splits` ranges, one task per (request, KV head, range), so a
+   small batch still fills every core; then each (request, KV head) merges its ranges by their
+   maxima. part: scratch [B, Hkv, splits, G, D + 2]. kind: -1 for float32 rows k, v [S, Hkv, D];
+   else the codes (0 int8, 1 E4M3, 2 E5M2) of quantized rows [S, Hkv, D + 4]. */
+void paged_decode(const float *q, const void *k, const void *v, const int64_t *slots,
+                  const int64_t *lens, float *out, float *lse, int64_t B, int64_t Hq, int64_t Hkv,
+                  int64_t D, int64_t L, float scale, float cap, int64_t splits, float *part,
+                  int64_t kind) {
     const int64_t G = Hq / Hkv, stride = G * (D + 2);
     #pragma omp parallel
     {
@@ -274,9 +255,14 @@ void paged_decode_quantized(const float *q, const int8_t *k, const int8_t *v, co
                 const int64_t size = (lens[b] + splits - 1) / splits;
                 const int64_t lo = sp * size < lens[b] ? sp * size : lens[b];
                 const int64_t hi = lo + size < lens[b] ? lo + size : lens[b];
-                attend_quantized(q + (b * Hq + h * G) * D, k, v, slots + b * L + lo, hi - lo, h,
-                                 Hkv, G, D, scale, cap, kind,
-                                 part + ((b * Hkv + h) * splits + sp) * stride);
+                const float *qh = q + (b * Hq + h * G) * D;
+                float *task = part + ((b * Hkv + h) * splits + sp) * stride;
+                if (kind < 0)
+                    attend(qh, (const float *)k, (const float *)v, slots + b * L + lo, hi - lo, h,
+                           Hkv, G, D, scale, cap, task);
+                else
+                    attend_quantized(qh, (const int8_t *)k, (const int8_t *)v, slots + b * L + lo,
+                                     hi - lo, h, Hkv, G, D, scale, cap, kind, task);
             }
     merge_ranges(part, out, lse, B, Hq, Hkv, D, splits);
     }
@@ -306,10 +292,10 @@ void quantize_int8(const float *x, const int64_t *slots, int8_t *buf, int64_t T,
 MAX_GROUP, MAX_DIM = 16, 256
 P, I = native.POINTER, native.INT64
 SIGNATURES = (
-    ("paged_decode", (P,) * 7 + (I,) * 5 + (native.FLOAT, native.FLOAT, I, P)),
-    ("paged_decode_quantized", (P,) * 7 + (I,) * 5 + (native.FLOAT, native.FLOAT, I, P, I)),
+    ("paged_decode", (P,) * 7 + (I,) * 5 + (native.FLOAT, native.FLOAT, I, P, I)),
     ("quantize_int8", (P,) * 3 + (I,) * 3),
 )
+FLOAT_ROWS = -1  # the C entry's `kind` for a float32 pool
 MAX_SPLITS = 8
 MIN_SPLIT_KEYS = 256  # a range shorter than this costs more to merge than it saves
 
@@ -389,10 +375,7 @@ def paged_decode(
         splits,
         part.data_ptr(),
     ]
-    if kind is None:
-        _library().paged_decode(*args)
-    else:
-        _library().paged_decode_quantized(*args, kind)
+    _library().paged_decode(*args, FLOAT_ROWS if kind is None else kind)
     return out, lse
 
 

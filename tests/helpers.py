@@ -174,13 +174,22 @@ def allowed_ids(row: torch.Tensor) -> list[int]:
     return bits.view(-1).nonzero().view(-1).tolist()
 
 
-def post_json(url: str, body: dict) -> tuple[int, dict]:
-    """POST `body` as JSON to `url`; the status and the JSON reply, an error's too."""
-    request = urllib.request.Request(
-        url, json.dumps(body).encode(), {"Content-Type": "application/json"}
-    )
+def http_json(
+    url: str,
+    body: dict | bytes | None = None,
+    *,
+    key: str | None = None,
+    timeout: float = REPLY_TIMEOUT_S,
+) -> tuple[int, Any]:
+    """One HTTP call: POST `body` (a map as JSON, bytes as they are; GET without one), with
+    `key` as its Bearer key; the status and the parsed JSON reply, an error's too."""
+    data = body if body is None or isinstance(body, bytes) else json.dumps(body).encode()
+    headers = {"Content-Type": "application/json"}
+    if key is not None:
+        headers["Authorization"] = f"Bearer {key}"
+    request = urllib.request.Request(url, data, headers)
     try:
-        with urllib.request.urlopen(request, timeout=REPLY_TIMEOUT_S) as reply:
+        with urllib.request.urlopen(request, timeout=timeout) as reply:
             return reply.status, json.loads(reply.read())
     except urllib.error.HTTPError as e:
         with e:
@@ -245,9 +254,14 @@ def launch_runtime(model, *, http: bool = False, **overrides):
 def run_in_process(scheduler, batches: list[list[list[int]]], params: dict) -> list[list[int]]:
     """Drive a Scheduler directly (no runtime process), one batch of prompts after another,
     so tests can observe its internals; returns every request's output ids in order."""
+    return [r.output_ids for r in requests_in_process(scheduler, batches, params)]
+
+
+def requests_in_process(scheduler, batches: list[list[list[int]]], params: dict) -> list:
+    """`run_in_process`'s finished requests themselves (their logprobs, timings...), in order."""
     from radixrt.sampling_params import SamplingParams
 
-    outs = []
+    done = []
     for b, prompts in enumerate(batches):
         reqs = [
             scheduler.make_request(f"{b}-{i}", p, SamplingParams.from_dict(params))
@@ -256,8 +270,8 @@ def run_in_process(scheduler, batches: list[list[list[int]]], params: dict) -> l
         for req in reqs:
             scheduler.add_request(req)
         drain(scheduler)
-        outs += [r.output_ids for r in reqs]
-    return outs
+        done += reqs
+    return done
 
 
 class LaunchSpy:

@@ -36,7 +36,7 @@ from radixrt.server.http.schemas import Body, CompletionRequest, GenerateRequest
 from radixrt.server.router.prefix_tree import Namespace
 from radixrt.server.router.router import namespace_of
 
-from helpers import post_json
+from helpers import http_json
 from timeouts import REPLY_TIMEOUT_S
 
 OPTIONS = {f.name for f in option_fields()}
@@ -217,12 +217,12 @@ def test_every_declared_field_is_served_on_every_surface(tiny_runtime):
     http = tiny_runtime.http_url
     reply = _zmq_generate(tiny_runtime.url, {"text": "Hi", "sampling_params": params, **examples})
     assert reply["finished"] and "error" not in reply, reply
-    status, body = post_json(
+    status, body = http_json(
         f"{http}/generate", {"text": "Hi", "sampling_params": params, **examples}
     )
     assert status == 200, body
     completion = {"model": "tiny", "prompt": "Hi", "max_tokens": 2, "temperature": 0}
-    status, body = post_json(f"{http}/v1/completions", {**completion, **openai})
+    status, body = http_json(f"{http}/v1/completions", {**completion, **openai})
     assert status == 200, body
     reply = _zmq_generate(tiny_runtime.url, {"text": "Hi", "cache_slat": "s"})
     assert reply["error"]["code"] == ErrorCode.INVALID_REQUEST.value
@@ -231,5 +231,5 @@ def test_every_declared_field_is_served_on_every_surface(tiny_runtime):
         ("/generate", {"text": "Hi", "cache_slat": "s"}),
         ("/v1/completions", {**completion, "cache_slat": "s"}),
     ]:
-        status, answer = post_json(f"{http}{path}", body)
+        status, answer = http_json(f"{http}{path}", body)
         assert status == 400 and "cache_slat" in answer["error"]["message"], answer

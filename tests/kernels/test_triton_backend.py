@@ -6,7 +6,7 @@ from radixrt.attention import triton_backend
 from radixrt.attention.triton_backend import TritonAttentionBackend
 from radixrt.kernels import decode_attention, extend_attention
 
-from helpers import LaunchSpy, drain, make_scheduler, run_in_process
+from helpers import LaunchSpy, make_scheduler, requests_in_process, run_in_process
 from ownership import assert_no_leak
 
 SAMPLING = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
@@ -86,20 +86,9 @@ def test_triton_backend_small_tiles_matches_torch(tiny_model_dir, monkeypatch):
 
 def _logprobs_in_process(scheduler, batches: list[list[list[int]]]) -> list[tuple]:
     """Greedy tokens with each one's logprob and top-5, every batch after the one before."""
-    from radixrt.sampling_params import SamplingParams
-
     params = {**SAMPLING, "max_new_tokens": 3, "return_logprob": True, "top_logprobs_num": 5}
-    outs = []
-    for b, prompts in enumerate(batches):
-        reqs = [
-            scheduler.make_request(f"{b}-{i}", p, SamplingParams.from_dict(params))
-            for i, p in enumerate(prompts)
-        ]
-        for req in reqs:
-            scheduler.add_request(req)
-        drain(scheduler)
-        outs += [(r.output_ids, r.output_token_logprobs, r.output_top_logprobs) for r in reqs]
-    return outs
+    reqs = requests_in_process(scheduler, batches, params)
+    return [(r.output_ids, r.output_token_logprobs, r.output_top_logprobs) for r in reqs]
 
 
 def test_deterministic_rows_do_not_depend_on_batch_cache_or_chunks(tiny_model_dir):

@@ -13,7 +13,7 @@ import torch
 from radixrt.models.pooling import Pooling
 from radixrt.server.http.embeddings import _size
 
-from helpers import launch_runtime, post_json
+from helpers import http_json, launch_runtime
 
 TEXTS = [
     "The capital of France is Paris.",
@@ -66,24 +66,24 @@ def test_token_ids_in_and_refusals_out(embedding_runtime, default_model_dir):
 
     ids = AutoTokenizer.from_pretrained(default_model_dir).encode(TEXTS[0])
     url = embedding_runtime.http_url + "/v1/embeddings"
-    _, by_ids = post_json(url, {"input": ids, "encoding_format": "float"})
-    _, by_text = post_json(url, {"input": TEXTS[0], "encoding_format": "float"})
+    _, by_ids = http_json(url, {"input": ids, "encoding_format": "float"})
+    _, by_text = http_json(url, {"input": TEXTS[0], "encoding_format": "float"})
     assert by_ids["data"][0]["embedding"] == by_text["data"][0]["embedding"]
-    status, cut = post_json(url, {"input": "x", "dimensions": 8})
+    status, cut = http_json(url, {"input": "x", "dimensions": 8})
     assert status == 400 and cut["error"]["param"] == "dimensions"
-    status, unknown = post_json(url, {"input": "x", "temperature": 0})
+    status, unknown = http_json(url, {"input": "x", "temperature": 0})
     assert status == 400 and "temperature" in unknown["error"]["message"]
-    assert post_json(url, {"input": [""]})[0] == 400
-    status, chat = post_json(
+    assert http_json(url, {"input": [""]})[0] == 400
+    status, chat = http_json(
         embedding_runtime.http_url + "/v1/chat/completions",
         {"messages": [{"role": "user", "content": "hi"}]},
     )
     assert status == 400 and "--is-embedding" in chat["error"]["message"]
-    assert post_json(url, {"input": "still serving"})[0] == 200
+    assert http_json(url, {"input": "still serving"})[0] == 200
 
 
 def test_a_generation_server_refuses_embeddings_by_name(tiny_runtime):
-    status, reply = post_json(f"{tiny_runtime.http_url}/v1/embeddings", {"input": "x"})
+    status, reply = http_json(f"{tiny_runtime.http_url}/v1/embeddings", {"input": "x"})
     assert status == 400 and "--is-embedding" in reply["error"]["message"]
 
 

@@ -24,7 +24,7 @@ from radixrt.server.http.gateway import REPLY_GRACE_S
 from radixrt.server.router import metrics_http
 from radixrt.server.tenants import KeyRing
 
-from helpers import launch_runtime
+from helpers import http_json, launch_runtime
 from timeouts import REPLY_TIMEOUT_S
 
 ADMIN, ALICE, BOB = "admin-key", "alice-key", "bob-key"
@@ -53,15 +53,7 @@ def runtime(tiny_model_dir, tmp_path_factory):
 
 def _post(runtime, path: str, body: dict | bytes, key: str = ALICE, timeout=REPLY_TIMEOUT_S):
     """(status, parsed body) of one call; an error status is returned, not raised."""
-    data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
-    request = urllib.request.Request(f"{runtime.http_url}{path}", data, headers)
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as reply:
-            return reply.status, json.loads(reply.read())
-    except urllib.error.HTTPError as e:
-        with e:
-            return e.code, json.loads(e.read())
+    return http_json(f"{runtime.http_url}{path}", body, key=key, timeout=timeout)
 
 
 def _gauges(runtime) -> dict[str, float]:

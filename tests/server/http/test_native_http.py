@@ -15,7 +15,7 @@ import torch
 import radixrt as rt
 from radixrt.engine.scheduler import INITIAL_WEIGHT_VERSION
 
-from helpers import _hf_model, launch_runtime
+from helpers import _hf_model, http_json, launch_runtime
 from timeouts import REPLY_TIMEOUT_S
 
 ADMIN, ALICE, BOB = "admin-key", "alice-key", "bob-key"
@@ -47,15 +47,7 @@ def http(runtime):
 
 def _call(runtime, path: str, body: dict | None = None, key: str = ALICE):
     """(status, parsed body) of one call; an error status is returned, not raised."""
-    data = None if body is None else json.dumps(body).encode()
-    headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
-    request = urllib.request.Request(f"{runtime.http_url}{path}", data, headers)
-    try:
-        with urllib.request.urlopen(request, timeout=REPLY_TIMEOUT_S) as reply:
-            return reply.status, json.loads(reply.read())
-    except urllib.error.HTTPError as e:
-        with e:
-            return e.code, json.loads(e.read())
+    return http_json(f"{runtime.http_url}{path}", body, key=key)
 
 
 def _events(runtime, body: dict) -> list:

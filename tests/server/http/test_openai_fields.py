@@ -17,7 +17,7 @@ import torch
 
 from radixrt.executor.model_loader import hub_snapshot, load_chat_template, resolve_model_path
 
-from helpers import _hf_model, launch_runtime, post_json
+from helpers import _hf_model, http_json, launch_runtime
 
 HUB_ID = "radixrt-tests/tiny-llama"
 SERVED = "tiny"
@@ -139,7 +139,7 @@ def test_logit_bias_forces_and_bans(runtime, client):
 def test_logit_bias_is_checked_against_the_vocabulary(runtime):
     vocab = runtime.model_info["vocab_size"]
     for bias, words in (({str(vocab): 1}, "token ids must be in"), ({"7": 101}, "logit_bias[7]")):
-        status, body = post_json(
+        status, body = http_json(
             f"{runtime.http_url}/v1/completions", {"prompt": PROMPT, "logit_bias": bias}
         )
         assert status == 400 and words in body["error"]["message"], body
@@ -210,7 +210,7 @@ def test_grammars_as_extra_fields_and_json_object(runtime, client):
         extra_body={"lark": 'start: "(" /[a-z]/ ")"'},
     )
     assert re.fullmatch(r"\([a-z]\)", pair.choices[0].message.content)
-    status, body = post_json(
+    status, body = http_json(
         f"{runtime.http_url}/generate",
         {"text": PROMPT, "sampling_params": {"max_new_tokens": 8, "lark": 'start: "ab"'}},
     )
@@ -226,14 +226,14 @@ def test_grammars_as_extra_fields_and_json_object(runtime, client):
     assert text.startswith("{")
     if obj.choices[0].finish_reason == "stop":
         assert isinstance(json.loads(text), dict)
-    status, body = post_json(
+    status, body = http_json(
         f"{runtime.http_url}/v1/completions", {"prompt": PROMPT, "ebnf": "root ::= ("}
     )
     assert status == 400 and body["error"]["code"] == "invalid_constraint", body
 
 
 def test_a_constraint_from_two_sources_is_refused(runtime):
-    status, body = post_json(
+    status, body = http_json(
         f"{runtime.http_url}/v1/chat/completions",
         {"messages": QUESTION, "regex": "a+", "response_format": {"type": "json_object"}},
     )
@@ -249,7 +249,7 @@ def test_unknown_fields_are_refused_by_name(runtime, client):
             {"messages": QUESTION, "response_format": {"type": "text", "strict": 1}},
         ),
     ):
-        status, reply = post_json(runtime.http_url + path, body)
+        status, reply = http_json(runtime.http_url + path, body)
         error = reply["error"]
         misspelled = [k for k in ("max_tokns", "top_kk", "strict") if k in json.dumps(body)][0]
         assert status == 400 and error["code"] == "invalid_request", reply
@@ -341,7 +341,7 @@ def test_echo_logprobs_equal_native_generates(runtime, client):
     `input_token_logprobs` give the same list: every prompt token, the first's logprob None."""
     ids = runtime.tokenizer.encode(PROMPT, add_special_tokens=False)
     echoed = _complete(client, max_tokens=0, echo=True, logprobs=1).choices[0].logprobs
-    status, native = post_json(
+    status, native = http_json(
         f"{runtime.http_url}/generate",
         {
             "input_ids": ids,

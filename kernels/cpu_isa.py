@@ -1,11 +1,13 @@
 """Which instruction-set path the CPU's weight kernels take (`--cpu-isa`), chosen once at start.
 
-Paths, best first: `avx2` (the C kernels of `int4_gemm` and `int8_gemm`, `vpmaddubsw`; needs
-AVX2, FMA and F16C, and a C compiler) and `torch` (the packed weights dequantized on each call
-and multiplied by torch: slow, but any CPU runs it). `auto` takes the best this host runs; a CPU
-without AVX2 falls back to torch with one warning. Naming a path this host cannot run is refused
-in one line. AVX-512 VNNI, AVX-VNNI and AMX paths are not built yet: each needs a host that has
-the instructions to be tested on.
+Paths, best first: `avx512-vnni` (the same C kernels of `int4_gemm` and `int8_gemm` with their
+integer dot products in `vpdpbusd`/`vpdpwssd`, 256 bits wide on the same 8-row panels: one
+weight layout for every path, and the same bits out as avx2's, since both sums are exact),
+`avx2` (`vpmaddubsw`/`vpmaddwd`; needs AVX2, FMA and F16C, and a C compiler) and `torch` (the
+packed weights dequantized on each call and multiplied by torch: slow, but any CPU runs it).
+`auto` takes the best this host runs; a CPU without AVX2 falls back to torch with one warning.
+Naming a path this host cannot run is refused in one line. The AMX path is not built yet: it
+needs a host with AMX tiles to be tested on.
 """
 
 from __future__ import annotations
@@ -22,15 +24,28 @@ logger = logging.getLogger(__name__)
 class Isa(str, enum.Enum):
     """A path, by its `--cpu-isa` name."""
 
+    AVX512_VNNI = "avx512-vnni"
     AVX2 = "avx2"
     TORCH = "torch"
+
+    @property
+    def cflags(self) -> tuple[str, ...]:
+        """The compiler flags a native path's kernels are built with, beyond `native.FLAGS`
+        (`-march=native` already names the host's; these say what the source relies on)."""
+        if self is Isa.AVX512_VNNI:
+            return ("-DVNNI", "-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512vnni")
+        return ()
 
 
 # DESIGN.md's names for the paths still to build, and the /proc/cpuinfo flags each will need:
 # named, they are refused (the CPU lacks them, or the kernels are not built yet), never ignored
-PLANNED = {"avx512-vnni": frozenset({"avx512_vnni"}), "amx": frozenset({"amx_int8", "amx_tile"})}
+PLANNED = {"amx": frozenset({"amx_int8", "amx_tile"})}
 CHOICES = ("auto", *(isa.value for isa in Isa), *PLANNED)
-NEEDS = {Isa.AVX2: frozenset({"avx2", "fma", "f16c"})}  # /proc/cpuinfo flags a path needs
+_AVX2 = frozenset({"avx2", "fma", "f16c"})
+NEEDS = {  # /proc/cpuinfo flags a native path needs, best path first
+    Isa.AVX512_VNNI: _AVX2 | {"avx512f", "avx512vl", "avx512bw", "avx512_vnni"},
+    Isa.AVX2: _AVX2,
+}
 
 
 @cache

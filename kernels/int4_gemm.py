@@ -1,4 +1,4 @@
-"""Weight-only grouped matrix multiply for the CPU (AVX2): `x @ dequant(w).T + bias`, with 4-bit
+"""Weight-only grouped matrix multiply for the CPU (AVX2; AVX-512 VNNI): `x @ dequant(w).T + bias`, with 4-bit
 weights (`--quantization int4`, GGUF Q4_0/Q4_1) or 8-bit ones (GGUF Q8_0) in groups of 32 inputs.
 
 A group of 32 weights of one output row is `w = d * q + m`: q unsigned 4-bit (0..15) with a
@@ -24,9 +24,11 @@ int32 at each step. A group's integer sum meets its float scales once; the offse
 group is m times the activations' float sum.
 
 Many rows (prefill, M >= 4): a register tile of 4 rows x one panel; the activation rows are
-taken in blocks of at most 256 KiB (they stay in L2 while every panel passes over them) and
-each panel's nibbles are unpacked once per block into a thread's buffer, then read by every
-tile. Few rows (decode, M <= 3): each panel is read once, unpacked in registers, as a stream.
+taken in blocks of at most 256 KiB (they stay in L2 while every panel passes over them), and
+each tile unpacks the panel's nibbles in registers (a panel of a 5,632-wide row is 22 KiB: it
+stays in L1 for the next tile). Few rows (decode, M <= 3): one tile, each panel read once, as
+a stream. On AVX-512 VNNI hosts (`--cpu-isa avx512-vnni`) the same code sums a group's products
+with `vpdpbusd` in two int32 chains (the instruction's latency sits in its chain).
 """
 
 from __future__ import annotations
@@ -51,13 +53,20 @@ SOURCE = (
 #define PANEL 8
 #define GROUP 32
 #define MR 4                     /* activation rows of the GEMM's register tile */
-#define GEMV_MAX 3               /* up to this many rows, weights unpack in registers, read once */
-#define UNPACK_MIN 8             /* rows from which a panel is unpacked into a buffer first */
 #define BLOCK_BYTES (256 * 1024) /* int8 activations of a block of rows: kept in L2 */
 #define AI __attribute__((always_inline))
 /* Pins a running sum: without it the compiler reorders a group's 32 integer sums of a 4-row tile
    into one tree, keeps every product live at once and spills them to the stack. */
 #define KEEP(v) __asm__("" : "+x"(v))
+/* VNNI (`--cpu-isa avx512-vnni`): a group's products go straight into int32 lanes, four at a
+   time (`vpdpbusd`, unsigned weight bytes times signed activations), where AVX2 sums pairs into
+   int16 (`vpmaddubsw`) and widens them after. Both sums are exact, so the paths agree bit for
+   bit. The 256-bit form keeps the 8-row panels: one layout for both paths. */
+#ifdef VNNI
+#define DOT_INT32 1
+#else
+#define DOT_INT32 0
+#endif
 
 static inline AI __m256i bcast4(const int8_t *p) {
     int32_t v;
@@ -110,22 +119,22 @@ void quantize_row(const float *row, int8_t *a, float *xs, float *xsum, int64_t K
 }
 
 /* MT activation rows (a [MT, Kp] int8, xs and xsum [MT, G]) against one panel, every group:
-   acc[i] lane j = output (i, j). Weights `w`: a group every `wstep` bytes, either packed nibbles
-   (4 vectors, unpacked here) or bytes (8 vectors: 4-bit unpacked, or signed 8-bit). */
+   acc[i] lane j = output (i, j). Weights `w`: a group every `bits * 32` bytes, packed nibbles
+   (4 vectors, unpacked in registers) or signed bytes (8 vectors). */
 static inline AI void panel_rows(
         const int8_t *a, int64_t Kp, const float *xs, const float *xsum, int64_t G,
-        const uint8_t *w, int64_t wstep, const uint16_t *sc, __m256 *acc, const int MT,
-        const int bits, const int nibbles) {
+        const uint8_t *w, const uint16_t *sc, __m256 *acc, const int MT, const int bits) {
     const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0F);
+    const int64_t wstep = bits * 32;
     for (int i = 0; i < MT; i++) acc[i] = _mm256_setzero_ps();
     for (int64_t g = 0; g < G; g++) {
         const uint8_t *wg = w + g * wstep;
-        if (nibbles) _mm_prefetch((const char *)(wg + 8 * wstep), _MM_HINT_T0);
-        __m256i s[MR];
-        for (int i = 0; i < MT; i++) s[i] = _mm256_setzero_si256();
+        _mm_prefetch((const char *)(wg + 8 * wstep), _MM_HINT_T0);
+        __m256i s[MR], t[MR]; /* t: VNNI's second chain (its sums' latency is in the chain) */
+        for (int i = 0; i < MT; i++) s[i] = t[i] = _mm256_setzero_si256();
         for (int q = 0; q < 4; q++) {
             __m256i lo, hi;
-            if (nibbles) {
+            if (bits == 4) {
                 const __m256i v = _mm256_loadu_si256((const __m256i *)(wg + 32 * q));
                 lo = _mm256_and_si256(v, low);
                 hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
@@ -138,23 +147,35 @@ static inline AI void panel_rows(
             for (int i = 0; i < MT; i++) {
                 const int8_t *ai = a + i * Kp + g * GROUP + 4 * q;
                 const __m256i al = bcast4(ai), ah = bcast4(ai + 16);
+#ifdef VNNI
+                if (bits == 4) {
+                    s[i] = _mm256_dpbusd_epi32(s[i], lo, al);
+                    t[i] = _mm256_dpbusd_epi32(t[i], hi, ah);
+                } else {
+                    s[i] = _mm256_dpbusd_epi32(s[i], lo_abs, _mm256_sign_epi8(al, lo));
+                    t[i] = _mm256_dpbusd_epi32(t[i], hi_abs, _mm256_sign_epi8(ah, hi));
+                }
+                KEEP(t[i]);
+#else
                 if (bits == 4) {
                     s[i] = _mm256_add_epi16(s[i], _mm256_add_epi16(_mm256_maddubs_epi16(lo, al),
                                                                    _mm256_maddubs_epi16(hi, ah)));
-                    KEEP(s[i]);
                 } else {
                     const __m256i pl = _mm256_maddubs_epi16(lo_abs, _mm256_sign_epi8(al, lo));
                     const __m256i ph = _mm256_maddubs_epi16(hi_abs, _mm256_sign_epi8(ah, hi));
                     s[i] = _mm256_add_epi32(s[i], _mm256_add_epi32(_mm256_madd_epi16(pl, ones),
                                                                    _mm256_madd_epi16(ph, ones)));
-                    KEEP(s[i]);
                 }
+#endif
+                KEEP(s[i]);
             }
         }
         const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + g * 2 * PANEL)));
         const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + g * 2 * PANEL + PANEL)));
         for (int i = 0; i < MT; i++) {
-            const __m256i isum = bits == 4 ? _mm256_madd_epi16(s[i], ones) : s[i];
+            const __m256i isum = DOT_INT32  ? _mm256_add_epi32(s[i], t[i])
+                                 : bits == 4 ? _mm256_madd_epi16(s[i], ones)
+                                             : s[i];
             acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum),
                                      _mm256_mul_ps(d, _mm256_set1_ps(xs[i * G + g])), acc[i]);
             acc[i] = _mm256_fmadd_ps(m, _mm256_set1_ps(xsum[i * G + g]), acc[i]);
@@ -165,10 +186,10 @@ static inline AI void panel_rows(
 /* panel_rows, then its outputs (the panel's first nn of 8) with the bias into out [.., N]. */
 static inline AI void panel_out(
         const int8_t *a, int64_t Kp, const float *xs, const float *xsum, int64_t G,
-        const uint8_t *w, int64_t wstep, const uint16_t *sc, const float *bias, float *out,
-        int64_t N, int64_t n0, int64_t nn, const int MT, const int bits, const int nibbles) {
+        const uint8_t *w, const uint16_t *sc, const float *bias, float *out, int64_t N,
+        int64_t n0, int64_t nn, const int MT, const int bits) {
     __m256 acc[MR];
-    panel_rows(a, Kp, xs, xsum, G, w, wstep, sc, acc, MT, bits, nibbles);
+    panel_rows(a, Kp, xs, xsum, G, w, sc, acc, MT, bits);
     for (int i = 0; i < MT; i++) {
         float v[PANEL];
         _mm256_storeu_ps(v, acc[i]);
@@ -176,45 +197,32 @@ static inline AI void panel_out(
     }
 }
 
-/* A panel's 4-bit groups [G, 4 vectors] -> bytes [G, 8 vectors], in the order panel_rows reads. */
-static void unpack_panel(const uint8_t *w, uint8_t *buf, int64_t G) {
-    const __m256i low = _mm256_set1_epi8(0x0F);
-    for (int64_t g = 0; g < G; g++)
-        for (int q = 0; q < 4; q++) {
-            const __m256i v = _mm256_loadu_si256((const __m256i *)(w + g * 128 + 32 * q));
-            _mm256_store_si256((__m256i *)(buf + g * 256 + 32 * q), _mm256_and_si256(v, low));
-            _mm256_store_si256((__m256i *)(buf + g * 256 + 32 * (q + 4)),
-                               _mm256_and_si256(_mm256_srli_epi16(v, 4), low));
-        }
-}
-
-#define ROWS_ARGS(r) a + (r) * Kp, Kp, xs + (r) * G, xsum + (r) * G, G
-#define CASES(call_args, n) \
-    switch (n) { \
-    case 1: panel_out(call_args, 1, bits, nibbles); break; \
-    case 2: panel_out(call_args, 2, bits, nibbles); break; \
-    case 3: panel_out(call_args, 3, bits, nibbles); break; \
-    }
-
 /* Rows [m0, m1) of out against panel p: tiles of MR rows, then the rest. */
 static inline AI void block_panel(
-        const int8_t *a, const float *xs, const float *xsum, const uint8_t *w, int64_t wstep,
-        const uint16_t *sc, const float *bias, float *out, int64_t m0, int64_t m1, int64_t N,
-        int64_t Kp, int64_t G, int64_t p, const int bits, const int nibbles) {
+        const int8_t *a, const float *xs, const float *xsum, const uint8_t *w, const uint16_t *sc,
+        const float *bias, float *out, int64_t m0, int64_t m1, int64_t N, int64_t Kp, int64_t G,
+        int64_t p, const int bits) {
     const int64_t n0 = p * PANEL, nn = N - n0 < PANEL ? N - n0 : PANEL;
+#define TILE(r, n) \
+    panel_out(a + (r) * Kp, Kp, xs + (r) * G, xsum + (r) * G, G, w, sc, bias, out + (r) * N, N, \
+              n0, nn, n, bits)
     int64_t i = m0;
-    for (; i + MR <= m1; i += MR)
-        panel_out(ROWS_ARGS(i), w, wstep, sc, bias, out + i * N, N, n0, nn, MR, bits, nibbles);
-#define REST ROWS_ARGS(i), w, wstep, sc, bias, out + i * N, N, n0, nn
-    CASES(REST, m1 - i)
-#undef REST
+    for (; i + MR <= m1; i += MR) TILE(i, MR);
+    switch (m1 - i) {
+    case 1: TILE(i, 1); break;
+    case 2: TILE(i, 2); break;
+    case 3: TILE(i, 3); break;
+    }
+#undef TILE
 }
 
 /* out [M, N] = x @ dequant(w).T + bias, x [M, K] float; w [ceil(N/8), G, group bytes * 8];
    sc float16 [ceil(N/8), G, 16]; a [M, G * 32], xs and xsum [M, G]: scratch for the quantized
    rows. Called by every thread of one parallel region (its loops are the region's work-sharing
-   loops): the rows' quantization, then the panels. Inlined into each entry point with `bits` a
-   constant, so that each width compiles to its own loops. */
+   loops): the rows' quantization, then the panels, a block of rows at a time. Inlined into
+   each entry point with `bits` a constant, so that each width compiles to its own loops.
+   Weights are unpacked in registers, by every tile: unpacking a panel once into a buffer for
+   all the tiles was 1.1-1.3x slower on AVX-512 hosts (docs/benchmarks.md). */
 static inline AI void linear_body(
         const float *x, int8_t *a, float *xs, float *xsum, const uint8_t *w, const uint16_t *sc,
         const float *bias, float *out, int64_t M, int64_t N, int64_t K, int64_t G, const int bits) {
@@ -224,35 +232,13 @@ static inline AI void linear_body(
     #pragma omp for schedule(static)
     for (int64_t m = 0; m < M; m++)
         quantize_row(x + m * K, a + m * Kp, xs + m * G, xsum + m * G, K, G);
-    if (M <= GEMV_MAX) {
-        const int nibbles = bits == 4;
-        #pragma omp for schedule(static)
-        for (int64_t p = 0; p < panels; p++) {
-            const int64_t n0 = p * PANEL, nn = N - n0 < PANEL ? N - n0 : PANEL;
-#define ARGS ROWS_ARGS(0), w + p * G * gbytes, gbytes, sc + p * G * 2 * PANEL, bias, out, N, n0, nn
-            CASES(ARGS, M)
-#undef ARGS
-        }
-        return;
-    }
-    uint8_t *buf = bits == 4 ? aligned_alloc(64, G * 256) : NULL;
     for (int64_t m0 = 0; m0 < M; m0 += rows) {
         const int64_t m1 = m0 + rows < M ? m0 + rows : M;
         #pragma omp for schedule(static) nowait
-        for (int64_t p = 0; p < panels; p++) {
-            const uint8_t *wp = w + p * G * gbytes;
-            const uint16_t *sp = sc + p * G * 2 * PANEL;
-            if (bits == 8)
-                block_panel(a, xs, xsum, wp, 256, sp, bias, out, m0, m1, N, Kp, G, p, 8, 0);
-            else if (m1 - m0 < UNPACK_MIN) /* too few rows to repay the unpacking */
-                block_panel(a, xs, xsum, wp, 128, sp, bias, out, m0, m1, N, Kp, G, p, 4, 1);
-            else {
-                unpack_panel(wp, buf, G);
-                block_panel(a, xs, xsum, buf, 256, sp, bias, out, m0, m1, N, Kp, G, p, 4, 0);
-            }
-        }
+        for (int64_t p = 0; p < panels; p++)
+            block_panel(a, xs, xsum, w + p * G * gbytes, sc + p * G * 2 * PANEL, bias, out, m0,
+                        m1, N, Kp, G, p, bits);
     }
-    free(buf);
 }
 
 void int4_linear(const float *x, int8_t *a, float *xs, float *xsum, const uint8_t *w,
@@ -278,13 +264,14 @@ SIGNATURES = (
 )
 
 
-def _library():
-    return native.load("int4_gemm", SOURCE, SIGNATURES)
+def _library(isa: cpu_isa.Isa = cpu_isa.Isa.AVX2):
+    return native.load(f"int4_gemm-{isa.value}", SOURCE, SIGNATURES, isa.cflags)
 
 
-def available() -> bool:
-    """Whether this CPU runs the kernel (AVX2, a compiler to build it); builds it on first use."""
-    return cpu_isa.Isa.AVX2 in cpu_isa.host_paths() and _library() is not None
+def available(isa: cpu_isa.Isa = cpu_isa.Isa.AVX2) -> bool:
+    """Whether this CPU runs the kernel on `isa` (the CPU has it, a compiler builds it);
+    builds it on first use."""
+    return isa in cpu_isa.host_paths() and _library(isa) is not None
 
 
 class Bits(enum.IntEnum):
@@ -459,16 +446,23 @@ def quantize_rows(x: torch.Tensor) -> QuantizedRows:
     return rows
 
 
-def grouped_linear(x: torch.Tensor, w: PackedGroups, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [M, K] float32 -> [M, N] float32. Lean on purpose, like `int8_gemm.int8_linear`: at
-    batch 1 this wrapper's own microseconds add up over every linear of a step."""
+def grouped_linear(
+    x: torch.Tensor,
+    w: PackedGroups,
+    bias: torch.Tensor | None,
+    isa: cpu_isa.Isa = cpu_isa.Isa.AVX2,
+) -> torch.Tensor:
+    """x [M, K] float32 -> [M, N] float32, on `isa`'s kernel (every path gives the same
+    bits). Lean on purpose, like `int8_gemm.int8_linear`: at batch 1 this wrapper's own
+    microseconds add up over every linear of a step."""
     x = x.contiguous()
     m, groups = x.shape[0], w.groups
     a = torch.empty(m, groups * GROUP, dtype=torch.int8)
     xs = torch.empty(m, groups, dtype=torch.float32)
     xsum = torch.empty(m, groups, dtype=torch.float32)
     out = torch.empty(m, w.out_features, dtype=torch.float32)
-    run = _library().int4_linear if w.bits == Bits.INT4 else _library().q8_linear
+    lib = _library(isa)
+    run = lib.int4_linear if w.bits == Bits.INT4 else lib.q8_linear
     run(
         x.data_ptr(),
         a.data_ptr(),

@@ -1,4 +1,4 @@
-"""Weight-only int8 matrix multiply for the CPU (AVX2): `x @ (w * scale).T + bias`.
+"""Weight-only int8 matrix multiply for the CPU (AVX2; AVX-512 VNNI): `x @ (w * scale).T + bias`.
 
 Weights are int8, symmetric, one scale per output channel. Each activation row is quantized on
 the fly to int16 with its own scale (relative error about 1.5e-5 of the row's largest value, far
@@ -70,8 +70,12 @@ static inline __attribute__((always_inline)) void tile(
                     const int16_t *xr = xq + i * Kp + k;
                     const __m256i a0 = _mm256_loadu_si256((const __m256i *)xr);
                     const __m256i a1 = _mm256_loadu_si256((const __m256i *)(xr + 16));
+#ifdef VNNI /* vpdpwssd: the pairs' products added in the same instruction, the same sums */
+                    acc[i][j] = _mm256_dpwssd_epi32(_mm256_dpwssd_epi32(acc[i][j], a0, lo), a1, hi);
+#else
                     acc[i][j] = _mm256_add_epi32(acc[i][j], _mm256_madd_epi16(a0, lo));
                     acc[i][j] = _mm256_add_epi32(acc[i][j], _mm256_madd_epi16(a1, hi));
+#endif
                 }
             }
         }
@@ -111,13 +115,14 @@ P, I = native.POINTER, native.INT64
 SIGNATURES = (("int8_linear", (P,) * 7 + (I,) * 4),)
 
 
-def _library():
-    return native.load("int8_gemm", SOURCE, SIGNATURES)
+def _library(isa: cpu_isa.Isa = cpu_isa.Isa.AVX2):
+    return native.load(f"int8_gemm-{isa.value}", SOURCE, SIGNATURES, isa.cflags)
 
 
-def available() -> bool:
-    """Whether this CPU runs the kernel (AVX2, a compiler to build it); builds it on first use."""
-    return cpu_isa.Isa.AVX2 in cpu_isa.host_paths() and _library() is not None
+def available(isa: cpu_isa.Isa = cpu_isa.Isa.AVX2) -> bool:
+    """Whether this CPU runs the kernel on `isa` (the CPU has it, a compiler builds it);
+    builds it on first use."""
+    return isa in cpu_isa.host_paths() and _library(isa) is not None
 
 
 @dataclass
@@ -172,15 +177,18 @@ def pack(q: torch.Tensor) -> torch.Tensor:
     return padded.view(np_ // ROWS, ROWS, kp // DEPTH, DEPTH).transpose(1, 2).contiguous()
 
 
-def int8_linear(x: torch.Tensor, w: PackedInt8, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [M, K] float32 -> [M, N] float32. Lean on purpose: at batch 1 this wrapper's own
-    microseconds, times four linears a layer, are a visible share of a decode step."""
+def int8_linear(
+    x: torch.Tensor, w: PackedInt8, bias: torch.Tensor | None, isa: cpu_isa.Isa = cpu_isa.Isa.AVX2
+) -> torch.Tensor:
+    """x [M, K] float32 -> [M, N] float32, on `isa`'s kernel (every path gives the same
+    bits). Lean on purpose: at batch 1 this wrapper's own microseconds, times four linears a
+    layer, are a visible share of a decode step."""
     x = x.contiguous()
     m, kp = x.shape[0], w.padded_in_features
     xq = torch.empty(m, kp, dtype=torch.int16)
     xs = torch.empty(m, dtype=torch.float32)
     out = torch.empty(m, w.out_features, dtype=torch.float32)
-    _library().int8_linear(
+    _library(isa).int8_linear(
         x.data_ptr(),
         xq.data_ptr(),
         xs.data_ptr(),

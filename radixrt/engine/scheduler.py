@@ -128,7 +128,7 @@ class Scheduler:
         self.kv = build_slot_manager(
             DevicePool(runner.allocator, runner.req_to_token_pool, runner.kv_pool),
             CacheSettings.of(args),
-            lambda: model_fingerprint(runner.model_path, runner.dtype, runner.args.quantization),
+            lambda: model_fingerprint(runner.model_path, runner.dtype, runner.kv_numerics),
             adapter_of_salt,
         )
         self.counters = Counters()

@@ -183,12 +183,13 @@ def convert_gguf(gguf: Path) -> Path:
     return out
 
 
-def model_fingerprint(folder: Path, dtype: torch.dtype, quantization: str | None) -> str:
+def model_fingerprint(folder: Path, dtype: torch.dtype, numerics: str) -> str:
     """A name for the KV this model computes, cheap enough for every start (the disk tier finds
     its blocks only under the fingerprint that wrote them): a hash of config.json, each
     safetensors file's name, size and header (every tensor's name, dtype, shape and offsets),
     the first `FINGERPRINT_SAMPLE_BYTES` of each tensor (weights retrained in place keep their
-    header, not their values), the dtype and the quantization (an int8 run computes other KV).
+    header, not their values), the dtype and `numerics`, what else decides the KV's bits (an
+    int8 run computes other KV; `ModelRunner.kv_numerics`).
     It reads a few bytes per tensor, never the whole weights; the folder's path is left out,
     so a copy of the same model finds the same blocks."""
     digest = hashlib.sha256((folder / "config.json").read_bytes())
@@ -200,7 +201,7 @@ def model_fingerprint(folder: Path, dtype: torch.dtype, quantization: str | None
                 begin, end = entry["data_offsets"]
                 f.seek(8 + len(raw) + begin)
                 digest.update(f.read(min(end - begin, FINGERPRINT_SAMPLE_BYTES)))
-    digest.update(f"|{dtype}|{quantization}".encode())
+    digest.update(f"|{dtype}|{numerics}".encode())
     return digest.hexdigest()
 
 

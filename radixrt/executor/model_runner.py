@@ -237,6 +237,21 @@ class ModelRunner:
             return self.checkpoint_quant.describe()
         return self.args.quantization or "float"
 
+    @property
+    def kv_numerics(self) -> str:
+        """What besides the weights and the dtype decides the bits of the KV this run computes
+        (the disk tier's fingerprint names it): the linears' path, whether quantized linears
+        dequantize into torch (`--cpu-isa torch`: float activations) or run the C kernels, and
+        the deterministic mode's fixed summation order. The native `--cpu-isa` paths are one
+        name: they give the same bits, so a disk tier written on an AVX2 host serves an
+        AVX-512 one."""
+        parts = [self.quantization_path]
+        if self.quantization_path != "float" and self.cpu_isa is cpu_isa.Isa.TORCH:
+            parts.append("dequantized in torch")
+        if self.args.enable_deterministic_inference:
+            parts.append("fixed order")
+        return ", ".join(parts)
+
     def _packing(self) -> LinearPacking | None:
         """`LinearPacking.of` the run; a pre-quantized checkpoint's linears are read packed
         into the CPU kernels' layouts, which needs a CPU with them, float32 for the float rest,

@@ -68,7 +68,7 @@ class PrepackedLinear(nn.Module):
 
 class Int8Linear(nn.Module):
     """Weight-only int8, symmetric, one scale per output channel; activations stay float.
-    `isa` (`--cpu-isa`): the C kernel (avx2), or torch on the dequantized weight."""
+    `isa` (`--cpu-isa`): the C kernel (avx512-vnni, avx2), or torch on the dequantized weight."""
 
     def __init__(
         self, weight: int8_gemm.PackedInt8, bias: torch.Tensor | None, isa: Isa = Isa.AVX2
@@ -88,8 +88,8 @@ class Int8Linear(nn.Module):
         if self.isa is Isa.TORCH:
             return _torch_linear(x, self.weight.dequantize(), self.bias)
         if x.dtype == torch.float32:
-            return int8_gemm.int8_linear(x, self.weight, self.bias)
-        return int8_gemm.int8_linear(x.float(), self.weight, self.bias).to(x.dtype)
+            return int8_gemm.int8_linear(x, self.weight, self.bias, self.isa)
+        return int8_gemm.int8_linear(x.float(), self.weight, self.bias, self.isa).to(x.dtype)
 
 
 class GroupedLinear(nn.Module):
@@ -97,9 +97,9 @@ class GroupedLinear(nn.Module):
     float. Built from float weights (`quantize`, asymmetric), from GGUF blocks or from a
     pre-quantized checkpoint's groups as stored (`models/quantized.py`). `perm`: the order the
     weight takes its inputs in (GPTQ's act-order: sorted by group), gathered from the
-    activations on every call; None: as given. `isa` (`--cpu-isa`): the C kernel (avx2), or
-    torch on the weight dequantized at each call (no float copy is kept: the weights stay at
-    their packed size on any path)."""
+    activations on every call; None: as given. `isa` (`--cpu-isa`): the C kernel (avx512-vnni,
+    avx2), or torch on the weight dequantized at each call (no float copy is kept: the weights
+    stay at their packed size on any path)."""
 
     def __init__(
         self,
@@ -130,8 +130,8 @@ class GroupedLinear(nn.Module):
         if self.isa is Isa.TORCH:
             return _torch_linear(x, self.weight.dequantize(), self.bias)
         if x.dtype == torch.float32:
-            return int4_gemm.grouped_linear(x, self.weight, self.bias)
-        return int4_gemm.grouped_linear(x.float(), self.weight, self.bias).to(x.dtype)
+            return int4_gemm.grouped_linear(x, self.weight, self.bias, self.isa)
+        return int4_gemm.grouped_linear(x.float(), self.weight, self.bias, self.isa).to(x.dtype)
 
 
 class PanelLinear(nn.Module):
@@ -201,7 +201,7 @@ def check_quantization(name: str | None, device: torch.device, isa: Isa | None) 
     if device.type != "cpu" or isa is None:
         raise ValueError(f"{name} weights run on CPUs only")
     kernel = int8_gemm if name == "int8" else int4_gemm
-    if isa is Isa.AVX2 and not kernel.available():
+    if isa is not Isa.TORCH and not kernel.available(isa):
         raise ValueError(f"the {name} kernel did not build; --cpu-isa torch runs without it")
 
 

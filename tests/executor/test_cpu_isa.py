@@ -34,6 +34,7 @@ def test_the_flag_offers_the_kernels_paths():
 
 
 def test_auto_takes_the_best_path_and_warns_once_when_only_torch_is_left(caplog):
+    assert cpu_isa.resolve("auto", [Isa.AVX512_VNNI, Isa.AVX2, Isa.TORCH]) is Isa.AVX512_VNNI
     assert cpu_isa.resolve("auto", [Isa.AVX2, Isa.TORCH]) is Isa.AVX2
     with caplog.at_level(logging.WARNING, logger="radixrt.kernels.cpu_isa"):
         assert cpu_isa.resolve("auto", [Isa.TORCH]) is Isa.TORCH
@@ -47,14 +48,27 @@ def test_a_path_the_host_cannot_run_is_refused_in_one_line():
         "--cpu-isa avx2: this host cannot run it (it needs the CPU flags avx2 f16c fma and a C"
         " compiler; this host runs: torch)"
     )
+    with pytest.raises(ValueError) as refused:
+        cpu_isa.resolve("avx512-vnni", [Isa.AVX2, Isa.TORCH])
+    assert str(refused.value) == (
+        "--cpu-isa avx512-vnni: this host cannot run it (it needs the CPU flags avx2 avx512_vnni"
+        " avx512bw avx512f avx512vl f16c fma and a C compiler; this host runs: avx2, torch)"
+    )
     with pytest.raises(ValueError, match="no path"):
         cpu_isa.resolve("avx512", [Isa.AVX2, Isa.TORCH])
 
 
+def test_host_paths_follow_the_cpu_flags():
+    """The native paths listed are those whose flags this CPU has, best first, then torch."""
+    flags = cpu_isa.cpu_flags()
+    expected = [isa for isa, needs in cpu_isa.NEEDS.items() if needs <= flags]
+    assert cpu_isa.host_paths() == [*expected, Isa.TORCH]
+
+
 @pytest.mark.parametrize("name", sorted(cpu_isa.PLANNED))
 def test_a_path_not_built_yet_is_refused_by_name_whatever_the_cpu(name):
-    """DESIGN.md names avx512-vnni and amx: on a CPU without them the refusal names the flags,
-    on one with them it says the kernels are not built (never a silent fallback)."""
+    """DESIGN.md names amx: on a CPU without it the refusal names the flags, on one with it
+    it says the kernels are not built (never a silent fallback)."""
     has = cpu_isa.PLANNED[name] <= cpu_isa.cpu_flags()
     with pytest.raises(ValueError, match="not built yet" if has else "this CPU lacks"):
         cpu_isa.resolve(name, [Isa.AVX2, Isa.TORCH])
@@ -102,24 +116,49 @@ def test_the_torch_path_multiplies_the_same_weights(tiny_model_dir):
     runner = ModelRunner(args.executor)
     linears = [m for m in runner.model.modules() if isinstance(m, GroupedLinear)]
     assert runner.cpu_isa is Isa.TORCH and linears and all(m.isa is Isa.TORCH for m in linears)
+    assert runner.kv_numerics == "int4, dequantized in torch"  # the disk tier keeps it apart
     x = torch.randn(5, linears[0].weight.in_features)
     kernel = GroupedLinear(linears[0].weight, linears[0].bias, Isa.AVX2)
     scale = float(linears[0](x).abs().max())
     torch.testing.assert_close(kernel(x), linears[0](x), rtol=0, atol=0.05 * scale)
+    assert torch.isfinite(_forward_logits(runner)).all()
+
+
+def _forward_logits(runner: ModelRunner) -> torch.Tensor:
+    """The logits of one 12-token prefill through `runner`'s model."""
     n = 12
     slots = torch.arange(1, n + 1)
     runner.req_to_token_pool.req_to_token[1, :n] = slots.to(torch.int32)
     batch = ForwardBatch(
         torch.arange(5, 5 + n), torch.arange(n), slots, torch.tensor([1]), [0], [n]
     )
-    assert torch.isfinite(runner.logits(runner.forward(batch))).all()
+    return runner.logits(runner.forward(batch))
+
+
+@pytest.mark.skipif(
+    Isa.AVX512_VNNI not in cpu_isa.host_paths(), reason="this CPU lacks avx512-vnni"
+)
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_the_vnni_path_serves_the_bits_of_the_avx2_path(tiny_model_dir, quantization):
+    """A model's forward under `--cpu-isa avx512-vnni` gives avx2's logits bit for bit: the same
+    packed weights, the same activations, integer sums that are exact on both paths. So the
+    disk tier's fingerprint names neither (`kv_numerics`): either host reads the other's KV."""
+    logits = {}
+    for isa in ("avx512-vnni", "avx2"):
+        args = ServerArgs(
+            model=str(tiny_model_dir), max_total_tokens=256, quantization=quantization, cpu_isa=isa
+        )
+        runner = ModelRunner(args.executor)
+        assert runner.cpu_isa is Isa(isa) and runner.kv_numerics == quantization
+        logits[isa] = _forward_logits(runner)
+    assert torch.equal(logits["avx512-vnni"], logits["avx2"])
 
 
 @needs_avx2
 def test_model_info_names_the_path_taken(tiny_model_dir):
     kwargs = dict(model=str(tiny_model_dir), max_total_tokens=256, log_level="warning")
     with rt.Engine(**kwargs, quantization="int4", timeout=REPLY_TIMEOUT_S) as engine:
-        assert engine.model_info["cpu_isa"] == "avx2"
+        assert engine.model_info["cpu_isa"] == cpu_isa.host_paths()[0].value
         assert engine.model_info["quantization"] == "int4"
         out = engine.generate(input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 2})
         assert len(out["output_ids"]) == 2

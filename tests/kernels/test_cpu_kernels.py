@@ -7,10 +7,22 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from radixrt.kernels import cpu_fused, cpu_paged, int4_gemm, int8_gemm
+from radixrt.kernels import cpu_fused, cpu_isa, cpu_paged, int4_gemm, int8_gemm
+from radixrt.kernels.cpu_isa import Isa
 
 needs_int8 = pytest.mark.skipif(not int8_gemm.available(), reason="needs AVX2 and a C compiler")
 needs_int4 = pytest.mark.skipif(not int4_gemm.available(), reason="needs AVX2 and a C compiler")
+# every native `--cpu-isa` path: each kernel test runs on each path this host has; one it lacks
+# is a skip that names it (the AVX2 path runs on every host the project is built on)
+NATIVE_PATHS = [
+    pytest.param(
+        isa,
+        marks=pytest.mark.skipif(
+            isa not in cpu_isa.host_paths(), reason=f"this CPU lacks {isa.value}"
+        ),
+    )
+    for isa in cpu_isa.NEEDS
+]
 
 
 @pytest.mark.parametrize(
@@ -54,19 +66,22 @@ def test_paged_decode_kernel_reads_the_pool_in_place(hq, hkv, d, lens, cap):
 @pytest.mark.parametrize(
     "m, n, k", [(1, 5, 7), (2, 33, 40), (3, 960, 576), (4, 96, 64), (7, 576, 1536), (64, 130, 96)]
 )
-def test_int8_linear_matches_its_dequantized_weight(m, n, k):
+@pytest.mark.parametrize("isa", NATIVE_PATHS)
+def test_int8_linear_matches_its_dequantized_weight(m, n, k, isa):
     """Any row count (tiles of 3 rows and their remainders), outputs not a multiple of the tile,
     inputs not a multiple of 32, with a bias; the only error left is the activations' int16
-    rounding, about 1e-5 of each row's largest value."""
+    rounding, about 1e-5 of each row's largest value. Every path gives avx2's bits (its integer
+    sums are exact)."""
     gen = torch.Generator().manual_seed(m * n + k)
     w, x, bias = torch.randn(n, k, generator=gen), torch.randn(m, k, generator=gen), torch.randn(n)
     packed = int8_gemm.PackedInt8.quantize(w)
     expected = x.double() @ packed.dequantize().double().T + bias.double()
-    out = int8_gemm.int8_linear(x, packed, bias)
+    out = int8_gemm.int8_linear(x, packed, bias, isa)
     assert out.shape == (m, n)
     torch.testing.assert_close(
         out.double(), expected, rtol=1e-4, atol=1e-4 * float(expected.abs().max())
     )
+    assert torch.equal(out, int8_gemm.int8_linear(x, packed, bias, Isa.AVX2))
 
 
 @needs_int8
@@ -80,12 +95,13 @@ def test_int8_quantization_rounds_each_channel_to_half_a_step():
 
 
 @needs_int8
-def test_int8_long_sums_do_not_overflow():
+@pytest.mark.parametrize("isa", NATIVE_PATHS)
+def test_int8_long_sums_do_not_overflow(isa):
     """Every product at its largest, 5,000 of them: past int32 unless the kernel flushes its
     integer sums to float every 2,048 inputs."""
     k = 5000
     packed = int8_gemm.PackedInt8.quantize(torch.ones(4, k))
-    out = int8_gemm.int8_linear(torch.full((1, k), 3.0), packed, None)
+    out = int8_gemm.int8_linear(torch.full((1, k), 3.0), packed, None, isa)
     torch.testing.assert_close(out, torch.full((1, 4), 3.0 * k))
 
 
@@ -143,11 +159,13 @@ def test_activation_quantization_is_round_to_nearest():
     ],
 )
 @pytest.mark.parametrize("kind", ["asymmetric", "symmetric", "q8"])
-def test_grouped_linear_matches_its_dequantized_weight(m, n, k, kind):
-    """Any row count (the few-row path to 3; tiles of 4 rows and their remainders, with the
-    panel unpacked from 8 rows; 70 rows of 8,192 inputs: three blocks of 32 rows), outputs not
-    a multiple of the panel of 8, inputs one short of, one past or inside a group, with and
-    without a bias; 4-bit both ways and signed 8-bit groups (GGUF's Q8_0, values to -128)."""
+@pytest.mark.parametrize("isa", NATIVE_PATHS)
+def test_grouped_linear_matches_its_dequantized_weight(m, n, k, kind, isa):
+    """Any row count (one tile to 3 rows; tiles of 4 rows and their remainders; 70 rows of
+    8,192 inputs: three blocks of 32 rows), outputs not a multiple of the panel of 8, inputs one
+    short of, one past or inside a group, with and without a bias; 4-bit both ways and signed
+    8-bit groups (GGUF's Q8_0, values to -128, the largest products). Every path gives avx2's
+    bits: each sums a group's products exactly, in int16 pairs or in int32."""
     gen = torch.Generator().manual_seed(m * n + k)
     w, x = torch.randn(n, k, generator=gen), torch.randn(m, k, generator=gen)
     bias = torch.randn(n, generator=gen) if m % 2 else None
@@ -159,11 +177,12 @@ def test_grouped_linear_matches_its_dequantized_weight(m, n, k, kind):
     else:
         packed = int4_gemm.PackedGroups.quantize(w, symmetric=kind == "symmetric")
     expected = _grouped_reference(x, packed, bias)
-    out = int4_gemm.grouped_linear(x, packed, bias)
+    out = int4_gemm.grouped_linear(x, packed, bias, isa)
     assert out.shape == (m, n)
     torch.testing.assert_close(
         out.double(), expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max())
     )
+    assert torch.equal(out, int4_gemm.grouped_linear(x, packed, bias, Isa.AVX2))
 
 
 @needs_int4

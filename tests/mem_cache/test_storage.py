@@ -181,23 +181,23 @@ def test_each_writer_has_its_own_temporary_and_dead_writers_leftovers_go(tmp_pat
 def test_the_fingerprint_separates_weights_dtype_and_quantization(tiny_model_dir, tmp_path):
     """Same weights in another folder: the same fingerprint. dtype, quantization, config or
     tensor values (same header and sizes) changed: another one."""
-    base = model_fingerprint(tiny_model_dir, torch.float32, None)
+    base = model_fingerprint(tiny_model_dir, torch.float32, "float")
     copy = tmp_path / "copy"
     shutil.copytree(tiny_model_dir, copy)
-    assert model_fingerprint(copy, torch.float32, None) == base
+    assert model_fingerprint(copy, torch.float32, "float") == base
     assert model_fingerprint(copy, torch.float32, "int8") != base
-    assert model_fingerprint(copy, torch.bfloat16, None) != base
+    assert model_fingerprint(copy, torch.bfloat16, "float") != base
     weights = next(copy.glob("*.safetensors"))
     data = bytearray(weights.read_bytes())
     header_len = int.from_bytes(data[:8], "little")
     data[8 + header_len] ^= 0xFF  # the first tensor's first byte: a retrained model's
     weights.write_bytes(bytes(data))
-    assert model_fingerprint(copy, torch.float32, None) != base
+    assert model_fingerprint(copy, torch.float32, "float") != base
     shutil.copy(tiny_model_dir / weights.name, weights)
     config = json.loads((copy / "config.json").read_text())
     config["rms_norm_eps"] *= 10  # the same weights computing other KV
     (copy / "config.json").write_text(json.dumps(config))
-    assert model_fingerprint(copy, torch.float32, None) != base
+    assert model_fingerprint(copy, torch.float32, "float") != base
 
 
 def test_a_reseed_leaves_the_blocks_of_older_weights_unfound(tmp_path):

@@ -1,9 +1,9 @@
 """`--workload kernels`: the CPU's quantized GEMM on the 1.1B shape (TinyLlama: hidden 2048,
 intermediate 5632, 32 heads, 4 KV heads), no model loaded. GOP/s (2 M N K a second over one
 layer's four linears: qkv, o, gate_up, down) at M = 1, 4, 32, 128, 512 rows, for each path this
-host runs (`--cpu-isa`'s: avx2; torch, the packed weights dequantized on each call) and for the
-kernel before the lane-interleaved panels (`kernel_baseline`), alternated rep by rep in one
-sitting, medians. At few rows four layers' weights are cycled (about 110 MB in int4, past any
+host runs (`--cpu-isa`'s: avx512-vnni, avx2; torch, the packed weights dequantized on each
+call) and for the kernel before the lane-interleaved panels (`kernel_baseline`), alternated rep
+by rep in one sitting, medians. At few rows four layers' weights are cycled (about 110 MB in int4, past any
 L3), so that they are read from memory: the host's read bandwidth is measured too, and each
 path's weight reads at M = 1 are reported as a fraction of it; from 32 rows one layer is
 multiplied (the kernels are bound by arithmetic there), and the torch path always multiplies
@@ -17,6 +17,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -157,13 +158,20 @@ def _paths() -> list[Path]:
         if isa is Isa.AVX2:
             old = [[Tile4Weight.of(w) for w in layer] for layer in layers]
             found.append(Path("avx2 (before: 4-row tiles)", old, _each(tile4_linear), nbytes))
-            linear = lambda x, w: int4_gemm.grouped_linear(x, w, None)  # noqa: E731
-            found.append(Path("avx2", layers, _each(linear), nbytes))
+        if isa is not Isa.TORCH:
+            linear = partial(_native, isa=isa)
+            found.append(Path(isa.value, layers, _each(linear), nbytes))
         else:
             dequantized = lambda x, w: torch.nn.functional.linear(x, w.dequantize())  # noqa: E731
             one = sum(w.nbytes for w in layers[0])
             found.append(Path(isa.value, layers[:1], _each(dequantized), one))
     return found
+
+
+def _native(x: torch.Tensor, w: Any, isa: Any) -> Any:
+    from radixrt.kernels import int4_gemm
+
+    return int4_gemm.grouped_linear(x, w, None, isa)
 
 
 def _each(linear: Callable[[torch.Tensor, Any], Any]) -> Runner:

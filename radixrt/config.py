@@ -226,6 +226,28 @@ def _add_flag(parser: Any, f: dataclasses.Field[Any], aliases: Sequence[str]) ->
         )
 
 
+def physical_cores() -> int:
+    """The cores this process may run on, each counted once however many hardware threads it
+    has: /proc/cpuinfo's (physical id, core id) pairs over the processors of the affinity mask.
+    A second hardware thread of a core shares its vector units, so a kernel's threads beyond
+    the cores add barrier waits, not arithmetic. The mask's size where the ids are missing."""
+    allowed = os.sched_getaffinity(0)
+    cores, processor, package = set(), -1, ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = (part.strip() for part in line.partition(":"))
+                if key == "processor":
+                    processor = int(value)
+                elif key == "physical id":
+                    package = value
+                elif key == "core id" and processor in allowed:
+                    cores.add((package, value))
+    except (OSError, ValueError):
+        cores = set()
+    return len(cores) or len(allowed)
+
+
 # ---- the groups ---------------------------------------------------------------------------------
 @dataclass(frozen=True, kw_only=True)
 class ModelSettings(Settings):
@@ -240,12 +262,17 @@ class ModelSettings(Settings):
     device: str = setting("auto", "auto, cpu or cuda")
     quantization: str | None = setting(None, "weight-only linears on CPUs with AVX2 (opt-in, quality-gated, not token-exact): int8 (per channel); int4 (groups of 32; a GGUF model's Q4_0/Q4_1/Q8_0 tensors are used as stored); gguf (a GGUF model's Q4_0/Q4_1/Q8_0 tensors as stored, the rest float)", choices=("int8", "int4", "gguf"))
     cpu_isa: str = setting("auto", "the instruction-set path of the CPU's quantized linears (--quantization): auto (the best this CPU runs; torch, with a warning, on a CPU without AVX2); avx512-vnni (the C kernels with VNNI dot products: AVX-512 F, VL, BW and VNNI); avx2 (the C kernels); torch (the packed weights dequantized on every call: slow, any CPU); amx is named for the path to come and refused (the CPU lacks it, or it is not built yet). Naming a path this CPU cannot run is refused at start; model_info and the start-up log name the path taken", choices=("auto", "avx512-vnni", "avx2", "torch", "amx"))
+    cpu_threads: int = setting(0, "threads of the CPU's kernels and torch ops, over all of this machine's tensor-parallel ranks (each takes its share) or data-parallel workers; 0: the physical cores this process may run on (or OMP_NUM_THREADS, where set). More threads than cores only add barrier waits")
     disable_cuda_graph: bool = setting(False, "on CUDA, launch every decode step's kernels instead of replaying graphs")
     generation_config: str = setting("auto", "auto: the model's generation_config.json gives the sampling defaults a request does not set (docs/protocol.md); ignore: radixrt's own", choices=("auto", "ignore"))
     context_length: int | None = setting(None, "max prompt+output tokens per request (default: the model's)")
     is_embedding: bool = setting(False, "serve embeddings, not generation: POST /v1/embeddings (and generate requests of max_new_tokens 0, whose reply carries `embedding`) pool the prompt's final hidden states as the model's sentence-transformers files say (last token or mean; normalized where they list Normalize; last token, normalized, without them)")
     enable_deterministic_inference: bool = setting(False, "bitwise-reproducible serving (SGLang's name): a request's tokens and logprobs do not depend on its batch, how much of its prompt came from the cache, the prefill chunk size, speculation or tp 1 vs 2; every linear and attention row is summed in one fixed order (slower; docs/serving.md). CPU, float32 weights and KV or --quantization int8/int4")
     # fmt: on
+
+    def check(self) -> None:
+        if self.cpu_threads < 0:
+            raise ValueError("cpu_threads must be >= 0 (0: the physical cores)")
 
 
 @dataclass(frozen=True, kw_only=True)

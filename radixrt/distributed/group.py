@@ -10,7 +10,6 @@ never pickle.
 
 from __future__ import annotations
 
-import os
 import time
 import uuid
 from collections.abc import Callable
@@ -184,10 +183,3 @@ class TPGroup:
             buf = torch.empty(int(size), dtype=torch.uint8)
         dist.broadcast(buf, 0, group=self.cpu_group)
         return buf.numpy().tobytes()
-
-
-def threads_per_rank(local_ranks: int) -> int:
-    """CPU threads each of this machine's ranks takes: its share of the cores (of the
-    OMP_NUM_THREADS this process was given, as a data-parallel worker is)."""
-    cores = int(os.environ.get("OMP_NUM_THREADS") or 0) or os.cpu_count() or 1
-    return max(1, cores // local_ranks)

@@ -215,14 +215,15 @@ class ModelRunner:
         )
         self.graph_runner = self._graph_runner()
         logger.info(
-            "loaded %s (%s, %s, linears %s: %.0f MB, CPU kernels %s) in %.1fs; KV pool %d "
-            "tokens (%s), page size %d",
+            "loaded %s (%s, %s, linears %s: %.0f MB, CPU kernels %s, %d threads) in %.1fs; KV "
+            "pool %d tokens (%s), page size %d",
             self.model_path.name,
             self.dtype,
             self.device,
             self.quantization_path,
             linear_bytes(self.model) / 1e6,
             self.cpu_isa.value if self.cpu_isa else "none",
+            torch.get_num_threads(),
             time.monotonic() - start,
             self.allocator.total_tokens,
             args.kv_cache_dtype,

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.multiprocessing as mp
 
+from radixrt.config import physical_cores
 from radixrt.distributed.commands import (
     FORWARD,
     HEARTBEAT,
@@ -38,7 +39,7 @@ from radixrt.distributed.commands import (
     encode_forward,
     logits_header,
 )
-from radixrt.distributed.group import TPGroup, threads_per_rank
+from radixrt.distributed.group import TPGroup
 from radixrt.distributed.weights_group import WeightsGroup
 from radixrt.executor.lora_manager import AdapterInfo, LoraManager
 from radixrt.executor.model_loader import resolve_model_path
@@ -55,6 +56,14 @@ logger = logging.getLogger(__name__)
 
 WATCHDOG_PERIOD_S = 1.0
 JOIN_TIMEOUT_S = 30
+
+
+def threads_per_rank(local_ranks: int, cpu_threads: int = 0) -> int:
+    """CPU threads each of this machine's ranks takes: its share of `--cpu-threads`, else of
+    the OMP_NUM_THREADS this process was given (as a data-parallel worker is), else of the
+    physical cores."""
+    total = cpu_threads or int(os.environ.get("OMP_NUM_THREADS") or 0) or physical_cores()
+    return max(1, total // local_ranks)
 
 
 def ranks_per_node(args: ExecutorArgs) -> int:
@@ -117,7 +126,7 @@ def start_local_ranks(args: ExecutorArgs) -> tuple[LocalRanks, str]:
         proc.start()
         procs[rank] = proc
     if args.node_rank == 0:
-        torch.set_num_threads(threads_per_rank(per_node))
+        torch.set_num_threads(threads_per_rank(per_node, args.cpu_threads))
     return LocalRanks(procs), method
 
 
@@ -133,7 +142,7 @@ def _join_group(args: ExecutorArgs, rank: int, init_method: str) -> TPGroup:
 def _rank_main(args: ExecutorArgs, rank: int, method: str, parent_pid: int, log_level: int) -> None:
     """A rank process: its shard, then the commands of rank 0 until told to stop."""
     logging.basicConfig(level=log_level, format=f"[%(asctime)s tp{rank} %(name)s] %(message)s")
-    torch.set_num_threads(threads_per_rank(ranks_per_node(args)))
+    torch.set_num_threads(threads_per_rank(ranks_per_node(args), args.cpu_threads))
     exit_with_parent(parent_pid)
     try:
         tp = _join_group(args, rank, method)
@@ -202,6 +211,7 @@ class TPDriver:
         """Rank 0 with its group: this node's other ranks started, the group joined, the
         model loaded (`tp_size` 1: just the model)."""
         if args.tp_size == 1:
+            torch.set_num_threads(threads_per_rank(1, args.cpu_threads))
             return cls(ModelRunner(args))
         resolve_model_path(args.model)  # a GGUF is converted once, here, not by every rank
         ranks, method = start_local_ranks(args)

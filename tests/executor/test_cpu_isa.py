@@ -2,7 +2,8 @@
 at start in one line (here: `avx2` in a process without a C compiler), `auto` takes the best the
 host runs (torch with one warning where that is all), and `model_info` names the path taken. The
 torch path multiplies the same packed weights, dequantized, so it agrees with the kernels' up to
-their 8-bit activations."""
+their 8-bit activations. `--cpu-threads`: the kernels' threads, the physical cores by
+default."""
 
 from __future__ import annotations
 
@@ -15,8 +16,9 @@ import pytest
 import torch
 
 import radixrt as rt
-from radixrt.config import ServerArgs
+from radixrt.config import ServerArgs, physical_cores
 from radixrt.executor.model_runner import ModelRunner
+from radixrt.executor.tp_worker import threads_per_rank
 from radixrt.forward_batch import ForwardBatch
 from radixrt.kernels import cpu_isa
 from radixrt.kernels.cpu_isa import Isa
@@ -162,3 +164,39 @@ def test_model_info_names_the_path_taken(tiny_model_dir):
         assert engine.model_info["quantization"] == "int4"
         out = engine.generate(input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 2})
         assert len(out["output_ids"]) == 2
+
+
+def test_threads_default_to_the_physical_cores_and_split_over_ranks(monkeypatch):
+    """`--cpu-threads` 0 takes OMP_NUM_THREADS where set, else the physical cores this process
+    may run on (never more than the processors it may use); each local rank takes its share."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    cores = physical_cores()
+    assert 1 <= cores <= len(os.sched_getaffinity(0))
+    assert threads_per_rank(1) == cores
+    assert threads_per_rank(2, cpu_threads=6) == 3
+    assert threads_per_rank(4, cpu_threads=2) == 1  # never none
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert threads_per_rank(1) == 3 and threads_per_rank(1, cpu_threads=1) == 1
+
+
+def test_a_runtime_takes_the_threads_it_is_given(tiny_model_dir):
+    """A real process that starts a runtime with `--cpu-threads 1` runs its model on one
+    thread, whatever the host has."""
+    script = (
+        "import sys, torch\n"
+        "from radixrt.config import ServerArgs\n"
+        "from radixrt.executor.tp_worker import TPDriver\n"
+        "args = ServerArgs(model=sys.argv[1], max_total_tokens=64, cpu_threads=1)\n"
+        "TPDriver.start(args.executor)\n"
+        "print('threads', torch.get_num_threads())\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(tiny_model_dir)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "threads 1" in done.stdout

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import signal
 import subprocess
 import threading
@@ -21,7 +20,7 @@ from typing import Any
 import zmq
 
 from radixrt.client.launcher import Engine
-from radixrt.config import RouterSettings, ServerArgs, WorkerSettings
+from radixrt.config import RouterSettings, ServerArgs, WorkerSettings, physical_cores
 from radixrt.lifecycle import exit_with_parent
 from radixrt.server.front import FrontConfig
 from radixrt.server.router.router import DRAIN_SLACK_S, Router, RouterConfig
@@ -58,7 +57,8 @@ class FleetWorker(Engine):
 
 
 def worker_envs(args: ServerArgs) -> list[dict[str, str]]:
-    """Each worker's share: `cores // (dp * tp)` threads on the CPU, `tp` GPUs on CUDA."""
+    """Each worker's share: `--cpu-threads` (default: the physical cores) `// (dp * tp)`
+    threads a rank on the CPU, `tp` GPUs on CUDA."""
     if _on_cuda(args.device):
         return [
             {
@@ -68,7 +68,8 @@ def worker_envs(args: ServerArgs) -> list[dict[str, str]]:
             }
             for i in range(args.dp_size)
         ]
-    threads = max(1, (os.cpu_count() or 1) // (args.dp_size * args.tp_size) * args.tp_size)
+    cores = args.cpu_threads or physical_cores()
+    threads = max(1, cores // (args.dp_size * args.tp_size) * args.tp_size)
     return [{"OMP_NUM_THREADS": str(threads)} for _ in range(args.dp_size)]
 
 

@@ -6,6 +6,8 @@ and enforced in one place: `radixrt.mem_cache.slot_manager`. Page 0 is padding o
 
 from __future__ import annotations
 
+import math
+import mmap
 from collections.abc import Callable
 
 import torch
@@ -97,6 +99,19 @@ class PageAllocator:
         return self._free_pages
 
 
+def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero tensor whose memory, on the CPU, becomes resident only where it is written: an
+    anonymous map reads as zeros and the kernel backs a page at its first write. A KV pool sized
+    for the worst case then holds the memory of the tokens served so far, not of its capacity
+    (torch.zeros writes every page: a 10% pool was resident at start). Elsewhere, torch.zeros."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(shape)
+
+
 class TokenToKVPool:
     """Per-layer K and V buffers `[slots, kv_heads, head_dim]` of `dtype`, indexed by slot; with
     a quantized `fmt` (`--kv-cache-dtype`), `int8 [slots, kv_heads, head_dim + 4]` rows of codes
@@ -122,7 +137,7 @@ class TokenToKVPool:
             dtype = torch.int8
         self.k_buffers: list[torch.Tensor] = []
         self.v_buffers: list[torch.Tensor] = []
-        self._allocate(lambda: torch.zeros(self.shape, dtype=dtype, device=device))
+        self._allocate(lambda: lazy_zeros(self.shape, dtype, device))
 
     def _allocate(self, make: Callable[[], torch.Tensor]) -> None:
         self.k_buffers = [make() for _ in range(self.num_layers)]
@@ -144,7 +159,7 @@ class TokenToKVPool:
         """The buffers again, zeroed, after `release` (a no-op when they are there)."""
         if self.released:
             k = self.k_buffers[0]
-            self._allocate(lambda: torch.zeros(self.shape, dtype=k.dtype, device=k.device))
+            self._allocate(lambda: lazy_zeros(self.shape, k.dtype, k.device))
 
     @property
     def bytes_per_token(self) -> int:

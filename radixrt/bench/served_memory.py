@@ -55,7 +55,10 @@ print(json.dumps({
     "served_peak": status("VmHWM:"),
     "linears": linear_bytes(runner.model),
     "params": sum(p.nbytes for p in runner.model.parameters() if not p.is_meta),
-    "kv_pool": sum(b.nbytes for b in pool.k_buffers + pool.v_buffers),
+    "kv_capacity": sum(b.nbytes for b in pool.k_buffers + pool.v_buffers),
+    # resident: the pages of the slots written (0 .. prompt + new tokens), in every buffer
+    "kv_pool": sum(-(-(prompt + new_tokens + 1) * b[0].nbytes // 4096) * 4096
+                   for b in pool.k_buffers + pool.v_buffers),
     "tokens": tokens,
 }))
 """
@@ -65,7 +68,8 @@ print(json.dumps({
 class ServedMemory:
     """Bytes, all of them: RSS after imports (`base`), the tokenizer's growth alone, RSS after
     the load and its peak, RSS after the steps and the run's peak; what the linears, the other
-    parameters and the KV pool hold; and the greedy tokens decoded (for comparing runs)."""
+    parameters and the KV pool hold (`kv_pool`: the pages written, which alone are resident;
+    `kv_capacity`: its size); and the greedy tokens decoded (for comparing runs)."""
 
     base: int
     tokenizer: int
@@ -76,6 +80,7 @@ class ServedMemory:
     linears: int
     params: int
     kv_pool: int
+    kv_capacity: int
     tokens: list[int]
 
 
@@ -111,7 +116,8 @@ def main() -> None:
         f"{args.model} {args.quantization or args.dtype}: peak RSS {r.served_peak / mb:.0f} MB"
         f" (load {r.load_peak / mb:.0f}), after the run {r.served / mb:.0f} MB = imports"
         f" {r.base / mb:.0f} + linears {r.linears / mb:.0f} + other parameters"
-        f" {r.params / mb:.0f} + KV pool {r.kv_pool / mb:.0f} + rest"
+        f" {r.params / mb:.0f} + KV pool {r.kv_pool / mb:.0f} (written, of"
+        f" {r.kv_capacity / mb:.0f}) + rest"
         f" {(r.served - r.base - r.linears - r.params - r.kv_pool) / mb:.0f}"
         f" (tokenizer alone {r.tokenizer / mb:.0f}); greedy tokens {r.tokens}"
     )

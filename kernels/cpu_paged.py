@@ -240,14 +240,13 @@ static void attend_quantized(const float *qh, const int8_t *k, const int8_t *v, 
    Each request's keys are cut into `splits` ranges, one task per (request, KV head, range), so a
    small batch still fills every core; then each (request, KV head) merges its ranges by their
    maxima. part: scratch [B, Hkv, splits, G, D + 2]. kind: -1 for float32 rows k, v [S, Hkv, D];
-   else the codes (0 int8, 1 E4M3, 2 E5M2) of quantized rows [S, Hkv, D + 4]. */
-void paged_decode(const float *q, const void *k, const void *v, const int64_t *slots,
-                  const int64_t *lens, float *out, float *lse, int64_t B, int64_t Hq, int64_t Hkv,
-                  int64_t D, int64_t L, float scale, float cap, int64_t splits, float *part,
-                  int64_t kind) {
+   else the codes (0 int8, 1 E4M3, 2 E5M2) of quantized rows [S, Hkv, D + 4]. The body runs
+   inside any parallel region (`cpu_layer` calls it inside its own); the entry opens one. */
+static void paged_decode_body(const float *q, const void *k, const void *v, const int64_t *slots,
+                              const int64_t *lens, float *out, float *lse, int64_t B, int64_t Hq,
+                              int64_t Hkv, int64_t D, int64_t L, float scale, float cap,
+                              int64_t splits, float *part, int64_t kind) {
     const int64_t G = Hq / Hkv, stride = G * (D + 2);
-    #pragma omp parallel
-    {
     #pragma omp for collapse(3) schedule(dynamic)
     for (int64_t b = 0; b < B; b++)
         for (int64_t h = 0; h < Hkv; h++)
@@ -265,7 +264,15 @@ void paged_decode(const float *q, const void *k, const void *v, const int64_t *s
                                      hi - lo, h, Hkv, G, D, scale, cap, kind, task);
             }
     merge_ranges(part, out, lse, B, Hq, Hkv, D, splits);
-    }
+}
+
+void paged_decode(const float *q, const void *k, const void *v, const int64_t *slots,
+                  const int64_t *lens, float *out, float *lse, int64_t B, int64_t Hq, int64_t Hkv,
+                  int64_t D, int64_t L, float scale, float cap, int64_t splits, float *part,
+                  int64_t kind) {
+    #pragma omp parallel
+    paged_decode_body(q, k, v, slots, lens, out, lse, B, Hq, Hkv, D, L, scale, cap, splits, part,
+                      kind);
 }
 
 /* x [T, H, D] float rows -> int8 rows of buf [S, H, D + 4] at slots[t]: codes round(x / scale)
@@ -353,7 +360,7 @@ def paged_decode(
     assert slots.dtype == lens.dtype == torch.int64
     assert kind is None or k_buf.shape[2] == d + 4, "a quantized row is D codes and a scale"
     hkv = k_buf.shape[1]
-    splits = splits or _splits(b * hkv, slots.shape[1])
+    splits = splits or choose_splits(b * hkv, slots.shape[1])
     out = torch.empty_like(q)
     lse = torch.empty(b, hq, dtype=torch.float32)
     part = torch.empty(b * hkv * splits * (hq // hkv) * (d + 2), dtype=torch.float32)
@@ -389,7 +396,7 @@ def quantize_int8(x: torch.Tensor, slots: torch.Tensor, buf: torch.Tensor) -> No
     _library().quantize_int8(x.data_ptr(), slots.data_ptr(), buf.data_ptr(), t, h, d)
 
 
-def _splits(tasks: int, longest: int) -> int:
+def choose_splits(tasks: int, longest: int) -> int:
     """Key ranges per (request, KV head): enough tasks for two per thread, none shorter than
     MIN_SPLIT_KEYS."""
     wanted = -(-2 * torch.get_num_threads() // tasks)

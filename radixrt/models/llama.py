@@ -15,6 +15,7 @@ from radixrt.distributed.sharding import HeadShard, shard_heads, split_range
 from radixrt.forward_batch import ForwardBatch
 from radixrt.kernels import cpu_fused
 from radixrt.models.family import Family, MoeSpec, family_of, rope_per_layer_type
+from radixrt.models.fused_decode import FusedDecode
 from radixrt.models.interface import WeightSource
 from radixrt.models.moe import GatedMLP, SparseMoE
 
@@ -320,6 +321,8 @@ class LlamaForCausalLM(nn.Module):
         self.tied = bool(getattr(config, "tie_word_embeddings", False))
         if self.tied:
             self.lm_head.weight = self.embed_tokens.weight
+        self._fused: FusedDecode | None = None
+        self._fused_checked = False
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
@@ -328,9 +331,21 @@ class LlamaForCausalLM(nn.Module):
         if self.family.embed_scale != 1.0:
             x = x * torch.tensor(self.family.embed_scale, dtype=x.dtype)
         tables = {kind: rope(batch.positions, x.dtype) for kind, rope in self.rope.items()}
-        for layer, kind in zip(self.layers, self.rope_of_layer):
-            x, residual = layer(x, residual, batch, tables[kind], attn)
+        fused = self._fused_decode()
+        done = fused.run(x, batch, attn, tables["all"]) if fused else None
+        if done is not None:  # every layer in one native call
+            x, residual = done
+        else:
+            for layer, kind in zip(self.layers, self.rope_of_layer):
+                x, residual = layer(x, residual, batch, tables[kind], attn)
         return self.norm(x, residual)[0]
+
+    def _fused_decode(self) -> FusedDecode | None:
+        """The one-call decode path (`fused_decode`), decided at the first step: the linears
+        are packed by then."""
+        if not self._fused_checked:
+            self._fused, self._fused_checked = FusedDecode.of(self), True
+        return self._fused
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -45,7 +45,7 @@ def test_paged_decode_kernel_reads_the_pool_in_place(hq, hkv, d, lens, cap):
     slots = torch.randint(1, 3000, (len(lens), int(lens.max())), generator=gen)
     q = torch.randn(len(lens), hq, d, generator=gen) * 3  # peaked softmaxes too
     if int(lens.max()) >= 2 * cpu_paged.MIN_SPLIT_KEYS:
-        assert cpu_paged._splits(len(lens) * hkv, int(lens.max())) > 1
+        assert cpu_paged.choose_splits(len(lens) * hkv, int(lens.max())) > 1
     out, lse = cpu_paged.paged_decode(q, k, v, slots, lens, cap)
     for b, n in enumerate(lens.tolist()):
         if n == 0:

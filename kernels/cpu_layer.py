@@ -1,0 +1,243 @@
+"""A decode step's decoder layers in one native call (CPU, float32 activations, 4- or 8-bit grouped
+weights): per layer, norm -> qkv -> RoPE and the K/V store -> paged attention -> o and the
+residual -> norm -> gate_up -> SiLU -> down, every layer of the step inside one OpenMP parallel
+region, a barrier between stages, the scratch allocated once per step.
+
+Why: a decode step of a small model is mostly structure, not arithmetic. Per layer the Python
+path makes nine ctypes calls, about twenty `torch.empty` and as many OpenMP regions, each region
+ending in a barrier; at one stream of the default model that was half of the step. Here Python
+runs once per step, and the threads stay in one region, so another process's load on a core
+delays a barrier, not the start of each of ~100 regions.
+
+The stages are the very code of the separate kernels, built into this one library: the grouped
+GEMM's body (`int4_gemm`), the paged decode's body (`cpu_paged`) and the glue's rows
+(`cpu_fused`, their products unfused as there), so a layer here gives the bits of the per-op
+path; `tests/kernels/test_cpu_layer.py` holds it to that. `--cpu-isa` picks the build, as for
+the GEMM.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import torch
+
+from . import cpu_fused, cpu_isa, cpu_paged, int4_gemm, native
+
+LAYER_SOURCE = r"""
+/* A linear's packed weight, as `int4_gemm.PackedGroups` holds it: N outputs, K inputs in G groups. */
+typedef struct { const uint8_t *w; const uint16_t *sc; int64_t N, K, G, bits; } Packed;
+
+/* One layer: its two norms' weights, its four linears and its K/V pool buffers [S, Hkv, D]. */
+typedef struct {
+    const float *norm1, *norm2;
+    Packed qkv, o, gate_up, down;
+    float *k_buf, *v_buf;
+} Layer;
+
+/* The step, shared by every layer: T token rows (each a decode row: its keys slots [t, :lens[t]],
+   the new one at out_slots[t] among them), the shapes, and the scratch the layers reuse. */
+typedef struct {
+    int64_t T, H, Hq, Hkv, D, I, L, splits;
+    float eps, scale;
+    const float *cos, *sin;      /* [T, D] */
+    const int64_t *out_slots;    /* [T] */
+    const int64_t *slots, *lens; /* [T, L], [T] */
+    float *h, *qkv, *q, *attn, *lse, *part, *o, *gate_up, *act, *xs, *xsum;
+    int8_t *a;
+} Step;
+
+/* out [T, N] = x @ W.T: the grouped GEMM's body over the step's scratch, then a barrier (the
+   next stage reads out, and the next linear rewrites the quantized rows this one reads). */
+static inline void linear(const Packed *p, const float *x, float *out, const Step *s) {
+    if (p->bits == 4)
+        linear_body(x, s->a, s->xs, s->xsum, p->w, p->sc, 0, out, s->T, p->N, p->K, p->G, 4);
+    else
+        linear_body(x, s->a, s->xs, s->xsum, p->w, p->sc, 0, out, s->T, p->N, p->K, p->G, 8);
+    #pragma omp barrier
+}
+
+/* One layer inside the region: x [T, H] (the last layer's MLP output) is added to residual and
+   replaced by this layer's MLP output; residual [T, H] is the stream. */
+static void layer(const Layer *w, const Step *s, float *x, float *residual) {
+    const int64_t T = s->T, H = s->H, D = s->D, I = s->I, width = (s->Hq + 2 * s->Hkv) * D;
+    #pragma omp for schedule(static)
+    for (int64_t t = 0; t < T; t++)
+        norm_row(x + t * H, residual + t * H, w->norm1, s->h + t * H, H, s->eps);
+    linear(&w->qkv, s->h, s->qkv, s);
+    #pragma omp for schedule(static)
+    for (int64_t t = 0; t < T; t++) {
+        const int64_t slot = s->out_slots[t] * s->Hkv * D;
+        rope_row(s->qkv + t * width, s->cos + t * D, s->sin + t * D, s->q + t * s->Hq * D,
+                 w->k_buf + slot, w->v_buf + slot, s->Hq, s->Hkv, D);
+    }
+    paged_decode_body(s->q, w->k_buf, w->v_buf, s->slots, s->lens, s->attn, s->lse, T, s->Hq,
+                      s->Hkv, D, s->L, s->scale, 0.0f, s->splits, s->part, -1);
+    linear(&w->o, s->attn, s->o, s);
+    #pragma omp for schedule(static)
+    for (int64_t t = 0; t < T; t++)
+        norm_row(s->o + t * H, residual + t * H, w->norm2, s->h + t * H, H, s->eps);
+    linear(&w->gate_up, s->h, s->gate_up, s);
+    #pragma omp for schedule(static)
+    for (int64_t t = 0; t < T; t++) silu_row(s->gate_up + t * 2 * I, s->act + t * I, I);
+    linear(&w->down, s->act, x, s);
+}
+
+/* layers [n] over x and residual [T, H], in one parallel region. */
+void decode_layers(const Layer *layers, int64_t n, const Step *s, float *x, float *residual) {
+    #pragma omp parallel
+    for (int64_t l = 0; l < n; l++) layer(layers + l, s, x, residual);
+}
+"""
+SOURCE = (
+    int4_gemm.SOURCE
+    + cpu_paged.SOURCE.removeprefix(native.AVX2_PRELUDE)
+    + cpu_fused.SOURCE
+    + LAYER_SOURCE
+)
+P, I = native.POINTER, native.INT64
+SIGNATURES = (("decode_layers", (P, I, P, P, P)),)
+
+
+class Packed(ctypes.Structure):
+    _fields_ = [("w", P), ("sc", P), ("N", I), ("K", I), ("G", I), ("bits", I)]
+
+    @classmethod
+    def of(cls, w: int4_gemm.PackedGroups) -> Packed:
+        return cls(w.tiles_ptr, w.scales_ptr, w.out_features, w.in_features, w.groups, w.bits)
+
+
+class Layer(ctypes.Structure):
+    _fields_ = [
+        ("norm1", P),
+        ("norm2", P),
+        ("qkv", Packed),
+        ("o", Packed),
+        ("gate_up", Packed),
+        ("down", Packed),
+        ("k_buf", P),
+        ("v_buf", P),
+    ]
+
+
+class Step(ctypes.Structure):
+    _fields_ = [
+        *((name, I) for name in ("T", "H", "Hq", "Hkv", "D", "I", "L", "splits")),
+        ("eps", native.FLOAT),
+        ("scale", native.FLOAT),
+        *((name, P) for name in ("cos", "sin", "out_slots", "slots", "lens")),
+        *((name, P) for name in ("h", "qkv", "q", "attn", "lse", "part", "o", "gate_up", "act")),
+        ("xs", P),
+        ("xsum", P),
+        ("a", P),
+    ]
+
+
+def _library(isa: cpu_isa.Isa):
+    return native.load(f"cpu_layer-{isa.value}", SOURCE, SIGNATURES, isa.cflags)
+
+
+def available(isa: cpu_isa.Isa) -> bool:
+    """Whether this CPU runs the layer kernel on `isa` (builds it on first use)."""
+    return (
+        isa in cpu_isa.host_paths() and isa is not cpu_isa.Isa.TORCH and _library(isa) is not None
+    )
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A model's layer shape: hidden size, query and KV heads, head size, intermediate size,
+    and the norms' epsilon."""
+
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    eps: float
+
+
+def layer_of(
+    norms: tuple[torch.Tensor, torch.Tensor],
+    linears: tuple[int4_gemm.PackedGroups, ...],
+    k_buf: torch.Tensor,
+    v_buf: torch.Tensor,
+) -> Layer:
+    """A layer's record: its norms' weights, its qkv, o, gate_up and down weights, and its
+    float32 pool buffers (the caller keeps them all alive)."""
+    assert all(n.is_contiguous() and n.dtype == torch.float32 for n in norms)
+    assert k_buf.dtype == v_buf.dtype == torch.float32 and k_buf.is_contiguous()
+    return Layer(
+        norms[0].data_ptr(),
+        norms[1].data_ptr(),
+        *(Packed.of(w) for w in linears),
+        k_buf.data_ptr(),
+        v_buf.data_ptr(),
+    )
+
+
+def decode_layers(
+    layers: ctypes.Array,
+    shape: Shape,
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    out_slots: torch.Tensor,
+    slots: torch.Tensor,
+    lens: torch.Tensor,
+    isa: cpu_isa.Isa,
+) -> None:
+    """Every layer of `layers` over x and residual [T, H] float32, in place: x becomes the last
+    layer's MLP output, residual the stream (the per-op path's pair). Row t is a decode row: its
+    position's cos, sin [T, D], its new K/V stored at out_slots[t], and its keys slots[t,
+    :lens[t]] (int64, the new one among them)."""
+    t, h = x.shape
+    assert x.is_contiguous() and residual.is_contiguous() and x.dtype == torch.float32
+    d, hq, hkv, inter = shape.head_dim, shape.heads, shape.kv_heads, shape.intermediate
+    slots, lens, out_slots = slots.contiguous(), lens.contiguous(), out_slots.contiguous()
+    cos, sin = cos.contiguous(), sin.contiguous()
+    splits = cpu_paged.choose_splits(t * hkv, slots.shape[1])
+    widest = max(h, hq * d, inter)
+    floats = {
+        "h": t * h,
+        "qkv": t * (hq + 2 * hkv) * d,
+        "q": t * hq * d,
+        "attn": t * hq * d,
+        "lse": t * hq,
+        "part": t * hkv * splits * (hq // hkv) * (d + 2),
+        "o": t * h,
+        "gate_up": t * 2 * inter,
+        "act": t * inter,
+        "xs": t * -(-widest // int4_gemm.GROUP),
+        "xsum": t * -(-widest // int4_gemm.GROUP),
+    }
+    scratch = torch.empty(sum(floats.values()), dtype=torch.float32)
+    a = torch.empty(t * -(-widest // int4_gemm.GROUP) * int4_gemm.GROUP, dtype=torch.int8)
+    at, pointers = scratch.data_ptr(), {}
+    for name, n in floats.items():
+        pointers[name] = at
+        at += 4 * n
+    step = Step(
+        t,
+        h,
+        hq,
+        hkv,
+        d,
+        inter,
+        slots.shape[1],
+        splits,
+        shape.eps,
+        d**-0.5,
+        cos.data_ptr(),
+        sin.data_ptr(),
+        out_slots.data_ptr(),
+        slots.data_ptr(),
+        lens.data_ptr(),
+        **pointers,
+        a=a.data_ptr(),
+    )
+    _library(isa).decode_layers(
+        layers, len(layers), ctypes.byref(step), x.data_ptr(), residual.data_ptr()
+    )

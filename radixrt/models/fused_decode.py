@@ -1,0 +1,143 @@
+"""Which decode steps run their layers in one native call (`kernels/cpu_layer`), and the call.
+
+A model qualifies once, at its first step: Llama's layer as the per-op path runs it (RMSNorms,
+RoPE over whole heads, SiLU, no q/k norms, sandwich norms, experts, soft-caps, sliding windows or
+query scaling), on one rank, float32 on the CPU, its four linears a layer grouped 4- or 8-bit
+weights on a native `--cpu-isa` path with no bias, input permutation or adapter, and a float32
+KV pool read in place. A step qualifies when every row attends as a decode row with no shared
+prefix split off (`TorchMetadata`): one stream, or several without a common start. Every other
+step keeps the per-op path, which gives the same bits.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from radixrt.attention.torch_backend import TorchAttentionBackend, TorchMetadata
+from radixrt.forward_batch import ForwardBatch
+from radixrt.kernels import cpu_layer, cpu_paged
+from radixrt.kernels.cpu_isa import Isa
+from radixrt.models.linear import GroupedLinear
+
+
+@dataclass
+class FusedDecode:
+    """A qualifying model's layer records, rebuilt when what they point at moves: the pool's
+    buffers (a release and restore of the KV memory) or a packed weight (a weight update
+    replaces it)."""
+
+    model: Any  # the LlamaForCausalLM (its layers' weights, read here)
+    shape: cpu_layer.Shape
+    isa: Isa
+    _layers: ctypes.Array | None = field(default=None, init=False)
+    _held: list[Any] = field(default_factory=list, init=False)  # what the records point at
+
+    @classmethod
+    def of(cls, model: Any) -> FusedDecode | None:
+        """The model's fused path, or None where a layer does not qualify (the module's
+        docstring)."""
+        family, cfg = model.family, model.config
+        plain = (
+            model.tp.size == 1
+            and not family.qk_norm
+            and not family.sandwich_norms
+            and family.moe is None
+            and family.query_scale == 1.0
+            and family.attn_logit_softcap is None
+            and family.activation == "silu"
+            and all(w is None for w in family.windows)
+            and set(model.rope_of_layer) == {"all"}
+            and model.rope["all"].cos.shape[-1] == model.head_dim
+            and model.head_dim <= cpu_paged.MAX_DIM
+            and model.shard.num_heads // model.shard.num_kv_heads <= cpu_paged.MAX_GROUP
+        )
+        linears = [lin for layer in model.layers for lin in _linears(layer)]
+        if not plain or not linears or not all(_qualifies(lin) for lin in linears):
+            return None
+        isa = linears[0].isa
+        if not cpu_layer.available(isa) or model.norm.weight.dtype != torch.float32:
+            return None
+        shape = cpu_layer.Shape(
+            cfg.hidden_size,
+            model.shard.num_heads,
+            model.shard.num_kv_heads,
+            model.head_dim,
+            model.mlp_range[1] - model.mlp_range[0],
+            model.layers[0].input_layernorm.eps,
+        )
+        return cls(model, shape, isa)
+
+    def run(
+        self, x: torch.Tensor, batch: ForwardBatch, attn: Any, cos_sin: tuple[torch.Tensor, ...]
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Every layer over the step's embeddings x [T, H]: (the last MLP output, the stream),
+        or None where this step does not qualify."""
+        meta = _decode_only(batch, attn)
+        if meta is None or x.dtype != torch.float32:
+            return None
+        pool = attn.kv_pool
+        held = [pool.k_buffers[0], *(lin.weight for lin in self._all_linears())]
+        if self._layers is None or any(a is not b for a, b in zip(held, self._held, strict=True)):
+            self._layers, self._held = self._records(pool), held
+        residual = torch.zeros_like(x)  # the first norm adds x to it: the stream is x
+        x = x.contiguous().clone()
+        cos, sin = cos_sin
+        cpu_layer.decode_layers(
+            self._layers,
+            self.shape,
+            x,
+            residual,
+            cos[:, 0],
+            sin[:, 0],
+            batch.out_slots,
+            meta.decode_slots,
+            meta.decode_lens,
+            self.isa,
+        )
+        return x, residual
+
+    def _all_linears(self) -> list[Any]:
+        return [lin for layer in self.model.layers for lin in _linears(layer)]
+
+    def _records(self, pool: Any) -> ctypes.Array:
+        records = [
+            cpu_layer.layer_of(
+                (layer.input_layernorm.weight.data, layer.post_attention_layernorm.weight.data),
+                tuple(lin.weight for lin in _linears(layer)),
+                pool.k_buffers[i],
+                pool.v_buffers[i],
+            )
+            for i, layer in enumerate(self.model.layers)
+        ]
+        return (cpu_layer.Layer * len(records))(*records)
+
+
+def _linears(layer: Any) -> list[Any]:
+    attn, mlp = layer.self_attn, layer.mlp
+    return [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
+
+
+def _qualifies(linear: Any) -> bool:
+    return (
+        type(linear) is GroupedLinear
+        and linear.bias is None
+        and linear.perm is None
+        and linear.isa is not Isa.TORCH
+    )
+
+
+def _decode_only(batch: ForwardBatch, attn: Any) -> TorchMetadata | None:
+    """The step's decode layout where every row is a decode row over its own keys in a float32
+    pool read in place, else None."""
+    if not isinstance(attn, TorchAttentionBackend) or not attn.in_place or attn.kv_pool.fmt:
+        return None
+    meta = batch.attn_metadata.get(None) if isinstance(batch.attn_metadata, dict) else None
+    if meta is None or meta.extends or meta.shared_slots is not None:
+        return None
+    if attn.deterministic or len(meta.decode_tokens) != len(batch.out_slots):
+        return None
+    return meta

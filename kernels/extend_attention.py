@@ -83,7 +83,10 @@ def _load_rows(
     (the query's), 0 where masked. KV_KIND -1: a float pool, loaded as is; else
     (`KVFormat.kernel_kind`) codes times the float32 scale stored after them, at byte HEAD_DIM
     of the row (the wrappers check it is 4-aligned)."""
-    rows = buf + slots * stride_s + kvh * stride_h
+    offset = slots * stride_s + kvh * stride_h
+    if KV_KIND >= 0:  # rows of D + 4 bytes, D % 4 == 0: tell the compiler, so codes load by word
+        offset = tl.multiple_of(offset, 4)
+    rows = buf + offset
     x = tl.load(rows[:, None] + offs_d[None, :], mask=mask_n[:, None] & mask_d[None, :], other=0)
     if KV_KIND >= 0:
         scale = tl.load((rows + HEAD_DIM).to(tl.pointer_type(tl.float32)), mask=mask_n, other=0)

@@ -11,7 +11,7 @@ tp_size=1 on CUDA, and 2 over two GPUs where the machine has them, (h) each mode
 on CUDA against transformers, (i) the deterministic mode's Triton layout (`FIXED_KV_SPLITS`
 splits per row): each row's output bitwise the same in a batch of 32 mixed rows as alone, (j) the
 quantized KV pool (`--kv-cache-dtype`) on the Triton kernels and the engine: correctness, decode
-time at 2k and 8k keys against bf16 KV, greedy tokens against bf16 KV. Writes $OUT/gpu_check.json and $OUT/gpu_check.txt,
+time at 2k and 8k keys and the store's against bf16 KV, greedy tokens against bf16 KV. Writes $OUT/gpu_check.json and $OUT/gpu_check.txt,
 rewritten after every section so a timeout still leaves the finished parts.
 """
 
@@ -753,7 +753,8 @@ def quantized_pool(b: dict, fmt) -> tuple[dict, dict]:
 def check_kv_quant() -> None:
     """(j) `--kv-cache-dtype` on the Triton path: both kernels over each format's rows against
     the reference on the values they hold (and how far those move the output from the bf16
-    pool's); decode kernel time at 2k and 8k keys against a bf16 pool; the engine on the default
+    pool's); decode kernel time at 2k and 8k keys against a bf16 pool; the store's time
+    (`check_kv_store`); the engine on the default
     model (bf16, triton, CUDA graphs) with fp8_e4m3 and int8 KV against bf16 KV: a decode step at
     2k and 8k contexts, and where greedy tokens first differ."""
     from radixrt.mem_cache.kv_quant import KVFormat
@@ -797,8 +798,29 @@ def check_kv_quant() -> None:
                 log(f"  {model:<10} {batch:>5} {ctx:>6} {kv:>9} {us:>9.1f} {base / us:>7.2f}")
             del b, pools
         torch.cuda.empty_cache()
+    check_kv_store(out)
     save()
     check_kv_quant_engine(out["engine"])
+
+
+def check_kv_store(out: dict) -> None:
+    """(j, the store) `TokenToKVPool.set_kv` into one layer of llama3-8b's KV heads, a decode
+    batch's tokens and a prefill's: the quantized pools quantize in torch (several launches a
+    call, no fused kernel yet), so this says whether the store is worth fusing."""
+    from radixrt.mem_cache.kv_quant import parse_kv_format
+    from radixrt.mem_cache.memory_pool import TokenToKVPool
+
+    _, hkv, d = MODELS["llama3-8b"]
+    out["set_kv_us"] = []
+    for tokens in (32, 2048):
+        k, v = (torch.randn(tokens, hkv, d, dtype=DTYPE, device=DEVICE) for _ in range(2))
+        slots = torch.randperm(8192, device=DEVICE)[:tokens]
+        for kv in ("auto", "int8", "fp8_e4m3", "fp8_e5m2"):
+            fmt = parse_kv_format(kv)
+            pool = TokenToKVPool(8192, 1, hkv, d, DTYPE, torch.device(DEVICE), fmt)
+            us = 1e3 * bench_ms(lambda: pool.set_kv(0, slots, k, v))
+            out["set_kv_us"].append({"tokens": tokens, "kv": kv, "us": us})
+            log(f"  set_kv {tokens:>5} tokens, {kv:>8} KV: {us:8.1f} us")
 
 
 def check_kv_quant_engine(out: dict) -> None:

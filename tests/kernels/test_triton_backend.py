@@ -121,3 +121,21 @@ def test_deterministic_rows_do_not_depend_on_batch_cache_or_chunks(tiny_model_di
         chunked_prefill_size=4,
     )
     assert _logprobs_in_process(chunked, [prompts]) == alone
+
+
+def test_quantized_rows_from_the_host_tier(tiny_model_dir):
+    """fp8 rows pushed out of a 64-token pool to the host tier by two other prompts, loaded
+    back as bytes when their prompt returns, then read by the Triton kernels: the torch
+    backend's greedy tokens on the same tiers."""
+    tiers = {"kv_cache_dtype": "fp8_e4m3", "enable_hierarchical_cache": True}
+    first, others = list(range(300, 330)), [list(range(400, 430)), list(range(500, 530))]
+    passes = [[first], *([p] for p in others), [first + [801, 802]]]
+    outs = {}
+    for backend in ("torch", "triton"):
+        scheduler = make_scheduler(
+            tiny_model_dir, attention_backend=backend, max_total_tokens=64, **tiers
+        )
+        outs[backend] = run_in_process(scheduler, passes, SAMPLING)
+        assert scheduler.stats()["host_hit_tokens"] > 0, "nothing was loaded back"
+        assert_no_leak(scheduler)
+    assert outs["triton"] == outs["torch"]

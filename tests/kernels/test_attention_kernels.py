@@ -263,6 +263,7 @@ def test_quantized_pool_matches_reference_on_its_values(heads, fmt):
     scale, as the reference reads the same rows dequantized by `KVFormat.dequantize`; the
     extend's new tokens stay floats. Several splits and a sliding window included."""
     _run_extend(*heads, prefix_lens=[0, 7, 29], extend_lens=[13, 1, 35], logit_cap=5.0, fmt=fmt)
+    _run_extend(*heads, prefix_lens=[40, 3], extend_lens=[5, 20], sliding_window=11, fmt=fmt)
     _run_decode(*heads, context_lens=[1, 37, 3], num_kv_splits=4, fmt=fmt)
     _run_decode(*heads, context_lens=[40, 9], num_kv_splits=3, sliding_window=11, fmt=fmt)
 

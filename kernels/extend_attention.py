@@ -7,8 +7,11 @@ own rows, one-byte codes then a float32 scale per (token, KV head) (radixrt/mem_
 kv_quant.py), dequantized as a tile is loaded (`_load_rows`). That row format, rather than a
 static scale per head, is kept on the GPU because the host and disk tiers and swap already
 move it as bytes, it needs no calibration pass, and a scale per row bounds each row's error by
-its own largest value; its cost is 4 bytes a row (6% at head size 64, 3% at 128) and one scalar
-load per key, small beside the row's codes in a memory-bound decode.
+its own largest value; its cost is 4 bytes a row (6% at head size 64, 3% at 128), one scalar
+load per key, and rows only 4-byte aligned (D + 4 bytes): on sm_90 a tile's codes copy 4 bytes
+an instruction where bf16 rows copy 16 (`tests/kernels/gpu_compile.py` shows the PTX). Should
+`scripts/gpu_check.py check_kv_quant` find decode slower than bf16 KV for it, rows padded to 16
+bytes or the scales in an array of their own are the ways out.
 """
 
 import math

@@ -8,8 +8,8 @@ kv_quant.py), dequantized as a tile is loaded (`_load_rows`). That row format, r
 static scale per head, is kept on the GPU because the host and disk tiers and swap already
 move it as bytes, it needs no calibration pass, and a scale per row bounds each row's error by
 its own largest value; its cost is 4 bytes a row (6% at head size 64, 3% at 128), one scalar
-load per key, and rows only 4-byte aligned (D + 4 bytes): on sm_90 a tile's codes copy 4 bytes
-an instruction where bf16 rows copy 16 (`tests/kernels/gpu_compile.py` shows the PTX). Should
+load per key, and rows only 4-byte aligned (D + 4 bytes): compiled for sm_90, the decode
+kernel copies a tile's codes 4 bytes a `cp.async` where bf16 rows go 16 at a time. Should
 `scripts/gpu_check.py check_kv_quant` find decode slower than bf16 KV for it, rows padded to 16
 bytes or the scales in an array of their own are the ways out.
 """

@@ -8,7 +8,13 @@ import torch
 import triton
 import triton.language as tl
 
-from .extend_attention import _attend_block, _check_last_dim_contiguous, dot_precision
+from .extend_attention import (
+    _attend_block,
+    _check_last_dim_contiguous,
+    _load_rows,
+    check_kv_rows,
+    dot_precision,
+)
 
 
 @triton.jit
@@ -52,6 +58,7 @@ def _decode_split_kernel(
     LOGIT_CAP: tl.constexpr,
     WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    KV_KIND: tl.constexpr,
 ):
     """Stage 1: one program per (request, kv head, split) serves all query heads of that kv head,
     so each K/V block is read once per group. Writes the split's normalized output and its log2-sum-exp."""
@@ -86,16 +93,31 @@ def _decode_split_kernel(
         cols = start_n + offs_n
         mask_n = cols < hi
         slots = tl.load(kv_indices + kv_start + cols, mask=mask_n, other=0).to(tl.int64)
-        mask_nd = mask_n[:, None] & mask_d[None, :]
-        k = tl.load(
-            K_buf + slots[:, None] * stride_kbs + kvh * stride_kbh + offs_d[None, :],
-            mask=mask_nd,
-            other=0.0,
+        k = _load_rows(
+            K_buf,
+            slots,
+            kvh,
+            stride_kbs,
+            stride_kbh,
+            offs_d,
+            mask_n,
+            mask_d,
+            q.dtype,
+            HEAD_DIM,
+            KV_KIND,
         )
-        v = tl.load(
-            V_buf + slots[:, None] * stride_vbs + kvh * stride_vbh + offs_d[None, :],
-            mask=mask_nd,
-            other=0.0,
+        v = _load_rows(
+            V_buf,
+            slots,
+            kvh,
+            stride_vbs,
+            stride_vbh,
+            offs_d,
+            mask_n,
+            mask_d,
+            q.dtype,
+            HEAD_DIM,
+            KV_KIND,
         )
         m_i, l_i, acc = _attend_block(
             q, k, v, mask_n[None, :], m_i, l_i, acc, sm_scale, LOGIT_CAP, DOT_PRECISION
@@ -168,6 +190,7 @@ def decode_attention_fwd(
     sm_scale: float | None = None,
     logit_cap: float = 0.0,
     sliding_window: int | None = None,
+    kv_kind: int | None = None,
 ) -> None:
     """Attention for one new token per request, written into o [B, Hq, D].
 
@@ -175,11 +198,14 @@ def decode_attention_fwd(
     kv_indices[kv_indptr[b]:kv_indptr[b+1]] of k_buffer/v_buffer [slots, Hkv, D]; it must be non-empty.
     With `sliding_window` W the query sees only the context's last W keys (the context is still
     given whole, so one layout serves every layer; the keys before the window are not read).
+    With `kv_kind` (`KVFormat.kernel_kind`) the buffers hold quantized rows `[slots, Hkv, D + 4]`
+    (codes, then a float32 scale), dequantized as read.
     """
     _check_last_dim_contiguous(q, k_buffer, v_buffer, o)
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_buffer.shape[1]
     assert num_heads % num_kv_heads == 0 and head_dim <= 256 and num_kv_splits >= 1
+    kind = check_kv_rows(k_buffer, head_dim, kv_kind)
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(head_dim)
     if batch == 0:
@@ -219,6 +245,7 @@ def decode_attention_fwd(
         LOGIT_CAP=logit_cap,
         WINDOW=sliding_window or 0,
         DOT_PRECISION=dot_precision(q.dtype),
+        KV_KIND=kind,
         **_launch_config(block_d),
     )
     _decode_merge_kernel[(batch, num_heads)](

@@ -1,6 +1,18 @@
 """Prefill ("extend") attention: new tokens attend to their cached prefix in the paged KV pool
 and causally to each other; with a sliding window W, a query at position p only to the keys at
-positions above p - W, and the loops start at the first key a query tile sees."""
+positions above p - W, and the loops start at the first key a query tile sees.
+
+Both kernels read a float pool or a quantized one (`--kv-cache-dtype`, `KV_KIND`): the pool's
+own rows, one-byte codes then a float32 scale per (token, KV head) (radixrt/mem_cache/
+kv_quant.py), dequantized as a tile is loaded (`_load_rows`). That row format, rather than a
+static scale per head, is kept on the GPU because the host and disk tiers and swap already
+move it as bytes, it needs no calibration pass, and a scale per row bounds each row's error by
+its own largest value; its cost is 4 bytes a row (6% at head size 64, 3% at 128), one scalar
+load per key, and rows only 4-byte aligned (D + 4 bytes): compiled for sm_90, the decode
+kernel copies a tile's codes 4 bytes a `cp.async` where bf16 rows go 16 at a time. Should
+`scripts/gpu_check.py check_kv_quant` find decode slower than bf16 KV for it, rows padded to 16
+bytes or the scales in an array of their own are the ways out.
+"""
 
 import math
 
@@ -38,6 +50,54 @@ def _attend_block(
 
 
 @triton.jit
+def _codes_to_float(x, KV_KIND: tl.constexpr):
+    """One-byte codes, loaded as int8 -> their float32 values: int8 (KV_KIND 0) as is; an FP8
+    code (1 E4M3, 2 E5M2) through the half-precision float with its sign, exponent and mantissa
+    bits (E5M2 is a half's top byte; E4M3's exponent bias is 7 to a half's 15: times 2^8). Exact
+    for every finite code, and integer ops and a bitcast only, so every GPU Triton runs on (FP8
+    conversions need sm_89) and the interpreter decode alike."""
+    if KV_KIND == 0:
+        y = x.to(tl.float32)
+    elif KV_KIND == 1:
+        u = x.to(tl.uint8, bitcast=True).to(tl.uint16)
+        half = ((u & 0x80) << 8) | ((u & 0x7F) << 7)
+        y = half.to(tl.float16, bitcast=True).to(tl.float32) * 256.0
+    else:
+        u = x.to(tl.uint8, bitcast=True).to(tl.uint16)
+        y = (u << 8).to(tl.float16, bitcast=True).to(tl.float32)
+    return y
+
+
+@triton.jit
+def _load_rows(
+    buf,
+    slots,
+    kvh,
+    stride_s,
+    stride_h,
+    offs_d,
+    mask_n,
+    mask_d,
+    dtype: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    KV_KIND: tl.constexpr,
+):
+    """KV head `kvh`'s rows at pool `slots` [BLOCK_N] -> a tile [BLOCK_N, BLOCK_D] in `dtype`
+    (the query's), 0 where masked. KV_KIND -1: a float pool, loaded as is; else
+    (`KVFormat.kernel_kind`) codes times the float32 scale stored after them, at byte HEAD_DIM
+    of the row (the wrappers check it is 4-aligned)."""
+    offset = slots * stride_s + kvh * stride_h
+    if KV_KIND >= 0:  # rows of D + 4 bytes, D % 4 == 0: tell the compiler, so codes load by word
+        offset = tl.multiple_of(offset, 4)
+    rows = buf + offset
+    x = tl.load(rows[:, None] + offs_d[None, :], mask=mask_n[:, None] & mask_d[None, :], other=0)
+    if KV_KIND >= 0:
+        scale = tl.load((rows + HEAD_DIM).to(tl.pointer_type(tl.float32)), mask=mask_n, other=0)
+        x = _codes_to_float(x, KV_KIND) * scale[:, None]
+    return x.to(dtype)
+
+
+@triton.jit
 def _extend_kernel(
     Q,
     K_ext,
@@ -69,6 +129,7 @@ def _extend_kernel(
     LOGIT_CAP: tl.constexpr,
     WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    KV_KIND: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -108,16 +169,31 @@ def _extend_kernel(
         cols = start_n + offs_n
         mask_n = cols < prefix_len
         slots = tl.load(kv_indices + kv_start + cols, mask=mask_n, other=0).to(tl.int64)
-        mask_nd = mask_n[:, None] & mask_d[None, :]
-        k = tl.load(
-            K_buf + slots[:, None] * stride_kbs + kvh * stride_kbh + offs_d[None, :],
-            mask=mask_nd,
-            other=0.0,
+        k = _load_rows(
+            K_buf,
+            slots,
+            kvh,
+            stride_kbs,
+            stride_kbh,
+            offs_d,
+            mask_n,
+            mask_d,
+            q.dtype,
+            HEAD_DIM,
+            KV_KIND,
         )
-        v = tl.load(
-            V_buf + slots[:, None] * stride_vbs + kvh * stride_vbh + offs_d[None, :],
-            mask=mask_nd,
-            other=0.0,
+        v = _load_rows(
+            V_buf,
+            slots,
+            kvh,
+            stride_vbs,
+            stride_vbh,
+            offs_d,
+            mask_n,
+            mask_d,
+            q.dtype,
+            HEAD_DIM,
+            KV_KIND,
         )
         visible = mask_n[None, :]
         if WINDOW > 0:
@@ -167,6 +243,21 @@ def _check_last_dim_contiguous(*tensors: torch.Tensor) -> None:
         assert t.stride(-1) == 1, "attention kernels need a contiguous head dim"
 
 
+def check_kv_rows(k_buffer: torch.Tensor, head_dim: int, kv_kind: int | None) -> int:
+    """The kernels' KV_KIND for a pool of `k_buffer`'s rows read as `kv_kind` (None: float rows
+    `[slots, Hkv, head_dim]`; else `KVFormat.kernel_kind`: int8 rows `[slots, Hkv, head_dim + 4]`,
+    codes then scale, with head_dim a multiple of 4 so each scale's float32 load is aligned)."""
+    if kv_kind is None:
+        assert k_buffer.shape[-1] == head_dim, "float KV rows are head_dim wide"
+        return -1
+    assert kv_kind in (0, 1, 2), f"unknown KV kind {kv_kind}"
+    assert k_buffer.dtype == torch.int8 and k_buffer.shape[-1] == head_dim + 4, (
+        "quantized KV rows are int8 [head_dim codes + a float32 scale]"
+    )
+    assert head_dim % 4 == 0, "a quantized row's scale is read as an aligned float32"
+    return kv_kind
+
+
 def dot_precision(dtype: torch.dtype) -> str:
     # fp32 inputs would silently get tf32 tensor-core dots on GPU; keep them exact.
     return "ieee" if dtype == torch.float32 else "tf32"
@@ -193,6 +284,7 @@ def extend_attention_fwd(
     sm_scale: float | None = None,
     logit_cap: float = 0.0,
     sliding_window: int | None = None,
+    kv_kind: int | None = None,
 ) -> None:
     """Attention for the new tokens of a batch of requests, written into o_extend.
 
@@ -200,13 +292,16 @@ def extend_attention_fwd(
     rows qo_indptr[b]:qo_indptr[b+1]. Its cached prefix is at slots kv_indices[kv_indptr[b]:kv_indptr[b+1]]
     of k_buffer/v_buffer [slots, Hkv, D]. max_len_extend bounds qo_indptr[b+1] - qo_indptr[b].
     With `sliding_window` W, a query sees only the keys less than W positions before it (the
-    prefix is still given whole; the keys before the window are not read).
+    prefix is still given whole; the keys before the window are not read). With `kv_kind`
+    (`KVFormat.kernel_kind`) the buffers hold quantized rows `[slots, Hkv, D + 4]` (codes, then
+    a float32 scale), dequantized as read; the new tokens' k/v are floats either way.
     """
     _check_last_dim_contiguous(q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer)
     batch = qo_indptr.numel() - 1
     num_heads, head_dim = q_extend.shape[1], q_extend.shape[2]
     num_kv_heads = k_extend.shape[1]
     assert num_heads % num_kv_heads == 0 and head_dim <= 256
+    kind = check_kv_rows(k_buffer, head_dim, kv_kind)
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(head_dim)
     if batch == 0 or max_len_extend == 0:
@@ -244,5 +339,6 @@ def extend_attention_fwd(
         LOGIT_CAP=logit_cap,
         WINDOW=sliding_window or 0,
         DOT_PRECISION=dot_precision(q_extend.dtype),
+        KV_KIND=kind,
         **cfg,
     )

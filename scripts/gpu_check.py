@@ -1,6 +1,6 @@
 """GPU check of the Triton attention kernels (sized for one H200, well under 8 minutes).
 
-    OUT=/path/to/dir python scripts/gpu_check.py
+    OUT=/path/to/dir python scripts/gpu_check.py [SECTION ...]   (e.g. check_kv_quant; none: all)
 
 (a) correctness against the torch references on realistic bf16 shapes, (b) speed: decode HBM bandwidth and
 extend TFLOP/s against dense torch SDPA, plus small launch-config sweeps, (c) end to end: greedy outputs of
@@ -9,7 +9,9 @@ from CUDA graphs against eager launches: time per step, and where greedy outputs
 decoding against plain decoding, (f) the host tier: copy bandwidth and load-backs end to end, (g) the engine at
 tp_size=1 on CUDA, and 2 over two GPUs where the machine has them, (h) each model family's greedy tokens
 on CUDA against transformers, (i) the deterministic mode's Triton layout (`FIXED_KV_SPLITS`
-splits per row): each row's output bitwise the same in a batch of 32 mixed rows as alone. Writes $OUT/gpu_check.json and $OUT/gpu_check.txt,
+splits per row): each row's output bitwise the same in a batch of 32 mixed rows as alone, (j) the
+quantized KV pool (`--kv-cache-dtype`) on the Triton kernels and the engine: correctness, decode
+time at 2k and 8k keys and the store's against bf16 KV, greedy tokens against bf16 KV. Writes $OUT/gpu_check.json and $OUT/gpu_check.txt,
 rewritten after every section so a timeout still leaves the finished parts.
 """
 
@@ -46,6 +48,7 @@ SWEEP_DECODE_SHAPE, SWEEP_EXTEND_SHAPE = (64, 4096), (8, 2048)
 SWEEP_DEADLINE_S = 300  # skip the config sweeps if the run is already this far in
 
 OUT = Path(os.environ.get("OUT", "."))
+ONLY = set(sys.argv[1:])  # section names to run (e.g. check_kv_quant); none: every section
 START = time.time()
 results: dict = {}
 lines: list[str] = []
@@ -86,7 +89,7 @@ def paged_batch(hq: int, hkv: int, d: int, prefix_lens: list[int], extend_lens: 
     )
 
 
-def run_extend(fn, b: dict, logit_cap: float = 0.0) -> torch.Tensor:
+def run_extend(fn, b: dict, logit_cap: float = 0.0, **options) -> torch.Tensor:
     o = torch.empty_like(b["q_extend"])
     fn(
         b["q_extend"],
@@ -100,11 +103,14 @@ def run_extend(fn, b: dict, logit_cap: float = 0.0) -> torch.Tensor:
         b["kv_indices"],
         b["max_len_extend"],
         logit_cap=logit_cap,
+        **options,
     )
     return o
 
 
-def run_decode(fn, b: dict, num_kv_splits: int = 8, logit_cap: float = 0.0) -> torch.Tensor:
+def run_decode(
+    fn, b: dict, num_kv_splits: int = 8, logit_cap: float = 0.0, **options
+) -> torch.Tensor:
     o = torch.empty_like(b["q_extend"])
     fn(
         b["q_extend"],
@@ -115,6 +121,7 @@ def run_decode(fn, b: dict, num_kv_splits: int = 8, logit_cap: float = 0.0) -> t
         b["kv_indices"],
         num_kv_splits=num_kv_splits,
         logit_cap=logit_cap,
+        **options,
     )
     return o
 
@@ -506,6 +513,25 @@ def check_tensor_parallel() -> None:
         log("  one GPU: tp_size=2 skipped")
 
 
+def timed_decode(scheduler, reqs: list, steps: int = 32) -> float:
+    """Run `reqs` (made by `scheduler`) to the end; the mean time of up to `steps` decode steps
+    once every prompt is in and while all of them still run, in ms."""
+    for req in reqs:
+        scheduler.add_request(req)
+    while any(r.tokens_to_compute > 1 for r in scheduler.running) or scheduler.waiting:
+        scheduler.step()
+    torch.cuda.synchronize()
+    start, done = time.perf_counter(), 0
+    while done < steps and len(scheduler.running) == len(reqs):
+        scheduler.step()
+        done += 1
+    torch.cuda.synchronize()
+    ms = (time.perf_counter() - start) / max(done, 1) * 1e3
+    while scheduler.running:
+        scheduler.step()
+    return ms
+
+
 def check_cuda_graphs() -> None:
     log("== (d) decode steps replayed from CUDA graphs against eager launches ==")
     from radixrt.config import ServerArgs
@@ -527,19 +553,7 @@ def check_cuda_graphs() -> None:
                 )
                 for i in range(batch)
             ]
-            for req in reqs:
-                scheduler.add_request(req)
-            while any(r.tokens_to_compute > 1 for r in scheduler.running) or scheduler.waiting:
-                scheduler.step()
-            torch.cuda.synchronize()
-            start, steps = time.perf_counter(), 0
-            while steps < 32 and len(scheduler.running) == batch:
-                scheduler.step()
-                steps += 1
-            torch.cuda.synchronize()
-            ms = (time.perf_counter() - start) / max(steps, 1) * 1e3
-            while scheduler.running:
-                scheduler.step()
+            ms = timed_decode(scheduler, reqs)
             outputs[(batch, disabled)] = [r.output_ids for r in reqs]
             key = f"batch{batch}_{'eager' if disabled else 'graphs'}"
             results["cuda_graphs"][key] = {"decode_step_ms": ms}
@@ -724,6 +738,124 @@ def check_deterministic_rows() -> None:
     save()
 
 
+KV_CHECK_CTX = [1, 77, 2048, 8192, 20000]  # decode contexts of the correctness check
+KV_DECODE_SHAPES = [(1, 2048), (1, 8192), (32, 2048), (32, 8192)]  # (batch, ctx)
+KV_ENGINE_PROMPTS = [(4, 2000), (1, 8000)]  # (requests, prompt tokens): 2k and 8k contexts
+
+
+def quantized_pool(b: dict, fmt) -> tuple[dict, dict]:
+    """`b` with its K/V pool as `fmt`'s quantized rows, and `b` with the bf16 values those rows
+    hold (what the kernels must attend over)."""
+    rows = {x: fmt.quantize(b[x]) for x in ("k_buffer", "v_buffer")}
+    return {**b, **rows}, {**b, **{x: fmt.dequantize(r, DTYPE) for x, r in rows.items()}}
+
+
+def check_kv_quant() -> None:
+    """(j) `--kv-cache-dtype` on the Triton path: both kernels over each format's rows against
+    the reference on the values they hold (and how far those move the output from the bf16
+    pool's); decode kernel time at 2k and 8k keys against a bf16 pool; the store's time
+    (`check_kv_store`); the engine on the default
+    model (bf16, triton, CUDA graphs) with fp8_e4m3 and int8 KV against bf16 KV: a decode step at
+    2k and 8k contexts, and where greedy tokens first differ."""
+    from radixrt.mem_cache.kv_quant import KVFormat
+
+    log("== (j) quantized KV (--kv-cache-dtype) on the Triton kernels and the engine ==")
+    results["kv_quant"] = out = {"kernels": {}, "decode_us": [], "engine": {}}
+    results.setdefault("correctness", {})  # compare() records there: failures count in the summary
+    for model, (hq, hkv, d) in MODELS.items():
+        prefix, extend = CHECK_EXTEND
+        ext = paged_batch(hq, hkv, d, prefix, extend)
+        dec = paged_batch(hq, hkv, d, KV_CHECK_CTX, [1] * len(KV_CHECK_CTX))
+        cases = [
+            ("extend", ext, run_extend, kernels.extend_attention_fwd, kernels.extend_attention_ref),
+            ("decode", dec, run_decode, kernels.decode_attention_fwd, kernels.decode_attention_ref),
+        ]
+        for name, b, run, fwd, ref in cases:
+            bf16_pool_out = run(ref, b)
+            for fmt in KVFormat:
+                stored, values = quantized_pool(b, fmt)
+                got = run(fwd, stored, kv_kind=fmt.kernel_kind)
+                compare(f"{name} {model} {fmt.value} KV", got, run(ref, values))
+                moved = (got.float() - bf16_pool_out.float()).abs().max().item()
+                out["kernels"][f"{name} {model} {fmt.value}"] = {"max_abs_vs_bf16_pool": moved}
+                log(f"    vs the bf16 pool's output: max|diff| {moved:.2e}")
+                del stored, values
+        del ext, dec, cases
+    save()
+    log(f"  {'model':<10} {'batch':>5} {'ctx':>6} {'KV':>9} {'us':>9} {'x bf16':>7}")
+    for model, (hq, hkv, d) in MODELS.items():
+        for batch, ctx in KV_DECODE_SHAPES:
+            b = paged_batch(hq, hkv, d, [ctx] * batch, [1] * batch)
+            pools = {"bf16": (b, {})}
+            pools.update(
+                {f.value: (quantized_pool(b, f)[0], {"kv_kind": f.kernel_kind}) for f in KVFormat}
+            )
+            base = None
+            for kv, (pool, kind) in pools.items():
+                us = 1e3 * bench_ms(lambda: run_decode(kernels.decode_attention_fwd, pool, **kind))
+                base = base or us
+                out["decode_us"].append(dict(model=model, batch=batch, ctx=ctx, kv=kv, us=us))
+                log(f"  {model:<10} {batch:>5} {ctx:>6} {kv:>9} {us:>9.1f} {base / us:>7.2f}")
+            del b, pools
+        torch.cuda.empty_cache()
+    check_kv_store(out)
+    save()
+    check_kv_quant_engine(out["engine"])
+
+
+def check_kv_store(out: dict) -> None:
+    """(j, the store) `TokenToKVPool.set_kv` into one layer of llama3-8b's KV heads, a decode
+    batch's tokens and a prefill's: the quantized pools quantize in torch (several launches a
+    call, no fused kernel yet), so this says whether the store is worth fusing."""
+    from radixrt.mem_cache.kv_quant import parse_kv_format
+    from radixrt.mem_cache.memory_pool import TokenToKVPool
+
+    _, hkv, d = MODELS["llama3-8b"]
+    out["set_kv_us"] = []
+    for tokens in (32, 2048):
+        k, v = (torch.randn(tokens, hkv, d, dtype=DTYPE, device=DEVICE) for _ in range(2))
+        slots = torch.randperm(8192, device=DEVICE)[:tokens]
+        for kv in ("auto", "int8", "fp8_e4m3", "fp8_e5m2"):
+            fmt = parse_kv_format(kv)
+            pool = TokenToKVPool(8192, 1, hkv, d, DTYPE, torch.device(DEVICE), fmt)
+            us = 1e3 * bench_ms(lambda: pool.set_kv(0, slots, k, v))
+            out["set_kv_us"].append({"tokens": tokens, "kv": kv, "us": us})
+            log(f"  set_kv {tokens:>5} tokens, {kv:>8} KV: {us:8.1f} us")
+
+
+def check_kv_quant_engine(out: dict) -> None:
+    """(j, end to end) the default model with each KV dtype: decode step time and greedy tokens
+    at each of KV_ENGINE_PROMPTS, against `auto` (bf16)."""
+    from radixrt.config import ServerArgs
+    from radixrt.engine.scheduler import Scheduler
+    from radixrt.sampling_params import SamplingParams
+
+    params = SamplingParams.from_dict({"max_new_tokens": 48, "temperature": 0, "ignore_eos": True})
+    gen = torch.Generator().manual_seed(0)
+    prompts = {
+        shape: [
+            torch.randint(3, 40000, (shape[1],), generator=gen).tolist() for _ in range(shape[0])
+        ]
+        for shape in KV_ENGINE_PROMPTS
+    }
+    tokens = {}
+    for kv in ("auto", "fp8_e4m3", "int8"):
+        scheduler = Scheduler.from_server_args(ServerArgs(dtype="bfloat16", kv_cache_dtype=kv))
+        for (n, length), batch in prompts.items():
+            reqs = [scheduler.make_request(f"{kv}-{n}-{i}", p, params) for i, p in enumerate(batch)]
+            ms = timed_decode(scheduler, reqs)
+            tokens[kv, n, length] = [r.output_ids for r in reqs]
+            row = {"decode_step_ms": ms}
+            if kv != "auto":
+                pairs = zip(tokens[kv, n, length], tokens["auto", n, length])
+                row["first_diff"] = [first_difference(a, b) for a, b in pairs]
+            out[f"{kv} {n}x{length}"] = row
+            log(f"  engine {kv:>8} {n} x {length} tokens: {row}")
+        del scheduler
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
 def main() -> None:
     results.update(
         device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__
@@ -742,7 +874,10 @@ def main() -> None:
         check_families,
         check_fused_moe,
         check_deterministic_rows,
+        check_kv_quant,
     ):
+        if ONLY and section.__name__ not in ONLY:
+            continue
         try:
             section()
         except Exception:

@@ -9,6 +9,12 @@ Under `--enable-deterministic-inference` (`deterministic`) every step runs the d
 one row per new token over exactly the keys it sees, with `FIXED_KV_SPLITS` splits whatever the
 batch: a row's split boundaries, each split's blocks and the merge then depend on its context
 length alone, so a prompt token reduces as it would decoded, cached prefix or not.
+
+A quantized pool (`--kv-cache-dtype int8|fp8_e4m3|fp8_e5m2`) is read in place by both kernels,
+its rows dequantized as each tile is loaded (`kv_kind`); the pool's `set_kv` wrote them. The
+extend kernel takes a step's new tokens as floats apart from the pool: with a quantized pool
+always their rows read back and dequantized, so a prompt's tokens attend to each other with the
+values every later step reads (as the torch backend does), whatever the chunking.
 """
 
 from __future__ import annotations
@@ -63,6 +69,7 @@ class TritonAttentionBackend:
         self.windows = windows or (None,) * len(kv_pool.k_buffers)
         self.logit_cap = logit_cap or 0.0
         self.deterministic = deterministic
+        self.kv_kind = kv_pool.fmt.kernel_kind if kv_pool.fmt else None
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         device = self.req_to_token.device
@@ -134,10 +141,12 @@ class TritonAttentionBackend:
                 meta.num_kv_splits,
                 logit_cap=self.logit_cap,
                 sliding_window=window,
+                kv_kind=self.kv_kind,
             )
         else:
-            if k is None:  # stored by the caller; the extend kernel reads new tokens apart
-                k, v = k_buf[batch.out_slots], v_buf[batch.out_slots]
+            if k is None or self.kv_kind is not None:  # the values the pool holds
+                k = self.kv_pool.read(k_buf[batch.out_slots])
+                v = self.kv_pool.read(v_buf[batch.out_slots])
             extend_attention_fwd(
                 q,
                 k,
@@ -151,5 +160,6 @@ class TritonAttentionBackend:
                 meta.max_extend_len,
                 logit_cap=self.logit_cap,
                 sliding_window=window,
+                kv_kind=self.kv_kind,
             )
         return out

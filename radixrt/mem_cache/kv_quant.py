@@ -7,8 +7,9 @@ every tier (the host pool, swap, the disk tier's blocks) moves the quantized for
 as is, with no code of its own. A row is quantized once, when the token's K/V is written: the
 scale is the row's largest magnitude over the format's largest code (127 for int8, 448 for
 E4M3, 57344 for E5M2), so every value is within half a step of its code; a row of zeros gets
-scale 0 and codes 0. Reading multiplies codes by the scale (`dequantize`, or the C decode kernel
-in place, `kernels/cpu_paged`).
+scale 0 and codes 0. Reading multiplies codes by the scale (`dequantize`, the C decode kernel in
+place, `kernels/cpu_paged`, or the Triton decode and extend kernels in place as they load a
+tile, `kernels/extend_attention._load_rows`).
 """
 
 from __future__ import annotations
@@ -46,7 +47,8 @@ class KVFormat(str, enum.Enum):
 
     @property
     def kernel_kind(self) -> int:
-        """How the C kernels decode a code (`kernels/cpu_paged`: 0 int8, 1 E4M3, 2 E5M2)."""
+        """How the kernels decode a code (`kernels/cpu_paged`, the Triton attention kernels: 0 int8,
+        1 E4M3, 2 E5M2)."""
         return list(KVFormat).index(self)
 
     def row_width(self, head_dim: int) -> int:
@@ -79,16 +81,20 @@ def parse_kv_format(name: str) -> KVFormat | None:
 
 def resolve_kv_format(name: str, device: torch.device, attention_backend: str) -> KVFormat | None:
     """`--kv-cache-dtype name` for a pool on `device` read by `attention_backend` (`auto`,
-    `torch`, `triton`): its format, None for `auto`. ValueError, one line, where the path cannot
-    read quantized rows: only the torch backend on the CPU has the kernels (C in place, or
-    gather and dequantize); the Triton kernels and CUDA read the model's dtype only."""
+    `torch`, `triton`): its format, None for `auto`. Every format is read by the torch backend
+    on the CPU (C in place, or gather and dequantize) and by the Triton kernels (`auto` on CUDA,
+    or `triton` on either device: on the CPU under Triton's interpreter), which dequantize the
+    rows as they load them; ValueError, one line, for the torch backend on CUDA, which reads
+    the model's dtype only."""
     if name == "auto":
         return None
     fmt = KVFormat(name)
-    if device.type != "cpu" or attention_backend == "triton":
-        path = f"the {attention_backend} attention backend on {device.type}"
+    backend = attention_backend
+    if backend == "auto":
+        backend = "triton" if device.type == "cuda" else "torch"
+    if backend == "torch" and device.type != "cpu":
         raise ValueError(
-            f"--kv-cache-dtype {name}: {path} reads the KV pool at the model's dtype only (its"
-            " quantized kernels are not built); the torch backend on the CPU honours it"
+            f"--kv-cache-dtype {name}: the torch attention backend on {device.type} reads the KV"
+            " pool at the model's dtype only; the triton backend (CUDA's default) honours it"
         )
     return fmt

@@ -1,12 +1,18 @@
 """`--kv-cache-dtype int8` through every memory tier on the tiny model: a request's quantized
 rows (codes and scales) are written once and then reused as they are, from the radix tree, the
 host tier, the disk tier after a restart and a swap, so every path gives the cold answer token
-for token; and a KV dtype the attention path cannot read is refused at start."""
+for token; the attention paths that read a quantized pool, and a refusal at start where one
+cannot."""
 
 from __future__ import annotations
 
 import random
 import subprocess
+
+import pytest
+import torch
+
+from radixrt.mem_cache.kv_quant import KVFormat, resolve_kv_format
 
 from helpers import assert_tiers_free, serve_argv, tier_engine
 
@@ -66,13 +72,25 @@ def test_int8_rows_are_reused_as_written_through_every_tier(tiny_model_dir, tmp_
 
 
 def test_a_kv_dtype_the_attention_path_cannot_read_is_refused_at_start(tiny_model_dir):
-    """The Triton kernels read the model's dtype only: `serve --kv-cache-dtype fp8_e4m3
-    --attention-backend triton` exits at start with one line naming the flag and the path
-    that honours it."""
+    """The deterministic mode's fixed-order attention reads float32 rows only: `serve
+    --kv-cache-dtype fp8_e4m3 --enable-deterministic-inference` exits at start with one line
+    naming both flags."""
     argv = serve_argv(tiny_model_dir, "--kv-cache-dtype", "fp8_e4m3")
-    argv += ["--attention-backend", "triton", "--max-total-tokens", "64"]
+    argv += ["--enable-deterministic-inference", "--max-total-tokens", "64"]
     refused = subprocess.run(argv, capture_output=True, text=True, timeout=300)
     assert refused.returncode == 2
     last = refused.stderr.strip().splitlines()[-1]
-    assert last.startswith("radixrt serve: error: --kv-cache-dtype fp8_e4m3: the triton ")
-    assert "the torch backend on the CPU honours it" in last
+    assert last.startswith("radixrt serve: error: --enable-deterministic-inference ")
+    assert "needs --kv-cache-dtype auto" in last
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3", "fp8_e5m2"])
+def test_the_paths_that_read_a_quantized_pool(fmt):
+    """The torch backend on the CPU and the Triton kernels (CUDA's default, or on the CPU under
+    the interpreter) read every format; the torch backend on CUDA is refused in one line."""
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    for device, backend in [(cpu, "auto"), (cpu, "torch"), (cpu, "triton"), (cuda, "auto")]:
+        assert resolve_kv_format(fmt, device, backend) is KVFormat(fmt)
+    assert resolve_kv_format("auto", cuda, "torch") is None
+    with pytest.raises(ValueError, match=f"^--kv-cache-dtype {fmt}: the torch attention backend"):
+        resolve_kv_format(fmt, cuda, "torch")

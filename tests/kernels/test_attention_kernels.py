@@ -15,6 +15,7 @@ from radixrt.kernels import (  # noqa: E402
     extend_attention_fwd,
     extend_attention_ref,
 )
+from radixrt.mem_cache.kv_quant import KVFormat  # noqa: E402
 
 from helpers import LaunchSpy  # noqa: E402
 
@@ -78,6 +79,15 @@ def _pool(total: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, gen:
     return k_buffer, v_buffer, kv_indices
 
 
+def _as_stored(fmt: KVFormat | None, dtype: torch.dtype, *buffers: torch.Tensor):
+    """The pool the kernel reads (`fmt`'s quantized rows, or the floats) and the float pool the
+    reference reads (those rows dequantized: the values the kernel should see), per buffer."""
+    if fmt is None:
+        return buffers, buffers
+    rows = tuple(fmt.quantize(b) for b in buffers)
+    return rows, tuple(fmt.dequantize(r, dtype) for r in rows)
+
+
 def _strided_q(
     rows: int, num_heads: int, head_dim: int, dtype: torch.dtype, gen: torch.Generator
 ) -> torch.Tensor:
@@ -94,27 +104,23 @@ def _run_extend(
     logit_cap=0.0,
     dtype=torch.float32,
     sliding_window=None,
+    fmt=None,
 ):
     gen = torch.Generator().manual_seed(sum(prefix_lens) * 31 + head_dim)
     k_buffer, v_buffer, kv_indices = _pool(sum(prefix_lens), num_kv_heads, head_dim, dtype, gen)
+    stored, values = _as_stored(fmt, dtype, k_buffer, v_buffer)
     n = sum(extend_lens)
     q = _strided_q(n, num_heads, head_dim, dtype, gen)
     k = torch.randn(n, num_kv_heads, head_dim, generator=gen).to(dtype)
     v = torch.randn(n, num_kv_heads, head_dim, generator=gen).to(dtype)
     args = (q, k, v)
-    meta = (
-        k_buffer,
-        v_buffer,
-        _indptr(extend_lens),
-        _indptr(prefix_lens),
-        kv_indices,
-        max(extend_lens),
-    )
+    meta = (_indptr(extend_lens), _indptr(prefix_lens), kv_indices, max(extend_lens))
     out = torch.full((n, num_heads, head_dim), float("nan"), dtype=dtype)
     ref = torch.empty_like(out)
     options = dict(logit_cap=logit_cap, sliding_window=sliding_window)
-    extend_attention_fwd(*args, out, *meta, **options)
-    extend_attention_ref(*args, ref, *meta, **options)
+    kind = fmt.kernel_kind if fmt else None
+    extend_attention_fwd(*args, out, *stored, *meta, **options, kv_kind=kind)
+    extend_attention_ref(*args, ref, *values, *meta, **options)
     torch.testing.assert_close(out, ref, **TOL[dtype])
 
 
@@ -127,16 +133,19 @@ def _run_decode(
     logit_cap=0.0,
     dtype=torch.float32,
     sliding_window=None,
+    fmt=None,
 ):
     gen = torch.Generator().manual_seed(sum(context_lens) * 31 + head_dim + num_kv_splits)
     k_buffer, v_buffer, kv_indices = _pool(sum(context_lens), num_kv_heads, head_dim, dtype, gen)
+    stored, values = _as_stored(fmt, dtype, k_buffer, v_buffer)
     q = _strided_q(len(context_lens), num_heads, head_dim, dtype, gen)
     out = torch.full((len(context_lens), num_heads, head_dim), float("nan"), dtype=dtype)
     ref = torch.empty_like(out)
     meta = (_indptr(context_lens), kv_indices, num_kv_splits)
     options = dict(logit_cap=logit_cap, sliding_window=sliding_window)
-    decode_attention_fwd(q, k_buffer, v_buffer, out, *meta, **options)
-    decode_attention_ref(q, k_buffer, v_buffer, ref, *meta, **options)
+    kind = fmt.kernel_kind if fmt else None
+    decode_attention_fwd(q, *stored, out, *meta, **options, kv_kind=kind)
+    decode_attention_ref(q, *values, ref, *meta, **options)
     torch.testing.assert_close(out, ref, **TOL[dtype])
 
 
@@ -241,6 +250,29 @@ def test_half_precision():
     # bf16 is checked on GPU by scripts/gpu_check.py.
     _run_extend(8, 1, 64, prefix_lens=[0, 19], extend_lens=[9, 23], dtype=torch.float16)
     _run_decode(8, 1, 64, context_lens=[1, 33], num_kv_splits=4, dtype=torch.float16)
+
+
+# (Hq, Hkv, D): GQA 3 and 1 with a head dim below its tile (80 of 128, 48 of 64)
+QUANT_HEAD_CASES = [(6, 2, 80), (3, 3, 48)]
+
+
+@pytest.mark.parametrize("fmt", list(KVFormat), ids=lambda f: f.value)
+@pytest.mark.parametrize("heads", QUANT_HEAD_CASES, ids=lambda h: f"hq{h[0]}-hkv{h[1]}-d{h[2]}")
+def test_quantized_pool_matches_reference_on_its_values(heads, fmt):
+    """A quantized pool (`--kv-cache-dtype`): both kernels read its rows, codes times their
+    scale, as the reference reads the same rows dequantized by `KVFormat.dequantize`; the
+    extend's new tokens stay floats. Several splits and a sliding window included."""
+    _run_extend(*heads, prefix_lens=[0, 7, 29], extend_lens=[13, 1, 35], logit_cap=5.0, fmt=fmt)
+    _run_extend(*heads, prefix_lens=[40, 3], extend_lens=[5, 20], sliding_window=11, fmt=fmt)
+    _run_decode(*heads, context_lens=[1, 37, 3], num_kv_splits=4, fmt=fmt)
+    _run_decode(*heads, context_lens=[40, 9], num_kv_splits=3, sliding_window=11, fmt=fmt)
+
+
+@pytest.mark.parametrize("fmt", list(KVFormat), ids=lambda f: f.value)
+def test_quantized_pool_in_half_precision(fmt):
+    """fp16 queries over a quantized pool: the dequantized tile is cast to the query's dtype."""
+    _run_extend(8, 1, 64, prefix_lens=[19], extend_lens=[9], dtype=torch.float16, fmt=fmt)
+    _run_decode(8, 1, 64, context_lens=[33], num_kv_splits=2, dtype=torch.float16, fmt=fmt)
 
 
 def test_references_agree_with_dense_sdpa():

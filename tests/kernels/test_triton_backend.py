@@ -5,6 +5,7 @@ import pytest
 from radixrt.attention import triton_backend
 from radixrt.attention.triton_backend import TritonAttentionBackend
 from radixrt.kernels import decode_attention, extend_attention
+from radixrt.mem_cache.kv_quant import parse_kv_format
 
 from helpers import LaunchSpy, make_scheduler, requests_in_process, run_in_process
 from ownership import assert_no_leak
@@ -25,6 +26,9 @@ CONFIGS = {
     "chunked": {"chunked_prefill_size": 4},
     # warm passes draft what the cold ones said: verification runs the extend kernel
     "speculative": {"speculative_algorithm": "ngram"},
+    # quantized pools (`--kv-cache-dtype`): both backends read the same rows, dequantized
+    "fp8_e4m3 KV": {"kv_cache_dtype": "fp8_e4m3"},
+    "int8 KV, chunked": {"kv_cache_dtype": "int8", "chunked_prefill_size": 4},
 }
 
 
@@ -40,11 +44,12 @@ def _run(model_dir, backend: str, **args) -> list[list[int]]:
 
 @pytest.mark.parametrize("config", CONFIGS, ids=str)
 def test_triton_backend_matches_torch(tiny_model_dir, monkeypatch, config):
-    steps = []
+    steps, kinds = [], set()
     init = TritonAttentionBackend.init_forward_metadata
 
     def recording_init(self, batch):
         steps.append((list(batch.prefix_lens), list(batch.extend_lens)))
+        kinds.add(self.kv_kind)
         init(self, batch)
 
     monkeypatch.setattr(TritonAttentionBackend, "init_forward_metadata", recording_init)
@@ -57,7 +62,9 @@ def test_triton_backend_matches_torch(tiny_model_dir, monkeypatch, config):
     assert any(p > 0 and e > 1 for pre, ext in steps for p, e in zip(pre, ext)), (
         "no extend over a cached prefix"
     )
-    if config == "chunked":
+    fmt = parse_kv_format(CONFIGS[config].get("kv_cache_dtype", "auto"))
+    assert kinds == {fmt.kernel_kind if fmt else None}, "the kernels read another pool format"
+    if "chunked" in config:
         assert any(1 in ext and max(ext) > 1 for _, ext in steps), "no mixed decode + extend step"
 
 
@@ -114,3 +121,21 @@ def test_deterministic_rows_do_not_depend_on_batch_cache_or_chunks(tiny_model_di
         chunked_prefill_size=4,
     )
     assert _logprobs_in_process(chunked, [prompts]) == alone
+
+
+def test_quantized_rows_from_the_host_tier(tiny_model_dir):
+    """fp8 rows pushed out of a 64-token pool to the host tier by two other prompts, loaded
+    back as bytes when their prompt returns, then read by the Triton kernels: the torch
+    backend's greedy tokens on the same tiers."""
+    tiers = {"kv_cache_dtype": "fp8_e4m3", "enable_hierarchical_cache": True}
+    first, others = list(range(300, 330)), [list(range(400, 430)), list(range(500, 530))]
+    passes = [[first], *([p] for p in others), [first + [801, 802]]]
+    outs = {}
+    for backend in ("torch", "triton"):
+        scheduler = make_scheduler(
+            tiny_model_dir, attention_backend=backend, max_total_tokens=64, **tiers
+        )
+        outs[backend] = run_in_process(scheduler, passes, SAMPLING)
+        assert scheduler.stats()["host_hit_tokens"] > 0, "nothing was loaded back"
+        assert_no_leak(scheduler)
+    assert outs["triton"] == outs["torch"]

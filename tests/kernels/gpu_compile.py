@@ -1,0 +1,85 @@
+"""The Triton attention kernels compiled ahead of time for a CUDA architecture, with no GPU:
+Triton's own compiler down to PTX and its bundled ptxas. Run as a script (the tests run it in a
+child process: theirs interprets the kernels, and an interpreted kernel compiles nothing), it
+prints one JSON object: for each case, the PTX's global loads by width.
+
+    PYTHONPATH=. python tests/kernels/gpu_compile.py
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import re
+from collections import Counter
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from radixrt.kernels import decode_attention, extend_attention
+
+HQ, HKV, D = 32, 8, 128  # llama3-8b's heads
+POINTERS = {
+    "Q": "*bf16",
+    "K_ext": "*bf16",
+    "V_ext": "*bf16",
+    "O": "*bf16",
+    "Mid_O": "*fp32",
+    "Mid_LSE": "*fp32",
+    "qo_indptr": "*i32",
+    "kv_indptr": "*i32",
+    "kv_indices": "*i32",
+}
+COMMON = dict(GROUP=HQ // HKV, HEAD_DIM=D, BLOCK_D=D, LOGIT_CAP=0.0, WINDOW=0, DOT_PRECISION="tf32")
+KERNELS = {
+    "decode": (decode_attention._decode_split_kernel, dict(BLOCK_H=16, BLOCK_N=64)),
+    "extend": (extend_attention._extend_kernel, dict(BLOCK_M=128, BLOCK_N=64)),
+}
+# (kernel, KV_KIND, compute capability): each quantized kind on sm_90, and E4M3 on sm_80 (no
+# FP8 instructions there: the codes decode through half-precision bits)
+CASES = [
+    ("decode", 0, 90),
+    ("decode", 1, 90),
+    ("decode", 2, 90),
+    ("extend", 1, 90),
+    ("decode", 1, 80),
+]
+
+
+def global_loads(kernel: str, kind: int, arch: int) -> dict[str, int]:
+    """`kernel` ("decode" or "extend") over a pool of KV_KIND `kind`, compiled for sm_`arch`:
+    its PTX's global loads by instruction (e.g. `ld.global.b32`). The pointers are given
+    16-byte aligned, as torch allocates; the pool's strides are runtime values."""
+    fn, blocks = KERNELS[kernel]
+    names = list(inspect.signature(fn.fn).parameters)
+    constants = {**COMMON, **blocks, "KV_KIND": kind}
+    pool = "*i8" if kind >= 0 else "*bf16"
+
+    def arg_type(name: str) -> str:
+        if name in constants:
+            return "constexpr"
+        if name in ("K_buf", "V_buf"):
+            return pool
+        return POINTERS.get(name, "fp32" if name == "sm_scale" else "i32")
+
+    signature = {n: arg_type(n) for n in names}
+    aligned = [n for n, t in signature.items() if t.startswith("*")]
+    source = ASTSource(
+        fn=fn,
+        signature=signature,
+        constexprs={(names.index(n),): v for n, v in constants.items()},
+        attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned},
+    )
+    compiled = triton.compile(
+        source, target=GPUTarget("cuda", arch, 32), options={"num_warps": 4, "num_stages": 2}
+    )
+    return dict(Counter(re.findall(r"ld\.global(?:\.\w+)+", compiled.asm["ptx"])))
+
+
+if __name__ == "__main__":
+    print(
+        json.dumps(
+            {f"{k} {kind} sm_{arch}": global_loads(k, kind, arch) for k, kind, arch in CASES}
+        )
+    )

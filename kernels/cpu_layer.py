@@ -1,5 +1,5 @@
 """A decode step's decoder layers in one native call (CPU, float32 activations, 4- or 8-bit grouped
-weights): per layer, norm -> qkv -> RoPE and the K/V store -> paged attention -> o and the
+weights or int8 channels): per layer, norm -> qkv -> RoPE and the K/V store -> paged attention -> o and the
 residual -> norm -> gate_up -> SiLU -> down, every layer of the step inside one OpenMP parallel
 region, a barrier between stages, the scratch allocated once per step.
 
@@ -10,7 +10,7 @@ runs once per step, and the threads stay in one region, so another process's loa
 delays a barrier, not the start of each of ~100 regions.
 
 The stages are the very code of the separate kernels, built into this one library: the grouped
-GEMM's body (`int4_gemm`), the paged decode's body (`cpu_paged`) and the glue's rows
+GEMMs' bodies (`int4_gemm`, `int8_gemm`), the paged decode's body (`cpu_paged`) and the glue's rows
 (`cpu_fused`, their products unfused as there), so a layer here gives the bits of the per-op
 path; `tests/kernels/test_cpu_layer.py` holds it to that. `--cpu-isa` picks the build, as for
 the GEMM.
@@ -23,11 +23,14 @@ from dataclasses import dataclass
 
 import torch
 
-from . import cpu_fused, cpu_isa, cpu_paged, int4_gemm, native
+from . import cpu_fused, cpu_isa, cpu_paged, int4_gemm, int8_gemm, native
 
 LAYER_SOURCE = r"""
-/* A linear's packed weight, as `int4_gemm.PackedGroups` holds it: N outputs, K inputs in G groups. */
-typedef struct { const uint8_t *w; const uint16_t *sc; int64_t N, K, G, bits; } Packed;
+/* A linear's packed weight: N outputs, K inputs in G groups of 32 (padded), and its kind: 4 or
+   8 for `int4_gemm.PackedGroups` (float16 scales), INT8_CHANNELS for `int8_gemm.PackedInt8`
+   (float32 scales, one per output). */
+#define INT8_CHANNELS 1
+typedef struct { const void *w; const void *sc; int64_t N, K, G, kind; } Packed;
 
 /* One layer: its two norms' weights, its four linears and its K/V pool buffers [S, Hkv, D]. */
 typedef struct {
@@ -48,13 +51,15 @@ typedef struct {
     int8_t *a;
 } Step;
 
-/* out [T, N] = x @ W.T: the grouped GEMM's body over the step's scratch, then a barrier (the
-   next stage reads out, and the next linear rewrites the quantized rows this one reads). */
+/* out [T, N] = x @ W.T: its GEMM's body over the step's scratch, then a barrier (the next
+   stage reads out, and the next linear rewrites the quantized rows this one reads). */
 static inline void linear(const Packed *p, const float *x, float *out, const Step *s) {
-    if (p->bits == 4)
+    if (p->kind == 4)
         linear_body(x, s->a, s->xs, s->xsum, p->w, p->sc, 0, out, s->T, p->N, p->K, p->G, 4);
-    else
+    else if (p->kind == 8)
         linear_body(x, s->a, s->xs, s->xsum, p->w, p->sc, 0, out, s->T, p->N, p->K, p->G, 8);
+    else
+        int8_body(x, (int16_t *)s->a, s->xs, p->w, p->sc, 0, out, s->T, p->N, p->K, p->G * 32);
     #pragma omp barrier
 }
 
@@ -92,6 +97,7 @@ void decode_layers(const Layer *layers, int64_t n, const Step *s, float *x, floa
 """
 SOURCE = (
     int4_gemm.SOURCE
+    + int8_gemm.SOURCE.removeprefix(native.AVX2_PRELUDE)
     + cpu_paged.SOURCE.removeprefix(native.AVX2_PRELUDE)
     + cpu_fused.SOURCE
     + LAYER_SOURCE
@@ -100,12 +106,20 @@ P, I = native.POINTER, native.INT64
 SIGNATURES = (("decode_layers", (P, I, P, P, P)),)
 
 
+INT8_CHANNELS = 1  # Packed.kind of an `int8_gemm.PackedInt8` (4 and 8: grouped bits)
+Weight = int4_gemm.PackedGroups | int8_gemm.PackedInt8
+
+
 class Packed(ctypes.Structure):
-    _fields_ = [("w", P), ("sc", P), ("N", I), ("K", I), ("G", I), ("bits", I)]
+    _fields_ = [("w", P), ("sc", P), ("N", I), ("K", I), ("G", I), ("kind", I)]
 
     @classmethod
-    def of(cls, w: int4_gemm.PackedGroups) -> Packed:
-        return cls(w.tiles_ptr, w.scales_ptr, w.out_features, w.in_features, w.groups, w.bits)
+    def of(cls, w: Weight) -> Packed:
+        if isinstance(w, int8_gemm.PackedInt8):
+            groups, kind = w.padded_in_features // int4_gemm.GROUP, INT8_CHANNELS
+        else:
+            groups, kind = w.groups, int(w.bits)
+        return cls(w.tiles_ptr, w.scales_ptr, w.out_features, w.in_features, groups, kind)
 
 
 class Layer(ctypes.Structure):
@@ -160,7 +174,7 @@ class Shape:
 
 def layer_of(
     norms: tuple[torch.Tensor, torch.Tensor],
-    linears: tuple[int4_gemm.PackedGroups, ...],
+    linears: tuple[Weight, ...],
     k_buf: torch.Tensor,
     v_buf: torch.Tensor,
 ) -> Layer:
@@ -214,7 +228,8 @@ def decode_layers(
         "xsum": t * -(-widest // int4_gemm.GROUP),
     }
     scratch = torch.empty(sum(floats.values()), dtype=torch.float32)
-    a = torch.empty(t * -(-widest // int4_gemm.GROUP) * int4_gemm.GROUP, dtype=torch.int8)
+    # quantized activations: int8 for grouped weights, int16 for int8 channels
+    a = torch.empty(t * -(-widest // int4_gemm.GROUP) * int4_gemm.GROUP, dtype=torch.int16)
     at, pointers = scratch.data_ptr(), {}
     for name, n in floats.items():
         pointers[name] = at

@@ -37,7 +37,7 @@ SOURCE = (
 #define SPAN 2048 /* inputs summed in int32 before a flush to float */
 
 /* Row m of x [M, K] -> int16 q [Kp] (zero past K) and its scale: x ~= q * scale. */
-static void quantize_row(const float *row, int16_t *q, float *scale, int64_t K, int64_t Kp) {
+static void quantize_row16(const float *row, int16_t *q, float *scale, int64_t K, int64_t Kp) {
     float top = 0.0f;
     for (int64_t k = 0; k < K; k++) top = fmaxf(top, fabsf(row[k]));
     const float s = top > 0.0f ? top / 32767.0f : 1.0f, inv = 1.0f / s;
@@ -90,15 +90,14 @@ static inline __attribute__((always_inline)) void tile(
 }
 
 /* out [M, N] = x @ dequant(w).T + bias, x [M, K] float; w packed [ceil(N/4), Kp/32, 4, 32];
-   xq [M, Kp] and xs [M]: scratch for the quantized rows. One parallel region: rows, then tiles. */
-void int8_linear(const float *x, int16_t *xq, float *xs, const int8_t *w, const float *ws,
-                 const float *bias, float *out, int64_t M, int64_t N, int64_t K, int64_t Kp) {
+   xq [M, Kp] and xs [M]: scratch for the quantized rows. Called by every thread of one parallel
+   region (`cpu_layer` calls it inside its own): the rows, then the tiles, no barrier after. */
+static void int8_body(const float *x, int16_t *xq, float *xs, const int8_t *w, const float *ws,
+                      const float *bias, float *out, int64_t M, int64_t N, int64_t K, int64_t Kp) {
     const int64_t tiles = (N + ROWS - 1) / ROWS;
-    #pragma omp parallel
-    {
     #pragma omp for schedule(static)
-    for (int64_t m = 0; m < M; m++) quantize_row(x + m * K, xq + m * Kp, xs + m, K, Kp);
-    #pragma omp for schedule(static)
+    for (int64_t m = 0; m < M; m++) quantize_row16(x + m * K, xq + m * Kp, xs + m, K, Kp);
+    #pragma omp for schedule(static) nowait
     for (int64_t t = 0; t < tiles; t++) {
         const int64_t n0 = t * ROWS, nn = N - n0 < ROWS ? N - n0 : ROWS;
         const int8_t *wt = w + t * ROWS * Kp;
@@ -107,7 +106,12 @@ void int8_linear(const float *x, int16_t *xq, float *xs, const int8_t *w, const 
         if (M - m == 2) tile(xq + m * Kp, xs + m, wt, ws, bias, out + m * N, 2, N, Kp, n0, nn);
         if (M - m == 1) tile(xq + m * Kp, xs + m, wt, ws, bias, out + m * N, 1, N, Kp, n0, nn);
     }
-    }
+}
+
+void int8_linear(const float *x, int16_t *xq, float *xs, const int8_t *w, const float *ws,
+                 const float *bias, float *out, int64_t M, int64_t N, int64_t K, int64_t Kp) {
+    #pragma omp parallel
+    int8_body(x, xq, xs, w, ws, bias, out, M, N, K, Kp);
 }
 """
 )

@@ -3,8 +3,8 @@
 A model qualifies once, at its first step: Llama's layer as the per-op path runs it (RMSNorms,
 RoPE over whole heads, SiLU, no q/k norms, sandwich norms, experts, soft-caps, sliding windows or
 query scaling), on one rank, float32 on the CPU, its four linears a layer grouped 4- or 8-bit
-weights on a native `--cpu-isa` path with no bias, input permutation or adapter, and a float32
-KV pool read in place. A step qualifies when every row attends as a decode row with no shared
+weights or int8 channels on a native `--cpu-isa` path with no bias, input permutation or
+adapter, and a float32 KV pool read in place. A step qualifies when every row attends as a decode row with no shared
 prefix split off (`TorchMetadata`): one stream, or several without a common start. Every other
 step keeps the per-op path, which gives the same bits.
 """
@@ -21,7 +21,7 @@ from radixrt.attention.torch_backend import TorchAttentionBackend, TorchMetadata
 from radixrt.forward_batch import ForwardBatch
 from radixrt.kernels import cpu_layer, cpu_paged
 from radixrt.kernels.cpu_isa import Isa
-from radixrt.models.linear import GroupedLinear
+from radixrt.models.linear import GroupedLinear, Int8Linear
 
 
 @dataclass
@@ -122,10 +122,10 @@ def _linears(layer: Any) -> list[Any]:
 
 
 def _qualifies(linear: Any) -> bool:
+    grouped = type(linear) is GroupedLinear and linear.perm is None
     return (
-        type(linear) is GroupedLinear
+        (grouped or type(linear) is Int8Linear)
         and linear.bias is None
-        and linear.perm is None
         and linear.isa is not Isa.TORCH
     )
 

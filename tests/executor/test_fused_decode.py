@@ -1,7 +1,8 @@
 """One native call per decode step (`kernels/cpu_layer`, `models/fused_decode`): on a model and a
 step that qualify, every layer runs inside one C call, and the logits are the per-op path's bit
 for bit (the same kernels' bodies, the same order), step after step, for one stream and for
-several of different lengths, on each native `--cpu-isa` path; 8-bit groups too. Steps that do
+several of different lengths, on each native `--cpu-isa` path, int4 and int8 weights; 8-bit
+groups too. Steps that do
 not qualify (a prefill, a shared prefix split off) and models that do not (float linears, the
 torch path) keep the per-op path."""
 
@@ -69,11 +70,13 @@ def _steps(
 
 
 @pytest.mark.parametrize("isa", NATIVE)
-@pytest.mark.parametrize("prompts", [[40], [40, 7, 23]])
-def test_the_fused_step_gives_the_per_op_bits(small_model_dir, isa, prompts):
-    """The default model's first layers in int4, one stream and three of different lengths, 6
-    decode steps."""
-    runner = _runner(small_model_dir, quantization="int4", cpu_isa=isa)
+@pytest.mark.parametrize(
+    "quantization, prompts", [("int4", [40]), ("int4", [40, 7, 23]), ("int8", [40, 7, 23])]
+)
+def test_the_fused_step_gives_the_per_op_bits(small_model_dir, isa, quantization, prompts):
+    """The default model's first layers in int4 and int8, one stream and three of different
+    lengths, 6 decode steps."""
+    runner = _runner(small_model_dir, quantization=quantization, cpu_isa=isa)
     per_op = _steps(runner, False, prompts, 6)
     fused = _steps(runner, True, prompts, 6)
     assert runner.model._fused is not None

@@ -79,9 +79,11 @@ class FusedDecode:
         meta = _decode_only(batch, attn)
         if meta is None or x.dtype != torch.float32:
             return None
-        pool = attn.kv_pool
-        held = [pool.k_buffers[0], *(lin.weight for lin in self._all_linears())]
+        pool, linears = attn.kv_pool, self._all_linears()
+        held = [pool.k_buffers[0], *(getattr(lin, "weight", lin) for lin in linears)]
         if self._layers is None or any(a is not b for a, b in zip(held, self._held, strict=True)):
+            if not all(_qualifies(lin) for lin in linears):  # a weight update changed their kind
+                return None
             self._layers, self._held = self._records(pool), held
         residual = torch.zeros_like(x)  # the first norm adds x to it: the stream is x
         x = x.contiguous().clone()

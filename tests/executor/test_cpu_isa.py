@@ -94,14 +94,7 @@ def test_a_host_without_a_compiler_refuses_avx2_at_start(tiny_model_dir, tmp_pat
         "args = ServerArgs(model=sys.argv[1], max_total_tokens=64, quantization='int4')\n"
         "print('path', ModelRunner(args.executor).cpu_isa.value)\n"
     )
-    fallback = subprocess.run(
-        [sys.executable, "-c", script, str(tiny_model_dir)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert fallback.returncode == 0, fallback.stderr[-2000:]
+    fallback = _python(script, tiny_model_dir, env)
     assert "path torch" in fallback.stdout
     assert fallback.stderr.count("quantized linears run in torch") == 1
 
@@ -191,12 +184,18 @@ def test_a_runtime_takes_the_threads_it_is_given(tiny_model_dir):
         "print('threads', torch.get_num_threads())\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    assert "threads 1" in _python(script, tiny_model_dir, env).stdout
+
+
+def _python(script: str, model_dir, env: dict[str, str]) -> subprocess.CompletedProcess:
+    """`script` run by a fresh interpreter with the model's folder as its argument, under
+    `env`; it must succeed."""
     done = subprocess.run(
-        [sys.executable, "-c", script, str(tiny_model_dir)],
+        [sys.executable, "-c", script, str(model_dir)],
         env=env,
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "threads 1" in done.stdout
+    return done

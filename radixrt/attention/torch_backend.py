@@ -205,6 +205,14 @@ class TorchAttentionBackend:
         v: torch.Tensor | None,
         batch: ForwardBatch,
     ) -> torch.Tensor:
+        """A quantized pool holds K/V rows rotated (`kv_quant.rotation`, its own inverse): the
+        queries are rotated the same way and the output, a sum of rotated values, back."""
+        rotation = self.kv_pool.rotation
+        if rotation is None:
+            return self._forward(layer_id, q, batch)
+        return self._forward(layer_id, q @ rotation, batch) @ rotation
+
+    def _forward(self, layer_id: int, q: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         k_buf, v_buf = self.kv_pool.k_buffers[layer_id], self.kv_pool.v_buffers[layer_id]
         meta: TorchMetadata = batch.attn_metadata[self.windows[layer_id]]
         if not meta.extends:  # decodes only: every row of q is one

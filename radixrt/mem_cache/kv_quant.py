@@ -1,5 +1,5 @@
 """Quantized KV rows (`--kv-cache-dtype int8|fp8_e4m3|fp8_e5m2`): one byte a value and one
-float32 scale per token and KV head, stored together.
+float32 scale per token and KV head, stored together, of the row rotated by a Hadamard matrix.
 
 A quantized pool buffer is `int8 [slots, kv_heads, head_dim + 4]`: each (token, head) row holds
 its `head_dim` codes then the 4 bytes of its scale, so a slot's page carries its own scales and
@@ -9,6 +9,11 @@ scale is the row's largest magnitude over the format's largest code (127 for int
 E4M3, 57344 for E5M2), so every value is within half a step of its code; a row of zeros gets
 scale 0 and codes 0. Reading multiplies codes by the scale (`dequantize`, or the C decode kernel
 in place, `kernels/cpu_paged`).
+
+Rows are quantized rotated (`rotation`, applied by the pool's `set_kv`; the attention backend
+rotates queries and outputs to match): a key's outlier channels, spread over the whole row, no
+longer leave its other channels few levels. On the default model greedy continuations equal
+float32 KV's on 33 of 40 prompts rotated against 19 unrotated (tests/engine/test_kv_cache_quality).
 """
 
 from __future__ import annotations
@@ -18,6 +23,9 @@ import enum
 import torch
 
 SCALE_BYTES = 4  # one float32 per row
+# What the disk tier's fingerprint adds to the format's name: how a row's values are laid out
+# before they are quantized (rows written otherwise are never read back as these).
+ROW_LAYOUT = "hadamard"
 
 
 class KVFormat(str, enum.Enum):
@@ -70,6 +78,21 @@ class KVFormat(str, enum.Enum):
         codes = rows[..., :d].view(self.code_dtype)
         scale = rows[..., d:].contiguous().view(torch.float32)
         return (codes.float() * scale).to(dtype)
+
+
+def rotation(head_dim: int) -> torch.Tensor:
+    """The orthonormal Hadamard matrix `[D, D]` a quantized pool's K and V rows are multiplied
+    by before they are quantized (as in QuaRot / QuIP#): each rotated value mixes all of a block's
+    values, so the few outlier channels of a key or value no longer set the whole row's scale and
+    leave the small channels a handful of levels. Symmetric and its own inverse, so attention
+    reads rotated rows unchanged by rotating the query the same way (`q R . k R = q . k`) and its
+    output back (`(sum p v R) R = sum p v`). Blocks of the largest power of two dividing D (all
+    of a 64 or 128 head; the identity for an odd D); fixed, so pages stored under it stay valid."""
+    block = head_dim & -head_dim
+    h = torch.ones(1, 1)
+    while h.shape[0] < block:
+        h = torch.cat([torch.cat([h, h], dim=1), torch.cat([h, -h], dim=1)])
+    return torch.kron(torch.eye(head_dim // block), h / block**0.5)
 
 
 def parse_kv_format(name: str) -> KVFormat | None:

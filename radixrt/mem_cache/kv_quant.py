@@ -13,7 +13,7 @@ in place, `kernels/cpu_paged`).
 Rows are quantized rotated (`rotation`, applied by the pool's `set_kv`; the attention backend
 rotates queries and outputs to match): a key's outlier channels, spread over the whole row, no
 longer leave its other channels few levels. On the default model greedy continuations equal
-float32 KV's on 33 of 40 prompts rotated against 19 unrotated (tests/engine/test_kv_cache_quality).
+float32 KV's on 30 of 40 prompts rotated against 19 unrotated (tests/engine/test_kv_cache_quality).
 """
 
 from __future__ import annotations

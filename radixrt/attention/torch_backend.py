@@ -205,7 +205,7 @@ class TorchAttentionBackend:
         v: torch.Tensor | None,
         batch: ForwardBatch,
     ) -> torch.Tensor:
-        """A quantized pool holds K/V rows rotated (`kv_quant.rotation`, its own inverse): the
+        """An int8 pool holds K/V rows rotated (`kv_quant.rotation`, its own inverse): the
         queries are rotated the same way and the output, a sum of rotated values, back."""
         rotation = self.kv_pool.rotation
         if rotation is None:

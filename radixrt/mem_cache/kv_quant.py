@@ -1,5 +1,6 @@
 """Quantized KV rows (`--kv-cache-dtype int8|fp8_e4m3|fp8_e5m2`): one byte a value and one
-float32 scale per token and KV head, stored together, of the row rotated by a Hadamard matrix.
+float32 scale per token and KV head, stored together (int8: of the row rotated by a Hadamard
+matrix).
 
 A quantized pool buffer is `int8 [slots, kv_heads, head_dim + 4]`: each (token, head) row holds
 its `head_dim` codes then the 4 bytes of its scale, so a slot's page carries its own scales and
@@ -10,8 +11,8 @@ E4M3, 57344 for E5M2), so every value is within half a step of its code; a row o
 scale 0 and codes 0. Reading multiplies codes by the scale (`dequantize`, or the C decode kernel
 in place, `kernels/cpu_paged`).
 
-Rows are quantized rotated (`rotation`, applied by the pool's `set_kv`; the attention backend
-rotates queries and outputs to match): a key's outlier channels, spread over the whole row, no
+int8 rows are quantized rotated (`rotation`, applied by the pool's `set_kv`; the attention
+backend rotates queries and outputs to match): a key's outlier channels, spread over the whole row, no
 longer leave its other channels few levels. On the default model greedy continuations equal
 float32 KV's on 30 of 40 prompts rotated against 19 unrotated (tests/engine/test_kv_cache_quality).
 """
@@ -23,9 +24,6 @@ import enum
 import torch
 
 SCALE_BYTES = 4  # one float32 per row
-# What the disk tier's fingerprint adds to the format's name: how a row's values are laid out
-# before they are quantized (rows written otherwise are never read back as these).
-ROW_LAYOUT = "hadamard"
 
 
 class KVFormat(str, enum.Enum):
@@ -56,6 +54,14 @@ class KVFormat(str, enum.Enum):
     def kernel_kind(self) -> int:
         """How the C kernels decode a code (`kernels/cpu_paged`: 0 int8, 1 E4M3, 2 E5M2)."""
         return list(KVFormat).index(self)
+
+    @property
+    def rotated(self) -> bool:
+        """Whether rows are stored rotated (`rotation`): int8's, whose one scale a row leaves
+        the small channels few levels; not fp8's, whose codes keep each value's own exponent
+        and lose to the rotation (greedy agreement on the default model 15 -> 6 of 40 for E4M3,
+        tests/engine/test_kv_cache_quality's prompts)."""
+        return self is KVFormat.INT8
 
     def row_width(self, head_dim: int) -> int:
         """Bytes of one (token, head) row: the codes, then the scale."""

@@ -100,8 +100,8 @@ class PageAllocator:
 class TokenToKVPool:
     """Per-layer K and V buffers `[slots, kv_heads, head_dim]` of `dtype`, indexed by slot; with
     a quantized `fmt` (`--kv-cache-dtype`), `int8 [slots, kv_heads, head_dim + 4]` rows of codes
-    and their scale (`kv_quant`) of the K/V rows times `rotation`, which `set_kv` writes and
-    readers dequantize (the values read are the rotated rows)."""
+    and their scale (`kv_quant`; int8's of the K/V rows times `rotation`), which `set_kv` writes
+    and readers dequantize (the values read are the rows as stored, rotated or not)."""
 
     def __init__(
         self,
@@ -116,8 +116,8 @@ class TokenToKVPool:
         self.fmt = fmt
         self.head_dim = head_dim
         self.dtype = dtype  # what readers compute in (the model's), whatever the pool stores
-        # [D, D]: a quantized pool's rows are stored times it (`kv_quant.rotation`); None: as is
-        self.rotation = rotation(head_dim).to(device, dtype) if fmt else None
+        # [D, D]: an int8 pool's rows are stored times it (`kv_quant.rotation`); None: as is
+        self.rotation = rotation(head_dim).to(device, dtype) if fmt and fmt.rotated else None
         width = fmt.row_width(head_dim) if fmt else head_dim
         self.shape = (num_slots, num_kv_heads, width)
         self.num_layers = num_layers
@@ -156,8 +156,8 @@ class TokenToKVPool:
         return 2 * self.num_layers * self.shape[1] * self.shape[2] * k.element_size()
 
     def set_kv(self, layer_id: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store the K/V rows `[T, kv_heads, head_dim]` at `slots`, rotated and quantized once
-        here when the pool is quantized."""
+        """Store the K/V rows `[T, kv_heads, head_dim]` at `slots`, quantized once here (and
+        rotated first, int8) when the pool is."""
         k_buf, v_buf = self.k_buffers[layer_id], self.v_buffers[layer_id]
         if self.rotation is not None:
             k, v = k @ self.rotation.to(k.dtype), v @ self.rotation.to(v.dtype)
@@ -174,8 +174,8 @@ class TokenToKVPool:
 
     def read(self, rows: torch.Tensor) -> torch.Tensor:
         """Rows gathered from a buffer `[..., kv_heads, width]` as the values they hold, in the
-        model's dtype (the rows themselves when the pool is not quantized; rotated, times
-        `rotation`, when it is)."""
+        model's dtype (the rows themselves when the pool is not quantized; times `rotation`
+        when it is int8)."""
         return self.fmt.dequantize(rows, self.dtype) if self.fmt else rows
 
 

@@ -12,7 +12,6 @@ import torch
 from radixrt.config import CacheSettings
 from radixrt.mem_cache.host_pool import HostKVPool, host_pool_tokens
 from radixrt.mem_cache.kv_events import Adapter, KVEventSink, ZmqEventPublisher
-from radixrt.mem_cache.kv_quant import ROW_LAYOUT
 from radixrt.mem_cache.memory_pool import PageAllocator, ReqToTokenPool, TokenToKVPool
 from radixrt.mem_cache.radix_cache import RadixCache
 from radixrt.mem_cache.slot_manager import KVSlotManager
@@ -76,7 +75,7 @@ def _host_pool(pool: DevicePool, tiers: CacheSettings) -> HostKVPool:
 def _storage(page_size: int, host: HostKVPool, tiers: CacheSettings, model: str) -> KVStorage:
     """The disk tier: blocks of whole pages, named for the model and the K/V's shapes and
     dtype, and for a quantized pool its format and row layout too (int8 and fp8 rows have one
-    shape and dtype; rows rotated or not, one format): a block written under one KV dtype or
+    shape and dtype; int8 rows rotated, as written since 2026-12-04, or not): a block written under one KV dtype or
     layout is never found under another."""
     assert tiers.hicache_storage_dir is not None, "there is a disk tier"
     block = -(-STORAGE_BLOCK_TOKENS // page_size) * page_size
@@ -84,7 +83,7 @@ def _storage(page_size: int, host: HostKVPool, tiers: CacheSettings, model: str)
     fingerprint = f"{model}|{[(t.shape, t.dtype) for t in like]}"
     fmt = host.device_pool.fmt
     if fmt:
-        fingerprint += f"|kv_cache_dtype={fmt.value}|rows={ROW_LAYOUT}"
+        fingerprint += f"|kv_cache_dtype={fmt.value}" + ("|rows=hadamard" if fmt.rotated else "")
     return KVStorage(
         tiers.hicache_storage_dir,
         int(tiers.hicache_storage_size * 2**30),

@@ -12,9 +12,10 @@ scale 0 and codes 0. Reading multiplies codes by the scale (`dequantize`, or the
 in place, `kernels/cpu_paged`).
 
 int8 rows are quantized rotated (`rotation`, applied by the pool's `set_kv`; the attention
-backend rotates queries and outputs to match): a key's outlier channels, spread over the whole row, no
-longer leave its other channels few levels. On the default model greedy continuations equal
-float32 KV's on 30 of 40 prompts rotated against 19 unrotated (tests/engine/test_kv_cache_quality).
+backend rotates queries and outputs to match): a key's outlier channels, spread over the whole
+row, no longer leave its other channels few levels. On the default model greedy continuations
+equal float32 KV's on 30 of 40 prompts rotated against 19 unrotated
+(tests/engine/test_kv_cache_quality, docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -87,8 +88,8 @@ class KVFormat(str, enum.Enum):
 
 
 def rotation(head_dim: int) -> torch.Tensor:
-    """The orthonormal Hadamard matrix `[D, D]` a quantized pool's K and V rows are multiplied
-    by before they are quantized (as in QuaRot / QuIP#): each rotated value mixes all of a block's
+    """The orthonormal Hadamard matrix `[D, D]` an int8 pool's K and V rows are multiplied by
+    before they are quantized (as in QuaRot / QuIP#): each rotated value mixes all of a block's
     values, so the few outlier channels of a key or value no longer set the whole row's scale and
     leave the small channels a handful of levels. Symmetric and its own inverse, so attention
     reads rotated rows unchanged by rotating the query the same way (`q R . k R = q . k`) and its

@@ -1,6 +1,7 @@
 """The quantized KV rows (`--kv-cache-dtype`) on their own, without a model: the C decode kernel
 over int8 and fp8 pools against float64 math over the same rows dequantized by torch, and the C
-int8 writer against `KVFormat.quantize`, byte for byte; the rotation rows are stored under."""
+int8 writer against `KVFormat.quantize`, byte for byte; the rotation int8 rows are stored
+under."""
 
 from __future__ import annotations
 
@@ -65,7 +66,7 @@ def test_c_int8_writer_writes_the_bytes_torch_does():
 
 @pytest.mark.parametrize("d", [64, 128, 80, 96])
 def test_the_rotation_is_its_own_inverse_and_spreads_an_outlier(d):
-    """`rotation(D)`, what a quantized pool's rows are stored times: orthonormal and symmetric
+    """`rotation(D)`, what an int8 pool's rows are stored times: orthonormal and symmetric
     (attention over rotated rows equals attention over the rows themselves), and a key with one
     outlier channel comes out with no channel above the block's share of it."""
     r = rotation(d).double()

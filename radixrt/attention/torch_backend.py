@@ -205,6 +205,10 @@ class TorchAttentionBackend:
         v: torch.Tensor | None,
         batch: ForwardBatch,
     ) -> torch.Tensor:
+        """Attention of q over the pool, in the basis its rows are stored in (`attend`)."""
+        return self.kv_pool.attend(q, lambda q: self._forward(layer_id, q, batch))
+
+    def _forward(self, layer_id: int, q: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         k_buf, v_buf = self.kv_pool.k_buffers[layer_id], self.kv_pool.v_buffers[layer_id]
         meta: TorchMetadata = batch.attn_metadata[self.windows[layer_id]]
         if not meta.extends:  # decodes only: every row of q is one

@@ -126,6 +126,18 @@ class TritonAttentionBackend:
         v: torch.Tensor | None,
         batch: ForwardBatch,
     ) -> torch.Tensor:
+        """Attention of q over the pool, in the basis its rows are stored in (`attend`; a
+        quantized pool's new rows are read back from it, so k and v serve float pools only)."""
+        return self.kv_pool.attend(q, lambda q: self._forward(layer_id, q, k, v, batch))
+
+    def _forward(
+        self,
+        layer_id: int,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+        batch: ForwardBatch,
+    ) -> torch.Tensor:
         k_buf, v_buf = self.kv_pool.k_buffers[layer_id], self.kv_pool.v_buffers[layer_id]
         meta: TritonMetadata = batch.attn_metadata
         window = self.windows[layer_id]

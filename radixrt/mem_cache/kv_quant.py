@@ -1,5 +1,6 @@
 """Quantized KV rows (`--kv-cache-dtype int8|fp8_e4m3|fp8_e5m2`): one byte a value and one
-float32 scale per token and KV head, stored together.
+float32 scale per token and KV head, stored together (int8: of the row rotated by a Hadamard
+matrix).
 
 A quantized pool buffer is `int8 [slots, kv_heads, head_dim + 4]`: each (token, head) row holds
 its `head_dim` codes then the 4 bytes of its scale, so a slot's page carries its own scales and
@@ -10,6 +11,12 @@ E4M3, 57344 for E5M2), so every value is within half a step of its code; a row o
 scale 0 and codes 0. Reading multiplies codes by the scale (`dequantize`, the C decode kernel in
 place, `kernels/cpu_paged`, or the Triton decode and extend kernels in place as they load a
 tile, `kernels/extend_attention._load_rows`).
+
+int8 rows are quantized rotated (`rotation`, applied by the pool's `set_kv`; both attention
+backends rotate queries and outputs to match, `TokenToKVPool.attend`): a key's outlier
+channels, spread over the whole row, no longer leave its other channels few levels. On the
+default model greedy continuations equal float32 KV's on 30 of 40 prompts rotated against 19
+unrotated (tests/engine/test_kv_cache_quality, docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -51,6 +58,14 @@ class KVFormat(str, enum.Enum):
         1 E4M3, 2 E5M2)."""
         return list(KVFormat).index(self)
 
+    @property
+    def rotated(self) -> bool:
+        """Whether rows are stored rotated (`rotation`): int8's, whose one scale a row leaves
+        the small channels few levels; not fp8's, whose codes keep each value's own exponent
+        and lose to the rotation (greedy agreement on the default model 15 -> 6 of 40 for E4M3,
+        tests/engine/test_kv_cache_quality's prompts)."""
+        return self is KVFormat.INT8
+
     def row_width(self, head_dim: int) -> int:
         """Bytes of one (token, head) row: the codes, then the scale."""
         return head_dim + SCALE_BYTES
@@ -72,6 +87,21 @@ class KVFormat(str, enum.Enum):
         codes = rows[..., :d].view(self.code_dtype)
         scale = rows[..., d:].contiguous().view(torch.float32)
         return (codes.float() * scale).to(dtype)
+
+
+def rotation(head_dim: int) -> torch.Tensor:
+    """The orthonormal Hadamard matrix `[D, D]` an int8 pool's K and V rows are multiplied by
+    before they are quantized (as in QuaRot / QuIP#): each rotated value mixes all of a block's
+    values, so the few outlier channels of a key or value no longer set the whole row's scale and
+    leave the small channels a handful of levels. Symmetric and its own inverse, so attention
+    reads rotated rows unchanged by rotating the query the same way (`q R . k R = q . k`) and its
+    output back (`(sum p v R) R = sum p v`). Blocks of the largest power of two dividing D (all
+    of a 64 or 128 head; the identity for an odd D); fixed, so pages stored under it stay valid."""
+    block = head_dim & -head_dim
+    h = torch.ones(1, 1)
+    while h.shape[0] < block:
+        h = torch.cat([torch.cat([h, h], dim=1), torch.cat([h, -h], dim=1)])
+    return torch.kron(torch.eye(head_dim // block), h / block**0.5)
 
 
 def parse_kv_format(name: str) -> KVFormat | None:

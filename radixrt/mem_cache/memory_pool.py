@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 
 from radixrt.kernels import cpu_paged
-from radixrt.mem_cache.kv_quant import KVFormat
+from radixrt.mem_cache.kv_quant import KVFormat, rotation
 
 
 class ReqToTokenPool:
@@ -115,7 +115,8 @@ def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device)
 class TokenToKVPool:
     """Per-layer K and V buffers `[slots, kv_heads, head_dim]` of `dtype`, indexed by slot; with
     a quantized `fmt` (`--kv-cache-dtype`), `int8 [slots, kv_heads, head_dim + 4]` rows of codes
-    and their scale (`kv_quant`), which `set_kv` writes and readers dequantize."""
+    and their scale (`kv_quant`; int8's of the K/V rows times `rotation`), which `set_kv` writes
+    and readers dequantize (the values read are the rows as stored, rotated or not)."""
 
     def __init__(
         self,
@@ -130,6 +131,8 @@ class TokenToKVPool:
         self.fmt = fmt
         self.head_dim = head_dim
         self.dtype = dtype  # what readers compute in (the model's), whatever the pool stores
+        # [D, D]: an int8 pool's rows are stored times it (`kv_quant.rotation`); None: as is
+        self.rotation = rotation(head_dim).to(device, dtype) if fmt and fmt.rotated else None
         width = fmt.row_width(head_dim) if fmt else head_dim
         self.shape = (num_slots, num_kv_heads, width)
         self.num_layers = num_layers
@@ -168,9 +171,11 @@ class TokenToKVPool:
         return 2 * self.num_layers * self.shape[1] * self.shape[2] * k.element_size()
 
     def set_kv(self, layer_id: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store the K/V rows `[T, kv_heads, head_dim]` at `slots`, quantized once here when
-        the pool is."""
+        """Store the K/V rows `[T, kv_heads, head_dim]` at `slots`, quantized once here (and
+        rotated first, int8) when the pool is."""
         k_buf, v_buf = self.k_buffers[layer_id], self.v_buffers[layer_id]
+        if self.rotation is not None:
+            k, v = k @ self.rotation.to(k.dtype), v @ self.rotation.to(v.dtype)
         if self.fmt is KVFormat.INT8 and cpu_paged.supports_quantized(
             k_buf, self.head_dim, k.dtype
         ):
@@ -182,9 +187,20 @@ class TokenToKVPool:
         self.k_buffers[layer_id].index_copy_(0, slots, k)
         self.v_buffers[layer_id].index_copy_(0, slots, v)
 
+    def attend(
+        self, q: torch.Tensor, attend: Callable[[torch.Tensor], torch.Tensor]
+    ) -> torch.Tensor:
+        """`attend(q)` over this pool's rows as stored: where they are rotated (an int8 pool,
+        `kv_quant.rotation`, its own inverse) the queries are rotated the same way and the
+        output, a sum of rotated values, back. Every attention backend goes through it."""
+        if self.rotation is None:
+            return attend(q)
+        return attend(q @ self.rotation) @ self.rotation
+
     def read(self, rows: torch.Tensor) -> torch.Tensor:
         """Rows gathered from a buffer `[..., kv_heads, width]` as the values they hold, in the
-        model's dtype (the rows themselves when the pool is not quantized)."""
+        model's dtype (the rows themselves when the pool is not quantized; times `rotation`
+        when it is int8)."""
         return self.fmt.dequantize(rows, self.dtype) if self.fmt else rows
 
 

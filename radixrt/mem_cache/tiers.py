@@ -75,14 +75,16 @@ def _host_pool(pool: DevicePool, tiers: CacheSettings) -> HostKVPool:
 def _storage(page_size: int, host: HostKVPool, tiers: CacheSettings, model: str) -> KVStorage:
     """The disk tier: blocks of whole pages, named for the model and the K/V's shapes and
     dtype, and for a quantized pool its format too (int8 and fp8 rows have one shape and
-    dtype): a block written under one KV dtype is never found under another."""
+    dtype) and, for int8, its rows' rotation (`kv_quant.rotation`; blocks written before it
+    hold unrotated rows): a block written under one KV dtype or layout is never found under
+    another."""
     assert tiers.hicache_storage_dir is not None, "there is a disk tier"
     block = -(-STORAGE_BLOCK_TOKENS // page_size) * page_size
     like = host.device_block(torch.zeros(block, dtype=torch.long))
     fingerprint = f"{model}|{[(t.shape, t.dtype) for t in like]}"
     fmt = host.device_pool.fmt
     if fmt:
-        fingerprint += f"|kv_cache_dtype={fmt.value}"
+        fingerprint += f"|kv_cache_dtype={fmt.value}" + ("|rows=hadamard" if fmt.rotated else "")
     return KVStorage(
         tiers.hicache_storage_dir,
         int(tiers.hicache_storage_size * 2**30),

@@ -34,9 +34,10 @@ def test_int8_kv_perplexity_is_within_one_percent_of_float32_kv(quality_referenc
 
 def test_int8_kv_greedy_continuations_against_float32_kv(int8_scheduler, default_runtime):
     """40 prompts of the quality text, 32 greedy tokens each, batched: int8 KV against the
-    shared float32 runtime, whole continuations compared. The issue's target, 36 of 40 equal,
-    is not met: 23 are (2026-12-03), each divergence a near-tie that a key's 8-bit rounding
-    turns (bfloat16 KV keeps 38 of 40, float16 all 40; docs/benchmarks.md). What is held: at least half equal whole, and every continuation's first token."""
+    shared float32 runtime, whole continuations compared. The issue's target, 36 of 40 equal, is
+    not met: 30 are (2026-12-04) with rows stored rotated (`kv_quant.rotation`), 19 unrotated;
+    each divergence a near-tie that 8-bit rounding turns (bfloat16 KV keeps 38 of 40, float16
+    all 40; docs/benchmarks.md). What is held: 28, and every continuation's first token."""
     prompts = _prompts(int8_scheduler.tokenizer)
     assert all(len(p) == PROMPT_TOKENS for p in prompts)
     int8 = run_in_process(int8_scheduler, [prompts], GREEDY)
@@ -45,7 +46,7 @@ def test_int8_kv_greedy_continuations_against_float32_kv(int8_scheduler, default
     ]
     same = sum(a == b for a, b in zip(int8, float32))
     print(f"int8 KV: {same} of {PROMPTS} continuations equal float32 KV's")
-    assert same >= PROMPTS // 2
+    assert same >= 28
     assert all(a[0] == b[0] for a, b in zip(int8, float32))
 
 

@@ -1,6 +1,7 @@
 """The quantized KV rows (`--kv-cache-dtype`) on their own, without a model: the C decode kernel
 over int8 and fp8 pools against float64 math over the same rows dequantized by torch, and the C
-int8 writer against `KVFormat.quantize`, byte for byte."""
+int8 writer against `KVFormat.quantize`, byte for byte; the rotation int8 rows are stored
+under."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 
 from radixrt.kernels import cpu_paged
-from radixrt.mem_cache.kv_quant import KVFormat
+from radixrt.mem_cache.kv_quant import KVFormat, rotation
 
 
 @pytest.mark.parametrize("fmt", list(KVFormat))
@@ -61,3 +62,17 @@ def test_c_int8_writer_writes_the_bytes_torch_does():
     untouched = torch.ones(100, dtype=torch.bool)
     untouched[slots] = False
     assert (buf[untouched] == 7).all()
+
+
+@pytest.mark.parametrize("d", [64, 128, 80, 96])
+def test_the_rotation_is_its_own_inverse_and_spreads_an_outlier(d):
+    """`rotation(D)`, what an int8 pool's rows are stored times: orthonormal and symmetric
+    (attention over rotated rows equals attention over the rows themselves), and a key with one
+    outlier channel comes out with no channel above the block's share of it."""
+    r = rotation(d).double()
+    assert torch.equal(r, r.T)
+    assert torch.allclose(r @ r, torch.eye(d, dtype=torch.float64), atol=1e-6)
+    key = torch.zeros(d, dtype=torch.float64)
+    key[3] = 100.0
+    block = d & -d
+    assert float((key @ r).abs().max()) == pytest.approx(100.0 / block**0.5)

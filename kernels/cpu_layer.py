@@ -211,6 +211,8 @@ def decode_layers(
     assert x.is_contiguous() and residual.is_contiguous() and x.dtype == torch.float32
     d, hq, hkv, inter = shape.head_dim, shape.heads, shape.kv_heads, shape.intermediate
     slots, lens, out_slots = slots.contiguous(), lens.contiguous(), out_slots.contiguous()
+    assert slots.dtype == lens.dtype == out_slots.dtype == torch.int64
+    assert cos.shape == sin.shape == (t, d) and out_slots.shape == lens.shape == (t,)
     cos, sin = cos.contiguous(), sin.contiguous()
     splits = cpu_paged.choose_splits(t * hkv, slots.shape[1])
     widest = max(h, hq * d, inter)

@@ -4,9 +4,9 @@ A model qualifies once, at its first step: Llama's layer as the per-op path runs
 RoPE over whole heads, SiLU, no q/k norms, sandwich norms, experts, soft-caps, sliding windows or
 query scaling), on one rank, float32 on the CPU, its four linears a layer grouped 4- or 8-bit
 weights or int8 channels on a native `--cpu-isa` path with no bias, input permutation or
-adapter, and a float32 KV pool read in place. A step qualifies when every row attends as a decode row with no shared
-prefix split off (`TorchMetadata`): one stream, or several without a common start. Every other
-step keeps the per-op path, which gives the same bits.
+adapter, and a float32 KV pool read in place. A step qualifies when every row attends as a
+decode row with no shared prefix split off (`TorchMetadata`): one stream, or several without a
+common start. Every other step keeps the per-op path, which gives the same bits.
 """
 
 from __future__ import annotations

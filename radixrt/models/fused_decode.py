@@ -55,8 +55,10 @@ class FusedDecode:
             and model.head_dim <= cpu_paged.MAX_DIM
             and model.shard.num_heads // model.shard.num_kv_heads <= cpu_paged.MAX_GROUP
         )
+        if not plain:  # experts and the like: no dense MLP to read the linears of
+            return None
         linears = [lin for layer in model.layers for lin in _linears(layer)]
-        if not plain or not linears or not all(_qualifies(lin) for lin in linears):
+        if not linears or not all(_qualifies(lin) for lin in linears):
             return None
         isa = linears[0].isa
         if not cpu_layer.available(isa) or model.norm.weight.dtype != torch.float32:

@@ -271,8 +271,12 @@ class ModelSettings(Settings):
     # fmt: on
 
     def check(self) -> None:
-        if self.cpu_threads < 0:
-            raise ValueError("cpu_threads must be >= 0 (0: the physical cores)")
+        processors = os.cpu_count() or 1
+        if not 0 <= self.cpu_threads <= processors:
+            raise ValueError(
+                f"cpu_threads must be in [0, {processors}] (0: the physical cores; this machine"
+                f" has {processors} processors, and more threads would only wait on each other)"
+            )
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -56,6 +56,7 @@ def test_bad_input_is_one_line(argv, words):
 # (group, values it refuses, a word of the error): every group that has rules at least once
 BAD_SETTINGS = [
     (ModelSettings, {"cpu_threads": -1}, "cpu_threads"),
+    (ModelSettings, {"cpu_threads": 10**6}, "cpu_threads"),
     (ParallelSettings, {"tp_size": 0}, "tp_size"),
     (ParallelSettings, {"tp_size": 3, "nnodes": 2, "dist_init_addr": "h:1"}, "split"),
     (ParallelSettings, {"tp_size": 2, "nnodes": 2}, "dist_init_addr"),

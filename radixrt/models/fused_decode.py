@@ -57,7 +57,7 @@ class FusedDecode:
         )
         if not plain:  # experts and the like: no dense MLP to read the linears of
             return None
-        linears = [lin for layer in model.layers for lin in _linears(layer)]
+        linears = _model_linears(model)
         if not linears or not all(_qualifies(lin) for lin in linears):
             return None
         isa = linears[0].isa
@@ -81,7 +81,7 @@ class FusedDecode:
         meta = _decode_only(batch, attn)
         if meta is None or x.dtype != torch.float32:
             return None
-        pool, linears = attn.kv_pool, self._all_linears()
+        pool, linears = attn.kv_pool, _model_linears(self.model)
         held = [pool.k_buffers[0], *(getattr(lin, "weight", lin) for lin in linears)]
         if self._layers is None or any(a is not b for a, b in zip(held, self._held, strict=True)):
             if not all(_qualifies(lin) for lin in linears):  # a weight update changed their kind
@@ -104,9 +104,6 @@ class FusedDecode:
         )
         return x, residual
 
-    def _all_linears(self) -> list[Any]:
-        return [lin for layer in self.model.layers for lin in _linears(layer)]
-
     def _records(self, pool: Any) -> ctypes.Array:
         records = [
             cpu_layer.layer_of(
@@ -118,6 +115,10 @@ class FusedDecode:
             for i, layer in enumerate(self.model.layers)
         ]
         return (cpu_layer.Layer * len(records))(*records)
+
+
+def _model_linears(model: Any) -> list[Any]:
+    return [lin for layer in model.layers for lin in _linears(layer)]
 
 
 def _linears(layer: Any) -> list[Any]:

@@ -1,7 +1,7 @@
 """Hand-written kernels: Triton attention over the paged KV token pool (GPU) with torch
-references, Triton's fused MoE projections and LoRA deltas (GPU; the deltas' CPU path is
-`lora`), and C kernels for the CPU built on first use (`native`, `cpu_paged`, `cpu_fused`,
-`cpu_mask`, `int8_gemm`).
+references, Triton's fused MoE projections, LoRA deltas (GPU; the deltas' CPU path is
+`lora`) and weight-only GEMM over the packed weights (`packed_gemm`), and C kernels for the
+CPU built on first use (`native`, `cpu_paged`, `cpu_fused`, `cpu_mask`, `int8_gemm`).
 
 The Triton names load on first access, so the CPU kernels import without Triton.
 """
@@ -13,6 +13,7 @@ _LAZY = {
     "extend_attention_fwd": ".extend_attention",
     "fused_moe_fwd": ".fused_moe",
     "lora_sgmv_fwd": ".lora_sgmv",
+    "packed_linear_fwd": ".packed_gemm",
     "decode_attention_ref": ".reference",
     "extend_attention_ref": ".reference",
 }

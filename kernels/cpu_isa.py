@@ -3,8 +3,11 @@
 Paths, best first: `avx512-vnni` (the same C kernels of `int4_gemm` and `int8_gemm` with their
 integer dot products in `vpdpbusd`/`vpdpwssd`, 256 bits wide on the same 8-row panels: one
 weight layout for every path, and the same bits out as avx2's, since both sums are exact),
-`avx2` (`vpmaddubsw`/`vpmaddwd`; needs AVX2, FMA and F16C, and a C compiler) and `torch` (the
-packed weights dequantized on each call and multiplied by torch: slow, but any CPU runs it).
+`avx-vnni` (the same source and instructions in their VEX form, for CPUs with AVX-VNNI and no
+AVX-512: Alder Lake and later client cores; it builds on any host with GCC 11+, and runs only
+where the CPU has it), `avx2` (`vpmaddubsw`/`vpmaddwd`; needs AVX2, FMA and F16C, and a C
+compiler) and `torch` (the packed weights dequantized on each call and multiplied by torch:
+slow, but any CPU runs it).
 `auto` takes the best this host runs; a CPU without AVX2 falls back to torch with one warning.
 Naming a path this host cannot run is refused in one line. The AMX path is not built yet: it
 needs a host with AMX tiles to be tested on.
@@ -25,6 +28,7 @@ class Isa(str, enum.Enum):
     """A path, by its `--cpu-isa` name."""
 
     AVX512_VNNI = "avx512-vnni"
+    AVX_VNNI = "avx-vnni"
     AVX2 = "avx2"
     TORCH = "torch"
 
@@ -34,6 +38,8 @@ class Isa(str, enum.Enum):
         (`-march=native` already names the host's; these say what the source relies on)."""
         if self is Isa.AVX512_VNNI:
             return ("-DVNNI", "-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512vnni")
+        if self is Isa.AVX_VNNI:  # GCC maps the same intrinsics to the VEX encodings
+            return ("-DVNNI", "-mavxvnni")
         return ()
 
 
@@ -44,6 +50,7 @@ CHOICES = ("auto", *(isa.value for isa in Isa), *PLANNED)
 _AVX2 = frozenset({"avx2", "fma", "f16c"})
 NEEDS = {  # /proc/cpuinfo flags a native path needs, best path first
     Isa.AVX512_VNNI: _AVX2 | {"avx512f", "avx512vl", "avx512bw", "avx512_vnni"},
+    Isa.AVX_VNNI: _AVX2 | {"avx_vnni"},
     Isa.AVX2: _AVX2,
 }
 

@@ -27,10 +27,10 @@ from . import cpu_fused, cpu_isa, cpu_paged, int4_gemm, int8_gemm, native
 
 LAYER_SOURCE = r"""
 /* A linear's packed weight: N outputs, K inputs in G groups of 32 (padded), and its kind: 4 or
-   8 for `int4_gemm.PackedGroups` (float16 scales), INT8_CHANNELS for `int8_gemm.PackedInt8`
-   (float32 scales, one per output). */
+   8 for `int4_gemm.PackedGroups` (float16 scales, and offsets where `offs`), INT8_CHANNELS for
+   `int8_gemm.PackedInt8` (float32 scales, one per output). */
 #define INT8_CHANNELS 1
-typedef struct { const void *w; const void *sc; int64_t N, K, G, kind; } Packed;
+typedef struct { const void *w; const void *sc; int64_t N, K, G, kind, offs; } Packed;
 
 /* One layer: its two norms' weights, its four linears and its K/V pool buffers [S, Hkv, D]. */
 typedef struct {
@@ -54,10 +54,16 @@ typedef struct {
 /* out [T, N] = x @ W.T: its GEMM's body over the step's scratch, then a barrier (the next
    stage reads out, and the next linear rewrites the quantized rows this one reads). */
 static inline void linear(const Packed *p, const float *x, float *out, const Step *s) {
-    if (p->kind == 4)
-        linear_body(x, s->a, s->xs, s->xsum, p->w, p->sc, 0, out, s->T, p->N, p->K, p->G, 4);
+#define GROUPED(bits, offs) \
+    linear_body(x, s->a, s->xs, s->xsum, p->w, p->sc, 0, out, s->T, p->N, p->K, p->G, bits, offs)
+    if (p->kind == 4 && p->offs)
+        GROUPED(4, 1);
+    else if (p->kind == 4)
+        GROUPED(4, 0);
+    else if (p->kind == 8 && p->offs)
+        GROUPED(8, 1);
     else if (p->kind == 8)
-        linear_body(x, s->a, s->xs, s->xsum, p->w, p->sc, 0, out, s->T, p->N, p->K, p->G, 8);
+        GROUPED(8, 0);
     else
         int8_body(x, (int16_t *)s->a, s->xs, p->w, p->sc, 0, out, s->T, p->N, p->K, p->G * 32);
     #pragma omp barrier
@@ -111,15 +117,15 @@ Weight = int4_gemm.PackedGroups | int8_gemm.PackedInt8
 
 
 class Packed(ctypes.Structure):
-    _fields_ = [("w", P), ("sc", P), ("N", I), ("K", I), ("G", I), ("kind", I)]
+    _fields_ = [("w", P), ("sc", P), ("N", I), ("K", I), ("G", I), ("kind", I), ("offs", I)]
 
     @classmethod
     def of(cls, w: Weight) -> Packed:
         if isinstance(w, int8_gemm.PackedInt8):
-            groups, kind = w.padded_in_features // int4_gemm.GROUP, INT8_CHANNELS
+            groups, kind, offs = w.padded_in_features // int4_gemm.GROUP, INT8_CHANNELS, 0
         else:
-            groups, kind = w.groups, int(w.bits)
-        return cls(w.tiles_ptr, w.scales_ptr, w.out_features, w.in_features, groups, kind)
+            groups, kind, offs = w.groups, int(w.bits), int(w.offsets)
+        return cls(w.tiles_ptr, w.scales_ptr, w.out_features, w.in_features, groups, kind, offs)
 
 
 class Layer(ctypes.Structure):

@@ -34,7 +34,7 @@ with `vpdpbusd` in two int32 chains (the instruction's latency sits in its chain
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -120,12 +120,16 @@ void quantize_row(const float *row, int8_t *a, float *xs, float *xsum, int64_t K
 
 /* MT activation rows (a [MT, Kp] int8, xs and xsum [MT, G]) against one panel, every group:
    acc[i] lane j = output (i, j). Weights `w`: a group every `bits * 32` bytes, packed nibbles
-   (4 vectors, unpacked in registers) or signed bytes (8 vectors). */
+   (4 vectors, unpacked in registers) or signed bytes (8 vectors). Scales `sc`: a group's 8
+   float16 d, then (`offs`) its 8 offsets m; without them the offsets are the symmetric forms'
+   own, -8 d for 4 bits (Q4_0's; exact, a power-of-two multiple, so the same bits as stored)
+   and 0 for 8 (Q8_0's: no term), and the panel reads 2 bytes a group less. */
 static inline AI void panel_rows(
         const int8_t *a, int64_t Kp, const float *xs, const float *xsum, int64_t G,
-        const uint8_t *w, const uint16_t *sc, __m256 *acc, const int MT, const int bits) {
+        const uint8_t *w, const uint16_t *sc, __m256 *acc, const int MT, const int bits,
+        const int offs) {
     const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0F);
-    const int64_t wstep = bits * 32;
+    const int64_t wstep = bits * 32, scw = offs ? 2 * PANEL : PANEL;
     for (int i = 0; i < MT; i++) acc[i] = _mm256_setzero_ps();
     for (int64_t g = 0; g < G; g++) {
         const uint8_t *wg = w + g * wstep;
@@ -170,15 +174,17 @@ static inline AI void panel_rows(
                 KEEP(s[i]);
             }
         }
-        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + g * 2 * PANEL)));
-        const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + g * 2 * PANEL + PANEL)));
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + g * scw)));
+        const __m256 m = offs ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + g * scw + PANEL)))
+                              : _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));
         for (int i = 0; i < MT; i++) {
             const __m256i isum = DOT_INT32  ? _mm256_add_epi32(s[i], t[i])
                                  : bits == 4 ? _mm256_madd_epi16(s[i], ones)
                                              : s[i];
             acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum),
                                      _mm256_mul_ps(d, _mm256_set1_ps(xs[i * G + g])), acc[i]);
-            acc[i] = _mm256_fmadd_ps(m, _mm256_set1_ps(xsum[i * G + g]), acc[i]);
+            if (offs || bits == 4)
+                acc[i] = _mm256_fmadd_ps(m, _mm256_set1_ps(xsum[i * G + g]), acc[i]);
         }
     }
 }
@@ -187,9 +193,9 @@ static inline AI void panel_rows(
 static inline AI void panel_out(
         const int8_t *a, int64_t Kp, const float *xs, const float *xsum, int64_t G,
         const uint8_t *w, const uint16_t *sc, const float *bias, float *out, int64_t N,
-        int64_t n0, int64_t nn, const int MT, const int bits) {
+        int64_t n0, int64_t nn, const int MT, const int bits, const int offs) {
     __m256 acc[MR];
-    panel_rows(a, Kp, xs, xsum, G, w, sc, acc, MT, bits);
+    panel_rows(a, Kp, xs, xsum, G, w, sc, acc, MT, bits, offs);
     for (int i = 0; i < MT; i++) {
         float v[PANEL];
         _mm256_storeu_ps(v, acc[i]);
@@ -201,11 +207,11 @@ static inline AI void panel_out(
 static inline AI void block_panel(
         const int8_t *a, const float *xs, const float *xsum, const uint8_t *w, const uint16_t *sc,
         const float *bias, float *out, int64_t m0, int64_t m1, int64_t N, int64_t Kp, int64_t G,
-        int64_t p, const int bits) {
+        int64_t p, const int bits, const int offs) {
     const int64_t n0 = p * PANEL, nn = N - n0 < PANEL ? N - n0 : PANEL;
 #define TILE(r, n) \
     panel_out(a + (r) * Kp, Kp, xs + (r) * G, xsum + (r) * G, G, w, sc, bias, out + (r) * N, N, \
-              n0, nn, n, bits)
+              n0, nn, n, bits, offs)
     int64_t i = m0;
     for (; i + MR <= m1; i += MR) TILE(i, MR);
     switch (m1 - i) {
@@ -217,16 +223,19 @@ static inline AI void block_panel(
 }
 
 /* out [M, N] = x @ dequant(w).T + bias, x [M, K] float; w [ceil(N/8), G, group bytes * 8];
-   sc float16 [ceil(N/8), G, 16]; a [M, G * 32], xs and xsum [M, G]: scratch for the quantized
-   rows. Called by every thread of one parallel region (its loops are the region's work-sharing
+   sc float16 [ceil(N/8), G, 16] (8 without the offsets: `offs` 0); a [M, G * 32], xs and xsum
+   [M, G]: scratch for the quantized rows. Called by every thread of one parallel region (its loops are the region's work-sharing
    loops): the rows' quantization, then the panels, a block of rows at a time. Inlined into
-   each entry point with `bits` a constant, so that each width compiles to its own loops.
+   each entry point with `bits` and `offs` constants, so that each form compiles to its own
+   loops.
    Weights are unpacked in registers, by every tile: unpacking a panel once into a buffer for
    all the tiles was 1.1-1.3x slower on AVX-512 hosts (docs/benchmarks.md). */
 static inline AI void linear_body(
         const float *x, int8_t *a, float *xs, float *xsum, const uint8_t *w, const uint16_t *sc,
-        const float *bias, float *out, int64_t M, int64_t N, int64_t K, int64_t G, const int bits) {
+        const float *bias, float *out, int64_t M, int64_t N, int64_t K, int64_t G, const int bits,
+        const int offs) {
     const int64_t panels = (N + PANEL - 1) / PANEL, Kp = G * GROUP, gbytes = bits * 32;
+    const int64_t scw = offs ? 2 * PANEL : PANEL;
     int64_t rows = BLOCK_BYTES / Kp / MR * MR;
     rows = rows < MR ? MR : rows;
     #pragma omp for schedule(static)
@@ -236,30 +245,35 @@ static inline AI void linear_body(
         const int64_t m1 = m0 + rows < M ? m0 + rows : M;
         #pragma omp for schedule(static) nowait
         for (int64_t p = 0; p < panels; p++)
-            block_panel(a, xs, xsum, w + p * G * gbytes, sc + p * G * 2 * PANEL, bias, out, m0,
-                        m1, N, Kp, G, p, bits);
+            block_panel(a, xs, xsum, w + p * G * gbytes, sc + p * G * scw, bias, out, m0, m1, N,
+                        Kp, G, p, bits, offs);
     }
 }
 
+/* linear_body with `bits` and `offs` as constants of the branch taken. */
+#define GROUPED_BODY(bits, offs) \
+    ((offs) ? linear_body(x, a, xs, xsum, w, sc, bias, out, M, N, K, G, bits, 1) \
+            : linear_body(x, a, xs, xsum, w, sc, bias, out, M, N, K, G, bits, 0))
+
 void int4_linear(const float *x, int8_t *a, float *xs, float *xsum, const uint8_t *w,
                  const uint16_t *sc, const float *bias, float *out, int64_t M, int64_t N,
-                 int64_t K, int64_t G) {
+                 int64_t K, int64_t G, int64_t offs) {
     #pragma omp parallel
-    linear_body(x, a, xs, xsum, w, sc, bias, out, M, N, K, G, 4);
+    GROUPED_BODY(4, offs);
 }
 
 void q8_linear(const float *x, int8_t *a, float *xs, float *xsum, const uint8_t *w,
                const uint16_t *sc, const float *bias, float *out, int64_t M, int64_t N,
-               int64_t K, int64_t G) {
+               int64_t K, int64_t G, int64_t offs) {
     #pragma omp parallel
-    linear_body(x, a, xs, xsum, w, sc, bias, out, M, N, K, G, 8);
+    GROUPED_BODY(8, offs);
 }
 """
 )
 P, I = native.POINTER, native.INT64
 SIGNATURES = (
-    ("int4_linear", (P,) * 8 + (I,) * 4),
-    ("q8_linear", (P,) * 8 + (I,) * 4),
+    ("int4_linear", (P,) * 8 + (I,) * 5),
+    ("q8_linear", (P,) * 8 + (I,) * 5),
     ("quantize_row", (P,) * 4 + (I,) * 2),
 )
 
@@ -289,7 +303,8 @@ def _round(
     weight: torch.Tensor, bits: Bits, symmetric: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Rows of float weights as `PackedGroups.from_blocks` takes them: q [N, G, group bytes],
-    d and m float16 [N, G] (m None for 8-bit groups), rounded by `PackedGroups.quantize`'s rules."""
+    d and m float16 [N, G] (m None for the symmetric forms: 8-bit groups, 4-bit symmetric),
+    rounded by `PackedGroups.quantize`'s rules."""
     n, k = weight.shape
     groups = -(-k // GROUP)
     w = torch.zeros(n, groups * GROUP)
@@ -306,34 +321,49 @@ def _round(
         d, m = ((high - low) / 15).half(), low.half()
     inv = torch.where(d == 0, 0.0, 1 / d.float())
     q = torch.round((w - m.float()[..., None]) * inv[..., None]).clamp_(0, 15).to(torch.uint8)
-    return q[..., :16] | (q[..., 16:] << 4), d, m
+    return q[..., :16] | (q[..., 16:] << 4), d, None if symmetric else m
+
+
+def implied_offsets(d: torch.Tensor, bits: Bits) -> torch.Tensor:
+    """The offsets m of groups stored without them (the symmetric forms), float16 like d: Q4_0's
+    -8 d (exact: a power-of-two multiple) for 4 bits, Q8_0's 0 for 8."""
+    return (-8 * d.float()).half() if bits == Bits.INT4 else torch.zeros_like(d)
 
 
 @dataclass
 class PackedGroups:
     """A weight [N, K] as panels of 8 rows interleaved by lane (the module's docstring), with
-    each panel's float16 scales and offsets; the kernel's arguments that never change are read
-    once here rather than on every call. Built by `quantize` (from float weights) or
-    `from_blocks` (GGUF's blocks, as stored)."""
+    each panel's float16 scales and, for asymmetric groups (`offsets`), offsets; the symmetric
+    forms (8-bit groups, Q4_0's 4-bit ones) imply theirs (`implied_offsets`) and read 2 bytes a
+    group less. The kernel's arguments that never change are read once here rather than on
+    every call. Built by `quantize` (from float weights) or `from_blocks` (GGUF's blocks, as
+    stored)."""
 
     tiles: torch.Tensor  # uint8 [ceil(N/8), G, 8 * group bytes], G = ceil(K/32)
-    scales: torch.Tensor  # float16 [ceil(N/8), G, 16]: the 8 rows' d, then their m
+    scales: torch.Tensor  # float16 [ceil(N/8), G, 16]: the 8 rows' d, then their m (or 8: d)
     out_features: int
     in_features: int
     bits: Bits
     groups: int = field(init=False)
+    offsets: bool = field(init=False)
     tiles_ptr: int = field(init=False)
     scales_ptr: int = field(init=False)
 
     def __post_init__(self) -> None:
         assert self.tiles.is_contiguous() and self.scales.is_contiguous()
+        assert self.scales.shape[2] in (PANEL, 2 * PANEL)
         self.groups = self.tiles.shape[1]
+        self.offsets = self.scales.shape[2] == 2 * PANEL
         self.tiles_ptr, self.scales_ptr = self.tiles.data_ptr(), self.scales.data_ptr()
 
     @property
     def nbytes(self) -> int:
         """Bytes a multiply reads: the packed weights, scales and offsets."""
         return self.tiles.nbytes + self.scales.nbytes
+
+    def to(self, device: torch.device) -> PackedGroups:
+        """The same packing on `device` (a GPU's Triton kernel reads it as stored)."""
+        return replace(self, tiles=self.tiles.to(device), scales=self.scales.to(device))
 
     @classmethod
     def quantize(
@@ -344,11 +374,12 @@ class PackedGroups:
         so q - 8 covers [-8, 7] d); 8-bit is Q8_0's (symmetric, q in [-127, 127]). Rows are
         rounded and packed `QUANTIZE_BYTES` of float at a time, straight into the result: the
         temporaries stay that small whatever the weight (rows round independently, so the
-        result is the same as in one pass)."""
+        result is the same as in one pass). On the CPU, wherever `weight` lies."""
         n, k = weight.shape
         groups = -(-k // GROUP)
+        width = 2 * PANEL if bits == Bits.INT4 and not symmetric else PANEL
         tiles = torch.empty(-(-n // PANEL), groups, PANEL * bits.group_bytes, dtype=torch.uint8)
-        scales = torch.empty(-(-n // PANEL), groups, 2 * PANEL, dtype=torch.float16)
+        scales = torch.empty(-(-n // PANEL), groups, width, dtype=torch.float16)
         step = max(1, QUANTIZE_BYTES // (groups * GROUP * 4 * PANEL)) * PANEL
         for start in range(0, n, step):
             part = cls.from_blocks(*_round(weight[start : start + step], bits, symmetric), k, bits)
@@ -362,8 +393,9 @@ class PackedGroups:
         cls, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, in_features: int, bits: Bits
     ) -> PackedGroups:
         """Rows of blocks as GGUF stores them: q [N, G, group bytes] (nibbles in GGUF's order,
-        or int8 values viewed as uint8), d and m float16 [N, G] (m None: zero). The bytes are
-        moved into panels (a transpose of 4-byte words), never converted."""
+        or int8 values viewed as uint8), d and m float16 [N, G] (m None: the symmetric form's,
+        `implied_offsets`, and none stored). The bytes are moved into panels (a transpose of
+        4-byte words), never converted."""
         n, groups = d.shape
         np_ = -(-n // PANEL) * PANEL
         padded = torch.zeros(np_, groups, bits.group_bytes, dtype=torch.uint8)
@@ -371,14 +403,15 @@ class PackedGroups:
         words = padded.view(np_ // PANEL, PANEL, groups, bits.group_bytes // 4, 4)
         tiles = words.permute(0, 2, 3, 1, 4).reshape(np_ // PANEL, groups, -1).contiguous()
         del padded, words
-        scales = torch.zeros(np_, groups, 2, dtype=torch.float16)
+        kinds = 1 if m is None else 2  # d, or d and m
+        scales = torch.zeros(np_, groups, kinds, dtype=torch.float16)
         scales[:n, :, 0] = d
         if m is not None:
             scales[:n, :, 1] = m
-        scales = scales.view(np_ // PANEL, PANEL, groups, 2).permute(0, 2, 3, 1)
+        scales = scales.view(np_ // PANEL, PANEL, groups, kinds).permute(0, 2, 3, 1)
         return cls(
             tiles,
-            scales.reshape(np_ // PANEL, groups, 2 * PANEL).contiguous(),
+            scales.reshape(np_ // PANEL, groups, kinds * PANEL).contiguous(),
             n,
             in_features,
             bits,
@@ -386,23 +419,43 @@ class PackedGroups:
 
     def blocks(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """`from_blocks`' inverse: q uint8 [N, G, group bytes] (GGUF's order), d and m float16
-        [N, G] (m zero for 8-bit groups)."""
+        [N, G] (m implied where not stored: `implied_offsets`)."""
         panels, groups = self.tiles.shape[:2]
         words = self.tiles.view(panels, groups, -1, PANEL, 4).permute(0, 3, 1, 2, 4)
         q = words.reshape(panels * PANEL, groups, -1)[: self.out_features]
-        sc = self.scales.view(panels, groups, 2, PANEL).permute(0, 3, 1, 2)
-        sc = sc.reshape(panels * PANEL, groups, 2)[: self.out_features]
-        return q, sc[..., 0], sc[..., 1]
+        kinds = 2 if self.offsets else 1
+        sc = self.scales.view(panels, groups, kinds, PANEL).permute(0, 3, 1, 2)
+        sc = sc.reshape(panels * PANEL, groups, kinds)[: self.out_features]
+        return q, sc[..., 0], self._offsets(sc)
 
     def dequantize(self) -> torch.Tensor:
         """The float32 weight [N, K] this stands for."""
-        q, d, m = self.blocks()
+        return self._floats(*self.blocks())
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` (int64 [M], each in [0, N)) of the float32 weight, [M, K]: the same values
+        as `dequantize()[ids]`, from those rows' blocks alone (an embedding table kept packed)."""
+        panels, groups = self.tiles.shape[:2]
+        panel, lane = ids // PANEL, ids % PANEL
+        q = self.tiles.view(panels, groups, -1, PANEL, 4)[panel, :, :, lane]
+        kinds = 2 if self.offsets else 1
+        sc = self.scales.view(panels, groups, kinds, PANEL)[panel, :, :, lane]
+        q = q.reshape(len(ids), groups, self.bits.group_bytes)
+        return self._floats(q, sc[..., 0], self._offsets(sc))
+
+    def _offsets(self, sc: torch.Tensor) -> torch.Tensor:
+        """The offsets m of scales sc [..., 1 or 2] (d, then m where stored)."""
+        return sc[..., 1] if self.offsets else implied_offsets(sc[..., 0], self.bits)
+
+    def _floats(self, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+        """Blocks q [R, G, group bytes], d and m [R, G] (`blocks`' form) as float32 [R, K]."""
+        groups = q.shape[1]
         if self.bits == Bits.INT4:
             q = torch.cat([q & 0x0F, q >> 4], dim=2)
         else:
             q = q.view(torch.int8)
         w = q.float() * d.float()[..., None] + m.float()[..., None]
-        return w.reshape(self.out_features, -1)[:, : self.in_features]
+        return w.reshape(len(q), groups * GROUP)[:, : self.in_features]
 
 
 @dataclass
@@ -476,5 +529,6 @@ def grouped_linear(
         w.out_features,
         w.in_features,
         groups,
+        w.offsets,
     )
     return out

@@ -18,7 +18,7 @@ before being added to a float accumulator.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -147,18 +147,23 @@ class PackedInt8:
         self.padded_in_features = self.tiles.shape[1] * DEPTH
         self.tiles_ptr, self.scales_ptr = self.tiles.data_ptr(), self.scales.data_ptr()
 
+    def to(self, device: torch.device) -> PackedInt8:
+        """The same packing on `device` (a GPU's Triton kernel reads it as stored)."""
+        return replace(self, tiles=self.tiles.to(device), scales=self.scales.to(device))
+
     @classmethod
     def quantize(cls, weight: torch.Tensor) -> PackedInt8:
         """Symmetric per-channel rounding: w ~= q * scale with q in [-127, 127]. Rows are
         rounded and packed `QUANTIZE_BYTES` of float at a time, straight into the result (rows
-        round independently: the same result as in one pass, with small temporaries)."""
+        round independently: the same result as in one pass, with small temporaries), on the
+        CPU, wherever `weight` lies."""
         n, k = weight.shape
         kp = -(-k // DEPTH) * DEPTH
         tiles = torch.empty(-(-n // ROWS), kp // DEPTH, ROWS, DEPTH, dtype=torch.int8)
         scales = torch.empty(n)
         step = max(1, QUANTIZE_BYTES // (kp * 4 * ROWS)) * ROWS
         for start in range(0, n, step):
-            w = weight[start : start + step].detach().float()
+            w = weight[start : start + step].detach().to("cpu", torch.float32)
             part = scales[start : start + step]
             torch.clamp_min(w.abs().amax(dim=1) / 127, torch.finfo(torch.float32).tiny, out=part)
             q = torch.round(w / part[:, None]).clamp_(-127, 127).to(torch.int8)

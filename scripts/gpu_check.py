@@ -11,7 +11,10 @@ tp_size=1 on CUDA, and 2 over two GPUs where the machine has them, (h) each mode
 on CUDA against transformers, (i) the deterministic mode's Triton layout (`FIXED_KV_SPLITS`
 splits per row): each row's output bitwise the same in a batch of 32 mixed rows as alone, (j) the
 quantized KV pool (`--kv-cache-dtype`) on the Triton kernels and the engine: correctness, decode
-time at 2k and 8k keys and the store's against bf16 KV, greedy tokens against bf16 KV. Writes $OUT/gpu_check.json and $OUT/gpu_check.txt,
+time at 2k and 8k keys and the store's against bf16 KV, greedy tokens against bf16 KV, (k) packed
+weights on the Triton GEMM (`--quantization int4/int8`, pre-quantized checkpoints): against
+dequantize + matmul at llama3-8b's linears, timed against the bf16 matmul, and a GPTQ checkpoint
+loaded on CUDA against the CPU's paths. Writes $OUT/gpu_check.json and $OUT/gpu_check.txt,
 rewritten after every section so a timeout still leaves the finished parts.
 """
 
@@ -856,6 +859,133 @@ def check_kv_quant_engine(out: dict) -> None:
         torch.cuda.empty_cache()
 
 
+# llama3-8b's linears (outputs, inputs); rows: decode batches and prefill chunks
+PACKED_SHAPES = {
+    "qkv": (6144, 4096),
+    "o": (4096, 4096),
+    "gate_up": (28672, 4096),
+    "down": (4096, 14336),
+}
+PACKED_CHECK_ROWS = [1, 77, 2048]
+PACKED_BENCH_ROWS = [1, 16, 256, 2048]
+PACKED_IDS = 256  # teacher-forced positions of the checkpoint check
+
+
+def packed_formats(n: int, k: int) -> dict:
+    """A random weight [n, k] (on the CPU) in each packed format the GEMM reads."""
+    from radixrt.kernels.int4_gemm import Bits, PackedGroups
+    from radixrt.kernels.int8_gemm import PackedInt8
+
+    w = torch.randn(n, k) / k**0.5
+    return {
+        "int4": PackedGroups.quantize(w),
+        "groups8": PackedGroups.quantize(w, Bits.INT8),
+        "int8": PackedInt8.quantize(w),
+    }
+
+
+def check_packed_gemm() -> None:
+    """(k) `kernels/packed_gemm.py` on the GPU: each packed format of llama3-8b's linears against
+    the float32 matmul of its `dequantize()` (bf16 activations, a bias), then its time against
+    the bf16 matmul of the same weight at decode and prefill rows, and the packed bytes it
+    reads per second; then a GPTQ checkpoint on CUDA (`check_packed_checkpoint`)."""
+    from radixrt.kernels.packed_gemm import packed_linear_fwd
+
+    log("== (k) packed weights on the Triton GEMM (--quantization, pre-quantized checkpoints) ==")
+    results["packed_gemm"] = out = {"bench": [], "checkpoint": {}}
+    results.setdefault("correctness", {})
+    log(
+        f"  {'linear':<8} {'format':<8} {'rows':>5} {'us':>9} {'bf16 us':>9} {'x bf16':>7} {'GB/s':>7}"
+    )
+    for shape, (n, k) in PACKED_SHAPES.items():
+        for fmt, packed in packed_formats(n, k).items():
+            weight = packed.to(DEVICE)
+            dense = packed.dequantize().to(DEVICE)
+            bias = torch.randn(n, device=DEVICE)
+            for m in PACKED_CHECK_ROWS:
+                x = torch.randn(m, k, device=DEVICE, dtype=DTYPE)
+                got = packed_linear_fwd(x, weight, bias)
+                compare(
+                    f"packed gemm {fmt} {shape} rows={m}", got, F.linear(x.float(), dense, bias)
+                )
+            nbytes = weight.tiles.nbytes + weight.scales.nbytes
+            bf16 = dense.to(DTYPE)
+            del dense
+            for m in PACKED_BENCH_ROWS:
+                x = torch.randn(m, k, device=DEVICE, dtype=DTYPE)
+                us = 1e3 * bench_ms(lambda: packed_linear_fwd(x, weight, None))
+                base = 1e3 * bench_ms(lambda: F.linear(x, bf16))
+                row = dict(linear=shape, format=fmt, rows=m, us=us, bf16_us=base)
+                row["weight_gb_per_s"] = nbytes / us / 1e3
+                out["bench"].append(row)
+                log(
+                    f"  {shape:<8} {fmt:<8} {m:>5} {us:>9.1f} {base:>9.1f} {base / us:>7.2f} {row['weight_gb_per_s']:>7.0f}"
+                )
+            del weight, bf16
+            torch.cuda.empty_cache()
+        save()
+    check_packed_checkpoint(out["checkpoint"])
+
+
+def forced_logits(runner, ids: list[int]) -> torch.Tensor:
+    """tests/helpers.py's `teacher_forced_logits` on the runner's device: logits [n, V]
+    float64 (on the CPU) at every position of `ids`, one prefill over slots 1..n."""
+    from radixrt.forward_batch import ForwardBatch
+
+    n, device = len(ids), runner.device
+    slots = torch.arange(1, n + 1, device=device)
+    runner.req_to_token_pool.req_to_token[1, :n] = slots.to(torch.int32)
+    ids_t, positions = torch.tensor(ids, device=device), torch.arange(n, device=device)
+    batch = ForwardBatch(ids_t, positions, slots, torch.tensor([1], device=device), [0], [n])
+    return runner.logits(runner.forward(batch)).double().cpu()
+
+
+def check_packed_checkpoint(out: dict) -> None:
+    """(k, a checkpoint) the default model's first layers as a GPTQ act-order checkpoint
+    (tests/quant_packers.py), teacher-forced on CUDA in float32 and bf16 against the CPU's
+    dequantized path (`--cpu-isa torch`: float activations, the kernel's numerics) and its C
+    kernels (8-bit activations): largest logit gap and top-1 agreement. float32 passes within
+    1e-3 of the largest logit; bf16 and the C kernels at 90% top-1."""
+    import tempfile
+
+    from radixrt.executor.model_loader import resolve_model_path
+
+    sys.path[:0] = [str(Path(__file__).resolve().parents[1] / "tests")]
+    from quant_packers import quality_ids, runner, write_quantized, write_small_model
+
+    with tempfile.TemporaryDirectory() as tmp:
+        small = write_small_model(resolve_model_path("default"), Path(tmp) / "small")
+        folder = Path(tmp) / "gptq"
+        write_quantized(small, folder, "gptq", 128, True, desc_act=True)
+        ids = quality_ids(small)[:PACKED_IDS]
+        reference = forced_logits(runner(folder, device="cpu", cpu_isa="torch"), ids)
+        paths = {"cpu C kernels": forced_logits(runner(folder, device="cpu"), ids)}
+        for dtype in ("float32", "bfloat16"):
+            on_gpu = runner(
+                folder,
+                device="cuda",
+                dtype=dtype,
+                attention_backend="triton",
+                disable_cuda_graph=True,
+            )
+            paths[f"cuda {dtype}"] = forced_logits(on_gpu, ids)
+            del on_gpu
+            torch.cuda.empty_cache()
+    scale = reference.abs().max().item()
+    for name, logits in paths.items():
+        gap = (logits - reference).abs().max().item()
+        top1 = (logits.argmax(-1) == reference.argmax(-1)).double().mean().item()
+        ok = gap <= 1e-3 * scale if name == "cuda float32" else top1 >= 0.9
+        out[name] = {"max_abs_gap": gap, "top1": top1, "largest_logit": scale}
+        results["correctness"][f"gptq checkpoint {name} vs dequantized"] = {
+            "max_abs_err": gap,
+            "ok": ok,
+        }
+        log(
+            f"  gptq checkpoint, {name}: max|gap| {gap:.2e} (logits to {scale:.1f}), top-1 {top1:.3f}  {'ok' if ok else 'FAIL'}"
+        )
+
+
 def main() -> None:
     results.update(
         device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__
@@ -875,6 +1005,7 @@ def main() -> None:
         check_fused_moe,
         check_deterministic_rows,
         check_kv_quant,
+        check_packed_gemm,
     ):
         if ONLY and section.__name__ not in ONLY:
             continue

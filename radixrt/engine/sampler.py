@@ -25,10 +25,11 @@ NOTHING_ALLOWED = (
 )
 
 
-def unsampleable_rows(logits: torch.Tensor) -> list[str | None]:
-    """Rows nothing may be drawn from: a NaN or +inf logit (a model fault: multinomial would
-    raise, argmax would pick it), or every logit -inf (masks and bans left no token)."""
-    top = logits.amax(dim=-1)  # NaN if any is (amax propagates it), +inf if any is, -inf if all are
+def unsampleable_rows(top: torch.Tensor) -> list[str | None]:
+    """Rows nothing may be drawn from, by each row's largest logit `top` [B] (NaN if any is:
+    max propagates it; +inf if any is; -inf if all are): a NaN or +inf logit (a model fault:
+    multinomial would raise, argmax would pick it), or every logit -inf (masks and bans left no
+    token)."""
     broken = (torch.isnan(top) | torch.isposinf(top)).tolist()
     empty = torch.isneginf(top).tolist()
     return [NAN_LOGITS if b else NOTHING_ALLOWED if e else None for b, e in zip(broken, empty)]
@@ -51,23 +52,23 @@ def sample(
     not, so a seeded request's tokens do not depend on what was drafted (a separate acceptance
     draw would shift its generator whenever the timing-priced drafter proposed something)."""
     raw = logits
-    logits = logits.clone()
-    if constrain is not None:
-        constrain(logits)
-    for i, req in enumerate(reqs):
-        if req.params.penalized:
-            _apply_penalties(logits[i], req)
-        if req.params.logit_bias:
-            _apply_logit_bias(logits[i], req.params.logit_bias)
-        if banned[i]:
-            logits[i, banned[i]] = float("-inf")
+    if constrain is not None or any(banned) or any(_adjusted(r) for r in reqs):
+        logits = logits.clone()  # the raw logits stay for the logprobs
+        if constrain is not None:
+            constrain(logits)
+        for i, req in enumerate(reqs):
+            if req.params.penalized:
+                _apply_penalties(logits[i], req)
+            if req.params.logit_bias:
+                _apply_logit_bias(logits[i], req.params.logit_bias)
+            if banned[i]:
+                logits[i, banned[i]] = float("-inf")
 
-    failures = unsampleable_rows(logits)
+    best, argmax = logits.max(dim=-1)  # one pass: the failures' check and the greedy tokens
+    failures = unsampleable_rows(best)
     ok = [i for i in range(len(reqs)) if failures[i] is None]
-    greedy_rows = [i for i in ok if reqs[i].params.greedy]
-    tokens = torch.zeros(len(reqs), dtype=torch.long)  # a failed row keeps 0, never used
-    if greedy_rows:
-        tokens[greedy_rows] = logits[greedy_rows].argmax(dim=-1)
+    # greedy rows take the argmax; a failed row's token is meaningless, never used
+    tokens = torch.where(torch.tensor([r.params.greedy for r in reqs]), argmax, 0)
     sampled_rows = [i for i in ok if not reqs[i].params.greedy]
     if sampled_rows:
         probs = _filtered_probs(logits[sampled_rows], [reqs[i] for i in sampled_rows])
@@ -94,6 +95,11 @@ def sample(
             for i, r in enumerate(reqs)
         ]
     return SampleOutput(token_ids, chosen, top, failures)
+
+
+def _adjusted(req: Req) -> bool:
+    """Whether a request's row is changed before it is sampled (penalties, a logit bias)."""
+    return req.params.penalized or bool(req.params.logit_bias)
 
 
 def _apply_penalties(row: torch.Tensor, req: Req) -> None:

@@ -22,14 +22,17 @@ dequantizes.
 
 from __future__ import annotations
 
+import math
+import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
 from radixrt.executor.model_loader import read_into
-from radixrt.kernels.int4_gemm import GROUP, Bits, PackedGroups, int8_groups
+from radixrt.kernels.int4_gemm import GROUP, Bits, PackedGroups, implied_offsets, int8_groups
+from radixrt.models.linear import EMBEDDING
 
 # GGUF type name -> the width of the groups its blocks become
 PACKED_TYPES = {
@@ -56,18 +59,42 @@ class Part:
 
 
 @dataclass(frozen=True)
+class TensorInfo:
+    """One tensor of a GGUF file as its header describes it: `kind` (gguf's
+    `GGMLQuantizationType`), `shape` in GGUF's order (inputs first: [K, N] for a linear),
+    where its bytes start in `path` and how many there are."""
+
+    name: str
+    kind: Any
+    shape: tuple[int, ...]
+    offset: int
+    n_bytes: int
+    path: Path
+
+
+@dataclass(frozen=True)
+class GGUFHeader:
+    """A GGUF file's string metadata and its tensors, read by `read_header`."""
+
+    strings: dict[str, str]
+    tensors: dict[str, TensorInfo]
+
+
+@dataclass(frozen=True)
 class GGUFPlan:
     """The linears (module name -> parts, stacked by rows) whose every part is of a packed
-    type, in the file `reader` reads (gguf's `GGUFReader`: opened once, since parsing
-    the header of a model with a large vocabulary takes seconds)."""
+    type, and the file's tensors (`header`, read once)."""
 
-    reader: Any
+    header: GGUFHeader
     linears: dict[str, list[Part]]
 
     def meta_weights(self, tied: bool) -> frozenset[str]:
-        """Parameters never to fill as float: the packed linears' weights (a tied lm_head's is
-        the embedding, which stays float)."""
-        return frozenset(f"{m}.weight" for m in self.linears if not (tied and m == "lm_head"))
+        """Parameters never to fill as float: the packed linears' and the embedding's weights
+        (packed as its own `EMBEDDING` entry, or, tied, as the output projection)."""
+        names = {f"{m}.weight" for m in self.linears}
+        if tied and "lm_head" in self.linears:
+            names.add(f"{EMBEDDING}.weight")
+        return frozenset(names)
 
 
 def gguf_source(model_folder: Path, marker: str) -> Path | None:
@@ -82,15 +109,13 @@ def gguf_source(model_folder: Path, marker: str) -> Path | None:
 def plan(path: Path, config) -> GGUFPlan:
     """Which linears of a Llama-shaped model (fused q/k/v and gate/up, as `models/llama.py`
     builds them) `path` holds in packed types; none for an architecture it cannot map."""
-    import gguf
-
-    reader = gguf.GGUFReader(path)
-    arch = _field(reader, "general.architecture")
+    header = read_header(path)
+    arch = header.strings.get("general.architecture")
     if arch not in ARCHITECTURES:
         raise ValueError(
             f"packed GGUF weights need a {' or '.join(ARCHITECTURES)} GGUF, not {arch}"
         )
-    types = {t.name: t.tensor_type.name for t in reader.tensors}
+    types = {t.name: t.kind.name for t in header.tensors.values()}
     rope = arch == "llama"  # the converter permutes q and k rows of Llama only
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     wanted: dict[str, list[Part]] = {}
@@ -105,36 +130,36 @@ def plan(path: Path, config) -> GGUFPlan:
         wanted[me + "mlp.gate_up_proj"] = [Part(b + "ffn_gate.weight"), Part(b + "ffn_up.weight")]
         wanted[me + "mlp.down_proj"] = [Part(b + "ffn_down.weight")]
     wanted["lm_head"] = [Part("output.weight" if "output.weight" in types else "token_embd.weight")]
+    if not getattr(config, "tie_word_embeddings", False):  # tied, it is the output projection's
+        wanted[EMBEDDING] = [Part("token_embd.weight")]
     linears = {
         m: parts for m, parts in wanted.items() if _packable([types.get(p.name) for p in parts])
     }
-    return GGUFPlan(reader, linears)
+    return GGUFPlan(header, linears)
 
 
 def read_linears(plan: GGUFPlan) -> dict[str, PackedGroups]:
     """Every planned linear, packed from the file's blocks."""
-    tensors = {t.name: t for t in plan.reader.tensors}
+    tensors = plan.header.tensors
     return {
         module: _stack([tensors[p.name] for p in parts], parts)
         for module, parts in plan.linears.items()
     }
 
 
-def blocks(tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, Bits]:
+def blocks(tensor: TensorInfo) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, Bits]:
     """A packed-type GGUF tensor's rows as groups of 32: values [N, G, group bytes] (nibbles in
-    Q4_0's order, or int8 viewed as uint8), d and m float16 [N, G] (m None for 8-bit groups),
-    and their width."""
-    kind = tensor.tensor_type.name
-    raw = torch.empty(int(tensor.n_bytes), dtype=torch.uint8)
-    # read, not copied from the reader's map: pages read through it stay resident while the
-    # reader lives, the whole file's by the last tensor
-    with open(tensor.data.filename, "rb", buffering=0) as f:
-        read_into(f.fileno(), raw, int(tensor.data_offset), f.name)
-    n, k = int(tensor.shape[1]), int(tensor.shape[0])
+    Q4_0's order, or int8 viewed as uint8), d and m float16 [N, G] (m None for the symmetric
+    forms, Q4_0 and 8-bit groups: their offsets are implied), and their width."""
+    kind = tensor.kind.name
+    raw = torch.empty(tensor.n_bytes, dtype=torch.uint8)
+    with open(tensor.path, "rb", buffering=0) as f:
+        read_into(f.fileno(), raw, tensor.offset, f.name)
+    k, n = tensor.shape
     if kind == "Q4_K":
         return (*_q4_k(raw.view(n, k // SUPER, Q4_K_BYTES)), Bits.INT4)
     if kind in ("Q5_K", "Q6_K"):
-        q, d = _requantized(raw.view(n, -1), tensor.tensor_type, k)
+        q, d = _requantized(raw.view(n, -1), tensor.kind, k)
         return q.view(torch.uint8), d, None, Bits.INT8
     head = 4 if kind == "Q4_1" else 2  # the bytes before the values: d, or d and m
     raw = raw.view(n, k // GROUP, head + PACKED_TYPES[kind].group_bytes)
@@ -142,9 +167,7 @@ def blocks(tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, Bit
     q = raw[..., head:]
     if kind == "Q4_1":
         m = raw[..., 2:4].contiguous().view(torch.float16)[..., 0]
-    elif kind == "Q4_0":
-        m = (-8 * d.float()).half()  # exact: a power-of-two multiple
-    else:
+    else:  # Q4_0's -8 d and Q8_0's 0: implied (`implied_offsets`), not stored
         m = None
     return q, d, m, PACKED_TYPES[kind]
 
@@ -187,22 +210,33 @@ def _requantized(rows: torch.Tensor, kind: Any, k: int) -> tuple[torch.Tensor, t
     return torch.cat(qs), torch.cat(ds)
 
 
-def _stack(tensors: list, parts: list[Part]) -> PackedGroups:
+def _stack(tensors: list[TensorInfo], parts: list[Part]) -> PackedGroups:
     """Several tensors' rows, one after the other, as one packed weight: 8-bit groups if any
-    of them is 8-bit (a Q4_K_M file's Q6_K v beside Q4_K q and k), the 4-bit ones requantized."""
-    k = int(tensors[0].shape[0])
-    bits = max(PACKED_TYPES[t.tensor_type.name] for t in tensors)
+    of them is 8-bit (a Q4_K_M file's Q6_K v beside Q4_K q and k), the 4-bit ones requantized.
+    A tensor alone, in its own order (the output projection, the embedding: the largest), is
+    not copied on the way (each copy of the largest is the load's peak)."""
+    k = tensors[0].shape[0]
+    bits = max(PACKED_TYPES[t.kind.name] for t in tensors)
     qs, ds, ms = [], [], []
     for tensor, part in zip(tensors, parts):
         q, d, m, width = blocks(tensor)
         if width != bits:
             q, d, m = *_as_8_bit(q, d, m, k), None
-        order = _unpermute(q.shape[0], part.heads)
-        qs.append(q[order])
-        ds.append(d[order])
-        ms.append(None if m is None else m[order])
-    m_all = None if ms[0] is None else torch.cat(ms)  # type: ignore[arg-type]
-    return PackedGroups.from_blocks(torch.cat(qs), torch.cat(ds), m_all, k, bits)
+        if part.heads:
+            order = _unpermute(q.shape[0], part.heads)
+            q, d, m = q[order], d[order], None if m is None else m[order]
+        qs.append(q)
+        ds.append(d)
+        ms.append(m)
+    m_all = None  # stored only where some part has offsets of its own (Q4_1 beside Q4_0)
+    if any(m is not None for m in ms):
+        m_all = _joined([implied_offsets(d, bits) if m is None else m for m, d in zip(ms, ds)])
+    return PackedGroups.from_blocks(_joined(qs), _joined(ds), m_all, k, bits)
+
+
+def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
+    """Parts' rows one after the other; a part alone as it is (no copy of the largest tensor)."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def _as_8_bit(
@@ -228,6 +262,67 @@ def _unpermute(rows: int, heads: int) -> torch.Tensor:
     return index.view(heads, -1, 2).transpose(1, 2).reshape(-1)
 
 
-def _field(reader, key: str) -> str:
-    field = reader.fields[key]
-    return bytes(field.parts[field.data[0]]).decode()
+# GGUF metadata value types (gguf's GGUFValueType) -> bytes of one value; 8: string, 9: array
+SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+STRING, ARRAY = 8, 9
+ALIGNMENT = 32  # where tensor data starts when `general.alignment` does not say
+
+
+def read_header(path: Path) -> GGUFHeader:
+    """`path`'s string metadata and tensor infos, reading the header once and keeping nothing
+    else: the tokenizer's arrays (a large vocabulary's tokens, merges and scores) are skipped,
+    not parsed into objects as gguf's `GGUFReader` does (at 49k tokens it holds ~150 MB while
+    it lives). ValueError for a file that is not GGUF v2/v3."""
+    import gguf
+
+    with open(path, "rb") as f:
+        magic, version, n_tensors, n_kv = struct.unpack("<4sIQQ", f.read(24))
+        if magic != b"GGUF" or version not in (2, 3):
+            raise ValueError(f"{path} is not a GGUF v2/v3 file")
+        strings, alignment = {}, ALIGNMENT
+        for _ in range(n_kv):
+            key = _string(f)
+            (kind,) = struct.unpack("<I", f.read(4))
+            if kind == STRING:
+                strings[key] = _string(f)
+            elif key == "general.alignment" and kind == 4:
+                (alignment,) = struct.unpack("<I", f.read(4))
+            else:
+                _skip(f, kind)
+        infos = []
+        for _ in range(n_tensors):
+            name = _string(f)
+            (dims,) = struct.unpack("<I", f.read(4))
+            shape = struct.unpack(f"<{dims}Q", f.read(8 * dims))
+            kind, offset = struct.unpack("<IQ", f.read(12))
+            infos.append((name, gguf.GGMLQuantizationType(kind), shape, offset))
+        start = -(-f.tell() // alignment) * alignment
+    tensors = {}
+    for name, kind, shape, offset in infos:
+        block, size = gguf.GGML_QUANT_SIZES[kind]
+        n_bytes = math.prod(shape) // block * size
+        tensors[name] = TensorInfo(name, kind, tuple(shape), start + offset, n_bytes, Path(path))
+    return GGUFHeader(strings, tensors)
+
+
+def _string(f: BinaryIO) -> str:
+    (n,) = struct.unpack("<Q", f.read(8))
+    return f.read(n).decode("utf-8", errors="replace")
+
+
+def _skip(f: BinaryIO, kind: int) -> None:
+    """Past one metadata value of type `kind` (an array's every element)."""
+    if kind == STRING:
+        (n,) = struct.unpack("<Q", f.read(8))
+        f.seek(n, 1)
+    elif kind == ARRAY:
+        element, count = struct.unpack("<IQ", f.read(12))
+        if element in SCALAR_BYTES:
+            f.seek(count * SCALAR_BYTES[element], 1)
+        else:
+            for _ in range(count):
+                _skip(f, element)
+    elif kind in SCALAR_BYTES:
+        f.seek(SCALAR_BYTES[kind], 1)
+    else:
+        raise ValueError(f"unknown GGUF metadata type {kind}")

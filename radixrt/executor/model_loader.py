@@ -15,16 +15,17 @@ import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, cast
 
 import torch
 from safetensors.torch import save_file
 from torch import nn
 
 from radixrt.distributed.group import TPGroup
+from radixrt.kernels.int4_gemm import PackedGroups
 from radixrt.models import model_class
 from radixrt.models.interface import CausalLM
-from radixrt.models.linear import LinearPacking, Packed
+from radixrt.models.linear import EMBEDDING, LinearPacking, Packed
 from radixrt.models.quantized import PermutedGroups
 from radixrt.models.support import check_all_read
 
@@ -398,6 +399,8 @@ def load_model(
     if not isinstance(model, nn.Module) or not isinstance(model, CausalLM):
         raise TypeError(f"{type(model).__name__} does not keep models.interface.CausalLM")
     streamed = _own_linears(model, meta) if packing is not None else []
+    if packing is not None and packing.packs_embedding and f"{EMBEDDING}.weight" not in meta:
+        streamed.append(EMBEDDING)
     _materialize(model, tp.device, dtype, meta, frozenset(f"{n}.weight" for n in streamed))
     reader = WeightReader(folder)
     try:
@@ -523,11 +526,19 @@ class PackingReader:
         missing = set(self._targets.values()) - set(self.packed)
         if missing:
             raise RuntimeError(f"linears never read from the checkpoint: {sorted(missing)[:4]}")
+        table = self.packed.pop(EMBEDDING, None)
         for name, packed in self.packed.items():
             parent, _, child = name.rpartition(".")
             owner = self._model.get_submodule(parent)
             module = self._packing.module(packed, getattr(owner, child).bias)
             setattr(owner, child, module)
+        if table is not None:
+            assert isinstance(table, PackedGroups)
+            table = table.to(self._packing.device)  # shared by lookups and a tied projection
+            model = cast(CausalLM, self._model)
+            model.keep_embedding_packed(
+                table, self._packing.module(table, None) if model.tied else None
+            )
         self.packed = {}
 
 

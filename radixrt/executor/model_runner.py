@@ -9,6 +9,7 @@ import logging
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import cast
 
 import torch
 from torch import nn
@@ -17,7 +18,7 @@ from transformers import AutoConfig, AutoTokenizer
 from radixrt.attention import create_backend
 from radixrt.config import ExecutorArgs
 from radixrt.distributed.group import TPGroup
-from radixrt.executor import gguf_weights
+from radixrt.executor import gguf_weights, host_memory
 from radixrt.executor.lora_manager import LoraManager, default_max_rank, parse_lora_paths
 from radixrt.executor.model_loader import (
     READY_MARKER,
@@ -37,8 +38,10 @@ from radixrt.mem_cache.memory_pool import (
     TokenToKVPool,
     bytes_per_token,
 )
+from radixrt.models.interface import CausalLM
 from radixrt.models.linear import (
     BYTES_PER_WEIGHT,
+    EMBEDDING,
     FixedOrderLinear,
     GroupedLinear,
     Int8Linear,
@@ -182,15 +185,17 @@ class ModelRunner:
         packed = self._gguf_plan()
         tied = bool(getattr(self.config, "tie_word_embeddings", False))
         packing = self._packing()
-        self.model = load_model(
-            self.model_path,
-            self.config,
-            self.context_length,
-            self.tp,
-            self.dtype,
-            packed.meta_weights(tied) if packed else frozenset(),
-            packing,
-        )
+        with host_memory.loading():
+            self.model = load_model(
+                self.model_path,
+                self.config,
+                self.context_length,
+                self.tp,
+                self.dtype,
+                packed.meta_weights(tied) if packed else frozenset(),
+                packing,
+            )
+            self._replace_linears(self.model, packed, packing)
         self.weights = WeightCounts.of(
             self.model,
             self.config,
@@ -199,7 +204,6 @@ class ModelRunner:
             else BYTES_PER_WEIGHT.get(args.quantization or "", self.dtype.itemsize),
         )
         self.packing = packing  # what weight updates pack their linears with too
-        self._replace_linears(self.model, packed, packing)
         self.vocab_size = self.config.vocab_size
         self.lora = self._init_lora()
 
@@ -242,22 +246,24 @@ class ModelRunner:
     def kv_numerics(self) -> str:
         """What besides the weights and the dtype decides the bits of the KV this run computes
         (the disk tier's fingerprint names it): the linears' path, whether quantized linears
-        dequantize into torch (`--cpu-isa torch`: float activations) or run the C kernels, and
-        the deterministic mode's fixed summation order. The native `--cpu-isa` paths are one
-        name: they give the same bits, so a disk tier written on an AVX2 host serves an
-        AVX-512 one."""
+        dequantize into torch (`--cpu-isa torch`: float activations), run the C kernels (8-bit
+        activations) or a GPU's Triton GEMM (float activations), and the deterministic mode's
+        fixed summation order. The native `--cpu-isa` paths are one name: they give the same
+        bits, so a disk tier written on an AVX2 host serves an AVX-512 one."""
         parts = [self.quantization_path]
         if self.quantization_path != "float" and self.cpu_isa is cpu_isa.Isa.TORCH:
             parts.append("dequantized in torch")
+        if self.quantization_path != "float" and self.cpu_isa is None:
+            parts.append("Triton GEMM")
         if self.args.enable_deterministic_inference:
             parts.append("fixed order")
         return ", ".join(parts)
 
     def _packing(self) -> LinearPacking | None:
         """`LinearPacking.of` the run; a pre-quantized checkpoint's linears are read packed
-        into the CPU kernels' layouts, which needs a CPU with them, float32 for the float rest,
-        one rank, and no `--quantization` of its own (it would requantize them). ValueError,
-        one line, naming what is missing."""
+        into the CPU kernels' layouts (moved to a CUDA GPU for its Triton kernel), which needs
+        one rank, on a CPU the kernels and float32 for the float rest, and no `--quantization`
+        of its own (it would requantize them). ValueError, one line, naming what is missing."""
         args, quant = self.args, self.checkpoint_quant
         packing = LinearPacking.of(
             args.quantization,
@@ -279,13 +285,16 @@ class ModelRunner:
                 f"--quantization {args.quantization}: the checkpoint is already quantized "
                 f"({quant.method}); serve it without --quantization"
             )
-        if self.device.type != "cpu" or self.tp.size > 1 or packing is None:
+        on_gpu = self.device.type == "cuda"
+        if self.tp.size > 1 or (packing is None and not on_gpu):
             raise ValueError(
-                f"{quant.method} checkpoints are served packed on the CPU, one rank, float32"
+                f"{quant.method} checkpoints are served packed on one rank: on the CPU in "
+                "float32, or on a CUDA GPU"
             )
         check_quantization("int4", self.device, self.cpu_isa)
         check_quantization("int8", self.device, self.cpu_isa)
-        return replace(packing, checkpoint=quant)
+        base = packing or LinearPacking(None, None, device=self.device)
+        return replace(base, checkpoint=quant)
 
     def _gguf_plan(self) -> gguf_weights.GGUFPlan | None:
         """The linears to take packed from the GGUF file the model came from: under `gguf`
@@ -309,16 +318,26 @@ class ModelRunner:
         packed: gguf_weights.GGUFPlan | None,
         packing: LinearPacking | None,
     ) -> None:
-        """`model`'s GGUF packed linears, then those the loader did not pack as it read them (a
-        tied output projection: its float weight is the embedding's, which stays): int8, int4
-        from float (the output projection in 8-bit groups) or float32 prepacked
+        """`model`'s GGUF packed linears and embedding table (tied, the output projection's
+        groups; `PackedEmbedding`), then the linears the loader did not pack as it read them (a
+        tied output projection whose float weight is the embedding's, where that stays float):
+        int8, int4 from float (the output projection in 8-bit groups) or float32 prepacked
         (`LinearPacking`; under `gguf`, what GGUF did not pack stays float, as before)."""
         if packed is not None:
-            for name, weight in gguf_weights.read_linears(packed).items():
+            causal = cast(CausalLM, model)
+            # on the run's device (a GPU's Triton kernel and lookups read them there), once: a
+            # tied table and output projection share the groups
+            read = {n: w.to(self.device) for n, w in gguf_weights.read_linears(packed).items()}
+            table = read.pop(EMBEDDING, None)
+            for name, weight in read.items():
                 parent, _, child = name.rpartition(".")
                 owner = model.get_submodule(parent)
                 bias = getattr(owner, child).bias
                 setattr(owner, child, GroupedLinear(weight, bias, self.cpu_isa))
+            if causal.tied and "lm_head" in read:
+                causal.keep_embedding_packed(read["lm_head"], causal.lm_head)
+            elif table is not None:
+                causal.keep_embedding_packed(table, None)
         if packing is not None:
             packing.replace(model)
 
@@ -340,11 +359,15 @@ class ModelRunner:
             )
         if checkpoint:
             check_same_architecture(self.config, folder)
-        staged = load_model(
-            folder, self.config, self.context_length, self.tp, self.dtype, packing=self.packing
-        )
-        self._replace_linears(staged, None, self.packing)
+        with host_memory.loading():
+            staged = load_model(
+                folder, self.config, self.context_length, self.tp, self.dtype, packing=self.packing
+            )
+            self._replace_linears(staged, None, self.packing)
         adopt_weights(self.model, staged)
+        if self.graph_runner is not None and self.packing is not None:
+            # packed linears are swapped whole: graphs captured before read the old tensors
+            self.graph_runner = self._graph_runner()
 
     def release_kv(self) -> None:
         """Free the KV pool's memory (`release_memory_occupation`); the caller holds every

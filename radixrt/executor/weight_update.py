@@ -18,6 +18,7 @@ from torch import nn
 from transformers import AutoConfig
 
 from radixrt.models.linear import FixedOrderLinear, GroupedLinear, Int8Linear, PrepackedLinear
+from radixrt.models.llama import PackedEmbedding
 from radixrt.models.lora import LoraSite
 
 # the config fields that fix the architecture and every weight's shape: an update must keep them
@@ -39,7 +40,8 @@ ARCHITECTURE_FIELDS = (
 # the dtypes a trainer may broadcast a weight in (`update_weights_from_distributed`)
 DTYPES = {name: getattr(torch, name) for name in ("float32", "float16", "bfloat16", "float64")}
 # linears rebuilt from float weights after loading (prepacked or quantized): swapped whole
-PACKED_LINEARS = (PrepackedLinear, Int8Linear, GroupedLinear, FixedOrderLinear)
+# swapped whole by an update (their weights are not parameters to copy into)
+PACKED_LINEARS = (PrepackedLinear, Int8Linear, GroupedLinear, FixedOrderLinear, PackedEmbedding)
 
 
 @dataclass(frozen=True)

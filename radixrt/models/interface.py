@@ -18,6 +18,7 @@ from torch import nn
 from radixrt.attention import AttentionBackend
 from radixrt.distributed.sharding import HeadShard
 from radixrt.forward_batch import ForwardBatch
+from radixrt.kernels.int4_gemm import PackedGroups
 from radixrt.models.family import Family
 
 
@@ -67,3 +68,5 @@ class CausalLM(Protocol):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
 
     def load_weights(self, reader: WeightSource) -> None: ...
+
+    def keep_embedding_packed(self, weight: PackedGroups, lm_head: nn.Module | None) -> None: ...

@@ -1,7 +1,9 @@
 """CPU replacements for `nn.Linear`, packed as the loader reads each weight (`LinearPacking`):
 float32 weights prepacked for oneDNN (the default), weight-only int8 (`--quantization int8`) and
 grouped 4- or 8-bit weights (`--quantization int4`, and GGUF's Q4_0/Q4_1/Q8_0 blocks kept
-packed: `gguf`).
+packed: `gguf`). On a CUDA GPU the quantized ones hold the same packed tensors, moved to the
+device, and multiply them with the Triton kernel `kernels/packed_gemm.py` (isa None); its float
+linears stay `nn.Linear`.
 
 `F.linear` on the CPU hands the weight to MKL, which repacks it on every call. For the few rows
 of a decode step that repacking costs as much as the multiply: SmolLM2's 49k-row output
@@ -29,6 +31,7 @@ from dataclasses import KW_ONLY, dataclass
 import torch
 from torch import nn
 
+import radixrt.kernels as kernels
 from radixrt.distributed.group import pairwise_sum
 from radixrt.distributed.sharding import split_range
 from radixrt.kernels import fixed_gemm, int4_gemm, int8_gemm
@@ -44,6 +47,7 @@ ROW_PARALLEL = ("o_proj", "down_proj")
 # parts a row-parallel linear's inputs are summed in under the deterministic mode: tp 1 and 2
 # give the same bits (each rank of 2 holds one part)
 FIXED_ORDER_SEGMENTS = 2
+EMBEDDING = "embed_tokens"  # the embedding table's module, packed like a linear where asked
 
 
 def prepack_available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -68,10 +72,12 @@ class PrepackedLinear(nn.Module):
 
 class Int8Linear(nn.Module):
     """Weight-only int8, symmetric, one scale per output channel; activations stay float.
-    `isa` (`--cpu-isa`): the C kernel (avx512-vnni, avx2), or torch on the dequantized weight."""
+    `isa` (`--cpu-isa`): the C kernel (avx512-vnni, avx-vnni, avx2), or torch on the
+    dequantized weight; None: the Triton kernel (a GPU's path: `weight` and `bias` on x's
+    device; the tests run it interpreted on the CPU)."""
 
     def __init__(
-        self, weight: int8_gemm.PackedInt8, bias: torch.Tensor | None, isa: Isa = Isa.AVX2
+        self, weight: int8_gemm.PackedInt8, bias: torch.Tensor | None, isa: Isa | None = Isa.AVX2
     ):
         super().__init__()
         self.weight = weight
@@ -85,6 +91,8 @@ class Int8Linear(nn.Module):
         return cls(int8_gemm.PackedInt8.quantize(weight), bias, isa)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.isa is None:
+            return kernels.packed_linear_fwd(x, self.weight, self.bias)
         if self.isa is Isa.TORCH:
             return _torch_linear(x, self.weight.dequantize(), self.bias)
         if x.dtype == torch.float32:
@@ -98,14 +106,15 @@ class GroupedLinear(nn.Module):
     pre-quantized checkpoint's groups as stored (`models/quantized.py`). `perm`: the order the
     weight takes its inputs in (GPTQ's act-order: sorted by group), gathered from the
     activations on every call; None: as given. `isa` (`--cpu-isa`): the C kernel (avx512-vnni,
-    avx2), or torch on the weight dequantized at each call (no float copy is kept: the weights
-    stay at their packed size on any path)."""
+    avx-vnni, avx2), or torch on the weight dequantized at each call; None: the Triton kernel
+    (a GPU's path: `weight`, `bias` and `perm` on x's device; the tests run it interpreted on
+    the CPU). No float copy is kept: the weights stay at their packed size on any path."""
 
     def __init__(
         self,
         weight: int4_gemm.PackedGroups,
         bias: torch.Tensor | None,
-        isa: Isa = Isa.AVX2,
+        isa: Isa | None = Isa.AVX2,
         perm: torch.Tensor | None = None,
     ):
         super().__init__()
@@ -127,6 +136,8 @@ class GroupedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.perm is not None:
             x = x.index_select(-1, self.perm)
+        if self.isa is None:
+            return kernels.packed_linear_fwd(x, self.weight, self.bias)
         if self.isa is Isa.TORCH:
             return _torch_linear(x, self.weight.dequantize(), self.bias)
         if x.dtype == torch.float32:
@@ -193,16 +204,30 @@ def _torch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 
 def check_quantization(name: str | None, device: torch.device, isa: Isa | None) -> None:
-    """Raise ValueError where `--quantization name` cannot run on `isa` (None: not a CPU)."""
+    """Raise ValueError where `--quantization name` cannot run on `device`: on a CPU, on `isa`'s
+    kernels; on a CUDA GPU each runs on the Triton kernel, in any of the run's dtypes."""
     if name is None:
         return
     if name not in QUANTIZATIONS:
         raise ValueError(f"unknown quantization {name!r}; choose one of {list(QUANTIZATIONS)}")
+    if device.type == "cuda":
+        return
     if device.type != "cpu" or isa is None:
-        raise ValueError(f"{name} weights run on CPUs only")
+        raise ValueError(f"{name} weights run on CPUs and CUDA GPUs only")
     kernel = int8_gemm if name == "int8" else int4_gemm
     if isa is not Isa.TORCH and not kernel.available(isa):
         raise ValueError(f"the {name} kernel did not build; --cpu-isa torch runs without it")
+
+
+def float_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
+    """An `nn.Linear` holding `weight` [N, K] itself and a copy of `bias`, on their device and
+    in their dtype."""
+    n, k = weight.shape
+    linear = nn.Linear(k, n, bias=bias is not None, device="meta")
+    linear.weight = nn.Parameter(weight, requires_grad=False)
+    if bias is not None:
+        linear.bias = nn.Parameter(bias.detach().clone(), requires_grad=False)
+    return linear
 
 
 def prepack(weight: torch.Tensor) -> torch.Tensor:
@@ -250,11 +275,14 @@ class LinearPacking:
     `module` once the biases are in; `replace` does both to the linears left (a tied output
     projection, whose float weight is the embedding's). A pre-quantized checkpoint's linears
     (`checkpoint`) are read packed instead (`CheckpointQuant.read`); its float ones (an output
-    projection it left float) are prepacked."""
+    projection it left float) are prepacked. On a CUDA GPU (`isa` None) the packed weights are
+    made the same way, on the CPU, and moved to `device` for the Triton kernel; float ones
+    stay `nn.Linear`s in the run's dtype."""
 
     quantization: str | None
-    isa: Isa
+    isa: Isa | None
     _: KW_ONLY
+    device: torch.device = torch.device("cpu")
     checkpoint: CheckpointQuant | None = None
     deterministic: bool = False
     tp_size: int = 1
@@ -269,13 +297,23 @@ class LinearPacking:
         deterministic: bool = False,
         tp_size: int = 1,
     ) -> LinearPacking | None:
-        """The run's packing; None where the linears stay `nn.Linear` (not a CPU, or float
-        weights oneDNN cannot prepack)."""
-        if quantization in ("int8", "int4") and isa is not None:
-            return cls(quantization, isa, deterministic=deterministic, tp_size=tp_size)
+        """The run's packing (`isa`: the CPU's path, None on a CUDA GPU); None where the
+        linears stay `nn.Linear` (float weights on a GPU, or ones oneDNN cannot prepack)."""
+        if quantization in ("int8", "int4"):
+            return cls(
+                quantization, isa, device=device, deterministic=deterministic, tp_size=tp_size
+            )
         if prepack_available(device, dtype):
             return cls(None, isa or Isa.AVX2, deterministic=deterministic, tp_size=tp_size)
         return None
+
+    @property
+    def packs_embedding(self) -> bool:
+        """Whether the embedding table (`EMBEDDING`) is packed as it is read too: under int4, in
+        8-bit groups (a tied output projection multiplies by the same groups), so no float copy
+        of it is held (`models.llama.PackedEmbedding`). Not under the deterministic mode, whose
+        linears are fixed-order parts."""
+        return self.quantization == "int4" and not self.deterministic
 
     def pack(self, name: str, weight: torch.Tensor) -> Packed:
         """`weight` [N, K] of the linear `name` (as `named_modules` names it) in its packed
@@ -290,8 +328,10 @@ class LinearPacking:
         if self.quantization == "int8":
             return int8_gemm.PackedInt8.quantize(weight)
         if self.quantization == "int4":
-            bits = int4_gemm.Bits.INT8 if name == "lm_head" else int4_gemm.Bits.INT4
+            bits = int4_gemm.Bits.INT8 if name in ("lm_head", EMBEDDING) else int4_gemm.Bits.INT4
             return int4_gemm.PackedGroups.quantize(weight, bits)
+        if self.isa is None:  # a GPU's float linear: its weight as read, for an `nn.Linear`
+            return weight.clone()
         return prepack(weight)
 
     def _segments(self, name: str, weight: torch.Tensor) -> Segments:
@@ -311,11 +351,14 @@ class LinearPacking:
         if isinstance(packed, fixed_gemm.PackedPanels):
             return PanelLinear(packed)
         if isinstance(packed, int8_gemm.PackedInt8):
-            return Int8Linear(packed, bias, self.isa)
+            return Int8Linear(packed.to(self.device), bias, self.isa)
         if isinstance(packed, int4_gemm.PackedGroups):
-            return GroupedLinear(packed, bias, self.isa)
+            return GroupedLinear(packed.to(self.device), bias, self.isa)
         if isinstance(packed, PermutedGroups):
-            return GroupedLinear(packed.weight, bias, self.isa, packed.perm)
+            on_device = packed.to(self.device)
+            return GroupedLinear(on_device.weight, bias, self.isa, on_device.perm)
+        if self.isa is None:
+            return float_linear(packed, bias)
         return PrepackedLinear(packed, bias)
 
     def replace(self, model: nn.Module) -> None:

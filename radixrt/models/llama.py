@@ -14,6 +14,7 @@ from radixrt.distributed.group import TPGroup
 from radixrt.distributed.sharding import HeadShard, shard_heads, split_range
 from radixrt.forward_batch import ForwardBatch
 from radixrt.kernels import cpu_fused
+from radixrt.kernels.int4_gemm import PackedGroups
 from radixrt.models.family import Family, MoeSpec, family_of, rope_per_layer_type
 from radixrt.models.fused_decode import FusedDecode
 from radixrt.models.interface import WeightSource
@@ -189,22 +190,55 @@ class MLP(GatedMLP):
         return self.tp.all_reduce(super().forward(x))
 
 
-class VocabParallelEmbedding(nn.Module):
+class VocabSlice(nn.Module):
     """This rank's rows [start, end) of the embedding table: ids outside them look up zeros, and
-    an all-reduce sums the ranks' parts into every id's row."""
+    an all-reduce sums the ranks' parts into every id's row. `rows` reads this rank's table."""
 
-    def __init__(self, vocab: tuple[int, int], hidden: int, tp: TPGroup):
+    def __init__(self, vocab: tuple[int, int], tp: TPGroup):
         super().__init__()
         self.start, self.end = vocab
         self.tp = tp
-        self.weight = nn.Parameter(torch.empty(self.end - self.start, hidden))
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` (local: in [0, end - start)) of this rank's table."""
+        raise NotImplementedError
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return F.embedding(ids, self.weight)
+            return self.rows(ids)
         outside = (ids < self.start) | (ids >= self.end)
-        x = F.embedding((ids - self.start).masked_fill(outside, 0), self.weight)
+        x = self.rows((ids - self.start).masked_fill(outside, 0))
         return self.tp.all_reduce(x.masked_fill(outside[:, None], 0))
+
+
+class VocabParallelEmbedding(VocabSlice):
+    """The table as a float parameter (`weight`, the model's dtype)."""
+
+    def __init__(self, vocab: tuple[int, int], hidden: int, tp: TPGroup):
+        super().__init__(vocab, tp)
+        self.weight = nn.Parameter(torch.empty(self.end - self.start, hidden))
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)
+
+
+class PackedEmbedding(VocabSlice):
+    """The table kept in groups of 32 (`int4_gemm.PackedGroups`: a GGUF file's blocks as stored,
+    or 8-bit groups rounded as the float table streamed in), each row dequantized as it is looked
+    up: the same float32 values `dequantize` gives, in the model's `dtype` (a GPU's bfloat16),
+    and no float copy of the table. A tied output projection multiplies by the same groups
+    (`LlamaForCausalLM.keep_embedding_packed`)."""
+
+    def __init__(
+        self, weight: PackedGroups, vocab: tuple[int, int], tp: TPGroup, dtype: torch.dtype
+    ):
+        super().__init__(vocab, tp)
+        assert weight.out_features == self.end - self.start
+        self.weight = weight
+        self.dtype = dtype
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.weight.rows(ids).to(self.dtype)
 
 
 class DecoderLayer(nn.Module):
@@ -301,7 +335,9 @@ class LlamaForCausalLM(nn.Module):
             self.mlp_range[1] - self.mlp_range[0],
             self.expert_range[1] - self.expert_range[0],
         )
-        self.embed_tokens = VocabParallelEmbedding(self.vocab_range, config.hidden_size, tp)
+        self.embed_tokens: VocabSlice = VocabParallelEmbedding(
+            self.vocab_range, config.hidden_size, tp
+        )
         self.layers = nn.ModuleList(
             DecoderLayer(config, family, i, head_dim, self.shard, widths, self.expert_ids, tp)
             for i in range(config.num_hidden_layers)
@@ -339,6 +375,17 @@ class LlamaForCausalLM(nn.Module):
             for layer, kind in zip(self.layers, self.rope_of_layer):
                 x, residual = layer(x, residual, batch, tables[kind], attn)
         return self.norm(x, residual)[0]
+
+    def keep_embedding_packed(self, weight: PackedGroups, lm_head: nn.Module | None) -> None:
+        """Look tokens up in `weight` (this rank's rows of the table, packed) from now on, and
+        drop the float table; `lm_head`: the tied output projection's module over the same
+        groups (None for an untied model, whose own output projection stays). Rows are looked up
+        in the model's dtype (its final norm's: every parameter has it)."""
+        assert (lm_head is not None) == self.tied
+        vocab = (self.embed_tokens.start, self.embed_tokens.end)
+        self.embed_tokens = PackedEmbedding(weight, vocab, self.tp, self.norm.weight.dtype)
+        if lm_head is not None:
+            self.lm_head = lm_head
 
     def _fused_decode(self) -> FusedDecode | None:
         """The one-call decode path (`fused_decode`), decided at the first step: the linears

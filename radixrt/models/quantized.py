@@ -1,6 +1,8 @@
 """Pre-quantized checkpoints (GPTQ, AWQ, compressed-tensors) read straight into the CPU kernels'
 packed layouts: their integer weights are moved, never dequantized to float (FP8 aside: see
-below), so a load holds the packed weights and one linear's integers at a time.
+below), so a load holds the packed weights and one linear's integers at a time. On a CUDA GPU
+the same packed tensors are moved to the device and multiplied by the Triton kernel
+(`kernels/packed_gemm.py`), which reads that layout as stored.
 
 Every grouped format stores `w[n, k] = s[n, g] * (q[n, k] - z[n, g])`, with `g` the group of
 input `k`; what differs is how q, s, z and the groups are laid out:
@@ -154,6 +156,9 @@ class PermutedGroups:
 
     weight: PackedGroups
     perm: torch.Tensor
+
+    def to(self, device: torch.device) -> PermutedGroups:
+        return PermutedGroups(self.weight.to(device), self.perm.to(device))
 
 
 Packed = PackedGroups | PermutedGroups | int8_gemm.PackedInt8
@@ -422,5 +427,6 @@ def _to_groups(ints: GroupInts, bits: int) -> PackedGroups | PermutedGroups:
         packed_q = (values.to(torch.int16) - 128).to(torch.int8).view(torch.uint8)
         m = (d.float() * (128 - zero)).half()
         width = Bits.INT8
-    weight = PackedGroups.from_blocks(packed_q, d, m, k, width)
+    symmetric = bool((zero == (8 if bits == 4 else 128)).all())  # its offsets are implied
+    weight = PackedGroups.from_blocks(packed_q, d, None if symmetric else m, k, width)
     return weight if ordered else PermutedGroups(weight, perm)

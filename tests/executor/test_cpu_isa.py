@@ -56,6 +56,12 @@ def test_a_path_the_host_cannot_run_is_refused_in_one_line():
         "--cpu-isa avx512-vnni: this host cannot run it (it needs the CPU flags avx2 avx512_vnni"
         " avx512bw avx512f avx512vl f16c fma and a C compiler; this host runs: avx2, torch)"
     )
+    with pytest.raises(ValueError) as refused:  # an AVX-512 host without AVX-VNNI (this one)
+        cpu_isa.resolve("avx-vnni", [Isa.AVX512_VNNI, Isa.AVX2, Isa.TORCH])
+    assert str(refused.value) == (
+        "--cpu-isa avx-vnni: this host cannot run it (it needs the CPU flags avx2 avx_vnni f16c"
+        " fma and a C compiler; this host runs: avx512-vnni, avx2, torch)"
+    )
     with pytest.raises(ValueError, match="no path"):
         cpu_isa.resolve("avx512", [Isa.AVX2, Isa.TORCH])
 

@@ -47,6 +47,27 @@ def written(tmp_path_factory):
     return path, {t.name: t for t in gguf.GGUFReader(path).tensors}
 
 
+def test_the_header_reads_as_ggufs_reader_does(written):
+    """`read_header` (which skips the tokenizer's arrays rather than parsing them) finds every
+    tensor where gguf's own reader does: type, shape, bytes and where they start."""
+    path, theirs = written
+    header = gguf_weights.read_header(path)
+    assert header.strings["general.architecture"] == "llama"
+    assert set(header.tensors) == set(theirs)
+    for name, tensor in header.tensors.items():
+        reference = theirs[name]
+        assert tensor.kind == reference.tensor_type
+        assert tensor.shape == tuple(int(n) for n in reference.shape)
+        assert (tensor.offset, tensor.n_bytes) == (reference.data_offset, reference.n_bytes)
+
+
+def test_a_file_that_is_not_gguf_is_refused(tmp_path):
+    path = tmp_path / "x.gguf"
+    path.write_bytes(b"GGML" + bytes(64))
+    with pytest.raises(ValueError, match="not a GGUF"):
+        gguf_weights.read_header(path)
+
+
 def _dequantized(tensor) -> torch.Tensor:
     """gguf's own float32 reading of a tensor, [rows, K]."""
     return torch.from_numpy(gguf.quants.dequantize(tensor.data, tensor.tensor_type).copy())
@@ -57,27 +78,23 @@ def _dequantized(tensor) -> torch.Tensor:
 )
 def test_packed_blocks_equal_ggufs_dequantization(written, name):
     """Q4_0, Q4_1 and Q8_0: the blocks copied as stored stand for gguf's values exactly."""
-    tensor = written[1][name]
-    q, d, m, bits = gguf_weights.blocks(tensor)
+    q, d, m, bits = gguf_weights.blocks(gguf_weights.read_header(written[0]).tensors[name])
     packed = int4_gemm.PackedGroups.from_blocks(q, d, m, K, bits)
-    assert torch.equal(packed.dequantize(), _dequantized(tensor))
+    assert torch.equal(packed.dequantize(), _dequantized(written[1][name]))
 
 
 def test_the_plan_stacks_packed_tensors_in_the_widest_width(written):
     """q/k/v mix 4- and 8-bit types: they stack as 8-bit groups (the 4-bit ones requantized,
-    within half an 8-bit step); gate/up are both 4-bit: copied as stored; down is float."""
+    within half an 8-bit step); gate/up are both 4-bit: copied as stored; down is float. The
+    embedding table is packed as stored too, never filled as float."""
     plan = gguf_weights.plan(written[0], CONFIG)
-    assert set(plan.linears) == {
-        "layers.0.self_attn.qkv_proj",
-        "layers.0.self_attn.o_proj",
-        "layers.0.mlp.gate_up_proj",
-        "lm_head",
-    }
-    assert plan.meta_weights(tied=True) == {
-        f"layers.0.{m}.weight"
-        for m in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj")
-    }
+    packed = {"layers.0.self_attn.qkv_proj", "layers.0.self_attn.o_proj"}
+    packed |= {"layers.0.mlp.gate_up_proj", "lm_head", "embed_tokens"}
+    assert set(plan.linears) == packed
+    assert plan.meta_weights(tied=False) == {f"{m}.weight" for m in packed}
     linears = gguf_weights.read_linears(plan)
+    embedding = _dequantized(written[1]["token_embd.weight"])
+    assert torch.equal(linears["embed_tokens"].dequantize(), embedding)
     gate_up = torch.cat([_dequantized(written[1][f"blk.0.ffn_{p}.weight"]) for p in ("gate", "up")])
     assert torch.equal(linears["layers.0.mlp.gate_up_proj"].dequantize(), gate_up)
     assert linears["lm_head"].bits == int4_gemm.Bits.INT8
@@ -89,6 +106,18 @@ def test_the_plan_stacks_packed_tensors_in_the_widest_width(written):
     k_want = _dequantized(written[1]["blk.0.attn_k.weight"])[gguf_weights._unpermute(48, 2)]
     k_want = k_want.view(48, -1, 32)
     assert ((k_rows - k_want).abs() <= k_want.abs().amax(2, keepdim=True) / 254 * 1.01 + 1e-7).all()
+
+
+def test_a_tied_model_looks_tokens_up_in_its_output_projections_groups(written):
+    """Tied, the embedding has no entry of its own: it is the output projection's groups (made
+    from token_embd), and neither weight is filled as float."""
+    tied = LlamaConfig(**{**CONFIG.to_dict(), "tie_word_embeddings": True})
+    plan = gguf_weights.plan(written[0], tied)
+    assert (
+        "embed_tokens" not in plan.linears
+        and plan.linears["lm_head"][0].name == "token_embd.weight"
+    )
+    assert {"lm_head.weight", "embed_tokens.weight"} <= plan.meta_weights(tied=True)
 
 
 def test_q_and_k_rows_are_put_back_in_hugging_faces_order():
@@ -106,7 +135,7 @@ K_QUANTS = {T.Q4_K: (144, (0, 2)), T.Q5_K: (176, (0, 2)), T.Q6_K: (210, (208,))}
 
 def _k_quant_tensor(tmp_path, kind, rows: int = 24):
     """A GGUF holding one tensor of `kind` with random blocks (random bytes, with sane float16
-    scales), read back by gguf's reader."""
+    scales): gguf's reader's record of it, and `read_header`'s."""
     size, floats = K_QUANTS[kind]
     rng = np.random.default_rng(int(kind))
     raw = rng.integers(0, 256, (rows, KQ // 256, size), dtype=np.uint8)
@@ -120,14 +149,14 @@ def _k_quant_tensor(tmp_path, kind, rows: int = 24):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return gguf.GGUFReader(path).tensors[0]
+    return gguf.GGUFReader(path).tensors[0], gguf_weights.read_header(path).tensors["w"]
 
 
 def test_q4_k_becomes_4_bit_groups_within_float16_rounding(tmp_path):
     """Each Q4_K sub-block is one 4-bit group: its nibbles as stored (reordered), its scale d sc
     and offset -dmin mn rounded once to float16, the kernel's scale type."""
-    tensor = _k_quant_tensor(tmp_path, T.Q4_K)
-    q, d, m, bits = gguf_weights.blocks(tensor)
+    tensor, info = _k_quant_tensor(tmp_path, T.Q4_K)
+    q, d, m, bits = gguf_weights.blocks(info)
     assert bits == int4_gemm.Bits.INT4 and q.shape == (24, KQ // 32, 16)
     got = int4_gemm.PackedGroups.from_blocks(q, d, m, KQ, bits).dequantize()
     want = _dequantized(tensor)
@@ -138,8 +167,8 @@ def test_q4_k_becomes_4_bit_groups_within_float16_rounding(tmp_path):
 def test_q5_k_and_q6_k_become_8_bit_groups_within_half_a_step(tmp_path, kind):
     """5 and 6 bits do not fit 4-bit groups: each group of 32 is quantized again by Q8_0's rule,
     at most half an 8-bit step (1/254 of its largest magnitude) from gguf's value."""
-    tensor = _k_quant_tensor(tmp_path, kind)
-    q, d, m, bits = gguf_weights.blocks(tensor)
+    tensor, info = _k_quant_tensor(tmp_path, kind)
+    q, d, m, bits = gguf_weights.blocks(info)
     assert bits == int4_gemm.Bits.INT8 and m is None
     got = int4_gemm.PackedGroups.from_blocks(q, d, m, KQ, bits).dequantize()
     want = _dequantized(tensor).view(24, KQ // 32, 32)
@@ -149,10 +178,10 @@ def test_q5_k_and_q6_k_become_8_bit_groups_within_half_a_step(tmp_path, kind):
 
 def test_k_quant_rows_are_requantized_a_few_at_a_time(tmp_path, monkeypatch):
     """The Q5_K/Q6_K path dequantizes rows in chunks (here of 3 rows): the same groups as at once."""
-    tensor = _k_quant_tensor(tmp_path, T.Q6_K)
-    whole = gguf_weights.blocks(tensor)
+    info = _k_quant_tensor(tmp_path, T.Q6_K)[1]
+    whole = gguf_weights.blocks(info)
     monkeypatch.setattr(gguf_weights, "REQUANTIZE_FLOATS", 3 * KQ)
-    chunked = gguf_weights.blocks(tensor)
+    chunked = gguf_weights.blocks(info)
     assert torch.equal(whole[0], chunked[0]) and torch.equal(whole[1], chunked[1])
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import save_file
 
 from radixrt.bench.loader_memory import measure
@@ -65,7 +66,7 @@ def test_a_quantized_load_peaks_near_the_packed_weights_not_the_float_ones(
     checkpoint, quantization
 ):
     """Each linear is packed as its weight is read, so the load's peak is what the model holds
-    (packed linears, float embedding and norms; 1.5x of it, generous) plus one float buffer of
+    (packed linears and embedding, float norms; 1.5x of it, generous) plus one float buffer of
     the largest linear plus the fixed costs, far under the float32 checkpoint (235 MB; the
     float load above peaks at 1.0x of it). The packed spot check equals the stored weight
     packed whole."""
@@ -100,13 +101,16 @@ def _float_storages() -> dict[int, int]:
 def test_a_quantized_load_keeps_no_float_copy_of_a_packed_linear(checkpoint):
     """After an int4 load, no live tensor holds the float weight of a packed linear: the
     float tensors alive (found through the garbage collector, storages counted once) are
-    the model's own float parameters (embedding, norms) and nothing of a linear's size."""
+    the model's own float parameters (its norms) and nothing of a linear's size. The
+    embedding table is looked up in 8-bit groups, as rounded from the stored table."""
     from transformers import AutoConfig
 
     from radixrt.distributed.group import TPGroup
     from radixrt.executor.model_loader import load_model
+    from radixrt.kernels import int4_gemm
     from radixrt.kernels.cpu_isa import Isa
     from radixrt.models.linear import GroupedLinear, LinearPacking
+    from radixrt.models.llama import PackedEmbedding
 
     config = AutoConfig.from_pretrained(checkpoint)
     before = _float_storages()  # what other tests left alive is not this load's
@@ -124,3 +128,12 @@ def test_a_quantized_load_keeps_no_float_copy_of_a_packed_linear(checkpoint):
         if n >= smallest and ptr not in own and ptr not in before
     }
     assert not large, f"float storages of a linear's size alive: {sorted(large.values())}"
+    # the embedding table too is held in 8-bit groups: the float parameters left are the norms
+    table = model.embed_tokens
+    assert isinstance(table, PackedEmbedding) and table.weight.bits == int4_gemm.Bits.INT8
+    assert all(p.dim() == 1 for p in model.parameters())
+    with safe_open(checkpoint / "model.safetensors", "pt") as f:
+        stored = f.get_tensor("model.embed_tokens.weight")
+    ids = torch.tensor([0, 7, 8, 8191, 4000])
+    want = int4_gemm.PackedGroups.quantize(stored, int4_gemm.Bits.INT8).dequantize()[ids]
+    assert torch.equal(table(ids), want)

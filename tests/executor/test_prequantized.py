@@ -133,7 +133,9 @@ def test_act_orders_that_cannot_be_fused_and_requantizing_are_refused(tmp_path, 
         runner(folder)
     with pytest.raises(ValueError, match="already quantized"):
         runner(folder, quantization="int4")
-    with pytest.raises(ValueError, match="served packed on the CPU, one rank, float32"):
+    with pytest.raises(
+        ValueError, match="served packed on one rank: on the CPU in float32, or on a CUDA GPU"
+    ):
         runner(folder, dtype="bfloat16")
 
 

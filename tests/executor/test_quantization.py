@@ -11,10 +11,18 @@ import pytest
 import torch
 
 from radixrt.config import ServerArgs
-from radixrt.executor.model_loader import default_gguf_path
+from radixrt.executor.model_loader import default_gguf_path, load_model
 from radixrt.executor.model_runner import ModelRunner, linear_bytes
 from radixrt.kernels import int4_gemm, int8_gemm
-from radixrt.models.linear import GroupedLinear, Int8Linear
+from radixrt.kernels.cpu_isa import Isa
+from radixrt.models.linear import (
+    QUANTIZATIONS,
+    GroupedLinear,
+    Int8Linear,
+    LinearPacking,
+    check_quantization,
+)
+from radixrt.models.llama import PackedEmbedding
 
 from helpers import quality_gates, teacher_forced_logits
 
@@ -50,6 +58,11 @@ def test_int4_weights_pass_the_quality_gates(quality_reference, int4_runner):
     linears = [m for m in int4_runner.model.modules() if isinstance(m, GroupedLinear)]
     assert len(linears) == 4 * 30 + 1
     assert int4_runner.model.lm_head.weight.bits == int4_gemm.Bits.INT8
+    # tokens are looked up in the output projection's Q8_0 groups: the float table's values
+    table, floats = int4_runner.model.embed_tokens, quality_reference.runner.model.embed_tokens
+    assert isinstance(table, PackedEmbedding) and table.weight is int4_runner.model.lm_head.weight
+    ids = torch.tensor(quality_reference.ids[:64])
+    assert torch.equal(table(ids), floats(ids))
     assert linear_bytes(int4_runner.model) < linear_bytes(quality_reference.runner.model) / 5
     ratio, agreement = quality_gates(quality_reference, int4_runner, "int4")
     assert abs(ratio - 1) <= 0.05
@@ -67,8 +80,52 @@ def test_int4_quantizes_float_weights_where_no_gguf_holds_them(tiny_model_dir):
     assert len(linears) == 4 * runner.config.num_hidden_layers + 1
     assert runner.model.lm_head.weight.bits == int4_gemm.Bits.INT8
     assert all(m.weight.bits == int4_gemm.Bits.INT4 for m in linears[:-1])
+    assert isinstance(runner.model.embed_tokens, PackedEmbedding)
     logits = teacher_forced_logits(runner, list(range(5, 45)))
     assert logits.shape == (40, runner.vocab_size) and torch.isfinite(logits).all()
+
+
+@needs_int4
+@pytest.mark.parametrize(
+    "name, dtype, rtol",
+    [("int4", "float32", 1e-4), ("int8", "float32", 1e-4), ("int4", "float16", 5e-3)],
+)
+def test_quantized_linears_packed_for_a_gpu_run_the_triton_kernel(
+    tiny_model_dir, name, dtype, rtol
+):
+    """`--quantization` packed as a CUDA run packs it (`LinearPacking` with no CPU path), on the
+    CPU under Triton's interpreter: every linear, the tied output projection too (int4: in
+    8-bit groups, shared with the packed embedding table), on the Triton kernel, its logits the
+    dequantized weights' (`--cpu-isa torch`'s path) to float32 rounding through this random
+    model's two layers; in float16 (a GPU's half precision: bf16 stands in badly under the
+    interpreter) to float16's, with the table's rows looked up in float16."""
+    args = ServerArgs(
+        model=str(tiny_model_dir), max_total_tokens=256, quantization=name, dtype=dtype
+    )
+    runner = ModelRunner(args.executor)
+    packing = LinearPacking(name, None)
+    runner.model = load_model(
+        runner.model_path,
+        runner.config,
+        runner.context_length,
+        runner.tp,
+        runner.dtype,
+        packing=packing,
+    )
+    packing.replace(runner.model)
+    linears = [m for m in runner.model.modules() if isinstance(m, GroupedLinear | Int8Linear)]
+    assert len(linears) == 4 * runner.config.num_hidden_layers + 1
+    assert all(m.isa is None for m in linears)
+    ids = list(range(5, 45))
+    if name == "int4":
+        assert runner.model.embed_tokens.rows(torch.tensor([3])).dtype == runner.dtype
+    triton_path = teacher_forced_logits(runner, ids)
+    for m in linears:
+        m.isa = Isa.TORCH
+    dequantized = teacher_forced_logits(runner, ids)
+    gap = (triton_path - dequantized).abs().max() / dequantized.abs().max()
+    print(f"{name} {dtype}: relative gap {float(gap):.1e}")
+    assert gap <= rtol
 
 
 GREEDY_TOKENS = 16
@@ -96,7 +153,9 @@ def test_the_packed_q4_1_weights_predict_llama_cpps_greedy_tokens(quality_refere
 def test_quantization_is_refused_where_it_cannot_run(tiny_model_dir):
     with pytest.raises(ValueError, match="quantization"):
         ServerArgs(quantization="int3")
-    with pytest.raises(ValueError, match="int8"):
+    with pytest.raises(ValueError, match="int8 weights run on CPUs and CUDA GPUs only"):
         ModelRunner(ServerArgs(device="meta", quantization="int8").executor)
+    for name in QUANTIZATIONS:  # a CUDA GPU runs each on the Triton kernel (no CPU path)
+        check_quantization(name, torch.device("cuda"), None)
     with pytest.raises(ValueError, match="needs a GGUF model"):
         ModelRunner(ServerArgs(model=str(tiny_model_dir), quantization="gguf").executor)

@@ -1,5 +1,5 @@
-"""The Triton attention kernels compiled ahead of time for a CUDA architecture, with no GPU:
-Triton's own compiler down to PTX and its bundled ptxas. Run as a script (the tests run it in a
+"""The Triton attention kernels and the packed-weight GEMM compiled ahead of time for a CUDA
+architecture, with no GPU: Triton's own compiler down to PTX and its bundled ptxas. Run as a script (the tests run it in a
 child process: theirs interprets the kernels, and an interpreted kernel compiles nothing), it
 prints one JSON object: for each case, the PTX's global loads by width.
 
@@ -17,7 +17,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from radixrt.kernels import decode_attention, extend_attention
+from radixrt.kernels import decode_attention, extend_attention, packed_gemm
 
 HQ, HKV, D = 32, 8, 128  # llama3-8b's heads
 POINTERS = {
@@ -45,6 +45,9 @@ CASES = [
     ("extend", 1, 90),
     ("decode", 1, 80),
 ]
+# (packed weight format, compute capability): the GEMM of bf16 activations, a decode tile
+GEMM_CASES = [(fmt, arch) for fmt in packed_gemm.Format for arch in (90, 80)]
+GEMM_POINTERS = {"X": "*bf16", "W": "*i32", "B": "*fp32", "Y": "*bf16"}
 
 
 def global_loads(kernel: str, kind: int, arch: int) -> dict[str, int]:
@@ -63,7 +66,37 @@ def global_loads(kernel: str, kind: int, arch: int) -> dict[str, int]:
             return pool
         return POINTERS.get(name, "fp32" if name == "sm_scale" else "i32")
 
-    signature = {n: arg_type(n) for n in names}
+    return _loads(fn, {n: arg_type(n) for n in names}, constants, arch)
+
+
+def gemm_loads(fmt: packed_gemm.Format, arch: int) -> dict[str, int]:
+    """`packed_gemm`'s kernel over weights of format `fmt`, bf16 activations, a bias and a
+    decode tile, compiled for sm_`arch`: its PTX's global loads by instruction."""
+    fn = packed_gemm._packed_linear_kernel
+    names = list(inspect.signature(fn.fn).parameters)
+    launch = packed_gemm.launch_config(1, 128)
+    constants = {
+        "BLOCK_M": launch.block_m,
+        "BLOCK_N": launch.block_n,
+        "FORMAT": fmt.value,
+        "OFFSETS": fmt is packed_gemm.Format.GROUPS4,  # asymmetric 4-bit; 8-bit's implied
+        "HAS_BIAS": True,
+        "DOT_PRECISION": "tf32",
+    }
+    scales = "*fp32" if fmt is packed_gemm.Format.CHANNEL8 else "*fp16"
+
+    def arg_type(name: str) -> str:
+        if name in constants:
+            return "constexpr"
+        return scales if name == "S" else GEMM_POINTERS.get(name, "i32")
+
+    return _loads(fn, {n: arg_type(n) for n in names}, constants, arch)
+
+
+def _loads(fn, signature: dict[str, str], constants: dict, arch: int) -> dict[str, int]:
+    """`fn` compiled for sm_`arch` with `signature` and `constants`, its pointers 16-byte
+    aligned as torch allocates them: its PTX's global loads by instruction."""
+    names = list(signature)
     aligned = [n for n, t in signature.items() if t.startswith("*")]
     source = ASTSource(
         fn=fn,
@@ -78,8 +111,6 @@ def global_loads(kernel: str, kind: int, arch: int) -> dict[str, int]:
 
 
 if __name__ == "__main__":
-    print(
-        json.dumps(
-            {f"{k} {kind} sm_{arch}": global_loads(k, kind, arch) for k, kind, arch in CASES}
-        )
-    )
+    loads = {f"{k} {kind} sm_{arch}": global_loads(k, kind, arch) for k, kind, arch in CASES}
+    loads.update({f"gemm {fmt.name} sm_{arch}": gemm_loads(fmt, arch) for fmt, arch in GEMM_CASES})
+    print(json.dumps(loads))

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from radixrt.kernels import cpu_fused, cpu_isa, cpu_paged, int4_gemm, int8_gemm
+from radixrt.kernels import cpu_fused, cpu_isa, cpu_layer, cpu_paged, int4_gemm, int8_gemm, native
 from radixrt.kernels.cpu_isa import Isa
 
 needs_int8 = pytest.mark.skipif(not int8_gemm.available(), reason="needs AVX2 and a C compiler")
@@ -158,22 +158,26 @@ def test_activation_quantization_is_round_to_nearest():
         (70, 24, 8192),
     ],
 )
-@pytest.mark.parametrize("kind", ["asymmetric", "symmetric", "q8"])
+@pytest.mark.parametrize("kind", ["asymmetric", "symmetric", "q8", "q8 offsets"])
 @pytest.mark.parametrize("isa", NATIVE_PATHS)
 def test_grouped_linear_matches_its_dequantized_weight(m, n, k, kind, isa):
     """Any row count (one tile to 3 rows; tiles of 4 rows and their remainders; 70 rows of
     8,192 inputs: three blocks of 32 rows), outputs not a multiple of the panel of 8, inputs one
     short of, one past or inside a group, with and without a bias; 4-bit both ways and signed
-    8-bit groups (GGUF's Q8_0, values to -128, the largest products). Every path gives avx2's
-    bits: each sums a group's products exactly, in int16 pairs or in int32."""
+    8-bit groups (GGUF's Q8_0, values to -128, the largest products; and with offsets of their
+    own, as asymmetric 8-bit checkpoints give). Every path gives avx2's bits: each sums a
+    group's products exactly, in int16 pairs or in int32."""
     gen = torch.Generator().manual_seed(m * n + k)
     w, x = torch.randn(n, k, generator=gen), torch.randn(m, k, generator=gen)
     bias = torch.randn(n, generator=gen) if m % 2 else None
-    if kind == "q8":
+    if kind.startswith("q8"):
         groups = -(-k // 32)
         q = torch.randint(-128, 128, (n, groups, 32), dtype=torch.int8, generator=gen)
         d = (torch.rand(n, groups, generator=gen) / 64).half()
-        packed = int4_gemm.PackedGroups.from_blocks(q, d, None, k, int4_gemm.Bits.INT8)
+        offsets = (
+            (torch.randn(n, groups, generator=gen) / 8).half() if kind == "q8 offsets" else None
+        )
+        packed = int4_gemm.PackedGroups.from_blocks(q, d, offsets, k, int4_gemm.Bits.INT8)
     else:
         packed = int4_gemm.PackedGroups.quantize(w, symmetric=kind == "symmetric")
     expected = _grouped_reference(x, packed, bias)
@@ -183,6 +187,23 @@ def test_grouped_linear_matches_its_dequantized_weight(m, n, k, kind, isa):
         out.double(), expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max())
     )
     assert torch.equal(out, int4_gemm.grouped_linear(x, packed, bias, Isa.AVX2))
+
+
+@needs_int4
+@pytest.mark.parametrize("bits", [int4_gemm.Bits.INT4, int4_gemm.Bits.INT8])
+@pytest.mark.parametrize("isa", NATIVE_PATHS)
+def test_implied_offsets_give_the_bits_of_stored_ones(bits, isa):
+    """The symmetric forms (Q4_0, 8-bit groups) stored without their offsets give the same
+    outputs, bit for bit, as with -8 d (or 0) stored: the kernel's -8 d is exact."""
+    gen = torch.Generator().manual_seed(bits)
+    w, x = torch.randn(40, 200, generator=gen), torch.randn(5, 200, generator=gen)
+    implied = int4_gemm.PackedGroups.quantize(w, bits, symmetric=True)
+    q, d, m = implied.blocks()
+    stored = int4_gemm.PackedGroups.from_blocks(q, d, m, 200, bits)
+    assert stored.offsets and not implied.offsets and stored.nbytes - implied.nbytes == 5 * 7 * 16
+    assert torch.equal(implied.dequantize(), stored.dequantize())
+    out = int4_gemm.grouped_linear(x, implied, None, isa)
+    assert torch.equal(out, int4_gemm.grouped_linear(x, stored, None, isa))
 
 
 @needs_int4
@@ -199,8 +220,9 @@ def test_int4_quantization_rounds_each_group_to_half_a_step(symmetric):
     half = 1.0 if symmetric else 0.5
     assert (error <= step * half + 2e-3 * w.abs().amax(1, keepdim=True)).all()
     assert (packed.dequantize()[3, 32:64] == 0).all()
-    # 16 rows (9 padded to two panels of 8) of 4 groups: 0.625 B a weight
-    assert packed.nbytes == 16 * 4 * (16 + 4)
+    # 16 rows (9 padded to two panels of 8) of 4 groups: 0.625 B a weight, 0.5625 symmetric
+    # (Q4_0's: the offset -8 d implied, not stored)
+    assert packed.nbytes == 16 * 4 * (16 + (2 if symmetric else 4))
 
 
 @pytest.mark.parametrize("rows", [1, 40])  # one thread, and the parallel loop
@@ -269,3 +291,13 @@ def test_a_missing_c_compiler_is_a_warning_and_a_torch_fallback(monkeypatch, cap
         monkeypatch.undo()
         native.find_compiler.cache_clear()
         native.load.cache_clear()
+
+
+@pytest.mark.skipif(native.find_compiler() is None, reason="needs a C compiler")
+def test_every_native_path_builds_on_any_host():
+    """Each path's kernels compile (and load) wherever there is a compiler, so a path is never
+    first built on the host that needs it: avx-vnni's among them, which this project's hosts
+    cannot run (its tests above run where the CPU has it)."""
+    for isa in cpu_isa.NEEDS:
+        for kernel in (int4_gemm, int8_gemm, cpu_layer):
+            assert kernel._library(isa) is not None, f"{kernel.__name__} on {isa.value}"

@@ -1,8 +1,8 @@
 """`--workload kernels`: the CPU's quantized GEMM on the 1.1B shape (TinyLlama: hidden 2048,
 intermediate 5632, 32 heads, 4 KV heads), no model loaded. GOP/s (2 M N K a second over one
 layer's four linears: qkv, o, gate_up, down) at M = 1, 4, 32, 128, 512 rows, for each path this
-host runs (`--cpu-isa`'s: avx512-vnni, avx2; torch, the packed weights dequantized on each
-call) and for the kernel before the lane-interleaved panels (`kernel_baseline`), alternated rep
+host runs (`--cpu-isa`'s: avx512-vnni, avx-vnni, avx2; torch, the packed weights dequantized on
+each call) and for the kernel before the lane-interleaved panels (`kernel_baseline`), alternated rep
 by rep in one sitting, medians. At few rows four layers' weights are cycled (about 110 MB in int4, past any
 L3), so that they are read from memory: the host's read bandwidth is measured too, and each
 path's weight reads at M = 1 are reported as a fraction of it; from 32 rows one layer is

@@ -1,6 +1,8 @@
 """Which instruction-set path the CPU's weight kernels take (`--cpu-isa`), chosen once at start.
 
-Paths, best first: `avx512-vnni` (the same C kernels of `int4_gemm` and `int8_gemm` with their
+Paths, best first: `amx` (on CPUs with AMX-INT8 tiles whose OS grants them, Sapphire Rapids
+and later: `int4_gemm`'s many-row multiplies on the tile unit, 16 weight rows by 16 activation
+rows a tile, and everything else avx512-vnni's code; the same bits out), `avx512-vnni` (the same C kernels of `int4_gemm` and `int8_gemm` with their
 integer dot products in `vpdpbusd`/`vpdpwssd`, 256 bits wide on the same 8-row panels: one
 weight layout for every path, and the same bits out as avx2's, since both sums are exact),
 `avx-vnni` (the same source and instructions in their VEX form, for CPUs with AVX-VNNI and no
@@ -9,12 +11,12 @@ where the CPU has it), `avx2` (`vpmaddubsw`/`vpmaddwd`; needs AVX2, FMA and F16C
 compiler) and `torch` (the packed weights dequantized on each call and multiplied by torch:
 slow, but any CPU runs it).
 `auto` takes the best this host runs; a CPU without AVX2 falls back to torch with one warning.
-Naming a path this host cannot run is refused in one line. The AMX path is not built yet: it
-needs a host with AMX tiles to be tested on.
+Naming a path this host cannot run is refused in one line.
 """
 
 from __future__ import annotations
 
+import ctypes
 import enum
 import logging
 from functools import cache
@@ -27,6 +29,7 @@ logger = logging.getLogger(__name__)
 class Isa(str, enum.Enum):
     """A path, by its `--cpu-isa` name."""
 
+    AMX = "amx"
     AVX512_VNNI = "avx512-vnni"
     AVX_VNNI = "avx-vnni"
     AVX2 = "avx2"
@@ -36,20 +39,22 @@ class Isa(str, enum.Enum):
     def cflags(self) -> tuple[str, ...]:
         """The compiler flags a native path's kernels are built with, beyond `native.FLAGS`
         (`-march=native` already names the host's; these say what the source relies on)."""
+        avx512 = ("-DVNNI", "-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512vnni")
+        if self is Isa.AMX:
+            return (*avx512, "-DAMX", "-mamx-tile", "-mamx-int8")
         if self is Isa.AVX512_VNNI:
-            return ("-DVNNI", "-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512vnni")
+            return avx512
         if self is Isa.AVX_VNNI:  # GCC maps the same intrinsics to the VEX encodings
             return ("-DVNNI", "-mavxvnni")
         return ()
 
 
-# DESIGN.md's names for the paths still to build, and the /proc/cpuinfo flags each will need:
-# named, they are refused (the CPU lacks them, or the kernels are not built yet), never ignored
-PLANNED = {"amx": frozenset({"amx_int8", "amx_tile"})}
-CHOICES = ("auto", *(isa.value for isa in Isa), *PLANNED)
+CHOICES = ("auto", *(isa.value for isa in Isa))
 _AVX2 = frozenset({"avx2", "fma", "f16c"})
+_AVX512_VNNI = _AVX2 | {"avx512f", "avx512vl", "avx512bw", "avx512_vnni"}
 NEEDS = {  # /proc/cpuinfo flags a native path needs, best path first
-    Isa.AVX512_VNNI: _AVX2 | {"avx512f", "avx512vl", "avx512bw", "avx512_vnni"},
+    Isa.AMX: _AVX512_VNNI | {"amx_tile", "amx_int8"},
+    Isa.AVX512_VNNI: _AVX512_VNNI,
     Isa.AVX_VNNI: _AVX2 | {"avx_vnni"},
     Isa.AVX2: _AVX2,
 }
@@ -67,11 +72,27 @@ def cpu_flags() -> frozenset[str]:
 
 
 def host_paths() -> list[Isa]:
-    """The paths this host runs, best first: its CPU has the instructions and, for a native
-    path, there is a C compiler to build the kernels."""
+    """The paths this host runs, best first: its CPU has the instructions, for a native path
+    there is a C compiler to build the kernels, and for AMX the OS grants the tile state."""
     native_ok = native.find_compiler() is not None
     flags = cpu_flags()
-    return [isa for isa, needs in NEEDS.items() if native_ok and needs <= flags] + [Isa.TORCH]
+    runs = [isa for isa, needs in NEEDS.items() if native_ok and needs <= flags]
+    if Isa.AMX in runs and not amx_granted():
+        runs.remove(Isa.AMX)
+    return runs + [Isa.TORCH]
+
+
+@cache
+def amx_granted() -> bool:
+    """Ask Linux for AMX's tile data state for this process (arch_prctl ARCH_REQ_XCOMP_PERM,
+    XFEATURE_XTILEDATA): a tile instruction without it faults. False where it is refused or
+    the call does not exist (not Linux, or a kernel before 5.16)."""
+    sys_arch_prctl, req_xcomp_perm, xtiledata = 158, 0x1023, 18  # x86-64 Linux's numbers
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.syscall(sys_arch_prctl, req_xcomp_perm, xtiledata) == 0
+    except (OSError, AttributeError):
+        return False
 
 
 def resolve(name: str, paths: list[Isa]) -> Isa:
@@ -86,18 +107,13 @@ def resolve(name: str, paths: list[Isa]) -> Isa:
         return paths[0]
     if name not in CHOICES:
         raise ValueError(f"--cpu-isa {name!r} is no path; choose one of {list(CHOICES)}")
-    if name in PLANNED:
-        runs = ", ".join(p.value for p in paths)
-        if not PLANNED[name] <= cpu_flags():
-            needs = " ".join(sorted(PLANNED[name]))
-            raise ValueError(f"--cpu-isa {name}: this CPU lacks {needs}; this host runs: {runs}")
-        raise ValueError(f"--cpu-isa {name}: its kernels are not built yet; this host runs: {runs}")
     isa = Isa(name)
     if isa not in paths:
         needs = " ".join(sorted(NEEDS[isa]))
+        granted = ", the OS's grant of the tile state," if isa is Isa.AMX else ""
         runs = ", ".join(p.value for p in paths)
         raise ValueError(
-            f"--cpu-isa {name}: this host cannot run it (it needs the CPU flags {needs} and a C"
-            f" compiler; this host runs: {runs})"
+            f"--cpu-isa {name}: this host cannot run it (it needs the CPU flags {needs}{granted}"
+            f" and a C compiler; this host runs: {runs})"
         )
     return isa

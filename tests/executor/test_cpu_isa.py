@@ -56,30 +56,31 @@ def test_a_path_the_host_cannot_run_is_refused_in_one_line():
         "--cpu-isa avx512-vnni: this host cannot run it (it needs the CPU flags avx2 avx512_vnni"
         " avx512bw avx512f avx512vl f16c fma and a C compiler; this host runs: avx2, torch)"
     )
-    with pytest.raises(ValueError) as refused:  # an AVX-512 host without AVX-VNNI (this one)
+    with pytest.raises(ValueError) as refused:  # an AVX-512 host without AVX-VNNI
         cpu_isa.resolve("avx-vnni", [Isa.AVX512_VNNI, Isa.AVX2, Isa.TORCH])
     assert str(refused.value) == (
         "--cpu-isa avx-vnni: this host cannot run it (it needs the CPU flags avx2 avx_vnni f16c"
         " fma and a C compiler; this host runs: avx512-vnni, avx2, torch)"
+    )
+    with pytest.raises(ValueError) as refused:  # a CPU without AMX, or an OS that withholds it
+        cpu_isa.resolve("amx", [Isa.AVX512_VNNI, Isa.AVX2, Isa.TORCH])
+    assert str(refused.value) == (
+        "--cpu-isa amx: this host cannot run it (it needs the CPU flags amx_int8 amx_tile avx2"
+        " avx512_vnni avx512bw avx512f avx512vl f16c fma, the OS's grant of the tile state, and a"
+        " C compiler; this host runs: avx512-vnni, avx2, torch)"
     )
     with pytest.raises(ValueError, match="no path"):
         cpu_isa.resolve("avx512", [Isa.AVX2, Isa.TORCH])
 
 
 def test_host_paths_follow_the_cpu_flags():
-    """The native paths listed are those whose flags this CPU has, best first, then torch."""
+    """The native paths listed are those whose flags this CPU has, best first, then torch;
+    AMX also needs the OS to grant this process the tile state, which Linux does when asked."""
     flags = cpu_isa.cpu_flags()
     expected = [isa for isa, needs in cpu_isa.NEEDS.items() if needs <= flags]
+    if Isa.AMX in expected:
+        assert cpu_isa.amx_granted()  # Linux 5.16+ on an AMX CPU grants it
     assert cpu_isa.host_paths() == [*expected, Isa.TORCH]
-
-
-@pytest.mark.parametrize("name", sorted(cpu_isa.PLANNED))
-def test_a_path_not_built_yet_is_refused_by_name_whatever_the_cpu(name):
-    """DESIGN.md names amx: on a CPU without it the refusal names the flags, on one with it
-    it says the kernels are not built (never a silent fallback)."""
-    has = cpu_isa.PLANNED[name] <= cpu_isa.cpu_flags()
-    with pytest.raises(ValueError, match="not built yet" if has else "this CPU lacks"):
-        cpu_isa.resolve(name, [Isa.AVX2, Isa.TORCH])
 
 
 def test_a_host_without_a_compiler_refuses_avx2_at_start(tiny_model_dir, tmp_path):
@@ -125,9 +126,8 @@ def test_the_torch_path_multiplies_the_same_weights(tiny_model_dir):
     assert torch.isfinite(_forward_logits(runner)).all()
 
 
-def _forward_logits(runner: ModelRunner) -> torch.Tensor:
-    """The logits of one 12-token prefill through `runner`'s model."""
-    n = 12
+def _forward_logits(runner: ModelRunner, n: int = 12) -> torch.Tensor:
+    """The logits of one `n`-token prefill through `runner`'s model."""
     slots = torch.arange(1, n + 1)
     runner.req_to_token_pool.req_to_token[1, :n] = slots.to(torch.int32)
     batch = ForwardBatch(
@@ -136,23 +136,24 @@ def _forward_logits(runner: ModelRunner) -> torch.Tensor:
     return runner.logits(runner.forward(batch))
 
 
-@pytest.mark.skipif(
-    Isa.AVX512_VNNI not in cpu_isa.host_paths(), reason="this CPU lacks avx512-vnni"
-)
+@pytest.mark.parametrize("isa", [Isa.AMX, Isa.AVX512_VNNI, Isa.AVX_VNNI])
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
-def test_the_vnni_path_serves_the_bits_of_the_avx2_path(tiny_model_dir, quantization):
-    """A model's forward under `--cpu-isa avx512-vnni` gives avx2's logits bit for bit: the same
-    packed weights, the same activations, integer sums that are exact on both paths. So the
-    disk tier's fingerprint names neither (`kv_numerics`): either host reads the other's KV."""
+def test_every_path_serves_the_bits_of_the_avx2_path(tiny_model_dir, quantization, isa):
+    """A model's forward under each `--cpu-isa` path gives avx2's logits bit for bit: the same
+    packed weights, the same activations, integer sums that are exact on every path, the same
+    float operations after them (a 40-token prefill: AMX's tiles take 16 rows and more). So
+    the disk tier's fingerprint names none (`kv_numerics`): any host reads another's KV."""
+    if isa not in cpu_isa.host_paths():
+        pytest.skip(f"this CPU lacks {isa.value}")
     logits = {}
-    for isa in ("avx512-vnni", "avx2"):
+    for name in (isa.value, "avx2"):
         args = ServerArgs(
-            model=str(tiny_model_dir), max_total_tokens=256, quantization=quantization, cpu_isa=isa
+            model=str(tiny_model_dir), max_total_tokens=256, quantization=quantization, cpu_isa=name
         )
         runner = ModelRunner(args.executor)
-        assert runner.cpu_isa is Isa(isa) and runner.kv_numerics == quantization
-        logits[isa] = _forward_logits(runner)
-    assert torch.equal(logits["avx512-vnni"], logits["avx2"])
+        assert runner.cpu_isa is Isa(name) and runner.kv_numerics == quantization
+        logits[name] = _forward_logits(runner, 40)
+    assert torch.equal(logits[isa.value], logits["avx2"])
 
 
 @needs_avx2

@@ -154,6 +154,8 @@ def test_activation_quantization_is_round_to_nearest():
         (7, 17, 64),
         (8, 40, 256),
         (13, 9, 160),
+        (16, 24, 64),
+        (33, 130, 95),
         (64, 70, 33),
         (70, 24, 8192),
     ],
@@ -161,8 +163,9 @@ def test_activation_quantization_is_round_to_nearest():
 @pytest.mark.parametrize("kind", ["asymmetric", "symmetric", "q8", "q8 offsets"])
 @pytest.mark.parametrize("isa", NATIVE_PATHS)
 def test_grouped_linear_matches_its_dequantized_weight(m, n, k, kind, isa):
-    """Any row count (one tile to 3 rows; tiles of 4 rows and their remainders; 70 rows of
-    8,192 inputs: three blocks of 32 rows), outputs not a multiple of the panel of 8, inputs one
+    """Any row count (one tile to 3 rows; tiles of 4 rows and their remainders; 16 and more
+    rows, AMX's tiles of 16 activation rows, in pairs, with their padding; 70 rows of 8,192
+    inputs: three blocks of 32 rows), outputs not a multiple of the panel of 8, inputs one
     short of, one past or inside a group, with and without a bias; 4-bit both ways and signed
     8-bit groups (GGUF's Q8_0, values to -128, the largest products; and with offsets of their
     own, as asymmetric 8-bit checkpoints give). Every path gives avx2's bits: each sums a

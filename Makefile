@@ -109,12 +109,13 @@ bench-dp: model
 	$(BIN)/python scripts/router_overhead.py --rounds 40
 
 # llama.cpp as two peers in `radixrt bench`: llama-cpp-python (it compiles llama.cpp, several
-# minutes) and llama.cpp's own `llama-server`, built from the same vendored sources (about 8 more).
+# minutes) and llama.cpp's own `llama-server` with its benchmarks (`llama-bench`,
+# `test-backend-ops`), built from the same vendored sources (about 12 more).
 LLAMA_CPP_PYTHON := 0.3.36
 
 bench-peers: $(STAMP)
 	$(BIN)/pip install llama-cpp-python==$(LLAMA_CPP_PYTHON)
-	test -x $(BIN)/llama-server || bash scripts/build_llama_server.sh $(LLAMA_CPP_PYTHON) $(BIN)
+	test -x $(BIN)/test-backend-ops || bash scripts/build_llama_server.sh $(LLAMA_CPP_PYTHON) $(BIN)
 
 # The soak (docs/reliability.md): SOAK_CLIENTS client processes for SOAK_MINUTES minutes against
 # one runtime on loopback (kills, malformed frames, a restart); it stops by itself and exits 1 when

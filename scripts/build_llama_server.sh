@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# Build llama.cpp's own server, `llama-server`, and its quantizer, `llama-quantize` (which
-# `radixrt bench --model-shape` uses), from the llama.cpp sources that the llama-cpp-python source
-# distribution vendors (the same llama.cpp as the Python peer), into DEST.
-#   bash scripts/build_llama_server.sh VERSION DEST      (about 8 minutes on 2 cores)
+# Build llama.cpp's own server, `llama-server`, its quantizer, `llama-quantize` (which
+# `radixrt bench --model-shape` uses), and its two benchmarks, `llama-bench` and
+# `test-backend-ops` (which `radixrt bench --workload kernels` runs beside its own GEMM), from the
+# llama.cpp sources that the llama-cpp-python source distribution vendors (the same llama.cpp as
+# the Python peer), into DEST.
+#   bash scripts/build_llama_server.sh VERSION DEST      (about 12 minutes on 2 cores)
 set -euo pipefail
 version=$1
 dest=$2
@@ -13,8 +15,8 @@ trap 'rm -rf "$work"' EXIT
 tar xzf "$work"/llama_cpp_python-"$version".tar.gz -C "$work"
 cmake -S "$work/llama_cpp_python-$version/vendor/llama.cpp" -B "$work/build" -G Ninja \
     -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF -DLLAMA_CURL=OFF \
-    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON >/dev/null
-cmake --build "$work/build" --target llama-server llama-quantize -j "$(nproc)"
-install -m 755 "$work/build/bin/llama-server" "$dest/llama-server"
-install -m 755 "$work/build/bin/llama-quantize" "$dest/llama-quantize"
-echo "built $dest/llama-server and $dest/llama-quantize"
+    -DLLAMA_BUILD_TESTS=ON -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON >/dev/null
+targets=(llama-server llama-quantize llama-bench test-backend-ops)
+cmake --build "$work/build" --target "${targets[@]}" -j "$(nproc)"
+for t in "${targets[@]}"; do install -m 755 "$work/build/bin/$t" "$dest/$t"; done
+echo "built ${targets[*]} into $dest"

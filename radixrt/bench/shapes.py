@@ -1,8 +1,10 @@
 """Random-weight checkpoints of real models' shapes, for benchmarks at the size users run
 (`radixrt bench --model-shape tinyllama-1.1b`): made once under `$RADIXRT_CACHE_DIR/shapes/`,
-as a Hugging Face folder (float32 safetensors, the default model's tokenizer) and as GGUF files
-of the same weights (Q4_0, Q8_0) for llama.cpp, converted with the converter that llama.cpp's
-sources (vendored in llama-cpp-python's source distribution) ship, and quantized by llama.cpp.
+as a Hugging Face folder (safetensors, float32 up to 1.1B and bfloat16 above, so that the
+state dict fits in memory while it is written; the default model's tokenizer) and as GGUF files
+of the same weights (Q4_0, Q4_K_M, Q8_0) for llama.cpp, converted with the converter that
+llama.cpp's sources (vendored in llama-cpp-python's source distribution) ship, and quantized by
+llama.cpp.
 
 Random weights cost what trained ones cost: the same matmuls, the same bytes read per token.
 Their text is noise, so no quality is measured on them.
@@ -35,9 +37,22 @@ SHAPES = {
         rms_norm_eps=1e-5,
         rope_theta=10000.0,
         tie_word_embeddings=False,
-    )
+    ),
+    # Llama-3.2-3B's (3.2B parameters with its 128k vocabulary, 2.9B with this one)
+    "llama-3.2-3b": dict(
+        hidden_size=3072,
+        intermediate_size=8192,
+        num_hidden_layers=28,
+        num_attention_heads=24,
+        num_key_value_heads=8,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        tie_word_embeddings=True,
+    ),
 }
-GGUF_TYPES = {"Q4_0": 2, "Q8_0": 7}  # llama.cpp's file types (LLAMA_FTYPE_MOSTLY_*)
+BFLOAT16_SHAPES = ("llama-3.2-3b",)  # written in bfloat16: 12 GB of float32 would not fit
+GGUF_TYPES = {"Q4_0": 2, "Q4_K_M": 15, "Q8_0": 7}  # llama.cpp's file types (LLAMA_FTYPE_MOSTLY_*)
 _DONE = ".radixrt-done"
 
 
@@ -57,7 +72,7 @@ def prepare(shape: str) -> ShapeFiles:
     folder = root / "hf"
     if not (folder / _DONE).is_file():
         _write_checkpoint(shape, folder)
-    ggufs = {kind: root / f"{shape}-{kind}.gguf" for kind in GGUF_TYPES}
+    ggufs = {kind: gguf_path(shape, kind) for kind in GGUF_TYPES}
     if not all(p.is_file() for p in ggufs.values()):
         f16 = root / f"{shape}-F16.gguf"
         if not f16.is_file():
@@ -67,6 +82,13 @@ def prepare(shape: str) -> ShapeFiles:
                 _quantize(f16, path, kind)
         f16.unlink()
     return ShapeFiles(folder, ggufs)
+
+
+def gguf_path(shape: str, kind: str) -> Path:
+    """Where the shape's GGUF file of `kind` lies once `prepare` has made it."""
+    from radixrt.executor.model_loader import cache_dir
+
+    return cache_dir() / "shapes" / shape / f"{shape}-{kind}.gguf"
 
 
 def _write_checkpoint(shape: str, folder: Path) -> None:
@@ -87,16 +109,19 @@ def _write_checkpoint(shape: str, folder: Path) -> None:
         eos_token_id=base.eos_token_id,
     )
     config.architectures = ["LlamaForCausalLM"]
+    config.torch_dtype = "bfloat16" if shape in BFLOAT16_SHAPES else "float32"
     with torch.device("meta"):
         shapes = {k: v.shape for k, v in LlamaForCausalLM(config).state_dict().items()}
     gen = torch.Generator().manual_seed(0)
+    dtype = torch.bfloat16 if shape in BFLOAT16_SHAPES else torch.float32
     state = {}
     for name, size in tqdm(shapes.items(), desc=f"random {shape} weights"):
-        state[name] = (
-            torch.ones(size) if name.endswith("norm.weight") else torch.randn(size, generator=gen)
-        )
-        if not name.endswith("norm.weight"):
-            state[name].mul_(0.02)
+        if name.endswith("norm.weight"):
+            state[name] = torch.ones(size, dtype=dtype)
+        else:
+            state[name] = torch.randn(size, generator=gen).mul_(0.02).to(dtype)
+    if config.tie_word_embeddings:
+        del state["lm_head.weight"]  # the embedding's, as save_pretrained leaves it out
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
     save_file(state, folder / "model.safetensors", metadata={"format": "pt"})

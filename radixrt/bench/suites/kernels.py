@@ -7,7 +7,14 @@ by rep in one sitting, medians. At few rows four layers' weights are cycled (abo
 L3), so that they are read from memory: the host's read bandwidth is measured too, and each
 path's weight reads at M = 1 are reported as a fraction of it; from 32 rows one layer is
 multiplied (the kernels are bound by arithmetic there), and the torch path always multiplies
-one layer. Threads: torch's (`OMP_NUM_THREADS`). Into `kernels.json`.
+one layer. Threads: torch's (`OMP_NUM_THREADS`).
+
+Beside it, in the same sitting, llama.cpp's own figures where `make bench-peers` built them
+(`ggml_bench`): ggml's MUL_MAT perf cases (Q4_0 and Q8_0 weights, N 4096 x K 14336) with
+radixrt's GEMM on the same shape, formats and thread count (Q4_0's symmetric 4-bit groups, Q8_0's
+8-bit ones), and llama-bench's prompt and generation speed on the 1.1B shape's Q4_0 GGUF (made by
+`--model-shape tinyllama-1.1b`), its prompts' speed also as GOP/s of the model's linears, to set
+beside the table's rows. Into `kernels.json`.
 """
 
 from __future__ import annotations
@@ -23,10 +30,11 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from radixrt.bench import ggml_bench
 from radixrt.bench.registry import register
 from radixrt.bench.report import BenchRun
 from radixrt.bench.results import RunResult
-from radixrt.bench.shapes import SHAPES
+from radixrt.bench.shapes import SHAPES, gguf_path
 
 ROWS = (1, 4, 32, 128, 512)
 LAYERS = 4  # cycled at few rows, so that the weights are read from memory, not from cache
@@ -90,6 +98,8 @@ def run_kernels(run: BenchRun) -> dict[str, list[RunResult]]:
     paths = _paths()
     rows = [row for m in tqdm(ROWS, desc="kernels") for row in _measure(paths, m, bandwidth)]
     _print(rows)
+    perf = _beside_ggml()
+    bench = _llama_bench()
     run.write(
         "kernels",
         {
@@ -101,9 +111,109 @@ def run_kernels(run: BenchRun) -> dict[str, list[RunResult]]:
             "load_before": load_before,
             "load_after": os.getloadavg(),
             "results": [asdict(r) for r in rows],
+            "ggml_perf_shape": ggml_bench.PERF_SHAPE,
+            "ggml_mul_mat": [asdict(r) for r in perf],
+            "llama_bench": bench,
         },
     )
     return {}
+
+
+@dataclass(frozen=True)
+class PerfShapeRow:
+    """One multiply on ggml's perf shape: `source` (ggml, or a radixrt path) over `rows` rows
+    and `kind` weights, GOP/s, at `threads` threads."""
+
+    source: str
+    kind: str
+    rows: int
+    gops: float
+    threads: int
+
+
+def _beside_ggml() -> list[PerfShapeRow]:
+    """ggml's MUL_MAT perf cases and radixrt's GEMM on the same shape, kinds, rows and threads
+    ([] without test-backend-ops)."""
+    ggml = ggml_bench.mul_mat()
+    if not ggml:
+        return []
+    threads = ggml_bench.perf_threads(os.cpu_count() or 1)
+    found = [PerfShapeRow("ggml", r.kind, r.rows, r.gops, threads) for r in ggml]
+    found += _ours_on_perf_shape(threads)
+    print(
+        f"\nGOP/s on ggml's MUL_MAT perf shape (N x K = {ggml_bench.PERF_SHAPE}), {threads} threads:"
+    )
+    for kind in ggml_bench.PERF_TYPES.values():
+        for m in ggml_bench.PERF_ROWS:
+            cells = [f"{r.source} {r.gops:.1f}" for r in found if r.kind == kind and r.rows == m]
+            print(f"  {kind} rows {m:>3}: " + ", ".join(cells))
+    return found
+
+
+def _ours_on_perf_shape(threads: int) -> list[PerfShapeRow]:
+    """radixrt's GEMM on ggml's perf shape: Q4_0's and Q8_0's groups on each native path, at
+    `threads` threads (torch's count restored after), median of REPS after a warm-up."""
+    from radixrt.kernels import cpu_isa, int4_gemm
+    from radixrt.kernels.cpu_isa import Isa
+
+    n, k = ggml_bench.PERF_SHAPE
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(1)) * 0.02
+    weights = {
+        "Q4_0": int4_gemm.PackedGroups.quantize(w, int4_gemm.Bits.INT4, symmetric=True),
+        "Q8_0": int4_gemm.PackedGroups.quantize(w, int4_gemm.Bits.INT8),
+    }
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    found = []
+    try:
+        for isa in (i for i in cpu_isa.host_paths() if i is not Isa.TORCH):
+            for kind, packed in weights.items():
+                for m in ggml_bench.PERF_ROWS:
+                    x = torch.randn(m, k)
+                    times = []
+                    for _ in range(REPS + 1):
+                        start = time.perf_counter()
+                        int4_gemm.grouped_linear(x, packed, None, isa)
+                        times.append(time.perf_counter() - start)
+                    gops = 2 * m * n * k / statistics.median(times[1:]) / 1e9
+                    found.append(PerfShapeRow(isa.value, kind, m, gops, threads))
+    finally:
+        torch.set_num_threads(before)
+    return found
+
+
+def _llama_bench() -> dict[str, Any]:
+    """llama-bench on the 1.1B shape's Q4_0 GGUF at torch's thread count, each prompt's speed
+    also as GOP/s of the model's linears ({} where the file or the binary is missing)."""
+    gguf = gguf_path("tinyllama-1.1b", "Q4_0")
+    if not gguf.is_file():
+        print(f"llama-bench skipped: {gguf} not made (radixrt bench --model-shape tinyllama-1.1b)")
+        return {}
+    threads = torch.get_num_threads()
+    rows = ggml_bench.llama_bench(gguf, threads)
+    c = SHAPES["tinyllama-1.1b"]
+    params = int(c["num_hidden_layers"]) * sum(n * k for _, n, k in layer_shapes())
+    from transformers import AutoConfig
+
+    from radixrt.executor.model_loader import resolve_model_path
+
+    params += AutoConfig.from_pretrained(resolve_model_path("default")).vocab_size * int(
+        c["hidden_size"]
+    )  # lm_head (the shape has the default model's vocabulary)
+    print(f"\nllama-bench, 1.1B shape Q4_0, {threads} threads:")
+    for r in rows:
+        gops = (
+            f", {2 * params * r.tokens_per_s / 1e9:.1f} GOP/s of linears"
+            if r.test[:2] == "pp"
+            else ""
+        )
+        print(f"  {r.test}: {r.tokens_per_s:.1f} tok/s (sd {r.stddev:.1f}){gops}")
+    return {
+        "gguf": str(gguf),
+        "threads": threads,
+        "linear_params": params,
+        "rows": [asdict(r) for r in rows],
+    }
 
 
 def read_bandwidth() -> float:

@@ -5,6 +5,10 @@
 # llama.cpp sources that the llama-cpp-python source distribution vendors (the same llama.cpp as
 # the Python peer), into DEST.
 #   bash scripts/build_llama_server.sh VERSION DEST      (about 12 minutes on 2 cores)
+# LLAMA_CMAKE_FLAGS adds CMake options: on an AMX host whose llama.cpp AMX kernels fault (this
+# version's did on 2026-12-05: SIGILL in tileloadd), the best path that runs is taken with
+#   LLAMA_CMAKE_FLAGS="-DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON
+#   -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON"
 set -euo pipefail
 version=$1
 dest=$2
@@ -15,7 +19,8 @@ trap 'rm -rf "$work"' EXIT
 tar xzf "$work"/llama_cpp_python-"$version".tar.gz -C "$work"
 cmake -S "$work/llama_cpp_python-$version/vendor/llama.cpp" -B "$work/build" -G Ninja \
     -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF -DLLAMA_CURL=OFF \
-    -DLLAMA_BUILD_TESTS=ON -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON >/dev/null
+    -DLLAMA_BUILD_TESTS=ON -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON \
+    ${LLAMA_CMAKE_FLAGS:-} >/dev/null
 targets=(llama-server llama-quantize llama-bench test-backend-ops)
 cmake --build "$work/build" --target "${targets[@]}" -j "$(nproc)"
 for t in "${targets[@]}"; do install -m 755 "$work/build/bin/$t" "$dest/$t"; done

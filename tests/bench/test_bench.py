@@ -310,3 +310,75 @@ def test_the_kernel_suite_measures_the_1b_layer_and_the_read_bandwidth():
     if native.find_compiler() is None:
         pytest.skip("needs a C compiler")
     assert 1e8 < read_bandwidth() < 1e13
+
+
+# test-backend-ops' and llama-bench's own output (this llama.cpp's, 2026-12-05), trimmed
+TEST_BACKEND_OPS_SQL = """\
+Testing 1 devices
+
+CREATE TABLE IF NOT EXISTS test_backend_ops (
+  test_time TEXT,
+  build_commit TEXT,
+  backend_name TEXT,
+  op_name TEXT,
+  op_params TEXT,
+  test_mode TEXT,
+  supported INTEGER,
+  passed INTEGER,
+  error_message TEXT,
+  time_us REAL,
+  flops REAL,
+  bandwidth_gb_s REAL,
+  memory_kb INTEGER,
+  n_runs INTEGER,
+  device_description TEXT,
+  backend_reg_name TEXT
+);
+
+INSERT INTO test_backend_ops (test_time, build_commit, backend_name, op_name, op_params, \
+test_mode, supported, passed, error_message, time_us, flops, bandwidth_gb_s, memory_kb, n_runs, \
+device_description, backend_reg_name) VALUES ('2026-12-05T05:34:58Z', '0c1e570-dirty', 'CPU', \
+'MUL_MAT', 'type_a=q4_0,type_b=f32,m=4096,n=1,k=14336,bs=[1,1],nr=[1,1],per=[0,1,2,3],k_v=0,o=1,\
+src_overlap=0,m_v=0,pad=0', 'perf', '1', '1', '', '3032.773913', '38723793915.170212', \
+'0.000000', '32328', '345', '', '');
+INSERT INTO test_backend_ops (test_time, build_commit, backend_name, op_name, op_params, \
+test_mode, supported, passed, error_message, time_us, flops, bandwidth_gb_s, memory_kb, n_runs, \
+device_description, backend_reg_name) VALUES ('2026-12-05T05:34:59Z', '0c1e570-dirty', 'CPU', \
+'MUL_MAT', 'type_a=q8_0,type_b=f32,m=4096,n=512,k=14336,bs=[1,1],nr=[1,1],per=[0,1,2,3],k_v=0,\
+o=1,src_overlap=0,m_v=0,pad=0', 'perf', '0', '0', '', '0', '0', '0', '0', '0', '', '');
+"""
+LLAMA_BENCH_JSON = (
+    '[{"model_type": "llama ?B Q4_1", "n_threads": 2, "n_prompt": 32, "n_gen": 0,'
+    ' "avg_ts": 81.635629, "stddev_ts": 0.0},'
+    ' {"model_type": "llama ?B Q4_1", "n_threads": 2, "n_prompt": 0, "n_gen": 8,'
+    ' "avg_ts": 55.546964, "stddev_ts": 0.5}]'
+)
+
+
+def test_llama_cpps_own_benchmarks_are_read_from_their_output():
+    """test-backend-ops' SQL records (its CSV leaves the figures out) give GOP/s for the
+    supported cases only, by GGUF type and rows; llama-bench's JSON gives pp/tg rows."""
+    from radixrt.bench import ggml_bench
+
+    assert ggml_bench.parse_mul_mat(TEST_BACKEND_OPS_SQL) == [
+        ggml_bench.GgmlMulMat("Q4_0", 1, 38.723793915170212)
+    ]
+    assert ggml_bench.parse_llama_bench(LLAMA_BENCH_JSON) == [
+        ggml_bench.LlamaBenchRow("pp32", 81.635629, 0.0),
+        ggml_bench.LlamaBenchRow("tg8", 55.546964, 0.5),
+    ]
+    assert ggml_bench.perf_threads(2) == 1 and ggml_bench.perf_threads(1) == 1
+
+
+def test_the_3b_shape_is_llama_3_2_3bs_layers():
+    """`--model-shape llama-3.2-3b`: Llama-3.2-3B's layers with the default model's vocabulary
+    (2.9B parameters), tied, written in bfloat16 (its float32 state would not fit here)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from radixrt.bench.shapes import BFLOAT16_SHAPES, SHAPES
+
+    config = LlamaConfig(**SHAPES["llama-3.2-3b"], vocab_size=49152)
+    with torch.device("meta"):
+        params = sum(p.numel() for p in LlamaForCausalLM(config).parameters())
+    assert 2.8e9 < params < 3.0e9 and "llama-3.2-3b" in BFLOAT16_SHAPES

@@ -30,7 +30,14 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from radixrt.bench import ggml_bench
+from radixrt.bench.ggml_bench import (
+    PERF_ROWS,
+    PERF_SHAPE,
+    PERF_TYPES,
+    llama_bench,
+    mul_mat,
+    perf_threads,
+)
 from radixrt.bench.registry import register
 from radixrt.bench.report import BenchRun
 from radixrt.bench.results import RunResult
@@ -111,7 +118,7 @@ def run_kernels(run: BenchRun) -> dict[str, list[RunResult]]:
             "load_before": load_before,
             "load_after": os.getloadavg(),
             "results": [asdict(r) for r in rows],
-            "ggml_perf_shape": ggml_bench.PERF_SHAPE,
+            "ggml_perf_shape": PERF_SHAPE,
             "ggml_mul_mat": [asdict(r) for r in perf],
             "llama_bench": bench,
         },
@@ -134,17 +141,15 @@ class PerfShapeRow:
 def _beside_ggml() -> list[PerfShapeRow]:
     """ggml's MUL_MAT perf cases and radixrt's GEMM on the same shape, kinds, rows and threads
     ([] without test-backend-ops)."""
-    ggml = ggml_bench.mul_mat()
+    ggml = mul_mat()
     if not ggml:
         return []
-    threads = ggml_bench.perf_threads(os.cpu_count() or 1)
+    threads = perf_threads(os.cpu_count() or 1)
     found = [PerfShapeRow("ggml", r.kind, r.rows, r.gops, threads) for r in ggml]
     found += _ours_on_perf_shape(threads)
-    print(
-        f"\nGOP/s on ggml's MUL_MAT perf shape (N x K = {ggml_bench.PERF_SHAPE}), {threads} threads:"
-    )
-    for kind in ggml_bench.PERF_TYPES.values():
-        for m in ggml_bench.PERF_ROWS:
+    print(f"\nGOP/s on ggml's MUL_MAT perf shape (N x K = {PERF_SHAPE}), {threads} threads:")
+    for kind in PERF_TYPES.values():
+        for m in PERF_ROWS:
             cells = [f"{r.source} {r.gops:.1f}" for r in found if r.kind == kind and r.rows == m]
             print(f"  {kind} rows {m:>3}: " + ", ".join(cells))
     return found
@@ -156,7 +161,7 @@ def _ours_on_perf_shape(threads: int) -> list[PerfShapeRow]:
     from radixrt.kernels import cpu_isa, int4_gemm
     from radixrt.kernels.cpu_isa import Isa
 
-    n, k = ggml_bench.PERF_SHAPE
+    n, k = PERF_SHAPE
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(1)) * 0.02
     weights = {
         "Q4_0": int4_gemm.PackedGroups.quantize(w, int4_gemm.Bits.INT4, symmetric=True),
@@ -168,7 +173,7 @@ def _ours_on_perf_shape(threads: int) -> list[PerfShapeRow]:
     try:
         for isa in (i for i in cpu_isa.host_paths() if i is not Isa.TORCH):
             for kind, packed in weights.items():
-                for m in ggml_bench.PERF_ROWS:
+                for m in PERF_ROWS:
                     x = torch.randn(m, k)
                     times = []
                     for _ in range(REPS + 1):
@@ -190,7 +195,7 @@ def _llama_bench() -> dict[str, Any]:
         print(f"llama-bench skipped: {gguf} not made (radixrt bench --model-shape tinyllama-1.1b)")
         return {}
     threads = torch.get_num_threads()
-    rows = ggml_bench.llama_bench(gguf, threads)
+    rows = llama_bench(gguf, threads)
     c = SHAPES["tinyllama-1.1b"]
     params = int(c["num_hidden_layers"]) * sum(n * k for _, n, k in layer_shapes())
     from transformers import AutoConfig

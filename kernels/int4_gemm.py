@@ -28,7 +28,10 @@ taken in blocks of at most 256 KiB (they stay in L2 while every panel passes ove
 each tile unpacks the panel's nibbles in registers (a panel of a 5,632-wide row is 22 KiB: it
 stays in L1 for the next tile). Few rows (decode, M <= 3): one tile, each panel read once, as
 a stream. On AVX-512 VNNI hosts (`--cpu-isa avx512-vnni`) the same code sums a group's products
-with `vpdpbusd` in two int32 chains (the instruction's latency sits in its chain).
+with `vpdpbusd` in two int32 chains (the instruction's latency sits in its chain). On AMX hosts
+(`--cpu-isa amx`) 16 rows and more go to the tile unit (`amx_body`): each group's products of 16
+weight rows by 16 activation rows in one `tdpbusd`, then the same float steps; fewer rows take
+the VNNI code.
 """
 
 from __future__ import annotations

@@ -255,14 +255,17 @@ static inline AI void linear_body(
 
 #ifdef AMX
 /* AMX (`--cpu-isa amx`), for many rows: the same panels and quantized rows, each group's products
-   summed by the tile unit, 16 weight rows (two panels) by 16 activation rows a `tdpbusd`
-   (unsigned 4-bit weights) or `tdpbssd` (signed 8-bit ones). The int32 sums are exact, as every
-   path's, and each goes through the same float operations in the same order as panel_rows's,
-   so the outputs are the other paths' bits. Tile 0: a group of 16 weight rows unpacked to bytes
-   (16 x 32 bytes); tile 1: a group of 16 activation rows in the tile unit's dot-product layout
-   (8 x 64 bytes: row r holds inputs 4r..4r+3 of each of the 16 rows); tile 2: their sums (16 x
-   16 int32, weight row by activation row). Linux gives a process the tile state only once it
-   has asked (arch_prctl; `cpu_isa` asks before choosing this path). */
+   summed by the tile unit, 16 activation rows by 16 weight rows (two panels) a `tdpbsud` (signed
+   activations by unsigned 4-bit weights) or `tdpbssd` (signed 8-bit weights). The int32 sums are
+   exact, as every path's, and each goes through the same float operations in the same order as
+   panel_rows's, so the outputs are the other paths' bits. Tiles: activations 16 rows x 32 bytes
+   (a group of each row, read in place from the quantized rows); weights 8 x 64 bytes, the tile
+   unit's dot-product layout, which is the panels' own: a panel's vector t holds, in lane j, the
+   4-byte word t of row j's group (its nibbles unpacked: inputs 4t..4t+3), so a weight tile's row
+   t is vector t of two panels side by side, unpacked once per call; sums 16 x 16 int32 (activation
+   row by weight row), four a group (2 x 2 blocks: each activation and weight tile loaded once for
+   two). Linux gives a process the tile state only once it has asked (arch_prctl; `cpu_isa` asks
+   before offering this path). */
 typedef struct {
     uint8_t palette, start_row, reserved[14];
     uint16_t colsb[16];
@@ -273,16 +276,14 @@ static void amx_configure(void) {
     TileConfig c __attribute__((aligned(64)));
     memset(&c, 0, sizeof c);
     c.palette = 1;
-    for (int t = 0; t < 2; t++) c.rows[t] = 16, c.colsb[t] = 32;     /* weights */
-    for (int t = 2; t < 4; t++) c.rows[t] = 8, c.colsb[t] = 64;      /* activations */
-    for (int t = 4; t < 8; t++) c.rows[t] = 16, c.colsb[t] = 64;     /* sums */
+    for (int t = 0; t < 2; t++) c.rows[t] = 16, c.colsb[t] = 32; /* activations */
+    for (int t = 2; t < 4; t++) c.rows[t] = 8, c.colsb[t] = 64;  /* weights */
+    for (int t = 4; t < 8; t++) c.rows[t] = 16, c.colsb[t] = 64; /* sums */
     _tile_loadconfig(&c);
 }
 
 /* Block `blk` of 16 weight rows (panels 2 blk and 2 blk + 1; a missing second panel is zeros),
-   every group: bytes wb [G, 16, 32] in input order, d and m as floats [G, 16]. A panel's vector
-   t holds, in lane j, the 4-byte word t of row j's group (inputs 4t..4t+3 as the nibbles or
-   bytes unpack), so the unpacking is a transpose of 32-bit words. */
+   every group: the weight tiles wb [G, 8, 64] and the rows' d and m as floats [G, 16]. */
 static inline AI void unpack_block(
         const uint8_t *w, const uint16_t *sc, int64_t panels, int64_t G, int64_t blk,
         uint8_t *wb, float *d, float *m, const int bits, const int offs) {
@@ -291,140 +292,137 @@ static inline AI void unpack_block(
     for (int h = 0; h < 2; h++) {
         const int64_t p = 2 * blk + h;
         for (int64_t g = 0; g < G; g++) {
-            int32_t words[8][PANEL] __attribute__((aligned(32)));
-            int32_t *row = (int32_t *)(wb + g * 512) + h * PANEL * 8;
+            uint8_t *rows = wb + g * 512 + 32 * h; /* this panel's half of each tile row */
             float *dg = d + g * 16 + h * PANEL, *mg = m + g * 16 + h * PANEL;
             if (p >= panels) {
-                memset(row, 0, PANEL * 32);
-                for (int j = 0; j < PANEL; j++) dg[j] = mg[j] = 0.0f;
+                for (int t = 0; t < 8; t++) _mm256_store_si256((__m256i *)(rows + 64 * t), _mm256_setzero_si256());
+                _mm256_store_ps(dg, _mm256_setzero_ps());
+                _mm256_store_ps(mg, _mm256_setzero_ps());
                 continue;
             }
             const uint8_t *wg = w + (p * G + g) * gbytes;
             for (int t = 0; t < 4; t++) {
                 const __m256i v = _mm256_loadu_si256((const __m256i *)(wg + 32 * t));
                 if (bits == 4) {
-                    _mm256_store_si256((__m256i *)words[t], _mm256_and_si256(v, low));
-                    _mm256_store_si256((__m256i *)words[t + 4],
+                    _mm256_store_si256((__m256i *)(rows + 64 * t), _mm256_and_si256(v, low));
+                    _mm256_store_si256((__m256i *)(rows + 64 * (t + 4)),
                                        _mm256_and_si256(_mm256_srli_epi16(v, 4), low));
                 } else {
-                    _mm256_store_si256((__m256i *)words[t], v);
-                    _mm256_store_si256((__m256i *)words[t + 4],
+                    _mm256_store_si256((__m256i *)(rows + 64 * t), v);
+                    _mm256_store_si256((__m256i *)(rows + 64 * (t + 4)),
                                        _mm256_loadu_si256((const __m256i *)(wg + 32 * (t + 4))));
                 }
             }
-            for (int j = 0; j < PANEL; j++)
-                for (int t = 0; t < 8; t++) row[j * 8 + t] = words[t][j];
             const uint16_t *s = sc + (p * G + g) * scw;
             const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)s));
-            const __m256 mv = offs ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + PANEL)))
-                                   : _mm256_mul_ps(dv, _mm256_set1_ps(-8.0f));
-            _mm256_storeu_ps(dg, dv);
-            _mm256_storeu_ps(mg, mv);
+            _mm256_store_ps(dg, dv);
+            _mm256_store_ps(mg, offs ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + PANEL)))
+                                     : _mm256_mul_ps(dv, _mm256_set1_ps(-8.0f)));
         }
     }
 }
 
-/* One group's sums (16 x 16 int32, weight row by activation row) into those rows'
+/* One group's sums (16 x 16 int32, activation row by weight row) into those rows'
    accumulators (in memory: four tiles' do not fit in registers): panel_rows's float
    operations, in its order. */
 static inline AI void tile_sums(
-        const int32_t (*sums)[16], const float *d, const float *m, const float *xsT,
-        const float *xsumT, int64_t Mp, int64_t g, int64_t mb, float (*acc)[16], const int bits,
+        const int32_t (*sums)[16], const float *d, const float *m, const float *xs,
+        const float *xsum, int64_t G, int64_t g, int64_t mb, float (*acc)[16], const int bits,
         const int offs) {
-    const __m512 xv = _mm512_loadu_ps(xsT + g * Mp + mb * 16);
-    const __m512 sv = _mm512_loadu_ps(xsumT + g * Mp + mb * 16);
-    for (int n = 0; n < 16; n++) {
-        const __m512 s = _mm512_cvtepi32_ps(_mm512_load_si512(sums[n]));
-        __m512 a = _mm512_fmadd_ps(s, _mm512_mul_ps(_mm512_set1_ps(d[g * 16 + n]), xv),
-                                   _mm512_load_ps(acc[n]));
-        if (offs || bits == 4) a = _mm512_fmadd_ps(_mm512_set1_ps(m[g * 16 + n]), sv, a);
-        _mm512_store_ps(acc[n], a);
+    const __m512 dv = _mm512_load_ps(d + g * 16), mv = _mm512_load_ps(m + g * 16);
+    for (int i = 0; i < 16; i++) {
+        const int64_t r = (mb * 16 + i) * G + g;
+        const __m512 s = _mm512_cvtepi32_ps(_mm512_load_si512(sums[i]));
+        __m512 a = _mm512_fmadd_ps(s, _mm512_mul_ps(dv, _mm512_set1_ps(xs[r])), _mm512_load_ps(acc[i]));
+        if (offs || bits == 4) a = _mm512_fmadd_ps(mv, _mm512_set1_ps(xsum[r]), a);
+        _mm512_store_ps(acc[i], a);
     }
 }
 
-/* One block of 16 weight rows' outputs for one block of 16 activation rows, from `acc`. */
+/* A block's outputs (16 activation rows from mb, 16 weight rows from n0) from `acc`, with the
+   bias: the rows and columns that exist. */
 static inline AI void tile_out(
         float (*acc)[16], int64_t mb, const float *bias, float *out, int64_t M, int64_t N,
         int64_t n0) {
     const int64_t rows = M - mb * 16 < 16 ? M - mb * 16 : 16;
     const int64_t cols = N - n0 < 16 ? N - n0 : 16;
-    for (int64_t n = 0; n < cols; n++) {
-        const float add = bias ? bias[n0 + n] : 0.0f;
-        for (int64_t i = 0; i < rows; i++) out[(mb * 16 + i) * N + n0 + n] = acc[n][i] + add;
-    }
+    if (cols <= 0) return;
+    const __mmask16 keep = (__mmask16)((1u << cols) - 1);
+    const __m512 add = bias ? _mm512_maskz_loadu_ps(keep, bias + n0) : _mm512_setzero_ps();
+    for (int64_t i = 0; i < rows; i++)
+        _mm512_mask_storeu_ps(out + (mb * 16 + i) * N + n0, keep,
+                              _mm512_add_ps(_mm512_load_ps(acc[i]), add));
 }
 
-/* Two blocks of 16 weight rows (wb[0], wb[1]: 32 rows from n0) by two blocks of 16 activation
-   rows (mb, mb + 1), every group: four tiles of sums a group, each weight and activation tile
-   loaded once for two of them. A block past the weights is zeros and past the rows is
-   padding: their outputs are not written. */
+/* Two blocks of 16 activation rows (mb, mb + 1; only mb where it is the last) by two blocks of
+   16 weight rows (wb[0], wb[1]: 32 rows from n0), every group. A weight block past the weights
+   is zeros and activation rows past M are zeros: their outputs are not written. */
 static inline AI void tile_block(
-        uint8_t *const *wb, float *const *d, float *const *m, const int8_t *b, const float *xsT,
-        const float *xsumT, int64_t Mp, int64_t G, int64_t mb, const float *bias, float *out,
-        int64_t M, int64_t N, int64_t n0, const int bits, const int offs) {
+        uint8_t *const *wb, float *const *d, float *const *m, const int8_t *a, int64_t Kp,
+        const float *xs, const float *xsum, int64_t Mp, int64_t G, int64_t mb, const float *bias,
+        float *out, int64_t M, int64_t N, int64_t n0, const int bits, const int offs) {
     int32_t sums[4][16][16] __attribute__((aligned(64)));
     float acc[4][16][16] __attribute__((aligned(64)));
+    const int two = mb + 1 < Mp / 16;
     memset(acc, 0, sizeof acc);
     for (int64_t g = 0; g < G; g++) {
-        _tile_loadd(0, wb[0] + g * 512, 32);
-        _tile_loadd(1, wb[1] + g * 512, 32);
-        _tile_loadd(2, b + (mb * G + g) * 512, 64);
-        _tile_loadd(3, b + ((mb + 1) * G + g) * 512, 64);
+        _tile_loadd(0, a + mb * 16 * Kp + g * GROUP, Kp);
+        _tile_loadd(2, wb[0] + g * 512, 64);
+        _tile_loadd(3, wb[1] + g * 512, 64);
         _tile_zero(4);
         _tile_zero(5);
-        _tile_zero(6);
-        _tile_zero(7);
-        if (bits == 4) { /* unsigned nibbles by signed activations */
-            _tile_dpbusd(4, 0, 2);
-            _tile_dpbusd(5, 0, 3);
-            _tile_dpbusd(6, 1, 2);
-            _tile_dpbusd(7, 1, 3);
+        if (two) {
+            _tile_loadd(1, a + (mb + 1) * 16 * Kp + g * GROUP, Kp);
+            _tile_zero(6);
+            _tile_zero(7);
+        }
+        if (bits == 4) { /* signed activations by unsigned nibbles */
+            _tile_dpbsud(4, 0, 2);
+            _tile_dpbsud(5, 0, 3);
+            if (two) {
+                _tile_dpbsud(6, 1, 2);
+                _tile_dpbsud(7, 1, 3);
+            }
         } else {
             _tile_dpbssd(4, 0, 2);
             _tile_dpbssd(5, 0, 3);
-            _tile_dpbssd(6, 1, 2);
-            _tile_dpbssd(7, 1, 3);
+            if (two) {
+                _tile_dpbssd(6, 1, 2);
+                _tile_dpbssd(7, 1, 3);
+            }
         }
         _tile_stored(4, sums[0], 64);
         _tile_stored(5, sums[1], 64);
-        _tile_stored(6, sums[2], 64);
-        _tile_stored(7, sums[3], 64);
-        for (int t = 0; t < 4; t++)
-            tile_sums(sums[t], d[t / 2], m[t / 2], xsT, xsumT, Mp, g, mb + t % 2, acc[t], bits, offs);
+        if (two) {
+            _tile_stored(6, sums[2], 64);
+            _tile_stored(7, sums[3], 64);
+        }
+        for (int t = 0; t < (two ? 4 : 2); t++)
+            tile_sums(sums[t], d[t % 2], m[t % 2], xs, xsum, G, g, mb + t / 2, acc[t], bits, offs);
     }
-    for (int t = 0; t < 4; t++) tile_out(acc[t], mb + t % 2, bias, out, M, N, n0 + 16 * (t / 2));
+    for (int t = 0; t < (two ? 4 : 2); t++)
+        tile_out(acc[t], mb + t / 2, bias, out, M, N, n0 + 16 * (t % 2));
 }
 
 /* out [M, N] = x @ dequant(w).T + bias on the tile unit: linear_body's rows quantized into a,
-   then rearranged into b [Mp/16, G, 8, 16] 32-bit words (Mp = M rounded up to 16, rows past M
-   zeros) with their scales and sums by group, xsT and xsumT [G, Mp]; then each thread takes
-   blocks of 16 weight rows, unpacks one once for every row block of a chunk of rows (chunks
-   of BLOCK_BYTES of b, kept in L2). */
+   xs and xsum, which hold Mp rows (M rounded up to 16; the rows past M are zeros); then each
+   thread takes pairs of blocks of 16 weight rows, unpacks a pair once and multiplies it by
+   every pair of row blocks (unpacking again for chunks of rows kept in L2 cost more: a quarter
+   of the time at 128 rows). */
 static inline AI void amx_body(
-        const float *x, int8_t *a, int8_t *b, float *xs, float *xsum, float *xsT, float *xsumT,
-        const uint8_t *w, const uint16_t *sc, const float *bias, float *out, int64_t M,
-        int64_t N, int64_t K, int64_t G, const int bits, const int offs) {
+        const float *x, int8_t *a, float *xs, float *xsum, const uint8_t *w, const uint16_t *sc,
+        const float *bias, float *out, int64_t M, int64_t N, int64_t K, int64_t G, const int bits,
+        const int offs) {
     const int64_t panels = (N + PANEL - 1) / PANEL, pairs = (panels + 3) / 4, Kp = G * GROUP;
-    const int64_t Mp = (M + 31) / 32 * 32;
-    int64_t chunk = BLOCK_BYTES / Kp / 32 * 2; /* activation blocks, in pairs */
-    chunk = chunk < 2 ? 2 : chunk;
+    const int64_t Mp = (M + 15) / 16 * 16;
     #pragma omp for schedule(static)
-    for (int64_t r = 0; r < M; r++)
-        quantize_row(x + r * K, a + r * Kp, xs + r * G, xsum + r * G, K, G);
-    #pragma omp for schedule(static)
-    for (int64_t mg = 0; mg < Mp / 16 * G; mg++) {
-        const int64_t mb = mg / G, g = mg % G;
-        int32_t *dst = (int32_t *)(b + mg * 512);
-        for (int64_t n = 0; n < 16; n++) {
-            const int64_t r = mb * 16 + n;
-            if (r < M) {
-                const int32_t *src = (const int32_t *)(a + r * Kp) + g * 8;
-                for (int t = 0; t < 8; t++) dst[t * 16 + n] = src[t];
-            } else {
-                for (int t = 0; t < 8; t++) dst[t * 16 + n] = 0;
-            }
-            xsT[g * Mp + r] = r < M ? xs[r * G + g] : 0.0f;
-            xsumT[g * Mp + r] = r < M ? xsum[r * G + g] : 0.0f;
+    for (int64_t r = 0; r < Mp; r++) {
+        if (r < M) {
+            quantize_row(x + r * K, a + r * Kp, xs + r * G, xsum + r * G, K, G);
+        } else {
+            memset(a + r * Kp, 0, Kp);
+            memset(xs + r * G, 0, G * sizeof(float));
+            memset(xsum + r * G, 0, G * sizeof(float));
         }
     }
     uint8_t *wb[2];
@@ -435,36 +433,32 @@ static inline AI void amx_body(
         m[h] = aligned_alloc(64, G * 16 * sizeof(float));
     }
     amx_configure();
-    for (int64_t m0 = 0; m0 < Mp / 16; m0 += chunk) {
-        const int64_t m1 = m0 + chunk < Mp / 16 ? m0 + chunk : Mp / 16;
-        #pragma omp for schedule(static) nowait
-        for (int64_t pair = 0; pair < pairs; pair++) {
-            for (int h = 0; h < 2; h++)
-                unpack_block(w, sc, panels, G, 2 * pair + h, wb[h], d[h], m[h], bits, offs);
-            for (int64_t mb = m0; mb < m1; mb += 2)
-                tile_block(wb, d, m, b, xsT, xsumT, Mp, G, mb, bias, out, M, N, 32 * pair, bits,
-                           offs);
-        }
+    #pragma omp for schedule(static)
+    for (int64_t pair = 0; pair < pairs; pair++) {
+        for (int h = 0; h < 2; h++)
+            unpack_block(w, sc, panels, G, 2 * pair + h, wb[h], d[h], m[h], bits, offs);
+        for (int64_t mb = 0; mb < Mp / 16; mb += 2)
+            tile_block(wb, d, m, a, Kp, xs, xsum, Mp, G, mb, bias, out, M, N, 32 * pair, bits, offs);
     }
     _tile_release();
     for (int h = 0; h < 2; h++) free(wb[h]), free(d[h]), free(m[h]);
 }
 
 #define AMX_BODY(bits, offs) \
-    ((offs) ? amx_body(x, a, b, xs, xsum, xsT, xsumT, w, sc, bias, out, M, N, K, G, bits, 1) \
-            : amx_body(x, a, b, xs, xsum, xsT, xsumT, w, sc, bias, out, M, N, K, G, bits, 0))
+    ((offs) ? amx_body(x, a, xs, xsum, w, sc, bias, out, M, N, K, G, bits, 1) \
+            : amx_body(x, a, xs, xsum, w, sc, bias, out, M, N, K, G, bits, 0))
 
-/* int4_linear and q8_linear on the tile unit; b [Mp * G * 32], xsT and xsumT [G * Mp] scratch. */
-void int4_linear_amx(const float *x, int8_t *a, int8_t *b, float *xs, float *xsum, float *xsT,
-                     float *xsumT, const uint8_t *w, const uint16_t *sc, const float *bias,
-                     float *out, int64_t M, int64_t N, int64_t K, int64_t G, int64_t offs) {
+/* int4_linear and q8_linear on the tile unit; a, xs and xsum hold M rounded up to 16 rows. */
+void int4_linear_amx(const float *x, int8_t *a, float *xs, float *xsum, const uint8_t *w,
+                     const uint16_t *sc, const float *bias, float *out, int64_t M, int64_t N,
+                     int64_t K, int64_t G, int64_t offs) {
     #pragma omp parallel
     AMX_BODY(4, offs);
 }
 
-void q8_linear_amx(const float *x, int8_t *a, int8_t *b, float *xs, float *xsum, float *xsT,
-                   float *xsumT, const uint8_t *w, const uint16_t *sc, const float *bias,
-                   float *out, int64_t M, int64_t N, int64_t K, int64_t G, int64_t offs) {
+void q8_linear_amx(const float *x, int8_t *a, float *xs, float *xsum, const uint8_t *w,
+                   const uint16_t *sc, const float *bias, float *out, int64_t M, int64_t N,
+                   int64_t K, int64_t G, int64_t offs) {
     #pragma omp parallel
     AMX_BODY(8, offs);
 }
@@ -497,8 +491,8 @@ SIGNATURES = (
     ("quantize_row", (P,) * 4 + (I,) * 2),
 )
 AMX_SIGNATURES = (
-    ("int4_linear_amx", (P,) * 11 + (I,) * 5),
-    ("q8_linear_amx", (P,) * 11 + (I,) * 5),
+    ("int4_linear_amx", (P,) * 8 + (I,) * 5),
+    ("q8_linear_amx", (P,) * 8 + (I,) * 5),
 )
 AMX_MIN_ROWS = 16  # fewer rows take the VNNI code: a tile of 16 activation rows would be padded
 
@@ -738,15 +732,17 @@ def grouped_linear(
     microseconds add up over every linear of a step."""
     x = x.contiguous()
     m, groups = x.shape[0], w.groups
-    a = torch.empty(m, groups * GROUP, dtype=torch.int8)
-    xs = torch.empty(m, groups, dtype=torch.float32)
-    xsum = torch.empty(m, groups, dtype=torch.float32)
-    out = torch.empty(m, w.out_features, dtype=torch.float32)
     lib = _library(isa)
-    if isa is cpu_isa.Isa.AMX and m >= AMX_MIN_ROWS:
-        _amx_linear(lib, x, a, xs, xsum, w, bias, out)
-        return out
-    run = lib.int4_linear if w.bits == Bits.INT4 else lib.q8_linear
+    amx = isa is cpu_isa.Isa.AMX and m >= AMX_MIN_ROWS
+    rows = -(-m // 16) * 16 if amx else m  # the tile unit reads activations 16 rows at a time
+    a = torch.empty(rows, groups * GROUP, dtype=torch.int8)
+    xs = torch.empty(rows, groups, dtype=torch.float32)
+    xsum = torch.empty(rows, groups, dtype=torch.float32)
+    out = torch.empty(m, w.out_features, dtype=torch.float32)
+    if amx:
+        run = lib.int4_linear_amx if w.bits == Bits.INT4 else lib.q8_linear_amx
+    else:
+        run = lib.int4_linear if w.bits == Bits.INT4 else lib.q8_linear
     run(
         x.data_ptr(),
         a.data_ptr(),
@@ -763,40 +759,3 @@ def grouped_linear(
         w.offsets,
     )
     return out
-
-
-def _amx_linear(
-    lib: object,
-    x: torch.Tensor,
-    a: torch.Tensor,
-    xs: torch.Tensor,
-    xsum: torch.Tensor,
-    w: PackedGroups,
-    bias: torch.Tensor | None,
-    out: torch.Tensor,
-) -> None:
-    """grouped_linear's multiply on the tile unit, with its rearranged rows' scratch."""
-    m, groups = x.shape[0], w.groups
-    mp = -(-m // 32) * 32  # rows in pairs of tiles of 16
-    b = torch.empty(mp * groups * GROUP, dtype=torch.int8)
-    xs_t = torch.empty(groups * mp, dtype=torch.float32)
-    xsum_t = torch.empty(groups * mp, dtype=torch.float32)
-    run = lib.int4_linear_amx if w.bits == Bits.INT4 else lib.q8_linear_amx  # type: ignore[attr-defined]
-    run(
-        x.data_ptr(),
-        a.data_ptr(),
-        b.data_ptr(),
-        xs.data_ptr(),
-        xsum.data_ptr(),
-        xs_t.data_ptr(),
-        xsum_t.data_ptr(),
-        w.tiles_ptr,
-        w.scales_ptr,
-        None if bias is None else bias.data_ptr(),
-        out.data_ptr(),
-        m,
-        w.out_features,
-        w.in_features,
-        groups,
-        w.offsets,
-    )

@@ -268,6 +268,8 @@ class ModelSettings(Settings):
     context_length: int | None = setting(None, "max prompt+output tokens per request (default: the model's)")
     is_embedding: bool = setting(False, "serve embeddings, not generation: POST /v1/embeddings (and generate requests of max_new_tokens 0, whose reply carries `embedding`) pool the prompt's final hidden states as the model's sentence-transformers files say (last token or mean; normalized where they list Normalize; last token, normalized, without them)")
     enable_deterministic_inference: bool = setting(False, "bitwise-reproducible serving (SGLang's name): a request's tokens and logprobs do not depend on its batch, how much of its prompt came from the cache, the prefill chunk size, speculation or tp 1 vs 2; every linear and attention row is summed in one fixed order (slower; docs/serving.md). CPU, float32 weights and KV or --quantization int8/int4")
+    weights_update_timeout: float = setting(300.0, "seconds init_weights_update_group waits for a trainer's group to form, and update_weights_from_distributed for its broadcasts; both run beside the serving loop (generation goes on) and are answered 'timeout' past this")
+    weights_update_allowed_hosts: tuple[str, ...] = setting(("127.0.0.1", "localhost", "::1"), "the master_address values init_weights_update_group may join (as given, not resolved; '*': any); another gets 'invalid_request'", nargs="+")
     # fmt: on
 
     def check(self) -> None:
@@ -277,6 +279,8 @@ class ModelSettings(Settings):
                 f"cpu_threads must be in [0, {processors}] (0: the physical cores; this machine"
                 f" has {processors} processors, and more threads would only wait on each other)"
             )
+        if self.weights_update_timeout <= 0:
+            raise ValueError("weights_update_timeout must be > 0")
 
 
 @dataclass(frozen=True, kw_only=True)

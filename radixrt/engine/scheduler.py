@@ -32,6 +32,7 @@ from radixrt.config import CacheSettings, SchedulerArgs, ServerArgs
 from radixrt.engine.constraints import Constraints
 from radixrt.engine.detokenizer import IncrementalDetokenizer
 from radixrt.engine.output_processor import OutputProcessor, RequestEnds
+from radixrt.engine.pins import PinBook, PinLimits
 from radixrt.engine.planner import Accounts, PlannerHooks, StepPlan, StepPlanner
 from radixrt.engine.request import (
     DEFAULT_SCOPE,
@@ -111,6 +112,7 @@ class ModelInfo(NamedTuple):
     embedding: dict[str, Any] | None  # `--is-embedding`: the pooling (`Pooling.info`)
     kv: KVCapacity
     quantization: str  # what the linears run as: float, --quantization, or the checkpoint's own
+    quantization_reason: str  # why (`quant_choice`): what --quantization auto weighed
 
 
 class Scheduler:
@@ -153,6 +155,15 @@ class Scheduler:
             stop_ids=frozenset(runner.eos_token_ids),
         )
         self.log = StepLog(self.counters, self.kv, args.log_interval)
+        self.pins = PinBook(
+            self.kv,
+            PinLimits.of(
+                self.kv.total_tokens,
+                args.max_pinned_fraction,
+                args.max_pinned_tokens_per_client,
+                args.max_pins_per_tenant,
+            ),
+        )
         self.planner = StepPlanner(
             args,
             self.kv,
@@ -160,7 +171,7 @@ class Scheduler:
             self.running,
             Accounts(self.counters, self.tenants, self.log),
             self.spec,
-            PlannerHooks(self._ready, self._finish),
+            PlannerHooks(self._ready, self._finish, self.pins.make_room),
         )
         self.output = OutputProcessor(
             driver,
@@ -223,6 +234,7 @@ class Scheduler:
                 r.kv_pool.bytes_per_token,
             ),
             r.quantization_path,
+            r.quant.reason,
         )
 
     # ---- requests in and out ---------------------------------------------------------------
@@ -328,35 +340,9 @@ class Scheduler:
 
     def pin(self, pin_id: str, input_ids: list[int], salt: str = "", owner: str = "") -> int:
         """Lock the cached prefix of `input_ids` under `salt` so eviction cannot take it (fork's
-        shared prefix). Returns how many tokens are pinned (what the cache held); a pin of
-        nothing is refused (`invalid_request`: it would cost a pin and hold no prefix). The pins
-        of one `owner` (a tenant, or one client connection) number at most
-        `--max-pins-per-tenant` and hold at most `--max-pinned-tokens-per-client` tokens
-        together; past either, `rate_limited` and nothing more is pinned."""
-        count, most_pins = self.kv.pin_count(owner), self.args.max_pins_per_tenant
-        if count >= most_pins:
-            raise RequestError(
-                ErrorCode.RATE_LIMITED,
-                f"{count} pins are held (at most {most_pins}, --max-pins-per-tenant); "
-                "unpin some first",
-            )
-        tokens = self.kv.pin(pin_id, input_ids, salt, owner)
-        most = self.args.max_pinned_tokens_per_client or self.kv.total_tokens // 2
-        held = self.kv.pinned_tokens(owner)
-        if tokens == 0 or held > most:
-            self.kv.unpin(pin_id)
-        if tokens == 0:
-            raise RequestError(
-                ErrorCode.INVALID_REQUEST,
-                "no token of this prompt is cached (under its cache_salt): a pin holds a prefix "
-                "that a request has computed; run one first",
-            )
-        if held > most:
-            raise RequestError(
-                ErrorCode.RATE_LIMITED,
-                f"these pins would hold {held} tokens together (at most {most}); unpin some first",
-            )
-        return tokens
+        shared prefix), on the quota of `owner` (a tenant, or one client connection) within
+        the pins' shared budget (`PinBook.pin`). Returns how many tokens are pinned."""
+        return self.pins.pin(pin_id, input_ids, salt, owner)
 
     def unpin(self, pin_id: str) -> bool:
         return self.kv.unpin(pin_id)
@@ -406,11 +392,20 @@ class Scheduler:
         )
         return WeightUpdate(self.weight_version, seconds)
 
-    def join_weights_group(self, group: WeightsGroupSpec) -> None:
-        """Join a trainer's group (`init_weights_update_group`); blocks until it has formed."""
-        self.driver.join_weights_group(
-            group.name, group.address, group.port, group.rank, group.world_size
+    def check_weights_group(self, name: str) -> None:
+        """ValueError when this runtime cannot join a group named `name` (`TPDriver`)."""
+        self.driver.check_weights_group(name)
+
+    def join_weights_group(self, group: WeightsGroupSpec, timeout: float) -> object:
+        """Join a trainer's group (`init_weights_update_group`): blocks until it has formed,
+        touching nothing of the scheduler's, so it runs beside the serving loop; the group is
+        kept once `add_weights_group` takes what this returns."""
+        return self.driver.join_weights_group(
+            group.address, group.port, group.rank, group.world_size, timeout
         )
+
+    def add_weights_group(self, name: str, joined: object) -> None:
+        self.driver.add_weights_group(name, joined)  # type: ignore[arg-type]
 
     @staticmethod
     def tensor_specs(names: object, dtypes: object, shapes: object) -> list[TensorSpec]:
@@ -421,17 +416,22 @@ class Scheduler:
     def leave_weights_group(self, name: str) -> None:
         self.driver.leave_weights_group(name)
 
-    def update_weights_from_group(
-        self, name: str, specs: list[TensorSpec], version: str | None
+    def weights_receiver(
+        self, name: str, specs: list[TensorSpec]
+    ) -> Callable[[], dict[str, torch.Tensor]]:
+        """What receives the tensors the trainer broadcasts over group `name`: blocking, and
+        run beside the serving loop (`TPDriver.weights_receiver`)."""
+        return self.driver.weights_receiver(name, specs)
+
+    def update_weights_from_tensors(
+        self, tensors: dict[str, torch.Tensor], version: str | None
     ) -> WeightUpdate:
-        """Receive the tensors the trainer broadcasts over group `name`, then serve them as
-        `update_weights` does (checked, atomic): they are handed to it as one safetensors
+        """Serve `tensors` (every weight, by its checkpoint name, as a trainer broadcast them)
+        as `update_weights` does (checked, atomic): they are handed to it as one safetensors
         file in shared memory, removed after."""
-        tensors = self.driver.receive_weights(name, specs)
         folder = Path(tempfile.mkdtemp(prefix="radixrt-weights-", dir=tensor_handoff_dir()))
         try:
             save_file(tensors, folder / "model.safetensors")
-            del tensors
             return self.update_weights(folder, False, version)
         finally:
             shutil.rmtree(folder, ignore_errors=True)

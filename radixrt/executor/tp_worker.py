@@ -18,6 +18,7 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -258,30 +259,47 @@ class TPDriver:
             self.tp.send({"op": UPDATE_WEIGHTS, "path": str(folder), "checkpoint": checkpoint})
             self.tp.barrier()
 
-    def join_weights_group(
-        self, name: str, address: str, port: int, rank: int, world_size: int
-    ) -> None:
-        """Join a trainer's group as `rank` (`init_weights_update_group`; blocks until every
-        member has). ValueError under tensor parallelism (each rank would have to join) and for
-        a name already joined."""
+    def check_weights_group(self, name: str) -> None:
+        """ValueError when this runtime cannot join a group named `name`: under tensor
+        parallelism (each rank would have to join) or when it is in one of that name."""
         if self.tp.size > 1:
             raise ValueError("weights from a trainer's group need --tp-size 1")
         if name in self.weights_groups:
             raise ValueError(f"this runtime is in a group named {name!r} already")
-        self.weights_groups[name] = WeightsGroup(address, port, rank, world_size)
+
+    @staticmethod
+    def join_weights_group(
+        address: str, port: int, rank: int, world_size: int, timeout: float
+    ) -> WeightsGroup:
+        """Join a trainer's group as `rank` (`WeightsGroup`: blocks until every member has);
+        any thread may call it, since it touches nothing of this driver's."""
+        return WeightsGroup(address, port, rank, world_size, timeout)
+
+    def add_weights_group(self, name: str, group: WeightsGroup) -> None:
+        """Keep a joined group under `name` (checked again: another may have joined since)."""
+        self.check_weights_group(name)
+        self.weights_groups[name] = group
 
     def leave_weights_group(self, name: str) -> None:
         if self.weights_groups.pop(name, None) is None:
             raise ValueError(f"this runtime is in no group named {name!r}")
 
-    def receive_weights(self, name: str, specs: list[TensorSpec]) -> dict[str, torch.Tensor]:
-        """The tensors the trainer broadcasts over group `name`, by name."""
+    def weights_receiver(
+        self, name: str, specs: list[TensorSpec]
+    ) -> Callable[[], dict[str, torch.Tensor]]:
+        """What receives the tensors the trainer broadcasts over group `name` (by name), to
+        run on any thread: it holds the group itself, so a later leave does not pull it away.
+        ValueError, now, for a group this runtime is not in."""
         group = self.weights_groups.get(name)
         if group is None:
             raise ValueError(f"this runtime is in no group named {name!r}")
-        tensors = {spec.name: spec.empty() for spec in specs}
-        group.receive(list(tensors.values()))
-        return tensors
+
+        def receive() -> dict[str, torch.Tensor]:
+            tensors = {spec.name: spec.empty() for spec in specs}
+            group.receive(list(tensors.values()))
+            return tensors
+
+        return receive
 
     def release_kv(self) -> None:
         """Free the KV pool's memory on every rank."""

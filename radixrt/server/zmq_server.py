@@ -102,6 +102,7 @@ class Server:
         self.heap = Heap()
         self.metrics = RuntimeMetrics(args.model_name)
         self.pending_update: rollout.PendingUpdate | None = None  # waits for requests in flight
+        self.joins: list[rollout.Join] = []  # trainers' groups being joined beside the loop
 
     # ---- the loop ----------------------------------------------------------------------------
     def serve_forever(self) -> None:
@@ -129,6 +130,7 @@ class Server:
         else:
             self.scheduler.idle()
         rollout.run_pending_update(self)
+        rollout.poll_joins(self)
         if self.drain_deadline is not None:
             self._drain_step()
         self.heap.tick()
@@ -371,6 +373,7 @@ def _model_info(server: Server, caller: Caller, msg: dict[str, Any]) -> dict[str
         "embedding": info.embedding,
         **asdict(info.kv),
         "quantization": info.quantization,
+        "quantization_reason": info.quantization_reason,
         "weight_version": server.scheduler.weight_version,
     }
 
@@ -473,7 +476,7 @@ OPS: dict[str, Op] = {
     "continue_generation": Op(rollout.continue_generation, Role.ADMIN),
     "release_memory_occupation": Op(rollout.release_memory, Role.ADMIN),
     "resume_memory_occupation": Op(rollout.resume_memory, Role.ADMIN),
-    "init_weights_update_group": Op(rollout.init_group, Role.ADMIN),
+    "init_weights_update_group": Op(rollout.init_group, Role.ADMIN, **LATER),
     "update_weights_from_distributed": Op(rollout.update_from_group, Role.ADMIN, **LATER),
     "destroy_weights_update_group": Op(rollout.destroy_group, Role.ADMIN),
     "get_weight_version": Op(rollout.weight_version),

@@ -416,3 +416,47 @@ def test_update_from_a_trainers_group(served, fresh, trained, tiny_model_dir):
     with pytest.raises(InvalidRequestError):
         served.update_weights_from_distributed(names[:1], ["float32"], [[1]], "trainer")
     _same_answer(_generate(served), _generate(fresh))
+
+
+def test_a_join_to_a_silent_peer_never_stops_generation_and_is_answered(tiny_model_dir):
+    """A trainer address that accepts the connection and never speaks (torch's TCPStore client
+    waits there past any timeout of its own): the join runs beside the loop, so greedy requests
+    keep finishing meanwhile, and the join is answered `timeout` at --weights-update-timeout.
+    An address outside --weights-update-allowed-hosts is refused at once."""
+    import socket
+
+    from radixrt.client.transport import RemoteError
+
+    timeout = 3.0
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen()
+    with (
+        silent,
+        launch_runtime(tiny_model_dir, weights_update_timeout=timeout) as runtime,
+        ThreadPoolExecutor(1) as pool,
+    ):
+        start = time.monotonic()
+        with pytest.raises(InvalidRequestError, match="weights-update-allowed-hosts"):
+            runtime.init_weights_update_group("10.11.12.13", 29500, 1, 2, "far")
+        assert time.monotonic() - start < 2
+        params = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
+        runtime.generate(input_ids=PROMPT, sampling_params=params)  # warm
+        start = time.monotonic()
+        join = pool.submit(
+            runtime.init_weights_update_group, "127.0.0.1", silent.getsockname()[1], 1, 2, "hung"
+        )
+        tokens = 0
+        while not join.done() and time.monotonic() - start < 3 * timeout:
+            tokens += runtime.generate(input_ids=PROMPT, sampling_params=params)["meta_info"][
+                "completion_tokens"
+            ]
+        with pytest.raises(RemoteError) as refused:
+            join.result(timeout=REPLY_TIMEOUT_S)
+        took = time.monotonic() - start
+        assert refused.value.code == "timeout" and timeout <= took < timeout + 2
+        assert tokens >= 8 * 3  # requests went on finishing while the join hung
+        runtime.generate(input_ids=PROMPT, sampling_params=params)  # and still do
+        # the name is free again: a second join is taken (and times out the same way)
+        with pytest.raises(RemoteError, match="did not form"):
+            runtime.init_weights_update_group("127.0.0.1", silent.getsockname()[1], 1, 2, "hung")

@@ -18,7 +18,7 @@ from transformers import AutoConfig, AutoTokenizer
 from radixrt.attention import create_backend
 from radixrt.config import ExecutorArgs
 from radixrt.distributed.group import TPGroup
-from radixrt.executor import gguf_weights, host_memory
+from radixrt.executor import gguf_weights, host_memory, quant_choice
 from radixrt.executor.lora_manager import LoraManager, default_max_rank, parse_lora_paths
 from radixrt.executor.model_loader import (
     READY_MARKER,
@@ -177,12 +177,13 @@ class ModelRunner:
             if self.device.type == "cpu"
             else None
         )
-        check_quantization(args.quantization, self.device, self.cpu_isa)
         self.kv_format = resolve_kv_format(args.kv_cache_dtype, self.device, args.attention_backend)
         self.checkpoint_quant = CheckpointQuant.of(self.config)
+        self.quant = self._choose_quantization()
+        check_quantization(self.quant.name, self.device, self.cpu_isa)
         if args.enable_deterministic_inference:
             check_deterministic(args, self.device, self.dtype, self.cpu_isa, self.config)
-        packed = self._gguf_plan()
+        packed = self.quant.plan
         tied = bool(getattr(self.config, "tie_word_embeddings", False))
         packing = self._packing()
         with host_memory.loading():
@@ -201,7 +202,7 @@ class ModelRunner:
             self.config,
             self.checkpoint_quant.bytes_per_weight
             if self.checkpoint_quant
-            else BYTES_PER_WEIGHT.get(args.quantization or "", self.dtype.itemsize),
+            else BYTES_PER_WEIGHT.get(self.quant.name or "", self.dtype.itemsize),
         )
         self.packing = packing  # what weight updates pack their linears with too
         self.vocab_size = self.config.vocab_size
@@ -219,12 +220,13 @@ class ModelRunner:
         )
         self.graph_runner = self._graph_runner()
         logger.info(
-            "loaded %s (%s, %s, linears %s: %.0f MB, CPU kernels %s, %d threads) in %.1fs; KV "
-            "pool %d tokens (%s), page size %d",
+            "loaded %s (%s, %s, linears %s [%s]: %.0f MB, CPU kernels %s, %d threads) in %.1fs; "
+            "KV pool %d tokens (%s), page size %d",
             self.model_path.name,
             self.dtype,
             self.device,
             self.quantization_path,
+            self.quant.reason,
             linear_bytes(self.model) / 1e6,
             self.cpu_isa.value if self.cpu_isa else "none",
             torch.get_num_threads(),
@@ -237,10 +239,10 @@ class ModelRunner:
     @property
     def quantization_path(self) -> str:
         """What the linears run as (`model_info` names it): the checkpoint's own quantization
-        read packed, `--quantization`, or float."""
+        read packed, `--quantization` as resolved (`quant_choice`), or float."""
         if self.checkpoint_quant is not None:
             return self.checkpoint_quant.describe()
-        return self.args.quantization or "float"
+        return self.quant.name or "float"
 
     @property
     def kv_numerics(self) -> str:
@@ -266,7 +268,7 @@ class ModelRunner:
         of its own (it would requantize them). ValueError, one line, naming what is missing."""
         args, quant = self.args, self.checkpoint_quant
         packing = LinearPacking.of(
-            args.quantization,
+            self.quant.name,
             self.device,
             self.dtype,
             self.cpu_isa,
@@ -280,9 +282,9 @@ class ModelRunner:
                 f"--enable-deterministic-inference serves float32 or --quantization int8/int4 "
                 f"weights, not a {quant.method} checkpoint (its linears are not cut in fixed order)"
             )
-        if args.quantization:
+        if self.quant.name:
             raise ValueError(
-                f"--quantization {args.quantization}: the checkpoint is already quantized "
+                f"--quantization {self.quant.name}: the checkpoint is already quantized "
                 f"({quant.method}); serve it without --quantization"
             )
         on_gpu = self.device.type == "cuda"
@@ -296,21 +298,18 @@ class ModelRunner:
         base = packing or LinearPacking(None, None, device=self.device)
         return replace(base, checkpoint=quant)
 
-    def _gguf_plan(self) -> gguf_weights.GGUFPlan | None:
-        """The linears to take packed from the GGUF file the model came from: under `gguf`
-        (which needs one), and under `int4` where there is one (else int4 quantizes the float
-        weights). One rank only: the packed rows are not cut into shards."""
-        name = self.args.quantization
-        source = gguf_weights.gguf_source(self.model_path, READY_MARKER)
-        if name == "gguf" and (source is None or self.tp.size > 1):
-            raise ValueError("--quantization gguf needs a GGUF model (default, a .gguf path), tp 1")
-        if name not in ("int4", "gguf") or source is None or self.tp.size > 1:
-            return None
-        packed = gguf_weights.plan(source, self.config)
-        if name == "gguf" and not packed.linears:
-            kinds = "/".join(gguf_weights.PACKED_TYPES)
-            raise ValueError(f"{source} has no {kinds} linears of a Llama or Qwen2 model")
-        return packed
+    def _choose_quantization(self) -> quant_choice.QuantChoice:
+        """`--quantization` resolved for this model and machine (`quant_choice.choose`)."""
+        ground = quant_choice.Ground(
+            model=self.args.model,
+            source=gguf_weights.gguf_source(self.model_path, READY_MARKER),
+            device=self.device,
+            isa=self.cpu_isa,
+            tp_size=self.tp.size,
+            deterministic=self.args.enable_deterministic_inference,
+            prequantized=self.checkpoint_quant is not None,
+        )
+        return quant_choice.choose(self.args.quantization, ground, self.config)
 
     def _replace_linears(
         self,
@@ -349,9 +348,10 @@ class ModelRunner:
         shape checked, then quantized or prepacked as the served ones: int8 and int4 are
         re-quantized, GGUF blocks are not taken) and adopted only once all of them loaded
         (`weight_update`): a ValueError names what is refused, and the old weights stay."""
-        if self.args.quantization == "gguf":
+        if self.quant.name == "gguf":
             raise ValueError(
-                "--quantization gguf serves the GGUF file's blocks as read: it takes no new weights"
+                "a GGUF served packed (--quantization gguf or auto) serves the file's blocks as "
+                "read: it takes no new weights (serve it with --quantization none to update them)"
             )
         if self.checkpoint_quant is not None:
             raise ValueError(

@@ -1,0 +1,107 @@
+"""What `--quantization` resolves to for one run, and why (`model_info` and the start-up log say
+both).
+
+`auto`, the default, serves a model given as a GGUF file (`--model default` or a `.gguf` path)
+the way it is stored: its quantized linears packed (`gguf`), never dequantized to float first,
+wherever that path runs (one rank, the CPU's kernels or a CUDA GPU, no fixed-order mode). Every
+other model, and a GGUF where packing cannot run, is served as its checkpoint says: float, or the
+checkpoint's own `quantization_config`. A converted model folder is a float checkpoint: given by
+its path, it stays float. `none` (and None, the Python API's spelling) always serves float
+linears; `int8`, `int4` and `gguf` are taken as asked, or refused where they cannot run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from radixrt.executor import gguf_weights
+from radixrt.kernels.cpu_isa import Isa
+from radixrt.models.linear import check_quantization
+
+CHOICES = ("auto", "none", "int8", "int4", "gguf")
+
+
+@dataclass(frozen=True)
+class QuantChoice:
+    """The linears' quantization this run serves (`name`; None: float), why (`reason`, one
+    line), and the GGUF linears to read packed (`plan`: under `gguf`, and `int4` on a GGUF)."""
+
+    name: str | None
+    reason: str
+    plan: gguf_weights.GGUFPlan | None = None
+
+
+@dataclass(frozen=True)
+class Ground:
+    """What the choice depends on: the `--model` argument as given, the GGUF file the model
+    folder was converted from (None: never GGUF), and where and how the run computes."""
+
+    model: str
+    source: Path | None
+    device: torch.device
+    isa: Isa | None
+    tp_size: int
+    deterministic: bool
+    prequantized: bool  # the checkpoint has its own quantization_config
+
+
+def choose(requested: str | None, ground: Ground, config) -> QuantChoice:
+    """Resolve `requested` (one of `CHOICES`, or None) on `ground`; ValueError, one line, where
+    an explicit `gguf` has no GGUF file or packed linears to serve."""
+    if requested == "auto":
+        return _auto(ground, config)
+    if requested in (None, "none"):
+        return QuantChoice(None, "--quantization none: float linears")
+    plan = _plan(requested, ground, config)
+    return QuantChoice(requested, f"--quantization {requested}", plan)
+
+
+def _plan(name: str, ground: Ground, config) -> gguf_weights.GGUFPlan | None:
+    """The linears to take packed from the GGUF file the model came from: under `gguf` (which
+    needs one), and under `int4` where there is one (else int4 quantizes the float weights).
+    One rank only: the packed rows are not cut into shards."""
+    source = ground.source
+    if name == "gguf" and (source is None or ground.tp_size > 1):
+        raise ValueError("--quantization gguf needs a GGUF model (default, a .gguf path), tp 1")
+    if name not in ("int4", "gguf") or source is None or ground.tp_size > 1:
+        return None
+    packed = gguf_weights.plan(source, config)
+    if name == "gguf" and not packed.linears:
+        kinds = "/".join(gguf_weights.PACKED_TYPES)
+        raise ValueError(f"{source} has no {kinds} linears of a Llama or Qwen2 model")
+    return packed
+
+
+def _auto(ground: Ground, config) -> QuantChoice:
+    """`gguf` for a model given as a GGUF file whose packed linears can run here; else float
+    (or the checkpoint's own quantization), with the reason packing was not taken."""
+    why_not = _why_not_packed(ground)
+    if why_not is None:
+        try:
+            plan = _plan("gguf", ground, config)
+        except ValueError as e:
+            why_not = str(e)
+        else:
+            return QuantChoice("gguf", "auto: the GGUF file's quantized linears, as stored", plan)
+    if ground.prequantized:
+        return QuantChoice(None, "auto: the checkpoint's own quantization")
+    return QuantChoice(None, f"auto: float linears ({why_not})")
+
+
+def _why_not_packed(ground: Ground) -> str | None:
+    """Why a run cannot serve its GGUF packed (None: it can)."""
+    named_gguf = ground.model == "default" or ground.model.endswith(".gguf")
+    if not named_gguf or ground.source is None:
+        return "a float checkpoint"
+    if ground.tp_size > 1:
+        return "packed GGUF rows are not sharded over tensor-parallel ranks"
+    if ground.deterministic:
+        return "--enable-deterministic-inference has no fixed-order path for GGUF blocks"
+    try:
+        check_quantization("gguf", ground.device, ground.isa)
+    except ValueError as e:
+        return str(e)
+    return None

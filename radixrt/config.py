@@ -587,16 +587,13 @@ class TenantLimits(Settings):
     section: ClassVar[str] = "per-tenant and per-client limits"
     # fmt: off
     max_inflight_per_tenant: int | None = setting(None, "requests one tenant (its API key; without a key file, one client connection) may have queued or running; past it, 'rate_limited' (default: with --api-key-file, a quarter of --max-queued-requests; else no limit)")
-    max_pinned_tokens_per_client: int | None = setting(None, "cached prefix tokens one tenant (its API key; without a key file, one client connection) may hold pinned (a fork's shared prefix) at once; past it, a pin gets 'rate_limited' (default, and at most: the shared budget, --max-pinned-fraction)")
-    max_pinned_fraction: float = setting(0.5, "the fraction of the KV pool all pins together may hold: past it, the pins of tenants holding more than their share (the budget over the tenants holding pins) are released, oldest first, else the pin gets 'rate_limited'; a request short of room while nothing runs releases pins held past a share (the budget over those tenants plus one), else gets 'overloaded'")
+    max_pinned_tokens_per_client: int | None = setting(None, "cached prefix tokens one tenant (its API key; without a key file, one client connection) may hold pinned (a fork's shared prefix) at once; past it, a pin gets 'rate_limited' (default: half the KV pool)")
     max_pins_per_tenant: int = setting(256, "pins one tenant (its API key; without a key file, one client connection) may hold at once; past it, a pin gets 'rate_limited'")
     max_queued_tokens_per_tenant: int | None = setting(None, "prompt tokens one tenant may have waiting for admission; past it, 'rate_limited' (default: with --api-key-file, four times the KV pool; else no limit)")
     tenant_max_priority: int = setting(0, "the most urgent priority a request sent with a key other than the admin's may have when the key's line sets no maxprio: a more urgent one is clamped to it (the admin's and a keyless server's requests are not capped)")
     # fmt: on
 
     def check(self) -> None:
-        if not 0 < self.max_pinned_fraction <= 1:
-            raise ValueError("max_pinned_fraction must be > 0 and at most 1")
         _at_least_one(
             max_inflight_per_tenant=self.max_inflight_per_tenant,
             max_pinned_tokens_per_client=self.max_pinned_tokens_per_client,
@@ -673,22 +670,11 @@ class HttpSettings(Settings):
     # fmt: off
     http_request_timeout: float = setting(600.0, "the HTTP gateway's bound on one request, in seconds: a request whose timeout is unset or longer gets this one (the runtime ends it with 'timeout'), and one the runtime has not answered a few seconds past it is answered 504 'timeout' by the gateway and aborted")
     http_pin_lease: float = setting(600.0, "seconds a pin made through the HTTP gateway (/pin) holds unless /unpin comes first; then the gateway unpins it (each caller's pins are its own and count under its key's tenant)")
-    http_cpu_threads: int = setting(4, "threads of the HTTP gateway for tokenizing, chat templates, tool schemas and echoes, off its event loop: one is kept for small requests, and one tenant's large ones take at most half the rest")
-    allowed_hosts: tuple[str, ...] = setting((), "Host names a server without keys answers besides its bound address's (loopback's names when bound there): any other Host gets 403, which stops DNS-rebinding pages ('*': any)", nargs="+")
-    allowed_origins: tuple[str, ...] = setting((), "browser Origins (scheme://host[:port]) a server without keys answers besides its own names: a request another site's page sends gets 403 ('*': any)", nargs="+")
-    max_stored_response_bytes_per_tenant: int = setting(64 << 20, "bytes of stored /v1/responses one tenant (its API key) may hold, the earlier turns a stored response continues (previous_response_id) included: past it the tenant's oldest go first, and a conversation that alone would hold more is refused ('invalid_request'; store: false is not stored)")
-    max_stored_response_bytes: int = setting(1 << 30, "bytes of stored /v1/responses all tenants together may hold: past it the oldest response of the tenant holding the most goes first")
     # fmt: on
 
     def check(self) -> None:
         if not self.http_request_timeout > 0 or not self.http_pin_lease > 0:
             raise ValueError("http_request_timeout and http_pin_lease must be > 0 seconds")
-        if not 0 < self.max_stored_response_bytes_per_tenant <= self.max_stored_response_bytes:
-            raise ValueError(
-                "max_stored_response_bytes_per_tenant must be > 0 and at most max_stored_response_bytes"
-            )
-        if self.http_cpu_threads < 2:
-            raise ValueError("http_cpu_threads must be >= 2 (one is kept for small requests)")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -587,13 +587,16 @@ class TenantLimits(Settings):
     section: ClassVar[str] = "per-tenant and per-client limits"
     # fmt: off
     max_inflight_per_tenant: int | None = setting(None, "requests one tenant (its API key; without a key file, one client connection) may have queued or running; past it, 'rate_limited' (default: with --api-key-file, a quarter of --max-queued-requests; else no limit)")
-    max_pinned_tokens_per_client: int | None = setting(None, "cached prefix tokens one tenant (its API key; without a key file, one client connection) may hold pinned (a fork's shared prefix) at once; past it, a pin gets 'rate_limited' (default: half the KV pool)")
+    max_pinned_tokens_per_client: int | None = setting(None, "cached prefix tokens one tenant (its API key; without a key file, one client connection) may hold pinned (a fork's shared prefix) at once; past it, a pin gets 'rate_limited' (default, and at most: the shared budget, --max-pinned-fraction)")
+    max_pinned_fraction: float = setting(0.5, "the fraction of the KV pool all pins together may hold: past it, the pins of tenants holding more than their share (the budget over the tenants holding pins) are released, oldest first, else the pin gets 'rate_limited'; a request short of room while nothing runs releases pins held past a share (the budget over those tenants plus one), else gets 'overloaded'")
     max_pins_per_tenant: int = setting(256, "pins one tenant (its API key; without a key file, one client connection) may hold at once; past it, a pin gets 'rate_limited'")
     max_queued_tokens_per_tenant: int | None = setting(None, "prompt tokens one tenant may have waiting for admission; past it, 'rate_limited' (default: with --api-key-file, four times the KV pool; else no limit)")
     tenant_max_priority: int = setting(0, "the most urgent priority a request sent with a key other than the admin's may have when the key's line sets no maxprio: a more urgent one is clamped to it (the admin's and a keyless server's requests are not capped)")
     # fmt: on
 
     def check(self) -> None:
+        if not 0 < self.max_pinned_fraction <= 1:
+            raise ValueError("max_pinned_fraction must be > 0 and at most 1")
         _at_least_one(
             max_inflight_per_tenant=self.max_inflight_per_tenant,
             max_pinned_tokens_per_client=self.max_pinned_tokens_per_client,

@@ -26,6 +26,7 @@ from radixrt.engine.speculation import Speculation
 from radixrt.engine.stats import Counters, StepLog
 from radixrt.engine.tenant_stats import TenantStats
 from radixrt.mem_cache.slot_manager import KVSlotManager
+from radixrt.protocol import ErrorCode
 
 logger = logging.getLogger(__name__)
 
@@ -50,10 +51,12 @@ class StepPlan:
 @dataclass(frozen=True)
 class PlannerHooks:
     """The planner's calls out: `ready` (a request's constraint has compiled; it may end the
-    request), `finish` (end a request now)."""
+    request), `finish` (end a request now), `make_room` (release pins held past their owners'
+    shares until this many slots can be had; whether they can: `PinBook.make_room`)."""
 
     ready: Callable[[Req], bool]
     finish: Callable[[Req], None]
+    make_room: Callable[[int], bool]
 
 
 @dataclass(frozen=True)
@@ -122,7 +125,7 @@ class StepPlanner:
         drafts are dropped before anything is retracted."""
         if self._slots_needed(items) > self.kv.available():
             items = [Scheduled(s.req, s.n - len(s.draft)) for s in items]
-        while self._slots_needed(items) > self.kv.available():
+        while not self.hooks.make_room(self._slots_needed(items)):
             victim = pick_victim([s.req for s in items], self.ranking)
             if victim is None:
                 break
@@ -229,6 +232,8 @@ class StepPlanner:
                 break
             self.kv.record_hit(device.node)
             if not self.kv.admit(req, device, n):
+                if not (self.running or plan.admitted):
+                    self._unblock(req, n)
                 break
             plan.allocated[req] = req.kv_len + n
             self._count_admission(req, m, m - len(match.slots), match.storage_tokens)
@@ -240,6 +245,22 @@ class StepPlanner:
             reserved += future
         if plan.admitted:
             self.log.prefill(plan.admitted, len(self.running), len(self.waiting))
+
+    def _unblock(self, req: Req, n: int) -> None:
+        """Nothing runs, so nothing but pins holds the room `req`'s first `n` tokens lack:
+        release pins held past their owners' shares until they fit (it is admitted next
+        step), else refuse it with `overloaded` rather than leave it waiting on pins that
+        may never go."""
+        need = n + self.kv.page_size  # its first page may be partly the matched prefix's
+        if self.hooks.make_room(need):
+            return
+        req.finish_reason = FinishReason.abort(
+            f"pins hold the KV pool's room: this request needs {need} slots, {self.kv.available()} "
+            f"can be had, and {len(self.kv.pins)} pins within their tenants' shares hold the "
+            "rest (--max-pinned-fraction); retry after pins are released",
+            ErrorCode.OVERLOADED,
+        )
+        self.hooks.finish(req)
 
     def _adapter_fits(self, req: Req) -> bool:
         """Whether the batch can take `req`'s adapter: the base, an adapter already running, or

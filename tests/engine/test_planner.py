@@ -8,10 +8,12 @@ from __future__ import annotations
 import itertools
 import time
 
+import pytest
 import torch
 
 from radixrt.config import CacheSettings, ServerArgs
 from radixrt.engine.budget import MIN_NEW_TOKEN_RATIO
+from radixrt.engine.pins import PinBook, PinLimits
 from radixrt.engine.planner import Accounts, PlannerHooks, StepPlan, StepPlanner
 from radixrt.engine.request import Req, RequestScope
 from radixrt.engine.schedule_policy import order_waiting
@@ -20,6 +22,7 @@ from radixrt.engine.tenant_stats import TenantStats
 from radixrt.mem_cache.memory_pool import PageAllocator, ReqToTokenPool, TokenToKVPool
 from radixrt.mem_cache.slot_manager import KVSlotManager
 from radixrt.mem_cache.tiers import DevicePool, build_slot_manager
+from radixrt.protocol import ErrorCode, RequestError
 from radixrt.sampling_params import SamplingParams
 
 from ownership import assert_slot_ownership
@@ -45,7 +48,14 @@ class Loop:
         self.waiting: list[Req] = []
         self.running: list[Req] = []
         self.counters = Counters()
-        hooks = PlannerHooks(ready=lambda req: True, finish=self.finish)
+        limits = PinLimits.of(
+            kv.total_tokens,
+            args.max_pinned_fraction,
+            args.max_pinned_tokens_per_client,
+            args.max_pins_per_tenant,
+        )
+        self.pins = PinBook(kv, limits)
+        hooks = PlannerHooks(lambda req: True, self.finish, self.pins.make_room)
         accounts = Accounts(self.counters, TenantStats(), StepLog(self.counters, kv, 40))
         self.planner = StepPlanner(args, kv, self.waiting, self.running, accounts, None, hooks)
         self.tokens = itertools.count(5000)
@@ -167,3 +177,68 @@ def test_ordering_peeks_and_leaves_the_tree_untouched():
     assert _tree_state(kv) == before, "ordering split a node or touched an LRU time"
     kv.match_prefix(s16.all_ids[:-1])
     assert _tree_state(kv) != before, "(a real match does split and touch)"
+
+
+def _cached(loop: Loop, *prompts: list[int]) -> None:
+    """Run each prompt to its end, so the tree holds it (what a pin needs)."""
+    for k, prompt in enumerate(prompts):
+        loop.add(f"warm-{k}-{prompt[0]}", prompt, new=1)
+    while loop.running or loop.waiting:
+        loop.step()
+
+
+def test_pins_past_their_share_give_way_to_a_request_they_block():
+    """Two owners' pins fill the pool (a budget of all of it); a third owner's request, which
+    nothing running will ever make room for, gets it from the pins held past their owners'
+    shares (the budget over the two owners plus the one asking), oldest first, and runs."""
+    loop = Loop(_kv(256), max_pinned_fraction=1.0, chunked_prefill_size=512)
+    a, b = _prompt(10, 110), _prompt(11, 110)
+    _cached(loop, a, b)
+    assert loop.pins.pin("a/1", a, "", "a") == 110 and loop.pins.pin("b/1", b, "", "b") == 110
+    c = loop.add("c", _prompt(12, 120), new=4)
+    loop.step()
+    assert list(loop.kv.pins) == ["b/1"], "a's pin was over its share of 256 // 3 and older"
+    while loop.running or loop.waiting:
+        loop.step()
+    assert len(c.output_ids) == 4 and c.finish_reason is None
+    assert loop.kv.unpin("b/1") and loop.kv.flush() and loop.kv.usage().free_tokens == 256
+
+
+def test_a_request_blocked_by_pins_within_their_shares_is_refused_overloaded():
+    """One owner's pins, within its share, leave too little room for a request while nothing
+    runs: the request ends at once with `overloaded` instead of waiting for ever; the pins stay."""
+    loop = Loop(_kv(256), max_pinned_fraction=1.0, chunked_prefill_size=512)
+    prefixes = [_prompt(20 + k, 30) for k in range(4)]
+    _cached(loop, *prefixes)
+    for k, prefix in enumerate(prefixes):
+        loop.pins.pin(f"a/{k}", prefix, "", "a")
+    big = loop.add("big", _prompt(30, 200), new=4)
+    plan = loop.step()
+    assert not plan.items and not loop.waiting and not loop.running
+    assert big.finish_reason is not None and big.finish_reason.error == ErrorCode.OVERLOADED
+    assert "--max-pinned-fraction" in (big.finish_reason.message or "")
+    assert len(loop.kv.pins) == 4
+    small = loop.add("small", _prompt(31, 60), new=2)
+    while loop.running or loop.waiting:
+        loop.step()
+    assert len(small.output_ids) == 2, "what fits beside the pins runs"
+
+
+def test_pins_share_one_budget_and_a_newcomer_gets_its_share():
+    """The budget (--max-pinned-fraction of the pool) bounds all pins together: a pin past it
+    releases other owners' pins held past their shares, oldest first, and is refused
+    (`rate_limited`, nothing left pinned) when every other owner is within its share."""
+    loop = Loop(_kv(256), max_pinned_fraction=0.5)  # 128 tokens of pins in all
+    prefixes = [_prompt(40 + k, 40) for k in range(6)]
+    _cached(loop, *prefixes)
+    for k in range(3):
+        loop.pins.pin(f"a/{k}", prefixes[k], "", "a")  # 120 of 128: a alone may hold it
+    loop.pins.pin("b/0", prefixes[3], "", "b")  # 160 > 128, and a's 120 is past its share, 64
+    assert list(loop.kv.pins) == ["a/1", "a/2", "b/0"]
+    loop.pins.pin("b/1", prefixes[4], "", "b")  # 160 again: a's 80 is still past 64
+    assert list(loop.kv.pins) == ["a/2", "b/0", "b/1"]
+    with pytest.raises(RequestError) as refused:
+        loop.pins.pin("b/2", prefixes[5], "", "b")  # a's 40 is within its share: b is refused
+    assert refused.value.code == ErrorCode.RATE_LIMITED
+    assert "--max-pinned-fraction" in str(refused.value)
+    assert list(loop.kv.pins) == ["a/2", "b/0", "b/1"]

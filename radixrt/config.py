@@ -673,11 +673,17 @@ class HttpSettings(Settings):
     # fmt: off
     http_request_timeout: float = setting(600.0, "the HTTP gateway's bound on one request, in seconds: a request whose timeout is unset or longer gets this one (the runtime ends it with 'timeout'), and one the runtime has not answered a few seconds past it is answered 504 'timeout' by the gateway and aborted")
     http_pin_lease: float = setting(600.0, "seconds a pin made through the HTTP gateway (/pin) holds unless /unpin comes first; then the gateway unpins it (each caller's pins are its own and count under its key's tenant)")
+    max_stored_response_bytes_per_tenant: int = setting(64 << 20, "bytes of stored /v1/responses one tenant (its API key) may hold, the earlier turns a stored response continues (previous_response_id) included: past it the tenant's oldest go first, and a conversation that alone would hold more is refused ('invalid_request'; store: false is not stored)")
+    max_stored_response_bytes: int = setting(1 << 30, "bytes of stored /v1/responses all tenants together may hold: past it the oldest response of the tenant holding the most goes first")
     # fmt: on
 
     def check(self) -> None:
         if not self.http_request_timeout > 0 or not self.http_pin_lease > 0:
             raise ValueError("http_request_timeout and http_pin_lease must be > 0 seconds")
+        if not 0 < self.max_stored_response_bytes_per_tenant <= self.max_stored_response_bytes:
+            raise ValueError(
+                "max_stored_response_bytes_per_tenant must be > 0 and at most max_stored_response_bytes"
+            )
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -7,8 +7,11 @@ its pieces become output items (`ItemStream`), streamed or whole alike.
 `previous_response_id` continues a stored response: its input and output items come before the
 new input (its `instructions` do not carry over, as OpenAI has it), so the chained prompt starts
 with the stored one and is read from the radix cache. Responses are stored unless `store:
-false`, per tenant (the caller's key names it), at most MAX_STORED_PER_TENANT each, the oldest
-dropped first, and at most MAX_STORED_BYTES_PER_TENANT of text each."""
+false`, per tenant (the caller's key names it), compactly (`Stored`: the body and the items a turn
+adds, as JSON bytes, so what the store counts is what it holds), at most MAX_STORED_PER_TENANT
+each and `--max-stored-response-bytes-per-tenant` each and `--max-stored-response-bytes` in all
+(`ResponseStore`: a chain's every turn counts against its tenant while a stored response
+continues it)."""
 
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ from typing import Annotated, Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, TypeAdapter
 
 from radixrt.protocol import ErrorCode
 from radixrt.server.http.errors import RUNTIME_EXCEPTIONS, APIError, from_runtime_error
@@ -32,15 +35,18 @@ from radixrt.server.http.responses import ChoiceStream
 from radixrt.server.http.schemas import Body, ChatCompletionRequest, ChatMessage
 
 MAX_STORED_PER_TENANT = 256
-MAX_STORED_BYTES_PER_TENANT = 256 << 20
+MAX_REASONING_PARTS = 64  # summary or content parts of one reasoning item
+# what a stored response holds beside its two byte strings: its record and its index entry
+STORED_OVERHEAD_BYTES = 512
 RESPONSES_ROUTES = ("/v1/responses",)
 
 
 class InputText(Body):
     type: Literal["input_text", "output_text"]
     text: str
-    annotations: list[Any] | None = None  # an output_text sent back: accepted
-    logprobs: list[Any] | None = None
+    # an output_text sent back: accepted, never stored (they do not reach the prompt)
+    annotations: list[Any] | None = Field(None, exclude=True)
+    logprobs: list[Any] | None = Field(None, exclude=True)
 
 
 class UnsupportedPart(BaseModel):
@@ -83,13 +89,26 @@ class FunctionCallOutputItem(Body):
     status: str | None = None
 
 
+class SummaryText(Body):
+    type: Literal["summary_text"]
+    text: str
+
+
+class ReasoningText(Body):
+    type: Literal["reasoning_text"]
+    text: str
+
+
 class ReasoningItem(Body):
-    """Reasoning from an earlier reply: not rendered again (chat templates drop it)."""
+    """Reasoning from an earlier reply: not rendered again (chat templates drop it). Its parts
+    are text parts, at most MAX_REASONING_PARTS of each kind, so an item is as large as its
+    text and no larger (any JSON under `summary` would be kept as Python objects many times
+    its size)."""
 
     type: Literal["reasoning"]
     id: str | None = None
-    summary: list[Any] = Field(default_factory=list)
-    content: list[Any] | None = None
+    summary: list[SummaryText] = Field(default_factory=list, max_length=MAX_REASONING_PARTS)
+    content: list[ReasoningText] | None = Field(None, max_length=MAX_REASONING_PARTS)
     encrypted_content: str | None = None
     status: str | None = None
 
@@ -98,6 +117,7 @@ Item = Annotated[
     MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem,
     Field(discriminator="type"),
 ]
+ITEMS: TypeAdapter[list[Item]] = TypeAdapter(list[Item])
 
 
 def _items(given: Any) -> Any:
@@ -384,38 +404,97 @@ def _new_item(kind: str) -> dict[str, Any]:
     return {"type": "reasoning", "id": f"rs_{uuid.uuid4().hex}", "summary": [], "content": []}
 
 
-@dataclass
+@dataclass(eq=False)
 class Stored:
-    body: dict[str, Any]  # the response as answered
-    items: list[Any]  # the conversation: every input item and the output items
+    """One stored response, compact: its body and the items its turn adds to the conversation
+    (its input, then its output) as JSON bytes, and the stored response it continues
+    (`parent`), whose conversation comes first. A response holds its parent alive, so the
+    store counts each link of a chain until no stored response continues it (`refs`)."""
+
+    id: str
+    body: bytes  # the response as answered
+    items: bytes  # ITEMS' JSON: this turn's input and output items
+    parent: Stored | None = None
+    refs: int = 0  # the store's index entry, and each held response that continues this one
+
+    @classmethod
+    def of(cls, body: dict[str, Any], items: list[Any], parent: Stored | None) -> Stored:
+        return cls(body["id"], json.dumps(body).encode(), _packed(items), parent)
 
     @property
     def size(self) -> int:
-        """Its text, roughly in bytes: what the store's memory bound counts."""
-        conversation = [i.model_dump() for i in self.items]
-        return len(json.dumps(self.body)) + len(json.dumps(conversation))
+        """The bytes it holds: what the store's bounds count."""
+        return len(self.body) + len(self.items) + STORED_OVERHEAD_BYTES
+
+    def chain(self) -> list[Stored]:
+        """Its conversation's responses, the first first, itself last."""
+        links, link = [], self
+        while link is not None:
+            links.append(link)
+            link = link.parent
+        return links[::-1]
+
+    def conversation(self) -> list[Any]:
+        """Every item of the chain: the input and output items of each turn, in order."""
+        return [item for link in self.chain() for item in ITEMS.validate_json(link.items)]
+
+
+def _packed(items: list[Any]) -> bytes:
+    """Items as the store keeps them: ITEMS' JSON, unset fields left out."""
+    return ITEMS.dump_json(items, exclude_none=True)
+
+
+@dataclass
+class TenantStore:
+    """One tenant's stored responses by id (the oldest first) and the bytes they hold, with
+    the responses their chains keep alive."""
+
+    index: OrderedDict[str, Stored] = field(default_factory=OrderedDict)
+    bytes: int = 0
 
 
 @dataclass
 class ResponseStore:
-    """Stored responses per tenant, at most `per_tenant` of them and `bytes_per_tenant` of text
-    each (the oldest dropped first): a chain of long turns cannot fill the gateway's memory."""
+    """Stored responses per tenant: at most `per_tenant` of them, holding at most
+    `bytes_per_tenant` each (a chain's earlier turns included) and `total_bytes` in all; past
+    a bound the oldest go first (past the total, the oldest of the tenant holding the most).
+    The newest response of a tenant stays even past `bytes_per_tenant`: `check_room` refuses
+    a conversation that would not fit before it runs. Not thread-safe: the gateway's event
+    loop is its one user."""
 
     per_tenant: int = MAX_STORED_PER_TENANT
-    bytes_per_tenant: int = MAX_STORED_BYTES_PER_TENANT
-    tenants: dict[str, OrderedDict[str, tuple[Stored, int]]] = field(default_factory=dict)
+    bytes_per_tenant: int = 64 << 20
+    total_bytes: int = 1 << 30
+    tenants: dict[str, TenantStore] = field(default_factory=dict)
+    held: int = 0  # bytes, all tenants together
+
+    def check_room(self, parent: Stored | None, items: list[Any]) -> None:
+        """400 when a conversation (the chain `parent` ends, then `items`) alone would hold
+        more than a tenant's bound: storing it would crowd out everything else and still not fit."""
+        chain = parent.chain() if parent else []
+        size = len(_packed(items)) + sum(link.size for link in chain)
+        if size > self.bytes_per_tenant:
+            raise _bad(
+                "input",
+                f"this conversation would hold {size} bytes in the response store, at most "
+                f"{self.bytes_per_tenant} (--max-stored-response-bytes-per-tenant); send "
+                "store: false or start a new conversation",
+            )
 
     def put(self, tenant: str, stored: Stored) -> None:
-        responses = self.tenants.setdefault(tenant, OrderedDict())
-        responses[stored.body["id"]] = (stored, stored.size)
-        while len(responses) > self.per_tenant or (
-            len(responses) > 1
-            and sum(size for _, size in responses.values()) > self.bytes_per_tenant
+        mine = self.tenants.setdefault(tenant, TenantStore())
+        mine.index[stored.id] = stored
+        self._hold(mine, stored)
+        while len(mine.index) > 1 and (
+            len(mine.index) > self.per_tenant or mine.bytes > self.bytes_per_tenant
         ):
-            responses.popitem(last=False)
+            self._drop(tenant, next(iter(mine.index)))
+        while self.held > self.total_bytes:
+            biggest = max(self.tenants, key=lambda t: self.tenants[t].bytes)
+            self._drop(biggest, next(iter(self.tenants[biggest].index)))
 
     def get(self, tenant: str, rid: str) -> Stored:
-        stored, _ = self.tenants.get(tenant, OrderedDict()).get(rid, (None, 0))
+        stored = self.tenants.get(tenant, TenantStore()).index.get(rid)
         if stored is None:
             raise APIError(
                 404, f"no stored response with id {rid!r}", param="response_id", code="not_found"
@@ -424,13 +503,41 @@ class ResponseStore:
 
     def delete(self, tenant: str, rid: str) -> None:
         self.get(tenant, rid)
-        del self.tenants[tenant][rid]
+        self._drop(tenant, rid)
+
+    def _hold(self, mine: TenantStore, link: Stored | None) -> None:
+        """One more holder of `link`: counted (and its parent held) when it had none."""
+        while link is not None:
+            link.refs += 1
+            if link.refs > 1:
+                return
+            mine.bytes += link.size
+            self.held += link.size
+            link = link.parent
+
+    def _drop(self, tenant: str, rid: str) -> None:
+        """Take `rid` out of the index; what no held response continues any more is freed."""
+        mine = self.tenants[tenant]
+        link: Stored | None = mine.index.pop(rid)
+        while link is not None:
+            link.refs -= 1
+            if link.refs > 0:
+                break
+            mine.bytes -= link.size
+            self.held -= link.size
+            link = link.parent
+        if not mine.index:
+            del self.tenants[tenant]
 
 
 class ResponsesAPI:
     def __init__(self, gateway: Gateway):
         self.gateway = gateway
-        self.store = ResponseStore()
+        limits = gateway.limits
+        self.store = ResponseStore(
+            bytes_per_tenant=limits.max_stored_response_bytes_per_tenant,
+            total_bytes=limits.max_stored_response_bytes,
+        )
 
     def tenant(self, request: Request) -> str:
         """Whose store the caller's key opens (the guard has refused a wrong key already)."""
@@ -439,14 +546,17 @@ class ResponsesAPI:
 
     async def create(self, request: Request, req: ResponsesRequest) -> Response:
         tenant = self.tenant(request)
-        before: list[Any] = []
+        parent = None
         if req.previous_response_id is not None:
             try:
-                before = self.store.get(tenant, req.previous_response_id).items
+                parent = self.store.get(tenant, req.previous_response_id)
             except APIError as e:
                 raise _bad("previous_response_id", str(e)) from None
+        if req.store:
+            self.store.check_room(parent, req.input)
+        before = parent.conversation() if parent else []
         model = await self.gateway.model()
-        turn = Turn(tenant, req, [*before, *req.input], _head(model.name, req))
+        turn = Turn(tenant, req, parent, [*before, *req.input], _head(model.name, req))
         chat = chat_request(req, turn.items)
         plan = await self.gateway.chat_plan(model, chat)
         options = await self.gateway.options(request, chat)
@@ -493,7 +603,7 @@ class ResponsesAPI:
             output = ResponsesRequest.model_validate(
                 {"input": [_as_input(i) for i in stream.items]}
             ).input
-            self.store.put(turn.tenant, Stored(body, [*turn.items, *output]))
+            self.store.put(turn.tenant, Stored.of(body, [*turn.req.input, *output], turn.parent))
         return body
 
     async def _events(
@@ -526,11 +636,13 @@ class ResponsesAPI:
 
 @dataclass(frozen=True)
 class Turn:
-    """One response being made: whose, what was asked, the conversation it continues (stored
-    items, then the input), and the response's fields before its output."""
+    """One response being made: whose, what was asked, the stored response it continues, the
+    conversation (that response's, then the input), and the response's fields before its
+    output."""
 
     tenant: str
     req: ResponsesRequest
+    parent: Stored | None
     items: list[Any]
     head: dict[str, Any]
 
@@ -568,8 +680,9 @@ def add_responses_routes(app: FastAPI, gateway: Gateway) -> None:
         return await api.create(request, req)
 
     @app.get("/v1/responses/{response_id}")
-    async def retrieve(response_id: str, request: Request) -> dict:
-        return api.store.get(api.tenant(request), response_id).body
+    async def retrieve(response_id: str, request: Request) -> Response:
+        body = api.store.get(api.tenant(request), response_id).body
+        return Response(body, media_type="application/json")
 
     @app.delete("/v1/responses/{response_id}")
     async def delete(response_id: str, request: Request) -> dict:

@@ -157,21 +157,53 @@ def test_bad_input_is_refused_by_name(client, kwargs, named):
     assert ok.usage.output_tokens == 2  # the server serves on
 
 
+def _stored(rid: str, text: str = "", parent=None):
+    from radixrt.server.http.openai_responses import ResponsesRequest, Stored
+
+    return Stored.of({"id": rid}, ResponsesRequest(input=text).input, parent)
+
+
 def test_the_store_is_bounded_per_tenant():
     """Model-free: the oldest responses go past the count or the bytes, per tenant."""
     from radixrt.server.http.errors import APIError
-    from radixrt.server.http.openai_responses import ResponseStore, Stored
+    from radixrt.server.http.openai_responses import ResponseStore
 
-    store = ResponseStore(per_tenant=3, bytes_per_tenant=1000)
+    store = ResponseStore(per_tenant=3, bytes_per_tenant=3000)
     for k in range(5):
-        store.put("a", Stored({"id": f"r{k}"}, []))
-    store.put("b", Stored({"id": "big", "text": "x" * 600}, []))
-    store.put("b", Stored({"id": "bigger", "text": "x" * 600}, []))
-    assert list(store.tenants["a"]) == ["r2", "r3", "r4"] and list(store.tenants["b"]) == ["bigger"]
+        store.put("a", _stored(f"r{k}"))
+    store.put("b", _stored("big", "x" * 1500))
+    store.put("b", _stored("bigger", "x" * 1500))
+    assert list(store.tenants["a"].index) == ["r2", "r3", "r4"]
+    assert list(store.tenants["b"].index) == ["bigger"]
     with pytest.raises(APIError):
         store.get("b", "r4")  # another tenant's
     store.delete("a", "r3")
-    assert list(store.tenants["a"]) == ["r2", "r4"]
+    assert list(store.tenants["a"].index) == ["r2", "r4"]
+    assert store.held == sum(s.size for t in store.tenants.values() for s in t.index.values())
+
+
+def test_a_chain_counts_against_its_tenant_until_nothing_continues_it():
+    """Model-free: a response continued by a held one stays counted after it leaves the index
+    (its items are part of the later conversation), and is freed with the last one holding it;
+    a conversation that alone would pass the tenant's bound is refused before it runs; past
+    the total bound, the tenant holding the most loses its oldest."""
+    from radixrt.server.http.errors import APIError
+    from radixrt.server.http.openai_responses import ResponseStore
+
+    store = ResponseStore(bytes_per_tenant=6000, total_bytes=7000)
+    first = _stored("t1", "x" * 1500)
+    store.put("a", first)
+    second = _stored("t2", "y" * 1500, parent=first)
+    store.put("a", second)
+    store.delete("a", "t1")
+    assert store.tenants["a"].bytes == first.size + second.size  # t2 continues t1
+    assert [i.content[0].text[0] for i in second.conversation()] == ["x", "y"]
+    with pytest.raises(APIError) as refused:
+        store.check_room(second, _stored("t3", "z" * 3000).conversation())
+    assert "--max-stored-response-bytes-per-tenant" in str(refused.value)
+    store.put("b", _stored("b1", "w" * 3000))
+    assert "a" not in store.tenants and list(store.tenants["b"].index) == ["b1"]
+    assert store.held == store.tenants["b"].bytes
 
 
 def test_an_openai_agents_agent_runs_on_the_responses_model(default_runtime):

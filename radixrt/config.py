@@ -48,6 +48,16 @@ def is_loopback_host(host: str) -> bool:
     return host.startswith("ipc://") or host in ("127.0.0.1", "localhost", "::1")
 
 
+WILDCARD_HOSTS = ("*", "0.0.0.0", "[::]", "::")  # a ZeroMQ bind to these listens everywhere
+
+
+def tcp_host(endpoint: str | None) -> str | None:
+    """The host of a tcp:// ZeroMQ address (None for another transport, or none)."""
+    if endpoint is None or not endpoint.startswith("tcp://"):
+        return None
+    return endpoint[len("tcp://") :].rpartition(":")[0]
+
+
 def endpoint_of(host: str, port: int) -> str:
     """ZeroMQ address to bind: `host` may itself be an ipc:// path."""
     return host if host.startswith("ipc://") else f"tcp://{host}:{port}"
@@ -395,7 +405,10 @@ class KVEventsConfig:
     """`--kv-events-config`: vLLM's `KVEventsConfig` JSON, the same keys and defaults except
     `endpoint`, which binds the loopback interface unless it says otherwise. An endpoint whose
     host is a wildcard (`*`, `0.0.0.0`, `::`), a loopback address, or an ipc:// or inproc://
-    address is bound; any other host is connected to (an indexer that binds, as llm-d's does)."""
+    address is bound; any other host is connected to (an indexer that binds, as llm-d's does).
+    radixrt's own keys: `publish_tenant_token_ids` (a page under a tenant or a `cache_salt` is
+    published with its block hashes but no token ids unless true) and `allow_non_loopback` (a
+    wildcard bind needs it, or the server's keys: the event sockets check no key)."""
 
     enable_kv_cache_events: bool = False
     publisher: str | None = None  # "zmq" when events are enabled, else "null" (vLLM's rule)
@@ -405,6 +418,8 @@ class KVEventsConfig:
     hwm: int = 100_000
     max_queue_size: int = 100_000
     topic: str = ""
+    publish_tenant_token_ids: bool = False
+    allow_non_loopback: bool = False
 
     @classmethod
     def from_json(cls, text: str) -> KVEventsConfig:
@@ -436,6 +451,15 @@ class KVEventsConfig:
                 raise ValueError(
                     f"kv_events_config: {name} must be a tcp://, ipc:// or inproc:// address"
                 )
+
+    def exposed_endpoints(self) -> list[str]:
+        """The endpoints this config binds beyond loopback: `endpoint` on a wildcard host (any
+        other host is connected to), `replay_endpoint` (always bound) on a host not loopback."""
+        exposed = [self.endpoint] if tcp_host(self.endpoint) in WILDCARD_HOSTS else []
+        replay = tcp_host(self.replay_endpoint)
+        if replay is not None and not is_loopback_host(replay.strip("[]")):
+            exposed.append(str(self.replay_endpoint))
+        return exposed
 
     @property
     def enabled(self) -> bool:

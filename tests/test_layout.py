@@ -25,6 +25,7 @@ ALLOWED = {
         "config",
         "sampling_params",
         "lifecycle",
+        "logs",
     },
     "engine": {
         "mem_cache",
@@ -36,7 +37,8 @@ ALLOWED = {
         "sampling_params",
         "forward_batch",
     },
-    "mem_cache": {"config", "kernels"},  # the cache settings; the C writer of quantized KV rows
+    # the cache settings; the C writer of quantized KV rows; the KV events' throttled warnings
+    "mem_cache": {"config", "kernels", "logs"},
     "executor": {
         "models",
         "attention",

@@ -118,6 +118,16 @@ def adapter_of_salt(salt: str) -> Adapter | None:
     return Adapter(int(digest[:8] or "0", 16), name)
 
 
+def salt_is_private(salt: str) -> bool:
+    """Whether a cache namespace (`RequestScope.salt`) is a tenant's or a `cache_salt`'s, under
+    an adapter or not (whose token ids KV events keep to themselves): not the shared default's
+    nor an adapter's alone."""
+    if salt.startswith("L"):  # behind the adapter's name (its length first) and digest
+        length, _, rest = salt[1:].partition(":")
+        salt = rest[int(length) + 1 :].partition(":")[2]
+    return salt not in ("", "0::")
+
+
 @dataclass
 class PromptLogprobs:
     """A request's prompt logprobs, kept as tensors until its reply is built (as Python pairs a

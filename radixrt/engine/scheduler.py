@@ -41,6 +41,7 @@ from radixrt.engine.request import (
     RequestScope,
     Scheduled,
     adapter_of_salt,
+    salt_is_private,
 )
 from radixrt.engine.speculation import SpecCounters, Speculation, decodes_only
 from radixrt.engine.stats import Counters, StatsInputs, StepLog, scheduler_stats
@@ -132,6 +133,7 @@ class Scheduler:
             CacheSettings.of(args),
             lambda: model_fingerprint(runner.model_path, runner.dtype, runner.kv_numerics),
             adapter_of_salt,
+            salt_is_private,
         )
         self.counters = Counters()
         self.tenants = TenantStats()

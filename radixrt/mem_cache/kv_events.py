@@ -37,7 +37,14 @@ bounded queue (`max_queue_size` batches) without waiting, or is dropped and coun
 the last `buffer_steps` batches for replay. A subscriber that reads too slowly loses batches past
 its high-water mark (`hwm`) on its own connection, as ZeroMQ's PUB does, without holding back the
 others: it sees the gap in the sequence numbers and replays it. Nothing read from a socket is
-ever unpickled: a replay request is two frames of bytes.
+ever unpickled: a replay request is two frames of bytes, and a longer frame drops its sender
+(`REPLAY_MAX_FRAME_BYTES`, ZeroMQ's MAXMSGSIZE; subscriptions are bounded the same way); a
+malformed request's warning is logged at most once per `radixrt.logs.LOG_EVERY_S` (10 s).
+
+Tenants: a page under a tenant's key or a `cache_salt` is published with its block hashes and no
+token ids (the ids would spell the tenant's prompt), unless the config's
+`publish_tenant_token_ids` is true. Binding beyond loopback needs the server's keys or the
+config's `allow_non_loopback` (`server/exposure.py`): these sockets check no key.
 """
 
 from __future__ import annotations
@@ -57,7 +64,8 @@ from typing import Any
 import msgpack
 import zmq
 
-from radixrt.config import KVEventsConfig
+from radixrt.config import WILDCARD_HOSTS, KVEventsConfig, tcp_host
+from radixrt.logs import LogThrottle
 
 logger = logging.getLogger(__name__)
 
@@ -66,15 +74,20 @@ MEDIUM_HOST = "CPU"
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 POLL_S = 0.05  # the publisher thread's wait for a batch or a replay request
 CBOR_NULL = b"\xf6"
-BIND_HOSTS = ("*", "0.0.0.0", "[::]", "::", "127.0.0.1", "localhost", "[::1]", "::1")
+BIND_HOSTS = (*WILDCARD_HOSTS, "127.0.0.1", "localhost", "[::1]", "::1")
+# what the replay socket takes: a request is an empty frame and 8 bytes; a longer frame drops
+# the sender's connection before ZeroMQ allocates it (ZMQ_MAXMSGSIZE), and a peer may queue
+# only a few requests
+REPLAY_MAX_FRAME_BYTES = 64
+REPLAY_RCVHWM = 16
+# what the PUB socket takes from a subscriber: its subscriptions (topic prefixes)
+SUBSCRIPTION_MAX_BYTES = 4096
 
 
 def binds(endpoint: str) -> bool:
     """Whether the publisher binds `endpoint` (else it connects to it): see `KVEventsConfig`."""
-    if not endpoint.startswith("tcp://"):
-        return True
-    host = endpoint[len("tcp://") :].rpartition(":")[0]
-    return host in BIND_HOSTS
+    host = tcp_host(endpoint)
+    return host is None or host in BIND_HOSTS
 
 
 # ---- block hashes ---------------------------------------------------------------------------
@@ -196,9 +209,14 @@ class KVEventSink:
         adapter_of: Callable[[str], Adapter | None] = lambda salt: None,
         publish: Callable[[list[KVEvent]], None] | None = None,
         seed: str | None = None,
+        private: Callable[[str], bool] = lambda salt: False,
     ):
+        """`private(salt)`: whether a namespace's token ids stay unpublished (its pages go out
+        with their block hashes only): a tenant's or a `cache_salt`'s prompts must not be
+        readable by whoever subscribes."""
         self.page_size = page_size
         self.adapter_of = adapter_of
+        self.private = private
         self.publish = publish
         self.root_digest = seed_digest(
             os.environ.get("PYTHONHASHSEED", "") if seed is None else seed
@@ -219,7 +237,7 @@ class KVEventSink:
             BlockStored(
                 [external(d) for d in digests],
                 None if parent is None else external(parent),
-                tokens,
+                [] if self.private(salt) else tokens,
                 self.page_size,
                 medium,
                 self.adapter_of(salt),
@@ -266,12 +284,16 @@ class ZmqEventPublisher:
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.setsockopt(zmq.SNDHWM, cfg.hwm)
         self._pub.setsockopt(zmq.LINGER, 0)
+        self._pub.setsockopt(zmq.MAXMSGSIZE, SUBSCRIPTION_MAX_BYTES + len(cfg.topic.encode()))
         self._replay: zmq.Socket[bytes] | None = None
+        self._warnings = LogThrottle(logger)
         try:
             (self._pub.bind if binds(cfg.endpoint) else self._pub.connect)(cfg.endpoint)
             if cfg.replay_endpoint is not None:
                 self._replay = self._ctx.socket(zmq.ROUTER)
                 self._replay.setsockopt(zmq.LINGER, 0)
+                self._replay.setsockopt(zmq.MAXMSGSIZE, REPLAY_MAX_FRAME_BYTES)
+                self._replay.setsockopt(zmq.RCVHWM, REPLAY_RCVHWM)
                 self._replay.bind(cfg.replay_endpoint)
         except zmq.ZMQError as e:
             self._close_sockets()
@@ -338,7 +360,7 @@ class ZmqEventPublisher:
         assert self._replay is not None
         frames = self._replay.recv_multipart()
         if len(frames) != 3 or len(frames[2]) != 8:
-            logger.warning("kv events: ignored a malformed replay request (%d frames)", len(frames))
+            self._warnings.note("kv events: ignored a malformed replay request")
             return
         self.counts.replay_requests += 1
         client, start = frames[0], int.from_bytes(frames[2], "big")

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from radixrt.config import CacheSettings
+from radixrt.config import CacheSettings, KVEventsConfig
 from radixrt.mem_cache.host_pool import HostKVPool, host_pool_tokens
 from radixrt.mem_cache.kv_events import Adapter, KVEventSink, ZmqEventPublisher
 from radixrt.mem_cache.memory_pool import PageAllocator, ReqToTokenPool, TokenToKVPool
@@ -34,10 +34,13 @@ def build_slot_manager(
     tiers: CacheSettings,
     fingerprint: Callable[[], str],
     adapter_of: Callable[[str], Adapter | None] = lambda salt: None,
+    private_of: Callable[[str], bool] = lambda salt: False,
 ) -> KVSlotManager:
     """The slot manager over `pool` with the tiers the cache settings `tiers` ask for.
     `fingerprint` names the model whose KV the disk tier stores (called only when there is one: it reads the weights'
-    files); `adapter_of` names the adapter of a cache namespace (for KV events)."""
+    files); `adapter_of` names the adapter of a cache namespace and `private_of` says whether
+    it is a tenant's (for KV events: its token ids are not published unless the config says
+    `publish_tenant_token_ids`)."""
     host = _host_pool(pool, tiers) if tiers.enable_hierarchical_cache else None
     publisher = None
     events = tiers.kv_events
@@ -50,8 +53,8 @@ def build_slot_manager(
         disable=tiers.disable_radix_cache,
         host=host,
         write_policy=tiers.hicache_write_policy,
-        events=KVEventSink(pool.allocator.page_size, adapter_of, publisher.publish)
-        if publisher is not None
+        events=_event_sink(pool.allocator.page_size, events, publisher, adapter_of, private_of)
+        if events is not None and publisher is not None
         else None,
     )
     storage = None
@@ -61,6 +64,17 @@ def build_slot_manager(
     return KVSlotManager(
         pool.allocator, pool.rows, tree, storage=storage, swap=mode == "swap", publisher=publisher
     )
+
+
+def _event_sink(
+    page_size: int,
+    config: KVEventsConfig,
+    publisher: ZmqEventPublisher,
+    adapter_of: Callable[[str], Adapter | None],
+    private_of: Callable[[str], bool],
+) -> KVEventSink:
+    private = (lambda salt: False) if config.publish_tenant_token_ids else private_of
+    return KVEventSink(page_size, adapter_of, publisher.publish, private=private)
 
 
 def _host_pool(pool: DevicePool, tiers: CacheSettings) -> HostKVPool:

@@ -6,7 +6,7 @@ import logging
 
 import zmq
 
-from radixrt.config import is_loopback_host
+from radixrt.config import KVEventsConfig, is_loopback_host
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +33,21 @@ def check_exposure(
         logger.info(
             "CURVE on; clients need the server public key %s",
             zmq.curve_public(curve_secret_key.encode()).decode(),
+        )
+
+
+def check_kv_events_exposure(events: KVEventsConfig | None, keyed: bool) -> None:
+    """Refuse KV-event sockets bound beyond loopback (`KVEventsConfig.exposed_endpoints`) on a
+    server without keys, unless the config says `allow_non_loopback`: the events name the pages
+    every tenant caches, and the PUB and replay sockets check no key."""
+    if events is None or not events.enabled or events.allow_non_loopback or keyed:
+        return
+    exposed = events.exposed_endpoints()
+    if exposed:
+        raise SystemExit(
+            f"refusing to publish KV events on {', '.join(exposed)} without --api-key, "
+            '--api-key-file or --admin-api-key, or "allow_non_loopback": true in '
+            "--kv-events-config"
         )
 
 

@@ -37,6 +37,7 @@ from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils import z85
 
 from radixrt.config import FrontSettings, KeySettings
+from radixrt.logs import LogThrottle
 from radixrt.protocol import (
     ErrorCode,
     RequestError,
@@ -64,7 +65,6 @@ BYTES_PER_TURN = 64 << 20
 REFUSALS_PER_S = 20.0
 REFUSAL_BURST = 40
 MAX_PEERS = 4096
-LOG_EVERY_S = 10.0
 # what the key scan may build: a key, an api_key or a rid; nothing else of the frame is built
 SCAN_LIMITS = {
     "max_str_len": 4096,
@@ -275,27 +275,6 @@ class PeerBudget:
         if len(self.buckets) > MAX_PEERS:
             self.buckets.popitem(last=False)
         return tokens >= 1
-
-
-class LogThrottle:
-    """Warnings a sender can cause, logged at most once per LOG_EVERY_S each (by text), with a
-    count of how many were held back, so a flood cannot flood the log."""
-
-    def __init__(self, log: logging.Logger):
-        self.log = log
-        self.last: dict[str, float] = {}  # when each text was last logged
-        self.held: dict[str, int] = {}  # how many of each were held back since
-
-    def note(self, what: str) -> None:
-        now = time.monotonic()
-        if now - self.last.get(what, -LOG_EVERY_S) < LOG_EVERY_S:
-            self.held[what] = self.held.get(what, 0) + 1
-            return
-        if len(self.last) > MAX_PEERS:
-            self.last.clear()
-            self.held.clear()
-        self.last[what] = now
-        self.log.warning("%s (%d like it held back)", what, self.held.pop(what, 0))
 
 
 class ClientFront:

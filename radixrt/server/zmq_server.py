@@ -31,6 +31,7 @@ from radixrt.protocol import (
 )
 from radixrt.sampling_params import SamplingParams
 from radixrt.server import rollout
+from radixrt.server.exposure import check_kv_events_exposure
 from radixrt.server.front import (
     Caller,
     ClientFront,
@@ -488,7 +489,9 @@ def run_server(args: ServerArgs) -> None:
     first: running and queued requests finish, up to `--drain-timeout`)."""
     logging.basicConfig(level=args.log_level.upper(), format="[%(asctime)s %(name)s] %(message)s")
     args = args.with_secrets_from_env()
-    FrontConfig.of(args).check_exposure(args.host)
+    front = FrontConfig.of(args)
+    front.check_exposure(args.host)
+    check_kv_events_exposure(args.kv_events, front.keyed)
     exit_with_parent()  # a runtime started by rt.Runtime / rt.Engine ends with its launcher
     gateway = None
     # before loading the model: a busy port fails at once, and the child starts meanwhile

@@ -125,3 +125,74 @@ def test_metrics_carry_the_names_endpoint_pickers_read(served):
         assert _sample(text, vllm) == _sample(text, mine)
     assert "vllm:lora_requests_info{" in text and "max_lora=" in text
     assert 'running_lora_adapters=""' in text
+
+
+def _stored_events(engine, config, salt: str | None) -> list:
+    """The pages one prompt stores, as a fresh subscriber reads them (after a flush)."""
+    assert engine.flush_cache()
+    sub = Subscriber(config["endpoint"])
+    try:
+        sub.drain()
+        _serve(engine, _prompts(random.Random(7), 1), salt=salt)
+        sub.drain()
+        return sub.index.stored
+    finally:
+        sub.close()
+
+
+def test_a_tenants_pages_go_out_without_their_token_ids(served):
+    """A salted prompt's pages are published with their block hashes only: the token ids
+    would spell it to any subscriber. Shared pages keep their ids (vLLM's schema)."""
+    engine, config = served
+    shared = _stored_events(engine, config, None)
+    assert shared and all(len(e.token_ids) == PAGE * len(e.block_hashes) for e in shared)
+    salted = _stored_events(engine, config, "tenant-b")
+    assert salted and all(e.block_hashes and e.token_ids == [] for e in salted)
+
+
+def test_the_replay_socket_drops_huge_frames_before_holding_them(served):
+    """8 frames of 128 MiB sent to the replay socket: each sender is dropped before the frame
+    is allocated, so the runtime's memory stays put, and a replay still works after."""
+    import psutil
+    import zmq
+
+    engine, config = served
+    runtime = psutil.Process(engine._proc.pid)
+    before = runtime.memory_info().rss
+    ctx = zmq.Context.instance()
+    huge = b"\0" * (128 << 20)
+    for _ in range(8):
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 2000)
+        dealer.connect(config["replay_endpoint"])
+        dealer.send_multipart([b"", huge])
+        dealer.close()  # lingers until sent (or the connection drops)
+    del huge
+    _serve(engine, _prompts(random.Random(3), 1))
+    grown = runtime.memory_info().rss - before
+    assert grown < 64 << 20, f"the runtime grew {grown >> 20} MiB"
+    sub = Subscriber(config["endpoint"], config["replay_endpoint"])
+    try:
+        assert sub.replay(0) > 0
+    finally:
+        sub.close()
+
+
+def test_a_wildcard_kv_events_bind_needs_keys_or_the_opt_in(tiny_model_dir):
+    """The publisher's sockets check no key: binding them beyond loopback on a server without
+    keys is refused at start, in one line, before the model loads."""
+    import subprocess
+    import sys
+
+    from radixrt.client.launcher import free_port
+
+    config = {"enable_kv_cache_events": True, "endpoint": f"tcp://*:{free_port()}"}
+    for extra in ({}, {"replay_endpoint": f"tcp://0.0.0.0:{free_port()}"}):
+        if extra:
+            config = {**config, "endpoint": "tcp://127.0.0.1:1", **extra}
+        run = subprocess.run(
+            [sys.executable, "-m", "radixrt", "serve", "--model", str(tiny_model_dir),
+             "--disable-http", "--kv-events-config", json.dumps(config)],
+            capture_output=True, text=True, timeout=REPLY_TIMEOUT_S,
+        )  # fmt: skip
+        assert run.returncode != 0 and "refusing to publish KV events" in run.stderr

@@ -253,3 +253,26 @@ def test_an_endpoint_in_use_is_refused_at_start():
             )
     finally:
         first.close()
+
+
+def test_malformed_replay_requests_warn_once_and_are_ignored(tmp_path, caplog):
+    """A flood of malformed replay requests logs one warning (with a count later), not one each;
+    the publisher goes on answering well-formed ones."""
+    pub = _publisher(tmp_path)
+    ctx = zmq.Context.instance()
+    try:
+        pub.publish(_stored(0))
+        with caplog.at_level("WARNING", logger="radixrt.mem_cache.kv_events"):
+            for _ in range(50):
+                dealer = ctx.socket(zmq.DEALER)
+                dealer.setsockopt(zmq.LINGER, 1000)
+                dealer.connect(pub.config.replay_endpoint)
+                dealer.send_multipart([b"", b"short"])
+                dealer.close()
+            sub = Subscriber(pub.config.endpoint, pub.config.replay_endpoint)
+            assert sub.replay(0) == 1  # answered after every malformed one was read
+            sub.close()
+        warned = [r for r in caplog.records if "malformed replay request" in r.getMessage()]
+        assert len(warned) == 1
+    finally:
+        pub.close()

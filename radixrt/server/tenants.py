@@ -9,6 +9,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from radixrt.protocol import DEFAULT_TENANT_LABEL
+
 DEFAULT_TENANT = ""  # requests without a key file's key: the shared cache
 _INT = re.compile(r"[+-]?\d+")
 
@@ -42,7 +44,8 @@ def parse_key_line(line: str) -> tuple[str, str, int | None] | None:
 
 def load_api_keys(path: str | Path) -> dict[str, Principal]:
     """key -> its tenant (and priority cap) from a file of `tenant:key[:maxprio]` lines (blank
-    lines and `#` comments skipped). A ValueError names a bad line."""
+    lines and `#` comments skipped). A ValueError names a bad line, or a tenant named as the
+    keyless tenant's stats row is (`default`), whose row it would be shown."""
     keys: dict[str, Principal] = {}
     for number, line in enumerate(Path(path).read_text().splitlines(), 1):
         line = line.strip()
@@ -52,6 +55,11 @@ def load_api_keys(path: str | Path) -> dict[str, Principal]:
         if parsed is None:
             raise ValueError(f"{path}:{number}: expected 'tenant:key' or 'tenant:key:maxprio'")
         tenant, key, max_priority = parsed
+        if tenant == DEFAULT_TENANT_LABEL:
+            raise ValueError(
+                f"{path}:{number}: the tenant name {DEFAULT_TENANT_LABEL!r} is reserved: stats "
+                "and /metrics name the keyless (and the admin's) tenant so"
+            )
         if key in keys:
             raise ValueError(f"{path}:{number}: a key is listed twice")
         keys[key] = Principal(tenant, admin=False, max_priority=max_priority)

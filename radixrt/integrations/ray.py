@@ -61,7 +61,7 @@ from ray.serve.llm import LLMConfig
 from ray.serve.llm import build_openai_app as ray_build_openai_app
 
 from radixrt.client.launcher import Engine
-from radixrt.config import RouterSettings
+from radixrt.config import RouterSettings, ServerArgs
 from radixrt.server.http.app import validation_error
 from radixrt.server.http.embeddings import EmbeddingRequest, embed
 from radixrt.server.http.errors import APIError
@@ -71,6 +71,7 @@ from radixrt.server.http.schemas import ChatCompletionRequest, CompletionRequest
 from radixrt.server.router.policy import CacheAwarePolicy
 from radixrt.server.router.prefix_tree import ApproxPrefixTree, Namespace, Prompt
 from radixrt.server.router.worker import DEFAULT_CAPACITY
+from radixrt.server.tenants import KeyRing
 
 # the metric names `record_autoscaling_stats` reports (vLLM's and radixrt's /metrics names)
 WAITING = "num_requests_waiting"
@@ -87,7 +88,10 @@ class RadixrtServer:
     """One Ray Serve LLM replica: an `rt.Engine` behind radixrt's gateway code.
 
     `llm_config.engine_kwargs` are `rt.Engine` keywords; `model` defaults to the config's
-    `model_source` and `served_model_name` to its `model_id` (the name clients send).
+    `model_source` and `served_model_name` to its `model_id` (the name clients send). Its keys
+    (`api_key_file`, `admin_api_key`, `api_key`, or their environment variables) guard the
+    replica as they guard `radixrt serve`: a request without a listed key gets 401
+    `invalid_api_key`, and one with a tenant's key runs as that tenant.
     """
 
     async def __init__(self, llm_config: LLMConfig):
@@ -97,7 +101,7 @@ class RadixrtServer:
         kwargs.setdefault("served_model_name", llm_config.model_id)
         # the runtime loads in its own process; this replica's event loop stays free meanwhile
         self.engine = await asyncio.to_thread(Engine, model, **kwargs)
-        self.gateway = Gateway(self.engine)
+        self.gateway = Gateway(self.engine, _keys(self.engine.args))
         self.native = NativeAPI(self.gateway)
         self._paused = False
         self._sleeping = False
@@ -139,7 +143,7 @@ class RadixrtServer:
         by one that generates)."""
         try:
             req = _ours(EmbeddingRequest, request)
-            body = await embed(self.gateway, _starlette_request(raw_request_info), req)
+            body = await embed(self.gateway, self._request(raw_request_info), req)
             yield EmbeddingResponse.model_validate(body)
         except APIError as e:
             yield _error(e)
@@ -148,6 +152,7 @@ class RadixrtServer:
         self, request: Any, raw_request_info: RawRequestInfo | None = None
     ) -> AsyncIterator[TokenizeResponse | ErrorResponse]:
         try:
+            self._request(raw_request_info)
             req = _ours(TokenizeRequest, request, keep={"prompt", "add_special_tokens"})
             yield TokenizeResponse(**await self.native.tokenize(req))
         except APIError as e:
@@ -157,6 +162,7 @@ class RadixrtServer:
         self, request: Any, raw_request_info: RawRequestInfo | None = None
     ) -> AsyncIterator[DetokenizeResponse | ErrorResponse]:
         try:
+            self._request(raw_request_info)
             req = _ours(DetokenizeRequest, request, keep={"tokens"})
             yield DetokenizeResponse(**await self.native.detokenize(req))
         except APIError as e:
@@ -174,7 +180,7 @@ class RadixrtServer:
         try:
             req = _ours(ours, request)
             method = self.gateway.chat if ours is ChatCompletionRequest else self.gateway.complete
-            response = await method(_starlette_request(raw_request_info), req)  # type: ignore[arg-type]
+            response = await method(self._request(raw_request_info), req)  # type: ignore[arg-type]
         except APIError as e:
             yield _error(e)
             return
@@ -185,6 +191,20 @@ class RadixrtServer:
             yield _error_from_body(response)
         else:
             yield reply.model_validate(json.loads(bytes(response.body)))
+
+    def _request(self, info: RawRequestInfo | None) -> Request:
+        """The client's request for the gateway's handlers, its key checked first as `radixrt
+        serve`'s gateway checks it: APIError 401 `invalid_api_key` for a missing or wrong one
+        where keys are set (the runtime then names its tenant from it)."""
+        request = _starlette_request(info)
+        if not self.gateway.authorized(dict(request.headers.raw)):
+            raise APIError(
+                401,
+                "missing or wrong API key (Authorization: Bearer ..., or x-api-key: ...)",
+                "authentication_error",
+                code="invalid_api_key",
+            )
+        return request
 
     async def check_health(self) -> None:
         """Raises (so Serve restarts the replica) when the runtime does not answer."""
@@ -237,6 +257,13 @@ class RadixrtServer:
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()
+
+
+def _keys(args: ServerArgs) -> KeyRing:
+    """The keys the replica's runtime takes, as `radixrt serve` reads them (its settings, else
+    their environment variables), so its gateway admits and names callers the same way."""
+    args = args.with_secrets_from_env()
+    return KeyRing.from_settings(args.api_key, args.api_key_file, args.admin_api_key)
 
 
 def _check_tags(tags: list[str] | None) -> None:

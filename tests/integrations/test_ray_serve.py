@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import sys
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -138,6 +139,35 @@ def test_two_replicas_serve_as_one_engine_and_affinity_routing_raises_the_hit_ra
     serve.delete("radixrt")
     gone, alive = psutil.wait_procs(replicas, timeout=30)
     assert not alive, [p.pid for p in alive]
+
+
+def test_a_replica_takes_the_keys_radixrt_serve_takes(serve_url, tiny_model_dir, tmp_path):
+    """A replica started with `api_key_file` and `admin_api_key` guards its routes with them:
+    no key or a wrong one gets 401 (Ray's error shape, radixrt's message), a tenant's key is
+    served (as that tenant)."""
+    keys = tmp_path / "keys.txt"
+    keys.write_text("alice:alice-key\n")
+    config = ray_routing.llm_config(
+        str(tiny_model_dir),
+        affinity=False,
+        replicas=1,
+        api_key_file=str(keys),
+        admin_api_key="admin-key",
+        **ENGINE,
+    )
+    serve.run(ray_routing.build_openai_app({"llm_configs": [config]}), name="keyed")
+    try:
+        with pytest.raises(urllib.error.HTTPError) as keyless:
+            json_post(f"{serve_url}/completions", model="model", prompt=PROMPTS[0], max_tokens=2)
+        assert keyless.value.code == 401 and b"missing or wrong API key" in keyless.value.read()
+        wrong = openai.OpenAI(base_url=serve_url, api_key="wrong-key", max_retries=0)
+        with pytest.raises(openai.AuthenticationError, match="missing or wrong API key"):
+            wrong.completions.create(model="model", prompt=PROMPTS[0], max_tokens=2)
+        alice = openai.OpenAI(base_url=serve_url, api_key="alice-key", max_retries=0)
+        reply = alice.completions.create(model="model", prompt=PROMPTS[0], max_tokens=2)
+        assert reply.usage.completion_tokens == 2
+    finally:
+        serve.delete("keyed")
 
 
 def autoscaling_context(current: int, waiting: list[float], running: list[float]):

@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import BinaryIO, cast
 
 import torch
-from safetensors.torch import save_file
 from torch import nn
 
 from radixrt.distributed.group import TPGroup
@@ -144,7 +143,9 @@ def conversion_folder(gguf: Path) -> Path:
 
 
 def convert_gguf(gguf: Path) -> Path:
-    """Dequantize a GGUF file with transformers, once; later loads read the safetensors copy."""
+    """Dequantize a GGUF file once into a safetensors folder (config, tokenizer, float32
+    weights, as transformers reads the file); later loads read that copy, and a packed load
+    (`quant_choice`) reads from it only the tensors it does not take from the GGUF."""
     out = conversion_folder(gguf)
     marker = out / READY_MARKER
     if marker.is_file():
@@ -155,33 +156,104 @@ def convert_gguf(gguf: Path) -> Path:
             moved.write_text(str(gguf.resolve()))
             os.replace(moved, marker)
         return out
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     logger.info("converting %s to safetensors under %s (once)", gguf, out)
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(
-        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
-    )
-    # The weights are dequantized float32 now: save them as plain safetensors (transformers
-    # refuses to serialize a model loaded from GGUF) with a config that no longer asks for GGUF.
-    config = model.config
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    config.architectures = [type(model).__name__]
-    state = {k: v.contiguous() for k, v in model.state_dict().items()}
-    if config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
     tmp.mkdir(parents=True)
-    save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
+    config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    if hasattr(config, "quantization_config"):  # the copy is float: it no longer asks for GGUF
+        del config.quantization_config
+    _write_dequantized(gguf, config, tmp / "model.safetensors")
     config.save_pretrained(tmp)
-    model.generation_config.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
+    GenerationConfig.from_model_config(config).save_pretrained(tmp)
+    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tmp)
     (tmp / READY_MARKER).write_text(str(gguf.resolve()))
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)
     return out
+
+
+def _write_dequantized(gguf: Path, config, out: Path) -> None:
+    """The GGUF's weights as float32 safetensors under transformers' names, one tensor at a time:
+    each is dequantized and reordered by transformers' own per-architecture processor (a
+    Llama's q and k rows un-permuted), written, and dropped, so the conversion holds one tensor
+    (a 1.1B model's 400 MB embedding at most), not the whole float model (4.7 GB at 1.1B)."""
+    import numpy as np
+    from gguf import GGUFReader, dequantize
+    from transformers import AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import (
+        TENSOR_PROCESSORS,
+        TensorProcessor,
+        get_gguf_hf_weights_map,
+        load_gguf_checkpoint,
+    )
+
+    parsed = load_gguf_checkpoint(str(gguf), return_tensors=False)
+    reader = GGUFReader(gguf)
+    architecture = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+    processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=parsed["config"])
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    wanted = set(skeleton.state_dict())
+    if config.tie_word_embeddings:
+        wanted.discard("lm_head.weight")
+    names = get_gguf_hf_weights_map(skeleton, processor)
+    with SafetensorsWriter(out, len(reader.tensors)) as writer:
+        for tensor in reader.tensors:
+            result = processor.process(
+                weights=dequantize(tensor.data, tensor.tensor_type),
+                name=tensor.name,
+                tensor_key_mapping=names,
+                parsed_parameters=parsed,
+            )
+            name = names.get(result.name)
+            if name in wanted:
+                writer.add(name, torch.from_numpy(np.ascontiguousarray(result.weights)).float())
+                wanted.discard(name)
+    if wanted:
+        raise ValueError(f"{gguf.name}: no tensor for {sorted(wanted)[:4]} (transformers' names)")
+
+
+class SafetensorsWriter:
+    """A safetensors file written one tensor at a time (`add`), its header last into room kept
+    at the start (`HEADER_ROOM_PER_TENSOR` bytes a tensor, padded with spaces as safetensors pads
+    its own): no tensor waits in memory for the others."""
+
+    HEADER_ROOM_PER_TENSOR = 512
+
+    def __init__(self, path: Path, max_tensors: int):
+        self.room = 8 + 256 + self.HEADER_ROOM_PER_TENSOR * max_tensors
+        self.file = open(path, "wb")
+        self.file.seek(self.room)
+        self.entries: dict[str, dict] = {}
+        self.offset = 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        data = tensor.contiguous().view(torch.uint8).numpy()
+        dtype = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}[tensor.dtype]
+        end = self.offset + data.nbytes
+        self.entries[name] = {
+            "dtype": dtype,
+            "shape": list(tensor.shape),
+            "data_offsets": [self.offset, end],
+        }
+        self.file.write(data)
+        self.offset = end
+
+    def __enter__(self) -> SafetensorsWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        header = json.dumps({"__metadata__": {"format": "pt"}, **self.entries}).encode()
+        if len(header) > self.room - 8:
+            self.file.close()
+            raise ValueError("safetensors header larger than the room kept for it")
+        self.file.seek(0)
+        self.file.write((self.room - 8).to_bytes(8, "little"))
+        self.file.write(header.ljust(self.room - 8, b" "))
+        self.file.close()
 
 
 def model_fingerprint(folder: Path, dtype: torch.dtype, numerics: str) -> str:

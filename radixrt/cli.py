@@ -54,11 +54,7 @@ def _leave() -> None:
 def _http_gateway(args: argparse.Namespace) -> None:
     from radixrt.server.http.process import run_gateway
 
-    limits = GatewaySettings(
-        max_frame_bytes=args.max_body_bytes,
-        http_request_timeout=args.http_request_timeout,
-        http_pin_lease=args.http_pin_lease,
-    )
+    limits = GatewaySettings.from_cli_args(args)
     run_gateway(
         args.url,
         args.fd,
@@ -140,21 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
     gateway.add_argument("--log-level", default="info")
     gateway.add_argument("--tool-call-parser", default="auto", help="see `serve --help`")
     gateway.add_argument("--reasoning-parser", help="see `serve --help`")
-    gateway.add_argument(
-        "--max-body-bytes",
-        type=int,
-        default=ServerArgs.max_frame_bytes,
-        help="413 above (serve's --max-frame-bytes)",
-    )
-    gateway.add_argument(
-        "--http-request-timeout",
-        type=float,
-        default=ServerArgs.http_request_timeout,
-        help="see `serve --help`",
-    )
-    gateway.add_argument(
-        "--http-pin-lease", type=float, default=ServerArgs.http_pin_lease, help="see `serve --help`"
-    )
+    # serve's own settings of the gateway (`--host`: the address serve bound for it)
+    GatewaySettings.add_cli_args(gateway)
     gateway.set_defaults(func=_http_gateway)
 
     router = sub.add_parser(

@@ -697,6 +697,9 @@ class HttpSettings(Settings):
     # fmt: off
     http_request_timeout: float = setting(600.0, "the HTTP gateway's bound on one request, in seconds: a request whose timeout is unset or longer gets this one (the runtime ends it with 'timeout'), and one the runtime has not answered a few seconds past it is answered 504 'timeout' by the gateway and aborted")
     http_pin_lease: float = setting(600.0, "seconds a pin made through the HTTP gateway (/pin) holds unless /unpin comes first; then the gateway unpins it (each caller's pins are its own and count under its key's tenant)")
+    http_cpu_threads: int = setting(4, "threads of the HTTP gateway for tokenizing, chat templates, tool schemas and echoes, off its event loop: one is kept for small requests, and one tenant's large ones take at most half the rest")
+    allowed_hosts: tuple[str, ...] = setting((), "Host names a server without keys answers besides its bound address's (loopback's names when bound there): any other Host gets 403, which stops DNS-rebinding pages ('*': any)", nargs="+")
+    allowed_origins: tuple[str, ...] = setting((), "browser Origins (scheme://host[:port]) a server without keys answers besides its own names: a request another site's page sends gets 403 ('*': any)", nargs="+")
     max_stored_response_bytes_per_tenant: int = setting(64 << 20, "bytes of stored /v1/responses one tenant (its API key) may hold, the earlier turns a stored response continues (previous_response_id) included: past it the tenant's oldest go first, and a conversation that alone would hold more is refused ('invalid_request'; store: false is not stored)")
     max_stored_response_bytes: int = setting(1 << 30, "bytes of stored /v1/responses all tenants together may hold: past it the oldest response of the tenant holding the most goes first")
     # fmt: on
@@ -708,6 +711,8 @@ class HttpSettings(Settings):
             raise ValueError(
                 "max_stored_response_bytes_per_tenant must be > 0 and at most max_stored_response_bytes"
             )
+        if self.http_cpu_threads < 2:
+            raise ValueError("http_cpu_threads must be >= 2 (one is kept for small requests)")
 
 
 @dataclass(frozen=True, kw_only=True)

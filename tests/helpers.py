@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import pickle
 import random
 import signal
@@ -543,3 +544,26 @@ def run_weather_agent(model_class: str, http_url: str, max_tokens: int) -> None:
     result = agents.Runner.run_sync(agent, "What is the weather in Paris?", max_turns=4)
     assert seen and all(isinstance(city, str) for city in seen)
     assert isinstance(result.final_output, str) and result.final_output
+
+
+def gateway_pid(runtime_pid: int) -> int:
+    """The `radixrt http-gateway` child of the runtime process, found through /proc."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read().split(b"\0")
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == runtime_pid and b"http-gateway" in cmdline:
+            return int(entry)
+    raise AssertionError(f"no http-gateway child of {runtime_pid}")
+
+
+def rss_mib(pid: int) -> float:
+    """A process's resident memory (VmRSS), in MiB."""
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024

@@ -578,8 +578,12 @@ def _calls_as_objects(message: dict[str, Any]) -> dict[str, Any]:
     if not message.get("tool_calls"):
         return message
     calls = []
-    for c in message["tool_calls"]:
+    for i, c in enumerate(message["tool_calls"]):
         call = ToolCall.from_openai(c)
-        function = {"name": call.name, "arguments": json.loads(call.arguments)}
+        try:
+            arguments = json.loads(call.arguments)
+        except json.JSONDecodeError as e:
+            raise ToolError(f"tool_calls[{i}].function.arguments is not JSON: {e}") from None
+        function = {"name": call.name, "arguments": arguments}
         calls.append({"id": call.id, "type": "function", "function": function})
     return {**message, "tool_calls": calls}

@@ -11,29 +11,41 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from radixrt.protocol import ErrorCode
+from radixrt.server.http.cpu_pool import CALLER, Caller
 from radixrt.server.http.embeddings import add_embedding_routes
 from radixrt.server.http.errors import APIError
-from radixrt.server.http.gateway import OPENAI_ROUTES, Gateway
+from radixrt.server.http.gateway import OPENAI_ROUTES, Gateway, bearer
 from radixrt.server.http.messages import MESSAGES_ROUTES, add_messages_routes, error_response
 from radixrt.server.http.native import KEYED_ROUTES, add_native_routes
 from radixrt.server.http.openai_responses import RESPONSES_ROUTES, add_responses_routes
+from radixrt.server.http.origins import SitePolicy
 from radixrt.server.http.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
 )
 
+# a body whose client sends nothing for this long is answered 408 (a slow client holds a
+# connection, never a thread; this bounds how long)
+BODY_IDLE_S = 30.0
+
 
 class _Guard:
     """Pure ASGI middleware (BaseHTTPMiddleware would get between streams and disconnects):
-    Bearer key on /v1/* and the native routes, the admin's on /metrics, bodies of at most the
-    runtime's frame limit (413, judged by Content-Length and then by what actually arrives),
-    request counts by route and status."""
+    Bearer key on /v1/* and the native routes, the admin's on /metrics; without keys, no
+    request from another site (`SitePolicy`); a POST's body JSON (`Content-Type`: a page's form
+    cannot send that without a preflight) of at most the runtime's frame limit (413, judged by
+    Content-Length and then by what arrives), arriving within BODY_IDLE_S between its parts
+    (408); request counts by route and status. Sets `CALLER` (tenant and body size) for the
+    route's CPU-pool jobs."""
 
     def __init__(self, app, gateway: Gateway, keyed_routes: tuple[str, ...] = ()):
         self.app, self.gateway = app, gateway
         self.keyed_routes = keyed_routes  # beside /v1/*: need an accepted key
+        limits = gateway.limits
+        self.site = SitePolicy.of(limits.host, limits.allowed_hosts, limits.allowed_origins)
         # labelled by name in the metrics
         self.routes = {*OPENAI_ROUTES, *MESSAGES_ROUTES, *RESPONSES_ROUTES, *keyed_routes}
 
@@ -50,19 +62,27 @@ class _Guard:
             await send(message)
 
         try:
-            error = self._refusal(path, dict(scope["headers"]))
+            headers = dict(scope["headers"])
+            error = self._refusal(path, scope["method"], headers)
+            if error is None:
+                error, body = await _read_body(scope, receive, self.gateway.limits.max_frame_bytes)
             if error is not None:
                 return await error_response(path, error)(scope, receive, send_observed)
-            limit = self.gateway.limits.max_frame_bytes
-            body = await _read_body(scope, receive, limit)
-            if body is None:
-                error = APIError(413, f"the request body is over {limit} bytes")
-                return await error_response(path, error)(scope, receive, send_observed)
+            tenant = self.gateway.keys.tenant_of(bearer(headers)) or ""
+            CALLER.set(Caller(tenant, len(body)))
             await self.app(scope, _replay(body, receive), send_observed)
         finally:
             self.gateway.metrics.count(path if path in self.routes else "other", status)
 
-    def _refusal(self, path: str, headers: dict[bytes, bytes]) -> APIError | None:
+    def _refusal(self, path: str, method: str, headers: dict[bytes, bytes]) -> APIError | None:
+        if not self.gateway.keys.keys and (why := self.site.refusal(headers)):
+            return APIError(403, why, "permission_error", code="forbidden")
+        if method == "POST" and not _is_json(headers.get(b"content-type", b"")):
+            return APIError(
+                415,
+                "a POST's body is JSON: send Content-Type: application/json",
+                code=ErrorCode.INVALID_REQUEST.value,
+            )
         keyed = path.startswith("/v1/") or path in self.keyed_routes
         if keyed and not self.gateway.authorized(headers):
             needed = "API key"
@@ -78,25 +98,35 @@ class _Guard:
         )
 
 
-async def _read_body(scope, receive, limit: int) -> bytes | None:
-    """The whole request body, or None when it is past `limit` bytes: at once by its declared
-    Content-Length, else (a chunked body declares none) once it has arrived, holding no more
-    than `limit` bytes meanwhile."""
+def _is_json(content_type: bytes) -> bool:
+    """`application/json` (with parameters: `; charset=utf-8`) or a `+json` type."""
+    kind = content_type.split(b";", 1)[0].strip().lower()
+    return kind == b"application/json" or kind.endswith(b"+json")
+
+
+async def _read_body(scope, receive, limit: int) -> tuple[APIError | None, bytes]:
+    """The whole request body; a 413 when it is past `limit` bytes (at once by its declared
+    Content-Length, else, a chunked body declaring none, once it has arrived, holding no more
+    than `limit` bytes meanwhile), a 408 when the client sends none of it for BODY_IDLE_S."""
+    too_large = APIError(413, f"the request body is over {limit} bytes")
     for name, value in scope["headers"]:
         if name == b"content-length" and value.isdigit() and int(value) > limit:
-            return None
+            return too_large, b""
     chunks, size = [], 0
     while True:
-        message = await receive()
+        try:
+            message = await asyncio.wait_for(receive(), BODY_IDLE_S)
+        except (TimeoutError, asyncio.TimeoutError):
+            return APIError(408, f"no part of the body came for {BODY_IDLE_S:g} s"), b""
         if message["type"] != "http.request":
-            return b"".join(chunks)  # the client left; the app sees an empty body
+            return None, b"".join(chunks)  # the client left; the app sees an empty body
         size += len(message.get("body", b""))
         if size > limit:
             chunks.clear()  # the rest is read and dropped, so the client hears the 413
         else:
             chunks.append(message.get("body", b""))
         if not message.get("more_body"):
-            return None if size > limit else b"".join(chunks)
+            return (too_large, b"") if size > limit else (None, b"".join(chunks))
 
 
 def _replay(body: bytes, receive):
@@ -140,6 +170,7 @@ def build_app(gateway: Gateway) -> FastAPI:
         yield
         warm_up.cancel()
         expiry.cancel()
+        gateway.cpu.close()
         # a call still waiting for the runtime (one that never started) ends, so its worker
         # thread does too and the process can exit
         gateway.endpoint.client.fail_pending("the HTTP gateway is stopping")
@@ -149,6 +180,13 @@ def build_app(gateway: Gateway) -> FastAPI:
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError) -> JSONResponse:
         return error_response(request.url.path, e)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        """Starlette's own refusals (an unknown route, a method it does not take, a body that
+        does not parse) in the API's error shape, as every other error."""
+        code = ErrorCode.INVALID_REQUEST.value if e.status_code < 500 else None
+        return error_response(request.url.path, APIError(e.status_code, str(e.detail), code=code))
 
     @app.exception_handler(RequestValidationError)
     async def bad_request(request: Request, e: RequestValidationError) -> JSONResponse:

@@ -25,7 +25,8 @@ from radixrt.client.endpoint import (
     load_tokenizer,
 )
 from radixrt.config import GatewaySettings
-from radixrt.protocol import option_fields
+from radixrt.protocol import ErrorCode, option_fields
+from radixrt.server.http.cpu_pool import CpuPool
 from radixrt.server.http.errors import RUNTIME_EXCEPTIONS, APIError, from_runtime_error
 from radixrt.server.http.pins import PinLease, PinLeases
 from radixrt.server.http.reasoning import REASONING_PARSERS
@@ -143,6 +144,7 @@ class Gateway:
         self.reasoning = REASONING_PARSERS[reasoning_parser] if reasoning_parser else None
         self.limits = limits or GatewaySettings()
         self.pins = PinLeases(self.limits.http_pin_lease)
+        self.cpu = CpuPool(self.limits.http_cpu_threads)
         self.keys = keys or KeyRing()
         self.tool_call_parser = tool_call_parser
         self.metrics = GatewayMetrics()
@@ -233,7 +235,8 @@ class Gateway:
         if not req.echo:
             return await self._respond(request, req, model, prompts, params, shape)
         # echoed prompts go as the ids the echo shows, so each echoed logprob has its token
-        echoes = [Echo.of(model.tokenizer, p) for p in prompts]
+        self.check_prompt_bytes(sum(prompt_bytes(p) for p in prompts), "prompt")
+        echoes = await self.cpu.run(lambda: [Echo.of(model.tokenizer, p) for p in prompts])
         if req.logprobs is not None:
             params["logprob_start_len"] = 0
         ids = [e.ids for e in echoes]
@@ -244,11 +247,28 @@ class Gateway:
         plan = await self.chat_plan(model, req)
         return await self._respond(request, req, model, [plan.prompt], plan.params, plan.shape)
 
+    def check_prompt_bytes(self, size: int, param: str) -> None:
+        """400 for a prompt over `--max-prompt-bytes` (as the runtime would refuse it), before the
+        gateway tokenizes or sends it."""
+        bound = self.limits.max_prompt_bytes
+        if size > bound:
+            raise APIError(
+                400,
+                f"the prompt is {size} bytes; at most {bound} (--max-prompt-bytes)",
+                param=param,
+                code=ErrorCode.INVALID_REQUEST.value,
+            )
+
     async def chat_plan(self, model: _Model, req: ChatCompletionRequest) -> ChatPlan:
         """A chat request as the runtime runs it: the prompt (the messages and tools through the
-        model's chat template), the sampling params (with the response_format or tool
-        constraint) and how the reply reads back. Every API that speaks chat (Anthropic's
-        Messages too) comes through here. 400 for what cannot be rendered or constrained."""
+        model's chat template, at most `--max-prompt-bytes`), the sampling params (with the
+        response_format or tool constraint) and how the reply reads back. Every API that speaks
+        chat (Anthropic's Messages too) comes through here, on the CPU pool (a template and the
+        tools' schemas take milliseconds to seconds). 400 for what cannot be rendered or
+        constrained."""
+        return await self.cpu.run(self._chat_plan, model, req)
+
+    def _chat_plan(self, model: _Model, req: ChatCompletionRequest) -> ChatPlan:
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         limits = [v for v in (req.max_completion_tokens, req.max_tokens) if v is not None]
@@ -256,9 +276,7 @@ class Gateway:
         if req.logprobs:
             params.update(return_logprob=True, top_logprobs_num=req.top_logprobs or 0)
         add_constraint(params, constraint_params(req.response_format), "response_format")
-        # the tools' schemas are translated off the event loop (bounded by the expansion budget,
-        # but still up to a fraction of a second each): other callers' streams go on meanwhile
-        tools = await asyncio.to_thread(ChatTools.of, req, model.tool_parser)
+        tools = ChatTools.of(req, model.tool_parser)
         if tools.constraint is not None:
             add_constraint(params, tools.constraint.params(), "tools")
         messages, template_tools = tools.messages(
@@ -267,13 +285,13 @@ class Gateway:
         rendering = ChatRendering.of(req, model.tokenizer)
         try:
             prompt = render_chat(model.tokenizer, messages, template_tools, rendering)
-        except (
-            TemplateError,
-            ValueError,
-        ) as e:  # the template's own checks (roles must alternate, ...)
+        # the template's own checks (roles must alternate, ...), and what it cannot do with the
+        # values the request gave it (a template variable of the wrong type)
+        except (TemplateError, ValueError, TypeError) as e:
             raise APIError(
                 400, f"cannot render the messages with the chat template: {e}", param="messages"
             ) from e
+        self.check_prompt_bytes(len(prompt.encode()), "messages")
         shape = ResponseShape(
             chat=True,
             tokenizer=model.tokenizer,
@@ -460,6 +478,11 @@ class Gateway:
                 {"id": a["name"], **card, "parent": model.name, "root": a["path"]} for a in adapters
             ],
         }
+
+
+def prompt_bytes(prompt: Prompt) -> int:
+    """A prompt's size as `--max-prompt-bytes` counts it: a text's UTF-8 bytes, 4 an id."""
+    return len(prompt.encode()) if isinstance(prompt, str) else 4 * len(prompt)
 
 
 def bearer(headers: dict[bytes, bytes]) -> str:

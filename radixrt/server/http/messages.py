@@ -9,7 +9,6 @@ events, so a streamed reply's blocks are the whole reply's, piece for piece."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import uuid
 from collections.abc import AsyncIterator
@@ -276,7 +275,9 @@ class MessagesAPI:
         request with nothing cached)."""
         model = await self.gateway.model()
         plan = await self.gateway.chat_plan(model, chat_request(req, model.template))
-        ids = await asyncio.to_thread(model.tokenizer.encode, plan.prompt, add_special_tokens=False)
+        ids = await self.gateway.cpu.run(
+            model.tokenizer.encode, plan.prompt, add_special_tokens=False
+        )
         return {"input_tokens": len(ids)}
 
 

@@ -31,11 +31,12 @@ from radixrt.server.http.gateway import (
     Gateway,
     bearer,
     prepend,
+    prompt_bytes,
     unless_disconnected,
 )
 from radixrt.server.http.pins import MAX_CALLER_PIN_ID_CHARS, runtime_pin_id
 from radixrt.server.http.responses import sse_event
-from radixrt.server.http.rollout import ROLLOUT_ROUTES, add_rollout_routes
+from radixrt.server.http.rollout import ROLLOUT_ROUTES, EmptyRequest, add_rollout_routes
 from radixrt.server.http.schemas import request_body
 
 # routes that need an accepted key when keys are set (/health stays open, as on /v1)
@@ -421,11 +422,16 @@ class NativeAPI:
         return {"status": "ok"}
 
     async def tokenize(self, req: TokenizeRequest) -> dict:
+        """The prompts' ids (at most `--max-prompt-bytes` in all), tokenized on the CPU pool."""
         model = await self.gateway.model()
         prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
-        tokens = [
-            model.tokenizer.encode(p, add_special_tokens=req.add_special_tokens) for p in prompts
-        ]
+        self.gateway.check_prompt_bytes(sum(prompt_bytes(p) for p in prompts), "prompt")
+
+        def encode() -> list[list[int]]:
+            special = req.add_special_tokens
+            return [model.tokenizer.encode(p, add_special_tokens=special) for p in prompts]
+
+        tokens = await self.gateway.cpu.run(encode)
         one = isinstance(req.prompt, str)
         return {
             "tokens": tokens[0] if one else tokens,
@@ -434,10 +440,15 @@ class NativeAPI:
         }
 
     async def detokenize(self, req: DetokenizeRequest) -> dict:
+        """The ids' text (at most `--max-prompt-bytes` of ids, 4 bytes each), on the CPU pool."""
         model = await self.gateway.model()
-        if any(not 0 <= t < len(model.tokenizer) for t in req.tokens):
+        self.gateway.check_prompt_bytes(prompt_bytes(req.tokens), "tokens")
+        vocabulary = len(model.tokenizer)
+        if any(not 0 <= t < vocabulary for t in req.tokens):
             raise _invalid("a token id is outside the vocabulary", "tokens")
-        text = model.tokenizer.decode(req.tokens, skip_special_tokens=req.skip_special_tokens)
+        text = await self.gateway.cpu.run(
+            model.tokenizer.decode, req.tokens, skip_special_tokens=req.skip_special_tokens
+        )
         return {"text": text}
 
     async def pin(self, request: Request, req: PinRequest) -> dict:
@@ -512,7 +523,11 @@ def add_native_routes(app: FastAPI, gateway: Gateway) -> None:
         return await native.unload_lora_adapter(request, req)
 
     app.get("/list_lora_adapters")(native.list_lora_adapters)
-    app.api_route("/flush_cache", methods=["GET", "POST"])(native.flush_cache)
+
+    @app.post("/flush_cache")  # a control op: POST, its body (if any) an empty JSON object
+    async def flush_cache(request: Request, req: EmptyRequest | None = None) -> JSONResponse:
+        return await native.flush_cache(request)
+
     app.get("/get_model_info")(native.get_model_info)
     app.get("/get_server_info")(native.get_server_info)
     app.get("/server_info")(native.get_server_info)  # SGLang's newer name

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import replace
 
 import uvicorn
 import zmq
@@ -49,12 +50,9 @@ def start_gateway(args: ServerArgs) -> subprocess.Popen:
         args.log_level,
         "--tool-call-parser",
         args.tool_call_parser,
-        "--max-body-bytes",
-        str(args.max_frame_bytes),  # a body becomes one frame to the runtime
-        "--http-request-timeout",
-        str(args.http_request_timeout),
-        "--http-pin-lease",
-        str(args.http_pin_lease),
+        # the body bound is the frame's (a body becomes one frame to the runtime); --host the
+        # address bound here, whose names a keyless gateway answers to
+        *replace(GatewaySettings.of(args), host=host).to_cli_args(),
     ]
     if args.api_key_file:
         command += ["--api-key-file", args.api_key_file]

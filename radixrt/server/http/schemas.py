@@ -121,10 +121,26 @@ class CompletionRequest(GenerateRequest):
     echo: bool = False  # the prompt before the completion (with `logprobs`, its tokens' too)
 
 
+class CalledFunction(Body):
+    name: str
+    # JSON text as the model wrote it (OpenAI's), or the object itself
+    arguments: str | dict[str, Any] = "{}"
+
+
+class MessageToolCall(Body):
+    """One call of an assistant message's `tool_calls` (OpenAI's shape), checked here so that a
+    history the template or the tool-call writer cannot read is a 400, not a failure inside."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")  # name, tool_calls, ...: the template may use them
+    model_config = ConfigDict(extra="allow")  # name, tool_call_id, ...: the template may use them
     role: str
     content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[MessageToolCall] | None = None
 
 
 class ResponseFormat(Body):
@@ -147,6 +163,13 @@ class ChatCompletionRequest(GenerateRequest):
     chat_template_kwargs: dict[str, Any] | None = None  # more variables for the chat template
 
 
+# what transformers' renderer passes the template beside the caller's variables (its
+# render_jinja_template arguments, the messages, and the helpers templates call)
+TEMPLATE_OWN_NAMES = frozenset(
+    {"conversations", "messages", "raise_exception", "strftime_now", "kwargs"}
+)
+
+
 @dataclass(frozen=True)
 class ChatRendering:
     """How the messages become a prompt, beyond the messages and tools themselves."""
@@ -157,9 +180,11 @@ class ChatRendering:
     @classmethod
     def of(cls, req: ChatCompletionRequest, tokenizer) -> ChatRendering:
         """400 for a `chat_template_kwargs` key that is one of apply_chat_template's own
-        arguments (it would override how the prompt is built, not feed the template)."""
+        arguments or a name the renderer gives the template itself (it would override how the
+        prompt is built, not feed the template)."""
         kwargs = req.chat_template_kwargs or {}
-        reserved = sorted(set(kwargs) & set(signature(tokenizer.apply_chat_template).parameters))
+        own = {*signature(tokenizer.apply_chat_template).parameters, *TEMPLATE_OWN_NAMES}
+        reserved = sorted(set(kwargs) & own)
         if reserved:
             raise APIError(
                 400,
@@ -265,7 +290,10 @@ class ChatTools:
     ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
         """The messages for the chat template, and the tools it renders itself (if it does)."""
         rendered = [t.to_openai() for t in self.tools] if template_renders_tools(template) else None
-        return prompt_messages(messages, self.tools, parser, template), rendered or None
+        try:
+            return prompt_messages(messages, self.tools, parser, template), rendered or None
+        except ToolError as e:
+            raise APIError(400, str(e), param="messages", code="invalid_request") from e
 
 
 def prompt_list(prompt: str | list) -> list[Prompt]:

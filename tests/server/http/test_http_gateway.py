@@ -19,7 +19,7 @@ from radixrt.bench.http_bench import HttpBenchConfig, run_http_bench
 from radixrt.config import GatewaySettings
 from radixrt.server.http.gateway import MAX_FANOUT
 
-from helpers import launch_runtime
+from helpers import gateway_pid, launch_runtime
 
 GREEDY = {"temperature": 0, "max_tokens": 8}
 QUESTION = [
@@ -332,6 +332,7 @@ def test_bodies_and_fan_outs_are_bounded(runtime):
     conn = http.client.HTTPConnection(host, int(port), timeout=HTTP_TIMEOUT_S)
     conn.putrequest("POST", "/v1/completions")
     conn.putheader("Authorization", f"Bearer {KEY}")
+    conn.putheader("Content-Type", "application/json")
     conn.putheader("Content-Length", str(MAX_BODY_BYTES + 1))
     conn.endheaders()  # refused by its declared length, before any of it is sent
     reply = conn.getresponse()
@@ -452,23 +453,6 @@ def test_overloaded_runtime_answers_503(tiny_model_dir):
     assert reply["error"]["type"] == "overloaded_error"
 
 
-def _gateway_pid(runtime_pid: int) -> int:
-    """The `radixrt http-gateway` child of the runtime process, found through /proc."""
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmdline = f.read().split(b"\0")
-        except (OSError, ValueError, IndexError):
-            continue
-        if ppid == runtime_pid and b"http-gateway" in cmdline:
-            return int(entry)
-    raise AssertionError(f"no http-gateway child of {runtime_pid}")
-
-
 def _alive(pid: int) -> bool:
     """Running (a zombie nobody reaped yet counts as gone)."""
     try:
@@ -498,7 +482,7 @@ def test_runtime_death_mid_stream_ends_the_stream_and_the_gateway(tiny_model_dir
         tiny_model_dir,
         http=True,
     )
-    gateway = _gateway_pid(r._proc.pid)
+    gateway = gateway_pid(r._proc.pid)
     conn = http.client.HTTPConnection(r.args.http_host, r.args.port, timeout=HTTP_TIMEOUT_S)
     try:
         body = {

@@ -460,11 +460,13 @@ class Gateway:
             self.endpoint.client.call, "unpin", HEALTH_TIMEOUT_S, pin_id=lease.runtime_id, **key
         )
 
-    async def models(self) -> dict:
-        """The served model, then each loaded LoRA adapter (its `parent` the model, its `root`
-        its path: vLLM's listing)."""
+    async def models(self, request: Request) -> dict:
+        """The served model, then each loaded LoRA adapter (its `parent` the model; its `root`
+        its path, vLLM's listing, shown to the admin only: a tenant learns no server paths)."""
         model = await self.model()
         adapters = await asyncio.to_thread(self.endpoint.list_lora_adapters)
+        if not self.authorized_admin(dict(request.headers.raw)):
+            adapters = [{k: v for k, v in a.items() if k != "path"} for a in adapters]
         card = {
             "object": "model",
             "created": self.started,
@@ -475,7 +477,9 @@ class Gateway:
             "object": "list",
             "data": [{"id": model.name, **card}]
             + [
-                {"id": a["name"], **card, "parent": model.name, "root": a["path"]} for a in adapters
+                {"id": a["name"], **card, "parent": model.name}
+                | ({"root": a["path"]} if "path" in a else {})
+                for a in adapters
             ],
         }
 

@@ -23,6 +23,7 @@ dequantizes.
 from __future__ import annotations
 
 import math
+import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +31,7 @@ from typing import Any, BinaryIO
 
 import torch
 
-from radixrt.executor.model_loader import read_into
+from radixrt.executor.model_loader import SafetensorsWriter, read_into
 from radixrt.kernels.int4_gemm import GROUP, Bits, PackedGroups, implied_offsets, int8_groups
 from radixrt.models.linear import EMBEDDING
 
@@ -47,6 +48,9 @@ SUPER = 256  # values in a K-quant super-block
 Q4_K_BYTES = 144  # d, dmin (float16), 12 bytes of 6-bit scales and mins, 128 of nibbles
 REQUANTIZE_FLOATS = 1 << 22  # Q5_K/Q6_K rows dequantized at once: at most 16 MB of float32
 ARCHITECTURES = ("llama", "qwen2")  # whose tensor names and row orders `plan` knows
+# `read_linears`' packed copy, beside the conversion: safetensors under a name that the
+# loader's *.safetensors glob (the float weights) never takes; v: the packed layout's version
+PACKED_CACHE = ".radixrt-packed-groups-v1"
 
 
 @dataclass(frozen=True)
@@ -138,13 +142,50 @@ def plan(path: Path, config) -> GGUFPlan:
     return GGUFPlan(header, linears)
 
 
-def read_linears(plan: GGUFPlan) -> dict[str, PackedGroups]:
-    """Every planned linear, packed from the file's blocks."""
+def read_linears(plan: GGUFPlan, cache: Path | None = None) -> dict[str, PackedGroups]:
+    """Every planned linear, packed from the file's blocks. With `cache` (a file beside the
+    model's conversion, which is keyed by the GGUF's content), the packed groups are read from
+    it when it holds exactly the planned linears, else packed and written there: repacking
+    K-quants and requantizing Q5_K/Q6_K takes seconds at 1.1B (most of a start), reading their
+    result back a fraction of one, and the bits are the same."""
+    if cache is not None and cache.is_file():
+        cached = _read_cache(cache)
+        if cached.keys() == plan.linears.keys():
+            return cached
     tensors = plan.header.tensors
-    return {
+    packed = {
         module: _stack([tensors[p.name] for p in parts], parts)
         for module, parts in plan.linears.items()
     }
+    if cache is not None:
+        _write_cache(packed, cache)
+    return packed
+
+
+def _write_cache(packed: dict[str, PackedGroups], cache: Path) -> None:
+    """`packed` as safetensors (each linear's tiles and scales; its shape and width in the
+    metadata), written under a temporary name and renamed: a reader sees all of it or none."""
+    tmp = cache.with_name(f"{cache.name}.tmp{os.getpid()}")
+    shapes = {m: f"{w.out_features},{w.in_features},{int(w.bits)}" for m, w in packed.items()}
+    with SafetensorsWriter(tmp, 2 * len(packed), shapes) as writer:
+        for module, weight in packed.items():
+            writer.add(f"{module}.tiles", weight.tiles)
+            writer.add(f"{module}.scales", weight.scales)
+    os.replace(tmp, cache)
+
+
+def _read_cache(cache: Path) -> dict[str, PackedGroups]:
+    """What `_write_cache` wrote."""
+    from safetensors import safe_open
+
+    with safe_open(cache, framework="pt") as f:
+        shapes = {k: v for k, v in f.metadata().items() if k != "format"}
+        packed = {}
+        for module, shape in shapes.items():
+            out, in_, bits = (int(n) for n in shape.split(","))
+            tiles, scales = f.get_tensor(f"{module}.tiles"), f.get_tensor(f"{module}.scales")
+            packed[module] = PackedGroups(tiles, scales, out, in_, Bits(bits))
+    return packed
 
 
 def blocks(tensor: TensorInfo) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, Bits]:

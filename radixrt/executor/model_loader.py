@@ -219,12 +219,16 @@ def _write_dequantized(gguf: Path, config, out: Path) -> None:
 class SafetensorsWriter:
     """A safetensors file written one tensor at a time (`add`), its header last into room kept
     at the start (`HEADER_ROOM_PER_TENSOR` bytes a tensor, padded with spaces as safetensors pads
-    its own): no tensor waits in memory for the others."""
+    its own): no tensor waits in memory for the others. `metadata` (strings) goes in the header
+    as safetensors' own `__metadata__`."""
 
     HEADER_ROOM_PER_TENSOR = 512
+    DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.uint8: "U8"}
 
-    def __init__(self, path: Path, max_tensors: int):
-        self.room = 8 + 256 + self.HEADER_ROOM_PER_TENSOR * max_tensors
+    def __init__(self, path: Path, max_tensors: int, metadata: dict[str, str] | None = None):
+        self.metadata = {"format": "pt", **(metadata or {})}
+        extra = len(json.dumps(self.metadata))
+        self.room = 8 + 256 + extra + self.HEADER_ROOM_PER_TENSOR * max_tensors
         self.file = open(path, "wb")
         self.file.seek(self.room)
         self.entries: dict[str, dict] = {}
@@ -232,7 +236,7 @@ class SafetensorsWriter:
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         data = tensor.contiguous().view(torch.uint8).numpy()
-        dtype = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}[tensor.dtype]
+        dtype = self.DTYPES[tensor.dtype]
         end = self.offset + data.nbytes
         self.entries[name] = {
             "dtype": dtype,
@@ -246,7 +250,7 @@ class SafetensorsWriter:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        header = json.dumps({"__metadata__": {"format": "pt"}, **self.entries}).encode()
+        header = json.dumps({"__metadata__": self.metadata, **self.entries}).encode()
         if len(header) > self.room - 8:
             self.file.close()
             raise ValueError("safetensors header larger than the room kept for it")

@@ -301,9 +301,9 @@ class ModelRunner:
     def _choose_quantization(self) -> quant_choice.QuantChoice:
         """`--quantization` resolved for this model and machine (`quant_choice.choose`)."""
         ground = quant_choice.Ground(
-            model=self.args.model,
+            model_arg=self.args.model,
             source=gguf_weights.gguf_source(self.model_path, READY_MARKER),
-            device=self.device,
+            compute_device=self.device,
             isa=self.cpu_isa,
             tp_size=self.tp.size,
             deterministic=self.args.enable_deterministic_inference,
@@ -326,7 +326,10 @@ class ModelRunner:
             causal = cast(CausalLM, model)
             # on the run's device (a GPU's Triton kernel and lookups read them there), once: a
             # tied table and output projection share the groups
-            read = {n: w.to(self.device) for n, w in gguf_weights.read_linears(packed).items()}
+            cache = self.model_path / gguf_weights.PACKED_CACHE
+            read = {
+                n: w.to(self.device) for n, w in gguf_weights.read_linears(packed, cache).items()
+            }
             table = read.pop(EMBEDDING, None)
             for name, weight in read.items():
                 parent, _, child = name.rpartition(".")

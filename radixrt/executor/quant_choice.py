@@ -39,9 +39,9 @@ class Ground:
     """What the choice depends on: the `--model` argument as given, the GGUF file the model
     folder was converted from (None: never GGUF), and where and how the run computes."""
 
-    model: str
+    model_arg: str
     source: Path | None
-    device: torch.device
+    compute_device: torch.device
     isa: Isa | None
     tp_size: int
     deterministic: bool
@@ -93,7 +93,7 @@ def _auto(ground: Ground, config) -> QuantChoice:
 
 def _why_not_packed(ground: Ground) -> str | None:
     """Why a run cannot serve its GGUF packed (None: it can)."""
-    named_gguf = ground.model == "default" or ground.model.endswith(".gguf")
+    named_gguf = ground.model_arg == "default" or ground.model_arg.endswith(".gguf")
     if not named_gguf or ground.source is None:
         return "a float checkpoint"
     if ground.tp_size > 1:
@@ -101,7 +101,7 @@ def _why_not_packed(ground: Ground) -> str | None:
     if ground.deterministic:
         return "--enable-deterministic-inference has no fixed-order path for GGUF blocks"
     try:
-        check_quantization("gguf", ground.device, ground.isa)
+        check_quantization("gguf", ground.compute_device, ground.isa)
     except ValueError as e:
         return str(e)
     return None

@@ -26,9 +26,9 @@ pytestmark = [
 
 def _ground(default_model_dir, model: str = "default", **change) -> Ground:
     fields = dict(
-        model=model,
+        model_arg=model,
         source=gguf_weights.gguf_source(default_model_dir, READY_MARKER),
-        device=torch.device("cpu"),
+        compute_device=torch.device("cpu"),
         isa=cpu_isa.resolve("auto", cpu_isa.host_paths()),
         tp_size=1,
         deterministic=False,
@@ -55,7 +55,7 @@ def test_auto_serves_a_gguf_as_stored_and_a_folder_as_float(default_model_dir):
     [
         (dict(tp_size=2), "tensor-parallel"),
         (dict(deterministic=True), "deterministic"),
-        (dict(isa=None, device=torch.device("meta")), "CPUs and CUDA GPUs only"),
+        (dict(isa=None, compute_device=torch.device("meta")), "CPUs and CUDA GPUs only"),
     ],
 )
 def test_auto_falls_back_to_float_where_packing_cannot_run(default_model_dir, change, why):
@@ -95,3 +95,24 @@ def test_the_default_model_is_served_packed_unless_none_is_asked():
     floats = ModelRunner(ServerArgs(max_total_tokens=256, quantization="none").executor)
     assert floats.quantization_path == "float"
     assert not any(isinstance(m, GroupedLinear) for m in floats.model.modules())
+
+
+def test_the_packed_copy_reads_back_the_same_groups(default_model_dir, tmp_path):
+    """`read_linears` with a cache file: the first read packs and writes it, the second reads
+    it back; both give the groups packed from the file's blocks, bit for bit."""
+    config = AutoConfig.from_pretrained(default_model_dir)
+    plan = gguf_weights.plan(default_gguf_path(), config)
+    cache = tmp_path / gguf_weights.PACKED_CACHE
+    fresh = gguf_weights.read_linears(plan)
+    written = gguf_weights.read_linears(plan, cache)
+    assert cache.is_file()
+    read_back = gguf_weights.read_linears(plan, cache)
+    for name, weight in fresh.items():
+        for other in (written[name], read_back[name]):
+            assert torch.equal(other.tiles, weight.tiles)
+            assert torch.equal(other.scales, weight.scales)
+            assert (other.out_features, other.in_features, other.bits) == (
+                weight.out_features,
+                weight.in_features,
+                weight.bits,
+            )

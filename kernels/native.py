@@ -1,9 +1,13 @@
 """C kernels for the CPU, compiled once with the system's C compiler and called through ctypes.
 
-No torch headers and no build step at install: a kernel's source is compiled on first use (about
-a second) into `$RADIXRT_CACHE_DIR/kernels` (default `~/.cache/radixrt/kernels`), keyed by the
-source, the flags and the CPU model, since `-march=native` code is only valid where it was built.
-Without a compiler, or when the build fails, `load` returns None and callers keep their torch path.
+The sources are C files in `csrc/` beside this module (`CSRC`): a kernel's `.c` file, the headers
+it shares with the others (`avx2.h`) and, for `cpu_layer`, the other kernels' `.c` files, joined
+by `#include`. No torch headers and no build step at install: a kernel is compiled on first use
+(about a second), in place (`-I csrc`, so a compiler error names the real file and line), into
+`$RADIXRT_CACHE_DIR/kernels` (default `~/.cache/radixrt/kernels`), keyed by the content of every
+file it includes, the flags and the CPU model, since `-march=native` code is only valid where it
+was built: an edit to any of its files rebuilds it. Without a compiler, or when the build fails
+(the compiler's whole message is logged), `load` returns None and callers keep their torch path.
 The libraries use OpenMP; torch's own libgomp is already loaded, so both share one thread pool.
 """
 
@@ -13,6 +17,7 @@ import ctypes
 import hashlib
 import logging
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -21,20 +26,17 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-# Helpers every AVX2 kernel source starts with.
-AVX2_PRELUDE = r"""
-#include <immintrin.h>
-#include <stdint.h>
-
-/* The sum of a vector's eight lanes. */
-static inline float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-"""
+CSRC = Path(__file__).resolve().parent / "csrc"
+# Helpers every AVX2 kernel starts with (`csrc/avx2.h`), for C given as a string (`load`'s
+# `source`): radixrt.bench's probes prepend it to theirs.
+AVX2_PRELUDE = (CSRC / "avx2.h").read_text()
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared")
 POINTER, INT64, FLOAT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+_INCLUDE = re.compile(r'^\s*#\s*include\s*"([^"]+)"', re.MULTILINE)
+
+
+class CompileError(RuntimeError):
+    """The compiler refused a source; the message is its whole output (file:line: error ...)."""
 
 
 def cache_dir() -> Path:
@@ -64,21 +66,61 @@ def find_compiler() -> str | None:
     return compiler
 
 
+def included(source: Path | str) -> list[Path]:
+    """The files a source is built from: the file itself (for a path) and every file it
+    `#include "..."`s, transitively, each once, in the order first met. A quoted name is looked
+    up beside the file that names it, then in `CSRC` (the compiler's order with `-I csrc`);
+    system headers (`<...>`) are the compiler's and not listed."""
+    found: list[Path] = []
+
+    def visit(text: str, here: Path) -> None:
+        for name in _INCLUDE.findall(text):
+            path = next((d / name for d in (here, CSRC) if (d / name).is_file()), None)
+            if path is not None and path.resolve() not in found:
+                found.append(path.resolve())
+                visit(path.read_text(), path.parent)
+
+    if isinstance(source, Path):
+        found.append(source.resolve())
+        visit(source.read_text(), source.parent)
+    else:
+        visit(source, CSRC)
+    return found
+
+
+def source_key(source: Path | str, flags: tuple[str, ...]) -> str:
+    """The cache key of a build: every included file's name and content, the source string's
+    own (for a string), the flags and the CPU model."""
+    digest = hashlib.sha256()
+    if isinstance(source, str):
+        digest.update(source.encode() + b"\0")
+    for path in included(source):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    digest.update("\n".join([*flags, _cpu_model()]).encode())
+    return digest.hexdigest()[:16]
+
+
 @cache
 def load(
-    name: str, source: str, signatures: tuple[tuple[str, tuple], ...], flags: tuple[str, ...] = ()
+    name: str,
+    source: Path | str,
+    signatures: tuple[tuple[str, tuple], ...],
+    flags: tuple[str, ...] = (),
 ) -> ctypes.CDLL | None:
-    """The library built from `source` (with `flags` after the common ones) with each
-    `(function, argtypes)` of `signatures` declared (all return void), or None where it cannot
-    be built."""
+    """The library built from `source` (a C file, usually under `CSRC`, or C text) with
+    `flags` after the common ones, each `(function, argtypes)` of `signatures` declared (all
+    return void), or None where it cannot be built."""
     flags = FLAGS + flags
     compiler = find_compiler()
     if compiler is None:
         return None
-    key = hashlib.sha256("\n".join([source, *flags, _cpu_model()]).encode()).hexdigest()[:16]
-    path = cache_dir() / f"{name}-{key}.so"
-    if not path.exists() and not _build(compiler, name, source, flags, path):
-        return None
+    path = cache_dir() / f"{name}-{source_key(source, flags)}.so"
+    if not path.exists():
+        try:
+            _build(compiler, name, source, flags, path)
+        except CompileError as error:
+            logger.warning("the %s kernel did not compile:\n%s", name, error)
+            return None
     lib = ctypes.CDLL(str(path))
     for function, argtypes in signatures:
         getattr(lib, function).restype = None
@@ -86,16 +128,23 @@ def load(
     return lib
 
 
-def _build(compiler: str, name: str, source: str, flags: tuple[str, ...], path: Path) -> bool:
+def compile_library(compiler: str, source: Path, flags: tuple[str, ...], output: Path) -> None:
+    """Compile the C file `source` in place (`-I CSRC`) into the shared library `output`;
+    CompileError with the compiler's whole output (which names the file and line) on failure."""
+    command = [compiler, *flags, "-I", str(CSRC), str(source), "-o", str(output), "-lm"]
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise CompileError(result.stderr.strip() or f"{compiler} exited {result.returncode}")
+
+
+def _build(
+    compiler: str, name: str, source: Path | str, flags: tuple[str, ...], path: Path
+) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-        src, built = Path(tmp) / f"{name}.c", Path(tmp) / f"{name}.so"
-        src.write_text(source)
-        result = subprocess.run(
-            [compiler, *flags, str(src), "-o", str(built), "-lm"], capture_output=True, text=True
-        )
-        if result.returncode != 0:
-            logger.warning("the %s kernel did not compile: %s", name, result.stderr[-500:])
-            return False
+        built = Path(tmp) / f"{name}.so"
+        if isinstance(source, str):  # C text: written out, its errors name `name`.c
+            text, source = source, Path(tmp) / f"{name}.c"
+            source.write_text(text)
+        compile_library(compiler, source, flags, built)
         os.replace(built, path)  # atomic: a concurrent build finds a whole file or none
-    return True

@@ -1,0 +1,435 @@
+/* kernels/int4_gemm.py's kernel (its docstring says how and why). */
+#include "avx2.h"
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define PANEL 8
+#define GROUP 32
+#define MR 4                     /* activation rows of the GEMM's register tile */
+#define BLOCK_BYTES (256 * 1024) /* int8 activations of a block of rows: kept in L2 */
+#define AI __attribute__((always_inline))
+/* Pins a running sum: without it the compiler reorders a group's 32 integer sums of a 4-row tile
+   into one tree, keeps every product live at once and spills them to the stack. */
+#define KEEP(v) __asm__("" : "+x"(v))
+/* VNNI (`--cpu-isa avx512-vnni`): a group's products go straight into int32 lanes, four at a
+   time (`vpdpbusd`, unsigned weight bytes times signed activations), where AVX2 sums pairs into
+   int16 (`vpmaddubsw`) and widens them after. Both sums are exact, so the paths agree bit for
+   bit. The 256-bit form keeps the 8-row panels: one layout for both paths. */
+#ifdef VNNI
+#define DOT_INT32 1
+#else
+#define DOT_INT32 0
+#endif
+
+static inline AI __m256i bcast4(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+}
+
+/* 32 floats -> 32 int8 (round to nearest even, as lrintf), in order. */
+static inline AI __m256i round_group(const float *x, __m256 inv) {
+    __m256i i[4];
+    for (int c = 0; c < 4; c++) i[c] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + 8 * c), inv));
+    const __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
+    return _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+/* x row [K] -> int8 a [G * 32] (zero past K), each group's scale xs [G] and float sum xsum [G]:
+   a = round(x * (1 / s)), s = max |x| / 127 (1 for a group of zeros). */
+void quantize_row(const float *row, int8_t *a, float *xs, float *xsum, int64_t K, int64_t G) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    int64_t g = 0;
+    for (; (g + 1) * GROUP <= K; g++) {
+        const float *x = row + g * GROUP;
+        __m256 top = _mm256_setzero_ps(), sum = _mm256_setzero_ps();
+        for (int c = 0; c < 4; c++) {
+            const __m256 v = _mm256_loadu_ps(x + 8 * c);
+            top = _mm256_max_ps(top, _mm256_andnot_ps(sign, v));
+            sum = _mm256_add_ps(sum, v);
+        }
+        __m128 t = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
+        t = _mm_max_ps(t, _mm_movehl_ps(t, t));
+        const float m = _mm_cvtss_f32(_mm_max_ss(t, _mm_movehdup_ps(t)));
+        const float s = m > 0.0f ? m / 127.0f : 1.0f;
+        _mm256_storeu_si256((__m256i *)(a + g * GROUP), round_group(x, _mm256_set1_ps(1.0f / s)));
+        xs[g] = s;
+        xsum[g] = hsum8(sum);
+    }
+    for (; g < G; g++) { /* the last group, short of 32 inputs */
+        const int64_t k0 = g * GROUP, n = K - k0;
+        float top = 0.0f, sum = 0.0f;
+        for (int64_t k = 0; k < n; k++) {
+            top = fmaxf(top, fabsf(row[k0 + k]));
+            sum += row[k0 + k];
+        }
+        const float s = top > 0.0f ? top / 127.0f : 1.0f, inv = 1.0f / s;
+        for (int64_t k = 0; k < n; k++) a[k0 + k] = (int8_t)lrintf(row[k0 + k] * inv);
+        for (int64_t k = n; k < GROUP; k++) a[k0 + k] = 0;
+        xs[g] = s;
+        xsum[g] = sum;
+    }
+}
+
+/* MT activation rows (a [MT, Kp] int8, xs and xsum [MT, G]) against one panel, every group:
+   acc[i] lane j = output (i, j). Weights `w`: a group every `bits * 32` bytes, packed nibbles
+   (4 vectors, unpacked in registers) or signed bytes (8 vectors). Scales `sc`: a group's 8
+   float16 d, then (`offs`) its 8 offsets m; without them the offsets are the symmetric forms'
+   own, -8 d for 4 bits (Q4_0's; exact, a power-of-two multiple, so the same bits as stored)
+   and 0 for 8 (Q8_0's: no term), and the panel reads 2 bytes a group less. */
+static inline AI void panel_rows(
+        const int8_t *a, int64_t Kp, const float *xs, const float *xsum, int64_t G,
+        const uint8_t *w, const uint16_t *sc, __m256 *acc, const int MT, const int bits,
+        const int offs) {
+    const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0F);
+    const int64_t wstep = bits * 32, scw = offs ? 2 * PANEL : PANEL;
+    for (int i = 0; i < MT; i++) acc[i] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < G; g++) {
+        const uint8_t *wg = w + g * wstep;
+        _mm_prefetch((const char *)(wg + 8 * wstep), _MM_HINT_T0);
+        __m256i s[MR], t[MR]; /* t: VNNI's second chain (its sums' latency is in the chain) */
+        for (int i = 0; i < MT; i++) s[i] = t[i] = _mm256_setzero_si256();
+        for (int q = 0; q < 4; q++) {
+            __m256i lo, hi;
+            if (bits == 4) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(wg + 32 * q));
+                lo = _mm256_and_si256(v, low);
+                hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+            } else {
+                lo = _mm256_loadu_si256((const __m256i *)(wg + 32 * q));
+                hi = _mm256_loadu_si256((const __m256i *)(wg + 32 * (q + 4)));
+            }
+            const __m256i lo_abs = bits == 8 ? _mm256_sign_epi8(lo, lo) : lo;
+            const __m256i hi_abs = bits == 8 ? _mm256_sign_epi8(hi, hi) : hi;
+            for (int i = 0; i < MT; i++) {
+                const int8_t *ai = a + i * Kp + g * GROUP + 4 * q;
+                const __m256i al = bcast4(ai), ah = bcast4(ai + 16);
+#ifdef VNNI
+                if (bits == 4) {
+                    s[i] = _mm256_dpbusd_epi32(s[i], lo, al);
+                    t[i] = _mm256_dpbusd_epi32(t[i], hi, ah);
+                } else {
+                    s[i] = _mm256_dpbusd_epi32(s[i], lo_abs, _mm256_sign_epi8(al, lo));
+                    t[i] = _mm256_dpbusd_epi32(t[i], hi_abs, _mm256_sign_epi8(ah, hi));
+                }
+                KEEP(t[i]);
+#else
+                if (bits == 4) {
+                    s[i] = _mm256_add_epi16(s[i], _mm256_add_epi16(_mm256_maddubs_epi16(lo, al),
+                                                                   _mm256_maddubs_epi16(hi, ah)));
+                } else {
+                    const __m256i pl = _mm256_maddubs_epi16(lo_abs, _mm256_sign_epi8(al, lo));
+                    const __m256i ph = _mm256_maddubs_epi16(hi_abs, _mm256_sign_epi8(ah, hi));
+                    s[i] = _mm256_add_epi32(s[i], _mm256_add_epi32(_mm256_madd_epi16(pl, ones),
+                                                                   _mm256_madd_epi16(ph, ones)));
+                }
+#endif
+                KEEP(s[i]);
+            }
+        }
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + g * scw)));
+        const __m256 m = offs ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + g * scw + PANEL)))
+                              : _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));
+        for (int i = 0; i < MT; i++) {
+            const __m256i isum = DOT_INT32  ? _mm256_add_epi32(s[i], t[i])
+                                 : bits == 4 ? _mm256_madd_epi16(s[i], ones)
+                                             : s[i];
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum),
+                                     _mm256_mul_ps(d, _mm256_set1_ps(xs[i * G + g])), acc[i]);
+            if (offs || bits == 4)
+                acc[i] = _mm256_fmadd_ps(m, _mm256_set1_ps(xsum[i * G + g]), acc[i]);
+        }
+    }
+}
+
+/* panel_rows, then its outputs (the panel's first nn of 8) with the bias into out [.., N]. */
+static inline AI void panel_out(
+        const int8_t *a, int64_t Kp, const float *xs, const float *xsum, int64_t G,
+        const uint8_t *w, const uint16_t *sc, const float *bias, float *out, int64_t N,
+        int64_t n0, int64_t nn, const int MT, const int bits, const int offs) {
+    __m256 acc[MR];
+    panel_rows(a, Kp, xs, xsum, G, w, sc, acc, MT, bits, offs);
+    for (int i = 0; i < MT; i++) {
+        float v[PANEL];
+        _mm256_storeu_ps(v, acc[i]);
+        for (int64_t j = 0; j < nn; j++) out[i * N + n0 + j] = v[j] + (bias ? bias[n0 + j] : 0.0f);
+    }
+}
+
+/* Rows [m0, m1) of out against panel p: tiles of MR rows, then the rest. */
+static inline AI void block_panel(
+        const int8_t *a, const float *xs, const float *xsum, const uint8_t *w, const uint16_t *sc,
+        const float *bias, float *out, int64_t m0, int64_t m1, int64_t N, int64_t Kp, int64_t G,
+        int64_t p, const int bits, const int offs) {
+    const int64_t n0 = p * PANEL, nn = N - n0 < PANEL ? N - n0 : PANEL;
+#define TILE(r, n) \
+    panel_out(a + (r) * Kp, Kp, xs + (r) * G, xsum + (r) * G, G, w, sc, bias, out + (r) * N, N, \
+              n0, nn, n, bits, offs)
+    int64_t i = m0;
+    for (; i + MR <= m1; i += MR) TILE(i, MR);
+    switch (m1 - i) {
+    case 1: TILE(i, 1); break;
+    case 2: TILE(i, 2); break;
+    case 3: TILE(i, 3); break;
+    }
+#undef TILE
+}
+
+/* out [M, N] = x @ dequant(w).T + bias, x [M, K] float; w [ceil(N/8), G, group bytes * 8];
+   sc float16 [ceil(N/8), G, 16] (8 without the offsets: `offs` 0); a [M, G * 32], xs and xsum
+   [M, G]: scratch for the quantized rows. Called by every thread of one parallel region (its loops are the region's work-sharing
+   loops): the rows' quantization, then the panels, a block of rows at a time. Inlined into
+   each entry point with `bits` and `offs` constants, so that each form compiles to its own
+   loops.
+   Weights are unpacked in registers, by every tile: unpacking a panel once into a buffer for
+   all the tiles was 1.1-1.3x slower on AVX-512 hosts (docs/benchmarks.md). */
+static inline AI void linear_body(
+        const float *x, int8_t *a, float *xs, float *xsum, const uint8_t *w, const uint16_t *sc,
+        const float *bias, float *out, int64_t M, int64_t N, int64_t K, int64_t G, const int bits,
+        const int offs) {
+    const int64_t panels = (N + PANEL - 1) / PANEL, Kp = G * GROUP, gbytes = bits * 32;
+    const int64_t scw = offs ? 2 * PANEL : PANEL;
+    int64_t rows = BLOCK_BYTES / Kp / MR * MR;
+    rows = rows < MR ? MR : rows;
+    #pragma omp for schedule(static)
+    for (int64_t m = 0; m < M; m++)
+        quantize_row(x + m * K, a + m * Kp, xs + m * G, xsum + m * G, K, G);
+    for (int64_t m0 = 0; m0 < M; m0 += rows) {
+        const int64_t m1 = m0 + rows < M ? m0 + rows : M;
+        #pragma omp for schedule(static) nowait
+        for (int64_t p = 0; p < panels; p++)
+            block_panel(a, xs, xsum, w + p * G * gbytes, sc + p * G * scw, bias, out, m0, m1, N,
+                        Kp, G, p, bits, offs);
+    }
+}
+
+#ifdef AMX
+/* AMX (`--cpu-isa amx`), for many rows: the same panels and quantized rows, each group's products
+   summed by the tile unit, 16 activation rows by 16 weight rows (two panels) a `tdpbsud` (signed
+   activations by unsigned 4-bit weights) or `tdpbssd` (signed 8-bit weights). The int32 sums are
+   exact, as every path's, and each goes through the same float operations in the same order as
+   panel_rows's, so the outputs are the other paths' bits. Tiles: activations 16 rows x 32 bytes
+   (a group of each row, read in place from the quantized rows); weights 8 x 64 bytes, the tile
+   unit's dot-product layout, which is the panels' own: a panel's vector t holds, in lane j, the
+   4-byte word t of row j's group (its nibbles unpacked: inputs 4t..4t+3), so a weight tile's row
+   t is vector t of two panels side by side, unpacked once per call; sums 16 x 16 int32 (activation
+   row by weight row), four a group (2 x 2 blocks: each activation and weight tile loaded once for
+   two). Linux gives a process the tile state only once it has asked (arch_prctl; `cpu_isa` asks
+   before offering this path). */
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} TileConfig;
+
+static void amx_configure(void) {
+    TileConfig c __attribute__((aligned(64)));
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 2; t++) c.rows[t] = 16, c.colsb[t] = 32; /* activations */
+    for (int t = 2; t < 4; t++) c.rows[t] = 8, c.colsb[t] = 64;  /* weights */
+    for (int t = 4; t < 8; t++) c.rows[t] = 16, c.colsb[t] = 64; /* sums */
+    _tile_loadconfig(&c);
+}
+
+/* Block `blk` of 16 weight rows (panels 2 blk and 2 blk + 1; a missing second panel is zeros),
+   every group: the weight tiles wb [G, 8, 64] and the rows' d and m as floats [G, 16]. */
+static inline AI void unpack_block(
+        const uint8_t *w, const uint16_t *sc, int64_t panels, int64_t G, int64_t blk,
+        uint8_t *wb, float *d, float *m, const int bits, const int offs) {
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    const int64_t gbytes = bits * 32, scw = offs ? 2 * PANEL : PANEL;
+    for (int h = 0; h < 2; h++) {
+        const int64_t p = 2 * blk + h;
+        for (int64_t g = 0; g < G; g++) {
+            uint8_t *rows = wb + g * 512 + 32 * h; /* this panel's half of each tile row */
+            float *dg = d + g * 16 + h * PANEL, *mg = m + g * 16 + h * PANEL;
+            if (p >= panels) {
+                for (int t = 0; t < 8; t++) _mm256_store_si256((__m256i *)(rows + 64 * t), _mm256_setzero_si256());
+                _mm256_store_ps(dg, _mm256_setzero_ps());
+                _mm256_store_ps(mg, _mm256_setzero_ps());
+                continue;
+            }
+            const uint8_t *wg = w + (p * G + g) * gbytes;
+            for (int t = 0; t < 4; t++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(wg + 32 * t));
+                if (bits == 4) {
+                    _mm256_store_si256((__m256i *)(rows + 64 * t), _mm256_and_si256(v, low));
+                    _mm256_store_si256((__m256i *)(rows + 64 * (t + 4)),
+                                       _mm256_and_si256(_mm256_srli_epi16(v, 4), low));
+                } else {
+                    _mm256_store_si256((__m256i *)(rows + 64 * t), v);
+                    _mm256_store_si256((__m256i *)(rows + 64 * (t + 4)),
+                                       _mm256_loadu_si256((const __m256i *)(wg + 32 * (t + 4))));
+                }
+            }
+            const uint16_t *s = sc + (p * G + g) * scw;
+            const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)s));
+            _mm256_store_ps(dg, dv);
+            _mm256_store_ps(mg, offs ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + PANEL)))
+                                     : _mm256_mul_ps(dv, _mm256_set1_ps(-8.0f)));
+        }
+    }
+}
+
+/* One group's sums (16 x 16 int32, activation row by weight row) into those rows'
+   accumulators (in memory: four tiles' do not fit in registers): panel_rows's float
+   operations, in its order. */
+static inline AI void tile_sums(
+        const int32_t (*sums)[16], const float *d, const float *m, const float *xs,
+        const float *xsum, int64_t G, int64_t g, int64_t mb, float (*acc)[16], const int bits,
+        const int offs) {
+    const __m512 dv = _mm512_load_ps(d + g * 16), mv = _mm512_load_ps(m + g * 16);
+    for (int i = 0; i < 16; i++) {
+        const int64_t r = (mb * 16 + i) * G + g;
+        const __m512 s = _mm512_cvtepi32_ps(_mm512_load_si512(sums[i]));
+        __m512 a = _mm512_fmadd_ps(s, _mm512_mul_ps(dv, _mm512_set1_ps(xs[r])), _mm512_load_ps(acc[i]));
+        if (offs || bits == 4) a = _mm512_fmadd_ps(mv, _mm512_set1_ps(xsum[r]), a);
+        _mm512_store_ps(acc[i], a);
+    }
+}
+
+/* A block's outputs (16 activation rows from mb, 16 weight rows from n0) from `acc`, with the
+   bias: the rows and columns that exist. */
+static inline AI void tile_out(
+        float (*acc)[16], int64_t mb, const float *bias, float *out, int64_t M, int64_t N,
+        int64_t n0) {
+    const int64_t rows = M - mb * 16 < 16 ? M - mb * 16 : 16;
+    const int64_t cols = N - n0 < 16 ? N - n0 : 16;
+    if (cols <= 0) return;
+    const __mmask16 keep = (__mmask16)((1u << cols) - 1);
+    const __m512 add = bias ? _mm512_maskz_loadu_ps(keep, bias + n0) : _mm512_setzero_ps();
+    for (int64_t i = 0; i < rows; i++)
+        _mm512_mask_storeu_ps(out + (mb * 16 + i) * N + n0, keep,
+                              _mm512_add_ps(_mm512_load_ps(acc[i]), add));
+}
+
+/* Two blocks of 16 activation rows (mb, mb + 1; only mb where it is the last) by two blocks of
+   16 weight rows (wb[0], wb[1]: 32 rows from n0), every group. A weight block past the weights
+   is zeros and activation rows past M are zeros: their outputs are not written. */
+static inline AI void tile_block(
+        uint8_t *const *wb, float *const *d, float *const *m, const int8_t *a, int64_t Kp,
+        const float *xs, const float *xsum, int64_t Mp, int64_t G, int64_t mb, const float *bias,
+        float *out, int64_t M, int64_t N, int64_t n0, const int bits, const int offs) {
+    int32_t sums[4][16][16] __attribute__((aligned(64)));
+    float acc[4][16][16] __attribute__((aligned(64)));
+    const int two = mb + 1 < Mp / 16;
+    memset(acc, 0, sizeof acc);
+    for (int64_t g = 0; g < G; g++) {
+        _tile_loadd(0, a + mb * 16 * Kp + g * GROUP, Kp);
+        _tile_loadd(2, wb[0] + g * 512, 64);
+        _tile_loadd(3, wb[1] + g * 512, 64);
+        _tile_zero(4);
+        _tile_zero(5);
+        if (two) {
+            _tile_loadd(1, a + (mb + 1) * 16 * Kp + g * GROUP, Kp);
+            _tile_zero(6);
+            _tile_zero(7);
+        }
+        if (bits == 4) { /* signed activations by unsigned nibbles */
+            _tile_dpbsud(4, 0, 2);
+            _tile_dpbsud(5, 0, 3);
+            if (two) {
+                _tile_dpbsud(6, 1, 2);
+                _tile_dpbsud(7, 1, 3);
+            }
+        } else {
+            _tile_dpbssd(4, 0, 2);
+            _tile_dpbssd(5, 0, 3);
+            if (two) {
+                _tile_dpbssd(6, 1, 2);
+                _tile_dpbssd(7, 1, 3);
+            }
+        }
+        _tile_stored(4, sums[0], 64);
+        _tile_stored(5, sums[1], 64);
+        if (two) {
+            _tile_stored(6, sums[2], 64);
+            _tile_stored(7, sums[3], 64);
+        }
+        for (int t = 0; t < (two ? 4 : 2); t++)
+            tile_sums(sums[t], d[t % 2], m[t % 2], xs, xsum, G, g, mb + t / 2, acc[t], bits, offs);
+    }
+    for (int t = 0; t < (two ? 4 : 2); t++)
+        tile_out(acc[t], mb + t / 2, bias, out, M, N, n0 + 16 * (t % 2));
+}
+
+/* out [M, N] = x @ dequant(w).T + bias on the tile unit: linear_body's rows quantized into a,
+   xs and xsum, which hold Mp rows (M rounded up to 16; the rows past M are zeros); then each
+   thread takes pairs of blocks of 16 weight rows, unpacks a pair once and multiplies it by
+   every pair of row blocks (unpacking again for chunks of rows kept in L2 cost more: a quarter
+   of the time at 128 rows). */
+static inline AI void amx_body(
+        const float *x, int8_t *a, float *xs, float *xsum, const uint8_t *w, const uint16_t *sc,
+        const float *bias, float *out, int64_t M, int64_t N, int64_t K, int64_t G, const int bits,
+        const int offs) {
+    const int64_t panels = (N + PANEL - 1) / PANEL, pairs = (panels + 3) / 4, Kp = G * GROUP;
+    const int64_t Mp = (M + 15) / 16 * 16;
+    #pragma omp for schedule(static)
+    for (int64_t r = 0; r < Mp; r++) {
+        if (r < M) {
+            quantize_row(x + r * K, a + r * Kp, xs + r * G, xsum + r * G, K, G);
+        } else {
+            memset(a + r * Kp, 0, Kp);
+            memset(xs + r * G, 0, G * sizeof(float));
+            memset(xsum + r * G, 0, G * sizeof(float));
+        }
+    }
+    uint8_t *wb[2];
+    float *d[2], *m[2];
+    for (int h = 0; h < 2; h++) {
+        wb[h] = aligned_alloc(64, G * 512);
+        d[h] = aligned_alloc(64, G * 16 * sizeof(float));
+        m[h] = aligned_alloc(64, G * 16 * sizeof(float));
+    }
+    amx_configure();
+    #pragma omp for schedule(static)
+    for (int64_t pair = 0; pair < pairs; pair++) {
+        for (int h = 0; h < 2; h++)
+            unpack_block(w, sc, panels, G, 2 * pair + h, wb[h], d[h], m[h], bits, offs);
+        for (int64_t mb = 0; mb < Mp / 16; mb += 2)
+            tile_block(wb, d, m, a, Kp, xs, xsum, Mp, G, mb, bias, out, M, N, 32 * pair, bits, offs);
+    }
+    _tile_release();
+    for (int h = 0; h < 2; h++) free(wb[h]), free(d[h]), free(m[h]);
+}
+
+#define AMX_BODY(bits, offs) \
+    ((offs) ? amx_body(x, a, xs, xsum, w, sc, bias, out, M, N, K, G, bits, 1) \
+            : amx_body(x, a, xs, xsum, w, sc, bias, out, M, N, K, G, bits, 0))
+
+/* int4_linear and q8_linear on the tile unit; a, xs and xsum hold M rounded up to 16 rows. */
+void int4_linear_amx(const float *x, int8_t *a, float *xs, float *xsum, const uint8_t *w,
+                     const uint16_t *sc, const float *bias, float *out, int64_t M, int64_t N,
+                     int64_t K, int64_t G, int64_t offs) {
+    #pragma omp parallel
+    AMX_BODY(4, offs);
+}
+
+void q8_linear_amx(const float *x, int8_t *a, float *xs, float *xsum, const uint8_t *w,
+                   const uint16_t *sc, const float *bias, float *out, int64_t M, int64_t N,
+                   int64_t K, int64_t G, int64_t offs) {
+    #pragma omp parallel
+    AMX_BODY(8, offs);
+}
+#endif
+
+/* linear_body with `bits` and `offs` as constants of the branch taken. */
+#define GROUPED_BODY(bits, offs) \
+    ((offs) ? linear_body(x, a, xs, xsum, w, sc, bias, out, M, N, K, G, bits, 1) \
+            : linear_body(x, a, xs, xsum, w, sc, bias, out, M, N, K, G, bits, 0))
+
+void int4_linear(const float *x, int8_t *a, float *xs, float *xsum, const uint8_t *w,
+                 const uint16_t *sc, const float *bias, float *out, int64_t M, int64_t N,
+                 int64_t K, int64_t G, int64_t offs) {
+    #pragma omp parallel
+    GROUPED_BODY(4, offs);
+}
+
+void q8_linear(const float *x, int8_t *a, float *xs, float *xsum, const uint8_t *w,
+               const uint16_t *sc, const float *bias, float *out, int64_t M, int64_t N,
+               int64_t K, int64_t G, int64_t offs) {
+    #pragma omp parallel
+    GROUPED_BODY(8, offs);
+}

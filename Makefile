@@ -40,10 +40,12 @@ test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not model"
 
 # ruff: lint and format check; mypy: types, strict on engine/, mem_cache/ and structured/
-# (settings of both in pyproject.toml); `make format` rewrites in place.
+# (settings of both in pyproject.toml); clang-format: the C kernels' format (kernels/csrc/
+# .clang-format; `clang-format -i` applies it); `make format` rewrites the Python in place.
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/clang-format --dry-run --Werror kernels/csrc/*.c kernels/csrc/*.h
 	$(BIN)/mypy
 
 # docs/flags.md from the settings dataclasses (tests/test_docs.py fails while it is stale)

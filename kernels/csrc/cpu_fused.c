@@ -7,13 +7,15 @@
    rounds on its own, as torch's separate ops do. */
 #define ROW_MATH __attribute__((optimize("fp-contract=off"))) static void
 
-/* out = rmsnorm(x) * w over one row of H, or with residual: residual += x, out = rmsnorm(residual) * w. */
-ROW_MATH norm_row(const float *in, float *residual, const float *w, float *out, int64_t H, float eps) {
+/* out = rmsnorm(x) * w over one row of H, or with residual: residual += x,
+   out = rmsnorm(residual) * w. */
+ROW_MATH norm_row(const float *in, float *residual, const float *w, float *out, int64_t H,
+                  float eps) {
     float *row = residual ? residual : (float *)in;
     if (residual)
         for (int64_t h = 0; h < H; h++) row[h] += in[h];
     float sum = 0.0f;
-    #pragma omp simd reduction(+:sum)
+#pragma omp simd reduction(+ : sum)
     for (int64_t h = 0; h < H; h++) sum += row[h] * row[h];
     const float r = 1.0f / sqrtf(sum / (float)H + eps);
     for (int64_t h = 0; h < H; h++) out[h] = w[h] * (row[h] * r);
@@ -41,10 +43,11 @@ ROW_MATH silu_row(const float *g, float *out, int64_t I) {
     for (int64_t i = 0; i < I; i++) out[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
 }
 
-/* out[t] = rmsnorm(x[t]) * w, or with residual: residual[t] += x[t]; out[t] = rmsnorm(residual[t]) * w. */
+/* out[t] = rmsnorm(x[t]) * w, or with residual: residual[t] += x[t];
+   out[t] = rmsnorm(residual[t]) * w. */
 void rms_norm(const float *x, float *residual, const float *w, float *out, int64_t T, int64_t H,
               float eps) {
-    #pragma omp parallel for schedule(static) if (T > 16)
+#pragma omp parallel for schedule(static) if (T > 16)
     for (int64_t t = 0; t < T; t++)
         norm_row(x + t * H, residual ? residual + t * H : 0, w, out + t * H, H, eps);
 }
@@ -53,7 +56,7 @@ void rms_norm(const float *x, float *residual, const float *w, float *out, int64
    pool rows k_buf/v_buf [slots[t]] (each [Hkv, D]); cos, sin [T, D]. */
 void rope_store(const float *qkv, const float *cos, const float *sin, float *q_out, float *k_buf,
                 float *v_buf, const int64_t *slots, int64_t T, int64_t Hq, int64_t Hkv, int64_t D) {
-    #pragma omp parallel for schedule(static) if (T > 16)
+#pragma omp parallel for schedule(static) if (T > 16)
     for (int64_t t = 0; t < T; t++)
         rope_row(qkv + t * (Hq + 2 * Hkv) * D, cos + t * D, sin + t * D, q_out + t * Hq * D,
                  k_buf + slots[t] * Hkv * D, v_buf + slots[t] * Hkv * D, Hq, Hkv, D);
@@ -61,6 +64,6 @@ void rope_store(const float *qkv, const float *cos, const float *sin, float *q_o
 
 /* gate_up [T, 2I] -> out [T, I] = silu(gate) * up. */
 void silu_mul(const float *gate_up, float *out, int64_t T, int64_t I) {
-    #pragma omp parallel for schedule(static) if (T > 16)
+#pragma omp parallel for schedule(static) if (T > 16)
     for (int64_t t = 0; t < T; t++) silu_row(gate_up + t * 2 * I, out + t * I, I);
 }

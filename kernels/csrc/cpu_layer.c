@@ -9,7 +9,11 @@
    8 for `int4_gemm.PackedGroups` (float16 scales, and offsets where `offs`), INT8_CHANNELS for
    `int8_gemm.PackedInt8` (float32 scales, one per output). */
 #define INT8_CHANNELS 1
-typedef struct { const void *w; const void *sc; int64_t N, K, G, kind, offs; } Packed;
+typedef struct {
+    const void *w;
+    const void *sc;
+    int64_t N, K, G, kind, offs;
+} Packed;
 
 /* One layer: its two norms' weights, its four linears and its K/V pool buffers [S, Hkv, D]. */
 typedef struct {
@@ -45,18 +49,18 @@ static inline void linear(const Packed *p, const float *x, float *out, const Ste
         GROUPED(8, 0);
     else
         int8_body(x, (int16_t *)s->a, s->xs, p->w, p->sc, 0, out, s->T, p->N, p->K, p->G * 32);
-    #pragma omp barrier
+#pragma omp barrier
 }
 
 /* One layer inside the region: x [T, H] (the last layer's MLP output) is added to residual and
    replaced by this layer's MLP output; residual [T, H] is the stream. */
 static void layer(const Layer *w, const Step *s, float *x, float *residual) {
     const int64_t T = s->T, H = s->H, D = s->D, I = s->I, width = (s->Hq + 2 * s->Hkv) * D;
-    #pragma omp for schedule(static)
+#pragma omp for schedule(static)
     for (int64_t t = 0; t < T; t++)
         norm_row(x + t * H, residual + t * H, w->norm1, s->h + t * H, H, s->eps);
     linear(&w->qkv, s->h, s->qkv, s);
-    #pragma omp for schedule(static)
+#pragma omp for schedule(static)
     for (int64_t t = 0; t < T; t++) {
         const int64_t slot = s->out_slots[t] * s->Hkv * D;
         rope_row(s->qkv + t * width, s->cos + t * D, s->sin + t * D, s->q + t * s->Hq * D,
@@ -65,17 +69,17 @@ static void layer(const Layer *w, const Step *s, float *x, float *residual) {
     paged_decode_body(s->q, w->k_buf, w->v_buf, s->slots, s->lens, s->attn, s->lse, T, s->Hq,
                       s->Hkv, D, s->L, s->scale, 0.0f, s->splits, s->part, -1);
     linear(&w->o, s->attn, s->o, s);
-    #pragma omp for schedule(static)
+#pragma omp for schedule(static)
     for (int64_t t = 0; t < T; t++)
         norm_row(s->o + t * H, residual + t * H, w->norm2, s->h + t * H, H, s->eps);
     linear(&w->gate_up, s->h, s->gate_up, s);
-    #pragma omp for schedule(static)
+#pragma omp for schedule(static)
     for (int64_t t = 0; t < T; t++) silu_row(s->gate_up + t * 2 * I, s->act + t * I, I);
     linear(&w->down, s->act, x, s);
 }
 
 /* layers [n] over x and residual [T, H], in one parallel region. */
 void decode_layers(const Layer *layers, int64_t n, const Step *s, float *x, float *residual) {
-    #pragma omp parallel
+#pragma omp parallel
     for (int64_t l = 0; l < n; l++) layer(layers + l, s, x, residual);
 }

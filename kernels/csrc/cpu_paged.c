@@ -20,7 +20,8 @@ static inline __m256 exp8(__m256 x) {
     p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
     p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
     p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    const __m256i e =
+        _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
@@ -28,7 +29,8 @@ static inline __m256 exp8(__m256 x) {
 static inline float dot(const float *q, const float *k, int64_t D) {
     __m256 acc = _mm256_setzero_ps();
     int64_t d = 0;
-    for (; d + 8 <= D; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(k + d), acc);
+    for (; d + 8 <= D; d += 8)
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(k + d), acc);
     float total = hsum8(acc);
     for (; d < D; d++) total += q[d] * k[d];
     return total;
@@ -73,7 +75,7 @@ static inline void softmax_block(float sc[][BLOCK], float s[][BLOCK], int64_t n,
         }
         l[g] = l[g] * correction + hsum8(sum8);
         m[g] = block_max;
-        #pragma omp simd
+#pragma omp simd
         for (int64_t d = 0; d < D; d++) acc[g][d] *= correction;
     }
 }
@@ -99,7 +101,8 @@ static void attend(const float *qh, const float *k, const float *v, const int64_
                    int64_t n_keys, int64_t h, int64_t Hkv, int64_t G, int64_t D, float scale,
                    float cap, float *part) {
     float m[MAX_GROUP], l[MAX_GROUP], acc[MAX_GROUP][MAX_DIM], qs[MAX_GROUP][MAX_DIM];
-    float sc[MAX_GROUP][BLOCK] __attribute__((aligned(32))), s[MAX_GROUP][BLOCK] __attribute__((aligned(32)));
+    float sc[MAX_GROUP][BLOCK] __attribute__((aligned(32))),
+        s[MAX_GROUP][BLOCK] __attribute__((aligned(32)));
     heads_start(qh, G, D, scale, m, l, acc, qs);
     for (int64_t start = 0; start < n_keys; start += BLOCK) {
         const int64_t n = n_keys - start < BLOCK ? n_keys - start : BLOCK;
@@ -112,7 +115,7 @@ static void attend(const float *qh, const float *k, const float *v, const int64_
             const float *vr = v + (rows[start + j] * Hkv + h) * D;
             for (int64_t g = 0; g < G; g++) {
                 const float p = s[g][j];
-                #pragma omp simd
+#pragma omp simd
                 for (int64_t d = 0; d < D; d++) acc[g][d] += p * vr[d];
             }
         }
@@ -125,7 +128,7 @@ static void attend(const float *qh, const float *k, const float *v, const int64_
 static void merge_ranges(const float *part, float *out, float *lse, int64_t B, int64_t Hq,
                          int64_t Hkv, int64_t D, int64_t splits) {
     const int64_t G = Hq / Hkv, stride = G * (D + 2);
-    #pragma omp for collapse(2) schedule(static)
+#pragma omp for collapse(2) schedule(static)
     for (int64_t b = 0; b < B; b++)
         for (int64_t h = 0; h < Hkv; h++)
             for (int64_t g = 0; g < G; g++) {
@@ -148,7 +151,6 @@ static void merge_ranges(const float *part, float *out, float *lse, int64_t B, i
             }
 }
 
-
 /* Quantized pools (`--kv-cache-dtype`, radixrt/mem_cache/kv_quant.py): each (slot, KV head) row
    is W = D + 4 bytes, D one-byte codes then the row's float32 scale. A key or value row is
    decoded once into floats (codes times scale, eight at a time) and then used as the float kernel
@@ -164,7 +166,8 @@ static inline __m256 codes8(const int8_t *p, int64_t kind) {
     const __m128i h = _mm_cvtepu8_epi16(b);
     if (kind == 2) return _mm256_cvtph_ps(_mm_slli_epi16(h, 8));
     const __m128i sign = _mm_slli_epi16(_mm_and_si128(h, _mm_set1_epi16(0x80)), 8);
-    return _mm256_cvtph_ps(_mm_or_si128(sign, _mm_slli_epi16(_mm_and_si128(h, _mm_set1_epi16(0x7f)), 7)));
+    return _mm256_cvtph_ps(
+        _mm_or_si128(sign, _mm_slli_epi16(_mm_and_si128(h, _mm_set1_epi16(0x7f)), 7)));
 }
 
 static inline float row_scale(const int8_t *row, int64_t D, int64_t kind) {
@@ -176,7 +179,8 @@ static inline float row_scale(const int8_t *row, int64_t D, int64_t kind) {
 /* A quantized row's D values (D a multiple of 8) into out. */
 static inline void load_row(const int8_t *row, int64_t D, int64_t kind, float *out) {
     const __m256 s = _mm256_set1_ps(row_scale(row, D, kind));
-    for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(out + d, _mm256_mul_ps(codes8(row + d, kind), s));
+    for (int64_t d = 0; d < D; d += 8)
+        _mm256_storeu_ps(out + d, _mm256_mul_ps(codes8(row + d, kind), s));
 }
 
 /* attend() over quantized rows k, v [S, Hkv, D + 4]: the same blocks, online softmax and
@@ -186,7 +190,8 @@ static void attend_quantized(const float *qh, const int8_t *k, const int8_t *v, 
                              float scale, float cap, int64_t kind, float *part) {
     const int64_t W = D + 4;
     float m[MAX_GROUP], l[MAX_GROUP], acc[MAX_GROUP][MAX_DIM], qs[MAX_GROUP][MAX_DIM];
-    float sc[MAX_GROUP][BLOCK] __attribute__((aligned(32))), s[MAX_GROUP][BLOCK] __attribute__((aligned(32)));
+    float sc[MAX_GROUP][BLOCK] __attribute__((aligned(32))),
+        s[MAX_GROUP][BLOCK] __attribute__((aligned(32)));
     float row[MAX_DIM] __attribute__((aligned(32)));
     heads_start(qh, G, D, scale, m, l, acc, qs);
     for (int64_t start = 0; start < n_keys; start += BLOCK) {
@@ -200,7 +205,7 @@ static void attend_quantized(const float *qh, const int8_t *k, const int8_t *v, 
             load_row(v + (rows[start + j] * Hkv + h) * W, D, kind, row);
             for (int64_t g = 0; g < G; g++) {
                 const float p = s[g][j];
-                #pragma omp simd
+#pragma omp simd
                 for (int64_t d = 0; d < D; d++) acc[g][d] += p * row[d];
             }
         }
@@ -219,7 +224,7 @@ static void paged_decode_body(const float *q, const void *k, const void *v, cons
                               int64_t Hkv, int64_t D, int64_t L, float scale, float cap,
                               int64_t splits, float *part, int64_t kind) {
     const int64_t G = Hq / Hkv, stride = G * (D + 2);
-    #pragma omp for collapse(3) schedule(dynamic)
+#pragma omp for collapse(3) schedule(dynamic)
     for (int64_t b = 0; b < B; b++)
         for (int64_t h = 0; h < Hkv; h++)
             for (int64_t sp = 0; sp < splits; sp++) {
@@ -242,7 +247,7 @@ void paged_decode(const float *q, const void *k, const void *v, const int64_t *s
                   const int64_t *lens, float *out, float *lse, int64_t B, int64_t Hq, int64_t Hkv,
                   int64_t D, int64_t L, float scale, float cap, int64_t splits, float *part,
                   int64_t kind) {
-    #pragma omp parallel
+#pragma omp parallel
     paged_decode_body(q, k, v, slots, lens, out, lse, B, Hq, Hkv, D, L, scale, cap, splits, part,
                       kind);
 }
@@ -252,7 +257,7 @@ void paged_decode(const float *q, const void *k, const void *v, const int64_t *s
    same arithmetic as KVFormat.quantize, so both write the same bytes. */
 void quantize_int8(const float *x, const int64_t *slots, int8_t *buf, int64_t T, int64_t H,
                    int64_t D) {
-    #pragma omp parallel for collapse(2) schedule(static) if (T > 16)
+#pragma omp parallel for collapse(2) schedule(static) if (T > 16)
     for (int64_t t = 0; t < T; t++)
         for (int64_t h = 0; h < H; h++) {
             const float *r = x + (t * H + h) * D;

@@ -8,18 +8,18 @@
 /* MT rows (1..6) of x [., K] against one panel [K, 16]: out[i, n0 + j] for j < nn. Lanes of
    c<i>0 and c<i>1 are outputs (i, n0 .. n0 + 15): one FMA chain each over k in order. Named
    registers, not an array: gcc kept an array's chains in memory. */
-#define ROW(i)                                                             \
-    if (MT > i) {                                                          \
-        const __m256 a = _mm256_broadcast_ss(x + i * K + k);               \
-        c##i##0 = _mm256_fmadd_ps(a, w0, c##i##0);                         \
-        c##i##1 = _mm256_fmadd_ps(a, w1, c##i##1);                         \
+#define ROW(i)                                               \
+    if (MT > i) {                                            \
+        const __m256 a = _mm256_broadcast_ss(x + i * K + k); \
+        c##i##0 = _mm256_fmadd_ps(a, w0, c##i##0);           \
+        c##i##1 = _mm256_fmadd_ps(a, w1, c##i##1);           \
     }
-#define STORE(i)                                                           \
-    if (MT > i) {                                                          \
-        float v[PANEL];                                                    \
-        _mm256_storeu_ps(v, c##i##0);                                      \
-        _mm256_storeu_ps(v + 8, c##i##1);                                  \
-        for (int64_t j = 0; j < nn; j++) out[i * N + n0 + j] = v[j];       \
+#define STORE(i)                                                     \
+    if (MT > i) {                                                    \
+        float v[PANEL];                                              \
+        _mm256_storeu_ps(v, c##i##0);                                \
+        _mm256_storeu_ps(v + 8, c##i##1);                            \
+        for (int64_t j = 0; j < nn; j++) out[i * N + n0 + j] = v[j]; \
     }
 static inline AI void tile(const float *x, int64_t K, const float *wp, float *out, int64_t N,
                            int64_t n0, int64_t nn, const int MT) {
@@ -37,10 +37,10 @@ static inline AI void tile(const float *x, int64_t K, const float *wp, float *ou
    rows at a time. */
 void fixed_linear(const float *x, const float *w, float *out, int64_t M, int64_t N, int64_t K) {
     const int64_t panels = (N + PANEL - 1) / PANEL;
-    #pragma omp parallel
+#pragma omp parallel
     for (int64_t m0 = 0; m0 < M; m0 += BLOCK_ROWS) {
         const int64_t m1 = m0 + BLOCK_ROWS < M ? m0 + BLOCK_ROWS : M;
-        #pragma omp for schedule(static) nowait
+#pragma omp for schedule(static) nowait
         for (int64_t p = 0; p < panels; p++) {
             const int64_t n0 = p * PANEL, nn = N - n0 < PANEL ? N - n0 : PANEL;
             const float *wp = w + p * K * PANEL;

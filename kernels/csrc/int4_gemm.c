@@ -31,8 +31,10 @@ static inline AI __m256i bcast4(const int8_t *p) {
 /* 32 floats -> 32 int8 (round to nearest even, as lrintf), in order. */
 static inline AI __m256i round_group(const float *x, __m256 inv) {
     __m256i i[4];
-    for (int c = 0; c < 4; c++) i[c] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + 8 * c), inv));
-    const __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
+    for (int c = 0; c < 4; c++)
+        i[c] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + 8 * c), inv));
+    const __m256i b =
+        _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
     return _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
 }
 
@@ -78,10 +80,9 @@ void quantize_row(const float *row, int8_t *a, float *xs, float *xsum, int64_t K
    float16 d, then (`offs`) its 8 offsets m; without them the offsets are the symmetric forms'
    own, -8 d for 4 bits (Q4_0's; exact, a power-of-two multiple, so the same bits as stored)
    and 0 for 8 (Q8_0's: no term), and the panel reads 2 bytes a group less. */
-static inline AI void panel_rows(
-        const int8_t *a, int64_t Kp, const float *xs, const float *xsum, int64_t G,
-        const uint8_t *w, const uint16_t *sc, __m256 *acc, const int MT, const int bits,
-        const int offs) {
+static inline AI void panel_rows(const int8_t *a, int64_t Kp, const float *xs, const float *xsum,
+                                 int64_t G, const uint8_t *w, const uint16_t *sc, __m256 *acc,
+                                 const int MT, const int bits, const int offs) {
     const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0F);
     const int64_t wstep = bits * 32, scw = offs ? 2 * PANEL : PANEL;
     for (int i = 0; i < MT; i++) acc[i] = _mm256_setzero_ps();
@@ -129,10 +130,11 @@ static inline AI void panel_rows(
             }
         }
         const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + g * scw)));
-        const __m256 m = offs ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + g * scw + PANEL)))
-                              : _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));
+        const __m256 m =
+            offs ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + g * scw + PANEL)))
+                 : _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));
         for (int i = 0; i < MT; i++) {
-            const __m256i isum = DOT_INT32  ? _mm256_add_epi32(s[i], t[i])
+            const __m256i isum = DOT_INT32   ? _mm256_add_epi32(s[i], t[i])
                                  : bits == 4 ? _mm256_madd_epi16(s[i], ones)
                                              : s[i];
             acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum),
@@ -144,10 +146,10 @@ static inline AI void panel_rows(
 }
 
 /* panel_rows, then its outputs (the panel's first nn of 8) with the bias into out [.., N]. */
-static inline AI void panel_out(
-        const int8_t *a, int64_t Kp, const float *xs, const float *xsum, int64_t G,
-        const uint8_t *w, const uint16_t *sc, const float *bias, float *out, int64_t N,
-        int64_t n0, int64_t nn, const int MT, const int bits, const int offs) {
+static inline AI void panel_out(const int8_t *a, int64_t Kp, const float *xs, const float *xsum,
+                                int64_t G, const uint8_t *w, const uint16_t *sc, const float *bias,
+                                float *out, int64_t N, int64_t n0, int64_t nn, const int MT,
+                                const int bits, const int offs) {
     __m256 acc[MR];
     panel_rows(a, Kp, xs, xsum, G, w, sc, acc, MT, bits, offs);
     for (int i = 0; i < MT; i++) {
@@ -158,12 +160,12 @@ static inline AI void panel_out(
 }
 
 /* Rows [m0, m1) of out against panel p: tiles of MR rows, then the rest. */
-static inline AI void block_panel(
-        const int8_t *a, const float *xs, const float *xsum, const uint8_t *w, const uint16_t *sc,
-        const float *bias, float *out, int64_t m0, int64_t m1, int64_t N, int64_t Kp, int64_t G,
-        int64_t p, const int bits, const int offs) {
+static inline AI void block_panel(const int8_t *a, const float *xs, const float *xsum,
+                                  const uint8_t *w, const uint16_t *sc, const float *bias,
+                                  float *out, int64_t m0, int64_t m1, int64_t N, int64_t Kp,
+                                  int64_t G, int64_t p, const int bits, const int offs) {
     const int64_t n0 = p * PANEL, nn = N - n0 < PANEL ? N - n0 : PANEL;
-#define TILE(r, n) \
+#define TILE(r, n)                                                                              \
     panel_out(a + (r) * Kp, Kp, xs + (r) * G, xsum + (r) * G, G, w, sc, bias, out + (r) * N, N, \
               n0, nn, n, bits, offs)
     int64_t i = m0;
@@ -178,29 +180,29 @@ static inline AI void block_panel(
 
 /* out [M, N] = x @ dequant(w).T + bias, x [M, K] float; w [ceil(N/8), G, group bytes * 8];
    sc float16 [ceil(N/8), G, 16] (8 without the offsets: `offs` 0); a [M, G * 32], xs and xsum
-   [M, G]: scratch for the quantized rows. Called by every thread of one parallel region (its loops are the region's work-sharing
-   loops): the rows' quantization, then the panels, a block of rows at a time. Inlined into
-   each entry point with `bits` and `offs` constants, so that each form compiles to its own
-   loops.
+   [M, G]: scratch for the quantized rows. Called by every thread of one parallel region (its
+   loops are the region's work-sharing loops): the rows' quantization, then the panels, a block
+   of rows at a time. Inlined into each entry point with `bits` and `offs` constants, so that each
+   form compiles to its own loops.
    Weights are unpacked in registers, by every tile: unpacking a panel once into a buffer for
    all the tiles was 1.1-1.3x slower on AVX-512 hosts (docs/benchmarks.md). */
-static inline AI void linear_body(
-        const float *x, int8_t *a, float *xs, float *xsum, const uint8_t *w, const uint16_t *sc,
-        const float *bias, float *out, int64_t M, int64_t N, int64_t K, int64_t G, const int bits,
-        const int offs) {
+static inline AI void linear_body(const float *x, int8_t *a, float *xs, float *xsum,
+                                  const uint8_t *w, const uint16_t *sc, const float *bias,
+                                  float *out, int64_t M, int64_t N, int64_t K, int64_t G,
+                                  const int bits, const int offs) {
     const int64_t panels = (N + PANEL - 1) / PANEL, Kp = G * GROUP, gbytes = bits * 32;
     const int64_t scw = offs ? 2 * PANEL : PANEL;
     int64_t rows = BLOCK_BYTES / Kp / MR * MR;
     rows = rows < MR ? MR : rows;
-    #pragma omp for schedule(static)
+#pragma omp for schedule(static)
     for (int64_t m = 0; m < M; m++)
         quantize_row(x + m * K, a + m * Kp, xs + m * G, xsum + m * G, K, G);
     for (int64_t m0 = 0; m0 < M; m0 += rows) {
         const int64_t m1 = m0 + rows < M ? m0 + rows : M;
-        #pragma omp for schedule(static) nowait
+#pragma omp for schedule(static) nowait
         for (int64_t p = 0; p < panels; p++)
-            block_panel(a, xs, xsum, w + p * G * gbytes, sc + p * G * scw, bias, out, m0, m1, N,
-                        Kp, G, p, bits, offs);
+            block_panel(a, xs, xsum, w + p * G * gbytes, sc + p * G * scw, bias, out, m0, m1, N, Kp,
+                        G, p, bits, offs);
     }
 }
 
@@ -235,9 +237,9 @@ static void amx_configure(void) {
 
 /* Block `blk` of 16 weight rows (panels 2 blk and 2 blk + 1; a missing second panel is zeros),
    every group: the weight tiles wb [G, 8, 64] and the rows' d and m as floats [G, 16]. */
-static inline AI void unpack_block(
-        const uint8_t *w, const uint16_t *sc, int64_t panels, int64_t G, int64_t blk,
-        uint8_t *wb, float *d, float *m, const int bits, const int offs) {
+static inline AI void unpack_block(const uint8_t *w, const uint16_t *sc, int64_t panels, int64_t G,
+                                   int64_t blk, uint8_t *wb, float *d, float *m, const int bits,
+                                   const int offs) {
     const __m256i low = _mm256_set1_epi8(0x0F);
     const int64_t gbytes = bits * 32, scw = offs ? 2 * PANEL : PANEL;
     for (int h = 0; h < 2; h++) {
@@ -246,7 +248,8 @@ static inline AI void unpack_block(
             uint8_t *rows = wb + g * 512 + 32 * h; /* this panel's half of each tile row */
             float *dg = d + g * 16 + h * PANEL, *mg = m + g * 16 + h * PANEL;
             if (p >= panels) {
-                for (int t = 0; t < 8; t++) _mm256_store_si256((__m256i *)(rows + 64 * t), _mm256_setzero_si256());
+                for (int t = 0; t < 8; t++)
+                    _mm256_store_si256((__m256i *)(rows + 64 * t), _mm256_setzero_si256());
                 _mm256_store_ps(dg, _mm256_setzero_ps());
                 _mm256_store_ps(mg, _mm256_setzero_ps());
                 continue;
@@ -267,8 +270,9 @@ static inline AI void unpack_block(
             const uint16_t *s = sc + (p * G + g) * scw;
             const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)s));
             _mm256_store_ps(dg, dv);
-            _mm256_store_ps(mg, offs ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + PANEL)))
-                                     : _mm256_mul_ps(dv, _mm256_set1_ps(-8.0f)));
+            _mm256_store_ps(mg, offs
+                                    ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + PANEL)))
+                                    : _mm256_mul_ps(dv, _mm256_set1_ps(-8.0f)));
         }
     }
 }
@@ -276,15 +280,15 @@ static inline AI void unpack_block(
 /* One group's sums (16 x 16 int32, activation row by weight row) into those rows'
    accumulators (in memory: four tiles' do not fit in registers): panel_rows's float
    operations, in its order. */
-static inline AI void tile_sums(
-        const int32_t (*sums)[16], const float *d, const float *m, const float *xs,
-        const float *xsum, int64_t G, int64_t g, int64_t mb, float (*acc)[16], const int bits,
-        const int offs) {
+static inline AI void tile_sums(const int32_t (*sums)[16], const float *d, const float *m,
+                                const float *xs, const float *xsum, int64_t G, int64_t g,
+                                int64_t mb, float (*acc)[16], const int bits, const int offs) {
     const __m512 dv = _mm512_load_ps(d + g * 16), mv = _mm512_load_ps(m + g * 16);
     for (int i = 0; i < 16; i++) {
         const int64_t r = (mb * 16 + i) * G + g;
         const __m512 s = _mm512_cvtepi32_ps(_mm512_load_si512(sums[i]));
-        __m512 a = _mm512_fmadd_ps(s, _mm512_mul_ps(dv, _mm512_set1_ps(xs[r])), _mm512_load_ps(acc[i]));
+        __m512 a =
+            _mm512_fmadd_ps(s, _mm512_mul_ps(dv, _mm512_set1_ps(xs[r])), _mm512_load_ps(acc[i]));
         if (offs || bits == 4) a = _mm512_fmadd_ps(mv, _mm512_set1_ps(xsum[r]), a);
         _mm512_store_ps(acc[i], a);
     }
@@ -292,9 +296,8 @@ static inline AI void tile_sums(
 
 /* A block's outputs (16 activation rows from mb, 16 weight rows from n0) from `acc`, with the
    bias: the rows and columns that exist. */
-static inline AI void tile_out(
-        float (*acc)[16], int64_t mb, const float *bias, float *out, int64_t M, int64_t N,
-        int64_t n0) {
+static inline AI void tile_out(float (*acc)[16], int64_t mb, const float *bias, float *out,
+                               int64_t M, int64_t N, int64_t n0) {
     const int64_t rows = M - mb * 16 < 16 ? M - mb * 16 : 16;
     const int64_t cols = N - n0 < 16 ? N - n0 : 16;
     if (cols <= 0) return;
@@ -308,10 +311,10 @@ static inline AI void tile_out(
 /* Two blocks of 16 activation rows (mb, mb + 1; only mb where it is the last) by two blocks of
    16 weight rows (wb[0], wb[1]: 32 rows from n0), every group. A weight block past the weights
    is zeros and activation rows past M are zeros: their outputs are not written. */
-static inline AI void tile_block(
-        uint8_t *const *wb, float *const *d, float *const *m, const int8_t *a, int64_t Kp,
-        const float *xs, const float *xsum, int64_t Mp, int64_t G, int64_t mb, const float *bias,
-        float *out, int64_t M, int64_t N, int64_t n0, const int bits, const int offs) {
+static inline AI void tile_block(uint8_t *const *wb, float *const *d, float *const *m,
+                                 const int8_t *a, int64_t Kp, const float *xs, const float *xsum,
+                                 int64_t Mp, int64_t G, int64_t mb, const float *bias, float *out,
+                                 int64_t M, int64_t N, int64_t n0, const int bits, const int offs) {
     int32_t sums[4][16][16] __attribute__((aligned(64)));
     float acc[4][16][16] __attribute__((aligned(64)));
     const int two = mb + 1 < Mp / 16;
@@ -360,13 +363,12 @@ static inline AI void tile_block(
    thread takes pairs of blocks of 16 weight rows, unpacks a pair once and multiplies it by
    every pair of row blocks (unpacking again for chunks of rows kept in L2 cost more: a quarter
    of the time at 128 rows). */
-static inline AI void amx_body(
-        const float *x, int8_t *a, float *xs, float *xsum, const uint8_t *w, const uint16_t *sc,
-        const float *bias, float *out, int64_t M, int64_t N, int64_t K, int64_t G, const int bits,
-        const int offs) {
+static inline AI void amx_body(const float *x, int8_t *a, float *xs, float *xsum, const uint8_t *w,
+                               const uint16_t *sc, const float *bias, float *out, int64_t M,
+                               int64_t N, int64_t K, int64_t G, const int bits, const int offs) {
     const int64_t panels = (N + PANEL - 1) / PANEL, pairs = (panels + 3) / 4, Kp = G * GROUP;
     const int64_t Mp = (M + 15) / 16 * 16;
-    #pragma omp for schedule(static)
+#pragma omp for schedule(static)
     for (int64_t r = 0; r < Mp; r++) {
         if (r < M) {
             quantize_row(x + r * K, a + r * Kp, xs + r * G, xsum + r * G, K, G);
@@ -384,18 +386,19 @@ static inline AI void amx_body(
         m[h] = aligned_alloc(64, G * 16 * sizeof(float));
     }
     amx_configure();
-    #pragma omp for schedule(static)
+#pragma omp for schedule(static)
     for (int64_t pair = 0; pair < pairs; pair++) {
         for (int h = 0; h < 2; h++)
             unpack_block(w, sc, panels, G, 2 * pair + h, wb[h], d[h], m[h], bits, offs);
         for (int64_t mb = 0; mb < Mp / 16; mb += 2)
-            tile_block(wb, d, m, a, Kp, xs, xsum, Mp, G, mb, bias, out, M, N, 32 * pair, bits, offs);
+            tile_block(wb, d, m, a, Kp, xs, xsum, Mp, G, mb, bias, out, M, N, 32 * pair, bits,
+                       offs);
     }
     _tile_release();
     for (int h = 0; h < 2; h++) free(wb[h]), free(d[h]), free(m[h]);
 }
 
-#define AMX_BODY(bits, offs) \
+#define AMX_BODY(bits, offs)                                                  \
     ((offs) ? amx_body(x, a, xs, xsum, w, sc, bias, out, M, N, K, G, bits, 1) \
             : amx_body(x, a, xs, xsum, w, sc, bias, out, M, N, K, G, bits, 0))
 
@@ -403,33 +406,33 @@ static inline AI void amx_body(
 void int4_linear_amx(const float *x, int8_t *a, float *xs, float *xsum, const uint8_t *w,
                      const uint16_t *sc, const float *bias, float *out, int64_t M, int64_t N,
                      int64_t K, int64_t G, int64_t offs) {
-    #pragma omp parallel
+#pragma omp parallel
     AMX_BODY(4, offs);
 }
 
 void q8_linear_amx(const float *x, int8_t *a, float *xs, float *xsum, const uint8_t *w,
                    const uint16_t *sc, const float *bias, float *out, int64_t M, int64_t N,
                    int64_t K, int64_t G, int64_t offs) {
-    #pragma omp parallel
+#pragma omp parallel
     AMX_BODY(8, offs);
 }
 #endif
 
 /* linear_body with `bits` and `offs` as constants of the branch taken. */
-#define GROUPED_BODY(bits, offs) \
+#define GROUPED_BODY(bits, offs)                                                 \
     ((offs) ? linear_body(x, a, xs, xsum, w, sc, bias, out, M, N, K, G, bits, 1) \
             : linear_body(x, a, xs, xsum, w, sc, bias, out, M, N, K, G, bits, 0))
 
 void int4_linear(const float *x, int8_t *a, float *xs, float *xsum, const uint8_t *w,
-                 const uint16_t *sc, const float *bias, float *out, int64_t M, int64_t N,
-                 int64_t K, int64_t G, int64_t offs) {
-    #pragma omp parallel
+                 const uint16_t *sc, const float *bias, float *out, int64_t M, int64_t N, int64_t K,
+                 int64_t G, int64_t offs) {
+#pragma omp parallel
     GROUPED_BODY(4, offs);
 }
 
 void q8_linear(const float *x, int8_t *a, float *xs, float *xsum, const uint8_t *w,
-               const uint16_t *sc, const float *bias, float *out, int64_t M, int64_t N,
-               int64_t K, int64_t G, int64_t offs) {
-    #pragma omp parallel
+               const uint16_t *sc, const float *bias, float *out, int64_t M, int64_t N, int64_t K,
+               int64_t G, int64_t offs) {
+#pragma omp parallel
     GROUPED_BODY(8, offs);
 }

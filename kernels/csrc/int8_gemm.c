@@ -17,9 +17,9 @@ static void quantize_row16(const float *row, int16_t *q, float *scale, int64_t K
 }
 
 /* MT activation rows (1..3) against one packed tile row of 4 outputs. */
-static inline __attribute__((always_inline)) void tile(
-        const int16_t *xq, const float *xs, const int8_t *wt, const float *ws, const float *bias,
-        float *out, int64_t MT, int64_t N, int64_t Kp, int64_t n0, int64_t nn) {
+static inline __attribute__((always_inline)) void
+tile(const int16_t *xq, const float *xs, const int8_t *wt, const float *ws, const float *bias,
+     float *out, int64_t MT, int64_t N, int64_t Kp, int64_t n0, int64_t nn) {
     __m256 total[3][ROWS];
     for (int i = 0; i < 3; i++)
         for (int j = 0; j < ROWS; j++) total[i][j] = _mm256_setzero_ps();
@@ -65,14 +65,15 @@ static inline __attribute__((always_inline)) void tile(
 static void int8_body(const float *x, int16_t *xq, float *xs, const int8_t *w, const float *ws,
                       const float *bias, float *out, int64_t M, int64_t N, int64_t K, int64_t Kp) {
     const int64_t tiles = (N + ROWS - 1) / ROWS;
-    #pragma omp for schedule(static)
+#pragma omp for schedule(static)
     for (int64_t m = 0; m < M; m++) quantize_row16(x + m * K, xq + m * Kp, xs + m, K, Kp);
-    #pragma omp for schedule(static) nowait
+#pragma omp for schedule(static) nowait
     for (int64_t t = 0; t < tiles; t++) {
         const int64_t n0 = t * ROWS, nn = N - n0 < ROWS ? N - n0 : ROWS;
         const int8_t *wt = w + t * ROWS * Kp;
         int64_t m = 0;
-        for (; m + 3 <= M; m += 3) tile(xq + m * Kp, xs + m, wt, ws, bias, out + m * N, 3, N, Kp, n0, nn);
+        for (; m + 3 <= M; m += 3)
+            tile(xq + m * Kp, xs + m, wt, ws, bias, out + m * N, 3, N, Kp, n0, nn);
         if (M - m == 2) tile(xq + m * Kp, xs + m, wt, ws, bias, out + m * N, 2, N, Kp, n0, nn);
         if (M - m == 1) tile(xq + m * Kp, xs + m, wt, ws, bias, out + m * N, 1, N, Kp, n0, nn);
     }
@@ -80,6 +81,6 @@ static void int8_body(const float *x, int16_t *xq, float *xs, const int8_t *w, c
 
 void int8_linear(const float *x, int16_t *xq, float *xs, const int8_t *w, const float *ws,
                  const float *bias, float *out, int64_t M, int64_t N, int64_t K, int64_t Kp) {
-    #pragma omp parallel
+#pragma omp parallel
     int8_body(x, xq, xs, w, ws, bias, out, M, N, K, Kp);
 }

@@ -1,7 +1,8 @@
 """Hand-written kernels: Triton attention over the paged KV token pool (GPU) with torch
 references, Triton's fused MoE projections, LoRA deltas (GPU; the deltas' CPU path is
 `lora`) and weight-only GEMM over the packed weights (`packed_gemm`), and C kernels for the
-CPU built on first use (`native`, `cpu_paged`, `cpu_fused`, `cpu_mask`, `int8_gemm`).
+CPU built on first use (`native`, `cpu_paged`, `cpu_fused`, `cpu_mask`, `int8_gemm`), their C
+in `csrc/`.
 
 The Triton names load on first access, so the CPU kernels import without Triton.
 """

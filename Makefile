@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast lint format model flags-doc protocol-doc bench bench-spec bench-hicache bench-dp bench-peers gpu-check clean soak soak-ci
+.PHONY: demo test test-fast lint format model flags-doc protocol-doc bench bench-spec bench-hicache bench-dp bench-peers bench-defaults gpu-check clean soak soak-ci
 
 # torch is pinned to the CPU wheel that lies on this kind of machine's disk; a bare
 # `pip install torch` would pull a multi-GB CUDA build.
@@ -118,6 +118,11 @@ LLAMA_CPP_PYTHON := 0.3.36
 bench-peers: $(STAMP)
 	$(BIN)/pip install llama-cpp-python==$(LLAMA_CPP_PYTHON)
 	test -x $(BIN)/test-backend-ops || bash scripts/build_llama_server.sh $(LLAMA_CPP_PYTHON) $(BIN)
+
+# radixrt against llama-server on one GGUF, default flags on both sides (docs/benchmarks.md,
+# "Default flags"): GGUF=path/to/model.gguf make bench-defaults
+bench-defaults: $(STAMP)
+	$(BIN)/python scripts/serve_defaults.py --model $(GGUF)
 
 # The soak (docs/reliability.md): SOAK_CLIENTS client processes for SOAK_MINUTES minutes against
 # one runtime on loopback (kills, malformed frames, a restart); it stops by itself and exits 1 when

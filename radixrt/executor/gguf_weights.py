@@ -22,6 +22,7 @@ dequantizes.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 import struct
@@ -32,6 +33,7 @@ from typing import Any, BinaryIO
 import torch
 
 from radixrt.executor.model_loader import SafetensorsWriter, read_into
+from radixrt.kernels import int4_gemm
 from radixrt.kernels.int4_gemm import GROUP, Bits, PackedGroups, implied_offsets, int8_groups
 from radixrt.models.linear import EMBEDDING
 
@@ -49,8 +51,8 @@ Q4_K_BYTES = 144  # d, dmin (float16), 12 bytes of 6-bit scales and mins, 128 of
 REQUANTIZE_FLOATS = 1 << 22  # Q5_K/Q6_K rows dequantized at once: at most 16 MB of float32
 ARCHITECTURES = ("llama", "qwen2")  # whose tensor names and row orders `plan` knows
 # `read_linears`' packed copy, beside the conversion: safetensors under a name that the
-# loader's *.safetensors glob (the float weights) never takes; v: the packed layout's version
-PACKED_CACHE = ".radixrt-packed-groups-v1"
+# loader's *.safetensors glob (the float weights) never takes (`packed_cache` adds its key)
+PACKED_CACHE = ".radixrt-packed-groups"
 
 
 @dataclass(frozen=True)
@@ -140,6 +142,16 @@ def plan(path: Path, config) -> GGUFPlan:
         m: parts for m, parts in wanted.items() if _packable([types.get(p.name) for p in parts])
     }
     return GGUFPlan(header, linears)
+
+
+def packed_cache(folder: Path) -> Path:
+    """Where `read_linears` keeps the packed copy of the GGUF that `folder` was converted from:
+    named by the code that packs (this module and the kernel's layout, `int4_gemm`), so an edit
+    to either packs again rather than reading groups of another layout."""
+    digest = hashlib.sha256()
+    for module in (__file__, int4_gemm.__file__):
+        digest.update(Path(module).read_bytes())
+    return folder / f"{PACKED_CACHE}-{digest.hexdigest()[:12]}"
 
 
 def read_linears(plan: GGUFPlan, cache: Path | None = None) -> dict[str, PackedGroups]:

@@ -326,7 +326,7 @@ class ModelRunner:
             causal = cast(CausalLM, model)
             # on the run's device (a GPU's Triton kernel and lookups read them there), once: a
             # tied table and output projection share the groups
-            cache = self.model_path / gguf_weights.PACKED_CACHE
+            cache = gguf_weights.packed_cache(self.model_path)
             read = {
                 n: w.to(self.device) for n, w in gguf_weights.read_linears(packed, cache).items()
             }

@@ -102,7 +102,7 @@ def test_the_packed_copy_reads_back_the_same_groups(default_model_dir, tmp_path)
     it back; both give the groups packed from the file's blocks, bit for bit."""
     config = AutoConfig.from_pretrained(default_model_dir)
     plan = gguf_weights.plan(default_gguf_path(), config)
-    cache = tmp_path / gguf_weights.PACKED_CACHE
+    cache = gguf_weights.packed_cache(tmp_path)
     fresh = gguf_weights.read_linears(plan)
     written = gguf_weights.read_linears(plan, cache)
     assert cache.is_file()

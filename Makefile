@@ -121,7 +121,9 @@ bench-peers: $(STAMP)
 
 # radixrt against llama-server on one GGUF, default flags on both sides (docs/benchmarks.md,
 # "Default flags"): GGUF=path/to/model.gguf make bench-defaults
+GGUF ?=
 bench-defaults: $(STAMP)
+	@test -n "$(GGUF)" || { echo "bench-defaults: name the model, GGUF=path/to/model.gguf" >&2; exit 2; }
 	$(BIN)/python scripts/serve_defaults.py --model $(GGUF)
 
 # The soak (docs/reliability.md): SOAK_CLIENTS client processes for SOAK_MINUTES minutes against

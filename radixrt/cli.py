@@ -99,7 +99,8 @@ def _generate(args: argparse.Namespace) -> None:
 
 
 def _bench(args: argparse.Namespace) -> None:
-    from radixrt.bench import BenchConfig, run_bench
+    from radixrt.bench.config import BenchConfig
+    from radixrt.bench.runner import run_bench
 
     run_bench(BenchConfig.from_cli_args(args))
 
@@ -159,7 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=_generate)
 
     bench = sub.add_parser("bench", help="serving benchmarks (see `radixrt bench --help`)")
-    from radixrt.bench import BenchConfig
+    from radixrt.bench.config import BenchConfig
 
     BenchConfig.add_cli_args(bench)
     bench.set_defaults(func=_bench)

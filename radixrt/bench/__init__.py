@@ -1,6 +1,4 @@
-"""Serving benchmarks: workloads, load generators, the four metrics, peers and plots."""
+"""Serving benchmarks: workloads, load generators, the four metrics, peers and plots.
 
-from radixrt.bench.config import BenchConfig
-from radixrt.bench.runner import run_bench
-
-__all__ = ["BenchConfig", "run_bench"]
+`config.BenchConfig` is the command line (light: every `radixrt` command builds its parser);
+`runner.run_bench` runs one (torch and the suites load there)."""

@@ -313,19 +313,27 @@ def _results(finals: list[dict]) -> dict | list[dict]:
 
 
 def import_tokenizer_library() -> None:
-    """Import what `load_tokenizer` needs (transformers, torch: seconds), so that a caller can
-    overlap it with waiting for the runtime. AutoTokenizer reads the model's config, and a config
-    class (Llama's here) pulls in what every family's does (torch.distributed.tensor, accelerate)."""
-    from transformers import AutoTokenizer, LlamaConfig, PreTrainedTokenizerFast  # noqa: F401
+    """Import what `load_tokenizer` needs (transformers' top level: about half a second, no
+    torch), so that a caller can overlap it with waiting for the runtime."""
+    import transformers  # noqa: F401
 
 
 def load_tokenizer(info: dict[str, Any]):
     """The runtime's tokenizer, from its `model_info`: the files at its `tokenizer_path` (the
     runtime's paths must be this machine's) with the chat template it serves, which
-    `--chat-template` may have put in place of the files' own."""
-    from transformers import AutoTokenizer
+    `--chat-template` may have put in place of the files' own.
 
-    tokenizer = AutoTokenizer.from_pretrained(info.get("tokenizer_path") or info["model_path"])
+    The class is the one the runtime's AutoTokenizer chose (`tokenizer_class`), loaded directly:
+    AutoTokenizer itself reads the model's config, whose classes import torch (a quarter GB
+    resident, seconds) in processes that never run the model. A class transformers does not
+    export (remote code) goes through AutoTokenizer."""
+    import transformers
+
+    path = info.get("tokenizer_path") or info["model_path"]
+    cls = getattr(transformers, info.get("tokenizer_class") or "AutoTokenizer", None)
+    if not (isinstance(cls, type) and hasattr(cls, "from_pretrained")):
+        cls = transformers.AutoTokenizer
+    tokenizer = cls.from_pretrained(path)
     if info.get("chat_template"):
         tokenizer.chat_template = info["chat_template"]
     return tokenizer

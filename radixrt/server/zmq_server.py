@@ -362,6 +362,7 @@ def _model_info(server: Server, caller: Caller, msg: dict[str, Any]) -> dict[str
         "model": server.args.model_name,
         "model_path": str(info.model_path),
         "tokenizer_path": str(info.tokenizer_path),
+        "tokenizer_class": type(tok).__name__,
         "context_length": info.context_length,
         "chat_template": tok.chat_template,
         "special_tokens": {k: v for k, v in tok.special_tokens_map.items() if isinstance(v, str)},

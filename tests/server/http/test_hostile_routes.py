@@ -259,6 +259,19 @@ def test_the_gateway_does_not_grow(runtime, figures):
     assert runtime.generate("hi", {"max_new_tokens": 1})["meta_info"]["completion_tokens"] == 1
 
 
+def test_the_gateway_runs_without_torch(runtime, figures):
+    """The gateway tokenizes and renders templates with transformers' tokenizer class alone: the
+    model's config classes (and torch under them, a quarter GB resident) stay in the runtime."""
+    pid = gateway_pid(runtime._proc.pid)
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    status, reply = _call(runtime.http_url, "POST", "/v1/chat/completions", json.dumps(chat).encode())
+    assert status == 200, reply
+    with open(f"/proc/{pid}/maps") as f:
+        assert "libtorch" not in f.read()
+    figures.setdefault("gateway RSS MiB", []).append(rss_mib(pid))
+    assert rss_mib(pid) < 200, rss_mib(pid)
+
+
 @pytest.mark.parametrize(
     "fields",
     [

@@ -2,6 +2,9 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# every Python started here (and its children) without the working directory on sys.path: the
+# checkout's top-level kernels/ would take the import name of Hugging Face's `kernels`
+export PYTHONSAFEPATH := 1
 
 .PHONY: demo test test-fast lint format model flags-doc protocol-doc bench bench-spec bench-hicache bench-dp bench-peers bench-defaults gpu-check clean soak soak-ci
 
@@ -16,7 +19,7 @@ $(STAMP): pyproject.toml
 	# SGLang's frontend language, for its tests; --no-deps leaves out its GPU server's stack
 	$(BIN)/pip install -q --no-deps sglang==0.5.23
 	# llm-compressor's one-shot writes the tests' compressed-tensors checkpoints; --no-deps: it
-	# pins transformers<=5.17 and auto-round, yet its one-shot runs with 5.24 (the rest is in dev)
+	# pins transformers<=5.17 and auto-round, yet its one-shot runs with 5.25 (the rest is in dev)
 	$(BIN)/pip install -q --no-deps llmcompressor==0.14.0.1
 	touch $(STAMP)
 

@@ -9,10 +9,12 @@ started by hand has no such variable and is never watched.
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 
 PARENT_PID_ENV = "RADIXRT_PARENT_PID"
+SAFE_PATH = ["-P"] if sys.version_info >= (3, 11) else []
 WATCH_PERIOD_S = 1.0
 
 
@@ -31,3 +33,10 @@ def exit_with_parent(parent_pid: int | None = None) -> None:
         os._exit(1)
 
     threading.Thread(target=watch, name="radixrt-parent-watch", daemon=True).start()
+
+
+def python_command(*args: str) -> list[str]:
+    """This interpreter running `args` (e.g. `-m radixrt serve ...`) without the working directory
+    on sys.path (`-P`, Python 3.11+): started in a checkout, its top-level kernels/ would take the
+    import name of Hugging Face's `kernels`, which transformers imports."""
+    return [sys.executable, *SAFE_PATH, *args]

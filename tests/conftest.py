@@ -3,6 +3,16 @@
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
+
+# Run as `python -m pytest` in the checkout, the working directory heads sys.path, and its
+# top-level kernels/ would take the name of Hugging Face's `kernels`, which transformers imports:
+# the tests import radixrt.kernels, and the processes they start run without it (PYTHONSAFEPATH).
+sys.path[:] = [
+    p for p in sys.path if Path(p or ".").resolve() != Path(__file__).parents[1].resolve()
+]
+os.environ["PYTHONSAFEPATH"] = "1"
 
 # The Triton kernels run interpreted in the tests (on the CPU too). It must be set before
 # triton.jit decorates them, i.e. before any test module imports the Triton backend.
@@ -10,7 +20,6 @@ os.environ["TRITON_INTERPRET"] = "1"
 
 import shutil
 from collections import defaultdict
-from pathlib import Path
 
 import pytest
 import torch

@@ -5,6 +5,7 @@ sub-package ships in the wheel."""
 from __future__ import annotations
 
 import ast
+import os
 import shutil
 import subprocess
 import sys
@@ -12,6 +13,8 @@ import zipfile
 from pathlib import Path
 
 import pytest
+
+from radixrt.lifecycle import python_command
 
 ROOT = Path(__file__).resolve().parent.parent
 # package -> the radixrt packages it may import (at run time; type-checking-only imports aside)
@@ -228,15 +231,29 @@ def test_the_cycle_check_finds_and_names_a_cycle():
 
 
 @pytest.mark.parametrize(
-    "modules",
+    "statement",
     [
-        "radixrt",  # the user API: DSL, endpoint, launchers
-        "radixrt.server.http.process, radixrt.server.http.app",  # the HTTP gateway's process
+        "import radixrt",  # the user API: DSL, endpoint, launchers
+        "import radixrt.server.http.process, radixrt.server.http.app",  # the HTTP gateway's process
+        "import radixrt.cli; radixrt.cli.build_parser()",  # every `radixrt` command, the gateway's
     ],
 )
-def test_client_side_loads_no_torch(modules):
-    code = f"import sys, {modules}; sys.exit('torch' in sys.modules or 'radixrt.engine' in sys.modules)"
+def test_client_side_loads_no_torch(statement):
+    code = f"import sys; {statement}; sys.exit('torch' in sys.modules or 'radixrt.engine' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == 0
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="-P (no working directory) is 3.11's")
+def test_processes_started_in_the_checkout_import_hugging_faces_kernels():
+    """radixrt starts Python (`serve`'s gateway, launchers' runtimes) without the working directory
+    on sys.path: in the checkout, kernels/ would take the name of Hugging Face's `kernels`, which
+    transformers imports."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONSAFEPATH"}
+    code = "import kernels; print(kernels.__file__)"
+    out = subprocess.run(
+        python_command("-c", code), cwd=ROOT, env=env, capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0 and "site-packages" in out.stdout, out
 
 
 def test_wheel_holds_every_sub_package(tmp_path):

@@ -10,6 +10,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from radixrt.lifecycle import python_command
+
 # Runs in a fresh interpreter: everything imported first (and the model built on the meta device,
 # for its largest linear), the RSS noted, the model loaded (its linears packed as they are read,
 # under int8 or int4), then the high-water mark read. Prints the peak growth, the bytes the model
@@ -88,7 +90,7 @@ def measure(
     peak."""
     root = Path(__file__).resolve().parents[2]
     out = subprocess.run(
-        [sys.executable, "-c", MEASURE, str(folder), dtype, quantization],
+        python_command("-c", MEASURE, str(folder), dtype, quantization),
         cwd=root,
         capture_output=True,
         text=True,

@@ -11,9 +11,10 @@ from __future__ import annotations
 import argparse
 import json
 import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
+
+from radixrt.lifecycle import python_command
 
 # Runs in a fresh interpreter, so that the peak is this run's own (see loader_memory.MEASURE).
 SERVED = """
@@ -89,7 +90,7 @@ def measure(settings: dict, new_tokens: int = 8, timeout: float = 1800) -> Serve
     fresh interpreter and read its memory."""
     root = Path(__file__).resolve().parents[2]
     out = subprocess.run(
-        [sys.executable, "-c", SERVED, json.dumps(settings), str(new_tokens)],
+        python_command("-c", SERVED, json.dumps(settings), str(new_tokens)),
         cwd=root,
         capture_output=True,
         text=True,

@@ -13,7 +13,6 @@ import os
 import shutil
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 import urllib.request
@@ -25,7 +24,7 @@ import zmq
 
 from radixrt.client.endpoint import ZmqEndpoint, load_tokenizer, version_field
 from radixrt.config import SECRETS, ServerArgs
-from radixrt.lifecycle import PARENT_PID_ENV
+from radixrt.lifecycle import PARENT_PID_ENV, python_command
 from radixrt.protocol import tensor_handoff_dir
 
 START_TIMEOUT_S = 600
@@ -95,7 +94,7 @@ class Runtime(ZmqEndpoint):
             )
 
     def _command(self) -> list[str]:
-        return [sys.executable, "-m", "radixrt", "serve", *self.args.to_cli_args()]
+        return python_command("-m", "radixrt", "serve", *self.args.to_cli_args())
 
     def _env(self) -> dict[str, str]:
         env = {**os.environ, PARENT_PID_ENV: str(os.getpid())}  # it ends when this process does

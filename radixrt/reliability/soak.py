@@ -35,6 +35,7 @@ from radixrt.bench.plots import plot_rss
 from radixrt.client.endpoint import RequestOptions, RuntimeEndpoint
 from radixrt.client.launcher import free_port
 from radixrt.client.transport import RemoteError
+from radixrt.lifecycle import python_command
 from radixrt.reliability.hostile import frame_attacks
 
 ADMIN_KEY = "soak-admin"
@@ -243,8 +244,7 @@ class SoakServer:
     def __init__(self, cfg: SoakConfig, key_file: Path, log: Path):
         self.port = free_port()
         self.url = f"tcp://127.0.0.1:{self.port}"
-        self.command = [
-            sys.executable,
+        self.command = python_command(
             "-m",
             "radixrt",
             "serve",
@@ -273,7 +273,7 @@ class SoakServer:
             "10",
             "--log-level",
             "warning",
-        ]
+        )
         self.env = {**os.environ, "RADIXRT_API_KEY": ADMIN_KEY, "RADIXRT_ADMIN_API_KEY": ADMIN_KEY}
         self.log = log.open("ab")
         self.instance = 0
@@ -342,11 +342,11 @@ class Soak:
 
     def _spawn(self, slot: int) -> None:
         tenant = f"tenant{slot}"
-        command = [
-            sys.executable, "-m", "radixrt.reliability.soak", "client",
+        command = python_command(
+            "-m", "radixrt.reliability.soak", "client",
             "--url", self.server.url, "--key", self.keys[tenant],
             "--seed", str(self.cfg.seed * 1000 + self.spawned), "--until", str(self.until),
-        ]  # fmt: skip
+        )  # fmt: skip
         self.spawned += 1
         proc = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
         self.clients[slot] = proc

@@ -7,7 +7,6 @@ import logging
 import os
 import socket
 import subprocess
-import sys
 import threading
 import time
 from dataclasses import replace
@@ -17,6 +16,7 @@ import zmq
 
 from radixrt.client.endpoint import RuntimeEndpoint
 from radixrt.config import SECRETS, GatewaySettings, ServerArgs
+from radixrt.lifecycle import python_command
 from radixrt.server.http.app import build_app
 from radixrt.server.http.gateway import REPLY_GRACE_S, Gateway
 from radixrt.server.tenants import KeyRing
@@ -35,8 +35,7 @@ def start_gateway(args: ServerArgs) -> subprocess.Popen:
         raise SystemExit(f"refusing to serve HTTP on {host} without --api-key")
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.create_server((host, args.port), family=family, backlog=1024)
-    command = [
-        sys.executable,
+    command = python_command(
         "-m",
         "radixrt",
         "http-gateway",
@@ -53,7 +52,7 @@ def start_gateway(args: ServerArgs) -> subprocess.Popen:
         # the body bound is the frame's (a body becomes one frame to the runtime); --host the
         # address bound here, whose names a keyless gateway answers to
         *replace(GatewaySettings.of(args), host=host).to_cli_args(),
-    ]
+    )
     if args.api_key_file:
         command += ["--api-key-file", args.api_key_file]
     if args.reasoning_parser:

@@ -45,10 +45,12 @@ test-fast: $(STAMP)
 # ruff: lint and format check; mypy: types, strict on engine/, mem_cache/ and structured/
 # (settings of both in pyproject.toml); clang-format: the C kernels' format (kernels/csrc/
 # .clang-format; `clang-format -i` applies it); `make format` rewrites the Python in place.
+C_SOURCES := kernels/csrc/*.c kernels/csrc/*.h
+
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/clang-format --dry-run --Werror kernels/csrc/*.c kernels/csrc/*.h
+	$(BIN)/clang-format --dry-run --Werror $(C_SOURCES)
 	$(BIN)/mypy
 
 # docs/flags.md from the settings dataclasses (tests/test_docs.py fails while it is stale)
@@ -61,6 +63,7 @@ protocol-doc: $(STAMP)
 format: $(STAMP)
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
+	$(BIN)/clang-format -i $(C_SOURCES)
 
 # The figures in docs/benchmarks.md (about 50 minutes on a 2-core CPU; llama.cpp joins after `make bench-peers`).
 bench: model

@@ -66,19 +66,21 @@ format: $(STAMP)
 	$(BIN)/clang-format -i $(C_SOURCES)
 
 # The figures in docs/benchmarks.md (about 50 minutes on a 2-core CPU; llama.cpp joins after `make bench-peers`).
+# Every system with the same KV memory (unset, each runs at its own defaults).
+SAME_KV := --max-total-tokens 65536
 bench: model
-	$(BIN)/radixrt bench --workload all --num-requests 16 --max-new-tokens 32 --long-tokens 2000 \
+	$(BIN)/radixrt bench $(SAME_KV) --workload all --num-requests 16 --max-new-tokens 32 --long-tokens 2000 \
 		--chunked-prefill-size 512 --output-dir bench_results/all
-	$(BIN)/radixrt bench --workload shared-prefix --concurrency 32 --output-dir bench_results
-	$(BIN)/radixrt bench --workload shared-prefix \
+	$(BIN)/radixrt bench $(SAME_KV) --workload shared-prefix --concurrency 32 --output-dir bench_results
+	$(BIN)/radixrt bench $(SAME_KV) --workload shared-prefix \
 		--systems radixrt,radixrt-int8,transformers,llama.cpp,llama-server --output-dir bench_results/all-at-once
-	$(BIN)/radixrt bench --workload random --concurrency 1 --num-requests 4 --max-new-tokens 128 \
+	$(BIN)/radixrt bench $(SAME_KV) --workload random --concurrency 1 --num-requests 4 --max-new-tokens 128 \
 		--fixed-output-len --systems radixrt,radixrt-int8,llama.cpp,llama-server --output-dir bench_results/one-stream
-	$(BIN)/radixrt bench --workload multi-turn --num-requests 16 --systems radixrt,radixrt-no-cache \
+	$(BIN)/radixrt bench $(SAME_KV) --workload multi-turn --num-requests 16 --systems radixrt,radixrt-no-cache \
 		--output-dir bench_results
-	$(BIN)/radixrt bench --workload json --output-dir bench_results
-	$(BIN)/radixrt bench --workload long-prompt --num-requests 16 --chunked-prefill-size 512 --output-dir bench_results
-	$(BIN)/radixrt bench --workload shared-prefix --num-requests 24 --sweep-rate 0.5,1,2,4 \
+	$(BIN)/radixrt bench $(SAME_KV) --workload json --output-dir bench_results
+	$(BIN)/radixrt bench $(SAME_KV) --workload long-prompt --num-requests 16 --chunked-prefill-size 512 --output-dir bench_results
+	$(BIN)/radixrt bench $(SAME_KV) --workload shared-prefix --num-requests 24 --sweep-rate 0.5,1,2,4 \
 		--systems radixrt,radixrt-static --slo-ttft 2 --slo-tpot 0.3 --output-dir bench_results
 	$(BIN)/radixrt bench --backend http --output-dir bench_results
 

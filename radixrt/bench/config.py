@@ -70,7 +70,7 @@ class BenchServer(Settings):
     model_shape: str | None = setting(None, "replaces --model: a random-weight checkpoint of this model's shape, made once under the cache dir with its Q4_0, Q4_K_M and Q8_0 GGUF files (radixrt runs the float weights, quantizing them itself; to serve one of the GGUF files under radixrt-gguf, pass it as --model; the llama.cpp peers run the GGUF --llama-gguf-type names)", choices=("tinyllama-1.1b", "llama-3.2-3b"))
     llama_gguf_type: str = setting("Q4_0", "with --model-shape: the GGUF file the llama.cpp peers run", choices=("Q4_0", "Q4_K_M", "Q8_0"))
     dtype: str = shared(ModelSettings, "dtype")
-    max_total_tokens: int | None = shared(CacheSettings, "max_total_tokens", 65536, "; the bench sets it so that every system has the same KV memory (a fleet shares it among its workers)")
+    max_total_tokens: int | None = shared(CacheSettings, "max_total_tokens", None, "; unset, every system runs at its own defaults, as a new user meets it (radixrt sizes its pool, llama-server its context and slots); set, every system has the same KV memory (a fleet shares it among its workers, llama-server has a slot per request in flight)")
     tp_size: int = shared(ParallelSettings, "tp_size")
     chunked_prefill_size: int = shared(BatchSettings, "chunked_prefill_size")
     # fmt: on

@@ -138,24 +138,18 @@ class LlamaCppTarget:
 class LlamaServerTarget:
     """llama.cpp's own server behind the same `generate(prompt, params, stream=True)`: `slots`
     parallel sequences (`-np`) batched continuously, each slot with `context_length` tokens and
-    its own prompt cache; tokens stream over its HTTP API (`POST /completion`)."""
+    its own prompt cache, on every core; with `slots` None, llama-server's own defaults (`-m`
+    alone). Tokens stream over its HTTP API (`POST /completion`)."""
 
-    def __init__(
-        self,
-        binary: Path,
-        gguf: Path,
-        slots: int,
-        context_length: int = 2048,
-        threads: int | None = None,
-    ):
+    def __init__(self, binary: Path, gguf: Path, slots: int | None, context_length: int = 2048):
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             self.port = probe.getsockname()[1]
-        threads = threads or os.cpu_count() or 1
+        sized = [] if slots is None else ["-np", str(slots), "-c", str(context_length * slots)]
+        if slots is not None:
+            sized += ["-t", str(os.cpu_count() or 1), "--cont-batching"]
         self.proc = subprocess.Popen(
-            [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(self.port)]
-            + ["-np", str(slots), "-c", str(context_length * slots), "-t", str(threads)]
-            + ["--cont-batching"],
+            [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(self.port)] + sized,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )

@@ -204,19 +204,22 @@ def _run_llama_cpp(gguf: Path, job: RequestJob) -> list[RunResult]:
 
 
 def _run_llama_server(binary: Path, gguf: Path, job: RequestJob) -> list[RunResult]:
-    """llama-server started for each load with as many slots as that load has requests in
-    flight at most."""
+    """llama-server started for each load: at its own defaults, or, where the bench sizes the
+    KV memory (`--max-total-tokens`), with as many slots as that load has requests in flight
+    at most."""
     results = []
     for load in job.config.loads:
-        slots = min(load.concurrency or len(job.sessions), MAX_LLAMA_SLOTS)
-        target = LlamaServerTarget(binary, gguf, slots, threads=os.cpu_count())
+        slots = None
+        if job.config.max_total_tokens is not None:
+            slots = min(load.concurrency or len(job.sessions), MAX_LLAMA_SLOTS)
+        target = LlamaServerTarget(binary, gguf, slots)
         try:
             result = _run_llama_load("llama-server", target, load, job)
             peak = peak_rss_mb(target.proc.pid)
             result.rank_peak_rss_mb = None if peak is None else [peak]
         finally:
             target.close()
-        result.load = f"{result.load}, {slots} slots"
+        result.load = f"{result.load}, {slots or 'default'} slots"
         results.append(result)
     return results
 

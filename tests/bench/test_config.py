@@ -37,7 +37,7 @@ def test_defaults_are_the_flags_defaults():
     assert (config.workload, config.backend, config.max_total_tokens) == (
         "shared-prefix",
         "engine",
-        65536,
+        None,  # each system at its own defaults
     )
     assert config.shape.num_requests == 64 and config.rates is None
     assert [load.describe() for load in config.loads] == ["all at once"]

@@ -70,7 +70,6 @@ from outlines_core import Index
 
 from radixrt.protocol import nesting_depth
 from radixrt.structured import compile_worker as wire
-from radixrt.structured import llguidance_backend as llg
 from radixrt.structured.grammar import (
     CONSTRAINT_KINDS,
     DEFAULT_GRAMMAR_BACKEND,
@@ -97,6 +96,8 @@ from radixrt.structured.vocabulary import TokenTable, build_vocabulary
 if TYPE_CHECKING:
     from llguidance import LLTokenizer
     from transformers import PreTrainedTokenizerBase
+
+    from radixrt.structured import llguidance_backend as llg
 
 logger = logging.getLogger(__name__)
 
@@ -608,7 +609,10 @@ class ConstraintCompiler:
     def _build_llguidance(self, job: CompileJob, value: Any) -> None:
         """Queue the translation and build of `job` (`value` as the request gave it) on the
         llguidance thread (started, with llguidance's tokenizer, on first use); its time counts
-        from now, queueing included."""
+        from now, queueing included. llguidance (and transformers under its tokenizer) is
+        imported here, at the first grammar that needs it, not at every runtime's start."""
+        from radixrt.structured import llguidance_backend as llg
+
         if self._llg_thread is None or self._llg_tokens is None:
             try:
                 self._llg_tokens = llg.tokenizer(self.hf_tokenizer, self.vocab_size)

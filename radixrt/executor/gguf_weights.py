@@ -159,7 +159,8 @@ def read_linears(plan: GGUFPlan, cache: Path | None = None) -> dict[str, PackedG
     model's conversion, which is keyed by the GGUF's content), the packed groups are read from
     it when it holds exactly the planned linears, else packed and written there: repacking
     K-quants and requantizing Q5_K/Q6_K takes seconds at 1.1B (most of a start), reading their
-    result back a fraction of one, and the bits are the same."""
+    result back a fraction of one, and the bits are the same. Writing one removes the copies
+    an older layout left beside it (each as large as the model's linears)."""
     if cache is not None and cache.is_file():
         cached = _read_cache(cache)
         if cached.keys() == plan.linears.keys():
@@ -171,6 +172,9 @@ def read_linears(plan: GGUFPlan, cache: Path | None = None) -> dict[str, PackedG
     }
     if cache is not None:
         _write_cache(packed, cache)
+        for stale in cache.parent.glob(f"{PACKED_CACHE}*"):
+            if stale != cache and ".tmp" not in stale.name:  # another writer's, in progress
+                stale.unlink(missing_ok=True)
     return packed
 
 

@@ -98,14 +98,17 @@ def test_the_default_model_is_served_packed_unless_none_is_asked():
 
 
 def test_the_packed_copy_reads_back_the_same_groups(default_model_dir, tmp_path):
-    """`read_linears` with a cache file: the first read packs and writes it, the second reads
-    it back; both give the groups packed from the file's blocks, bit for bit."""
+    """`read_linears` with a cache file: the first read packs and writes it (removing an older
+    layout's copy), the second reads it back; both give the groups packed from the file's
+    blocks, bit for bit."""
     config = AutoConfig.from_pretrained(default_model_dir)
     plan = gguf_weights.plan(default_gguf_path(), config)
     cache = gguf_weights.packed_cache(tmp_path)
+    older = tmp_path / f"{gguf_weights.PACKED_CACHE}-v1"  # an older layout's copy
+    older.write_bytes(b"stale")
     fresh = gguf_weights.read_linears(plan)
     written = gguf_weights.read_linears(plan, cache)
-    assert cache.is_file()
+    assert cache.is_file() and not older.exists()
     read_back = gguf_weights.read_linears(plan, cache)
     for name, weight in fresh.items():
         for other in (written[name], read_back[name]):

@@ -1,4 +1,5 @@
-"""Processes that must not outlive the process that started them.
+"""Processes radixrt starts: none outlives the process that started it, and none takes the
+working directory's modules (`python_command`).
 
 A launcher (`rt.Runtime`, `rt.Engine`, a `--dp-size` fleet for its workers) puts its pid in
 RADIXRT_PARENT_PID; the child then ends itself once that process is no longer its parent, so a

@@ -145,8 +145,9 @@ class LlamaServerTarget:
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             self.port = probe.getsockname()[1]
-        sized = [] if slots is None else ["-np", str(slots), "-c", str(context_length * slots)]
+        sized: list[str] = []
         if slots is not None:
+            sized = ["-np", str(slots), "-c", str(context_length * slots)]
             sized += ["-t", str(os.cpu_count() or 1), "--cont-batching"]
         self.proc = subprocess.Popen(
             [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(self.port)] + sized,

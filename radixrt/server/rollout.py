@@ -204,10 +204,10 @@ def poll_joins(server: Server) -> None:
         if join.work.done():
             server.joins.remove(join)
             if not join.answered:
-                server._send(join.identity, _join_reply(server, join))
+                server.reply(join.identity, _join_reply(server, join))
         elif join.work.expired() and not join.answered:
             join.answered = True
-            server._send(
+            server.reply(
                 join.identity,
                 error_reply(
                     join.rid,
@@ -310,7 +310,7 @@ def _request_update(
     _check_update(server, msg)
     scheduler = server.scheduler
     if msg.get("abort_all_requests", False):
-        server._publish(scheduler.abort_all("aborted for a weight update"))
+        server.publish(scheduler.abort_all("aborted for a weight update"))
     version = msg.get("weight_version")
     server.pending_update = PendingUpdate(caller.identity, msg.get("rid"), load, version, received)
     scheduler.holding = True
@@ -342,7 +342,7 @@ def run_pending_update(server: Server) -> None:
         reply = {"rid": update.rid, "result": {"success": True, **asdict(done)}}
     except Exception as e:
         reply = _failure(update.rid, e, "a weight update")
-    server._send(update.identity, reply)
+    server.reply(update.identity, reply)
 
 
 def fail_pending_update(server: Server, code: ErrorCode, message: str) -> None:
@@ -350,7 +350,7 @@ def fail_pending_update(server: Server, code: ErrorCode, message: str) -> None:
     update = server.pending_update
     if update is not None:
         server.pending_update, server.scheduler.holding = None, False
-        server._send(update.identity, error_reply(update.rid, code, message))
+        server.reply(update.identity, error_reply(update.rid, code, message))
 
 
 def pause_generation(server: Server, caller: Caller, msg: dict[str, Any]) -> bool:
@@ -358,7 +358,7 @@ def pause_generation(server: Server, caller: Caller, msg: dict[str, Any]) -> boo
     once `abort` has ended what was in flight; paused in place, it could never run: refused."""
     check_fields(msg, frozenset({"op", "rid", "mode"}))
     mode = msg.get("mode", "abort")
-    server._publish(server.scheduler.pause(mode))
+    server.publish(server.scheduler.pause(mode))
     if mode == "in_place" and server.scheduler.in_flight():
         fail_pending_update(
             server,

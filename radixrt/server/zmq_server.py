@@ -127,7 +127,7 @@ class Server:
             self.front.dispatch(tokenized.caller, tokenized.msg)
         self._abort_vanished_clients()
         if self.scheduler.can_step():
-            self._publish(self.scheduler.step())
+            self.publish(self.scheduler.step())
         else:
             self.scheduler.idle()
         rollout.run_pending_update(self)
@@ -152,7 +152,7 @@ class Server:
         if self.scheduler.has_work() and time.monotonic() < self.drain_deadline:
             return
         if self.scheduler.has_work():
-            self._publish(
+            self.publish(
                 self.scheduler.end_all(
                     ErrorCode.DRAINING, "the server stopped (drain timeout) before it finished"
                 )
@@ -167,7 +167,7 @@ class Server:
         code = ErrorCode.WORKER_LOST if lost else ErrorCode.INTERNAL_ERROR
         message = f"{'a tensor-parallel rank is gone' if lost else 'the runtime failed'}: {error}"
         for client in self.clients.values():
-            self._send(client.identity, error_reply(client.rid, code, message))
+            self.reply(client.identity, error_reply(client.rid, code, message))
         self.clients.clear()
         self.front.close(linger=1000)  # the errors leave before the process does
         self.ctx.term()
@@ -279,7 +279,10 @@ class Server:
         raise RequestError(ErrorCode.RATE_LIMITED, f"{problem}; try again later")
 
     # ---- replies -----------------------------------------------------------------------------
-    def _publish(self, reqs: list[Req]) -> None:
+    def publish(self, reqs: list[Req]) -> None:
+        """Send what `reqs` (a step's, an abort's) have new to their clients: a stream's delta,
+        a finished request's final reply (then it is forgotten here). Ops outside this module
+        (rollout's weight updates) publish what they end through it."""
         for req in reqs:
             if req not in self.clients:
                 continue
@@ -290,7 +293,7 @@ class Server:
             if req.finished:
                 del self.clients[req]
                 self._observe_end(req)
-                self._send(client.identity, _final_reply(client, req))
+                self.reply(client.identity, _final_reply(client, req))
 
     def _observe_tokens(self, client: ClientRequest, req: Req) -> None:
         """One ITL sample per gap between two steps that gave `req` tokens (several tokens from
@@ -319,7 +322,7 @@ class Server:
         delta, ids = req.text[client.text_sent : text_end], req.output_ids[client.ids_sent :]
         if delta or ids:
             client.text_sent, client.ids_sent = max(text_end, client.text_sent), len(req.output_ids)
-            self._send(
+            self.reply(
                 client.identity,
                 {
                     "rid": client.rid,
@@ -330,7 +333,8 @@ class Server:
                 },
             )
 
-    def _send(self, identity: bytes, msg: dict[str, Any]) -> None:
+    def reply(self, identity: bytes, msg: dict[str, Any]) -> None:
+        """Send `msg` to the client connection `identity` (through the front's bounds)."""
         self.front.reply(identity, msg)
 
 
@@ -401,7 +405,7 @@ def _pin(server: Server, caller: Caller, msg: dict[str, Any]) -> None:
         scope.salt,
         owner=_limit_key(caller.identity, caller.principal.tenant),
     )
-    server._send(caller.identity, {"rid": msg.get("rid"), "result": tokens})
+    server.reply(caller.identity, {"rid": msg.get("rid"), "result": tokens})
 
 
 def _load_lora(server: Server, caller: Caller, msg: dict[str, Any]) -> dict[str, Any]:
@@ -435,7 +439,7 @@ def _tokenize(server: Server, caller: Caller, msg: dict[str, Any]) -> None:
         raise ValueError("tokenize needs a string text")
     ids = server.prompts.ids(caller, msg)
     if ids is not None:
-        server._send(caller.identity, {"rid": msg.get("rid"), "result": ids})
+        server.reply(caller.identity, {"rid": msg.get("rid"), "result": ids})
 
 
 def _stats(server: Server, caller: Caller, msg: dict[str, Any]) -> dict[str, Any]:
@@ -449,7 +453,7 @@ def _metrics(server: Server, caller: Caller, msg: dict[str, Any]) -> str:
 
 
 def _abort(server: Server, caller: Caller, msg: dict[str, Any]) -> None:
-    server._publish(server.scheduler.abort(_internal_rid(caller.identity, str(msg.get("rid")))))
+    server.publish(server.scheduler.abort(_internal_rid(caller.identity, str(msg.get("rid")))))
 
 
 # the runtime's op table; each handler takes the server first (bound in Server.__init__)

@@ -106,10 +106,6 @@ class KeyRing:
                 found = principal
         return found
 
-    def tenant_of(self, given: object) -> str | None:
-        principal = self.principal_of(given)
-        return None if principal is None else principal.tenant
-
     def admin_key(self) -> str | None:
         """A key that may run control ops (None when no key may, or no key is needed)."""
         return next((k for k, p in self.keys.items() if p.admin), None)

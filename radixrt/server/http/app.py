@@ -26,6 +26,7 @@ from radixrt.server.http.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
 )
+from radixrt.server.tenants import Principal
 
 # a body whose client sends nothing for this long is answered 408 (a slow client holds a
 # connection, never a thread; this bounds how long)
@@ -63,18 +64,21 @@ class _Guard:
 
         try:
             headers = dict(scope["headers"])
-            error = self._refusal(path, scope["method"], headers)
+            # the key is resolved once (each resolution compares every key in constant time)
+            principal = self.gateway.keys.principal_of(bearer(headers))
+            error = self._refusal(path, scope["method"], headers, principal)
             if error is None:
                 error, body = await _read_body(scope, receive, self.gateway.limits.max_frame_bytes)
             if error is not None:
                 return await error_response(path, error)(scope, receive, send_observed)
-            tenant = self.gateway.keys.tenant_of(bearer(headers)) or ""
-            CALLER.set(Caller(tenant, len(body)))
+            CALLER.set(Caller(principal.tenant if principal else "", len(body)))
             await self.app(scope, _replay(body, receive), send_observed)
         finally:
             self.gateway.metrics.count(path if path in self.routes else "other", status)
 
-    def _refusal(self, path: str, method: str, headers: dict[bytes, bytes]) -> APIError | None:
+    def _refusal(
+        self, path: str, method: str, headers: dict[bytes, bytes], principal: Principal | None
+    ) -> APIError | None:
         if not self.gateway.keys.keys and (why := self.site.refusal(headers)):
             return APIError(403, why, "permission_error", code="forbidden")
         if method == "POST" and not _is_json(headers.get(b"content-type", b"")):
@@ -84,9 +88,9 @@ class _Guard:
                 code=ErrorCode.INVALID_REQUEST.value,
             )
         keyed = path.startswith("/v1/") or path in self.keyed_routes
-        if keyed and not self.gateway.authorized(headers):
+        if keyed and principal is None:
             needed = "API key"
-        elif path == "/metrics" and not self.gateway.authorized_admin(headers):
+        elif path == "/metrics" and not (principal and principal.admin):
             needed = "admin API key (--admin-api-key)"
         else:
             return None

@@ -155,7 +155,7 @@ class SamplingParams:
     )
     # constraints (at most one): see radixrt/structured/
     regex: str | None = param(None, openai="regex", doc="the output matches this regex")
-    json_schema: str | dict | None = param(
+    json_schema: str | dict[str, Any] | None = param(
         None, openai="json_schema", body=str | dict[str, Any], doc="a JSON schema, as text or a map"
     )
     choices: list[str] | None = param(None, doc="the output is one of these strings")
@@ -206,9 +206,9 @@ class SamplingParams:
 
     def validate(self) -> None:
         for f in dataclasses.fields(self):
-            kind, value = param_spec(f).kind, getattr(self, f.name)
-            if kind is not None and not (value is None and f.default is None):
-                _check_type(f.name, value, kind)
+            expected, value = param_spec(f).kind, getattr(self, f.name)
+            if expected is not None and not (value is None and f.default is None):
+                _check_type(f.name, value, expected)
         if self.seed is not None:
             _check_type("seed", self.seed, int)
             _check_range("seed", self.seed, 0, MAX_SEED - 64)
@@ -354,7 +354,7 @@ def openai_names() -> dict[str, str]:
 def _sglang_names(params: dict[str, Any]) -> dict[str, Any]:
     """SGLang's parameter names as radixrt's (`sampling_seed` is `seed`); one it cannot honour
     is refused by name, with why, unless it is null (SGLang's clients send every field)."""
-    out = {}
+    out: dict[str, Any] = {}
     for name, value in params.items():
         if name in _UNSERVED:
             if value is not None:

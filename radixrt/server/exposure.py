@@ -52,13 +52,16 @@ def check_kv_events_exposure(events: KVEventsConfig | None, keyed: bool) -> None
 
 
 def bind_client_socket(
-    ctx: zmq.Context, endpoint: str, curve_secret_key: str | None, max_frame_bytes: int = -1
-) -> zmq.Socket:
+    ctx: zmq.Context[zmq.Socket[bytes]],
+    endpoint: str,
+    curve_secret_key: str | None,
+    max_frame_bytes: int = -1,
+) -> zmq.Socket[bytes]:
     """The ROUTER socket clients connect to (a runtime's or a router's): `CLOSE_LINGER_MS` of
     linger, CURVE when a secret key is set, frames above `max_frame_bytes` refused by ZeroMQ
     itself (it drops the sender's connection before allocating the frame), sends to a peer no
     longer connected raising EHOSTUNREACH (ClientFront.vanished), bound to `endpoint`."""
-    sock = ctx.socket(zmq.ROUTER)
+    sock: zmq.Socket[bytes] = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, CLOSE_LINGER_MS)
     sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a reply to a vanished peer fails, and says so

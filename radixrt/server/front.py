@@ -26,6 +26,7 @@ import time
 import traceback
 from collections import OrderedDict
 from collections.abc import Callable
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
@@ -218,7 +219,7 @@ class CurveAllowlist:
         return key in self.keys
 
 
-def start_allowlist(ctx: zmq.Context, path: str) -> ThreadAuthenticator:
+def start_allowlist(ctx: zmq.Context[zmq.Socket[bytes]], path: str) -> ThreadAuthenticator:
     """A ZAP handler on `ctx` that admits only the CURVE keys listed in `path`."""
     auth = ThreadAuthenticator(ctx, log=logger)
     auth.start()
@@ -281,7 +282,13 @@ class ClientFront:
     """The ROUTER socket, frame limits, key ring, heartbeats and op table of one listening
     process (see the module docstring for what happens to a frame, in which order)."""
 
-    def __init__(self, ctx: zmq.Context, endpoint: str, config: FrontConfig, ops: dict[str, Op]):
+    def __init__(
+        self,
+        ctx: zmq.Context[zmq.Socket[bytes]],
+        endpoint: str,
+        config: FrontConfig,
+        ops: dict[str, Op],
+    ):
         self.config = config
         self.keys = KeyRing.from_settings(config.api_key, config.api_key_file, config.admin_api_key)
         self.limits = config.decode_limits()
@@ -335,6 +342,7 @@ class ClientFront:
         if error is not None:
             self.reply(identity, {**error, "rid": envelope.rid})
             return
+        assert msg is not None  # decode_map gives one of the two
         api_key = msg.pop("api_key", None)
         self.dispatch(Caller(identity, principal, api_key), msg)
 
@@ -383,7 +391,7 @@ class ClientFront:
                 error_reply(rid, ErrorCode.INTERNAL_ERROR, f"{type(e).__name__}: {e}"),
             )
 
-    def vanished(self, holders: set[bytes] = frozenset()) -> set[bytes]:
+    def vanished(self, holders: AbstractSet[bytes] = frozenset()) -> set[bytes]:
         """Clients that are gone, each reported once: those whose connection dropped (a reply or
         a probe could not be routed to them; `holders`, the clients with work here, are probed
         every PROBE_S), and those that pinged and then fell silent for CLIENT_SILENCE_S (hung,

@@ -12,13 +12,17 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import time
+from collections.abc import Callable
 
 TRIM_EVERY_S = 30.0
 
 
-def _glibc_trim():
+def _glibc_trim() -> Callable[[int], int] | None:
     try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+        trim: Callable[[int], int] = ctypes.CDLL(
+            ctypes.util.find_library("c") or "libc.so.6"
+        ).malloc_trim
+        return trim
     except (OSError, AttributeError):
         return None
 

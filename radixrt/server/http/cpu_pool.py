@@ -25,12 +25,13 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import ParamSpec, TypeVar
 
 from radixrt.protocol import ErrorCode
 from radixrt.server.http.errors import RETRY_AFTER_S, APIError
 
 T = TypeVar("T")
+P = ParamSpec("P")
 
 SMALL_JOB_BYTES = 64 << 10  # an input up to this is tokenized or rendered in milliseconds
 MAX_WAITING_PER_TENANT = 8
@@ -66,7 +67,7 @@ class CpuPool:
     def per_tenant(self) -> int:
         return max(1, (self.threads - 1) // 2)
 
-    async def run(self, fn: Callable[..., T], *args, **kwargs) -> T:
+    async def run(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
         """`fn(*args, **kwargs)` on a pool thread, for the current `CALLER` (heavy when its body
         is over SMALL_JOB_BYTES). Raises what `fn` raises; 429/503 when too many heavy jobs
         wait."""

@@ -72,7 +72,7 @@ async def embed(gateway: Gateway, request: Request, req: EmbeddingRequest) -> di
         raise _bad("input", "an input must not be empty")
     options = await gateway.options(request, req)
     ids = [p for p in prompts if isinstance(p, list)]
-    texts = [p for p in prompts if isinstance(p, str)]
+    texts: list[str | list[int]] = [p for p in prompts if isinstance(p, str)]
     generate = gateway.endpoint.async_generate(
         texts or None, {"max_new_tokens": 0}, input_ids=ids or None, options=options
     )

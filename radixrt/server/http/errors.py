@@ -71,6 +71,8 @@ def from_runtime_error(e: Exception) -> APIError:
         return APIError(413, e.message, code=e.code)
     if isinstance(e, RemoteError):
         code = ErrorCode.parse(e.code)
+        if code is None:  # a code this gateway does not know: the runtime's own failure
+            return APIError(500, e.message, "server_error", code=e.code)
         status, api_kind = HTTP_ERRORS.get(code, (500, "server_error"))
         return APIError(
             status, e.message, api_kind, code=e.code, retry_after=RETRY_AFTER_S.get(code)

@@ -245,7 +245,11 @@ class MessagesAPI:
         return StreamingResponse(events, media_type="text/event-stream")
 
     async def _events(
-        self, replies: AsyncIterator[dict], plan: ChatPlan, head: dict[str, Any], max_tokens: int
+        self,
+        replies: AsyncIterator[dict[str, Any]],
+        plan: ChatPlan,
+        head: dict[str, Any],
+        max_tokens: int,
     ) -> AsyncIterator[str]:
         """message_start, ping, the blocks' events, message_delta (stop reason, usage),
         message_stop; a failure midway is one `error` event."""
@@ -289,5 +293,5 @@ def add_messages_routes(app: FastAPI, gateway: Gateway) -> None:
         return await api.create(request, req)
 
     @app.post("/v1/messages/count_tokens")
-    async def count_tokens(req: MessagesPrompt) -> dict:
+    async def count_tokens(req: MessagesPrompt) -> dict[str, Any]:
         return await api.count_tokens(req)

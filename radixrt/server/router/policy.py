@@ -81,7 +81,10 @@ class ShortestQueuePolicy:
         return Route(_least_loaded(workers), RouteReason.LOAD)
 
 
-def make_policy(settings: RouterSettings):
+Policy = CacheAwarePolicy | RoundRobinPolicy | ShortestQueuePolicy
+
+
+def make_policy(settings: RouterSettings) -> Policy:
     """The policy `settings.router_policy` names, with `settings`' thresholds."""
     name = settings.router_policy
     if name == "cache-aware":

@@ -133,8 +133,9 @@ class ApproxPrefixTree:
 
     def _split(self, child: _Node, at: int) -> _Node:
         """Cut `child`'s edge after `at` tokens; return the new upper node."""
+        assert child.parent is not None, "a root is never split"
         upper = _Node(child.key[:at], child.parent, last_access=child.last_access)
-        upper.parent.children[child.key[0]] = upper
+        child.parent.children[child.key[0]] = upper
         child.key, child.parent = child.key[at:], upper
         upper.children[child.key[0]] = child
         return upper
@@ -150,6 +151,7 @@ class ApproxPrefixTree:
             for leaf in leaves:
                 if self.size <= max(target, 0):
                     break
+                assert leaf.parent is not None, "a root is never a leaf"  # _leaves skips roots
                 del leaf.parent.children[leaf.key[0]]
                 self.size -= len(leaf.key)
         for namespace in [ns for ns, root in self.roots.items() if not root.children]:

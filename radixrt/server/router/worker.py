@@ -63,7 +63,7 @@ class WorkerLink:
 
     def __init__(
         self,
-        ctx: zmq.Context,
+        ctx: zmq.Context[zmq.Socket[bytes]],
         index: int,
         url: str,
         api_key: str | None = None,
@@ -118,7 +118,7 @@ class WorkerLink:
 
     def recv_all(self) -> list[dict[str, Any]]:
         """Every reply waiting on the socket (frames that are not maps are logged and dropped)."""
-        replies = []
+        replies: list[dict[str, Any]] = []
         while True:
             try:
                 frame = self.sock.recv(zmq.NOBLOCK)
@@ -129,6 +129,7 @@ class WorkerLink:
             if error is not None:
                 self.complain(f"dropped a reply: {error['error']['message']}")
                 continue
+            assert reply is not None  # decode_map gives one of the two
             replies.append(reply)
 
     def complain(self, what: str) -> None:

@@ -29,7 +29,8 @@ model: $(STAMP)
 	$(BIN)/python -m radixrt prepare-model
 
 demo: model
-	$(BIN)/python examples/demo.py
+	# the examples import each other: their folder on the path (PYTHONSAFEPATH leaves it off)
+	PYTHONPATH=examples $(BIN)/python examples/demo.py
 
 test: model
 	$(BIN)/python -m pytest -q -m "not soak" --durations=30

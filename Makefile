@@ -117,7 +117,7 @@ bench-dp: model
 		--concurrency 16 --max-total-tokens 8192 --systems $(DP_SYSTEMS) --output-dir bench_results/dp
 	$(BIN)/radixrt bench --workload multi-turn --num-requests 16 --turns 4 --max-new-tokens 32 \
 		--max-total-tokens 8192 --systems $(DP_SYSTEMS) --output-dir bench_results/dp
-	$(BIN)/python scripts/router_overhead.py --rounds 40
+	$(BIN)/radixrt bench --workload router-overhead --rounds 40 --output-dir bench_results/dp
 
 # llama.cpp as two peers in `radixrt bench`: llama-cpp-python (it compiles llama.cpp, several
 # minutes) and llama.cpp's own `llama-server` with its benchmarks (`llama-bench`,
@@ -133,7 +133,7 @@ bench-peers: $(STAMP)
 GGUF ?=
 bench-defaults: $(STAMP)
 	@test -n "$(GGUF)" || { echo "bench-defaults: name the model, GGUF=path/to/model.gguf" >&2; exit 2; }
-	$(BIN)/python scripts/serve_defaults.py --model $(GGUF)
+	$(BIN)/radixrt bench --workload serve-defaults --model "$(GGUF)" --output-dir bench_results/defaults
 
 # The soak (docs/reliability.md): SOAK_CLIENTS client processes for SOAK_MINUTES minutes against
 # one runtime on loopback (kills, malformed frames, a restart); it stops by itself and exits 1 when
@@ -144,8 +144,11 @@ soak: model
 	$(BIN)/python -m radixrt.reliability.soak --duration $$(( $(SOAK_MINUTES) * 60 )) \
 		--clients $(SOAK_CLIENTS) --output-dir bench_results/soak
 
+# The Triton kernels and the engine on a CUDA machine (docs/usage.md): gpu_check.json and
+# gpu_check.txt under OUT
+OUT ?= bench_results/gpu-check
 gpu-check: $(STAMP)
-	$(BIN)/python scripts/gpu_check.py
+	$(BIN)/radixrt bench --workload gpu-check --output-dir $(OUT)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

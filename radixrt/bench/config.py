@@ -30,6 +30,43 @@ from radixrt.config import (
     shared,
 )
 
+# timings of an in-process scheduler or model runner: no server started
+IN_PROCESS_WORKLOADS = (
+    "decode-step",
+    "quant-step",
+    "family-step-times",
+    "kv-cache-dtype",
+    "spec-ab",
+    "logprob-drift",
+)
+# a served radixrt (or a peer) measured by a client in this process
+SERVED_WORKLOADS = (
+    "router-overhead",
+    "flood-latency",
+    "weight-update-time",
+    "ray-routing",
+    "serve-defaults",
+)
+# of `--workload gpu-check` (radixrt.bench.gpu_check), in the order they run
+GPU_CHECK_SECTIONS = (
+    "check_correctness",
+    "bench_decode",
+    "bench_extend",
+    "check_cuda_graphs",
+    "check_speculative",
+    "check_hicache",
+    "check_tensor_parallel",
+    "sweep_configs",
+    "check_engine",
+    "check_families",
+    "check_fused_moe",
+    "check_deterministic_rows",
+    "check_kv_quant",
+    "check_packed_gemm",
+)
+# the workloads that run radixrt variants only, one after another (`--systems`)
+VARIANT_WORKLOADS = ("flood-latency", "weight-update-time")
+
 WORKLOADS = (
     *REQUEST_WORKLOADS,
     *DATASET_WORKLOADS,
@@ -38,17 +75,21 @@ WORKLOADS = (
     "grammar",
     "lora",
     "kernels",
+    *IN_PROCESS_WORKLOADS,
+    *SERVED_WORKLOADS,
+    "gpu-check",
     "all",
 )
 BACKENDS = ("engine", "server", "http", "openai")
 DEFAULT_NUM_REQUESTS = 64  # of request and program workloads; the HTTP suites keep their own
+DEFAULT_MAX_NEW_TOKENS = 64  # of every workload but logprob-drift
 
 
 @dataclass(frozen=True, kw_only=True)
 class BenchSuite(Settings):
     section: ClassVar[str] = "what runs"
     # fmt: off
-    workload: str = setting("shared-prefix", "request workloads: shared-prefix, multi-prefix, multi-turn, long-prompt, random, json, agent-loop, few-shot, sharegpt (--dataset-path); DSL programs: agent, few-shot-select, tree-of-thought; agent-tools (with --backend http): tool-calling agents per tool_choice against an unconstrained run; grammar: compile and mask times of each grammar backend (tokenizer only); lora: decode step time at a batch of --num-requests (32) under 0/1/4/8 adapters against the base, and adapter load time; kernels: the CPU's int4 GEMM GOP/s on the 1.1B shape at 1 to 512 rows per --cpu-isa path and against the kernel before, and the host's read bandwidth (no model); all: every request and program workload in turn, plus a hit-rate plot", choices=WORKLOADS)
+    workload: str = setting("shared-prefix", "request workloads: shared-prefix, multi-prefix, multi-turn, long-prompt, random, json, agent-loop, few-shot, sharegpt (--dataset-path); DSL programs: agent, few-shot-select, tree-of-thought; agent-tools (with --backend http): tool-calling agents per tool_choice against an unconstrained run; grammar: compile and mask times of each grammar backend (tokenizer only); lora: decode step time at a batch of --num-requests (32) under 0/1/4/8 adapters against the base, and adapter load time; kernels: the CPU's int4 GEMM GOP/s on the 1.1B shape at 1 to 512 rows per --cpu-isa path and against the kernel before, and the host's read bandwidth (no model); decode-step: a decode step at --batches (32) over private --contexts (512,2048), decode attention reading K/V in place against gathering them; quant-step: a decode step with float32, int8 and int4 weights at --batches (1,32); family-step-times: a decode step of each model family's random checkpoint of one small shape against llama's at --batches (1,32), with a bar plot; kv-cache-dtype: each --kv-cache-dtype's bytes per token (pool, host and disk tiers) and the model's forward at --batches (1,4) over --contexts (2048,8000); spec-ab: one stream's decode speed with speculation on and off, interleaved over --rounds (3) of --spec-workload's prompts; logprob-drift: how far greedy logprobs move when a prompt is batched, cached, chunked or served int8, against it served alone; router-overhead: TTFT through `radixrt router` against the worker reached directly, in turns over --rounds (40); flood-latency: a request's latency alone and during a keyless flood of one-byte frames, per --systems variant (radixrt; radixrt-dp2 a fleet); weight-update-time: update_weights_from_disk and _from_tensor through rt.Engine, per --systems variant (radixrt); ray-routing: prefix-cache hit rate and throughput of two replicas behind Ray Serve LLM, RadixAffinityRouter against Ray's default (needs ray); serve-defaults: radixrt serve against llama-server on the GGUF --model, each with its default flags: time to healthy, one stream, --concurrency (32) clients, peak RSS; gpu-check: the Triton kernels and the engine on a CUDA device, its --gpu-sections (every one); all: every request and program workload in turn, plus a hit-rate plot", choices=WORKLOADS)
     systems: str | None = setting(None, f"comma list of {', '.join([*VARIANTS, *PEERS])} (default: the workload's own comparison)")
     backend: str = setting("engine", "engine: rt.Engine (ipc socket); server: rt.Runtime over TCP; http: multi-turn chat through the OpenAI API against the same conversations over ZeroMQ; openai: a request workload against the OpenAI-compatible server at --base-url (nothing is started)", choices=BACKENDS)
     base_url: str | None = setting(None, "with --backend openai: the server, e.g. http://127.0.0.1:8000 (or its /v1); the key is $OPENAI_API_KEY; --model names the tokenizer the workload is built with")
@@ -95,7 +136,7 @@ class BenchShape(Settings):
     section: ClassVar[str] = "workload shape"
     # fmt: off
     num_requests: int | None = setting(None, f"requests (conversations, programs) per run (default: {DEFAULT_NUM_REQUESTS}; 10 conversations with --backend http, 8 agents with agent-tools)")
-    max_new_tokens: int = setting(64, "mean output length")
+    max_new_tokens: int | None = setting(None, f"mean output length (default: {DEFAULT_MAX_NEW_TOKENS}; logprob-drift: 16, each prompt's greedy tokens)")
     fixed_output_len: bool = setting(False, "every output exactly --max-new-tokens long")
     prefix_tokens: int = setting(500, "shared-prefix: shared system prompt length")
     question_tokens: int = setting(30, "a question's length")
@@ -112,6 +153,60 @@ class BenchShape(Settings):
 
 
 @dataclass(frozen=True, kw_only=True)
+class BenchMeasure(Settings):
+    """The knobs of the suites that time a step, a request or an update in this process (the
+    step, A/B and served-latency suites); unset, each suite's own default, which its help names."""
+
+    section: ClassVar[str] = "in-process measures (the step, A/B and served-latency suites)"
+    # fmt: off
+    batches: str | None = setting(None, "comma list of batch sizes, the requests decoding at once in a timed step (default: decode-step 32; quant-step, family-step-times 1,32; kv-cache-dtype 1,4)")
+    contexts: str | None = setting(None, "comma list of context lengths in tokens, each request's own, nothing shared (default: decode-step 512,2048; kv-cache-dtype 2048,8000)")
+    steps: int | None = setting(None, "timed steps per measure (default: decode-step 5, quant-step 3, family-step-times 16, kv-cache-dtype 5)")
+    repeats: int | None = setting(None, "times each measure is taken, its best kept: runs of --steps, alternated between the cases where a suite compares some (default: 2; family-step-times 3; weight-update-time 3, their median kept)")
+    rounds: int | None = setting(None, "rounds of an interleaved comparison, each side once a round (default: spec-ab 3, router-overhead 40, flood-latency 5; ray-routing 6, a question to every prefix a round)")
+    spec_workload: str = setting("agent-loop", "spec-ab: the request workload whose first turns both schedulers decode", choices=tuple(REQUEST_WORKLOADS))
+    gpu_sections: str | None = setting(None, f"gpu-check: comma list of its sections (default: every one): {', '.join(GPU_CHECK_SECTIONS)}")
+    # fmt: on
+
+    def check(self) -> None:
+        self.batch_sizes, self.context_lens  # noqa: B018 - a malformed list fails here
+        for name in ("steps", "repeats", "rounds"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"--{name} must be at least 1, not {value}")
+        unknown = set(_comma_list(self.gpu_sections)) - set(GPU_CHECK_SECTIONS)
+        if unknown:
+            raise ValueError(
+                f"unknown --gpu-sections {sorted(unknown)}: gpu-check has {', '.join(GPU_CHECK_SECTIONS)}"
+            )
+
+    @property
+    def batch_sizes(self) -> list[int] | None:
+        """`--batches`, or None when unset."""
+        return _sizes("--batches", self.batches)
+
+    @property
+    def context_lens(self) -> list[int] | None:
+        """`--contexts`, or None when unset."""
+        return _sizes("--contexts", self.contexts)
+
+
+def _comma_list(text: str | None) -> list[str]:
+    return [part.strip() for part in (text or "").split(",") if part.strip()]
+
+
+def _sizes(flag: str, text: str | None) -> list[int] | None:
+    """A comma list of positive whole numbers, or None when `text` is unset; a ValueError
+    naming `flag` otherwise."""
+    if text is None:
+        return None
+    parts = _comma_list(text)
+    if not parts or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise ValueError(f"{flag} takes a comma list of positive whole numbers, not {text!r}")
+    return [int(p) for p in parts]
+
+
+@dataclass(frozen=True, kw_only=True)
 class BenchOutput(Settings):
     section: ClassVar[str] = "results"
     # fmt: off
@@ -120,7 +215,7 @@ class BenchOutput(Settings):
 
 
 @dataclass(frozen=True, kw_only=True)
-class BenchConfig(BenchSuite, BenchServer, BenchLoad, BenchShape, BenchOutput):
+class BenchConfig(BenchSuite, BenchServer, BenchLoad, BenchShape, BenchMeasure, BenchOutput):
     """Every flag of `radixrt bench`. Built (so checked) once from the command line; the suite
     its `suite_key` names runs it (`radixrt.bench.suites`)."""
 
@@ -140,6 +235,12 @@ class BenchConfig(BenchSuite, BenchServer, BenchLoad, BenchShape, BenchOutput):
         if unknown:
             raise ValueError(f"unknown systems {sorted(unknown)}")
         self.rates  # noqa: B018 - a malformed --sweep-rate fails here, not after a run
+        if self.max_new_tokens is not None and self.max_new_tokens < 1:
+            raise ValueError(f"--max-new-tokens must be at least 1, not {self.max_new_tokens}")
+        if self.workload in VARIANT_WORKLOADS and set(self.systems_for(self.workload)) - set(
+            VARIANTS
+        ):
+            raise ValueError(f"--workload {self.workload} runs radixrt variants only, not peers")
 
     @property
     def suite_key(self) -> str:
@@ -157,6 +258,11 @@ class BenchConfig(BenchSuite, BenchServer, BenchLoad, BenchShape, BenchOutput):
         return (self.systems or DEFAULT_SYSTEMS[workload]).split(",")
 
     @property
+    def new_tokens(self) -> int:
+        """`--max-new-tokens`, else the default every workload but logprob-drift takes."""
+        return self.max_new_tokens or DEFAULT_MAX_NEW_TOKENS
+
+    @property
     def server(self) -> BenchServer:
         return BenchServer.of(self)
 
@@ -164,7 +270,7 @@ class BenchConfig(BenchSuite, BenchServer, BenchLoad, BenchShape, BenchOutput):
     def shape(self) -> WorkloadConfig:
         return WorkloadConfig(
             num_requests=self.num_requests or DEFAULT_NUM_REQUESTS,
-            max_new_tokens=self.max_new_tokens,
+            max_new_tokens=self.new_tokens,
             fixed_output=self.fixed_output_len,
             prefix_tokens=self.prefix_tokens,
             question_tokens=self.question_tokens,

@@ -68,4 +68,7 @@ DEFAULT_SYSTEMS = {
     "agent-loop": "radixrt,radixrt-spec",
     "few-shot": "radixrt,radixrt-spec",
     **{w: "radixrt,radixrt-no-cache" for w in PROGRAM_WORKLOADS},
+    # one variant after another (`radixrt-dp2`: a fleet behind the router)
+    "flood-latency": "radixrt",
+    "weight-update-time": "radixrt",
 }

@@ -382,3 +382,66 @@ def test_the_3b_shape_is_llama_3_2_3bs_layers():
     with torch.device("meta"):
         params = sum(p.numel() for p in LlamaForCausalLM(config).parameters())
     assert 2.8e9 < params < 3.0e9 and "llama-3.2-3b" in BFLOAT16_SHAPES
+
+
+def test_a_timed_decode_step_keeps_the_batch_whole(tiny_model_dir):
+    """`radixrt.bench.decode_step`: the batch decodes whole (admitted, one token to compute)
+    before and through every timed step; released, the scheduler is empty again."""
+    from radixrt.bench.decode_step import private_prompts, release, start_decoding, time_steps
+
+    scheduler = make_scheduler(tiny_model_dir, max_total_tokens=1024)
+    prompts = private_prompts(3, 20)
+    assert prompts == private_prompts(3, 20) and len({tuple(p) for p in prompts}) == 3
+    reqs = start_decoding(scheduler, prompts, steps=4)
+    assert {id(r) for r in scheduler.running} == {id(r) for r in reqs}
+    assert all(r.tokens_to_compute == 1 for r in reqs)
+    step = time_steps(scheduler, reqs, 4)
+    assert 0 < step.wall_s and 0 <= step.cpu_s
+    release(scheduler, reqs)
+    assert not scheduler.has_work()
+
+
+def test_step_suites_at_tiny_size(tiny_model_dir, tmp_path, capsys):
+    """decode-step (in place against gathered) and quant-step (three weight formats), one
+    small batch each, into their JSON files."""
+    small = ["--model", str(tiny_model_dir), "--steps", "2", "--repeats", "1"]
+    small += ["--output-dir", str(tmp_path)]
+    main(["bench", "--workload", "decode-step", "--batches", "2", "--contexts", "32", *small])
+    main(["bench", "--workload", "quant-step", "--batches", "2", *small])
+    (decode,) = json.loads((tmp_path / "decode-step.json").read_text())["results"]
+    assert (decode["batch"], decode["context"]) == (2, 32) and decode["speedup"] > 0
+    quant = json.loads((tmp_path / "quant-step.json").read_text())
+    assert [r["quantization"] for r in quant["results"]] == ["float32", "int8", "int4"]
+    assert set(quant["speed_ratios"]["2"]) == {"int4/int8", "int4/float32", "int8/float32"}
+    out = capsys.readouterr().out
+    assert "gathered" in out and "batch 2: float32" in out
+
+
+def test_kv_cache_dtype_at_tiny_size(tiny_model_dir, tmp_path):
+    """A one-byte pool holds more tokens in the budget; each format's forward is timed."""
+    main(
+        ["bench", "--workload", "kv-cache-dtype", "--model", str(tiny_model_dir)]
+        + ["--batches", "1", "--contexts", "16", "--steps", "1", "--output-dir", str(tmp_path)]
+    )
+    results = json.loads((tmp_path / "kv-cache-dtype.json").read_text())["results"]
+    kv = {r["kv_cache_dtype"]: r for r in results}
+    assert list(kv) == ["auto", "int8", "fp8_e4m3"]
+    assert kv["int8"]["tokens_in_budget"] > kv["auto"]["tokens_in_budget"]
+    assert all(len(r["forwards"]) == 1 and r["forwards"][0]["best_s"] > 0 for r in results)
+
+
+def test_logprob_drift_at_tiny_size(tiny_model_dir, tmp_path):
+    """Every condition compared with its reference, within int8 as well."""
+    main(
+        ["bench", "--workload", "logprob-drift", "--model", str(tiny_model_dir)]
+        + ["--num-requests", "2", "--max-new-tokens", "3", "--output-dir", str(tmp_path)]
+    )
+    drift = json.loads((tmp_path / "logprob-drift.json").read_text())
+    assert [d["condition"] for d in drift["results"]] == [
+        "batched",
+        "cached",
+        "chunked",
+        "int8 batched",
+        "int8 cached",
+    ]
+    assert drift["prompts"] == 2 and drift["new_tokens"] == 3

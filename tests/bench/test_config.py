@@ -96,11 +96,42 @@ def test_help_lists_the_flags_by_group():
             "request workload",
         ),
         (["--workload", "sharegpt"], "--dataset-path"),
+        (["--batches", "1,x"], "--batches takes a comma list of positive whole numbers"),
+        (["--contexts", "512,0"], "--contexts takes a comma list of positive whole numbers"),
+        (["--batches", ","], "--batches takes a comma list"),
+        (["--steps", "0"], "--steps must be at least 1"),
+        (["--repeats", "-1"], "--repeats must be at least 1"),
+        (["--rounds", "0"], "--rounds must be at least 1"),
+        (["--max-new-tokens", "0"], "--max-new-tokens must be at least 1"),
+        (["--gpu-sections", "check_kv_quant,check_all"], r"unknown --gpu-sections \['check_all'\]"),
+        (["--workload", "flood-latency", "--systems", "llama-server"], "radixrt variants only"),
+        (["--workload", "weight-update-time", "--systems", "transformers"], "variants only"),
     ],
 )
 def test_bad_combinations_are_refused(argv, message):
     with pytest.raises(ValueError, match=message):
         _parse(argv)
+
+
+def test_measure_settings_parse_and_leave_each_suite_its_default():
+    """The in-process suites' knobs: comma lists of sizes, counts, and the GPU sections; unset,
+    each suite takes its own default (so do --max-new-tokens and --systems)."""
+    config = _parse(
+        ["--workload", "decode-step", "--batches", "1, 32", "--contexts", "512", "--steps", "3"]
+        + ["--repeats", "1", "--rounds", "7", "--gpu-sections", "check_kv_quant,bench_decode"]
+    )
+    assert (config.batch_sizes, config.context_lens, config.steps) == ([1, 32], [512], 3)
+    assert _parse(config.to_cli_args()) == config
+    unset = _parse([])
+    assert unset.batch_sizes is None and unset.context_lens is None and unset.steps is None
+    assert (
+        unset.max_new_tokens is None and unset.new_tokens == 64 and unset.shape.max_new_tokens == 64
+    )
+    assert (unset.spec_workload, unset.gpu_sections) == ("agent-loop", None)
+    assert _parse(["--workload", "flood-latency"]).systems_for("flood-latency") == ["radixrt"]
+    assert (
+        _parse(["--workload", "flood-latency", "--systems", "radixrt-dp2"]).systems == "radixrt-dp2"
+    )
 
 
 def test_every_workload_has_its_suite():
@@ -119,7 +150,7 @@ def _make_commands() -> list[str]:
     """The Makefile's `radixrt bench` commands, its variables expanded, each shell loop's
     variables at each of their values."""
     text = (ROOT / "Makefile").read_text().replace("\\\n", " ")
-    variables = dict(re.findall(r"^(\w+)\s*[:?]?=\s*(.*)$", text, re.M))
+    variables = dict(re.findall(r"^(\w+)[ \t]*[:?]?=[ \t]*(.*)$", text, re.M))
 
     def expand(match: re.Match[str]) -> str:
         name, _, substitution = match.group(1).partition(":")

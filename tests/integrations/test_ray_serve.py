@@ -2,15 +2,13 @@
 replicas of the tiny model built by `build_openai_app` with `RadixrtServer`, reached with the
 official `openai` client through Ray's HTTP proxy. Greedy output equals one `rt.Engine`'s; on a
 multi-prefix workload `RadixAffinityRouter` gives at least 1.5x the prefix-cache hit rate of
-Ray's default power-of-two routing (the same workload as scripts/ray_routing.py); and when
-Serve deletes the app, the runtimes the replicas started are gone. `QueueDepthPolicy`'s rule on
-plain numbers."""
+Ray's default power-of-two routing (the workload and functions of `radixrt bench --workload
+ray-routing`); and when Serve deletes the app, the runtimes the replicas started are gone.
+`QueueDepthPolicy`'s rule on plain numbers."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -23,13 +21,9 @@ from ray import serve
 from ray.serve._private.common import DeploymentID, ReplicaID
 from ray.serve.config import AutoscalingContext
 
+from radixrt.bench.suites.ray_routing import Workload, llm_config, run_workload
 from radixrt.client.launcher import free_port
-from radixrt.integrations.ray import RUNNING, WAITING, QueueDepthPolicy
-
-ROOT = Path(__file__).parents[2]
-_spec = importlib.util.spec_from_file_location("ray_routing", ROOT / "scripts/ray_routing.py")
-ray_routing = sys.modules["ray_routing"] = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(ray_routing)
+from radixrt.integrations.ray import RUNNING, WAITING, QueueDepthPolicy, build_openai_app
 
 # 13 prefixes of ~160 tokens, 6 questions each; each replica's pool holds ~7.5 requests' worth:
 # all of its half under affinity, a thrashing LRU of random ones under the default (a simulation
@@ -37,7 +31,7 @@ _spec.loader.exec_module(ray_routing)
 # runs). An odd count, since the default's choice between two idle replicas alternates as often
 # as not (its queue-length cache lags): with an even count, alternation would send each prefix
 # to the same replica each round.
-WORKLOAD = ray_routing.Workload(prefixes=13, questions=6)
+WORKLOAD = Workload(prefixes=13, questions=6)
 ENGINE = {"max_total_tokens": 1350, "log_level": "warning"}
 PROMPTS = ["The capital of France is", "1, 2, 3, 4,", "Once upon a time", "def fib(n):"]
 
@@ -77,8 +71,8 @@ def json_post(url: str, **body: object) -> dict:
 
 
 def deploy(model: Path, affinity: bool) -> None:
-    config = ray_routing.llm_config(str(model), affinity=affinity, **ENGINE)
-    serve.run(ray_routing.build_openai_app({"llm_configs": [config]}), name="radixrt")
+    config = llm_config(str(model), affinity=affinity, **ENGINE)
+    serve.run(build_openai_app({"llm_configs": [config]}), name="radixrt")
 
 
 def test_two_replicas_serve_as_one_engine_and_affinity_routing_raises_the_hit_rate(
@@ -129,9 +123,9 @@ def test_two_replicas_serve_as_one_engine_and_affinity_routing_raises_the_hit_ra
     with pytest.raises(ValueError, match="weights"):
         server.sleep.remote(tags=["weights"]).result()
 
-    default = ray_routing.run_workload(client, WORKLOAD, "default")
+    default = run_workload(client, WORKLOAD, "default")
     deploy(tiny_model_dir, affinity=True)
-    affinity = ray_routing.run_workload(client, WORKLOAD, "affinity")
+    affinity = run_workload(client, WORKLOAD, "affinity")
     print(default.line(), affinity.line(), sep="\n")
     assert affinity.hit_rate >= 1.5 * default.hit_rate, (default.line(), affinity.line())
 
@@ -147,7 +141,7 @@ def test_a_replica_takes_the_keys_radixrt_serve_takes(serve_url, tiny_model_dir,
     served (as that tenant)."""
     keys = tmp_path / "keys.txt"
     keys.write_text("alice:alice-key\n")
-    config = ray_routing.llm_config(
+    config = llm_config(
         str(tiny_model_dir),
         affinity=False,
         replicas=1,
@@ -155,7 +149,7 @@ def test_a_replica_takes_the_keys_radixrt_serve_takes(serve_url, tiny_model_dir,
         admin_api_key="admin-key",
         **ENGINE,
     )
-    serve.run(ray_routing.build_openai_app({"llm_configs": [config]}), name="keyed")
+    serve.run(build_openai_app({"llm_configs": [config]}), name="keyed")
     try:
         with pytest.raises(urllib.error.HTTPError) as keyless:
             json_post(f"{serve_url}/completions", model="model", prompt=PROMPTS[0], max_tokens=2)

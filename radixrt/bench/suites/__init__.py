@@ -6,26 +6,46 @@ from radixrt.bench.registry import SUITES, Suite
 from radixrt.bench.suites import (
     agent_tools,
     every,
+    families,
+    gpu_check,
     grammar,
     http_chat,
     kernels,
+    kv_cache_dtype,
+    logprob_drift,
     lora,
     openai_server,
     programs,
+    ray_routing,
     requests,
+    serve_defaults,
+    served_latency,
+    spec_ab,
+    steps,
+    weight_update,
 )
 
 # imported for their registrations
 MODULES = (
     agent_tools,
     every,
+    families,
+    gpu_check,
     grammar,
     http_chat,
     kernels,
+    kv_cache_dtype,
+    logprob_drift,
     lora,
     openai_server,
     programs,
+    ray_routing,
     requests,
+    serve_defaults,
+    served_latency,
+    spec_ab,
+    steps,
+    weight_update,
 )
 
 

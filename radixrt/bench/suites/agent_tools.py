@@ -17,7 +17,7 @@ def run_agent_tools(run: BenchRun) -> dict[str, list[RunResult]]:
         model=config.model,
         num_agents=config.num_requests or ToolBenchConfig.num_agents,
         turns=config.turns,
-        max_new_tokens=config.max_new_tokens,
+        max_new_tokens=config.new_tokens,
         max_total_tokens=config.max_total_tokens,
         temperature=config.temperature,
         seed=config.seed,

@@ -1,9 +1,10 @@
 """`--workload lora`: what serving LoRA adapters costs a decode step, and loading one.
 
 In-process schedulers on `--model` (no sockets: the step is what is measured) decode a batch
-of `--num-requests` requests (32 when unset) of `--question-tokens`-token prompts for
-`--max-new-tokens` steps, under 0, 1, 4 and 8 distinct adapters (requests dealt round-robin),
-against the base model served without adapter support. The adapters are random, rank
+of `--num-requests` requests (32 when unset) of `--question-tokens`-token private prompts,
+timing `--max-new-tokens` (64) steps once all of them decode (`radixrt.bench.decode_step`),
+under 0, 1, 4 and 8 distinct adapters (requests dealt round-robin), against the base model
+served without adapter support, each case `--repeats` (2) times interleaved, its best kept. The adapters are random, rank
 `ADAPTER_RANK` on all seven projections (written in peft's format here: no peft needed). The
 median decode step of each case (wall time, and the process's CPU time: on a machine shared
 with other work the CPU time is the steadier measure of what a step costs), and its ratios to
@@ -25,6 +26,14 @@ from typing import TYPE_CHECKING
 import torch
 from tqdm import tqdm
 
+from radixrt.bench.decode_step import (
+    StepTime,
+    new_tokens_for,
+    private_prompts,
+    release,
+    start_decoding,
+    time_steps,
+)
 from radixrt.bench.registry import register
 from radixrt.bench.report import BenchRun
 from radixrt.bench.results import RunResult
@@ -36,7 +45,7 @@ ADAPTER_RANK = 8
 ADAPTER_COUNTS = (0, 1, 4, 8)
 PROJECTIONS = {"self_attn": ("q", "k", "v", "o"), "mlp": ("gate", "up", "down")}
 DEFAULT_BATCH = 32
-REPEATS = 2  # each case runs this often, interleaved; its best median counts (a shared machine)
+REPEATS = 2  # unless --repeats: each case runs this often, interleaved; its best median counts
 
 
 @dataclass(frozen=True)
@@ -70,15 +79,19 @@ def run_lora_suite(run: BenchRun) -> dict[str, list[RunResult]]:
             start = time.perf_counter()
             served.load_lora(name, str(path))
             load_s.append(time.perf_counter() - start)
-        best: dict[int | None, tuple[float, float]] = {}
-        for count in tqdm([None, *ADAPTER_COUNTS] * REPEATS, desc="lora cases"):
+        best: dict[int | None, StepTime] = {}
+        repeats = run.config.repeats or REPEATS
+        for count in tqdm([None, *ADAPTER_COUNTS] * repeats, desc="lora cases"):
             names = list(paths)[: count or 0]
             step = _decode_step(run, base if count is None else served, names, batch)
-            best[count] = min(best.get(count, (float("inf"), 0.0)), step)
+            best[count] = min(best.get(count, step), step)
         base.close()
         served.close()
-    (base_s, base_cpu) = best[None]
-    results = [LoraCase(c, s, cpu, s / base_s, cpu / base_cpu) for c, (s, cpu) in best.items()]
+    b = best[None]
+    results = [
+        LoraCase(c, s.wall_s, s.cpu_s, s.wall_s / b.wall_s, s.cpu_s / b.cpu_s)
+        for c, s in best.items()
+    ]
     _print(results, batch, statistics.median(load_s))
     run.write(
         "lora",
@@ -153,7 +166,8 @@ def _scheduler(run: BenchRun, model_dir: Path, batch: int, lora: bool) -> Schedu
     args = ServerArgs(
         model=str(model_dir),
         dtype=config.dtype,
-        max_total_tokens=batch * (config.question_tokens + config.max_new_tokens + 16),
+        max_total_tokens=batch
+        * (config.question_tokens + new_tokens_for(batch, config.new_tokens)),
         max_running_requests=batch,
         log_level="warning",
         enable_lora=lora,
@@ -162,33 +176,18 @@ def _scheduler(run: BenchRun, model_dir: Path, batch: int, lora: bool) -> Schedu
     return Scheduler.from_server_args(args)
 
 
-def _decode_step(
-    run: BenchRun, scheduler: Scheduler, names: list[str], batch: int
-) -> tuple[float, float]:
-    """The median decode step (wall seconds, CPU seconds) of `batch` requests dealt round-robin
-    over the adapters `names` (none: the base), while all of them decode."""
+def _decode_step(run: BenchRun, scheduler: Scheduler, names: list[str], batch: int) -> StepTime:
+    """The median decode step of `batch` requests dealt round-robin over the adapters `names`
+    (none: the base) over `--max-new-tokens` steps, while all of them decode."""
     from radixrt.engine.request import RequestScope
-    from radixrt.sampling_params import SamplingParams
 
     config = run.config
-    params = SamplingParams.from_dict(
-        {"max_new_tokens": config.max_new_tokens, "temperature": 0, "ignore_eos": True}
-    )
-    for i in range(batch):
-        scope = RequestScope(lora_path=names[i % len(names)] if names else "")
-        prompt = [(i * 131 + j * 7) % 1000 + 100 for j in range(config.question_tokens)]
-        scheduler.add_request(scheduler.make_request(f"r{i}", prompt, params, scope=scope))
-    times, cpu = [], []
-    while scheduler.has_work():
-        running = scheduler.running
-        full = len(running) == batch and all(r.tokens_to_compute == 1 for r in running)
-        start, start_cpu = time.perf_counter(), time.process_time()
-        scheduler.step()
-        if full:
-            times.append(time.perf_counter() - start)
-            cpu.append(time.process_time() - start_cpu)
-    scheduler.flush_cache()
-    return statistics.median(times[1:] or times), statistics.median(cpu[1:] or cpu)
+    prompts = private_prompts(batch, config.question_tokens, config.seed)
+    scopes = [RequestScope(lora_path=names[i % len(names)] if names else "") for i in range(batch)]
+    reqs = start_decoding(scheduler, prompts, config.new_tokens, scopes)
+    step = time_steps(scheduler, reqs, config.new_tokens)
+    release(scheduler, reqs)
+    return step
 
 
 def _print(results: list[LoraCase], batch: int, load_s: float) -> None:

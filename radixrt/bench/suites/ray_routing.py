@@ -1,39 +1,46 @@
-"""Prefix-cache hit rate and throughput of radixrt replicas behind Ray Serve LLM, routed by
-`RadixAffinityRouter` and by Ray's default (power of two choices), on one multi-prefix workload.
+"""`--workload ray-routing`: prefix-cache hit rate and throughput of two radixrt replicas of
+`--model` behind Ray Serve LLM, routed by `RadixAffinityRouter` and by Ray's default (power of
+two choices), on one multi-prefix workload (needs ray[serve,llm] and openai).
 
-The workload: `--prefixes` system prompts of about `--prefix-words` words, each asked
-`--questions` short questions, sent one at a time in rounds (every prefix once per round), so
-the default router's choice is between two idle replicas each time (a coin toss, or a turn each
-when its queue-length cache lags; the odd prefix count keeps the turns from pinning a prefix to
-one replica). Each replica's pool holds about half the prefixes (`--max-total-tokens`), so what
-matters is which replica a prefix's requests reach: always the same one (affinity), or either
-(the default). The hit rate is the cached share of
-prompt tokens, from each response's `usage.prompt_tokens_details.cached_tokens`.
-
-    python scripts/ray_routing.py [--model PATH] [--prefixes 13] [--questions 6]
-
-tests/integrations/test_ray_serve.py runs the same functions on the tiny random model.
+The workload (`Workload`): PREFIXES (13) system prompts of about PREFIX_WORDS (90) words, each
+asked `--rounds` (6) short questions, sent one at a time in rounds (every prefix once per round),
+so the default router's choice is between two idle replicas each time (a coin toss, or a turn
+each when its queue-length cache lags; the odd prefix count keeps the turns from pinning a
+prefix to one replica). Each replica's pool holds about half the prefixes (`--max-total-tokens`,
+1350 when unset), so what matters is which replica a prefix's requests reach: always the same
+one (affinity), or either (the default). The hit rate is the cached share of prompt tokens, from
+each response's `usage.prompt_tokens_details.cached_tokens`. On a local Ray cluster of RAY_CPUS
+CPUs. Into `ray-routing.json`. tests/integrations/test_ray_serve.py runs the same functions on
+the tiny random model.
 """
 
 from __future__ import annotations
 
-import argparse
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
-from radixrt.integrations.ray import RadixrtServer, build_openai_app
+from radixrt.bench.registry import register
+from radixrt.bench.report import BenchRun
+from radixrt.bench.results import RunResult
 
 AFFINITY_ROUTER = "radixrt.integrations.ray:RadixAffinityRouter"
 WORDS = "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike".split()
+PREFIXES = 13
+PREFIX_WORDS = 90
+POOL_TOKENS = 1350
+RAY_CPUS = 2
 
 
 @dataclass(frozen=True)
 class Workload:
-    prefixes: int = 13
+    """`prefixes` system prompts of `prefix_words` words, `questions` questions to each, each
+    answered in `max_tokens` tokens."""
+
+    prefixes: int = PREFIXES
     questions: int = 6
-    prefix_words: int = 90
+    prefix_words: int = PREFIX_WORDS
     max_tokens: int = 4
     seed: int = 0
 
@@ -56,6 +63,8 @@ class Workload:
 
 @dataclass(frozen=True)
 class Result:
+    """One router's run of the workload: its prompt tokens, the cached ones, its time."""
+
     router: str
     requests: int
     prompt_tokens: int
@@ -82,6 +91,8 @@ def llm_config(model: str, *, affinity: bool, replicas: int = 2, **engine_kwargs
     """Two (`replicas`) radixrt replicas of `model`, served as "model", routed by
     `RadixAffinityRouter` (`affinity`) or by Ray's default."""
     from ray.serve.llm import LLMConfig
+
+    from radixrt.integrations.ray import RadixrtServer
 
     deployment: dict[str, Any] = {
         "num_replicas": replicas,
@@ -112,38 +123,40 @@ def run_workload(client: Any, workload: Workload, router: str) -> Result:
     return Result(router, len(requests), prompt, cached, time.perf_counter() - start)
 
 
-def main() -> None:
+@register("ray-routing")
+def run_ray_routing(run: BenchRun) -> dict[str, list[RunResult]]:
     import openai
     import ray
     from ray import serve
 
     from radixrt.client.launcher import free_port
+    from radixrt.integrations.ray import build_openai_app
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="default")
-    parser.add_argument("--prefixes", type=int, default=13)
-    parser.add_argument("--questions", type=int, default=6)
-    parser.add_argument("--prefix-words", type=int, default=90)
-    parser.add_argument("--max-total-tokens", type=int, default=1350)
-    parser.add_argument("--num-cpus", type=int, default=2)
-    args = parser.parse_args()
-    workload = Workload(args.prefixes, args.questions, args.prefix_words)
+    config = run.config
+    workload = Workload(questions=config.rounds or Workload.questions, seed=config.seed)
+    pool = config.max_total_tokens or POOL_TOKENS
     port = free_port()
-    ray.init(num_cpus=args.num_cpus, include_dashboard=False)
+    results = []
+    ray.init(num_cpus=RAY_CPUS, include_dashboard=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused")
         for router, affinity in (("default", False), ("affinity", True)):
-            config = llm_config(
-                args.model, affinity=affinity, max_total_tokens=args.max_total_tokens
-            )
-            serve.run(build_openai_app({"llm_configs": [config]}), name="radixrt")
-            print(run_workload(client, workload, router).line(), flush=True)
+            llm = llm_config(config.model, affinity=affinity, max_total_tokens=pool)
+            serve.run(build_openai_app({"llm_configs": [llm]}), name="radixrt")
+            results.append(run_workload(client, workload, router))
+            print(results[-1].line(), flush=True)
             serve.delete("radixrt")
     finally:
-        serve.shutdown()
+        serve.shutdown()  # type: ignore[no-untyped-call]
         ray.shutdown()
-
-
-if __name__ == "__main__":
-    main()
+    run.write(
+        "ray-routing",
+        {
+            "workload": "ray-routing",
+            "shape": asdict(workload),
+            "max_total_tokens": pool,
+            "results": [{**asdict(r), "hit_rate": r.hit_rate} for r in results],
+        },
+    )
+    return {}

@@ -1,6 +1,6 @@
-"""GPU check of the Triton attention kernels (sized for one H200, well under 8 minutes).
-
-    OUT=/path/to/dir python scripts/gpu_check.py [SECTION ...]   (e.g. check_kv_quant; none: all)
+"""`radixrt bench --workload gpu-check`: the Triton attention kernels and the engine on a CUDA
+device (sized for one H200, well under 8 minutes); `--gpu-sections` picks sections (e.g.
+check_kv_quant; none: all). Run by its suite, `radixrt.bench.suites.gpu_check`.
 
 (a) correctness against the torch references on realistic bf16 shapes, (b) speed: decode HBM bandwidth and
 extend TFLOP/s against dense torch SDPA, plus small launch-config sweeps, (c) end to end: greedy outputs of
@@ -14,13 +14,12 @@ quantized KV pool (`--kv-cache-dtype`) on the Triton kernels and the engine: cor
 time at 2k and 8k keys and the store's against bf16 KV, greedy tokens against bf16 KV, (k) packed
 weights on the Triton GEMM (`--quantization int4/int8`, pre-quantized checkpoints): against
 dequantize + matmul at llama3-8b's linears, timed against the bf16 matmul, and a GPTQ checkpoint
-loaded on CUDA against the CPU's paths. Writes $OUT/gpu_check.json and $OUT/gpu_check.txt,
-rewritten after every section so a timeout still leaves the finished parts.
+loaded on CUDA against the CPU's paths. Writes gpu_check.json and gpu_check.txt under
+`--output-dir`, rewritten after every section so a timeout still leaves the finished parts.
 """
 
 import gc
 import json
-import os
 import sys
 import time
 import traceback
@@ -31,11 +30,8 @@ import torch.nn.functional as F
 import triton
 from triton.testing import do_bench
 
-try:
-    from radixrt import kernels
-except ImportError:  # project not installed: import the kernels folder as a top-level package
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    import kernels
+from radixrt import kernels
+from radixrt.bench.config import GPU_CHECK_SECTIONS
 
 HBM_BYTES_PER_S = 4.8e12  # H200
 MODELS = {"smollm2": (9, 3, 64), "llama3-8b": (32, 8, 128)}  # (Hq, Hkv, D)
@@ -50,8 +46,7 @@ EXTEND_SHAPES = [(8, 0, 2048), (2, 0, 8192), (8, 4096, 512)]  # (batch, prefix, 
 SWEEP_DECODE_SHAPE, SWEEP_EXTEND_SHAPE = (64, 4096), (8, 2048)
 SWEEP_DEADLINE_S = 300  # skip the config sweeps if the run is already this far in
 
-OUT = Path(os.environ.get("OUT", "."))
-ONLY = set(sys.argv[1:])  # section names to run (e.g. check_kv_quant); none: every section
+OUT = Path(".")  # where `save` writes: `run`'s `out_dir`
 START = time.time()
 results: dict = {}
 lines: list[str] = []
@@ -453,7 +448,7 @@ def check_families(backend: str = "triton") -> None:
     import radixrt as rt
     from radixrt.executor.model_loader import resolve_model_path
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]  # the checkout: its tests' model families
     sys.path[:0] = [str(root / "tests"), str(root / "tests" / "executor")]
     from test_model_families import FAMILIES, GREEDY, MAX_NEW, _checkpoint, _prompts
 
@@ -986,28 +981,36 @@ def check_packed_checkpoint(out: dict) -> None:
         )
 
 
-def main() -> None:
+SECTIONS = (
+    check_correctness,
+    bench_decode,
+    bench_extend,
+    check_cuda_graphs,
+    check_speculative,
+    check_hicache,
+    check_tensor_parallel,
+    sweep_configs,
+    check_engine,
+    check_families,
+    check_fused_moe,
+    check_deterministic_rows,
+    check_kv_quant,
+    check_packed_gemm,
+)
+assert tuple(s.__name__ for s in SECTIONS) == GPU_CHECK_SECTIONS, "the bench's list is this one"
+
+
+def run(out_dir: Path, only: set[str]) -> dict:
+    """Every section named in `only` (none: every one), in order, a crash recorded and the next
+    run; the results (also in `out_dir`, saved after every section)."""
+    global OUT, START
+    OUT, START = out_dir, time.time()
     results.update(
         device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__
     )
     log(f"device {results['device']}, torch {results['torch']}, triton {results['triton']}")
-    for section in (
-        check_correctness,
-        bench_decode,
-        bench_extend,
-        check_cuda_graphs,
-        check_speculative,
-        check_hicache,
-        check_tensor_parallel,
-        sweep_configs,
-        check_engine,
-        check_families,
-        check_fused_moe,
-        check_deterministic_rows,
-        check_kv_quant,
-        check_packed_gemm,
-    ):
-        if ONLY and section.__name__ not in ONLY:
+    for section in SECTIONS:
+        if only and section.__name__ not in only:
             continue
         try:
             section()
@@ -1019,7 +1022,4 @@ def main() -> None:
     results["summary"] = {"correctness_failures": failed, "elapsed_s": time.time() - START}
     log(f"done in {time.time() - START:.0f}s; correctness failures: {len(failed)}")
     save()
-
-
-if __name__ == "__main__":
-    main()
+    return results

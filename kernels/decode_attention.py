@@ -175,7 +175,8 @@ def _decode_merge_kernel(
 
 
 def _launch_config(block_d: int) -> dict:
-    # Untuned starting point; scripts/gpu_check.py sweeps alternatives by patching this function.
+    # Untuned starting point; `radixrt bench --workload gpu-check` (radixrt/bench/gpu_check.py)
+    # sweeps alternatives by patching this function.
     return dict(BLOCK_N=64 if block_d <= 128 else 32, num_warps=4, num_stages=2)
 
 

@@ -10,8 +10,9 @@ move it as bytes, it needs no calibration pass, and a scale per row bounds each 
 its own largest value; its cost is 4 bytes a row (6% at head size 64, 3% at 128), one scalar
 load per key, and rows only 4-byte aligned (D + 4 bytes): compiled for sm_90, the decode
 kernel copies a tile's codes 4 bytes a `cp.async` where bf16 rows go 16 at a time. Should
-`scripts/gpu_check.py check_kv_quant` find decode slower than bf16 KV for it, rows padded to 16
-bytes or the scales in an array of their own are the ways out.
+`radixrt bench --workload gpu-check --gpu-sections check_kv_quant` find decode slower than
+bf16 KV for it, rows padded to 16 bytes or the scales in an array of their own are the ways
+out.
 """
 
 import math
@@ -264,7 +265,8 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 
 def _launch_config(block_d: int) -> dict:
-    # Untuned starting point; scripts/gpu_check.py sweeps alternatives by patching this function.
+    # Untuned starting point; `radixrt bench --workload gpu-check` (radixrt/bench/gpu_check.py)
+    # sweeps alternatives by patching this function.
     if block_d <= 128:
         return dict(BLOCK_M=128, BLOCK_N=64, num_warps=4 if block_d <= 64 else 8, num_stages=2)
     return dict(BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=2)

@@ -153,7 +153,8 @@ def launch_config(m: int, groups: int) -> Launch:
     """The launch for `m` rows over `groups` groups of inputs. Decode batches: few tiles of
     rows, so narrow tiles of outputs and the inputs cut in up to `MAX_SPLITS` parts of at
     least `SPLIT_GROUPS` groups, to give the GPU's multiprocessors enough programs; prefill:
-    64 x 64, one part. Untuned guesses until scripts/gpu_check.py times them on a device."""
+    64 x 64, one part. Untuned guesses until `radixrt bench --workload gpu-check` times them on
+    a device."""
     if m <= SMALL_M:
         return Launch(SMALL_M, 32, max(1, min(MAX_SPLITS, groups // SPLIT_GROUPS)))
     return Launch(64, 64, 1)

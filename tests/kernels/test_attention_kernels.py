@@ -247,7 +247,7 @@ def test_a_sliding_window_skips_the_tiles_before_it(monkeypatch):
 
 def test_half_precision():
     # fp16 stands in for bf16 here: the interpreter's tl.dot multiplies bf16 tensors as their raw uint16 bits.
-    # bf16 is checked on GPU by scripts/gpu_check.py.
+    # bf16 is checked on GPU by `radixrt bench --workload gpu-check`.
     _run_extend(8, 1, 64, prefix_lens=[0, 19], extend_lens=[9, 23], dtype=torch.float16)
     _run_decode(8, 1, 64, context_lens=[1, 33], num_kv_splits=4, dtype=torch.float16)
 

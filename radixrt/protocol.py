@@ -9,11 +9,23 @@ Imported by the client side and the HTTP gateway too, so it needs neither torch 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 from enum import Enum
-from typing import Any, TypeVar
+from types import UnionType
+from typing import (
+    Annotated,
+    Any,
+    ClassVar,
+    Literal,
+    TypeVar,
+    Union,
+    get_args,
+    get_origin,
+    get_type_hints,
+)
 
 import msgpack
 
@@ -109,29 +121,6 @@ def nesting_depth(value: Any, limit: int = MAX_NESTING) -> int:
                 level.extend(c.values())
             else:
                 level.extend(c)
-
-
-# Control ops: only the admin key (`--admin-api-key`) may send them; a tenant's key gets
-# `unauthorized`. Clients send these with their admin key (RuntimeClient.admin_api_key).
-ADMIN_OPS = frozenset(
-    {
-        "shutdown",
-        "flush_cache",
-        "memory_snapshot",
-        "check_invariants",
-        "load_lora_adapter",
-        "unload_lora_adapter",
-        "update_weights_from_disk",
-        "update_weights_from_tensor",
-        "init_weights_update_group",
-        "update_weights_from_distributed",
-        "destroy_weights_update_group",
-        "pause_generation",
-        "continue_generation",
-        "release_memory_occupation",
-        "resume_memory_occupation",
-    }
-)
 
 
 def tensor_handoff_dir() -> str | None:
@@ -328,3 +317,540 @@ def generate_fields(options: type[GenerateOptions] = GenerateOptions) -> frozens
 
 
 GENERATE_FIELDS = generate_fields()
+
+
+# ---- control ops -----------------------------------------------------------------------------
+# Every op but generate, abort, tokenize and pin is one record below: its fields (types, bounds,
+# defaults, in SGLang's order), who may send it, what a router does with it, its HTTP route and
+# what it answers. The runtime's and the router's op tables, the gateway's rollout routes, both
+# client endpoints' methods and docs/protocol.md's table of control ops all come from here.
+
+
+class Fleet(str, Enum):
+    """What a router does with an op."""
+
+    ALL = "all"  # sends it to every live worker and answers once they all have
+    ONE = "one"  # asks one live worker
+    ROUTER = "router"  # answers it itself
+    WORKERS_ONLY = "workers only"  # refuses it: each worker is sent it directly
+
+
+class HttpReply(str, Enum):
+    """The body a rollout route answers 200 with, from the op's result (SGLang's shapes)."""
+
+    RESULT = "the result"
+    SUCCESS = '`{"success": result}`'
+    MERGED = '`{"success": true, **result}`'
+    UPDATE = "the result and a `message` naming the weight version served"
+
+    def answer(self, result: Any) -> Any:
+        """The route's body for the op's `result`."""
+        if self is HttpReply.SUCCESS:
+            return {"success": result}
+        if self is HttpReply.MERGED:
+            return {"success": True, **result}
+        if self is HttpReply.UPDATE:
+            return {**result, "message": f"serving weight version {result['weight_version']}"}
+        return result
+
+    def result_of(self, answer: Any) -> Any:
+        """The op's result from the route's body (what `answer` made of it)."""
+        if self is HttpReply.SUCCESS:
+            return answer["success"]
+        if self is HttpReply.MERGED:
+            return {k: v for k, v in answer.items() if k != "success"}
+        if self is HttpReply.UPDATE:
+            return {k: v for k, v in answer.items() if k != "message"}
+        return answer
+
+
+@dataclass(frozen=True)
+class Route:
+    """The gateway route `/<op>` that forwards an op with the caller's key: its HTTP method and
+    the shape of its answer."""
+
+    method: str
+    reply: HttpReply
+
+
+@dataclass(frozen=True)
+class Span:
+    """A bound carried by an `Annotated` field: a string's length, or an integer's value, in
+    [low, high] (high None: unbounded)."""
+
+    low: int
+    high: int | None = None
+
+    def describe(self, unit: str) -> str:
+        """The bound in words, e.g. "1 to 256 characters"."""
+        return f"{self.low}{'' if self.high is None else f' to {self.high}'}{unit}" + (
+            " or more" if self.high is None else ""
+        )
+
+    def check(self, name: str, value: Any) -> None:
+        size = len(value) if isinstance(value, str) else value
+        if size < self.low or (self.high is not None and size > self.high):
+            what = "a string of" if isinstance(value, str) else "an integer in"
+            top = "" if self.high is None else f" to {self.high}"
+            unit = " characters" if isinstance(value, str) else ""
+            raise ValueError(f"{name} must be {what} {self.low}{top or ' or more'}{unit}")
+
+
+TYPE_NAMES = {str: "string", int: "integer", float: "number", bool: "boolean", dict: "map"}
+
+
+def type_name(hint: Any) -> str:
+    """A declared type as errors and docs/protocol.md name it (None, "not sent", left out)."""
+    origin, args = get_origin(hint), get_args(hint)
+    if origin is Annotated:
+        return type_name(args[0])
+    if origin in (Union, UnionType):
+        return " or ".join(type_name(a) for a in args if a is not type(None))
+    if origin is list:
+        return f"list of {_plural(args[0])}"
+    if origin is Literal:
+        return " or ".join(f"`{json.dumps(a)}`" for a in args)
+    return TYPE_NAMES.get(origin or hint, getattr(hint, "__name__", str(hint)))
+
+
+def _plural(hint: Any) -> str:
+    if get_origin(hint) is list:
+        return f"lists of {_plural(get_args(hint)[0])}"
+    return type_name(hint) + ("" if get_origin(hint) is Literal else "s")
+
+
+def check_type(name: str, value: Any, hint: Any) -> None:
+    """ValueError naming `name` when `value` (decoded msgpack or JSON) is not of type `hint`: a
+    str, int (never a bool), float (an int too), bool, Literal, list, optional or Annotated with
+    `Span`s of those."""
+    origin, args = get_origin(hint), get_args(hint)
+    if origin is Annotated:
+        check_type(name, value, args[0])
+        for bound in args[1:]:
+            if isinstance(bound, Span):
+                bound.check(name, value)
+        return
+    if origin in (Union, UnionType):
+        if value is None and type(None) in args:
+            return
+        options = [a for a in args if a is not type(None)]
+        if len(options) == 1:  # an optional field: its own type's error, which says more
+            return check_type(name, value, options[0])
+        for option in options:
+            try:
+                return check_type(name, value, option)
+            except ValueError:
+                continue
+    elif origin is list:
+        if isinstance(value, list):
+            for i, item in enumerate(value):
+                check_type(f"{name}[{i}]", item, args[0])
+            return
+    elif origin is Literal:
+        if any(type(value) is type(a) and value == a for a in args):
+            return
+    elif _is_a(value, hint):
+        return
+    raise ValueError(f"{name} must be of type {type_name(hint)}")
+
+
+def _is_a(value: Any, hint: Any) -> bool:
+    if isinstance(value, bool):
+        return hint is bool
+    if hint is float:
+        return isinstance(value, int | float)
+    return isinstance(hint, type) and isinstance(value, hint)
+
+
+ControlT = TypeVar("ControlT", bound="ControlOp")
+DEFAULT_GROUP = "weight_update_group"  # SGLang's default group_name
+NAME = Annotated[str, Span(1, 256)]  # an adapter's, a group's or a weight version's
+PATH = Annotated[str, Span(1, 4096)]  # a folder on the runtime's machine
+
+
+@dataclass(frozen=True)
+class ControlOp:
+    """A control op's fields, checked (`from_wire`) by the runtime and the router before any
+    handler runs: a field not declared is refused by name, a wrong type or bound names its
+    field (`invalid_request`, an HTTP 400). Subclasses declare the op in their class statement
+    (`op=`, `fleet=`, `reply=`; `admin=False` for any key; `route=` for a gateway route; `waits`)
+    and are registered in CONTROL_OPS under it. Its docstring is its line in docs/protocol.md;
+    its fields' order is that of the endpoints' methods' positional arguments (docs/rl.md), so
+    it never changes."""
+
+    op: ClassVar[str]
+    admin: ClassVar[bool]
+    fleet: ClassVar[Fleet]
+    reply: ClassVar[str]
+    route: ClassVar[Route | None]
+    # answered once the requests in flight have finished or a trainer has done its part: the
+    # runtime answers it later, beside its loop, and callers wait WEIGHT_UPDATE_WAIT_S for it
+    waits: ClassVar[bool]
+
+    def __init_subclass__(
+        cls,
+        *,
+        op: str,
+        fleet: Fleet,
+        reply: str,
+        admin: bool = True,
+        route: Route | None = None,
+        waits: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        super().__init_subclass__(**kwargs)
+        if op in CONTROL_OPS:
+            raise ValueError(f"two control ops named {op!r}")
+        cls.op, cls.fleet, cls.reply, cls.admin, cls.route = op, fleet, reply, admin, route
+        cls.waits = waits
+        CONTROL_OPS[op] = cls
+
+    @property
+    def wait_s(self) -> float | None:
+        """How long a caller (the gateway, a router) waits for the answer (None: its default)."""
+        return WEIGHT_UPDATE_WAIT_S if self.waits else None
+
+    @classmethod
+    def from_wire(cls: type[ControlT], msg: Mapping[str, Any]) -> ControlT:
+        """The op a map (a ZeroMQ frame, an HTTP body) sends, every field checked."""
+        unknown = sorted(map(str, set(msg) - {"op", "rid"} - {f.name for f in fields(cls)}))
+        if unknown:
+            raise ValueError(f"unknown {cls.op} fields: {unknown}")
+        hints = get_type_hints(cls, include_extras=True)
+        values = {}
+        for f in fields(cls):
+            if f.name in msg:
+                check_type(f.name, msg[f.name], hints[f.name])
+                values[f.name] = msg[f.name]
+            elif f.default is MISSING:
+                raise ValueError(f"{cls.op} needs {f.name} ({type_name(hints[f.name])})")
+        record = cls(**values)
+        record.check()
+        return record
+
+    def check(self) -> None:
+        """A rule across fields (a ValueError); the fields' own types and bounds are checked
+        already."""
+
+    def wire(self) -> dict[str, Any]:
+        """The op's map as a client sends it (a field that is None is left out)."""
+        sent = {f.name: getattr(self, f.name) for f in fields(self)}
+        return {"op": self.op, **{k: v for k, v in sent.items() if v is not None}}
+
+
+CONTROL_OPS: dict[str, type[ControlOp]] = {}
+ANSWER = '`{"rid", "result": true}`'
+UPDATE_ANSWER = (
+    'answered once the requests in flight finished and the weights loaded: `{"rid", "result": '
+    '{"success": true, "weight_version", "seconds"}}`, or `invalid_request` naming the refused '
+    "field, tensor or shape (the old weights stay). docs/rl.md"
+)
+
+
+@dataclass(frozen=True)
+class Health(ControlOp, op="health", admin=False, fleet=Fleet.ROUTER, reply=ANSWER):
+    """Whether the runtime serves (a router: whether a worker is alive)."""
+
+
+@dataclass(frozen=True)
+class Ping(
+    ControlOp,
+    op="ping",
+    admin=False,
+    fleet=Fleet.ROUTER,
+    reply='`{"rid", "result": {"server_id"}}`; see heartbeats below',
+):
+    """A heartbeat: a client that pings is watched, and told when the server restarts."""
+
+
+@dataclass(frozen=True)
+class Stats(
+    ControlOp,
+    op="stats",
+    admin=False,
+    fleet=Fleet.ALL,
+    reply='`{"rid", "result": {...}}`: the counters listed below',
+):
+    """The runtime's counters, a tenant's key seeing its own tenant's only."""
+
+
+@dataclass(frozen=True)
+class Metrics(
+    ControlOp,
+    op="metrics",
+    admin=False,
+    fleet=Fleet.ALL,
+    reply='`{"rid", "result": text}`',
+):
+    """The Prometheus exposition of this runtime (docs/metrics.md), the `tenant` rows as `stats`
+    shows them to the caller; what the gateway's `/metrics` serves after its own HTTP counts."""
+
+
+@dataclass(frozen=True)
+class ModelInfo(
+    ControlOp,
+    op="model_info",
+    admin=False,
+    fleet=Fleet.ONE,
+    reply='`{"rid", "result": {...}}`: the fields listed below',
+):
+    """What is served: the model, its tokenizer and template, the pool, the weights' version."""
+
+
+@dataclass(frozen=True)
+class Unpin(
+    ControlOp, op="unpin", admin=False, fleet=Fleet.ROUTER, reply='`{"rid", "result": bool}`'
+):
+    """Release a `pin` of the caller's connection (a router sends it to the pin's worker)."""
+
+    pin_id: Annotated[str, Span(1, MAX_PIN_ID_CHARS)]
+
+
+@dataclass(frozen=True)
+class ListLoraAdapters(
+    ControlOp,
+    op="list_lora_adapters",
+    admin=False,
+    fleet=Fleet.ONE,
+    reply='`{"rid", "result": [{"name", "path", "rank", "digest"}]}`',
+    route=Route("GET", HttpReply.RESULT),
+):
+    """The adapters loaded."""
+
+
+@dataclass(frozen=True)
+class LoadLoraAdapter(
+    ControlOp,
+    op="load_lora_adapter",
+    fleet=Fleet.ALL,
+    reply='`{"rid", "result": {"name", "path", "rank", "digest"}}`, or `invalid_request` with '
+    "one line naming why the adapter cannot be served (taken name, rank above "
+    "`--max-lora-rank`, a module other than q/k/v/o/gate/up/down, a shape the base model does "
+    "not have, DoRA, biases, a server without `--enable-lora`/`--lora-paths`)",
+    route=Route("POST", HttpReply.MERGED),
+):
+    """Load an adapter as `lora_name`: `lora_path` is a folder on the runtime's machine holding
+    peft's `adapter_config.json` and `adapter_model.safetensors`."""
+
+    lora_name: NAME
+    lora_path: PATH
+
+
+@dataclass(frozen=True)
+class UnloadLoraAdapter(
+    ControlOp,
+    op="unload_lora_adapter",
+    fleet=Fleet.ALL,
+    reply=f"{ANSWER}; `invalid_request` while a queued or running request names it",
+    route=Route("POST", HttpReply.SUCCESS),
+):
+    """Unload an adapter no request uses."""
+
+    lora_name: NAME
+
+
+@dataclass(frozen=True)
+class FlushCache(
+    ControlOp,
+    op="flush_cache",
+    fleet=Fleet.ALL,
+    reply='`{"rid", "result": bool}` (false while requests run)',
+):
+    """Forget every cached prefix (the host and disk tiers' too)."""
+
+
+@dataclass(frozen=True)
+class CheckInvariants(
+    ControlOp,
+    op="check_invariants",
+    fleet=Fleet.ALL,
+    reply=f"{ANSWER} or an `internal_error` naming the broken invariant",
+):
+    """Check that every KV slot, request row and lock count is where it belongs (DESIGN.md)."""
+
+
+@dataclass(frozen=True)
+class MemorySnapshot(
+    ControlOp,
+    op="memory_snapshot",
+    fleet=Fleet.ALL,
+    reply='`{"rid", "result": {...}}`: `page_size`, `num_pages`, `free_pages`, `nodes` with '
+    "`id`, `parent`, `slots`, `lock_ref`; `requests` with `rid`, `last_node`, `tree_slots`, "
+    "`own_slots`; `pinned_nodes`; request-table `rows`, `free_rows`, `running_rows`",
+):
+    """Who holds which KV slot, as plain data, for checkers outside the runtime."""
+
+
+@dataclass(frozen=True)
+class Shutdown(
+    ControlOp, op="shutdown", fleet=Fleet.ROUTER, reply=f"{ANSWER}, then the process exits"
+):
+    """Stop serving (a router stops itself, not its workers)."""
+
+
+@dataclass(frozen=True)
+class UpdateWeightsFromDisk(
+    ControlOp,
+    op="update_weights_from_disk",
+    fleet=Fleet.ALL,
+    reply=UPDATE_ANSWER,
+    waits=True,
+    route=Route("POST", HttpReply.UPDATE),
+):
+    """Serve the weights of the model folder `model_path` (on the runtime's machine, of the
+    served architecture) once the requests in flight finish; `weight_version` names them
+    (default: the count of updates); `abort_all_requests` ends what is in flight first."""
+
+    model_path: PATH
+    weight_version: NAME | None = None
+    abort_all_requests: bool = False
+    load_format: Literal["auto", "safetensors"] | None = None
+
+
+@dataclass(frozen=True)
+class UpdateWeightsFromTensor(
+    ControlOp,
+    op="update_weights_from_tensor",
+    fleet=Fleet.ALL,
+    reply="as `update_weights_from_disk`",
+    waits=True,
+):
+    """Serve the named tensors `rt.Engine.update_weights_from_tensor` wrote as safetensors to
+    the folder `path` (every weight, by its checkpoint name)."""
+
+    path: PATH
+    weight_version: NAME | None = None
+    abort_all_requests: bool = False
+
+
+@dataclass(frozen=True)
+class InitWeightsUpdateGroup(
+    ControlOp,
+    op="init_weights_update_group",
+    fleet=Fleet.WORKERS_ONLY,
+    reply='`{"rid", "result": {"success": true, "message"}}` once the group formed; `timeout` '
+    "past `--weights-update-timeout`",
+    route=Route("POST", HttpReply.RESULT),
+    waits=True,
+):
+    """Join a trainer's group: rank 0 (the trainer) hosts its store at `master_address`
+    (one of `--weights-update-allowed-hosts`): `master_port`; the runtime is rank
+    `rank_offset` of `world_size`; gloo only, `--tp-size 1` only."""
+
+    master_address: NAME
+    master_port: Annotated[int, Span(0, 65535)]
+    rank_offset: Annotated[int, Span(1)]
+    world_size: Annotated[int, Span(2)]
+    group_name: NAME = DEFAULT_GROUP
+    backend: Literal["gloo"] = "gloo"
+
+    def check(self) -> None:
+        if self.rank_offset >= self.world_size:
+            raise ValueError("rank_offset must be in [1, world_size): the trainer is rank 0")
+
+
+@dataclass(frozen=True)
+class UpdateWeightsFromDistributed(
+    ControlOp,
+    op="update_weights_from_distributed",
+    fleet=Fleet.WORKERS_ONLY,
+    reply="receives one broadcast per name from rank 0, then answers as `update_weights_from_disk`",
+    route=Route("POST", HttpReply.UPDATE),
+    waits=True,
+):
+    """Serve the tensors `names` (`dtypes`: `float32`, `bfloat16`, ..., a `torch.` prefix
+    allowed; `shapes`) that the trainer broadcasts over `group_name`, in that order: every
+    weight of the model. New weights always forget the cache (`flush_cache` true only)."""
+
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: NAME = DEFAULT_GROUP
+    weight_version: NAME | None = None
+    abort_all_requests: bool = False
+    flush_cache: Literal[True] = True
+
+
+@dataclass(frozen=True)
+class DestroyWeightsUpdateGroup(
+    ControlOp,
+    op="destroy_weights_update_group",
+    fleet=Fleet.WORKERS_ONLY,
+    reply='`{"rid", "result": {"success": true}}`',
+    route=Route("POST", HttpReply.RESULT),
+):
+    """Leave a trainer's group."""
+
+    group_name: NAME = DEFAULT_GROUP
+
+
+@dataclass(frozen=True)
+class PauseGeneration(
+    ControlOp,
+    op="pause_generation",
+    fleet=Fleet.ALL,
+    reply=f"{ANSWER}; under `abort` every request in flight answers now with what it has "
+    '(`finish_reason.type == "abort"`)',
+    route=Route("POST", HttpReply.SUCCESS),
+):
+    """Stop generating until `continue_generation`: `abort` ends what is in flight, `in_place`
+    keeps it with its KV."""
+
+    mode: Literal["abort", "in_place"] = "abort"
+
+
+@dataclass(frozen=True)
+class ContinueGeneration(
+    ControlOp,
+    op="continue_generation",
+    fleet=Fleet.ALL,
+    reply=ANSWER,
+    route=Route("POST", HttpReply.SUCCESS),
+):
+    """Generate again after `pause_generation`."""
+
+
+MEMORY_TAGS = Literal["kv_cache"]  # what release/resume_memory_occupation free and restore
+
+
+@dataclass(frozen=True)
+class ReleaseMemoryOccupation(
+    ControlOp,
+    op="release_memory_occupation",
+    fleet=Fleet.ALL,
+    reply=f"{ANSWER}; `invalid_request` while requests are in flight",
+    route=Route("POST", HttpReply.SUCCESS),
+):
+    """Free the KV pool's memory (the weights stay resident); generates queue until
+    `resume_memory_occupation`."""
+
+    tags: list[MEMORY_TAGS] | None = None
+
+
+@dataclass(frozen=True)
+class ResumeMemoryOccupation(
+    ControlOp,
+    op="resume_memory_occupation",
+    fleet=Fleet.ALL,
+    reply=ANSWER,
+    route=Route("POST", HttpReply.SUCCESS),
+):
+    """Allocate the KV pool again after `release_memory_occupation`."""
+
+    tags: list[MEMORY_TAGS] | None = None
+
+
+@dataclass(frozen=True)
+class GetWeightVersion(
+    ControlOp,
+    op="get_weight_version",
+    admin=False,
+    fleet=Fleet.ONE,
+    reply='`{"rid", "result": {"weight_version"}}`',
+    route=Route("GET", HttpReply.RESULT),
+):
+    """The weights' version (also in `model_info`, `stats` and every `meta_info`; docs/rl.md)."""
+
+
+# only the admin key (`--admin-api-key`) may send these; a tenant's key gets `unauthorized`
+ADMIN_OPS = frozenset(name for name, record in CONTROL_OPS.items() if record.admin)

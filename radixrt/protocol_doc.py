@@ -1,5 +1,6 @@
-"""docs/protocol.md's tables of request fields and sampling parameters, generated from their
-declarations: `protocol.GenerateOptions` and `sampling_params.SamplingParams`.
+"""docs/protocol.md's tables of control ops, request fields and sampling parameters, generated
+from their declarations: `protocol.CONTROL_OPS`, `protocol.GenerateOptions` and
+`sampling_params.SamplingParams`.
 
 The tables are never edited by hand: a field added to either declaration changes them, and
 `tests/test_docs.py` fails until they are regenerated with
@@ -15,13 +16,21 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 from types import UnionType
-from typing import Any, Union, get_args, get_origin, get_type_hints
+from typing import Annotated, Any, Union, get_args, get_origin, get_type_hints
 
-from radixrt.protocol import GenerateOptions, option_fields, spec_of
+from radixrt.protocol import (
+    CONTROL_OPS,
+    ControlOp,
+    Fleet,
+    GenerateOptions,
+    Span,
+    option_fields,
+    spec_of,
+    type_name,
+)
 from radixrt.sampling_params import SamplingParams, param_spec
 
 PAGE = Path(__file__).resolve().parent.parent / "docs" / "protocol.md"
-TYPE_NAMES = {str: "string", int: "integer", float: "number", bool: "boolean", dict: "map"}
 
 
 def begin(name: str) -> str:
@@ -30,15 +39,6 @@ def begin(name: str) -> str:
 
 def end(name: str) -> str:
     return f"<!-- end of the {name} -->"
-
-
-def _type(hint: Any) -> str:
-    """A declared type as the tables name it (None, "not sent", left out)."""
-    if get_origin(hint) in (Union, UnionType):
-        return " or ".join(_type(k) for k in get_args(hint) if k is not type(None))
-    if get_origin(hint) is list:
-        return f"list of {_type(get_args(hint)[0])}s"
-    return TYPE_NAMES.get(get_origin(hint) or hint, getattr(hint, "__name__", str(hint)))
 
 
 def _cell(text: str) -> str:
@@ -68,7 +68,7 @@ def field_table(options: type[GenerateOptions] = GenerateOptions) -> str:
         lines.append(
             _row(
                 f"`{f.name}`",
-                _type(hints[f.name]),
+                type_name(hints[f.name]),
                 example,
                 _carried_by(options, f),
                 _cell(spec.doc),
@@ -78,7 +78,9 @@ def field_table(options: type[GenerateOptions] = GenerateOptions) -> str:
 
 
 def _default(f: dataclasses.Field[Any]) -> str:
-    value = f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[misc]
+    """A field's default as JSON (a default factory's value where it has one)."""
+    factory = f.default_factory
+    value = factory() if callable(factory) else f.default  # MISSING is no callable
     return f"`{json.dumps(value)}`"
 
 
@@ -99,11 +101,65 @@ def sampling_table(sampling: type[SamplingParams] = SamplingParams) -> str:
     lines = ["| key | type | default | also from | meaning |", "|---|---|---|---|---|"]
     for f in dataclasses.fields(sampling):
         doc = _cell(param_spec(f).doc)
-        lines.append(_row(f"`{f.name}`", _type(hints[f.name]), _default(f), _elsewhere(f), doc))
+        lines.append(_row(f"`{f.name}`", type_name(hints[f.name]), _default(f), _elsewhere(f), doc))
+    return "\n".join(lines)
+
+
+def _fields(record: type[ControlOp]) -> str:
+    """Each field of `record`: its name, type, bounds and default."""
+    hints = get_type_hints(record, include_extras=True)
+    cells = []
+    for f in dataclasses.fields(record):
+        hint = hints[f.name]
+        default = "" if f.default is dataclasses.MISSING else f", default {_default(f)}"
+        cells.append(f"`{f.name}` ({type_name(hint)}{_bounds(hint)}{default})")
+    return ", ".join(cells) or "—"
+
+
+def _bounds(hint: Any) -> str:
+    """The `Span`s of an Annotated field (inside an optional one too), in words."""
+    if get_origin(hint) in (Union, UnionType):
+        return "".join(_bounds(a) for a in get_args(hint))
+    if get_origin(hint) is not Annotated:
+        return ""
+    unit = " characters" if get_args(hint)[0] is str else ""
+    return "".join(f", {b.describe(unit)}" for b in get_args(hint)[1:] if isinstance(b, Span))
+
+
+ROUTER_DOES = {
+    Fleet.ALL: "every worker",
+    Fleet.ONE: "one worker",
+    Fleet.ROUTER: "the router",
+    Fleet.WORKERS_ONLY: "refused: send it to each worker",
+}
+
+
+def control_table() -> str:
+    """The table of the control ops: name, fields (in their positional order), who may send
+    it, who answers it behind a router, its gateway route, what it does and answers."""
+    lines = [
+        "| `op` | fields | who | behind a router | HTTP | what it does; its reply |",
+        "|---|---|---|---|---|---|",
+    ]
+    for record in CONTROL_OPS.values():
+        route = record.route
+        http = "—" if route is None else f"`{route.method} /{record.op}`: {route.reply.value}"
+        does = " ".join((record.__doc__ or "").split())
+        lines.append(
+            _row(
+                f"`{record.op}`",
+                _cell(_fields(record)),
+                "admin" if record.admin else "any key",
+                ROUTER_DOES[record.fleet],
+                _cell(http),
+                _cell(f"{does} Reply: {record.reply}"),
+            )
+        )
     return "\n".join(lines)
 
 
 TABLES: dict[str, Callable[[], str]] = {
+    "control ops": control_table,
     "request fields": field_table,
     "sampling parameters": sampling_table,
 }

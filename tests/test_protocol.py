@@ -1,13 +1,15 @@
 """The request contract: `GenerateOptions` (radixrt/protocol.py) declares each request field
 once, and `SamplingParams` (radixrt/sampling_params.py) each sampling parameter; every surface
 is derived from them: the ZeroMQ generate's field set, the OpenAI and native HTTP bodies, the
-engine's scope, the router's namespace, the client's options and docs/protocol.md's tables.
-Model-free, except the last test, which sends every declared field over each surface of a real
-runtime and gateway."""
+engine's scope, the router's namespace, the client's options and docs/protocol.md's tables. So
+is each control op from its record (`CONTROL_OPS`): the runtime's and the router's op tables,
+the gateway's routes, both endpoints' methods. Model-free, except the last test, which sends
+every declared field over each surface of a real runtime and gateway."""
 
 from __future__ import annotations
 
 import dataclasses
+import re
 import time
 from dataclasses import dataclass
 
@@ -16,25 +18,33 @@ import pytest
 import zmq
 from pydantic import ValidationError
 
-from radixrt.client.base import RequestOptions
+import radixrt as rt
+from radixrt.client.base import Endpoint, RequestOptions
 from radixrt.engine.request import RequestScope
 from radixrt.protocol import (
+    CONTROL_OPS,
     GENERATE_BASE_FIELDS,
     GENERATE_FIELDS,
     ErrorCode,
+    Fleet,
     GenerateOptions,
+    InitWeightsUpdateGroup,
+    ReleaseMemoryOccupation,
+    UpdateWeightsFromDisk,
+    UpdateWeightsFromDistributed,
     generate_fields,
     option_fields,
     request_field,
     spec_of,
 )
-from radixrt.protocol_doc import field_table, sampling_table
+from radixrt.protocol_doc import control_table, field_table, sampling_table
 from radixrt.sampling_params import GENERATION_CONFIG_FIELDS, SamplingParams, param
 from radixrt.server.front import PROBE
 from radixrt.server.http.native import NativeGenerateRequest, _per_prompt_fields
 from radixrt.server.http.schemas import Body, CompletionRequest, GenerateRequest, request_body
 from radixrt.server.router.prefix_tree import Namespace
-from radixrt.server.router.router import namespace_of
+from radixrt.server.router.router import Router, namespace_of
+from radixrt.server.zmq_server import CONTROL, OPS
 
 from helpers import http_json
 from timeouts import REPLY_TIMEOUT_S
@@ -205,6 +215,109 @@ def _zmq_generate(url: str, msg: dict) -> dict:
     finally:
         sock.close()
         ctx.term()
+
+
+# control ops the endpoints send their own way: the transport's heartbeat, a property read
+# once, what only `rt.Engine` (which writes the tensors) can send, and `rt.Runtime.shutdown`
+# (which waits for its process too)
+SERVED_OTHERWISE = {"ping", "model_info", "update_weights_from_tensor", "shutdown"}
+
+
+def test_every_control_op_is_served_from_its_record():
+    """Each record has the runtime's handler, an entry in the router's table as its `fleet`
+    says, its gateway route when it declares one, and a method on both endpoints (but those a
+    transport serves its own way)."""
+    records = set(CONTROL_OPS.values())
+    assert set(CONTROL) == records
+    router = Router._ops(object.__new__(Router))  # the table only names bound methods
+    for name, record in CONTROL_OPS.items():
+        assert OPS[name].record is record and router[name].record is record
+        assert OPS[name].answers == (not record.waits)
+        assert router[name].answers == (
+            record.fleet is Fleet.WORKERS_ONLY or name in {"ping", "shutdown"}
+        )
+        if name not in SERVED_OTHERWISE:
+            assert callable(getattr(Endpoint, name)), f"no endpoint method {name}"
+    assert isinstance(Endpoint.model_info, property)
+    assert callable(rt.Engine.update_weights_from_tensor) and callable(rt.Runtime.shutdown)
+    app_routes = _app_routes()
+    for record in records:
+        if record.route is not None:
+            assert (record.route.method, f"/{record.op}") in app_routes
+    assert control_table().count("\n") == len(records) + 1
+
+
+def _app_routes() -> set[tuple[str, str]]:
+    """The (method, path) of every route `add_control_routes` adds (none is called here)."""
+    from fastapi import FastAPI
+
+    from radixrt.server.http.control import add_control_routes
+
+    app = FastAPI()
+    add_control_routes(app, None)
+    return {(m, r.path) for r in app.routes for m in getattr(r, "methods", ())}
+
+
+GROUP = {"master_address": "127.0.0.1", "master_port": 29500, "rank_offset": 1, "world_size": 2}
+
+
+@pytest.mark.parametrize(
+    ("record", "fields", "message"),
+    [
+        (
+            InitWeightsUpdateGroup,
+            {**GROUP, "extra": 1},
+            "unknown init_weights_update_group fields: ['extra']",
+        ),
+        (
+            InitWeightsUpdateGroup,
+            {**GROUP, "master_port": True},
+            "master_port must be of type integer",
+        ),
+        (
+            InitWeightsUpdateGroup,
+            {**GROUP, "master_port": 70000},
+            "master_port must be an integer in 0 to 65535",
+        ),
+        (
+            InitWeightsUpdateGroup,
+            {**GROUP, "rank_offset": 2},
+            "rank_offset must be in [1, world_size)",
+        ),
+        (InitWeightsUpdateGroup, {**GROUP, "backend": "nccl"}, 'backend must be of type `"gloo"`'),
+        (InitWeightsUpdateGroup, {"master_address": "x"}, "needs master_port (integer)"),
+        (UpdateWeightsFromDisk, {"model_path": ""}, "model_path must be a string of 1 to 4096"),
+        (
+            UpdateWeightsFromDisk,
+            {"model_path": "m", "weight_version": 7},
+            "weight_version must be of type string",
+        ),
+        (
+            UpdateWeightsFromDistributed,
+            {"names": ["a"], "dtypes": ["float32"], "shapes": [[1, "2"]]},
+            "shapes[0][1] must be of type integer",
+        ),
+        (
+            UpdateWeightsFromDistributed,
+            {"names": ["a"], "dtypes": ["float32"], "shapes": [[1]], "flush_cache": False},
+            "flush_cache must be of type `true`",
+        ),
+        (ReleaseMemoryOccupation, {"tags": ["weights"]}, "tags[0] must be of type"),
+    ],
+)
+def test_a_control_op_refuses_what_its_record_does_not_declare(record, fields, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        record.from_wire({"op": record.op, "rid": "r", **fields})
+
+
+def test_a_control_op_goes_over_the_wire_and_back_unchanged():
+    for op in (
+        InitWeightsUpdateGroup(**GROUP),
+        UpdateWeightsFromDisk("/m", "v1", True, "safetensors"),
+        UpdateWeightsFromDistributed(["a"], ["bfloat16"], [[2, 3]], "g"),
+        ReleaseMemoryOccupation(["kv_cache"]),
+    ):
+        assert type(op).from_wire(msgpack.unpackb(msgpack.packb(op.wire()))) == op
 
 
 @pytest.mark.model

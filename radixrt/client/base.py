@@ -4,13 +4,37 @@
 
 from __future__ import annotations
 
+import inspect
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from radixrt.protocol import GenerateOptions, option_fields, spec_of
+from radixrt.protocol import (
+    CheckInvariants,
+    ContinueGeneration,
+    ControlOp,
+    DestroyWeightsUpdateGroup,
+    FlushCache,
+    GenerateOptions,
+    GetWeightVersion,
+    InitWeightsUpdateGroup,
+    ListLoraAdapters,
+    LoadLoraAdapter,
+    MemorySnapshot,
+    Metrics,
+    PauseGeneration,
+    ReleaseMemoryOccupation,
+    ResumeMemoryOccupation,
+    Stats,
+    UnloadLoraAdapter,
+    Unpin,
+    UpdateWeightsFromDisk,
+    UpdateWeightsFromDistributed,
+    option_fields,
+    spec_of,
+)
 
 Prompt = str | list[int]
 
@@ -34,6 +58,22 @@ class RequestOptions(GenerateOptions):
         and the key when set."""
         names = {f.name for f in option_fields() if spec_of(f).namespace} | {"api_key"}
         return {k: v for k, v in self.fields().items() if k in names}
+
+
+def control_method(record: type[ControlOp]) -> Callable[..., Any]:
+    """The endpoint method that sends `record`'s op: its arguments are the op's fields (by
+    name, or positional in their declared order: SGLang's), its docstring the op's, its result
+    the op's (`Endpoint.control`)."""
+
+    def method(self: Endpoint, *args: Any, **kwargs: Any) -> Any:
+        return self.control(record(*args, **kwargs))
+
+    fields = inspect.signature(record).parameters.values()
+    self_param = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    method.__signature__ = inspect.Signature([self_param, *fields])  # type: ignore[attr-defined]
+    method.__name__ = method.__qualname__ = record.op
+    method.__doc__ = record.__doc__
+    return method
 
 
 class Endpoint(ABC):
@@ -108,47 +148,42 @@ class Endpoint(ABC):
         assert isinstance(out, (dict, list)), "a generate without stream is a result"
         return out
 
-    # ---- introspection and control -----------------------------------------------------------
+    # ---- control ops: one method each, its arguments the op's fields -------------------------
     @abstractmethod
-    def stats(self) -> dict[str, Any]: ...
+    def control(self, op: ControlOp) -> Any:
+        """Send the control op `op` (`protocol.CONTROL_OPS`) with this endpoint's key (its admin
+        key for an admin op); its result, or its refusal raised as a request's would be."""
 
-    @abstractmethod
-    def metrics(self) -> str:
-        """The server's Prometheus text: a runtime's, or a router's over its workers."""
+    stats = control_method(Stats)
+    metrics = control_method(Metrics)
+    flush_cache = control_method(FlushCache)
+    check_invariants = control_method(CheckInvariants)
+    memory_snapshot = control_method(MemorySnapshot)
+    unpin = control_method(Unpin)
+    load_lora_adapter = control_method(LoadLoraAdapter)
+    unload_lora_adapter = control_method(UnloadLoraAdapter)
+    list_lora_adapters = control_method(ListLoraAdapters)
+    update_weights_from_disk = control_method(UpdateWeightsFromDisk)
+    init_weights_update_group = control_method(InitWeightsUpdateGroup)
+    update_weights_from_distributed = control_method(UpdateWeightsFromDistributed)
+    destroy_weights_update_group = control_method(DestroyWeightsUpdateGroup)
+    pause_generation = control_method(PauseGeneration)
+    continue_generation = control_method(ContinueGeneration)
+    release_memory_occupation = control_method(ReleaseMemoryOccupation)
+    resume_memory_occupation = control_method(ResumeMemoryOccupation)
 
-    @abstractmethod
-    def flush_cache(self) -> bool: ...
+    def get_weight_version(self) -> str:
+        """The weights' version (docs/rl.md)."""
+        version: str = self.control(GetWeightVersion())["weight_version"]
+        return version
 
     @abstractmethod
     def health(self, timeout: float | None = None) -> bool: ...
 
     @abstractmethod
-    def check_invariants(self) -> None:
-        """Raise if a KV slot, request row or lock count is out of place (see DESIGN.md)."""
-
-    @abstractmethod
-    def memory_snapshot(self) -> dict[str, Any]:
-        """Who holds which KV slot (free pages, tree nodes, requests, pins), as plain data."""
-
-    @abstractmethod
     def pin(self, pin_id: str, prompt: Prompt, options: RequestOptions | None = None) -> int:
         """Keep the cached prefix of `prompt` (under the options' cache salt) from eviction until
         `unpin`; returns tokens pinned."""
-
-    @abstractmethod
-    def unpin(self, pin_id: str) -> bool: ...
-
-    @abstractmethod
-    def load_lora_adapter(self, lora_name: str, lora_path: str) -> dict[str, Any]:
-        """Load a LoRA adapter (peft's files in folder `lora_path` on the runtime's machine) as
-        `lora_name` (an admin op); returns its name, path, rank and digest."""
-
-    @abstractmethod
-    def unload_lora_adapter(self, lora_name: str) -> bool:
-        """Unload an adapter no request uses (an admin op)."""
-
-    @abstractmethod
-    def list_lora_adapters(self) -> list[dict[str, Any]]: ...
 
     @abstractmethod
     def tokenize(self, text: str) -> list[int]: ...

@@ -10,6 +10,7 @@ from typing import Any, TypeVar
 from radixrt.client.base import Endpoint, Prompt, RequestOptions
 from radixrt.client.http import HttpEndpoint
 from radixrt.client.transport import AsyncSubmission, RuntimeClient, Submission
+from radixrt.protocol import ControlOp
 
 __all__ = ["Endpoint", "Prompt", "RequestOptions", "RuntimeEndpoint", "ZmqEndpoint", "connect"]
 
@@ -113,141 +114,21 @@ class ZmqEndpoint(Endpoint):
     def abort(self, rid: str) -> None:
         self.client.abort(rid)
 
-    # ---- introspection -----------------------------------------------------------------------
-    def stats(self) -> dict[str, Any]:
-        return self.client.call("stats", self.timeout)
-
-    def metrics(self) -> str:
-        """The server's Prometheus text (`metrics` op): a runtime's, or a router's over its workers."""
-        return self.client.call("metrics", self.timeout)
-
-    def flush_cache(self) -> bool:
-        return self.client.call("flush_cache", self.timeout)
+    # ---- control ops -------------------------------------------------------------------------
+    def control(self, op: ControlOp) -> Any:
+        fields = {k: v for k, v in op.wire().items() if k != "op"}
+        return self.client.call(op.op, self.timeout, **fields)
 
     def health(self, timeout: float | None = None) -> bool:
         return self.client.call("health", timeout if timeout is not None else self.timeout)
 
-    def check_invariants(self) -> None:
-        """Raise if a KV slot, request row or lock count is out of place (see DESIGN.md)."""
-        self.client.call("check_invariants", self.timeout)
-
-    def memory_snapshot(self) -> dict[str, Any]:
-        """Who holds which KV slot (free pages, tree nodes, requests, pins), as plain data."""
-        return self.client.call("memory_snapshot", self.timeout)
-
     def pin(self, pin_id: str, prompt: Prompt, options: RequestOptions | None = None) -> int:
-        """Keep the cached prefix of `prompt` (under the options' cache salt) from eviction until
-        `unpin`; returns tokens pinned."""
         key = "text" if isinstance(prompt, str) else "input_ids"
         fields = (options or RequestOptions()).over(self.options).pin_fields()
         return self.client.call("pin", self.timeout, pin_id=pin_id, **{key: prompt}, **fields)
 
-    def unpin(self, pin_id: str) -> bool:
-        return self.client.call("unpin", self.timeout, pin_id=pin_id)
-
-    def load_lora_adapter(self, lora_name: str, lora_path: str) -> dict[str, Any]:
-        """Load a LoRA adapter (peft's files in folder `lora_path` on the runtime's machine) as
-        `lora_name` (an admin op); returns its name, path, rank and digest."""
-        return self.client.call(
-            "load_lora_adapter", self.timeout, lora_name=lora_name, lora_path=lora_path
-        )
-
-    def unload_lora_adapter(self, lora_name: str) -> bool:
-        """Unload an adapter no request uses (an admin op)."""
-        return self.client.call("unload_lora_adapter", self.timeout, lora_name=lora_name)
-
-    def list_lora_adapters(self) -> list[dict[str, Any]]:
-        return self.client.call("list_lora_adapters", self.timeout)
-
     def tokenize(self, text: str) -> list[int]:
         return self.client.call("tokenize", self.timeout, text=text)
-
-    # ---- reinforcement learning (docs/rl.md; admin ops but get_weight_version) ---------------
-    def update_weights_from_disk(
-        self,
-        model_path: str,
-        weight_version: str | None = None,
-        abort_all_requests: bool = False,
-    ) -> dict[str, Any]:
-        """Serve the weights of the model folder `model_path` (on the runtime's machine; the
-        served architecture) once the requests in flight finish; returns `success`,
-        `weight_version` and `seconds`. A wrong name or shape is refused by name
-        (`invalid_request`) and the old weights stay."""
-        return self.client.call(
-            "update_weights_from_disk",
-            self.timeout,
-            model_path=model_path,
-            abort_all_requests=abort_all_requests,
-            **version_field(weight_version),
-        )
-
-    def init_weights_update_group(
-        self,
-        master_address: str,
-        master_port: int,
-        rank_offset: int,
-        world_size: int,
-        group_name: str = "weight_update_group",
-        backend: str = "gloo",
-    ) -> dict[str, Any]:
-        """Have the runtime join a trainer's group (the trainer is rank 0 and hosts its store
-        at `master_address:master_port`; the runtime is rank `rank_offset`). Blocks until the
-        group forms: call it from a thread while the trainer joins."""
-        return self.client.call(
-            "init_weights_update_group",
-            self.timeout,
-            master_address=master_address,
-            master_port=master_port,
-            rank_offset=rank_offset,
-            world_size=world_size,
-            group_name=group_name,
-            backend=backend,
-        )
-
-    def update_weights_from_distributed(
-        self,
-        names: list[str],
-        dtypes: list[str],
-        shapes: list[list[int]],
-        group_name: str = "weight_update_group",
-        weight_version: str | None = None,
-        abort_all_requests: bool = False,
-    ) -> dict[str, Any]:
-        """Serve the tensors the trainer broadcasts over the group, in the order of `names`
-        (every weight of the model); answered as `update_weights_from_disk`. The trainer's
-        broadcasts run meanwhile (from another thread)."""
-        return self.client.call(
-            "update_weights_from_distributed",
-            self.timeout,
-            names=names,
-            dtypes=dtypes,
-            shapes=shapes,
-            group_name=group_name,
-            abort_all_requests=abort_all_requests,
-            **version_field(weight_version),
-        )
-
-    def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict:
-        return self.client.call("destroy_weights_update_group", self.timeout, group_name=group_name)
-
-    def pause_generation(self, mode: str = "abort") -> bool:
-        """Stop generating until `continue_generation`: `abort` ends what is in flight (each
-        request answers with what it has), `in_place` keeps it with its KV."""
-        return self.client.call("pause_generation", self.timeout, mode=mode)
-
-    def continue_generation(self) -> bool:
-        return self.client.call("continue_generation", self.timeout)
-
-    def release_memory_occupation(self) -> bool:
-        """Free the KV pool's memory (nothing may be in flight); requests queue until
-        `resume_memory_occupation`."""
-        return self.client.call("release_memory_occupation", self.timeout)
-
-    def resume_memory_occupation(self) -> bool:
-        return self.client.call("resume_memory_occupation", self.timeout)
-
-    def get_weight_version(self) -> str:
-        return self.client.call("get_weight_version", self.timeout)["weight_version"]
 
     def _fetch_model_info(self) -> dict[str, Any]:
         return self.client.call("model_info", self.timeout)
@@ -337,8 +218,3 @@ def load_tokenizer(info: dict[str, Any]):
     if info.get("chat_template"):
         tokenizer.chat_template = info["chat_template"]
     return tokenizer
-
-
-def version_field(weight_version: str | None) -> dict[str, str]:
-    """The `weight_version` field of an update, left out when the runtime numbers it."""
-    return {} if weight_version is None else {"weight_version": weight_version}

@@ -21,7 +21,7 @@ from typing import Any
 
 from radixrt.client.base import Endpoint, Prompt, RequestOptions, normalize_prompt
 from radixrt.client.transport import raise_for
-from radixrt.protocol import ErrorCode
+from radixrt.protocol import ControlOp, ErrorCode
 
 # an HTTP status -> the error code of an answer that names none (a proxy's, a plain 404)
 STATUS_CODES = {
@@ -161,7 +161,20 @@ class HttpEndpoint(Endpoint):
                 state.text, state.ids = event["text"], event["output_ids"]
                 yield {"index": index, "finished": False, "delta": delta, "token_ids": ids}
 
-    # ---- introspection -----------------------------------------------------------------------
+    # ---- control ops -------------------------------------------------------------------------
+    def control(self, op: ControlOp) -> Any:
+        """`op` over its route (`/<op>`, `protocol.Route`), its answer read back to the op's
+        result; an op without a route is the runtime's alone (NotImplementedError)."""
+        if op.route is None:
+            raise NotImplementedError(f"{op.op} is a ZeroMQ op: use the server's --zmq-port")
+        key = self.admin_api_key if op.admin else self.api_key
+        path = f"/{op.op}"
+        if op.route.method == "GET":
+            answer = self._get(path, key)
+        else:
+            answer = self._post(path, {k: v for k, v in op.wire().items() if k != "op"}, key)
+        return op.route.reply.result_of(answer)
+
     def stats(self) -> dict[str, Any]:
         return self._get("/get_server_info", self.admin_api_key)["internal_states"][0]
 
@@ -181,29 +194,12 @@ class HttpEndpoint(Endpoint):
         self._get("/health", None, timeout)
         return True
 
-    def check_invariants(self) -> None:
-        raise NotImplementedError("check_invariants is a ZeroMQ op: use the server's --zmq-port")
-
-    def memory_snapshot(self) -> dict[str, Any]:
-        raise NotImplementedError("memory_snapshot is a ZeroMQ op: use the server's --zmq-port")
-
     def pin(self, pin_id: str, prompt: Prompt, options: RequestOptions | None = None) -> int:
         key = "text" if isinstance(prompt, str) else "input_ids"
         opts = (options or RequestOptions()).over(self.options)
         salt = {"cache_salt": opts.cache_salt} if opts.cache_salt is not None else {}
         body = {"pin_id": pin_id, key: prompt, **salt}
         return self._post("/pin", body, opts.api_key)["pinned_tokens"]
-
-    def load_lora_adapter(self, lora_name: str, lora_path: str) -> dict[str, Any]:
-        body = {"lora_name": lora_name, "lora_path": lora_path}
-        return self._post("/load_lora_adapter", body, self.admin_api_key)
-
-    def unload_lora_adapter(self, lora_name: str) -> bool:
-        body = {"lora_name": lora_name}
-        return self._post("/unload_lora_adapter", body, self.admin_api_key)["success"]
-
-    def list_lora_adapters(self) -> list[dict[str, Any]]:
-        return self._get("/list_lora_adapters", self.api_key)
 
     def unpin(self, pin_id: str) -> bool:
         return self._post("/unpin", {"pin_id": pin_id}, None)["success"]

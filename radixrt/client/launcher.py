@@ -22,10 +22,10 @@ from typing import Any
 
 import zmq
 
-from radixrt.client.endpoint import ZmqEndpoint, load_tokenizer, version_field
+from radixrt.client.endpoint import ZmqEndpoint, load_tokenizer
 from radixrt.config import SECRETS, ServerArgs
 from radixrt.lifecycle import PARENT_PID_ENV, python_command
-from radixrt.protocol import tensor_handoff_dir
+from radixrt.protocol import UpdateWeightsFromTensor, tensor_handoff_dir
 
 START_TIMEOUT_S = 600
 LOG_TAIL_LINES = 30
@@ -196,13 +196,9 @@ class Engine(Runtime):
         folder = Path(tempfile.mkdtemp(prefix="radixrt-weights-", dir=tensor_handoff_dir()))
         try:
             save_file(_distinct(named_tensors), folder / "model.safetensors")
-            return self.client.call(
-                "update_weights_from_tensor",
-                self.timeout,
-                path=str(folder),
-                abort_all_requests=abort_all_requests,
-                **version_field(weight_version),
-            )
+            op = UpdateWeightsFromTensor(str(folder), weight_version, abort_all_requests)
+            result: dict[str, Any] = self.control(op)
+            return result
         finally:
             shutil.rmtree(folder, ignore_errors=True)
 

@@ -40,6 +40,7 @@ from zmq.utils import z85
 from radixrt.config import FrontSettings, KeySettings
 from radixrt.logs import LogThrottle
 from radixrt.protocol import (
+    ControlOp,
     ErrorCode,
     RequestError,
     decode_map,
@@ -93,17 +94,20 @@ class Caller:
     api_key: str | None
 
 
-Handler = Callable[[Caller, dict[str, Any]], Any]
-
-
 @dataclass(frozen=True)
 class Op:
-    """One entry of an op table. With `answers`, the front replies `{"rid", "result": run(...)}`;
-    without, `run` replies itself (a generate streams, a fanned-out op answers later)."""
+    """One entry of an op table: `run(caller, msg)`, or for a control op (`record`, whose
+    declaration says who may send it) `run(caller, the op as checked by record.from_wire, rid)`.
+    With `answers`, the front replies `{"rid", "result": run(...)}`; without, `run` replies
+    itself (a generate streams, a fanned-out op answers later)."""
 
-    run: Handler
-    role: Role = Role.CLIENT
+    run: Callable[..., Any]
+    record: type[ControlOp] | None = None
     answers: bool = True
+
+    @property
+    def role(self) -> Role:
+        return Role.ADMIN if self.record is not None and self.record.admin else Role.CLIENT
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -372,7 +376,10 @@ class ClientFront:
     def _run(self, op: Op, caller: Caller, msg: dict[str, Any]) -> None:
         rid = wire_rid(msg.get("rid"))
         try:
-            result = op.run(caller, msg)
+            if op.record is None:
+                result = op.run(caller, msg)
+            else:
+                result = op.run(caller, op.record.from_wire(msg), rid)
             if op.answers:
                 self.reply(caller.identity, {"rid": rid, "result": result})
         except RequestError as e:

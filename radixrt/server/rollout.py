@@ -32,7 +32,22 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from radixrt.engine.scheduler import Scheduler, WeightsGroupSpec, WeightUpdate
-from radixrt.protocol import ErrorCode, RequestError, error_reply
+from radixrt.protocol import (
+    ContinueGeneration,
+    ControlOp,
+    DestroyWeightsUpdateGroup,
+    ErrorCode,
+    GetWeightVersion,
+    InitWeightsUpdateGroup,
+    PauseGeneration,
+    ReleaseMemoryOccupation,
+    RequestError,
+    ResumeMemoryOccupation,
+    UpdateWeightsFromDisk,
+    UpdateWeightsFromDistributed,
+    UpdateWeightsFromTensor,
+    error_reply,
+)
 
 if TYPE_CHECKING:
     from radixrt.server.front import Caller
@@ -40,26 +55,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-MAX_VERSION_CHARS = 256
-UPDATE_FIELDS = frozenset({"op", "rid", "abort_all_requests", "weight_version"})
-DISK_FIELDS = UPDATE_FIELDS | {"model_path", "load_format"}
-TENSOR_FIELDS = UPDATE_FIELDS | {"path"}
-DISTRIBUTED_FIELDS = UPDATE_FIELDS | {"names", "dtypes", "shapes", "group_name", "flush_cache"}
-GROUP_FIELDS = frozenset(
-    {
-        "op",
-        "rid",
-        "master_address",
-        "master_port",
-        "rank_offset",
-        "world_size",
-        "group_name",
-        "backend",
-    }
-)
-DEFAULT_GROUP = "weight_update_group"  # SGLang's default group_name
-LOAD_FORMATS = (None, "auto", "safetensors")
-MEMORY_TAGS = ("kv_cache",)  # what release/resume_memory_occupation free and restore
 # joins answered at their deadline whose threads have not ended (a peer that never speaks can
 # hold one for ever): past this many, a new join is refused (`overloaded`)
 MAX_STUCK_JOINS = 4
@@ -122,66 +117,33 @@ class PendingUpdate:
     received: Beside[Any] | None = field(default=None)  # what `load` waits for (a trainer's)
 
 
-def check_fields(msg: dict[str, Any], allowed: frozenset[str]) -> None:
-    """ValueError naming the fields of `msg` its op does not take."""
-    unknown = sorted(map(str, set(msg) - allowed))
-    if unknown:
-        raise ValueError(f"unknown {msg.get('op')} fields: {unknown}")
+def update_from_disk(server: Server, caller: Caller, op: UpdateWeightsFromDisk, rid: Any) -> None:
+    load = partial(server.scheduler.update_weights, Path(op.model_path).expanduser(), True)
+    _request_update(server, caller, op, rid, load)
 
 
-def update_from_disk(server: Server, caller: Caller, msg: dict[str, Any]) -> None:
-    """`model_path`: a model folder on the runtime's machine, of the served architecture."""
-    check_fields(msg, DISK_FIELDS)
-    path = msg.get("model_path")
-    if not isinstance(path, str) or not path:
-        raise ValueError("update_weights_from_disk needs a string model_path")
-    if msg.get("load_format") not in LOAD_FORMATS:
-        raise ValueError(f"load_format must be one of {list(LOAD_FORMATS)}")
-    load = partial(server.scheduler.update_weights, Path(path).expanduser(), True)
-    _request_update(server, caller, msg, load)
+def update_from_tensor(
+    server: Server, caller: Caller, op: UpdateWeightsFromTensor, rid: Any
+) -> None:
+    load = partial(server.scheduler.update_weights, Path(op.path), False)
+    _request_update(server, caller, op, rid, load)
 
 
-def update_from_tensor(server: Server, caller: Caller, msg: dict[str, Any]) -> None:
-    """`path`: the folder of safetensors an `rt.Engine` wrote its named tensors to (every
-    weight of the model, by its checkpoint name)."""
-    check_fields(msg, TENSOR_FIELDS)
-    path = msg.get("path")
-    if not isinstance(path, str) or not path:
-        raise ValueError("update_weights_from_tensor needs a string path")
-    _request_update(
-        server, caller, msg, partial(server.scheduler.update_weights, Path(path), False)
-    )
-
-
-def init_group(server: Server, caller: Caller, msg: dict[str, Any]) -> None:
-    """Join a trainer's group (SGLang's `init_weights_update_group`): at `master_address`:
-    `master_port`, as rank `rank_offset` of `world_size` (the trainer is rank 0), under
-    `group_name`; gloo only. The address must be allowed (`--weights-update-allowed-hosts`).
-    Joined beside the loop; answered once the group has formed, or with the error, or with
-    `timeout` after `--weights-update-timeout` seconds (`poll_joins`)."""
-    check_fields(msg, GROUP_FIELDS)
-    address, port = msg.get("master_address"), msg.get("master_port")
-    rank, size = msg.get("rank_offset"), msg.get("world_size")
-    if not isinstance(address, str) or not all(_count(v) for v in (port, rank, size)):
-        raise ValueError(
-            "init_weights_update_group needs a string master_address and ints master_port, "
-            "rank_offset and world_size"
-        )
-    if not 0 < rank < size:
-        raise ValueError("rank_offset must be in [1, world_size): the trainer is rank 0")
-    if msg.get("backend", "gloo") != "gloo":
-        raise ValueError("backend must be gloo (the CPU's; nccl is not built)")
-    allowed = server.args.weights_update_allowed_hosts
+def init_group(server: Server, caller: Caller, op: InitWeightsUpdateGroup, rid: Any) -> None:
+    """Join a trainer's group beside the loop, if its address is allowed
+    (`--weights-update-allowed-hosts`); answered once the group has formed, or with the error,
+    or with `timeout` after `--weights-update-timeout` seconds (`poll_joins`)."""
+    address, allowed = op.master_address, server.args.weights_update_allowed_hosts
     if address not in allowed and ANY_HOST not in allowed:
         raise ValueError(
             f"master_address {address!r} is not in --weights-update-allowed-hosts {list(allowed)}"
         )
-    spec = WeightsGroupSpec(_group_name(msg), address, port, rank, size)
+    spec = WeightsGroupSpec(op.group_name, address, op.master_port, op.rank_offset, op.world_size)
     _check_join(server, spec.name)
     timeout = server.args.weights_update_timeout
     join = partial(server.scheduler.join_weights_group, spec, timeout + TORCH_GRACE_S)
     work = Beside(join, timeout, "join-weights-group")
-    server.joins.append(Join(caller.identity, msg.get("rid"), spec, work))
+    server.joins.append(Join(caller.identity, rid, spec, work))
 
 
 def _check_join(server: Server, name: str) -> None:
@@ -242,56 +204,40 @@ def _failure(rid: Any, error: Exception, what: str) -> dict[str, Any]:
     return error_reply(rid, ErrorCode.INTERNAL_ERROR, f"{what}: {type(error).__name__}: {error}")
 
 
-def destroy_group(server: Server, caller: Caller, msg: dict[str, Any]) -> dict[str, Any]:
-    check_fields(msg, frozenset({"op", "rid", "group_name"}))
-    server.scheduler.leave_weights_group(_group_name(msg))
+def destroy_group(
+    server: Server, caller: Caller, op: DestroyWeightsUpdateGroup, rid: Any
+) -> dict[str, Any]:
+    server.scheduler.leave_weights_group(op.group_name)
     return {"success": True}
 
 
-def update_from_group(server: Server, caller: Caller, msg: dict[str, Any]) -> None:
-    """SGLang's `update_weights_from_distributed`: the tensors `names` (`dtypes`, `shapes`)
-    that the trainer broadcasts over `group_name`, in that order, received beside the loop
-    from now on (at most `--weights-update-timeout` seconds), then served as from disk once
-    the requests in flight have finished."""
-    check_fields(msg, DISTRIBUTED_FIELDS)
-    if msg.get("flush_cache", True) is not True:
-        raise ValueError("flush_cache must be true: new weights always forget the cache")
-    specs = Scheduler.tensor_specs(msg.get("names"), msg.get("dtypes"), msg.get("shapes"))
-    receive = server.scheduler.weights_receiver(_group_name(msg), specs)
-    _check_update(server, msg)
+def update_from_group(
+    server: Server, caller: Caller, op: UpdateWeightsFromDistributed, rid: Any
+) -> None:
+    """The tensors the trainer broadcasts, received beside the loop from now on (at most
+    `--weights-update-timeout` seconds), then served as from disk once the requests in flight
+    have finished."""
+    specs = Scheduler.tensor_specs(op.names, op.dtypes, op.shapes)
+    receive = server.scheduler.weights_receiver(op.group_name, specs)
+    _check_update(server, op)
     received = Beside(receive, server.args.weights_update_timeout, "receive-weights")
 
     def load(version: str | None) -> WeightUpdate:
         return server.scheduler.update_weights_from_tensors(received.result(), version)
 
-    _request_update(server, caller, msg, load, received)
+    _request_update(server, caller, op, rid, load, received)
 
 
-def _count(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+Update = UpdateWeightsFromDisk | UpdateWeightsFromTensor | UpdateWeightsFromDistributed
 
 
-def _group_name(msg: dict[str, Any]) -> str:
-    name = msg.get("group_name", DEFAULT_GROUP)
-    if not isinstance(name, str) or not 0 < len(name) <= MAX_VERSION_CHARS:
-        raise ValueError(f"group_name must be a string of 1 to {MAX_VERSION_CHARS} characters")
-    return name
-
-
-def _check_update(server: Server, msg: dict[str, Any]) -> None:
-    """Refuse an update whose fields are wrong, while another one waits, or while requests
-    are paused in place (it could never run) unless it aborts them."""
-    version, abort = msg.get("weight_version"), msg.get("abort_all_requests", False)
-    if version is not None and (
-        not isinstance(version, str) or not 0 < len(version) <= MAX_VERSION_CHARS
-    ):
-        raise ValueError(f"weight_version must be a string of 1 to {MAX_VERSION_CHARS} characters")
-    if not isinstance(abort, bool):
-        raise ValueError("abort_all_requests must be true or false")
+def _check_update(server: Server, op: Update) -> None:
+    """Refuse an update while another one waits, or while requests are paused in place (it
+    could never run) unless it aborts them."""
     if server.pending_update is not None:
         raise RequestError(ErrorCode.INVALID_REQUEST, "another weight update is waiting")
     busy = len(server.scheduler.in_flight())
-    if busy and server.scheduler.paused is not None and not abort:
+    if busy and server.scheduler.paused is not None and not op.abort_all_requests:
         raise RequestError(
             ErrorCode.INVALID_REQUEST,
             f"{busy} requests are paused in place: continue_generation first, pause with mode "
@@ -302,17 +248,18 @@ def _check_update(server: Server, msg: dict[str, Any]) -> None:
 def _request_update(
     server: Server,
     caller: Caller,
-    msg: dict[str, Any],
+    op: Update,
+    rid: Any,
     load: Callable[[str | None], WeightUpdate],
     received: Beside[Any] | None = None,
 ) -> None:
     """Hold new requests and wait for those in flight, then load (`run_pending_update`)."""
-    _check_update(server, msg)
+    _check_update(server, op)
     scheduler = server.scheduler
-    if msg.get("abort_all_requests", False):
+    if op.abort_all_requests:
         server.publish(scheduler.abort_all("aborted for a weight update"))
-    version = msg.get("weight_version")
-    server.pending_update = PendingUpdate(caller.identity, msg.get("rid"), load, version, received)
+    version = op.weight_version
+    server.pending_update = PendingUpdate(caller.identity, rid, load, version, received)
     scheduler.holding = True
     run_pending_update(server)
 
@@ -353,13 +300,11 @@ def fail_pending_update(server: Server, code: ErrorCode, message: str) -> None:
         server.reply(update.identity, error_reply(update.rid, code, message))
 
 
-def pause_generation(server: Server, caller: Caller, msg: dict[str, Any]) -> bool:
-    """`mode` `abort` (the default) or `in_place` (`Scheduler.pause`). A waiting update runs
-    once `abort` has ended what was in flight; paused in place, it could never run: refused."""
-    check_fields(msg, frozenset({"op", "rid", "mode"}))
-    mode = msg.get("mode", "abort")
-    server.publish(server.scheduler.pause(mode))
-    if mode == "in_place" and server.scheduler.in_flight():
+def pause_generation(server: Server, caller: Caller, op: PauseGeneration, rid: Any) -> bool:
+    """`Scheduler.pause`. A waiting update runs once `abort` has ended what was in flight;
+    paused in place, it could never run: refused."""
+    server.publish(server.scheduler.pause(op.mode))
+    if op.mode == "in_place" and server.scheduler.in_flight():
         fail_pending_update(
             server,
             ErrorCode.INVALID_REQUEST,
@@ -369,31 +314,39 @@ def pause_generation(server: Server, caller: Caller, msg: dict[str, Any]) -> boo
     return True
 
 
-def continue_generation(server: Server, caller: Caller, msg: dict[str, Any]) -> bool:
-    check_fields(msg, frozenset({"op", "rid"}))
+def continue_generation(server: Server, caller: Caller, op: ContinueGeneration, rid: Any) -> bool:
     server.scheduler.resume()
     return True
 
 
-def _check_tags(msg: dict[str, Any]) -> None:
-    check_fields(msg, frozenset({"op", "rid", "tags"}))
-    tags = msg.get("tags")
-    if tags is not None and (not isinstance(tags, list) or set(tags) - set(MEMORY_TAGS)):
-        raise ValueError(f"tags may name only {list(MEMORY_TAGS)} (the weights stay resident)")
-
-
-def release_memory(server: Server, caller: Caller, msg: dict[str, Any]) -> bool:
+def release_memory(server: Server, caller: Caller, op: ReleaseMemoryOccupation, rid: Any) -> bool:
     """Free the KV pool (`Scheduler.release_memory`); generates queue until resumed."""
-    _check_tags(msg)
     server.scheduler.release_memory()
     return True
 
 
-def resume_memory(server: Server, caller: Caller, msg: dict[str, Any]) -> bool:
-    _check_tags(msg)
+def resume_memory(server: Server, caller: Caller, op: ResumeMemoryOccupation, rid: Any) -> bool:
     server.scheduler.resume_memory()
     return True
 
 
-def weight_version(server: Server, caller: Caller, msg: dict[str, Any]) -> dict[str, str]:
+def weight_version(
+    server: Server, caller: Caller, op: GetWeightVersion, rid: Any
+) -> dict[str, str]:
     return {"weight_version": server.scheduler.weight_version}
+
+
+# the runtime's handler of each op of this module (zmq_server.CONTROL); those that wait
+# (`ControlOp.waits`) answer by themselves, later
+HANDLERS: dict[type[ControlOp], Callable[..., Any]] = {
+    UpdateWeightsFromDisk: update_from_disk,
+    UpdateWeightsFromTensor: update_from_tensor,
+    InitWeightsUpdateGroup: init_group,
+    UpdateWeightsFromDistributed: update_from_group,
+    DestroyWeightsUpdateGroup: destroy_group,
+    PauseGeneration: pause_generation,
+    ContinueGeneration: continue_generation,
+    ReleaseMemoryOccupation: release_memory,
+    ResumeMemoryOccupation: resume_memory,
+    GetWeightVersion: weight_version,
+}

@@ -10,6 +10,7 @@ import logging
 import signal
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from functools import partial
 from pathlib import Path
@@ -24,8 +25,22 @@ from radixrt.lifecycle import exit_with_parent
 from radixrt.protocol import (
     GENERATE_FIELDS,
     MAX_PIN_ID_CHARS,
+    CheckInvariants,
+    ControlOp,
     ErrorCode,
+    FlushCache,
+    Health,
+    ListLoraAdapters,
+    LoadLoraAdapter,
+    MemorySnapshot,
+    Metrics,
+    ModelInfo,
+    Ping,
     RequestError,
+    Shutdown,
+    Stats,
+    UnloadLoraAdapter,
+    Unpin,
     check_rid,
     error_reply,
 )
@@ -37,7 +52,6 @@ from radixrt.server.front import (
     ClientFront,
     FrontConfig,
     Op,
-    Role,
     visible_stats,
 )
 from radixrt.server.heap import Heap
@@ -360,7 +374,7 @@ def _limit_key(identity: bytes, tenant: str) -> str:
     return f"tenant:{tenant}" if tenant else f"client:{identity.hex()}"
 
 
-def _model_info(server: Server, caller: Caller, msg: dict[str, Any]) -> dict[str, Any]:
+def _model_info(server: Server, caller: Caller, op: ModelInfo, rid: Any) -> dict[str, Any]:
     tok, info = server.tokenizer, server.scheduler.model_info()
     return {
         "model": server.args.model_name,
@@ -384,7 +398,7 @@ def _model_info(server: Server, caller: Caller, msg: dict[str, Any]) -> dict[str
     }
 
 
-def _shutdown(server: Server, caller: Caller, msg: dict[str, Any]) -> bool:
+def _shutdown(server: Server, caller: Caller, op: Shutdown, rid: Any) -> bool:
     server.running = False
     return True
 
@@ -408,29 +422,23 @@ def _pin(server: Server, caller: Caller, msg: dict[str, Any]) -> None:
     server.reply(caller.identity, {"rid": msg.get("rid"), "result": tokens})
 
 
-def _load_lora(server: Server, caller: Caller, msg: dict[str, Any]) -> dict[str, Any]:
-    """Load an adapter: `lora_name` and `lora_path` (a folder of peft's files, on the runtime's
-    machine)."""
-    name, path = msg.get("lora_name"), msg.get("lora_path")
-    if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
-        raise ValueError("load_lora_adapter needs strings lora_name and lora_path")
-    return asdict(server.scheduler.load_lora(name, path))
+def _load_lora(server: Server, caller: Caller, op: LoadLoraAdapter, rid: Any) -> dict[str, Any]:
+    return asdict(server.scheduler.load_lora(op.lora_name, op.lora_path))
 
 
-def _unload_lora(server: Server, caller: Caller, msg: dict[str, Any]) -> bool:
-    name = msg.get("lora_name")
-    if not isinstance(name, str) or not name:
-        raise ValueError("unload_lora_adapter needs a string lora_name")
-    server.scheduler.unload_lora(name)
+def _unload_lora(server: Server, caller: Caller, op: UnloadLoraAdapter, rid: Any) -> bool:
+    server.scheduler.unload_lora(op.lora_name)
     return True
 
 
-def _list_lora(server: Server, caller: Caller, msg: dict[str, Any]) -> list[dict[str, Any]]:
+def _list_lora(
+    server: Server, caller: Caller, op: ListLoraAdapters, rid: Any
+) -> list[dict[str, Any]]:
     return [asdict(a) for a in server.scheduler.lora_adapters()]
 
 
-def _unpin(server: Server, caller: Caller, msg: dict[str, Any]) -> bool:
-    return server.scheduler.unpin(_internal_rid(caller.identity, str(msg.get("pin_id"))))
+def _unpin(server: Server, caller: Caller, op: Unpin, rid: Any) -> bool:
+    return server.scheduler.unpin(_internal_rid(caller.identity, op.pin_id))
 
 
 def _tokenize(server: Server, caller: Caller, msg: dict[str, Any]) -> None:
@@ -442,50 +450,45 @@ def _tokenize(server: Server, caller: Caller, msg: dict[str, Any]) -> None:
         server.reply(caller.identity, {"rid": msg.get("rid"), "result": ids})
 
 
-def _stats(server: Server, caller: Caller, msg: dict[str, Any]) -> dict[str, Any]:
+def _stats(server: Server, caller: Caller, op: ControlOp, rid: Any) -> dict[str, Any]:
     stats = {**server.scheduler.stats(), "draining": server.drain_deadline is not None}
     return visible_stats(stats, caller.principal)
 
 
-def _metrics(server: Server, caller: Caller, msg: dict[str, Any]) -> str:
+def _metrics(server: Server, caller: Caller, op: Metrics, rid: Any) -> str:
     """This runtime's Prometheus text as the caller may see it (`RuntimeMetrics.render`)."""
-    return server.metrics.render(_stats(server, caller, msg), admin=caller.principal.admin)
+    return server.metrics.render(_stats(server, caller, op, rid), admin=caller.principal.admin)
 
 
 def _abort(server: Server, caller: Caller, msg: dict[str, Any]) -> None:
     server.publish(server.scheduler.abort(_internal_rid(caller.identity, str(msg.get("rid")))))
 
 
-# the runtime's op table; each handler takes the server first (bound in Server.__init__)
-LATER = {"answers": False}  # the handler replies itself
+# each control op's handler (`protocol.CONTROL_OPS`, every one: a test checks), taking the
+# server first (bound in Server.__init__); those that wait (`ControlOp.waits`) answer later
+CONTROL: dict[type[ControlOp], Callable[..., Any]] = {
+    Health: lambda s, c, op, rid: True,
+    Ping: lambda s, c, op, rid: {"server_id": s.server_id},
+    Stats: _stats,
+    Metrics: _metrics,
+    ModelInfo: _model_info,
+    Unpin: _unpin,
+    ListLoraAdapters: _list_lora,
+    LoadLoraAdapter: _load_lora,
+    UnloadLoraAdapter: _unload_lora,
+    FlushCache: lambda s, c, op, rid: s.scheduler.flush_cache(),
+    CheckInvariants: lambda s, c, op, rid: s.scheduler.check_invariants() or True,
+    MemorySnapshot: lambda s, c, op, rid: s.scheduler.memory_snapshot(),
+    Shutdown: _shutdown,
+    **rollout.HANDLERS,
+}
+# the runtime's op table: generate and the request ops, then the control ops
 OPS: dict[str, Op] = {
-    "generate": Op(Server._generate, **LATER),
-    "abort": Op(_abort, **LATER),
-    "health": Op(lambda s, c, m: True),
-    "ping": Op(lambda s, c, m: {"server_id": s.server_id}),
-    "tokenize": Op(_tokenize, **LATER),
-    "pin": Op(_pin, **LATER),
-    "unpin": Op(_unpin),
-    "stats": Op(_stats),
-    "metrics": Op(_metrics),
-    "model_info": Op(_model_info),
-    "list_lora_adapters": Op(_list_lora),
-    "load_lora_adapter": Op(_load_lora, Role.ADMIN),
-    "unload_lora_adapter": Op(_unload_lora, Role.ADMIN),
-    "flush_cache": Op(lambda s, c, m: s.scheduler.flush_cache(), Role.ADMIN),
-    "check_invariants": Op(lambda s, c, m: s.scheduler.check_invariants() or True, Role.ADMIN),
-    "memory_snapshot": Op(lambda s, c, m: s.scheduler.memory_snapshot(), Role.ADMIN),
-    "shutdown": Op(_shutdown, Role.ADMIN),
-    "update_weights_from_disk": Op(rollout.update_from_disk, Role.ADMIN, **LATER),
-    "update_weights_from_tensor": Op(rollout.update_from_tensor, Role.ADMIN, **LATER),
-    "pause_generation": Op(rollout.pause_generation, Role.ADMIN),
-    "continue_generation": Op(rollout.continue_generation, Role.ADMIN),
-    "release_memory_occupation": Op(rollout.release_memory, Role.ADMIN),
-    "resume_memory_occupation": Op(rollout.resume_memory, Role.ADMIN),
-    "init_weights_update_group": Op(rollout.init_group, Role.ADMIN, **LATER),
-    "update_weights_from_distributed": Op(rollout.update_from_group, Role.ADMIN, **LATER),
-    "destroy_weights_update_group": Op(rollout.destroy_group, Role.ADMIN),
-    "get_weight_version": Op(rollout.weight_version),
+    "generate": Op(Server._generate, answers=False),
+    "abort": Op(_abort, answers=False),
+    "tokenize": Op(_tokenize, answers=False),
+    "pin": Op(_pin, answers=False),
+    **{r.op: Op(run, r, answers=not r.waits) for r, run in CONTROL.items()},
 }
 
 

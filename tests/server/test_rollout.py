@@ -275,6 +275,26 @@ def test_paused_in_place_keeps_requests_and_refuses_an_update(served, trained, t
         served.pause_generation("retract")
 
 
+def test_the_http_endpoint_has_the_same_methods(served, trained, tiny_model_dir):
+    """`rt.RuntimeEndpoint(http_url)` sends the rollout ops over SGLang's routes (the methods
+    come from the ops' records, as the ZeroMQ endpoint's do) and returns what ZeroMQ returns;
+    an op without a route is refused on the client."""
+    _back_to_base(served, tiny_model_dir)
+    web = rt.RuntimeEndpoint(
+        served.http_url, api_key="alice-key", admin_api_key=ADMIN_KEY, timeout=REPLY_TIMEOUT_S
+    )
+    assert web.pause_generation("in_place") is True and web.continue_generation() is True
+    done = web.update_weights_from_disk(str(trained[0]), weight_version="over-http")
+    assert done["success"] and done["weight_version"] == "over-http" and "message" not in done
+    assert web.get_weight_version() == served.get_weight_version() == "over-http"
+    with pytest.raises(InvalidRequestError, match="mode"):
+        web.pause_generation("retract")
+    with pytest.raises(NotImplementedError, match="ZeroMQ op"):
+        web.check_invariants()
+    assert web.release_memory_occupation(["kv_cache"]) and web.resume_memory_occupation()
+    _back_to_base(served, tiny_model_dir)
+
+
 def test_release_and_resume_memory(served, tiny_model_dir):
     """The pool's buffers go and come back; on the CPU only the pages tokens were written to
     are ever resident (`memory_pool.lazy_zeros`), so the RSS a release frees, and a resume takes

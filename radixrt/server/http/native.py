@@ -19,12 +19,13 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
 from radixrt import __version__
 from radixrt.client.endpoint import Prompt, RequestOptions
-from radixrt.protocol import ErrorCode, option_fields, spec_of
+from radixrt.protocol import ControlOp, ErrorCode, option_fields, spec_of
 from radixrt.sampling_params import SamplingParams, param_spec
+from radixrt.server.http.control import CONTROL_ROUTES, add_control_routes
 from radixrt.server.http.errors import RUNTIME_EXCEPTIONS, APIError, from_runtime_error
 from radixrt.server.http.gateway import (
     MAX_FANOUT,
@@ -36,8 +37,7 @@ from radixrt.server.http.gateway import (
 )
 from radixrt.server.http.pins import MAX_CALLER_PIN_ID_CHARS, runtime_pin_id
 from radixrt.server.http.responses import sse_event
-from radixrt.server.http.rollout import ROLLOUT_ROUTES, EmptyRequest, add_rollout_routes
-from radixrt.server.http.schemas import request_body
+from radixrt.server.http.schemas import Body, request_body
 
 # routes that need an accepted key when keys are set (/health stays open, as on /v1)
 KEYED_ROUTES = (
@@ -53,10 +53,7 @@ KEYED_ROUTES = (
     "/abort_request",
     "/pin",
     "/unpin",
-    "/load_lora_adapter",
-    "/unload_lora_adapter",
-    "/list_lora_adapters",
-    *ROLLOUT_ROUTES,
+    *CONTROL_ROUTES,
 )
 CONTROL_TIMEOUT_S = 30.0
 HEALTH_GENERATE_PARAMS = {"max_new_tokens": 1, "temperature": 0}
@@ -75,11 +72,7 @@ UNSERVED_FIELDS = {
 }
 
 
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid")  # an unknown field is a 400 naming it
-
-
-class NativeGenerateRequest(request_body(_Body, native=True)):  # type: ignore[misc]
+class NativeGenerateRequest(request_body(Body, native=True)):  # type: ignore[misc]
     """SGLang's `GenerateReqInput`, the fields radixrt serves (one prompt or a batch): with
     the request fields (`GenerateOptions`: `cache_salt`, `priority`, `timeout`, `lora_path`,
     ...) and the sampling parameters it takes top level (`return_logprob`, ...)."""
@@ -100,43 +93,34 @@ class NativeGenerateRequest(request_body(_Body, native=True)):  # type: ignore[m
         return body
 
 
-class TokenizeRequest(_Body):
+class TokenizeRequest(Body):
     prompt: str | list[str]
     add_special_tokens: bool = True
 
 
-class DetokenizeRequest(_Body):
+class DetokenizeRequest(Body):
     tokens: list[int]
     skip_special_tokens: bool = True
 
 
-class ConcateAndAppendRequest(_Body):
+class ConcateAndAppendRequest(Body):
     src_rids: list[str]
     dst_rid: str
 
 
-class AbortRequest(_Body):
+class AbortRequest(Body):
     rid: str
 
 
-class PinRequest(_Body):
+class PinRequest(Body):
     pin_id: str = Field(max_length=MAX_CALLER_PIN_ID_CHARS)
     text: str | None = None
     input_ids: list[int] | None = None
     cache_salt: str | None = None
 
 
-class UnpinRequest(_Body):
+class UnpinRequest(Body):
     pin_id: str = Field(max_length=MAX_CALLER_PIN_ID_CHARS)
-
-
-class LoadLoraRequest(_Body):
-    lora_name: str
-    lora_path: str
-
-
-class UnloadLoraRequest(_Body):
-    lora_name: str
 
 
 @dataclass(frozen=True)
@@ -472,19 +456,10 @@ class NativeAPI:
         self.gateway.pins.release(runtime_id)
         return {"success": await self._call(request, "unpin", pin_id=runtime_id)}
 
-    async def load_lora_adapter(self, request: Request, req: LoadLoraRequest) -> dict:
-        """SGLang's: load an adapter (the admin's key when keys are set)."""
-        info = await self._call(
-            request, "load_lora_adapter", lora_name=req.lora_name, lora_path=req.lora_path
-        )
-        return {"success": True, **info}
-
-    async def unload_lora_adapter(self, request: Request, req: UnloadLoraRequest) -> dict:
-        await self._call(request, "unload_lora_adapter", lora_name=req.lora_name)
-        return {"success": True}
-
-    async def list_lora_adapters(self, request: Request) -> list:
-        return await self._call(request, "list_lora_adapters")
+    async def control(self, request: Request, op: ControlOp) -> Any:
+        """A control op's result (`server/http/control.py`'s routes)."""
+        fields = {k: v for k, v in op.wire().items() if k != "op"}
+        return await self._call(request, op.op, op.wait_s or CONTROL_TIMEOUT_S, **fields)
 
 
 def add_native_routes(app: FastAPI, gateway: Gateway) -> None:
@@ -514,18 +489,8 @@ def add_native_routes(app: FastAPI, gateway: Gateway) -> None:
     async def unpin(req: UnpinRequest, request: Request) -> dict:
         return await native.unpin(request, req)
 
-    @app.post("/load_lora_adapter")
-    async def load_lora_adapter(req: LoadLoraRequest, request: Request) -> dict:
-        return await native.load_lora_adapter(request, req)
-
-    @app.post("/unload_lora_adapter")
-    async def unload_lora_adapter(req: UnloadLoraRequest, request: Request) -> dict:
-        return await native.unload_lora_adapter(request, req)
-
-    app.get("/list_lora_adapters")(native.list_lora_adapters)
-
     @app.post("/flush_cache")  # a control op: POST, its body (if any) an empty JSON object
-    async def flush_cache(request: Request, req: EmptyRequest | None = None) -> JSONResponse:
+    async def flush_cache(request: Request, req: Body | None = None) -> JSONResponse:
         return await native.flush_cache(request)
 
     app.get("/get_model_info")(native.get_model_info)
@@ -537,4 +502,4 @@ def add_native_routes(app: FastAPI, gateway: Gateway) -> None:
         return await native.concate_and_append_request(req)
 
     app.get("/health_generate")(native.health_generate)
-    add_rollout_routes(app, native._call)
+    add_control_routes(app, native.control)

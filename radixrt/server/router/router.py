@@ -26,10 +26,17 @@ import zmq
 
 from radixrt.config import RouterSettings, WorkerSettings
 from radixrt.protocol import (
+    CONTROL_OPS,
     WEIGHT_UPDATE_WAIT_S,
+    ControlOp,
     ErrorCode,
+    Fleet,
     GenerateOptions,
+    Health,
+    Ping,
     RequestError,
+    Shutdown,
+    Unpin,
     check_rid,
     error_reply,
 )
@@ -38,7 +45,6 @@ from radixrt.server.front import (
     ClientFront,
     FrontConfig,
     Op,
-    Role,
     check_prompt_size,
     visible_stats,
 )
@@ -61,22 +67,6 @@ WORKER_SILENCE_S = 60.0
 # A draining router waits this much past --drain-timeout: the workers end what is left at their
 # own deadline, and their `draining` errors have this long to come back through the router.
 DRAIN_SLACK_S = 5.0
-# the reinforcement-learning admin ops (server/rollout.py), sent to every worker; an update
-# waits on each worker for its requests in flight, so its gather waits longer
-WEIGHT_UPDATES = ("update_weights_from_disk", "update_weights_from_tensor")
-ROLLOUT_OPS = (
-    *WEIGHT_UPDATES,
-    "pause_generation",
-    "continue_generation",
-    "release_memory_occupation",
-    "resume_memory_occupation",
-)
-# a trainer's group is joined by each worker as its own rank: not through the router
-GROUP_OPS = (
-    "init_weights_update_group",
-    "update_weights_from_distributed",
-    "destroy_weights_update_group",
-)
 
 
 @dataclass(frozen=True)
@@ -262,29 +252,35 @@ class Router:
 
     # ---- clients -----------------------------------------------------------------------------
     def _ops(self) -> dict[str, Op]:
-        """The op table: what the router answers itself, and what it fans out to workers."""
-        later = {"answers": False}  # the handler replies (now, or when the workers have)
+        """The op table: generate and the request ops, and each control op as its declaration's
+        `fleet` says (those the router answers itself, `Fleet.ROUTER`, have handlers here). The
+        handlers reply themselves (now, or when the workers have) but where `answers`."""
+        by_fleet = {
+            Fleet.ALL: self._to_all,
+            Fleet.ONE: self._to_one,
+            Fleet.WORKERS_ONLY: _refuse_workers_only,
+        }
+        own = {
+            Ping: lambda caller, op, rid: {"server_id": self.server_id},
+            Health: self._health,
+            Shutdown: self._shutdown,
+            Unpin: self._unpin,
+        }
+        answered = {Ping, Shutdown}
+        control = {
+            r.op: Op(
+                own[r] if r.fleet is Fleet.ROUTER else by_fleet[r.fleet],
+                r,
+                answers=r in answered or r.fleet is Fleet.WORKERS_ONLY,
+            )
+            for r in CONTROL_OPS.values()
+        }
         return {
-            "generate": Op(self._on_generate, **later),
-            "abort": Op(self._abort, **later),
-            "ping": Op(lambda caller, msg: {"server_id": self.server_id}),
-            "health": Op(self._health, **later),
-            "shutdown": Op(self._shutdown, Role.ADMIN),
-            "pin": Op(self._on_pin, **later),
-            "unpin": Op(self._unpin, **later),
-            "stats": Op(self._to_all, **later),
-            "metrics": Op(self._to_all, **later),
-            "model_info": Op(self._to_one, **later),
-            "tokenize": Op(self._to_one, **later),
-            "flush_cache": Op(self._to_all, Role.ADMIN, **later),
-            "check_invariants": Op(self._to_all, Role.ADMIN, **later),
-            "memory_snapshot": Op(self._to_all, Role.ADMIN, **later),
-            "list_lora_adapters": Op(self._to_one, **later),
-            "load_lora_adapter": Op(self._to_all, Role.ADMIN, **later),
-            "unload_lora_adapter": Op(self._to_all, Role.ADMIN, **later),
-            **{op: Op(self._to_all, Role.ADMIN, **later) for op in ROLLOUT_OPS},
-            "get_weight_version": Op(self._to_one, **later),
-            **{op: Op(_refuse_group, Role.ADMIN) for op in GROUP_OPS},
+            "generate": Op(self._on_generate, answers=False),
+            "abort": Op(self._abort, answers=False),
+            "pin": Op(self._on_pin, answers=False),
+            "tokenize": Op(self._ask_one, answers=False),
+            **control,
         }
 
     def _for_workers(self, caller: Caller, msg: dict[str, Any]) -> dict[str, Any]:
@@ -300,10 +296,15 @@ class Router:
     def _on_pin(self, caller: Caller, msg: dict[str, Any]) -> None:
         self._pin(caller, self._for_workers(caller, msg))
 
-    def _to_all(self, caller: Caller, msg: dict[str, Any]) -> None:
+    def _to_all(self, caller: Caller, op: ControlOp, rid: Any) -> None:
+        msg = {"rid": rid, **op.wire()}
         self._fan_out(caller, self._for_workers(caller, msg), self._alive())
 
-    def _to_one(self, caller: Caller, msg: dict[str, Any]) -> None:
+    def _to_one(self, caller: Caller, op: ControlOp, rid: Any) -> None:
+        self._ask_one(caller, {"rid": rid, **op.wire()})
+
+    def _ask_one(self, caller: Caller, msg: dict[str, Any]) -> None:
+        """Send `msg` to one live worker (a tokenize, or an op the workers answer alike)."""
         self._fan_out(caller, self._for_workers(caller, msg), self._alive()[:1])
 
     def _abort(self, caller: Caller, msg: dict[str, Any]) -> None:
@@ -311,8 +312,7 @@ class Router:
         if flight is not None:
             flight.worker.send({"op": "abort", "rid": flight.key})
 
-    def _health(self, caller: Caller, msg: dict[str, Any]) -> None:
-        rid = msg.get("rid")
+    def _health(self, caller: Caller, op: Health, rid: Any) -> None:
         if self._alive():
             self._reply(caller.identity, {"rid": rid, "result": True})
         else:
@@ -320,15 +320,16 @@ class Router:
                 caller.identity, error_reply(rid, ErrorCode.WORKER_LOST, "no worker is alive")
             )
 
-    def _shutdown(self, caller: Caller, msg: dict[str, Any]) -> bool:
+    def _shutdown(self, caller: Caller, op: Shutdown, rid: Any) -> bool:
         self.running = False
         return True
 
-    def _unpin(self, caller: Caller, msg: dict[str, Any]) -> None:
-        pin = self.pins.pop(caller.identity, str(msg.get("pin_id")))
+    def _unpin(self, caller: Caller, op: Unpin, rid: Any) -> None:
+        pin = self.pins.pop(caller.identity, op.pin_id)
         if pin is None:
-            self._reply(caller.identity, {"rid": msg.get("rid"), "result": False})
+            self._reply(caller.identity, {"rid": rid, "result": False})
         else:
+            msg = {"rid": rid, **op.wire()}
             self._fan_out(caller, msg, [self.workers[pin.worker]], pin_key=True)
 
     def _generate(self, identity: bytes, msg: dict[str, Any], tenant: str) -> None:
@@ -576,7 +577,7 @@ class Router:
             msg.get("rid"),
             str(msg.get("op")),
             time.monotonic()
-            + (WEIGHT_UPDATE_WAIT_S if msg.get("op") in WEIGHT_UPDATES else GATHER_TIMEOUT_S),
+            + (WEIGHT_UPDATE_WAIT_S if _waits(msg.get("op")) else GATHER_TIMEOUT_S),
             pin=pin,
             viewer=caller.principal,
         )
@@ -607,7 +608,7 @@ class Router:
         if not replies:
             return error_reply(None, ErrorCode.WORKER_LOST, "no worker answered")
         results = [r.get("result") for r in replies]
-        if gather.op in WEIGHT_UPDATES:  # the workers forgot their caches: so does the router
+        if _waits(gather.op):  # new weights: the workers forgot their caches, so does the router
             for i in gather.replies:
                 self.workers[i].tree.clear()
         if gather.op == "flush_cache":
@@ -663,8 +664,15 @@ def _load_tokenizer(path: str):
     return Tokenizer.from_file(path)
 
 
-def _refuse_group(caller: Caller, msg: dict[str, Any]) -> None:
+def _refuse_workers_only(caller: Caller, op: ControlOp, rid: Any) -> None:
     raise ValueError(
-        f"{msg.get('op')} goes to each worker itself (each joins the trainer's group as its own "
+        f"{op.op} goes to each worker itself (each joins the trainer's group as its own "
         "rank_offset), not through a router"
     )
+
+
+def _waits(op: object) -> bool:
+    """Whether `op` waits on the workers' requests in flight (a weight update), so its gather
+    waits longer."""
+    record = CONTROL_OPS.get(op) if isinstance(op, str) else None
+    return record is not None and record.waits

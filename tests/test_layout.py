@@ -272,3 +272,41 @@ def test_wheel_holds_every_sub_package(tmp_path):
         }
     shipped = {name.rsplit("/", 1)[0] for name in names if name.endswith("/__init__.py")}
     assert {str(p) for p in packages} == shipped
+
+
+# each HTTP API's routes come from the module named after it (server/http/), over the shared
+# Gateway; the app module serves only what belongs to no API
+ROUTE_MODULES = {
+    "/v1/completions": "openai_chat",
+    "/v1/chat/completions": "openai_chat",
+    "/v1/responses": "openai_responses",
+    "/v1/embeddings": "openai_embeddings",
+    "/v1/messages": "anthropic_messages",
+    "/v1/models": "gateway",
+    "/health": "gateway",
+    "/metrics": "gateway",
+}
+
+
+def test_each_http_api_is_one_module():
+    """Every route's handler lives in its API's module: OpenAI's and Anthropic's by path, the
+    control ops' where their records say (`control`), the rest SGLang's native routes."""
+    from fastapi.routing import APIRoute
+
+    from radixrt.protocol import CONTROL_OPS
+    from radixrt.server.http.app import build_app
+    from radixrt.server.http.gateway import Gateway
+
+    app = build_app(Gateway(endpoint=None))  # type: ignore[arg-type]  # routes only, never run
+    control = {f"/{r.op}" for r in CONTROL_OPS.values() if r.route is not None}
+    for route in app.routes:
+        if not isinstance(route, APIRoute):
+            continue
+        path = route.path.split("/{")[0]
+        if path in control:
+            want = "control"
+        else:
+            prefix = next((p for p in ROUTE_MODULES if path == p or path.startswith(p + "/")), None)
+            want = ROUTE_MODULES[prefix] if prefix else "sglang_native"
+        module = route.endpoint.__module__.rpartition(".")[2]
+        assert module == want, f"{route.path} is served from {module}, not {want}"

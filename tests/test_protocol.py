@@ -40,8 +40,8 @@ from radixrt.protocol import (
 from radixrt.protocol_doc import control_table, field_table, sampling_table
 from radixrt.sampling_params import GENERATION_CONFIG_FIELDS, SamplingParams, param
 from radixrt.server.front import PROBE
-from radixrt.server.http.native import NativeGenerateRequest, _per_prompt_fields
 from radixrt.server.http.schemas import Body, CompletionRequest, GenerateRequest, request_body
+from radixrt.server.http.sglang_native import NativeGenerateRequest, _per_prompt_fields
 from radixrt.server.router.prefix_tree import Namespace
 from radixrt.server.router.router import Router, namespace_of
 from radixrt.server.zmq_server import CONTROL, OPS

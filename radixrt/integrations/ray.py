@@ -63,11 +63,12 @@ from ray.serve.llm import build_openai_app as ray_build_openai_app
 from radixrt.client.launcher import Engine
 from radixrt.config import RouterSettings, ServerArgs
 from radixrt.server.http.app import validation_error
-from radixrt.server.http.embeddings import EmbeddingRequest, embed
 from radixrt.server.http.errors import APIError
 from radixrt.server.http.gateway import HEALTH_TIMEOUT_S, Gateway, bearer
-from radixrt.server.http.native import DetokenizeRequest, NativeAPI, TokenizeRequest
+from radixrt.server.http.openai_chat import ChatAPI
+from radixrt.server.http.openai_embeddings import EmbeddingRequest, embed
 from radixrt.server.http.schemas import ChatCompletionRequest, CompletionRequest
+from radixrt.server.http.sglang_native import DetokenizeRequest, NativeAPI, TokenizeRequest
 from radixrt.server.router.policy import CacheAwarePolicy
 from radixrt.server.router.prefix_tree import ApproxPrefixTree, Namespace, Prompt
 from radixrt.server.router.worker import DEFAULT_CAPACITY
@@ -103,6 +104,7 @@ class RadixrtServer:
         self.engine = await asyncio.to_thread(Engine, model, **kwargs)
         self.gateway = Gateway(self.engine, _keys(self.engine.args))
         self.native = NativeAPI(self.gateway)
+        self.chat_api = ChatAPI(self.gateway)
         self._paused = False
         self._sleeping = False
         await self.gateway.model()  # the tokenizer, before the first request
@@ -179,7 +181,8 @@ class RadixrtServer:
         body as Ray's response model; an error as Ray's `ErrorResponse` with radixrt's code."""
         try:
             req = _ours(ours, request)
-            method = self.gateway.chat if ours is ChatCompletionRequest else self.gateway.complete
+            api = self.chat_api
+            method = api.chat if ours is ChatCompletionRequest else api.complete
             response = await method(self._request(raw_request_info), req)  # type: ignore[arg-type]
         except APIError as e:
             yield _error(e)

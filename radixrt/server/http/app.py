@@ -1,5 +1,7 @@
-"""The gateway's FastAPI app: the routes (OpenAI's here, the native ones from native.py) over one
-`Gateway`, the API-key guard and the request metrics."""
+"""The gateway's FastAPI app: every API's routes over one `Gateway`, one module each (OpenAI's
+chat and completions, Responses and embeddings, Anthropic's Messages, SGLang's native routes and
+the control ops' routes), `/v1/models`, `/health` and `/metrics` here; the API-key and site guard,
+the error handlers and the request metrics."""
 
 from __future__ import annotations
 
@@ -10,22 +12,23 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from radixrt.protocol import ErrorCode
+from radixrt.server.http.anthropic_messages import (
+    MESSAGES_ROUTES,
+    add_messages_routes,
+    error_response,
+)
 from radixrt.server.http.cpu_pool import CALLER, Caller
-from radixrt.server.http.embeddings import add_embedding_routes
 from radixrt.server.http.errors import APIError
 from radixrt.server.http.gateway import OPENAI_ROUTES, Gateway, bearer
-from radixrt.server.http.messages import MESSAGES_ROUTES, add_messages_routes, error_response
-from radixrt.server.http.native import KEYED_ROUTES, add_native_routes
+from radixrt.server.http.openai_chat import add_chat_routes
+from radixrt.server.http.openai_embeddings import add_embedding_routes
 from radixrt.server.http.openai_responses import RESPONSES_ROUTES, add_responses_routes
 from radixrt.server.http.origins import SitePolicy
-from radixrt.server.http.schemas import (
-    ChatCompletionRequest,
-    CompletionRequest,
-)
+from radixrt.server.http.sglang_native import KEYED_ROUTES, add_native_routes
 from radixrt.server.tenants import Principal
 
 # a body whose client sends nothing for this long is answered 408 (a slow client holds a
@@ -196,17 +199,10 @@ def build_app(gateway: Gateway) -> FastAPI:
     async def bad_request(request: Request, e: RequestValidationError) -> JSONResponse:
         return error_response(request.url.path, validation_error(e.errors()))
 
-    @app.post("/v1/completions")
-    async def completions(req: CompletionRequest, request: Request) -> Response:
-        return await gateway.complete(request, req)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
-        return await gateway.chat(request, req)
-
     app.get("/v1/models")(gateway.models)
     app.get("/health")(gateway.health)
     app.get("/metrics")(gateway.render_metrics)
+    add_chat_routes(app, gateway)
     add_native_routes(app, gateway)
     add_messages_routes(app, gateway)
     add_responses_routes(app, gateway)

@@ -1,18 +1,21 @@
-"""`Gateway`: what every HTTP route does, as a client of the runtime like any other (through
-`RuntimeEndpoint` over ZeroMQ): the OpenAI completions and chat handlers, the model, adapter and
-pin bookkeeping, health and metrics. `app.build_app` assembles the routes over one."""
+"""`Gateway`: the steps every HTTP API shares, as a client of the runtime like any other (through
+`RuntimeEndpoint` over ZeroMQ): a request's options (key, adapter, deadline), a chat's plan
+(`chat_plan`: prompt, sampling params and reply shape, which the chat, Messages and Responses
+APIs all take), the wait that ends when the client leaves (`unless_disconnected`) and the stream
+(`event_stream`); the model, adapter and pin bookkeeping, health and metrics. Each API is a
+module over it (`openai_chat`, `openai_responses`, `openai_embeddings`, `anthropic_messages`,
+`sglang_native`, `control`); `app.build_app` assembles them."""
 
 from __future__ import annotations
 
 import asyncio
 import time
-import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from jinja2 import TemplateError
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
@@ -30,25 +33,17 @@ from radixrt.server.http.cpu_pool import CpuPool
 from radixrt.server.http.errors import RUNTIME_EXCEPTIONS, APIError, from_runtime_error
 from radixrt.server.http.pins import PinLease, PinLeases
 from radixrt.server.http.reasoning import REASONING_PARSERS
-from radixrt.server.http.responses import (
-    ChoiceStream,
-    Echo,
-    ResponseShape,
-    response_body,
-    sse_event,
-    usage_of,
-)
 from radixrt.server.http.schemas import (
     ChatCompletionRequest,
     ChatRendering,
     ChatTools,
-    CompletionRequest,
-    GenerateRequest,
     add_constraint,
     constraint_params,
     message_dict,
-    prompt_list,
     render_chat,
+)
+from radixrt.server.http.shapes import (
+    ResponseShape,
 )
 from radixrt.server.metrics import GatewayGauges, GatewayMetrics
 from radixrt.server.tenants import KeyRing
@@ -96,14 +91,32 @@ async def unless_disconnected(request: Request, coros: list) -> list:
             task.cancel()
 
 
-async def prepend(first: dict, rest: AsyncIterator[dict]) -> AsyncIterator[dict]:
+async def _prepend(first: dict, rest: AsyncIterator[dict]) -> AsyncIterator[dict]:
     yield first
     async for reply in rest:
         yield reply
 
 
+Replies = AsyncIterator[dict[str, Any]]
+
+
+async def event_stream(
+    request: Request, start: Callable[[], Replies], events: Callable[[Replies], AsyncIterator[str]]
+) -> StreamingResponse:
+    """Every API's stream: the server-sent events `events` makes of the replies `start()`
+    streams, sent once the first reply has come, so that a request the runtime refuses (or that
+    cannot be sent: packed past the frame limit, ...) gets its 4xx, not a 200 with an error
+    event; the client leaving before then cancels it."""
+    try:
+        replies = start()
+    except RUNTIME_EXCEPTIONS as e:
+        raise from_runtime_error(e) from e
+    (first,) = await unless_disconnected(request, [replies.__anext__()])
+    return StreamingResponse(events(_prepend(first, replies)), media_type="text/event-stream")
+
+
 @dataclass
-class _Model:
+class Model:
     name: str
     context_length: int
     tokenizer: Any
@@ -149,10 +162,10 @@ class Gateway:
         self.tool_call_parser = tool_call_parser
         self.metrics = GatewayMetrics()
         self.started = int(time.time())
-        self._model: _Model | None = None
+        self._model: Model | None = None
         self._model_lock = asyncio.Lock()
 
-    async def model(self) -> _Model:
+    async def model(self) -> Model:
         # Loaded once, from start-up on (see build_app): the runtime answers once `serve` runs its loop.
         async with self._model_lock:
             if self._model is None:
@@ -164,11 +177,11 @@ class Gateway:
                 self._model = await asyncio.to_thread(self._load_model, info)
         return self._model
 
-    def _load_model(self, info: dict[str, Any]) -> _Model:
+    def _load_model(self, info: dict[str, Any]) -> Model:
         tokenizer = load_tokenizer(info)
         template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else None
         parser = resolve_parser(self.tool_call_parser, template)
-        return _Model(
+        return Model(
             info["model"],
             info["context_length"],
             tokenizer,
@@ -223,30 +236,6 @@ class Gateway:
             code="model_not_found",
         )
 
-    async def complete(self, request: Request, req: CompletionRequest) -> Response:
-        model = await self.model()
-        params = req.sampling_params(req.max_tokens)
-        if req.logprobs is not None:
-            params.update(return_logprob=True, top_logprobs_num=req.logprobs)
-        shape = ResponseShape(
-            chat=False, tokenizer=model.tokenizer, logprobs=req.logprobs is not None
-        )
-        prompts = prompt_list(req.prompt)
-        if not req.echo:
-            return await self._respond(request, req, model, prompts, params, shape)
-        # echoed prompts go as the ids the echo shows, so each echoed logprob has its token
-        self.check_prompt_bytes(sum(prompt_bytes(p) for p in prompts), "prompt")
-        echoes = await self.cpu.run(lambda: [Echo.of(model.tokenizer, p) for p in prompts])
-        if req.logprobs is not None:
-            params["logprob_start_len"] = 0
-        ids = [e.ids for e in echoes]
-        return await self._respond(request, req, model, ids, params, shape, echoes)
-
-    async def chat(self, request: Request, req: ChatCompletionRequest) -> Response:
-        model = await self.model()
-        plan = await self.chat_plan(model, req)
-        return await self._respond(request, req, model, [plan.prompt], plan.params, plan.shape)
-
     def check_prompt_bytes(self, size: int, param: str) -> None:
         """400 for a prompt over `--max-prompt-bytes` (as the runtime would refuse it), before the
         gateway tokenizes or sends it."""
@@ -259,7 +248,7 @@ class Gateway:
                 code=ErrorCode.INVALID_REQUEST.value,
             )
 
-    async def chat_plan(self, model: _Model, req: ChatCompletionRequest) -> ChatPlan:
+    async def chat_plan(self, model: Model, req: ChatCompletionRequest) -> ChatPlan:
         """A chat request as the runtime runs it: the prompt (the messages and tools through the
         model's chat template, at most `--max-prompt-bytes`), the sampling params (with the
         response_format or tool constraint) and how the reply reads back. Every API that speaks
@@ -268,7 +257,7 @@ class Gateway:
         constrained."""
         return await self.cpu.run(self._chat_plan, model, req)
 
-    def _chat_plan(self, model: _Model, req: ChatCompletionRequest) -> ChatPlan:
+    def _chat_plan(self, model: Model, req: ChatCompletionRequest) -> ChatPlan:
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         limits = [v for v in (req.max_completion_tokens, req.max_tokens) if v is not None]
@@ -300,138 +289,6 @@ class Gateway:
             reasoning=self.reasoning,
         )
         return ChatPlan(prompt, params, shape)
-
-    async def _respond(
-        self,
-        request: Request,
-        req: GenerateRequest,
-        model: _Model,
-        prompts: list[Prompt],
-        params: dict[str, Any],
-        shape: ResponseShape,
-        echoes: list[Echo] | None = None,
-    ) -> Response:
-        """`echoes`: each prompt's echo (completions with `echo: true`)."""
-        rid = f"{shape.id_prefix}{uuid.uuid4().hex}"
-        fanout = len(prompts) * max(1, params.get("n") or 1)
-        if fanout > MAX_FANOUT:
-            raise APIError(
-                400,
-                f"{len(prompts)} prompts x n makes {fanout} requests; at most {MAX_FANOUT} per call",
-                param="prompt",
-            )
-        if req.stream:
-            if len(prompts) != 1:
-                raise APIError(400, "stream: true takes one prompt", param="prompt")
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            echo = echoes[0] if echoes else None
-            return await self._stream(
-                request, rid, model, prompts[0], params, shape, include_usage, req, echo
-            )
-        options = await self.options(request, req)
-        samples = await unless_disconnected(
-            request, [self._generate(p, params, options) for p in prompts]
-        )
-        choices = [
-            shape.choice(
-                i * len(per_prompt) + j,
-                s["text"],
-                s["meta_info"],
-                echo=echoes[i] if echoes else None,
-            )
-            for i, per_prompt in enumerate(samples)
-            for j, s in enumerate(per_prompt)
-        ]
-        return JSONResponse(response_body(shape, rid, model.name, choices, usage_of(samples)))
-
-    async def _generate(
-        self, prompt: Prompt, params: dict[str, Any], options: RequestOptions
-    ) -> list[dict[str, Any]]:
-        out = await self.endpoint.async_generate(prompt, params, options=options)
-        return out if isinstance(out, list) else [out]
-
-    async def _stream(
-        self,
-        request: Request,
-        rid: str,
-        model: _Model,
-        prompt: Prompt,
-        params: dict[str, Any],
-        shape: ResponseShape,
-        include_usage: bool,
-        req: GenerateRequest,
-        echo: Echo | None = None,
-    ) -> StreamingResponse:
-        options = await self.options(request, req)
-        try:
-            replies = self.endpoint.async_stream(prompt, params, options=options)
-        except RUNTIME_EXCEPTIONS as e:  # it cannot be sent (packed past the frame limit, ...)
-            raise from_runtime_error(e) from e
-        # Wait for the first reply before sending headers, so a rejected request gets its 4xx.
-        (first,) = await unless_disconnected(request, [replies.__anext__()])
-        events = self._events(
-            rid,
-            model.name,
-            prepend(first, replies),
-            shape,
-            params.get("n", 1),
-            include_usage,
-            echo,
-        )
-        return StreamingResponse(events, media_type="text/event-stream")
-
-    async def _events(
-        self,
-        rid: str,
-        model: str,
-        replies: AsyncIterator[dict],
-        shape: ResponseShape,
-        n: int,
-        include_usage: bool,
-        echo: Echo | None = None,
-    ) -> AsyncIterator[str]:
-        """The stream's events; a completion's `echo` is each sample's first text."""
-        # A client that disconnects cancels this generator inside `replies`, which aborts the request.
-        if echo is not None:
-            for i in range(n):
-                yield sse_event(
-                    response_body(shape, rid, model, [shape.delta(i, echo.text)], chunk=True)
-                )
-        if shape.chat:
-            yield sse_event(
-                response_body(
-                    shape,
-                    rid,
-                    model,
-                    [shape.delta(i, "", first=True) for i in range(n)],
-                    chunk=True,
-                )
-            )
-        finals = []
-        streams = {i: ChoiceStream.of(shape) for i in range(n)}
-
-        def chunk(choice: dict[str, Any]) -> str:
-            return sse_event(response_body(shape, rid, model, [choice], chunk=True))
-
-        try:
-            async for reply in replies:
-                index = reply.get("index", 0)
-                text = "" if reply["finished"] else reply["delta"]  # a final reply has no delta
-                for delta in streams[index].feed(text, final=reply["finished"]):
-                    yield chunk(shape.delta(index, delta))
-                if reply["finished"]:
-                    finals.append(reply)
-                    called = streams[index].called
-                    yield chunk(shape.choice(index, "", reply["meta_info"], True, called))
-        except RUNTIME_EXCEPTIONS as e:
-            yield sse_event(from_runtime_error(e).body())
-            return
-        if include_usage:
-            finals.sort(key=lambda r: r.get("index", 0))
-            yield sse_event(
-                response_body(shape, rid, model, [], usage=usage_of([finals]), chunk=True)
-            )
-        yield "data: [DONE]\n\n"
 
     async def health(self) -> dict:
         """200 once the runtime answers and this gateway has what it needs to serve."""

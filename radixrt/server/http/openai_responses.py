@@ -25,14 +25,14 @@ from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, TypeAdapter
 
 from radixrt.protocol import ErrorCode
 from radixrt.server.http.errors import RUNTIME_EXCEPTIONS, APIError, from_runtime_error
-from radixrt.server.http.gateway import Gateway, bearer, prepend, unless_disconnected
-from radixrt.server.http.responses import ChoiceStream
+from radixrt.server.http.gateway import Gateway, bearer, event_stream, unless_disconnected
 from radixrt.server.http.schemas import Body, ChatCompletionRequest, ChatMessage
+from radixrt.server.http.shapes import ChoiceStream
 
 MAX_STORED_PER_TENANT = 256
 MAX_REASONING_PARTS = 64  # summary or content parts of one reasoning item
@@ -567,14 +567,11 @@ class ResponsesAPI:
             (sample,) = await unless_disconnected(request, [generate])
             stream.feed(sample["text"], final=True)
             return JSONResponse(self._finish(turn, stream, sample["meta_info"]))
-        try:
-            replies = endpoint.async_stream(plan.prompt, plan.params, options=options)
-        except RUNTIME_EXCEPTIONS as e:  # it cannot be sent (packed past the frame limit, ...)
-            raise from_runtime_error(e) from e
-        # the first reply before the headers, so a refused request gets its 4xx
-        (first,) = await unless_disconnected(request, [replies.__anext__()])
-        events = self._events(turn, stream, prepend(first, replies))
-        return StreamingResponse(events, media_type="text/event-stream")
+        return await event_stream(
+            request,
+            lambda: endpoint.async_stream(plan.prompt, plan.params, options=options),
+            lambda replies: self._events(turn, stream, replies),
+        )
 
     def _finish(self, turn: Turn, stream: ItemStream, meta: dict[str, Any]) -> dict[str, Any]:
         """The finished response, stored unless `store: false`. An aborted request

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from radixrt.models.pooling import Pooling
-from radixrt.server.http.embeddings import _size
+from radixrt.server.http.openai_embeddings import _size
 
 from helpers import http_json, launch_runtime
 

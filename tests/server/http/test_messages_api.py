@@ -245,7 +245,7 @@ def test_the_sdk_reads_the_errors_as_anthropics(client):
 
 
 def test_a_tool_round_trip_becomes_chat_messages():
-    from radixrt.server.http.anthropic import MessagesPrompt, chat_messages, chat_request
+    from radixrt.server.http.anthropic_messages import MessagesPrompt, chat_messages, chat_request
 
     use = {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Oslo"}}
     result = {
@@ -285,9 +285,9 @@ def test_a_tool_round_trip_becomes_chat_messages():
 def test_reply_blocks_streamed_in_pieces_are_the_whole_replys():
     """A reply (reasoning, text, two calls) fed a character at a time: the events build the
     same blocks as the whole reply, each block opened, grown and closed in order."""
-    from radixrt.server.http.messages import BlockStream
+    from radixrt.server.http.anthropic_messages import BlockStream
     from radixrt.server.http.reasoning import REASONING_PARSERS
-    from radixrt.server.http.responses import ChoiceStream, ReasoningStream, ToolCallStream
+    from radixrt.server.http.shapes import ChoiceStream, ReasoningStream, ToolCallStream
     from radixrt.structured.tools import PARSERS, ToolCall
 
     calls = [ToolCall("get_weather", '{"city":"Oslo"}'), ToolCall("add", '{"a":1,"b":2}')]

@@ -235,7 +235,7 @@ def test_a_budget_needs_a_reasoning_parser(tiny_runtime):
 def test_a_streamed_choice_reads_calls_from_the_answer_only():
     """Reasoning first, then the answer through the tool-call reader: a call written inside the
     think block is reasoning, the one after it a call."""
-    from radixrt.server.http.responses import ChoiceStream, ReasoningStream, ToolCallStream
+    from radixrt.server.http.shapes import ChoiceStream, ReasoningStream, ToolCallStream
     from radixrt.structured.tools import PARSERS
 
     call = '<tool_call>{"name":"f","arguments":{"x":1}}</tool_call>'

@@ -234,7 +234,7 @@ def test_an_openai_agents_agent_calls_a_python_function(runtime):
 @pytest.mark.parametrize("parser", ["hermes", "mistral", "pythonic"])
 def test_streamed_reply_in_pieces_makes_first_deltas_then_arguments(parser):
     """No model: a reply fed a character at a time."""
-    from radixrt.server.http.responses import ToolCallStream
+    from radixrt.server.http.shapes import ToolCallStream
     from radixrt.structured.tools import PARSERS, ToolCall
 
     calls = [ToolCall("get_weather", '{"city":"Oslo"}'), ToolCall("add", '{"a":1,"b":2}')]

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import Field, model_validator
 
 from radixrt import __version__
@@ -31,13 +31,13 @@ from radixrt.server.http.gateway import (
     MAX_FANOUT,
     Gateway,
     bearer,
-    prepend,
+    event_stream,
     prompt_bytes,
     unless_disconnected,
 )
 from radixrt.server.http.pins import MAX_CALLER_PIN_ID_CHARS, runtime_pin_id
-from radixrt.server.http.responses import sse_event
 from radixrt.server.http.schemas import Body, request_body
+from radixrt.server.http.shapes import sse_event
 
 # routes that need an accepted key when keys are set (/health stays open, as on /v1)
 KEYED_ROUTES = (
@@ -268,10 +268,11 @@ class NativeAPI:
             if req.stream:
                 if not single:
                     raise _invalid("stream: true takes one prompt", "stream")
-                replies = self._stream(calls[0], options)
-                (first,) = await unless_disconnected(request, [replies.__anext__()])
-                events = self._events(calls[0], prepend(first, replies), text)
-                return StreamingResponse(events, media_type="text/event-stream")
+                return await event_stream(
+                    request,
+                    lambda: self._stream(calls[0], options),
+                    lambda replies: self._events(calls[0], replies, text),
+                )
             outs = await unless_disconnected(request, [self._one(c, options, text) for c in calls])
         except BaseException:
             self._release(calls)

@@ -23,6 +23,7 @@ from typing import Any
 import zmq
 
 from radixrt.client.endpoint import ZmqEndpoint, load_tokenizer
+from radixrt.client.transport import RuntimeClient
 from radixrt.config import SECRETS, ServerArgs
 from radixrt.lifecycle import PARENT_PID_ENV, python_command
 from radixrt.protocol import UpdateWeightsFromTensor, tensor_handoff_dir
@@ -38,7 +39,8 @@ class RuntimeStartError(RuntimeError):
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        port: int = s.getsockname()[1]
+        return port
 
 
 class Runtime(ZmqEndpoint):
@@ -87,7 +89,7 @@ class Runtime(ZmqEndpoint):
         if "zmq_port" not in given and "port" not in given:
             self.args = dataclasses.replace(self.args, zmq_port=free_port())
 
-    def _launch(self) -> subprocess.Popen:
+    def _launch(self) -> subprocess.Popen[bytes]:
         with open(self._log_path, "wb") as log:
             return subprocess.Popen(
                 self._command(), stdout=log, stderr=subprocess.STDOUT, env=self._env()
@@ -145,7 +147,7 @@ class Runtime(ZmqEndpoint):
             return "(the runtime's log is gone)"
 
     @property
-    def tokenizer(self):
+    def tokenizer(self) -> Any:
         if not hasattr(self, "_tokenizer"):
             self._tokenizer = load_tokenizer(self.model_info)
         return self._tokenizer
@@ -175,7 +177,7 @@ class Engine(Runtime):
             self.args, host=f"ipc://{self._tmp / 'runtime.sock'}", disable_http=True
         )
 
-    def _launch(self) -> subprocess.Popen:
+    def _launch(self) -> subprocess.Popen[bytes]:
         return subprocess.Popen(self._command(), env=self._env())
 
     def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
@@ -220,12 +222,12 @@ def _distinct(named_tensors: list[tuple[str, Any]] | dict[str, Any]) -> dict[str
 def _http_ok(url: str) -> bool:
     try:
         with urllib.request.urlopen(url, timeout=2) as reply:
-            return reply.status == 200
+            return bool(reply.status == 200)
     except OSError:
         return False
 
 
-def _stop(proc: subprocess.Popen, client, tmp: Path) -> None:
+def _stop(proc: subprocess.Popen[bytes], client: RuntimeClient, tmp: Path) -> None:
     client.close()
     if proc.poll() is None:
         proc.terminate()  # the runtime stops cleanly on SIGTERM

@@ -81,7 +81,9 @@ def raise_for(reply: dict[str, Any]) -> None:
     err = reply.get("error")
     if err:
         code = err.get("code") or err.get("type")
-        raise _ERROR_CLASSES.get(ErrorCode.parse(code), RemoteError)(code, err.get("message"))
+        known = ErrorCode.parse(code)
+        kind = _ERROR_CLASSES.get(known, RemoteError) if known is not None else RemoteError
+        raise kind(code, err.get("message"))
 
 
 class RuntimeClient:
@@ -121,7 +123,7 @@ class RuntimeClient:
         self._ctx = zmq.Context()
         self._inproc = f"inproc://radixrt-client-{uuid.uuid4().hex}"
         self._local = threading.local()
-        self._pending: dict[str, Callable[[dict[str, Any]], None]] = {}
+        self._pending: dict[str, Callable[[dict[str, Any]], object]] = {}
         self._pins: set[str] = set()  # pin ids held on the runtime: keep pinging while any
         self._lock = threading.Lock()
         self._closed = threading.Event()
@@ -137,12 +139,17 @@ class RuntimeClient:
     # ---- calls -------------------------------------------------------------------------------
     def call(self, op: str, timeout: float | None = None, **fields: Any) -> Any:
         """A control op (stats, health, flush_cache, ...): its result, or the error raised."""
-        future: Future = Future()
+        future: Future[dict[str, Any]] = Future()
         rid = f"ctl-{uuid.uuid4().hex}"
         if op in ADMIN_KEYED_OPS and self.admin_api_key is not None:
             fields = {"api_key": self.admin_api_key, **fields}
         frame = self.encode({"op": op, "rid": rid, **fields})
-        self._register(rid, lambda reply: future.done() or future.set_result(reply))
+
+        def answer(reply: dict[str, Any]) -> None:
+            if not future.done():
+                future.set_result(reply)
+
+        self._register(rid, answer)
         try:
             self._push(frame)
             reply = future.result(timeout)
@@ -198,7 +205,7 @@ class RuntimeClient:
             return len(self._pending)
 
     # ---- plumbing ----------------------------------------------------------------------------
-    def _register(self, rid: str, deliver: Callable[[dict[str, Any]], None]) -> None:
+    def _register(self, rid: str, deliver: Callable[[dict[str, Any]], object]) -> None:
         with self._lock:
             if not self._pending:
                 self._last_heard = time.monotonic()
@@ -217,7 +224,7 @@ class RuntimeClient:
         if self.api_key is not None:
             msg = {"api_key": self.api_key, **msg}  # a request's own key wins
         try:
-            frame = msgpack.packb(msg, use_bin_type=True)
+            frame: bytes = msgpack.packb(msg, use_bin_type=True)
         except (OverflowError, TypeError, ValueError) as e:  # 2**64, a set, nesting past 512
             hint = " (integers must fit in 64 bits)" if isinstance(e, OverflowError) else ""
             raise InvalidRequestError(
@@ -308,7 +315,7 @@ class RuntimeClient:
             self._server_id = server_id
             return
         with self._lock:
-            deliver = self._pending.get(rid)
+            deliver = self._pending.get(rid) if isinstance(rid, str) else None
         if deliver is not None:
             deliver(reply)
 
@@ -343,6 +350,8 @@ class _Submission:
         self.client, self.rid, self.n = client, rid, n
         self.finished = 0
         self.closed = False
+        # hands a reply over to the reader (from the I/O thread); each kind sets its own
+        self.deliver: Callable[[dict[str, Any]], object]
 
     def _accept(self, reply: dict[str, Any]) -> dict[str, Any]:
         raise_for(reply)
@@ -367,7 +376,7 @@ class _Submission:
 class Submission(_Submission):
     def __init__(self, client: RuntimeClient, rid: str, n: int):
         super().__init__(client, rid, n)
-        self._replies: queue.Queue = queue.Queue()
+        self._replies: queue.Queue[dict[str, Any]] = queue.Queue()
         self.deliver = self._replies.put
 
     def replies(self, timeout: float | None = None) -> Iterator[dict[str, Any]]:
@@ -391,7 +400,7 @@ class AsyncSubmission(_Submission):
     def __init__(self, client: RuntimeClient, rid: str, n: int):
         super().__init__(client, rid, n)
         self._loop = asyncio.get_running_loop()
-        self._replies: asyncio.Queue = asyncio.Queue()
+        self._replies: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
         self.deliver = lambda reply: self._loop.call_soon_threadsafe(
             self._replies.put_nowait, reply
         )

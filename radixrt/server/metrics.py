@@ -33,7 +33,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from radixrt.protocol import tenant_label
 from radixrt.server.tenants import TENANT_VISIBLE_STATS, Principal
 
-disable_created_metrics()  # no `*_created` series: a scraper reads rates from the counters
+disable_created_metrics()  # type: ignore[no-untyped-call]  # no `*_created` series: a scraper reads rates from the counters
 
 MODEL = "model_name"
 
@@ -54,7 +54,7 @@ class StatMetric:
     help: str
     kind: str = "gauge"
 
-    def family(self, labels: list[str]) -> Metric:
+    def family(self, labels: list[str]) -> GaugeMetricFamily | CounterMetricFamily:
         kind = GaugeMetricFamily if self.kind == "gauge" else CounterMetricFamily
         return kind(self.name, self.help, labels=labels)
 
@@ -176,7 +176,7 @@ def kv_usage_ratio(stats: dict[str, Any]) -> float:
     """Slots neither free nor evictable over all slots (SGLang's `token_usage`, vLLM's
     `kv_cache_usage_perc`: both count a cached block nobody uses as free)."""
     used = stats["total_tokens"] - stats["free_tokens"] - stats["evictable_tokens"]
-    return used / max(stats["total_tokens"], 1)
+    return float(used / max(stats["total_tokens"], 1))
 
 
 class _StatsCollector:

@@ -163,6 +163,7 @@ class Server:
             )
 
     def _drain_step(self) -> None:
+        assert self.drain_deadline is not None, "called while draining only"
         if self.scheduler.has_work() and time.monotonic() < self.drain_deadline:
             return
         if self.scheduler.has_work():
@@ -321,6 +322,7 @@ class Server:
     def _observe_end(self, req: Req) -> None:
         """A finished request's latencies and its finish reason, or its error code."""
         reason, m = req.finish_reason, self.metrics
+        assert reason is not None, "a finished request has its reason"
         if reason.error is not None:
             m.error(reason.error.value)
         else:
@@ -356,8 +358,9 @@ def _final_reply(client: ClientRequest, req: Req) -> dict[str, Any]:
     """The last message of a request: its result, or its error (`internal_error` when even
     the result cannot be built, so the client is never left waiting)."""
     reason = req.finish_reason
+    assert reason is not None, "a finished request has its reason"
     if reason.error is not None:
-        return error_reply(client.rid, reason.error, reason.message)
+        return error_reply(client.rid, reason.error, reason.message or reason.error.value)
     try:
         return {"rid": client.rid, "index": client.index, "finished": True, **req.result()}
     except Exception as e:

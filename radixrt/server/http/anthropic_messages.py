@@ -548,6 +548,7 @@ class MessagesAPI:
             return await self._stream(request, plan, options, head, req.max_tokens)
         generate = self.gateway.endpoint.async_generate(plan.prompt, plan.params, options=options)
         (sample,) = await unless_disconnected(request, [generate])
+        assert isinstance(sample, dict), "one prompt, one sample"
         blocks = BlockStream(ChoiceStream.of(plan.shape))
         blocks.feed(sample["text"], final=True)
         ending = Ending.of(sample["meta_info"], blocks.called, req.max_tokens)

@@ -14,6 +14,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from radixrt.protocol import ErrorCode
 from radixrt.server.http.anthropic_messages import (
@@ -45,7 +46,7 @@ class _Guard:
     (408); request counts by route and status. Sets `CALLER` (tenant and body size) for the
     route's CPU-pool jobs."""
 
-    def __init__(self, app, gateway: Gateway, keyed_routes: tuple[str, ...] = ()):
+    def __init__(self, app: ASGIApp, gateway: Gateway, keyed_routes: tuple[str, ...] = ()):
         self.app, self.gateway = app, gateway
         self.keyed_routes = keyed_routes  # beside /v1/*: need an accepted key
         limits = gateway.limits
@@ -53,13 +54,14 @@ class _Guard:
         # labelled by name in the metrics
         self.routes = {*OPENAI_ROUTES, *MESSAGES_ROUTES, *RESPONSES_ROUTES, *keyed_routes}
 
-    async def __call__(self, scope, receive, send) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
-            return await self.app(scope, receive, send)
+            await self.app(scope, receive, send)
+            return
         path = scope["path"]
         status = 500
 
-        async def send_observed(message) -> None:
+        async def send_observed(message: Message) -> None:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
@@ -111,7 +113,7 @@ def _is_json(content_type: bytes) -> bool:
     return kind == b"application/json" or kind.endswith(b"+json")
 
 
-async def _read_body(scope, receive, limit: int) -> tuple[APIError | None, bytes]:
+async def _read_body(scope: Scope, receive: Receive, limit: int) -> tuple[APIError | None, bytes]:
     """The whole request body; a 413 when it is past `limit` bytes (at once by its declared
     Content-Length, else, a chunked body declaring none, once it has arrived, holding no more
     than `limit` bytes meanwhile), a 408 when the client sends none of it for BODY_IDLE_S."""
@@ -119,7 +121,8 @@ async def _read_body(scope, receive, limit: int) -> tuple[APIError | None, bytes
     for name, value in scope["headers"]:
         if name == b"content-length" and value.isdigit() and int(value) > limit:
             return too_large, b""
-    chunks, size = [], 0
+    chunks: list[bytes] = []
+    size = 0
     while True:
         try:
             message = await asyncio.wait_for(receive(), BODY_IDLE_S)
@@ -136,12 +139,12 @@ async def _read_body(scope, receive, limit: int) -> tuple[APIError | None, bytes
             return (too_large, b"") if size > limit else (None, b"".join(chunks))
 
 
-def _replay(body: bytes, receive):
+def _replay(body: bytes, receive: Receive) -> Receive:
     """A `receive` that gives the app the body read already, then the client's own messages
     (a disconnect, which streaming responses watch for)."""
     sent = False
 
-    async def replay():
+    async def replay() -> Message:
         nonlocal sent
         if not sent:
             sent = True
@@ -197,7 +200,7 @@ def build_app(gateway: Gateway) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def bad_request(request: Request, e: RequestValidationError) -> JSONResponse:
-        return error_response(request.url.path, validation_error(e.errors()))
+        return error_response(request.url.path, validation_error(list(e.errors())))
 
     app.get("/v1/models")(gateway.models)
     app.get("/health")(gateway.health)

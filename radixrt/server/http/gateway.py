@@ -1,5 +1,5 @@
 """`Gateway`: the steps every HTTP API shares, as a client of the runtime like any other (through
-`RuntimeEndpoint` over ZeroMQ): a request's options (key, adapter, deadline), a chat's plan
+a `ZmqEndpoint`): a request's options (key, adapter, deadline), a chat's plan
 (`chat_plan`: prompt, sampling params and reply shape, which the chat, Messages and Responses
 APIs all take), the wait that ends when the client leaves (`unless_disconnected`) and the stream
 (`event_stream`); the model, adapter and pin bookkeeping, health and metrics. Each API is a
@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
@@ -23,7 +23,7 @@ from pydantic import BaseModel
 from radixrt.client.endpoint import (
     Prompt,
     RequestOptions,
-    RuntimeEndpoint,
+    ZmqEndpoint,
     import_tokenizer_library,
     load_tokenizer,
 )
@@ -66,7 +66,10 @@ OPENAI_ROUTES = (
 )
 
 
-async def unless_disconnected(request: Request, coros: list) -> list:
+T = TypeVar("T")
+
+
+async def unless_disconnected(request: Request, coros: list[Awaitable[T]]) -> list[T]:
     """Await the coroutines; cancel them all (which aborts their runtime requests) when one fails
     or the client goes away."""
     tasks = [asyncio.ensure_future(c) for c in coros]
@@ -91,13 +94,13 @@ async def unless_disconnected(request: Request, coros: list) -> list:
             task.cancel()
 
 
-async def _prepend(first: dict, rest: AsyncIterator[dict]) -> AsyncIterator[dict]:
+Replies = AsyncIterator[dict[str, Any]]
+
+
+async def _prepend(first: dict[str, Any], rest: Replies) -> Replies:
     yield first
     async for reply in rest:
         yield reply
-
-
-Replies = AsyncIterator[dict[str, Any]]
 
 
 async def event_stream(
@@ -144,7 +147,7 @@ MAX_FANOUT = 256
 class Gateway:
     def __init__(
         self,
-        endpoint: RuntimeEndpoint,
+        endpoint: ZmqEndpoint,
         keys: KeyRing | None = None,
         tool_call_parser: str = "auto",
         limits: GatewaySettings | None = None,
@@ -209,7 +212,7 @@ class Gateway:
         before the gateway stops waiting for it."""
         key = bearer(dict(request.headers.raw)) if self.keys.keys else None
         lora = await self.adapter_named(getattr(req, "model", None))  # native bodies have none
-        body = {f.name: getattr(req, f.name, None) for f in option_fields()}
+        body: dict[str, Any] = {f.name: getattr(req, f.name, None) for f in option_fields()}
         bound = self.limits.http_request_timeout
         timeout = bound if body.get("timeout") is None else min(body["timeout"], bound)
         fields = {**body, "timeout": timeout, "lora_path": lora}
@@ -290,7 +293,7 @@ class Gateway:
         )
         return ChatPlan(prompt, params, shape)
 
-    async def health(self) -> dict:
+    async def health(self) -> dict[str, str]:
         """200 once the runtime answers and this gateway has what it needs to serve."""
         try:
             await asyncio.wait_for(asyncio.shield(self.model()), HEALTH_TIMEOUT_S)
@@ -317,7 +320,7 @@ class Gateway:
             self.endpoint.client.call, "unpin", HEALTH_TIMEOUT_S, pin_id=lease.runtime_id, **key
         )
 
-    async def models(self, request: Request) -> dict:
+    async def models(self, request: Request) -> dict[str, Any]:
         """The served model, then each loaded LoRA adapter (its `parent` the model; its `root`
         its path, vLLM's listing, shown to the admin only: a tenant learns no server paths)."""
         model = await self.model()

@@ -203,7 +203,11 @@ class ResponsesRequest(Body):
     def echo(self) -> dict[str, Any]:
         """The request's settings, as a response repeats them."""
         choice = self.tool_choice
-        fmt = self.text.format if self.text and self.text.format else TextFormat(type="text")
+        fmt = (
+            self.text.format
+            if self.text and self.text.format
+            else TextFormat.model_validate({"type": "text"})
+        )
         return {
             "instructions": self.instructions,
             "tools": [t.model_dump(exclude_none=True) for t in self.tools or []],
@@ -262,8 +266,8 @@ def chat_messages(items: list[Any]) -> list[dict[str, Any]]:
             role = "system" if item.role == "developer" else item.role
             out.append({"role": role, "content": _text(where, item)})
         elif isinstance(item, FunctionCallItem):
-            call = {"id": item.call_id, "type": "function"}
-            call["function"] = {"name": item.name, "arguments": item.arguments}
+            function = {"name": item.name, "arguments": item.arguments}
+            call = {"id": item.call_id, "type": "function", "function": function}
             if not (out and out[-1]["role"] == "assistant"):
                 out.append({"role": "assistant", "content": ""})
             out[-1].setdefault("tool_calls", []).append(call)
@@ -286,7 +290,7 @@ def _text(where: str, item: MessageItem) -> str:
                 f"{where}.content[{j}]",
                 f"{part.type} content is not supported: this server serves a text-only model",
             )
-    return "".join(p.text for p in item.content)
+    return "".join(p.text for p in item.content if isinstance(p, InputText))
 
 
 def _bad(where: str, message: str) -> APIError:
@@ -350,7 +354,7 @@ class ItemStream:
         name = (
             "response.output_text.delta" if kind == "message" else "response.reasoning_text.delta"
         )
-        extra = {"logprobs": []} if kind == "message" else {}
+        extra: dict[str, list[Any]] = {"logprobs": []} if kind == "message" else {}
         return [*events, {"type": name, **self._at(), "content_index": 0, "delta": text, **extra}]
 
     def _at(self) -> dict[str, Any]:
@@ -374,7 +378,7 @@ class ItemStream:
         else:
             part = item["content"][0]
             kind = "output_text" if item["type"] == "message" else "reasoning_text"
-            extra = {"logprobs": []} if kind == "output_text" else {}
+            extra: dict[str, list[Any]] = {"logprobs": []} if kind == "output_text" else {}
             events.append(
                 {
                     "type": f"response.{kind}.done",
@@ -428,7 +432,8 @@ class Stored:
 
     def chain(self) -> list[Stored]:
         """Its conversation's responses, the first first, itself last."""
-        links, link = [], self
+        links: list[Stored] = []
+        link: Stored | None = self
         while link is not None:
             links.append(link)
             link = link.parent
@@ -565,6 +570,7 @@ class ResponsesAPI:
         if not req.stream:
             generate = endpoint.async_generate(plan.prompt, plan.params, options=options)
             (sample,) = await unless_disconnected(request, [generate])
+            assert isinstance(sample, dict), "one prompt, one sample"
             stream.feed(sample["text"], final=True)
             return JSONResponse(self._finish(turn, stream, sample["meta_info"]))
         return await event_stream(
@@ -604,7 +610,7 @@ class ResponsesAPI:
         return body
 
     async def _events(
-        self, turn: Turn, stream: ItemStream, replies: AsyncIterator[dict]
+        self, turn: Turn, stream: ItemStream, replies: AsyncIterator[dict[str, Any]]
     ) -> AsyncIterator[str]:
         """response.created, response.in_progress, the items' events, then response.completed
         (or response.incomplete, cut by max_output_tokens); a failure midway is one `error`
@@ -682,6 +688,6 @@ def add_responses_routes(app: FastAPI, gateway: Gateway) -> None:
         return Response(body, media_type="application/json")
 
     @app.delete("/v1/responses/{response_id}")
-    async def delete(response_id: str, request: Request) -> dict:
+    async def delete(response_id: str, request: Request) -> dict[str, Any]:
         api.store.delete(api.tenant(request), response_id)
         return {"id": response_id, "object": "response.deleted", "deleted": True}

@@ -14,7 +14,7 @@ from dataclasses import replace
 import uvicorn
 import zmq
 
-from radixrt.client.endpoint import RuntimeEndpoint
+from radixrt.client.endpoint import ZmqEndpoint
 from radixrt.config import SECRETS, GatewaySettings, ServerArgs
 from radixrt.lifecycle import python_command
 from radixrt.server.http.app import build_app
@@ -28,7 +28,7 @@ PARENT_POLL_S = 1.0
 STOP_TIMEOUT_S = 10
 
 
-def start_gateway(args: ServerArgs) -> subprocess.Popen:
+def start_gateway(args: ServerArgs) -> subprocess.Popen[bytes]:
     """Bind the HTTP port here (a busy port fails `serve` at once) and hand it to a gateway child."""
     host = args.http_host
     if not args.is_loopback and not (args.api_key or args.api_key_file or args.admin_api_key):
@@ -70,7 +70,7 @@ def start_gateway(args: ServerArgs) -> subprocess.Popen:
     return proc
 
 
-def stop_gateway(proc: subprocess.Popen) -> None:
+def stop_gateway(proc: subprocess.Popen[bytes]) -> None:
     if proc.poll() is None:
         proc.terminate()
         try:
@@ -101,7 +101,7 @@ def run_gateway(
     logging.basicConfig(level=log_level.upper(), format="[%(asctime)s %(name)s] %(message)s")
     limits = limits or GatewaySettings()
     keys = KeyRing.from_settings(api_key, api_key_file, admin_api_key)
-    endpoint = RuntimeEndpoint(
+    endpoint = ZmqEndpoint(
         url,
         api_key=keys.any_key(),
         curve_server_key=curve_server_key,

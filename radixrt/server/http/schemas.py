@@ -84,7 +84,7 @@ def _param_fields(sampling: type[SamplingParams], native: bool) -> dict[str, Any
 def _optional(hint: Any, per_prompt: bool) -> Any:
     """`T | None`, or `T | list[T] | None` for a per-prompt field."""
     kinds = get_args(hint) if get_origin(hint) in (Union, UnionType) else (hint,)
-    value = Union[tuple(k for k in kinds if k is not type(None))]  # noqa: UP007
+    value: Any = Union[tuple(k for k in kinds if k is not type(None))]  # noqa: UP007
     return value | list[value] | None if per_prompt else value | None
 
 
@@ -178,7 +178,7 @@ class ChatRendering:
     template_kwargs: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
-    def of(cls, req: ChatCompletionRequest, tokenizer) -> ChatRendering:
+    def of(cls, req: ChatCompletionRequest, tokenizer: Any) -> ChatRendering:
         """400 for a `chat_template_kwargs` key that is one of apply_chat_template's own
         arguments or a name the renderer gives the template itself (it would override how the
         prompt is built, not feed the template)."""
@@ -196,7 +196,7 @@ class ChatRendering:
 
 
 def render_chat(
-    tokenizer,
+    tokenizer: Any,
     messages: list[dict[str, Any]],
     tools: list[dict[str, Any]] | None = None,
     rendering: ChatRendering = ChatRendering(),
@@ -204,7 +204,7 @@ def render_chat(
     """Messages -> the prompt text, with the model's own chat template, ready for the assistant
     (or, with `continue_final_message`, inside its last message); `tools` go to a template that
     renders them (structured.tools.prompt_messages did the rest)."""
-    return tokenizer.apply_chat_template(
+    prompt: str = tokenizer.apply_chat_template(
         messages,
         tools=tools,
         tokenize=False,
@@ -212,6 +212,7 @@ def render_chat(
         continue_final_message=rendering.continue_final_message,
         **rendering.template_kwargs,
     )
+    return prompt
 
 
 def message_dict(m: ChatMessage) -> dict[str, Any]:
@@ -296,7 +297,7 @@ class ChatTools:
             raise APIError(400, str(e), param="messages", code="invalid_request") from e
 
 
-def prompt_list(prompt: str | list) -> list[Prompt]:
+def prompt_list(prompt: str | list[Any]) -> list[Prompt]:
     if isinstance(prompt, str) or prompt and isinstance(prompt[0], int):
         return [prompt]
     if not prompt:

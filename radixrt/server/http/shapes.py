@@ -21,7 +21,7 @@ class Echo(NamedTuple):
     ids: list[int]
 
     @classmethod
-    def of(cls, tokenizer, prompt: str | list[int]) -> Echo:
+    def of(cls, tokenizer: Any, prompt: str | list[int]) -> Echo:
         """As the runtime tokenizes a text prompt (no special tokens added)."""
         if isinstance(prompt, str):
             return cls(prompt, tokenizer.encode(prompt, add_special_tokens=False))
@@ -65,7 +65,7 @@ class ResponseShape:
         if self.chat and not stream:
             message = self._message(text)
             called = "tool_calls" in message
-            body = {"message": message}
+            body: dict[str, Any] = {"message": message}
         elif self.chat:
             body = {"delta": {}}
         else:
@@ -99,6 +99,7 @@ class ResponseShape:
 
     def delta(self, index: int, text: str | dict[str, Any], first: bool = False) -> dict[str, Any]:
         """A streamed piece: text, or a chat delta made elsewhere (`ToolCallStream`)."""
+        body: dict[str, Any]
         if isinstance(text, dict):
             body = {"delta": text}
         elif self.chat:
@@ -127,11 +128,13 @@ class ResponseShape:
             }
         # the runtime sends top logprobs (perhaps none: max_tokens 0) only when asked for some
         asked_tops = "output_top_logprobs" in meta
-        top_dicts = [dict(top) for top in tops] if asked_tops else None
+        top_dicts: list[dict[str, float] | None] | None = (
+            [dict(top) for top in tops] if asked_tops else None
+        )
         if echo is not None:
             prompt, prompt_tops = self._prompt_logprobs(meta)
             chosen = prompt + chosen
-            top_dicts = prompt_tops + top_dicts if asked_tops else None
+            top_dicts = prompt_tops + top_dicts if top_dicts is not None else None
         offsets = list(itertools.accumulate((len(t) for t, _ in chosen), initial=0))[:-1]
         return {
             "tokens": [t for t, _ in chosen],
@@ -174,7 +177,7 @@ class ToolCallStream:
         """The chat deltas this much more text lets out (`final`: the reply is over)."""
         self.text += delta
         scan = self.parser.scan(self.text, final)
-        out = []
+        out: list[dict[str, Any]] = []
         if len(scan.content) > self.content_sent and not self.called:
             out.append({"content": scan.content[self.content_sent :]})
             self.content_sent = len(scan.content)
@@ -248,8 +251,8 @@ def response_body(
     shape: ResponseShape,
     rid: str,
     model: str,
-    choices: list,
-    usage: dict | None = None,
+    choices: list[dict[str, Any]],
+    usage: dict[str, Any] | None = None,
     chunk: bool = False,
 ) -> dict[str, Any]:
     body = {

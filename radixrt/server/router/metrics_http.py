@@ -20,10 +20,11 @@ from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from radixrt.client.endpoint import RuntimeEndpoint
+from radixrt.client.endpoint import ZmqEndpoint
 from radixrt.server.tenants import KeyRing
 
 logger = logging.getLogger(__name__)
+Request = socket.socket | tuple[bytes, socket.socket]  # what socketserver hands a handler
 
 SCRAPE_TIMEOUT_S = 35.0  # beyond the router's own wait for its workers (GATHER_TIMEOUT_S)
 READ_TIMEOUT_S = 5.0
@@ -40,7 +41,7 @@ class _BoundedServer(ThreadingHTTPServer):
         super().__init__(address, handler)
         self.slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
 
-    def process_request(self, request: socket.socket, client_address: Any) -> None:
+    def process_request(self, request: Request, client_address: Any) -> None:
         if not self.slots.acquire(blocking=False):
             self.shutdown_request(request)  # full: closed at once, nothing read
             return
@@ -50,7 +51,7 @@ class _BoundedServer(ThreadingHTTPServer):
             self.slots.release()
             raise
 
-    def process_request_thread(self, request: socket.socket, client_address: Any) -> None:
+    def process_request_thread(self, request: Request, client_address: Any) -> None:
         try:
             super().process_request_thread(request, client_address)
         finally:
@@ -88,7 +89,7 @@ class _DeadlineHandler(BaseHTTPRequestHandler):
 
 def serve_metrics(host: str, port: int, router_url: str, keys: KeyRing) -> ThreadingHTTPServer:
     """Start serving /metrics on (host, port) in a daemon thread; the caller shuts it down."""
-    endpoint = RuntimeEndpoint(router_url, api_key=keys.any_key(), timeout=SCRAPE_TIMEOUT_S)
+    endpoint = ZmqEndpoint(router_url, api_key=keys.any_key(), timeout=SCRAPE_TIMEOUT_S)
 
     class Handler(_DeadlineHandler):
         def do_GET(self) -> None:  # noqa: N802 (the http.server name)

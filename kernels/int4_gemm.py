@@ -61,8 +61,10 @@ AMX_MIN_ROWS = 16  # fewer rows take the VNNI code: a tile of 16 activation rows
 
 
 def _library(isa: cpu_isa.Isa = cpu_isa.Isa.AVX2):
+    """The kernels of `isa`, built on first use. Building and loading them needs no more than a
+    compiler (every path builds on any host); running the AMX ones needs the tile state, which
+    `cpu_isa.host_paths` asks of Linux before it offers the path."""
     amx = isa is cpu_isa.Isa.AMX
-    assert not amx or cpu_isa.amx_granted(), "AMX's tile state is not granted to this process"
     signatures = SIGNATURES + (AMX_SIGNATURES if amx else ())
     return native.load(f"int4_gemm-{isa.value}", SOURCE, signatures, isa.cflags)
 

@@ -32,8 +32,10 @@ demo: model
 	# the examples import each other: their folder on the path (PYTHONSAFEPATH leaves it off)
 	PYTHONPATH=examples $(BIN)/python examples/demo.py
 
+# two workers (pytest-xdist), a module's tests on one of them (its runtime fixtures start once):
+# half the suite's time is processes waiting on each other, which the other worker fills
 test: model
-	$(BIN)/python -m pytest -q -m "not soak" --durations=30
+	$(BIN)/python -m pytest -q -m "not soak" -n 2 --dist loadfile --durations=30
 
 # the soak's 60-second version (tests/reliability/test_soak.py); CI runs it after `make test`
 soak-ci: model

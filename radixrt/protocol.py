@@ -532,10 +532,14 @@ class ControlOp:
         """A rule across fields (a ValueError); the fields' own types and bounds are checked
         already."""
 
-    def wire(self) -> dict[str, Any]:
-        """The op's map as a client sends it (a field that is None is left out)."""
+    def fields(self) -> dict[str, Any]:
+        """The fields set (a field that is None is left out): what a call sends beside the op."""
         sent = {f.name: getattr(self, f.name) for f in fields(self)}
-        return {"op": self.op, **{k: v for k, v in sent.items() if v is not None}}
+        return {k: v for k, v in sent.items() if v is not None}
+
+    def wire(self) -> dict[str, Any]:
+        """The op's map as a client sends it."""
+        return {"op": self.op, **self.fields()}
 
 
 CONTROL_OPS: dict[str, type[ControlOp]] = {}

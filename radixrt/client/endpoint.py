@@ -116,7 +116,7 @@ class ZmqEndpoint(Endpoint):
 
     # ---- control ops -------------------------------------------------------------------------
     def control(self, op: ControlOp) -> Any:
-        fields = {k: v for k, v in op.wire().items() if k != "op"}
+        fields = op.fields()
         return self.client.call(op.op, self.timeout, **fields)
 
     def health(self, timeout: float | None = None) -> bool:

@@ -172,7 +172,7 @@ class HttpEndpoint(Endpoint):
         if op.route.method == "GET":
             answer = self._get(path, key)
         else:
-            answer = self._post(path, {k: v for k, v in op.wire().items() if k != "op"}, key)
+            answer = self._post(path, op.fields(), key)
         return op.route.reply.result_of(answer)
 
     def stats(self) -> dict[str, Any]:

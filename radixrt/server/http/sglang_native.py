@@ -459,7 +459,7 @@ class NativeAPI:
 
     async def control(self, request: Request, op: ControlOp) -> Any:
         """A control op's result (`server/http/control.py`'s routes)."""
-        fields = {k: v for k, v in op.wire().items() if k != "op"}
+        fields = op.fields()
         return await self._call(request, op.op, op.wait_s or CONTROL_TIMEOUT_S, **fields)
 
 

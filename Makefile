@@ -45,7 +45,7 @@ soak-ci: model
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not model"
 
-# ruff: lint and format check; mypy: types, strictly on the modules pyproject.toml lists
+# ruff: lint and format check; mypy: types, strictly over radixrt/, frontend/ and kernels/
 # (settings of both in pyproject.toml); clang-format: the C kernels' format (kernels/csrc/
 # .clang-format; `clang-format -i` applies it); `make format` rewrites the Python in place.
 C_SOURCES := kernels/csrc/*.c kernels/csrc/*.h

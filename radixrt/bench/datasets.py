@@ -16,8 +16,12 @@ import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from radixrt.bench.workloads import REQUEST_WORKLOADS, Session, Turn, WorkloadConfig
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 MIN_TOKENS = 4  # vLLM's filter: shorter prompts or replies say nothing about a server
 
@@ -53,7 +57,7 @@ def _json_lines(text: str) -> list[object]:
     return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
-def sharegpt(tokenizer, cfg: WorkloadConfig) -> list[Session]:
+def sharegpt(tokenizer: PreTrainedTokenizerBase, cfg: WorkloadConfig) -> list[Session]:
     """`cfg.num_requests` exchanges of `cfg.dataset_path` (all of them when it has fewer)."""
     if not cfg.dataset_path:
         raise ValueError("--workload sharegpt reads --dataset-path")

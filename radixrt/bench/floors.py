@@ -13,6 +13,7 @@ A share is floor time / the run's time: 1.0 would be at the limit.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,7 +71,7 @@ class Floors:
         return cls(compute, bandwidth, compute / duration, bandwidth / duration)
 
 
-def _best(run) -> float:
+def _best(run: Callable[[], object]) -> float:
     run()  # warm up: allocation, thread pool
     times = []
     for _ in range(REPEATS):

@@ -7,7 +7,7 @@ import queue
 import random
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -75,7 +75,7 @@ def run_session(
     return traces
 
 
-def stream_into(trace: RequestTrace, chunks) -> str:
+def stream_into(trace: RequestTrace, chunks: Iterable[dict[str, Any]]) -> str:
     """Fill `trace` from a stream of generate chunks; returns the final text."""
     try:
         for chunk in chunks:
@@ -97,7 +97,8 @@ def stream_into(trace: RequestTrace, chunks) -> str:
             trace.forward_passes = meta.get("forward_passes", 0)
             if meta["finish_reason"]["type"] == "abort":
                 trace.error = meta["finish_reason"].get("message", "aborted")
-            return chunk["text"]
+            text: str = chunk["text"]
+            return text
     except Exception as e:  # noqa: BLE001 - a failed request is a result of the benchmark
         trace.error = f"{type(e).__name__}: {e}"
     return ""

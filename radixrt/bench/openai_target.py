@@ -42,7 +42,9 @@ class OpenAITarget:
         )
         self.model = model or self.client.models.list().data[0].id
 
-    def generate(self, prompt: str, params: dict, stream: bool = True) -> Iterator[dict[str, Any]]:
+    def generate(
+        self, prompt: str, params: dict[str, Any], stream: bool = True
+    ) -> Iterator[dict[str, Any]]:
         """Stream one completion as the bench's chunk maps: one per piece with text, then the
         final map with the usage; an error raises (the load records it on the request)."""
         known = {OPENAI_PARAMS[k]: v for k, v in params.items() if k in OPENAI_PARAMS}

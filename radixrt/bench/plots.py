@@ -5,13 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def _pyplot():
+def _headless() -> None:
+    """Select matplotlib's file-only backend (Agg); call it before importing pyplot."""
     import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
 
 
 def plot_sweep(
@@ -21,7 +19,9 @@ def plot_sweep(
     title: str,
 ) -> Path:
     """points: system -> [(request rate, output tok/s, TTFT p50, TTFT p99)]."""
-    plt = _pyplot()
+    _headless()
+    import matplotlib.pyplot as plt
+
     fig, (tput, ttft) = plt.subplots(1, 2, figsize=(11, 4.2))
     for system, rows in points.items():
         rates = [r[0] for r in rows]
@@ -52,7 +52,9 @@ def plot_sweep(
 
 
 def plot_cdf(samples: dict[str, list[float]], path: Path, xlabel: str, title: str) -> Path:
-    plt = _pyplot()
+    _headless()
+    import matplotlib.pyplot as plt
+
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
     for system, values in samples.items():
         ordered = sorted(values)
@@ -71,7 +73,9 @@ def plot_cdf(samples: dict[str, list[float]], path: Path, xlabel: str, title: st
 
 
 def plot_bars(values: dict[str, float], path: Path, ylabel: str, title: str) -> Path:
-    plt = _pyplot()
+    _headless()
+    import matplotlib.pyplot as plt
+
     fig, ax = plt.subplots(figsize=(7, 4))
     bars = ax.bar(list(values), list(values.values()), color="tab:blue")
     ax.bar_label(bars, fmt="%.2f")
@@ -85,7 +89,9 @@ def plot_bars(values: dict[str, float], path: Path, ylabel: str, title: str) -> 
 
 def plot_rss(samples: list[tuple[float, int, float]], path: Path) -> None:
     """samples: (seconds since start, server instance, RSS in MiB), one line per instance."""
-    plt = _pyplot()
+    _headless()
+    import matplotlib.pyplot as plt
+
     fig, ax = plt.subplots(figsize=(8, 3.5))
     for instance in sorted({s[1] for s in samples}):
         points = [(t, mb) for t, i, mb in samples if i == instance]

@@ -13,6 +13,7 @@ import json
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from radixrt.lifecycle import python_command
 
@@ -85,7 +86,7 @@ class ServedMemory:
     tokens: list[int]
 
 
-def measure(settings: dict, new_tokens: int = 8, timeout: float = 1800) -> ServedMemory:
+def measure(settings: dict[str, Any], new_tokens: int = 8, timeout: float = 1800) -> ServedMemory:
     """Serve `settings` (`ServerArgs` keywords: model, quantization, max_total_tokens, ...) in a
     fresh interpreter and read its memory."""
     root = Path(__file__).resolve().parents[2]

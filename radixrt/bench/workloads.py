@@ -9,6 +9,10 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeAlias
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 WORDS = (
     "river stone light cloud paper engine garden window silver market winter signal forest "
@@ -31,7 +35,7 @@ PERSON_SCHEMA = {
 @dataclass
 class Turn:
     text: str  # raw prompt text, or the user's message in a chat session
-    params: dict
+    params: dict[str, Any]  # the request's sampling parameters (JSON values)
 
 
 @dataclass
@@ -66,7 +70,7 @@ def words(rng: random.Random, n: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(n))
 
 
-def text_of_tokens(rng: random.Random, tokenizer, num_tokens: int) -> str:
+def text_of_tokens(rng: random.Random, tokenizer: PreTrainedTokenizerBase, num_tokens: int) -> str:
     """Random words that tokenize to about `num_tokens` tokens (never fewer)."""
     text = words(rng, max(num_tokens // 2, 1))
     while len(tokenizer.encode(text, add_special_tokens=False)) < num_tokens:
@@ -82,7 +86,7 @@ def _new_tokens(rng: random.Random, cfg: WorkloadConfig) -> int:
     return min(max(round(rng.expovariate(1 / cfg.max_new_tokens)), 4), 4 * cfg.max_new_tokens)
 
 
-def _params(rng: random.Random, cfg: WorkloadConfig) -> dict:
+def _params(rng: random.Random, cfg: WorkloadConfig) -> dict[str, Any]:
     return {
         "max_new_tokens": _new_tokens(rng, cfg),
         "temperature": cfg.temperature,
@@ -90,7 +94,7 @@ def _params(rng: random.Random, cfg: WorkloadConfig) -> dict:
     }
 
 
-def shared_prefix(tokenizer, cfg: WorkloadConfig) -> list[Session]:
+def shared_prefix(tokenizer: PreTrainedTokenizerBase, cfg: WorkloadConfig) -> list[Session]:
     """One long system prompt shared by every request, each with its own short question."""
     rng = random.Random(cfg.seed)
     system = "System: you are a helpful assistant. " + text_of_tokens(
@@ -110,7 +114,7 @@ def shared_prefix(tokenizer, cfg: WorkloadConfig) -> list[Session]:
     ]
 
 
-def multi_prefix(tokenizer, cfg: WorkloadConfig) -> list[Session]:
+def multi_prefix(tokenizer: PreTrainedTokenizerBase, cfg: WorkloadConfig) -> list[Session]:
     """`num_prefixes` long system prompts (several apps on one fleet), each request one of them,
     at random, with its own short question: where a request is sent decides whether its
     prefix is cached there."""
@@ -134,7 +138,7 @@ def multi_prefix(tokenizer, cfg: WorkloadConfig) -> list[Session]:
     ]
 
 
-def multi_turn(tokenizer, cfg: WorkloadConfig) -> list[Session]:
+def multi_turn(tokenizer: PreTrainedTokenizerBase, cfg: WorkloadConfig) -> list[Session]:
     """Chat conversations that resend their growing history every turn."""
     rng = random.Random(cfg.seed)
     system = "You are a concise assistant for travellers. " + text_of_tokens(rng, tokenizer, 60)
@@ -155,7 +159,7 @@ def multi_turn(tokenizer, cfg: WorkloadConfig) -> list[Session]:
     ]
 
 
-def long_prompt(tokenizer, cfg: WorkloadConfig) -> list[Session]:
+def long_prompt(tokenizer: PreTrainedTokenizerBase, cfg: WorkloadConfig) -> list[Session]:
     """Short decodes with a few long prompts among them: chunked prefill keeps the short ones' ITL low."""
     rng = random.Random(cfg.seed)
     sessions = [
@@ -181,7 +185,7 @@ def long_prompt(tokenizer, cfg: WorkloadConfig) -> list[Session]:
     return sessions
 
 
-def random_prompts(tokenizer, cfg: WorkloadConfig) -> list[Session]:
+def random_prompts(tokenizer: PreTrainedTokenizerBase, cfg: WorkloadConfig) -> list[Session]:
     """Nothing shared (the control): prompts of random words and lengths, or of
     `random_input_len` tokens and `random_output_len` new tokens exactly where they are set."""
     rng = random.Random(cfg.seed)
@@ -196,7 +200,7 @@ def random_prompts(tokenizer, cfg: WorkloadConfig) -> list[Session]:
     return sessions
 
 
-def json_records(tokenizer, cfg: WorkloadConfig) -> list[Session]:
+def json_records(tokenizer: PreTrainedTokenizerBase, cfg: WorkloadConfig) -> list[Session]:
     """Each request fills a 4-field JSON schema about a different person."""
     rng = random.Random(cfg.seed)
     return [
@@ -233,7 +237,7 @@ def _tool_call(rng: random.Random) -> str:
     return f'{{"tool": "{tool}", "arguments": {{"{TOOLS[tool]}": "{value}"}}}}'
 
 
-def agent_loop(tokenizer, cfg: WorkloadConfig) -> list[Session]:
+def agent_loop(tokenizer: PreTrainedTokenizerBase, cfg: WorkloadConfig) -> list[Session]:
     """A tool-using agent's next step: the transcript of its earlier steps (thoughts, JSON tool
     calls, observations), resent with each call; the model writes the next steps in their shape."""
     rng = random.Random(cfg.seed)
@@ -256,7 +260,7 @@ def agent_loop(tokenizer, cfg: WorkloadConfig) -> list[Session]:
     return sessions
 
 
-def few_shot(tokenizer, cfg: WorkloadConfig) -> list[Session]:
+def few_shot(tokenizer: PreTrainedTokenizerBase, cfg: WorkloadConfig) -> list[Session]:
     """Five worked examples of one answer shape, then a new question in the same shape."""
     rng = random.Random(cfg.seed)
 
@@ -271,7 +275,10 @@ def few_shot(tokenizer, cfg: WorkloadConfig) -> list[Session]:
     ]
 
 
-REQUEST_WORKLOADS: dict[str, Callable[..., list[Session]]] = {
+# a workload's sessions, built with the model's tokenizer
+Workload: TypeAlias = "Callable[[PreTrainedTokenizerBase, WorkloadConfig], list[Session]]"
+
+REQUEST_WORKLOADS: dict[str, Workload] = {
     "shared-prefix": shared_prefix,
     "multi-prefix": multi_prefix,
     "multi-turn": multi_turn,

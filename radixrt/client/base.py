@@ -7,9 +7,9 @@ from __future__ import annotations
 import inspect
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal, TypeAlias, overload
 
 from radixrt.protocol import (
     CheckInvariants,
@@ -36,7 +36,26 @@ from radixrt.protocol import (
     spec_of,
 )
 
-Prompt = str | list[int]
+if TYPE_CHECKING:
+    from typing_extensions import TypeIs
+
+Prompt: TypeAlias = str | list[int]
+"""One prompt: its text, or its token ids."""
+Prompts: TypeAlias = Prompt | list[Prompt]
+"""A call's prompts: one, or a list of them."""
+TokenIds: TypeAlias = list[int] | list[list[int]]
+"""A call's `input_ids`: one prompt's token ids, or each prompt's."""
+Params: TypeAlias = dict[str, Any]
+"""A request's sampling parameters (`SamplingParams`' fields by name)."""
+Result: TypeAlias = dict[str, Any]
+"""One sample: `{"text", "output_ids", "meta_info"}` (and `"embedding"` from an
+--is-embedding server)."""
+Results: TypeAlias = Result | list[Any]
+"""A call's result: one prompt's `Result` (a list of n when n > 1), or for a list of prompts a
+list of those."""
+Chunk: TypeAlias = dict[str, Any]
+"""One streamed chunk: `{"delta", "token_ids", "index", "finished"}`, or with `finished` a
+sample's `Result`."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -97,17 +116,42 @@ class Endpoint(ABC):
         self._model_info: dict[str, Any] | None = None
 
     # ---- generation --------------------------------------------------------------------------
+    @overload
+    def generate(
+        self,
+        prompt: Prompts | None = None,
+        sampling_params: Params | list[Params] | None = None,
+        input_ids: TokenIds | None = None,
+        rid: str | list[str] | None = None,
+        stream: Literal[False] = False,
+        options: RequestOptions | None = None,
+        lora_path: str | list[str] | None = None,
+    ) -> Results: ...
+
+    @overload
+    def generate(
+        self,
+        prompt: Prompts | None = None,
+        sampling_params: Params | list[Params] | None = None,
+        input_ids: TokenIds | None = None,
+        rid: str | list[str] | None = None,
+        *,
+        stream: Literal[True],
+        options: RequestOptions | None = None,
+        lora_path: str | list[str] | None = None,
+    ) -> Iterator[Chunk]: ...
+
     @abstractmethod
     def generate(
         self,
-        prompt: Prompt | list[Prompt] | None = None,
-        sampling_params: dict | list[dict] | None = None,
-        input_ids: list[int] | list[list[int]] | None = None,
+        prompt: Prompts | None = None,
+        sampling_params: Params | list[Params] | None = None,
+        input_ids: TokenIds | None = None,
         rid: str | list[str] | None = None,
         stream: bool = False,
         options: RequestOptions | None = None,
         lora_path: str | list[str] | None = None,
-    ) -> dict | list | Iterator[dict]:
+    ) -> Results | Iterator[Chunk]:
         """One prompt -> `{"text", "output_ids", "meta_info"}` (a list of n when n > 1); a list
         of prompts -> a list. With `stream=True` (one prompt), an iterator of chunks
         `{"delta", "token_ids", "index", "finished"}`, the last per sample with the result.
@@ -116,37 +160,31 @@ class Endpoint(ABC):
     @abstractmethod
     async def async_generate(
         self,
-        prompt: Prompt | list[Prompt] | None = None,
-        sampling_params: dict | list[dict] | None = None,
-        input_ids: list[int] | list[list[int]] | None = None,
+        prompt: Prompts | None = None,
+        sampling_params: Params | list[Params] | None = None,
+        input_ids: TokenIds | None = None,
         rid: str | list[str] | None = None,
         options: RequestOptions | None = None,
-    ) -> dict | list: ...
+    ) -> Results: ...
 
     @abstractmethod
     def async_stream(
         self,
         prompt: Prompt | None = None,
-        sampling_params: dict | None = None,
+        sampling_params: Params | None = None,
         input_ids: list[int] | None = None,
         rid: str | None = None,
         options: RequestOptions | None = None,
-    ) -> AsyncIterator[dict]:
+    ) -> AsyncIterator[Chunk]:
         """`async for chunk in endpoint.async_stream(...)`: the streamed chunks of one prompt."""
 
     @abstractmethod
     def abort(self, rid: str) -> None: ...
 
-    def encode(
-        self,
-        prompt: Prompt | list[Prompt] | None = None,
-        input_ids: list[int] | list[list[int]] | None = None,
-    ) -> dict | list:
+    def encode(self, prompt: Prompts | None = None, input_ids: TokenIds | None = None) -> Results:
         """An --is-embedding server's vector of each prompt (SGLang's `Engine.encode`): one
         prompt -> `{"embedding", "meta_info", ...}`, a list of prompts -> a list."""
-        out = self.generate(prompt, {"max_new_tokens": 0}, input_ids=input_ids)
-        assert isinstance(out, (dict, list)), "a generate without stream is a result"
-        return out
+        return self.generate(prompt, {"max_new_tokens": 0}, input_ids=input_ids)
 
     # ---- control ops: one method each, its arguments the op's fields -------------------------
     @abstractmethod
@@ -209,7 +247,12 @@ class Endpoint(ABC):
 
     # ---- plumbing ----------------------------------------------------------------------------
     def _requests(
-        self, prompt, input_ids, sampling_params, rid, options
+        self,
+        prompt: Prompts | None,
+        input_ids: TokenIds | None,
+        sampling_params: Params | list[Params] | None,
+        rid: str | list[str] | None,
+        options: RequestOptions | None,
     ) -> tuple[list[dict[str, Any]], bool]:
         """The request maps of one call (one per prompt) under these options over the
         endpoint's, and whether the call gave a single prompt."""
@@ -227,12 +270,14 @@ class Endpoint(ABC):
         ], single
 
 
-def normalize_prompt(prompt, input_ids) -> tuple[list, bool, str]:
+def normalize_prompt(
+    prompt: Prompts | None, input_ids: TokenIds | None
+) -> tuple[Sequence[Prompt], bool, str]:
     """The prompts of a call as a list, whether it gave one, and the field they go in."""
     if (prompt is None) == (input_ids is None):
         raise ValueError("give exactly one of prompt or input_ids")
     if prompt is not None:
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+        if _is_token_ids(prompt):
             return [prompt], True, "input_ids"
         items = [prompt] if isinstance(prompt, str) else prompt
         if not isinstance(items, list) or not items or not all(isinstance(p, str) for p in items):
@@ -240,6 +285,17 @@ def normalize_prompt(prompt, input_ids) -> tuple[list, bool, str]:
                 "prompt must be a string, a list of token ids, or a non-empty list of strings"
             )
         return items, isinstance(prompt, str), "text"
-    if isinstance(input_ids, list) and input_ids and isinstance(input_ids[0], list):
+    assert input_ids is not None, "exactly one of the two was given"
+    if _is_batch(input_ids):
         return input_ids, False, "input_ids"
     return [input_ids], True, "input_ids"
+
+
+def _is_token_ids(prompt: Prompts) -> TypeIs[list[int]]:
+    """Whether `prompt` is one prompt's token ids (a list of ints, not of prompts)."""
+    return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], int)
+
+
+def _is_batch(input_ids: TokenIds) -> TypeIs[list[list[int]]]:
+    """Whether `input_ids` are several prompts' (a list of lists), not one prompt's."""
+    return isinstance(input_ids, list) and bool(input_ids) and isinstance(input_ids[0], list)

@@ -5,12 +5,25 @@ client/http.py), siblings over `client.base.Endpoint`."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Iterator
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
 
-from radixrt.client.base import Endpoint, Prompt, RequestOptions
+from radixrt.client.base import (
+    Chunk,
+    Endpoint,
+    Params,
+    Prompt,
+    Prompts,
+    RequestOptions,
+    Result,
+    Results,
+    TokenIds,
+)
 from radixrt.client.http import HttpEndpoint
 from radixrt.client.transport import AsyncSubmission, RuntimeClient, Submission
 from radixrt.protocol import ControlOp
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 __all__ = ["Endpoint", "Prompt", "RequestOptions", "RuntimeEndpoint", "ZmqEndpoint", "connect"]
 
@@ -52,16 +65,41 @@ class ZmqEndpoint(Endpoint):
         )
 
     # ---- generation --------------------------------------------------------------------------
+    @overload
     def generate(
         self,
-        prompt: Prompt | list[Prompt] | None = None,
-        sampling_params: dict | list[dict] | None = None,
-        input_ids: list[int] | list[list[int]] | None = None,
+        prompt: Prompts | None = None,
+        sampling_params: Params | list[Params] | None = None,
+        input_ids: TokenIds | None = None,
+        rid: str | list[str] | None = None,
+        stream: Literal[False] = False,
+        options: RequestOptions | None = None,
+        lora_path: str | list[str] | None = None,
+    ) -> Results: ...
+
+    @overload
+    def generate(
+        self,
+        prompt: Prompts | None = None,
+        sampling_params: Params | list[Params] | None = None,
+        input_ids: TokenIds | None = None,
+        rid: str | list[str] | None = None,
+        *,
+        stream: Literal[True],
+        options: RequestOptions | None = None,
+        lora_path: str | list[str] | None = None,
+    ) -> Iterator[Chunk]: ...
+
+    def generate(
+        self,
+        prompt: Prompts | None = None,
+        sampling_params: Params | list[Params] | None = None,
+        input_ids: TokenIds | None = None,
         rid: str | list[str] | None = None,
         stream: bool = False,
         options: RequestOptions | None = None,
         lora_path: str | list[str] | None = None,
-    ) -> dict | list | Iterator[dict]:
+    ) -> Results | Iterator[Chunk]:
         """One prompt -> `{"text", "output_ids", "meta_info"}` (a list of n when n > 1); a list
         of prompts -> a list. With `stream=True` (one prompt), an iterator of chunks
         `{"delta", "token_ids", "index", "finished"}`, the last per sample with the result.
@@ -82,12 +120,12 @@ class ZmqEndpoint(Endpoint):
 
     async def async_generate(
         self,
-        prompt: Prompt | list[Prompt] | None = None,
-        sampling_params: dict | list[dict] | None = None,
-        input_ids: list[int] | list[list[int]] | None = None,
+        prompt: Prompts | None = None,
+        sampling_params: Params | list[Params] | None = None,
+        input_ids: TokenIds | None = None,
         rid: str | list[str] | None = None,
         options: RequestOptions | None = None,
-    ) -> dict | list:
+    ) -> Results:
         requests, single = self._requests(prompt, input_ids, sampling_params, rid, options)
         submissions = _submit_all(self.client.submit_async, requests)
         try:
@@ -100,11 +138,11 @@ class ZmqEndpoint(Endpoint):
     def async_stream(
         self,
         prompt: Prompt | None = None,
-        sampling_params: dict | None = None,
+        sampling_params: Params | None = None,
         input_ids: list[int] | None = None,
         rid: str | None = None,
         options: RequestOptions | None = None,
-    ) -> AsyncIterator[dict]:
+    ) -> AsyncIterator[Chunk]:
         """`async for chunk in endpoint.async_stream(...)`: the streamed chunks of one prompt."""
         requests, single = self._requests(prompt, input_ids, sampling_params, rid, options)
         if not single:
@@ -120,18 +158,24 @@ class ZmqEndpoint(Endpoint):
         return self.client.call(op.op, self.timeout, **fields)
 
     def health(self, timeout: float | None = None) -> bool:
-        return self.client.call("health", timeout if timeout is not None else self.timeout)
+        ok: bool = self.client.call("health", timeout if timeout is not None else self.timeout)
+        return ok
 
     def pin(self, pin_id: str, prompt: Prompt, options: RequestOptions | None = None) -> int:
         key = "text" if isinstance(prompt, str) else "input_ids"
         fields = (options or RequestOptions()).over(self.options).pin_fields()
-        return self.client.call("pin", self.timeout, pin_id=pin_id, **{key: prompt}, **fields)
+        pinned: int = self.client.call(
+            "pin", self.timeout, pin_id=pin_id, **{key: prompt}, **fields
+        )
+        return pinned
 
     def tokenize(self, text: str) -> list[int]:
-        return self.client.call("tokenize", self.timeout, text=text)
+        ids: list[int] = self.client.call("tokenize", self.timeout, text=text)
+        return ids
 
     def _fetch_model_info(self) -> dict[str, Any]:
-        return self.client.call("model_info", self.timeout)
+        info: dict[str, Any] = self.client.call("model_info", self.timeout)
+        return info
 
     def close(self) -> None:
         self.client.close()
@@ -184,9 +228,9 @@ def _with_adapters(
     return [{**r, "lora_path": n} for r, n in zip(requests, names)]
 
 
-def _results(finals: list[dict]) -> dict | list[dict]:
+def _results(finals: list[dict[str, Any]]) -> Result | list[Result]:
     # `embedding`: an --is-embedding server's vector
-    outs = [
+    outs: list[Result] = [
         {k: r[k] for k in ("text", "output_ids", "meta_info", "embedding") if k in r}
         for r in finals
     ]
@@ -199,7 +243,7 @@ def import_tokenizer_library() -> None:
     import transformers  # noqa: F401
 
 
-def load_tokenizer(info: dict[str, Any]):
+def load_tokenizer(info: dict[str, Any]) -> PreTrainedTokenizerBase:
     """The runtime's tokenizer, from its `model_info`: the files at its `tokenizer_path` (the
     runtime's paths must be this machine's) with the chat template it serves, which
     `--chat-template` may have put in place of the files' own.
@@ -212,9 +256,8 @@ def load_tokenizer(info: dict[str, Any]):
 
     path = info.get("tokenizer_path") or info["model_path"]
     cls = getattr(transformers, info.get("tokenizer_class") or "AutoTokenizer", None)
-    if not (isinstance(cls, type) and hasattr(cls, "from_pretrained")):
-        cls = transformers.AutoTokenizer
-    tokenizer = cls.from_pretrained(path)
+    load = getattr(cls, "from_pretrained", None) if isinstance(cls, type) else None
+    tokenizer: PreTrainedTokenizerBase = (load or transformers.AutoTokenizer.from_pretrained)(path)
     if info.get("chat_template"):
         tokenizer.chat_template = info["chat_template"]
     return tokenizer

@@ -15,11 +15,23 @@ import asyncio
 import json
 import urllib.error
 import urllib.request
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Generator
 from dataclasses import dataclass, field
-from typing import Any
+from http.client import HTTPResponse
+from typing import Any, Literal, overload
 
-from radixrt.client.base import Endpoint, Prompt, RequestOptions, normalize_prompt
+from radixrt.client.base import (
+    Chunk,
+    Endpoint,
+    Params,
+    Prompt,
+    Prompts,
+    RequestOptions,
+    Result,
+    Results,
+    TokenIds,
+    normalize_prompt,
+)
 from radixrt.client.transport import raise_for
 from radixrt.protocol import ControlOp, ErrorCode
 
@@ -68,16 +80,41 @@ class HttpEndpoint(Endpoint):
         self.api_key, self.admin_api_key = api_key, admin_api_key
 
     # ---- generation --------------------------------------------------------------------------
+    @overload
     def generate(
         self,
-        prompt: Prompt | list[Prompt] | None = None,
-        sampling_params: dict | list[dict] | None = None,
-        input_ids: list[int] | list[list[int]] | None = None,
+        prompt: Prompts | None = None,
+        sampling_params: Params | list[Params] | None = None,
+        input_ids: TokenIds | None = None,
+        rid: str | list[str] | None = None,
+        stream: Literal[False] = False,
+        options: RequestOptions | None = None,
+        lora_path: str | list[str] | None = None,
+    ) -> Results: ...
+
+    @overload
+    def generate(
+        self,
+        prompt: Prompts | None = None,
+        sampling_params: Params | list[Params] | None = None,
+        input_ids: TokenIds | None = None,
+        rid: str | list[str] | None = None,
+        *,
+        stream: Literal[True],
+        options: RequestOptions | None = None,
+        lora_path: str | list[str] | None = None,
+    ) -> Generator[Chunk, None, None]: ...
+
+    def generate(
+        self,
+        prompt: Prompts | None = None,
+        sampling_params: Params | list[Params] | None = None,
+        input_ids: TokenIds | None = None,
         rid: str | list[str] | None = None,
         stream: bool = False,
         options: RequestOptions | None = None,
         lora_path: str | list[str] | None = None,
-    ) -> dict | list | Iterator[dict]:
+    ) -> Results | Generator[Chunk, None, None]:
         """As `RuntimeEndpoint.generate`, in one `/generate` call."""
         items, single, key = normalize_prompt(prompt, input_ids)
         params = (
@@ -106,12 +143,12 @@ class HttpEndpoint(Endpoint):
 
     async def async_generate(
         self,
-        prompt: Prompt | list[Prompt] | None = None,
-        sampling_params: dict | list[dict] | None = None,
-        input_ids: list[int] | list[list[int]] | None = None,
+        prompt: Prompts | None = None,
+        sampling_params: Params | list[Params] | None = None,
+        input_ids: TokenIds | None = None,
         rid: str | list[str] | None = None,
         options: RequestOptions | None = None,
-    ) -> dict | list:
+    ) -> Results:
         return await asyncio.to_thread(
             self.generate, prompt, sampling_params, input_ids, rid, False, options
         )
@@ -119,15 +156,16 @@ class HttpEndpoint(Endpoint):
     async def async_stream(
         self,
         prompt: Prompt | None = None,
-        sampling_params: dict | None = None,
+        sampling_params: Params | None = None,
         input_ids: list[int] | None = None,
         rid: str | None = None,
         options: RequestOptions | None = None,
-    ) -> AsyncIterator[dict]:
-        chunks = self.generate(prompt, sampling_params, input_ids, rid, True, options)
-        end = object()
+    ) -> AsyncIterator[Chunk]:
+        chunks = self.generate(
+            prompt, sampling_params, input_ids, rid, stream=True, options=options
+        )
         try:
-            while (chunk := await asyncio.to_thread(next, chunks, end)) is not end:
+            while (chunk := await asyncio.to_thread(next, chunks, None)) is not None:
                 yield chunk
         finally:
             chunks.close()
@@ -139,7 +177,7 @@ class HttpEndpoint(Endpoint):
         except ValueError:  # 404: it finished meanwhile
             pass
 
-    def _stream(self, body: dict[str, Any], api_key: str | None) -> Iterator[dict]:
+    def _stream(self, body: dict[str, Any], api_key: str | None) -> Generator[Chunk, None, None]:
         """The SSE events of a streamed /generate as the ZeroMQ endpoint's chunks: deltas
         `{"index", "finished": False, "delta", "token_ids"}`, then each sample's final map."""
         states: dict[int, _StreamState] = {}
@@ -176,7 +214,10 @@ class HttpEndpoint(Endpoint):
         return op.route.reply.result_of(answer)
 
     def stats(self) -> dict[str, Any]:
-        return self._get("/get_server_info", self.admin_api_key)["internal_states"][0]
+        state: dict[str, Any] = self._get("/get_server_info", self.admin_api_key)[
+            "internal_states"
+        ][0]
+        return state
 
     def metrics(self) -> str:
         """The server's Prometheus text (`GET /metrics`: the gateway's counts, then the runtime's)."""
@@ -186,7 +227,8 @@ class HttpEndpoint(Endpoint):
     def flush_cache(self) -> bool:
         """True once flushed; False while requests run (the route's 400)."""
         try:
-            return self._post("/flush_cache", {}, self.admin_api_key)["success"]
+            flushed: bool = self._post("/flush_cache", {}, self.admin_api_key)["success"]
+            return flushed
         except _NotFlushed:
             return False
 
@@ -199,18 +241,22 @@ class HttpEndpoint(Endpoint):
         opts = (options or RequestOptions()).over(self.options)
         salt = {"cache_salt": opts.cache_salt} if opts.cache_salt is not None else {}
         body = {"pin_id": pin_id, key: prompt, **salt}
-        return self._post("/pin", body, opts.api_key)["pinned_tokens"]
+        pinned: int = self._post("/pin", body, opts.api_key)["pinned_tokens"]
+        return pinned
 
     def unpin(self, pin_id: str) -> bool:
-        return self._post("/unpin", {"pin_id": pin_id}, None)["success"]
+        unpinned: bool = self._post("/unpin", {"pin_id": pin_id}, None)["success"]
+        return unpinned
 
     def tokenize(self, text: str) -> list[int]:
         """The runtime's own tokenization of a prompt (no special tokens added)."""
         body = {"prompt": text, "add_special_tokens": False}
-        return self._post("/tokenize", body, None)["tokens"]
+        ids: list[int] = self._post("/tokenize", body, None)["tokens"]
+        return ids
 
     def _fetch_model_info(self) -> dict[str, Any]:
-        return self._get("/get_model_info", None)
+        info: dict[str, Any] = self._get("/get_model_info", None)
+        return info
 
     def close(self) -> None:
         """Nothing to close: each call has its own connection."""
@@ -225,8 +271,12 @@ class HttpEndpoint(Endpoint):
             return json.loads(reply.read())
 
     def _open(
-        self, path: str, body: dict | None, api_key: str | None, timeout: float | None = None
-    ):
+        self,
+        path: str,
+        body: dict[str, Any] | None,
+        api_key: str | None,
+        timeout: float | None = None,
+    ) -> HTTPResponse:
         """The open reply of one call; an error status raised as the ZeroMQ client raises it."""
         key = api_key or self.api_key
         headers = {"Authorization": f"Bearer {key}"} if key else {}
@@ -236,7 +286,8 @@ class HttpEndpoint(Endpoint):
             headers["Content-Type"] = "application/json"
         request = urllib.request.Request(f"{self.url}{path}", data, headers)
         try:
-            return urllib.request.urlopen(request, timeout=timeout or self.timeout)
+            reply: HTTPResponse = urllib.request.urlopen(request, timeout=timeout or self.timeout)
+            return reply
         except urllib.error.HTTPError as e:
             with e:
                 text = e.read()
@@ -286,9 +337,10 @@ def _sample(body: dict[str, Any]) -> dict[str, Any]:
     return sample
 
 
-def _group(bodies: list[dict], counts: list[int]) -> list[dict | list[dict]]:
+def _group(bodies: list[dict[str, Any]], counts: list[int]) -> list[Result | list[Result]]:
     """The flat list of samples as one result per prompt (a list where its n > 1)."""
-    out, start = [], 0
+    out: list[Result | list[Result]] = []
+    start = 0
     for n in counts:
         samples = [_sample(b) for b in bodies[start : start + n]]
         out.append(samples[0] if n == 1 else samples)

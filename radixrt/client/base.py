@@ -7,7 +7,7 @@ from __future__ import annotations
 import inspect
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, TypeAlias, overload
 
@@ -175,8 +175,9 @@ class Endpoint(ABC):
         input_ids: list[int] | None = None,
         rid: str | None = None,
         options: RequestOptions | None = None,
-    ) -> AsyncIterator[Chunk]:
-        """`async for chunk in endpoint.async_stream(...)`: the streamed chunks of one prompt."""
+    ) -> AsyncGenerator[Chunk, None]:
+        """`async for chunk in endpoint.async_stream(...)`: the streamed chunks of one prompt;
+        closing it (`aclose`) before its end aborts the request."""
 
     @abstractmethod
     def abort(self, rid: str) -> None: ...
@@ -286,7 +287,7 @@ def normalize_prompt(
             )
         return items, isinstance(prompt, str), "text"
     assert input_ids is not None, "exactly one of the two was given"
-    if _is_batch(input_ids):
+    if is_batch(input_ids):
         return input_ids, False, "input_ids"
     return [input_ids], True, "input_ids"
 
@@ -296,6 +297,6 @@ def _is_token_ids(prompt: Prompts) -> TypeIs[list[int]]:
     return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], int)
 
 
-def _is_batch(input_ids: TokenIds) -> TypeIs[list[list[int]]]:
+def is_batch(input_ids: TokenIds) -> TypeIs[list[list[int]]]:
     """Whether `input_ids` are several prompts' (a list of lists), not one prompt's."""
     return isinstance(input_ids, list) and bool(input_ids) and isinstance(input_ids[0], list)

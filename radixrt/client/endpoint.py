@@ -4,7 +4,7 @@ client/http.py), siblings over `client.base.Endpoint`."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncGenerator, Callable, Iterator
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
 
 from radixrt.client.base import (
@@ -142,7 +142,7 @@ class ZmqEndpoint(Endpoint):
         input_ids: list[int] | None = None,
         rid: str | None = None,
         options: RequestOptions | None = None,
-    ) -> AsyncIterator[Chunk]:
+    ) -> AsyncGenerator[Chunk, None]:
         """`async for chunk in endpoint.async_stream(...)`: the streamed chunks of one prompt."""
         requests, single = self._requests(prompt, input_ids, sampling_params, rid, options)
         if not single:

@@ -15,7 +15,7 @@ import asyncio
 import json
 import urllib.error
 import urllib.request
-from collections.abc import AsyncIterator, Generator
+from collections.abc import AsyncGenerator, Generator
 from dataclasses import dataclass, field
 from http.client import HTTPResponse
 from typing import Any, Literal, overload
@@ -160,7 +160,7 @@ class HttpEndpoint(Endpoint):
         input_ids: list[int] | None = None,
         rid: str | None = None,
         options: RequestOptions | None = None,
-    ) -> AsyncIterator[Chunk]:
+    ) -> AsyncGenerator[Chunk, None]:
         chunks = self.generate(
             prompt, sampling_params, input_ids, rid, stream=True, options=options
         )

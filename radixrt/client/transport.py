@@ -8,7 +8,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncGenerator, Callable, Iterator
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeoutError  # TimeoutError's from 3.11
 from typing import Any, TypeVar
@@ -405,7 +405,7 @@ class AsyncSubmission(_Submission):
             self._replies.put_nowait, reply
         )
 
-    async def replies(self, timeout: float | None = None) -> AsyncIterator[dict[str, Any]]:
+    async def replies(self, timeout: float | None = None) -> AsyncGenerator[dict[str, Any], None]:
         try:
             while self.finished < self.n:
                 try:

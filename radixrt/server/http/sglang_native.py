@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import Field, model_validator
 
 from radixrt import __version__
-from radixrt.client.endpoint import Prompt, RequestOptions
+from radixrt.client.base import Chunk, Params, Prompt, RequestOptions, is_batch
 from radixrt.protocol import ControlOp, ErrorCode, option_fields, spec_of
 from radixrt.sampling_params import SamplingParams, param_spec
 from radixrt.server.http.control import CONTROL_ROUTES, add_control_routes
@@ -133,7 +133,7 @@ class NativeCall:
     rid: str
     key: str | None  # the caller's (None without keys): rids are the caller's own
     prompt: Prompt
-    params: dict[str, Any]
+    params: Params
     # this prompt's values of every per-prompt request field the body set (`lora_path`: its
     # adapter)
     own: dict[str, Any] = field(default_factory=dict)
@@ -152,7 +152,8 @@ def _prompts(req: NativeGenerateRequest) -> tuple[list[Prompt], bool]:
         return [req.text], True
     if req.text is not None:
         return list(req.text), False
-    if req.input_ids and isinstance(req.input_ids[0], list):
+    assert req.input_ids is not None, "exactly one of the two was given"
+    if is_batch(req.input_ids):
         return list(req.input_ids), False
     return [req.input_ids], True
 
@@ -161,8 +162,9 @@ def _calls(req: NativeGenerateRequest, key: str | None) -> tuple[list[NativeCall
     prompts, single = _prompts(req)
     if not prompts:
         raise _invalid("the batch is empty", "text" if req.text is not None else "input_ids")
+    one = req.sampling_params if isinstance(req.sampling_params, dict) else {}
     params = req.sampling_params if isinstance(req.sampling_params, list) else None
-    params = params or [req.sampling_params or {}] * len(prompts)
+    params = params or [one] * len(prompts)
     rids = [req.rid] if isinstance(req.rid, str) else req.rid
     rids = rids or [uuid.uuid4().hex for _ in prompts]
     if len(params) != len(prompts):
@@ -201,7 +203,7 @@ def _invalid(message: str, param: str | None = None) -> APIError:
 TokenText = Callable[[int], str]
 
 
-def _triples(pairs: list, text: TokenText | None) -> list[list]:
+def _triples(pairs: list[list[Any]], text: TokenText | None) -> list[list[Any]]:
     """The runtime's `[logprob, token_id]` as SGLang's `[logprob, token_id, text]`: the token's
     text with `return_text_in_logprobs` (`text` given), else None."""
     return [[lp, tid, text(tid) if text else None] for lp, tid in pairs]
@@ -307,7 +309,7 @@ class NativeAPI:
         samples = out if isinstance(out, list) else [out]
         return [sample_body(s, call.rid, text) for s in samples]
 
-    async def _stream(self, call: NativeCall, options: RequestOptions) -> AsyncIterator[dict]:
+    async def _stream(self, call: NativeCall, options: RequestOptions) -> AsyncIterator[Chunk]:
         replies = self.gateway.endpoint.async_stream(
             call.prompt, call.params, rid=call.runtime_rid, options=call.with_own(options)
         )
@@ -319,7 +321,7 @@ class NativeAPI:
             self._release([call])
 
     async def _events(
-        self, call: NativeCall, replies: AsyncIterator[dict], text: TokenText | None
+        self, call: NativeCall, replies: AsyncIterator[Chunk], text: TokenText | None
     ) -> AsyncIterator[str]:
         """SGLang's stream: each event holds the sample's text and ids so far (cumulative), the
         last one its `meta_info` with `finish_reason`; then `data: [DONE]`."""
@@ -344,7 +346,7 @@ class NativeAPI:
             return
         yield "data: [DONE]\n\n"
 
-    async def abort_request(self, request: Request, req: AbortRequest) -> dict:
+    async def abort_request(self, request: Request, req: AbortRequest) -> dict[str, Any]:
         """Abort the caller's request `rid` (another key's rid is not found)."""
         runtime_rid = self.in_flight.get((self.key_of(request), req.rid))
         if runtime_rid is None:
@@ -359,7 +361,7 @@ class NativeAPI:
         message = "cache flushed" if flushed else "cache not flushed: requests are running"
         return JSONResponse({"success": flushed, "message": message}, 200 if flushed else 400)
 
-    async def get_model_info(self, request: Request) -> dict:
+    async def get_model_info(self, request: Request) -> dict[str, Any]:
         """The runtime's `model_info` (its `weight_version` among them) with SGLang's keys (its
         frontend reads `model_path`)."""
         info = await self._call(request, "model_info")
@@ -372,7 +374,7 @@ class NativeAPI:
             "has_audio_understanding": False,
         }
 
-    async def get_server_info(self, request: Request) -> dict:
+    async def get_server_info(self, request: Request) -> dict[str, Any]:
         """The runtime's `stats` (as the caller's key may see them) as SGLang's
         `internal_states`, beside the model's name and context length."""
         stats = await self._call(request, "stats")
@@ -384,7 +386,7 @@ class NativeAPI:
             "internal_states": [stats],
         }
 
-    async def concate_and_append_request(self, req: ConcateAndAppendRequest) -> dict:
+    async def concate_and_append_request(self, req: ConcateAndAppendRequest) -> dict[str, Any]:
         """SGLang's frontend (`join("concate_and_append")`, and any join under its default
         parallel encoding) asks here to splice forked branches' KV caches after the parent's;
         it has already appended their text itself. radixrt splices nothing: the next request
@@ -392,7 +394,7 @@ class NativeAPI:
         computes after them in full context. So this succeeds doing nothing."""
         return {"success": True}
 
-    async def health_generate(self, request: Request) -> dict:
+    async def health_generate(self, request: Request) -> dict[str, Any]:
         """200 once the runtime generated one token."""
         options = RequestOptions(api_key=self.key_of(request))
         try:
@@ -406,7 +408,7 @@ class NativeAPI:
             raise APIError(503, f"the runtime cannot generate: {e}", "server_error") from e
         return {"status": "ok"}
 
-    async def tokenize(self, req: TokenizeRequest) -> dict:
+    async def tokenize(self, req: TokenizeRequest) -> dict[str, Any]:
         """The prompts' ids (at most `--max-prompt-bytes` in all), tokenized on the CPU pool."""
         model = await self.gateway.model()
         prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
@@ -424,7 +426,7 @@ class NativeAPI:
             "max_model_len": model.context_length,
         }
 
-    async def detokenize(self, req: DetokenizeRequest) -> dict:
+    async def detokenize(self, req: DetokenizeRequest) -> dict[str, Any]:
         """The ids' text (at most `--max-prompt-bytes` of ids, 4 bytes each), on the CPU pool."""
         model = await self.gateway.model()
         self.gateway.check_prompt_bytes(prompt_bytes(req.tokens), "tokens")
@@ -436,14 +438,16 @@ class NativeAPI:
         )
         return {"text": text}
 
-    async def pin(self, request: Request, req: PinRequest) -> dict:
+    async def pin(self, request: Request, req: PinRequest) -> dict[str, Any]:
         """Keep the cached prefix of the prompt from eviction until `/unpin` or the end of the
         caller's lease (docs/protocol.md): the pin is the caller's own (its id scoped by its
         key, sent with its key) and counts among its MAX_PINS_PER_CALLER."""
         if (req.text is None) == (req.input_ids is None):
             raise _invalid("give exactly one of text or input_ids", "text")
-        prompt = {"text": req.text} if req.text is not None else {"input_ids": req.input_ids}
-        salt = {"cache_salt": req.cache_salt} if req.cache_salt is not None else {}
+        prompt: dict[str, Any] = (
+            {"text": req.text} if req.text is not None else {"input_ids": req.input_ids}
+        )
+        salt: dict[str, Any] = {"cache_salt": req.cache_salt} if req.cache_salt is not None else {}
         lease = self.gateway.pins.claim(self.key_of(request), req.pin_id)
         try:
             pinned = await self._call(request, "pin", pin_id=lease.runtime_id, **prompt, **salt)
@@ -452,7 +456,7 @@ class NativeAPI:
             raise
         return {"pinned_tokens": pinned, "lease_s": self.gateway.pins.lease_s}
 
-    async def unpin(self, request: Request, req: UnpinRequest) -> dict:
+    async def unpin(self, request: Request, req: UnpinRequest) -> dict[str, Any]:
         runtime_id = runtime_pin_id(self.key_of(request), req.pin_id)
         self.gateway.pins.release(runtime_id)
         return {"success": await self._call(request, "unpin", pin_id=runtime_id)}
@@ -471,23 +475,23 @@ def add_native_routes(app: FastAPI, gateway: Gateway) -> None:
         return await native.generate(request, req)
 
     @app.post("/abort_request")
-    async def abort_request(req: AbortRequest, request: Request) -> dict:
+    async def abort_request(req: AbortRequest, request: Request) -> dict[str, Any]:
         return await native.abort_request(request, req)
 
     @app.post("/tokenize")
-    async def tokenize(req: TokenizeRequest) -> dict:
+    async def tokenize(req: TokenizeRequest) -> dict[str, Any]:
         return await native.tokenize(req)
 
     @app.post("/detokenize")
-    async def detokenize(req: DetokenizeRequest) -> dict:
+    async def detokenize(req: DetokenizeRequest) -> dict[str, Any]:
         return await native.detokenize(req)
 
     @app.post("/pin")
-    async def pin(req: PinRequest, request: Request) -> dict:
+    async def pin(req: PinRequest, request: Request) -> dict[str, Any]:
         return await native.pin(request, req)
 
     @app.post("/unpin")
-    async def unpin(req: UnpinRequest, request: Request) -> dict:
+    async def unpin(req: UnpinRequest, request: Request) -> dict[str, Any]:
         return await native.unpin(request, req)
 
     @app.post("/flush_cache")  # a control op: POST, its body (if any) an empty JSON object
@@ -499,7 +503,7 @@ def add_native_routes(app: FastAPI, gateway: Gateway) -> None:
     app.get("/server_info")(native.get_server_info)  # SGLang's newer name
 
     @app.post("/concate_and_append_request")
-    async def concate_and_append_request(req: ConcateAndAppendRequest) -> dict:
+    async def concate_and_append_request(req: ConcateAndAppendRequest) -> dict[str, Any]:
         return await native.concate_and_append_request(req)
 
     app.get("/health_generate")(native.health_generate)

@@ -82,13 +82,14 @@ def run_http_bench(config: HttpBenchConfig) -> dict[str, Any]:
     """Run both paths. Prints a table and returns `{"config", "zmq", "http",
     "throughput_overhead"}`."""
     conversations = _conversations(config)
-    with Runtime(
+    runtime = Runtime(
         model=config.model,
         dtype=config.dtype,
         max_total_tokens=config.max_total_tokens,
         log_level="warning",
         timeout=REPLY_TIMEOUT_S,
-    ) as runtime:
+    )
+    with runtime:
         import openai
 
         client = openai.OpenAI(base_url=f"{runtime.http_url}/v1", api_key="none")
@@ -163,12 +164,16 @@ def _zmq_turn(runtime: Runtime, max_new_tokens: int) -> Turn:
         )
         if trace.error or trace.done is None:
             raise RuntimeError(trace.error or "the stream ended without a final reply")
+        assert trace.ttft is not None, "a finished reply has at least one token"
         return text, trace.ttft, (trace.prompt_tokens, trace.cached_tokens, trace.output_tokens)
 
     return turn
 
 
-def _http_turn(client, model: str, max_new_tokens: int) -> Turn:
+def _http_turn(client: Any, model: str, max_new_tokens: int) -> Turn:
+    """Turns through `client`, an `openai.OpenAI` (Any: its message parameters are TypedDicts,
+    the bench's messages the plain maps `render_chat` takes too)."""
+
     def turn(messages: list[dict[str, str]]) -> tuple[str, float, tuple[int, int, int]]:
         start, ttft, parts, usage = time.monotonic(), None, [], None
         stream = client.chat.completions.create(
@@ -190,6 +195,7 @@ def _http_turn(client, model: str, max_new_tokens: int) -> Turn:
                     chunk.usage.prompt_tokens_details.cached_tokens,
                     chunk.usage.completion_tokens,
                 )
+        assert ttft is not None and usage is not None, "the stream ended without a finish"
         return "".join(parts), ttft, usage
 
     return turn

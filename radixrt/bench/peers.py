@@ -16,10 +16,13 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from radixrt.bench.metrics import RequestTrace
 from radixrt.bench.workloads import Session
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 LLAMA_CPP_MISSING = (
     "llama.cpp skipped: llama-cpp-python is not installed (`make bench-peers` installs it; "
@@ -33,7 +36,11 @@ LLAMA_SERVER_START_S = 120
 
 
 def run_transformers(
-    model_dir: Path, sessions: list[Session], tokenizer, dtype: str, batch_size: int = 64
+    model_dir: Path,
+    sessions: list[Session],
+    tokenizer: PreTrainedTokenizerBase,
+    dtype: str,
+    batch_size: int = 64,
 ) -> tuple[list[RequestTrace], float]:
     """Batches of single-turn prompts through one padded `generate` each, as a script without a
     serving engine would; each request's tokens are credited at the step that produced them."""
@@ -43,16 +50,20 @@ def run_transformers(
     class _StepClock(StoppingCriteria):
         """Records when each generation step ends; never stops generation."""
 
-        def __init__(self):
+        def __init__(self) -> None:
             self.times: list[float] = []
 
-        def __call__(self, ids, scores, **kwargs):
+        def __call__(
+            self, ids: torch.LongTensor, scores: tuple[torch.Tensor] | None, **kwargs: Any
+        ) -> torch.BoolTensor:
             self.times.append(time.monotonic())
-            return torch.zeros(ids.shape[0], dtype=torch.bool)
+            # torch's stubs give every factory's result the class Tensor, whatever its dtype
+            return torch.zeros(ids.shape[0], dtype=torch.bool)  # type: ignore[return-value]
 
     model = AutoModelForCausalLM.from_pretrained(
         model_dir, dtype=torch.bfloat16 if dtype == "bfloat16" else torch.float32
-    ).eval()
+    )
+    model.eval()  # type: ignore[no-untyped-call]  # transformers leaves PreTrainedModel.eval unannotated
     traces: list[RequestTrace] = []
     start = time.monotonic()
     for first in range(0, len(sessions), batch_size):
@@ -103,7 +114,9 @@ class LlamaCppTarget:
         )
         self.lock = threading.Lock()
 
-    def generate(self, prompt: str, params: dict, stream: bool = True) -> Iterator[dict[str, Any]]:
+    def generate(
+        self, prompt: str, params: dict[str, Any], stream: bool = True
+    ) -> Iterator[dict[str, Any]]:
         with self.lock:
             ids = self.llm.tokenize(prompt.encode(), add_bos=False, special=True)
             bias = {self.llm.token_eos(): float("-inf")} if params.get("ignore_eos") else None
@@ -175,7 +188,9 @@ class LlamaServerTarget:
             time.sleep(0.5)
         raise TimeoutError(f"llama-server not ready after {LLAMA_SERVER_START_S} s")
 
-    def generate(self, prompt: str, params: dict, stream: bool = True) -> Iterator[dict[str, Any]]:
+    def generate(
+        self, prompt: str, params: dict[str, Any], stream: bool = True
+    ) -> Iterator[dict[str, Any]]:
         body = {
             "prompt": prompt,
             "n_predict": params["max_new_tokens"],
@@ -189,7 +204,8 @@ class LlamaServerTarget:
         response = conn.getresponse()
         if response.status != 200:
             raise RuntimeError(f"llama-server: HTTP {response.status} {response.read()[:200]!r}")
-        count, text, last = 0, "", {}
+        count, text = 0, ""
+        last: dict[str, Any] = {}  # the latest event
         for line in response:
             if not line.startswith(b"data: "):
                 continue

@@ -21,13 +21,29 @@ import tarfile
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypedDict
 
 from tqdm import tqdm
 
+
+class LlamaShape(TypedDict):
+    """A shape's `LlamaConfig` keywords."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    rope_theta: float
+    tie_word_embeddings: bool
+
+
 # TinyLlama-1.1B's shape, with the default model's vocabulary (49,152 tokens: its tokenizer is the
 # one on this machine) where TinyLlama has 32,000: 1.17B parameters instead of 1.10B.
-SHAPES = {
-    "tinyllama-1.1b": dict(
+SHAPES: dict[str, LlamaShape] = {
+    "tinyllama-1.1b": LlamaShape(
         hidden_size=2048,
         intermediate_size=5632,
         num_hidden_layers=22,
@@ -39,7 +55,7 @@ SHAPES = {
         tie_word_embeddings=False,
     ),
     # Llama-3.2-3B's (3.2B parameters with its 128k vocabulary, 2.9B with this one)
-    "llama-3.2-3b": dict(
+    "llama-3.2-3b": LlamaShape(
         hidden_size=3072,
         intermediate_size=8192,
         num_hidden_layers=28,
@@ -102,14 +118,16 @@ def _write_checkpoint(shape: str, folder: Path) -> None:
 
     default = resolve_model_path("default")
     base = AutoConfig.from_pretrained(default)
-    config = LlamaConfig(
+    # transformers 5 types neither the rope_theta keyword nor a torch_dtype setter (rope_parameters
+    # and dtype replace them) yet still takes both, the names transformers 4 knows
+    config = LlamaConfig(  # type: ignore[misc]
         **SHAPES[shape],
         vocab_size=base.vocab_size,
         bos_token_id=base.bos_token_id,
         eos_token_id=base.eos_token_id,
     )
     config.architectures = ["LlamaForCausalLM"]
-    config.torch_dtype = "bfloat16" if shape in BFLOAT16_SHAPES else "float32"
+    config.torch_dtype = "bfloat16" if shape in BFLOAT16_SHAPES else "float32"  # type: ignore[misc]
     with torch.device("meta"):
         shapes = {k: v.shape for k, v in LlamaForCausalLM(config).state_dict().items()}
     gen = torch.Generator().manual_seed(0)

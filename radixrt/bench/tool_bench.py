@@ -31,7 +31,7 @@ from radixrt.client.launcher import Runtime
 from radixrt.structured.tools import ToolCall
 
 CITIES = ("Paris", "Rome", "Oslo", "Lima", "Cairo", "Tokyo", "Quito", "Perth", "Accra", "Riga")
-TOOLS = [
+TOOLS: list[dict[str, Any]] = [  # the OpenAI API's tool objects (JSON)
     {
         "type": "function",
         "function": {
@@ -125,12 +125,13 @@ def run_tool_bench(config: ToolBenchConfig) -> dict[str, Any]:
     `{"config", "modes": [ModeResult...], "turn_time_over_unconstrained"}`."""
     import openai
 
-    with Runtime(
+    runtime = Runtime(
         model=config.model,
         max_total_tokens=config.max_total_tokens,
         log_level="warning",
         timeout=REPLY_TIMEOUT_S,
-    ) as runtime:
+    )
+    with runtime:
         client = openai.OpenAI(
             base_url=f"{runtime.http_url}/v1", api_key="none", timeout=REPLY_TIMEOUT_S
         )
@@ -154,7 +155,9 @@ def run_tool_bench(config: ToolBenchConfig) -> dict[str, Any]:
     }
 
 
-def _run_agents(client, config: ToolBenchConfig, mode: str, first: int) -> list[list[TurnRecord]]:
+def _run_agents(
+    client: Any, config: ToolBenchConfig, mode: str, first: int
+) -> list[list[TurnRecord]]:
     """Half the agents (from number `first` on), all at once, one thread each."""
     count = (config.num_agents + 1) // 2 if first == 0 else config.num_agents // 2
     cities = [CITIES[(config.seed + first + i) % len(CITIES)] for i in range(count)]
@@ -187,9 +190,11 @@ def _summary(mode: str, runs: list[list[TurnRecord]], config: ToolBenchConfig) -
 
 
 def _agent(
-    client, config: ToolBenchConfig, mode: str, city: str, warm_up: bool = False
+    client: Any, config: ToolBenchConfig, mode: str, city: str, warm_up: bool = False
 ) -> list[TurnRecord]:
-    """One agent's conversation: `turns` tool-call turns, then an answer."""
+    """One agent's conversation: `turns` tool-call turns, then an answer, through `client`, an
+    `openai.OpenAI` (Any: its message and tool parameters are TypedDicts, the bench's the JSON
+    maps the gateway reads)."""
     messages: list[dict[str, Any]] = [
         {"role": "system", "content": SYSTEM},
         {"role": "user", "content": f"I am flying to {city}. What is the weather there?"},

@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 from enum import Enum
-from typing import Protocol
+from typing import Generic, Protocol, TypeVar
 
 from radixrt.config import ROUTER_POLICIES, RouterSettings
 from radixrt.server.router.prefix_tree import ApproxPrefixTree, Prompt
@@ -30,14 +30,17 @@ class WorkerView(Protocol):
     tree: ApproxPrefixTree
 
 
+W = TypeVar("W", bound=WorkerView)  # the router's own worker type: a route names one it gave
+
+
 @dataclass(frozen=True)
-class Route:
-    worker: WorkerView
+class Route(Generic[W]):
+    worker: W
     reason: RouteReason
     matched: int = 0  # tokens the chosen worker is believed to hold
 
 
-def _least_loaded(workers: list[WorkerView]) -> WorkerView:
+def _least_loaded(workers: list[W]) -> W:
     """Fewest sequences; on a tie the emptier tree (more room), then the lower index."""
     return min(workers, key=lambda w: (w.load, w.tree.size, w.index))
 
@@ -49,7 +52,7 @@ class CacheAwarePolicy:
         """`settings`' thresholds (`RouterSettings` says why their defaults), else the defaults."""
         self.settings = settings or RouterSettings()
 
-    def choose(self, prompt: Prompt, workers: list[WorkerView]) -> Route:
+    def choose(self, prompt: Prompt, workers: list[W]) -> Route[W]:
         t = self.settings
         loads = [w.load for w in workers]
         if max(loads) - min(loads) > t.router_balance_abs_threshold and max(loads) > min(loads) * (
@@ -70,14 +73,14 @@ class RoundRobinPolicy:
     def __init__(self) -> None:
         self._turn = itertools.count()
 
-    def choose(self, prompt: Prompt, workers: list[WorkerView]) -> Route:
+    def choose(self, prompt: Prompt, workers: list[W]) -> Route[W]:
         return Route(workers[next(self._turn) % len(workers)], RouteReason.ROUND_ROBIN)
 
 
 class ShortestQueuePolicy:
     name = "shortest-queue"
 
-    def choose(self, prompt: Prompt, workers: list[WorkerView]) -> Route:
+    def choose(self, prompt: Prompt, workers: list[W]) -> Route[W]:
         return Route(_least_loaded(workers), RouteReason.LOAD)
 
 

@@ -18,9 +18,10 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
@@ -55,6 +56,9 @@ from radixrt.server.router.policy import Route, RouteReason, make_policy
 from radixrt.server.router.prefix_tree import Namespace, Prompt
 from radixrt.server.router.stats import count, fleet_stats
 from radixrt.server.router.worker import WorkerLink, reply_problem
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -220,6 +224,7 @@ class Router:
             logger.info("draining: %d requests in flight", len(self.flights))
 
     def _drain_step(self) -> None:
+        assert self.drain_deadline is not None, "only a draining router steps its drain"
         if (self.flights or self.gathers) and time.monotonic() < self.drain_deadline:
             return
         for flight in list(self.flights.values()):
@@ -260,7 +265,7 @@ class Router:
             Fleet.ONE: self._to_one,
             Fleet.WORKERS_ONLY: _refuse_workers_only,
         }
-        own = {
+        own: dict[type[ControlOp], Callable[..., Any]] = {  # each takes its own op's record
             Ping: lambda caller, op, rid: {"server_id": self.server_id},
             Health: self._health,
             Shutdown: self._shutdown,
@@ -375,7 +380,7 @@ class Router:
         self.flights[flight.key] = flight
         self.counters[f"routed_by_{route.reason.value}"] += 1
 
-    def _route(self, flight: Flight, candidates: list[WorkerLink]) -> Route:
+    def _route(self, flight: Flight, candidates: list[WorkerLink]) -> Route[WorkerLink]:
         for pin in self.pins.extended_by(flight.identity, flight.prompt):
             worker = self.workers[pin.worker]
             if worker in candidates:
@@ -623,6 +628,7 @@ class Router:
         if gather.op == "pin" and gather.pin is not None:
             (index,) = gather.replies
             pin_id, prompt = gather.pin
+            assert gather.identity is not None, "a pin is a client's"
             self.pins.add(gather.identity, pin_id, Pin(index, prompt))
         return {"result": results[0]}
 
@@ -658,7 +664,7 @@ def _malformed(worker: WorkerLink, problem: str) -> str:
     return f"worker {worker.url} sent a malformed reply: {problem}"
 
 
-def _load_tokenizer(path: str):
+def _load_tokenizer(path: str) -> Tokenizer:
     from tokenizers import Tokenizer  # transformers' own fast tokenizer, without torch
 
     return Tokenizer.from_file(path)

@@ -77,12 +77,12 @@ def _router(args: argparse.Namespace) -> None:
 
 
 def _generate(args: argparse.Namespace) -> None:
-    from radixrt.client.endpoint import RuntimeEndpoint
+    from radixrt.client.endpoint import connect
     from radixrt.client.launcher import Engine
 
     params = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature}
     backend = (
-        RuntimeEndpoint(args.url)
+        connect(args.url)
         if args.url
         else Engine(**dataclasses.asdict(ServerArgs.from_cli_args(args)))
     )
@@ -94,6 +94,7 @@ def _generate(args: argparse.Namespace) -> None:
             print()
         else:
             out = backend.generate(args.prompt, params)
+            assert isinstance(out, dict), "one prompt, one sample"
             print(out["text"])
             print(json.dumps(out["meta_info"]), file=sys.stderr)
 

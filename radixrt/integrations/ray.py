@@ -39,6 +39,7 @@ from fastapi import Depends, Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from ray import serve
+from ray.llm._internal.serve.core.configs.llm_config import ModelLoadingConfig
 from ray.llm._internal.serve.core.configs.openai_api_models import (
     ChatCompletionResponse,
     CompletionResponse,
@@ -95,10 +96,13 @@ class RadixrtServer:
     `invalid_api_key`, and one with a tenant's key runs as that tenant.
     """
 
-    async def __init__(self, llm_config: LLMConfig):
+    # Ray Serve awaits a replica's async __init__; typing knows no coroutine constructor
+    async def __init__(self, llm_config: LLMConfig):  # type: ignore[misc]
         self._llm_config = llm_config
         kwargs = dict(llm_config.engine_kwargs)
-        model = kwargs.pop("model", llm_config.model_loading_config.model_source)
+        loading = llm_config.model_loading_config
+        assert isinstance(loading, ModelLoadingConfig), "LLMConfig's validator made the map one"
+        model = kwargs.pop("model", loading.model_source)
         kwargs.setdefault("served_model_name", llm_config.model_id)
         # the runtime loads in its own process; this replica's event loop stays free meanwhile
         self.engine = await asyncio.to_thread(Engine, model, **kwargs)
@@ -183,7 +187,7 @@ class RadixrtServer:
             req = _ours(ours, request)
             api = self.chat_api
             method = api.chat if ours is ChatCompletionRequest else api.complete
-            response = await method(self._request(raw_request_info), req)  # type: ignore[arg-type]
+            response = await method(self._request(raw_request_info), req)
         except APIError as e:
             yield _error(e)
             return
@@ -486,9 +490,9 @@ class RadixAffinityRouter(FIFOMixin, RequestRouter):
             _ReplicaView(i, self._in_flight[r.replica_id], self._tree(r), r)
             for i, r in enumerate(candidate_replicas)
         ]
-        route = self._policy.choose(prompt, views)  # type: ignore[arg-type]
+        route = self._policy.choose(prompt, views)
         self.routes[route.reason.value] += 1
-        chosen = route.worker.replica  # type: ignore[attr-defined]
+        chosen = route.worker.replica
         return [[chosen], [r for r in candidate_replicas if r is not chosen]]
 
     def on_request_routed(

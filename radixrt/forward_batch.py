@@ -21,7 +21,7 @@ class ForwardBatch:
 
     @property
     def has_adapters(self) -> bool:
-        return bool(self.lora_names) and any(self.lora_names)
+        return self.lora_names is not None and any(self.lora_names)
 
     @property
     def seq_lens(self) -> list[int]:

@@ -109,7 +109,8 @@ class StepCost:
                 if r != col:
                     f = m[r][col] / m[col][col]
                     m[r] = [v - f * w for v, w in zip(m[r], m[col])]
-        return tuple(m[i][3] / m[i][i] for i in range(3))
+        a, b, c = (m[i][3] / m[i][i] for i in range(3))
+        return a, b, c
 
     def prices(self, rows: int, tokens: int) -> tuple[float, float]:
         """What a request's first drafted token and each further one cost, in tokens of output,

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from array import array
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import count
 
@@ -36,7 +36,7 @@ SEEN_CONTEXT_RATE = 0.9
 DEFAULT_CORPUS_TOKENS = 1 << 17  # about 50 MB with its index
 
 
-def _ngrams(tokens: Sequence[int], end: int):
+def _ngrams(tokens: Sequence[int], end: int) -> Iterator[int]:
     """The hashes of the n-grams ending at position `end` (inclusive), longest first."""
     for n in NGRAM_SIZES:
         if end + 1 >= n:
@@ -78,7 +78,7 @@ class NgramCorpus:
 
     def __init__(self, max_tokens: int = DEFAULT_CORPUS_TOKENS):
         self.max_tokens = max_tokens
-        self.sequences: OrderedDict[int, array] = OrderedDict()
+        self.sequences: OrderedDict[int, array[int]] = OrderedDict()
         self.total_tokens = 0
         self.latest: dict[int, int] = {}
         self._ids = count()
@@ -103,7 +103,7 @@ class NgramCorpus:
                 if self.latest.get(key, -1) >> 32 == seq_id:
                     del self.latest[key]
 
-    def lookup(self, tokens: Sequence[int]) -> tuple[array, int] | None:
+    def lookup(self, tokens: Sequence[int]) -> tuple[array[int], int] | None:
         """(sequence, end position) of the latest occurrence of the longest n-gram `tokens`
         ends with, or None."""
         for key in _ngrams(tokens, len(tokens) - 1):
@@ -152,10 +152,11 @@ class NgramDrafter:
         if hit is not None:
             seq, end = hit
             matched, draft = _back_match(seq, end, tokens), seq[end + 1 : end + 1 + limit].tolist()
-        end = state.index.lookup(tokens)
-        own = _back_match(tokens, end, tokens) if end is not None else 0
-        if own > matched:
-            matched, draft = own, list(tokens[end + 1 : end + 1 + limit])
+        own_end = state.index.lookup(tokens)
+        if own_end is not None:
+            own = _back_match(tokens, own_end, tokens)
+            if own > matched:
+                matched, draft = own, list(tokens[own_end + 1 : own_end + 1 + limit])
         if not draft:
             return []
         rate = state.length.rate

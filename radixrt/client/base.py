@@ -7,7 +7,7 @@ from __future__ import annotations
 import inspect
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
+from collections.abc import AsyncGenerator, Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, TypeAlias, overload
 
@@ -139,7 +139,7 @@ class Endpoint(ABC):
         stream: Literal[True],
         options: RequestOptions | None = None,
         lora_path: str | list[str] | None = None,
-    ) -> Iterator[Chunk]: ...
+    ) -> Generator[Chunk, None, None]: ...
 
     @abstractmethod
     def generate(
@@ -151,11 +151,12 @@ class Endpoint(ABC):
         stream: bool = False,
         options: RequestOptions | None = None,
         lora_path: str | list[str] | None = None,
-    ) -> Results | Iterator[Chunk]:
+    ) -> Results | Generator[Chunk, None, None]:
         """One prompt -> `{"text", "output_ids", "meta_info"}` (a list of n when n > 1); a list
-        of prompts -> a list. With `stream=True` (one prompt), an iterator of chunks
-        `{"delta", "token_ids", "index", "finished"}`, the last per sample with the result.
-        `lora_path` names the adapter of every prompt, or (a list) of each one."""
+        of prompts -> a list. With `stream=True` (one prompt), a generator of chunks
+        `{"delta", "token_ids", "index", "finished"}`, the last per sample with the result;
+        closing it (`close`) before its end aborts the request. `lora_path` names the adapter
+        of every prompt, or (a list) of each one."""
 
     @abstractmethod
     async def async_generate(

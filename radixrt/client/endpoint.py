@@ -4,7 +4,7 @@ client/http.py), siblings over `client.base.Endpoint`."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Callable, Iterator
+from collections.abc import AsyncGenerator, Callable, Generator
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
 
 from radixrt.client.base import (
@@ -88,7 +88,7 @@ class ZmqEndpoint(Endpoint):
         stream: Literal[True],
         options: RequestOptions | None = None,
         lora_path: str | list[str] | None = None,
-    ) -> Iterator[Chunk]: ...
+    ) -> Generator[Chunk, None, None]: ...
 
     def generate(
         self,
@@ -99,7 +99,7 @@ class ZmqEndpoint(Endpoint):
         stream: bool = False,
         options: RequestOptions | None = None,
         lora_path: str | list[str] | None = None,
-    ) -> Results | Iterator[Chunk]:
+    ) -> Results | Generator[Chunk, None, None]:
         """One prompt -> `{"text", "output_ids", "meta_info"}` (a list of n when n > 1); a list
         of prompts -> a list. With `stream=True` (one prompt), an iterator of chunks
         `{"delta", "token_ids", "index", "finished"}`, the last per sample with the result.

@@ -8,7 +8,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncGenerator, Callable, Iterator
+from collections.abc import AsyncGenerator, Callable, Generator
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeoutError  # TimeoutError's from 3.11
 from typing import Any, TypeVar
@@ -379,7 +379,7 @@ class Submission(_Submission):
         self._replies: queue.Queue[dict[str, Any]] = queue.Queue()
         self.deliver = self._replies.put
 
-    def replies(self, timeout: float | None = None) -> Iterator[dict[str, Any]]:
+    def replies(self, timeout: float | None = None) -> Generator[dict[str, Any], None, None]:
         try:
             while self.finished < self.n:
                 try:

@@ -41,6 +41,28 @@ NASTY_NUMBERS = [
     [],
     {},
 ]
+# sampling params of constraints: values of the wrong types, and patterns and schemas that break
+WRONG_CONSTRAINTS: tuple[dict[str, Any], ...] = (
+    {"regex": 5},
+    {"regex": ["a"]},
+    {"regex": {"a": 1}},
+    {"regex": "(unclosed"},
+    {"regex": "a{99999999}"},
+    {"json_schema": 5},
+    {"json_schema": ["a"]},
+    {"json_schema": "{not json"},
+    {"json_schema": {"type": "object", "properties": ["a"]}},
+    {"json_schema": {"type": "object", "properties": {"a": 5}}},
+    {"json_schema": {"type": "object", "required": 3}},
+    {"json_schema": {"type": "array", "items": "x"}},
+    {"json_schema": {"type": 7}},
+    {"json_schema": {"anyOf": {"a": 1}}},
+    {"choices": []},
+    {"choices": [1, 2]},
+    {"choices": "abc"},
+    {"dtype": "complex"},
+    {"regex": "a", "json_schema": {"type": "integer"}},
+)
 NUMERIC_PARAMS = (
     "max_new_tokens",
     "min_new_tokens",
@@ -103,8 +125,15 @@ def deep_schema(depth: int) -> str:
 
 def bad_input_classes(vocab_size: int, context_length: int) -> dict[str, list[dict[str, Any]]]:
     """Generate maps (without op and rid) by class; each asks for at most a few tokens."""
-    small = {"max_new_tokens": 2}
+    small: dict[str, Any] = {"max_new_tokens": 2}
     v = vocab_size
+    past_vocabulary: tuple[dict[str, Any], ...] = (
+        {"stop_token_ids": [v], "min_new_tokens": 1},
+        {"stop_token_ids": [2**64 - 1]},
+        {"stop_token_ids": [-3]},
+        {"top_k": v + 1},
+        {"top_k": 2**63 - 1},
+    )
     return {
         "sampling values at and past their bounds": [
             {"input_ids": [5, 6, 7], "sampling_params": {**small, name: value}}
@@ -115,39 +144,9 @@ def bad_input_classes(vocab_size: int, context_length: int) -> dict[str, list[di
             {"input_ids": ids, "sampling_params": small}
             for ids in ([v], [v + 1], [-1], [2**64 - 1], [5, v * 2], [])
         ]
-        + [
-            {"input_ids": [5, 6], "sampling_params": {**small, **p}}
-            for p in (
-                {"stop_token_ids": [v], "min_new_tokens": 1},
-                {"stop_token_ids": [2**64 - 1]},
-                {"stop_token_ids": [-3]},
-                {"top_k": v + 1},
-                {"top_k": 2**63 - 1},
-            )
-        ],
+        + [{"input_ids": [5, 6], "sampling_params": small | p} for p in past_vocabulary],
         "constraints of the wrong types": [
-            {"text": "hi", "sampling_params": {**small, **c}}
-            for c in (
-                {"regex": 5},
-                {"regex": ["a"]},
-                {"regex": {"a": 1}},
-                {"regex": "(unclosed"},
-                {"regex": "a{99999999}"},
-                {"json_schema": 5},
-                {"json_schema": ["a"]},
-                {"json_schema": "{not json"},
-                {"json_schema": {"type": "object", "properties": ["a"]}},
-                {"json_schema": {"type": "object", "properties": {"a": 5}}},
-                {"json_schema": {"type": "object", "required": 3}},
-                {"json_schema": {"type": "array", "items": "x"}},
-                {"json_schema": {"type": 7}},
-                {"json_schema": {"anyOf": {"a": 1}}},
-                {"choices": []},
-                {"choices": [1, 2]},
-                {"choices": "abc"},
-                {"dtype": "complex"},
-                {"regex": "a", "json_schema": {"type": "integer"}},
-            )
+            {"text": "hi", "sampling_params": {**small, **c}} for c in WRONG_CONSTRAINTS
         ],
         "deep nesting": [
             {"text": "hi", "sampling_params": {**small, **c}}
@@ -198,7 +197,7 @@ class ClassResult:
     name: str
     sent: int = 0
     results: int = 0  # served after all (a value that was within bounds)
-    errors: Counter = field(default_factory=Counter)  # typed errors by code
+    errors: Counter[str] = field(default_factory=Counter)  # typed errors by code
     unanswered: int = 0
     server_deaths: int = 0
 
@@ -217,12 +216,15 @@ class HostileClient:
         self.sock.connect(url)
         self.api_key = api_key
 
-    def exchange(self, msg: dict[str, Any], timeout: float = REPLY_TIMEOUT_S) -> list[dict]:
+    def exchange(
+        self, msg: dict[str, Any], timeout: float = REPLY_TIMEOUT_S
+    ) -> list[dict[str, Any]]:
         """The replies to one op, up to its error or final reply ([] if none came in time)."""
         rid = uuid.uuid4().hex
         frame = {**msg, "rid": rid, **({"api_key": self.api_key} if self.api_key else {})}
         self.sock.send(msgpack.packb(frame, use_bin_type=True))
-        replies, deadline = [], time.monotonic() + timeout
+        replies: list[dict[str, Any]] = []
+        deadline = time.monotonic() + timeout
         while self.sock.poll(max(1, int((deadline - time.monotonic()) * 1000))):
             reply = msgpack.unpackb(self.sock.recv(), raw=False, strict_map_key=False)
             if reply.get("rid") != rid:
@@ -246,19 +248,21 @@ class HostileClient:
         self.ctx.term()
 
 
-def _all_finished(msg: dict[str, Any], replies: list[dict]) -> bool:
+def _all_finished(msg: dict[str, Any], replies: list[dict[str, Any]]) -> bool:
     params = msg.get("sampling_params")
     n = params.get("n", 1) if isinstance(params, dict) else 1
     wanted = n if isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= 64 else 1
     return sum(bool(r.get("finished")) for r in replies) >= wanted
 
 
-def run_hostile(url: str, vocab_size: int, context_length: int, api_key: str | None = None):
-    """Every class against the runtime at `url`; a list of ClassResult."""
+def run_hostile(
+    url: str, vocab_size: int, context_length: int, api_key: str | None = None
+) -> list[ClassResult]:
+    """Every class against the runtime at `url`, in order."""
     from tqdm import tqdm
 
     client = HostileClient(url, api_key)
-    results = []
+    results: list[ClassResult] = []
     try:
         classes = bad_input_classes(vocab_size, context_length)
         bar = tqdm(total=sum(map(len, classes.values())), desc="bad inputs", unit="req")
@@ -306,9 +310,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--api-key")
     args = parser.parse_args(argv)
     import radixrt as rt
+    from radixrt.client.endpoint import connect
 
     if args.url:
-        endpoint = rt.RuntimeEndpoint(args.url, api_key=args.api_key)
+        endpoint = connect(args.url, api_key=args.api_key)
         info = endpoint.model_info
         print(
             markdown(

@@ -24,15 +24,18 @@ import sys
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TypeAlias
 
 import msgpack
 import zmq
 
 from radixrt.bench.metrics import percentile
 from radixrt.bench.plots import plot_rss
-from radixrt.client.endpoint import RequestOptions, RuntimeEndpoint
+from radixrt.client.base import Endpoint, Params, Results
+from radixrt.client.endpoint import RequestOptions, ZmqEndpoint
 from radixrt.client.launcher import free_port
 from radixrt.client.transport import RemoteError
 from radixrt.lifecycle import python_command
@@ -126,7 +129,7 @@ class SoakReport:
 def run_client(url: str, key: str, seed: int, until: float) -> None:
     """Send requests until the wall-clock time `until`, one JSON `Outcome` line per request."""
     rng = random.Random(seed)
-    endpoint = RuntimeEndpoint(url, api_key=key, timeout=REPLY_TIMEOUT_S)
+    endpoint = ZmqEndpoint(url, api_key=key, timeout=REPLY_TIMEOUT_S)
     while time.time() < until:
         kind, priority = rng.choice(KINDS), rng.choice(PRIORITIES)
         options = RequestOptions(
@@ -144,7 +147,7 @@ def run_client(url: str, key: str, seed: int, until: float) -> None:
             outcome.error = "client_timeout"
         outcome.latency = time.monotonic() - start
         print(json.dumps(asdict(outcome)), flush=True)
-        time.sleep(BACK_OFF_S.get(outcome.error, 0.0))
+        time.sleep(0.0 if outcome.error is None else BACK_OFF_S.get(outcome.error, 0.0))
     endpoint.close()
 
 
@@ -152,14 +155,21 @@ def _question(rng: random.Random) -> str:
     return rng.choice(SYSTEMS) + f"Question {rng.randrange(10_000)}: what is {rng.randrange(99)}?"
 
 
-def _plain(endpoint: RuntimeEndpoint, rng: random.Random, options: RequestOptions) -> float:
+def _ttft(results: Results) -> float:
+    """The time to first token of one prompt's one sample."""
+    assert isinstance(results, dict), "one prompt, one sample: one result"
+    ttft: float = results["meta_info"]["ttft"]
+    return ttft
+
+
+def _plain(endpoint: ZmqEndpoint, rng: random.Random, options: RequestOptions) -> float:
     params = {"max_new_tokens": rng.randrange(4, 24), "temperature": rng.choice([0, 0.8])}
-    return endpoint.generate(_question(rng), params, options=options)["meta_info"]["ttft"]
+    return _ttft(endpoint.generate(_question(rng), params, options=options))
 
 
-def _stream(endpoint: RuntimeEndpoint, rng: random.Random, options: RequestOptions) -> float:
+def _stream(endpoint: ZmqEndpoint, rng: random.Random, options: RequestOptions) -> float | None:
     """A stream, short or long (what a killed client is likely caught in); a third of them are
-    abandoned after a few chunks (which aborts them)."""
+    abandoned after a few chunks (which aborts them). None: no chunk came."""
     start, ttft = time.monotonic(), None
     params = {"max_new_tokens": rng.choice([48, 256]), "ignore_eos": True}
     chunks = endpoint.generate(_question(rng), params, stream=True, options=options)
@@ -172,7 +182,7 @@ def _stream(endpoint: RuntimeEndpoint, rng: random.Random, options: RequestOptio
     return ttft
 
 
-def _fork(endpoint: RuntimeEndpoint, rng: random.Random, options: RequestOptions) -> float:
+def _fork(endpoint: ZmqEndpoint, rng: random.Random, options: RequestOptions) -> float:
     """What `s.fork(2)` does: prefill the prefix, pin it, run two branches, unpin."""
     prefix = _question(rng)
     endpoint.generate(prefix, {"max_new_tokens": 0}, options=options)
@@ -185,11 +195,11 @@ def _fork(endpoint: RuntimeEndpoint, rng: random.Random, options: RequestOptions
         ]
     finally:
         endpoint.unpin(pin_id)
-    return outs[0]["meta_info"]["ttft"]
+    return _ttft(outs[0])
 
 
-def _constraint(endpoint: RuntimeEndpoint, rng: random.Random, options: RequestOptions) -> float:
-    params = rng.choice(
+def _constraint(endpoint: ZmqEndpoint, rng: random.Random, options: RequestOptions) -> float:
+    constraint = rng.choice(
         [
             {"regex": "(yes|no)"},
             {
@@ -199,16 +209,16 @@ def _constraint(endpoint: RuntimeEndpoint, rng: random.Random, options: RequestO
             },
         ]
     )
-    params = {**params, "max_new_tokens": 24}
-    return endpoint.generate(_question(rng), params, options=options)["meta_info"]["ttft"]
+    params: Params = {**constraint, "max_new_tokens": 24}
+    return _ttft(endpoint.generate(_question(rng), params, options=options))
 
 
-def _long(endpoint: RuntimeEndpoint, rng: random.Random, options: RequestOptions) -> float:
+def _long(endpoint: ZmqEndpoint, rng: random.Random, options: RequestOptions) -> float:
     prompt = " ".join(rng.choice(SYSTEMS) for _ in range(rng.randrange(20, 40)))
-    return endpoint.generate(prompt, {"max_new_tokens": 4}, options=options)["meta_info"]["ttft"]
+    return _ttft(endpoint.generate(prompt, {"max_new_tokens": 4}, options=options))
 
 
-def _burst(endpoint: RuntimeEndpoint, rng: random.Random, options: RequestOptions) -> float:
+def _burst(endpoint: ZmqEndpoint, rng: random.Random, options: RequestOptions) -> float:
     """Six at once: past the per-tenant in-flight limit, so some are `rate_limited`."""
     subs = [
         endpoint.client.submit(
@@ -227,7 +237,10 @@ def _burst(endpoint: RuntimeEndpoint, rng: random.Random, options: RequestOption
     return 0.0
 
 
-REQUESTS = {
+# one request of a kind; returns its time to first token where it has one
+Request: TypeAlias = Callable[[ZmqEndpoint, random.Random, RequestOptions], float | None]
+
+REQUESTS: dict[str, Request] = {
     "plain": _plain,
     "stream": _stream,
     "fork": _fork,
@@ -277,9 +290,9 @@ class SoakServer:
         self.env = {**os.environ, "RADIXRT_API_KEY": ADMIN_KEY, "RADIXRT_ADMIN_API_KEY": ADMIN_KEY}
         self.log = log.open("ab")
         self.instance = 0
-        self.proc: subprocess.Popen | None = None
+        self.proc: subprocess.Popen[bytes] | None = None
 
-    def start(self, admin: RuntimeEndpoint | None = None) -> None:
+    def start(self, admin: Endpoint | None = None) -> None:
         self.instance += 1
         self.proc = subprocess.Popen(
             self.command, env=self.env, stdout=self.log, stderr=subprocess.STDOUT
@@ -289,6 +302,7 @@ class SoakServer:
 
     def drain_and_stop(self) -> int:
         """SIGTERM (a drain), then the exit code; a process that hangs is killed (code -9)."""
+        assert self.proc is not None, "a started server"
         self.proc.send_signal(signal.SIGTERM)
         try:
             return self.proc.wait(timeout=60)
@@ -297,7 +311,7 @@ class SoakServer:
             return self.proc.wait()
 
 
-def wait_healthy(admin: RuntimeEndpoint, proc: subprocess.Popen, timeout: float = 300) -> None:
+def wait_healthy(admin: Endpoint, proc: subprocess.Popen[bytes], timeout: float = 300) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -322,11 +336,11 @@ class Soak:
         key_file = cfg.output_dir / "keys.txt"
         key_file.write_text("".join(f"{t}:{k}\n" for t, k in self.keys.items()))
         self.server = SoakServer(cfg, key_file, cfg.output_dir / "server.log")
-        self.admin = RuntimeEndpoint(self.server.url, api_key=ADMIN_KEY, timeout=REPLY_TIMEOUT_S)
+        self.admin = ZmqEndpoint(self.server.url, api_key=ADMIN_KEY, timeout=REPLY_TIMEOUT_S)
         self.report = SoakReport(cfg.duration_s, cfg.clients)
         self.outcomes: list[Outcome] = []
         self.lock = threading.Lock()
-        self.clients: dict[int, subprocess.Popen] = {}
+        self.clients: dict[int, subprocess.Popen[str]] = {}
         self.start = time.time()
         self.until = self.start + cfg.duration_s
         self.spawned = 0
@@ -352,7 +366,8 @@ class Soak:
         self.clients[slot] = proc
         threading.Thread(target=self._read, args=(proc,), daemon=True).start()
 
-    def _read(self, proc: subprocess.Popen) -> None:
+    def _read(self, proc: subprocess.Popen[str]) -> None:
+        assert proc.stdout is not None, "a client's stdout is a pipe"
         for line in proc.stdout:
             with self.lock:
                 self.outcomes.append(Outcome(**json.loads(line)))
@@ -366,6 +381,7 @@ class Soak:
             "restart": now + 0.25 * self.cfg.duration_s,
         }
         while (now := time.time()) < self.until - 2:
+            assert self.server.proc is not None, "run started the server"
             if self.server.proc.poll() is not None:  # not a planned stop: a death
                 self.report.server_deaths += 1
                 self.server.start(self.admin)
@@ -381,7 +397,8 @@ class Soak:
 
     def _in_flight(self, tenant: str) -> int:
         counts = self.admin.stats()["tenants"].get(tenant, {})
-        return counts.get("running", 0) + counts.get("waiting", 0)
+        in_flight: int = counts.get("running", 0) + counts.get("waiting", 0)
+        return in_flight
 
     def _kill(self, now: float) -> float:
         """SIGKILL a random client once it has a request in the runtime (waiting up to 5 s),
@@ -437,6 +454,7 @@ class Soak:
     def _rss(self, now: float) -> float:
         import psutil
 
+        assert self.server.proc is not None, "run started the server"
         try:
             rss = psutil.Process(self.server.proc.pid).memory_info().rss / 2**20
             self.report.rss_mb.append(

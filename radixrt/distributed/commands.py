@@ -47,8 +47,8 @@ def decode_forward(
     prefix, extend = header["prefix_lens"], header["extend_lens"]
     seq = [p + e for p, e in zip(prefix, extend)]
     t, b = sum(extend), len(prefix)
-    ids, positions, slots, rows, table = payload.split([t, t, t, b, sum(seq)])
-    for row, part in zip(rows.tolist(), table.split(seq)):
+    ids, positions, slots, rows, table = torch.split(payload, [t, t, t, b, sum(seq)])
+    for row, part in zip(rows.tolist(), torch.split(table, seq)):
         req_to_token[row, : len(part)] = part.to(device=device, dtype=req_to_token.dtype)
     return ForwardBatch(
         input_ids=ids.to(device),

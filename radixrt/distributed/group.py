@@ -15,13 +15,15 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import msgpack
 import torch
 import torch.distributed as dist
 
 from radixrt.distributed.shm_allreduce import ShmAllReduce
+
+T = TypeVar("T")
 
 
 def pairwise_sum(parts: list[torch.Tensor]) -> torch.Tensor:
@@ -54,7 +56,7 @@ class TPGroup:
     # order (pairwise by rank, `fixed_order_sum`) whatever the transport and the tensor's size
     deterministic: bool = False
 
-    def _timed(self, op: Callable[[], Any]) -> Any:
+    def _timed(self, op: Callable[[], T]) -> T:
         start = time.perf_counter()
         try:
             return op()
@@ -107,8 +109,9 @@ class TPGroup:
         if self.deterministic and self.size > 2:
             return self._timed(lambda: self._fixed_order_all_reduce(x))
         # two ranks: every path below adds rank 0's part and rank 1's, the same bits either way
-        if self.shm is not None and self.shm.fits(x):
-            return self._timed(lambda: self.shm(x))
+        shm = self.shm
+        if shm is not None and shm.fits(x):
+            return self._timed(lambda: shm(x))
         if x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16):
             wide = x.float()
             self._timed(lambda: dist.all_reduce(wide))
@@ -133,7 +136,7 @@ class TPGroup:
         padded = torch.nn.functional.pad(x, (0, pad)) if pad else x.contiguous()
         parts = [torch.empty_like(padded) for _ in widths] if self.is_driver else None
         self._timed(lambda: dist.gather(padded, parts, dst=0))
-        if not self.is_driver:
+        if parts is None:
             return None
         return torch.cat([p[..., :w] for p, w in zip(parts, widths)], dim=-1)
 

@@ -28,7 +28,10 @@ class WeightsGroup:
         ConnectionError when the address cannot be reached (each names the address)."""
         wait = datetime.timedelta(seconds=timeout)
         try:
-            self.store = dist.TCPStore(address, port, world_size, is_master=False, timeout=wait)
+            # torch.distributed re-exports TCPStore without `as`, so its stubs do not export it
+            self.store = dist.TCPStore(  # type: ignore[attr-defined]
+                address, port, world_size, is_master=False, timeout=wait
+            )
             self.group = dist.ProcessGroupGloo(self.store, rank, world_size, wait)
         except dist.DistNetworkError as e:
             raise ConnectionError(f"the trainer's group at {address}:{port}: {e}") from None
@@ -42,4 +45,5 @@ class WeightsGroup:
         options = dist.BroadcastOptions()
         options.rootRank = 0
         for tensor in tensors:
-            self.group.broadcast([tensor], options).wait()
+            # torch's stubs give a Backend no collectives; the pybind class has them
+            self.group.broadcast([tensor], options).wait()  # type: ignore[attr-defined]

@@ -37,7 +37,7 @@ def create_backend(
     name: str,
     device: torch.device,
     req_to_token: torch.Tensor,
-    kv_pool,
+    kv_pool: TokenToKVPool,
     windows: tuple[int | None, ...] = (),
     logit_cap: float | None = None,
     deterministic: bool = False,

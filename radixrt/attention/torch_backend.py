@@ -268,7 +268,7 @@ class TorchAttentionBackend:
         """The C kernel over each decode's private keys, in place: float rows, or a quantized
         pool's rows dequantized as read."""
         fmt = self.kv_pool.fmt
-        return cpu_paged.paged_decode(
+        out: tuple[torch.Tensor, torch.Tensor] = cpu_paged.paged_decode(
             q,
             k_buf,
             v_buf,
@@ -278,6 +278,7 @@ class TorchAttentionBackend:
             splits=1 if self.deterministic else None,  # one key range: one order
             kind=fmt.kernel_kind if fmt else None,
         )
+        return out
 
     def _attend_prefix(
         self,
@@ -371,7 +372,11 @@ def _attend(
     cannot cap.
     """
     if q.device.type == "cpu" and cap is None:
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=bias)
+        # torch.ops resolves its operators at run time: mypy sees Any
+        out: tuple[torch.Tensor, torch.Tensor] = (
+            torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=bias)
+        )
+        return out
     scores = torch.matmul(q, k.transpose(-1, -2)) * q.shape[-1] ** -0.5
     if cap is not None:
         scores = cap * torch.tanh(scores / cap)

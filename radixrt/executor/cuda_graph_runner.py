@@ -88,7 +88,7 @@ class CudaGraphRunner:
         pool = None
         for size in reversed(self.sizes):
             batch = self._batch(size)
-            stream = torch.cuda.Stream()
+            stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]  # torch leaves Stream.__new__ unannotated
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):  # warm up: Triton compiles, allocator settles
                 for _ in range(2):

@@ -1,9 +1,9 @@
 """The radixrt DSL: programs of gen/select/roles/fork over a runtime (see radixrt.Runtime)."""
 
-from radixrt.frontend.chat import ChatReply, chat
-from radixrt.frontend.function import Function, function, set_default_backend
-from radixrt.frontend.openai_backend import OpenAI, SelectUnsupported
-from radixrt.frontend.primitives import (
+from .chat import ChatReply, chat
+from .function import Function, function, set_default_backend
+from .openai_backend import OpenAI, SelectUnsupported
+from .primitives import (
     assistant,
     assistant_begin,
     assistant_end,
@@ -18,8 +18,8 @@ from radixrt.frontend.primitives import (
     user_begin,
     user_end,
 )
-from radixrt.frontend.state import ForkGroup, ProgramState
-from radixrt.frontend.tools import tools_prompt
+from .state import ForkGroup, ProgramState
+from .tools import tools_prompt
 
 __all__ = [
     "ChatReply",

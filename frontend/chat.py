@@ -6,12 +6,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from radixrt.client.endpoint import RuntimeEndpoint
-from radixrt.frontend.chat_template import ChatTemplate, render_messages
-from radixrt.frontend.function import backend_or_default
-from radixrt.frontend.openai_backend import OpenAI
-from radixrt.frontend.tools import ToolRequest
+from radixrt.client.base import Endpoint
 from radixrt.structured.tools import ToolCall, prompt_messages, template_renders_tools
+
+from .chat_template import ChatTemplate, render_messages
+from .function import backend_or_default
+from .openai_backend import OpenAI
+from .tools import ToolRequest
 
 
 @dataclass(frozen=True)
@@ -38,18 +39,18 @@ def chat(
     tool_choice: Any = None,
     parallel_tool_calls: bool = True,
     tool_call_parser: str = "auto",
-    backend: RuntimeEndpoint | None = None,
+    backend: Endpoint | None = None,
     **sampling_params: Any,
 ) -> ChatReply:
     """One chat turn with OpenAI-style `messages` (tool calls and `tool` results included) and
     `tools`, rendered and constrained as `/v1/chat/completions` does, on `backend` (default: the
     default backend); `sampling_params` are the runtime's (`max_new_tokens`, `temperature`, ...)."""
-    backend = backend_or_default(backend)
-    if isinstance(backend, OpenAI):
+    endpoint = backend_or_default(backend)
+    if isinstance(endpoint, OpenAI):
         raise ValueError("rt.chat needs a radixrt backend; with rt.OpenAI, call its client.chat")
-    info = backend.model_info
+    info = endpoint.model_info
     request = ToolRequest.of(
-        backend, tools or [], tool_choice, parallel_tool_calls, tool_call_parser
+        endpoint, tools or [], tool_choice, parallel_tool_calls, tool_call_parser
     )
     template = info.get("chat_template")
     rendered = [t.to_openai() for t in request.tools] if template_renders_tools(template) else None
@@ -61,8 +62,9 @@ def chat(
         params.update(request.constraint.params())
     suffix = ChatTemplate.from_model_info(info).suffix("assistant").strip()
     if suffix:
-        params.setdefault("stop_token_ids", backend.tokenize(suffix)[:1])
-    out = backend.generate(prompt, params)
+        params.setdefault("stop_token_ids", endpoint.tokenize(suffix)[:1])
+    out = endpoint.generate(prompt, params)
+    assert isinstance(out, dict), "one prompt, one sample"
     content, calls = request.read(out["text"])
     finish = "tool_calls" if calls else out["meta_info"]["finish_reason"]["type"]
     return ChatReply(content.strip() or None if calls else content, calls, finish, out["meta_info"])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -16,14 +17,14 @@ class ChatTemplate:
     default_system: str  # what the template puts before a first message that is not a system one
 
     @classmethod
-    def from_model_info(cls, info: dict) -> ChatTemplate:
+    def from_model_info(cls, info: dict[str, Any]) -> ChatTemplate:
         if not info.get("chat_template"):
             return cls({}, {}, "")
 
-        def render(messages: list[dict]) -> str:
+        def render(messages: list[dict[str, Any]]) -> str:
             return render_messages(info, messages, add_generation_prompt=False)
 
-        def around(before: list[dict], role: str) -> tuple[str, str]:
+        def around(before: list[dict[str, Any]], role: str) -> tuple[str, str]:
             head = render(before) if before else ""
             text = render(before + [{"role": role, "content": _MARK}])
             prefix, suffix = text[len(head) :].split(_MARK)
@@ -50,9 +51,9 @@ class ChatTemplate:
 
 
 def render_messages(
-    info: dict,
-    messages: list[dict],
-    tools: list[dict] | None = None,
+    info: dict[str, Any],
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None = None,
     add_generation_prompt: bool = True,
 ) -> str:
     """Messages (and, for a template that renders them, tools) as the model's own chat template

@@ -13,12 +13,11 @@ from typing import Any
 
 from tqdm import tqdm
 
-from radixrt.client.endpoint import RuntimeEndpoint
-from radixrt.frontend.chat_template import ChatTemplate
-from radixrt.frontend.openai_backend import OpenAI
-from radixrt.frontend.state import ProgramState, run_program
+from radixrt.client.base import Endpoint
 
-Backend = RuntimeEndpoint | OpenAI  # Runtime and Engine are RuntimeEndpoints
+from .chat_template import ChatTemplate
+from .state import Backend, ProgramState, run_program
+
 _default_backend: Backend | None = None
 _templates: dict[int, ChatTemplate] = {}
 ASYNC_WORKERS = 64  # programs awaited on one event loop share these threads
@@ -37,10 +36,10 @@ def backend_or_default(backend: Backend | None) -> Backend:
     return backend
 
 
-def with_adapter(backend: Backend, lora_path: str) -> RuntimeEndpoint:
+def with_adapter(backend: Backend, lora_path: str) -> Endpoint:
     """`backend` (a runtime's endpoint) sending every request under the LoRA adapter
     `lora_path`: a shallow copy sharing its connection."""
-    if not isinstance(backend, RuntimeEndpoint):
+    if not isinstance(backend, Endpoint):
         raise ValueError("lora_path needs a radixrt backend (RuntimeEndpoint, Runtime or Engine)")
     adapted = copy.copy(backend)
     adapted.options = dataclasses.replace(backend.options, lora_path=lora_path)
@@ -54,7 +53,7 @@ def _template(backend: Backend) -> ChatTemplate:
 
 
 class Function:
-    def __init__(self, func: Callable):
+    def __init__(self, func: Callable[..., Any]):
         self.func = func
         functools.update_wrapper(self, func)
 
@@ -135,6 +134,6 @@ class Function:
         return self.func(*args, **kwargs)
 
 
-def function(func: Callable) -> Function:
+def function(func: Callable[..., Any]) -> Function:
     """Decorator: `@rt.function def program(s, ...): s += ...`."""
     return Function(func)

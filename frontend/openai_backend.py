@@ -23,11 +23,12 @@ import json
 import os
 import time
 from collections.abc import Iterator
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple, overload
 
-from radixrt.frontend.chat_template import ChatTemplate
-from radixrt.frontend.primitives import Select
 from radixrt.structured.regexes import DTYPE_REGEXES
+
+from .chat_template import ChatTemplate
+from .primitives import Select
 
 # the runtime's sampling params that OpenAI's API names (runtime name -> OpenAI name)
 STANDARD = {
@@ -96,7 +97,7 @@ class OpenAI:
             api_key=api_key or os.environ.get("OPENAI_API_KEY", "EMPTY"),
             **client_kwargs,
         )
-        self.model_info = {
+        self.model_info: dict[str, Any] = {
             "chat_template": chat_template,
             "special_tokens": dict(special_tokens or {}),
             "eos_token_ids": [],
@@ -105,6 +106,16 @@ class OpenAI:
         self._turn_end = ChatTemplate.from_model_info(self.model_info).suffix("assistant").strip()
 
     # ---- gen ---------------------------------------------------------------------------------
+    @overload
+    def generate(
+        self, prompt: ProgramPrompt, sampling_params: dict[str, Any], stream: Literal[False] = False
+    ) -> dict[str, Any]: ...
+
+    @overload
+    def generate(
+        self, prompt: ProgramPrompt, sampling_params: dict[str, Any], stream: Literal[True]
+    ) -> Iterator[dict[str, Any]]: ...
+
     def generate(
         self, prompt: ProgramPrompt, sampling_params: dict[str, Any], stream: bool = False
     ) -> dict[str, Any] | Iterator[dict[str, Any]]:
@@ -261,7 +272,7 @@ def _chat_messages(prompt: ProgramPrompt) -> list[dict[str, str]]:
     return prompt.messages
 
 
-def _schema_format(schema: str | dict) -> dict[str, Any]:
+def _schema_format(schema: str | dict[str, Any]) -> dict[str, Any]:
     schema = json.loads(schema) if isinstance(schema, str) else schema
     return {"type": "json_schema", "json_schema": {"name": "output", "schema": schema}}
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -18,7 +19,7 @@ class Expr:
         return Concat([other, self])
 
 
-class Concat(list):
+class Concat(list[Any]):
     def __add__(self, other: Any) -> Concat:
         return Concat([*self, other])
 
@@ -40,7 +41,7 @@ class Gen(Expr):
     presence_penalty: float | None = None
     ignore_eos: bool | None = None
     regex: str | None = None
-    json_schema: str | dict | None = None
+    json_schema: str | dict[str, Any] | None = None
     choices: list[str] | None = None
     dtype: Any = None
     ebnf: str | None = None  # a GBNF grammar
@@ -89,6 +90,7 @@ class Select(Expr):
         """The best choice's index by `method`, from each choice's token logprobs after the
         prefix (and, for `unconditional`, without it), and the scores as meta info."""
         means = [_mean(lps) for lps in token_logprobs]
+        keys: list[tuple[float, ...]] | list[float]
         if self.method == "greedy":
             keys = [tuple(lps) for lps in token_logprobs]  # compared first token first
         elif self.method == "unconditional":
@@ -128,7 +130,7 @@ def gen(
     presence_penalty: float | None = None,
     ignore_eos: bool | None = None,
     regex: str | None = None,
-    json_schema: str | dict | None = None,
+    json_schema: str | dict[str, Any] | None = None,
     choices: list[str] | None = None,
     dtype: Any = None,
     ebnf: str | None = None,
@@ -210,7 +212,7 @@ def select(
     return Select(name, list(choices), temperature, choices_method)
 
 
-def _role(role: str):
+def _role(role: str) -> tuple[Callable[..., Role], Callable[[], Role], Callable[[], Role]]:
     def whole(*content: Any) -> Role:
         return Role(role, "whole", list(content))
 

@@ -7,30 +7,39 @@ forks, whose branches run in parallel. The runtime batches all of them together.
 
 from __future__ import annotations
 
+import enum
 import json
 import queue
 import threading
 import uuid
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
-from typing import Any, NamedTuple
+from contextlib import AbstractContextManager, contextmanager
+from typing import Any, NamedTuple, TypeAlias
 
-from radixrt.client.endpoint import RuntimeEndpoint
+from radixrt.client.base import Chunk, Endpoint, Result
 from radixrt.client.transport import InvalidRequestError
-from radixrt.frontend.chat_template import ChatTemplate
-from radixrt.frontend.openai_backend import OpenAI, ProgramPrompt
-from radixrt.frontend.primitives import Gen, Role, Select
-from radixrt.frontend.tools import ToolRequest, parsed_calls
 
-_END = object()
+from .chat_template import ChatTemplate
+from .openai_backend import OpenAI, ProgramPrompt
+from .primitives import Gen, Role, Select
+from .tools import ToolRequest, parsed_calls
+
+
+class _End(enum.Enum):
+    """The end of a streamed run's pieces."""
+
+    END = enum.auto()
+
+
+Backend: TypeAlias = Endpoint | OpenAI  # a Runtime, an Engine or connect(url), or rt.OpenAI
 
 
 class ProgramState:
     def __init__(
         self,
-        backend: RuntimeEndpoint | OpenAI,
+        backend: Backend,
         template: ChatTemplate,
         defaults: dict[str, Any],
         stream: bool = False,
@@ -43,7 +52,10 @@ class ProgramState:
         self.meta: dict[str, Any] = {}
         self._messages: list[dict[str, str]] = []
         self._role: tuple[str, int] | None = None  # open role and where its content starts
-        self._stream: queue.Queue | None = queue.Queue() if stream else None
+        # (the variable it is in, a piece of text) as it is appended, then the end
+        self._stream: queue.Queue[tuple[str | None, str] | _End] | None = (
+            queue.Queue() if stream else None
+        )
         self._done = threading.Event()
         self._runner: int | None = None  # the thread running the program
         self._error: BaseException | None = None
@@ -84,13 +96,13 @@ class ProgramState:
             if tools.constraint is not None:
                 params.update(tools.constraint.params())
         if self._role and self._role[0] == "assistant" and not isinstance(self.backend, OpenAI):
-            params.setdefault("stop_token_ids", self._end_of_turn_ids())
+            params.setdefault("stop_token_ids", self._end_of_turn_ids(self.backend))
         if self._stream is None:
-            out = self.backend.generate(self._prompt(), params)
+            out = self._generate(params)
             self._append(out["text"], g.name)
         else:
             pieces = []
-            for chunk in self.backend.generate(self._prompt(), params, stream=True):
+            for chunk in self._generate_stream(params):
                 if chunk["finished"]:
                     out = chunk
                 else:
@@ -102,47 +114,65 @@ class ProgramState:
             content, calls = tools.read(out["text"])
             self._set(g.name, parsed_calls(calls), {**out["meta_info"], "content": content})
 
+    def _generate(self, params: dict[str, Any]) -> Result:
+        """One gen's result (`{"text", "meta_info", ...}`) for the text so far."""
+        if isinstance(self.backend, OpenAI):
+            return self.backend.generate(self._prompt(), params)
+        out = self.backend.generate(self._text, params)
+        assert isinstance(out, dict), "one prompt, one sample"
+        return out
+
+    def _generate_stream(self, params: dict[str, Any]) -> Iterator[Chunk]:
+        """One gen's chunks (`{"delta", "finished"}`, the last with the result)."""
+        if isinstance(self.backend, OpenAI):
+            return self.backend.generate(self._prompt(), params, stream=True)
+        return self.backend.generate(self._text, params, stream=True)
+
     def _select(self, sel: Select) -> None:
         if isinstance(self.backend, OpenAI):
             best, meta = self.backend.select(self._prompt(), sel)
         else:
-            prompts = self._choice_prompts(self._text, sel.choices)
+            endpoint = self.backend
+            prompts = self._choice_prompts(endpoint, self._text, sel.choices)
             unconditional = None
             if sel.method == "unconditional":
-                unconditional = self._logprobs(self._unconditional(prompts))
-            best, meta = sel.pick(self._logprobs(prompts), unconditional)
+                unconditional = self._logprobs(endpoint, self._unconditional(endpoint, prompts))
+            best, meta = sel.pick(self._logprobs(endpoint, prompts), unconditional)
         self._append(sel.choices[best], sel.name)
         self._set(sel.name, sel.choices[best], meta)
 
-    def _prompt(self) -> str | ProgramPrompt:
-        """What a gen sends: the text, or for `rt.OpenAI` the text with the messages and role."""
-        if not isinstance(self.backend, OpenAI):
-            return self._text
+    def _prompt(self) -> ProgramPrompt:
+        """What a gen sends `rt.OpenAI`: the text with the messages and the open role."""
         role, start = self._role or (None, len(self._text))
         return ProgramPrompt(self._text, list(self._messages), role, self._text[start:])
 
-    def _choice_prompts(self, prefix_text: str, choices: list[str]) -> list[ChoicePrompt]:
+    @staticmethod
+    def _choice_prompts(
+        endpoint: Endpoint, prefix_text: str, choices: list[str]
+    ) -> list[ChoicePrompt]:
         """Each choice after `prefix_text` as token ids, with the position its own tokens start at
         (after the longest common token prefix with the prefix alone)."""
-        prefix = self.backend.tokenize(prefix_text) if prefix_text else []
+        prefix = endpoint.tokenize(prefix_text) if prefix_text else []
         prompts = []
         for choice in choices:
-            ids = self.backend.tokenize(prefix_text + choice)
+            ids = endpoint.tokenize(prefix_text + choice)
             prompts.append(ChoicePrompt(ids, min(_common_prefix_len(prefix, ids), len(ids) - 1)))
         return prompts
 
-    def _unconditional(self, prompts: list[ChoicePrompt]) -> list[ChoicePrompt]:
+    @staticmethod
+    def _unconditional(endpoint: Endpoint, prompts: list[ChoicePrompt]) -> list[ChoicePrompt]:
         """The same choice tokens (split as in context) after nothing but a start-of-text token,
         so every one of them, the first included, gets a logprob to normalise by."""
-        info = self.backend.model_info
+        info = endpoint.model_info
         bos = info["special_tokens"].get("bos_token")
-        start = self.backend.tokenize(bos)[:1] if bos else info["eos_token_ids"][:1]
+        start: list[int] = endpoint.tokenize(bos)[:1] if bos else info["eos_token_ids"][:1]
         return [ChoicePrompt(start + ids[first:], len(start)) for ids, first in prompts]
 
-    def _logprobs(self, prompts: list[ChoicePrompt]) -> list[list[float]]:
+    @staticmethod
+    def _logprobs(endpoint: Endpoint, prompts: list[ChoicePrompt]) -> list[list[float]]:
         """Logprob of each prompt's tokens from its start position on: one scoring request per
         prompt, sent together, so the runtime prefills their shared prefix once."""
-        outs = self.backend.generate(
+        outs = endpoint.generate(
             input_ids=[ids for ids, _ in prompts],
             sampling_params=[
                 {
@@ -153,6 +183,7 @@ class ProgramState:
                 for _, first in prompts
             ],
         )
+        assert isinstance(outs, list), "a batch of prompts, a list of results"
         # the first entry is the token at logprob_start_len, with None (SGLang's convention)
         return [[lp for lp, _ in out["meta_info"]["input_token_logprobs"][1:]] for out in outs]
 
@@ -179,13 +210,13 @@ class ProgramState:
         yield self
         self._role_expr(Role(role, "end"))
 
-    def system(self):
+    def system(self) -> AbstractContextManager[ProgramState]:
         return self._scoped_role("system")
 
-    def user(self):
+    def user(self) -> AbstractContextManager[ProgramState]:
         return self._scoped_role("user")
 
-    def assistant(self):
+    def assistant(self) -> AbstractContextManager[ProgramState]:
         return self._scoped_role("assistant")
 
     @contextmanager
@@ -195,9 +226,9 @@ class ProgramState:
         yield self
         self._set(name, self._text[start:], None)
 
-    def _end_of_turn_ids(self) -> list[int]:
+    def _end_of_turn_ids(self, endpoint: Endpoint) -> list[int]:
         suffix = self.template.suffix("assistant").strip()
-        return self.backend.tokenize(suffix)[:1] if suffix else []
+        return endpoint.tokenize(suffix)[:1] if suffix else []
 
     def _set(self, name: str | None, value: Any, meta: Any) -> None:
         if name is not None:
@@ -229,16 +260,16 @@ class ProgramState:
         if self._stream is None:
             yield self.variables[var] if var else self.text()
             return
-        while (item := self._stream.get()) is not _END:
+        while (item := self._stream.get()) is not _End.END:
             if var is None or item[0] == var:
                 yield item[1]
         self._wait()
 
-    async def text_async_iter(self, var: str | None = None):
+    async def text_async_iter(self, var: str | None = None) -> AsyncIterator[str]:
         import asyncio
 
         chunks = self.text_iter(var)
-        while (chunk := await asyncio.to_thread(next, chunks, _END)) is not _END:
+        while (chunk := await asyncio.to_thread(next, chunks, _End.END)) is not _End.END:
             yield chunk
 
     def _wait(self) -> None:
@@ -251,7 +282,7 @@ class ProgramState:
         self._error = error
         self._done.set()
         if self._stream is not None:
-            self._stream.put(_END)
+            self._stream.put(_End.END)
 
     # ---- forks -------------------------------------------------------------------------------
     def fork(self, n: int) -> ForkGroup:
@@ -284,7 +315,12 @@ class ProgramState:
 class ForkGroup:
     def __init__(self, parent: ProgramState, children: list[ProgramState], pin_id: str | None):
         self.parent, self.children = parent, children
-        self._unpin = weakref.finalize(self, _unpin, parent.backend, pin_id) if pin_id else None
+        backend = parent.backend  # a fork pins on a radixrt backend only
+        self._unpin = (
+            weakref.finalize(self, _unpin, backend, pin_id)
+            if pin_id and not isinstance(backend, OpenAI)
+            else None
+        )
 
     def __getitem__(self, i: int) -> ProgramState:
         return self.children[i]
@@ -292,7 +328,7 @@ class ForkGroup:
     def __len__(self) -> int:
         return len(self.children)
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[ProgramState]:
         return iter(self.children)
 
     def __iadd__(self, expr: Any) -> ForkGroup:
@@ -317,7 +353,7 @@ class ForkGroup:
             self._unpin()
 
 
-def _unpin(backend: RuntimeEndpoint, pin_id: str) -> None:
+def _unpin(backend: Endpoint, pin_id: str) -> None:
     try:
         backend.unpin(pin_id)
     except Exception:  # the runtime is gone: nothing left to release
@@ -353,8 +389,8 @@ def _typed(text: str, dtype: Any) -> Any:
 
 
 def run_program(
-    func: Callable,
-    backend: RuntimeEndpoint | OpenAI,
+    func: Callable[..., Any],
+    backend: Backend,
     template: ChatTemplate,
     defaults: dict[str, Any],
     kwargs: dict[str, Any],

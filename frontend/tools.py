@@ -8,7 +8,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from radixrt.client.endpoint import RuntimeEndpoint
+from radixrt.client.base import Endpoint
 from radixrt.structured.patterns import Constraint
 from radixrt.structured.tools import (
     PARSERS,
@@ -36,7 +36,7 @@ class ToolRequest:
     @classmethod
     def of(
         cls,
-        backend: RuntimeEndpoint,
+        backend: Endpoint,
         tools: list[dict[str, Any]],
         tool_choice: Any = None,
         parallel_tool_calls: bool = True,

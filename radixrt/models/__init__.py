@@ -8,8 +8,12 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from radixrt.models.interface import CausalLM
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 
 @dataclass(frozen=True)
@@ -34,7 +38,7 @@ ARCHITECTURES = (
 )
 
 
-def architecture_of(config) -> Architecture:
+def architecture_of(config: PretrainedConfig) -> Architecture:
     """The entry a config names: by `architectures` first, else by `model_type`; a ValueError
     naming the supported ones."""
     names = getattr(config, "architectures", None) or []
@@ -48,7 +52,10 @@ def architecture_of(config) -> Architecture:
     raise ValueError(f"unsupported architecture {names}; supported: {supported}")
 
 
-def model_class(config) -> type[CausalLM]:
+def model_class(config: PretrainedConfig) -> type[CausalLM]:
     """The class that serves `config`'s architecture."""
     arch = architecture_of(config)
-    return getattr(importlib.import_module(f"radixrt.models.{arch.module}"), arch.cls)
+    cls: type[CausalLM] = getattr(
+        importlib.import_module(f"radixrt.models.{arch.module}"), arch.cls
+    )
+    return cls

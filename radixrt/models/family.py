@@ -9,6 +9,10 @@ skeleton's modules switch on a field rather than on the model type.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypedDict
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 
 @dataclass(frozen=True)
@@ -77,13 +81,15 @@ LAYER_TYPED_WINDOWS = {"qwen2", "qwen3", "gemma2", "gemma3_text"}
 ACTIVATIONS = {"silu", "gelu_pytorch_tanh"}
 
 
-def activation_of(config) -> str:
+def activation_of(config: PretrainedConfig) -> str:
     """The gated MLP's activation (Gemma names it `hidden_activation`); support.py refuses one
     not in ACTIVATIONS."""
-    return getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu")
+    hidden_activation: str | None = getattr(config, "hidden_activation", None)
+    hidden_act: str = getattr(config, "hidden_act", "silu")
+    return hidden_activation or hidden_act
 
 
-def family_of(config) -> Family:
+def family_of(config: PretrainedConfig) -> Family:
     return Family(
         qkv_bias=bool(getattr(config, "attention_bias", False)) or config.model_type == "qwen2",
         qk_norm=config.model_type in QK_NORM_TYPES,
@@ -96,12 +102,12 @@ def family_of(config) -> Family:
     )
 
 
-def layer_windows(config) -> tuple[int | None, ...]:
+def layer_windows(config: PretrainedConfig) -> tuple[int | None, ...]:
     """Each layer's sliding window as transformers' modeling code applies it (None: global):
     none without `sliding_window` or with `use_sliding_window` off (Qwen's switch; its
     `max_window_layers` is already folded into `layer_types` by its config class)."""
     window = getattr(config, "sliding_window", None)
-    layers = config.num_hidden_layers
+    layers: int = config.num_hidden_layers
     if not window or getattr(config, "use_sliding_window", True) is False:
         return (None,) * layers
     if config.model_type in LAYER_TYPED_WINDOWS:
@@ -109,7 +115,7 @@ def layer_windows(config) -> tuple[int | None, ...]:
     return (int(window),) * layers
 
 
-def rope_per_layer_type(config) -> dict[str, dict] | None:
+def rope_per_layer_type(config: PretrainedConfig) -> dict[str, dict[str, Any]] | None:
     """The rope parameters by layer type where the config gives one set per type (Gemma 3)."""
     rope = getattr(config, "rope_parameters", None) or {}
     if rope and all(isinstance(v, dict) for v in rope.values()):
@@ -117,7 +123,18 @@ def rope_per_layer_type(config) -> dict[str, dict] | None:
     return None
 
 
-def _gemma_parts(config) -> dict:
+class _GemmaParts(TypedDict, total=False):
+    """The `Family` fields Gemma sets away from their defaults."""
+
+    norm_offset: float
+    embed_scale: float
+    sandwich_norms: bool
+    query_scale: float
+    final_logit_softcap: float | None
+    attn_logit_softcap: float | None
+
+
+def _gemma_parts(config: PretrainedConfig) -> _GemmaParts:
     head_dim = config.head_dim or config.hidden_size // config.num_attention_heads
     return dict(
         norm_offset=1.0,
@@ -129,7 +146,7 @@ def _gemma_parts(config) -> dict:
     )
 
 
-def _moe_of(config) -> MoeSpec | None:
+def _moe_of(config: PretrainedConfig) -> MoeSpec | None:
     layers = range(config.num_hidden_layers)
     if config.model_type == "mixtral":
         return MoeSpec(

@@ -37,12 +37,16 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import torch
 
 from radixrt.kernels import int8_gemm
 from radixrt.kernels.int4_gemm import GROUP, Bits, PackedGroups
 from radixrt.models.interface import WeightSource
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 METHODS = ("awq", "compressed-tensors", "gptq")
 GPTQ_FORMATS = ("gptq", "gptq_v2")
@@ -82,7 +86,7 @@ class CheckpointQuant:
     desc_act: bool = False
 
     @classmethod
-    def of(cls, config) -> CheckpointQuant | None:
+    def of(cls, config: PretrainedConfig) -> CheckpointQuant | None:
         """The config's quantization, or None for a float checkpoint; ValueError, one line
         naming the field, for what radixrt cannot serve as stored."""
         quant = getattr(config, "quantization_config", None)
@@ -161,7 +165,7 @@ class PermutedGroups:
         return PermutedGroups(self.weight.to(device), self.perm.to(device))
 
 
-Packed = PackedGroups | PermutedGroups | int8_gemm.PackedInt8
+Packed: TypeAlias = PackedGroups | PermutedGroups | int8_gemm.PackedInt8
 
 
 @dataclass
@@ -176,19 +180,19 @@ class GroupInts:
 
 
 # ---- the config --------------------------------------------------------------------------
-def _refuse(method, field: str, why: str) -> ValueError:
+def _refuse(method: str | None, field: str, why: str) -> ValueError:
     return ValueError(
         f"config.json: quantization_config ({method}) {field} is not supported ({why})"
     )
 
 
-def _bits(method: str, bits, allowed: tuple[int, ...]) -> int:
+def _bits(method: str, bits: Any, allowed: tuple[int, ...]) -> int:
     if bits not in allowed:
         raise _refuse(method, f"bits {bits}", f"radixrt serves {' and '.join(map(str, allowed))}")
     return int(bits)
 
 
-def _group(method: str, size) -> int:
+def _group(method: str, size: Any) -> int:
     """Inputs per scale: a multiple of 32 (radixrt's groups), or -1/None: per output channel."""
     if size in (-1, None, 0):
         return 0
@@ -197,7 +201,7 @@ def _group(method: str, size) -> int:
     return size
 
 
-def _gptq(quant: dict) -> CheckpointQuant:
+def _gptq(quant: dict[str, Any]) -> CheckpointQuant:
     fmt = quant.get("checkpoint_format") or quant.get("format") or "gptq"
     if fmt not in GPTQ_FORMATS:
         raise _refuse("gptq", f"checkpoint_format {fmt!r}", f"supported: {', '.join(GPTQ_FORMATS)}")
@@ -211,7 +215,7 @@ def _gptq(quant: dict) -> CheckpointQuant:
     return CheckpointQuant("gptq", ((("Linear",), scheme),), skip, bool(quant.get("desc_act")))
 
 
-def _awq(quant: dict) -> CheckpointQuant:
+def _awq(quant: dict[str, Any]) -> CheckpointQuant:
     version = str(quant.get("version") or quant.get("backend") or "gemm").lower()
     if version != "gemm":
         raise _refuse("awq", f"version {version!r}", "radixrt reads the GEMM layout")
@@ -224,7 +228,7 @@ def _awq(quant: dict) -> CheckpointQuant:
     return CheckpointQuant("awq", ((("Linear",), scheme),), skip)
 
 
-def _compressed_tensors(quant: dict) -> CheckpointQuant:
+def _compressed_tensors(quant: dict[str, Any]) -> CheckpointQuant:
     method = "compressed-tensors"
     status = quant.get("quantization_status", "compressed")
     if status != "compressed":
@@ -242,7 +246,7 @@ def _compressed_tensors(quant: dict) -> CheckpointQuant:
     return CheckpointQuant(method, tuple(schemes), tuple(quant.get("ignore") or ()))
 
 
-def _ct_scheme(where: str, fmt, group: dict) -> Scheme:
+def _ct_scheme(where: str, fmt: Any, group: dict[str, Any]) -> Scheme:
     """One compressed-tensors config group's scheme: its weights, and activations only where
     our kernels quantize them the same way (dynamically, per token) or not at all."""
     method = "compressed-tensors"

@@ -4,9 +4,13 @@ the field: a model that loads must never run silently wrong."""
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING, Any
 
 from radixrt.models.family import ACTIVATIONS, activation_of, rope_per_layer_type
 from radixrt.models.quantized import CheckpointQuant
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 logger = logging.getLogger(__name__)
 
@@ -21,7 +25,7 @@ UNSUPPORTED_FIELDS = {"use_bidirectional_attention": "attention is causal"}
 IGNORABLE_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-def rope_parameters(config) -> list[dict]:
+def rope_parameters(config: PretrainedConfig) -> list[dict[str, Any]]:
     """The config's rope parameters: one set, or one per layer type (Gemma 3's local and
     global)."""
     per_type = rope_per_layer_type(config)
@@ -30,11 +34,11 @@ def rope_parameters(config) -> list[dict]:
     return [getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}]
 
 
-def rope_type(rope: dict) -> str:
+def rope_type(rope: dict[str, Any]) -> str:
     return rope.get("rope_type") or rope.get("type") or "default"
 
 
-def exact_limits(config) -> list[tuple[int, str, str]]:
+def exact_limits(config: PretrainedConfig) -> list[tuple[int, str, str]]:
     """(longest exact context, the field that limits it, why) for each such field: longrope's
     original_max_position_embeddings (transformers switches to the long factors past it).
     Sliding windows are attended as such (`family.layer_windows`): they limit nothing."""
@@ -55,7 +59,7 @@ def exact_limits(config) -> list[tuple[int, str, str]]:
     return limits
 
 
-def check_supported(config, context_length: int | None) -> int:
+def check_supported(config: PretrainedConfig, context_length: int | None) -> int:
     """The context length to serve (`context_length` as given, else the checkpoint's), after
     refusing what cannot be honoured: a `quantization_config` radixrt cannot read packed
     (GPTQ, AWQ and compressed-tensors it can: `models/quantized.py`), a rope type whose table depends

@@ -18,12 +18,16 @@ loaded on CUDA against the CPU's paths. Writes gpu_check.json and gpu_check.txt 
 `--output-dir`, rewritten after every section so a timeout still leaves the finished parts.
 """
 
+from __future__ import annotations
+
 import gc
 import json
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +36,13 @@ from triton.testing import do_bench
 
 from radixrt import kernels
 from radixrt.bench.config import GPU_CHECK_SECTIONS
+
+if TYPE_CHECKING:
+    from radixrt.client.base import Prompt, Results
+    from radixrt.engine.request import Req
+    from radixrt.engine.scheduler import Scheduler
+    from radixrt.executor.model_runner import ModelRunner
+    from radixrt.mem_cache.kv_quant import KVFormat
 
 HBM_BYTES_PER_S = 4.8e12  # H200
 MODELS = {"smollm2": (9, 3, 64), "llama3-8b": (32, 8, 128)}  # (Hq, Hkv, D)
@@ -48,8 +59,11 @@ SWEEP_DEADLINE_S = 300  # skip the config sweeps if the run is already this far 
 
 OUT = Path(".")  # where `save` writes: `run`'s `out_dir`
 START = time.time()
-results: dict = {}
+results: dict[str, Any] = {}  # the report (gpu_check.json)
 lines: list[str] = []
+# a kernel call's inputs by argument name: tensors (a quantized pool's rows for the K/V buffers)
+# and max_len_extend
+Batch: TypeAlias = dict[str, Any]
 
 
 def log(line: str = "") -> None:
@@ -67,13 +81,16 @@ def indptr(lens: list[int]) -> torch.Tensor:
     return torch.tensor([0] + lens, dtype=torch.int32, device=DEVICE).cumsum(0, dtype=torch.int32)
 
 
-def paged_batch(hq: int, hkv: int, d: int, prefix_lens: list[int], extend_lens: list[int]) -> dict:
+def paged_batch(hq: int, hkv: int, d: int, prefix_lens: list[int], extend_lens: list[int]) -> Batch:
     """Extend inputs: prefixes scattered over a KV pool in random slot order, new tokens packed.
     A decode batch is the same with extend_lens all 1, using q_extend as q and prefix_lens as the context."""
     total = sum(prefix_lens)
     pool = total + 1024
     n = sum(extend_lens)
-    rand = lambda *shape: torch.randn(*shape, dtype=DTYPE, device=DEVICE)  # noqa: E731
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, dtype=DTYPE, device=DEVICE)
+
     return dict(
         q_extend=rand(n, hq, d),
         k_extend=rand(n, hkv, d),
@@ -87,7 +104,9 @@ def paged_batch(hq: int, hkv: int, d: int, prefix_lens: list[int], extend_lens: 
     )
 
 
-def run_extend(fn, b: dict, logit_cap: float = 0.0, **options) -> torch.Tensor:
+def run_extend(
+    fn: Callable[..., object], b: Batch, logit_cap: float = 0.0, **options: Any
+) -> torch.Tensor:
     o = torch.empty_like(b["q_extend"])
     fn(
         b["q_extend"],
@@ -107,7 +126,11 @@ def run_extend(fn, b: dict, logit_cap: float = 0.0, **options) -> torch.Tensor:
 
 
 def run_decode(
-    fn, b: dict, num_kv_splits: int = 8, logit_cap: float = 0.0, **options
+    fn: Callable[..., object],
+    b: Batch,
+    num_kv_splits: int = 8,
+    logit_cap: float = 0.0,
+    **options: Any,
 ) -> torch.Tensor:
     o = torch.empty_like(b["q_extend"])
     fn(
@@ -164,16 +187,30 @@ def check_correctness() -> None:
     torch.cuda.empty_cache()
 
 
-def bench_ms(fn) -> float:
-    return do_bench(fn, warmup=25, rep=100, return_mode="median")
+def bench_ms(fn: Callable[[], object]) -> float:
+    ms: float = do_bench(fn, warmup=25, rep=100, return_mode="median")
+    return ms
 
 
-def sweep(module, configs: list[dict], fn) -> list[dict]:
+class Tunable(Protocol):
+    """A kernel module whose launch config (of the head size) `sweep` patches."""
+
+    _launch_config: Callable[[int], dict[str, int]]
+
+
+def sweep(
+    module: Tunable, configs: list[dict[str, int]], fn: Callable[[], object]
+) -> list[dict[str, Any]]:
     """Time fn under each launch config by patching module._launch_config; configs that fail to compile are recorded as errors."""
-    rows, original = [], module._launch_config
+    rows: list[dict[str, Any]] = []
+    original = module._launch_config
     try:
         for cfg in configs:
-            module._launch_config = lambda block_d, cfg=cfg: dict(cfg)
+
+            def config(block_d: int, cfg: dict[str, int] = cfg) -> dict[str, int]:
+                return dict(cfg)
+
+            module._launch_config = config
             try:
                 rows.append({**cfg, "ms": bench_ms(fn)})
             except Exception as e:  # e.g. out of shared memory
@@ -400,6 +437,12 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
+def _output_ids(results: Results) -> list[list[int]]:
+    """Each prompt's output ids, from a call with a list of prompts (one sample each)."""
+    assert isinstance(results, list), "a list of prompts: a list of results"
+    return [r["output_ids"] for r in results]
+
+
 def check_engine() -> None:
     log("== (c) end to end: radixrt.Engine greedy outputs, triton vs torch attention ==")
     try:
@@ -410,18 +453,18 @@ def check_engine() -> None:
         results["engine"] = {"skipped": repr(e)}
         log(f"  skipped: {e!r}")
         return
-    prompts = [
+    prompts: list[Prompt] = [
         "The capital of France is",
         "def fibonacci(n):",
         "List three primary colors:",
         "Once upon a time, in a small village,",
     ]
-    outputs = {}
+    outputs: dict[str, list[list[int]]] = {}
     try:
         for backend in ("triton", "torch"):
             engine = rt.Engine(model="default", attention_backend=backend, dtype="bfloat16")
             generated = engine.generate(prompts, {"max_new_tokens": 32, "temperature": 0})
-            outputs[backend] = [r["output_ids"] for r in generated]
+            outputs[backend] = _output_ids(generated)
             if hasattr(engine, "shutdown"):
                 engine.shutdown()
             del engine
@@ -469,10 +512,7 @@ def check_families(backend: str = "triton") -> None:
                 log_level="warning",
             ) as engine:
                 runs = [
-                    [
-                        r["output_ids"]
-                        for r in engine.generate(input_ids=prompts, sampling_params=GREEDY)
-                    ]
+                    _output_ids(engine.generate(input_ids=prompts, sampling_params=GREEDY))
                     for _ in ("cold", "warm")
                 ]
         diffs = [[first_difference(g, e) for g, e in zip(run, expected)] for run in runs]
@@ -486,8 +526,8 @@ def check_tensor_parallel() -> None:
     log("== (g) tensor parallelism: tp_size=1 on this GPU, and 2 over two GPUs where there are ==")
     import radixrt as rt
 
-    prompts = ["The capital of France is", "def fibonacci(n):"]
-    outputs = {}
+    prompts: list[Prompt] = ["The capital of France is", "def fibonacci(n):"]
+    outputs: dict[int, list[list[int]]] = {}
     sizes = [1, 2] if torch.cuda.device_count() >= 2 else [1]
     for tp in sizes:
         with rt.Engine(model="default", dtype="bfloat16", tp_size=tp) as engine:
@@ -496,7 +536,7 @@ def check_tensor_parallel() -> None:
                 prompts, {"max_new_tokens": 64, "temperature": 0, "ignore_eos": True}
             )
             seconds = time.perf_counter() - start
-            outputs[tp] = [r["output_ids"] for r in out]
+            outputs[tp] = _output_ids(out)
             stats = engine.stats()
         results.setdefault("tensor_parallel", {})[f"tp{tp}"] = {
             "tok_per_s": sum(len(o) for o in outputs[tp]) / seconds,
@@ -511,7 +551,7 @@ def check_tensor_parallel() -> None:
         log("  one GPU: tp_size=2 skipped")
 
 
-def timed_decode(scheduler, reqs: list, steps: int = 32) -> float:
+def timed_decode(scheduler: Scheduler, reqs: list[Req], steps: int = 32) -> float:
     """Run `reqs` (made by `scheduler`) to the end; the mean time of up to `steps` decode steps
     once every prompt is in and while all of them still run, in ms."""
     for req in reqs:
@@ -635,8 +675,10 @@ def check_hicache() -> None:
         )
         if tier:  # copy bandwidth of the host pool, both directions
             host = scheduler.kv.host
+            assert host is not None, "enable_hierarchical_cache: a host tier"
             n = 2048
             host_slots = host.alloc(n)
+            assert host_slots is not None, "the host pool holds a 2048-token copy"
             device_slots = torch.arange(1, n + 1, device="cuda")
             per_token = sum(
                 b[0].numel() * b.element_size() for b in host.k_buffers + host.v_buffers
@@ -741,7 +783,7 @@ KV_DECODE_SHAPES = [(1, 2048), (1, 8192), (32, 2048), (32, 8192)]  # (batch, ctx
 KV_ENGINE_PROMPTS = [(4, 2000), (1, 8000)]  # (requests, prompt tokens): 2k and 8k contexts
 
 
-def quantized_pool(b: dict, fmt) -> tuple[dict, dict]:
+def quantized_pool(b: Batch, fmt: KVFormat) -> tuple[Batch, Batch]:
     """`b` with its K/V pool as `fmt`'s quantized rows, and `b` with the bf16 values those rows
     hold (what the kernels must attend over)."""
     rows = {x: fmt.quantize(b[x]) for x in ("k_buffer", "v_buffer")}
@@ -758,13 +800,14 @@ def check_kv_quant() -> None:
     from radixrt.mem_cache.kv_quant import KVFormat
 
     log("== (j) quantized KV (--kv-cache-dtype) on the Triton kernels and the engine ==")
-    results["kv_quant"] = out = {"kernels": {}, "decode_us": [], "engine": {}}
+    out: dict[str, Any] = {"kernels": {}, "decode_us": [], "engine": {}}
+    results["kv_quant"] = out
     results.setdefault("correctness", {})  # compare() records there: failures count in the summary
     for model, (hq, hkv, d) in MODELS.items():
         prefix, extend = CHECK_EXTEND
         ext = paged_batch(hq, hkv, d, prefix, extend)
         dec = paged_batch(hq, hkv, d, KV_CHECK_CTX, [1] * len(KV_CHECK_CTX))
-        cases = [
+        cases: list[tuple[str, Batch, Callable[..., torch.Tensor], Any, Any]] = [
             ("extend", ext, run_extend, kernels.extend_attention_fwd, kernels.extend_attention_ref),
             ("decode", dec, run_decode, kernels.decode_attention_fwd, kernels.decode_attention_ref),
         ]
@@ -784,7 +827,7 @@ def check_kv_quant() -> None:
     for model, (hq, hkv, d) in MODELS.items():
         for batch, ctx in KV_DECODE_SHAPES:
             b = paged_batch(hq, hkv, d, [ctx] * batch, [1] * batch)
-            pools = {"bf16": (b, {})}
+            pools: dict[str, tuple[Batch, dict[str, int]]] = {"bf16": (b, {})}
             pools.update(
                 {f.value: (quantized_pool(b, f)[0], {"kv_kind": f.kernel_kind}) for f in KVFormat}
             )
@@ -801,7 +844,7 @@ def check_kv_quant() -> None:
     check_kv_quant_engine(out["engine"])
 
 
-def check_kv_store(out: dict) -> None:
+def check_kv_store(out: dict[str, Any]) -> None:
     """(j, the store) `TokenToKVPool.set_kv` into one layer of llama3-8b's KV heads, a decode
     batch's tokens and a prefill's: the quantized pools quantize in torch (several launches a
     call, no fused kernel yet), so this says whether the store is worth fusing."""
@@ -821,7 +864,7 @@ def check_kv_store(out: dict) -> None:
             log(f"  set_kv {tokens:>5} tokens, {kv:>8} KV: {us:8.1f} us")
 
 
-def check_kv_quant_engine(out: dict) -> None:
+def check_kv_quant_engine(out: dict[str, Any]) -> None:
     """(j, end to end) the default model with each KV dtype: decode step time and greedy tokens
     at each of KV_ENGINE_PROMPTS, against `auto` (bf16)."""
     from radixrt.config import ServerArgs
@@ -836,14 +879,14 @@ def check_kv_quant_engine(out: dict) -> None:
         ]
         for shape in KV_ENGINE_PROMPTS
     }
-    tokens = {}
+    tokens: dict[tuple[str, int, int], list[list[int]]] = {}
     for kv in ("auto", "fp8_e4m3", "int8"):
         scheduler = Scheduler.from_server_args(ServerArgs(dtype="bfloat16", kv_cache_dtype=kv))
         for (n, length), batch in prompts.items():
             reqs = [scheduler.make_request(f"{kv}-{n}-{i}", p, params) for i, p in enumerate(batch)]
             ms = timed_decode(scheduler, reqs)
             tokens[kv, n, length] = [r.output_ids for r in reqs]
-            row = {"decode_step_ms": ms}
+            row: dict[str, Any] = {"decode_step_ms": ms}
             if kv != "auto":
                 pairs = zip(tokens[kv, n, length], tokens["auto", n, length])
                 row["first_diff"] = [first_difference(a, b) for a, b in pairs]
@@ -866,7 +909,7 @@ PACKED_BENCH_ROWS = [1, 16, 256, 2048]
 PACKED_IDS = 256  # teacher-forced positions of the checkpoint check
 
 
-def packed_formats(n: int, k: int) -> dict:
+def packed_formats(n: int, k: int) -> dict[str, Any]:
     """A random weight [n, k] (on the CPU) in each packed format the GEMM reads."""
     from radixrt.kernels.int4_gemm import Bits, PackedGroups
     from radixrt.kernels.int8_gemm import PackedInt8
@@ -887,7 +930,8 @@ def check_packed_gemm() -> None:
     from radixrt.kernels.packed_gemm import packed_linear_fwd
 
     log("== (k) packed weights on the Triton GEMM (--quantization, pre-quantized checkpoints) ==")
-    results["packed_gemm"] = out = {"bench": [], "checkpoint": {}}
+    out: dict[str, Any] = {"bench": [], "checkpoint": {}}
+    results["packed_gemm"] = out
     results.setdefault("correctness", {})
     log(
         f"  {'linear':<8} {'format':<8} {'rows':>5} {'us':>9} {'bf16 us':>9} {'x bf16':>7} {'GB/s':>7}"
@@ -922,7 +966,7 @@ def check_packed_gemm() -> None:
     check_packed_checkpoint(out["checkpoint"])
 
 
-def forced_logits(runner, ids: list[int]) -> torch.Tensor:
+def forced_logits(runner: ModelRunner, ids: list[int]) -> torch.Tensor:
     """tests/helpers.py's `teacher_forced_logits` on the runner's device: logits [n, V]
     float64 (on the CPU) at every position of `ids`, one prefill over slots 1..n."""
     from radixrt.forward_batch import ForwardBatch
@@ -932,10 +976,12 @@ def forced_logits(runner, ids: list[int]) -> torch.Tensor:
     runner.req_to_token_pool.req_to_token[1, :n] = slots.to(torch.int32)
     ids_t, positions = torch.tensor(ids, device=device), torch.arange(n, device=device)
     batch = ForwardBatch(ids_t, positions, slots, torch.tensor([1], device=device), [0], [n])
-    return runner.logits(runner.forward(batch)).double().cpu()
+    logits = runner.logits(runner.forward(batch))
+    assert logits is not None, "one rank: its logits"
+    return logits.double().cpu()
 
 
-def check_packed_checkpoint(out: dict) -> None:
+def check_packed_checkpoint(out: dict[str, Any]) -> None:
     """(k, a checkpoint) the default model's first layers as a GPTQ act-order checkpoint
     (tests/quant_packers.py), teacher-forced on CUDA in float32 and bf16 against the CPU's
     dequantized path (`--cpu-isa torch`: float activations, the kernel's numerics) and its C
@@ -1000,7 +1046,7 @@ SECTIONS = (
 assert tuple(s.__name__ for s in SECTIONS) == GPU_CHECK_SECTIONS, "the bench's list is this one"
 
 
-def run(out_dir: Path, only: set[str]) -> dict:
+def run(out_dir: Path, only: set[str]) -> dict[str, Any]:
     """Every section named in `only` (none: every one), in order, a crash recorded and the next
     run; the results (also in `out_dir`, saved after every section)."""
     global OUT, START

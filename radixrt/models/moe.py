@@ -20,8 +20,9 @@ but has not yet run under CUDA-graph capture, so a decode step of an MoE model i
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sized
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -76,10 +77,15 @@ class GatedMLP(nn.Module):
         return self.down_proj(gated(self.gate_up_proj(x), self.activation))
 
 
+class Experts(Sized, Iterable[Callable[[torch.Tensor], torch.Tensor]], Protocol):
+    """Experts first to last: an `nn.ModuleList` of them (not a Sequence to the type checker)
+    or a list of callables."""
+
+
 def grouped_experts(
     x: torch.Tensor,
     routing: Routing,
-    experts: Sequence[Callable[[torch.Tensor], torch.Tensor]],
+    experts: Experts,
     first: int = 0,
 ) -> torch.Tensor:
     """sum_j weights[t, j] * experts[experts_of[t, j] - first](x[t]) for every token t, over the

@@ -28,7 +28,7 @@ import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 import torch
 
@@ -36,6 +36,9 @@ from radixrt.executor.model_loader import SafetensorsWriter, read_into
 from radixrt.kernels import int4_gemm
 from radixrt.kernels.int4_gemm import GROUP, Bits, PackedGroups, implied_offsets, int8_groups
 from radixrt.models.linear import EMBEDDING
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 # GGUF type name -> the width of the groups its blocks become
 PACKED_TYPES = {
@@ -112,7 +115,7 @@ def gguf_source(model_folder: Path, marker: str) -> Path | None:
     return source if source is not None and source.is_file() else None
 
 
-def plan(path: Path, config) -> GGUFPlan:
+def plan(path: Path, config: PretrainedConfig) -> GGUFPlan:
     """Which linears of a Llama-shaped model (fused q/k/v and gate/up, as `models/llama.py`
     builds them) `path` holds in packed types; none for an architecture it cannot map."""
     header = read_header(path)

@@ -14,12 +14,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from radixrt.executor import gguf_weights
 from radixrt.kernels.cpu_isa import Isa
 from radixrt.models.linear import check_quantization
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 CHOICES = ("auto", "none", "int8", "int4", "gguf")
 
@@ -48,7 +52,7 @@ class Ground:
     prequantized: bool  # the checkpoint has its own quantization_config
 
 
-def choose(requested: str | None, ground: Ground, config) -> QuantChoice:
+def choose(requested: str | None, ground: Ground, config: PretrainedConfig) -> QuantChoice:
     """Resolve `requested` (one of `CHOICES`, or None) on `ground`; ValueError, one line, where
     an explicit `gguf` has no GGUF file or packed linears to serve."""
     if requested == "auto":
@@ -59,7 +63,7 @@ def choose(requested: str | None, ground: Ground, config) -> QuantChoice:
     return QuantChoice(requested, f"--quantization {requested}", plan)
 
 
-def _plan(name: str, ground: Ground, config) -> gguf_weights.GGUFPlan | None:
+def _plan(name: str, ground: Ground, config: PretrainedConfig) -> gguf_weights.GGUFPlan | None:
     """The linears to take packed from the GGUF file the model came from: under `gguf` (which
     needs one), and under `int4` where there is one (else int4 quantizes the float weights).
     One rank only: the packed rows are not cut into shards."""
@@ -75,7 +79,7 @@ def _plan(name: str, ground: Ground, config) -> gguf_weights.GGUFPlan | None:
     return packed
 
 
-def _auto(ground: Ground, config) -> QuantChoice:
+def _auto(ground: Ground, config: PretrainedConfig) -> QuantChoice:
     """`gguf` for a model given as a GGUF file whose packed linears can run here; else float
     (or the checkpoint's own quantization), with the reason packing was not taken."""
     why_not = _why_not_packed(ground)

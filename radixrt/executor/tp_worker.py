@@ -161,6 +161,7 @@ def serve_commands(runner: ModelRunner) -> None:
         header, payload = tp.recv()
         op = header["op"]
         if op == FORWARD:
+            assert payload is not None  # a step's ids, positions and slots
             runner.forward(decode_forward(header, payload, req_to_token))
         elif op == LOGITS:
             hidden = torch.empty(
@@ -170,8 +171,10 @@ def serve_commands(runner: ModelRunner) -> None:
             )
             runner.logits(tp.broadcast(hidden))
         elif op == LOAD_LORA:
+            assert runner.lora is not None  # rank 0 sends one only after its own pool (`_lora`)
             runner.lora.load(header["name"], header["path"])
         elif op == UNLOAD_LORA:
+            assert runner.lora is not None
             runner.lora.unload(header["name"])
         elif op == UPDATE_WEIGHTS:
             runner.update_weights(Path(header["path"]), header["checkpoint"])

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import AutoConfig
+from transformers import AutoConfig, PretrainedConfig
 
 from radixrt.models.linear import FixedOrderLinear, GroupedLinear, Int8Linear, PrepackedLinear
 from radixrt.models.llama import PackedEmbedding
@@ -78,7 +78,7 @@ class TensorSpec:
         return torch.empty(self.shape, dtype=DTYPES[self.dtype])
 
 
-def check_same_architecture(served, folder: Path) -> None:
+def check_same_architecture(served: PretrainedConfig, folder: Path) -> None:
     """ValueError naming each architecture field in which `folder`'s config.json differs from the
     served model's config (`served`); a folder without config.json is refused too."""
     if not (folder / "config.json").is_file():
@@ -101,7 +101,9 @@ def adopt_weights(live: nn.Module, staged: nn.Module) -> None:
     keeps its adapters and takes the new base. Computed buffers (rotary tables) stay."""
     for name, param in live._parameters.items():
         if param is not None:
-            param.copy_(staged._parameters[name])
+            new_param = staged._parameters[name]
+            assert new_param is not None  # the same architecture: the same parameters
+            param.copy_(new_param)
     for name, child in live.named_children():
         new = getattr(staged, name)
         if isinstance(child, LoraSite):

@@ -33,7 +33,7 @@ class FusedDecode:
     model: Any  # the LlamaForCausalLM (its layers' weights, read here)
     shape: cpu_layer.Shape
     isa: Isa
-    _layers: ctypes.Array | None = field(default=None, init=False)
+    _layers: ctypes.Array[cpu_layer.Layer] | None = field(default=None, init=False)
     _held: list[Any] = field(default_factory=list, init=False)  # what the records point at
 
     @classmethod
@@ -104,7 +104,7 @@ class FusedDecode:
         )
         return x, residual
 
-    def _records(self, pool: Any) -> ctypes.Array:
+    def _records(self, pool: Any) -> ctypes.Array[cpu_layer.Layer]:
         records = [
             cpu_layer.layer_of(
                 (layer.input_layernorm.weight.data, layer.post_attention_layernorm.weight.data),
@@ -114,7 +114,8 @@ class FusedDecode:
             )
             for i, layer in enumerate(self.model.layers)
         ]
-        return (cpu_layer.Layer * len(records))(*records)
+        layers: ctypes.Array[cpu_layer.Layer] = (cpu_layer.Layer * len(records))(*records)
+        return layers
 
 
 def _model_linears(model: Any) -> list[Any]:
@@ -143,7 +144,9 @@ def _decode_only(batch: ForwardBatch, attn: Any) -> TorchMetadata | None:
     pool read in place, else None."""
     if not isinstance(attn, TorchAttentionBackend) or not attn.in_place or attn.kv_pool.fmt:
         return None
-    meta = batch.attn_metadata.get(None) if isinstance(batch.attn_metadata, dict) else None
+    meta: TorchMetadata | None = (
+        batch.attn_metadata.get(None) if isinstance(batch.attn_metadata, dict) else None
+    )
     if meta is None or meta.extends or meta.shared_slots is not None:
         return None
     if attn.deterministic or len(meta.decode_tokens) != len(batch.out_slots):

@@ -16,11 +16,12 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-from torch import nn
 
 from radixrt.forward_batch import ForwardBatch
+from radixrt.kernels.lora import Segments
 from radixrt.models.lora import (
     SITES,
     AdapterError,
@@ -28,10 +29,12 @@ from radixrt.models.lora import (
     LoraBatch,
     LoraSite,
     LoraState,
-    Segments,
     read_adapter,
     site_shapes,
 )
+
+if TYPE_CHECKING:
+    from radixrt.models.llama import LlamaForCausalLM
 
 __all__ = ["AdapterError", "AdapterInfo", "LoraManager", "default_max_rank", "parse_lora_paths"]
 
@@ -74,7 +77,7 @@ class LoraManager:
     """Adapters over `model` (its dense call sites wrapped by `LoraSite`s sharing one
     `LoraState`), a pool of `num_slots` slots of rank up to `max_rank`."""
 
-    def __init__(self, model: nn.Module, num_slots: int, max_rank: int, dtype: torch.dtype):
+    def __init__(self, model: LlamaForCausalLM, num_slots: int, max_rank: int, dtype: torch.dtype):
         self.model = model
         self.num_slots, self.max_rank, self.dtype = num_slots, max_rank, dtype
         self.state = LoraState()
@@ -159,7 +162,7 @@ class LoraManager:
 
 
 def _attach(
-    model: nn.Module, num_slots: int, max_rank: int, dtype: torch.dtype, state: LoraState
+    model: LlamaForCausalLM, num_slots: int, max_rank: int, dtype: torch.dtype, state: LoraState
 ) -> dict[tuple[int, str], LoraSite]:
     """Wrap every layer's q/k/v, o and (dense) gate/up and down projections in `LoraSite`s."""
     shapes = site_shapes(model)

@@ -27,6 +27,7 @@ all-reduce adds the two, so the bits equal those at tp 1.
 from __future__ import annotations
 
 from dataclasses import KW_ONLY, dataclass
+from typing import TypeAlias
 
 import torch
 from torch import nn
@@ -51,7 +52,9 @@ EMBEDDING = "embed_tokens"  # the embedding table's module, packed like a linear
 
 
 def prepack_available(device: torch.device, dtype: torch.dtype) -> bool:
-    return device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
+    # torch leaves mkldnn.is_available unannotated
+    mkldnn = torch.backends.mkldnn.is_available()  # type: ignore[no-untyped-call]
+    return device.type == "cpu" and dtype == torch.float32 and mkldnn
 
 
 class PrepackedLinear(nn.Module):
@@ -67,7 +70,11 @@ class PrepackedLinear(nn.Module):
         return cls(prepack(weight), bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        # torch.ops resolves its operators at run time: mypy sees Any
+        out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
+            x, self.packed, self.bias, "none", [], ""
+        )
+        return out
 
 
 class Int8Linear(nn.Module):
@@ -92,12 +99,12 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.isa is None:
-            return kernels.packed_linear_fwd(x, self.weight, self.bias)
+            out: torch.Tensor = kernels.packed_linear_fwd(x, self.weight, self.bias)
+            return out
         if self.isa is Isa.TORCH:
             return _torch_linear(x, self.weight.dequantize(), self.bias)
-        if x.dtype == torch.float32:
-            return int8_gemm.int8_linear(x, self.weight, self.bias, self.isa)
-        return int8_gemm.int8_linear(x.float(), self.weight, self.bias, self.isa).to(x.dtype)
+        out = int8_gemm.int8_linear(x.float(), self.weight, self.bias, self.isa)
+        return out.to(x.dtype)  # float32 x: `float` and `to` return x and out themselves
 
 
 class GroupedLinear(nn.Module):
@@ -128,7 +135,7 @@ class GroupedLinear(nn.Module):
         cls,
         weight: torch.Tensor,
         bias: torch.Tensor | None,
-        bits=int4_gemm.Bits.INT4,
+        bits: int4_gemm.Bits = int4_gemm.Bits.INT4,
         isa: Isa = Isa.AVX2,
     ) -> GroupedLinear:
         return cls(int4_gemm.PackedGroups.quantize(weight, bits), bias, isa)
@@ -137,12 +144,12 @@ class GroupedLinear(nn.Module):
         if self.perm is not None:
             x = x.index_select(-1, self.perm)
         if self.isa is None:
-            return kernels.packed_linear_fwd(x, self.weight, self.bias)
+            out: torch.Tensor = kernels.packed_linear_fwd(x, self.weight, self.bias)
+            return out
         if self.isa is Isa.TORCH:
             return _torch_linear(x, self.weight.dequantize(), self.bias)
-        if x.dtype == torch.float32:
-            return int4_gemm.grouped_linear(x, self.weight, self.bias, self.isa)
-        return int4_gemm.grouped_linear(x.float(), self.weight, self.bias, self.isa).to(x.dtype)
+        out = int4_gemm.grouped_linear(x.float(), self.weight, self.bias, self.isa)
+        return out.to(x.dtype)  # float32 x: `float` and `to` return x and out themselves
 
 
 class PanelLinear(nn.Module):
@@ -154,7 +161,8 @@ class PanelLinear(nn.Module):
         self.weight = weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return fixed_gemm.fixed_linear(x.float(), self.weight).to(x.dtype)
+        out: torch.Tensor = fixed_gemm.fixed_linear(x.float(), self.weight)
+        return out.to(x.dtype)
 
 
 class FixedOrderLinear(nn.Module):
@@ -170,7 +178,7 @@ class FixedOrderLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if len(self.parts) == 1:
-            out = self.parts[0](x)
+            out: torch.Tensor = self.parts[0](x)
         else:
             out = pairwise_sum([part(x[:, lo:hi]) for part, (lo, hi) in self.spans()])
         return out if self.bias is None else out + self.bias.to(out.dtype)
@@ -192,10 +200,12 @@ class FixedOrderLinear(nn.Module):
 
 def _part_bytes(part: nn.Module) -> int:
     if isinstance(part, Int8Linear):
-        return part.weight.tiles.nbytes + part.weight.scales.nbytes
+        nbytes: int = part.weight.tiles.nbytes + part.weight.scales.nbytes
+        return nbytes
     weight = part.weight
     assert isinstance(weight, fixed_gemm.PackedPanels | int4_gemm.PackedGroups)
-    return weight.nbytes
+    nbytes = weight.nbytes
+    return nbytes
 
 
 def _torch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -232,7 +242,9 @@ def float_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
 
 def prepack(weight: torch.Tensor) -> torch.Tensor:
     """A float32 weight [N, K] in oneDNN's layout for `BATCH_HINT` rows (a copy)."""
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), BATCH_HINT)
+    # torch.ops resolves its operators at run time: mypy sees Any
+    packed: torch.Tensor = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), BATCH_HINT)
+    return packed
 
 
 def features(module: nn.Module) -> tuple[int, int] | None:
@@ -246,9 +258,13 @@ def features(module: nn.Module) -> tuple[int, int] | None:
         return out, in_
     if isinstance(module, PanelLinear):
         return module.weight.out_features, module.weight.in_features
-    if isinstance(module, FixedOrderLinear):
-        widths = [features(p) for p in module.parts]
-        return widths[0][0], sum(w[1] for w in widths)  # type: ignore[index]
+    if isinstance(module, FixedOrderLinear):  # its parts side by side along the inputs
+        out, in_ = 0, 0
+        for part in module.parts:
+            width = features(part)
+            assert width is not None  # every part is a linear
+            out, in_ = width[0], in_ + width[1]
+        return out, in_
     return None
 
 
@@ -260,7 +276,9 @@ class Segments:
     parts: tuple[int8_gemm.PackedInt8 | int4_gemm.PackedGroups | fixed_gemm.PackedPanels, ...]
 
 
-Packed = int8_gemm.PackedInt8 | int4_gemm.PackedGroups | PermutedGroups | torch.Tensor | Segments
+Packed: TypeAlias = (
+    int8_gemm.PackedInt8 | int4_gemm.PackedGroups | PermutedGroups | torch.Tensor | Segments
+)
 
 
 @dataclass(frozen=True)

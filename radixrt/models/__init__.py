@@ -10,7 +10,7 @@ import importlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from radixrt.models.interface import CausalLM
+from torch import nn
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -52,10 +52,11 @@ def architecture_of(config: PretrainedConfig) -> Architecture:
     raise ValueError(f"unsupported architecture {names}; supported: {supported}")
 
 
-def model_class(config: PretrainedConfig) -> type[CausalLM]:
-    """The class that serves `config`'s architecture."""
+def model_class(config: PretrainedConfig) -> type[nn.Module]:
+    """The class that serves `config`'s architecture (a module that keeps
+    `interface.CausalLM`, which the loader checks)."""
     arch = architecture_of(config)
-    cls: type[CausalLM] = getattr(
+    cls: type[nn.Module] = getattr(
         importlib.import_module(f"radixrt.models.{arch.module}"), arch.cls
     )
     return cls

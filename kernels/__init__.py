@@ -8,6 +8,7 @@ The Triton names load on first access, so the CPU kernels import without Triton.
 """
 
 from importlib import import_module
+from typing import Any
 
 _LAZY = {
     "decode_attention_fwd": ".decode_attention",
@@ -22,7 +23,7 @@ _LAZY = {
 __all__ = list(_LAZY)
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Any:
     if name in _LAZY:
         return getattr(import_module(_LAZY[name], __name__), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -90,7 +90,8 @@ def amx_granted() -> bool:
     sys_arch_prctl, req_xcomp_perm, xtiledata = 158, 0x1023, 18  # x86-64 Linux's numbers
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        return libc.syscall(sys_arch_prctl, req_xcomp_perm, xtiledata) == 0
+        status: int = libc.syscall(sys_arch_prctl, req_xcomp_perm, xtiledata)
+        return status == 0
     except (OSError, AttributeError):
         return False
 

@@ -44,7 +44,9 @@ class Segments:
         """Group rows whose slots are `row_slots` (one per row, -1 for the base model)."""
         ranked = sorted((s, r) for r, s in enumerate(row_slots) if s >= 0)
         rows = [r for _, r in ranked]
-        slots, starts, ends = [], [], []
+        slots: list[int] = []
+        starts: list[int] = []
+        ends: list[int] = []
         for i, (slot, _) in enumerate(ranked):
             if not slots or slots[-1] != slot:
                 slots.append(slot)
@@ -69,7 +71,9 @@ class Segments:
         )
 
 
-def batched(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, seg: Segments):
+def batched(
+    y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, seg: Segments
+) -> torch.Tensor:
     """`y` [T, out] plus each row's delta, in place: the padded segments as two batched
     matmuls by their slots' `a` [S, in, R] and `b` [S, R, out] blocks (a view when the
     segments' slots are 0..n-1, else a gathered copy)."""

@@ -23,6 +23,7 @@ import subprocess
 import tempfile
 from functools import cache
 from pathlib import Path
+from typing import TypeAlias
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +33,10 @@ CSRC = Path(__file__).resolve().parent / "csrc"
 AVX2_PRELUDE = (CSRC / "avx2.h").read_text()
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared")
 POINTER, INT64, FLOAT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+# a C function's name and its arguments' types (it returns void)
+Signature: TypeAlias = tuple[
+    str, tuple[type[ctypes.c_void_p] | type[ctypes.c_int64] | type[ctypes.c_float], ...]
+]
 _INCLUDE = re.compile(r'^\s*#\s*include\s*"([^"]+)"', re.MULTILINE)
 
 
@@ -104,7 +109,7 @@ def source_key(source: Path | str, flags: tuple[str, ...]) -> str:
 def load(
     name: str,
     source: Path | str,
-    signatures: tuple[tuple[str, tuple], ...],
+    signatures: tuple[Signature, ...],
     flags: tuple[str, ...] = (),
 ) -> ctypes.CDLL | None:
     """The library built from `source` (a C file, usually under `CSRC`, or C text) with

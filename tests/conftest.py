@@ -18,11 +18,24 @@ os.environ["PYTHONSAFEPATH"] = "1"
 # triton.jit decorates them, i.e. before any test module imports the Triton backend.
 os.environ["TRITON_INTERPRET"] = "1"
 
+# Under pytest-xdist the workers, and the runtimes each one starts, share this machine's cores:
+# each worker takes its share as OMP_NUM_THREADS (torch reads it at import, a runtime's
+# --cpu-threads 0 from its environment). Two workers each running torch on every core spin-wait on
+# each other's threads: a module's tests took 2.7 times as long (docs/development.md, "Suite time").
+XDIST_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if XDIST_WORKERS > 1:
+    os.environ.setdefault(
+        "OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // XDIST_WORKERS))
+    )
+
 import shutil
 from collections import defaultdict
 
 import pytest
 import torch
+
+if XDIST_WORKERS > 1:  # in case a plugin imported torch before the share was set
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 from radixrt.executor.model_loader import resolve_model_path
 

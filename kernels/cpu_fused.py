@@ -11,6 +11,8 @@ be built the model keeps its torch ops.
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
 from . import native
@@ -24,7 +26,7 @@ SIGNATURES = (
 )
 
 
-def _library():
+def _library() -> ctypes.CDLL | None:
     return native.load("cpu_fused", SOURCE, SIGNATURES)
 
 
@@ -40,7 +42,7 @@ def rms_norm(
     x = x.contiguous()
     assert residual is None or residual.is_contiguous()
     out = torch.empty_like(x)
-    _library().rms_norm(
+    native.built(_library()).rms_norm(
         x.data_ptr(),
         None if residual is None else residual.data_ptr(),
         weight.data_ptr(),
@@ -69,7 +71,7 @@ def rope_and_store(
     assert cos.is_contiguous() and sin.is_contiguous() and slots.dtype == torch.int64
     slots = slots.contiguous()
     q = qkv.new_empty(t, num_heads, d)
-    _library().rope_store(
+    native.built(_library()).rope_store(
         qkv.data_ptr(),
         cos.data_ptr(),
         sin.data_ptr(),
@@ -90,5 +92,5 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     gate_up = gate_up.contiguous()
     t, width = gate_up.shape
     out = gate_up.new_empty(t, width // 2)
-    _library().silu_mul(gate_up.data_ptr(), out.data_ptr(), t, width // 2)
+    native.built(_library()).silu_mul(gate_up.data_ptr(), out.data_ptr(), t, width // 2)
     return out

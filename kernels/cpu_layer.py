@@ -72,7 +72,7 @@ class Step(ctypes.Structure):
     ]
 
 
-def _library(isa: cpu_isa.Isa):
+def _library(isa: cpu_isa.Isa) -> ctypes.CDLL | None:
     return native.load(f"cpu_layer-{isa.value}", SOURCE, SIGNATURES, isa.cflags)
 
 
@@ -116,7 +116,7 @@ def layer_of(
 
 
 def decode_layers(
-    layers: ctypes.Array,
+    layers: ctypes.Array[Layer],
     shape: Shape,
     x: torch.Tensor,
     residual: torch.Tensor,
@@ -179,6 +179,6 @@ def decode_layers(
         **pointers,
         a=a.data_ptr(),
     )
-    _library(isa).decode_layers(
+    native.built(_library(isa)).decode_layers(
         layers, len(layers), ctypes.byref(step), x.data_ptr(), residual.data_ptr()
     )

@@ -10,6 +10,8 @@ Built on first use (`native`); where it cannot be built, callers keep the torch 
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
 from . import native
@@ -19,7 +21,7 @@ P, I = native.POINTER, native.INT64
 SIGNATURES = (("apply_bitmask", (P, P, P) + (I,) * 4),)
 
 
-def _library():
+def _library() -> ctypes.CDLL | None:
     return native.load("cpu_mask", SOURCE, SIGNATURES)
 
 
@@ -42,7 +44,7 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int] |
     assert rows is None or all(0 <= r < logits.shape[0] for r in rows)
     index = None if rows is None else torch.tensor(rows, dtype=torch.int64)
     count = logits.shape[0] if index is None else len(index)
-    _library().apply_bitmask(
+    native.built(_library()).apply_bitmask(
         logits.data_ptr(),
         bitmask.data_ptr(),
         None if index is None else index.data_ptr(),

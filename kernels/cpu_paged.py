@@ -19,6 +19,8 @@ Plain C built on first use (`native`). Without a compiler the backend keeps the 
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
 from . import native
@@ -36,7 +38,7 @@ MAX_SPLITS = 8
 MIN_SPLIT_KEYS = 256  # a range shorter than this costs more to merge than it saves
 
 
-def _library():
+def _library() -> ctypes.CDLL | None:
     return native.load("paged_decode", SOURCE, SIGNATURES)
 
 
@@ -111,7 +113,7 @@ def paged_decode(
         splits,
         part.data_ptr(),
     ]
-    _library().paged_decode(*args, FLOAT_ROWS if kind is None else kind)
+    native.built(_library()).paged_decode(*args, FLOAT_ROWS if kind is None else kind)
     return out, lse
 
 
@@ -122,7 +124,7 @@ def quantize_int8(x: torch.Tensor, slots: torch.Tensor, buf: torch.Tensor) -> No
     t, h, d = x.shape
     assert x.dtype == torch.float32 and buf.dtype == torch.int8 and buf.shape[1:] == (h, d + 4)
     assert slots.dtype == torch.int64 and buf.is_contiguous()
-    _library().quantize_int8(x.data_ptr(), slots.data_ptr(), buf.data_ptr(), t, h, d)
+    native.built(_library()).quantize_int8(x.data_ptr(), slots.data_ptr(), buf.data_ptr(), t, h, d)
 
 
 def choose_splits(tasks: int, longest: int) -> int:

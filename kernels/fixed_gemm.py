@@ -14,6 +14,7 @@ and a decode row reads each panel once.
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass, field
 
 import torch
@@ -26,7 +27,7 @@ SOURCE = native.CSRC / "fixed_gemm.c"
 SIGNATURES = (("fixed_linear", (native.POINTER,) * 3 + (native.INT64,) * 3),)
 
 
-def _library():
+def _library() -> ctypes.CDLL | None:
     return native.load("fixed_gemm", SOURCE, SIGNATURES)
 
 
@@ -70,7 +71,7 @@ def fixed_linear(x: torch.Tensor, w: PackedPanels) -> torch.Tensor:
     x = x.contiguous()
     m = x.shape[0]
     out = torch.empty(m, w.out_features, dtype=torch.float32)
-    _library().fixed_linear(
+    native.built(_library()).fixed_linear(
         x.data_ptr(), w.panels_ptr, out.data_ptr(), m, w.out_features, w.in_features
     )
     return out

@@ -36,6 +36,7 @@ the VNNI code.
 
 from __future__ import annotations
 
+import ctypes
 import enum
 from dataclasses import dataclass, field, replace
 
@@ -60,7 +61,7 @@ AMX_SIGNATURES = (
 AMX_MIN_ROWS = 16  # fewer rows take the VNNI code: a tile of 16 activation rows would be padded
 
 
-def _library(isa: cpu_isa.Isa = cpu_isa.Isa.AVX2):
+def _library(isa: cpu_isa.Isa = cpu_isa.Isa.AVX2) -> ctypes.CDLL | None:
     """The kernels of `isa`, built on first use. Building and loading them needs no more than a
     compiler (every path builds on any host); running the AMX ones needs the tile state, which
     `cpu_isa.host_paths` asks of Linux before it offers the path."""
@@ -275,7 +276,7 @@ def quantize_rows(x: torch.Tensor) -> QuantizedRows:
         torch.empty(m, groups),
     )
     for i in range(m):
-        _library().quantize_row(
+        native.built(_library()).quantize_row(
             x[i].data_ptr(),
             rows.values[i].data_ptr(),
             rows.scales[i].data_ptr(),
@@ -297,7 +298,7 @@ def grouped_linear(
     microseconds add up over every linear of a step."""
     x = x.contiguous()
     m, groups = x.shape[0], w.groups
-    lib = _library(isa)
+    lib = native.built(_library(isa))
     amx = isa is cpu_isa.Isa.AMX and m >= AMX_MIN_ROWS
     rows = -(-m // 16) * 16 if amx else m  # the tile unit reads activations 16 rows at a time
     a = torch.empty(rows, groups * GROUP, dtype=torch.int8)

@@ -18,6 +18,7 @@ before being added to a float accumulator.
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -32,7 +33,7 @@ P, I = native.POINTER, native.INT64
 SIGNATURES = (("int8_linear", (P,) * 7 + (I,) * 4),)
 
 
-def _library(isa: cpu_isa.Isa = cpu_isa.Isa.AVX2):
+def _library(isa: cpu_isa.Isa = cpu_isa.Isa.AVX2) -> ctypes.CDLL | None:
     return native.load(f"int8_gemm-{isa.value}", SOURCE, SIGNATURES, isa.cflags)
 
 
@@ -110,7 +111,7 @@ def int8_linear(
     xq = torch.empty(m, kp, dtype=torch.int16)
     xs = torch.empty(m, dtype=torch.float32)
     out = torch.empty(m, w.out_features, dtype=torch.float32)
-    _library(isa).int8_linear(
+    native.built(_library(isa)).int8_linear(
         x.data_ptr(),
         xq.data_ptr(),
         xs.data_ptr(),

@@ -133,6 +133,12 @@ def load(
     return lib
 
 
+def built(library: ctypes.CDLL | None) -> ctypes.CDLL:
+    """`library` as `load` gave it, to a caller whose availability check already found it built."""
+    assert library is not None, "a kernel ran where its library did not build"
+    return library
+
+
 def compile_library(compiler: str, source: Path, flags: tuple[str, ...], output: Path) -> None:
     """Compile the C file `source` in place (`-I CSRC`) into the shared library `output`;
     CompileError with the compiler's whole output (which names the file and line) on failure."""

@@ -10,9 +10,15 @@ from radixrt.bench.workloads import WORDS, words
 PROGRAM_WORKLOADS = ("agent", "few-shot-select", "tree-of-thought")  # program_workloads' keys
 
 
-def program_workloads(num_programs: int, seed: int = 0) -> dict[str, tuple[Any, list[dict]]]:
-    """name -> (program, list of its keyword arguments): few-shot select, a ReAct-style agent, tree of thought."""
-    import radixrt as rt
+def program_workloads(
+    num_programs: int, seed: int = 0
+) -> dict[str, tuple[Any, list[dict[str, Any]]]]:
+    """name -> (program, list of its keyword arguments): few-shot select, a ReAct-style agent,
+    tree of thought. A program's state `s` is the DSL's ProgramState; mypy sees the DSL only as
+    `radixrt.frontend`, which the editable install maps onto frontend/ where mypy does not look,
+    so the programs' arguments are typed Any and `rt.function` is applied by call (an untyped
+    decorator would untype them)."""
+    import radixrt.frontend as rt
 
     rng = random.Random(seed)
     shots = "".join(
@@ -21,8 +27,7 @@ def program_workloads(num_programs: int, seed: int = 0) -> dict[str, tuple[Any, 
         for _ in range(5)
     )
 
-    @rt.function
-    def few_shot_select(s, question):
+    def few_shot_select(s: Any, question: str) -> None:
         s += shots + f"Question: {question}?\n(A) one (B) two (C) three (D) four\nAnswer: "
         s += rt.select("answer", choices=["A", "B", "C", "D"])
 
@@ -31,16 +36,14 @@ def program_workloads(num_programs: int, seed: int = 0) -> dict[str, tuple[Any, 
         for name in ("search", "calculate", "lookup", "translate", "finish")
     )
 
-    @rt.function
-    def agent(s, task, observations):
+    def agent(s: Any, task: str, observations: list[int]) -> None:
         s += rt.system(tools)
         s += rt.user(task)
         for t, observation in enumerate(observations):
             s += rt.assistant("Thought: " + rt.gen(f"thought{t}", max_tokens=12, stop="\n"))
             s += rt.user(f"Observation {t}: the tool returned {observation}.")
 
-    @rt.function
-    def tree_of_thought(s, question):
+    def tree_of_thought(s: Any, question: str) -> None:
         s += rt.user(question)
         s += rt.assistant_begin()
         ideas = s.fork(3)
@@ -53,16 +56,16 @@ def program_workloads(num_programs: int, seed: int = 0) -> dict[str, tuple[Any, 
 
     questions = [words(rng, 10) for _ in range(num_programs)]
     return {
-        "few-shot-select": (few_shot_select, [{"question": q} for q in questions]),
+        "few-shot-select": (rt.function(few_shot_select), [{"question": q} for q in questions]),
         "agent": (
-            agent,
+            rt.function(agent),
             [
                 {"task": f"Task {i}: {q}", "observations": [rng.randrange(100) for _ in range(4)]}
                 for i, q in enumerate(questions[: max(num_programs // 4, 1)])
             ],
         ),
         "tree-of-thought": (
-            tree_of_thought,
+            rt.function(tree_of_thought),
             [{"question": q} for q in questions[: max(num_programs // 10, 1)]],
         ),
     }

@@ -991,7 +991,7 @@ def check_packed_checkpoint(out: dict[str, Any]) -> None:
 
     from radixrt.executor.model_loader import resolve_model_path
 
-    sys.path[:0] = [str(Path(__file__).resolve().parents[1] / "tests")]
+    sys.path[:0] = [str(Path(__file__).resolve().parents[2] / "tests")]
     from quant_packers import quality_ids, runner, write_quantized, write_small_model
 
     with tempfile.TemporaryDirectory() as tmp:

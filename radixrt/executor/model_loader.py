@@ -15,7 +15,7 @@ import shutil
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO, cast
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 import torch
 from torch import nn
@@ -477,8 +477,8 @@ def load_model(
     for tensors the checkpoint lacks or the architecture does not use."""
     with torch.device("meta"):
         model = model_class(config)(config, context_length, tp)
-    if not isinstance(model, nn.Module) or not isinstance(model, CausalLM):
-        raise TypeError(f"{type(model).__name__} does not keep models.interface.CausalLM")
+    if not isinstance(model, CausalLM):
+        raise TypeError(f"{type(model).__name__} does not derive models.interface.CausalLM")
     streamed = _own_linears(model, meta) if packing is not None else []
     if packing is not None and packing.packs_embedding and f"{EMBEDDING}.weight" not in meta:
         streamed.append(EMBEDDING)
@@ -523,7 +523,7 @@ class PackingReader:
     after `load_weights`, when their biases are in (q/k/v biases come after their weights)."""
 
     def __init__(
-        self, reader: WeightReader, model: nn.Module, linears: list[str], packing: LinearPacking
+        self, reader: WeightReader, model: CausalLM, linears: list[str], packing: LinearPacking
     ):
         self._reader, self._model, self._packing = reader, model, packing
         self._names = reader.names
@@ -616,7 +616,7 @@ class PackingReader:
         if table is not None:
             assert isinstance(table, PackedGroups)
             table = table.to(self._packing.device)  # shared by lookups and a tied projection
-            model = cast(CausalLM, self._model)
+            model = self._model
             model.keep_embedding_packed(
                 table, self._packing.module(table, None) if model.tied else None
             )

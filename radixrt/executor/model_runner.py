@@ -9,11 +9,11 @@ import logging
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import cast
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from transformers import AutoConfig, AutoTokenizer
+from transformers import AutoConfig, AutoTokenizer, PretrainedConfig
 
 from radixrt.attention import create_backend
 from radixrt.config import ExecutorArgs
@@ -50,9 +50,13 @@ from radixrt.models.linear import (
     check_quantization,
     features,
 )
+from radixrt.models.llama import LlamaForCausalLM
 from radixrt.models.pooling import Pooling
 from radixrt.models.quantized import CheckpointQuant
 from radixrt.models.support import check_supported
+
+if TYPE_CHECKING:
+    from radixrt.executor.cuda_graph_runner import CudaGraphRunner
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +101,7 @@ class WeightCounts:
     attention_flops_per_pair: int
 
     @classmethod
-    def of(cls, model: nn.Module, config, bytes_per_weight: float) -> WeightCounts:
+    def of(cls, model: CausalLM, config: PretrainedConfig, bytes_per_weight: float) -> WeightCounts:
         """Counts of `model`'s linears (float, prepacked or quantized: `features`), at
         `bytes_per_weight` each."""
         linears = [(n, features(m)) for n, m in model.named_modules()]
@@ -126,7 +130,11 @@ def linear_bytes(model: nn.Module) -> int:
 
 
 def check_deterministic(
-    args: ExecutorArgs, device: torch.device, dtype: torch.dtype, isa: cpu_isa.Isa | None, config
+    args: ExecutorArgs,
+    device: torch.device,
+    dtype: torch.dtype,
+    isa: cpu_isa.Isa | None,
+    config: PretrainedConfig,
 ) -> None:
     """ValueError naming what `--enable-deterministic-inference` cannot honour here: its fixed-
     order kernels are the CPU's C kernels on float32 (or int8/int4 weights); the attention
@@ -313,7 +321,7 @@ class ModelRunner:
 
     def _replace_linears(
         self,
-        model: nn.Module,
+        model: CausalLM,
         packed: gguf_weights.GGUFPlan | None,
         packing: LinearPacking | None,
     ) -> None:
@@ -323,7 +331,6 @@ class ModelRunner:
         int8, int4 from float (the output projection in 8-bit groups) or float32 prepacked
         (`LinearPacking`; under `gguf`, what GGUF did not pack stays float, as before)."""
         if packed is not None:
-            causal = cast(CausalLM, model)
             # on the run's device (a GPU's Triton kernel and lookups read them there), once: a
             # tied table and output projection share the groups
             cache = gguf_weights.packed_cache(self.model_path)
@@ -336,10 +343,10 @@ class ModelRunner:
                 owner = model.get_submodule(parent)
                 bias = getattr(owner, child).bias
                 setattr(owner, child, GroupedLinear(weight, bias, self.cpu_isa))
-            if causal.tied and "lm_head" in read:
-                causal.keep_embedding_packed(read["lm_head"], causal.lm_head)
+            if model.tied and "lm_head" in read:
+                model.keep_embedding_packed(read["lm_head"], model.lm_head)
             elif table is not None:
-                causal.keep_embedding_packed(table, None)
+                model.keep_embedding_packed(table, None)
         if packing is not None:
             packing.replace(model)
 
@@ -383,7 +390,7 @@ class ModelRunner:
         if self.graph_runner is not None:
             self.graph_runner = self._graph_runner()
 
-    def _eos_ids(self, generation: dict) -> set[int]:
+    def _eos_ids(self, generation: dict[str, Any]) -> set[int]:
         """The config's, the tokenizer's and generation_config.json's end-of-sequence ids."""
         ids = set()
         for source in (
@@ -430,6 +437,10 @@ class ModelRunner:
         args = self.args
         if not args.lora_enabled:
             return None
+        if not isinstance(self.model, LlamaForCausalLM):  # every architecture served is one
+            raise ValueError(
+                f"LoRA adapters need the Llama layout's projections, not {type(self.model).__name__}"
+            )
         paths = parse_lora_paths(args.lora_paths)
         rank = args.max_lora_rank or default_max_rank(paths)
         lora = LoraManager(self.model, args.max_loras_per_batch, rank, self.dtype)
@@ -437,7 +448,7 @@ class ModelRunner:
             lora.load(name, path)
         return lora
 
-    def _graph_runner(self):
+    def _graph_runner(self) -> CudaGraphRunner | None:
         """Decode steps as CUDA graphs: on CUDA with the Triton backend, unless disabled or the
         model's forward reads values on the host (experts' routing)."""
         if self.device.type != "cuda" or self.args.disable_cuda_graph or self.tp.size > 1:

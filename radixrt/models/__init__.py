@@ -2,7 +2,7 @@
 that serves it (imported only when a checkpoint asks for it) and its `model_type`, by which a
 config without `architectures` is matched. Today every family is the one decoder skeleton
 (llama.py) with the parts its `Family` names (family.py); a family not shaped like Llama adds its
-own module and class here, keeping `interface.CausalLM`."""
+own module and class here, deriving `interface.CausalLM`."""
 
 from __future__ import annotations
 
@@ -53,8 +53,8 @@ def architecture_of(config: PretrainedConfig) -> Architecture:
 
 
 def model_class(config: PretrainedConfig) -> type[nn.Module]:
-    """The class that serves `config`'s architecture (a module that keeps
-    `interface.CausalLM`, which the loader checks)."""
+    """The class that serves `config`'s architecture (a subclass of `interface.CausalLM`, which
+    the loader checks: its constructor's arguments are the architecture's own)."""
     arch = architecture_of(config)
     cls: type[nn.Module] = getattr(
         importlib.import_module(f"radixrt.models.{arch.module}"), arch.cls

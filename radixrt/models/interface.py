@@ -10,7 +10,7 @@ that models depend on nothing above them.
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import nn
@@ -49,11 +49,12 @@ class WeightSource(Protocol):
         ...
 
 
-@runtime_checkable
-class CausalLM(Protocol):
+class CausalLM(nn.Module):
     """A decoder the executor can serve: built on the meta device from (config, max_positions,
     tp), filled by `load_weights`, run on a `ForwardBatch` to hidden states, and turned into this
-    rank's slice of the logits by `compute_logits`."""
+    rank's slice of the logits by `compute_logits`. A base class, not a protocol: the executor
+    passes the model both to what reads these members and to what walks it as an `nn.Module`
+    (quantization, LoRA, CUDA graphs), and the loader refuses a class that does not derive it."""
 
     family: Family  # the parts the architecture swaps in (windows, softcaps, ...)
     shard: HeadShard  # this rank's attention heads: the KV pool holds `shard.num_kv_heads`
@@ -63,10 +64,23 @@ class CausalLM(Protocol):
     vocab_widths: list[int]  # each rank's slice of the vocabulary, in rank order
     tied: bool  # lm_head shares the embedding's weights (the checkpoint has no lm_head)
 
-    def __call__(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor: ...
+    if TYPE_CHECKING:  # nn.Module's __call__ runs `forward` (through its hooks)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+        def __call__(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor: ...
 
-    def load_weights(self, reader: WeightSource) -> None: ...
+    def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
+        """Hidden states after the final norm, one row per new token (the same on every rank)."""
+        raise NotImplementedError
 
-    def keep_embedding_packed(self, weight: PackedGroups, lm_head: nn.Module | None) -> None: ...
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """This rank's vocabulary columns of the logits of `hidden`'s rows."""
+        raise NotImplementedError
+
+    def load_weights(self, reader: WeightSource) -> None:
+        """Every parameter (this rank's shard) from `reader`."""
+        raise NotImplementedError
+
+    def keep_embedding_packed(self, weight: PackedGroups, lm_head: nn.Module | None) -> None:
+        """Look tokens up in the packed `weight` from now on (`lm_head`: a tied output
+        projection's module over the same groups)."""
+        raise NotImplementedError

@@ -20,7 +20,7 @@ from radixrt.kernels import cpu_fused
 from radixrt.kernels.int4_gemm import PackedGroups
 from radixrt.models.family import Family, MoeSpec, family_of, rope_per_layer_type
 from radixrt.models.fused_decode import FusedDecode
-from radixrt.models.interface import WeightSource
+from radixrt.models.interface import CausalLM, WeightSource
 from radixrt.models.moe import GatedMLP, SparseMoE
 
 
@@ -323,7 +323,7 @@ def expert_shard(moe: MoeSpec | None, tp: TPGroup) -> tuple[tuple[int, int], tup
     return split_range(moe.intermediate_size, tp.size, tp.rank), (0, moe.num_experts)
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(CausalLM):
     """The decoder, or with `tp` of size N one rank's shard of it: its heads (`shard`), its
     slice of the MLP (`mlp_range`), of each expert (`expert_range`) and of the vocabulary
     (`vocab_range`); norms, routers and rotary tables are whole on every rank.

@@ -2,6 +2,8 @@
 (split-KV): the whole context, or with a sliding window W only its last W keys, which the splits
 divide among them."""
 
+from __future__ import annotations
+
 import math
 
 import torch
@@ -15,10 +17,13 @@ from .extend_attention import (
     check_kv_rows,
     dot_precision,
 )
+from .jit import jit
 
 
-@triton.jit
-def _span(kv_indptr, b, WINDOW: tl.constexpr):
+@jit
+def _span(
+    kv_indptr: tl.tensor, b: tl.tensor, WINDOW: tl.constexpr
+) -> tuple[tl.tensor, tl.tensor, tl.tensor]:
     """Request b's context: where its slots start in kv_indices, how many, and the first one
     its query sees (the last WINDOW of them when WINDOW > 0)."""
     kv_start = tl.load(kv_indptr + b)
@@ -29,27 +34,27 @@ def _span(kv_indptr, b, WINDOW: tl.constexpr):
     return kv_start, kv_len, first
 
 
-@triton.jit
+@jit
 def _decode_split_kernel(
-    Q,
-    K_buf,
-    V_buf,
-    Mid_O,
-    Mid_LSE,
-    kv_indptr,
-    kv_indices,
-    sm_scale,
-    stride_qb,
-    stride_qh,
-    stride_kbs,
-    stride_kbh,
-    stride_vbs,
-    stride_vbh,
-    stride_mob,
-    stride_moh,
-    stride_mos,
-    stride_mlb,
-    stride_mlh,
+    Q: tl.tensor,
+    K_buf: tl.tensor,
+    V_buf: tl.tensor,
+    Mid_O: tl.tensor,
+    Mid_LSE: tl.tensor,
+    kv_indptr: tl.tensor,
+    kv_indices: tl.tensor,
+    sm_scale: tl.tensor,
+    stride_qb: tl.tensor,
+    stride_qh: tl.tensor,
+    stride_kbs: tl.tensor,
+    stride_kbh: tl.tensor,
+    stride_vbs: tl.tensor,
+    stride_vbh: tl.tensor,
+    stride_mob: tl.tensor,
+    stride_moh: tl.tensor,
+    stride_mos: tl.tensor,
+    stride_mlb: tl.tensor,
+    stride_mlh: tl.tensor,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -59,7 +64,7 @@ def _decode_split_kernel(
     WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     KV_KIND: tl.constexpr,
-):
+) -> None:
     """Stage 1: one program per (request, kv head, split) serves all query heads of that kv head,
     so each K/V block is read once per group. Writes the split's normalized output and its log2-sum-exp."""
     b = tl.program_id(0)
@@ -131,25 +136,25 @@ def _decode_split_kernel(
     tl.store(Mid_LSE + b * stride_mlb + heads * stride_mlh + split, m_i + tl.log2(l_i), mask=mask_h)
 
 
-@triton.jit
+@jit
 def _decode_merge_kernel(
-    Mid_O,
-    Mid_LSE,
-    O,
-    kv_indptr,
-    num_splits,
-    stride_mob,
-    stride_moh,
-    stride_mos,
-    stride_mlb,
-    stride_mlh,
-    stride_ob,
-    stride_oh,
+    Mid_O: tl.tensor,
+    Mid_LSE: tl.tensor,
+    O: tl.tensor,
+    kv_indptr: tl.tensor,
+    num_splits: tl.tensor,
+    stride_mob: tl.tensor,
+    stride_moh: tl.tensor,
+    stride_mos: tl.tensor,
+    stride_mlb: tl.tensor,
+    stride_mlh: tl.tensor,
+    stride_ob: tl.tensor,
+    stride_oh: tl.tensor,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,
     WINDOW: tl.constexpr,
-):
+) -> None:
     """Stage 2: one program per (request, query head) combines the non-empty splits by their log-sum-exp."""
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -174,7 +179,7 @@ def _decode_merge_kernel(
     tl.store(O + b * stride_ob + h * stride_oh + offs_d, out.to(O.dtype.element_ty), mask=mask_d)
 
 
-def _launch_config(block_d: int) -> dict:
+def _launch_config(block_d: int) -> dict[str, int]:
     # Untuned starting point; `radixrt bench --workload gpu-check` (radixrt/bench/gpu_check.py)
     # sweeps alternatives by patching this function.
     return dict(BLOCK_N=64 if block_d <= 128 else 32, num_warps=4, num_stages=2)

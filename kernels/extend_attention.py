@@ -15,15 +15,19 @@ bf16 KV for it, rows padded to 16 bytes or the scales in an array of their own a
 out.
 """
 
+from __future__ import annotations
+
 import math
 
 import torch
 import triton
 import triton.language as tl
 
+from .jit import jit
 
-@triton.jit
-def _scores(qk, sm_scale, LOGIT_CAP: tl.constexpr):
+
+@jit
+def _scores(qk: tl.tensor, sm_scale: tl.tensor, LOGIT_CAP: tl.constexpr) -> tl.tensor:
     """Raw q.k products -> softmax logits in log2 units (so the kernels can use exp2)."""
     qk = qk * sm_scale
     if LOGIT_CAP > 0:
@@ -32,10 +36,19 @@ def _scores(qk, sm_scale, LOGIT_CAP: tl.constexpr):
     return qk * 1.4426950408889634
 
 
-@triton.jit
+@jit
 def _attend_block(
-    q, k, v, visible, m_i, l_i, acc, sm_scale, LOGIT_CAP: tl.constexpr, DOT_PRECISION: tl.constexpr
-):
+    q: tl.tensor,
+    k: tl.tensor,
+    v: tl.tensor,
+    visible: tl.tensor,
+    m_i: tl.tensor,
+    l_i: tl.tensor,
+    acc: tl.tensor,
+    sm_scale: tl.tensor,
+    LOGIT_CAP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+) -> tuple[tl.tensor, tl.tensor, tl.tensor]:
     """Fold one key/value block into an online softmax: the running max m_i (log2 units), the
     running sum l_i and the unnormalised output acc; `visible` masks the keys a query may see.
     A row that has seen no key yet (its window starts past this block) stays at -inf and 0."""
@@ -50,8 +63,8 @@ def _attend_block(
     return m_new, l_i, acc
 
 
-@triton.jit
-def _codes_to_float(x, KV_KIND: tl.constexpr):
+@jit
+def _codes_to_float(x: tl.tensor, KV_KIND: tl.constexpr) -> tl.tensor:
     """One-byte codes, loaded as int8 -> their float32 values: int8 (KV_KIND 0) as is; an FP8
     code (1 E4M3, 2 E5M2) through the half-precision float with its sign, exponent and mantissa
     bits (E5M2 is a half's top byte; E4M3's exponent bias is 7 to a half's 15: times 2^8). Exact
@@ -69,20 +82,20 @@ def _codes_to_float(x, KV_KIND: tl.constexpr):
     return y
 
 
-@triton.jit
+@jit
 def _load_rows(
-    buf,
-    slots,
-    kvh,
-    stride_s,
-    stride_h,
-    offs_d,
-    mask_n,
-    mask_d,
+    buf: tl.tensor,
+    slots: tl.tensor,
+    kvh: tl.tensor,
+    stride_s: tl.tensor,
+    stride_h: tl.tensor,
+    offs_d: tl.tensor,
+    mask_n: tl.tensor,
+    mask_d: tl.tensor,
     dtype: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     KV_KIND: tl.constexpr,
-):
+) -> tl.tensor:
     """KV head `kvh`'s rows at pool `slots` [BLOCK_N] -> a tile [BLOCK_N, BLOCK_D] in `dtype`
     (the query's), 0 where masked. KV_KIND -1: a float pool, loaded as is; else
     (`KVFormat.kernel_kind`) codes times the float32 scale stored after them, at byte HEAD_DIM
@@ -98,30 +111,30 @@ def _load_rows(
     return x.to(dtype)
 
 
-@triton.jit
+@jit
 def _extend_kernel(
-    Q,
-    K_ext,
-    V_ext,
-    O,
-    K_buf,
-    V_buf,
-    qo_indptr,
-    kv_indptr,
-    kv_indices,
-    sm_scale,
-    stride_qt,
-    stride_qh,
-    stride_kt,
-    stride_kh,
-    stride_vt,
-    stride_vh,
-    stride_ot,
-    stride_oh,
-    stride_kbs,
-    stride_kbh,
-    stride_vbs,
-    stride_vbh,
+    Q: tl.tensor,
+    K_ext: tl.tensor,
+    V_ext: tl.tensor,
+    O: tl.tensor,
+    K_buf: tl.tensor,
+    V_buf: tl.tensor,
+    qo_indptr: tl.tensor,
+    kv_indptr: tl.tensor,
+    kv_indices: tl.tensor,
+    sm_scale: tl.tensor,
+    stride_qt: tl.tensor,
+    stride_qh: tl.tensor,
+    stride_kt: tl.tensor,
+    stride_kh: tl.tensor,
+    stride_vt: tl.tensor,
+    stride_vh: tl.tensor,
+    stride_ot: tl.tensor,
+    stride_oh: tl.tensor,
+    stride_kbs: tl.tensor,
+    stride_kbh: tl.tensor,
+    stride_vbs: tl.tensor,
+    stride_vbh: tl.tensor,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -131,7 +144,7 @@ def _extend_kernel(
     WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     KV_KIND: tl.constexpr,
-):
+) -> None:
     b = tl.program_id(0)
     h = tl.program_id(1)
     start_m = tl.program_id(2) * BLOCK_M
@@ -264,7 +277,7 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def _launch_config(block_d: int) -> dict:
+def _launch_config(block_d: int) -> dict[str, int]:
     # Untuned starting point; `radixrt bench --workload gpu-check` (radixrt/bench/gpu_check.py)
     # sweeps alternatives by patching this function.
     if block_d <= 128:

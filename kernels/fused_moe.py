@@ -5,6 +5,8 @@ shape of SGLang and vLLM). Nothing is read back to the host, so the launch sizes
 routing: the grid covers the most blocks any routing can need and the surplus exits at once.
 """
 
+from __future__ import annotations
+
 from collections.abc import Callable
 
 import torch
@@ -12,30 +14,31 @@ import triton
 import triton.language as tl
 
 from .extend_attention import dot_precision
+from .jit import jit
 
 
-@triton.jit
+@jit
 def _expert_matmul_kernel(
-    A,
-    B,
-    C,
-    sorted_pairs,
-    block_experts,
-    pair_weights,
-    num_pairs,
-    N,
-    K,
-    stride_am,
-    stride_be,
-    stride_bn,
-    stride_cm,
+    A: tl.tensor,
+    B: tl.tensor,
+    C: tl.tensor,
+    sorted_pairs: tl.tensor,
+    block_experts: tl.tensor,
+    pair_weights: tl.tensor,
+    num_pairs: tl.tensor,
+    N: tl.tensor,
+    K: tl.tensor,
+    stride_am: tl.tensor,
+    stride_be: tl.tensor,
+    stride_bn: tl.tensor,
+    stride_cm: tl.tensor,
     A_ROW_DIV: tl.constexpr,
     WEIGHTED: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-):
+) -> None:
     """C[p, n-tile] = A[p // A_ROW_DIV] @ B[expert]^T for the pairs p of row block
     program_id(0) (times the pair's routing weight if WEIGHTED); padding rows (p >= num_pairs)
     and blocks past the last expert's (expert -1) are skipped."""

@@ -17,36 +17,37 @@ import triton
 import triton.language as tl
 
 from .extend_attention import dot_precision
+from .jit import jit
 from .lora import Segments
 
 BLOCK_M, BLOCK_N, BLOCK_K = 16, 64, 64
 
 
-@triton.jit
+@jit
 def _sgmv_kernel(
-    X,
-    A,
-    B,
-    Y,
-    order,
-    seg_starts,
-    seg_ends,
-    seg_slots,
-    K,
-    N,
-    R,
-    stride_x,
-    stride_as,
-    stride_ak,
-    stride_bs,
-    stride_br,
-    stride_y,
+    X: tl.tensor,
+    A: tl.tensor,
+    B: tl.tensor,
+    Y: tl.tensor,
+    order: tl.tensor,
+    seg_starts: tl.tensor,
+    seg_ends: tl.tensor,
+    seg_slots: tl.tensor,
+    K: tl.tensor,
+    N: tl.tensor,
+    R: tl.tensor,
+    stride_x: tl.tensor,
+    stride_as: tl.tensor,
+    stride_ak: tl.tensor,
+    stride_bs: tl.tensor,
+    stride_br: tl.tensor,
+    stride_y: tl.tensor,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_R: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-):
+) -> None:
     """Y[rows] += (X[rows] @ A[slot]) @ B[slot][:, n-tile] for the rows of segment
     program_id(0)'s row block program_id(1)."""
     seg = tl.program_id(0)

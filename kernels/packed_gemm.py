@@ -31,6 +31,7 @@ import triton.language as tl
 from .extend_attention import dot_precision
 from .int4_gemm import GROUP, PANEL, Bits, PackedGroups
 from .int8_gemm import ROWS, PackedInt8
+from .jit import jit
 
 # the word arithmetic of `_codes` is written for these
 assert GROUP == 32 and PANEL == 8 and ROWS == 4
@@ -50,15 +51,23 @@ _GROUPS4 = tl.constexpr(Format.GROUPS4.value)  # the kernels' names for them
 _CHANNEL8 = tl.constexpr(Format.CHANNEL8.value)
 
 
-@triton.jit
-def _signed_byte(words, shift):
+@jit
+def _signed_byte(words: tl.tensor, shift: tl.tensor) -> tl.tensor:
     """The byte at bit `shift` of int32 `words`, as a signed value."""
     byte = (words >> shift) & 0xFF
     return tl.where(byte > 127, byte - 256, byte)
 
 
-@triton.jit
-def _codes(W, g, ks, ns, G, keep, FORMAT: tl.constexpr):
+@jit
+def _codes(
+    W: tl.tensor,
+    g: tl.tensor,
+    ks: tl.tensor,
+    ns: tl.tensor,
+    G: tl.tensor,
+    keep: tl.tensor,
+    FORMAT: tl.constexpr,
+) -> tl.tensor:
     """The integers [GROUP, BLOCK_N] of group `g`'s inputs `ks` [GROUP, 1] and outputs `ns`
     [1, BLOCK_N] (zero where not `keep`), from W, the packed tiles as int32 words."""
     if FORMAT == _CHANNEL8:
@@ -76,28 +85,28 @@ def _codes(W, g, ks, ns, G, keep, FORMAT: tl.constexpr):
     return _signed_byte(words, 8 * (ks % 4))
 
 
-@triton.jit
+@jit
 def _packed_linear_kernel(
-    X,
-    W,
-    S,
-    B,
-    Y,
-    M,
-    N,
-    K,
-    G,
-    per_split,
-    stride_x,
-    stride_y,
-    stride_split,
+    X: tl.tensor,
+    W: tl.tensor,
+    S: tl.tensor,
+    B: tl.tensor,
+    Y: tl.tensor,
+    M: tl.tensor,
+    N: tl.tensor,
+    K: tl.tensor,
+    G: tl.tensor,
+    per_split: tl.tensor,
+    stride_x: tl.tensor,
+    stride_y: tl.tensor,
+    stride_split: tl.tensor,
     FORMAT: tl.constexpr,
     OFFSETS: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-):
+) -> None:
     """Y[split][rows, cols] = X[rows, inputs] @ dequant(W)[cols, inputs].T (+ B[cols]) for
     program (row block, column block, split): the split's `per_split` groups of inputs (all of
     them where there is one split). X's inputs contiguous. S: the float16 scales of

@@ -37,9 +37,11 @@ import torch
 if XDIST_WORKERS > 1:  # in case a plugin imported torch before the share was set
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
+from runtimes import RuntimeFactory
+
 from radixrt.executor.model_loader import resolve_model_path
 
-from helpers import TINY, launch_runtime
+from helpers import TINY
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 MODEL_FIXTURES = {
@@ -116,21 +118,27 @@ def quality_reference(default_model_dir):
     return QualityReference.of_default_model()
 
 
-# Runtimes shared by every module that needs no settings of its own (each start costs a process,
-# seconds of imports and a model load). A test that uses one may send it anything a client may,
-# but must leave it serving as it found it: no shutdown, no pins or tenants left behind, and no
-# assertion on a cold cache or on counters it did not read before its own requests.
 @pytest.fixture(scope="session")
-def tiny_runtime(tiny_model_dir):
+def runtimes(tiny_model_dir):
+    """The factory every test's shared runtime comes from (`runtimes.RuntimeFactory`): a lease
+    with the settings of a live one gets that one."""
+    factory = RuntimeFactory(keep_idle_for=tiny_model_dir)
+    yield factory
+    factory.close()
+
+
+# Runtimes for every module that needs no settings of its own.
+@pytest.fixture(scope="session")
+def tiny_runtime(runtimes, tiny_model_dir):
     """The tiny model behind ZeroMQ and HTTP (served as "tiny"), a 4096-token pool."""
-    with launch_runtime(
+    with runtimes.lease(
         tiny_model_dir, http=True, max_total_tokens=4096, served_model_name="tiny"
     ) as r:
         yield r
 
 
 @pytest.fixture(scope="session")
-def default_runtime(default_model_dir):
+def default_runtime(runtimes, default_model_dir):
     """The default model behind ZeroMQ and HTTP, an 8192-token pool."""
-    with launch_runtime(default_model_dir, http=True, max_total_tokens=8192) as r:
+    with runtimes.lease(default_model_dir, http=True, max_total_tokens=8192) as r:
         yield r

@@ -204,8 +204,8 @@ def _send_all(url: str, frames: list[bytes]) -> None:
 @pytest.mark.parametrize(
     "layout", [{}, {"tp_size": 2}, {"dp_size": 2}], ids=["plain", "tp2", "dp2"]
 )
-def test_no_hostile_frame_stops_a_runtime_a_tp_runtime_or_a_fleet(tiny_model_dir, layout):
-    with launch_runtime(tiny_model_dir, api_key=KEY, **layout) as runtime:
+def test_no_hostile_frame_stops_a_runtime_a_tp_runtime_or_a_fleet(runtimes, tiny_model_dir, layout):
+    with runtimes.lease(tiny_model_dir, api_key=KEY, **layout) as runtime:
         _send_all(runtime.url, frame_attacks(None) + frame_attacks(KEY))
         fresh = rt.RuntimeEndpoint(runtime.url, api_key=KEY, timeout=REPLY_TIMEOUT_S)
         try:
@@ -217,8 +217,8 @@ def test_no_hostile_frame_stops_a_runtime_a_tp_runtime_or_a_fleet(tiny_model_dir
 
 
 @pytest.mark.parametrize("layout", [{}, {"dp_size": 2}], ids=["plain", "dp2"])
-def test_a_request_is_answered_during_a_keyless_flood(tiny_model_dir, layout):
-    with launch_runtime(tiny_model_dir, api_key=KEY, **layout) as runtime:
+def test_a_request_is_answered_during_a_keyless_flood(runtimes, tiny_model_dir, layout):
+    with runtimes.lease(tiny_model_dir, api_key=KEY, **layout) as runtime:
         stop, sent = threading.Event(), [0]
 
         def flood() -> None:

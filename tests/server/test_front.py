@@ -43,10 +43,10 @@ def key_file(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def guarded(tiny_model_dir, key_file):
+def guarded(runtimes, tiny_model_dir, key_file):
     """One request at a time (so priorities decide the order), tenants (those without a maxprio
     capped at 5), an admin key, HTTP."""
-    with launch_runtime(
+    with runtimes.lease(
         tiny_model_dir,
         http=True,
         max_running_requests=1,

@@ -18,7 +18,6 @@ from hypothesis import strategies as st
 from radixrt.reliability.hostile import deep_schema, markdown, run_hostile
 from radixrt.server.front import PROBE
 
-from helpers import launch_runtime
 from ownership import assert_no_leak
 from timeouts import REPLY_TIMEOUT_S
 
@@ -120,8 +119,8 @@ REQUESTS = st.fixed_dictionaries(
 
 
 @pytest.fixture(scope="module")
-def runtime(tiny_model_dir):
-    with launch_runtime(
+def runtime(runtimes, tiny_model_dir):
+    with runtimes.lease(
         tiny_model_dir,
         constraint_compile_timeout=3.0,
         log_level="error",

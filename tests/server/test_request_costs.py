@@ -18,7 +18,7 @@ import radixrt as rt
 from radixrt.client.transport import RemoteError
 from radixrt.protocol import MAX_PIN_ID_CHARS
 
-from helpers import finish_order, launch_runtime
+from helpers import finish_order
 from ownership import assert_no_leak, wait_idle
 from timeouts import REPLY_TIMEOUT_S
 
@@ -49,12 +49,12 @@ def _code(call) -> RemoteError:
 
 
 @pytest.fixture(scope="module")
-def costs(tiny_model_dir, tmp_path_factory):
+def costs(runtimes, tiny_model_dir, tmp_path_factory):
     """Two tenants without a maxprio, an admin; one request runs at a time (so priorities
     decide the order); no tenant cap given, so the key file's defaults hold."""
     key_file = tmp_path_factory.mktemp("keys") / "keys.txt"
     key_file.write_text("".join(f"{t}:{k}\n" for t, k in KEYS.items()))
-    with launch_runtime(
+    with runtimes.lease(
         tiny_model_dir,
         api_key_file=str(key_file),
         admin_api_key=ADMIN_KEY,

@@ -41,11 +41,11 @@ def _error_code(call) -> str:
 
 
 @pytest.fixture(scope="module")
-def tenants(tiny_model_dir, tmp_path_factory):
+def tenants(runtimes, tiny_model_dir, tmp_path_factory):
     """A runtime with two tenants besides the default one, and small per-tenant limits."""
     key_file = tmp_path_factory.mktemp("keys") / "keys.txt"
     key_file.write_text("# tenant:key\n" + "".join(f"{t}:{k}\n" for t, k in KEYS.items()))
-    with launch_runtime(
+    with runtimes.lease(
         tiny_model_dir,
         http=True,
         max_total_tokens=4096,
@@ -174,9 +174,9 @@ def test_deadlines_end_requests_with_timeout_and_free_their_slots(tenants):
 
 
 @pytest.fixture(scope="module")
-def busy(tiny_model_dir):
+def busy(runtimes, tiny_model_dir):
     """A runtime that runs two requests at a time out of a small pool, with priority preemption."""
-    with launch_runtime(
+    with runtimes.lease(
         tiny_model_dir,
         max_total_tokens=384,
         max_running_requests=2,

@@ -23,8 +23,8 @@ TEXTS = [
 
 
 @pytest.fixture(scope="module")
-def embedding_runtime(default_model_dir):
-    with launch_runtime(default_model_dir, http=True, is_embedding=True) as r:
+def embedding_runtime(runtimes, default_model_dir):
+    with runtimes.lease(default_model_dir, http=True, is_embedding=True) as r:
         yield r
 
 

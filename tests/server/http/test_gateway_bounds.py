@@ -24,7 +24,7 @@ from radixrt.server.http.gateway import REPLY_GRACE_S
 from radixrt.server.router import metrics_http
 from radixrt.server.tenants import KeyRing
 
-from helpers import http_json, launch_runtime
+from helpers import http_json
 from timeouts import REPLY_TIMEOUT_S
 
 ADMIN, ALICE, BOB = "admin-key", "alice-key", "bob-key"
@@ -35,10 +35,10 @@ GREEDY = {"max_tokens": 4, "temperature": 0}
 
 
 @pytest.fixture(scope="module")
-def runtime(tiny_model_dir, tmp_path_factory):
+def runtime(runtimes, tiny_model_dir, tmp_path_factory):
     key_file = tmp_path_factory.mktemp("keys") / "keys.txt"
     key_file.write_text(f"alice:{ALICE}\nbob:{BOB}\n")
-    with launch_runtime(
+    with runtimes.lease(
         tiny_model_dir,
         http=True,
         api_key_file=str(key_file),

@@ -22,7 +22,7 @@ from radixrt.client.endpoint import RuntimeEndpoint
 from radixrt.server.http.app import build_app
 from radixrt.server.http.gateway import Gateway
 
-from helpers import gateway_pid, launch_runtime, rss_mib
+from helpers import gateway_pid, rss_mib
 
 MAX_PROMPT_BYTES = 1 << 20  # --max-prompt-bytes here
 CHAT = [{"role": "user", "content": "hi"}]
@@ -79,8 +79,8 @@ DEEP = b"[" * 100_000 + b"]" * 100_000
 
 
 @pytest.fixture(scope="module")
-def runtime(tiny_model_dir):
-    with launch_runtime(
+def runtime(runtimes, tiny_model_dir):
+    with runtimes.lease(
         tiny_model_dir, http=True, max_total_tokens=4096, max_prompt_bytes=MAX_PROMPT_BYTES
     ) as r:
         yield r

@@ -32,8 +32,8 @@ MAX_BODY_BYTES = GatewaySettings().max_frame_bytes  # the gateway's body cap
 
 
 @pytest.fixture(scope="module")
-def runtime(tiny_model_dir):
-    with launch_runtime(
+def runtime(runtimes, tiny_model_dir):
+    with runtimes.lease(
         tiny_model_dir,
         http=True,
         api_key=KEY,

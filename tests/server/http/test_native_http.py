@@ -15,7 +15,7 @@ import torch
 import radixrt as rt
 from radixrt.engine.scheduler import INITIAL_WEIGHT_VERSION
 
-from helpers import _hf_model, http_json, launch_runtime
+from helpers import _hf_model, http_json
 from timeouts import REPLY_TIMEOUT_S
 
 ADMIN, ALICE, BOB = "admin-key", "alice-key", "bob-key"
@@ -24,10 +24,10 @@ PROMPT = "The capital of France is"
 
 
 @pytest.fixture(scope="module")
-def runtime(tiny_model_dir, tmp_path_factory):
+def runtime(runtimes, tiny_model_dir, tmp_path_factory):
     key_file = tmp_path_factory.mktemp("keys") / "keys.txt"
     key_file.write_text(f"alice:{ALICE}\nbob:{BOB}\n")
-    with launch_runtime(
+    with runtimes.lease(
         tiny_model_dir,
         http=True,
         api_key_file=str(key_file),

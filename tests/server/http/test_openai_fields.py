@@ -17,7 +17,7 @@ import torch
 
 from radixrt.executor.model_loader import hub_snapshot, load_chat_template, resolve_model_path
 
-from helpers import _hf_model, http_json, launch_runtime
+from helpers import _hf_model, http_json
 
 HUB_ID = "radixrt-tests/tiny-llama"
 SERVED = "tiny"
@@ -54,8 +54,8 @@ def hub_cache(tmp_path_factory, tiny_model_dir):
 
 
 @pytest.fixture(scope="module")
-def runtime(hub_cache, tiny_model_dir):
-    with launch_runtime(
+def runtime(runtimes, hub_cache, tiny_model_dir):
+    with runtimes.lease(
         HUB_ID,
         http=True,
         served_model_name=SERVED,

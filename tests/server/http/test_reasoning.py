@@ -9,8 +9,6 @@ import pytest
 
 from radixrt.server.http.reasoning import REASONING_PARSERS, ReasoningSplit, ReasoningStream
 
-from helpers import launch_runtime
-
 R1, QWEN3 = REASONING_PARSERS["deepseek-r1"], REASONING_PARSERS["qwen3"]
 
 WHOLE = [
@@ -86,8 +84,8 @@ BUDGET, MAX_TOKENS = 12, 40
 
 
 @pytest.fixture(scope="module")
-def reasoning_runtime(default_model_dir):
-    with launch_runtime(
+def reasoning_runtime(runtimes, default_model_dir):
+    with runtimes.lease(
         default_model_dir,
         http=True,
         reasoning_parser="deepseek-r1",

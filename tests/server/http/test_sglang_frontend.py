@@ -186,22 +186,16 @@ else:
 
     import radixrt as rt
 
-    from helpers import launch_runtime
     from timeouts import REPLY_TIMEOUT_S
 
     @pytest.fixture(scope="module")
-    def server(default_model_dir):
-        with launch_runtime(default_model_dir, http=True, max_total_tokens=4096) as r:
-            yield r
-
-    @pytest.fixture(scope="module")
-    def sglang_results(server) -> dict[str, Any]:
+    def sglang_results(default_runtime) -> dict[str, Any]:
         """Every program through SGLang's frontend, in a child process."""
         pytest.importorskip("sglang", reason="`make test` installs sglang's frontend (--no-deps)")
         tests = Path(__file__).resolve().parents[2]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tests), str(tests.parent)])}
         child = subprocess.run(
-            [sys.executable, __file__, server.http_url],
+            [sys.executable, __file__, default_runtime.http_url],
             capture_output=True,
             text=True,
             env=env,
@@ -211,9 +205,9 @@ else:
         return json.loads(child.stdout.strip().splitlines()[-1])
 
     @pytest.fixture(scope="module")
-    def radixrt_results(server) -> dict[str, Any]:
+    def radixrt_results(default_runtime) -> dict[str, Any]:
         """Every program through radixrt's DSL over the same HTTP API."""
-        backend = rt.RuntimeEndpoint(server.http_url, timeout=REPLY_TIMEOUT_S)
+        backend = rt.RuntimeEndpoint(default_runtime.http_url, timeout=REPLY_TIMEOUT_S)
         return json.loads(json.dumps(run_all(rt, backend)))
 
     def _both(sglang_results, radixrt_results, name: str) -> tuple[Any, Any]:

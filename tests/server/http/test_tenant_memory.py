@@ -14,7 +14,7 @@ import radixrt as rt
 from radixrt.client.transport import RemoteError
 from radixrt.server.tenants import KeyRing
 
-from helpers import http_json, launch_runtime
+from helpers import http_json
 from ownership import assert_no_leak
 from timeouts import REPLY_TIMEOUT_S
 
@@ -27,11 +27,11 @@ ANSWERED_WITHIN_S = 30.0  # the issue's request waited past this with no answer
 
 
 @pytest.fixture(scope="module")
-def runtime(tiny_model_dir, tmp_path_factory):
+def runtime(runtimes, tiny_model_dir, tmp_path_factory):
     """Pins may fill 90% of the pool, so two tenants can pin nearly all of it."""
     key_file = tmp_path_factory.mktemp("keys") / "keys.txt"
     key_file.write_text("".join(f"{t}:{k}\n" for t, k in KEYS.items()))
-    with launch_runtime(
+    with runtimes.lease(
         tiny_model_dir,
         http=True,
         max_total_tokens=POOL,

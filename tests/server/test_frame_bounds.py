@@ -238,7 +238,7 @@ def test_a_request_is_answered_during_a_keyless_flood(runtimes, tiny_model_dir, 
         flooder = threading.Thread(target=flood, daemon=True)
         flooder.start()
         try:
-            time.sleep(2)
+            time.sleep(1)
             start = time.monotonic()
             client = rt.RuntimeEndpoint(runtime.url, api_key=KEY, timeout=8)
             try:
@@ -248,7 +248,7 @@ def test_a_request_is_answered_during_a_keyless_flood(runtimes, tiny_model_dir, 
             took = time.monotonic() - start
             assert out["meta_info"]["completion_tokens"] == 4
             assert not stop.is_set() and took < 8, f"answered after {took:.1f} s"
-            time.sleep(max(0.0, 8 - took))  # the flood goes on to 10 s; the process lives
+            time.sleep(max(0.0, 4 - took))  # the flood goes on to 5 s at least; the process lives
         finally:
             stop.set()
             flooder.join()

@@ -2,10 +2,11 @@
 so that tests and modules whose settings match share a process instead of each starting one
 (a start costs a process, seconds of imports and a model load; a `dp_size` fleet, several).
 
-A shared runtime's contract is `conftest.tiny_runtime`'s: a test may send it anything a client
-may, but must leave it serving as it found it (no shutdown, no pins, tenants or adapters left
-behind, no assertion on a cold cache or on counters it did not read first). A test that stops,
-kills or wedges its runtime starts its own with `helpers.launch_runtime`.
+A shared runtime's contract: a test may send it anything a client may, but must leave it serving
+as it found it (no shutdown, no pins, tenants or adapters left behind, no assertion on a cold
+cache or on counters it did not read first). A test that stops, kills or wedges its runtime,
+changes its weights, or needs two processes with the same settings starts its own with
+`helpers.launch_runtime`.
 """
 
 from __future__ import annotations

@@ -84,53 +84,57 @@ def test_two_replicas_serve_as_one_engine_and_affinity_routing_raises_the_hit_ra
     ]
     engine_tokens = tiny_runtime.tokenize(PROMPTS[0])
     deploy(tiny_model_dir, affinity=False)
-    replicas = runtimes_of_replicas()
-    assert len(replicas) == 2
-    for prompt, text in zip(PROMPTS * 2, expected * 2):  # both replicas, by the default's coin
-        reply = client.completions.create(model="model", prompt=prompt, max_tokens=8, temperature=0)
-        assert reply.choices[0].text == text
+    try:
+        replicas = runtimes_of_replicas()
+        assert len(replicas) == 2
+        for prompt, text in zip(PROMPTS * 2, expected * 2):  # both replicas, by the default's coin
+            reply = client.completions.create(
+                model="model", prompt=prompt, max_tokens=8, temperature=0
+            )
+            assert reply.choices[0].text == text
 
-    messages = [{"role": "user", "content": "Name three colors."}]
-    whole = client.chat.completions.create(
-        model="model", messages=messages, max_tokens=8, temperature=0
-    )
-    stream = client.chat.completions.create(
-        model="model", messages=messages, max_tokens=8, temperature=0, stream=True
-    )
-    streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
-    assert streamed == whole.choices[0].message.content and whole.usage.completion_tokens == 8
-
-    # a field radixrt does not know is refused by name, as its own gateway refuses it
-    with pytest.raises(openai.BadRequestError, match="no_such_field"):
-        client.chat.completions.create(
-            model="model", messages=messages, max_tokens=2, extra_body={"no_such_field": 1}
+        messages = [{"role": "user", "content": "Name three colors."}]
+        whole = client.chat.completions.create(
+            model="model", messages=messages, max_tokens=8, temperature=0
         )
-
-    # what radixrt's gateway refuses comes back as Ray's error with radixrt's message
-    with pytest.raises(openai.BadRequestError, match="top_logprobs needs logprobs"):
-        client.chat.completions.create(
-            model="model", messages=messages, max_tokens=2, top_logprobs=2
+        stream = client.chat.completions.create(
+            model="model", messages=messages, max_tokens=8, temperature=0, stream=True
         )
-    with pytest.raises(openai.BadRequestError, match="--is-embedding"):
-        client.embeddings.create(model="model", input="hello")
+        streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+        assert streamed == whole.choices[0].message.content and whole.usage.completion_tokens == 8
 
-    tokens = json_post(
-        f"{serve_url.removesuffix('/v1')}/tokenize", model="model", prompt=PROMPTS[0]
-    )
-    assert tokens["tokens"] == engine_tokens and tokens["count"] == len(engine_tokens)
-    # radixrt keeps its weights: a sleep that would release them is refused by name
-    server = serve.get_deployment_handle("RadixrtServer:model", "radixrt")
-    with pytest.raises(ValueError, match="weights"):
-        server.sleep.remote(tags=["weights"]).result()
+        # a field radixrt does not know is refused by name, as its own gateway refuses it
+        with pytest.raises(openai.BadRequestError, match="no_such_field"):
+            client.chat.completions.create(
+                model="model", messages=messages, max_tokens=2, extra_body={"no_such_field": 1}
+            )
 
-    default = run_workload(client, WORKLOAD, "default")
-    deploy(tiny_model_dir, affinity=True)
-    affinity = run_workload(client, WORKLOAD, "affinity")
-    print(default.line(), affinity.line(), sep="\n")
-    assert affinity.hit_rate >= 1.5 * default.hit_rate, (default.line(), affinity.line())
+        # what radixrt's gateway refuses comes back as Ray's error with radixrt's message
+        with pytest.raises(openai.BadRequestError, match="top_logprobs needs logprobs"):
+            client.chat.completions.create(
+                model="model", messages=messages, max_tokens=2, top_logprobs=2
+            )
+        with pytest.raises(openai.BadRequestError, match="--is-embedding"):
+            client.embeddings.create(model="model", input="hello")
 
-    replicas += runtimes_of_replicas()
-    serve.delete("radixrt")
+        tokens = json_post(
+            f"{serve_url.removesuffix('/v1')}/tokenize", model="model", prompt=PROMPTS[0]
+        )
+        assert tokens["tokens"] == engine_tokens and tokens["count"] == len(engine_tokens)
+        # radixrt keeps its weights: a sleep that would release them is refused by name
+        server = serve.get_deployment_handle("RadixrtServer:model", "radixrt")
+        with pytest.raises(ValueError, match="weights"):
+            server.sleep.remote(tags=["weights"]).result()
+
+        default = run_workload(client, WORKLOAD, "default")
+        deploy(tiny_model_dir, affinity=True)
+        affinity = run_workload(client, WORKLOAD, "affinity")
+        print(default.line(), affinity.line(), sep="\n")
+        assert affinity.hit_rate >= 1.5 * default.hit_rate, (default.line(), affinity.line())
+
+        replicas += runtimes_of_replicas()
+    finally:  # a failure above must not leave the app holding the route for the next test
+        serve.delete("radixrt")
     gone, alive = psutil.wait_procs(replicas, timeout=30)
     assert not alive, [p.pid for p in alive]
 

@@ -23,15 +23,15 @@ dequantizes.
 from __future__ import annotations
 
 import hashlib
-import math
 import os
-import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO
+from typing import TYPE_CHECKING
 
 import torch
 
+from radixrt.executor import gguf_file
+from radixrt.executor.gguf_file import GgmlType, GGUFFile, TensorInfo
 from radixrt.executor.model_loader import SafetensorsWriter, read_into
 from radixrt.kernels import int4_gemm
 from radixrt.kernels.int4_gemm import GROUP, Bits, PackedGroups, implied_offsets, int8_groups
@@ -68,33 +68,11 @@ class Part:
 
 
 @dataclass(frozen=True)
-class TensorInfo:
-    """One tensor of a GGUF file as its header describes it: `kind` (gguf's
-    `GGMLQuantizationType`), `shape` in GGUF's order (inputs first: [K, N] for a linear),
-    where its bytes start in `path` and how many there are."""
-
-    name: str
-    kind: Any
-    shape: tuple[int, ...]
-    offset: int
-    n_bytes: int
-    path: Path
-
-
-@dataclass(frozen=True)
-class GGUFHeader:
-    """A GGUF file's string metadata and its tensors, read by `read_header`."""
-
-    strings: dict[str, str]
-    tensors: dict[str, TensorInfo]
-
-
-@dataclass(frozen=True)
 class GGUFPlan:
     """The linears (module name -> parts, stacked by rows) whose every part is of a packed
     type, and the file's tensors (`header`, read once)."""
 
-    header: GGUFHeader
+    header: GGUFFile
     linears: dict[str, list[Part]]
 
     def meta_weights(self, tied: bool) -> frozenset[str]:
@@ -106,20 +84,11 @@ class GGUFPlan:
         return frozenset(names)
 
 
-def gguf_source(model_folder: Path, marker: str) -> Path | None:
-    """The GGUF file a converted model folder came from (`convert_gguf` writes its path in the
-    marker file), or None for a model that was never GGUF or whose file is gone (conversions
-    are shared by content: the marker may name another virtualenv's copy)."""
-    path = model_folder / marker
-    source = Path(path.read_text()) if path.is_file() else None
-    return source if source is not None and source.is_file() else None
-
-
 def plan(path: Path, config: PretrainedConfig) -> GGUFPlan:
     """Which linears of a Llama-shaped model (fused q/k/v and gate/up, as `models/llama.py`
     builds them) `path` holds in packed types; none for an architecture it cannot map."""
-    header = read_header(path)
-    arch = header.strings.get("general.architecture")
+    header = gguf_file.read(path)
+    arch = header.architecture
     if arch not in ARCHITECTURES:
         raise ValueError(
             f"packed GGUF weights need a {' or '.join(ARCHITECTURES)} GGUF, not {arch}"
@@ -252,18 +221,19 @@ def _q4_k(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return nibbles.contiguous(), scale, offset
 
 
-def _requantized(rows: torch.Tensor, kind: Any, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _requantized(rows: torch.Tensor, kind: GgmlType, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A Q5_K/Q6_K tensor's rows of bytes [N, row bytes] as 8-bit groups (q int8 [N, G, 32], d
     float16 [N, G]), dequantized by gguf a few rows at a time so no float copy of the whole
     tensor exists."""
     import gguf
 
+    stored = gguf.GGMLQuantizationType(kind.id)
     n = rows.shape[0]
     step = max(1, REQUANTIZE_FLOATS // k)
     qs, ds = [], []
     for start in range(0, n, step):
         chunk = rows[start : start + step].numpy()
-        w = torch.from_numpy(gguf.quants.dequantize(chunk, kind).reshape(-1, k).copy())
+        w = torch.from_numpy(gguf.quants.dequantize(chunk, stored).reshape(-1, k).copy())
         q, d = int8_groups(w.view(-1, k // GROUP, GROUP))
         qs.append(q)
         ds.append(d)
@@ -320,69 +290,3 @@ def _unpermute(rows: int, heads: int) -> torch.Tensor:
     if heads == 0:
         return index
     return index.view(heads, -1, 2).transpose(1, 2).reshape(-1)
-
-
-# GGUF metadata value types (gguf's GGUFValueType) -> bytes of one value; 8: string, 9: array
-SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
-STRING, ARRAY = 8, 9
-ALIGNMENT = 32  # where tensor data starts when `general.alignment` does not say
-
-
-def read_header(path: Path) -> GGUFHeader:
-    """`path`'s string metadata and tensor infos, reading the header once and keeping nothing
-    else: the tokenizer's arrays (a large vocabulary's tokens, merges and scores) are skipped,
-    not parsed into objects as gguf's `GGUFReader` does (at 49k tokens it holds ~150 MB while
-    it lives). ValueError for a file that is not GGUF v2/v3."""
-    import gguf
-
-    with open(path, "rb") as f:
-        magic, version, n_tensors, n_kv = struct.unpack("<4sIQQ", f.read(24))
-        if magic != b"GGUF" or version not in (2, 3):
-            raise ValueError(f"{path} is not a GGUF v2/v3 file")
-        strings, alignment = {}, ALIGNMENT
-        for _ in range(n_kv):
-            key = _string(f)
-            (kind,) = struct.unpack("<I", f.read(4))
-            if kind == STRING:
-                strings[key] = _string(f)
-            elif key == "general.alignment" and kind == 4:
-                (alignment,) = struct.unpack("<I", f.read(4))
-            else:
-                _skip(f, kind)
-        infos = []
-        for _ in range(n_tensors):
-            name = _string(f)
-            (dims,) = struct.unpack("<I", f.read(4))
-            shape = struct.unpack(f"<{dims}Q", f.read(8 * dims))
-            kind, offset = struct.unpack("<IQ", f.read(12))
-            infos.append((name, gguf.GGMLQuantizationType(kind), shape, offset))
-        start = -(-f.tell() // alignment) * alignment
-    tensors = {}
-    for name, kind, shape, offset in infos:
-        block, size = gguf.GGML_QUANT_SIZES[kind]
-        n_bytes = math.prod(shape) // block * size
-        tensors[name] = TensorInfo(name, kind, tuple(shape), start + offset, n_bytes, Path(path))
-    return GGUFHeader(strings, tensors)
-
-
-def _string(f: BinaryIO) -> str:
-    (n,) = struct.unpack("<Q", f.read(8))
-    return f.read(n).decode("utf-8", errors="replace")
-
-
-def _skip(f: BinaryIO, kind: int) -> None:
-    """Past one metadata value of type `kind` (an array's every element)."""
-    if kind == STRING:
-        (n,) = struct.unpack("<Q", f.read(8))
-        f.seek(n, 1)
-    elif kind == ARRAY:
-        element, count = struct.unpack("<IQ", f.read(12))
-        if element in SCALAR_BYTES:
-            f.seek(count * SCALAR_BYTES[element], 1)
-        else:
-            for _ in range(count):
-                _skip(f, element)
-    elif kind in SCALAR_BYTES:
-        f.seek(SCALAR_BYTES[kind], 1)
-    else:
-        raise ValueError(f"unknown GGUF metadata type {kind}")

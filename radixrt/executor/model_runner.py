@@ -21,7 +21,7 @@ from radixrt.distributed.group import TPGroup
 from radixrt.executor import gguf_weights, host_memory, quant_choice
 from radixrt.executor.lora_manager import LoraManager, default_max_rank, parse_lora_paths
 from radixrt.executor.model_loader import (
-    READY_MARKER,
+    converted_from,
     load_chat_template,
     load_model,
     read_generation_config,
@@ -310,7 +310,7 @@ class ModelRunner:
         """`--quantization` resolved for this model and machine (`quant_choice.choose`)."""
         ground = quant_choice.Ground(
             model_arg=self.args.model,
-            source=gguf_weights.gguf_source(self.model_path, READY_MARKER),
+            source=converted_from(self.model_path),
             compute_device=self.device,
             isa=self.cpu_isa,
             tp_size=self.tp.size,

@@ -11,7 +11,7 @@ import torch
 from gguf import GGMLQuantizationType as T
 from transformers import LlamaConfig
 
-from radixrt.executor import gguf_weights
+from radixrt.executor import gguf_file, gguf_weights
 from radixrt.kernels import int4_gemm
 
 K = 96  # three groups
@@ -47,27 +47,6 @@ def written(tmp_path_factory):
     return path, {t.name: t for t in gguf.GGUFReader(path).tensors}
 
 
-def test_the_header_reads_as_ggufs_reader_does(written):
-    """`read_header` (which skips the tokenizer's arrays rather than parsing them) finds every
-    tensor where gguf's own reader does: type, shape, bytes and where they start."""
-    path, theirs = written
-    header = gguf_weights.read_header(path)
-    assert header.strings["general.architecture"] == "llama"
-    assert set(header.tensors) == set(theirs)
-    for name, tensor in header.tensors.items():
-        reference = theirs[name]
-        assert tensor.kind == reference.tensor_type
-        assert tensor.shape == tuple(int(n) for n in reference.shape)
-        assert (tensor.offset, tensor.n_bytes) == (reference.data_offset, reference.n_bytes)
-
-
-def test_a_file_that_is_not_gguf_is_refused(tmp_path):
-    path = tmp_path / "x.gguf"
-    path.write_bytes(b"GGML" + bytes(64))
-    with pytest.raises(ValueError, match="not a GGUF"):
-        gguf_weights.read_header(path)
-
-
 def _dequantized(tensor) -> torch.Tensor:
     """gguf's own float32 reading of a tensor, [rows, K]."""
     return torch.from_numpy(gguf.quants.dequantize(tensor.data, tensor.tensor_type).copy())
@@ -78,7 +57,7 @@ def _dequantized(tensor) -> torch.Tensor:
 )
 def test_packed_blocks_equal_ggufs_dequantization(written, name):
     """Q4_0, Q4_1 and Q8_0: the blocks copied as stored stand for gguf's values exactly."""
-    q, d, m, bits = gguf_weights.blocks(gguf_weights.read_header(written[0]).tensors[name])
+    q, d, m, bits = gguf_weights.blocks(gguf_file.read(written[0]).tensors[name])
     packed = int4_gemm.PackedGroups.from_blocks(q, d, m, K, bits)
     assert torch.equal(packed.dequantize(), _dequantized(written[1][name]))
 
@@ -135,7 +114,7 @@ K_QUANTS = {T.Q4_K: (144, (0, 2)), T.Q5_K: (176, (0, 2)), T.Q6_K: (210, (208,))}
 
 def _k_quant_tensor(tmp_path, kind, rows: int = 24):
     """A GGUF holding one tensor of `kind` with random blocks (random bytes, with sane float16
-    scales): gguf's reader's record of it, and `read_header`'s."""
+    scales): gguf's reader's record of it, and `gguf_file`'s."""
     size, floats = K_QUANTS[kind]
     rng = np.random.default_rng(int(kind))
     raw = rng.integers(0, 256, (rows, KQ // 256, size), dtype=np.uint8)
@@ -149,7 +128,7 @@ def _k_quant_tensor(tmp_path, kind, rows: int = 24):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return gguf.GGUFReader(path).tensors[0], gguf_weights.read_header(path).tensors["w"]
+    return gguf.GGUFReader(path).tensors[0], gguf_file.read(path).tensors["w"]
 
 
 def test_q4_k_becomes_4_bit_groups_within_float16_rounding(tmp_path):
@@ -189,7 +168,14 @@ def test_a_cached_conversion_follows_its_file_to_a_new_place(tmp_path, monkeypat
     """A conversion is shared by content: when the file it was made from is gone (a test's
     temporary copy, another virtualenv's wheel), loading the same content from elsewhere
     points its marker there, so the packed blocks are read from a file that exists."""
-    from radixrt.executor.model_loader import READY_MARKER, conversion_folder, convert_gguf
+    from radixrt.executor.model_loader import (
+        READY_MARKER,
+        _marker,
+        conversion_folder,
+        convert_gguf,
+        converted_from,
+        file_digest,
+    )
 
     monkeypatch.setenv("RADIXRT_CACHE_DIR", str(tmp_path / "cache"))
     first, second = tmp_path / "a" / "m.gguf", tmp_path / "b" / "m.gguf"
@@ -198,7 +184,30 @@ def test_a_cached_conversion_follows_its_file_to_a_new_place(tmp_path, monkeypat
         path.write_bytes(b"GGUF" + bytes(64))
     out = conversion_folder(first)
     out.mkdir(parents=True)
-    (out / READY_MARKER).write_text(str(first))
+    (out / READY_MARKER).write_text(_marker(first, file_digest(first)))
+    assert converted_from(out) == first.resolve()
     first.unlink()
+    assert converted_from(out) is None
     assert convert_gguf(second) == out  # the cached copy, not converted again
-    assert gguf_weights.gguf_source(out, READY_MARKER) == second.resolve()
+    assert converted_from(out) == second.resolve()
+
+
+def test_files_that_share_their_first_megabytes_and_size_share_no_cache(tmp_path, monkeypatch):
+    """Conversions (and the packed groups kept in them) are keyed by the whole content: two
+    files alike in their first 8 MiB and their size, unlike after, get two folders; a source
+    changed in place after its conversion is no longer taken as the folder's source."""
+    from radixrt.executor.model_loader import conversion_folder, file_digest
+
+    monkeypatch.setenv("RADIXRT_CACHE_DIR", str(tmp_path / "cache"))
+    head = np.random.default_rng(0).integers(0, 256, 8 << 20, dtype=np.uint8).tobytes()
+    one, two = tmp_path / "one.gguf", tmp_path / "two.gguf"
+    one.write_bytes(head + b"\x00" * 4096)
+    two.write_bytes(head + b"\x01" * 4096)
+    assert one.stat().st_size == two.stat().st_size
+    assert conversion_folder(one).name.split("-")[-1] != conversion_folder(two).name.split("-")[-1]
+    digest = file_digest(one)
+    assert len(list((tmp_path / "cache" / "digests").iterdir())) == 2  # hashed once each
+    with open(one, "r+b") as f:  # changed in place: same inode and size
+        f.seek(len(head))
+        f.write(b"\x02")
+    assert file_digest(one) != digest

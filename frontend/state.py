@@ -152,10 +152,10 @@ class ProgramState:
     ) -> list[ChoicePrompt]:
         """Each choice after `prefix_text` as token ids, with the position its own tokens start at
         (after the longest common token prefix with the prefix alone)."""
-        prefix = endpoint.tokenize(prefix_text) if prefix_text else []
+        prefix = endpoint.tokenize(prefix_text, True) if prefix_text else []
         prompts = []
         for choice in choices:
-            ids = endpoint.tokenize(prefix_text + choice)
+            ids = endpoint.tokenize(prefix_text + choice, True)
             prompts.append(ChoicePrompt(ids, min(_common_prefix_len(prefix, ids), len(ids) - 1)))
         return prompts
 

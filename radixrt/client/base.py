@@ -226,7 +226,9 @@ class Endpoint(ABC):
         `unpin`; returns tokens pinned."""
 
     @abstractmethod
-    def tokenize(self, text: str) -> list[int]: ...
+    def tokenize(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """The runtime's tokenization of `text`: as a prompt's (`prompt_ids`: the model's BOS
+        where it asks for one) with `add_special_tokens`, else the text's own tokens."""
 
     @property
     def model_info(self) -> dict[str, Any]:

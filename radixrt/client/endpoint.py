@@ -169,8 +169,10 @@ class ZmqEndpoint(Endpoint):
         )
         return pinned
 
-    def tokenize(self, text: str) -> list[int]:
-        ids: list[int] = self.client.call("tokenize", self.timeout, text=text)
+    def tokenize(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        ids: list[int] = self.client.call(
+            "tokenize", self.timeout, text=text, add_special_tokens=add_special_tokens
+        )
         return ids
 
     def _fetch_model_info(self) -> dict[str, Any]:
@@ -241,6 +243,22 @@ def import_tokenizer_library() -> None:
     """Import what `load_tokenizer` needs (transformers' top level: about half a second, no
     torch), so that a caller can overlap it with waiting for the runtime."""
     import transformers  # noqa: F401
+
+
+def prompt_ids(
+    tokenizer: PreTrainedTokenizerBase, text: str, add_special_tokens: bool = True
+) -> list[int]:
+    """A text prompt's token ids, the one way every route computes them (`/generate`,
+    `/v1/completions`, `/tokenize`, chat, ZeroMQ, the DSL): with the special tokens the model
+    asks for (a GGUF's `tokenizer.ggml.add_bos_token`, a tokenizer's `add_bos_token`), as
+    llama.cpp's server and SGLang add them to a text prompt, but never a second BOS before a
+    text that begins with one (a chat template's `{{ bos_token }}`): the ids then start with
+    exactly one, as transformers' `apply_chat_template` gives them."""
+    ids = list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
+    bos = tokenizer.bos_token_id
+    if add_special_tokens and bos is not None and ids[:2] == [bos, bos]:
+        del ids[0]
+    return ids
 
 
 def load_tokenizer(info: dict[str, Any]) -> PreTrainedTokenizerBase:

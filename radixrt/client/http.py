@@ -248,9 +248,8 @@ class HttpEndpoint(Endpoint):
         unpinned: bool = self._post("/unpin", {"pin_id": pin_id}, None)["success"]
         return unpinned
 
-    def tokenize(self, text: str) -> list[int]:
-        """The runtime's own tokenization of a prompt (no special tokens added)."""
-        body = {"prompt": text, "add_special_tokens": False}
+    def tokenize(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        body = {"prompt": text, "add_special_tokens": add_special_tokens}
         ids: list[int] = self._post("/tokenize", body, None)["tokens"]
         return ids
 

@@ -21,6 +21,7 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
+from radixrt.client.endpoint import prompt_ids
 from radixrt.protocol import ErrorCode, RequestError
 from radixrt.server.front import Caller, check_prompt_size
 
@@ -52,8 +53,11 @@ class PromptTokenizer:
         self.pending: list[PendingText] = []
         self.ready_ids: dict[int, Future[list[int]]] = {}  # id(msg) -> its tokenized text
 
-    def ids(self, caller: Caller, msg: dict[str, Any]) -> list[int] | None:
-        """The prompt's token ids: its `input_ids` (checked to be ints) or its `text` tokenized.
+    def ids(
+        self, caller: Caller, msg: dict[str, Any], add_special_tokens: bool = True
+    ) -> list[int] | None:
+        """The prompt's token ids: its `input_ids` (checked to be ints) or its `text` tokenized
+        (`prompt_ids`: the model's special tokens added unless `add_special_tokens` is False).
         None when a long text has gone to the worker: the message comes back through `ready`.
         ValueError for a malformed prompt, `invalid_request` past `--max-prompt-bytes` (checked
         before any tokenizing), `overloaded` when too many long texts wait."""
@@ -73,19 +77,15 @@ class PromptTokenizer:
         if done is not None:
             return done.result()
         if len(text) <= INLINE_TOKENIZE_CHARS:
-            return self._encode(self.tokenizer, text)
+            return prompt_ids(self.tokenizer, text, add_special_tokens)
         if len(self.pending) >= MAX_PENDING_TEXTS:
             raise RequestError(
                 ErrorCode.OVERLOADED,
                 f"{len(self.pending)} long texts are waiting to be tokenized; try again later",
             )
-        future = self.pool.submit(self._encode, self.worker_tokenizer, text)
+        future = self.pool.submit(prompt_ids, self.worker_tokenizer, text, add_special_tokens)
         self.pending.append(PendingText(caller, msg, future))
         return None
-
-    @staticmethod
-    def _encode(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
-        return list(tokenizer.encode(text, add_special_tokens=False))
 
     def ready(self) -> Iterator[PendingText]:
         """The messages whose texts are tokenized, each to be dispatched again while it is

@@ -445,10 +445,15 @@ def _unpin(server: Server, caller: Caller, op: Unpin, rid: Any) -> bool:
 
 
 def _tokenize(server: Server, caller: Caller, msg: dict[str, Any]) -> None:
-    """A text's token ids; answered here, once a long text is tokenized."""
+    """A text's token ids as a prompt's (`add_special_tokens`, default true: the model's BOS
+    as a generate request's text gets it; false: the text's own tokens); answered here, once a
+    long text is tokenized."""
     if not isinstance(msg.get("text"), str):
         raise ValueError("tokenize needs a string text")
-    ids = server.prompts.ids(caller, msg)
+    special = msg.get("add_special_tokens", True)
+    if not isinstance(special, bool):
+        raise ValueError("add_special_tokens must be a boolean")
+    ids = server.prompts.ids(caller, msg, special)
     if ids is not None:
         server.reply(caller.identity, {"rid": msg.get("rid"), "result": ids})
 

@@ -12,7 +12,7 @@ from transformers import AutoConfig
 
 from radixrt.config import ServerArgs
 from radixrt.executor import gguf_weights
-from radixrt.executor.model_loader import READY_MARKER, default_gguf_path
+from radixrt.executor.model_loader import converted_from, default_gguf_path
 from radixrt.executor.model_runner import ModelRunner
 from radixrt.executor.quant_choice import Ground, choose
 from radixrt.kernels import cpu_isa, int4_gemm
@@ -27,7 +27,7 @@ pytestmark = [
 def _ground(default_model_dir, model: str = "default", **change) -> Ground:
     fields = dict(
         model_arg=model,
-        source=gguf_weights.gguf_source(default_model_dir, READY_MARKER),
+        source=converted_from(default_model_dir),
         compute_device=torch.device("cpu"),
         isa=cpu_isa.resolve("auto", cpu_isa.host_paths()),
         tp_size=1,

@@ -26,7 +26,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
-from radixrt.client.endpoint import RequestOptions
+from radixrt.client.endpoint import RequestOptions, prompt_ids
 from radixrt.protocol import ErrorCode
 from radixrt.server.http.errors import RUNTIME_EXCEPTIONS, APIError, from_runtime_error
 from radixrt.server.http.gateway import ChatPlan, Gateway, event_stream, unless_disconnected
@@ -618,9 +618,7 @@ class MessagesAPI:
         request with nothing cached)."""
         model = await self.gateway.model()
         plan = await self.gateway.chat_plan(model, chat_request(req, model.template))
-        ids = await self.gateway.cpu.run(
-            model.tokenizer.encode, plan.prompt, add_special_tokens=False
-        )
+        ids = await self.gateway.cpu.run(prompt_ids, model.tokenizer, plan.prompt)
         return {"input_tokens": len(ids)}
 
 

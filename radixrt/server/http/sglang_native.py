@@ -23,6 +23,7 @@ from pydantic import Field, model_validator
 
 from radixrt import __version__
 from radixrt.client.base import Chunk, Params, Prompt, RequestOptions, is_batch
+from radixrt.client.endpoint import prompt_ids
 from radixrt.protocol import ControlOp, ErrorCode, option_fields, spec_of
 from radixrt.sampling_params import SamplingParams, param_spec
 from radixrt.server.http.control import CONTROL_ROUTES, add_control_routes
@@ -416,7 +417,7 @@ class NativeAPI:
 
         def encode() -> list[list[int]]:
             special = req.add_special_tokens
-            return [model.tokenizer.encode(p, add_special_tokens=special) for p in prompts]
+            return [prompt_ids(model.tokenizer, p, special) for p in prompts]
 
         tokens = await self.gateway.cpu.run(encode)
         one = isinstance(req.prompt, str)

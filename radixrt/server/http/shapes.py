@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from radixrt.client.endpoint import prompt_ids
 from radixrt.server.http.reasoning import ReasoningParser, ReasoningStream
 from radixrt.structured.tools import ToolCallParser, new_call_id
 
@@ -22,9 +23,9 @@ class Echo(NamedTuple):
 
     @classmethod
     def of(cls, tokenizer: Any, prompt: str | list[int]) -> Echo:
-        """As the runtime tokenizes a text prompt (no special tokens added)."""
+        """As the runtime tokenizes a text prompt (`prompt_ids`)."""
         if isinstance(prompt, str):
-            return cls(prompt, tokenizer.encode(prompt, add_special_tokens=False))
+            return cls(prompt, prompt_ids(tokenizer, prompt))
         return cls(tokenizer.decode(prompt), list(prompt))
 
 

@@ -32,8 +32,19 @@ HTTP_ERRORS = {code: status for status, codes in _STATUSES.items() for code in c
 RETRY_AFTER_S = {ErrorCode.OVERLOADED: 1, ErrorCode.RATE_LIMITED: 1, ErrorCode.DRAINING: 5}
 
 
+# an error raised on this side without a code of its own: the code its status and type stand
+# for (a client reads `code`, which is never null; 404, 413 and 422 are requests refused)
+_DEFAULT_CODES = {
+    (404, "invalid_request_error"): ErrorCode.INVALID_REQUEST,
+    (408, "invalid_request_error"): ErrorCode.TIMEOUT,
+    (413, "invalid_request_error"): ErrorCode.INVALID_REQUEST,
+    (422, "invalid_request_error"): ErrorCode.INVALID_REQUEST,
+    **{key: codes[0] for key, codes in _STATUSES.items()},
+}
+
+
 class APIError(Exception):
-    """An error answered in OpenAI's shape."""
+    """An error answered in OpenAI's shape; without a `code`, the one its status stands for."""
 
     def __init__(
         self,
@@ -45,6 +56,8 @@ class APIError(Exception):
         retry_after: int | None = None,
     ):
         super().__init__(message)
+        if code is None and (status, kind) in _DEFAULT_CODES:
+            code = _DEFAULT_CODES[status, kind].value
         self.status, self.kind, self.param, self.code = status, kind, param, code
         self.retry_after = retry_after
 

@@ -261,6 +261,13 @@ class Gateway:
         return await self.cpu.run(self._chat_plan, model, req)
 
     def _chat_plan(self, model: Model, req: ChatCompletionRequest) -> ChatPlan:
+        if model.template is None:
+            raise APIError(
+                400,
+                "the model has no chat template (its files carry none): start the server with"
+                " --chat-template FILE|TEMPLATE, or send a text prompt to /v1/completions",
+                param="messages",
+            )
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         limits = [v for v in (req.max_completion_tokens, req.max_tokens) if v is not None]

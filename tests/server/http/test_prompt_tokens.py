@@ -1,4 +1,5 @@
-"""One tokenization for every route: a model whose tokenizer asks for a BOS (as a GGUF's
+"""A chat route on a model without a chat template refuses by name (no null code), and one
+tokenization for every route: a model whose tokenizer asks for a BOS (as a GGUF's
 `tokenizer.ggml.add_bos_token` does, as Gemma's and Llama's do) gets it on `/generate`,
 `/v1/completions`, `/tokenize`, ZeroMQ and DSL `select`, exactly once; a chat template that
 writes `{{ bos_token }}` itself gives one BOS, not two (transformers' `apply_chat_template`)."""
@@ -97,3 +98,30 @@ def test_a_template_that_writes_the_bos_gets_one(runtime, tokenizer):
     body = {"model": "default", "messages": messages, "max_tokens": 1, "temperature": 0}
     status, reply = http_json(f"{runtime.http_url}/v1/chat/completions", body)
     assert status == 200 and reply["usage"]["prompt_tokens"] == len(want)
+
+
+@pytest.fixture(scope="module")
+def templateless_runtime(runtimes, tiny_model_dir, tmp_path_factory):
+    """The tiny model with no chat template anywhere in its files (as many base GGUFs)."""
+    folder = tmp_path_factory.mktemp("tiny-no-template")
+    for path in tiny_model_dir.iterdir():
+        if path.name != "chat_template.jinja":
+            shutil.copy(path, folder / path.name)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    with runtimes.lease(folder, http=True, max_total_tokens=2048) as r:
+        yield r
+
+
+def test_chat_without_a_template_is_refused_naming_the_flag(templateless_runtime):
+    url = templateless_runtime.http_url
+    chat = {"model": "default", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
+    status, body = http_json(f"{url}/v1/chat/completions", chat)
+    assert status == 400 and body["error"]["code"] == "invalid_request"
+    assert "--chat-template" in body["error"]["message"]
+    anthropic = {"model": "default", "max_tokens": 1, "messages": chat["messages"]}
+    status, body = http_json(f"{url}/v1/messages", anthropic)
+    assert status == 400 and "--chat-template" in json.dumps(body)
+    completion = {"model": "default", "prompt": "Hi", "max_tokens": 1}
+    assert http_json(f"{url}/v1/completions", completion)[0] == 200  # text prompts still serve

@@ -256,6 +256,17 @@ def test_processes_started_in_the_checkout_import_hugging_faces_kernels():
     assert out.returncode == 0 and "site-packages" in out.stdout, out
 
 
+def test_python_started_in_the_checkouts_root_imports_hugging_faces_kernels():
+    """A user's `python -m radixrt ...` in the clone's root (no -P, no PYTHONSAFEPATH): importing
+    radixrt drops the root from sys.path, so transformers finds Hugging Face's `kernels`."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONSAFEPATH"}
+    code = "import radixrt, kernels; print(kernels.__file__)"
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0 and "site-packages" in out.stdout, out
+
+
 def test_wheel_holds_every_sub_package(tmp_path):
     """Built from a copy of the sources (no stale build/ folder can add or hide a file)."""
     source = tmp_path / "src"

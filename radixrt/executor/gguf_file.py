@@ -30,6 +30,8 @@ from typing import Any
 
 import numpy as np
 
+from radixrt.models.support import MAX_CONTEXT
+
 
 class GGUFError(ValueError):
     """A GGUF file refused: one line naming the file and the field at fault."""
@@ -384,7 +386,6 @@ def _string_array(c: _Cursor, key: str, n: int) -> StringArray:
 MAX_VOCAB = 1 << 21  # tokens (the largest served vocabularies hold 262,144)
 MAX_MERGES_PER_TOKEN = 4  # BPE merges per token (Llama 3: 2.2)
 MAX_ARRAY = 1 << 16  # elements of an array outside the tokenizer's (per-layer values)
-MAX_CONTEXT = 1 << 24  # a context length in tokens (Llama 4 Scout's is 10M)
 TOKENIZER = "tokenizer.ggml."
 
 

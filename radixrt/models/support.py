@@ -19,6 +19,9 @@ logger = logging.getLogger(__name__)
 # its short factors up to original_max_position_embeddings (and the long ones past it), so its
 # short-factor table is exact within that context (see `exact_limits`)
 STATIC_ROPE_TYPES = {"default", "linear", "llama3", "yarn", "longrope"}
+# the longest context a checkpoint may claim (Llama 4 Scout's 10M is below it): past it, a
+# broken or hostile config would size rotary tables of gigabytes before anything is served
+MAX_CONTEXT = 1 << 24
 # fields that change the attention itself, which the attention backends do not compute
 UNSUPPORTED_FIELDS = {"use_bidirectional_attention": "attention is causal"}
 # tensors a Hugging Face checkpoint may carry that the model recomputes or ties
@@ -84,6 +87,9 @@ def check_supported(config: PretrainedConfig, context_length: int | None) -> int
         if getattr(config, name, None):
             raise ValueError(f"config.json: {name} is not supported ({why})")
     longest = context_length or config.max_position_embeddings
+    if not 0 < longest <= MAX_CONTEXT:
+        field = "--context-length" if context_length else "config.json: max_position_embeddings"
+        raise ValueError(f"{field} {longest} is not between 1 and {MAX_CONTEXT:,} tokens")
     limits = [limit for limit in exact_limits(config) if limit[0] < longest]
     if not limits:
         return longest

@@ -56,6 +56,8 @@ def _edit_config(folder, **fields) -> None:
         # Gemma 3's option for embedding models: attention is causal here
         ({"use_bidirectional_attention": True}, "use_bidirectional_attention is not supported"),
         ({"hidden_act": "relu"}, "hidden_act 'relu' is not supported"),
+        # a context no rotary table should be sized by (the issue's 2^32 - 1: 4.3 GB in 24 s)
+        ({"max_position_embeddings": 2**32 - 1}, "max_position_embeddings 4294967295"),
     ],
 )
 def test_config_fields_that_cannot_be_honoured_are_refused(tmp_path, tiny_model_dir, fields, words):

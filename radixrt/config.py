@@ -264,7 +264,7 @@ class ModelSettings(Settings):
     section: ClassVar[str] = "model and weights"
     # fmt: off
     model: str = setting("default", "'default' (SmolLM2-135M-Instruct), a Hugging Face model folder, a .gguf file, or a Hugging Face Hub id already in the local Hub cache (needs huggingface_hub; nothing is downloaded)")
-    served_model_name: str | None = setting(None, "the model's name in the OpenAI API (/v1/models, each response's `model`) and in model_info (default: --model as given)")
+    served_model_name: str | None = setting(None, "the model's name in the OpenAI API (/v1/models, each response's `model`) and in model_info (default: --model as given, a path by its last part: no tenant sees a server path)")
     tokenizer_path: str | None = setting(None, "the tokenizer's folder or Hugging Face Hub id, when it is not the model's (default: --model)")
     chat_template: str | None = setting(None, "the chat template to use instead of the tokenizer's: a file holding a Jinja template, or the template itself")
     attention_backend: str = setting("auto", "auto (triton on CUDA, torch on CPU), torch or triton", choices=("auto", "torch", "triton"))
@@ -759,8 +759,15 @@ class ServerArgs(
 
     @property
     def model_name(self) -> str:
-        """What the model is called to clients: --served-model-name, else --model as given."""
-        return self.served_model_name or self.model
+        """What the model is called to clients: --served-model-name, else --model as given,
+        but a path on this machine (absolute, or a file or folder here) by its last part: a
+        tenant never sees a server path."""
+        if self.served_model_name:
+            return self.served_model_name
+        path = os.path.expanduser(self.model)
+        if os.path.isabs(path) or os.path.exists(path):
+            return os.path.basename(os.path.abspath(path))
+        return self.model
 
     @property
     def executor(self) -> ExecutorArgs:

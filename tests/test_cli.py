@@ -183,3 +183,18 @@ def test_a_router_needs_a_worker():
         RouterArgs()
     with pytest.raises(ValueError, match="max_frame_bytes"):  # the front's rules, as serve's
         RouterArgs(worker=("tcp://127.0.0.1:1",), max_frame_bytes=100)
+
+
+def test_a_path_is_served_by_its_last_part(tmp_path, monkeypatch):
+    """The model's default served name never names a path of the server: an absolute path, or a
+    file or folder here, goes by its last part; a Hub id or `default` as given."""
+    folder = tmp_path / "models" / "tiny-llama"
+    folder.mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    for model in (str(folder), f"{folder}/", "models/tiny-llama", "./models/tiny-llama"):
+        assert ServerArgs(model=model).model_name == "tiny-llama", model
+    assert ServerArgs(model="~/m.gguf").model_name == "m.gguf"
+    for model in ("default", "HuggingFaceTB/SmolLM2-135M-Instruct"):
+        assert ServerArgs(model=model).model_name == model
+    assert ServerArgs(model=str(folder), served_model_name="tiny").model_name == "tiny"
+

@@ -24,12 +24,14 @@ import argparse
 import dataclasses
 import json
 import os
+import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar
 
 T = TypeVar("T")
 S = TypeVar("S", bound="Settings")
+K = TypeVar("K", bound="KeySettings")
 
 SECRETS = {
     "api_key": "RADIXRT_API_KEY",
@@ -663,6 +665,18 @@ class KeySettings(Settings):
     admin_api_key: str | None = setting(None, "the key of control ops (shutdown, flush_cache, memory_snapshot, check_invariants) and of every tenant's stats; a tenant key gets 'unauthorized' (a lone --api-key without --api-key-file stays the admin); or set RADIXRT_ADMIN_API_KEY")
     curve_client_keys: str | None = setting(None, "a file of client CURVE public keys (Z85, one a line): only these may connect (checked through ZAP; needs --curve-secret-key)")
     # fmt: on
+
+    def with_own_admin_key(self: K) -> K:
+        """These settings with an admin key where a key file names the tenants and no admin key
+        is given: a random one, which only the launcher (`rt.Runtime`, `rt.Engine`) and the
+        processes `serve` starts hold (its HTTP gateway, a fleet's router and workers: secrets
+        travel by environment). Their own calls then run as the admin, never as a tenant of the
+        file: `health`, and `model_info` with the paths the gateway and the router load the
+        tokenizer from, which no tenant sees. No client's role changes. Without a key file
+        nothing changes (no key: everyone is the admin; a lone --api-key is)."""
+        if not self.api_key_file or self.admin_api_key:
+            return self
+        return dataclasses.replace(self, admin_api_key=secrets.token_urlsafe(32))
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -198,3 +198,15 @@ def test_a_path_is_served_by_its_last_part(tmp_path, monkeypatch):
         assert ServerArgs(model=model).model_name == model
     assert ServerArgs(model=str(folder), served_model_name="tiny").model_name == "tiny"
 
+
+def test_a_key_file_without_an_admin_key_gets_one_of_its_own(tmp_path):
+    """`serve` and the launchers make an admin key where a key file names the tenants and none
+    is given (their own calls then run as the admin); otherwise the keys stay as given."""
+    keys = tmp_path / "keys.txt"
+    own = ServerArgs(api_key_file=str(keys), api_key="k").with_own_admin_key()
+    assert own.admin_api_key and own.admin_api_key != "k"
+    assert ServerArgs(api_key_file=str(keys)).with_own_admin_key().admin_api_key != (
+        own.admin_api_key
+    )
+    for given in ({}, {"api_key": "k"}, {"api_key_file": str(keys), "admin_api_key": "a"}):
+        assert ServerArgs(**given).with_own_admin_key() == ServerArgs(**given)

@@ -60,7 +60,9 @@ class Runtime(ZmqEndpoint):
         curve_client_secret_key: str | None = None,
         **server_args: Any,
     ):
-        self.args = ServerArgs.from_kwargs(model=model, **server_args)
+        # with a key file, an admin key of the launcher's own where none is given: its own calls
+        # (health, the tokenizer from model_info's path) then rest on no tenant's key
+        self.args = ServerArgs.from_kwargs(model=model, **server_args).with_own_admin_key()
         self._tmp = Path(tempfile.mkdtemp(prefix="radixrt-"))
         self._configure_endpoint(given=set(server_args))
         self._log_path = self._tmp / "runtime.log"

@@ -504,7 +504,7 @@ def run_server(args: ServerArgs) -> None:
     """Load the model, bind, serve until a `shutdown` op, SIGINT, or SIGTERM (which drains
     first: running and queued requests finish, up to `--drain-timeout`)."""
     logging.basicConfig(level=args.log_level.upper(), format="[%(asctime)s %(name)s] %(message)s")
-    args = args.with_secrets_from_env()
+    args = args.with_secrets_from_env().with_own_admin_key()  # its gateway's too
     front = FrontConfig.of(args)
     front.check_exposure(args.host)
     check_kv_events_exposure(args.kv_events, front.keyed)

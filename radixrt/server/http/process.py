@@ -95,7 +95,9 @@ def run_gateway(
 ) -> None:
     """Serve HTTP on the inherited listening socket `fd` until SIGTERM/SIGINT or the parent exits.
     Each request goes to the runtime with its client's own key (its tenant); the gateway's own
-    calls (stats, health) use the admin key, else `api_key`, else the first key of the file.
+    calls (stats, health, `model_info` with the tokenizer's path) use the admin key (`serve`
+    gives it one: `KeySettings.with_own_admin_key`), else `api_key`, else the first key of the
+    file.
     `limits` (default: serve's defaults): no frame past the runtime's limit is sent, and no
     reply is waited for longer than the request timeout and a grace."""
     logging.basicConfig(level=log_level.upper(), format="[%(asctime)s %(name)s] %(message)s")

@@ -132,6 +132,7 @@ def run_fleet(args: ServerArgs) -> None:
     (which drains the router and the workers first). A drained fleet whose workers did not all
     exit 0 exits 1."""
     logging.basicConfig(level=args.log_level.upper(), format="[%(asctime)s %(name)s] %(message)s")
+    args = args.with_own_admin_key()  # the router's and the gateway's, which the workers take
     FrontConfig.of(args).check_exposure(args.host)
     exit_with_parent()  # and the workers, which watch this process, follow
     gateway = None

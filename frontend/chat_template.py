@@ -5,9 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+from radixrt.client.chat_render import RenderJob, render
 
 _MARK = "\x00RADIXRT\x00"
+# the prompt a program may build here: the server bounds what it takes (--max-prompt-bytes)
+_MAX_PROMPT_BYTES = 1 << 30
 
 
 @dataclass
@@ -57,12 +59,14 @@ def render_messages(
     add_generation_prompt: bool = True,
 ) -> str:
     """Messages (and, for a template that renders them, tools) as the model's own chat template
-    writes them; `info` is the runtime's `model_info`."""
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    template = env.from_string(info["chat_template"])
-    return template.render(
-        messages=messages,
-        tools=tools,
+    writes them, as the HTTP gateway renders them (transformers' helpers, in the bounded
+    sandbox of `radixrt.client.chat_render`); `info` is the runtime's `model_info`."""
+    job = RenderJob(
+        info["chat_template"],
+        messages,
+        tools,
+        variables=dict(info.get("special_tokens", {})),
         add_generation_prompt=add_generation_prompt,
-        **info.get("special_tokens", {}),
+        max_bytes=_MAX_PROMPT_BYTES,
     )
+    return render(job)

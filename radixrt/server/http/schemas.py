@@ -11,6 +11,7 @@ from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 from pydantic import BaseModel, ConfigDict, Field, create_model
 
+from radixrt.client.chat_render import DEFAULT_MAX_CHARS, RenderJob, render
 from radixrt.client.endpoint import Prompt
 from radixrt.protocol import GenerateOptions, option_fields, spec_of
 from radixrt.sampling_params import OPENAI_CONSTRAINTS, SamplingParams, openai_names, param_spec
@@ -195,6 +196,33 @@ class ChatRendering:
         return cls(req.continue_final_message, kwargs)
 
 
+def chat_job(
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None = None,
+    rendering: ChatRendering = ChatRendering(),
+    max_bytes: int = DEFAULT_MAX_CHARS,
+) -> RenderJob:
+    """What `tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, ...)` renders,
+    as a job a render process can run without the tokenizer: its template for these tools
+    (transformers' choice), its special tokens (the template's variables, under the caller's
+    `chat_template_kwargs`), and an output limit of `max_bytes`. A ValueError when the
+    tokenizer has no template."""
+    specials = {
+        k: v if isinstance(v, (str, list)) else str(v)
+        for k, v in tokenizer.special_tokens_map.items()
+    }
+    return RenderJob(
+        template=tokenizer.get_chat_template(None, tools),
+        messages=messages,
+        tools=tools,
+        variables={**specials, **rendering.template_kwargs},
+        add_generation_prompt=not rendering.continue_final_message,
+        continue_final_message=rendering.continue_final_message,
+        max_bytes=max_bytes,
+    )
+
+
 def render_chat(
     tokenizer: Any,
     messages: list[dict[str, Any]],
@@ -203,16 +231,9 @@ def render_chat(
 ) -> str:
     """Messages -> the prompt text, with the model's own chat template, ready for the assistant
     (or, with `continue_final_message`, inside its last message); `tools` go to a template that
-    renders them (structured.tools.prompt_messages did the rest)."""
-    prompt: str = tokenizer.apply_chat_template(
-        messages,
-        tools=tools,
-        tokenize=False,
-        add_generation_prompt=not rendering.continue_final_message,
-        continue_final_message=rendering.continue_final_message,
-        **rendering.template_kwargs,
-    )
-    return prompt
+    renders them (structured.tools.prompt_messages did the rest). Rendered in this process, as
+    the gateway's render processes render it (`chat_job`; the bench's prompts)."""
+    return render(chat_job(tokenizer, messages, tools, rendering))
 
 
 def message_dict(m: ChatMessage) -> dict[str, Any]:

@@ -711,7 +711,8 @@ class HttpSettings(Settings):
     # fmt: off
     http_request_timeout: float = setting(600.0, "the HTTP gateway's bound on one request, in seconds: a request whose timeout is unset or longer gets this one (the runtime ends it with 'timeout'), and one the runtime has not answered a few seconds past it is answered 504 'timeout' by the gateway and aborted")
     http_pin_lease: float = setting(600.0, "seconds a pin made through the HTTP gateway (/pin) holds unless /unpin comes first; then the gateway unpins it (each caller's pins are its own and count under its key's tenant)")
-    http_cpu_threads: int = setting(4, "threads of the HTTP gateway for tokenizing, chat templates, tool schemas and echoes, off its event loop: one is kept for small requests, and one tenant's large ones take at most half the rest")
+    http_cpu_threads: int = setting(4, "threads of the HTTP gateway for tokenizing, chat templates, tool schemas and echoes, off its event loop: one is kept for small requests, and one tenant's large ones take at most half the rest; as many processes render chat templates, half of them at most one tenant's")
+    chat_template_timeout: float = setting(5.0, "seconds the chat template may take to render one request's messages (in a process of the HTTP gateway's, which is then killed and replaced): past it the request gets 'invalid_request' naming this limit. The template's output is bounded by --max-prompt-bytes")
     allowed_hosts: tuple[str, ...] = setting((), "Host names a server without keys answers besides its bound address's (loopback's names when bound there): any other Host gets 403, which stops DNS-rebinding pages ('*': any)", nargs="+")
     allowed_origins: tuple[str, ...] = setting((), "browser Origins (scheme://host[:port]) a server without keys answers besides its own names: a request another site's page sends gets 403 ('*': any)", nargs="+")
     max_stored_response_bytes_per_tenant: int = setting(64 << 20, "bytes of stored /v1/responses one tenant (its API key) may hold, the earlier turns a stored response continues (previous_response_id) included: past it the tenant's oldest go first, and a conversation that alone would hold more is refused ('invalid_request'; store: false is not stored)")
@@ -721,6 +722,8 @@ class HttpSettings(Settings):
     def check(self) -> None:
         if not self.http_request_timeout > 0 or not self.http_pin_lease > 0:
             raise ValueError("http_request_timeout and http_pin_lease must be > 0 seconds")
+        if not self.chat_template_timeout > 0:
+            raise ValueError("chat_template_timeout must be > 0 seconds")
         if not 0 < self.max_stored_response_bytes_per_tenant <= self.max_stored_response_bytes:
             raise ValueError(
                 "max_stored_response_bytes_per_tenant must be > 0 and at most max_stored_response_bytes"

@@ -181,6 +181,7 @@ def build_app(gateway: Gateway) -> FastAPI:
         warm_up.cancel()
         expiry.cancel()
         gateway.cpu.close()
+        gateway.templates.close()
         # a call still waiting for the runtime (one that never started) ends, so its worker
         # thread does too and the process can exit
         gateway.endpoint.client.fail_pending("the HTTP gateway is stopping")

@@ -16,7 +16,6 @@ from typing import Any, TypeVar
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
-from jinja2 import TemplateError
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 
@@ -38,13 +37,14 @@ from radixrt.server.http.schemas import (
     ChatRendering,
     ChatTools,
     add_constraint,
+    chat_job,
     constraint_params,
     message_dict,
-    render_chat,
 )
 from radixrt.server.http.shapes import (
     ResponseShape,
 )
+from radixrt.server.http.template_pool import TemplatePool, worker_memory_bytes
 from radixrt.server.metrics import GatewayGauges, GatewayMetrics
 from radixrt.server.tenants import KeyRing
 from radixrt.structured.tools import ToolCallParser, resolve_parser
@@ -139,6 +139,16 @@ class ChatPlan:
     shape: ResponseShape
 
 
+@dataclass(frozen=True)
+class ChatInput:
+    """A chat request before its template runs: the render job (`chat_render.RenderJob`, as
+    JSON), its sampling params and reply shape."""
+
+    job: bytes
+    params: dict[str, Any]
+    shape: ResponseShape
+
+
 # The most generate requests one HTTP call may fan out to (prompts x n): one call must not fill
 # the queue that every client shares.
 MAX_FANOUT = 256
@@ -161,6 +171,11 @@ class Gateway:
         self.limits = limits or GatewaySettings()
         self.pins = PinLeases(self.limits.http_pin_lease)
         self.cpu = CpuPool(self.limits.http_cpu_threads)
+        self.templates = TemplatePool(
+            self.limits.http_cpu_threads,
+            self.limits.chat_template_timeout,
+            worker_memory_bytes(self.limits.max_frame_bytes, self.limits.max_prompt_bytes),
+        )
         self.keys = keys or KeyRing()
         self.tool_call_parser = tool_call_parser
         self.metrics = GatewayMetrics()
@@ -184,6 +199,7 @@ class Gateway:
         tokenizer = load_tokenizer(info)
         template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else None
         parser = resolve_parser(self.tool_call_parser, template)
+        self.templates.start()  # warm before the first chat
         return Model(
             info["model"],
             info["context_length"],
@@ -255,12 +271,15 @@ class Gateway:
         """A chat request as the runtime runs it: the prompt (the messages and tools through the
         model's chat template, at most `--max-prompt-bytes`), the sampling params (with the
         response_format or tool constraint) and how the reply reads back. Every API that speaks
-        chat (Anthropic's Messages too) comes through here, on the CPU pool (a template and the
-        tools' schemas take milliseconds to seconds). 400 for what cannot be rendered or
-        constrained."""
-        return await self.cpu.run(self._chat_plan, model, req)
+        chat (Anthropic's Messages too) comes through here: the tools' schemas and the render
+        job on the CPU pool, the template in a process of the template pool, which stops it
+        past `--chat-template-timeout`. 400 for what cannot be rendered or constrained."""
+        ready = await self.cpu.run(self._chat_plan, model, req)
+        # the template runs in a render process, bounded in time and output (template_pool.py)
+        prompt = await self.templates.render(ready.job)
+        return ChatPlan(prompt, ready.params, ready.shape)
 
-    def _chat_plan(self, model: Model, req: ChatCompletionRequest) -> ChatPlan:
+    def _chat_plan(self, model: Model, req: ChatCompletionRequest) -> ChatInput:
         if model.template is None:
             raise APIError(
                 400,
@@ -283,14 +302,16 @@ class Gateway:
         )
         rendering = ChatRendering.of(req, model.tokenizer)
         try:
-            prompt = render_chat(model.tokenizer, messages, template_tools, rendering)
-        # the template's own checks (roles must alternate, ...), and what it cannot do with the
-        # values the request gave it (a template variable of the wrong type)
-        except (TemplateError, ValueError, TypeError) as e:
+            job = chat_job(
+                model.tokenizer, messages, template_tools, rendering, self.limits.max_prompt_bytes
+            ).to_json()
+        except (ValueError, TypeError) as e:  # no template for these tools, values not JSON
             raise APIError(
-                400, f"cannot render the messages with the chat template: {e}", param="messages"
+                400,
+                f"cannot render the messages with the chat template: {e}",
+                param="messages",
+                code=ErrorCode.INVALID_REQUEST.value,
             ) from e
-        self.check_prompt_bytes(len(prompt.encode()), "messages")
         shape = ResponseShape(
             chat=True,
             tokenizer=model.tokenizer,
@@ -298,7 +319,7 @@ class Gateway:
             tool_parser=tools.reply_parser,
             reasoning=self.reasoning,
         )
-        return ChatPlan(prompt, params, shape)
+        return ChatInput(job, params, shape)
 
     async def health(self) -> dict[str, str]:
         """200 once the runtime answers and this gateway has what it needs to serve."""

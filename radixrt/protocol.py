@@ -486,6 +486,9 @@ class ControlOp:
     # answered once the requests in flight have finished or a trainer has done its part: the
     # runtime answers it later, beside its loop, and callers wait WEIGHT_UPDATE_WAIT_S for it
     waits: ClassVar[bool]
+    # the fields of its result (of each item, for a list) that name paths on the server's
+    # machine: only the admin sees them (`seen_by`); a tenant never sees a server path
+    admin_fields: ClassVar[tuple[str, ...]]
 
     def __init_subclass__(
         cls,
@@ -496,14 +499,29 @@ class ControlOp:
         admin: bool = True,
         route: Route | None = None,
         waits: bool = False,
+        admin_fields: tuple[str, ...] = (),
         **kwargs: Any,
     ) -> None:
         super().__init_subclass__(**kwargs)
         if op in CONTROL_OPS:
             raise ValueError(f"two control ops named {op!r}")
         cls.op, cls.fleet, cls.reply, cls.admin, cls.route = op, fleet, reply, admin, route
-        cls.waits = waits
+        cls.waits, cls.admin_fields = waits, admin_fields
         CONTROL_OPS[op] = cls
+
+    @classmethod
+    def seen_by(cls, result: Any, admin: bool) -> Any:
+        """`result` as its caller may see it: whole by the admin (who names the paths models and
+        adapters load from anyway); anyone else gets it without `admin_fields` (in each item of
+        a list), so it names models and adapters by their served names only. The runtime and
+        the router both apply it: a router may have asked its worker with the admin's key."""
+        if admin or not cls.admin_fields:
+            return result
+        if isinstance(result, list):
+            return [cls.seen_by(item, admin) for item in result]
+        if isinstance(result, dict):
+            return {k: v for k, v in result.items() if k not in cls.admin_fields}
+        return result
 
     @property
     def wait_s(self) -> float | None:
@@ -597,6 +615,7 @@ class ModelInfo(
     admin=False,
     fleet=Fleet.ONE,
     reply='`{"rid", "result": {...}}`: the fields listed below',
+    admin_fields=("model_path", "tokenizer_path"),
 ):
     """What is served: the model, its tokenizer and template, the pool, the weights' version."""
 
@@ -618,6 +637,7 @@ class ListLoraAdapters(
     fleet=Fleet.ONE,
     reply='`{"rid", "result": [{"name", "path", "rank", "digest"}]}`',
     route=Route("GET", HttpReply.RESULT),
+    admin_fields=("path",),
 ):
     """The adapters loaded."""
 
@@ -858,3 +878,6 @@ class GetWeightVersion(
 
 # only the admin key (`--admin-api-key`) may send these; a tenant's key gets `unauthorized`
 ADMIN_OPS = frozenset(name for name, record in CONTROL_OPS.items() if record.admin)
+# what a client sends with its admin key when it has one: the control ops, and the ops of which
+# the admin sees more (`stats`: every tenant; those with `admin_fields`: the server's paths)
+ADMIN_KEYED_OPS = ADMIN_OPS | {"stats"} | {n for n, r in CONTROL_OPS.items() if r.admin_fields}

@@ -136,7 +136,8 @@ ROUTER_DOES = {
 
 def control_table() -> str:
     """The table of the control ops: name, fields (in their positional order), who may send
-    it, who answers it behind a router, its gateway route, what it does and answers."""
+    it (and which fields of its result only the admin sees), who answers it behind a router,
+    its gateway route, what it does and answers."""
     lines = [
         "| `op` | fields | who | behind a router | HTTP | what it does; its reply |",
         "|---|---|---|---|---|---|",
@@ -145,11 +146,13 @@ def control_table() -> str:
         route = record.route
         http = "—" if route is None else f"`{route.method} /{record.op}`: {route.reply.value}"
         does = " ".join((record.__doc__ or "").split())
+        hidden = ", ".join(f"`{name}`" for name in record.admin_fields)
         lines.append(
             _row(
                 f"`{record.op}`",
                 _cell(_fields(record)),
-                "admin" if record.admin else "any key",
+                ("admin" if record.admin else "any key")
+                + (f" ({hidden} the admin's only)" if hidden else ""),
                 ROUTER_DOES[record.fleet],
                 _cell(http),
                 _cell(f"{does} Reply: {record.reply}"),

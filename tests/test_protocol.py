@@ -22,6 +22,8 @@ import radixrt as rt
 from radixrt.client.base import Endpoint, RequestOptions
 from radixrt.engine.request import RequestScope
 from radixrt.protocol import (
+    ADMIN_KEYED_OPS,
+    ADMIN_OPS,
     CONTROL_OPS,
     GENERATE_BASE_FIELDS,
     GENERATE_FIELDS,
@@ -29,7 +31,10 @@ from radixrt.protocol import (
     Fleet,
     GenerateOptions,
     InitWeightsUpdateGroup,
+    ListLoraAdapters,
+    ModelInfo,
     ReleaseMemoryOccupation,
+    Stats,
     UpdateWeightsFromDisk,
     UpdateWeightsFromDistributed,
     generate_fields,
@@ -318,6 +323,19 @@ def test_a_control_op_goes_over_the_wire_and_back_unchanged():
         ReleaseMemoryOccupation(["kv_cache"]),
     ):
         assert type(op).from_wire(msgpack.unpackb(msgpack.packb(op.wire()))) == op
+
+
+def test_a_results_server_paths_are_the_admins_only():
+    """`seen_by` leaves out the fields a record declares as the server's paths, for anyone but
+    the admin, from a map and from each map of a list; the clients send those ops with their
+    admin key (`ADMIN_KEYED_OPS`), as they send control ops and `stats`."""
+    info = {"model": "tiny", "model_path": "/srv/m", "tokenizer_path": "/srv/t", "vocab_size": 8}
+    assert ModelInfo.seen_by(info, admin=True) == info
+    assert ModelInfo.seen_by(info, admin=False) == {"model": "tiny", "vocab_size": 8}
+    adapters = [{"name": "a1", "path": "/srv/a1", "rank": 8}]
+    assert ListLoraAdapters.seen_by(adapters, admin=False) == [{"name": "a1", "rank": 8}]
+    assert Stats.seen_by({"tenants": {}}, admin=False) == {"tenants": {}}  # it declares none
+    assert {"model_info", "list_lora_adapters", "stats"} | ADMIN_OPS <= ADMIN_KEYED_OPS
 
 
 @pytest.mark.model

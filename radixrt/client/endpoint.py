@@ -35,9 +35,11 @@ class ZmqEndpoint(Endpoint):
     `ipc://path`); thread-safe, any number of requests in flight over one socket. `api_key` and
     `curve_server_key` (the server's Z85 public key) match the server's `--api-key` (or a key of
     `--api-key-file`) and `--curve-secret-key`; `admin_api_key` (the server's `--admin-api-key`)
-    is sent with control ops (`flush_cache`, `check_invariants`, `memory_snapshot`, `shutdown`)
-    and `stats` instead; `curve_client_secret_key` is this client's CURVE secret key, for a
-    server whose `--curve-client-keys` lists its public key (default: an ephemeral key pair).
+    is sent instead with control ops (`flush_cache`, `check_invariants`, `memory_snapshot`,
+    `shutdown`) and with the ops of which the admin sees more (`stats`, `model_info`,
+    `list_lora_adapters`: `protocol.ADMIN_KEYED_OPS`); `curve_client_secret_key` is this
+    client's CURVE secret key, for a server whose `--curve-client-keys` lists its public key
+    (default: an ephemeral key pair).
     `max_frame_bytes` (the server's `--max-frame-bytes`) refuses a request that packs larger
     before it is sent (`FrameTooLargeError`), where the server would drop the connection."""
 
@@ -262,9 +264,10 @@ def prompt_ids(
 
 
 def load_tokenizer(info: dict[str, Any]) -> PreTrainedTokenizerBase:
-    """The runtime's tokenizer, from its `model_info`: the files at its `tokenizer_path` (the
-    runtime's paths must be this machine's) with the chat template it serves, which
-    `--chat-template` may have put in place of the files' own.
+    """The runtime's tokenizer, from its `model_info` as the admin sees it: the files at its
+    `tokenizer_path` (the runtime's paths must be this machine's) with the chat template it
+    serves, which `--chat-template` may have put in place of the files' own. A tenant's
+    `model_info` names no server path: PermissionError.
 
     The class is the one the runtime's AutoTokenizer chose (`tokenizer_class`), loaded directly:
     AutoTokenizer itself reads the model's config, whose classes import torch (a quarter GB
@@ -272,7 +275,11 @@ def load_tokenizer(info: dict[str, Any]) -> PreTrainedTokenizerBase:
     export (remote code) goes through AutoTokenizer."""
     import transformers
 
-    path = info.get("tokenizer_path") or info["model_path"]
+    path = info.get("tokenizer_path") or info.get("model_path")
+    if not path:
+        raise PermissionError(
+            "model_info names no tokenizer path: the server shows its paths to its admin key only"
+        )
     cls = getattr(transformers, info.get("tokenizer_class") or "AutoTokenizer", None)
     load = getattr(cls, "from_pretrained", None) if isinstance(cls, type) else None
     tokenizer: PreTrainedTokenizerBase = (load or transformers.AutoTokenizer.from_pretrained)(path)

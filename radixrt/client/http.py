@@ -33,7 +33,7 @@ from radixrt.client.base import (
     normalize_prompt,
 )
 from radixrt.client.transport import raise_for
-from radixrt.protocol import ControlOp, ErrorCode
+from radixrt.protocol import ADMIN_KEYED_OPS, ControlOp, ErrorCode
 
 # an HTTP status -> the error code of an answer that names none (a proxy's, a plain 404)
 STATUS_CODES = {
@@ -59,7 +59,8 @@ class _StreamState:
 
 class HttpEndpoint(Endpoint):
     """What `rt.RuntimeEndpoint(url)` is for an `http://` or `https://` url: `api_key` is sent as
-    `Authorization: Bearer`, `admin_api_key` instead on `flush_cache` and `stats`; `timeout`
+    `Authorization: Bearer`, `admin_api_key` instead on the control ops and on those of which
+    the admin sees more (`stats`, `model_info`, ...: `protocol.ADMIN_KEYED_OPS`); `timeout`
     bounds each call (seconds; None waits)."""
 
     def __init__(
@@ -205,7 +206,7 @@ class HttpEndpoint(Endpoint):
         result; an op without a route is the runtime's alone (NotImplementedError)."""
         if op.route is None:
             raise NotImplementedError(f"{op.op} is a ZeroMQ op: use the server's --zmq-port")
-        key = self.admin_api_key if op.admin else self.api_key
+        key = self.admin_api_key if op.op in ADMIN_KEYED_OPS else self.api_key
         path = f"/{op.op}"
         if op.route.method == "GET":
             answer = self._get(path, key)
@@ -254,7 +255,7 @@ class HttpEndpoint(Endpoint):
         return ids
 
     def _fetch_model_info(self) -> dict[str, Any]:
-        info: dict[str, Any] = self._get("/get_model_info", None)
+        info: dict[str, Any] = self._get("/get_model_info", self.admin_api_key)
         return info
 
     def close(self) -> None:

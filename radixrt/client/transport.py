@@ -16,12 +16,10 @@ from typing import Any, TypeVar
 import msgpack
 import zmq
 
-from radixrt.protocol import ADMIN_OPS, ErrorCode, error_reply
+from radixrt.protocol import ADMIN_KEYED_OPS, ErrorCode, error_reply
 
 # ping period while requests are in flight; the runtime aborts a silent client's requests
 HEARTBEAT_S = 1.0
-# sent with the admin key when there is one: control ops, and stats (the admin sees every tenant)
-ADMIN_KEYED_OPS = ADMIN_OPS | {"stats"}
 
 
 class RemoteError(RuntimeError):
@@ -93,8 +91,9 @@ class RuntimeClient:
     it frames through per-thread inproc PUSH sockets and get replies through callbacks. While
     requests are in flight it pings the runtime: a runtime that restarted (new `server_id`) or
     went silent for `dead_after_s` fails those requests with a clear `connection_lost` error;
-    the socket reconnects by itself, so later requests work again. Control ops (`ADMIN_OPS`)
-    (and `stats`) go with `admin_api_key` when one is given, everything else with `api_key`.
+    the socket reconnects by itself, so later requests work again. Control ops, and the ops of
+    which the admin sees more (`protocol.ADMIN_KEYED_OPS`: `stats`, `model_info`, ...), go with
+    `admin_api_key` when one is given, everything else with `api_key`.
     It also pings while it holds pins, which the runtime drops with a silent client.
 
     A message that cannot be packed (an integer past 64 bits) or that packs past

@@ -13,9 +13,10 @@ op handler sees it, in this order:
    `protocol.MAX_NESTING` deep.
 4. The op is looked up in the op table (`Op`: handler + role); a control op (`Role.ADMIN`) sent
    with a tenant's key gets `unauthorized`.
-5. The handler runs; what it raises costs that one message, never the loop. A reply echoes the
-   rid only when it is a short string or an int (`wire_rid`), and `reply` never raises for what
-   a message holds.
+5. The handler runs; what it raises costs that one message, never the loop. A control op's
+   result is what the caller may see of it (`ControlOp.seen_by`: no server path but to the
+   admin). A reply echoes the rid only when it is a short string or an int (`wire_rid`), and
+   `reply` never raises for what a message holds.
 It also tracks the heartbeats of pinging clients, so a vanished client's work can be ended.
 """
 
@@ -380,6 +381,7 @@ class ClientFront:
                 result = op.run(caller, msg)
             else:
                 result = op.run(caller, op.record.from_wire(msg), rid)
+                result = op.record.seen_by(result, caller.principal.admin)
             if op.answers:
                 self.reply(caller.identity, {"rid": rid, "result": result})
         except RequestError as e:
@@ -387,10 +389,13 @@ class ClientFront:
         except ValueError as e:
             self.reply(caller.identity, error_reply(rid, ErrorCode.INVALID_REQUEST, str(e)))
         except AssertionError as e:  # check_invariants found a broken invariant: a bug
-            self.reply(
-                caller.identity,
-                error_reply(rid, ErrorCode.INTERNAL_ERROR, str(e) or traceback.format_exc()),
-            )
+            # a traceback names the server's files: the admin's to read, the log's otherwise
+            if caller.principal.admin:
+                where = traceback.format_exc()
+            else:
+                logger.exception("op %r failed a check", msg.get("op"))
+                where = "an internal check failed (the server's log has where)"
+            self.reply(caller.identity, error_reply(rid, ErrorCode.INTERNAL_ERROR, str(e) or where))
         except Exception as e:  # a bug must cost one request, not the server
             logger.exception("op %r failed", msg.get("op"))
             self.reply(

@@ -27,7 +27,7 @@ from radixrt.client.endpoint import (
     load_tokenizer,
 )
 from radixrt.config import GatewaySettings
-from radixrt.protocol import ErrorCode, option_fields
+from radixrt.protocol import ErrorCode, ListLoraAdapters, option_fields
 from radixrt.server.http.cpu_pool import CpuPool
 from radixrt.server.http.errors import RUNTIME_EXCEPTIONS, APIError, from_runtime_error
 from radixrt.server.http.pins import PinLease, PinLeases
@@ -352,9 +352,10 @@ class Gateway:
         """The served model, then each loaded LoRA adapter (its `parent` the model; its `root`
         its path, vLLM's listing, shown to the admin only: a tenant learns no server paths)."""
         model = await self.model()
-        adapters = await asyncio.to_thread(self.endpoint.list_lora_adapters)
-        if not self.authorized_admin(dict(request.headers.raw)):
-            adapters = [{k: v for k, v in a.items() if k != "path"} for a in adapters]
+        adapters = ListLoraAdapters.seen_by(
+            await asyncio.to_thread(self.endpoint.list_lora_adapters),
+            self.authorized_admin(dict(request.headers.raw)),
+        )
         card = {
             "object": "model",
             "created": self.started,

@@ -363,12 +363,15 @@ class NativeAPI:
         return JSONResponse({"success": flushed, "message": message}, 200 if flushed else 400)
 
     async def get_model_info(self, request: Request) -> dict[str, Any]:
-        """The runtime's `model_info` (its `weight_version` among them) with SGLang's keys (its
-        frontend reads `model_path`)."""
+        """The runtime's `model_info` (its `weight_version` among them) as the caller's key may
+        see it, with SGLang's keys: its frontend reads `model_path` (and guesses a chat template
+        from it), which a tenant, who sees no server path, gets as the served model's name."""
         info = await self._call(request, "model_info")
+        path = info.get("model_path", info["model"])
         return {
             **info,
-            "tokenizer_path": info["model_path"],
+            "model_path": path,
+            "tokenizer_path": path,
             "is_generation": True,
             "preferred_sampling_params": None,
             "has_image_understanding": False,

@@ -26,7 +26,7 @@ class Gather:
     waiting: set[int] = field(default_factory=set)  # indices of the workers yet to answer
     replies: dict[int, dict[str, Any]] = field(default_factory=dict)
     pin: tuple[str, Prompt] | None = None  # (pin_id, prompt) of a pin op
-    viewer: Principal = OPEN  # whose stats these are (a tenant sees only its own row)
+    viewer: Principal = OPEN  # who asked (a tenant sees its own stats row and no server path)
 
 
 class Gathers:

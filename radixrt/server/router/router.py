@@ -517,11 +517,21 @@ class Router:
                 worker.send({"op": "model_info", "rid": "model-info-self"})
 
     def _on_model_info(self, info: dict[str, Any]) -> None:
-        folder = info.get("tokenizer_path") or info.get("model_path", "")
+        """Load the workers' tokenizer from the folder their `model_info` names, which a worker
+        names to its admin key only (`--worker-api-key`; `serve --dp-size` gives the router
+        one)."""
+        folder = info.get("tokenizer_path") or info.get("model_path")
         path = Path(str(folder)) / "tokenizer.json"
-        if self.tokenizer is None and path.is_file():
+        if self.tokenizer is not None:
+            return
+        if not folder:
+            logger.warning(
+                "the workers name no tokenizer path to --worker-api-key (not their admin key): "
+                "routing by load until --tokenizer is given"
+            )
+        elif path.is_file():
             self.tokenizer = _load_tokenizer(str(path))
-        elif self.tokenizer is None:
+        else:
             logger.warning("no %s here: routing by load until --tokenizer is given", path)
 
     def _relay(self, flight: Flight, reply: dict[str, Any]) -> None:
@@ -630,7 +640,9 @@ class Router:
             pin_id, prompt = gather.pin
             assert gather.identity is not None, "a pin is a client's"
             self.pins.add(gather.identity, pin_id, Pin(index, prompt))
-        return {"result": results[0]}
+        record = CONTROL_OPS.get(gather.op)  # the worker may have been asked with the admin's key
+        result = results[0] if record is None else record.seen_by(results[0], gather.viewer.admin)
+        return {"result": result}
 
     def _metrics(self, gather: Gather) -> str:
         """The workers' texts that came back, then the router's own counters."""

@@ -5,7 +5,8 @@ never a hang), `/health` answers meanwhile, and the gateway's memory does not gr
 to the app and not to ROUTES fails `test_every_route_is_in_the_table`, so a new route is covered
 by being added here. The CPU-heavy steps (tokenize, count_tokens) are driven concurrently while
 `/health` is timed. The tiny random model; a keyless server, as a browser on the same machine
-would find it."""
+would find it. Then every route as a tenant of a keyed server with LoRA adapters (issue 60,
+item 6): no reply, nor the ZeroMQ ops, names a path of the server."""
 
 from __future__ import annotations
 
@@ -13,16 +14,21 @@ import http.client
 import json
 import socket
 import statistics
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
+import radixrt
 from radixrt.client.endpoint import RuntimeEndpoint
+from radixrt.client.transport import RemoteError
 from radixrt.server.http.app import build_app
 from radixrt.server.http.gateway import Gateway
 
-from helpers import gateway_pid, rss_mib
+from helpers import gateway_pid, make_lora_adapter, rss_mib
+from timeouts import REPLY_TIMEOUT_S
 
 MAX_PROMPT_BYTES = 1 << 20  # --max-prompt-bytes here
 CHAT = [{"role": "user", "content": "hi"}]
@@ -294,3 +300,105 @@ def test_chat_bodies_the_template_cannot_take_are_400(runtime, fields):
     )
     assert status == 400, reply
     assert json.loads(reply)["error"]["code"] == "invalid_request"
+
+
+# ---- a tenant never sees a server path (issue 60, item 6) --------------------------------------
+
+TENANT = "tenant-key"
+ADAPTERS = ("a1", "a2")
+
+
+@pytest.fixture(scope="module")
+def keyed(runtimes, tiny_model_dir, tmp_path_factory):
+    """The tiny model under its default served name (its folder's name), two LoRA adapters
+    loaded from their folders, and a key file without an admin key: the runtime then makes its
+    own, which only it, its gateway and the launcher hold (`keyed.args.admin_api_key`)."""
+    root = tmp_path_factory.mktemp("keyed")
+    (root / "keys.txt").write_text(f"tenant:{TENANT}\n")
+    for seed, name in enumerate(ADAPTERS):
+        make_lora_adapter(tiny_model_dir, root / name, 2, ["q_proj", "v_proj"], seed=seed)
+    with runtimes.lease(
+        tiny_model_dir,
+        http=True,
+        api_key_file=str(root / "keys.txt"),
+        lora_paths=tuple(f"{name}={root / name}" for name in ADAPTERS),
+        max_total_tokens=4096,
+    ) as r:
+        yield r
+
+
+def _server_paths(*paths: Path) -> list[str]:
+    """The absolute paths of this server that a reply could leak, as given and resolved: those
+    named, the tests' temporary folder (the model's and the adapters' folders are in it), home
+    (the default model and the caches), the Python environment and the source tree."""
+    roots = [*paths, Path(sys.prefix), Path.home(), Path(radixrt.__file__).parent.parent]
+    return sorted({str(p) for root in roots for p in (root, root.resolve())})
+
+
+def _leaks(text: str, paths: list[str]) -> list[str]:
+    return [p for p in paths if p in text]
+
+
+def test_a_tenant_sees_no_server_path(keyed, tiny_model_dir, tmp_path_factory):
+    """Every route as the tenant, with the body it would accept (the model named by its served
+    name; a control op gets 401), and the errors that name a model or an adapter: no reply
+    names a server path, and the model and adapters go by their served names. So do the ZeroMQ
+    ops. The admin sees the paths (so the check would catch them), and the gateway, whose own
+    calls use the runtime's own admin key, loaded the tokenizer from them."""
+    served = tiny_model_dir.name
+    paths = _server_paths(tmp_path_factory.getbasetemp())
+    extra = {
+        ("POST", "/v1/completions", "an adapter"): {"model": "a1", "prompt": "hi", "max_tokens": 1},
+        ("POST", "/v1/completions", "no such model"): {"model": "nope", "prompt": "hi"},
+        ("POST", "/generate", "no such adapter"): {"text": "hi", "lora_path": "nope"},
+    }
+    probes = {(*route, "as accepted"): body for route, body in ROUTES.items()} | extra
+    replies = {}
+    for (method, path, kind), body in sorted(probes.items()):
+        if body is not None and "model" in body and kind == "as accepted":
+            body = {**body, "model": served}
+        sent = None if body is None else json.dumps(body).encode()
+        status, reply = _call(
+            keyed.http_url, method, path, sent, {"Authorization": f"Bearer {TENANT}"}
+        )
+        assert status < 500, (method, path, kind, reply[:300])
+        replies[method, path, kind] = status, reply.decode()
+    leaked = {probe: _leaks(text, paths) for probe, (_, text) in replies.items()}
+    assert not any(leaked.values()), {probe: p for probe, p in leaked.items() if p}
+
+    assert replies["POST", "/v1/chat/completions", "as accepted"][0] == 200  # tokenizer loaded
+    assert replies["POST", "/v1/completions", "an adapter"][0] == 200
+    status, text = replies["POST", "/v1/completions", "no such model"]
+    assert status == 404 and served in text and all(a in text for a in ADAPTERS)
+    status, text = replies["POST", "/generate", "no such adapter"]
+    assert status == 400 and "no adapter named 'nope'" in text
+    models = json.loads(replies["GET", "/v1/models", "as accepted"][1])["data"]
+    assert [m["id"] for m in models] == [served, *ADAPTERS] and all("root" not in m for m in models)
+    assert json.loads(replies["GET", "/list_lora_adapters", "as accepted"][1]) == [
+        {k: v for k, v in a.items() if k != "path"} for a in keyed.list_lora_adapters()
+    ]
+    info = json.loads(replies["GET", "/get_model_info", "as accepted"][1])
+    assert info["model"] == info["model_path"] == info["tokenizer_path"] == served
+    server = json.loads(replies["GET", "/get_server_info", "as accepted"][1])
+    assert server["served_model_name"] == served
+
+    tenant = RuntimeEndpoint(keyed.url, api_key=TENANT, timeout=REPLY_TIMEOUT_S)
+    try:
+        info = tenant.model_info
+        assert info["model"] == served and "model_path" not in info and "tokenizer_path" not in info
+        assert [a["name"] for a in tenant.list_lora_adapters()] == list(ADAPTERS)
+        seen = [info, tenant.list_lora_adapters(), tenant.stats(), tenant.metrics()]
+        with pytest.raises(RemoteError) as refused:
+            tenant.generate("hi", {"max_new_tokens": 1}, lora_path="nope")
+        assert not _leaks(json.dumps(seen) + str(refused.value), paths)
+    finally:
+        tenant.close()
+
+    # the admin: the runtime's own key, held by the launcher (the server has no other)
+    admin = keyed.args.admin_api_key
+    assert Path(keyed.model_info["model_path"]).resolve() == tiny_model_dir.resolve()
+    assert all(_leaks(a["path"], paths) for a in keyed.list_lora_adapters())
+    status, info = _call(
+        keyed.http_url, "GET", "/get_model_info", None, {"Authorization": f"Bearer {admin}"}
+    )
+    assert status == 200 and _leaks(info.decode(), paths)

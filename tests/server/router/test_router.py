@@ -277,6 +277,21 @@ def test_api_key_and_curve_on_both_hops(tiny_model_dir):
             wrong.close()
 
 
+def test_a_tenant_sees_no_server_path_through_a_router(workers, tiny_model_dir):
+    """Without a key file the router asks its (keyless) workers as the admin, so it shows a
+    tenant's key (`--api-key` beside an admin key: the default tenant's) the worker's answer
+    without the server's paths; the admin's key sees them."""
+    keys = ("--api-key", "tenant-key", "--admin-api-key", "admin-key")
+    with router_process([w.url for w in workers], *keys, api_key="tenant-key") as tenant:
+        info = tenant.model_info
+        assert info["model"] == tiny_model_dir.name and "model_path" not in info
+        admin = rt.RuntimeEndpoint(tenant.url, api_key="admin-key", timeout=REPLY_TIMEOUT_S)
+        try:
+            assert admin.model_info["model_path"] == workers[0].model_info["model_path"]
+        finally:
+            admin.close()
+
+
 def test_serve_dp_size_with_the_http_gateway(tiny_model_dir):
     from openai import OpenAI
 

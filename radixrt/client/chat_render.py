@@ -30,6 +30,7 @@ It dies with its parent (PR_SET_PDEATHSIG), and its address space is capped at M
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import json
 import re
 import resource
@@ -40,7 +41,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from datetime import datetime
 from functools import update_wrapper
 from multiprocessing.connection import Connection
@@ -472,7 +473,8 @@ class RenderJob:
 
     def to_json(self) -> bytes:
         # surrogatepass: a lone surrogate a JSON body may hold reaches the template as it came
-        return json.dumps(asdict(self), ensure_ascii=False).encode("utf-8", "surrogatepass")
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}  # no deep copy
+        return json.dumps(fields, ensure_ascii=False).encode("utf-8", "surrogatepass")
 
     @classmethod
     def from_json(cls, data: bytes) -> RenderJob:

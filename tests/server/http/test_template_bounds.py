@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import statistics
+import threading
 import time
 
 import pytest
@@ -89,7 +90,7 @@ def test_a_tenant_takes_at_most_half_the_render_workers(pool):
         await asyncio.sleep(0.2)
         others = [await _render(pool, f"hi {i}", "alice") for i in range(10)]
         assert all(p.endswith("assistant\n") for p, _ in others)
-        assert max(t for _, t in others) < 0.5 * TIMEOUT_S, others
+        assert max(t for _, t in others) < 0.8 * TIMEOUT_S, others
         done = await asyncio.gather(*loops)
         assert all("--chat-template-timeout" in m for m, _ in done)
         # two at a time: the last two waited for the first two
@@ -169,6 +170,29 @@ def test_a_trigger_word_gets_400_and_the_routes_keep_serving(runtime):
         assert took < TIMEOUT_S + 5
         status, reply, took = _chat(runtime, "hello", path)
         assert status == 200, reply
+
+
+def test_looping_requests_at_once_leave_the_route_serving(runtime):
+    """The issue's probe: five looping requests at once (one tenant: the server has no keys),
+    then an ordinary chat while they run. Each looping one is a 400 once its turn came and its
+    render was stopped (five renders, two at a time); the ordinary one is served after them
+    (it queues behind its tenant's turns), and one after them at once."""
+    results: list[tuple[int, dict, float]] = []
+    threads = [
+        threading.Thread(target=lambda: results.append(_chat(runtime, "xyzzy!"))) for _ in range(5)
+    ]
+    for t in threads:
+        t.start()
+    time.sleep(0.5)
+    status, reply, took = _chat(runtime, "hello")
+    for t in threads:
+        t.join()
+    assert status == 200, reply
+    assert took < 3 * TIMEOUT_S + 5
+    assert [s for s, _, _ in results] == [400] * 5
+    assert max(t for _, _, t in results) < 3 * TIMEOUT_S + 5
+    status, reply, took = _chat(runtime, "hello")
+    assert status == 200 and took < TIMEOUT_S, (status, took)
 
 
 def test_a_repetition_bomb_is_refused_at_once(runtime):

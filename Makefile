@@ -2,6 +2,9 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# the llama.cpp that peers, benchmarks and the tests' GGUF converter come from: the sources this
+# llama-cpp-python release vendors
+LLAMA_CPP_PYTHON := 0.3.36
 # every Python started here (and its children) without the working directory on sys.path: the
 # checkout's top-level kernels/ would take the import name of Hugging Face's `kernels`
 export PYTHONSAFEPATH := 1
@@ -32,9 +35,16 @@ demo: model
 	# the examples import each other: their folder on the path (PYTHONSAFEPATH leaves it off)
 	PYTHONPATH=examples $(BIN)/python examples/demo.py
 
+# llama.cpp's own converter, from the sources the llama-cpp-python sdist vendors: the tests make
+# their GGUF files with it (tests/executor/test_gguf_families.py), outside the checkout, once
+LLAMA_CPP_CONVERTER := $(HOME)/.cache/radixrt/llama.cpp-converter-$(LLAMA_CPP_PYTHON)
+export RADIXRT_LLAMA_CPP_CONVERTER := $(LLAMA_CPP_CONVERTER)
+$(LLAMA_CPP_CONVERTER)/convert_hf_to_gguf.py: $(STAMP)
+	PIP=$(BIN)/pip bash scripts/llama_cpp_converter.sh $(LLAMA_CPP_PYTHON) $(LLAMA_CPP_CONVERTER)
+
 # two workers (pytest-xdist), a module's tests on one of them (its runtime fixtures start once):
 # half the suite's time is processes waiting on each other, which the other worker fills
-test: model
+test: model $(LLAMA_CPP_CONVERTER)/convert_hf_to_gguf.py
 	$(BIN)/python -m pytest -q -m "not soak" -n 2 --dist loadfile --durations=30
 
 # the soak's 60-second version (tests/reliability/test_soak.py); CI runs it after `make test`
@@ -123,8 +133,8 @@ bench-dp: model
 
 # llama.cpp as two peers in `radixrt bench`: llama-cpp-python (it compiles llama.cpp, several
 # minutes) and llama.cpp's own `llama-server` with its benchmarks (`llama-bench`,
-# `test-backend-ops`), built from the same vendored sources (about 12 more).
-LLAMA_CPP_PYTHON := 0.3.36
+# `test-backend-ops`), built from the same vendored sources (about 12 more); LLAMA_CPP_PYTHON
+# (above) names the version.
 
 bench-peers: $(STAMP)
 	$(BIN)/pip install llama-cpp-python==$(LLAMA_CPP_PYTHON)

@@ -113,7 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     prep = sub.add_parser(
-        "prepare-model", help="convert a model (GGUF -> safetensors) once, print its folder"
+        "prepare-model",
+        help="read a GGUF's config and tokenizer once (checked first), print their folder",
     )
     prep.add_argument("--model", default="default")
     prep.set_defaults(func=_prepare_model)

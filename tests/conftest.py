@@ -39,9 +39,9 @@ if XDIST_WORKERS > 1:  # in case a plugin imported torch before the share was se
 
 from runtimes import RuntimeFactory
 
-from radixrt.executor.model_loader import resolve_model_path
+from radixrt.executor.model_loader import default_gguf_path
 
-from helpers import TINY
+from helpers import TINY, float_checkpoint
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 MODEL_FIXTURES = {
@@ -81,7 +81,9 @@ def pytest_terminal_summary(terminalreporter) -> None:
 
 @pytest.fixture(scope="session")
 def default_model_dir() -> Path:
-    return resolve_model_path("default")
+    """The default model as a float32 checkpoint beside its GGUF's config and tokenizer:
+    transformers' references load it, and a runtime given its path serves it float."""
+    return float_checkpoint(default_gguf_path())
 
 
 @pytest.fixture(scope="session")

@@ -45,6 +45,41 @@ TINY = dict(
 
 
 @lru_cache(maxsize=4)
+def float_checkpoint(gguf: Path) -> Path:
+    """A GGUF's folder (`convert_gguf`: config, tokenizer, the marker naming the file) with the
+    file's weights beside it as float32 safetensors, as `GGUFWeightReader` reads them (equal to
+    transformers' own GGUF load): what transformers' references load. Kept in the cache dir by
+    content, made once (a temporary name, renamed: two xdist workers may both make it)."""
+    import shutil
+
+    from transformers import AutoConfig
+
+    from radixrt.executor.model_loader import (
+        GGUFWeightReader,
+        SafetensorsWriter,
+        cache_dir,
+        resolve_model_path,
+    )
+
+    folder = resolve_model_path(str(gguf))
+    out = cache_dir() / "test-models" / f"{folder.name}-float32"
+    if (out / "model.safetensors").is_file():
+        return out
+    tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(folder, tmp, ignore=shutil.ignore_patterns(".radixrt-packed-groups*"))
+    reader = GGUFWeightReader(gguf, AutoConfig.from_pretrained(folder))
+    with SafetensorsWriter(tmp / "model.safetensors", len(reader.names)) as writer:
+        for name in sorted(reader.names):
+            writer.add(name, reader.whole(name))
+    if (out / "model.safetensors").is_file():  # the other worker's, whole
+        shutil.rmtree(tmp)
+    else:
+        shutil.rmtree(out, ignore_errors=True)
+        os.replace(tmp, out)
+    return out
+
+
 def _hf_model(folder: str):
     from transformers import AutoModelForCausalLM
 

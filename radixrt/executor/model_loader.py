@@ -15,8 +15,9 @@ import shutil
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO, cast
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -169,10 +170,13 @@ def _write_atomically(path: Path, text: str) -> None:
 
 
 def conversion_folder(gguf: Path) -> Path:
-    """Where `convert_gguf` puts a GGUF file's safetensors copy: keyed by the file's whole
+    """Where `convert_gguf` keeps what it reads from a GGUF file: keyed by the file's whole
     content (`file_digest`), not its path, so every virtualenv holding the same wheel shares
-    one conversion and no two files that differ anywhere ever share one."""
-    return cache_dir() / "models" / f"{gguf.stem}-{file_digest(gguf)[:32]}"
+    one folder and no two files that differ anywhere ever share one; and by the code that
+    reads it (this module, transformers' version), so an edit to either reads the file anew."""
+    code = hashlib.sha256(Path(__file__).read_bytes())
+    code.update(importlib.metadata.version("transformers").encode())
+    return cache_dir() / "models" / f"{gguf.stem}-{file_digest(gguf)[:32]}-{code.hexdigest()[:8]}"
 
 
 def _marker(source: Path, digest: str) -> str:
@@ -196,30 +200,27 @@ def converted_from(folder: Path) -> Path | None:
 
 
 def convert_gguf(gguf: Path) -> Path:
-    """Dequantize a GGUF file once into a safetensors folder (config, tokenizer, float32
-    weights, as transformers reads the file); later loads read that copy, and a packed load
-    (`quant_choice`) reads from it only the tensors it does not take from the GGUF. The file is
-    checked first (`gguf_file.check`): a hostile one is refused by name before transformers
-    reads it. The copy is written under a temporary name, renamed when whole, and removed when
-    the conversion fails."""
+    """A GGUF file's config, tokenizer and generation config as transformers reads them, kept
+    once in a small folder keyed by the file's content (`conversion_folder`); the weights stay
+    in the file, read in place (`GGUFWeightReader`). The file is checked first
+    (`gguf_file.check`): a hostile one is refused by name before transformers reads it. The
+    folder is written under a temporary name, renamed when whole, and removed on failure."""
     out, digest = conversion_folder(gguf), file_digest(gguf)
     marker = out / READY_MARKER
     if marker.is_file():
         if converted_from(out) != gguf.resolve():
             _write_atomically(marker, _marker(gguf, digest))  # this copy, the same content
         return out
-    gguf_file.check(gguf_file.read(gguf))
-    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+    file = gguf_file.read(gguf)
+    gguf_file.check(file)
+    from transformers import AutoTokenizer, GenerationConfig
 
-    logger.info("converting %s to safetensors under %s (once)", gguf, out)
+    logger.info("reading %s's config and tokenizer into %s (once)", gguf, out)
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        if hasattr(config, "quantization_config"):  # the copy is float: it no longer asks for GGUF
-            del config.quantization_config
-        _write_dequantized(gguf, config, tmp / "model.safetensors")
+        config = gguf_config(file)
         config.save_pretrained(tmp)
         GenerationConfig.from_model_config(config).save_pretrained(tmp)
         AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tmp)
@@ -232,47 +233,61 @@ def convert_gguf(gguf: Path) -> Path:
     return out
 
 
-def _write_dequantized(gguf: Path, config: PretrainedConfig, out: Path) -> None:
-    """The GGUF's weights as float32 safetensors under transformers' names, one tensor at a time:
-    each is dequantized and reordered by transformers' own per-architecture processor (a
-    Llama's q and k rows un-permuted), written, and dropped, so the conversion holds one tensor
-    (a 1.1B model's 400 MB embedding at most), not the whole float model (4.7 GB at 1.1B)."""
-    import numpy as np
-    from gguf import GGUFReader, dequantize
-    from transformers import AutoModelForCausalLM
-    from transformers.modeling_gguf_pytorch_utils import (
-        TENSOR_PROCESSORS,
-        TensorProcessor,
-        get_gguf_hf_weights_map,
-        load_gguf_checkpoint,
-    )
+def gguf_config(file: gguf_file.GGUFFile) -> PretrainedConfig:
+    """The transformers config a GGUF file's metadata describes, from radixrt's reader (gguf's
+    own parses every vocabulary entry into objects: seconds at 49k tokens, minutes at 262k)
+    through transformers' own tables (`GGUF_CONFIG_MAPPING`, its defaults), as transformers'
+    `load_gguf_checkpoint` maps them: llama.cpp's `llama` with a Mistral name is Mistral, MoE
+    architectures take transformers' spellings, Gemma 3's file is its text model, the output
+    projection is tied where the file has none, the vocabulary counts the tokens."""
+    from transformers import CONFIG_MAPPING
+    from transformers.integrations.ggml import GGUF_CONFIG_DEFAULTS_MAPPING, GGUF_CONFIG_MAPPING
 
-    # transformers leaves its GGUF helpers and AutoModel.from_config unannotated
-    parsed = load_gguf_checkpoint(str(gguf), return_tensors=False)  # type: ignore[no-untyped-call]
-    reader = GGUFReader(gguf)
-    architecture = bytes(reader.fields["general.architecture"].parts[-1]).decode()
-    processor_class = TENSOR_PROCESSORS.get(architecture, TensorProcessor)
-    processor = processor_class(config=parsed["config"])  # type: ignore[no-untyped-call]
-    with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
-    wanted = set(skeleton.state_dict())
-    if config.tie_word_embeddings:
-        wanted.discard("lm_head.weight")
-    names = get_gguf_hf_weights_map(skeleton, processor)
-    with SafetensorsWriter(out, len(reader.tensors)) as writer:
-        for tensor in reader.tensors:
-            result = processor.process(  # type: ignore[no-untyped-call]
-                weights=dequantize(tensor.data, tensor.tensor_type),
-                name=tensor.name,
-                tensor_key_mapping=names,
-                parsed_parameters=parsed,
-            )
-            name = names.get(result.name)
-            if name in wanted:
-                writer.add(name, torch.from_numpy(np.ascontiguousarray(result.weights)).float())
-                wanted.discard(name)
-    if wanted:
-        raise ValueError(f"{gguf.name}: no tensor for {sorted(wanted)[:4]} (transformers' names)")
+    mapping = cast("dict[str, dict[str, Any]]", GGUF_CONFIG_MAPPING)  # typed as objects
+    arch = file.architecture
+    name = file.metadata.get("general.name")
+    model_type = RENAMED_ARCHITECTURES.get(arch, arch)
+    if arch == "llama" and isinstance(name, str) and "mistral" in name.lower():
+        model_type = "mistral"
+    if arch not in mapping and model_type not in mapping:
+        raise ValueError(f"{file.path.name}: GGUF architecture {arch!r} is not supported")
+    values: dict[str, Any] = {
+        "tie_word_embeddings": "output.weight" not in file.tensors,
+        **GGUF_CONFIG_DEFAULTS_MAPPING.get(model_type, {}),
+    }
+    for key, value in file.metadata.items():
+        prefix, _, rest = key.replace(arch, model_type, 1).partition(".")
+        renamed = mapping.get(prefix, {}).get(rest)
+        if renamed is None and prefix == model_type:
+            renamed = SHARED_CONFIG_KEYS.get(rest)
+        if renamed is None or renamed == -1:
+            continue
+        plain: Any = value
+        if isinstance(value, gguf_file.StringArray | np.ndarray):  # one value: as a scalar
+            plain = value.tolist()
+            plain = plain[0] if len(plain) == 1 else plain
+        values[renamed] = plain.replace(arch, model_type) if isinstance(plain, str) else plain
+    tokens = file.metadata.get("tokenizer.ggml.tokens")
+    if "vocab_size" not in values and isinstance(tokens, gguf_file.StringArray):
+        values["vocab_size"] = len(tokens)
+    model_type = values.pop("model_type")
+    model_type = TEXT_MODELS.get(model_type, model_type)
+    config: PretrainedConfig = CONFIG_MAPPING[model_type].from_dict(values)
+    return config
+
+
+# llama.cpp's architecture names that transformers spells otherwise, and the text model of a
+# family whose GGUF holds only that
+RENAMED_ARCHITECTURES = {
+    "qwen2moe": "qwen2_moe",
+    "qwen3moe": "qwen3_moe",
+    "gpt-oss": "gpt_oss",
+    "minimax-m2": "minimax_m2",
+}
+TEXT_MODELS = {"gemma3": "gemma3_text"}
+# keys every architecture's file may carry that transformers' table lacks for some (a Qwen3's
+# head width is not its width over its heads: without it, its default of 128 is taken)
+SHARED_CONFIG_KEYS = {"attention.key_length": "head_dim"}
 
 
 class SafetensorsWriter:
@@ -327,8 +342,12 @@ def model_fingerprint(folder: Path, dtype: torch.dtype, numerics: str) -> str:
     header, not their values), the dtype and `numerics`, what else decides the KV's bits (an
     int8 run computes other KV; `ModelRunner.kv_numerics`).
     It reads a few bytes per tensor, never the whole weights; the folder's path is left out,
-    so a copy of the same model finds the same blocks."""
+    so a copy of the same model finds the same blocks. A GGUF's folder (`convert_gguf`) adds
+    the file's content digest, kept from its first start."""
     digest = hashlib.sha256((folder / "config.json").read_bytes())
+    source = None if any(folder.glob("*.safetensors")) else converted_from(folder)
+    if source is not None:  # weights read in place from a GGUF: its whole content's digest
+        digest.update(f"|gguf|{file_digest(source)}".encode())
     for path in sorted(folder.glob("*.safetensors")):
         with open(path, "rb") as f:
             raw, header = _read_header(f)
@@ -370,7 +389,7 @@ _SAFETENSORS_DTYPES = {
 class _Stored:
     """Where one tensor lies: its file, first byte, dtype and shape."""
 
-    file: BinaryIO
+    file: BinaryIO | None  # None: `GGUFWeightReader`'s dequantized tensor in memory
     offset: int
     dtype: torch.dtype
     shape: tuple[int, ...]
@@ -493,8 +512,103 @@ class WeightReader:
         next read; grown for a row larger than a chunk)."""
         if size > self._scratch.numel():
             self._scratch = torch.empty(size, dtype=torch.uint8)
+        assert t.file is not None
         read_into(t.file.fileno(), self._scratch[:size], offset, t.file.name)
         return self._scratch[:size]
+
+
+class GGUFWeightReader(WeightReader):
+    """The `WeightSource` of a GGUF file read in place, under transformers' names: a tensor is
+    dequantized (gguf's reference dequantization) and reordered by transformers' own
+    per-architecture processor (a Llama's q and k rows un-permuted, Gemma's norms less one)
+    when it is first read, and held until another one is: a load holds the model in its own
+    dtype and one tensor in float32 (the largest, the embedding or output projection), and
+    nothing is written to disk. Mixture-of-experts files, whose one tensor holds every
+    expert's, are refused by name (transformers' processors gather them into a whole model)."""
+
+    def __init__(self, gguf: Path, config: PretrainedConfig):
+        from transformers import AutoModelForCausalLM
+        from transformers.modeling_gguf_pytorch_utils import (
+            TENSOR_PROCESSORS,
+            TensorProcessor,
+            get_gguf_hf_weights_map,
+        )
+
+        file = gguf_file.read(gguf)
+        if file.architecture in GATHERED_ARCHITECTURES:
+            raise ValueError(f"{gguf.name}: {file.architecture} GGUF files are not read in place")
+        processor_class = TENSOR_PROCESSORS.get(file.architecture, TensorProcessor)
+        # transformers leaves its GGUF helpers and AutoModel.from_config unannotated
+        self._processor = processor_class(config=config.to_dict())  # type: ignore[no-untyped-call]
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
+        shapes = {name: tuple(p.shape) for name, p in skeleton.state_dict().items()}
+        if config.tie_word_embeddings:
+            shapes.pop("lm_head.weight", None)
+        # by the file's architecture: a Mistral is llama.cpp's llama, which gguf's tables name
+        self._names: dict[str, str] = get_gguf_hf_weights_map(
+            skeleton, self._processor, model_type=file.architecture
+        )
+        self._sources: dict[str, gguf_file.TensorInfo] = {}
+        self._files = []
+        self._where = {}
+        for tensor in file.tensors.values():
+            name = self._names.get(tensor.name)
+            if name in shapes and name not in self._where:
+                self._sources[name] = tensor
+                self._where[name] = _Stored(None, 0, torch.float32, shapes[name])
+        missing = sorted(set(shapes) - set(self._where))
+        if missing:
+            raise ValueError(f"{gguf.name}: no tensor for {missing[:4]} (transformers' names)")
+        self.read = set()
+        self._held: tuple[str, torch.Tensor] | None = None
+        self._scratch = torch.empty(0, dtype=torch.uint8)
+
+    def _find(self, name: str) -> _Stored:
+        stored = super()._find(name)
+        if self._held is None or self._held[0] != name:
+            self._held = None  # the previous tensor freed before the next is made
+            self._held = (name, self._dequantized(name, stored.shape))
+        return stored
+
+    def _dequantized(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """Tensor `name` as float32 in transformers' layout, `shape` (checked)."""
+        import gguf
+
+        tensor = self._sources[name]
+        raw = torch.empty(tensor.n_bytes, dtype=torch.uint8)
+        with open(tensor.path, "rb", buffering=0) as f:
+            read_into(f.fileno(), raw, tensor.offset, tensor.path.name)
+        rows = math.prod(tensor.shape[1:])
+        data = raw.numpy().reshape(rows, -1)
+        kind = gguf.GGMLQuantizationType(tensor.kind.id)
+        weights = gguf.quants.dequantize(data, kind).reshape(tuple(reversed(tensor.shape)))
+        result = self._processor.process(  # type: ignore[no-untyped-call]
+            weights=weights, name=tensor.name, tensor_key_mapping=self._names, parsed_parameters={}
+        )
+        out = torch.from_numpy(np.ascontiguousarray(result.weights, dtype=np.float32))
+        if tuple(out.shape) != shape:
+            raise ValueError(f"{tensor.name}: {tuple(out.shape)} read, {name} is {shape}")
+        return out
+
+    def _pread(self, t: _Stored, offset: int, size: int) -> torch.Tensor:
+        """Bytes of the tensor `_find` dequantized last (the one being copied)."""
+        assert self._held is not None
+        return self._held[1].view(-1).view(torch.uint8)[offset : offset + size]
+
+
+# GGUF architectures whose experts transformers' processors gather across tensors
+GATHERED_ARCHITECTURES = frozenset({"qwen2moe", "qwen3moe", "gpt-oss", "minimax-m2"})
+
+
+def open_weights(folder: Path, config: PretrainedConfig) -> WeightReader:
+    """The weights of a model folder: its safetensors, or, for a GGUF's folder (`convert_gguf`,
+    none of its own), the GGUF file read in place."""
+    if not any(folder.glob("*.safetensors")):
+        source = converted_from(folder)
+        if source is not None:
+            return GGUFWeightReader(source, config)
+    return WeightReader(folder)
 
 
 def read_into(fd: int, out: torch.Tensor, offset: int, name: str) -> None:
@@ -537,7 +651,7 @@ def load_model(
     if packing is not None and packing.packs_embedding and f"{EMBEDDING}.weight" not in meta:
         streamed.append(EMBEDDING)
     _materialize(model, tp.device, dtype, meta, frozenset(f"{n}.weight" for n in streamed))
-    reader = WeightReader(folder)
+    reader = open_weights(folder, config)
     try:
         if packing is None:
             model.load_weights(reader)

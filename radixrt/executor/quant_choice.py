@@ -75,7 +75,8 @@ def _plan(name: str, ground: Ground, config: PretrainedConfig) -> gguf_weights.G
     packed = gguf_weights.plan(source, config)
     if name == "gguf" and not packed.linears:
         kinds = "/".join(gguf_weights.PACKED_TYPES)
-        raise ValueError(f"{source} has no {kinds} linears of a Llama or Qwen2 model")
+        families = "/".join(gguf_weights.ARCHITECTURES)
+        raise ValueError(f"{source} has no {kinds} linears of a {families} model")
     return packed
 
 

@@ -1,0 +1,121 @@
+"""GGUF files made by llama.cpp's own converter (convert_hf_to_gguf.py, from the sources the
+llama-cpp-python sdist vendors: `make test` fetches it) from tiny random checkpoints of each
+family, served read in place: config and tensors from the file, no float copy on disk.
+
+- float32 files (`--outtype f32`) at `--quantization none`: greedy tokens equal transformers'
+  float32 on the checkpoint the file was made from, token for token;
+- Q8_0 files (`--outtype q8_0`) at the defaults: served packed as stored (every family radixrt
+  serves, not only llama and qwen2), held to the quality gates against the same file dequantized
+  (teacher-forced top-1 agreement and logits' relative error).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from radixrt.config import ServerArgs
+from radixrt.executor.model_loader import conversion_folder
+from radixrt.executor.model_runner import ModelRunner
+from radixrt.kernels import int4_gemm
+
+from helpers import TINY, hf_greedy, make_scheduler, run_in_process, teacher_forced_logits
+
+CONVERTER = Path(os.environ.get("RADIXRT_LLAMA_CPP_CONVERTER", "/nonexistent"))
+pytestmark = pytest.mark.skipif(
+    not (CONVERTER / "convert_hf_to_gguf.py").is_file(),
+    reason="llama.cpp's converter: `make test` fetches it (RADIXRT_LLAMA_CPP_CONVERTER)",
+)
+# transformers' model type -> what its tiny checkpoint needs beyond TINY (a head width that is
+# not the width over the heads, as Qwen3 and Gemma 3 have)
+FAMILIES = {
+    "llama": {},
+    "mistral": {},
+    "qwen3": {"head_dim": 32},
+    "gemma3_text": {"head_dim": 32},
+}
+PACKED = ("llama", "qwen3", "gemma3_text")  # their Q8_0 files, served packed
+PROMPTS = [[1, 504, 3000, 42, 7], [5, 6, 7, 8, 9, 10, 11, 12, 13]]
+GREEDY = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
+# a line's worth of a driver: the converter once per (checkpoint, type), imports paid once
+# (the converter's folder on the path for its `conversion` package: PYTHONSAFEPATH leaves it off)
+DRIVER = """
+import runpy, sys
+sys.path.insert(0, ".")
+for folder, outtype, outfile in zip(*[iter(sys.argv[1:])] * 3):
+    sys.argv = ["convert_hf_to_gguf.py", folder, "--outtype", outtype, "--outfile", outfile]
+    try:
+        runpy.run_path("convert_hf_to_gguf.py", run_name="__main__")
+    except SystemExit as done:
+        if done.code not in (None, 0):
+            raise
+"""
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory, default_model_dir) -> dict[tuple[str, str], tuple[Path, Path]]:
+    """(model type, outtype) -> (the checkpoint, the GGUF llama.cpp's converter made of it)."""
+    root = tmp_path_factory.mktemp("families")
+    jobs = []
+    made = {}
+    for model_type, extra in FAMILIES.items():
+        folder = root / model_type
+        config = AutoConfig.for_model(model_type, **TINY, max_position_embeddings=256, **extra)
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(default_model_dir / name, folder / name)
+        for outtype in ("f32", "q8_0") if model_type in PACKED else ("f32",):
+            out = root / f"{model_type}.{outtype}.gguf"
+            jobs += [str(folder), outtype, str(out)]
+            made[model_type, outtype] = (folder, out)
+    subprocess.run(
+        [sys.executable, "-c", DRIVER, *jobs],
+        cwd=CONVERTER,
+        check=True,
+        capture_output=True,
+        timeout=600,
+    )
+    return made
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_a_converted_float_file_is_exact_against_transformers(files, model_type, tmp_path):
+    folder, gguf = files[model_type, "f32"]
+    scheduler = make_scheduler(gguf, quantization="none")
+    assert scheduler.runner.quant.name is None
+    got = run_in_process(scheduler, [PROMPTS], GREEDY)
+    assert got == hf_greedy(folder, PROMPTS, GREEDY["max_new_tokens"])
+    # read in place: the file's folder holds its config and tokenizer, never its weights
+    kept = conversion_folder(gguf)
+    assert not list(kept.glob("*.safetensors"))
+    assert sum(p.stat().st_size for p in kept.iterdir()) < 8 << 20
+
+
+@pytest.mark.skipif(not int4_gemm.available(), reason="packed GGUF needs AVX2 and a compiler")
+@pytest.mark.parametrize("model_type", PACKED)
+def test_a_converted_q8_0_file_is_served_packed_within_the_gates(files, model_type):
+    """Q8_0 blocks as stored against the same blocks dequantized to float32: the packed path's
+    int8 activations are not exact, so held to gates (a random tiny model's logits are large)."""
+    gguf = files[model_type, "q8_0"][1]
+    random.seed(0)
+    ids = [random.randrange(TINY["vocab_size"]) for _ in range(64)]
+    logits = {}
+    for quantization in ("auto", "none"):
+        args = {"model": str(gguf), "attention_backend": "torch", "max_total_tokens": 256}
+        runner = ModelRunner(ServerArgs(**args, quantization=quantization).executor)
+        if quantization == "auto":
+            assert runner.quant.name == "gguf", runner.quant.reason
+        logits[quantization] = teacher_forced_logits(runner, ids)
+    packed, dense = logits["auto"], logits["none"]
+    agreement = (packed.argmax(-1) == dense.argmax(-1)).double().mean().item()
+    error = ((packed - dense).norm(dim=-1) / dense.norm(dim=-1)).max().item()
+    assert agreement >= 0.9 and error <= 0.1, (agreement, error)

@@ -360,13 +360,51 @@ def model_fingerprint(folder: Path, dtype: torch.dtype, numerics: str) -> str:
     return digest.hexdigest()
 
 
+MAX_SAFETENSORS_HEADER = 100 << 20  # safetensors' own bound on a header's bytes
+
+
 def _read_header(f: BinaryIO) -> tuple[bytes, dict[str, dict[str, Any]]]:
     """A safetensors file's header as stored, and parsed: tensor name -> dtype, shape and
-    data_offsets (from the end of the header, i.e. 8 + len(raw) bytes into the file)."""
-    raw = f.read(int.from_bytes(f.read(8), "little"))
-    header = json.loads(raw)
+    data_offsets (from the end of the header, i.e. 8 + len(raw) bytes into the file). The file
+    is input: its header's length, every entry's dtype and shape, and offsets that must hold
+    exactly the shape's bytes inside the file are checked before anything is sized by them;
+    ValueError, one line naming the file and the entry."""
+    name, size = Path(f.name).name, os.fstat(f.fileno()).st_size
+    length = int.from_bytes(f.read(8), "little")
+    if size < 8 or length > min(size - 8, MAX_SAFETENSORS_HEADER):
+        raise ValueError(f"{name}: a safetensors header of {length} bytes in a {size}-byte file")
+    raw = f.read(length)
+    try:
+        header = json.loads(raw)
+    except (ValueError, RecursionError):
+        raise ValueError(f"{name}: the safetensors header is not JSON") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{name}: the safetensors header is not a JSON object")
     header.pop("__metadata__", None)
+    room = size - 8 - length
+    for tensor, entry in header.items():
+        _check_entry(name, tensor, entry, room)
     return raw, header
+
+
+def _check_entry(file: str, tensor: str, entry: Any, room: int) -> None:
+    """One safetensors header entry: a known dtype, a shape of non-negative ints, and offsets
+    that hold exactly its bytes within the `room` bytes after the header."""
+    where = f"{file}: tensor {tensor[:80]!r}"
+    if not isinstance(entry, dict) or entry.get("dtype") not in _SAFETENSORS_DTYPES:
+        raise ValueError(f"{where} has no dtype radixrt reads")
+    shape, offsets = entry.get("shape"), entry.get("data_offsets")
+    if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+        raise ValueError(f"{where}: shape {str(shape)[:80]} is not a list of sizes")
+    if (
+        not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(isinstance(o, int) for o in offsets)
+        or not 0 <= offsets[0] <= offsets[1] <= room
+    ):
+        raise ValueError(f"{where}: data_offsets {str(offsets)[:80]} lie outside the file")
+    if offsets[1] - offsets[0] != math.prod(shape) * _SAFETENSORS_DTYPES[entry["dtype"]].itemsize:
+        raise ValueError(f"{where}: its {offsets[1] - offsets[0]} bytes do not hold shape {shape}")
 
 
 _SAFETENSORS_DTYPES = {
@@ -413,8 +451,6 @@ class WeightReader:
         for f in self._files:
             raw, header = _read_header(f)
             for name, entry in header.items():
-                if entry["dtype"] not in _SAFETENSORS_DTYPES:
-                    raise ValueError(f"weight {name!r} has unsupported dtype {entry['dtype']}")
                 self._where[name] = _Stored(
                     f,
                     8 + len(raw) + entry["data_offsets"][0],

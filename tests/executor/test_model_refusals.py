@@ -134,3 +134,45 @@ def test_qwen2_with_its_window_switched_off_keeps_its_context(tmp_path, tiny_mod
         tmp_path, tiny_model_dir, "qwen2", sliding_window=32, use_sliding_window=False
     )
     assert check_supported(AutoConfig.from_pretrained(folder), None) == 256
+
+
+def _safetensors(header: bytes, data: bytes = b"", length: int | None = None) -> bytes:
+    return (len(header) if length is None else length).to_bytes(8, "little") + header + data
+
+
+@pytest.mark.parametrize(
+    ("content", "words"),
+    [
+        (_safetensors(b"{}", length=2**63), "header of 9223372036854775808 bytes"),
+        (_safetensors(b"[" * 100 + b"]" * 100), "not a JSON object"),
+        (_safetensors(b"{" * 100_000), "not JSON"),
+        (_safetensors(b'{"w": {"dtype": "F99", "shape": [1], "data_offsets": [0, 4]}}'), "dtype"),
+        (
+            _safetensors(
+                b'{"w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 18446744073709551616]}}'
+            ),
+            "outside the file",
+        ),
+        (
+            _safetensors(
+                b'{"w": {"dtype": "F32", "shape": [4096, 4096], "data_offsets": [0, 4]}}', bytes(4)
+            ),
+            "do not hold shape",
+        ),
+        (
+            _safetensors(
+                b'{"w": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]}}', bytes(4)
+            ),
+            "not a list of sizes",
+        ),
+    ],
+)
+def test_hostile_safetensors_headers_are_refused_by_name(tmp_path, content, words):
+    """A safetensors file is input: its header's length, entries and offsets are checked against
+    the file before anything is read or allocated by them (one line naming the file)."""
+    from radixrt.executor.model_loader import WeightReader
+
+    (tmp_path / "model.safetensors").write_bytes(content)
+    with pytest.raises(ValueError, match="model.safetensors") as refused:
+        WeightReader(tmp_path)
+    assert words in str(refused.value) and "\n" not in str(refused.value)

@@ -11,7 +11,9 @@ false`, per tenant (the caller's key names it), compactly (`Stored`: the body an
 adds, as JSON bytes, so what the store counts is what it holds), at most MAX_STORED_PER_TENANT
 each and `--max-stored-response-bytes-per-tenant` each and `--max-stored-response-bytes` in all
 (`ResponseStore`: a chain's every turn counts against its tenant while a stored response
-continues it)."""
+continues it). A continuation's chain is parsed on the CPU pool as a job its size, and a chain
+holding more than `--max-prompt-bytes` with the request is refused: reasoning items' encrypted
+content is stored, never in the prompt, so the prompt's bound alone did not bound it."""
 
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, TypeAdapter
 
 from radixrt.protocol import ErrorCode
+from radixrt.server.http.cpu_pool import CALLER, Caller
 from radixrt.server.http.errors import RUNTIME_EXCEPTIONS, APIError, from_runtime_error
 from radixrt.server.http.gateway import Gateway, bearer, event_stream, unless_disconnected
 from radixrt.server.http.schemas import Body, ChatCompletionRequest, ChatMessage
@@ -559,7 +562,7 @@ class ResponsesAPI:
                 raise _bad("previous_response_id", str(e)) from None
         if req.store:
             self.store.check_room(parent, req.input)
-        before = parent.conversation() if parent else []
+        before = await self._history(parent) if parent else []
         model = await self.gateway.model()
         turn = Turn(tenant, req, parent, [*before, *req.input], _head(model.name, req))
         chat = chat_request(req, turn.items)
@@ -578,6 +581,27 @@ class ResponsesAPI:
             lambda: endpoint.async_stream(plan.prompt, plan.params, options=options),
             lambda replies: self._events(turn, stream, replies),
         )
+
+    async def _history(self, parent: Stored) -> list[Any]:
+        """The items before this turn's input: the conversation `parent` ends, parsed on the
+        CPU pool as a job the size of the bytes it parses (a 120-byte continuation of a 56 MB
+        chain is heavy work, never the event loop's). 400 when the chain and this request hold
+        more than --max-prompt-bytes: a continuation costs what its conversation holds, which a
+        prompt's bound bounds, reasoning items' encrypted content (never in the prompt) too."""
+        caller = CALLER.get()
+        held = sum(len(link.items) for link in parent.chain()) + caller.body_bytes
+        bound = self.gateway.limits.max_prompt_bytes
+        if held > bound:
+            raise _bad(
+                "previous_response_id",
+                f"the conversation holds {held} bytes with this request, at most {bound} "
+                "(--max-prompt-bytes); start a new conversation",
+            )
+        token = CALLER.set(Caller(caller.tenant, held))
+        try:
+            return await self.gateway.cpu.run(parent.conversation)
+        finally:
+            CALLER.reset(token)
 
     def _finish(self, turn: Turn, stream: ItemStream, meta: dict[str, Any]) -> dict[str, Any]:
         """The finished response, stored unless `store: false`. An aborted request

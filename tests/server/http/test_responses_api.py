@@ -12,7 +12,7 @@ import jsonschema
 import openai
 import pytest
 
-from helpers import run_weather_agent
+from helpers import http_json, run_weather_agent
 from timeouts import REPLY_TIMEOUT_S
 
 GREEDY = {"model": "default", "temperature": 0}
@@ -161,6 +161,30 @@ def _stored(rid: str, text: str = "", parent=None):
     from radixrt.server.http.openai_responses import ResponsesRequest, Stored
 
     return Stored.of({"id": rid}, ResponsesRequest(input=text).input, parent)
+
+
+def test_a_conversation_is_bounded_by_what_it_holds_not_by_its_prompt(default_runtime):
+    """Reasoning items' encrypted content is stored but never reaches the prompt: a chain of
+    them (the issue's 120-byte continuations of a 56 MB chain, each re-parsed on the event
+    loop) is refused past --max-prompt-bytes (4 MiB here) by what it holds; the server serves on."""
+    url = f"{default_runtime.http_url}/v1/responses"
+    secret = {
+        "type": "reasoning",
+        "id": "rs_1",
+        "summary": [],
+        "encrypted_content": "x" * (3 << 20),
+    }
+    ask = {"model": "default", "temperature": 0, "max_output_tokens": 2}
+    status, first = http_json(url, {**ask, "input": [secret, {"role": "user", "content": "Hi"}]})
+    assert status == 200, first
+    status, body = http_json(url, {**ask, "input": "Hi again", "previous_response_id": first["id"]})
+    assert status == 200, body  # 3 MiB held, within the bound
+    heavy = {**secret, "encrypted_content": "y" * (2 << 20)}
+    chained = {**ask, "input": [heavy, {"role": "user", "content": "More"}]}
+    status, body = http_json(url, {**chained, "previous_response_id": body["id"]})
+    assert status == 400 and body["error"]["param"] == "previous_response_id"
+    assert "--max-prompt-bytes" in body["error"]["message"]
+    assert http_json(url, {**ask, "input": "Hello"})[0] == 200
 
 
 def test_the_store_is_bounded_per_tenant():

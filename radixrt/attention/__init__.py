@@ -41,18 +41,22 @@ def create_backend(
     windows: tuple[int | None, ...] = (),
     logit_cap: float | None = None,
     deterministic: bool = False,
+    rows_exact: bool = False,
 ) -> AttentionBackend:
     """The backend `name` over the pool; `windows` gives each layer's sliding window (None:
     global; empty: every layer global), which the backend attends only within; with
     `logit_cap` every score s is soft-capped to cap * tanh(s / cap) before the softmax;
     `deterministic`: every query row reduced in one fixed order
-    (`--enable-deterministic-inference`)."""
+    (`--enable-deterministic-inference`); `rows_exact`: that order where the CPU's in-place
+    kernel runs, for linears whose rows are computed alone (grouped 4/8-bit)."""
     if name == "auto":
         name = "triton" if device.type == "cuda" else "torch"
     if name == "torch":
         from radixrt.attention.torch_backend import TorchAttentionBackend
 
-        return TorchAttentionBackend(req_to_token, kv_pool, windows, logit_cap, deterministic)
+        return TorchAttentionBackend(
+            req_to_token, kv_pool, windows, logit_cap, deterministic, rows_exact
+        )
     if name == "triton":
         from radixrt.attention.triton_backend import TritonAttentionBackend
 

@@ -25,7 +25,11 @@ key range (no split by batch or thread count) and without the shared-prefix merg
 runs over its keys in order in blocks of 32 whatever the batch, and a prompt token computed in a
 prefill, a chunk, a verified draft or after a cache hit reduces as it would decoded. The cost:
 an extend's rows each walk their keys (no SDPA over the chunk), and the step's slot table is
-rows x longest context.
+rows x longest context. The runner asks the same order (`rows_exact`) where its linears are
+grouped 4/8-bit on the CPU: their kernels compute each row alone, so with attention in one
+order a token's bits no longer depend on the rows beside it, and a cache hit, a chunk or a
+batch cannot change a quantized model's answer (a split prefix changed one in four short chat
+answers of the default model before).
 """
 
 from __future__ import annotations
@@ -83,6 +87,7 @@ class TorchAttentionBackend:
         windows: tuple[int | None, ...] = (),
         logit_cap: float | None = None,
         deterministic: bool = False,
+        rows_exact: bool = False,
     ):
         self.req_to_token = req_to_token
         self.kv_pool = kv_pool
@@ -97,7 +102,9 @@ class TorchAttentionBackend:
             if kv_pool.fmt
             else cpu_paged.supports(kv_pool.k_buffers[0])
         )
-        self.deterministic = deterministic
+        # `rows_exact`: the deterministic mode's order where the in-place kernel runs, never
+        # refused (the runner asks it of grouped linears, whose rows are already independent)
+        self.deterministic = deterministic or (rows_exact and self.in_place)
         if deterministic and not self.in_place:
             raise ValueError(
                 "--enable-deterministic-inference attends with the in-place C kernel: a float32 "

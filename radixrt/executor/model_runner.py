@@ -70,6 +70,10 @@ def resolve_device(name: str, index: int = 0) -> torch.device:
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# quantizations whose linears compute each row alone (grouped 4/8-bit: activations quantized
+# per row, one order of sums whatever the rows): their attention is asked the same
+# (`create_backend`'s rows_exact), so the cache, chunks and batches never change an answer
+ROW_INDEPENDENT_LINEARS = ("gguf", "int4")
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -225,6 +229,7 @@ class ModelRunner:
             self.model.family.windows,
             self.model.family.attn_logit_softcap,
             args.enable_deterministic_inference,
+            rows_exact=self.quant.name in ROW_INDEPENDENT_LINEARS,
         )
         self.graph_runner = self._graph_runner()
         logger.info(

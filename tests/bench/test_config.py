@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import os
 import re
 import shlex
 from pathlib import Path
@@ -150,7 +151,8 @@ def _make_commands() -> list[str]:
     """The Makefile's `radixrt bench` commands, its variables expanded, each shell loop's
     variables at each of their values."""
     text = (ROOT / "Makefile").read_text().replace("\\\n", " ")
-    variables = dict(re.findall(r"^(\w+)[ \t]*[:?]?=[ \t]*(.*)$", text, re.M))
+    # make reads the environment's variables too (HOME)
+    variables = {**os.environ, **dict(re.findall(r"^(\w+)[ \t]*[:?]?=[ \t]*(.*)$", text, re.M))}
 
     def expand(match: re.Match[str]) -> str:
         name, _, substitution = match.group(1).partition(":")

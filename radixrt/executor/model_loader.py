@@ -12,7 +12,7 @@ import math
 import os
 import re
 import shutil
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO, cast
@@ -564,11 +564,7 @@ class GGUFWeightReader(WeightReader):
 
     def __init__(self, gguf: Path, config: PretrainedConfig):
         from transformers import AutoModelForCausalLM
-        from transformers.modeling_gguf_pytorch_utils import (
-            TENSOR_PROCESSORS,
-            TensorProcessor,
-            get_gguf_hf_weights_map,
-        )
+        from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
         file = gguf_file.read(gguf)
         if file.architecture in GATHERED_ARCHITECTURES:
@@ -581,16 +577,13 @@ class GGUFWeightReader(WeightReader):
         shapes = {name: tuple(p.shape) for name, p in skeleton.state_dict().items()}
         if config.tie_word_embeddings:
             shapes.pop("lm_head.weight", None)
-        # by the file's architecture: a Mistral is llama.cpp's llama, which gguf's tables name
-        self._names: dict[str, str] = get_gguf_hf_weights_map(
-            skeleton, self._processor, model_type=file.architecture
-        )
+        self._names = _gguf_names(file.architecture, config.num_hidden_layers, shapes)
         self._sources: dict[str, gguf_file.TensorInfo] = {}
         self._files = []
         self._where = {}
         for tensor in file.tensors.values():
             name = self._names.get(tensor.name)
-            if name in shapes and name not in self._where:
+            if name is not None and name in shapes and name not in self._where:
                 self._sources[name] = tensor
                 self._where[name] = _Stored(None, 0, torch.float32, shapes[name])
         missing = sorted(set(shapes) - set(self._where))
@@ -631,6 +624,25 @@ class GGUFWeightReader(WeightReader):
         """Bytes of the tensor `_find` dequantized last (the one being copied)."""
         assert self._held is not None
         return self._held[1].view(-1).view(torch.uint8)[offset : offset + size]
+
+
+def _gguf_names(arch: str, layers: int, names: Iterable[str]) -> dict[str, str]:
+    """GGUF tensor name -> transformers' parameter name for `names`, by gguf's own table of
+    the file's architecture (a Mistral is llama.cpp's llama), built once: transformers'
+    get_gguf_hf_weights_map builds it again for every submodule (6 s of a 135M model's start)."""
+    from gguf import MODEL_ARCH_NAMES, get_tensor_name_map
+
+    arch_id = next((key for key, value in MODEL_ARCH_NAMES.items() if value == arch), None)
+    if arch_id is None:
+        raise ValueError(f"GGUF architecture {arch!r} is not in gguf's tables")
+    table = get_tensor_name_map(arch_id, layers)
+    mapped: dict[str, str] = {}
+    for name in names:
+        module, _, kind = name.rpartition(".")
+        found = table.get_name(module)
+        if found is not None:
+            mapped[f"{found}.{kind}"] = name
+    return mapped
 
 
 # GGUF architectures whose experts transformers' processors gather across tensors

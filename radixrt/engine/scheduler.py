@@ -613,8 +613,12 @@ class Scheduler:
         }
 
     def flush_cache(self) -> bool:
+        """Drop every cached prefix when nothing runs; then no slot holds KV, and the pool's
+        pages go back to the kernel (`drop_pages`)."""
         flushed = not self.has_work() and self.kv.flush()
         self.kv.end_event_batch()
+        if flushed:
+            self.runner.kv_pool.drop_pages()
         return flushed
 
     def memory_snapshot(self) -> dict[str, Any]:

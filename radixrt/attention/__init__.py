@@ -47,8 +47,9 @@ def create_backend(
     global; empty: every layer global), which the backend attends only within; with
     `logit_cap` every score s is soft-capped to cap * tanh(s / cap) before the softmax;
     `deterministic`: every query row reduced in one fixed order
-    (`--enable-deterministic-inference`); `rows_exact`: that order where the CPU's in-place
-    kernel runs, for linears whose rows are computed alone (grouped 4/8-bit)."""
+    (`--enable-deterministic-inference`); `rows_exact`: that order for the steps with prompt
+    rows, where the CPU's in-place kernel runs, for linears whose rows are computed alone
+    (grouped 4/8-bit)."""
     if name == "auto":
         name = "triton" if device.type == "cuda" else "torch"
     if name == "torch":

@@ -71,8 +71,8 @@ def resolve_device(name: str, index: int = 0) -> torch.device:
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # quantizations whose linears compute each row alone (grouped 4/8-bit: activations quantized
-# per row, one order of sums whatever the rows): their attention is asked the same
-# (`create_backend`'s rows_exact), so the cache, chunks and batches never change an answer
+# per row, one order of sums whatever the rows): their attention is asked the same of prompt
+# rows (`create_backend`'s rows_exact), so a cache hit or a chunk never changes an answer
 ROW_INDEPENDENT_LINEARS = ("gguf", "int4")
 
 

@@ -482,6 +482,11 @@ class WeightReader:
     def names(self) -> set[str]:
         return set(self._where)
 
+    def shape(self, name: str) -> tuple[int, ...] | None:
+        """A tensor's shape as stored (None: not in the checkpoint), without reading it."""
+        stored = self._where.get(name)
+        return None if stored is None else stored.shape
+
     def whole(self, name: str) -> torch.Tensor:
         """A whole tensor, as stored (for small ones: norms)."""
         t = self._find(name)
@@ -691,16 +696,17 @@ def load_model(
     weight is read (`PackingReader`) and replaced by its packed module: the float weights of
     the linears never exist together, only the largest one at a time. ValueError, naming them,
     for tensors the checkpoint lacks or the architecture does not use."""
-    with torch.device("meta"):
-        model = model_class(config)(config, context_length, tp)
-    if not isinstance(model, CausalLM):
-        raise TypeError(f"{type(model).__name__} does not derive models.interface.CausalLM")
-    streamed = _own_linears(model, meta) if packing is not None else []
-    if packing is not None and packing.packs_embedding and f"{EMBEDDING}.weight" not in meta:
-        streamed.append(EMBEDDING)
-    _materialize(model, tp.device, dtype, meta, frozenset(f"{n}.weight" for n in streamed))
     reader = open_weights(folder, config)
     try:
+        _check_sizes(config, reader)
+        with torch.device("meta"):
+            model = model_class(config)(config, context_length, tp)
+        if not isinstance(model, CausalLM):
+            raise TypeError(f"{type(model).__name__} does not derive models.interface.CausalLM")
+        streamed = _own_linears(model, meta) if packing is not None else []
+        if packing is not None and packing.packs_embedding and f"{EMBEDDING}.weight" not in meta:
+            streamed.append(EMBEDDING)
+        _materialize(model, tp.device, dtype, meta, frozenset(f"{n}.weight" for n in streamed))
         if packing is None:
             model.load_weights(reader)
         else:
@@ -711,6 +717,29 @@ def load_model(
         reader.close()
     check_all_read(reader.names, reader.read, model.tied)
     return model.eval()
+
+
+LAYER_INDEX = re.compile(r"\.layers\.(\d+)\.")
+
+
+def _check_sizes(config: PretrainedConfig, reader: WeightReader) -> None:
+    """The config's sizes against the tensors that must hold them, before anything is built
+    or allocated by them (config.json is input: a layer count of 10^9 would build 10^9 layers
+    on the meta device, a width of 10^6 allocate terabytes): the layers need their tensors, and
+    the embedding is the vocabulary by the width."""
+    layers = {int(m.group(1)) for name in reader.names if (m := LAYER_INDEX.search(name))}
+    count = getattr(config, "num_hidden_layers", 0)
+    if count > len(layers):
+        raise ValueError(
+            f"config.json: num_hidden_layers is {count}, but the weights hold {len(layers)} layers"
+        )
+    shape = reader.shape("model.embed_tokens.weight")
+    want = (getattr(config, "vocab_size", None), getattr(config, "hidden_size", None))
+    if shape is not None and None not in want and shape != want:
+        raise ValueError(
+            f"config.json: vocab_size x hidden_size is {want[0]} x {want[1]}, but"
+            f" model.embed_tokens.weight is {shape[0]} x {shape[1]}"
+        )
 
 
 def _own_linears(model: nn.Module, meta: frozenset[str]) -> list[str]:

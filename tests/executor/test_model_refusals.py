@@ -176,3 +176,22 @@ def test_hostile_safetensors_headers_are_refused_by_name(tmp_path, content, word
     with pytest.raises(ValueError, match="model.safetensors") as refused:
         WeightReader(tmp_path)
     assert words in str(refused.value) and "\n" not in str(refused.value)
+
+
+@pytest.mark.parametrize(
+    ("fields", "words"),
+    [
+        ({"num_hidden_layers": 10**9}, "num_hidden_layers is 1000000000"),
+        ({"hidden_size": 10**6}, "vocab_size x hidden_size"),
+    ],
+)
+def test_config_sizes_past_the_weights_are_refused_before_building(
+    tmp_path, tiny_model_dir, fields, words
+):
+    """config.json is input too: a layer count or a width its weights cannot hold is refused
+    by name before the model is built or allocated by it (10^9 layers, a 10^6 width)."""
+    folder = _checkpoint(tmp_path, tiny_model_dir)
+    _edit_config(folder, **fields)
+    with pytest.raises(ValueError, match="^config.json: ") as refused:
+        _runner(folder)
+    assert words in str(refused.value) and "\n" not in str(refused.value)

@@ -255,10 +255,16 @@ def prompt_ids(
     asks for (a GGUF's `tokenizer.ggml.add_bos_token`, a tokenizer's `add_bos_token`), as
     llama.cpp's server and SGLang add them to a text prompt, but never a second BOS before a
     text that begins with one (a chat template's `{{ bos_token }}`): the ids then start with
-    exactly one, as transformers' `apply_chat_template` gives them."""
+    exactly one, as transformers' `apply_chat_template` gives them. A text's own tokens are
+    never dropped: only a BOS the tokenizer itself added."""
     ids = list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
     bos = tokenizer.bos_token_id
-    if add_special_tokens and bos is not None and ids[:2] == [bos, bos]:
+    if (
+        add_special_tokens
+        and bos is not None
+        and ids[:2] == [bos, bos]
+        and tokenizer.encode("", add_special_tokens=True)[:1] == [bos]
+    ):
         del ids[0]
     return ids
 

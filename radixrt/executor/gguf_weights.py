@@ -52,15 +52,11 @@ PACKED_TYPES = {
 SUPER = 256  # values in a K-quant super-block
 Q4_K_BYTES = 144  # d, dmin (float16), 12 bytes of 6-bit scales and mins, 128 of nibbles
 REQUANTIZE_FLOATS = 1 << 22  # Q5_K/Q6_K rows dequantized at once: at most 16 MB of float32
-ARCHITECTURES = (
-    "llama",
-    "qwen2",
-    "qwen3",
-    "gemma2",
-    "gemma3",
-)  # whose names and row orders `plan` knows
-# `read_linears`' packed copy, beside the conversion: safetensors under a name that the
-# loader's *.safetensors glob (the float weights) never takes (`packed_cache` adds its key)
+# the GGUF architectures whose tensor names and row orders `plan` knows
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3")
+# `read_linears`' packed copy, beside the file's config: safetensors under a name that the
+# loader's *.safetensors glob (a folder's own float weights) never takes (`packed_cache` adds
+# its key)
 PACKED_CACHE = ".radixrt-packed-groups"
 
 

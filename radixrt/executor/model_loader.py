@@ -1,6 +1,7 @@
-"""Find a model, convert GGUF once to safetensors, and load weights into our own modules at
-the size of the weights: built on the meta device, then filled tensor by tensor in the
-target dtype (`load_model`)."""
+"""Find a model, read a GGUF in place (its config and tokenizer kept once, by content; its
+tensors dequantized as they are read, never copied to disk), and load weights into our own
+modules at the size of the weights: built on the meta device, then filled tensor by tensor in
+the target dtype (`load_model`)."""
 
 from __future__ import annotations
 

@@ -24,7 +24,7 @@ from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ParamSpec, TypeVar
 
 from radixrt.protocol import ErrorCode
@@ -50,6 +50,40 @@ class Caller:
 CALLER: ContextVar[Caller] = ContextVar("gateway_caller", default=Caller())  # noqa: B039 (frozen)
 
 
+def overloaded(message: str) -> APIError:
+    """503 'overloaded', with its Retry-After."""
+    code = ErrorCode.OVERLOADED
+    return APIError(
+        503, message, "overloaded_error", code=code.value, retry_after=RETRY_AFTER_S[code]
+    )
+
+
+@dataclass
+class WaitingLine:
+    """Jobs (`what`) waiting for a turn, counted per tenant: a tenant with `per_tenant` of them
+    waiting gets 'rate_limited', and past `total` in all everyone's next gets 'overloaded'.
+    Its one user is the event loop."""
+
+    what: str
+    per_tenant: int
+    total: int
+    counts: Counter[str] = field(default_factory=Counter)
+
+    def join(self, tenant: str) -> None:
+        if self.counts[tenant] >= self.per_tenant:
+            code = ErrorCode.RATE_LIMITED
+            message = f"{self.per_tenant} {self.what} of yours are waiting"
+            raise APIError(429, message, "rate_limit_error", code=code.value, retry_after=1)
+        if sum(self.counts.values()) >= self.total:
+            raise overloaded(f"{self.total} {self.what} are waiting")
+        self.counts[tenant] += 1
+
+    def leave(self, tenant: str) -> None:
+        self.counts[tenant] -= 1
+        if not self.counts[tenant]:
+            del self.counts[tenant]
+
+
 class CpuPool:
     """Threads for the gateway's CPU-heavy steps (see the module docstring). Its semaphores are
     made on first use, inside the event loop that then is their one user."""
@@ -58,7 +92,9 @@ class CpuPool:
         """`threads`: 2 at least (`HttpSettings.check`), one of them kept for small jobs."""
         self.threads = threads
         self.executor = ThreadPoolExecutor(threads, thread_name_prefix="gateway-cpu")
-        self.waiting: Counter[str] = Counter()  # tenant -> its heavy jobs not yet running
+        self.waiting = WaitingLine(
+            "large tokenize/template jobs", MAX_WAITING_PER_TENANT, MAX_WAITING
+        )  # heavy jobs not yet running
         self._shared: asyncio.Semaphore | None = None
         # tenant -> its turns; tenants are the key file's (a wrong key never gets this far)
         self._own: dict[str, asyncio.Semaphore] = {}
@@ -76,36 +112,18 @@ class CpuPool:
         tenant, size = CALLER.get().tenant, CALLER.get().body_bytes
         if size <= SMALL_JOB_BYTES:
             return await loop.run_in_executor(self.executor, call)
-        self._admit(tenant)
+        self.waiting.join(tenant)
         own = self._own.setdefault(tenant, asyncio.Semaphore(self.per_tenant))
         self._shared = shared = self._shared or asyncio.Semaphore(self.threads - 1)
         started = False
         try:
             async with own, shared:
-                self._leave(tenant)
+                self.waiting.leave(tenant)
                 started = True
                 return await loop.run_in_executor(self.executor, call)
         finally:
             if not started:
-                self._leave(tenant)
-
-    def _admit(self, tenant: str) -> None:
-        if self.waiting[tenant] >= MAX_WAITING_PER_TENANT:
-            code = ErrorCode.RATE_LIMITED
-            message = f"{MAX_WAITING_PER_TENANT} large tokenize/template jobs of yours are waiting"
-            raise APIError(429, message, "rate_limit_error", code=code.value, retry_after=1)
-        if sum(self.waiting.values()) >= MAX_WAITING:
-            code = ErrorCode.OVERLOADED
-            message = f"{MAX_WAITING} large tokenize/template jobs are waiting"
-            raise APIError(
-                503, message, "overloaded_error", code=code.value, retry_after=RETRY_AFTER_S[code]
-            )
-        self.waiting[tenant] += 1
-
-    def _leave(self, tenant: str) -> None:
-        self.waiting[tenant] -= 1
-        if not self.waiting[tenant]:
-            del self.waiting[tenant]
+                self.waiting.leave(tenant)
 
     def close(self) -> None:
         self.executor.shutdown(wait=False, cancel_futures=True)

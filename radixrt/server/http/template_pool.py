@@ -32,15 +32,14 @@ import subprocess
 import sys
 import threading
 import time
-from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from pathlib import Path
 
 from radixrt.client import chat_render
 from radixrt.protocol import ErrorCode
-from radixrt.server.http.cpu_pool import CALLER
-from radixrt.server.http.errors import RETRY_AFTER_S, APIError
+from radixrt.server.http.cpu_pool import CALLER, WaitingLine, overloaded
+from radixrt.server.http.errors import APIError
 
 logger = logging.getLogger(__name__)
 
@@ -58,13 +57,6 @@ def worker_memory_bytes(max_frame_bytes: int, max_prompt_bytes: int) -> int:
 
 def invalid(message: str) -> APIError:
     return APIError(400, message, param="messages", code=ErrorCode.INVALID_REQUEST.value)
-
-
-def overloaded(message: str) -> APIError:
-    code = ErrorCode.OVERLOADED
-    return APIError(
-        503, message, "overloaded_error", code=code.value, retry_after=RETRY_AFTER_S[code]
-    )
 
 
 class RenderWorker:
@@ -120,7 +112,7 @@ class TemplatePool:
         self._lock = threading.Lock()
         self._started = False
         self._closed = False
-        self.waiting: Counter[str] = Counter()  # tenant -> its renders waiting for a turn
+        self.waiting = WaitingLine("chat-template renders", MAX_WAITING_PER_TENANT, MAX_WAITING)
         self._shared: asyncio.Semaphore | None = None
         self._own: dict[str, asyncio.Semaphore] = {}
         self.renders = 0
@@ -151,13 +143,13 @@ class TemplatePool:
         bound, or overruns the timeout; 429/503 when too many renders wait."""
         self.start()
         tenant = CALLER.get().tenant
-        self._admit(tenant)
+        self.waiting.join(tenant)
         own = self._own.setdefault(tenant, asyncio.Semaphore(self.per_tenant))
         self._shared = shared = self._shared or asyncio.Semaphore(self.workers)
         try:
             await own.acquire()
         finally:
-            self._leave(tenant)
+            self.waiting.leave(tenant)
         try:
             await asyncio.wait_for(shared.acquire(), self.wait_s)
         except (TimeoutError, asyncio.TimeoutError):
@@ -180,20 +172,6 @@ class TemplatePool:
         # the turns end when the worker is free again, even if this request is cancelled first
         done.add_done_callback(release)
         return await asyncio.shield(done)
-
-    def _admit(self, tenant: str) -> None:
-        if self.waiting[tenant] >= MAX_WAITING_PER_TENANT:
-            code = ErrorCode.RATE_LIMITED
-            message = f"{MAX_WAITING_PER_TENANT} chat-template renders of yours are waiting"
-            raise APIError(429, message, "rate_limit_error", code=code.value, retry_after=1)
-        if sum(self.waiting.values()) >= MAX_WAITING:
-            raise overloaded(f"{MAX_WAITING} chat-template renders are waiting")
-        self.waiting[tenant] += 1
-
-    def _leave(self, tenant: str) -> None:
-        self.waiting[tenant] -= 1
-        if not self.waiting[tenant]:
-            del self.waiting[tenant]
 
     # ---- on the pool's threads ----------------------------------------------------------------
     def _take(self) -> RenderWorker:

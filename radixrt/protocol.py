@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import MISSING, dataclass, field, fields
 from enum import Enum
@@ -101,6 +102,20 @@ def error_reply(rid: Any, code: ErrorCode, message: str) -> dict[str, Any]:
     is echoed only where `wire_rid` allows it."""
     error = {"code": code.value, "type": code.value, "message": message}
     return {"rid": wire_rid(rid), "error": error}
+
+
+# an absolute path inside a message (after a space, quote, bracket, '=' or '://'), to its last part
+_SERVER_PATH = re.compile(
+    r"(?:(?<=://)|(?<![\w.~/-]))/(?:[^\s'\"`,;()\[\]{}<>/]+/)+([^\s'\"`,;()\[\]{}<>/]*)"
+)
+
+
+def internal_error_text(e: BaseException) -> str:
+    """What a caller is told of an unexpected exception: its type and message, each absolute
+    path cut to its last part (`/srv/models/x/config.json` -> `config.json`). An internal
+    error's text comes from code the caller cannot see (an OSError naming a cache file, a
+    socket path), so it reaches tenants without the server's layout; the log keeps it whole."""
+    return f"{type(e).__name__}: " + _SERVER_PATH.sub(r"\1", str(e))
 
 
 def nesting_depth(value: Any, limit: int = MAX_NESTING) -> int:

@@ -21,7 +21,7 @@ cmake -S "$work/llama_cpp_python-$version/vendor/llama.cpp" -B "$work/build" -G 
     -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF -DLLAMA_CURL=OFF \
     -DLLAMA_BUILD_TESTS=ON -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON \
     ${LLAMA_CMAKE_FLAGS:-} >/dev/null
-targets=(llama-server llama-quantize llama-bench test-backend-ops)
+targets=(llama-server llama-quantize llama-tokenize llama-bench test-backend-ops)
 cmake --build "$work/build" --target "${targets[@]}" -j "$(nproc)"
 for t in "${targets[@]}"; do install -m 755 "$work/build/bin/$t" "$dest/$t"; done
 echo "built ${targets[*]} into $dest"

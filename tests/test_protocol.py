@@ -38,6 +38,7 @@ from radixrt.protocol import (
     UpdateWeightsFromDisk,
     UpdateWeightsFromDistributed,
     generate_fields,
+    internal_error_text,
     option_fields,
     request_field,
     spec_of,
@@ -69,6 +70,19 @@ class Extended(GenerateOptions):
     sampling_seed: int | None = request_field(
         doc="an even integer", example=2, check=_check_even, per_prompt=True, namespace=True
     )
+
+
+def test_an_internal_error_tells_no_server_path() -> None:
+    """An unexpected exception's text reaches the caller with each absolute path cut to its
+    last part: the file is named, the server's layout is not."""
+    missing = FileNotFoundError(2, "No such file", "/srv/cache/radixrt/models/x-1f/config.json")
+    assert (
+        internal_error_text(missing) == "FileNotFoundError: [Errno 2] No such file: 'config.json'"
+    )
+    socket = OSError("cannot connect to ipc:///tmp/radixrt-77/engine (from /a/b)")
+    assert internal_error_text(socket) == "OSError: cannot connect to ipc://engine (from b)"
+    plain = ValueError("ratio 1/2 of ./relative/file, ~/home/kept")
+    assert internal_error_text(plain) == "ValueError: ratio 1/2 of ./relative/file, ~/home/kept"
 
 
 def test_positional_construction_raises():

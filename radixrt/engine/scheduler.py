@@ -55,7 +55,7 @@ from radixrt.executor.weight_update import TensorSpec
 from radixrt.forward_batch import ForwardBatch
 from radixrt.mem_cache.slot_manager import KVSlotManager
 from radixrt.mem_cache.tiers import DevicePool, build_slot_manager
-from radixrt.protocol import ErrorCode, RequestError, tensor_handoff_dir
+from radixrt.protocol import ErrorCode, RequestError, internal_error_text, tensor_handoff_dir
 from radixrt.sampling_params import SamplingParams, generation_defaults
 
 logger = logging.getLogger(__name__)
@@ -558,7 +558,7 @@ class Scheduler:
             return True
         except Exception as e:
             logger.exception("request %s failed", req.rid)
-            self._fail(req, ErrorCode.INTERNAL_ERROR, f"{type(e).__name__}: {e}")
+            self._fail(req, ErrorCode.INTERNAL_ERROR, internal_error_text(e))
             return False
 
     def _expire(self, now: float) -> None:

@@ -117,6 +117,33 @@ def hub_snapshot(repo_id: str) -> Path:
         ) from None
 
 
+# the largest of each model-folder file that is parsed whole (JSON, protobuf, text) before
+# anything else checks it: a 262k-entry vocabulary's tokenizer.json is ~33 MB, a config a few
+# KB. A file past its bound is refused by name before a parser sizes anything by it.
+FILE_LIMITS = {
+    "config.json": 16 << 20,
+    "generation_config.json": 1 << 20,
+    "tokenizer.json": 256 << 20,
+    "tokenizer.model": 64 << 20,
+    "tokenizer_config.json": 16 << 20,
+    "special_tokens_map.json": 1 << 20,
+    "added_tokens.json": 16 << 20,
+    "vocab.json": 128 << 20,
+    "merges.txt": 128 << 20,
+    "chat_template.jinja": 4 << 20,
+    "chat_template.json": 4 << 20,
+}
+
+
+def check_file_sizes(folder: Path) -> None:
+    """Refuse (ValueError, one line naming the file) a file of `folder` past its `FILE_LIMITS`."""
+    for name, limit in FILE_LIMITS.items():
+        path = folder / name
+        size = path.stat().st_size if path.is_file() else 0
+        if size > limit:
+            raise ValueError(f"{name}: {size} bytes, past the {limit >> 20} MiB read of one")
+
+
 def load_chat_template(template: str) -> str:
     """`--chat-template`: the template itself when it has Jinja tags, else the text of the file
     it names; ValueError, one line, when it is neither a file nor a template that parses."""

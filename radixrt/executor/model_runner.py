@@ -21,6 +21,7 @@ from radixrt.distributed.group import TPGroup
 from radixrt.executor import gguf_weights, host_memory, quant_choice
 from radixrt.executor.lora_manager import LoraManager, default_max_rank, parse_lora_paths
 from radixrt.executor.model_loader import (
+    check_file_sizes,
     converted_from,
     load_chat_template,
     load_model,
@@ -171,10 +172,12 @@ class ModelRunner:
         self.tp = tp if tp is not None else TPGroup(device=resolve_device(args.device))
         self.device = self.tp.device
         self.dtype = resolve_dtype(args.dtype, self.device)
-        self.config = AutoConfig.from_pretrained(self.model_path)
         self.tokenizer_path = (
             resolve_tokenizer_path(args.tokenizer_path) if args.tokenizer_path else self.model_path
         )
+        for folder in {self.model_path, self.tokenizer_path}:
+            check_file_sizes(folder)
+        self.config = AutoConfig.from_pretrained(self.model_path)
         self.tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_path)
         if args.chat_template:
             self.tokenizer.chat_template = load_chat_template(args.chat_template)

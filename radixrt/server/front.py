@@ -46,6 +46,7 @@ from radixrt.protocol import (
     RequestError,
     decode_map,
     error_reply,
+    internal_error_text,
     tenant_label,
     wire_rid,
 )
@@ -398,10 +399,8 @@ class ClientFront:
             self.reply(caller.identity, error_reply(rid, ErrorCode.INTERNAL_ERROR, str(e) or where))
         except Exception as e:  # a bug must cost one request, not the server
             logger.exception("op %r failed", msg.get("op"))
-            self.reply(
-                caller.identity,
-                error_reply(rid, ErrorCode.INTERNAL_ERROR, f"{type(e).__name__}: {e}"),
-            )
+            text = f"{type(e).__name__}: {e}" if caller.principal.admin else internal_error_text(e)
+            self.reply(caller.identity, error_reply(rid, ErrorCode.INTERNAL_ERROR, text))
 
     def vanished(self, holders: AbstractSet[bytes] = frozenset()) -> set[bytes]:
         """Clients that are gone, each reported once: those whose connection dropped (a reply or

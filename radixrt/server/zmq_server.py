@@ -43,6 +43,7 @@ from radixrt.protocol import (
     Unpin,
     check_rid,
     error_reply,
+    internal_error_text,
 )
 from radixrt.sampling_params import SamplingParams
 from radixrt.server import rollout
@@ -365,7 +366,7 @@ def _final_reply(client: ClientRequest, req: Req) -> dict[str, Any]:
         return {"rid": client.rid, "index": client.index, "finished": True, **req.result()}
     except Exception as e:
         logger.exception("the result of request %s could not be built", req.rid)
-        return error_reply(client.rid, ErrorCode.INTERNAL_ERROR, f"{type(e).__name__}: {e}")
+        return error_reply(client.rid, ErrorCode.INTERNAL_ERROR, internal_error_text(e))
 
 
 def _internal_rid(identity: bytes, rid: str) -> str:

@@ -5,6 +5,7 @@ equal transformers' past it (tiny random checkpoints made with transformers' con
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -195,3 +196,20 @@ def test_config_sizes_past_the_weights_are_refused_before_building(
     with pytest.raises(ValueError, match="^config.json: ") as refused:
         _runner(folder)
     assert words in str(refused.value) and "\n" not in str(refused.value)
+
+
+@pytest.mark.parametrize("name", ["tokenizer.json", "config.json"])
+def test_a_tokenizer_or_config_file_past_its_bound_is_refused_by_name(
+    tmp_path, tiny_model_dir, name
+):
+    """Files parsed whole are bounded before a parser reads them: a (sparse) 300 MiB
+    tokenizer.json or 20 MiB config.json is refused in one line naming it."""
+    from radixrt.executor.model_loader import FILE_LIMITS
+
+    folder = _checkpoint(tmp_path, tiny_model_dir)
+    os.truncate(folder / name, FILE_LIMITS[name] + 1)
+    with pytest.raises(
+        ValueError, match=f"^{name}: {FILE_LIMITS[name] + 1} bytes, past"
+    ) as refused:
+        _runner(folder)
+    assert "\n" not in str(refused.value)

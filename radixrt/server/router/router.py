@@ -40,6 +40,7 @@ from radixrt.protocol import (
     Unpin,
     check_rid,
     error_reply,
+    internal_error_text,
 )
 from radixrt.server.front import (
     Caller,
@@ -146,7 +147,7 @@ class Router:
         self.counters = {f"routed_by_{r.value}": 0 for r in RouteReason}
         self.counters.update(resent_requests=0, lost_requests=0)
         tokenizer = config.fleet.tokenizer
-        self.tokenizer = _load_tokenizer(tokenizer) if tokenizer else None
+        self.tokenizer = routing_tokenizer(tokenizer) if tokenizer else None
         self.server_id = uuid.uuid4().hex
         self._next_ping = 0.0
         self.running = True
@@ -441,7 +442,7 @@ class Router:
             logger.exception("worker %s: a reply could not be handled", worker.url)
             flight = self._flight_of(worker, reply.get("rid"))
             if flight is not None:
-                self._fail(flight, ErrorCode.INTERNAL_ERROR, f"{type(e).__name__}: {e}")
+                self._fail(flight, ErrorCode.INTERNAL_ERROR, internal_error_text(e))
 
     def _on_worker_reply(self, worker: WorkerLink, reply: dict[str, Any]) -> None:
         """Route one reply by its rid: the router's own asks, a gather's part, or a flight's.
@@ -530,7 +531,7 @@ class Router:
                 "routing by load until --tokenizer is given"
             )
         elif path.is_file():
-            self.tokenizer = _load_tokenizer(str(path))
+            self.tokenizer = routing_tokenizer(str(path))
         else:
             logger.warning("no %s here: routing by load until --tokenizer is given", path)
 
@@ -676,10 +677,18 @@ def _malformed(worker: WorkerLink, problem: str) -> str:
     return f"worker {worker.url} sent a malformed reply: {problem}"
 
 
-def _load_tokenizer(path: str) -> Tokenizer:
+def routing_tokenizer(path: str) -> Tokenizer:
+    """The tokenizer.json at `path`, as the router encodes prompts with it (to find their
+    cached prefixes): without padding or truncation."""
     from tokenizers import Tokenizer  # transformers' own fast tokenizer, without torch
 
-    return Tokenizer.from_file(path)
+    tokenizer = Tokenizer.from_file(path)
+    # a file's padding would pad every text it encodes (a fixed length of 10^8 pads "hello"
+    # to 10^8 ids), its truncation cut the prompt the route is chosen by: as transformers does
+    # when it encodes without padding, neither applies
+    tokenizer.no_padding()
+    tokenizer.no_truncation()
+    return tokenizer
 
 
 def _refuse_workers_only(caller: Caller, op: ControlOp, rid: Any) -> None:

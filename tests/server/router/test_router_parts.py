@@ -1,10 +1,14 @@
 """The router's parts that need no worker: fleet stats (sums, ratios of sums, tenant rows) and
-the pin book (which worker a generate extending a pinned prefix goes to)."""
+the pin book (which worker a generate extending a pinned prefix goes to), the tokenizer it
+routes by."""
 
 from __future__ import annotations
 
+import json
+
 from radixrt.server.router.pins import PIN_SLACK_TOKENS, Pin, PinBook, extends
 from radixrt.server.router.prefix_tree import Namespace, Prompt
+from radixrt.server.router.router import routing_tokenizer
 from radixrt.server.router.stats import count, fleet_stats
 
 NS = Namespace("", "", "")
@@ -61,3 +65,28 @@ def test_the_pin_book_forgets_by_client_and_by_worker():
     assert book.pop(b"b", "p1") is None
     assert set(book.forget_client(b"a")) == {"p1"}
     assert book.forget_client(b"a") == {}
+
+
+def test_the_routing_tokenizer_ignores_a_files_padding_and_truncation(tmp_path, tiny_model_dir):
+    """A tokenizer.json is input: one that pads every text to 10^7 ids or truncates to 1 is
+    read without either, so the router encodes a prompt as the runtime does."""
+    spec = json.loads((tiny_model_dir / "tokenizer.json").read_text())
+    spec["padding"] = {
+        "strategy": {"Fixed": 10**7},
+        "direction": "Right",
+        "pad_to_multiple_of": None,
+        "pad_id": 0,
+        "pad_type_id": 0,
+        "pad_token": "<pad>",
+    }
+    spec["truncation"] = {
+        "direction": "Right",
+        "max_length": 1,
+        "strategy": "LongestFirst",
+        "stride": 0,
+    }
+    hostile = tmp_path / "tokenizer.json"
+    hostile.write_text(json.dumps(spec))
+    plain = routing_tokenizer(str(tiny_model_dir / "tokenizer.json"))
+    text = "The Danube flows through ten countries."
+    assert routing_tokenizer(str(hostile)).encode(text).ids == plain.encode(text).ids

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from radixrt.distributed.group import TPGroup
-from radixrt.executor import gguf_file
+from radixrt.executor import gguf_file, gguf_tokenizer
 from radixrt.kernels.int4_gemm import PackedGroups
 from radixrt.models import model_class
 from radixrt.models.interface import CausalLM
@@ -201,8 +201,10 @@ def conversion_folder(gguf: Path) -> Path:
     """Where `convert_gguf` keeps what it reads from a GGUF file: keyed by the file's whole
     content (`file_digest`), not its path, so every virtualenv holding the same wheel shares
     one folder and no two files that differ anywhere ever share one; and by the code that
-    reads it (this module, transformers' version), so an edit to either reads the file anew."""
+    reads it (this module, the tokenizer's builder, transformers' version), so an edit to any
+    of them reads the file anew."""
     code = hashlib.sha256(Path(__file__).read_bytes())
+    code.update(Path(gguf_tokenizer.__file__).read_bytes())
     code.update(importlib.metadata.version("transformers").encode())
     return cache_dir() / "models" / f"{gguf.stem}-{file_digest(gguf)[:32]}-{code.hexdigest()[:8]}"
 
@@ -241,7 +243,7 @@ def convert_gguf(gguf: Path) -> Path:
         return out
     file = gguf_file.read(gguf)
     gguf_file.check(file)
-    from transformers import AutoTokenizer, GenerationConfig
+    from transformers import GenerationConfig
 
     logger.info("reading %s's config and tokenizer into %s (once)", gguf, out)
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
@@ -251,7 +253,7 @@ def convert_gguf(gguf: Path) -> Path:
         config = gguf_config(file)
         config.save_pretrained(tmp)
         GenerationConfig.from_model_config(config).save_pretrained(tmp)
-        AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tmp)
+        gguf_tokenizer.build(file).save_pretrained(tmp)
         (tmp / READY_MARKER).write_text(_marker(gguf, digest))
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -6,23 +6,31 @@ family, served read in place: config and tensors from the file, no float copy on
   float32 on the checkpoint the file was made from, token for token;
 - Q8_0 files (`--outtype q8_0`) at the defaults: served packed as stored (every family radixrt
   serves, not only llama and qwen2), held to the quality gates against the same file dequantized
-  (teacher-forced top-1 agreement and logits' relative error).
+  (teacher-forced top-1 agreement and logits' relative error);
+- mutated copies of a converted file (header, metadata, tensor table): each is served or
+  refused in one line, in bounded time and memory, the whole start path included.
 """
 
 from __future__ import annotations
 
 import os
 import random
+import resource
 import shutil
+import struct
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from radixrt.config import ServerArgs
+from radixrt.executor import gguf_file
 from radixrt.executor.model_loader import conversion_folder
 from radixrt.executor.model_runner import ModelRunner
 from radixrt.kernels import int4_gemm
@@ -119,3 +127,52 @@ def test_a_converted_q8_0_file_is_served_packed_within_the_gates(files, model_ty
     agreement = (packed.argmax(-1) == dense.argmax(-1)).double().mean().item()
     error = ((packed - dense).norm(dim=-1) / dense.norm(dim=-1)).max().item()
     assert agreement >= 0.9 and error <= 0.1, (agreement, error)
+
+
+SERVED = {"tried": 0, "served": 0, "refused": 0, "seconds": 0.0}
+
+
+@settings(
+    max_examples=60,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+@given(data=st.data())
+def test_mutated_converted_files_are_served_or_refused_in_one_line(files, tmp_path, data):
+    """A file llama.cpp's converter made, its header, metadata or tensor table mutated (bytes
+    overwritten, inserted, cut): the whole start path (read, config, tokenizer, weights, model)
+    and one greedy request either serve it or refuse it with one line (ValueError, which
+    GGUFError is), within 10 s and 1 GB of peak memory beyond what the suite holds."""
+    source = files["llama", "f32"][1]
+    header = min(t.offset for t in gguf_file.read(source).tensors.values())
+    mutated = bytearray(source.read_bytes())
+    for _ in range(data.draw(st.integers(1, 3))):
+        at = data.draw(st.integers(0, header - 1))
+        how = data.draw(st.sampled_from(["byte", "u64", "cut", "insert"]))
+        if how == "byte":
+            mutated[at] = data.draw(st.integers(0, 255))
+        elif how == "u64":
+            value = data.draw(st.sampled_from([0, 1, 7, 2**31, 2**32 - 1, 2**63, 2**64 - 1]))
+            mutated[at : at + 8] = struct.pack("<Q", value)
+        elif how == "cut":
+            del mutated[at : at + data.draw(st.integers(1, 64))]
+        else:
+            mutated[at:at] = data.draw(st.binary(min_size=1, max_size=16))
+    path = tmp_path / "mutated.gguf"
+    path.write_bytes(mutated)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss << 10
+    start = time.perf_counter()
+    SERVED["tried"] += 1
+    try:
+        scheduler = make_scheduler(path, quantization="none", max_total_tokens=64)
+        (out,) = run_in_process(scheduler, [[PROMPTS[0]]], {**GREEDY, "max_new_tokens": 2})
+        assert len(out) == 2
+        SERVED["served"] += 1
+    except ValueError as e:
+        assert "\n" not in str(e), e
+        SERVED["refused"] += 1
+    seconds = time.perf_counter() - start
+    SERVED["seconds"] = max(SERVED["seconds"], seconds)
+    grown = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss << 10) - before
+    assert seconds < 10 and grown < 1 << 30, (seconds, grown)

@@ -42,9 +42,18 @@ export RADIXRT_LLAMA_CPP_CONVERTER := $(LLAMA_CPP_CONVERTER)
 $(LLAMA_CPP_CONVERTER)/convert_hf_to_gguf.py: $(STAMP)
 	PIP=$(BIN)/pip bash scripts/llama_cpp_converter.sh $(LLAMA_CPP_PYTHON) $(LLAMA_CPP_CONVERTER)
 
+# llama.cpp's own tools (llama-tokenize, llama-quantize, llama-server, llama-bench,
+# test-backend-ops), built once outside the checkout from the same sources (about 7 minutes on 2
+# cores): the tests check radixrt's tokens against llama-tokenize's on the same files, and
+# `radixrt bench` runs the others as its peers
+LLAMA_CPP_TOOLS := $(HOME)/.cache/radixrt/llama.cpp-$(LLAMA_CPP_PYTHON)/bin
+export RADIXRT_LLAMA_CPP_TOOLS := $(LLAMA_CPP_TOOLS)
+$(LLAMA_CPP_TOOLS)/llama-tokenize: $(STAMP)
+	PIP=$(BIN)/pip bash scripts/build_llama_server.sh $(LLAMA_CPP_PYTHON) $(LLAMA_CPP_TOOLS)
+
 # two workers (pytest-xdist), a module's tests on one of them (its runtime fixtures start once):
 # half the suite's time is processes waiting on each other, which the other worker fills
-test: model $(LLAMA_CPP_CONVERTER)/convert_hf_to_gguf.py
+test: model $(LLAMA_CPP_CONVERTER)/convert_hf_to_gguf.py $(LLAMA_CPP_TOOLS)/llama-tokenize
 	$(BIN)/python -m pytest -q -m "not soak" -n 2 --dist loadfile --durations=30
 
 # the soak's 60-second version (tests/reliability/test_soak.py); CI runs it after `make test`
@@ -133,12 +142,10 @@ bench-dp: model
 
 # llama.cpp as two peers in `radixrt bench`: llama-cpp-python (it compiles llama.cpp, several
 # minutes) and llama.cpp's own `llama-server` with its benchmarks (`llama-bench`,
-# `test-backend-ops`), built from the same vendored sources (about 12 more); LLAMA_CPP_PYTHON
-# (above) names the version.
+# `test-backend-ops`): the tools above; LLAMA_CPP_PYTHON (above) names the version.
 
-bench-peers: $(STAMP)
+bench-peers: $(STAMP) $(LLAMA_CPP_TOOLS)/llama-tokenize
 	$(BIN)/pip install llama-cpp-python==$(LLAMA_CPP_PYTHON)
-	test -x $(BIN)/test-backend-ops || bash scripts/build_llama_server.sh $(LLAMA_CPP_PYTHON) $(BIN)
 
 # radixrt against llama-server on one GGUF, default flags on both sides (docs/benchmarks.md,
 # "Default flags"): GGUF=path/to/model.gguf make bench-defaults

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import sqlite3
 import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
+
+from radixrt.bench.peers import llama_cpp_tool
 
 PERF_SHAPE = (4096, 14336)  # N, K of test-backend-ops' MUL_MAT perf cases
 PERF_ROWS = (1, 4, 8, 512)  # the rows (ggml's n) of those cases that this suite also runs
@@ -45,15 +45,6 @@ class LlamaBenchRow:
     stddev: float
 
 
-def binary(name: str) -> Path | None:
-    """A llama.cpp binary beside this Python (where `make bench-peers` puts them), else on PATH."""
-    beside = Path(sys.executable).parent / name
-    if beside.is_file():
-        return beside
-    found = shutil.which(name)
-    return Path(found) if found else None
-
-
 def perf_threads(cpus: int) -> int:
     """The threads test-backend-ops gives the CPU backend: half the logical CPUs (it assumes
     two hardware threads a core), at least one."""
@@ -63,7 +54,7 @@ def perf_threads(cpus: int) -> int:
 def mul_mat() -> list[GgmlMulMat]:
     """test-backend-ops' MUL_MAT perf cases of PERF_TYPES at PERF_ROWS on the CPU backend, at
     `perf_threads` threads ([] and a line printed without the binary)."""
-    exe = binary("test-backend-ops")
+    exe = llama_cpp_tool("test-backend-ops")
     if exe is None:
         print("test-backend-ops skipped: not built (make bench-peers)")
         return []
@@ -102,7 +93,7 @@ def parse_mul_mat(text: str) -> list[GgmlMulMat]:
 def llama_bench(gguf: Path, threads: int) -> list[LlamaBenchRow]:
     """llama-bench on `gguf`: prompts of PROMPTS tokens and GENERATED tokens generated, with
     `threads` threads ([] and a line printed without the binary)."""
-    exe = binary("llama-bench")
+    exe = llama_cpp_tool("llama-bench")
     if exe is None:
         print("llama-bench skipped: not built (make bench-peers)")
         return []

@@ -29,8 +29,8 @@ LLAMA_CPP_MISSING = (
     "it compiles llama.cpp, which takes several minutes)"
 )
 LLAMA_SERVER_MISSING = (
-    "llama-server skipped: no llama-server binary beside this Python or on PATH "
-    "(`make bench-peers` builds it, about 8 minutes)"
+    "llama-server skipped: no llama-server in $RADIXRT_LLAMA_CPP_TOOLS, beside this Python or "
+    "on PATH (`make bench-peers` builds it, about 7 minutes)"
 )
 LLAMA_SERVER_START_S = 120
 
@@ -238,12 +238,20 @@ class LlamaServerTarget:
             self.proc.wait()
 
 
-def llama_server_binary() -> Path | None:
-    """`llama-server` beside this Python (where `make bench-peers` puts it), else on PATH."""
-    beside = Path(sys.executable).parent / "llama-server"
-    if beside.is_file() and os.access(beside, os.X_OK):
-        return beside
-    found = shutil.which("llama-server")
+def llama_cpp_tool(name: str) -> Path | None:
+    """One of llama.cpp's tools (`llama-server`, `llama-bench`, `test-backend-ops`, ...): in
+    $RADIXRT_LLAMA_CPP_TOOLS (where `make bench-peers` and `make test` build them, outside the
+    checkout), beside this Python, or on PATH; None where none is."""
+    places = [Path(sys.executable).parent]
+    if os.environ.get("RADIXRT_LLAMA_CPP_TOOLS"):
+        places.insert(0, Path(os.environ["RADIXRT_LLAMA_CPP_TOOLS"]))
+    from radixrt.executor.model_loader import cache_dir
+
+    places += sorted(cache_dir().glob("llama.cpp-*/bin"), reverse=True)  # the newest version
+    for place in places:
+        if (place / name).is_file() and os.access(place / name, os.X_OK):
+            return place / name
+    found = shutil.which(name)
     return Path(found) if found else None
 
 

@@ -174,10 +174,13 @@ def _convert(folder: Path, out: Path) -> None:
 
 
 def _quantize(f16: Path, out: Path, kind: str) -> None:
-    """llama.cpp's quantizer: `llama-quantize` beside this Python where `make bench-peers` built
-    it, else the same code through llama-cpp-python (`llama_model_quantize`)."""
-    binary = Path(sys.executable).parent / "llama-quantize"
-    if binary.is_file():
+    """llama.cpp's quantizer: `llama-quantize` where `make bench-peers` built it
+    (`peers.llama_cpp_tool`), else the same code through llama-cpp-python
+    (`llama_model_quantize`)."""
+    from radixrt.bench.peers import llama_cpp_tool
+
+    binary = llama_cpp_tool("llama-quantize")
+    if binary is not None:
         subprocess.run([str(binary), str(f16), str(out), kind], check=True)
         return
     import llama_cpp

@@ -22,7 +22,7 @@ from radixrt.bench.peers import (
     LlamaCppTarget,
     LlamaServerTarget,
     llama_cpp_available,
-    llama_server_binary,
+    llama_cpp_tool,
     run_transformers,
 )
 from radixrt.bench.results import RunResult, ServerCounters, result_of, stats_delta
@@ -182,7 +182,7 @@ def _run_llama_peer(system: str, job: RequestJob) -> list[RunResult]:
             print(LLAMA_CPP_MISSING)
             return []
         return _run_llama_cpp(gguf, job)
-    binary = llama_server_binary()
+    binary = llama_cpp_tool("llama-server")
     if binary is None:
         print(LLAMA_SERVER_MISSING)
         return []

@@ -28,6 +28,7 @@ import numpy as np
 from radixrt.executor.gguf_file import GGUFFile, StringArray, shown
 
 if TYPE_CHECKING:
+    from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerBase
 
 MAX_DERIVATION = 1 << 30  # string slices to derive a SentencePiece vocabulary's merges
@@ -45,6 +46,7 @@ def build(file: GGUFFile) -> PreTrainedTokenizerBase:
     `gguf_file.check`); ValueError, one line naming the file and the field, when it cannot."""
     from transformers import PreTrainedTokenizerFast
     from transformers.integrations.gguf.gguf_tokenizer_mapping import (
+        GGUF_SENTENCEPIECE_BUILDERS,
         GGUF_TOKENIZER_MAPPING,
         convert_gguf_tokenizer,
     )
@@ -65,7 +67,12 @@ def build(file: GGUFFile) -> PreTrainedTokenizerBase:
         config[name] = tokens[index] if isinstance(index, int) else None
     try:
         backend, extra = convert_gguf_tokenizer(file.architecture, spec)
-        tokenizer: PreTrainedTokenizerBase = PreTrainedTokenizerFast(
+        if (
+            spec.get("tokenizer_type") == "llama"
+            and file.architecture not in GGUF_SENTENCEPIECE_BUILDERS
+        ):
+            _spaces_as_llama_cpp(backend, spec.get("add_prefix_space", True))
+        tokenizer: PreTrainedTokenizerBase = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
             tokenizer_object=backend, **config, **extra
         )
     except Exception as e:  # tokenizers raises bare Exceptions
@@ -74,6 +81,19 @@ def build(file: GGUFFile) -> PreTrainedTokenizerBase:
             f"{shown(file.path.name)}: its tokenizer cannot be built ({problem})"
         ) from None
     return tokenizer
+
+
+def _spaces_as_llama_cpp(backend: Tokenizer, space_prefix: bool) -> None:
+    """A SentencePiece vocabulary's spaces as llama.cpp (and sentencepiece) write them: every
+    space a `▁`, and one more before the text and after each special token where the file asks
+    for a prefix (`tokenizer.ggml.add_space_prefix`, on unless it says otherwise). transformers'
+    Metaspace prepends only to text not already starting with a space, so " " was one `▁` where
+    llama.cpp has two, and "   leading" three where it has four."""
+    from tokenizers import normalizers
+
+    steps = [normalizers.Prepend("\u2581")] if space_prefix else []
+    backend.normalizer = normalizers.Sequence([*steps, normalizers.Replace(" ", "\u2581")])
+    backend.pre_tokenizer = None
 
 
 def _plain(value: Any) -> Any:
@@ -119,7 +139,7 @@ def _check_merges(name: str, tokens: list[str], merges: list[str] | None) -> Non
 
     if not merges:
         raise ValueError(f"{name}: a byte-level (gpt2) vocabulary needs tokenizer.ggml.merges")
-    spelling = bytes_to_unicode()
+    spelling: dict[int, str] = bytes_to_unicode()  # type: ignore[no-untyped-call]
     alphabet = set(spelling.values())
     vocab = {
         t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8")) for t in tokens

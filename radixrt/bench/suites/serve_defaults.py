@@ -10,7 +10,7 @@
 - peak resident memory of the whole serving process tree (the server and every child, summed,
   sampled every 20 ms from /proc) while it starts and serves one stream, and over the run.
 
-llama-server is the one `make bench-peers` built beside this Python, else on PATH. Into
+llama-server is the one `make bench-peers` built (`peers.llama_cpp_tool`). Into
 `serve-defaults.json`.
 """
 
@@ -83,15 +83,15 @@ class TreeRss:
 
 @register("serve-defaults")
 def run_serve_defaults(run: BenchRun) -> dict[str, list[RunResult]]:
-    from radixrt.bench.peers import llama_server_binary
+    from radixrt.bench.peers import LLAMA_SERVER_MISSING, llama_cpp_tool
     from radixrt.client.launcher import free_port
 
     gguf = Path(run.config.model)
     if gguf.suffix != ".gguf" or not gguf.is_file():
         raise ValueError(f"--workload serve-defaults serves a .gguf file: --model {gguf}")
-    llama_server = llama_server_binary()
+    llama_server = llama_cpp_tool("llama-server")
     if llama_server is None:
-        raise FileNotFoundError("no llama-server beside this Python or on PATH: make bench-peers")
+        raise FileNotFoundError(LLAMA_SERVER_MISSING)
     loads = Loads(run.config.num_requests or ONE_STREAM_REQUESTS, run.config.concurrency or CLIENTS)
     port = free_port()
     commands = {

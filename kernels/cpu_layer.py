@@ -30,7 +30,7 @@ P, I = native.POINTER, native.INT64
 SIGNATURES = (("decode_layers", (P, I, P, P, P)),)
 
 
-INT8_CHANNELS = 1  # Packed.kind of an `int8_gemm.PackedInt8` (4 and 8: grouped bits)
+INT8_CHANNELS = 1  # Packed.kind of an `int8_gemm.PackedInt8` (4, 5 and 8: grouped bits)
 Weight = int4_gemm.PackedGroups | int8_gemm.PackedInt8
 
 

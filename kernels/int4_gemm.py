@@ -1,26 +1,30 @@
 """Weight-only grouped matrix multiply for the CPU (AVX2; AVX-512 VNNI): `x @ dequant(w).T + bias`, with 4-bit
-weights (`--quantization int4`, GGUF Q4_0/Q4_1) or 8-bit ones (GGUF Q8_0) in groups of 32 inputs.
+weights (`--quantization int4`, GGUF Q4_0/Q4_1/Q4_K), 5-bit ones (GGUF Q5_0/Q5_1/Q5_K) or 8-bit ones
+(GGUF Q8_0) in groups of 32 inputs.
 
 A group of 32 weights of one output row is `w = d * q + m`: q unsigned 4-bit (0..15) with a
 scale d and an offset m (asymmetric; symmetric is m = -8 d, which is how GGUF's Q4_0 reads), or
 q signed 8-bit with m = 0 (Q8_0). d and m are float16, so a 4-bit weight costs 0.625 bytes, near
 llama.cpp's Q4_0 (0.5625) and Q4_1 (0.625). GGUF's blocks are moved, never re-rounded: a block's
 nibbles keep GGUF's pairing (byte b holds input b in its low half, input b + 16 in its high half).
+A 5-bit group is a 4-bit one and 4 bytes of high bits, GGUF's Q5_0 `qh` (bit k: input k's, worth
+16): q 0..31, its symmetric form m = -16 d (Q5_0's); 0.75 bytes a weight with d (Q5_0: 0.6875).
 
 The layout: panels of 8 output rows interleaved, one output row per 32-bit lane of an AVX2
 vector (llama.cpp's repacked Q4_0 is the model). A panel's group is 4 vectors of 32 bytes for
 4-bit weights: vector s holds, in lane j, bytes 4s..4s+3 of row j's block, so its low nibbles
 are inputs 4s..4s+3 and its high nibbles inputs 16+4s..16+4s+3; 8-bit groups are 8 vectors, vector t
 holding inputs 4t..4t+3 of each row (t < 4) or 16+4(t-4).. (t >= 4), the order the nibbles
-unpack in. Beside them, each panel's group has its 8 scales d, then its 8 offsets m.
+unpack in; 5-bit groups are the 4-bit vectors and a fifth whose lane j is row j's high bits.
+Beside them, each panel's group has its 8 scales d, then its 8 offsets m.
 
 The multiply: activations are quantized per group of 32 to int8 once per call (llama.cpp's Q8
 activations; relative error about 1/254 of each group's largest value). Four consecutive
 activations of one row, broadcast to every lane, meet four weights of each of the 8 rows in one
 `vpmaddubsw`, so a lane accumulates one output and no horizontal add is ever needed. Int16 sums
 cannot overflow within a group: a pair is at most 2 * 15 * 127 = 3,810, and a lane sums 8 pairs
-(30,480); 8-bit weights move their sign onto the activation (`vpsignb`, |q| <= 128) and go to
-int32 at each step. A group's integer sum meets its float scales once; the offset's share of a
+(30,480); 5-bit ones (a pair up to 7,874) go to int32 at each step, and 8-bit weights move
+their sign onto the activation (`vpsignb`, |q| <= 128) and go to int32 at each step. A group's integer sum meets its float scales once; the offset's share of a
 group is m times the activations' float sum.
 
 Many rows (prefill, M >= 4): a register tile of 4 rows x one panel; the activation rows are
@@ -51,11 +55,13 @@ SOURCE = native.CSRC / "int4_gemm.c"
 P, I = native.POINTER, native.INT64
 SIGNATURES = (
     ("int4_linear", (P,) * 8 + (I,) * 5),
+    ("int5_linear", (P,) * 8 + (I,) * 5),
     ("q8_linear", (P,) * 8 + (I,) * 5),
     ("quantize_row", (P,) * 4 + (I,) * 2),
 )
 AMX_SIGNATURES = (
     ("int4_linear_amx", (P,) * 8 + (I,) * 5),
+    ("int5_linear_amx", (P,) * 8 + (I,) * 5),
     ("q8_linear_amx", (P,) * 8 + (I,) * 5),
 )
 AMX_MIN_ROWS = 16  # fewer rows take the VNNI code: a tile of 16 activation rows would be padded
@@ -77,9 +83,11 @@ def available(isa: cpu_isa.Isa = cpu_isa.Isa.AVX2) -> bool:
 
 
 class Bits(enum.IntEnum):
-    """How a group's weights are stored: 16 bytes of nibbles, or 32 signed bytes."""
+    """How a group's weights are stored: 16 bytes of nibbles; those and 4 bytes of high bits
+    (bit k: input k's, GGUF's Q5_0 `qh`), values 0 to 31; or 32 signed bytes."""
 
     INT4 = 4
+    INT5 = 5
     INT8 = 8
 
     @property
@@ -112,10 +120,14 @@ def _round(
     return q[..., :16] | (q[..., 16:] << 4), d, None if symmetric else m
 
 
+# the symmetric forms' offset, in steps d: Q4_0's -8, Q5_0's -16, Q8_0's 0
+IMPLIED_OFFSET = {Bits.INT4: -8, Bits.INT5: -16, Bits.INT8: 0}
+
+
 def implied_offsets(d: torch.Tensor, bits: Bits) -> torch.Tensor:
-    """The offsets m of groups stored without them (the symmetric forms), float16 like d: Q4_0's
-    -8 d (exact: a power-of-two multiple) for 4 bits, Q8_0's 0 for 8."""
-    return (-8 * d.float()).half() if bits == Bits.INT4 else torch.zeros_like(d)
+    """The offsets m of groups stored without them (the symmetric forms), float16 like d:
+    `IMPLIED_OFFSET` steps (exact: power-of-two multiples)."""
+    return (IMPLIED_OFFSET[bits] * d.float()).half()
 
 
 @dataclass
@@ -163,6 +175,8 @@ class PackedGroups:
         rounded and packed `QUANTIZE_BYTES` of float at a time, straight into the result: the
         temporaries stay that small whatever the weight (rows round independently, so the
         result is the same as in one pass). On the CPU, wherever `weight` lies."""
+        if bits == Bits.INT5:
+            raise ValueError("5-bit groups come from GGUF's blocks (from_blocks), not rounding")
         n, k = weight.shape
         groups = -(-k // GROUP)
         width = 2 * PANEL if bits == Bits.INT4 and not symmetric else PANEL
@@ -238,12 +252,22 @@ class PackedGroups:
     def _floats(self, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
         """Blocks q [R, G, group bytes], d and m [R, G] (`blocks`' form) as float32 [R, K]."""
         groups = q.shape[1]
-        if self.bits == Bits.INT4:
-            q = torch.cat([q & 0x0F, q >> 4], dim=2)
-        else:
+        if self.bits == Bits.INT8:
             q = q.view(torch.int8)
+        else:
+            values = torch.cat([q[..., :16] & 0x0F, q[..., :16] >> 4], dim=2)
+            if self.bits == Bits.INT5:
+                values = values | high_bits(q[..., 16:])
+            q = values
         w = q.float() * d.float()[..., None] + m.float()[..., None]
         return w.reshape(len(q), groups * GROUP)[:, : self.in_features]
+
+
+def high_bits(qh: torch.Tensor) -> torch.Tensor:
+    """5-bit groups' high bits qh uint8 [..., 4] (bit k of the little-endian word: input k's)
+    as the values they add, uint8 [..., 32] of 16 or 0."""
+    bits = qh[..., :, None].int() >> torch.arange(8, dtype=torch.int32)
+    return ((bits & 1) << 4).reshape(*qh.shape[:-1], GROUP).to(torch.uint8)
 
 
 @dataclass
@@ -306,9 +330,21 @@ def grouped_linear(
     xsum = torch.empty(rows, groups, dtype=torch.float32)
     out = torch.empty(m, w.out_features, dtype=torch.float32)
     if amx:
-        run = lib.int4_linear_amx if w.bits == Bits.INT4 else lib.q8_linear_amx
+        run = (
+            lib.int4_linear_amx
+            if w.bits == Bits.INT4
+            else lib.int5_linear_amx
+            if w.bits == Bits.INT5
+            else lib.q8_linear_amx
+        )
     else:
-        run = lib.int4_linear if w.bits == Bits.INT4 else lib.q8_linear
+        run = (
+            lib.int4_linear
+            if w.bits == Bits.INT4
+            else lib.int5_linear
+            if w.bits == Bits.INT5
+            else lib.q8_linear
+        )
     run(
         x.data_ptr(),
         a.data_ptr(),

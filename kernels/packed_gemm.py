@@ -1,6 +1,7 @@
 """Weight-only matrix multiply on the GPU (Triton): `x @ dequant(w).T + bias` over the packed
 weights the CPU kernels read, as they are stored: `int4_gemm.PackedGroups` (4- or 8-bit groups
-of 32 inputs, `w = d q + m`: `--quantization int4`, GGUF's Q4_0/Q4_1/Q8_0 blocks, GPTQ, AWQ and
+of 32 inputs, `w = d q + m`: `--quantization int4`, GGUF's Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 and
+K-quant blocks, GPTQ, AWQ and
 compressed-tensors groups) and `int8_gemm.PackedInt8` (int8, one scale per output channel:
 `--quantization int8`, compressed-tensors W8A8 and FP8). One layout for both devices: the
 packed tensors move to the GPU as they are, and no float copy of a weight is ever kept.
@@ -29,7 +30,7 @@ import triton
 import triton.language as tl
 
 from .extend_attention import dot_precision
-from .int4_gemm import GROUP, PANEL, Bits, PackedGroups
+from .int4_gemm import GROUP, IMPLIED_OFFSET, PANEL, Bits, PackedGroups
 from .int8_gemm import ROWS, PackedInt8
 from .jit import jit
 
@@ -45,10 +46,17 @@ class Format(enum.IntEnum):
     GROUPS4 = 0  # PackedGroups, 4 bits: a word is 4 bytes of a row's block (8 nibbles)
     GROUPS8 = 1  # PackedGroups, 8 bits: a word is 4 signed bytes of a row's block
     CHANNEL8 = 2  # PackedInt8: a word is 4 signed bytes of a tile's row
+    GROUPS5 = 3  # PackedGroups, 5 bits: GROUPS4's words, then a word of a row's high bits
 
 
 _GROUPS4 = tl.constexpr(Format.GROUPS4.value)  # the kernels' names for them
+_GROUPS5 = tl.constexpr(Format.GROUPS5.value)
 _CHANNEL8 = tl.constexpr(Format.CHANNEL8.value)
+# the symmetric forms' implied offset, in steps d (`int4_gemm.IMPLIED_OFFSET`)
+_OFFSET4, _OFFSET5 = (
+    tl.constexpr(IMPLIED_OFFSET[Bits.INT4]),
+    tl.constexpr(IMPLIED_OFFSET[Bits.INT5]),
+)
 
 
 @jit
@@ -75,12 +83,18 @@ def _codes(
         row = (ns // 4 * G + g) * 4 + ns % 4
         return _signed_byte(tl.load(W + row * 8 + ks // 4, mask=keep, other=0), 8 * (ks % 4))
     # PackedGroups: a panel's group is its 8 rows' blocks interleaved by word (word s of row j
-    # at s * 8 + j); 4 bits: byte b of a block holds input b (low nibble) and b + 16 (high)
+    # at s * 8 + j); 4 bits: byte b of a block holds input b (low nibble) and b + 16 (high);
+    # 5 bits: those 4 words, then a word whose bit k is input k's high bit (worth 16)
     block = g + ns // 8 * G
     if FORMAT == _GROUPS4:
         b = ks % 16
         words = tl.load(W + block * 32 + (b // 4) * 8 + ns % 8, mask=keep, other=0)
         return (words >> (8 * (b % 4) + 4 * (ks // 16))) & 0xF
+    if FORMAT == _GROUPS5:
+        b = ks % 16
+        words = tl.load(W + block * 40 + (b // 4) * 8 + ns % 8, mask=keep, other=0)
+        high = tl.load(W + block * 40 + 32 + ns % 8, mask=keep, other=0)
+        return ((words >> (8 * (b % 4) + 4 * (ks // 16))) & 0xF) | (((high >> ks) & 1) << 4)
     words = tl.load(W + block * 64 + (ks // 4) * 8 + ns % 8, mask=keep, other=0)
     return _signed_byte(words, 8 * (ks % 4))
 
@@ -136,8 +150,12 @@ def _packed_linear_kernel(
             d = tl.load(scale, mask=ns < N, other=0.0).to(tl.float32)
             if OFFSETS:
                 m = tl.load(scale + 8, mask=ns < N, other=0.0).to(tl.float32)
+            elif FORMAT == _GROUPS4:
+                m = d * _OFFSET4
+            elif FORMAT == _GROUPS5:
+                m = d * _OFFSET5
             else:
-                m = d * (-8.0 if FORMAT == _GROUPS4 else 0.0)
+                m = d * 0.0
             xsum = tl.sum(x.to(tl.float32), axis=1)
             acc += part * d[None, :] + xsum[:, None] * m[None, :]
     if FORMAT == _CHANNEL8:
@@ -173,7 +191,8 @@ def _format(w: PackedGroups | PackedInt8) -> tuple[Format, int]:
     """How `w`'s words hold its values, and its groups of 32 inputs."""
     if isinstance(w, PackedInt8):
         return Format.CHANNEL8, w.padded_in_features // GROUP
-    return (Format.GROUPS4 if w.bits == Bits.INT4 else Format.GROUPS8), w.groups
+    formats = {Bits.INT4: Format.GROUPS4, Bits.INT5: Format.GROUPS5, Bits.INT8: Format.GROUPS8}
+    return formats[w.bits], w.groups
 
 
 def packed_linear_fwd(

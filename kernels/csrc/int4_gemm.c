@@ -74,12 +74,30 @@ void quantize_row(const float *row, int8_t *a, float *xs, float *xsum, int64_t K
     }
 }
 
+/* 5-bit groups: vector q's high bits (16 or 0) for its low nibbles (`half` 0: inputs 4q..4q+3 of
+   each lane's row) or its high ones (`half` 1: inputs 16+4q..), from `qh`, whose lane j is row
+   j's 32 high bits (bit k for input k, GGUF's Q5_0 `qh`). Byte b of a lane takes byte
+   (2 half + q / 2) of the lane's word, and its bit 4 (q % 2) + b. */
+static inline AI __m256i high_bits(__m256i qh, int q, int half) {
+    const __m256i lanes = _mm256_setr_epi8(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12, 0, 0,
+                                           0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12);
+    const __m256i pick = _mm256_add_epi8(lanes, _mm256_set1_epi8((char)(2 * half + q / 2)));
+    const int o = 4 * (q % 2);
+    const __m256i bit = _mm256_set1_epi32((int)(0x08040201u << o));
+    const __m256i set =
+        _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(qh, pick), bit), bit);
+    return _mm256_and_si256(set, _mm256_set1_epi8(16));
+}
+
 /* MT activation rows (a [MT, Kp] int8, xs and xsum [MT, G]) against one panel, every group:
    acc[i] lane j = output (i, j). Weights `w`: a group every `bits * 32` bytes, packed nibbles
-   (4 vectors, unpacked in registers) or signed bytes (8 vectors). Scales `sc`: a group's 8
-   float16 d, then (`offs`) its 8 offsets m; without them the offsets are the symmetric forms'
-   own, -8 d for 4 bits (Q4_0's; exact, a power-of-two multiple, so the same bits as stored)
-   and 0 for 8 (Q8_0's: no term), and the panel reads 2 bytes a group less. */
+   (4 vectors, unpacked in registers), for 5 bits followed by a vector of high bits (lane j: row
+   j's 32, `high_bits`), or signed bytes (8 vectors). Scales `sc`: a group's 8 float16 d, then
+   (`offs`) its 8 offsets m; without them the offsets are the symmetric forms' own, -8 d for 4
+   bits and -16 d for 5 (Q4_0's and Q5_0's; exact, power-of-two multiples, so the same bits as
+   stored) and 0 for 8 (Q8_0's: no term), and the panel reads 2 bytes a group less. 5-bit
+   values (up to 31) could overflow int16 sums of 4-bit ones' length: like 8-bit ones they go
+   to int32 at each step. */
 static inline AI void panel_rows(const int8_t *a, int64_t Kp, const float *xs, const float *xsum,
                                  int64_t G, const uint8_t *w, const uint16_t *sc, __m256 *acc,
                                  const int MT, const int bits, const int offs) {
@@ -93,10 +111,15 @@ static inline AI void panel_rows(const int8_t *a, int64_t Kp, const float *xs, c
         for (int i = 0; i < MT; i++) s[i] = t[i] = _mm256_setzero_si256();
         for (int q = 0; q < 4; q++) {
             __m256i lo, hi;
-            if (bits == 4) {
+            if (bits != 8) {
                 const __m256i v = _mm256_loadu_si256((const __m256i *)(wg + 32 * q));
                 lo = _mm256_and_si256(v, low);
                 hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+                if (bits == 5) {
+                    const __m256i qh = _mm256_loadu_si256((const __m256i *)(wg + 128));
+                    lo = _mm256_or_si256(lo, high_bits(qh, q, 0));
+                    hi = _mm256_or_si256(hi, high_bits(qh, q, 1));
+                }
             } else {
                 lo = _mm256_loadu_si256((const __m256i *)(wg + 32 * q));
                 hi = _mm256_loadu_si256((const __m256i *)(wg + 32 * (q + 4)));
@@ -107,7 +130,7 @@ static inline AI void panel_rows(const int8_t *a, int64_t Kp, const float *xs, c
                 const int8_t *ai = a + i * Kp + g * GROUP + 4 * q;
                 const __m256i al = bcast4(ai), ah = bcast4(ai + 16);
 #ifdef VNNI
-                if (bits == 4) {
+                if (bits != 8) {
                     s[i] = _mm256_dpbusd_epi32(s[i], lo, al);
                     t[i] = _mm256_dpbusd_epi32(t[i], hi, ah);
                 } else {
@@ -119,6 +142,10 @@ static inline AI void panel_rows(const int8_t *a, int64_t Kp, const float *xs, c
                 if (bits == 4) {
                     s[i] = _mm256_add_epi16(s[i], _mm256_add_epi16(_mm256_maddubs_epi16(lo, al),
                                                                    _mm256_maddubs_epi16(hi, ah)));
+                } else if (bits == 5) {
+                    const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, al),
+                                                       _mm256_maddubs_epi16(hi, ah));
+                    s[i] = _mm256_add_epi32(s[i], _mm256_madd_epi16(p, ones));
                 } else {
                     const __m256i pl = _mm256_maddubs_epi16(lo_abs, _mm256_sign_epi8(al, lo));
                     const __m256i ph = _mm256_maddubs_epi16(hi_abs, _mm256_sign_epi8(ah, hi));
@@ -132,14 +159,14 @@ static inline AI void panel_rows(const int8_t *a, int64_t Kp, const float *xs, c
         const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + g * scw)));
         const __m256 m =
             offs ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + g * scw + PANEL)))
-                 : _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));
+                 : _mm256_mul_ps(d, _mm256_set1_ps(bits == 5 ? -16.0f : -8.0f));
         for (int i = 0; i < MT; i++) {
             const __m256i isum = DOT_INT32   ? _mm256_add_epi32(s[i], t[i])
                                  : bits == 4 ? _mm256_madd_epi16(s[i], ones)
                                              : s[i];
             acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum),
                                      _mm256_mul_ps(d, _mm256_set1_ps(xs[i * G + g])), acc[i]);
-            if (offs || bits == 4)
+            if (offs || bits != 8)
                 acc[i] = _mm256_fmadd_ps(m, _mm256_set1_ps(xsum[i * G + g]), acc[i]);
         }
     }
@@ -257,10 +284,16 @@ static inline AI void unpack_block(const uint8_t *w, const uint16_t *sc, int64_t
             const uint8_t *wg = w + (p * G + g) * gbytes;
             for (int t = 0; t < 4; t++) {
                 const __m256i v = _mm256_loadu_si256((const __m256i *)(wg + 32 * t));
-                if (bits == 4) {
-                    _mm256_store_si256((__m256i *)(rows + 64 * t), _mm256_and_si256(v, low));
-                    _mm256_store_si256((__m256i *)(rows + 64 * (t + 4)),
-                                       _mm256_and_si256(_mm256_srli_epi16(v, 4), low));
+                if (bits != 8) {
+                    __m256i lo = _mm256_and_si256(v, low);
+                    __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+                    if (bits == 5) {
+                        const __m256i qh = _mm256_loadu_si256((const __m256i *)(wg + 128));
+                        lo = _mm256_or_si256(lo, high_bits(qh, t, 0));
+                        hi = _mm256_or_si256(hi, high_bits(qh, t, 1));
+                    }
+                    _mm256_store_si256((__m256i *)(rows + 64 * t), lo);
+                    _mm256_store_si256((__m256i *)(rows + 64 * (t + 4)), hi);
                 } else {
                     _mm256_store_si256((__m256i *)(rows + 64 * t), v);
                     _mm256_store_si256((__m256i *)(rows + 64 * (t + 4)),
@@ -270,9 +303,9 @@ static inline AI void unpack_block(const uint8_t *w, const uint16_t *sc, int64_t
             const uint16_t *s = sc + (p * G + g) * scw;
             const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)s));
             _mm256_store_ps(dg, dv);
-            _mm256_store_ps(mg, offs
-                                    ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + PANEL)))
-                                    : _mm256_mul_ps(dv, _mm256_set1_ps(-8.0f)));
+            _mm256_store_ps(mg,
+                            offs ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + PANEL)))
+                                 : _mm256_mul_ps(dv, _mm256_set1_ps(bits == 5 ? -16.0f : -8.0f)));
         }
     }
 }
@@ -289,7 +322,7 @@ static inline AI void tile_sums(const int32_t (*sums)[16], const float *d, const
         const __m512 s = _mm512_cvtepi32_ps(_mm512_load_si512(sums[i]));
         __m512 a =
             _mm512_fmadd_ps(s, _mm512_mul_ps(dv, _mm512_set1_ps(xs[r])), _mm512_load_ps(acc[i]));
-        if (offs || bits == 4) a = _mm512_fmadd_ps(mv, _mm512_set1_ps(xsum[r]), a);
+        if (offs || bits != 8) a = _mm512_fmadd_ps(mv, _mm512_set1_ps(xsum[r]), a);
         _mm512_store_ps(acc[i], a);
     }
 }
@@ -330,7 +363,7 @@ static inline AI void tile_block(uint8_t *const *wb, float *const *d, float *con
             _tile_zero(6);
             _tile_zero(7);
         }
-        if (bits == 4) { /* signed activations by unsigned nibbles */
+        if (bits != 8) { /* signed activations by unsigned 4- or 5-bit values */
             _tile_dpbsud(4, 0, 2);
             _tile_dpbsud(5, 0, 3);
             if (two) {
@@ -410,6 +443,13 @@ void int4_linear_amx(const float *x, int8_t *a, float *xs, float *xsum, const ui
     AMX_BODY(4, offs);
 }
 
+void int5_linear_amx(const float *x, int8_t *a, float *xs, float *xsum, const uint8_t *w,
+                     const uint16_t *sc, const float *bias, float *out, int64_t M, int64_t N,
+                     int64_t K, int64_t G, int64_t offs) {
+#pragma omp parallel
+    AMX_BODY(5, offs);
+}
+
 void q8_linear_amx(const float *x, int8_t *a, float *xs, float *xsum, const uint8_t *w,
                    const uint16_t *sc, const float *bias, float *out, int64_t M, int64_t N,
                    int64_t K, int64_t G, int64_t offs) {
@@ -428,6 +468,13 @@ void int4_linear(const float *x, int8_t *a, float *xs, float *xsum, const uint8_
                  int64_t G, int64_t offs) {
 #pragma omp parallel
     GROUPED_BODY(4, offs);
+}
+
+void int5_linear(const float *x, int8_t *a, float *xs, float *xsum, const uint8_t *w,
+                 const uint16_t *sc, const float *bias, float *out, int64_t M, int64_t N, int64_t K,
+                 int64_t G, int64_t offs) {
+#pragma omp parallel
+    GROUPED_BODY(5, offs);
 }
 
 void q8_linear(const float *x, int8_t *a, float *xs, float *xsum, const uint8_t *w,

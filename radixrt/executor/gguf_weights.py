@@ -10,11 +10,15 @@ GGUF stores a linear [N, K] as N rows of blocks:
   group with scale d sc and offset -dmin mn, computed once per sub-block and stored as float16
   (the kernel's scale type: within float16's rounding, 2^-11 relative, of gguf's values); the
   nibbles are only reordered.
-- Q5_K and Q6_K (5 and 6 bits, which 4-bit groups cannot hold): each group of 32 dequantized a
-  few rows at a time and quantized again by Q8_0's rule into 8-bit groups (at most half an
-  8-bit step, 1/254 of the group's largest magnitude, from gguf's values).
-Tensors stacked into one linear (q/k/v, gate/up) share a width: where one is 8-bit (a Q4_K_M
-file's Q6_K v), the 4-bit ones are requantized to 8-bit groups the same way. llama.cpp's
+- Q5_0, Q5_1 (per 32: d, (m,) 4 bytes of high bits, 16 of nibbles) and Q5_K (Q4_K's with 32
+  bytes of high bits per 256): 5-bit groups, at their own size, the nibbles as Q4_0's and each
+  group's high bits as Q5_0's word (w = d q - 16 d for Q5_0; Q5_1 and Q5_K store m).
+- Q6_K (6 bits in sub-blocks of 16, which groups of 32 with one scale cannot hold): each group
+  of 32 dequantized a few rows at a time and quantized again by Q8_0's rule into 8-bit groups
+  (at most half an 8-bit step, 1/254 of the group's largest magnitude, from gguf's values).
+Tensors stacked into one linear (q/k/v, gate/up) share a width, the widest: 4-bit ones become
+5-bit exactly (a Q4_K_M file's Q4_K q and k beside a Q5_0 v); beside an 8-bit one (a Q6_K v),
+the others are requantized to 8-bit groups the same way. llama.cpp's
 converter reorders the rows of a Llama's q and k projections (the two halves of each
 head's rotary pairs interleaved); `_unpermute` puts them back, as transformers does when it
 dequantizes.
@@ -44,13 +48,16 @@ if TYPE_CHECKING:
 PACKED_TYPES = {
     "Q4_0": Bits.INT4,
     "Q4_1": Bits.INT4,
+    "Q5_0": Bits.INT5,
+    "Q5_1": Bits.INT5,
     "Q8_0": Bits.INT8,
     "Q4_K": Bits.INT4,
-    "Q5_K": Bits.INT8,
+    "Q5_K": Bits.INT5,
     "Q6_K": Bits.INT8,
 }
 SUPER = 256  # values in a K-quant super-block
 Q4_K_BYTES = 144  # d, dmin (float16), 12 bytes of 6-bit scales and mins, 128 of nibbles
+Q5_K_BYTES = 176  # Q4_K's, with 32 bytes of high bits before the nibbles
 REQUANTIZE_FLOATS = 1 << 22  # Q5_K/Q6_K rows dequantized at once: at most 16 MB of float32
 # the GGUF architectures whose tensor names and row orders `plan` knows
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3")
@@ -189,23 +196,27 @@ def blocks(tensor: TensorInfo) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
     k, n = tensor.shape
     if kind == "Q4_K":
         return (*_q4_k(raw.view(n, k // SUPER, Q4_K_BYTES)), Bits.INT4)
-    if kind in ("Q5_K", "Q6_K"):
+    if kind == "Q5_K":
+        return (*_q5_k(raw.view(n, k // SUPER, Q5_K_BYTES)), Bits.INT5)
+    if kind == "Q6_K":
         q, d = _requantized(raw.view(n, -1), tensor.kind, k)
         return q.view(torch.uint8), d, None, Bits.INT8
-    head = 4 if kind == "Q4_1" else 2  # the bytes before the values: d, or d and m
-    raw = raw.view(n, k // GROUP, head + PACKED_TYPES[kind].group_bytes)
+    bits = PACKED_TYPES[kind]
+    offsets = kind in ("Q4_1", "Q5_1")
+    head = 4 if offsets else 2  # the bytes before the values: d, or d and m
+    raw = raw.view(n, k // GROUP, head + bits.group_bytes)
     d = raw[..., :2].contiguous().view(torch.float16)[..., 0]
+    # Q4_0's -8 d, Q5_0's -16 d and Q8_0's 0: implied (`implied_offsets`), not stored
+    m = raw[..., 2:4].contiguous().view(torch.float16)[..., 0] if offsets else None
     q = raw[..., head:]
-    if kind == "Q4_1":
-        m = raw[..., 2:4].contiguous().view(torch.float16)[..., 0]
-    else:  # Q4_0's -8 d and Q8_0's 0: implied (`implied_offsets`), not stored
-        m = None
-    return q, d, m, PACKED_TYPES[kind]
+    if bits == Bits.INT5:  # GGUF stores the high bits first, the groups hold them last
+        q = torch.cat([q[..., 4:], q[..., :4]], dim=-1)
+    return q, d, m, bits
 
 
-def _q4_k(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Q4_K super-blocks [N, S, 144] -> nibbles [N, 8S, 16] in Q4_0's order (byte j holds
-    values j and j + 16 of its group), scales d sc and offsets -dmin mn float16 [N, 8S]."""
+def _k_scales(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K's and Q5_K's super-blocks [N, S, bytes] -> their sub-blocks' scales d sc and
+    offsets -dmin mn, float16 [N, 8S] (within float16's rounding of gguf's float32 values)."""
     n, s, _ = raw.shape
     d = raw[..., 0:2].contiguous().view(torch.float16).float()  # [N, S, 1]
     dmin = raw[..., 2:4].contiguous().view(torch.float16).float()
@@ -214,17 +225,42 @@ def _q4_k(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     # and 4-7 (mins); 4-7 in the nibbles of bytes 8-11, their top 2 bits in bytes 0-7's
     scales = torch.cat([b[..., 0:4] & 63, (b[..., 8:12] & 0xF) | ((b[..., 0:4] >> 6) << 4)], -1)
     mins = torch.cat([b[..., 4:8] & 63, (b[..., 8:12] >> 4) | ((b[..., 4:8] >> 6) << 4)], -1)
-    # each 32 bytes of nibbles hold two sub-blocks: the low nibbles, then the high
-    qs = raw[..., 16:].view(n, s, 4, 1, 32)
-    values = torch.cat([qs & 0xF, qs >> 4], dim=3).view(n, s * 8, GROUP)
+    return (d * scales).view(n, s * 8).half(), (-(dmin * mins)).view(n, s * 8).half()
+
+
+def _k_values(qs: torch.Tensor) -> torch.Tensor:
+    """K-quant nibbles [N, S, 128] (each 32 bytes hold two sub-blocks: the low nibbles, then
+    the high) -> each sub-block's 32 values [N, 8S, 32]."""
+    n, s, _ = qs.shape
+    pairs = qs.reshape(n, s, 4, 1, 32)
+    return torch.cat([pairs & 0xF, pairs >> 4], dim=3).view(n, s * 8, GROUP)
+
+
+def _q4_k(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_K super-blocks [N, S, 144] -> nibbles [N, 8S, 16] in Q4_0's order (byte j holds
+    values j and j + 16 of its group), scales d sc and offsets -dmin mn float16 [N, 8S]."""
+    values = _k_values(raw[..., 16:])
     nibbles = values[..., :16] | (values[..., 16:] << 4)
-    scale = (d * scales).view(n, s * 8).half()
-    offset = (-(dmin * mins)).view(n, s * 8).half()
-    return nibbles.contiguous(), scale, offset
+    return (nibbles.contiguous(), *_k_scales(raw))
+
+
+def _q5_k(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q5_K super-blocks [N, S, 176] -> 5-bit groups [N, 8S, 20] (Q4_K's nibbles, then each
+    group's 32 high bits: bit l of its word is value l's), scales and offsets as Q4_K's. A
+    super-block's 32 bytes of high bits hold sub-block j's in bit j of byte l (value l)."""
+    n, s, _ = raw.shape
+    values = _k_values(raw[..., 48:])
+    nibbles = values[..., :16] | (values[..., 16:] << 4)
+    qh = raw[..., 16:48].to(torch.int64)  # [N, S, 32]: byte l, bit j
+    bits = (qh[..., None, :] >> torch.arange(8)[:, None]) & 1  # [N, S, 8 sub-blocks, 32]
+    words = (bits << torch.arange(32)).sum(-1)  # [N, S, 8]: bit l = value l's
+    qh_bytes = ((words[..., None] >> torch.arange(0, 32, 8)) & 0xFF).to(torch.uint8)
+    q = torch.cat([nibbles, qh_bytes.view(n, s * 8, 4)], dim=-1)
+    return (q.contiguous(), *_k_scales(raw))
 
 
 def _requantized(rows: torch.Tensor, kind: GgmlType, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A Q5_K/Q6_K tensor's rows of bytes [N, row bytes] as 8-bit groups (q int8 [N, G, 32], d
+    """A Q6_K tensor's rows of bytes [N, row bytes] as 8-bit groups (q int8 [N, G, 32], d
     float16 [N, G]), dequantized by gguf a few rows at a time so no float copy of the whole
     tensor exists."""
     import gguf
@@ -253,7 +289,7 @@ def _stack(tensors: list[TensorInfo], parts: list[Part]) -> PackedGroups:
     for tensor, part in zip(tensors, parts):
         q, d, m, width = blocks(tensor)
         if width != bits:
-            q, d, m = *_as_8_bit(q, d, m, k), None
+            q, d, m = _widened(q, d, m, k, width, bits)
         if part.heads:
             order = _unpermute(q.shape[0], part.heads)
             q, d, m = q[order], d[order], None if m is None else m[order]
@@ -271,13 +307,18 @@ def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
-def _as_8_bit(
-    q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, k: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """4-bit groups as 8-bit ones (within half an 8-bit step): one tensor's floats at a time."""
-    w = PackedGroups.from_blocks(q, d, m, k, Bits.INT4).dequantize()
+def _widened(
+    q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, k: int, width: Bits, bits: Bits
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Groups of `width` as groups of `bits`, wider: 4-bit as 5-bit exactly (no high bits; the
+    offsets kept, Q4_0's implied -8 d stored), else as 8-bit within half an 8-bit step (one
+    tensor's floats at a time)."""
+    if bits == Bits.INT5:
+        m = implied_offsets(d, width) if m is None else m
+        return torch.cat([q, q.new_zeros(*q.shape[:-1], 4)], dim=-1), d, m
+    w = PackedGroups.from_blocks(q, d, m, k, width).dequantize()
     q8, d8 = int8_groups(w.view(w.shape[0], -1, GROUP))
-    return q8.view(torch.uint8), d8
+    return q8.view(torch.uint8), d8, None
 
 
 def _packable(kinds: list[str | None]) -> bool:

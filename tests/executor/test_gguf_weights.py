@@ -1,4 +1,4 @@
-"""GGUF's Q4_0, Q4_1 and Q8_0 tensors read into the grouped kernel's packed layout: what they
+"""GGUF's Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and K-quant tensors read into the grouped kernel's packed layout: what they
 stand for equals gguf's own dequantization, row orders and stacking included. A small GGUF file
 is written with gguf's writer and read back with its reader, the path serving uses."""
 
@@ -18,14 +18,15 @@ K = 96  # three groups
 CONFIG = LlamaConfig(
     hidden_size=K, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=1
 )
-# name -> (rows, type): q and k are 4-bit, v 8-bit: q/k/v stack as 8-bit groups
+# name -> (rows, type): q and k are 4-bit, v 8-bit: q/k/v stack as 8-bit groups; gate is 4-bit
+# and up 5-bit: gate/up stack as 5-bit groups (gate's exactly)
 TENSORS = {
     "blk.0.attn_q.weight": (K, T.Q4_0),
     "blk.0.attn_k.weight": (48, T.Q4_1),
     "blk.0.attn_v.weight": (48, T.Q8_0),
-    "blk.0.attn_output.weight": (K, T.Q4_1),
+    "blk.0.attn_output.weight": (K, T.Q5_1),
     "blk.0.ffn_gate.weight": (40, T.Q4_0),
-    "blk.0.ffn_up.weight": (40, T.Q4_1),
+    "blk.0.ffn_up.weight": (40, T.Q5_0),
     "blk.0.ffn_down.weight": (K, T.F32),
     "token_embd.weight": (50, T.Q8_0),
 }
@@ -53,10 +54,18 @@ def _dequantized(tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize(
-    "name", ["blk.0.attn_q.weight", "blk.0.attn_k.weight", "token_embd.weight"]
+    "name",
+    [
+        "blk.0.attn_q.weight",
+        "blk.0.attn_k.weight",
+        "blk.0.attn_output.weight",
+        "blk.0.ffn_up.weight",
+        "token_embd.weight",
+    ],
 )
 def test_packed_blocks_equal_ggufs_dequantization(written, name):
-    """Q4_0, Q4_1 and Q8_0: the blocks copied as stored stand for gguf's values exactly."""
+    """Q4_0, Q4_1, Q5_1, Q5_0 and Q8_0: the blocks copied as stored stand for gguf's values
+    exactly, at their own size (5-bit groups for Q5_0 and Q5_1)."""
     q, d, m, bits = gguf_weights.blocks(gguf_file.read(written[0]).tensors[name])
     packed = int4_gemm.PackedGroups.from_blocks(q, d, m, K, bits)
     assert torch.equal(packed.dequantize(), _dequantized(written[1][name]))
@@ -64,7 +73,8 @@ def test_packed_blocks_equal_ggufs_dequantization(written, name):
 
 def test_the_plan_stacks_packed_tensors_in_the_widest_width(written):
     """q/k/v mix 4- and 8-bit types: they stack as 8-bit groups (the 4-bit ones requantized,
-    within half an 8-bit step); gate/up are both 4-bit: copied as stored; down is float. The
+    within half an 8-bit step); gate/up mix 4 and 5 bits: 5-bit groups, gate's exactly as
+    stored; down is float. The
     embedding table is packed as stored too, never filled as float."""
     plan = gguf_weights.plan(written[0], CONFIG)
     packed = {"layers.0.self_attn.qkv_proj", "layers.0.self_attn.o_proj"}
@@ -76,6 +86,7 @@ def test_the_plan_stacks_packed_tensors_in_the_widest_width(written):
     assert torch.equal(linears["embed_tokens"].dequantize(), embedding)
     gate_up = torch.cat([_dequantized(written[1][f"blk.0.ffn_{p}.weight"]) for p in ("gate", "up")])
     assert torch.equal(linears["layers.0.mlp.gate_up_proj"].dequantize(), gate_up)
+    assert linears["layers.0.mlp.gate_up_proj"].bits == int4_gemm.Bits.INT5  # gate widened
     assert linears["lm_head"].bits == int4_gemm.Bits.INT8
     qkv = linears["layers.0.self_attn.qkv_proj"]
     assert qkv.bits == int4_gemm.Bits.INT8
@@ -142,10 +153,22 @@ def test_q4_k_becomes_4_bit_groups_within_float16_rounding(tmp_path):
     torch.testing.assert_close(got, want, rtol=2**-10, atol=2**-10 * float(want.abs().max()))
 
 
-@pytest.mark.parametrize("kind", [T.Q5_K, T.Q6_K])
-def test_q5_k_and_q6_k_become_8_bit_groups_within_half_a_step(tmp_path, kind):
-    """5 and 6 bits do not fit 4-bit groups: each group of 32 is quantized again by Q8_0's rule,
-    at most half an 8-bit step (1/254 of its largest magnitude) from gguf's value."""
+def test_q5_k_becomes_5_bit_groups_within_float16_rounding(tmp_path):
+    """Each Q5_K sub-block is one 5-bit group: its nibbles and high bits as stored (reordered),
+    its scale and offset as Q4_K's, rounded once to float16."""
+    tensor, info = _k_quant_tensor(tmp_path, T.Q5_K)
+    q, d, m, bits = gguf_weights.blocks(info)
+    assert bits == int4_gemm.Bits.INT5 and q.shape == (24, KQ // 32, 20)
+    got = int4_gemm.PackedGroups.from_blocks(q, d, m, KQ, bits).dequantize()
+    want = _dequantized(tensor)
+    torch.testing.assert_close(got, want, rtol=2**-10, atol=2**-10 * float(want.abs().max()))
+
+
+@pytest.mark.parametrize("kind", [T.Q6_K])
+def test_q6_k_becomes_8_bit_groups_within_half_a_step(tmp_path, kind):
+    """6 bits in sub-blocks of 16 do not fit groups of 32 with one scale: each group of 32 is
+    quantized again by Q8_0's rule, at most half an 8-bit step (1/254 of its largest
+    magnitude) from gguf's value."""
     tensor, info = _k_quant_tensor(tmp_path, kind)
     q, d, m, bits = gguf_weights.blocks(info)
     assert bits == int4_gemm.Bits.INT8 and m is None
@@ -156,7 +179,7 @@ def test_q5_k_and_q6_k_become_8_bit_groups_within_half_a_step(tmp_path, kind):
 
 
 def test_k_quant_rows_are_requantized_a_few_at_a_time(tmp_path, monkeypatch):
-    """The Q5_K/Q6_K path dequantizes rows in chunks (here of 3 rows): the same groups as at once."""
+    """The Q6_K path dequantizes rows in chunks (here of 3 rows): the same groups as at once."""
     info = _k_quant_tensor(tmp_path, T.Q6_K)[1]
     whole = gguf_weights.blocks(info)
     monkeypatch.setattr(gguf_weights, "REQUANTIZE_FLOATS", 3 * KQ)

@@ -165,7 +165,9 @@ def test_activation_quantization_is_round_to_nearest():
         (70, 24, 8192),
     ],
 )
-@pytest.mark.parametrize("kind", ["asymmetric", "symmetric", "q8", "q8 offsets"])
+@pytest.mark.parametrize(
+    "kind", ["asymmetric", "symmetric", "q5", "q5 offsets", "q8", "q8 offsets"]
+)
 @pytest.mark.parametrize("isa", NATIVE_PATHS)
 def test_grouped_linear_matches_its_dequantized_weight(m, n, k, kind, isa):
     """Any row count (one tile to 3 rows; tiles of 4 rows and their remainders; 16 and more
@@ -173,19 +175,21 @@ def test_grouped_linear_matches_its_dequantized_weight(m, n, k, kind, isa):
     inputs: three blocks of 32 rows), outputs not a multiple of the panel of 8, inputs one
     short of, one past or inside a group, with and without a bias; 4-bit both ways and signed
     8-bit groups (GGUF's Q8_0, values to -128, the largest products; and with offsets of their
-    own, as asymmetric 8-bit checkpoints give). Every path gives avx2's bits: each sums a
-    group's products exactly, in int16 pairs or in int32."""
+    own, as asymmetric 8-bit checkpoints give); 5-bit groups (GGUF's Q5_0, and with offsets:
+    Q5_1, Q5_K), random bytes, so every value 0 to 31. Every path gives avx2's bits: each sums
+    a group's products exactly, in int16 pairs or in int32."""
     gen = torch.Generator().manual_seed(m * n + k)
     w, x = torch.randn(n, k, generator=gen), torch.randn(m, k, generator=gen)
     bias = torch.randn(n, generator=gen) if m % 2 else None
-    if kind.startswith("q8"):
+    if kind.startswith(("q8", "q5")):
         groups = -(-k // 32)
-        q = torch.randint(-128, 128, (n, groups, 32), dtype=torch.int8, generator=gen)
+        bits = int4_gemm.Bits.INT8 if kind.startswith("q8") else int4_gemm.Bits.INT5
+        q = torch.randint(0, 256, (n, groups, bits.group_bytes), dtype=torch.uint8, generator=gen)
         d = (torch.rand(n, groups, generator=gen) / 64).half()
         offsets = (
-            (torch.randn(n, groups, generator=gen) / 8).half() if kind == "q8 offsets" else None
+            (torch.randn(n, groups, generator=gen) / 8).half() if kind.endswith("offsets") else None
         )
-        packed = int4_gemm.PackedGroups.from_blocks(q, d, offsets, k, int4_gemm.Bits.INT8)
+        packed = int4_gemm.PackedGroups.from_blocks(q, d, offsets, k, bits)
     else:
         packed = int4_gemm.PackedGroups.quantize(w, symmetric=kind == "symmetric")
     expected = _grouped_reference(x, packed, bias)

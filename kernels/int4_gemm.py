@@ -25,7 +25,10 @@ activations of one row, broadcast to every lane, meet four weights of each of th
 cannot overflow within a group: a pair is at most 2 * 15 * 127 = 3,810, and a lane sums 8 pairs
 (30,480); 5-bit ones (a pair up to 7,874) go to int32 at each step, and 8-bit weights move
 their sign onto the activation (`vpsignb`, |q| <= 128) and go to int32 at each step. A group's integer sum meets its float scales once; the offset's share of a
-group is m times the activations' float sum.
+group is m times the quantized activations' sum (s times their integer sum: the offset and the
+integer part see the same activations, so their rounding errors cancel as in (d q + m) . a s, the
+error of w itself; with the exact sum it would be the error of d q alone, about twice w's for
+Q4_0's -8 d; llama.cpp's Q8_1 activations keep that sum for the same reason).
 
 Many rows (prefill, M >= 4): a register tile of 4 rows x one panel; the activation rows are
 taken in blocks of at most 256 KiB (they stay in L2 while every panel passes over them), and
@@ -273,7 +276,7 @@ def high_bits(qh: torch.Tensor) -> torch.Tensor:
 @dataclass
 class QuantizedRows:
     """Activations [M, K] as the kernel quantizes them: int8 values [M, G * 32], and each
-    group's scale and float sum [M, G]."""
+    group's scale and sum (of the quantized values) [M, G]."""
 
     values: torch.Tensor
     scales: torch.Tensor

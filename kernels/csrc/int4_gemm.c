@@ -28,49 +28,53 @@ static inline AI __m256i bcast4(const int8_t *p) {
     return _mm256_set1_epi32(v);
 }
 
-/* 32 floats -> 32 int8 (round to nearest even, as lrintf), in order. */
-static inline AI __m256i round_group(const float *x, __m256 inv) {
+/* 32 floats -> 32 int8 (round to nearest even, as lrintf), in order; *isum: their sum. */
+static inline AI __m256i round_group(const float *x, __m256 inv, int32_t *isum) {
     __m256i i[4];
     for (int c = 0; c < 4; c++)
         i[c] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + 8 * c), inv));
+    const __m256i pairs =
+        _mm256_add_epi32(_mm256_add_epi32(i[0], i[1]), _mm256_add_epi32(i[2], i[3]));
+    *isum = (int32_t)hsum8(_mm256_cvtepi32_ps(pairs));
     const __m256i b =
         _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
     return _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
 }
 
-/* x row [K] -> int8 a [G * 32] (zero past K), each group's scale xs [G] and float sum xsum [G]:
-   a = round(x * (1 / s)), s = max |x| / 127 (1 for a group of zeros). */
+/* x row [K] -> int8 a [G * 32] (zero past K), each group's scale xs [G] and sum xsum [G]:
+   a = round(x * (1 / s)), s = max |x| / 127 (1 for a group of zeros), xsum = s * sum(a): the
+   quantized activations' sum, not the exact one, so that an offset's share (m * xsum) and the
+   integer part's (d q . a s) see the same activations and their rounding errors cancel as in
+   (d q + m) . a s: with the exact sum, the error is that of d q alone, which an offset of -8 d
+   (Q4_0) makes about twice w's (llama.cpp's Q8_1 activations keep the same sum). */
 void quantize_row(const float *row, int8_t *a, float *xs, float *xsum, int64_t K, int64_t G) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
     int64_t g = 0;
     for (; (g + 1) * GROUP <= K; g++) {
         const float *x = row + g * GROUP;
-        __m256 top = _mm256_setzero_ps(), sum = _mm256_setzero_ps();
-        for (int c = 0; c < 4; c++) {
-            const __m256 v = _mm256_loadu_ps(x + 8 * c);
-            top = _mm256_max_ps(top, _mm256_andnot_ps(sign, v));
-            sum = _mm256_add_ps(sum, v);
-        }
+        __m256 top = _mm256_setzero_ps();
+        for (int c = 0; c < 4; c++)
+            top = _mm256_max_ps(top, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + 8 * c)));
         __m128 t = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
         t = _mm_max_ps(t, _mm_movehl_ps(t, t));
         const float m = _mm_cvtss_f32(_mm_max_ss(t, _mm_movehdup_ps(t)));
         const float s = m > 0.0f ? m / 127.0f : 1.0f;
-        _mm256_storeu_si256((__m256i *)(a + g * GROUP), round_group(x, _mm256_set1_ps(1.0f / s)));
+        int32_t isum;
+        _mm256_storeu_si256((__m256i *)(a + g * GROUP),
+                            round_group(x, _mm256_set1_ps(1.0f / s), &isum));
         xs[g] = s;
-        xsum[g] = hsum8(sum);
+        xsum[g] = s * (float)isum;
     }
     for (; g < G; g++) { /* the last group, short of 32 inputs */
         const int64_t k0 = g * GROUP, n = K - k0;
-        float top = 0.0f, sum = 0.0f;
-        for (int64_t k = 0; k < n; k++) {
-            top = fmaxf(top, fabsf(row[k0 + k]));
-            sum += row[k0 + k];
-        }
+        float top = 0.0f;
+        for (int64_t k = 0; k < n; k++) top = fmaxf(top, fabsf(row[k0 + k]));
         const float s = top > 0.0f ? top / 127.0f : 1.0f, inv = 1.0f / s;
-        for (int64_t k = 0; k < n; k++) a[k0 + k] = (int8_t)lrintf(row[k0 + k] * inv);
+        int32_t isum = 0;
+        for (int64_t k = 0; k < n; k++) isum += a[k0 + k] = (int8_t)lrintf(row[k0 + k] * inv);
         for (int64_t k = n; k < GROUP; k++) a[k0 + k] = 0;
         xs[g] = s;
-        xsum[g] = sum;
+        xsum[g] = s * (float)isum;
     }
 }
 

@@ -188,6 +188,19 @@ class LlamaServerTarget:
             time.sleep(0.5)
         raise TimeoutError(f"llama-server not ready after {LLAMA_SERVER_START_S} s")
 
+    def next_token(self, ids: list[int]) -> int:
+        """llama.cpp's greedy next token after the token ids `ids` (its prompt cache reused from
+        call to call: teacher forcing a text costs a token a call)."""
+        body = {"prompt": ids, "n_predict": 1, "samplers": ["top_k"], "top_k": 1}
+        body |= {"cache_prompt": True, "return_tokens": True}
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=600)
+        conn.request("POST", "/completion", json.dumps(body), {"Content-Type": "application/json"})
+        response = conn.getresponse()
+        if response.status != 200:
+            raise RuntimeError(f"llama-server: HTTP {response.status} {response.read()[:200]!r}")
+        token: int = json.loads(response.read())["tokens"][0]
+        return token
+
     def generate(
         self, prompt: str, params: dict[str, Any], stream: bool = True
     ) -> Iterator[dict[str, Any]]:

@@ -5,13 +5,11 @@ positions; int4's (the default model's own Q4_1 blocks) within 5% and >= 90%."""
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 import torch
 
 from radixrt.config import ServerArgs
-from radixrt.executor.model_loader import default_gguf_path, load_model
+from radixrt.executor.model_loader import load_model
 from radixrt.executor.model_runner import ModelRunner, linear_bytes
 from radixrt.kernels import int4_gemm, int8_gemm
 from radixrt.kernels.cpu_isa import Isa
@@ -126,28 +124,6 @@ def test_quantized_linears_packed_for_a_gpu_run_the_triton_kernel(
     gap = (triton_path - dequantized).abs().max() / dequantized.abs().max()
     print(f"{name} {dtype}: relative gap {float(gap):.1e}")
     assert gap <= rtol
-
-
-GREEDY_TOKENS = 16
-
-
-def test_the_packed_q4_1_weights_predict_llama_cpps_greedy_tokens(quality_reference, int4_runner):
-    """llama.cpp's greedy continuation of the text on the same GGUF file, and the next token
-    the packed weights predict at each of its positions (teacher-forced): the same at >= 14 of
-    16. Not a greedy run against a greedy run: the third token here is a near-tie in float32
-    (a logit gap of 0.10) that 8-bit activations may tip either way, after which two greedy
-    runs compare different texts."""
-    llama_cpp = pytest.importorskip(
-        "llama_cpp", reason="llama.cpp's tokens need llama-cpp-python: `make bench-peers`"
-    )
-    prompt = quality_reference.ids[:48]
-    llm = llama_cpp.Llama(str(default_gguf_path()), n_ctx=256, n_threads=2, verbose=False)
-    theirs = list(itertools.islice(llm.generate(prompt, temp=0.0, top_k=1), GREEDY_TOKENS))
-    llm.close()
-    logits = teacher_forced_logits(int4_runner, prompt + theirs)
-    ours = logits[len(prompt) - 1 : -1].argmax(-1).tolist()
-    print(f"llama.cpp {theirs}\nradixrt   {ours}")
-    assert sum(a == b for a, b in zip(ours, theirs)) >= 14
 
 
 def test_quantization_is_refused_where_it_cannot_run(tiny_model_dir):

@@ -130,7 +130,8 @@ def _grouped_reference(x: torch.Tensor, w: int4_gemm.PackedGroups, bias) -> torc
 @needs_int4
 def test_activation_quantization_is_round_to_nearest():
     """The kernel's int8 activations are exactly float32's round(x * (1 / s)), s = max |x| / 127
-    per group of 32 (ties to even), zero past K; a group of zeros has s = 1."""
+    per group of 32 (ties to even), zero past K; a group of zeros has s = 1; a group's sum is
+    the quantized values' (s times their integer sum), which offsets multiply."""
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(5, 100, generator=gen) * torch.logspace(-4, 3, 5)[:, None]
     x[1, 32:64] = 0
@@ -144,7 +145,7 @@ def test_activation_quantization_is_round_to_nearest():
     q = torch.round(groups * (1 / s)[..., None]).to(torch.int8).view(5, 128)
     assert torch.equal(rows.values, q)
     assert torch.equal(rows.scales, s)
-    torch.testing.assert_close(rows.sums, groups.sum(2))
+    assert torch.equal(rows.sums, s * q.view(5, 4, 32).sum(2, dtype=torch.int32).float())
 
 
 @needs_int4

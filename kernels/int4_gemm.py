@@ -59,6 +59,7 @@ P, I = native.POINTER, native.INT64
 SIGNATURES = (
     ("int4_linear", (P,) * 8 + (I,) * 5),
     ("int5_linear", (P,) * 8 + (I,) * 5),
+    ("int6_linear", (P,) * 8 + (I,) * 5),
     ("q8_linear", (P,) * 8 + (I,) * 5),
     ("quantize_row", (P,) * 4 + (I,) * 2),
 )
@@ -87,10 +88,13 @@ def available(isa: cpu_isa.Isa = cpu_isa.Isa.AVX2) -> bool:
 
 class Bits(enum.IntEnum):
     """How a group's weights are stored: 16 bytes of nibbles; those and 4 bytes of high bits
-    (bit k: input k's, GGUF's Q5_0 `qh`), values 0 to 31; or 32 signed bytes."""
+    (bit k: input k's, GGUF's Q5_0 `qh`), values 0 to 31; those and 8 bytes of 2 high bits
+    (`six_high`), values q - 32 in [-32, 31] with a d for each half of the group (Q6_K's
+    sub-blocks of 16) and no offset; or 32 signed bytes."""
 
     INT4 = 4
     INT5 = 5
+    INT6 = 6
     INT8 = 8
 
     @property
@@ -123,8 +127,9 @@ def _round(
     return q[..., :16] | (q[..., 16:] << 4), d, None if symmetric else m
 
 
-# the symmetric forms' offset, in steps d: Q4_0's -8, Q5_0's -16, Q8_0's 0
-IMPLIED_OFFSET = {Bits.INT4: -8, Bits.INT5: -16, Bits.INT8: 0}
+# the symmetric forms' offset, in steps d: Q4_0's -8, Q5_0's -16, Q8_0's 0; 6-bit groups are
+# signed as unpacked (q - 32), with no offset
+IMPLIED_OFFSET = {Bits.INT4: -8, Bits.INT5: -16, Bits.INT6: 0, Bits.INT8: 0}
 
 
 def implied_offsets(d: torch.Tensor, bits: Bits) -> torch.Tensor:
@@ -156,7 +161,8 @@ class PackedGroups:
         assert self.tiles.is_contiguous() and self.scales.is_contiguous()
         assert self.scales.shape[2] in (PANEL, 2 * PANEL)
         self.groups = self.tiles.shape[1]
-        self.offsets = self.scales.shape[2] == 2 * PANEL
+        # 6-bit groups' second 8 scales are their second halves' d, not offsets
+        self.offsets = self.scales.shape[2] == 2 * PANEL and self.bits != Bits.INT6
         self.tiles_ptr, self.scales_ptr = self.tiles.data_ptr(), self.scales.data_ptr()
 
     @property
@@ -178,8 +184,8 @@ class PackedGroups:
         rounded and packed `QUANTIZE_BYTES` of float at a time, straight into the result: the
         temporaries stay that small whatever the weight (rows round independently, so the
         result is the same as in one pass). On the CPU, wherever `weight` lies."""
-        if bits == Bits.INT5:
-            raise ValueError("5-bit groups come from GGUF's blocks (from_blocks), not rounding")
+        if bits in (Bits.INT5, Bits.INT6):
+            raise ValueError(f"{int(bits)}-bit groups come from GGUF's blocks (from_blocks)")
         n, k = weight.shape
         groups = -(-k // GROUP)
         width = 2 * PANEL if bits == Bits.INT4 and not symmetric else PANEL
@@ -199,18 +205,21 @@ class PackedGroups:
     ) -> PackedGroups:
         """Rows of blocks as GGUF stores them: q [N, G, group bytes] (nibbles in GGUF's order,
         or int8 values viewed as uint8), d and m float16 [N, G] (m None: the symmetric form's,
-        `implied_offsets`, and none stored). The bytes are moved into panels (a transpose of
-        4-byte words), never converted."""
-        n, groups = d.shape
+        `implied_offsets`, and none stored; 6-bit groups: d [N, G, 2], each half's, m None).
+        The bytes are moved into panels (a transpose of 4-byte words), never converted."""
+        n, groups = d.shape[:2]
         np_ = -(-n // PANEL) * PANEL
         padded = torch.zeros(np_, groups, bits.group_bytes, dtype=torch.uint8)
         padded[:n] = q.view(torch.uint8)
         words = padded.view(np_ // PANEL, PANEL, groups, bits.group_bytes // 4, 4)
         tiles = words.permute(0, 2, 3, 1, 4).reshape(np_ // PANEL, groups, -1).contiguous()
         del padded, words
-        kinds = 1 if m is None else 2  # d, or d and m
+        kinds = 1 if m is None and bits != Bits.INT6 else 2  # d, d and m, or both halves' d
         scales = torch.zeros(np_, groups, kinds, dtype=torch.float16)
-        scales[:n, :, 0] = d
+        if bits == Bits.INT6:
+            scales[:n] = d
+        else:
+            scales[:n, :, 0] = d
         if m is not None:
             scales[:n, :, 1] = m
         scales = scales.view(np_ // PANEL, PANEL, groups, kinds).permute(0, 2, 3, 1)
@@ -224,14 +233,14 @@ class PackedGroups:
 
     def blocks(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """`from_blocks`' inverse: q uint8 [N, G, group bytes] (GGUF's order), d and m float16
-        [N, G] (m implied where not stored: `implied_offsets`)."""
+        [N, G] (m implied where not stored: `implied_offsets`; 6-bit groups: d [N, G, 2])."""
         panels, groups = self.tiles.shape[:2]
         words = self.tiles.view(panels, groups, -1, PANEL, 4).permute(0, 3, 1, 2, 4)
         q = words.reshape(panels * PANEL, groups, -1)[: self.out_features]
-        kinds = 2 if self.offsets else 1
+        kinds = self.scales.shape[2] // PANEL
         sc = self.scales.view(panels, groups, kinds, PANEL).permute(0, 3, 1, 2)
         sc = sc.reshape(panels * PANEL, groups, kinds)[: self.out_features]
-        return q, sc[..., 0], self._offsets(sc)
+        return (q, *self._scales_of(sc))
 
     def dequantize(self) -> torch.Tensor:
         """The float32 weight [N, K] this stands for."""
@@ -243,14 +252,18 @@ class PackedGroups:
         panels, groups = self.tiles.shape[:2]
         panel, lane = ids // PANEL, ids % PANEL
         q = self.tiles.view(panels, groups, -1, PANEL, 4)[panel, :, :, lane]
-        kinds = 2 if self.offsets else 1
+        kinds = self.scales.shape[2] // PANEL
         sc = self.scales.view(panels, groups, kinds, PANEL)[panel, :, :, lane]
         q = q.reshape(len(ids), groups, self.bits.group_bytes)
-        return self._floats(q, sc[..., 0], self._offsets(sc))
+        return self._floats(q, *self._scales_of(sc))
 
-    def _offsets(self, sc: torch.Tensor) -> torch.Tensor:
-        """The offsets m of scales sc [..., 1 or 2] (d, then m where stored)."""
-        return sc[..., 1] if self.offsets else implied_offsets(sc[..., 0], self.bits)
+    def _scales_of(self, sc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """d and m of scales sc [..., 1 or 2] (d, then m where stored; m implied where not;
+        6-bit groups: both halves' d, [..., 2], and no offset)."""
+        if self.bits == Bits.INT6:
+            return sc, torch.zeros_like(sc[..., 0])
+        m = sc[..., 1] if self.offsets else implied_offsets(sc[..., 0], self.bits)
+        return sc[..., 0], m
 
     def _floats(self, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
         """Blocks q [R, G, group bytes], d and m [R, G] (`blocks`' form) as float32 [R, K]."""
@@ -261,8 +274,13 @@ class PackedGroups:
             values = torch.cat([q[..., :16] & 0x0F, q[..., :16] >> 4], dim=2)
             if self.bits == Bits.INT5:
                 values = values | high_bits(q[..., 16:])
+            elif self.bits == Bits.INT6:
+                values = values | (six_high(q[..., 16:]) << 4)
             q = values
-        w = q.float() * d.float()[..., None] + m.float()[..., None]
+        if self.bits == Bits.INT6:  # each half's d, no offset
+            w = (q.float() - 32) * d.float().repeat_interleave(16, dim=-1)
+        else:
+            w = q.float() * d.float()[..., None] + m.float()[..., None]
         return w.reshape(len(q), groups * GROUP)[:, : self.in_features]
 
 
@@ -271,6 +289,22 @@ def high_bits(qh: torch.Tensor) -> torch.Tensor:
     as the values they add, uint8 [..., 32] of 16 or 0."""
     bits = qh[..., :, None].int() >> torch.arange(8, dtype=torch.int32)
     return ((bits & 1) << 4).reshape(*qh.shape[:-1], GROUP).to(torch.uint8)
+
+
+def six_high(qh: torch.Tensor) -> torch.Tensor:
+    """6-bit groups' top 2 bits qh uint8 [..., 8] as values 0..3, uint8 [..., 32]: a half's 4
+    bytes (the first half's, then the second's), byte b holding inputs b, 4 + b, 8 + b and
+    12 + b of the half at bits 0-1, 2-3, 4-5 and 6-7 (so the kernel shifts once a vector)."""
+    halves = qh.reshape(*qh.shape[:-1], 2, 1, 4).int()  # [..., half, 1, b]
+    top = (halves >> (2 * torch.arange(4, dtype=torch.int32))[:, None]) & 3  # [..., half, q, b]
+    return top.reshape(*qh.shape[:-1], GROUP).to(torch.uint8)
+
+
+def six_high_packed(top: torch.Tensor) -> torch.Tensor:
+    """`six_high`'s inverse: values 0..3 uint8 [..., 32] -> the 8 bytes that hold them."""
+    parts = top.reshape(*top.shape[:-1], 2, 4, 4).int()  # [..., half, q, b]
+    shifted = parts << (2 * torch.arange(4, dtype=torch.int32))[:, None]
+    return shifted.sum(-2).to(torch.uint8).reshape(*top.shape[:-1], 8)
 
 
 @dataclass
@@ -326,28 +360,21 @@ def grouped_linear(
     x = x.contiguous()
     m, groups = x.shape[0], w.groups
     lib = native.built(_library(isa))
-    amx = isa is cpu_isa.Isa.AMX and m >= AMX_MIN_ROWS
+    # 6-bit groups have no AMX path: int6_linear is its VNNI code there
+    amx = isa is cpu_isa.Isa.AMX and m >= AMX_MIN_ROWS and w.bits != Bits.INT6
     rows = -(-m // 16) * 16 if amx else m  # the tile unit reads activations 16 rows at a time
     a = torch.empty(rows, groups * GROUP, dtype=torch.int8)
     xs = torch.empty(rows, groups, dtype=torch.float32)
     xsum = torch.empty(rows, groups, dtype=torch.float32)
     out = torch.empty(m, w.out_features, dtype=torch.float32)
-    if amx:
-        run = (
-            lib.int4_linear_amx
-            if w.bits == Bits.INT4
-            else lib.int5_linear_amx
-            if w.bits == Bits.INT5
-            else lib.q8_linear_amx
-        )
+    if w.bits == Bits.INT4:
+        run = lib.int4_linear_amx if amx else lib.int4_linear
+    elif w.bits == Bits.INT5:
+        run = lib.int5_linear_amx if amx else lib.int5_linear
+    elif w.bits == Bits.INT6:
+        run = lib.int6_linear
     else:
-        run = (
-            lib.int4_linear
-            if w.bits == Bits.INT4
-            else lib.int5_linear
-            if w.bits == Bits.INT5
-            else lib.q8_linear
-        )
+        run = lib.q8_linear_amx if amx else lib.q8_linear
     run(
         x.data_ptr(),
         a.data_ptr(),

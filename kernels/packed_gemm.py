@@ -1,7 +1,7 @@
 """Weight-only matrix multiply on the GPU (Triton): `x @ dequant(w).T + bias` over the packed
 weights the CPU kernels read, as they are stored: `int4_gemm.PackedGroups` (4- or 8-bit groups
-of 32 inputs, `w = d q + m`: `--quantization int4`, GGUF's Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 and
-K-quant blocks, GPTQ, AWQ and
+of 32 inputs, `w = d q + m`, or 6-bit ones with a d for each half: `--quantization int4`,
+GGUF's Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 and K-quant blocks, GPTQ, AWQ and
 compressed-tensors groups) and `int8_gemm.PackedInt8` (int8, one scale per output channel:
 `--quantization int8`, compressed-tensors W8A8 and FP8). One layout for both devices: the
 packed tensors move to the GPU as they are, and no float copy of a weight is ever kept.
@@ -47,10 +47,12 @@ class Format(enum.IntEnum):
     GROUPS8 = 1  # PackedGroups, 8 bits: a word is 4 signed bytes of a row's block
     CHANNEL8 = 2  # PackedInt8: a word is 4 signed bytes of a tile's row
     GROUPS5 = 3  # PackedGroups, 5 bits: GROUPS4's words, then a word of a row's high bits
+    GROUPS6 = 4  # PackedGroups, 6 bits: GROUPS4's words, then two of top bits (`six_high`)
 
 
 _GROUPS4 = tl.constexpr(Format.GROUPS4.value)  # the kernels' names for them
 _GROUPS5 = tl.constexpr(Format.GROUPS5.value)
+_GROUPS6 = tl.constexpr(Format.GROUPS6.value)
 _CHANNEL8 = tl.constexpr(Format.CHANNEL8.value)
 # the symmetric forms' implied offset, in steps d (`int4_gemm.IMPLIED_OFFSET`)
 _OFFSET4, _OFFSET5 = (
@@ -95,6 +97,13 @@ def _codes(
         words = tl.load(W + block * 40 + (b // 4) * 8 + ns % 8, mask=keep, other=0)
         high = tl.load(W + block * 40 + 32 + ns % 8, mask=keep, other=0)
         return ((words >> (8 * (b % 4) + 4 * (ks // 16))) & 0xF) | (((high >> ks) & 1) << 4)
+    if FORMAT == _GROUPS6:  # signed, q - 32; the top 2 bits of input 4q + b of a half at byte
+        b = ks % 16  # b of its half's word, bits 2q (`int4_gemm.six_high`)
+        words = tl.load(W + block * 48 + (b // 4) * 8 + ns % 8, mask=keep, other=0)
+        top = tl.load(W + block * 48 + 32 + (ks // 16) * 8 + ns % 8, mask=keep, other=0)
+        low = (words >> (8 * (b % 4) + 4 * (ks // 16))) & 0xF
+        high = (top >> (8 * (b % 4) + 2 * (b // 4))) & 3
+        return tl.where(keep, (low | (high << 4)) - 32, 0)
     words = tl.load(W + block * 64 + (ks // 4) * 8 + ns % 8, mask=keep, other=0)
     return _signed_byte(words, 8 * (ks % 4))
 
@@ -141,6 +150,15 @@ def _packed_linear_kernel(
         )
         keep = (k[:, None] < K) & (ns[None, :] < N)
         q = _codes(W, g, ks[:, None], ns[None, :], G, keep, FORMAT)
+        if FORMAT == _GROUPS6:  # a d for each half of the group: the halves' dots apart
+            first_half = ks[:, None] < 16
+            low = tl.dot(x, tl.where(first_half, q, 0).to(x.dtype), input_precision=DOT_PRECISION)
+            high = tl.dot(x, tl.where(first_half, 0, q).to(x.dtype), input_precision=DOT_PRECISION)
+            scale = S + (g + ns // 8 * G) * 16 + ns % 8
+            d = tl.load(scale, mask=ns < N, other=0.0).to(tl.float32)
+            d2 = tl.load(scale + 8, mask=ns < N, other=0.0).to(tl.float32)
+            acc += low * d[None, :] + high * d2[None, :]
+            continue
         part = tl.dot(x, q.to(x.dtype), input_precision=DOT_PRECISION)
         if FORMAT == _CHANNEL8:
             acc += part
@@ -191,7 +209,12 @@ def _format(w: PackedGroups | PackedInt8) -> tuple[Format, int]:
     """How `w`'s words hold its values, and its groups of 32 inputs."""
     if isinstance(w, PackedInt8):
         return Format.CHANNEL8, w.padded_in_features // GROUP
-    formats = {Bits.INT4: Format.GROUPS4, Bits.INT5: Format.GROUPS5, Bits.INT8: Format.GROUPS8}
+    formats = {
+        Bits.INT4: Format.GROUPS4,
+        Bits.INT5: Format.GROUPS5,
+        Bits.INT6: Format.GROUPS6,
+        Bits.INT8: Format.GROUPS8,
+    }
     return formats[w.bits], w.groups
 
 

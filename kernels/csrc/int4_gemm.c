@@ -93,6 +93,20 @@ static inline AI __m256i high_bits(__m256i qh, int q, int half) {
     return _mm256_and_si256(set, _mm256_set1_epi8(16));
 }
 
+/* 6-bit groups: vector q's values for its low nibbles (`qh` the lo word's vector: inputs 0..15)
+   or high ones (the hi word's: 16..31), signed (q - 32): byte b of a lane's word holds the top 2
+   bits of inputs b, 4 + b, 8 + b and 12 + b of its half at bits 0-1, 2-3, 4-5 and 6-7, so that
+   one shift by 2q brings vector q's to bits 0-1 of every byte. */
+static inline AI __m256i six_bits(__m256i nibbles, __m256i qh, int q) {
+    const __m256i top = _mm256_and_si256(_mm256_srli_epi32(qh, 2 * q), _mm256_set1_epi8(3));
+    return _mm256_sub_epi8(_mm256_or_si256(nibbles, _mm256_slli_epi16(top, 4)),
+                           _mm256_set1_epi8(32));
+}
+
+/* A group's scales: d and m (`offs`), or for 6 bits each half's d (first 16 inputs, last 16);
+   else d alone. */
+#define SCALES_WIDTH(bits, offs) ((offs) || (bits) == 6 ? 2 * PANEL : PANEL)
+
 /* MT activation rows (a [MT, Kp] int8, xs and xsum [MT, G]) against one panel, every group:
    acc[i] lane j = output (i, j). Weights `w`: a group every `bits * 32` bytes, packed nibbles
    (4 vectors, unpacked in registers), for 5 bits followed by a vector of high bits (lane j: row
@@ -101,12 +115,15 @@ static inline AI __m256i high_bits(__m256i qh, int q, int half) {
    bits and -16 d for 5 (Q4_0's and Q5_0's; exact, power-of-two multiples, so the same bits as
    stored) and 0 for 8 (Q8_0's: no term), and the panel reads 2 bytes a group less. 5-bit
    values (up to 31) could overflow int16 sums of 4-bit ones' length: like 8-bit ones they go
-   to int32 at each step. */
+   to int32 at each step. 6-bit groups (Q6_K's) are signed, q - 32, with a d for each half of
+   the group (its sub-blocks of 16) and no offset: the nibbles' vectors and two of high bits
+   (`six_bits`), then 8-bit's arithmetic, the halves' sums kept apart for their scales. */
 static inline AI void panel_rows(const int8_t *a, int64_t Kp, const float *xs, const float *xsum,
                                  int64_t G, const uint8_t *w, const uint16_t *sc, __m256 *acc,
                                  const int MT, const int bits, const int offs) {
     const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0F);
-    const int64_t wstep = bits * 32, scw = offs ? 2 * PANEL : PANEL;
+    const int64_t wstep = bits * 32, scw = SCALES_WIDTH(bits, offs);
+    const int SIGNED = bits >= 6; /* 6 and 8 bits: signed bytes (the sign moves to a) */
     for (int i = 0; i < MT; i++) acc[i] = _mm256_setzero_ps();
     for (int64_t g = 0; g < G; g++) {
         const uint8_t *wg = w + g * wstep;
@@ -123,18 +140,21 @@ static inline AI void panel_rows(const int8_t *a, int64_t Kp, const float *xs, c
                     const __m256i qh = _mm256_loadu_si256((const __m256i *)(wg + 128));
                     lo = _mm256_or_si256(lo, high_bits(qh, q, 0));
                     hi = _mm256_or_si256(hi, high_bits(qh, q, 1));
+                } else if (bits == 6) {
+                    lo = six_bits(lo, _mm256_loadu_si256((const __m256i *)(wg + 128)), q);
+                    hi = six_bits(hi, _mm256_loadu_si256((const __m256i *)(wg + 160)), q);
                 }
             } else {
                 lo = _mm256_loadu_si256((const __m256i *)(wg + 32 * q));
                 hi = _mm256_loadu_si256((const __m256i *)(wg + 32 * (q + 4)));
             }
-            const __m256i lo_abs = bits == 8 ? _mm256_sign_epi8(lo, lo) : lo;
-            const __m256i hi_abs = bits == 8 ? _mm256_sign_epi8(hi, hi) : hi;
+            const __m256i lo_abs = SIGNED ? _mm256_sign_epi8(lo, lo) : lo;
+            const __m256i hi_abs = SIGNED ? _mm256_sign_epi8(hi, hi) : hi;
             for (int i = 0; i < MT; i++) {
                 const int8_t *ai = a + i * Kp + g * GROUP + 4 * q;
                 const __m256i al = bcast4(ai), ah = bcast4(ai + 16);
 #ifdef VNNI
-                if (bits != 8) {
+                if (!SIGNED) {
                     s[i] = _mm256_dpbusd_epi32(s[i], lo, al);
                     t[i] = _mm256_dpbusd_epi32(t[i], hi, ah);
                 } else {
@@ -150,6 +170,12 @@ static inline AI void panel_rows(const int8_t *a, int64_t Kp, const float *xs, c
                     const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, al),
                                                        _mm256_maddubs_epi16(hi, ah));
                     s[i] = _mm256_add_epi32(s[i], _mm256_madd_epi16(p, ones));
+                } else if (bits == 6) { /* the halves apart: each has its own scale */
+                    const __m256i pl = _mm256_maddubs_epi16(lo_abs, _mm256_sign_epi8(al, lo));
+                    const __m256i ph = _mm256_maddubs_epi16(hi_abs, _mm256_sign_epi8(ah, hi));
+                    s[i] = _mm256_add_epi32(s[i], _mm256_madd_epi16(pl, ones));
+                    t[i] = _mm256_add_epi32(t[i], _mm256_madd_epi16(ph, ones));
+                    KEEP(t[i]);
                 } else {
                     const __m256i pl = _mm256_maddubs_epi16(lo_abs, _mm256_sign_epi8(al, lo));
                     const __m256i ph = _mm256_maddubs_epi16(hi_abs, _mm256_sign_epi8(ah, hi));
@@ -161,6 +187,16 @@ static inline AI void panel_rows(const int8_t *a, int64_t Kp, const float *xs, c
             }
         }
         const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + g * scw)));
+        if (bits == 6) { /* the second half's d where the offsets would be */
+            const __m256 d2 =
+                _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + g * scw + PANEL)));
+            for (int i = 0; i < MT; i++) {
+                const __m256 x = _mm256_set1_ps(xs[i * G + g]);
+                acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[i]), _mm256_mul_ps(d, x), acc[i]);
+                acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t[i]), _mm256_mul_ps(d2, x), acc[i]);
+            }
+            continue;
+        }
         const __m256 m =
             offs ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + g * scw + PANEL)))
                  : _mm256_mul_ps(d, _mm256_set1_ps(bits == 5 ? -16.0f : -8.0f));
@@ -222,7 +258,7 @@ static inline AI void linear_body(const float *x, int8_t *a, float *xs, float *x
                                   float *out, int64_t M, int64_t N, int64_t K, int64_t G,
                                   const int bits, const int offs) {
     const int64_t panels = (N + PANEL - 1) / PANEL, Kp = G * GROUP, gbytes = bits * 32;
-    const int64_t scw = offs ? 2 * PANEL : PANEL;
+    const int64_t scw = SCALES_WIDTH(bits, offs);
     int64_t rows = BLOCK_BYTES / Kp / MR * MR;
     rows = rows < MR ? MR : rows;
 #pragma omp for schedule(static)
@@ -479,6 +515,16 @@ void int5_linear(const float *x, int8_t *a, float *xs, float *xsum, const uint8_
                  int64_t G, int64_t offs) {
 #pragma omp parallel
     GROUPED_BODY(5, offs);
+}
+
+/* 6-bit groups have no offsets and no AMX path (their halves' sums need K = 16 tiles): an AMX
+   host takes this, its VNNI code. */
+void int6_linear(const float *x, int8_t *a, float *xs, float *xsum, const uint8_t *w,
+                 const uint16_t *sc, const float *bias, float *out, int64_t M, int64_t N, int64_t K,
+                 int64_t G, int64_t offs) {
+    (void)offs;
+#pragma omp parallel
+    linear_body(x, a, xs, xsum, w, sc, bias, out, M, N, K, G, 6, 0);
 }
 
 void q8_linear(const float *x, int8_t *a, float *xs, float *xsum, const uint8_t *w,

@@ -13,12 +13,13 @@ GGUF stores a linear [N, K] as N rows of blocks:
 - Q5_0, Q5_1 (per 32: d, (m,) 4 bytes of high bits, 16 of nibbles) and Q5_K (Q4_K's with 32
   bytes of high bits per 256): 5-bit groups, at their own size, the nibbles as Q4_0's and each
   group's high bits as Q5_0's word (w = d q - 16 d for Q5_0; Q5_1 and Q5_K store m).
-- Q6_K (6 bits in sub-blocks of 16, which groups of 32 with one scale cannot hold): each group
-  of 32 dequantized a few rows at a time and quantized again by Q8_0's rule into 8-bit groups
-  (at most half an 8-bit step, 1/254 of the group's largest magnitude, from gguf's values).
+- Q6_K (per 256: 6-bit values in sub-blocks of 16, each with an int8 scale of the super-block's
+  d): 6-bit groups, a d for each half (d times the sub-block's scale, rounded once to float16,
+  as Q4_K's), 7 bits a weight (Q6_K: 6.56).
 Tensors stacked into one linear (q/k/v, gate/up) share a width, the widest: 4-bit ones become
-5-bit exactly (a Q4_K_M file's Q4_K q and k beside a Q5_0 v); beside an 8-bit one (a Q6_K v),
-the others are requantized to 8-bit groups the same way. llama.cpp's
+5-bit exactly (a file's Q4_K q and k beside a Q5_0 v); beside an 8-bit one (a Q8_0 v), or a
+6-bit one beside others (a Q4_K_M file's Q6_K v beside Q4_K q and k), every part becomes 8-bit
+groups by Q8_0's rule (at most half an 8-bit step, 1/254 of a group's largest magnitude). llama.cpp's
 converter reorders the rows of a Llama's q and k projections (the two halves of each
 head's rotary pairs interleaved); `_unpermute` puts them back, as transformers does when it
 dequantizes.
@@ -35,10 +36,17 @@ from typing import TYPE_CHECKING
 import torch
 
 from radixrt.executor import gguf_file
-from radixrt.executor.gguf_file import GgmlType, GGUFFile, TensorInfo
+from radixrt.executor.gguf_file import GGUFFile, TensorInfo
 from radixrt.executor.model_loader import SafetensorsWriter, read_into
 from radixrt.kernels import int4_gemm
-from radixrt.kernels.int4_gemm import GROUP, Bits, PackedGroups, implied_offsets, int8_groups
+from radixrt.kernels.int4_gemm import (
+    GROUP,
+    Bits,
+    PackedGroups,
+    implied_offsets,
+    int8_groups,
+    six_high_packed,
+)
 from radixrt.models.linear import EMBEDDING
 
 if TYPE_CHECKING:
@@ -53,12 +61,12 @@ PACKED_TYPES = {
     "Q8_0": Bits.INT8,
     "Q4_K": Bits.INT4,
     "Q5_K": Bits.INT5,
-    "Q6_K": Bits.INT8,
+    "Q6_K": Bits.INT6,
 }
 SUPER = 256  # values in a K-quant super-block
 Q4_K_BYTES = 144  # d, dmin (float16), 12 bytes of 6-bit scales and mins, 128 of nibbles
 Q5_K_BYTES = 176  # Q4_K's, with 32 bytes of high bits before the nibbles
-REQUANTIZE_FLOATS = 1 << 22  # Q5_K/Q6_K rows dequantized at once: at most 16 MB of float32
+Q6_K_BYTES = 210  # 128 bytes of low nibbles, 64 of top 2 bits, 16 int8 scales, float16 d
 # the GGUF architectures whose tensor names and row orders `plan` knows
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3")
 # `read_linears`' packed copy, beside the file's config: safetensors under a name that the
@@ -199,8 +207,7 @@ def blocks(tensor: TensorInfo) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
     if kind == "Q5_K":
         return (*_q5_k(raw.view(n, k // SUPER, Q5_K_BYTES)), Bits.INT5)
     if kind == "Q6_K":
-        q, d = _requantized(raw.view(n, -1), tensor.kind, k)
-        return q.view(torch.uint8), d, None, Bits.INT8
+        return (*_q6_k(raw.view(n, k // SUPER, Q6_K_BYTES)), None, Bits.INT6)
     bits = PACKED_TYPES[kind]
     offsets = kind in ("Q4_1", "Q5_1")
     head = 4 if offsets else 2  # the bytes before the values: d, or d and m
@@ -259,23 +266,27 @@ def _q5_k(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return (q.contiguous(), *_k_scales(raw))
 
 
-def _requantized(rows: torch.Tensor, kind: GgmlType, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A Q6_K tensor's rows of bytes [N, row bytes] as 8-bit groups (q int8 [N, G, 32], d
-    float16 [N, G]), dequantized by gguf a few rows at a time so no float copy of the whole
-    tensor exists."""
-    import gguf
-
-    stored = gguf.GGMLQuantizationType(kind.id)
-    n = rows.shape[0]
-    step = max(1, REQUANTIZE_FLOATS // k)
-    qs, ds = [], []
-    for start in range(0, n, step):
-        chunk = rows[start : start + step].numpy()
-        w = torch.from_numpy(gguf.quants.dequantize(chunk, stored).reshape(-1, k).copy())
-        q, d = int8_groups(w.view(-1, k // GROUP, GROUP))
-        qs.append(q)
-        ds.append(d)
-    return torch.cat(qs), torch.cat(ds)
+def _q6_k(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q6_K super-blocks [N, S, 210] -> 6-bit groups [N, 8S, 24] (each group's nibbles in Q4_0's
+    order, then its top 2 bits as `int4_gemm.six_high` holds them) and each half's d float16
+    [N, 8S, 2]: d times the int8 scale of its sub-block of 16, rounded once to float16 (the
+    kernel's scale type, as Q4_K's). Value l of a super-block half's 128 (llama.cpp's
+    dequantize_row_q6_K): its low 4 bits from byte l % 64 of the half's 64 bytes of nibbles
+    (low nibble for l < 64), its top 2 from byte l % 32 of the half's 32 bytes, bits 2 (l / 32);
+    the stored value is that minus 32."""
+    n, s, _ = raw.shape
+    ql = raw[..., :128].reshape(n, s, 2, 2, 32)  # [N, S, half, first or second 32 bytes, l]
+    qh = raw[..., 128:192].reshape(n, s, 2, 1, 32)
+    low = torch.stack(
+        [ql[..., 0, :] & 0xF, ql[..., 1, :] & 0xF, ql[..., 0, :] >> 4, ql[..., 1, :] >> 4], 3
+    )
+    top = (qh >> (2 * torch.arange(4, dtype=torch.uint8))[:, None]) & 3  # [N, S, half, 4, 32]
+    values = (low | (top << 4)).reshape(n, s * 8, GROUP)
+    nibbles = (values[..., :16] & 0xF) | ((values[..., 16:] & 0xF) << 4)
+    q = torch.cat([nibbles, six_high_packed(values >> 4)], dim=-1)
+    scales = raw[..., 192:208].contiguous().view(torch.int8).float()  # [N, S, 16]
+    d = raw[..., 208:210].contiguous().view(torch.float16).float()  # [N, S, 1]
+    return q.contiguous(), (d * scales).half().reshape(n, s * 8, 2)
 
 
 def _stack(tensors: list[TensorInfo], parts: list[Part]) -> PackedGroups:
@@ -284,7 +295,10 @@ def _stack(tensors: list[TensorInfo], parts: list[Part]) -> PackedGroups:
     A tensor alone, in its own order (the output projection, the embedding: the largest), is
     not copied on the way (each copy of the largest is the load's peak)."""
     k = tensors[0].shape[0]
-    bits = max(PACKED_TYPES[t.kind.name] for t in tensors)
+    widths = [PACKED_TYPES[t.kind.name] for t in tensors]
+    bits = max(widths)
+    if bits == Bits.INT6 and min(widths) != Bits.INT6:  # 6-bit groups hold no others exactly
+        bits = Bits.INT8
     qs, ds, ms = [], [], []
     for tensor, part in zip(tensors, parts):
         q, d, m, width = blocks(tensor)

@@ -164,27 +164,18 @@ def test_q5_k_becomes_5_bit_groups_within_float16_rounding(tmp_path):
     torch.testing.assert_close(got, want, rtol=2**-10, atol=2**-10 * float(want.abs().max()))
 
 
-@pytest.mark.parametrize("kind", [T.Q6_K])
-def test_q6_k_becomes_8_bit_groups_within_half_a_step(tmp_path, kind):
-    """6 bits in sub-blocks of 16 do not fit groups of 32 with one scale: each group of 32 is
-    quantized again by Q8_0's rule, at most half an 8-bit step (1/254 of its largest
-    magnitude) from gguf's value."""
-    tensor, info = _k_quant_tensor(tmp_path, kind)
+def test_q6_k_becomes_6_bit_groups_within_float16_rounding(tmp_path):
+    """Each pair of Q6_K sub-blocks of 16 is one 6-bit group: its values as stored (reordered),
+    each half's scale d sc rounded once to float16; 7 bits a weight, not 8-bit groups' 8.5."""
+    tensor, info = _k_quant_tensor(tmp_path, T.Q6_K)
     q, d, m, bits = gguf_weights.blocks(info)
-    assert bits == int4_gemm.Bits.INT8 and m is None
-    got = int4_gemm.PackedGroups.from_blocks(q, d, m, KQ, bits).dequantize()
-    want = _dequantized(tensor).view(24, KQ // 32, 32)
-    step = want.abs().amax(dim=2, keepdim=True) / 127
-    assert ((got.view_as(want) - want).abs() <= step * 0.51 + 1e-7).all()
-
-
-def test_k_quant_rows_are_requantized_a_few_at_a_time(tmp_path, monkeypatch):
-    """The Q6_K path dequantizes rows in chunks (here of 3 rows): the same groups as at once."""
-    info = _k_quant_tensor(tmp_path, T.Q6_K)[1]
-    whole = gguf_weights.blocks(info)
-    monkeypatch.setattr(gguf_weights, "REQUANTIZE_FLOATS", 3 * KQ)
-    chunked = gguf_weights.blocks(info)
-    assert torch.equal(whole[0], chunked[0]) and torch.equal(whole[1], chunked[1])
+    assert bits == int4_gemm.Bits.INT6 and q.shape == (24, KQ // 32, 24) and m is None
+    assert d.shape == (24, KQ // 32, 2)
+    packed = int4_gemm.PackedGroups.from_blocks(q, d, m, KQ, bits)
+    assert packed.nbytes * 8 / (24 * KQ) == 7
+    want = _dequantized(tensor)
+    got = packed.dequantize()
+    torch.testing.assert_close(got, want, rtol=2**-10, atol=2**-10 * float(want.abs().max()))
 
 
 def test_a_cached_conversion_follows_its_file_to_a_new_place(tmp_path, monkeypatch):

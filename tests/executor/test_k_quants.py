@@ -155,8 +155,10 @@ def test_a_k_quant_file_is_served_packed_within_the_int4_gates(k_quant_file, qua
     layers = runner.config.num_hidden_layers
     assert len(linears) == 4 * layers + 1  # every linear packed, the output projection too
     widths = [m.weight.bits for m in linears[:-1]]
-    # q/k/v hold a Q8_0 v: 8-bit; o, gate/up: 4-bit; down: 8-bit (Q6_K) on even layers
-    assert widths.count(int4_gemm.Bits.INT8) == layers + (layers + 1) // 2
+    # q/k/v hold a Q8_0 v: 8-bit; o, gate/up: 4-bit; down: 6-bit (Q6_K, as stored) on even
+    # layers, 4-bit (Q4_K) on odd ones
+    assert widths.count(int4_gemm.Bits.INT8) == layers
+    assert widths.count(int4_gemm.Bits.INT6) == (layers + 1) // 2
     ratio, agreement = quality_gates(quality_reference, runner, "K-quants")
     assert abs(ratio - 1) <= 0.05
     assert agreement >= 0.90

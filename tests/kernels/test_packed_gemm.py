@@ -1,5 +1,5 @@
 """The GPU's weight-only GEMM (`kernels/packed_gemm.py`, interpreted on the CPU) against the
-packed weight's own `dequantize()` and a float matmul: 4-, 5- and 8-bit groups and per-channel
+packed weight's own `dequantize()` and a float matmul: 4-, 5-, 6- and 8-bit groups and per-channel
 int8, at row counts of a decode step (1, 3, 16) and a prefill chunk past one tile (70),
 outputs that end mid-panel and mid-tile, inputs that end mid-group (the last group short, as
 the CPU kernel handles it), decode's inputs cut in 2 and 3 parts (35 and 50 groups), with and
@@ -17,17 +17,21 @@ def _weight(kind: str, n: int, k: int, g: torch.Generator):
     w = torch.randn(n, k, generator=g) / k**0.5
     if kind == "int8":
         return int8_gemm.PackedInt8.quantize(w)
-    if kind.startswith("groups5"):  # GGUF's Q5_0 (and with offsets, Q5_1/Q5_K): random blocks
+    if kind.startswith(("groups5", "groups6")):  # GGUF's Q5_0 (with offsets, Q5_1/Q5_K), Q6_K
         groups = -(-k // 32)
-        q = torch.randint(0, 256, (n, groups, 20), dtype=torch.uint8, generator=g)
-        d = (torch.rand(n, groups, generator=g) / 64).half()
+        bits = int4_gemm.Bits(int(kind[6]))
+        q = torch.randint(0, 256, (n, groups, bits.group_bytes), dtype=torch.uint8, generator=g)
+        halves = (2,) if bits == int4_gemm.Bits.INT6 else ()  # 6 bits: a d for each half
+        d = (torch.rand(n, groups, *halves, generator=g) / 64).half()
         m = (torch.randn(n, groups, generator=g) / 8).half() if kind.endswith("m") else None
-        return int4_gemm.PackedGroups.from_blocks(q, d, m, k, int4_gemm.Bits.INT5)
+        return int4_gemm.PackedGroups.from_blocks(q, d, m, k, bits)
     bits = int4_gemm.Bits.INT4 if kind == "int4" else int4_gemm.Bits.INT8
     return int4_gemm.PackedGroups.quantize(w, bits, symmetric=kind == "int4-sym")
 
 
-@pytest.mark.parametrize("kind", ["int4", "int4-sym", "groups5", "groups5m", "groups8", "int8"])
+@pytest.mark.parametrize(
+    "kind", ["int4", "int4-sym", "groups5", "groups5m", "groups6", "groups8", "int8"]
+)
 @pytest.mark.parametrize(
     "m, n, k",
     [(1, 64, 64), (3, 75, 100), (70, 41, 160), (5, 136, 17), (2, 40, 1100), (16, 24, 1590)],

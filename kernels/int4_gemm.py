@@ -1,6 +1,7 @@
 """Weight-only grouped matrix multiply for the CPU (AVX2; AVX-512 VNNI): `x @ dequant(w).T + bias`, with 4-bit
-weights (`--quantization int4`, GGUF Q4_0/Q4_1/Q4_K), 5-bit ones (GGUF Q5_0/Q5_1/Q5_K) or 8-bit ones
-(GGUF Q8_0) in groups of 32 inputs.
+weights (`--quantization int4`, GGUF Q4_0/Q4_1/Q4_K), 4-bit indices of IQ4_NL's 16 levels (GGUF
+IQ4_NL/IQ4_XS), 5-bit ones (GGUF Q5_0/Q5_1/Q5_K), 6-bit ones (GGUF Q6_K) or 8-bit ones (GGUF Q8_0)
+in groups of 32 inputs.
 
 A group of 32 weights of one output row is `w = d * q + m`: q unsigned 4-bit (0..15) with a
 scale d and an offset m (asymmetric; symmetric is m = -8 d, which is how GGUF's Q4_0 reads), or
@@ -15,7 +16,9 @@ vector (llama.cpp's repacked Q4_0 is the model). A panel's group is 4 vectors of
 4-bit weights: vector s holds, in lane j, bytes 4s..4s+3 of row j's block, so its low nibbles
 are inputs 4s..4s+3 and its high nibbles inputs 16+4s..16+4s+3; 8-bit groups are 8 vectors, vector t
 holding inputs 4t..4t+3 of each row (t < 4) or 16+4(t-4).. (t >= 4), the order the nibbles
-unpack in; 5-bit groups are the 4-bit vectors and a fifth whose lane j is row j's high bits.
+unpack in; 5-bit groups are the 4-bit vectors and a fifth whose lane j is row j's high bits;
+6-bit groups the 4-bit vectors and two of top bits (a half's each); IQ4 groups the 4-bit
+vectors, each nibble looked up (`vpshufb`) in the levels as a signed byte.
 Beside them, each panel's group has its 8 scales d, then its 8 offsets m.
 
 The multiply: activations are quantized per group of 32 to int8 once per call (llama.cpp's Q8
@@ -60,12 +63,14 @@ SIGNATURES = (
     ("int4_linear", (P,) * 8 + (I,) * 5),
     ("int5_linear", (P,) * 8 + (I,) * 5),
     ("int6_linear", (P,) * 8 + (I,) * 5),
+    ("iq4_linear", (P,) * 8 + (I,) * 5),
     ("q8_linear", (P,) * 8 + (I,) * 5),
     ("quantize_row", (P,) * 4 + (I,) * 2),
 )
 AMX_SIGNATURES = (
     ("int4_linear_amx", (P,) * 8 + (I,) * 5),
     ("int5_linear_amx", (P,) * 8 + (I,) * 5),
+    ("iq4_linear_amx", (P,) * 8 + (I,) * 5),
     ("q8_linear_amx", (P,) * 8 + (I,) * 5),
 )
 AMX_MIN_ROWS = 16  # fewer rows take the VNNI code: a tile of 16 activation rows would be padded
@@ -90,8 +95,10 @@ class Bits(enum.IntEnum):
     """How a group's weights are stored: 16 bytes of nibbles; those and 4 bytes of high bits
     (bit k: input k's, GGUF's Q5_0 `qh`), values 0 to 31; those and 8 bytes of 2 high bits
     (`six_high`), values q - 32 in [-32, 31] with a d for each half of the group (Q6_K's
-    sub-blocks of 16) and no offset; or 32 signed bytes."""
+    sub-blocks of 16) and no offset; or 32 signed bytes; or (IQ4, the kernel's kind 3) 16
+    bytes of nibbles that index `IQ4_LEVELS`, IQ4_NL's, with no offset."""
 
+    IQ4 = 3
     INT4 = 4
     INT5 = 5
     INT6 = 6
@@ -99,7 +106,11 @@ class Bits(enum.IntEnum):
 
     @property
     def group_bytes(self) -> int:
-        return GROUP * self // 8
+        return GROUP * (4 if self == Bits.IQ4 else int(self)) // 8
+
+
+# llama.cpp's kvalues_iq4nl: the 16 int8 levels an IQ4_NL or IQ4_XS nibble stands for
+IQ4_LEVELS = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 
 
 def _round(
@@ -129,7 +140,7 @@ def _round(
 
 # the symmetric forms' offset, in steps d: Q4_0's -8, Q5_0's -16, Q8_0's 0; 6-bit groups are
 # signed as unpacked (q - 32), with no offset
-IMPLIED_OFFSET = {Bits.INT4: -8, Bits.INT5: -16, Bits.INT6: 0, Bits.INT8: 0}
+IMPLIED_OFFSET = {Bits.IQ4: 0, Bits.INT4: -8, Bits.INT5: -16, Bits.INT6: 0, Bits.INT8: 0}
 
 
 def implied_offsets(d: torch.Tensor, bits: Bits) -> torch.Tensor:
@@ -184,7 +195,7 @@ class PackedGroups:
         rounded and packed `QUANTIZE_BYTES` of float at a time, straight into the result: the
         temporaries stay that small whatever the weight (rows round independently, so the
         result is the same as in one pass). On the CPU, wherever `weight` lies."""
-        if bits in (Bits.INT5, Bits.INT6):
+        if bits in (Bits.IQ4, Bits.INT5, Bits.INT6):
             raise ValueError(f"{int(bits)}-bit groups come from GGUF's blocks (from_blocks)")
         n, k = weight.shape
         groups = -(-k // GROUP)
@@ -276,6 +287,8 @@ class PackedGroups:
                 values = values | high_bits(q[..., 16:])
             elif self.bits == Bits.INT6:
                 values = values | (six_high(q[..., 16:]) << 4)
+            elif self.bits == Bits.IQ4:
+                values = torch.tensor(IQ4_LEVELS, dtype=torch.int8)[values.long()]
             q = values
         if self.bits == Bits.INT6:  # each half's d, no offset
             w = (q.float() - 32) * d.float().repeat_interleave(16, dim=-1)
@@ -373,6 +386,8 @@ def grouped_linear(
         run = lib.int5_linear_amx if amx else lib.int5_linear
     elif w.bits == Bits.INT6:
         run = lib.int6_linear
+    elif w.bits == Bits.IQ4:
+        run = lib.iq4_linear_amx if amx else lib.iq4_linear
     else:
         run = lib.q8_linear_amx if amx else lib.q8_linear
     run(

@@ -48,11 +48,13 @@ class Format(enum.IntEnum):
     CHANNEL8 = 2  # PackedInt8: a word is 4 signed bytes of a tile's row
     GROUPS5 = 3  # PackedGroups, 5 bits: GROUPS4's words, then a word of a row's high bits
     GROUPS6 = 4  # PackedGroups, 6 bits: GROUPS4's words, then two of top bits (`six_high`)
+    GROUPS_IQ4 = 5  # PackedGroups, IQ4_NL: GROUPS4's words, each nibble a level's index
 
 
 _GROUPS4 = tl.constexpr(Format.GROUPS4.value)  # the kernels' names for them
 _GROUPS5 = tl.constexpr(Format.GROUPS5.value)
 _GROUPS6 = tl.constexpr(Format.GROUPS6.value)
+_GROUPS_IQ4 = tl.constexpr(Format.GROUPS_IQ4.value)
 _CHANNEL8 = tl.constexpr(Format.CHANNEL8.value)
 # the symmetric forms' implied offset, in steps d (`int4_gemm.IMPLIED_OFFSET`)
 _OFFSET4, _OFFSET5 = (
@@ -66,6 +68,27 @@ def _signed_byte(words: tl.tensor, shift: tl.tensor) -> tl.tensor:
     """The byte at bit `shift` of int32 `words`, as a signed value."""
     byte = (words >> shift) & 0xFF
     return tl.where(byte > 127, byte - 256, byte)
+
+
+@jit
+def _iq4_level(nibble: tl.tensor) -> tl.tensor:
+    """IQ4_NL's level (`int4_gemm.IQ4_LEVELS`) of each index 0..15."""
+    level = tl.where(nibble == 0, -127, 0)
+    level = tl.where(nibble == 1, -104, level)
+    level = tl.where(nibble == 2, -83, level)
+    level = tl.where(nibble == 3, -65, level)
+    level = tl.where(nibble == 4, -49, level)
+    level = tl.where(nibble == 5, -35, level)
+    level = tl.where(nibble == 6, -22, level)
+    level = tl.where(nibble == 7, -10, level)
+    level = tl.where(nibble == 8, 1, level)
+    level = tl.where(nibble == 9, 13, level)
+    level = tl.where(nibble == 10, 25, level)
+    level = tl.where(nibble == 11, 38, level)
+    level = tl.where(nibble == 12, 53, level)
+    level = tl.where(nibble == 13, 69, level)
+    level = tl.where(nibble == 14, 89, level)
+    return tl.where(nibble == 15, 113, level)
 
 
 @jit
@@ -88,10 +111,13 @@ def _codes(
     # at s * 8 + j); 4 bits: byte b of a block holds input b (low nibble) and b + 16 (high);
     # 5 bits: those 4 words, then a word whose bit k is input k's high bit (worth 16)
     block = g + ns // 8 * G
-    if FORMAT == _GROUPS4:
+    if FORMAT == _GROUPS4 or FORMAT == _GROUPS_IQ4:
         b = ks % 16
         words = tl.load(W + block * 32 + (b // 4) * 8 + ns % 8, mask=keep, other=0)
-        return (words >> (8 * (b % 4) + 4 * (ks // 16))) & 0xF
+        nibble = (words >> (8 * (b % 4) + 4 * (ks // 16))) & 0xF
+        if FORMAT == _GROUPS4:
+            return nibble
+        return _iq4_level(nibble)
     if FORMAT == _GROUPS5:
         b = ks % 16
         words = tl.load(W + block * 40 + (b // 4) * 8 + ns % 8, mask=keep, other=0)
@@ -213,6 +239,7 @@ def _format(w: PackedGroups | PackedInt8) -> tuple[Format, int]:
         Bits.INT4: Format.GROUPS4,
         Bits.INT5: Format.GROUPS5,
         Bits.INT6: Format.GROUPS6,
+        Bits.IQ4: Format.GROUPS_IQ4,
         Bits.INT8: Format.GROUPS8,
     }
     return formats[w.bits], w.groups

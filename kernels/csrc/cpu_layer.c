@@ -5,9 +5,9 @@
 #include "cpu_paged.c"
 #include "cpu_fused.c"
 
-/* A linear's packed weight: N outputs, K inputs in G groups of 32 (padded), and its kind: 4, 5, 6
-   or 8 for `int4_gemm.PackedGroups` (float16 scales, and offsets where `offs`), INT8_CHANNELS for
-   `int8_gemm.PackedInt8` (float32 scales, one per output). */
+/* A linear's packed weight: N outputs, K inputs in G groups of 32 (padded), and its kind: 4, 5, 6,
+   8 or IQ4 (3) for `int4_gemm.PackedGroups` (float16 scales, and offsets where `offs`),
+   INT8_CHANNELS for `int8_gemm.PackedInt8` (float32 scales, one per output). */
 #define INT8_CHANNELS 1
 typedef struct {
     const void *w;
@@ -49,6 +49,8 @@ static inline void linear(const Packed *p, const float *x, float *out, const Ste
         GROUPED(5, 0);
     else if (p->kind == 6)
         GROUPED(6, 0);
+    else if (p->kind == IQ4)
+        GROUPED(IQ4, 0);
     else if (p->kind == 8 && p->offs)
         GROUPED(8, 1);
     else if (p->kind == 8)

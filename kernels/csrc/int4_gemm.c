@@ -106,6 +106,18 @@ static inline AI __m256i six_bits(__m256i nibbles, __m256i qh, int q) {
 /* A group's scales: d and m (`offs`), or for 6 bits each half's d (first 16 inputs, last 16);
    else d alone. */
 #define SCALES_WIDTH(bits, offs) ((offs) || (bits) == 6 ? 2 * PANEL : PANEL)
+/* IQ4_NL's groups (`bits` IQ4): nibbles as 4-bit ones', each an index into llama.cpp's 16
+   non-uniform int8 levels (kvalues_iq4nl), w = d level; no offset. */
+#define IQ4 3
+#define STORED_BITS(bits) ((bits) == IQ4 ? 4 : (bits))
+/* 6-bit, IQ4 and 8-bit values are signed: their sign moves onto the activation; no offset */
+#define SIGNED_VALUES(bits) ((bits) >= 6 || (bits) == IQ4)
+
+static inline AI __m256i iq4_levels(void) {
+    return _mm256_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89,
+                            113, -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69,
+                            89, 113);
+}
 
 /* MT activation rows (a [MT, Kp] int8, xs and xsum [MT, G]) against one panel, every group:
    acc[i] lane j = output (i, j). Weights `w`: a group every `bits * 32` bytes, packed nibbles
@@ -122,8 +134,8 @@ static inline AI void panel_rows(const int8_t *a, int64_t Kp, const float *xs, c
                                  int64_t G, const uint8_t *w, const uint16_t *sc, __m256 *acc,
                                  const int MT, const int bits, const int offs) {
     const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0F);
-    const int64_t wstep = bits * 32, scw = SCALES_WIDTH(bits, offs);
-    const int SIGNED = bits >= 6; /* 6 and 8 bits: signed bytes (the sign moves to a) */
+    const int64_t wstep = STORED_BITS(bits) * 32, scw = SCALES_WIDTH(bits, offs);
+    const int SIGNED = SIGNED_VALUES(bits);
     for (int i = 0; i < MT; i++) acc[i] = _mm256_setzero_ps();
     for (int64_t g = 0; g < G; g++) {
         const uint8_t *wg = w + g * wstep;
@@ -143,6 +155,9 @@ static inline AI void panel_rows(const int8_t *a, int64_t Kp, const float *xs, c
                 } else if (bits == 6) {
                     lo = six_bits(lo, _mm256_loadu_si256((const __m256i *)(wg + 128)), q);
                     hi = six_bits(hi, _mm256_loadu_si256((const __m256i *)(wg + 160)), q);
+                } else if (bits == IQ4) {
+                    lo = _mm256_shuffle_epi8(iq4_levels(), lo);
+                    hi = _mm256_shuffle_epi8(iq4_levels(), hi);
                 }
             } else {
                 lo = _mm256_loadu_si256((const __m256i *)(wg + 32 * q));
@@ -206,7 +221,7 @@ static inline AI void panel_rows(const int8_t *a, int64_t Kp, const float *xs, c
                                              : s[i];
             acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum),
                                      _mm256_mul_ps(d, _mm256_set1_ps(xs[i * G + g])), acc[i]);
-            if (offs || bits != 8)
+            if (offs || !SIGNED)
                 acc[i] = _mm256_fmadd_ps(m, _mm256_set1_ps(xsum[i * G + g]), acc[i]);
         }
     }
@@ -257,8 +272,8 @@ static inline AI void linear_body(const float *x, int8_t *a, float *xs, float *x
                                   const uint8_t *w, const uint16_t *sc, const float *bias,
                                   float *out, int64_t M, int64_t N, int64_t K, int64_t G,
                                   const int bits, const int offs) {
-    const int64_t panels = (N + PANEL - 1) / PANEL, Kp = G * GROUP, gbytes = bits * 32;
-    const int64_t scw = SCALES_WIDTH(bits, offs);
+    const int64_t panels = (N + PANEL - 1) / PANEL, Kp = G * GROUP;
+    const int64_t gbytes = STORED_BITS(bits) * 32, scw = SCALES_WIDTH(bits, offs);
     int64_t rows = BLOCK_BYTES / Kp / MR * MR;
     rows = rows < MR ? MR : rows;
 #pragma omp for schedule(static)
@@ -308,7 +323,7 @@ static inline AI void unpack_block(const uint8_t *w, const uint16_t *sc, int64_t
                                    int64_t blk, uint8_t *wb, float *d, float *m, const int bits,
                                    const int offs) {
     const __m256i low = _mm256_set1_epi8(0x0F);
-    const int64_t gbytes = bits * 32, scw = offs ? 2 * PANEL : PANEL;
+    const int64_t gbytes = STORED_BITS(bits) * 32, scw = offs ? 2 * PANEL : PANEL;
     for (int h = 0; h < 2; h++) {
         const int64_t p = 2 * blk + h;
         for (int64_t g = 0; g < G; g++) {
@@ -331,6 +346,9 @@ static inline AI void unpack_block(const uint8_t *w, const uint16_t *sc, int64_t
                         const __m256i qh = _mm256_loadu_si256((const __m256i *)(wg + 128));
                         lo = _mm256_or_si256(lo, high_bits(qh, t, 0));
                         hi = _mm256_or_si256(hi, high_bits(qh, t, 1));
+                    } else if (bits == IQ4) {
+                        lo = _mm256_shuffle_epi8(iq4_levels(), lo);
+                        hi = _mm256_shuffle_epi8(iq4_levels(), hi);
                     }
                     _mm256_store_si256((__m256i *)(rows + 64 * t), lo);
                     _mm256_store_si256((__m256i *)(rows + 64 * (t + 4)), hi);
@@ -362,7 +380,7 @@ static inline AI void tile_sums(const int32_t (*sums)[16], const float *d, const
         const __m512 s = _mm512_cvtepi32_ps(_mm512_load_si512(sums[i]));
         __m512 a =
             _mm512_fmadd_ps(s, _mm512_mul_ps(dv, _mm512_set1_ps(xs[r])), _mm512_load_ps(acc[i]));
-        if (offs || bits != 8) a = _mm512_fmadd_ps(mv, _mm512_set1_ps(xsum[r]), a);
+        if (offs || !SIGNED_VALUES(bits)) a = _mm512_fmadd_ps(mv, _mm512_set1_ps(xsum[r]), a);
         _mm512_store_ps(acc[i], a);
     }
 }
@@ -403,7 +421,7 @@ static inline AI void tile_block(uint8_t *const *wb, float *const *d, float *con
             _tile_zero(6);
             _tile_zero(7);
         }
-        if (bits != 8) { /* signed activations by unsigned 4- or 5-bit values */
+        if (!SIGNED_VALUES(bits)) { /* signed activations by unsigned 4- or 5-bit values */
             _tile_dpbsud(4, 0, 2);
             _tile_dpbsud(5, 0, 3);
             if (two) {
@@ -483,6 +501,13 @@ void int4_linear_amx(const float *x, int8_t *a, float *xs, float *xsum, const ui
     AMX_BODY(4, offs);
 }
 
+void iq4_linear_amx(const float *x, int8_t *a, float *xs, float *xsum, const uint8_t *w,
+                    const uint16_t *sc, const float *bias, float *out, int64_t M, int64_t N,
+                    int64_t K, int64_t G, int64_t offs) {
+#pragma omp parallel
+    AMX_BODY(IQ4, offs);
+}
+
 void int5_linear_amx(const float *x, int8_t *a, float *xs, float *xsum, const uint8_t *w,
                      const uint16_t *sc, const float *bias, float *out, int64_t M, int64_t N,
                      int64_t K, int64_t G, int64_t offs) {
@@ -515,6 +540,13 @@ void int5_linear(const float *x, int8_t *a, float *xs, float *xsum, const uint8_
                  int64_t G, int64_t offs) {
 #pragma omp parallel
     GROUPED_BODY(5, offs);
+}
+
+void iq4_linear(const float *x, int8_t *a, float *xs, float *xsum, const uint8_t *w,
+                const uint16_t *sc, const float *bias, float *out, int64_t M, int64_t N, int64_t K,
+                int64_t G, int64_t offs) {
+#pragma omp parallel
+    GROUPED_BODY(IQ4, offs);
 }
 
 /* 6-bit groups have no offsets and no AMX path (their halves' sums need K = 16 tiles): an AMX

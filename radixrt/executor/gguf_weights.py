@@ -16,6 +16,9 @@ GGUF stores a linear [N, K] as N rows of blocks:
 - Q6_K (per 256: 6-bit values in sub-blocks of 16, each with an int8 scale of the super-block's
   d): 6-bit groups, a d for each half (d times the sub-block's scale, rounded once to float16,
   as Q4_K's), 7 bits a weight (Q6_K: 6.56).
+- IQ4_NL (per 32: d and 16 bytes of indices into 16 non-uniform int8 levels) and IQ4_XS (per
+  256: d, a 6-bit scale per 32, the indices): IQ4 groups, the indices as stored, d (times the
+  sub-block's scale - 32, rounded once to float16, for IQ4_XS).
 Tensors stacked into one linear (q/k/v, gate/up) share a width, the widest: 4-bit ones become
 5-bit exactly (a file's Q4_K q and k beside a Q5_0 v); beside an 8-bit one (a Q8_0 v), or a
 6-bit one beside others (a Q4_K_M file's Q6_K v beside Q4_K q and k), every part becomes 8-bit
@@ -62,11 +65,14 @@ PACKED_TYPES = {
     "Q4_K": Bits.INT4,
     "Q5_K": Bits.INT5,
     "Q6_K": Bits.INT6,
+    "IQ4_NL": Bits.IQ4,
+    "IQ4_XS": Bits.IQ4,
 }
 SUPER = 256  # values in a K-quant super-block
 Q4_K_BYTES = 144  # d, dmin (float16), 12 bytes of 6-bit scales and mins, 128 of nibbles
 Q5_K_BYTES = 176  # Q4_K's, with 32 bytes of high bits before the nibbles
 Q6_K_BYTES = 210  # 128 bytes of low nibbles, 64 of top 2 bits, 16 int8 scales, float16 d
+IQ4_XS_BYTES = 136  # float16 d, 16 bits of scales' top bits, 4 bytes of their low ones, nibbles
 # the GGUF architectures whose tensor names and row orders `plan` knows
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3")
 # `read_linears`' packed copy, beside the file's config: safetensors under a name that the
@@ -208,8 +214,10 @@ def blocks(tensor: TensorInfo) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
         return (*_q5_k(raw.view(n, k // SUPER, Q5_K_BYTES)), Bits.INT5)
     if kind == "Q6_K":
         return (*_q6_k(raw.view(n, k // SUPER, Q6_K_BYTES)), None, Bits.INT6)
+    if kind == "IQ4_XS":
+        return (*_iq4_xs(raw.view(n, k // SUPER, IQ4_XS_BYTES)), None, Bits.IQ4)
     bits = PACKED_TYPES[kind]
-    offsets = kind in ("Q4_1", "Q5_1")
+    offsets = kind in ("Q4_1", "Q5_1")  # Q4_0, Q5_0, Q8_0, IQ4_NL: d and the values
     head = 4 if offsets else 2  # the bytes before the values: d, or d and m
     raw = raw.view(n, k // GROUP, head + bits.group_bytes)
     d = raw[..., :2].contiguous().view(torch.float16)[..., 0]
@@ -266,6 +274,22 @@ def _q5_k(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return (q.contiguous(), *_k_scales(raw))
 
 
+def _iq4_xs(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """IQ4_XS super-blocks [N, S, 136] -> IQ4 groups [N, 8S, 16] (each sub-block's 16 bytes of
+    level indices, already in Q4_0's pairing) and their d float16 [N, 8S]: the super-block's d
+    times (its 6-bit scale - 32), rounded once to float16 (as K-quants' scales). Sub-block j's
+    scale: the nibble j % 2 of byte j / 2 of the low bits, over bits 2j of the 16-bit top."""
+    n, s, _ = raw.shape
+    d = raw[..., 0:2].contiguous().view(torch.float16).float()  # [N, S, 1]
+    top = raw[..., 2:4].to(torch.int32)
+    top = top[..., 0:1] | (top[..., 1:2] << 8)  # [N, S, 1]
+    low = raw[..., 4:8].to(torch.int32).repeat_interleave(2, dim=-1)  # [N, S, 8]
+    j = torch.arange(8, dtype=torch.int32)
+    scale = ((low >> (4 * (j % 2))) & 0xF) | (((top >> (2 * j)) & 3) << 4)
+    q = raw[..., 8:].reshape(n, s * 8, 16)
+    return q.contiguous(), (d * (scale - 32)).half().reshape(n, s * 8)
+
+
 def _q6_k(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Q6_K super-blocks [N, S, 210] -> 6-bit groups [N, 8S, 24] (each group's nibbles in Q4_0's
     order, then its top 2 bits as `int4_gemm.six_high` holds them) and each half's d float16
@@ -295,9 +319,12 @@ def _stack(tensors: list[TensorInfo], parts: list[Part]) -> PackedGroups:
     A tensor alone, in its own order (the output projection, the embedding: the largest), is
     not copied on the way (each copy of the largest is the load's peak)."""
     k = tensors[0].shape[0]
-    widths = [PACKED_TYPES[t.kind.name] for t in tensors]
-    bits = max(widths)
-    if bits == Bits.INT6 and min(widths) != Bits.INT6:  # 6-bit groups hold no others exactly
+    widths = {PACKED_TYPES[t.kind.name] for t in tensors}
+    if len(widths) == 1:
+        bits = widths.pop()
+    elif widths == {Bits.INT4, Bits.INT5}:  # 4-bit groups become 5-bit exactly
+        bits = Bits.INT5
+    else:  # no other width holds another's groups exactly
         bits = Bits.INT8
     qs, ds, ms = [], [], []
     for tensor, part in zip(tensors, parts):

@@ -2,7 +2,7 @@
 step that qualify, every layer runs inside one C call, and the logits are the per-op path's bit
 for bit (the same kernels' bodies, the same order), step after step, for one stream and for
 several of different lengths, on each native `--cpu-isa` path, int4 and int8 weights; 5-, 6-
-and 8-bit groups too. Steps that do
+and 8-bit groups and IQ4's too. Steps that do
 not qualify (a prefill, a shared prefix split off) and models that do not (float linears, the
 torch path) keep the per-op path."""
 
@@ -107,10 +107,10 @@ def test_models_that_do_not_qualify_keep_the_per_op_path(tiny_model_dir, setting
     assert FusedDecode.of(runner.model) is None
 
 
-@pytest.mark.parametrize("bits", [int4_gemm.Bits.INT5, int4_gemm.Bits.INT6])
-def test_five_and_six_bit_groups(tiny_model_dir, bits):
-    """GGUF's Q5 (with offsets: Q5_1, Q5_K) and Q6_K layouts in every linear, random blocks at
-    each linear's shape: the fused step gives the per-op bits."""
+@pytest.mark.parametrize("bits", [int4_gemm.Bits.INT5, int4_gemm.Bits.INT6, int4_gemm.Bits.IQ4])
+def test_five_six_bit_and_iq4_groups(tiny_model_dir, bits):
+    """GGUF's Q5 (with offsets: Q5_1, Q5_K), Q6_K and IQ4 layouts in every linear, random blocks
+    at each linear's shape: the fused step gives the per-op bits."""
     runner = _runner(tiny_model_dir, quantization="int4")
     gen = torch.Generator().manual_seed(int(bits))
     for lin in [m for m in runner.model.layers.modules() if isinstance(m, GroupedLinear)]:
@@ -119,7 +119,8 @@ def test_five_and_six_bit_groups(tiny_model_dir, bits):
         q = torch.randint(0, 256, (n, groups, bits.group_bytes), dtype=torch.uint8, generator=gen)
         halves = (2,) if bits == int4_gemm.Bits.INT6 else ()
         d = (torch.rand(n, groups, *halves, generator=gen) / 64).half()
-        m = None if halves else (torch.randn(n, groups, generator=gen) / 64).half()
+        offsets = bits == int4_gemm.Bits.INT5
+        m = (torch.randn(n, groups, generator=gen) / 64).half() if offsets else None
         lin.weight = int4_gemm.PackedGroups.from_blocks(q, d, m, k, bits)
     per_op, fused = _steps(runner, False, [9, 30], 4), _steps(runner, True, [9, 30], 4)
     assert runner.model._fused is not None

@@ -119,19 +119,25 @@ def test_q_and_k_rows_are_put_back_in_hugging_faces_order():
 
 
 KQ = 512  # two K-quant super-blocks a row
-# K-quant type -> (bytes a super-block, offsets of its float16 fields)
-K_QUANTS = {T.Q4_K: (144, (0, 2)), T.Q5_K: (176, (0, 2)), T.Q6_K: (210, (208,))}
+# block type -> (values a block, bytes a block, offsets of its float16 fields)
+K_QUANTS = {
+    T.Q4_K: (256, 144, (0, 2)),
+    T.Q5_K: (256, 176, (0, 2)),
+    T.Q6_K: (256, 210, (208,)),
+    T.IQ4_XS: (256, 136, (0,)),
+    T.IQ4_NL: (32, 18, (0,)),
+}
 
 
 def _k_quant_tensor(tmp_path, kind, rows: int = 24):
     """A GGUF holding one tensor of `kind` with random blocks (random bytes, with sane float16
     scales): gguf's reader's record of it, and `gguf_file`'s."""
-    size, floats = K_QUANTS[kind]
+    values, size, floats = K_QUANTS[kind]
     rng = np.random.default_rng(int(kind))
-    raw = rng.integers(0, 256, (rows, KQ // 256, size), dtype=np.uint8)
+    raw = rng.integers(0, 256, (rows, KQ // values, size), dtype=np.uint8)
     for at in floats:
-        scale = rng.uniform(1e-3, 2e-2, (rows, KQ // 256)).astype(np.float16)
-        raw[..., at : at + 2] = scale.view(np.uint8).reshape(rows, KQ // 256, 2)
+        scale = rng.uniform(1e-3, 2e-2, (rows, KQ // values)).astype(np.float16)
+        raw[..., at : at + 2] = scale.view(np.uint8).reshape(rows, KQ // values, 2)
     path = tmp_path / f"{kind.name}.gguf"
     writer = gguf.GGUFWriter(path, "llama")
     writer.add_tensor("w", raw.reshape(rows, -1), raw_dtype=kind)
@@ -162,6 +168,21 @@ def test_q5_k_becomes_5_bit_groups_within_float16_rounding(tmp_path):
     got = int4_gemm.PackedGroups.from_blocks(q, d, m, KQ, bits).dequantize()
     want = _dequantized(tensor)
     torch.testing.assert_close(got, want, rtol=2**-10, atol=2**-10 * float(want.abs().max()))
+
+
+@pytest.mark.parametrize("kind", [T.IQ4_NL, T.IQ4_XS])
+def test_iq4_becomes_level_groups(tmp_path, kind):
+    """IQ4_NL's blocks are IQ4 groups as stored (gguf's values exactly); IQ4_XS's sub-blocks
+    too, each d times its scale - 32 rounded once to float16."""
+    tensor, info = _k_quant_tensor(tmp_path, kind)
+    q, d, m, bits = gguf_weights.blocks(info)
+    assert bits == int4_gemm.Bits.IQ4 and q.shape == (24, KQ // 32, 16) and m is None
+    got = int4_gemm.PackedGroups.from_blocks(q, d, m, KQ, bits).dequantize()
+    want = _dequantized(tensor)
+    if kind == T.IQ4_NL:
+        assert torch.equal(got, want)
+    else:
+        torch.testing.assert_close(got, want, rtol=2**-10, atol=2**-10 * float(want.abs().max()))
 
 
 def test_q6_k_becomes_6_bit_groups_within_float16_rounding(tmp_path):

@@ -167,7 +167,7 @@ def test_activation_quantization_is_round_to_nearest():
     ],
 )
 @pytest.mark.parametrize(
-    "kind", ["asymmetric", "symmetric", "q5", "q5 offsets", "q6", "q8", "q8 offsets"]
+    "kind", ["asymmetric", "symmetric", "iq4", "q5", "q5 offsets", "q6", "q8", "q8 offsets"]
 )
 @pytest.mark.parametrize("isa", NATIVE_PATHS)
 def test_grouped_linear_matches_its_dequantized_weight(m, n, k, kind, isa):
@@ -177,15 +177,15 @@ def test_grouped_linear_matches_its_dequantized_weight(m, n, k, kind, isa):
     short of, one past or inside a group, with and without a bias; 4-bit both ways and signed
     8-bit groups (GGUF's Q8_0, values to -128, the largest products; and with offsets of their
     own, as asymmetric 8-bit checkpoints give); 5-bit groups (GGUF's Q5_0, and with offsets:
-    Q5_1, Q5_K) and 6-bit ones (Q6_K's: signed, a d for each half), random bytes, so every
-    value occurs. Every path gives avx2's bits: each sums
+    Q5_1, Q5_K), 6-bit ones (Q6_K's: signed, a d for each half) and IQ4_NL's levels, random
+    bytes, so every value occurs. Every path gives avx2's bits: each sums
     a group's products exactly, in int16 pairs or in int32."""
     gen = torch.Generator().manual_seed(m * n + k)
     w, x = torch.randn(n, k, generator=gen), torch.randn(m, k, generator=gen)
     bias = torch.randn(n, generator=gen) if m % 2 else None
-    if kind.startswith(("q8", "q5", "q6")):
+    if kind.startswith(("q8", "q5", "q6", "iq4")):
         groups = -(-k // 32)
-        bits = int4_gemm.Bits(int(kind[1]))
+        bits = int4_gemm.Bits.IQ4 if kind == "iq4" else int4_gemm.Bits(int(kind[1]))
         q = torch.randint(0, 256, (n, groups, bits.group_bytes), dtype=torch.uint8, generator=gen)
         halves = (2,) if bits == int4_gemm.Bits.INT6 else ()  # 6 bits: a d for each half
         d = (torch.rand(n, groups, *halves, generator=gen) / 64).half()

@@ -17,9 +17,9 @@ def _weight(kind: str, n: int, k: int, g: torch.Generator):
     w = torch.randn(n, k, generator=g) / k**0.5
     if kind == "int8":
         return int8_gemm.PackedInt8.quantize(w)
-    if kind.startswith(("groups5", "groups6")):  # GGUF's Q5_0 (with offsets, Q5_1/Q5_K), Q6_K
+    if kind.startswith(("groups5", "groups6", "iq4")):  # Q5_0 (Q5_1/Q5_K), Q6_K, IQ4_NL
         groups = -(-k // 32)
-        bits = int4_gemm.Bits(int(kind[6]))
+        bits = int4_gemm.Bits.IQ4 if kind == "iq4" else int4_gemm.Bits(int(kind[6]))
         q = torch.randint(0, 256, (n, groups, bits.group_bytes), dtype=torch.uint8, generator=g)
         halves = (2,) if bits == int4_gemm.Bits.INT6 else ()  # 6 bits: a d for each half
         d = (torch.rand(n, groups, *halves, generator=g) / 64).half()
@@ -30,7 +30,7 @@ def _weight(kind: str, n: int, k: int, g: torch.Generator):
 
 
 @pytest.mark.parametrize(
-    "kind", ["int4", "int4-sym", "groups5", "groups5m", "groups6", "groups8", "int8"]
+    "kind", ["int4", "int4-sym", "iq4", "groups5", "groups5m", "groups6", "groups8", "int8"]
 )
 @pytest.mark.parametrize(
     "m, n, k",

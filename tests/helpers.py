@@ -55,6 +55,7 @@ def float_checkpoint(gguf: Path) -> Path:
     from transformers import AutoConfig
 
     from radixrt.executor.model_loader import (
+        SKELETON_FILE,
         GGUFWeightReader,
         SafetensorsWriter,
         cache_dir,
@@ -67,8 +68,9 @@ def float_checkpoint(gguf: Path) -> Path:
         return out
     tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(folder, tmp, ignore=shutil.ignore_patterns(".radixrt-packed-groups*"))
-    reader = GGUFWeightReader(gguf, AutoConfig.from_pretrained(folder))
+    kept = shutil.ignore_patterns(".radixrt-packed-groups*", SKELETON_FILE)  # the file's, not ours
+    shutil.copytree(folder, tmp, ignore=kept)
+    reader = GGUFWeightReader(gguf, AutoConfig.from_pretrained(folder), folder)
     with SafetensorsWriter(tmp / "model.safetensors", len(reader.names)) as writer:
         for name in sorted(reader.names):
             writer.add(name, reader.whole(name))

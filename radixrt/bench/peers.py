@@ -251,6 +251,18 @@ class LlamaServerTarget:
             self.proc.wait()
 
 
+def llama_cpp_converter() -> Path | None:
+    """llama.cpp's converter's folder (convert_hf_to_gguf.py, conversion/, gguf-py/):
+    $RADIXRT_LLAMA_CPP_CONVERTER (where `make test` fetches it, outside the checkout), else the
+    newest in the cache dir; None where there is none."""
+    from radixrt.executor.model_loader import cache_dir
+
+    places = sorted(cache_dir().glob("llama.cpp-converter-*"), reverse=True)
+    if os.environ.get("RADIXRT_LLAMA_CPP_CONVERTER"):
+        places.insert(0, Path(os.environ["RADIXRT_LLAMA_CPP_CONVERTER"]))
+    return next((p for p in places if (p / "convert_hf_to_gguf.py").is_file()), None)
+
+
 def llama_cpp_tool(name: str) -> Path | None:
     """One of llama.cpp's tools (`llama-server`, `llama-bench`, `test-backend-ops`, ...): in
     $RADIXRT_LLAMA_CPP_TOOLS (where `make bench-peers` and `make test` build them, outside the

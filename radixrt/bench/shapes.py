@@ -2,9 +2,9 @@
 (`radixrt bench --model-shape tinyllama-1.1b`): made once under `$RADIXRT_CACHE_DIR/shapes/`,
 as a Hugging Face folder (safetensors, float32 up to 1.1B and bfloat16 above, so that the
 state dict fits in memory while it is written; the default model's tokenizer) and as GGUF files
-of the same weights (Q4_0, Q4_K_M, Q8_0) for llama.cpp, converted with the converter that
-llama.cpp's sources (vendored in llama-cpp-python's source distribution) ship, and quantized by
-llama.cpp.
+of the same weights (Q4_0, Q4_K_M, Q6_K, Q8_0) for llama.cpp, converted with the converter that
+llama.cpp's sources (vendored in llama-cpp-python's source distribution) ship (`make test`
+fetches it), and quantized by llama.cpp's llama-quantize.
 
 Random weights cost what trained ones cost: the same matmuls, the same bytes read per token.
 Their text is noise, so no quality is measured on them.
@@ -12,13 +12,10 @@ Their text is noise, so no quality is measured on them.
 
 from __future__ import annotations
 
-import importlib.metadata
 import os
 import shutil
 import subprocess
 import sys
-import tarfile
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypedDict
@@ -68,7 +65,12 @@ SHAPES: dict[str, LlamaShape] = {
     ),
 }
 BFLOAT16_SHAPES = ("llama-3.2-3b",)  # written in bfloat16: 12 GB of float32 would not fit
-GGUF_TYPES = {"Q4_0": 2, "Q4_K_M": 15, "Q8_0": 7}  # llama.cpp's file types (LLAMA_FTYPE_MOSTLY_*)
+GGUF_TYPES = {
+    "Q4_0": 2,
+    "Q4_K_M": 15,
+    "Q6_K": 18,
+    "Q8_0": 7,
+}  # llama.cpp's file types (LLAMA_FTYPE_MOSTLY_*)
 _DONE = ".radixrt-done"
 
 
@@ -151,26 +153,22 @@ def _write_checkpoint(shape: str, folder: Path) -> None:
 
 
 def _convert(folder: Path, out: Path) -> None:
-    """`convert_hf_to_gguf.py` of the llama.cpp that llama-cpp-python vendors (same version as
-    the installed one), with its own gguf-py, to a float16 GGUF."""
-    version = importlib.metadata.version("llama-cpp-python")
-    with tempfile.TemporaryDirectory() as tmp:
-        subprocess.run(
-            [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:"]
-            + [f"llama-cpp-python=={version}", "-d", tmp],
-            check=True,
+    """llama.cpp's `convert_hf_to_gguf.py` (`peers.llama_cpp_converter`: the one `make test`
+    fetched, with its own gguf-py), to a float16 GGUF."""
+    from radixrt.bench.peers import llama_cpp_converter
+
+    converter = llama_cpp_converter()
+    if converter is None:
+        raise FileNotFoundError(
+            "llama.cpp's converter: `make test` or `make bench-peers` fetches it"
         )
-        src = Path(tmp) / f"llama_cpp_python-{version}"
-        with tarfile.open(Path(tmp) / f"{src.name}.tar.gz") as tar:
-            tar.extractall(tmp, filter="data")
-        llama = src / "vendor" / "llama.cpp"
-        env = {**os.environ, "PYTHONPATH": str(llama / "gguf-py")}
-        subprocess.run(
-            [sys.executable, str(llama / "convert_hf_to_gguf.py"), str(folder)]
-            + ["--outtype", "f16", "--outfile", str(out)],
-            check=True,
-            env=env,
-        )
+    env = {**os.environ, "PYTHONPATH": f"{converter / 'gguf-py'}:{converter}"}
+    subprocess.run(
+        [sys.executable, str(converter / "convert_hf_to_gguf.py"), str(folder)]
+        + ["--outtype", "f16", "--outfile", str(out)],
+        check=True,
+        env=env,
+    )
 
 
 def _quantize(f16: Path, out: Path, kind: str) -> None:

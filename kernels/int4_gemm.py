@@ -315,9 +315,9 @@ def six_high(qh: torch.Tensor) -> torch.Tensor:
 
 def six_high_packed(top: torch.Tensor) -> torch.Tensor:
     """`six_high`'s inverse: values 0..3 uint8 [..., 32] -> the 8 bytes that hold them."""
-    parts = top.reshape(*top.shape[:-1], 2, 4, 4).int()  # [..., half, q, b]
-    shifted = parts << (2 * torch.arange(4, dtype=torch.int32))[:, None]
-    return shifted.sum(-2).to(torch.uint8).reshape(*top.shape[:-1], 8)
+    parts = top.reshape(*top.shape[:-1], 2, 4, 4)  # [..., half, q, b]: bytes, bits apart
+    packed = parts[..., 0, :] | (parts[..., 1, :] << 2) | (parts[..., 2, :] << 4)
+    return (packed | (parts[..., 3, :] << 6)).reshape(*top.shape[:-1], 8)
 
 
 @dataclass

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -73,6 +74,9 @@ Q4_K_BYTES = 144  # d, dmin (float16), 12 bytes of 6-bit scales and mins, 128 of
 Q5_K_BYTES = 176  # Q4_K's, with 32 bytes of high bits before the nibbles
 Q6_K_BYTES = 210  # 128 bytes of low nibbles, 64 of top 2 bits, 16 int8 scales, float16 d
 IQ4_XS_BYTES = 136  # float16 d, 16 bits of scales' top bits, 4 bytes of their low ones, nibbles
+# super-blocks converted at once: their temporaries (ints of every value) stay tens of MB, where
+# a 49152-row Q6_K output projection converted whole peaked 2.8 GB over its 84 MB of groups
+CONVERT_BYTES = 2 << 20
 # the GGUF architectures whose tensor names and row orders `plan` knows
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3")
 # `read_linears`' packed copy, beside the file's config: safetensors under a name that the
@@ -202,21 +206,21 @@ def _read_cache(cache: Path) -> dict[str, PackedGroups]:
 def blocks(tensor: TensorInfo) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, Bits]:
     """A packed-type GGUF tensor's rows as groups of 32: values [N, G, group bytes] (nibbles in
     Q4_0's order, or int8 viewed as uint8), d and m float16 [N, G] (m None for the symmetric
-    forms, Q4_0 and 8-bit groups: their offsets are implied), and their width."""
+    forms, Q4_0 and 8-bit groups: their offsets are implied; 6-bit groups: d [N, G, 2], each
+    half's), and their width. Super-blocks are converted `CONVERT_BYTES` at a time."""
     kind = tensor.kind.name
     raw = torch.empty(tensor.n_bytes, dtype=torch.uint8)
     with open(tensor.path, "rb", buffering=0) as f:
         read_into(f.fileno(), raw, tensor.offset, f.name)
     k, n = tensor.shape
-    if kind == "Q4_K":
-        return (*_q4_k(raw.view(n, k // SUPER, Q4_K_BYTES)), Bits.INT4)
-    if kind == "Q5_K":
-        return (*_q5_k(raw.view(n, k // SUPER, Q5_K_BYTES)), Bits.INT5)
-    if kind == "Q6_K":
-        return (*_q6_k(raw.view(n, k // SUPER, Q6_K_BYTES)), None, Bits.INT6)
-    if kind == "IQ4_XS":
-        return (*_iq4_xs(raw.view(n, k // SUPER, IQ4_XS_BYTES)), None, Bits.IQ4)
     bits = PACKED_TYPES[kind]
+    if kind in SUPER_BLOCKS:
+        size, convert = SUPER_BLOCKS[kind]
+        blocks = raw.view(n, k // SUPER, size)
+        step = max(1, CONVERT_BYTES // blocks[0].nbytes)  # rows a chunk
+        chunks = [convert(blocks[i : i + step]) for i in range(0, n, step)]
+        joined = [torch.cat(parts) for parts in zip(*chunks)]
+        return joined[0], joined[1], joined[2] if len(joined) > 2 else None, bits
     offsets = kind in ("Q4_1", "Q5_1")  # Q4_0, Q5_0, Q8_0, IQ4_NL: d and the values
     head = 4 if offsets else 2  # the bytes before the values: d, or d and m
     raw = raw.view(n, k // GROUP, head + bits.group_bytes)
@@ -311,6 +315,15 @@ def _q6_k(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scales = raw[..., 192:208].contiguous().view(torch.int8).float()  # [N, S, 16]
     d = raw[..., 208:210].contiguous().view(torch.float16).float()  # [N, S, 1]
     return q.contiguous(), (d * scales).half().reshape(n, s * 8, 2)
+
+
+# K-quant (and IQ4_XS) type -> (bytes a super-block, its rows' conversion into groups)
+SUPER_BLOCKS: dict[str, tuple[int, Callable[[torch.Tensor], tuple[torch.Tensor, ...]]]] = {
+    "Q4_K": (Q4_K_BYTES, _q4_k),
+    "Q5_K": (Q5_K_BYTES, _q5_k),
+    "Q6_K": (Q6_K_BYTES, _q6_k),
+    "IQ4_XS": (IQ4_XS_BYTES, _iq4_xs),
+}
 
 
 def _stack(tensors: list[TensorInfo], parts: list[Part]) -> PackedGroups:

@@ -160,8 +160,9 @@ def _packed_linear_kernel(
     program (row block, column block, split): the split's `per_split` groups of inputs (all of
     them where there is one split). X's inputs contiguous. S: the float16 scales of
     PackedGroups (each panel's group: 8 rows' d, then, with OFFSETS, their m; without, the
-    symmetric forms' implied -8 d for 4 bits and 0 for 8), or PackedInt8's float32 scale of
-    each output."""
+    symmetric forms' implied -8 d for 4 bits, -16 d for 5 and 0 for 8 and IQ4; 6 bits: the 8
+    rows' d of the first half, then of the second), or PackedInt8's float32 scale of each
+    output."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     ns = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     first = tl.program_id(2) * per_split
@@ -184,24 +185,24 @@ def _packed_linear_kernel(
             d = tl.load(scale, mask=ns < N, other=0.0).to(tl.float32)
             d2 = tl.load(scale + 8, mask=ns < N, other=0.0).to(tl.float32)
             acc += low * d[None, :] + high * d2[None, :]
-            continue
-        part = tl.dot(x, q.to(x.dtype), input_precision=DOT_PRECISION)
-        if FORMAT == _CHANNEL8:
-            acc += part
         else:
-            width = 16 if OFFSETS else 8
-            scale = S + (g + ns // 8 * G) * width + ns % 8
-            d = tl.load(scale, mask=ns < N, other=0.0).to(tl.float32)
-            if OFFSETS:
-                m = tl.load(scale + 8, mask=ns < N, other=0.0).to(tl.float32)
-            elif FORMAT == _GROUPS4:
-                m = d * _OFFSET4
-            elif FORMAT == _GROUPS5:
-                m = d * _OFFSET5
+            part = tl.dot(x, q.to(x.dtype), input_precision=DOT_PRECISION)
+            if FORMAT == _CHANNEL8:
+                acc += part
             else:
-                m = d * 0.0
-            xsum = tl.sum(x.to(tl.float32), axis=1)
-            acc += part * d[None, :] + xsum[:, None] * m[None, :]
+                width = 16 if OFFSETS else 8
+                scale = S + (g + ns // 8 * G) * width + ns % 8
+                d = tl.load(scale, mask=ns < N, other=0.0).to(tl.float32)
+                if OFFSETS:
+                    m = tl.load(scale + 8, mask=ns < N, other=0.0).to(tl.float32)
+                elif FORMAT == _GROUPS4:
+                    m = d * _OFFSET4
+                elif FORMAT == _GROUPS5:
+                    m = d * _OFFSET5
+                else:
+                    m = d * 0.0
+                xsum = tl.sum(x.to(tl.float32), axis=1)
+                acc += part * d[None, :] + xsum[:, None] * m[None, :]
     if FORMAT == _CHANNEL8:
         acc *= tl.load(S + ns, mask=ns < N, other=0.0)[None, :]
     if HAS_BIAS:

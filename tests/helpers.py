@@ -604,3 +604,27 @@ def rss_mib(pid: int) -> float:
     """A process's resident memory (VmRSS), in MiB."""
     with open(f"/proc/{pid}/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+
+
+def mutated_header(data, original: bytes, header: int) -> bytes:
+    """`original` (a GGUF file's bytes) with 1 to 4 mutations drawn by hypothesis's `data` in
+    its first `header` bytes (header, metadata, tensor table): a byte overwritten, a u64 set to
+    an edge value, bytes cut or inserted."""
+    import struct
+
+    from hypothesis import strategies as st
+
+    mutated = bytearray(original)
+    for _ in range(data.draw(st.integers(1, 4))):
+        at = data.draw(st.integers(0, header - 1))
+        how = data.draw(st.sampled_from(["byte", "u64", "cut", "insert"]))
+        if how == "byte":
+            mutated[at] = data.draw(st.integers(0, 255))
+        elif how == "u64":
+            value = data.draw(st.sampled_from([0, 1, 7, 2**31, 2**32 - 1, 2**63, 2**64 - 1]))
+            mutated[at : at + 8] = struct.pack("<Q", value)
+        elif how == "cut":
+            del mutated[at : at + data.draw(st.integers(1, 64))]
+        else:
+            mutated[at:at] = data.draw(st.binary(min_size=1, max_size=16))
+    return bytes(mutated)

@@ -17,7 +17,6 @@ import os
 import random
 import resource
 import shutil
-import struct
 import subprocess
 import sys
 import time
@@ -35,7 +34,14 @@ from radixrt.executor.model_loader import conversion_folder
 from radixrt.executor.model_runner import ModelRunner
 from radixrt.kernels import int4_gemm
 
-from helpers import TINY, hf_greedy, make_scheduler, run_in_process, teacher_forced_logits
+from helpers import (
+    TINY,
+    hf_greedy,
+    make_scheduler,
+    mutated_header,
+    run_in_process,
+    teacher_forced_logits,
+)
 
 CONVERTER = Path(os.environ.get("RADIXRT_LLAMA_CPP_CONVERTER", "/nonexistent"))
 pytestmark = pytest.mark.skipif(
@@ -146,19 +152,7 @@ def test_mutated_converted_files_are_served_or_refused_in_one_line(files, tmp_pa
     GGUFError is), within 10 s and 1 GB of peak memory beyond what the suite holds."""
     source = files["llama", "f32"][1]
     header = min(t.offset for t in gguf_file.read(source).tensors.values())
-    mutated = bytearray(source.read_bytes())
-    for _ in range(data.draw(st.integers(1, 3))):
-        at = data.draw(st.integers(0, header - 1))
-        how = data.draw(st.sampled_from(["byte", "u64", "cut", "insert"]))
-        if how == "byte":
-            mutated[at] = data.draw(st.integers(0, 255))
-        elif how == "u64":
-            value = data.draw(st.sampled_from([0, 1, 7, 2**31, 2**32 - 1, 2**63, 2**64 - 1]))
-            mutated[at : at + 8] = struct.pack("<Q", value)
-        elif how == "cut":
-            del mutated[at : at + data.draw(st.integers(1, 64))]
-        else:
-            mutated[at:at] = data.draw(st.binary(min_size=1, max_size=16))
+    mutated = mutated_header(data, source.read_bytes(), header)
     path = tmp_path / "mutated.gguf"
     path.write_bytes(mutated)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss << 10

@@ -21,6 +21,8 @@ from hypothesis import strategies as st
 from radixrt.executor import gguf_file
 from radixrt.executor.gguf_file import GGUFError
 
+from helpers import mutated_header
+
 VOCAB = ["<unk>", "<s>", "</s>", *(f"tok{i}" for i in range(29)), "héllo", ""]
 HIDDEN = 32
 
@@ -223,19 +225,7 @@ def test_mutated_files_are_read_or_refused_in_bounded_time_and_memory(valid_path
     """Bytes of the header, metadata and tensor table overwritten, inserted or cut: `read` and
     `check` accept the file or raise GGUFError, within 10 s and 64 MB of Python allocations."""
     header = min(t.offset for t in gguf_file.read(valid_path).tensors.values())  # data's start
-    mutated = bytearray(valid_path.read_bytes())
-    for _ in range(data.draw(st.integers(1, 4))):
-        at = data.draw(st.integers(0, header - 1))
-        how = data.draw(st.sampled_from(["byte", "u64", "cut", "insert"]))
-        if how == "byte":
-            mutated[at] = data.draw(st.integers(0, 255))
-        elif how == "u64":
-            value = data.draw(st.sampled_from([0, 1, 2**31, 2**32 - 1, 2**63, 2**64 - 1]))
-            mutated[at : at + 8] = struct.pack("<Q", value)
-        elif how == "cut":
-            del mutated[at : at + data.draw(st.integers(1, 64))]
-        else:
-            mutated[at:at] = data.draw(st.binary(min_size=1, max_size=16))
+    mutated = mutated_header(data, valid_path.read_bytes(), header)
     path = tmp_path / "fuzzed.gguf"
     path.write_bytes(mutated)
     tracemalloc.start()

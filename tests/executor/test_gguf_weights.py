@@ -148,55 +148,43 @@ def _k_quant_tensor(tmp_path, kind, rows: int = 24):
     return gguf.GGUFReader(path).tensors[0], gguf_file.read(path).tensors["w"]
 
 
-def test_q4_k_becomes_4_bit_groups_within_float16_rounding(tmp_path):
-    """Each Q4_K sub-block is one 4-bit group: its nibbles as stored (reordered), its scale d sc
-    and offset -dmin mn rounded once to float16, the kernel's scale type."""
-    tensor, info = _k_quant_tensor(tmp_path, T.Q4_K)
-    q, d, m, bits = gguf_weights.blocks(info)
-    assert bits == int4_gemm.Bits.INT4 and q.shape == (24, KQ // 32, 16)
-    got = int4_gemm.PackedGroups.from_blocks(q, d, m, KQ, bits).dequantize()
-    want = _dequantized(tensor)
-    torch.testing.assert_close(got, want, rtol=2**-10, atol=2**-10 * float(want.abs().max()))
+# block type -> the groups it becomes and their bytes: K-quants' sub-blocks as groups of their own
+# width (Q6_K's pairs of sub-blocks of 16, a d for each half), IQ4's level indices as stored
+GROUPS = {
+    T.Q4_K: (int4_gemm.Bits.INT4, 16),
+    T.Q5_K: (int4_gemm.Bits.INT5, 20),
+    T.Q6_K: (int4_gemm.Bits.INT6, 24),
+    T.IQ4_NL: (int4_gemm.Bits.IQ4, 16),
+    T.IQ4_XS: (int4_gemm.Bits.IQ4, 16),
+}
 
 
-def test_q5_k_becomes_5_bit_groups_within_float16_rounding(tmp_path):
-    """Each Q5_K sub-block is one 5-bit group: its nibbles and high bits as stored (reordered),
-    its scale and offset as Q4_K's, rounded once to float16."""
-    tensor, info = _k_quant_tensor(tmp_path, T.Q5_K)
-    q, d, m, bits = gguf_weights.blocks(info)
-    assert bits == int4_gemm.Bits.INT5 and q.shape == (24, KQ // 32, 20)
-    got = int4_gemm.PackedGroups.from_blocks(q, d, m, KQ, bits).dequantize()
-    want = _dequantized(tensor)
-    torch.testing.assert_close(got, want, rtol=2**-10, atol=2**-10 * float(want.abs().max()))
-
-
-@pytest.mark.parametrize("kind", [T.IQ4_NL, T.IQ4_XS])
-def test_iq4_becomes_level_groups(tmp_path, kind):
-    """IQ4_NL's blocks are IQ4 groups as stored (gguf's values exactly); IQ4_XS's sub-blocks
-    too, each d times its scale - 32 rounded once to float16."""
+@pytest.mark.parametrize("kind", list(GROUPS))
+def test_super_blocks_become_groups_of_their_width_within_float16_rounding(tmp_path, kind):
+    """Each sub-block of 32 (Q6_K: pair of 16) is one group of the type's width, its values as
+    stored (reordered), its scale (d sc, or d times IQ4_XS's scale - 32) and Q4_K/Q5_K's offset
+    -dmin mn rounded once to float16, the kernel's scale type; IQ4_NL's stored d: gguf's values
+    exactly. Q6_K is 7 bits a weight (8-bit groups took 8.5)."""
     tensor, info = _k_quant_tensor(tmp_path, kind)
     q, d, m, bits = gguf_weights.blocks(info)
-    assert bits == int4_gemm.Bits.IQ4 and q.shape == (24, KQ // 32, 16) and m is None
-    got = int4_gemm.PackedGroups.from_blocks(q, d, m, KQ, bits).dequantize()
-    want = _dequantized(tensor)
+    assert (bits, q.shape[2]) == GROUPS[kind] and q.shape[:2] == (24, KQ // 32)
+    packed = int4_gemm.PackedGroups.from_blocks(q, d, m, KQ, bits)
+    got, want = packed.dequantize(), _dequantized(tensor)
     if kind == T.IQ4_NL:
         assert torch.equal(got, want)
     else:
         torch.testing.assert_close(got, want, rtol=2**-10, atol=2**-10 * float(want.abs().max()))
+    if kind == T.Q6_K:
+        assert packed.nbytes * 8 / (24 * KQ) == 7
 
 
-def test_q6_k_becomes_6_bit_groups_within_float16_rounding(tmp_path):
-    """Each pair of Q6_K sub-blocks of 16 is one 6-bit group: its values as stored (reordered),
-    each half's scale d sc rounded once to float16; 7 bits a weight, not 8-bit groups' 8.5."""
-    tensor, info = _k_quant_tensor(tmp_path, T.Q6_K)
-    q, d, m, bits = gguf_weights.blocks(info)
-    assert bits == int4_gemm.Bits.INT6 and q.shape == (24, KQ // 32, 24) and m is None
-    assert d.shape == (24, KQ // 32, 2)
-    packed = int4_gemm.PackedGroups.from_blocks(q, d, m, KQ, bits)
-    assert packed.nbytes * 8 / (24 * KQ) == 7
-    want = _dequantized(tensor)
-    got = packed.dequantize()
-    torch.testing.assert_close(got, want, rtol=2**-10, atol=2**-10 * float(want.abs().max()))
+def test_super_blocks_are_converted_a_few_rows_at_a_time(tmp_path, monkeypatch):
+    """Super-blocks convert in chunks of rows (here of 3): the same groups as at once."""
+    info = _k_quant_tensor(tmp_path, T.Q6_K)[1]
+    whole = gguf_weights.blocks(info)
+    monkeypatch.setattr(gguf_weights, "CONVERT_BYTES", 3 * info.n_bytes // 24)
+    chunked = gguf_weights.blocks(info)
+    assert all(torch.equal(a, b) for a, b in zip(whole[:2], chunked[:2]))
 
 
 def test_a_cached_conversion_follows_its_file_to_a_new_place(tmp_path, monkeypatch):

@@ -48,7 +48,7 @@ $(LLAMA_CPP_CONVERTER)/convert_hf_to_gguf.py: $(STAMP)
 # `radixrt bench` runs the others as its peers
 LLAMA_CPP_TOOLS := $(HOME)/.cache/radixrt/llama.cpp-$(LLAMA_CPP_PYTHON)/bin
 export RADIXRT_LLAMA_CPP_TOOLS := $(LLAMA_CPP_TOOLS)
-$(LLAMA_CPP_TOOLS)/llama-tokenize: $(STAMP)
+$(LLAMA_CPP_TOOLS)/llama-tokenize: | $(STAMP)  # order-only: a new venv does not rebuild them
 	PIP=$(BIN)/pip bash scripts/build_llama_server.sh $(LLAMA_CPP_PYTHON) $(LLAMA_CPP_TOOLS)
 
 # two workers (pytest-xdist), a module's tests on one of them (its runtime fixtures start once):

@@ -39,6 +39,7 @@ from helpers import (
     hf_greedy,
     make_scheduler,
     mutated_header,
+    requests_in_process,
     run_in_process,
     teacher_forced_logits,
 )
@@ -139,7 +140,7 @@ SERVED = {"tried": 0, "served": 0, "refused": 0, "seconds": 0.0}
 
 
 @settings(
-    max_examples=60,
+    max_examples=25,  # a file served costs a model's start (2-3 s)
     deadline=None,
     derandomize=True,
     suppress_health_check=[HealthCheck.function_scoped_fixture],
@@ -149,7 +150,8 @@ def test_mutated_converted_files_are_served_or_refused_in_one_line(files, tmp_pa
     """A file llama.cpp's converter made, its header, metadata or tensor table mutated (bytes
     overwritten, inserted, cut): the whole start path (read, config, tokenizer, weights, model)
     and one greedy request either serve it or refuse it with one line (ValueError, which
-    GGUFError is), within 10 s and 1 GB of peak memory beyond what the suite holds."""
+    GGUFError is), within 10 s and 1 GB of peak memory beyond what the suite holds (25 files:
+    a file served costs a start)."""
     source = files["llama", "f32"][1]
     header = min(t.offset for t in gguf_file.read(source).tensors.values())
     mutated = mutated_header(data, source.read_bytes(), header)
@@ -160,8 +162,12 @@ def test_mutated_converted_files_are_served_or_refused_in_one_line(files, tmp_pa
     SERVED["tried"] += 1
     try:
         scheduler = make_scheduler(path, quantization="none", max_total_tokens=64)
-        (out,) = run_in_process(scheduler, [[PROMPTS[0]]], {**GREEDY, "max_new_tokens": 2})
-        assert len(out) == 2
+        params = {**GREEDY, "max_new_tokens": 2}
+        (req,) = requests_in_process(scheduler, [[PROMPTS[0]]], params)
+        reason = req.finish_reason
+        # served: two tokens, or logits no token can be sampled from (a mutated norm epsilon
+        # or rope base: NaN), which fail that request alone with its error
+        assert len(req.output_ids) == 2 or (reason.error is not None and "\n" not in reason.message)
         SERVED["served"] += 1
     except ValueError as e:
         assert "\n" not in str(e), e

@@ -111,6 +111,7 @@ class Bits(enum.IntEnum):
 
 # llama.cpp's kvalues_iq4nl: the 16 int8 levels an IQ4_NL or IQ4_XS nibble stands for
 IQ4_LEVELS = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+_IQ4_TABLE = torch.tensor(IQ4_LEVELS, dtype=torch.int8)  # rows() looks tokens up through it
 
 
 def _round(
@@ -288,7 +289,7 @@ class PackedGroups:
             elif self.bits == Bits.INT6:
                 values = values | (six_high(q[..., 16:]) << 4)
             elif self.bits == Bits.IQ4:
-                values = torch.tensor(IQ4_LEVELS, dtype=torch.int8)[values.long()]
+                values = _IQ4_TABLE[values.long()]
             q = values
         if self.bits == Bits.INT6:  # each half's d, no offset
             w = (q.float() - 32) * d.float().repeat_interleave(16, dim=-1)

@@ -31,7 +31,7 @@ def _serve(args: argparse.Namespace) -> None:
 
         run_fleet(server_args.with_secrets_from_env())
     else:
-        from radixrt.server.zmq_server import run_server
+        from radixrt.server.launch import run_server
 
         run_server(server_args)
     _leave()

@@ -235,6 +235,7 @@ def test_the_cycle_check_finds_and_names_a_cycle():
     [
         "import radixrt",  # the user API: DSL, endpoint, launchers
         "import radixrt.server.http.process, radixrt.server.http.app",  # the HTTP gateway's process
+        "import radixrt.server.launch",  # serve's process while its gateway child starts
         "import radixrt.cli; radixrt.cli.build_parser()",  # every `radixrt` command, the gateway's
     ],
 )

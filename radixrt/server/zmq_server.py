@@ -13,7 +13,6 @@ import uuid
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import zmq
@@ -21,7 +20,6 @@ import zmq
 from radixrt.config import ServerArgs
 from radixrt.engine.request import Req, RequestScope
 from radixrt.engine.scheduler import Scheduler
-from radixrt.lifecycle import exit_with_parent
 from radixrt.protocol import (
     GENERATE_FIELDS,
     MAX_PIN_ID_CHARS,
@@ -47,7 +45,6 @@ from radixrt.protocol import (
 )
 from radixrt.sampling_params import SamplingParams
 from radixrt.server import rollout
-from radixrt.server.exposure import check_kv_events_exposure
 from radixrt.server.front import (
     Caller,
     ClientFront,
@@ -501,34 +498,9 @@ OPS: dict[str, Op] = {
 }
 
 
-def run_server(args: ServerArgs) -> None:
-    """Load the model, bind, serve until a `shutdown` op, SIGINT, or SIGTERM (which drains
-    first: running and queued requests finish, up to `--drain-timeout`)."""
-    logging.basicConfig(level=args.log_level.upper(), format="[%(asctime)s %(name)s] %(message)s")
-    args = args.with_secrets_from_env().with_own_admin_key()  # its gateway's too
-    front = FrontConfig.of(args)
-    front.check_exposure(args.host)
-    check_kv_events_exposure(args.kv_events, front.keyed)
-    exit_with_parent()  # a runtime started by rt.Runtime / rt.Engine ends with its launcher
-    gateway = None
-    # before loading the model: a busy port fails at once, and the child starts meanwhile
-    if not args.disable_http:
-        from radixrt.server.http import (
-            process as http_gateway,  # fastapi and uvicorn only when asked for
-        )
-
-        gateway = http_gateway.start_gateway(args)  # it also exits by itself if this process dies
-    try:  # a model that fails to load stops the gateway too
-        _serve(args)
-    finally:
-        if gateway is not None:
-            http_gateway.stop_gateway(gateway)
-    if args.endpoint.startswith("ipc://"):
-        Path(args.endpoint.removeprefix("ipc://")).unlink(missing_ok=True)
-
-
-def _serve(args: ServerArgs) -> None:
-    """Load the model, bind, and run the loop until it stops."""
+def serve(args: ServerArgs) -> None:
+    """Load the model, bind, and run the loop until it stops (`launch.run_server` starts the
+    gateway first)."""
     server = Server(args, args.endpoint)
 
     def stop(*_: Any) -> None:

@@ -1,22 +1,18 @@
-"""The gateway's process: `serve` binds `--port` and hands it to a `radixrt http-gateway` child,
-which serves until SIGTERM or until its parent, the runtime, is gone."""
+"""The gateway's process: a `radixrt http-gateway` child of `serve` (`server.launch`), serving the
+port it inherits until SIGTERM or until its parent, the runtime, is gone."""
 
 from __future__ import annotations
 
 import logging
 import os
 import socket
-import subprocess
 import threading
 import time
-from dataclasses import replace
 
 import uvicorn
-import zmq
 
 from radixrt.client.endpoint import ZmqEndpoint
-from radixrt.config import SECRETS, GatewaySettings, ServerArgs
-from radixrt.lifecycle import python_command
+from radixrt.config import GatewaySettings
 from radixrt.server.http.app import build_app
 from radixrt.server.http.gateway import REPLY_GRACE_S, Gateway
 from radixrt.server.tenants import KeyRing
@@ -25,59 +21,6 @@ logger = logging.getLogger(__name__)
 
 
 PARENT_POLL_S = 1.0
-STOP_TIMEOUT_S = 10
-
-
-def start_gateway(args: ServerArgs) -> subprocess.Popen[bytes]:
-    """Bind the HTTP port here (a busy port fails `serve` at once) and hand it to a gateway child."""
-    host = args.http_host
-    if not args.is_loopback and not (args.api_key or args.api_key_file or args.admin_api_key):
-        raise SystemExit(f"refusing to serve HTTP on {host} without --api-key")
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.create_server((host, args.port), family=family, backlog=1024)
-    command = python_command(
-        "-m",
-        "radixrt",
-        "http-gateway",
-        "--url",
-        args.endpoint,
-        "--fd",
-        str(sock.fileno()),
-        "--parent-pid",
-        str(os.getpid()),
-        "--log-level",
-        args.log_level,
-        "--tool-call-parser",
-        args.tool_call_parser,
-        # the body bound is the frame's (a body becomes one frame to the runtime); --host the
-        # address bound here, whose names a keyless gateway answers to
-        *replace(GatewaySettings.of(args), host=host).to_cli_args(),
-    )
-    if args.api_key_file:
-        command += ["--api-key-file", args.api_key_file]
-    if args.reasoning_parser:
-        command += ["--reasoning-parser", args.reasoning_parser]
-    if args.curve_secret_key:
-        # one argument: a Z85 key may start with "-", which argparse would take for a flag
-        public = zmq.curve_public(args.curve_secret_key.encode()).decode()
-        command += [f"--curve-server-key={public}"]
-    env = dict(os.environ)
-    for name in ("api_key", "admin_api_key"):
-        if getattr(args, name):
-            env[SECRETS[name]] = getattr(args, name)
-    with sock:
-        proc = subprocess.Popen(command, pass_fds=[sock.fileno()], env=env)
-    return proc
-
-
-def stop_gateway(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def run_gateway(

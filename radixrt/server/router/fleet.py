@@ -23,6 +23,7 @@ from radixrt.client.launcher import Engine
 from radixrt.config import RouterSettings, ServerArgs, WorkerSettings, physical_cores
 from radixrt.lifecycle import exit_with_parent
 from radixrt.server.front import FrontConfig
+from radixrt.server.launch import start_gateway, stop_gateway
 from radixrt.server.router.router import DRAIN_SLACK_S, Router, RouterConfig
 from radixrt.server.tenants import KeyRing
 
@@ -137,9 +138,7 @@ def run_fleet(args: ServerArgs) -> None:
     exit_with_parent()  # and the workers, which watch this process, follow
     gateway = None
     if not args.disable_http:  # before the workers load: a busy port fails at once
-        from radixrt.server.http import process as http_gateway
-
-        gateway = http_gateway.start_gateway(args)
+        gateway = start_gateway(args)
     workers = []
     try:
         workers = start_workers(args)
@@ -164,7 +163,7 @@ def run_fleet(args: ServerArgs) -> None:
     finally:
         stop_workers(workers)
         if gateway is not None:
-            http_gateway.stop_gateway(gateway)
+            stop_gateway(gateway)
     if failed:
         raise SystemExit(f"drained, but workers did not exit 0: {'; '.join(failed)}")
 

@@ -32,7 +32,7 @@ from radixrt.models.quantized import PermutedGroups
 from radixrt.models.support import check_all_read
 
 if TYPE_CHECKING:
-    from transformers import PretrainedConfig
+    from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
@@ -261,6 +261,44 @@ def convert_gguf(gguf: Path) -> Path:
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)
     return out
+
+
+def read_config(folder: Path) -> PretrainedConfig:
+    """The config of the model in `folder`. A GGUF's folder (`convert_gguf`) holds config.json
+    as save_pretrained wrote it from the file's metadata, every attribute its family's class
+    would default included, so it is read as a plain `PretrainedConfig` of its model_type:
+    transformers' family config classes import its activations, hub kernels and
+    torch.distributed.tensor (0.9 s of every start). Any other folder goes through AutoConfig:
+    a Hub config.json may leave out what its class defaults, or name rope settings the class
+    renames."""
+    from transformers import PretrainedConfig
+
+    if not (folder / READY_MARKER).is_file():
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(folder)  # type: ignore[no-any-return]
+    values = json.loads((folder / "config.json").read_text())
+    family = type("GGUFConfig", (PretrainedConfig,), {"model_type": values.get("model_type", "")})
+    return family.from_dict(values)  # type: ignore[no-any-return]
+
+
+def read_tokenizer(folder: Path) -> PreTrainedTokenizerBase:
+    """The tokenizer in `folder`. A GGUF's folder names the class `gguf_tokenizer` built in its
+    tokenizer_config.json, which is loaded directly: AutoTokenizer reads the model's config
+    through the family's config class (`read_config` says what that import costs). Any other
+    folder goes through AutoTokenizer."""
+    import transformers
+
+    named = None
+    if (folder / READY_MARKER).is_file():
+        settings = json.loads((folder / "tokenizer_config.json").read_text())
+        named = getattr(transformers, str(settings.get("tokenizer_class")), None)
+    load = (
+        named.from_pretrained
+        if isinstance(named, type)
+        else transformers.AutoTokenizer.from_pretrained
+    )
+    return load(folder)  # type: ignore[no-any-return]
 
 
 def gguf_config(file: gguf_file.GGUFFile) -> PretrainedConfig:
@@ -624,13 +662,12 @@ class GGUFWeightReader(WeightReader):
             raise ValueError(f"{gguf.name}: no tensor for {missing[:4]} (transformers' names)")
         self.read = set()
         self._held: tuple[str, torch.Tensor] | None = None
+        self._wanted = ""
         self._scratch = torch.empty(0, dtype=torch.uint8)
 
     def _find(self, name: str) -> _Stored:
         stored = super()._find(name)
-        if self._held is None or self._held[0] != name:
-            self._held = None  # the previous tensor freed before the next is made
-            self._held = (name, self._dequantized(name, stored.shape))
+        self._wanted = name
         return stored
 
     def _dequantized(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
@@ -654,8 +691,13 @@ class GGUFWeightReader(WeightReader):
         return out
 
     def _pread(self, t: _Stored, offset: int, size: int) -> torch.Tensor:
-        """Bytes of the tensor `_find` dequantized last (the one being copied)."""
-        assert self._held is not None
+        """Bytes of the tensor `_find` found last (the one being copied), dequantized at its
+        first read: a tensor found but never read (a linear packed from its blocks, whose
+        float parameter stays on the meta device) is never dequantized."""
+        name = self._wanted
+        if self._held is None or self._held[0] != name:
+            self._held = None  # the previous tensor freed before the next is made
+            self._held = (name, self._dequantized(name, t.shape))
         return self._held[1].view(-1).view(torch.uint8)[offset : offset + size]
 
 
@@ -668,10 +710,11 @@ def _skeleton_shapes(config: PretrainedConfig, kept: Path) -> dict[str, tuple[in
     the meta device, then written there (under a temporary name, renamed)."""
     if kept.is_file():
         return {name: tuple(shape) for name, shape in json.loads(kept.read_text()).items()}
-    from transformers import AutoModelForCausalLM
+    from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 
+    family = CONFIG_MAPPING[config.model_type].from_dict(config.to_dict())  # `read_config`'s
     with torch.device("meta"):  # transformers leaves AutoModel.from_config unannotated
-        skeleton = AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
+        skeleton = AutoModelForCausalLM.from_config(family)  # type: ignore[no-untyped-call]
     shapes = {name: tuple(p.shape) for name, p in skeleton.state_dict().items()}
     if config.tie_word_embeddings:
         shapes.pop("lm_head.weight", None)

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from transformers import AutoConfig, AutoTokenizer, PretrainedConfig
+from transformers import PretrainedConfig
 
 from radixrt.attention import create_backend
 from radixrt.config import ExecutorArgs
@@ -25,7 +25,9 @@ from radixrt.executor.model_loader import (
     converted_from,
     load_chat_template,
     load_model,
+    read_config,
     read_generation_config,
+    read_tokenizer,
     resolve_model_path,
     resolve_tokenizer_path,
 )
@@ -177,8 +179,8 @@ class ModelRunner:
         )
         for folder in {self.model_path, self.tokenizer_path}:
             check_file_sizes(folder)
-        self.config = AutoConfig.from_pretrained(self.model_path)
-        self.tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_path)
+        self.config = read_config(self.model_path)
+        self.tokenizer = read_tokenizer(self.tokenizer_path)
         if args.chat_template:
             self.tokenizer.chat_template = load_chat_template(args.chat_template)
         self.context_length = check_supported(self.config, args.context_length)

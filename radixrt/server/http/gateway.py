@@ -199,7 +199,8 @@ class Gateway:
         tokenizer = load_tokenizer(info)
         template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else None
         parser = resolve_parser(self.tool_call_parser, template)
-        self.templates.start()  # warm before the first chat
+        if template is not None:
+            self.templates.start()  # warm before the first chat
         return Model(
             info["model"],
             info["context_length"],

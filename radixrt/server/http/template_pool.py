@@ -11,9 +11,10 @@ render passes the timeout; the request gets `400 invalid_request` naming the lim
 process takes the dead one's place. The output is bounded by `--max-prompt-bytes` in the worker,
 as it is made.
 
-The processes (`workers`, `--http-cpu-threads` of them) start with the gateway's model, so an
-ordinary chat's render costs a round trip to a warm process (about a millisecond beside the
-render itself). Each is driven by one thread of the pool's own, which sends a job, waits for the
+One process starts with the gateway's model (when it has a template), so an ordinary chat's
+render costs a round trip to a warm process (about a millisecond beside the render itself);
+more start as renders overlap, up to `workers` (`--http-cpu-threads`), and stay. Each is about
+24 MB resident, which a server that never overlaps renders does not hold. Each is driven by one thread of the pool's own, which sends a job, waits for the
 answer at most the timeout, and kills on overrun; the event loop only awaits that thread.
 
 Tenants share the workers as they share the CPU pool's threads (`cpu_pool.py`): one tenant's
@@ -123,14 +124,14 @@ class TemplatePool:
         return max(1, self.workers // 2)
 
     def start(self) -> None:
-        """Start the workers (once), each from a thread of the pool, which lives as long as the
-        pool (a worker dies with the thread that started it: PR_SET_PDEATHSIG)."""
+        """Start one worker (once), from a thread of the pool, which lives as long as the pool
+        (a worker dies with the thread that started it: PR_SET_PDEATHSIG); `_take` starts the
+        others as renders overlap."""
         with self._lock:
             if self._started or self._closed:
                 return
             self._started = True
-        for _ in range(self.workers):
-            self.executor.submit(self._warm_one)
+        self.executor.submit(self._warm_one)
 
     def _warm_one(self) -> None:
         worker = RenderWorker(self.memory_bytes)

@@ -255,29 +255,31 @@ def llama_cpp_converter() -> Path | None:
     """llama.cpp's converter's folder (convert_hf_to_gguf.py, conversion/, gguf-py/):
     $RADIXRT_LLAMA_CPP_CONVERTER (where `make test` fetches it, outside the checkout), else the
     newest in the cache dir; None where there is none."""
-    from radixrt.executor.model_loader import cache_dir
-
-    places = sorted(cache_dir().glob("llama.cpp-converter-*"), reverse=True)
-    if os.environ.get("RADIXRT_LLAMA_CPP_CONVERTER"):
-        places.insert(0, Path(os.environ["RADIXRT_LLAMA_CPP_CONVERTER"]))
+    places = _llama_cpp_places("RADIXRT_LLAMA_CPP_CONVERTER", "llama.cpp-converter-*")
     return next((p for p in places if (p / "convert_hf_to_gguf.py").is_file()), None)
 
 
 def llama_cpp_tool(name: str) -> Path | None:
     """One of llama.cpp's tools (`llama-server`, `llama-bench`, `test-backend-ops`, ...): in
     $RADIXRT_LLAMA_CPP_TOOLS (where `make bench-peers` and `make test` build them, outside the
-    checkout), beside this Python, or on PATH; None where none is."""
-    places = [Path(sys.executable).parent]
-    if os.environ.get("RADIXRT_LLAMA_CPP_TOOLS"):
-        places.insert(0, Path(os.environ["RADIXRT_LLAMA_CPP_TOOLS"]))
-    from radixrt.executor.model_loader import cache_dir
-
-    places += sorted(cache_dir().glob("llama.cpp-*/bin"), reverse=True)  # the newest version
-    for place in places:
+    checkout), the newest in the cache dir, beside this Python, or on PATH; None where none is."""
+    places = _llama_cpp_places("RADIXRT_LLAMA_CPP_TOOLS", "llama.cpp-*/bin")
+    for place in [*places, Path(sys.executable).parent]:
         if (place / name).is_file() and os.access(place / name, os.X_OK):
             return place / name
     found = shutil.which(name)
     return Path(found) if found else None
+
+
+def _llama_cpp_places(variable: str, pattern: str) -> list[Path]:
+    """The folder $`variable` names, then the cache dir's folders matching `pattern`, newest
+    version first."""
+    from radixrt.executor.model_loader import cache_dir
+
+    places = sorted(cache_dir().glob(pattern), reverse=True)
+    if os.environ.get(variable):
+        places.insert(0, Path(os.environ[variable]))
+    return places
 
 
 def llama_cpp_available() -> bool:

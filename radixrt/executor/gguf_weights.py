@@ -16,6 +16,11 @@ GGUF stores a linear [N, K] as N rows of blocks:
 - Q6_K (per 256: 6-bit values in sub-blocks of 16, each with an int8 scale of the super-block's
   d): 6-bit groups, a d for each half (d times the sub-block's scale, rounded once to float16,
   as Q4_K's), 7 bits a weight (Q6_K: 6.56).
+- Q3_K (per 256: 3-bit signed values -4..3, their low 2 bits and a high bit stored apart, in
+  sub-blocks of 16, each with a 6-bit scale - 32 of the super-block's d): 6-bit groups as Q6_K's,
+  its values exactly (7 bits a weight where the file holds 3.44: no 3-bit kernel yet).
+- Q2_K (per 256: 2-bit values in sub-blocks of 16, each with a 4-bit scale and min of the
+  super-block's d and dmin): 8-bit groups by Q8_0's rule (no group of 32 holds two offsets).
 - IQ4_NL (per 32: d and 16 bytes of indices into 16 non-uniform int8 levels) and IQ4_XS (per
   256: d, a 6-bit scale per 32, the indices): IQ4 groups, the indices as stored, d (times the
   sub-block's scale - 32, rounded once to float16, for IQ4_XS).
@@ -66,6 +71,8 @@ PACKED_TYPES = {
     "Q4_K": Bits.INT4,
     "Q5_K": Bits.INT5,
     "Q6_K": Bits.INT6,
+    "Q3_K": Bits.INT6,
+    "Q2_K": Bits.INT8,
     "IQ4_NL": Bits.IQ4,
     "IQ4_XS": Bits.IQ4,
 }
@@ -73,6 +80,8 @@ SUPER = 256  # values in a K-quant super-block
 Q4_K_BYTES = 144  # d, dmin (float16), 12 bytes of 6-bit scales and mins, 128 of nibbles
 Q5_K_BYTES = 176  # Q4_K's, with 32 bytes of high bits before the nibbles
 Q6_K_BYTES = 210  # 128 bytes of low nibbles, 64 of top 2 bits, 16 int8 scales, float16 d
+Q3_K_BYTES = 110  # 32 bytes of high bits, 64 of low 2-bit pairs, 12 of 6-bit scales, float16 d
+Q2_K_BYTES = 84  # 16 bytes of 4-bit scales and mins, 64 of 2-bit values, float16 d and dmin
 IQ4_XS_BYTES = 136  # float16 d, 16 bits of scales' top bits, 4 bytes of their low ones, nibbles
 # super-blocks converted at once: their temporaries (ints of every value) stay tens of MB, where
 # a 49152-row Q6_K output projection converted whole peaked 2.8 GB over its 84 MB of groups
@@ -247,6 +256,26 @@ def _k_scales(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (d * scales).view(n, s * 8).half(), (-(dmin * mins)).view(n, s * 8).half()
 
 
+def _nibbles(values: torch.Tensor) -> torch.Tensor:
+    """Groups' values [..., 32] (their low 4 bits) as 16 bytes in Q4_0's order: byte j holds
+    values j and j + 16."""
+    return (values[..., :16] & 0xF) | ((values[..., 16:] & 0xF) << 4)
+
+
+def _six_bit(values: torch.Tensor) -> torch.Tensor:
+    """6-bit groups' values 0..63 uint8 [N, G, 32] -> their 24 bytes: the nibbles, then the top
+    2 bits as `int4_gemm.six_high` holds them."""
+    return torch.cat([_nibbles(values), six_high_packed(values >> 4)], dim=-1).contiguous()
+
+
+def _two_bit_quarters(qs: torch.Tensor) -> torch.Tensor:
+    """Q2_K's and Q3_K's 2-bit fields [N, S, 64] -> [N, 8S, 32]: each half of a super-block is 32
+    bytes whose bit pairs 2j hold its sub-blocks' quarter j (llama.cpp's dequantize_row_q2_K)."""
+    n, s, _ = qs.shape
+    shifts = (2 * torch.arange(4, dtype=torch.uint8))[:, None]
+    return ((qs.reshape(n, s, 2, 1, 32) >> shifts) & 3).reshape(n, s * 8, GROUP)
+
+
 def _k_values(qs: torch.Tensor) -> torch.Tensor:
     """K-quant nibbles [N, S, 128] (each 32 bytes hold two sub-blocks: the low nibbles, then
     the high) -> each sub-block's 32 values [N, 8S, 32]."""
@@ -258,9 +287,7 @@ def _k_values(qs: torch.Tensor) -> torch.Tensor:
 def _q4_k(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Q4_K super-blocks [N, S, 144] -> nibbles [N, 8S, 16] in Q4_0's order (byte j holds
     values j and j + 16 of its group), scales d sc and offsets -dmin mn float16 [N, 8S]."""
-    values = _k_values(raw[..., 16:])
-    nibbles = values[..., :16] | (values[..., 16:] << 4)
-    return (nibbles.contiguous(), *_k_scales(raw))
+    return (_nibbles(_k_values(raw[..., 16:])).contiguous(), *_k_scales(raw))
 
 
 def _q5_k(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -268,8 +295,7 @@ def _q5_k(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     group's 32 high bits: bit l of its word is value l's), scales and offsets as Q4_K's. A
     super-block's 32 bytes of high bits hold sub-block j's in bit j of byte l (value l)."""
     n, s, _ = raw.shape
-    values = _k_values(raw[..., 48:])
-    nibbles = values[..., :16] | (values[..., 16:] << 4)
+    nibbles = _nibbles(_k_values(raw[..., 48:]))
     qh = raw[..., 16:48].to(torch.int64)  # [N, S, 32]: byte l, bit j
     bits = (qh[..., None, :] >> torch.arange(8)[:, None]) & 1  # [N, S, 8 sub-blocks, 32]
     words = (bits << torch.arange(32)).sum(-1)  # [N, S, 8]: bit l = value l's
@@ -310,11 +336,42 @@ def _q6_k(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     )
     top = (qh >> (2 * torch.arange(4, dtype=torch.uint8))[:, None]) & 3  # [N, S, half, 4, 32]
     values = (low | (top << 4)).reshape(n, s * 8, GROUP)
-    nibbles = (values[..., :16] & 0xF) | ((values[..., 16:] & 0xF) << 4)
-    q = torch.cat([nibbles, six_high_packed(values >> 4)], dim=-1)
     scales = raw[..., 192:208].contiguous().view(torch.int8).float()  # [N, S, 16]
     d = raw[..., 208:210].contiguous().view(torch.float16).float()  # [N, S, 1]
-    return q.contiguous(), (d * scales).half().reshape(n, s * 8, 2)
+    return _six_bit(values), (d * scales).half().reshape(n, s * 8, 2)
+
+
+def _q3_k(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q3_K super-blocks [N, S, 110] -> 6-bit groups [N, 8S, 24] holding its values + 32 (the
+    kernel's 6-bit values are stored + 32) and each half's d float16 [N, 8S, 2]: d times the
+    scale - 32 of its sub-block of 16, rounded once to float16 (as Q6_K's). Value l of group
+    g (llama.cpp's dequantize_row_q3_K): the 2-bit quarter as Q2_K's, less 4 where bit g of
+    high-bit byte l is clear. The 16 scales: the nibbles of bytes 0-7 (low nibbles first), over
+    the bit pairs of bytes 8-11 (pair 0 for scales 0-3, then 4-7, 8-11, 12-15)."""
+    n, s, _ = raw.shape
+    low = _two_bit_quarters(raw[..., 32:96])
+    high = (raw[..., :32].reshape(n, s, 1, 32) >> torch.arange(8, dtype=torch.uint8)[:, None]) & 1
+    values = low + 28 + 4 * high.reshape(n, s * 8, GROUP)  # (low - 4 + 4 high) + 32
+    b = raw[..., 96:108].to(torch.int32)
+    nibbles = torch.cat([b[..., 0:8] & 0xF, b[..., 0:8] >> 4], -1)  # scales' low 4 bits
+    tops = torch.cat([(b[..., 8:12] >> (2 * i)) & 3 for i in range(4)], -1)
+    d = raw[..., 108:110].contiguous().view(torch.float16).float()  # [N, S, 1]
+    scales = (nibbles | (tops << 4)) - 32
+    return _six_bit(values), (d * scales).half().reshape(n, s * 8, 2)
+
+
+def _q2_k(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q2_K super-blocks [N, S, 84] -> 8-bit groups [N, 8S, 32] (as uint8) and their d float16
+    [N, 8S], by Q8_0's rule from gguf's values (llama.cpp's dequantize_row_q2_K: sub-block i of
+    16 is d (scale i & 15) q - dmin (scale i >> 4), in float32)."""
+    n, s, _ = raw.shape
+    q = _two_bit_quarters(raw[..., 16:80]).view(n, s, 16, 16).float()
+    sc = raw[..., :16].to(torch.int32)  # [N, S, 16]
+    d = raw[..., 80:82].contiguous().view(torch.float16).float()  # [N, S, 1]
+    dmin = raw[..., 82:84].contiguous().view(torch.float16).float()
+    w = (d * (sc & 0xF)).unsqueeze(-1) * q - (dmin * (sc >> 4)).unsqueeze(-1)
+    q8, d8 = int8_groups(w.view(n, s * 8, GROUP))
+    return q8.view(torch.uint8), d8
 
 
 # K-quant (and IQ4_XS) type -> (bytes a super-block, its rows' conversion into groups)
@@ -322,13 +379,15 @@ SUPER_BLOCKS: dict[str, tuple[int, Callable[[torch.Tensor], tuple[torch.Tensor, 
     "Q4_K": (Q4_K_BYTES, _q4_k),
     "Q5_K": (Q5_K_BYTES, _q5_k),
     "Q6_K": (Q6_K_BYTES, _q6_k),
+    "Q3_K": (Q3_K_BYTES, _q3_k),
+    "Q2_K": (Q2_K_BYTES, _q2_k),
     "IQ4_XS": (IQ4_XS_BYTES, _iq4_xs),
 }
 
 
 def _stack(tensors: list[TensorInfo], parts: list[Part]) -> PackedGroups:
-    """Several tensors' rows, one after the other, as one packed weight: 8-bit groups if any
-    of them is 8-bit (a Q4_K_M file's Q6_K v beside Q4_K q and k), the 4-bit ones requantized.
+    """Several tensors' rows, one after the other, as one packed weight of the widest width
+    (the module's docstring: 4-bit beside 5-bit widens exactly, any other mix to 8-bit groups).
     A tensor alone, in its own order (the output projection, the embedding: the largest), is
     not copied on the way (each copy of the largest is the load's peak)."""
     k = tensors[0].shape[0]

@@ -124,6 +124,8 @@ K_QUANTS = {
     T.Q4_K: (256, 144, (0, 2)),
     T.Q5_K: (256, 176, (0, 2)),
     T.Q6_K: (256, 210, (208,)),
+    T.Q3_K: (256, 110, (108,)),
+    T.Q2_K: (256, 84, (80, 82)),
     T.IQ4_XS: (256, 136, (0,)),
     T.IQ4_NL: (32, 18, (0,)),
 }
@@ -154,6 +156,8 @@ GROUPS = {
     T.Q4_K: (int4_gemm.Bits.INT4, 16),
     T.Q5_K: (int4_gemm.Bits.INT5, 20),
     T.Q6_K: (int4_gemm.Bits.INT6, 24),
+    T.Q3_K: (int4_gemm.Bits.INT6, 24),
+    T.Q2_K: (int4_gemm.Bits.INT8, 32),
     T.IQ4_NL: (int4_gemm.Bits.IQ4, 16),
     T.IQ4_XS: (int4_gemm.Bits.IQ4, 16),
 }
@@ -164,7 +168,9 @@ def test_super_blocks_become_groups_of_their_width_within_float16_rounding(tmp_p
     """Each sub-block of 32 (Q6_K: pair of 16) is one group of the type's width, its values as
     stored (reordered), its scale (d sc, or d times IQ4_XS's scale - 32) and Q4_K/Q5_K's offset
     -dmin mn rounded once to float16, the kernel's scale type; IQ4_NL's stored d: gguf's values
-    exactly. Q6_K is 7 bits a weight (8-bit groups took 8.5)."""
+    exactly; Q3_K's pairs of sub-blocks of 16 as Q6_K's. Q6_K and Q3_K are 7 bits a weight
+    (8-bit groups took 8.5). Q2_K, whose sub-blocks of 16 each have an offset, becomes 8-bit
+    groups: within half an 8-bit step of each group's largest magnitude."""
     tensor, info = _k_quant_tensor(tmp_path, kind)
     q, d, m, bits = gguf_weights.blocks(info)
     assert (bits, q.shape[2]) == GROUPS[kind] and q.shape[:2] == (24, KQ // 32)
@@ -172,9 +178,12 @@ def test_super_blocks_become_groups_of_their_width_within_float16_rounding(tmp_p
     got, want = packed.dequantize(), _dequantized(tensor)
     if kind == T.IQ4_NL:
         assert torch.equal(got, want)
+    elif kind == T.Q2_K:
+        largest = want.view(24, -1, 32).abs().amax(-1, keepdim=True)
+        assert ((got - want).view(24, -1, 32).abs() <= largest / 254 * 1.01).all()
     else:
         torch.testing.assert_close(got, want, rtol=2**-10, atol=2**-10 * float(want.abs().max()))
-    if kind == T.Q6_K:
+    if kind in (T.Q6_K, T.Q3_K):
         assert packed.nbytes * 8 / (24 * KQ) == 7
 
 

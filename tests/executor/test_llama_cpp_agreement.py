@@ -3,12 +3,14 @@ the checkout) served packed at the defaults, against llama.cpp's own server on t
 llama.cpp's greedy next token at each position of a natural text (teacher-forced through
 `llama-server`, its prompt cache reused) against the token radixrt's packed weights predict
 there. The default model (SmolLM2-135M, Q4_1) requantized by llama-quantize: its width (576) is
-not a multiple of 256, so llama.cpp's Q4_K_M, Q5_K_M and IQ4_XS mixes take Q4_K/Q5_K/IQ4_XS
-only where they fit and fall back to Q5_0/Q5_1/IQ4_NL elsewhere, with Q6_K and Q8_0 beside
-them, as a Hub file of such a model holds: every type radixrt packs but Q4_1 (the file itself,
-`test_quantization`). Every linear is served packed (no float copy); the gates: top-1 agreement
->= 0.9 over 120 positions (measured 0.95 to 0.97; radixrt's float32 reading of the same
-files agrees 0.94 to 0.97: llama.cpp's own numerics, f16 KV and 8-bit activations, differ).
+not a multiple of 256, so llama.cpp's Q4_K_M, Q5_K_M, Q3_K_S and IQ4_XS mixes take
+Q4_K/Q5_K/Q3_K/IQ4_XS only where they fit and fall back to Q5_0/Q5_1/Q4_0/IQ4_NL elsewhere, with
+Q6_K and Q8_0 beside them, as a Hub file of such a model holds: every type radixrt packs but
+Q4_1 (the file itself, `test_quantization`) and Q2_K (whose mixes fall back to Q3_K and Q4_0
+here; `test_gguf_weights` holds its blocks to gguf's). Every linear is served packed (no float
+copy); the gates: top-1 agreement >= 0.9 over 120 positions (measured 0.92 for Q3_K_S, 0.95 to
+0.97 for the others; radixrt's float32 reading of the same files agrees 0.94 to 0.97:
+llama.cpp's own numerics, f16 KV and 8-bit activations, differ).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ TYPES = {
     "Q4_K_M": {"Q4_K", "Q5_0", "Q6_K", "Q8_0"},
     "Q5_K_M": {"Q5_K", "Q5_1", "Q6_K", "Q8_0"},
     "Q6_K": {"Q6_K", "Q8_0"},
+    "Q3_K_S": {"Q3_K", "Q4_0", "Q8_0"},  # Q3_K only where 256 fits: the down projections
     "IQ4_XS": {"IQ4_XS", "IQ4_NL", "Q5_K", "Q8_0"},
 }
 

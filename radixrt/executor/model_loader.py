@@ -278,8 +278,10 @@ def read_config(folder: Path) -> PretrainedConfig:
 
         return AutoConfig.from_pretrained(folder)  # type: ignore[no-any-return]
     values = json.loads((folder / "config.json").read_text())
-    family = type("GGUFConfig", (PretrainedConfig,), {"model_type": values.get("model_type", "")})
-    return family.from_dict(values)  # type: ignore[no-any-return]
+    family: type[PretrainedConfig] = type(
+        "GGUFConfig", (PretrainedConfig,), {"model_type": values.get("model_type", "")}
+    )
+    return family.from_dict(values)
 
 
 def read_tokenizer(folder: Path) -> PreTrainedTokenizerBase:
@@ -289,16 +291,13 @@ def read_tokenizer(folder: Path) -> PreTrainedTokenizerBase:
     folder goes through AutoTokenizer."""
     import transformers
 
-    named = None
+    load = transformers.AutoTokenizer.from_pretrained
     if (folder / READY_MARKER).is_file():
         settings = json.loads((folder / "tokenizer_config.json").read_text())
         named = getattr(transformers, str(settings.get("tokenizer_class")), None)
-    load = (
-        named.from_pretrained
-        if isinstance(named, type)
-        else transformers.AutoTokenizer.from_pretrained
-    )
-    return load(folder)  # type: ignore[no-any-return]
+        load = getattr(named, "from_pretrained", load)
+    tokenizer: PreTrainedTokenizerBase = load(folder)
+    return tokenizer
 
 
 def gguf_config(file: gguf_file.GGUFFile) -> PretrainedConfig:

@@ -12,14 +12,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-from transformers import AutoConfig, PretrainedConfig
 
 from radixrt.models.linear import FixedOrderLinear, GroupedLinear, Int8Linear, PrepackedLinear
 from radixrt.models.llama import PackedEmbedding
 from radixrt.models.lora import LoraSite
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 # the config fields that fix the architecture and every weight's shape: an update must keep them
 ARCHITECTURE_FIELDS = (
@@ -83,6 +86,8 @@ def check_same_architecture(served: PretrainedConfig, folder: Path) -> None:
     served model's config (`served`); a folder without config.json is refused too."""
     if not (folder / "config.json").is_file():
         raise ValueError(f"{folder} has no config.json: not a model checkpoint folder")
+    from transformers import AutoConfig  # its import is a quarter second of every start
+
     new = AutoConfig.from_pretrained(folder)
     differ = [
         f"{name}: {getattr(new, name, None)!r} (served: {getattr(served, name, None)!r})"

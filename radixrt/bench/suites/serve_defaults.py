@@ -7,6 +7,9 @@
   ONE_STREAM_TOKENS each;
 - nothing shared: `--concurrency` (32) clients at once, twice as many prompts, each its own
   random words, CLIENT_TOKENS each;
+- a shared prefix: as many clients and prompts, each SHARED_WORDS words every prompt begins
+  with (a system prompt) and QUESTION_WORDS of its own, CLIENT_TOKENS each (both servers reuse
+  what they cached of the prefix: radixrt's radix tree, llama-server's slots' prompt caches);
 - peak resident memory of the whole serving process tree (the server and every child, summed,
   sampled every 20 ms from /proc) while it starts and serves one stream, and over the run.
 
@@ -41,6 +44,8 @@ ONE_STREAM_REQUESTS = 4
 ONE_STREAM_TOKENS = 128
 CLIENTS = 32
 CLIENT_TOKENS = 64
+SHARED_WORDS = 200  # ~250 tokens: with a question and the reply, within a llama-server slot's
+QUESTION_WORDS = 16  # context at its defaults (the model's context over 4 slots)
 
 
 @dataclass(frozen=True)
@@ -51,6 +56,7 @@ class Figures:
     healthy_s: float
     one_stream_tok_s: float
     clients_tok_s: float
+    shared_prefix_tok_s: float
     one_stream_peak_mb: float
     peak_mb: float
 
@@ -123,24 +129,30 @@ def measure(system: str, command: list[str], port: int, loads: Loads) -> Figures
         one_peak = rss.peak_kb
         many = [_prompt(rng, 128) for _ in range(2 * loads.clients)]
         clients = _throughput(port, many, CLIENT_TOKENS, loads.clients)
+        prefix = _prompt(rng, SHARED_WORDS)
+        shared = [f"{prefix} {_prompt(rng, QUESTION_WORDS)}" for _ in range(2 * loads.clients)]
+        shared_prefix = _throughput(port, shared, CLIENT_TOKENS, loads.clients)
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=120)
         rss.stop()
-    return Figures(system, healthy, one_stream, clients, one_peak / 1024, rss.peak_kb / 1024)
+    return Figures(
+        system, healthy, one_stream, clients, shared_prefix, one_peak / 1024, rss.peak_kb / 1024
+    )
 
 
 def _print(gguf: Path, figures: list[Figures], loads: Loads) -> None:
     print(f"{gguf.name}, default flags on both sides")
     print(
         f"| system | to healthy s | one stream tok/s | {loads.clients} clients tok/s "
-        "| peak RSS one stream MB | peak RSS MB |"
+        f"| {loads.clients} clients, shared prefix tok/s | peak RSS one stream MB | peak RSS MB |"
     )
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|")
     for f in figures:
         print(
             f"| {f.system} | {f.healthy_s:.1f} | {f.one_stream_tok_s:.1f} | "
-            f"{f.clients_tok_s:.1f} | {f.one_stream_peak_mb:.0f} | {f.peak_mb:.0f} |"
+            f"{f.clients_tok_s:.1f} | {f.shared_prefix_tok_s:.1f} | {f.one_stream_peak_mb:.0f} | "
+            f"{f.peak_mb:.0f} |"
         )
 
 

@@ -14,8 +14,9 @@ as it is made.
 One process starts with the gateway's model (when it has a template), so an ordinary chat's
 render costs a round trip to a warm process (about a millisecond beside the render itself);
 more start as renders overlap, up to `workers` (`--http-cpu-threads`), and stay. Each is about
-24 MB resident, which a server that never overlaps renders does not hold. Each is driven by one thread of the pool's own, which sends a job, waits for the
-answer at most the timeout, and kills on overrun; the event loop only awaits that thread.
+24 MB resident, which a server that never overlaps renders does not hold. Each is driven by one
+thread of the pool's own, which sends a job, waits for the answer at most the timeout, and kills
+on overrun; the event loop only awaits that thread.
 
 Tenants share the workers as they share the CPU pool's threads (`cpu_pool.py`): one tenant's
 renders run at most `per_tenant` at once (half the workers), so one tenant's slow templates

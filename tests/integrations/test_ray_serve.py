@@ -22,9 +22,9 @@ from ray import serve
 from ray.serve._private.common import DeploymentID, ReplicaID
 from ray.serve.config import AutoscalingContext
 
-from radixrt.bench.suites.ray_routing import Workload, llm_config, run_workload
+from radixrt.bench.suites.ray_routing import Workload, llm_config, run_workload, serve_app
 from radixrt.client.launcher import free_port
-from radixrt.integrations.ray import RUNNING, WAITING, QueueDepthPolicy, build_openai_app
+from radixrt.integrations.ray import RUNNING, WAITING, QueueDepthPolicy
 
 # 13 prefixes of ~160 tokens, 6 questions each; each replica's pool holds ~7.5 requests' worth:
 # all of its half under affinity, a thrashing LRU of random ones under the default (a simulation
@@ -67,7 +67,7 @@ def serve_url():
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        yield f"http://127.0.0.1:{port}/v1"
+        yield f"http://127.0.0.1:{port}"
     finally:
         serve.shutdown()
         ray.shutdown()
@@ -85,20 +85,21 @@ def json_post(url: str, **body: object) -> dict:
         return json.loads(reply.read())
 
 
-def deploy(model: Path, affinity: bool) -> None:
-    config = llm_config(str(model), affinity=affinity, **ENGINE)
-    serve.run(build_openai_app({"llm_configs": [config]}), name="radixrt")
+def deploy(serve_url: str, model: Path, router: str) -> openai.OpenAI:
+    """Two replicas routed by `router` ("default" or "affinity"): the app `router` at
+    /`router`, and an openai client of it."""
+    route = serve_app(llm_config(str(model), affinity=router == "affinity", **ENGINE), router)
+    return openai.OpenAI(base_url=f"{serve_url}{route}/v1", api_key="unused", max_retries=0)
 
 
 def test_two_replicas_serve_as_one_engine_and_affinity_routing_raises_the_hit_rate(
     serve_url, tiny_model_dir, tiny_runtime
 ):
-    client = openai.OpenAI(base_url=serve_url, api_key="unused", max_retries=0)
     expected = [
         tiny_runtime.generate(p, {"max_new_tokens": 8, "temperature": 0})["text"] for p in PROMPTS
     ]
     engine_tokens = tiny_runtime.tokenize(PROMPTS[0])
-    deploy(tiny_model_dir, affinity=False)
+    client = deploy(serve_url, tiny_model_dir, "default")
     try:
         replicas = runtimes_of_replicas()
         assert len(replicas) == 2
@@ -132,27 +133,23 @@ def test_two_replicas_serve_as_one_engine_and_affinity_routing_raises_the_hit_ra
         with pytest.raises(openai.BadRequestError, match="--is-embedding"):
             client.embeddings.create(model="model", input="hello")
 
-        tokens = json_post(
-            f"{serve_url.removesuffix('/v1')}/tokenize", model="model", prompt=PROMPTS[0]
-        )
+        tokens = json_post(f"{serve_url}/default/tokenize", model="model", prompt=PROMPTS[0])
         assert tokens["tokens"] == engine_tokens and tokens["count"] == len(engine_tokens)
         # radixrt keeps its weights: a sleep that would release them is refused by name
-        server = serve.get_deployment_handle("RadixrtServer:model", "radixrt")
+        server = serve.get_deployment_handle("RadixrtServer:model", "default")
         with pytest.raises(ValueError, match="weights"):
             server.sleep.remote(tags=["weights"]).result()
 
         default = run_workload(client, WORKLOAD, "default")
-        # the default's app deleted first: updated in place, its replicas and their routing
-        # served part of the next workload in one CI run (affinity 25.1% against 27.2%)
-        serve.delete("radixrt")
-        deploy(tiny_model_dir, affinity=True)
-        affinity = run_workload(client, WORKLOAD, "affinity")
+        serve.delete("default")  # its replicas' CPU is the affinity run's
+        affinity = run_workload(deploy(serve_url, tiny_model_dir, "affinity"), WORKLOAD, "affinity")
         print(default.line(), affinity.line(), sep="\n")
         assert affinity.hit_rate >= 1.5 * default.hit_rate, (default.line(), affinity.line())
 
         replicas += runtimes_of_replicas()
-    finally:  # a failure above must not leave the app holding the route for the next test
-        serve.delete("radixrt")
+    finally:  # a failure above must not leave replicas running into the next test
+        serve.delete("default")
+        serve.delete("affinity")
     gone, alive = psutil.wait_procs(replicas, timeout=30)
     assert not alive, [p.pid for p in alive]
 
@@ -171,15 +168,15 @@ def test_a_replica_takes_the_keys_radixrt_serve_takes(serve_url, tiny_model_dir,
         admin_api_key="admin-key",
         **ENGINE,
     )
-    serve.run(build_openai_app({"llm_configs": [config]}), name="keyed")
+    url = serve_url + serve_app(config, "keyed") + "/v1"
     try:
         with pytest.raises(urllib.error.HTTPError) as keyless:
-            json_post(f"{serve_url}/completions", model="model", prompt=PROMPTS[0], max_tokens=2)
+            json_post(f"{url}/completions", model="model", prompt=PROMPTS[0], max_tokens=2)
         assert keyless.value.code == 401 and b"missing or wrong API key" in keyless.value.read()
-        wrong = openai.OpenAI(base_url=serve_url, api_key="wrong-key", max_retries=0)
+        wrong = openai.OpenAI(base_url=url, api_key="wrong-key", max_retries=0)
         with pytest.raises(openai.AuthenticationError, match="missing or wrong API key"):
             wrong.completions.create(model="model", prompt=PROMPTS[0], max_tokens=2)
-        alice = openai.OpenAI(base_url=serve_url, api_key="alice-key", max_retries=0)
+        alice = openai.OpenAI(base_url=url, api_key="alice-key", max_retries=0)
         reply = alice.completions.create(model="model", prompt=PROMPTS[0], max_tokens=2)
         assert reply.usage.completion_tokens == 2
     finally:

@@ -87,6 +87,21 @@ class Result:
         )
 
 
+def serve_app(llm: Any, name: str) -> str:
+    """Run `llm` (an `llm_config`) as the Serve app `name` at the route /`name`; that route.
+    Each router gets an app of its own name: Serve's proxy keeps a deployment's handle, and the
+    request router the handle made, while the deployment's id stays in its route table, and a
+    delete and a redeploy under one name between two of the proxy's polls leave it there, so the
+    second app would be routed by the first's router (in CI, affinity runs at the default's hit
+    rate)."""
+    from ray import serve
+
+    from radixrt.integrations.ray import build_openai_app
+
+    serve.run(build_openai_app({"llm_configs": [llm]}), name=name, route_prefix=f"/{name}")
+    return f"/{name}"
+
+
 def llm_config(model: str, *, affinity: bool, replicas: int = 2, **engine_kwargs: Any) -> Any:
     """Two (`replicas`) radixrt replicas of `model`, served as "model", routed by
     `RadixAffinityRouter` (`affinity`) or by Ray's default."""
@@ -130,7 +145,6 @@ def run_ray_routing(run: BenchRun) -> dict[str, list[RunResult]]:
     from ray import serve
 
     from radixrt.client.launcher import free_port
-    from radixrt.integrations.ray import build_openai_app
 
     config = run.config
     workload = Workload(questions=config.rounds or Workload.questions, seed=config.seed)
@@ -140,13 +154,13 @@ def run_ray_routing(run: BenchRun) -> dict[str, list[RunResult]]:
     ray.init(num_cpus=RAY_CPUS, include_dashboard=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused")
         for router, affinity in (("default", False), ("affinity", True)):
             llm = llm_config(config.model, affinity=affinity, max_total_tokens=pool)
-            serve.run(build_openai_app({"llm_configs": [llm]}), name="radixrt")
+            route = serve_app(llm, router)
+            client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}{route}/v1", api_key="-")
             results.append(run_workload(client, workload, router))
             print(results[-1].line(), flush=True)
-            serve.delete("radixrt")
+            serve.delete(router)
     finally:
         serve.shutdown()  # type: ignore[no-untyped-call]
         ray.shutdown()

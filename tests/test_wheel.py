@@ -31,7 +31,7 @@ CPU_MODULES = (
     "radixrt.server.zmq_server",
     "radixrt.server.http.app",
     "radixrt.engine.scheduler",
-    "radixrt.models.llama",
+    "radixrt.models.decoder",
     "radixrt.attention.torch_backend",
 )
 

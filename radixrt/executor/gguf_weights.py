@@ -121,7 +121,7 @@ class GGUFPlan:
 
 
 def plan(path: Path, config: PretrainedConfig) -> GGUFPlan:
-    """Which linears of a model of `ARCHITECTURES` (fused q/k/v and gate/up, as `models/llama.py`
+    """Which linears of a model of `ARCHITECTURES` (fused q/k/v and gate/up, as `models/layers.py`
     builds them) `path` holds in packed types; none for an architecture it cannot map."""
     header = gguf_file.read(path)
     arch = header.architecture

@@ -23,18 +23,16 @@ import torch
 from radixrt.forward_batch import ForwardBatch
 from radixrt.kernels.lora import Segments
 from radixrt.models.lora import (
-    SITES,
     AdapterError,
     LoraAdapter,
     LoraBatch,
     LoraSite,
     LoraState,
     read_adapter,
-    site_shapes,
 )
 
 if TYPE_CHECKING:
-    from radixrt.models.llama import LlamaForCausalLM
+    from radixrt.models.interface import CausalLM
 
 __all__ = ["AdapterError", "AdapterInfo", "LoraManager", "default_max_rank", "parse_lora_paths"]
 
@@ -77,7 +75,7 @@ class LoraManager:
     """Adapters over `model` (its dense call sites wrapped by `LoraSite`s sharing one
     `LoraState`), a pool of `num_slots` slots of rank up to `max_rank`."""
 
-    def __init__(self, model: LlamaForCausalLM, num_slots: int, max_rank: int, dtype: torch.dtype):
+    def __init__(self, model: CausalLM, num_slots: int, max_rank: int, dtype: torch.dtype):
         self.model = model
         self.num_slots, self.max_rank, self.dtype = num_slots, max_rank, dtype
         self.state = LoraState()
@@ -162,23 +160,16 @@ class LoraManager:
 
 
 def _attach(
-    model: LlamaForCausalLM, num_slots: int, max_rank: int, dtype: torch.dtype, state: LoraState
+    model: CausalLM, num_slots: int, max_rank: int, dtype: torch.dtype, state: LoraState
 ) -> dict[tuple[int, str], LoraSite]:
-    """Wrap every layer's q/k/v, o and (dense) gate/up and down projections in `LoraSite`s."""
-    shapes = site_shapes(model)
-    device = model.norm.weight.device
+    """Wrap each of the model's projections (`CausalLM.projections`) in a `LoraSite`."""
+    device = next(model.parameters()).device
     sites = {}
-    for i, layer in enumerate(model.layers):
-        owners = {"qkv": layer.self_attn, "o": layer.self_attn}
-        if hasattr(layer.mlp, "gate_up_proj"):
-            owners.update(gate_up=layer.mlp, down=layer.mlp)
-        for site, owner in owners.items():
-            per_slot = len(SITES[site]) * max_rank
-            shape = shapes[site]
-            a = torch.zeros(num_slots, shape.width, per_slot, dtype=dtype, device=device)
-            b = torch.zeros(num_slots, per_slot, shape.out, dtype=dtype, device=device)
-            attr = f"{site}_proj"
-            wrapped = LoraSite(getattr(owner, attr), a, b, state)
-            setattr(owner, attr, wrapped)
-            sites[i, site] = wrapped
+    for (i, site), projection in model.projections().items():
+        per_slot = len(projection.parts) * max_rank
+        a = torch.zeros(num_slots, projection.width, per_slot, dtype=dtype, device=device)
+        b = torch.zeros(num_slots, per_slot, projection.out, dtype=dtype, device=device)
+        wrapped = LoraSite(projection.linear, a, b, state)
+        setattr(projection.owner, projection.attr, wrapped)
+        sites[i, site] = wrapped
     return sites

@@ -53,7 +53,6 @@ from radixrt.models.linear import (
     check_quantization,
     features,
 )
-from radixrt.models.llama import LlamaForCausalLM
 from radixrt.models.pooling import Pooling
 from radixrt.models.quantized import CheckpointQuant
 from radixrt.models.support import check_supported
@@ -447,9 +446,9 @@ class ModelRunner:
         args = self.args
         if not args.lora_enabled:
             return None
-        if not isinstance(self.model, LlamaForCausalLM):  # every architecture served is one
+        if not self.model.projections():
             raise ValueError(
-                f"LoRA adapters need the Llama layout's projections, not {type(self.model).__name__}"
+                f"LoRA adapters: {type(self.model).__name__} declares no projections to adapt"
             )
         paths = parse_lora_paths(args.lora_paths)
         rank = args.max_lora_rank or default_max_rank(paths)

@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from radixrt.models.layers import PackedEmbedding
 from radixrt.models.linear import FixedOrderLinear, GroupedLinear, Int8Linear, PrepackedLinear
-from radixrt.models.llama import PackedEmbedding
 from radixrt.models.lora import LoraSite
 
 if TYPE_CHECKING:

@@ -1,8 +1,9 @@
 """Model architectures by the name in a checkpoint's config.json, declared once each: the class
 that serves it (imported only when a checkpoint asks for it) and its `model_type`, by which a
-config without `architectures` is matched. Today every family is the one decoder skeleton
-(llama.py) with the parts its `Family` names (family.py); a family not shaped like Llama adds its
-own module and class here, deriving `interface.CausalLM`."""
+config without `architectures` is matched. One module per family, each composing the shared
+layers (layers.py): the attention-only families derive the attention decoder (decoder.py) and
+name the parts they swap in (their `Family`, family.py); a family shaped otherwise derives
+`interface.CausalLM` itself."""
 
 from __future__ import annotations
 
@@ -24,17 +25,16 @@ class Architecture:
     cls: str
 
 
-LLAMA = ("llama", "LlamaForCausalLM")
 ARCHITECTURES = (
-    Architecture("LlamaForCausalLM", "llama", *LLAMA),
-    Architecture("MistralForCausalLM", "mistral", *LLAMA),
-    Architecture("Qwen2ForCausalLM", "qwen2", *LLAMA),
-    Architecture("Qwen3ForCausalLM", "qwen3", *LLAMA),
-    Architecture("Phi3ForCausalLM", "phi3", *LLAMA),
-    Architecture("MixtralForCausalLM", "mixtral", *LLAMA),
-    Architecture("Qwen3MoeForCausalLM", "qwen3_moe", *LLAMA),
-    Architecture("Gemma2ForCausalLM", "gemma2", *LLAMA),
-    Architecture("Gemma3ForCausalLM", "gemma3_text", *LLAMA),
+    Architecture("LlamaForCausalLM", "llama", "llama", "LlamaForCausalLM"),
+    Architecture("MistralForCausalLM", "mistral", "llama", "LlamaForCausalLM"),
+    Architecture("Qwen2ForCausalLM", "qwen2", "qwen", "Qwen2ForCausalLM"),
+    Architecture("Qwen3ForCausalLM", "qwen3", "qwen", "Qwen3ForCausalLM"),
+    Architecture("Phi3ForCausalLM", "phi3", "phi3", "Phi3ForCausalLM"),
+    Architecture("MixtralForCausalLM", "mixtral", "mixtral", "MixtralForCausalLM"),
+    Architecture("Qwen3MoeForCausalLM", "qwen3_moe", "qwen", "Qwen3MoeForCausalLM"),
+    Architecture("Gemma2ForCausalLM", "gemma2", "gemma", "Gemma2ForCausalLM"),
+    Architecture("Gemma3ForCausalLM", "gemma3_text", "gemma", "Gemma3ForCausalLM"),
 )
 
 

@@ -1,15 +1,16 @@
 """How each architecture differs from Llama's decoder, read from its config once.
 
-The families radixrt serves share one decoder skeleton (`llama.py`): embedding, per layer an
-RMSNorm, attention, an RMSNorm and an MLP, a final norm and the output projection. What differs
-is a few parts and where the checkpoint keeps their tensors; a `Family` names those, so the
-skeleton's modules switch on a field rather than on the model type.
+The attention-only families radixrt serves share one decoder (`decoder.py`): embedding, per
+layer an RMSNorm, attention, an RMSNorm and an MLP, a final norm and the output projection. What
+differs is a few parts and where the checkpoint keeps their tensors; a `Family` names those, and
+each family's module (`llama.py`, `qwen.py`, `gemma.py`, ...) builds its own, so the shared
+layers switch on a field rather than on the model type.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypedDict
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -72,12 +73,6 @@ class Family:
     attn_logit_softcap: float | None = None
 
 
-QK_NORM_TYPES = {"qwen3", "qwen3_moe", "gemma3_text"}
-FUSED_CHECKPOINT_TYPES = {"phi3"}
-GEMMA_TYPES = {"gemma2", "gemma3_text"}
-# families whose modeling code windows only the layers `layer_types` calls "sliding_attention";
-# the others (Mistral, Mixtral, Phi-3, Qwen3-MoE) window every layer when `sliding_window` is set
-LAYER_TYPED_WINDOWS = {"qwen2", "qwen3", "gemma2", "gemma3_text"}
 ACTIVATIONS = {"silu", "gelu_pytorch_tanh"}
 
 
@@ -89,28 +84,44 @@ def activation_of(config: PretrainedConfig) -> str:
     return hidden_activation or hidden_act
 
 
-def family_of(config: PretrainedConfig) -> Family:
+def decoder_family(
+    config: PretrainedConfig,
+    *,
+    qkv_bias: bool = False,
+    qk_norm: bool = False,
+    fused_checkpoint: bool = False,
+    moe: MoeSpec | None = None,
+    windows_by_layer_type: bool = False,
+    **parts: Any,
+) -> Family:
+    """The `Family` of an attention decoder with what its module names (`parts`: the other
+    fields of `Family`) and what every family reads alike: q/k/v biases where the config sets
+    `attention_bias`, the activation, rotary tables by layer type where the config gives them,
+    and the sliding windows (`layer_windows`)."""
     return Family(
-        qkv_bias=bool(getattr(config, "attention_bias", False)) or config.model_type == "qwen2",
-        qk_norm=config.model_type in QK_NORM_TYPES,
-        fused_checkpoint=config.model_type in FUSED_CHECKPOINT_TYPES,
-        moe=_moe_of(config),
+        qkv_bias=qkv_bias or bool(getattr(config, "attention_bias", False)),
+        qk_norm=qk_norm,
+        fused_checkpoint=fused_checkpoint,
+        moe=moe,
         activation=activation_of(config),
-        **(_gemma_parts(config) if config.model_type in GEMMA_TYPES else {}),
         rope_by_layer=tuple(config.layer_types) if rope_per_layer_type(config) else None,
-        windows=layer_windows(config),
+        windows=layer_windows(config, windows_by_layer_type),
+        **parts,
     )
 
 
-def layer_windows(config: PretrainedConfig) -> tuple[int | None, ...]:
+def layer_windows(config: PretrainedConfig, by_layer_type: bool) -> tuple[int | None, ...]:
     """Each layer's sliding window as transformers' modeling code applies it (None: global):
     none without `sliding_window` or with `use_sliding_window` off (Qwen's switch; its
-    `max_window_layers` is already folded into `layer_types` by its config class)."""
+    `max_window_layers` is already folded into `layer_types` by its config class); where the
+    family's code windows only the layers `layer_types` calls "sliding_attention"
+    (`by_layer_type`: Qwen2/3, Gemma 2/3) those, else every layer (Mistral, Mixtral, Phi-3,
+    Qwen3-MoE)."""
     window = getattr(config, "sliding_window", None)
     layers: int = config.num_hidden_layers
     if not window or getattr(config, "use_sliding_window", True) is False:
         return (None,) * layers
-    if config.model_type in LAYER_TYPED_WINDOWS:
+    if by_layer_type:
         return tuple(int(window) if t == "sliding_attention" else None for t in config.layer_types)
     return (int(window),) * layers
 
@@ -120,59 +131,4 @@ def rope_per_layer_type(config: PretrainedConfig) -> dict[str, dict[str, Any]] |
     rope = getattr(config, "rope_parameters", None) or {}
     if rope and all(isinstance(v, dict) for v in rope.values()):
         return rope
-    return None
-
-
-class _GemmaParts(TypedDict, total=False):
-    """The `Family` fields Gemma sets away from their defaults."""
-
-    norm_offset: float
-    embed_scale: float
-    sandwich_norms: bool
-    query_scale: float
-    final_logit_softcap: float | None
-    attn_logit_softcap: float | None
-
-
-def _gemma_parts(config: PretrainedConfig) -> _GemmaParts:
-    head_dim = config.head_dim or config.hidden_size // config.num_attention_heads
-    return dict(
-        norm_offset=1.0,
-        embed_scale=config.hidden_size**0.5,
-        sandwich_norms=True,
-        query_scale=(head_dim / config.query_pre_attn_scalar) ** 0.5,
-        final_logit_softcap=getattr(config, "final_logit_softcapping", None),
-        attn_logit_softcap=getattr(config, "attn_logit_softcapping", None),
-    )
-
-
-def _moe_of(config: PretrainedConfig) -> MoeSpec | None:
-    layers = range(config.num_hidden_layers)
-    if config.model_type == "mixtral":
-        return MoeSpec(
-            num_experts=config.num_local_experts,
-            top_k=config.num_experts_per_tok,
-            intermediate_size=config.intermediate_size,
-            renormalize=True,
-            prefix="block_sparse_moe",
-            names=("w1", "w3", "w2"),
-            sparse_layers=frozenset(layers),
-        )
-    if config.model_type == "qwen3_moe":
-        # transformers' Qwen3MoeDecoderLayer: sparse unless listed in mlp_only_layers, and then
-        # only every decoder_sparse_step-th layer
-        step, dense = config.decoder_sparse_step, set(config.mlp_only_layers or [])
-        return MoeSpec(
-            num_experts=config.num_experts,
-            top_k=config.num_experts_per_tok,
-            intermediate_size=config.moe_intermediate_size,
-            renormalize=bool(config.norm_topk_prob),
-            prefix="mlp",
-            names=("gate_proj", "up_proj", "down_proj"),
-            sparse_layers=frozenset(
-                i
-                for i in layers
-                if i not in dense and config.num_experts > 0 and (i + 1) % step == 0
-            ),
-        )
     return None

@@ -1,6 +1,7 @@
 """Which decode steps run their layers in one native call (`kernels/cpu_layer`), and the call.
 
-A model qualifies once, at its first step: Llama's layer as the per-op path runs it (RMSNorms,
+A model qualifies once, at its first step: the attention decoder's layer (`decoder.py`) as the
+per-op path runs it (RMSNorms,
 RoPE over whole heads, SiLU, no q/k norms, sandwich norms, experts, soft-caps, sliding windows or
 query scaling), on one rank, float32 on the CPU, its four linears a layer grouped 4- or 8-bit
 weights or int8 channels on a native `--cpu-isa` path with no bias, input permutation or
@@ -21,7 +22,10 @@ from radixrt.attention.torch_backend import TorchAttentionBackend, TorchMetadata
 from radixrt.forward_batch import ForwardBatch
 from radixrt.kernels import cpu_layer, cpu_paged
 from radixrt.kernels.cpu_isa import Isa
+from radixrt.models.interface import Projection
 from radixrt.models.linear import GroupedLinear, Int8Linear
+
+SITES = ("qkv", "o", "gate_up", "down")  # a layer's linears, in the order `cpu_layer` takes them
 
 
 @dataclass
@@ -30,7 +34,8 @@ class FusedDecode:
     buffers (a release and restore of the KV memory) or a packed weight (a weight update
     replaces it)."""
 
-    model: Any  # the LlamaForCausalLM (its layers' weights, read here)
+    model: Any  # the `decoder.Decoder` (its layers' norms, read here)
+    sites: list[Projection]  # each layer's qkv, o, gate_up and down, layer after layer
     shape: cpu_layer.Shape
     isa: Isa
     _layers: ctypes.Array[cpu_layer.Layer] | None = field(default=None, init=False)
@@ -57,8 +62,12 @@ class FusedDecode:
         )
         if not plain:  # experts and the like: no dense MLP to read the linears of
             return None
-        linears = _model_linears(model)
-        if not linears or not all(_qualifies(lin) for lin in linears):
+        found = model.projections()
+        if len(found) != len(SITES) * len(model.layers):  # a layer without a dense MLP
+            return None
+        sites = [found[i, site] for i in range(len(model.layers)) for site in SITES]
+        linears = [p.linear for p in sites]
+        if not all(_qualifies(lin) for lin in linears):
             return None
         isa = linears[0].isa
         if not cpu_layer.available(isa) or model.norm.weight.dtype != torch.float32:
@@ -71,7 +80,7 @@ class FusedDecode:
             model.mlp_range[1] - model.mlp_range[0],
             model.layers[0].input_layernorm.eps,
         )
-        return cls(model, shape, isa)
+        return cls(model, sites, shape, isa)
 
     def run(
         self, x: torch.Tensor, batch: ForwardBatch, attn: Any, cos_sin: tuple[torch.Tensor, ...]
@@ -81,7 +90,7 @@ class FusedDecode:
         meta = _decode_only(batch, attn)
         if meta is None or x.dtype != torch.float32:
             return None
-        pool, linears = attn.kv_pool, _model_linears(self.model)
+        pool, linears = attn.kv_pool, [p.linear for p in self.sites]
         held = [pool.k_buffers[0], *(getattr(lin, "weight", lin) for lin in linears)]
         if self._layers is None or any(a is not b for a, b in zip(held, self._held, strict=True)):
             if not all(_qualifies(lin) for lin in linears):  # a weight update changed their kind
@@ -105,10 +114,11 @@ class FusedDecode:
         return x, residual
 
     def _records(self, pool: Any) -> ctypes.Array[cpu_layer.Layer]:
+        n = len(SITES)
         records = [
             cpu_layer.layer_of(
                 (layer.input_layernorm.weight.data, layer.post_attention_layernorm.weight.data),
-                tuple(lin.weight for lin in _linears(layer)),
+                tuple(p.linear.weight for p in self.sites[i * n : (i + 1) * n]),
                 pool.k_buffers[i],
                 pool.v_buffers[i],
             )
@@ -116,18 +126,6 @@ class FusedDecode:
         ]
         layers: ctypes.Array[cpu_layer.Layer] = (cpu_layer.Layer * len(records))(*records)
         return layers
-
-
-def _model_linears(model: Any) -> list[Any]:
-    return [lin for layer in model.layers for lin in _linears(layer)]
-
-
-def _linears(layer: Any) -> list[Any]:
-    """A layer's four linears, read from the modules' `_modules` dicts: `run` reads them every
-    step to see whether one was replaced, and `nn.Module.__getattr__` costs about a
-    microsecond a lookup (180 a step of a 30-layer model: 4% of a 135M model's step)."""
-    attn, mlp = layer._modules["self_attn"]._modules, layer._modules["mlp"]._modules
-    return [attn["qkv_proj"], attn["o_proj"], mlp["gate_up_proj"], mlp["down_proj"]]
 
 
 def _qualifies(linear: Any) -> bool:

@@ -3,13 +3,15 @@
 `CausalLM` is the contract every architecture class keeps: `ModelRunner` sizes the KV pool from
 `shard` and `head_dim`, picks attention options from `family`, quantizes the `nn.Linear`s and
 `lm_head`, captures CUDA graphs only where `graph_safe`, and gathers tensor-parallel logits by
-`vocab_widths`. `WeightSource` is the reader a model's `load_weights` copies its tensors from
+`vocab_widths`; LoRA, weight updates and the fused decode reach a layer's linears through
+`projections`, never through a family's attribute names. `WeightSource` is the reader a model's `load_weights` copies its tensors from
 (`executor.model_loader.WeightReader` is the one that reads safetensors); it is declared here so
 that models depend on nothing above them.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -49,6 +51,39 @@ class WeightSource(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class Projection:
+    """One linear of one layer that adapters reach: the module holding it and its attribute
+    there (the linear itself may be replaced, packed or wrapped, so it is looked up each time),
+    the checkpoint's projections its output rows fuse (peft's names: q, k, v; gate, up), this
+    rank's rows [start, end) of each and each one's whole width, the whole input width, and for
+    a row-parallel linear this rank's columns [start, end) of that input (None: all of it)."""
+
+    owner: nn.Module
+    attr: str
+    parts: tuple[str, ...]
+    rows: tuple[tuple[int, int], ...]
+    full_out: tuple[int, ...]
+    full_in: int
+    cols: tuple[int, int] | None = None
+
+    @property
+    def linear(self) -> nn.Module:
+        """The module now in place (read from `_modules`: `nn.Module.__getattr__` costs a
+        microsecond, and the fused decode reads every layer's linears each step)."""
+        return self.owner._modules[self.attr]  # type: ignore[return-value]
+
+    @property
+    def width(self) -> int:
+        """This rank's input width."""
+        return self.full_in if self.cols is None else self.cols[1] - self.cols[0]
+
+    @property
+    def out(self) -> int:
+        """This rank's output width."""
+        return sum(end - start for start, end in self.rows)
+
+
 class CausalLM(nn.Module):
     """A decoder the executor can serve: built on the meta device from (config, max_positions,
     tp), filled by `load_weights`, run on a `ForwardBatch` to hidden states, and turned into this
@@ -79,6 +114,12 @@ class CausalLM(nn.Module):
     def load_weights(self, reader: WeightSource) -> None:
         """Every parameter (this rank's shard) from `reader`."""
         raise NotImplementedError
+
+    def projections(self) -> dict[tuple[int, str], Projection]:
+        """Each layer's adaptable linears by (layer, call site): "qkv", "o", "gate_up", "down"
+        for an attention decoder. An architecture without any returns none, and LoRA is refused
+        at start by its name."""
+        return {}
 
     def keep_embedding_packed(self, weight: PackedGroups, lm_head: nn.Module | None) -> None:
         """Look tokens up in the packed `weight` from now on (`lm_head`: a tied output

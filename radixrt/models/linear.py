@@ -329,7 +329,7 @@ class LinearPacking:
     def packs_embedding(self) -> bool:
         """Whether the embedding table (`EMBEDDING`) is packed as it is read too: under int4, in
         8-bit groups (a tied output projection multiplies by the same groups), so no float copy
-        of it is held (`models.llama.PackedEmbedding`). Not under the deterministic mode, whose
+        of it is held (`models.layers.PackedEmbedding`). Not under the deterministic mode, whose
         linears are fixed-order parts."""
         return self.quantization == "int4" and not self.deterministic
 

@@ -32,11 +32,10 @@ from torch import nn
 from radixrt.kernels.lora import Segments, batched
 
 if TYPE_CHECKING:
-    from radixrt.models.llama import LlamaForCausalLM
+    from radixrt.models.interface import CausalLM, Projection
 
-# call site -> the peft projections it fuses, in the order of the site's output columns
-SITES = {"qkv": ("q", "k", "v"), "o": ("o",), "gate_up": ("gate", "up"), "down": ("down",)}
-TARGETS = tuple(p for projections in SITES.values() for p in projections)
+# the peft projections an adapter may hold; the model's `projections` say which it fuses where
+TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 _KEY = re.compile(
     r"(?:.*\.)?layers\.(\d+)\.(?:self_attn|mlp)\.(q|k|v|o|gate|up|down)_proj\.lora_(A|B)\.weight"
 )
@@ -44,36 +43,6 @@ _KEY = re.compile(
 
 class AdapterError(ValueError):
     """An adapter that cannot be served over this model; the message is one line naming why."""
-
-
-@dataclass(frozen=True)
-class SiteShape:
-    """One call site of one layer on this rank: its input width and, per projection, the rows
-    of the checkpoint's B this rank keeps ([start, end)) and, for a row-parallel site, the
-    columns of A ([start, end); None: whole)."""
-
-    width: int
-    rows: tuple[tuple[int, int], ...]
-    cols: tuple[int, int] | None
-
-    @property
-    def out(self) -> int:
-        return sum(end - start for start, end in self.rows)
-
-
-def site_shapes(model: LlamaForCausalLM) -> dict[str, SiteShape]:
-    """The four sites' shapes on this rank of `model`."""
-    config, shard, hd = model.config, model.shard, model.head_dim
-    q = (shard.q_start * hd, shard.q_end * hd)
-    kv = (shard.kv_start * hd, shard.kv_end * hd)
-    mlp = model.mlp_range
-    hidden = config.hidden_size
-    return {
-        "qkv": SiteShape(hidden, (q, kv, kv), None),
-        "o": SiteShape(q[1] - q[0], ((0, hidden),), q),
-        "gate_up": SiteShape(hidden, (mlp, mlp), None),
-        "down": SiteShape(mlp[1] - mlp[0], ((0, hidden),), mlp),
-    }
 
 
 @dataclass(frozen=True)
@@ -90,7 +59,7 @@ class LoraAdapter:
 
 
 def read_adapter(
-    name: str, path: str | Path, model: LlamaForCausalLM, max_rank: int, dtype: torch.dtype
+    name: str, path: str | Path, model: CausalLM, max_rank: int, dtype: torch.dtype
 ) -> LoraAdapter:
     """peft's `adapter_config.json` and `adapter_model.safetensors` in folder `path`, sliced for
     this rank of `model`; AdapterError (one line) for what cannot be served: a missing file, a
@@ -108,29 +77,25 @@ def read_adapter(
     config = json.loads(config_file.read_text())
     _check_config(name, config)
     tensors = _read_tensors(name, weights_file)
-    shapes = site_shapes(model)
     rank = max(a.shape[0] for a, _ in tensors.values())
     if rank > max_rank:
         raise AdapterError(
             f"adapter {name!r} has rank {rank}; this server takes at most {max_rank}"
         )
     blocks = {}
-    for layer in sorted({layer for layer, _ in tensors}):
-        if layer >= len(model.layers):
-            raise AdapterError(
-                f"adapter {name!r} adapts layer {layer}; the model has {len(model.layers)}"
-            )
-        for site, projections in SITES.items():
-            parts = {p: tensors[layer, p] for p in projections if (layer, p) in tensors}
-            if not parts:
-                continue
-            if site in ("gate_up", "down") and not hasattr(model.layers[layer].mlp, "gate_up_proj"):
-                raise AdapterError(
-                    f"adapter {name!r} adapts the experts of layer {layer}; only dense MLPs take adapters"
-                )
-            blocks[layer, site] = _site_block(
-                name, config, parts, projections, shapes[site], model, max_rank, dtype
-            )
+    sites = model.projections()
+    for (layer, site), projection in sites.items():
+        parts = {p: tensors.pop((layer, p)) for p in projection.parts if (layer, p) in tensors}
+        if parts:
+            blocks[layer, site] = _site_block(name, config, parts, projection, max_rank, dtype)
+    layers = 1 + max((layer for layer, _ in sites), default=-1)
+    for layer, part in sorted(tensors):  # none of the model's projections took it
+        where = (
+            f"layer {layer}; the model has {layers}"
+            if layer >= layers
+            else f"{part}_proj of layer {layer}, which takes none (the experts of a MoE layer)"
+        )
+        raise AdapterError(f"adapter {name!r} adapts {where}")
     return LoraAdapter(name, str(folder), rank, _digest(weights_file, config_file), blocks)
 
 
@@ -186,60 +151,34 @@ def _site_block(
     name: str,
     config: dict[str, Any],
     parts: dict[str, tuple[torch.Tensor, torch.Tensor]],
-    projections: tuple[str, ...],
-    shape: SiteShape,
-    model: LlamaForCausalLM,
+    site: Projection,
     max_rank: int,
     dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One site's A [in, n * max_rank] and B [n * max_rank, out] for this rank (zeros for a
     projection the adapter leaves alone)."""
-    full_in = model.config.hidden_size if shape.cols is None else None
-    a_block = torch.zeros(shape.width, len(projections) * max_rank)
-    b_block = torch.zeros(len(projections) * max_rank, shape.out)
+    a_block = torch.zeros(site.width, len(site.parts) * max_rank)
+    b_block = torch.zeros(len(site.parts) * max_rank, site.out)
     col = 0
-    for j, (projection, (start, end)) in enumerate(zip(projections, shape.rows)):
+    for j, (projection, (start, end), expect_out) in enumerate(
+        zip(site.parts, site.rows, site.full_out)
+    ):
         width = end - start
         if projection in parts:
             a, b = parts[projection]
             r = a.shape[0]
-            expect_in = full_in if full_in is not None else _full_in(model, projection)
-            expect_out = _full_out(model, projection)
+            expect_in = site.full_in
             if a.shape[1] != expect_in or b.shape != (expect_out, r):
                 raise AdapterError(
                     f"adapter {name!r}: {projection}_proj A {tuple(a.shape)}, B {tuple(b.shape)} "
                     f"do not fit the base layer ({expect_out} x {expect_in})"
                 )
-            a = a if shape.cols is None else a[:, shape.cols[0] : shape.cols[1]]
+            a = a if site.cols is None else a[:, site.cols[0] : site.cols[1]]
             block = slice(j * max_rank, j * max_rank + r)
             a_block[:, block] = a.T
             b_block[block, col : col + width] = b[start:end].T * _scaling(config, r)
         col += width
     return a_block.to(dtype), b_block.to(dtype)
-
-
-def _full_in(model: LlamaForCausalLM, projection: str) -> int:
-    """The whole input width of a row-parallel projection."""
-    config = model.config
-    if projection == "o":
-        width: int = config.num_attention_heads * model.head_dim
-        return width
-    width = config.intermediate_size
-    return width
-
-
-def _full_out(model: LlamaForCausalLM, projection: str) -> int:
-    config, hd = model.config, model.head_dim
-    widths: dict[str, int] = {
-        "q": config.num_attention_heads * hd,
-        "k": config.num_key_value_heads * hd,
-        "v": config.num_key_value_heads * hd,
-        "o": config.hidden_size,
-        "gate": config.intermediate_size,
-        "up": config.intermediate_size,
-        "down": config.hidden_size,
-    }
-    return widths[projection]
 
 
 def _scaling(config: dict[str, Any], rank: int) -> float:

@@ -109,8 +109,8 @@ def test_a_quantized_load_keeps_no_float_copy_of_a_packed_linear(checkpoint):
     from radixrt.executor.model_loader import load_model
     from radixrt.kernels import int4_gemm
     from radixrt.kernels.cpu_isa import Isa
+    from radixrt.models.layers import PackedEmbedding
     from radixrt.models.linear import GroupedLinear, LinearPacking
-    from radixrt.models.llama import PackedEmbedding
 
     config = AutoConfig.from_pretrained(checkpoint)
     before = _float_storages()  # what other tests left alive is not this load's

@@ -13,6 +13,7 @@ from radixrt.executor.model_loader import load_model
 from radixrt.executor.model_runner import ModelRunner, linear_bytes
 from radixrt.kernels import int4_gemm, int8_gemm
 from radixrt.kernels.cpu_isa import Isa
+from radixrt.models.layers import PackedEmbedding
 from radixrt.models.linear import (
     QUANTIZATIONS,
     GroupedLinear,
@@ -20,7 +21,6 @@ from radixrt.models.linear import (
     LinearPacking,
     check_quantization,
 )
-from radixrt.models.llama import PackedEmbedding
 
 from helpers import quality_gates, teacher_forced_logits
 

@@ -1,0 +1,270 @@
+"""The attention decoder every attention-only family derives (Llama, Mistral, Qwen2, SmolLM,
+Qwen3, Phi-3/4, Mixtral, Qwen3-MoE, Gemma 2/3) over a flattened ragged batch: embedding, per
+layer `layers.DecoderLayer`, a final norm and the output projection, loaded from Hugging Face's
+tensor names. What a family swaps in (norms, biases, a sparse MLP, fused checkpoint tensors) is
+its `Family`, which its class's `family_of` reads from the config."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+from radixrt.attention import AttentionBackend
+from radixrt.distributed.group import TPGroup
+from radixrt.distributed.sharding import shard_heads, split_range
+from radixrt.forward_batch import ForwardBatch
+from radixrt.kernels.int4_gemm import PackedGroups
+from radixrt.models.family import Family, rope_per_layer_type
+from radixrt.models.fused_decode import FusedDecode
+from radixrt.models.interface import CausalLM, Projection, WeightSource
+from radixrt.models.layers import (
+    MLP,
+    DecoderLayer,
+    PackedEmbedding,
+    RMSNorm,
+    RotaryEmbedding,
+    VocabParallelEmbedding,
+    VocabSlice,
+    expert_shard,
+)
+from radixrt.models.moe import SparseMoE
+
+
+class Decoder(CausalLM):
+    """The attention decoder, or with `tp` of size N one rank's shard of it: its heads
+    (`shard`), its slice of the MLP (`mlp_range`), of each expert (`expert_range`) and of the
+    vocabulary (`vocab_range`); norms, routers and rotary tables are whole on every rank.
+    `compute_logits` gives this rank's vocabulary columns. `graph_safe` says whether a decode
+    step may be captured as a CUDA graph (not with experts: their grouping reads counts).
+    A family's class derives it and says, in `family_of`, which parts its config swaps in."""
+
+    @classmethod
+    def family_of(cls, config: PretrainedConfig) -> Family:
+        """The parts this architecture swaps into the decoder, read from `config`."""
+        raise NotImplementedError
+
+    def __init__(self, config: PretrainedConfig, max_positions: int, tp: TPGroup | None = None):
+        super().__init__()
+        self.config = config
+        self.family = family = self.family_of(config)
+        self.graph_safe = family.moe is None
+        self.tp = tp = tp or TPGroup()
+        head_dim = (
+            getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        )
+        self.head_dim = head_dim
+        self.shard = shard_heads(
+            config.num_attention_heads, config.num_key_value_heads, tp.size, tp.rank
+        )
+        self.mlp_range = split_range(config.intermediate_size, tp.size, tp.rank)
+        self.expert_range, self.expert_ids = expert_shard(family.moe, tp)
+        self.vocab_widths = [
+            end - start
+            for start, end in (split_range(config.vocab_size, tp.size, r) for r in range(tp.size))
+        ]
+        self.vocab_range = split_range(config.vocab_size, tp.size, tp.rank)
+        widths = (
+            self.mlp_range[1] - self.mlp_range[0],
+            self.expert_range[1] - self.expert_range[0],
+        )
+        self.embed_tokens: VocabSlice = VocabParallelEmbedding(
+            self.vocab_range, config.hidden_size, tp
+        )
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, family, i, head_dim, self.shard, widths, self.expert_ids, tp)
+            for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # rotary tables by layer type ("all" where one serves every layer)
+        self.rope_of_layer = family.rope_by_layer or ("all",) * config.num_hidden_layers
+        self.rope = nn.ModuleDict(
+            {
+                kind: RotaryEmbedding(
+                    config, head_dim, max_positions, kind if rope_per_layer_type(config) else None
+                )
+                for kind in sorted(set(self.rope_of_layer))
+            }
+        )
+        self.lm_head: nn.Module = nn.Linear(
+            config.hidden_size, self.vocab_widths[tp.rank], bias=False
+        )
+        self.tied = bool(getattr(config, "tie_word_embeddings", False))
+        if self.tied:
+            self.lm_head.weight = self.embed_tokens.weight
+        self._fused: FusedDecode | None = None
+        self._fused_checked = False
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
+        """Hidden states after the final norm, one row per new token (the same on every rank)."""
+        x, residual = self.embed_tokens(batch.input_ids), None
+        if self.family.embed_scale != 1.0:
+            x = x * torch.tensor(self.family.embed_scale, dtype=x.dtype)
+        tables = {kind: rope(batch.positions, x.dtype) for kind, rope in self.rope.items()}
+        fused = self._fused_decode()
+        done = fused.run(x, batch, attn, tables["all"]) if fused else None
+        if done is not None:  # every layer in one native call
+            x, residual = done
+        else:
+            for layer, kind in zip(self.layers, self.rope_of_layer):
+                x, residual = layer(x, residual, batch, tables[kind], attn)
+        hidden: torch.Tensor = self.norm(x, residual)[0]
+        return hidden
+
+    def keep_embedding_packed(self, weight: PackedGroups, lm_head: nn.Module | None) -> None:
+        """Look tokens up in `weight` (this rank's rows of the table, packed) from now on, and
+        drop the float table; `lm_head`: the tied output projection's module over the same
+        groups (None for an untied model, whose own output projection stays). Rows are looked up
+        in the model's dtype (its final norm's: every parameter has it)."""
+        assert (lm_head is not None) == self.tied
+        vocab = (self.embed_tokens.start, self.embed_tokens.end)
+        self.embed_tokens = PackedEmbedding(weight, vocab, self.tp, self.norm.weight.dtype)
+        if lm_head is not None:
+            self.lm_head = lm_head
+
+    def projections(self) -> dict[tuple[int, str], Projection]:
+        """Each layer's fused q/k/v and output projections, and its dense MLP's gate/up and
+        down (a layer of experts has none): column-parallel but for o and down, which take
+        this rank's columns of the heads' and the MLP's widths."""
+        c, s, hd = self.config, self.shard, self.head_dim
+        q, kv = (s.q_start * hd, s.q_end * hd), (s.kv_start * hd, s.kv_end * hd)
+        heads, kv_heads = c.num_attention_heads * hd, c.num_key_value_heads * hd
+        hidden, mlp, inter = c.hidden_size, self.mlp_range, c.intermediate_size
+        found = {}
+        for i, layer in enumerate(self.layers):
+            assert isinstance(layer, DecoderLayer)
+            attn = layer.self_attn
+            found[i, "qkv"] = Projection(
+                attn, "qkv_proj", ("q", "k", "v"), (q, kv, kv), (heads, kv_heads, kv_heads), hidden
+            )
+            found[i, "o"] = Projection(attn, "o_proj", ("o",), ((0, hidden),), (hidden,), heads, q)
+            if isinstance(layer.mlp, MLP):
+                found[i, "gate_up"] = Projection(
+                    layer.mlp, "gate_up_proj", ("gate", "up"), (mlp, mlp), (inter, inter), hidden
+                )
+                found[i, "down"] = Projection(
+                    layer.mlp, "down_proj", ("down",), ((0, hidden),), (hidden,), inter, mlp
+                )
+        return found
+
+    def _fused_decode(self) -> FusedDecode | None:
+        """The one-call decode path (`fused_decode`), decided at the first step: the linears
+        are packed by then."""
+        if not self._fused_checked:
+            self._fused, self._fused_checked = FusedDecode.of(self), True
+        return self._fused
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits of this rank's vocabulary slice (soft-capped where the family caps them)."""
+        cap = self.family.final_logit_softcap
+        logits: torch.Tensor = self.lm_head(hidden)
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits.float()
+
+    def load_weights(self, reader: WeightSource) -> None:
+        """Load Hugging Face names into the parameters in place, reading only this rank's
+        slices: q/k/v and gate/up fused (from separate tensors, or rows of Phi-3's fused ones),
+        experts' as the dense MLP's. ValueError for a tensor missing or of the wrong shape."""
+        own = dict(self.named_parameters())
+        loaded = set()
+
+        def param(name: str) -> torch.Tensor:
+            """The parameter `name`'s storage, to fill (and counted as loaded)."""
+            loaded.add(name)
+            data: torch.Tensor = own[name].data
+            return data
+
+        q = (self.shard.q_start * self.head_dim, self.shard.q_end * self.head_dim)
+        for i, layer in enumerate(self.layers):
+            hf, me = f"model.layers.{i}.", f"layers.{i}."
+            for kind in ("weight", "bias"):
+                if me + f"self_attn.qkv_proj.{kind}" in own:
+                    reader.stack_rows(param(me + f"self_attn.qkv_proj.{kind}"), self._qkv(hf, kind))
+            reader.copy_cols(
+                param(me + "self_attn.o_proj.weight"), hf + "self_attn.o_proj.weight", *q
+            )
+            norms = ["input_layernorm", "post_attention_layernorm"]
+            if self.family.qk_norm:
+                norms += ["self_attn.q_norm", "self_attn.k_norm"]
+            if self.family.sandwich_norms:
+                norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
+            for norm in norms:
+                param(me + f"{norm}.weight").copy_(self._norm(reader, hf + f"{norm}.weight"))
+            if isinstance(layer.mlp, SparseMoE):
+                self._load_experts(reader, hf, me, param)
+            else:
+                reader.stack_rows(param(me + "mlp.gate_up_proj.weight"), self._gate_up(hf + "mlp."))
+                reader.copy_cols(
+                    param(me + "mlp.down_proj.weight"),
+                    hf + "mlp.down_proj.weight",
+                    *self.mlp_range,
+                )
+        param("norm.weight").copy_(self._norm(reader, "model.norm.weight"))
+        reader.copy_rows(
+            param("embed_tokens.weight"), "model.embed_tokens.weight", *self.vocab_range
+        )
+        if not self.tied:
+            reader.copy_rows(param("lm_head.weight"), "lm_head.weight", *self.vocab_range)
+        missing = set(own) - loaded - ({"lm_head.weight"} if self.tied else set())
+        if missing:
+            raise ValueError(f"weights missing from the checkpoint: {sorted(missing)[:8]}")
+
+    def _norm(self, reader: WeightSource, name: str) -> torch.Tensor:
+        """An RMSNorm's weight as the norm multiplies by it: Gemma stores it less 1 (added in
+        the stored dtype, as before any cast)."""
+        return reader.whole(name) + self.family.norm_offset
+
+    def _qkv(self, hf: str, kind: str) -> list[tuple[str, int, int]]:
+        """This rank's rows of q, k and v, one after the other: (name, start, end) each."""
+        s, hd, heads = self.shard, self.head_dim, self.config.num_attention_heads
+        kv_heads = self.config.num_key_value_heads
+        spans = [
+            (s.q_start * hd, s.q_end * hd),
+            (s.kv_start * hd, s.kv_end * hd),
+            (s.kv_start * hd, s.kv_end * hd),
+        ]
+        if self.family.fused_checkpoint:  # rows of [q; k; v] in one tensor
+            offsets = (0, heads * hd, (heads + kv_heads) * hd)
+            name = hf + f"self_attn.qkv_proj.{kind}"
+            return [(name, o + a, o + b) for o, (a, b) in zip(offsets, spans)]
+        names = [hf + f"self_attn.{p}_proj.{kind}" for p in "qkv"]
+        return [(n, *span) for n, span in zip(names, spans)]
+
+    def _gate_up(self, prefix: str) -> list[tuple[str, int, int]]:
+        """This rank's rows of the dense MLP's gate, then of its up projection."""
+        start, end = self.mlp_range
+        if self.family.fused_checkpoint:  # rows of [gate; up] in one tensor
+            width = self.config.intermediate_size
+            name = prefix + "gate_up_proj.weight"
+            return [(name, start, end), (name, width + start, width + end)]
+        return [(prefix + f"{p}_proj.weight", start, end) for p in ("gate", "up")]
+
+    def _load_experts(
+        self, reader: WeightSource, hf: str, me: str, param: Callable[[str], torch.Tensor]
+    ) -> None:
+        """The router whole; this rank's experts' slice of gate and up (rows) and down (columns):
+        every expert's slice under TP, a share of the experts whole under EP."""
+        spec, (start, end) = self.family.moe, self.expert_range
+        assert spec is not None  # called for a sparse layer only
+        first, last = self.expert_ids
+        gate, up, down = spec.names
+        base = hf + spec.prefix + "."
+        reader.copy_rows(param(me + "mlp.gate.weight"), base + "gate.weight")
+        for e in range(spec.num_experts):
+            theirs, mine = f"{base}experts.{e}.", f"{me}mlp.experts.{e - first}."
+            if not first <= e < last:  # another rank's
+                for name in (gate, up, down):
+                    reader.skip(theirs + f"{name}.weight")
+                continue
+            reader.stack_rows(
+                param(mine + "gate_up_proj.weight"),
+                [(theirs + f"{gate}.weight", start, end), (theirs + f"{up}.weight", start, end)],
+            )
+            reader.copy_cols(
+                param(mine + "down_proj.weight"), theirs + f"{down}.weight", start, end
+            )

@@ -1,0 +1,320 @@
+"""The layers every family composes: RMSNorm, rotary tables, attention over this rank's heads
+through the attention backend, the gated MLP (dense, or the experts of `moe.py`), the vocabulary's
+embedding (float or packed), and the attention decoder's layer. A family's module
+(`llama.py`, `qwen.py`, ...) builds its model from these; what it swaps in is its `Family`."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PretrainedConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from radixrt.attention import AttentionBackend
+from radixrt.distributed.group import TPGroup
+from radixrt.distributed.sharding import HeadShard, split_range
+from radixrt.forward_batch import ForwardBatch
+from radixrt.kernels import cpu_fused
+from radixrt.kernels.int4_gemm import PackedGroups
+from radixrt.models.family import Family, MoeSpec
+from radixrt.models.moe import GatedMLP, SparseMoE
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm, residual stream): without `residual`, `x` is the stream; with it, `x` is added
+        to it first (in place on the CPU's fused path) and the sum is the stream."""
+        if cpu_fused.supports(x):
+            out = cpu_fused.rms_norm(x, self.weight, self.eps, residual)
+            return out, x if residual is None else residual
+        if residual is not None:
+            x = residual + x
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps), x
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for every position, using transformers' own rope-scaling formulas, over
+    the first `partial_rotary_factor` of each head (Phi-4's 0.75; the rest passes through).
+    longrope's table is its short factors: exact while the context stays within
+    `original_max_position_embeddings` (support.py caps it there). With `layer_type`, the
+    table of that type's own parameters (Gemma 3's local and global theta). The tables are
+    float32 on the CPU when built (moved with the model, never cast) and cast per use."""
+
+    cos: torch.Tensor  # [max_positions, rotated dims], a buffer
+    sin: torch.Tensor
+
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        head_dim: int,
+        max_positions: int,
+        layer_type: str | None = None,
+    ):
+        super().__init__()
+        # computed, never loaded: real tables even while the model is built on the meta device
+        with torch.device("cpu"):
+            rope = getattr(config, "rope_parameters", None) or {
+                "rope_type": "default",
+                "rope_theta": getattr(config, "rope_theta", 10000.0),
+            }
+            if layer_type is not None:
+                rope = rope[layer_type]
+            rope_type = rope.get("rope_type", "default")
+            if rope_type == "default":
+                factor = rope.get(
+                    "partial_rotary_factor", getattr(config, "partial_rotary_factor", 1)
+                )
+                dim = int(head_dim * factor)
+                inv_freq = 1.0 / (
+                    rope["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)
+                )
+                scaling = 1.0
+            else:
+                inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](
+                    config, torch.device("cpu"), layer_type=layer_type
+                )
+            freqs = torch.arange(max_positions, dtype=torch.float)[:, None] * inv_freq[None, :]
+            emb = torch.cat([freqs, freqs], dim=-1)
+        self.register_buffer("cos", emb.cos() * scaling, persistent=False)
+        self.register_buffer("sin", emb.sin() * scaling, persistent=False)
+
+    def forward(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin `[tokens, 1, head_dim]` at `positions`, looked up once per forward for every layer."""
+        return (
+            self.cos.index_select(0, positions).to(dtype)[:, None, :],
+            self.sin.index_select(0, positions).to(dtype)[:, None, :],
+        )
+
+
+def apply_rotary(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Rotate the first `cos.shape[-1]` dims of each head of `x` [T, H, D]; the rest pass."""
+    cos, sin = cos_sin
+    if cos.shape[-1] == x.shape[-1]:
+        return x * cos + _rotate_half(x) * sin
+    rot, rest = torch.split(x, [cos.shape[-1], x.shape[-1] - cos.shape[-1]], dim=-1)
+    return torch.cat([rot * cos + _rotate_half(rot) * sin, rest], dim=-1)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+class Attention(nn.Module):
+    """This rank's attention heads (`shard`): a column-parallel fused qkv projection, the
+    family's per-head q/k RMSNorms if it has them, a row-parallel output projection, and one
+    all-reduce of its output."""
+
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        family: Family,
+        layer_id: int,
+        head_dim: int,
+        shard: HeadShard,
+        tp: TPGroup,
+    ):
+        super().__init__()
+        self.layer_id = layer_id
+        self.tp = tp
+        self.num_heads = shard.num_heads
+        self.num_kv_heads = shard.num_kv_heads
+        self.head_dim = head_dim
+        self.q_size, self.kv_size = self.num_heads * head_dim, self.num_kv_heads * head_dim
+        self.qkv_proj = nn.Linear(
+            config.hidden_size, self.q_size + 2 * self.kv_size, bias=family.qkv_bias
+        )
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.qk_norm = family.qk_norm
+        if self.qk_norm:
+            self.q_norm = RMSNorm(head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(head_dim, config.rms_norm_eps)
+        self.query_scale = family.query_scale
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        batch: ForwardBatch,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        attn: AttentionBackend,
+    ) -> torch.Tensor:
+        qkv = self.qkv_proj(x)
+        whole_heads_rotated = cos_sin[0].shape[-1] == self.head_dim
+        if cpu_fused.supports(qkv) and whole_heads_rotated and not self.qk_norm:
+            # q rotated; k rotated and v stored in the pool
+            cos, sin = cos_sin
+            if attn.kv_pool.fmt is None:
+                k_buf = attn.kv_pool.k_buffers[self.layer_id]
+                v_buf = attn.kv_pool.v_buffers[self.layer_id]
+                q = cpu_fused.rope_and_store(
+                    qkv, cos[:, 0], sin[:, 0], self.num_heads, k_buf, v_buf, batch.out_slots
+                )
+            else:  # rotated into rows of their own, then quantized into the pool
+                q, k, v = self._rope_rows(qkv, cos[:, 0], sin[:, 0])
+                attn.kv_pool.set_kv(self.layer_id, batch.out_slots, k, v)
+            if self.query_scale != 1.0:
+                q = q * self.query_scale
+            out = self.o_proj(
+                attn.forward(self.layer_id, q, None, None, batch).view(-1, self.q_size)
+            )
+            return self.tp.all_reduce(out)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.qk_norm:  # over each head's D values: rows of [T * heads, D]
+            q = self.q_norm(q.reshape(-1, self.head_dim))[0]
+            k = self.k_norm(k.reshape(-1, self.head_dim))[0]
+        q = apply_rotary(q.reshape(-1, self.num_heads, self.head_dim), cos_sin)
+        k = apply_rotary(k.reshape(-1, self.num_kv_heads, self.head_dim), cos_sin)
+        v = v.reshape(-1, self.num_kv_heads, self.head_dim)
+        if self.query_scale != 1.0:
+            q = q * self.query_scale
+        attn.kv_pool.set_kv(self.layer_id, batch.out_slots, k, v)
+        o = attn.forward(self.layer_id, q, k, v, batch)
+        return self.tp.all_reduce(self.o_proj(o.reshape(-1, self.q_size)))
+
+    def _rope_rows(
+        self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The fused rotary kernel into fresh rows: q, k rotated and v [T, heads, D] each."""
+        t = qkv.shape[0]
+        k = qkv.new_empty(t, self.num_kv_heads, self.head_dim)
+        v = torch.empty_like(k)
+        rows = torch.arange(t, dtype=torch.int64)
+        q = cpu_fused.rope_and_store(qkv, cos, sin, self.num_heads, k, v, rows)
+        return q, k, v
+
+
+class MLP(GatedMLP):
+    """This rank's slice of the intermediate size: column-parallel gate/up, row-parallel down,
+    one all-reduce of its output."""
+
+    def __init__(self, hidden: int, intermediate: int, tp: TPGroup, activation: str):
+        super().__init__(hidden, intermediate, activation)
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.tp.all_reduce(super().forward(x))
+
+
+class VocabSlice(nn.Module):
+    """This rank's rows [start, end) of the embedding table: ids outside them look up zeros, and
+    an all-reduce sums the ranks' parts into every id's row. `rows` reads this rank's table."""
+
+    def __init__(self, vocab: tuple[int, int], tp: TPGroup):
+        super().__init__()
+        self.start, self.end = vocab
+        self.tp = tp
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` (local: in [0, end - start)) of this rank's table."""
+        raise NotImplementedError
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return self.rows(ids)
+        outside = (ids < self.start) | (ids >= self.end)
+        x = self.rows((ids - self.start).masked_fill(outside, 0))
+        return self.tp.all_reduce(x.masked_fill(outside[:, None], 0))
+
+
+class VocabParallelEmbedding(VocabSlice):
+    """The table as a float parameter (`weight`, the model's dtype)."""
+
+    def __init__(self, vocab: tuple[int, int], hidden: int, tp: TPGroup):
+        super().__init__(vocab, tp)
+        self.weight = nn.Parameter(torch.empty(self.end - self.start, hidden))
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)
+
+
+class PackedEmbedding(VocabSlice):
+    """The table kept in groups of 32 (`int4_gemm.PackedGroups`: a GGUF file's blocks as stored,
+    or 8-bit groups rounded as the float table streamed in), each row dequantized as it is looked
+    up: the same float32 values `dequantize` gives, in the model's `dtype` (a GPU's bfloat16),
+    and no float copy of the table. A tied output projection multiplies by the same groups
+    (`LlamaForCausalLM.keep_embedding_packed`)."""
+
+    def __init__(
+        self, weight: PackedGroups, vocab: tuple[int, int], tp: TPGroup, dtype: torch.dtype
+    ):
+        super().__init__(vocab, tp)
+        assert weight.out_features == self.end - self.start
+        self.weight = weight
+        self.dtype = dtype
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        rows: torch.Tensor = self.weight.rows(ids)
+        return rows.to(self.dtype)
+
+
+class DecoderLayer(nn.Module):
+    """Norm, attention, norm, and the dense MLP (`mlp` wide on this rank) or, on the family's
+    sparse layers, the experts (`expert_mlp` wide each); with sandwich norms (Gemma) the
+    attention's and the MLP's outputs are normed too before they join the stream."""
+
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        family: Family,
+        layer_id: int,
+        head_dim: int,
+        shard: HeadShard,
+        widths: tuple[int, int],
+        expert_ids: tuple[int, int],
+        tp: TPGroup,
+    ):
+        super().__init__()
+        mlp, expert_mlp = widths
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, family, layer_id, head_dim, shard, tp)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.sandwich = family.sandwich_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+            self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        moe = family.moe
+        self.mlp = (
+            SparseMoE(config.hidden_size, moe, expert_mlp, tp, family.activation, expert_ids)
+            if moe is not None and layer_id in moe.sparse_layers
+            else MLP(config.hidden_size, mlp, tp, family.activation)
+        )
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        batch: ForwardBatch,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        attn: AttentionBackend,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's MLP output, the residual stream before it is added): the next norm adds
+        it, so each add fuses with a norm. The sums are HF's: stream + attention, then + MLP."""
+        h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, batch, cos_sin, attn)
+        if self.sandwich:
+            h, residual = self.pre_feedforward_layernorm(
+                self.post_attention_layernorm(h)[0], residual
+            )
+            return self.post_feedforward_layernorm(self.mlp(h))[0], residual
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
+
+
+def expert_shard(moe: MoeSpec | None, tp: TPGroup) -> tuple[tuple[int, int], tuple[int, int]]:
+    """This rank's (slice of each expert's intermediate dimension, range of experts held): under
+    TP every expert's slice, under EP (`tp.expert_parallel`) a share of the experts, whole."""
+    if moe is None:
+        return (0, 0), (0, 0)
+    if tp.expert_parallel:
+        return (0, moe.intermediate_size), split_range(moe.num_experts, tp.size, tp.rank)
+    return split_range(moe.intermediate_size, tp.size, tp.rank), (0, moe.num_experts)

@@ -49,7 +49,7 @@ from radixrt.engine.stop_strings import StopAutomaton, StopRegexes, StopScanner
 from radixrt.engine.tenant_stats import TenantStats
 from radixrt.executor.lora_manager import AdapterError, AdapterInfo
 from radixrt.executor.model_loader import model_fingerprint
-from radixrt.executor.model_runner import WeightCounts
+from radixrt.executor.model_runner import ModelRunner, WeightCounts
 from radixrt.executor.tp_worker import TPDriver
 from radixrt.executor.weight_update import TensorSpec
 from radixrt.forward_batch import ForwardBatch
@@ -130,7 +130,7 @@ class Scheduler:
         self.sampling_defaults = _sampling_defaults(args, runner.generation_config)
         self.kv = build_slot_manager(
             DevicePool(runner.allocator, runner.req_to_token_pool, runner.kv_pool),
-            CacheSettings.of(args),
+            _cache_settings(args, runner),
             lambda: model_fingerprint(runner.model_path, runner.dtype, runner.kv_numerics),
             adapter_of_salt,
             salt_is_private,
@@ -695,3 +695,19 @@ def check_prompt(
             f"the prompt has {len(input_ids)} tokens; this server takes at most {limit - 1} "
             f"(context length {context}, pool {pool})",
         )
+
+
+def _cache_settings(args: SchedulerArgs, runner: ModelRunner) -> CacheSettings:
+    """The cache settings `args` give, without prefix reuse for a recurrent model: a cached
+    prefix holds KV, not the state a convolution or recurrence carried past it (snapshots of
+    that state in the tree are not built yet). Speculation is refused for one: a rejected
+    draft would have advanced its state."""
+    settings = CacheSettings.of(args)
+    if not runner.model.recurrent:
+        return settings
+    name = type(runner.model).__name__
+    if args.speculative_algorithm:
+        raise ValueError(f"--speculative-algorithm: {name} carries a state per request")
+    if not settings.disable_radix_cache:
+        logger.info("%s carries a state per request: served without prefix reuse", name)
+    return dataclasses.replace(settings, disable_radix_cache=True)

@@ -114,7 +114,7 @@ class WeightCounts:
         sizes = {n: f[0] * f[1] for n, f in linears if f is not None}
         head = sizes.get("lm_head", 0)
         layers = sum(sizes.values()) - head
-        per_pair = 4 * config.num_hidden_layers * config.num_attention_heads * model.head_dim
+        per_pair = 4 * model.kv_layers * config.num_attention_heads * model.head_dim
         return cls(layers, head, int((layers + head) * bytes_per_weight), per_pair)
 
 
@@ -413,10 +413,10 @@ class ModelRunner:
         return ids
 
     def _init_pools(self) -> None:
-        cfg, args = self.config, self.args
+        args = self.args
         kv_heads = self.model.shard.num_kv_heads
         per_token = bytes_per_token(
-            cfg.num_hidden_layers, kv_heads, self.model.head_dim, self.dtype, self.kv_format
+            self.model.kv_layers, kv_heads, self.model.head_dim, self.dtype, self.kv_format
         )
         total = args.max_total_tokens
         if total is None:
@@ -428,7 +428,7 @@ class ModelRunner:
         self.allocator = PageAllocator(total, args.page_size, self.device)
         self.kv_pool = TokenToKVPool(
             self.allocator.num_slots,
-            cfg.num_hidden_layers,
+            self.model.kv_layers,
             kv_heads,
             self.model.head_dim,
             self.dtype,
@@ -438,6 +438,14 @@ class ModelRunner:
         self.req_to_token_pool = ReqToTokenPool(
             args.max_running_requests + 1, self.context_length + 1, self.device
         )
+        # a recurrent model's states, one per request-table row (its row's, for as long as it
+        # runs): bounded by --max-running-requests, as the rows are
+        self.state_bytes = self.model.allocate_states(args.max_running_requests + 1)
+        if self.model.recurrent and args.enable_hierarchical_cache:
+            raise ValueError(
+                f"--enable-hierarchical-cache: {type(self.model).__name__} carries a state per "
+                "request besides its KV, which the host tier does not hold"
+            )
 
     def _init_lora(self) -> LoraManager | None:
         """The adapters' pool over the model's projections, with `--lora-paths` loaded (None

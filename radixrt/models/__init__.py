@@ -35,6 +35,7 @@ ARCHITECTURES = (
     Architecture("Qwen3MoeForCausalLM", "qwen3_moe", "qwen", "Qwen3MoeForCausalLM"),
     Architecture("Gemma2ForCausalLM", "gemma2", "gemma", "Gemma2ForCausalLM"),
     Architecture("Gemma3ForCausalLM", "gemma3_text", "gemma", "Gemma3ForCausalLM"),
+    Architecture("Lfm2ForCausalLM", "lfm2", "lfm2", "Lfm2ForCausalLM"),
 )
 
 

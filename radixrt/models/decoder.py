@@ -6,6 +6,7 @@ its `Family`, which its class's `family_of` reads from the config."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 
 import torch
@@ -22,10 +23,12 @@ from radixrt.models.fused_decode import FusedDecode
 from radixrt.models.interface import CausalLM, Projection, WeightSource
 from radixrt.models.layers import (
     MLP,
+    Attention,
     DecoderLayer,
     PackedEmbedding,
     RMSNorm,
     RotaryEmbedding,
+    ShortConv,
     VocabParallelEmbedding,
     VocabSlice,
     expert_shard,
@@ -39,12 +42,48 @@ class Decoder(CausalLM):
     vocabulary (`vocab_range`); norms, routers and rotary tables are whole on every rank.
     `compute_logits` gives this rank's vocabulary columns. `graph_safe` says whether a decode
     step may be captured as a CUDA graph (not with experts: their grouping reads counts).
-    A family's class derives it and says, in `family_of`, which parts its config swaps in."""
+    A family's class derives it and says, in `family_of`, which parts its config swaps in; a
+    family whose layers mix by something other than attention on some layers (LFM2's short
+    convolutions) names each layer's kind (`layer_kinds_of`) and builds and loads those mixers
+    (`make_mixer`, `load_mixer`). The KV pool holds the attention layers only (`kv_layers`;
+    attention layer i writes the pool's layer `kv_layer_of[i]`)."""
+
+    # the checkpoint's tensor names where they differ from Llama's: Llama's name (within a
+    # layer, after `model.layers.N.`, or whole) -> the checkpoint's
+    CHECKPOINT_NAMES: dict[str, str] = {}
 
     @classmethod
     def family_of(cls, config: PretrainedConfig) -> Family:
         """The parts this architecture swaps into the decoder, read from `config`."""
         raise NotImplementedError
+
+    @classmethod
+    def layer_kinds_of(cls, config: PretrainedConfig) -> tuple[str, ...]:
+        """Each layer's mixer: "attention", or a kind `make_mixer` builds."""
+        layers: int = config.num_hidden_layers
+        return ("attention",) * layers
+
+    @classmethod
+    def intermediate_size_of(cls, config: PretrainedConfig) -> int:
+        """The dense MLP's width."""
+        width: int = config.intermediate_size
+        return width
+
+    def make_mixer(self, kind: str, config: PretrainedConfig) -> tuple[str, nn.Module]:
+        """(its name in the layer and the checkpoint, the module) of a layer of `kind` other
+        than attention."""
+        raise ValueError(f"{type(self).__name__} has no {kind!r} layers")
+
+    def load_mixer(
+        self,
+        reader: WeightSource,
+        kind: str,
+        hf: str,
+        me: str,
+        param: Callable[[str], torch.Tensor],
+    ) -> None:
+        """A `make_mixer` layer's tensors (`hf`: its checkpoint prefix, `me`: its module's)."""
+        raise ValueError(f"{type(self).__name__} has no {kind!r} layers")
 
     def __init__(self, config: PretrainedConfig, max_positions: int, tp: TPGroup | None = None):
         super().__init__()
@@ -59,7 +98,8 @@ class Decoder(CausalLM):
         self.shard = shard_heads(
             config.num_attention_heads, config.num_key_value_heads, tp.size, tp.rank
         )
-        self.mlp_range = split_range(config.intermediate_size, tp.size, tp.rank)
+        self.intermediate_size = self.intermediate_size_of(config)
+        self.mlp_range = split_range(self.intermediate_size, tp.size, tp.rank)
         self.expert_range, self.expert_ids = expert_shard(family.moe, tp)
         self.vocab_widths = [
             end - start
@@ -73,11 +113,15 @@ class Decoder(CausalLM):
         self.embed_tokens: VocabSlice = VocabParallelEmbedding(
             self.vocab_range, config.hidden_size, tp
         )
+        self.layer_kinds = self.layer_kinds_of(config)
+        attention = [i for i, kind in enumerate(self.layer_kinds) if kind == "attention"]
+        self.kv_layer_of = {layer: n for n, layer in enumerate(attention)}
+        self.kv_layers = len(attention)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, family, i, head_dim, self.shard, widths, self.expert_ids, tp)
+            DecoderLayer(config, family, i, self._mixer(config, i), widths, self.expert_ids, tp)
             for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, family.norm_eps)
         # rotary tables by layer type ("all" where one serves every layer)
         self.rope_of_layer = family.rope_by_layer or ("all",) * config.num_hidden_layers
         self.rope = nn.ModuleDict(
@@ -96,6 +140,24 @@ class Decoder(CausalLM):
             self.lm_head.weight = self.embed_tokens.weight
         self._fused: FusedDecode | None = None
         self._fused_checked = False
+
+    def _mixer(self, config: PretrainedConfig, i: int) -> tuple[str, nn.Module]:
+        kind = self.layer_kinds[i]
+        if kind != "attention":
+            return self.make_mixer(kind, config)
+        kv = self.kv_layer_of[i]
+        return "self_attn", Attention(config, self.family, kv, self.head_dim, self.shard, self.tp)
+
+    def allocate_states(self, rows: int) -> int:
+        """Zeroed per-request states of every `ShortConv` for `rows` request-table rows, in the
+        model's dtype on its device; their bytes."""
+        total = 0
+        for module in self.modules():
+            if isinstance(module, ShortConv):
+                weight = module.weight
+                module.state = weight.new_zeros(rows, module.hidden, module.kernel - 1)
+                total += module.state.nbytes
+        return total
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
@@ -132,11 +194,13 @@ class Decoder(CausalLM):
         c, s, hd = self.config, self.shard, self.head_dim
         q, kv = (s.q_start * hd, s.q_end * hd), (s.kv_start * hd, s.kv_end * hd)
         heads, kv_heads = c.num_attention_heads * hd, c.num_key_value_heads * hd
-        hidden, mlp, inter = c.hidden_size, self.mlp_range, c.intermediate_size
+        hidden, mlp, inter = c.hidden_size, self.mlp_range, self.intermediate_size
         found = {}
         for i, layer in enumerate(self.layers):
             assert isinstance(layer, DecoderLayer)
-            attn = layer.self_attn
+            if layer.mixer_name != "self_attn":
+                continue
+            attn = layer.get_submodule("self_attn")
             found[i, "qkv"] = Projection(
                 attn, "qkv_proj", ("q", "k", "v"), (q, kv, kv), (heads, kv_heads, kv_heads), hidden
             )
@@ -169,7 +233,11 @@ class Decoder(CausalLM):
     def load_weights(self, reader: WeightSource) -> None:
         """Load Hugging Face names into the parameters in place, reading only this rank's
         slices: q/k/v and gate/up fused (from separate tensors, or rows of Phi-3's fused ones),
-        experts' as the dense MLP's. ValueError for a tensor missing or of the wrong shape."""
+        experts' as the dense MLP's; a family's other mixers by its `load_mixer`, and its own
+        tensor names by `CHECKPOINT_NAMES`. ValueError for a tensor missing or of the wrong
+        shape."""
+        if self.CHECKPOINT_NAMES:
+            reader = Renamed(reader, self.CHECKPOINT_NAMES)
         own = dict(self.named_parameters())
         loaded = set()
 
@@ -182,15 +250,19 @@ class Decoder(CausalLM):
         q = (self.shard.q_start * self.head_dim, self.shard.q_end * self.head_dim)
         for i, layer in enumerate(self.layers):
             hf, me = f"model.layers.{i}.", f"layers.{i}."
-            for kind in ("weight", "bias"):
-                if me + f"self_attn.qkv_proj.{kind}" in own:
-                    reader.stack_rows(param(me + f"self_attn.qkv_proj.{kind}"), self._qkv(hf, kind))
-            reader.copy_cols(
-                param(me + "self_attn.o_proj.weight"), hf + "self_attn.o_proj.weight", *q
-            )
             norms = ["input_layernorm", "post_attention_layernorm"]
-            if self.family.qk_norm:
-                norms += ["self_attn.q_norm", "self_attn.k_norm"]
+            if self.layer_kinds[i] != "attention":
+                self.load_mixer(reader, self.layer_kinds[i], hf, me, param)
+            else:
+                for kind in ("weight", "bias"):
+                    if me + f"self_attn.qkv_proj.{kind}" in own:
+                        qkv = param(me + f"self_attn.qkv_proj.{kind}")
+                        reader.stack_rows(qkv, self._qkv(hf, kind))
+                reader.copy_cols(
+                    param(me + "self_attn.o_proj.weight"), hf + "self_attn.o_proj.weight", *q
+                )
+                if self.family.qk_norm:
+                    norms += ["self_attn.q_norm", "self_attn.k_norm"]
             if self.family.sandwich_norms:
                 norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
             for norm in norms:
@@ -239,7 +311,7 @@ class Decoder(CausalLM):
         """This rank's rows of the dense MLP's gate, then of its up projection."""
         start, end = self.mlp_range
         if self.family.fused_checkpoint:  # rows of [gate; up] in one tensor
-            width = self.config.intermediate_size
+            width = self.intermediate_size
             name = prefix + "gate_up_proj.weight"
             return [(name, start, end), (name, width + start, width + end)]
         return [(prefix + f"{p}_proj.weight", start, end) for p in ("gate", "up")]
@@ -268,3 +340,36 @@ class Decoder(CausalLM):
             reader.copy_cols(
                 param(mine + "down_proj.weight"), theirs + f"{down}.weight", start, end
             )
+
+
+class Renamed:
+    """A `WeightSource` that reads a checkpoint by its own names: Llama's name of a tensor
+    (within a layer, or whole) mapped through `names`, the rest as they are."""
+
+    LAYER = re.compile(r"(model\.layers\.\d+\.)(.*)")
+
+    def __init__(self, reader: WeightSource, names: dict[str, str]):
+        self.reader, self.names = reader, names
+
+    def name(self, ours: str) -> str:
+        match = self.LAYER.fullmatch(ours)
+        if match is None:
+            return self.names.get(ours, ours)
+        return match[1] + self.names.get(match[2], match[2])
+
+    def whole(self, name: str) -> torch.Tensor:
+        return self.reader.whole(self.name(name))
+
+    def copy_rows(
+        self, out: torch.Tensor, name: str, start: int | None = None, end: int | None = None
+    ) -> None:
+        self.reader.copy_rows(out, self.name(name), start, end)
+
+    def stack_rows(self, out: torch.Tensor, parts: list[tuple[str, int, int]]) -> None:
+        self.reader.stack_rows(out, [(self.name(n), a, b) for n, a, b in parts])
+
+    def copy_cols(self, out: torch.Tensor, name: str, start: int, end: int) -> None:
+        self.reader.copy_cols(out, self.name(name), start, end)
+
+    def skip(self, name: str) -> None:
+        self.reader.skip(self.name(name))

@@ -49,6 +49,7 @@ class Family:
     query_scale: q's factor before attention, so the backends' 1/sqrt(head_dim) becomes Gemma's
         1/sqrt(query_pre_attn_scalar).
     final_logit_softcap: logits become cap * tanh(logits / cap) (Gemma 2); None: unchanged.
+    norm_eps: every RMSNorm's epsilon (the config's `rms_norm_eps`, LFM2's `norm_eps`).
     rope_by_layer: each layer's rotary table by layer type where the config gives one per type
         (Gemma 3's local and global theta); None: one table for every layer.
     windows: each layer's sliding window W (a query at position p sees the keys at positions
@@ -68,6 +69,7 @@ class Family:
     sandwich_norms: bool = False
     query_scale: float = 1.0
     final_logit_softcap: float | None = None
+    norm_eps: float = 1e-6
     rope_by_layer: tuple[str, ...] | None = None
     windows: tuple[int | None, ...] = ()
     attn_logit_softcap: float | None = None
@@ -98,6 +100,8 @@ def decoder_family(
     fields of `Family`) and what every family reads alike: q/k/v biases where the config sets
     `attention_bias`, the activation, rotary tables by layer type where the config gives them,
     and the sliding windows (`layer_windows`)."""
+    if "norm_eps" not in parts:
+        parts["norm_eps"] = config.rms_norm_eps
     return Family(
         qkv_bias=qkv_bias or bool(getattr(config, "attention_bias", False)),
         qk_norm=qk_norm,

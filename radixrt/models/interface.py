@@ -1,12 +1,14 @@
 """What the executor reads of a model, and what a model reads its weights from.
 
 `CausalLM` is the contract every architecture class keeps: `ModelRunner` sizes the KV pool from
-`shard` and `head_dim`, picks attention options from `family`, quantizes the `nn.Linear`s and
-`lm_head`, captures CUDA graphs only where `graph_safe`, and gathers tensor-parallel logits by
-`vocab_widths`; LoRA, weight updates and the fused decode reach a layer's linears through
-`projections`, never through a family's attribute names. `WeightSource` is the reader a model's `load_weights` copies its tensors from
-(`executor.model_loader.WeightReader` is the one that reads safetensors); it is declared here so
-that models depend on nothing above them.
+`kv_layers`, `shard` and `head_dim`, allocates a recurrent model's per-request states, picks
+attention options from `family`, quantizes the `nn.Linear`s and `lm_head`, captures CUDA graphs
+only where `graph_safe`, and gathers tensor-parallel logits by `vocab_widths`; LoRA and the
+fused decode reach a layer's linears through `projections`, never through a family's attribute
+names (weight updates load a second model and swap its modules in whole). `WeightSource` is the
+reader a model's `load_weights` copies its tensors from (`executor.model_loader.WeightReader` is
+the one that reads safetensors); it is declared here so that models depend on nothing above
+them.
 """
 
 from __future__ import annotations
@@ -94,6 +96,10 @@ class CausalLM(nn.Module):
     family: Family  # the parts the architecture swaps in (windows, softcaps, ...)
     shard: HeadShard  # this rank's attention heads: the KV pool holds `shard.num_kv_heads`
     head_dim: int
+    kv_layers: int  # the layers whose K/V the pool holds (those that attend)
+    # whether a request carries state besides its KV (a convolution's or a recurrence's): a
+    # cached prefix's KV alone cannot resume it, so such a model is served without prefix reuse
+    recurrent: bool = False
     lm_head: nn.Module  # the output projection (quantized with the weights when asked)
     graph_safe: bool  # whether a decode step may be captured as a CUDA graph
     vocab_widths: list[int]  # each rank's slice of the vocabulary, in rank order
@@ -114,6 +120,11 @@ class CausalLM(nn.Module):
     def load_weights(self, reader: WeightSource) -> None:
         """Every parameter (this rank's shard) from `reader`."""
         raise NotImplementedError
+
+    def allocate_states(self, rows: int) -> int:
+        """Per-request states (zeroed) for `rows` request-table rows, indexed by a request's
+        row; their bytes. None for a model without (`recurrent` off)."""
+        return 0
 
     def projections(self) -> dict[tuple[int, str], Projection]:
         """Each layer's adaptable linears by (layer, call site): "qkv", "o", "gate_up", "down"

@@ -1,6 +1,7 @@
 """The layers every family composes: RMSNorm, rotary tables, attention over this rank's heads
 through the attention backend, the gated MLP (dense, or the experts of `moe.py`), the vocabulary's
-embedding (float or packed), and the attention decoder's layer. A family's module
+embedding (float or packed), the attention decoder's layer, and the mixers a layer may hold in
+attention's place (LFM2's short convolution). A family's module
 (`llama.py`, `qwen.py`, ...) builds its model from these; what it swaps in is its `Family`."""
 
 from __future__ import annotations
@@ -137,8 +138,8 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
         self.qk_norm = family.qk_norm
         if self.qk_norm:
-            self.q_norm = RMSNorm(head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(head_dim, config.rms_norm_eps)
+            self.q_norm = RMSNorm(head_dim, family.norm_eps)
+            self.k_norm = RMSNorm(head_dim, family.norm_eps)
         self.query_scale = family.query_scale
 
     def forward(
@@ -258,30 +259,32 @@ class PackedEmbedding(VocabSlice):
 
 
 class DecoderLayer(nn.Module):
-    """Norm, attention, norm, and the dense MLP (`mlp` wide on this rank) or, on the family's
-    sparse layers, the experts (`expert_mlp` wide each); with sandwich norms (Gemma) the
-    attention's and the MLP's outputs are normed too before they join the stream."""
+    """Norm, the layer's mixer (attention, or a family's other kind: `mixer_name` says under
+    which name its checkpoint and the model keep it), norm, and the dense MLP (`mlp` wide on
+    this rank) or, on the family's sparse layers, the experts (`expert_mlp` wide each); with
+    sandwich norms (Gemma) the mixer's and the MLP's outputs are normed too before they join the
+    stream. A mixer is called as attention is: (x, batch, cos_sin, attn)."""
 
     def __init__(
         self,
         config: PretrainedConfig,
         family: Family,
         layer_id: int,
-        head_dim: int,
-        shard: HeadShard,
+        mixer: tuple[str, nn.Module],
         widths: tuple[int, int],
         expert_ids: tuple[int, int],
         tp: TPGroup,
     ):
         super().__init__()
         mlp, expert_mlp = widths
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, family, layer_id, head_dim, shard, tp)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = RMSNorm(config.hidden_size, family.norm_eps)
+        self.mixer_name = mixer[0]
+        self.add_module(*mixer)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, family.norm_eps)
         self.sandwich = family.sandwich_norms
         if self.sandwich:
-            self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-            self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+            self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, family.norm_eps)
+            self.post_feedforward_layernorm = RMSNorm(config.hidden_size, family.norm_eps)
         moe = family.moe
         self.mlp = (
             SparseMoE(config.hidden_size, moe, expert_mlp, tp, family.activation, expert_ids)
@@ -298,9 +301,9 @@ class DecoderLayer(nn.Module):
         attn: AttentionBackend,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(this layer's MLP output, the residual stream before it is added): the next norm adds
-        it, so each add fuses with a norm. The sums are HF's: stream + attention, then + MLP."""
+        it, so each add fuses with a norm. The sums are HF's: stream + mixer, then + MLP."""
         h, residual = self.input_layernorm(x, residual)
-        h = self.self_attn(h, batch, cos_sin, attn)
+        h = self._modules[self.mixer_name](h, batch, cos_sin, attn)  # type: ignore[misc]
         if self.sandwich:
             h, residual = self.pre_feedforward_layernorm(
                 self.post_attention_layernorm(h)[0], residual
@@ -308,6 +311,57 @@ class DecoderLayer(nn.Module):
             return self.post_feedforward_layernorm(self.mlp(h))[0], residual
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
+
+
+class ShortConv(nn.Module):
+    """LFM2's gated short convolution: B, C and x from one projection, a depthwise causal
+    convolution of `kernel` taps over B * x, times C, and the output projection. Its state per
+    request is the last `kernel - 1` inputs of the convolution (`state`: [rows, hidden,
+    kernel - 1], one row per request-table row, given by `Decoder.allocate_states`); a request
+    whose step starts at position 0 starts from zeros. One rank only."""
+
+    state: torch.Tensor | None
+
+    def __init__(self, hidden: int, kernel: int, bias: bool):
+        super().__init__()
+        self.hidden, self.kernel = hidden, kernel
+        self.in_proj = nn.Linear(hidden, 3 * hidden, bias=bias)
+        self.out_proj = nn.Linear(hidden, hidden, bias=bias)
+        self.weight = nn.Parameter(torch.empty(hidden, 1, kernel))
+        self.bias = nn.Parameter(torch.empty(hidden)) if bias else None
+        self.state = None
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        batch: ForwardBatch,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        attn: AttentionBackend,
+    ) -> torch.Tensor:
+        state = self.state
+        assert state is not None, "the model's states were never allocated"
+        b, c, v = self.in_proj(x).chunk(3, dim=-1)
+        bx = b * v  # [T, hidden]
+        keep = self.kernel - 1
+        if all(e == 1 for e in batch.extend_lens):  # decode rows: one window each, batched
+            rows = batch.rows
+            past = state.index_select(0, rows)
+            fresh = torch.tensor([p == 0 for p in batch.prefix_lens], device=x.device)
+            past.masked_fill_(fresh[:, None, None], 0.0)
+            window = torch.cat([past, bx[:, :, None]], dim=-1)  # [B, hidden, kernel]
+            out = F.conv1d(window, self.weight, self.bias, groups=self.hidden)[:, :, 0]
+            state.index_copy_(0, rows, window[:, :, 1:])
+        else:  # each request's new tokens after its past inputs
+            parts, start = [], 0
+            for row, prefix, n in zip(batch.rows.tolist(), batch.prefix_lens, batch.extend_lens):
+                past = state[row] if prefix else state.new_zeros(self.hidden, keep)
+                window = torch.cat([past, bx[start : start + n].T], dim=-1)[None]
+                parts.append(F.conv1d(window, self.weight, self.bias, groups=self.hidden)[0].T)
+                state[row] = window[0, :, -keep:]
+                start += n
+            out = torch.cat(parts)
+        y: torch.Tensor = self.out_proj(c * out)
+        return y
 
 
 def expert_shard(moe: MoeSpec | None, tp: TPGroup) -> tuple[tuple[int, int], tuple[int, int]]:

@@ -492,6 +492,7 @@ class CacheSettings(Settings):
     page_size: int = setting(1, "tokens per KV page; the radix tree matches whole pages")
     kv_cache_dtype: str = setting("auto", "what the KV pool stores: auto (the model's dtype) or one byte a value with a float32 scale per token and KV head: int8, fp8_e4m3 or fp8_e5m2 (about 4x the tokens of float32 KV in the same memory, 1.9x bfloat16's; not token-exact, quality-gated: docs/benchmarks.md), read by the torch backend on the CPU and the triton backend (CUDA's default); the host and disk tiers and swap keep that form; refused at start with the torch backend on CUDA and with --enable-deterministic-inference", choices=("auto", "int8", "fp8_e4m3", "fp8_e5m2"))
     disable_radix_cache: bool = setting(False, "turn prefix matching off (same code path, no reuse)")
+    max_mamba_cache_size: int | None = setting(None, "state slots of a model whose layers carry a state per request (LFM2's convolutions): one per running request, the rest hold snapshots in the radix tree where prefixes resume (default: 2 x --max-running-requests)")
     enable_hierarchical_cache: bool = setting(False, "keep prefixes evicted from the KV pool in host memory and load them back instead of recomputing them")
     hicache_ratio: float = setting(2.0, "host tier size as a multiple of the KV pool (unless --hicache-size)")
     hicache_size: float | None = setting(None, "host tier size in GB of KV; overrides --hicache-ratio")
@@ -513,7 +514,9 @@ class CacheSettings(Settings):
         _ = self.kv_events  # parsed at start, so a bad --kv-events-config is refused then
         if self.page_size < 1:
             raise ValueError("page_size must be >= 1")
-        _at_least_one(max_total_tokens=self.max_total_tokens)
+        _at_least_one(
+            max_total_tokens=self.max_total_tokens, max_mamba_cache_size=self.max_mamba_cache_size
+        )
         if self.mem_fraction is not None and not 0 < self.mem_fraction < 1:
             raise ValueError("mem_fraction must be in (0, 1)")
         if self.hicache_ratio <= 0 or (self.hicache_size is not None and self.hicache_size <= 0):

@@ -18,6 +18,7 @@ class ForwardBatch:
     extend_lens: list[int]  # [B] new tokens this step (1 for a decode)
     attn_metadata: Any = None  # built once per step by the attention backend, shared by all layers
     lora_names: list[str] | None = None  # [B] each request's adapter ("" the base); None: none
+    state_slots: torch.Tensor | None = None  # [B] a recurrent model's state slot of each request
 
     @property
     def has_adapters(self) -> bool:

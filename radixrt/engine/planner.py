@@ -104,6 +104,8 @@ class StepPlanner:
                 items.append(Scheduled(req, 1))
                 continue
             n = self.budget.chunk(req.tokens_to_compute, left)
+            if req.snapshot_at > req.kv_len:  # a chunk ends where its state is kept
+                n = min(n, req.snapshot_at - req.kv_len)
             if n:
                 items.append(Scheduled(req, n))
                 left -= n
@@ -221,6 +223,8 @@ class StepPlanner:
             m = len(device.slots)
             extend = len(req.all_ids) - m
             n = self.budget.chunk(extend, left)
+            if match.unresumable:  # a recurrent model: its state is kept where this one branches
+                n = min(n or extend, match.unresumable)
             if n == 0:
                 if busy or plan.admitted:
                     self.kv.unlock(device.node)

@@ -187,6 +187,8 @@ class Req:
     kv_len: int = 0  # tokens of all_ids whose K/V are in the pool
     tree_len: int = 0  # row[:tree_len] belongs to the tree, locked through last_node
     last_node: TreeNode | None = None
+    state_slot: int | None = None  # a recurrent model's state slot while it has a row
+    snapshot_at: int = 0  # where its state is kept as a snapshot (slot_manager); 0: nowhere
 
     # Structured output: the constraint's CompileJob (structured/compiler.py) and the walk in it
     constraint: CompileJob | None = None

@@ -129,7 +129,9 @@ class Scheduler:
         self.tokenizer = runner.tokenizer
         self.sampling_defaults = _sampling_defaults(args, runner.generation_config)
         self.kv = build_slot_manager(
-            DevicePool(runner.allocator, runner.req_to_token_pool, runner.kv_pool),
+            DevicePool(
+                runner.allocator, runner.req_to_token_pool, runner.kv_pool, runner.state_pool
+            ),
             _cache_settings(args, runner),
             lambda: model_fingerprint(runner.model_path, runner.dtype, runner.kv_numerics),
             adapter_of_salt,
@@ -651,6 +653,9 @@ def build_batch(plan: list[Scheduled], kv: KVSlotManager, device: torch.device) 
         prefix_lens=[s.req.kv_len for s in plan],
         extend_lens=[s.n for s in plan],
         lora_names=[s.req.scope.lora_path for s in plan] if any_adapter else None,
+        state_slots=torch.tensor([s.req.state_slot for s in plan], dtype=torch.long, device=device)
+        if kv.states is not None
+        else None,
     )
 
 
@@ -698,16 +703,9 @@ def check_prompt(
 
 
 def _cache_settings(args: SchedulerArgs, runner: ModelRunner) -> CacheSettings:
-    """The cache settings `args` give, without prefix reuse for a recurrent model: a cached
-    prefix holds KV, not the state a convolution or recurrence carried past it (snapshots of
-    that state in the tree are not built yet). Speculation is refused for one: a rejected
-    draft would have advanced its state."""
-    settings = CacheSettings.of(args)
-    if not runner.model.recurrent:
-        return settings
-    name = type(runner.model).__name__
-    if args.speculative_algorithm:
+    """The cache settings `args` give; speculation is refused for a recurrent model: a
+    rejected draft would have advanced its state past the tokens kept."""
+    if runner.model.recurrent and args.speculative_algorithm:
+        name = type(runner.model).__name__
         raise ValueError(f"--speculative-algorithm: {name} carries a state per request")
-    if not settings.disable_radix_cache:
-        logger.info("%s carries a state per request: served without prefix reuse", name)
-    return dataclasses.replace(settings, disable_radix_cache=True)
+    return CacheSettings.of(args)

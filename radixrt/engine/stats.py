@@ -112,6 +112,9 @@ def scheduler_stats(c: Counters, x: StatsInputs) -> dict[str, Any]:
         "storage_hit_tokens": c.storage_hit_tokens,
         "storage_rejected_blocks": u.storage_rejected_blocks,
         "swapped_out_tokens": u.swapped_out_tokens,
+        "state_total_slots": u.state_total_slots,
+        "state_free_slots": u.state_free_slots,
+        "state_cached_slots": u.state_cached_slots,
         # the adapters requests run under (vLLM's `lora_requests_info`, which endpoint pickers read)
         "running_lora_adapters": sorted({r.scope.lora_path for r in x.running} - {""}),
         "waiting_lora_adapters": sorted({r.scope.lora_path for r in x.waiting} - {""}),

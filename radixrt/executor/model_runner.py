@@ -41,6 +41,7 @@ from radixrt.mem_cache.memory_pool import (
     TokenToKVPool,
     bytes_per_token,
 )
+from radixrt.mem_cache.state_pool import StatePool
 from radixrt.models.interface import CausalLM
 from radixrt.models.linear import (
     BYTES_PER_WEIGHT,
@@ -438,14 +439,24 @@ class ModelRunner:
         self.req_to_token_pool = ReqToTokenPool(
             args.max_running_requests + 1, self.context_length + 1, self.device
         )
-        # a recurrent model's states, one per request-table row (its row's, for as long as it
-        # runs): bounded by --max-running-requests, as the rows are
-        self.state_bytes = self.model.allocate_states(args.max_running_requests + 1)
-        if self.model.recurrent and args.enable_hierarchical_cache:
+        self.state_bytes = 0
+        self.state_pool = self._state_pool()
+
+    def _state_pool(self) -> StatePool | None:
+        """A recurrent model's state slots (`--max-mamba-cache-size`, by default two per
+        running request: its own and as many snapshots in the tree); None for any other."""
+        args, model = self.args, self.model
+        if not model.recurrent:
+            return None
+        if args.enable_hierarchical_cache:
             raise ValueError(
-                f"--enable-hierarchical-cache: {type(self.model).__name__} carries a state per "
+                f"--enable-hierarchical-cache: {type(model).__name__} carries a state per "
                 "request besides its KV, which the host tier does not hold"
             )
+        slots = args.max_mamba_cache_size or 2 * args.max_running_requests
+        self.state_bytes = model.allocate_states(slots)
+        logger.info("%d state slots (%.1f MB)", slots, self.state_bytes / 1e6)
+        return StatePool(slots, model.copy_state)
 
     def _init_lora(self) -> LoraManager | None:
         """The adapters' pool over the model's projections, with `--lora-paths` loaded (None

@@ -63,6 +63,7 @@ class TreeNode:
         "last_access",
         "id",
         "digests",
+        "state",
     )
     _ids = itertools.count()
 
@@ -83,6 +84,7 @@ class TreeNode:
         self.last_access = time.monotonic()
         self.id = next(TreeNode._ids)
         self.digests: list[bytes] = []  # one per page, with KV events on
+        self.state: int | None = None  # a recurrent model's state slot after its last token
 
     @property
     def is_leaf(self) -> bool:
@@ -119,13 +121,15 @@ class PrefixMatch(NamedTuple):
     """The longest cached page-aligned prefix of a key: the device slots of its first part and
     the node that ends it, then the host slots of the part only the host holds and the node
     ending that (`node` when there is none). `storage_tokens`: how many of the host part were
-    just read from the disk tier."""
+    just read from the disk tier. `unresumable`: for a recurrent model, the tokens the tree's KV
+    matched past `node`, where no state snapshot lets a request resume."""
 
     slots: torch.Tensor
     node: TreeNode
     host_slots: torch.Tensor = EMPTY
     host_node: TreeNode | None = None
     storage_tokens: int = 0
+    unresumable: int = 0
 
     @property
     def end_node(self) -> TreeNode:
@@ -192,9 +196,11 @@ class RadixCache:
         host: HostTier | None = None,
         write_policy: str = "write_through_selective",  # CacheSettings checks the name
         events: KVEventSink | None = None,
+        drop_state: Callable[[TreeNode], None] | None = None,
     ):
         self.page_size = page_size
         self.free_slots = free_slots
+        self.drop_state = drop_state  # a node's state snapshot goes with its device KV
         self.disable = disable
         self.host = host
         self.write_policy = write_policy
@@ -403,6 +409,8 @@ class RadixCache:
         self._stored(node, MEDIUM_DEVICE)
 
     def _drop_device(self, node: TreeNode) -> None:
+        if node.state is not None and self.drop_state is not None:
+            self.drop_state(node)
         self.free_slots(node.device_slots())
         self.evicted_tokens += len(node.device_slots())
         self._account(node, -1)
@@ -558,6 +566,8 @@ class RadixCache:
             return False
         for node in self.all_nodes():
             if node.parent is not None:
+                if node.state is not None and self.drop_state is not None:
+                    self.drop_state(node)
                 if node.on_device:
                     self.free_slots(node.device_slots())
                 if node.on_host:

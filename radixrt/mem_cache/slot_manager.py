@@ -24,6 +24,15 @@ preemption a retracted request's computed pages join the tree and are backed up 
 finished and retracted requests' whole blocks are written to storage (`release`), and a match
 that ends early reads the following blocks into the host pool (`match_prefix`).
 
+A recurrent model's states (`state_pool.StatePool`) are handed over with the KV: a request
+holds one state slot while it has a row; a match is cut back to the deepest node holding a
+state snapshot (KV alone cannot resume the recurrence), and the tokens the tree's KV covers past
+it are the request's first chunk (`PrefixMatch.unresumable`), after which the request's state is
+copied into a snapshot there: the point where later requests branch off. A request that ends (or
+is retracted) gives its slot to the node ending at its computed tokens when that node holds none.
+Snapshots go with their node's device KV, and the least recently used unlocked one is dropped
+when a request needs a slot and none is free.
+
 The manager needs no model: the tests drive it with a pool, a tree and token ids.
 """
 
@@ -39,6 +48,7 @@ from radixrt.mem_cache.host_pool import HostKVPool
 from radixrt.mem_cache.kv_events import ZmqEventPublisher
 from radixrt.mem_cache.memory_pool import PageAllocator, ReqToTokenPool
 from radixrt.mem_cache.radix_cache import PrefixMatch, PrefixPeek, RadixCache, TreeNode
+from radixrt.mem_cache.state_pool import StatePool
 from radixrt.mem_cache.storage import KVStorage
 
 # A host part shorter than this is recomputed instead: a load has a fixed cost (two copies per
@@ -55,6 +65,8 @@ class SlotHolder(Protocol):
     kv_len: int  # tokens of all_ids whose K/V are in the pool
     tree_len: int  # row[:tree_len] belongs to the tree, locked through last_node
     last_node: TreeNode | None
+    state_slot: int | None  # a recurrent model's state slot while it has a row
+    snapshot_at: int  # where its state is copied into a snapshot (a branch point); 0: nowhere
 
     @property
     def cache_salt(self) -> str:
@@ -86,6 +98,9 @@ class KVUsage:
     host_used_tokens: int
     storage_rejected_blocks: int
     swapped_out_tokens: int
+    state_total_slots: int  # a recurrent model's state slots (0 for any other)
+    state_free_slots: int
+    state_cached_slots: int  # held by tree nodes as snapshots
     kv_event_batches: int  # published (--kv-events-config)
     kv_event_dropped_batches: int  # lost to a full queue
 
@@ -115,10 +130,13 @@ class KVSlotManager:
         storage: KVStorage | None = None,
         swap: bool = False,
         publisher: ZmqEventPublisher | None = None,
+        states: StatePool | None = None,
     ):
         """`tree.host` (a `HostKVPool` or None) is the host tier; `storage` the disk tier (needs
         the host tier); `swap`: retraction backs a request's pages up to the host; `publisher`
-        sends the tree's KV events (`end_event_batch`)."""
+        sends the tree's KV events (`end_event_batch`); `states`: a recurrent model's state
+        slots (neither the host tier nor swap holds states: refused at start)."""
+        assert states is None or tree.host is None, "the host tier holds no states"
         assert storage is None or tree.host is not None, "the disk tier reads through the host"
         self.allocator = allocator
         self.rows = req_to_token_pool
@@ -135,6 +153,9 @@ class KVSlotManager:
         self.pins: dict[str, Pin] = {}  # pin id -> what is locked on a client's behalf
         self.peak_used_tokens = 0
         self.swapped_out_tokens = 0
+        self.states = states
+        self.snapshots: set[TreeNode] = set()  # the nodes holding a state slot
+        tree.drop_state = self._drop_snapshot
 
     # ---- room ------------------------------------------------------------------------------
     def slots_needed(self, holder: SlotHolder, n: int) -> int:
@@ -151,8 +172,13 @@ class KVSlotManager:
         return self.allocator.total_tokens - self.allocator.available()
 
     def free_rows(self) -> int:
-        """Rows of the request -> token table a new request could take."""
-        return self.rows.available()
+        """Rows of the request -> token table a new request could take (with a recurrent
+        model's states, no more than the state slots free or held by unlocked snapshots)."""
+        rows = self.rows.available()
+        if self.states is None:
+            return rows
+        spare = sum(1 for node in self.snapshots if not node.lock_ref)
+        return min(rows, self.states.available() + spare)
 
     @property
     def sharing(self) -> bool:
@@ -175,6 +201,9 @@ class KVSlotManager:
             host_used_tokens=host.used_tokens() if host else 0,
             storage_rejected_blocks=storage.rejected_blocks if storage else 0,
             swapped_out_tokens=self.swapped_out_tokens,
+            state_total_slots=self.states.total if self.states else 0,
+            state_free_slots=self.states.available() if self.states else 0,
+            state_cached_slots=len(self.snapshots),
             kv_event_batches=self.publisher.counts.published_batches if self.publisher else 0,
             kv_event_dropped_batches=self.publisher.counts.dropped_batches if self.publisher else 0,
         )
@@ -195,6 +224,8 @@ class KVSlotManager:
         match = self.tree.match_prefix(key, salt)
         if self.storage is not None and not self.tree.disable:
             match = self._read_storage(key, match, salt)
+        if self.states is not None:
+            match = _resumable(match)
         return match
 
     def load_back(self, match: PrefixMatch) -> PrefixMatch:
@@ -283,6 +314,16 @@ class KVSlotManager:
         if holder.row is None:
             self.unlock(match.node)
             return False
+        if self.states is not None:
+            holder.state_slot = self._state_slot()
+            if holder.state_slot is None:
+                self.rows.free(holder.row)
+                holder.row = None
+                self.unlock(match.node)
+                return False
+            if match.node.state is not None:  # a copy: the node keeps its snapshot
+                self.states.copy(match.node.state, holder.state_slot)
+            holder.snapshot_at = len(match.slots) + match.unresumable if match.unresumable else 0
         m = len(match.slots)
         self.req_to_token[holder.row, :m] = match.slots.to(torch.int32)
         holder.kv_len = holder.tree_len = m
@@ -326,6 +367,12 @@ class KVSlotManager:
         self.tree.inc_lock_ref(match.node)
         self.tree.dec_lock_ref(_locked(holder))
         holder.last_node, holder.tree_len = match.node, aligned
+        if self.states is not None and holder.snapshot_at == holder.kv_len == aligned:
+            holder.snapshot_at = 0
+            if match.node.state is None and (slot := self._state_slot()) is not None:
+                assert holder.state_slot is not None, "a recurrent model's holder has a slot"
+                self.states.copy(holder.state_slot, slot)
+                self._keep_snapshot(match.node, slot)
 
     def release(self, holder: SlotHolder) -> None:
         """Give back everything: computed whole pages to the tree, the rest freed, the lock and
@@ -334,12 +381,52 @@ class KVSlotManager:
             return
         if self.storage is not None:
             self._write_storage(holder)
-        start = max(self._insert_computed(holder), holder.tree_len)
+        aligned = self._insert_computed(holder)
+        start = max(aligned, holder.tree_len)
         if holder.kv_len > start:
             self.allocator.free(self.req_to_token[holder.row, start : holder.kv_len].long())
+        if holder.state_slot is not None:
+            self._hand_back_state(holder, aligned)
         self.tree.dec_lock_ref(_locked(holder))
         self.rows.free(holder.row)
         holder.row, holder.last_node = None, None
+
+    # ---- a recurrent model's states -------------------------------------------------------
+    def _state_slot(self) -> int | None:
+        """A free state slot, dropping the least recently used unlocked snapshot if none is."""
+        assert self.states is not None
+        slot = self.states.alloc()
+        if slot is None:
+            spare = [node for node in self.snapshots if not node.lock_ref]
+            if not spare:
+                return None
+            self._drop_snapshot(min(spare, key=lambda node: node.last_access))
+            slot = self.states.alloc()
+        return slot
+
+    def _keep_snapshot(self, node: TreeNode, slot: int) -> None:
+        node.state = slot
+        self.snapshots.add(node)
+
+    def _drop_snapshot(self, node: TreeNode) -> None:
+        """The tree drops `node`'s KV (or everything): its snapshot goes too."""
+        assert self.states is not None and node.state is not None
+        self.states.free(node.state)
+        node.state = None
+        self.snapshots.discard(node)
+
+    def _hand_back_state(self, holder: SlotHolder, aligned: int) -> None:
+        """An ending holder's state slot: a snapshot of the node its computed tokens end at,
+        when they end at a node (whole pages, cached: not with matching off) that holds none;
+        else free."""
+        assert self.states is not None and holder.state_slot is not None
+        slot, holder.state_slot, holder.snapshot_at = holder.state_slot, None, 0
+        if not self.tree.disable and aligned == holder.kv_len > 0:
+            node = self.tree.match_prefix(holder.all_ids[:aligned], holder.cache_salt).node
+            if node.parent is not None and node.state is None:
+                self._keep_snapshot(node, slot)
+                return
+        self.states.free(slot)
 
     def retract(self, holder: SlotHolder) -> None:
         """Release, and forget what was computed: the holder starts over (mostly from the tree).
@@ -466,6 +553,14 @@ class KVSlotManager:
         assert len({h.row for h in holders}) + self.rows.available() == self.rows.rows, (
             "request rows leaked"
         )
+        if self.states is not None:
+            slots = [h.state_slot for h in holders] + [n.state for n in self.snapshots]
+            owned = self.states.free_slots() + [s for s in slots if s is not None]
+            assert len(owned) == len(slots) + self.states.available(), "a holder lacks its slot"
+            assert sorted(owned) == list(range(self.states.total)), (
+                "state slots leaked or owned twice"
+            )
+            assert all(n.state is None for n in self.tree.all_nodes() if n not in self.snapshots)
         if self.host is not None:
             held = [
                 n.host_slots()[::p] // p for n in self.tree.all_nodes() if len(n.key) and n.on_host
@@ -485,6 +580,19 @@ class KVSlotManager:
                 assert node.lock_ref == locks.get(node, 0), (
                     "lock count differs from the holders of locks"
                 )
+
+
+def _resumable(match: PrefixMatch) -> PrefixMatch:
+    """A recurrent model's match: cut back to the deepest node holding a state snapshot, the
+    tokens cut off counted in `unresumable` (device KV only: such a model has no host tier)."""
+    node, cut = match.node, 0
+    while node.parent is not None and node.state is None:
+        cut += len(node.key)
+        node = node.parent
+    if not cut:
+        return match
+    kept = len(match.slots) - cut
+    return PrefixMatch(match.slots[:kept], node, unresumable=cut)
 
 
 def pool_snapshot(allocator: PageAllocator, tree: RadixCache) -> dict[str, Any]:

@@ -15,6 +15,7 @@ from radixrt.mem_cache.kv_events import Adapter, KVEventSink, ZmqEventPublisher
 from radixrt.mem_cache.memory_pool import PageAllocator, ReqToTokenPool, TokenToKVPool
 from radixrt.mem_cache.radix_cache import RadixCache
 from radixrt.mem_cache.slot_manager import KVSlotManager
+from radixrt.mem_cache.state_pool import StatePool
 from radixrt.mem_cache.storage import STORAGE_BLOCK_TOKENS, KVStorage
 
 logger = logging.getLogger(__name__)
@@ -22,11 +23,13 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class DevicePool:
-    """The device memory the tiers sit on: the allocator, the request rows and the K/V."""
+    """The device memory the tiers sit on: the allocator, the request rows and the K/V, and a
+    recurrent model's state slots."""
 
     allocator: PageAllocator
     rows: ReqToTokenPool
     kv: TokenToKVPool
+    states: StatePool | None = None
 
 
 def build_slot_manager(
@@ -62,7 +65,13 @@ def build_slot_manager(
         storage = _storage(pool.allocator.page_size, host, tiers, fingerprint())
     mode = tiers.preemption_mode or ("swap" if host else "recompute")
     return KVSlotManager(
-        pool.allocator, pool.rows, tree, storage=storage, swap=mode == "swap", publisher=publisher
+        pool.allocator,
+        pool.rows,
+        tree,
+        storage=storage,
+        swap=mode == "swap",
+        publisher=publisher,
+        states=pool.states,
     )
 
 

@@ -148,16 +148,23 @@ class Decoder(CausalLM):
         kv = self.kv_layer_of[i]
         return "self_attn", Attention(config, self.family, kv, self.head_dim, self.shard, self.tp)
 
-    def allocate_states(self, rows: int) -> int:
-        """Zeroed per-request states of every `ShortConv` for `rows` request-table rows, in the
-        model's dtype on its device; their bytes."""
+    def allocate_states(self, slots: int) -> int:
+        """Zeroed states of every `ShortConv` for `slots` state slots, in the model's dtype on
+        its device; their bytes."""
         total = 0
-        for module in self.modules():
-            if isinstance(module, ShortConv):
-                weight = module.weight
-                module.state = weight.new_zeros(rows, module.hidden, module.kernel - 1)
-                total += module.state.nbytes
+        for conv in self._convs():
+            conv.state = conv.weight.new_zeros(slots, conv.hidden, conv.kernel - 1)
+            total += conv.state.nbytes
         return total
+
+    def copy_state(self, src: int, dst: int) -> None:
+        """Slot src's state into slot dst, in every layer that has one."""
+        for conv in self._convs():
+            assert conv.state is not None
+            conv.state[dst] = conv.state[src]
+
+    def _convs(self) -> list[ShortConv]:
+        return [m for m in self.modules() if isinstance(m, ShortConv)]
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:

@@ -98,7 +98,7 @@ class CausalLM(nn.Module):
     head_dim: int
     kv_layers: int  # the layers whose K/V the pool holds (those that attend)
     # whether a request carries state besides its KV (a convolution's or a recurrence's): a
-    # cached prefix's KV alone cannot resume it, so such a model is served without prefix reuse
+    # cached prefix resumes it only where the tree keeps a snapshot of that state
     recurrent: bool = False
     lm_head: nn.Module  # the output projection (quantized with the weights when asked)
     graph_safe: bool  # whether a decode step may be captured as a CUDA graph
@@ -121,10 +121,14 @@ class CausalLM(nn.Module):
         """Every parameter (this rank's shard) from `reader`."""
         raise NotImplementedError
 
-    def allocate_states(self, rows: int) -> int:
-        """Per-request states (zeroed) for `rows` request-table rows, indexed by a request's
-        row; their bytes. None for a model without (`recurrent` off)."""
+    def allocate_states(self, slots: int) -> int:
+        """Zeroed per-request states for `slots` state slots (a batch names each request's:
+        `ForwardBatch.state_slots`); their bytes. None for a model without (`recurrent` off)."""
         return 0
+
+    def copy_state(self, src: int, dst: int) -> None:
+        """Slot src's state into slot dst (a snapshot taken, or resumed from)."""
+        raise NotImplementedError
 
     def projections(self) -> dict[tuple[int, str], Projection]:
         """Each layer's adaptable linears by (layer, call site): "qkv", "o", "gate_up", "down"

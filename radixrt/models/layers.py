@@ -316,9 +316,9 @@ class DecoderLayer(nn.Module):
 class ShortConv(nn.Module):
     """LFM2's gated short convolution: B, C and x from one projection, a depthwise causal
     convolution of `kernel` taps over B * x, times C, and the output projection. Its state per
-    request is the last `kernel - 1` inputs of the convolution (`state`: [rows, hidden,
-    kernel - 1], one row per request-table row, given by `Decoder.allocate_states`); a request
-    whose step starts at position 0 starts from zeros. One rank only."""
+    request is the last `kernel - 1` inputs of the convolution (`state`: [slots, hidden,
+    kernel - 1], a row per state slot, `Decoder.allocate_states`; a batch names each request's
+    slot); a request whose step starts at position 0 starts from zeros. One rank only."""
 
     state: torch.Tensor | None
 
@@ -343,8 +343,9 @@ class ShortConv(nn.Module):
         b, c, v = self.in_proj(x).chunk(3, dim=-1)
         bx = b * v  # [T, hidden]
         keep = self.kernel - 1
+        assert batch.state_slots is not None, "a recurrent model's batch names its state slots"
         if all(e == 1 for e in batch.extend_lens):  # decode rows: one window each, batched
-            rows = batch.rows
+            rows = batch.state_slots
             past = state.index_select(0, rows)
             fresh = torch.tensor([p == 0 for p in batch.prefix_lens], device=x.device)
             past.masked_fill_(fresh[:, None, None], 0.0)
@@ -353,7 +354,8 @@ class ShortConv(nn.Module):
             state.index_copy_(0, rows, window[:, :, 1:])
         else:  # each request's new tokens after its past inputs
             parts, start = [], 0
-            for row, prefix, n in zip(batch.rows.tolist(), batch.prefix_lens, batch.extend_lens):
+            slots = batch.state_slots.tolist()
+            for row, prefix, n in zip(slots, batch.prefix_lens, batch.extend_lens):
                 past = state[row] if prefix else state.new_zeros(self.hidden, keep)
                 window = torch.cat([past, bx[start : start + n].T], dim=-1)[None]
                 parts.append(F.conv1d(window, self.weight, self.bias, groups=self.hidden)[0].T)

@@ -2,7 +2,8 @@
 gated short convolution (`layers.ShortConv`, `conv` in `layer_types`), each followed by a SwiGLU
 MLP whose width the config adjusts (`block_auto_adjust_ff_dim`). Its tensors keep LFM2's own
 names (`CHECKPOINT_NAMES`); the embeddings are tied. The convolutions carry a state per request
-(`recurrent`), so the model is served on one rank, without prefix reuse and without adapters."""
+(`recurrent`: state slots, snapshots of them in the radix tree); the model is served on one
+rank and without adapters."""
 
 from __future__ import annotations
 

@@ -106,6 +106,13 @@ RUNTIME_STATS = {
         "tokens of retracted requests loaded back at readmission",
         "counter",
     ),
+    "state_total_slots": StatMetric(
+        "radixrt_state_slots", "a recurrent model's state slots (--max-mamba-cache-size)"
+    ),
+    "state_free_slots": StatMetric("radixrt_state_free_slots", "free state slots"),
+    "state_cached_slots": StatMetric(
+        "radixrt_state_cached_slots", "state slots held by the radix tree as snapshots"
+    ),
     "kv_event_batches": StatMetric(
         "radixrt_kv_event_batches", "KV-cache event batches published", "counter"
     ),

@@ -1,9 +1,10 @@
 """Families whose layers carry a state per request besides their KV, each a tiny random
 checkpoint made with transformers' own config class: LFM2 (short convolutions between attention
 layers). Greedy tokens equal transformers' in float32, prompts batched together, prefilled in
-chunks over pages, and again when the same prompts come back (served without prefix reuse: a
-cached prefix holds no convolution state); what such a model cannot be served with is refused
-at start by name."""
+chunks over pages, preempted, and again when the same prompts come back: resumed from the state
+snapshots the radix tree keeps (where a request ended, and where two branched), with the state
+slots' bookkeeping checked at every step; what such a model cannot be served with is refused at
+start by name."""
 
 from __future__ import annotations
 
@@ -15,8 +16,9 @@ from radixrt.config import ServerArgs
 from radixrt.distributed.group import TPGroup
 from radixrt.engine.scheduler import Scheduler
 from radixrt.models.lfm2 import Lfm2ForCausalLM
+from radixrt.sampling_params import SamplingParams
 
-from helpers import TINY, hf_greedy, run_in_process
+from helpers import TINY, hf_greedy
 
 MAX_NEW = 24
 GREEDY = {"max_new_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True}
@@ -53,29 +55,88 @@ def _prompts() -> list[list[int]]:
     return [shared + [501, 502], shared + [601, 602, 603], shared[:5], list(range(700, 745))]
 
 
-@pytest.mark.parametrize("pool", [1024, 96], ids=["roomy", "preempted"])
-def test_lfm2_matches_transformers_batched_chunked_and_resent(lfm2, pool):
-    """With a pool of 96 tokens the four requests (193 tokens in all) cannot run together:
-    some are retracted and recomputed, their convolution states started again with them."""
-    prompts = _prompts()
-    expected = hf_greedy(lfm2, prompts, MAX_NEW)
-    scheduler = Scheduler.from_server_args(
+def _scheduler(folder, pool: int, page_size: int = 4, **flags) -> Scheduler:
+    return Scheduler.from_server_args(
         ServerArgs(
-            model=str(lfm2),
+            model=str(folder),
             attention_backend="torch",
             max_total_tokens=pool,
             chunked_prefill_size=16,
-            page_size=4,
+            page_size=page_size,
+            **flags,
         )
     )
+
+
+def _run(scheduler: Scheduler, prompts: list[list[int]], max_new: int) -> list[list[int]]:
+    """Each prompt's greedy tokens, the pool's and the states' bookkeeping checked each step."""
+    reqs = []
+    for i, ids in enumerate(prompts):
+        params = SamplingParams.from_dict({**GREEDY, "max_new_tokens": max_new})
+        reqs.append(scheduler.make_request(f"r{len(reqs)}-{i}", ids, params))
+        scheduler.add_request(reqs[-1])
+    while scheduler.has_work():
+        scheduler.step()
+        scheduler.check_invariants()
+    return [r.output_ids for r in reqs]
+
+
+@pytest.mark.parametrize("pool", [1024, 72], ids=["roomy", "preempted"])
+def test_lfm2_matches_transformers_batched_chunked_and_resent(lfm2, pool):
+    """The four prompts together, then again: the second pass resumes from the snapshots the
+    first left (each request's at its end, and one where the two sharing a prefix branch). With
+    a pool of 72 tokens the four (193 tokens in all) cannot run together: some are retracted
+    (leaving a snapshot where their computed tokens end) and admitted again."""
+    prompts = _prompts()
+    expected = hf_greedy(lfm2, prompts, MAX_NEW)
+    scheduler = _scheduler(lfm2, pool)
     assert scheduler.runner.model.recurrent and scheduler.runner.state_bytes > 0
-    got = run_in_process(scheduler, [prompts, prompts], GREEDY)
-    assert got[: len(prompts)] == expected, "first"
-    assert got[len(prompts) :] == expected, "resent"
+    assert _run(scheduler, prompts, MAX_NEW) == expected, "first"
+    first = scheduler.stats()
+    assert _run(scheduler, prompts, MAX_NEW) == expected, "resent"
     stats = scheduler.stats()
-    assert stats["cached_prompt_tokens_total"] == 0
-    assert (stats["num_preemptions"] > 0) == (pool < 1024)
-    scheduler.check_invariants()
+    assert stats["state_total_slots"] == 2 * scheduler.args.max_running_requests
+    if pool < 1024:  # the pool evicts what the next requests would match
+        assert stats["num_preemptions"] > 0
+    else:
+        assert stats["cached_prompt_tokens_total"] > first["cached_prompt_tokens_total"]
+        assert stats["state_cached_slots"] > 0
+
+
+def test_lfm2_agent_loop_resumes_each_turn_from_the_last(lfm2):
+    """Each turn resends the whole conversation and adds to it: every turn but the first
+    resumes from the snapshot the previous turn left at its end (all but the new turn's
+    tokens cached), and its tokens equal transformers' on the whole conversation. Pages of one
+    token (the default), so every request's end is a page's end, where a snapshot is kept."""
+    scheduler = _scheduler(lfm2, 1024, page_size=1)
+    conversation = list(range(300, 330))
+    before = 0
+    for turn in range(4):
+        got = _run(scheduler, [conversation], 8)[0]
+        assert [got] == hf_greedy(lfm2, [conversation], 8), turn
+        if turn:
+            cached = scheduler.stats()["cached_prompt_tokens_total"] - before
+            assert cached >= len(conversation) - 8 - 12, (turn, cached)
+        before = scheduler.stats()["cached_prompt_tokens_total"]
+        conversation = conversation + got + [400 + turn * 10 + i for i in range(12)]
+
+
+def test_lfm2_snapshots_are_dropped_least_recent_first_when_slots_run_out(lfm2):
+    """Three state slots. Eight different prompts one after the other each leave a snapshot at
+    their end; the slots keep the last three, the earlier ones were dropped least recent first
+    (their KV stays cached, but no longer resumes a request). A prompt that continues the last
+    conversation resumes from its snapshot; one that continues the first is computed again. Every
+    answer is transformers'."""
+    scheduler = _scheduler(lfm2, 1024, page_size=1, max_mamba_cache_size=3)
+    prompts = [[100 + 7 * i + j for j in range(20)] for i in range(8)]
+    outs = [_run(scheduler, [ids], 4)[0] for ids in prompts]
+    assert outs == hf_greedy(lfm2, prompts, 4)
+    stats = scheduler.stats()
+    assert stats["state_total_slots"] == 3 and stats["state_cached_slots"] == 3
+    before = stats["cached_prompt_tokens_total"]
+    again = [prompts[i] + outs[i][:3] + [9] for i in (7, 0)]
+    assert [_run(scheduler, [ids], 4)[0] for ids in again] == hf_greedy(lfm2, again, 4)
+    assert scheduler.stats()["cached_prompt_tokens_total"] - before == len(again[0]) - 1
 
 
 @pytest.mark.parametrize(

@@ -15,6 +15,7 @@ from radixrt.mem_cache.host_pool import HostKVPool
 from radixrt.mem_cache.memory_pool import PageAllocator, ReqToTokenPool, TokenToKVPool
 from radixrt.mem_cache.radix_cache import RadixCache
 from radixrt.mem_cache.slot_manager import KVSlotManager
+from radixrt.mem_cache.state_pool import StatePool
 from radixrt.mem_cache.storage import KVStorage
 
 from helpers import run_script, scripts
@@ -26,6 +27,7 @@ CONTEXT = 64
 CHUNK = 8
 HOST_TOKENS = 64
 BLOCK = 4  # disk-tier block: a whole number of pages for page sizes 1, 2 and 4
+STATE_SLOTS = 8  # a recurrent model's: more than ROWS, fewer than the snapshots a script makes
 
 
 @dataclass(eq=False)
@@ -38,6 +40,8 @@ class Holder:
     kv_len: int = 0
     tree_len: int = 0
     last_node: object = None
+    state_slot: int | None = None
+    snapshot_at: int = 0
     pins: list[str] = field(default_factory=list)
     cache_salt: str = ""
 
@@ -49,7 +53,13 @@ class Harness:
     `tier`: None, or a host tier with that write policy (swap preemption on); `storage`: a disk
     tier directory under it."""
 
-    def __init__(self, page_size: int, tier: str | None = None, storage: str | None = None):
+    def __init__(
+        self,
+        page_size: int,
+        tier: str | None = None,
+        storage: str | None = None,
+        states: bool = False,
+    ):
         allocator = PageAllocator(TOTAL_TOKENS, page_size, torch.device("cpu"))
         self.pool = TokenToKVPool(allocator.num_slots, 1, 1, 1, torch.float32, torch.device("cpu"))
         host = HostKVPool(self.pool, HOST_TOKENS, page_size) if tier else None
@@ -59,7 +69,17 @@ class Harness:
         like = host.device_block(torch.zeros(BLOCK, dtype=torch.long)) if storage else None
         disk = KVStorage(storage, 64 * 2**10, BLOCK, "harness", like) if storage else None
         rows = ReqToTokenPool(ROWS, CONTEXT, torch.device("cpu"))
-        self.kv = KVSlotManager(allocator, rows, tree, storage=disk, swap=tier is not None)
+        # a recurrent model's state per slot: the number of the prefix it followed (0: none)
+        self.state = torch.zeros(STATE_SLOTS)
+        pool = StatePool(STATE_SLOTS, lambda src, dst: self.state.__setitem__(dst, self.state[src]))
+        self.kv = KVSlotManager(
+            allocator,
+            rows,
+            tree,
+            storage=disk,
+            swap=tier is not None,
+            states=pool if states else None,
+        )
         self.running: list[Holder] = []
         self.ids: dict[tuple[int, ...], float] = {}  # prefix -> the number its KV is
         self.pins: list[str] = []
@@ -72,7 +92,7 @@ class Harness:
         match = self.kv.match_prefix(holder.all_ids[:-1])  # at least one token is computed
         self.kv.lock(match.end_node)
         match = self.kv.load_back(match)
-        n = min(len(tokens) - len(match.slots), CHUNK)
+        n = min(len(tokens) - len(match.slots), CHUNK, match.unresumable or CHUNK)
         if self.kv.admit(holder, match, n):
             self.running.append(holder)
             self._compute(holder, n)
@@ -91,6 +111,8 @@ class Harness:
                 return self.finish(index)
             holder.all_ids.append(len(holder.all_ids) % 5)  # the "sampled" token
         n = min(len(holder.all_ids) - holder.kv_len, CHUNK)
+        if holder.snapshot_at > holder.kv_len:  # the planner's rule: a chunk ends there
+            n = min(n, holder.snapshot_at - holder.kv_len)
         if self.kv.extend(holder, n):
             self._compute(holder, n)
         else:
@@ -131,6 +153,11 @@ class Harness:
         for i in range(holder.kv_len, holder.kv_len + n):
             prefix = tuple(holder.all_ids[: i + 1])
             self.pool.k_buffers[0][int(row[i])] = self.ids.setdefault(prefix, len(self.ids) + 1.0)
+        slot = holder.state_slot
+        if slot is not None:  # the recurrence resumes from its state (position 0: from zeros)
+            if holder.kv_len:
+                assert self.state[slot] == self.ids[tuple(holder.all_ids[: holder.kv_len])]
+            self.state[slot] = self.ids[tuple(holder.all_ids[: holder.kv_len + n])]
         holder.kv_len += n
         self.kv.cache_unfinished(holder)
 
@@ -139,6 +166,13 @@ class Harness:
         snapshot = self.kv.snapshot(self.running, [h.name for h in self.running])
         assert_slot_ownership(snapshot)
         self.kv.check(self.running)
+        for node in self.kv.snapshots:
+            path = []
+            up = node
+            while up.parent is not None:
+                path = up.key + path
+                up = up.parent
+            assert self.state[node.state] == self.ids[tuple(path)], "a snapshot of another prefix"
         for holder in self.running:
             row = self.kv.req_to_token[holder.row, : holder.kv_len].long()
             for i, value in enumerate(self.pool.k_buffers[0][row].flatten().tolist()):
@@ -186,6 +220,18 @@ def test_random_hand_overs_keep_ownership_and_contents(page_size, tier, storage,
         h = Harness(page_size, tier, directory if tier and storage else None)
         run_script(h, script)
         h.drain()
+
+
+@settings(max_examples=200, deadline=None)
+@given(page_size=st.sampled_from([1, 2, 4]), script=ops)
+def test_random_hand_overs_keep_a_recurrent_models_states(page_size, script):
+    """A recurrent model's state slots beside the pool: after every operation each slot has one
+    owner, every running request's state is that of its computed prefix and every snapshot that
+    of its node's path (checked by content: a state stands for the prefix it followed), so a
+    request resumed from a snapshot resumes the right state; a drain frees every slot."""
+    h = Harness(page_size, states=True)
+    run_script(h, script)
+    h.drain()
 
 
 def test_second_request_reads_the_first_ones_pages():

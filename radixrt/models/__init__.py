@@ -36,6 +36,7 @@ ARCHITECTURES = (
     Architecture("Gemma2ForCausalLM", "gemma2", "gemma", "Gemma2ForCausalLM"),
     Architecture("Gemma3ForCausalLM", "gemma3_text", "gemma", "Gemma3ForCausalLM"),
     Architecture("Lfm2ForCausalLM", "lfm2", "lfm2", "Lfm2ForCausalLM"),
+    Architecture("Qwen3_5ForCausalLM", "qwen3_5_text", "qwen3_5", "Qwen3_5ForCausalLM"),
 )
 
 

@@ -28,7 +28,7 @@ from radixrt.models.layers import (
     PackedEmbedding,
     RMSNorm,
     RotaryEmbedding,
-    ShortConv,
+    StatefulMixer,
     VocabParallelEmbedding,
     VocabSlice,
     expert_shard,
@@ -114,6 +114,11 @@ class Decoder(CausalLM):
             self.vocab_range, config.hidden_size, tp
         )
         self.layer_kinds = self.layer_kinds_of(config)
+        self.recurrent = any(kind != "attention" for kind in self.layer_kinds)
+        if self.recurrent:  # its mixers' states are whole on one rank; its steps read the host
+            if tp.size > 1:
+                raise ValueError(f"{type(self).__name__} is served on one rank (--tp-size 1)")
+            self.graph_safe = False
         attention = [i for i, kind in enumerate(self.layer_kinds) if kind == "attention"]
         self.kv_layer_of = {layer: n for n, layer in enumerate(attention)}
         self.kv_layers = len(attention)
@@ -149,22 +154,15 @@ class Decoder(CausalLM):
         return "self_attn", Attention(config, self.family, kv, self.head_dim, self.shard, self.tp)
 
     def allocate_states(self, slots: int) -> int:
-        """Zeroed states of every `ShortConv` for `slots` state slots, in the model's dtype on
-        its device; their bytes."""
-        total = 0
-        for conv in self._convs():
-            conv.state = conv.weight.new_zeros(slots, conv.hidden, conv.kernel - 1)
-            total += conv.state.nbytes
-        return total
+        """Every stateful mixer's states for `slots` state slots; their bytes."""
+        return sum(mixer.allocate_state(slots) for mixer in self._stateful())
 
     def copy_state(self, src: int, dst: int) -> None:
-        """Slot src's state into slot dst, in every layer that has one."""
-        for conv in self._convs():
-            assert conv.state is not None
-            conv.state[dst] = conv.state[src]
+        for mixer in self._stateful():
+            mixer.copy_state(src, dst)
 
-    def _convs(self) -> list[ShortConv]:
-        return [m for m in self.modules() if isinstance(m, ShortConv)]
+    def _stateful(self) -> list[StatefulMixer]:
+        return [m for m in self.modules() if isinstance(m, StatefulMixer)]
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
@@ -302,8 +300,9 @@ class Decoder(CausalLM):
         """This rank's rows of q, k and v, one after the other: (name, start, end) each."""
         s, hd, heads = self.shard, self.head_dim, self.config.num_attention_heads
         kv_heads = self.config.num_key_value_heads
+        q = 2 * hd if self.family.attn_output_gate else hd  # a gate's rows after each query's
         spans = [
-            (s.q_start * hd, s.q_end * hd),
+            (s.q_start * q, s.q_end * q),
             (s.kv_start * hd, s.kv_end * hd),
             (s.kv_start * hd, s.kv_end * hd),
         ]

@@ -57,6 +57,8 @@ class Family:
         globally; empty: every layer global.
     attn_logit_softcap: attention scores become cap * tanh(scores / cap) before the softmax
         (Gemma 2); None: unchanged.
+    attn_output_gate: q_proj holds each head's query then as many gate rows; the attention's
+        output is multiplied by sigmoid(gate) before o_proj (Qwen3.5, Qwen3-Next).
     """
 
     qkv_bias: bool
@@ -73,6 +75,7 @@ class Family:
     rope_by_layer: tuple[str, ...] | None = None
     windows: tuple[int | None, ...] = ()
     attn_logit_softcap: float | None = None
+    attn_output_gate: bool = False
 
 
 ACTIVATIONS = {"silu", "gelu_pytorch_tanh"}

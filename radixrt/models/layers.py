@@ -1,7 +1,8 @@
 """The layers every family composes: RMSNorm, rotary tables, attention over this rank's heads
 through the attention backend, the gated MLP (dense, or the experts of `moe.py`), the vocabulary's
 embedding (float or packed), the attention decoder's layer, and the mixers a layer may hold in
-attention's place (LFM2's short convolution). A family's module
+attention's place, each carrying a state per request (LFM2's short convolution, the Gated
+DeltaNet of Qwen3.5 and Qwen3-Next). A family's module
 (`llama.py`, `qwen.py`, ...) builds its model from these; what it swaps in is its `Family`."""
 
 from __future__ import annotations
@@ -132,8 +133,10 @@ class Attention(nn.Module):
         self.num_kv_heads = shard.num_kv_heads
         self.head_dim = head_dim
         self.q_size, self.kv_size = self.num_heads * head_dim, self.num_kv_heads * head_dim
+        self.gated = family.attn_output_gate  # q_proj's rows: each head's query, then its gate
+        self.q_rows = 2 * self.q_size if self.gated else self.q_size
         self.qkv_proj = nn.Linear(
-            config.hidden_size, self.q_size + 2 * self.kv_size, bias=family.qkv_bias
+            config.hidden_size, self.q_rows + 2 * self.kv_size, bias=family.qkv_bias
         )
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
         self.qk_norm = family.qk_norm
@@ -151,7 +154,8 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         qkv = self.qkv_proj(x)
         whole_heads_rotated = cos_sin[0].shape[-1] == self.head_dim
-        if cpu_fused.supports(qkv) and whole_heads_rotated and not self.qk_norm:
+        plain = not self.qk_norm and not self.gated
+        if cpu_fused.supports(qkv) and whole_heads_rotated and plain:
             # q rotated; k rotated and v stored in the pool
             cos, sin = cos_sin
             if attn.kv_pool.fmt is None:
@@ -169,7 +173,11 @@ class Attention(nn.Module):
                 attn.forward(self.layer_id, q, None, None, batch).view(-1, self.q_size)
             )
             return self.tp.all_reduce(out)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = qkv.split([self.q_rows, self.kv_size, self.kv_size], dim=-1)
+        gate = None
+        if self.gated:
+            q, gate = q.reshape(-1, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+            gate = gate.reshape(-1, self.q_size)
         if self.qk_norm:  # over each head's D values: rows of [T * heads, D]
             q = self.q_norm(q.reshape(-1, self.head_dim))[0]
             k = self.k_norm(k.reshape(-1, self.head_dim))[0]
@@ -179,8 +187,10 @@ class Attention(nn.Module):
         if self.query_scale != 1.0:
             q = q * self.query_scale
         attn.kv_pool.set_kv(self.layer_id, batch.out_slots, k, v)
-        o = attn.forward(self.layer_id, q, k, v, batch)
-        return self.tp.all_reduce(self.o_proj(o.reshape(-1, self.q_size)))
+        o = attn.forward(self.layer_id, q, k, v, batch).reshape(-1, self.q_size)
+        if gate is not None:
+            o = o * torch.sigmoid(gate)
+        return self.tp.all_reduce(self.o_proj(o))
 
     def _rope_rows(
         self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -313,12 +323,55 @@ class DecoderLayer(nn.Module):
         return self.mlp(h), residual
 
 
-class ShortConv(nn.Module):
+class StatefulMixer(nn.Module):
+    """A mixer that carries a state per request besides (or instead of) KV: a row of each of
+    its state buffers per state slot (`allocate_state`), a batch naming each request's slot
+    (`ForwardBatch.state_slots`); a request whose step starts at position 0 starts from zeros.
+    Served on one rank."""
+
+    def allocate_state(self, slots: int) -> int:
+        """Zeroed state buffers of `slots` rows, in the model's dtype on its device; bytes."""
+        raise NotImplementedError
+
+    def copy_state(self, src: int, dst: int) -> None:
+        """Slot src's state into slot dst."""
+        raise NotImplementedError
+
+
+def causal_conv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    state: torch.Tensor,
+    batch: ForwardBatch,
+) -> torch.Tensor:
+    """A depthwise causal convolution of x [T, C] (each request's rows after its past inputs,
+    `state`: [slots, C, taps - 1] of the last ones, updated in place) by `weight` [C, 1, taps]:
+    [T, C]. Decode rows in one call; a request's several new rows in one call of their own."""
+    assert batch.state_slots is not None, "a recurrent model's batch names its state slots"
+    channels, keep = x.shape[1], weight.shape[-1] - 1
+    if all(e == 1 for e in batch.extend_lens):
+        slots = batch.state_slots
+        past = state.index_select(0, slots)
+        fresh = torch.tensor([p == 0 for p in batch.prefix_lens], device=x.device)
+        past.masked_fill_(fresh[:, None, None], 0.0)
+        window = torch.cat([past, x[:, :, None]], dim=-1)  # [B, C, taps]
+        state.index_copy_(0, slots, window[:, :, 1:])
+        return F.conv1d(window, weight, bias, groups=channels)[:, :, 0]
+    parts, start = [], 0
+    for slot, prefix, n in zip(batch.state_slots.tolist(), batch.prefix_lens, batch.extend_lens):
+        past = state[slot] if prefix else state.new_zeros(channels, keep)
+        window = torch.cat([past, x[start : start + n].T], dim=-1)[None]
+        parts.append(F.conv1d(window, weight, bias, groups=channels)[0].T)
+        state[slot] = window[0, :, -keep:]
+        start += n
+    return torch.cat(parts)
+
+
+class ShortConv(StatefulMixer):
     """LFM2's gated short convolution: B, C and x from one projection, a depthwise causal
-    convolution of `kernel` taps over B * x, times C, and the output projection. Its state per
-    request is the last `kernel - 1` inputs of the convolution (`state`: [slots, hidden,
-    kernel - 1], a row per state slot, `Decoder.allocate_states`; a batch names each request's
-    slot); a request whose step starts at position 0 starts from zeros. One rank only."""
+    convolution of `kernel` taps over B * x, times C, and the output projection. Its state is
+    the convolution's last `kernel - 1` inputs."""
 
     state: torch.Tensor | None
 
@@ -331,6 +384,14 @@ class ShortConv(nn.Module):
         self.bias = nn.Parameter(torch.empty(hidden)) if bias else None
         self.state = None
 
+    def allocate_state(self, slots: int) -> int:
+        self.state = self.weight.new_zeros(slots, self.hidden, self.kernel - 1)
+        return self.state.nbytes
+
+    def copy_state(self, src: int, dst: int) -> None:
+        assert self.state is not None
+        self.state[dst] = self.state[src]
+
     def forward(
         self,
         x: torch.Tensor,
@@ -338,32 +399,138 @@ class ShortConv(nn.Module):
         cos_sin: tuple[torch.Tensor, torch.Tensor],
         attn: AttentionBackend,
     ) -> torch.Tensor:
-        state = self.state
-        assert state is not None, "the model's states were never allocated"
+        assert self.state is not None, "the model's states were never allocated"
         b, c, v = self.in_proj(x).chunk(3, dim=-1)
-        bx = b * v  # [T, hidden]
-        keep = self.kernel - 1
-        assert batch.state_slots is not None, "a recurrent model's batch names its state slots"
-        if all(e == 1 for e in batch.extend_lens):  # decode rows: one window each, batched
-            rows = batch.state_slots
-            past = state.index_select(0, rows)
-            fresh = torch.tensor([p == 0 for p in batch.prefix_lens], device=x.device)
-            past.masked_fill_(fresh[:, None, None], 0.0)
-            window = torch.cat([past, bx[:, :, None]], dim=-1)  # [B, hidden, kernel]
-            out = F.conv1d(window, self.weight, self.bias, groups=self.hidden)[:, :, 0]
-            state.index_copy_(0, rows, window[:, :, 1:])
-        else:  # each request's new tokens after its past inputs
-            parts, start = [], 0
-            slots = batch.state_slots.tolist()
-            for row, prefix, n in zip(slots, batch.prefix_lens, batch.extend_lens):
-                past = state[row] if prefix else state.new_zeros(self.hidden, keep)
-                window = torch.cat([past, bx[start : start + n].T], dim=-1)[None]
-                parts.append(F.conv1d(window, self.weight, self.bias, groups=self.hidden)[0].T)
-                state[row] = window[0, :, -keep:]
-                start += n
-            out = torch.cat(parts)
+        out = causal_conv(b * v, self.weight, self.bias, self.state, batch)
         y: torch.Tensor = self.out_proj(c * out)
         return y
+
+
+class GatedDeltaNet(StatefulMixer):
+    """Gated DeltaNet, the linear attention of Qwen3.5 and Qwen3-Next: q, k and v from one
+    projection through a depthwise causal convolution (`kernel` taps) and SiLU; q and k
+    L2-normed per head (q scaled by 1/sqrt(key_dim)), each of `k_heads` shared by
+    `v_heads / k_heads` value heads; per token and value head a decay exp(g), g = -exp(A_log) *
+    softplus(a + dt_bias), and a write strength beta = sigmoid(b). The state S [key_dim,
+    value_dim] per head is decayed, corrected towards v along k (the delta rule: S += k (beta (v -
+    S^T k))^T), and read by q; the output is RMS-normed per head (`norm_weight`, eps), times
+    SiLU(z), and projected out. Its state per request: the convolution's last inputs and S (in
+    float32), updated token by token: decode rows together, a prefill's tokens in turn."""
+
+    conv_state: torch.Tensor | None
+    state: torch.Tensor | None
+
+    def __init__(
+        self,
+        hidden: int,
+        heads: tuple[int, int],
+        dims: tuple[int, int],
+        kernel: int,
+        eps: float,
+    ):
+        super().__init__()
+        (self.k_heads, self.v_heads), (self.k_dim, self.v_dim) = heads, dims
+        self.key_width, self.value_width = self.k_heads * self.k_dim, self.v_heads * self.v_dim
+        self.conv_width = 2 * self.key_width + self.value_width
+        self.kernel, self.eps = kernel, eps
+        self.in_proj_qkv = nn.Linear(hidden, self.conv_width, bias=False)
+        self.in_proj_z = nn.Linear(hidden, self.value_width, bias=False)
+        self.in_proj_b = nn.Linear(hidden, self.v_heads, bias=False)
+        self.in_proj_a = nn.Linear(hidden, self.v_heads, bias=False)
+        self.conv_weight = nn.Parameter(torch.empty(self.conv_width, 1, kernel))
+        self.dt_bias = nn.Parameter(torch.empty(self.v_heads))
+        self.A_log = nn.Parameter(torch.empty(self.v_heads))
+        self.norm_weight = nn.Parameter(torch.empty(self.v_dim))
+        self.out_proj = nn.Linear(self.value_width, hidden, bias=False)
+        self.conv_state = self.state = None
+
+    def allocate_state(self, slots: int) -> int:
+        w = self.conv_weight
+        self.conv_state = w.new_zeros(slots, self.conv_width, self.kernel - 1)
+        self.state = w.new_zeros(slots, self.v_heads, self.k_dim, self.v_dim, dtype=torch.float32)
+        return self.conv_state.nbytes + self.state.nbytes
+
+    def copy_state(self, src: int, dst: int) -> None:
+        assert self.conv_state is not None and self.state is not None
+        self.conv_state[dst] = self.conv_state[src]
+        self.state[dst] = self.state[src]
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        batch: ForwardBatch,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        attn: AttentionBackend,
+    ) -> torch.Tensor:
+        assert (
+            self.conv_state is not None and self.state is not None and batch.state_slots is not None
+        )
+        t = x.shape[0]
+        mixed = F.silu(
+            causal_conv(self.in_proj_qkv(x), self.conv_weight, None, self.conv_state, batch)
+        )
+        q, k, v = torch.split(mixed.float(), [self.key_width, self.key_width, self.value_width], -1)
+        q, k = (y.reshape(t, self.k_heads, self.k_dim) for y in (q, k))
+        if self.v_heads != self.k_heads:
+            q, k = (y.repeat_interleave(self.v_heads // self.k_heads, dim=1) for y in (q, k))
+        q = _l2norm(q) * self.k_dim**-0.5
+        k = _l2norm(k)
+        v = v.reshape(t, self.v_heads, self.v_dim)
+        beta = torch.sigmoid(self.in_proj_b(x)).float()
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
+        out = torch.empty_like(v)
+        if all(e == 1 for e in batch.extend_lens):  # one token per request: all at once
+            slots = batch.state_slots
+            fresh = torch.tensor([p == 0 for p in batch.prefix_lens], device=x.device)
+            s = self.state.index_select(0, slots).masked_fill_(fresh[:, None, None, None], 0.0)
+            out = self._step(s, q, k, v, g, beta)
+            self.state.index_copy_(0, slots, s)
+        else:
+            start = 0
+            for slot, prefix, n in zip(
+                batch.state_slots.tolist(), batch.prefix_lens, batch.extend_lens
+            ):
+                s = (
+                    self.state[slot : slot + 1].clone()
+                    if prefix
+                    else self.state.new_zeros(1, *self.state.shape[1:])
+                )
+                for i in range(start, start + n):
+                    out[i : i + 1] = self._step(
+                        s, q[i : i + 1], k[i : i + 1], v[i : i + 1], g[i : i + 1], beta[i : i + 1]
+                    )
+                self.state[slot] = s[0]
+                start += n
+        normed = out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + self.eps)
+        gated = (
+            self.norm_weight
+            * normed
+            * F.silu(self.in_proj_z(x).float().reshape(t, self.v_heads, self.v_dim))
+        )
+        y: torch.Tensor = self.out_proj(gated.reshape(t, self.value_width).to(x.dtype))
+        return y
+
+    @staticmethod
+    def _step(
+        s: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+    ) -> torch.Tensor:
+        """One token of each of B requests: states s [B, H, Dk, Dv] updated in place; the
+        output [B, H, Dv]."""
+        s.mul_(g.exp()[:, :, None, None])
+        remembered = (s * k[:, :, :, None]).sum(dim=-2)  # S^T k: [B, H, Dv]
+        delta = (v - remembered) * beta[:, :, None]
+        s.add_(k[:, :, :, None] * delta[:, :, None, :])
+        return (s * q[:, :, :, None]).sum(dim=-2)
+
+
+def _l2norm(x: torch.Tensor) -> torch.Tensor:
+    """x over its last dimension, as flash-linear-attention's l2norm (eps 1e-6 inside)."""
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + 1e-6)
 
 
 def expert_shard(moe: MoeSpec | None, tp: TPGroup) -> tuple[tuple[int, int], tuple[int, int]]:

@@ -13,7 +13,6 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from radixrt.distributed.group import TPGroup
 from radixrt.models.decoder import Decoder
 from radixrt.models.family import Family, decoder_family
 from radixrt.models.interface import Projection, WeightSource
@@ -32,13 +31,6 @@ class Lfm2ForCausalLM(Decoder):
         "mlp.down_proj.weight": "feed_forward.w2.weight",
         "model.norm.weight": "model.embedding_norm.weight",
     }
-
-    def __init__(self, config: PretrainedConfig, max_positions: int, tp: TPGroup | None = None):
-        if tp is not None and tp.size > 1:
-            raise ValueError("Lfm2ForCausalLM is served on one rank (--tp-size 1)")
-        super().__init__(config, max_positions, tp)
-        self.recurrent = "conv" in self.layer_kinds
-        self.graph_safe = False  # a convolution's step reads its rows' prefix lengths on the host
 
     @classmethod
     def family_of(cls, config: PretrainedConfig) -> Family:

@@ -1,6 +1,7 @@
 """Families whose layers carry a state per request besides their KV, each a tiny random
 checkpoint made with transformers' own config class: LFM2 (short convolutions between attention
-layers). Greedy tokens equal transformers' in float32, prompts batched together, prefilled in
+layers) and Qwen3.5 (Gated DeltaNet linear attention, three layers to each gated attention
+layer). Greedy tokens equal transformers' in float32, prompts batched together, prefilled in
 chunks over pages, preempted, and again when the same prompts come back: resumed from the state
 snapshots the radix tree keeps (where a request ended, and where two branched), with the state
 slots' bookkeeping checked at every step; what such a model cannot be served with is refused at
@@ -31,22 +32,44 @@ LFM2 = dict(
     max_position_embeddings=512,
     pad_token_id=0,
 )
+# three Gated DeltaNet layers to one attention layer; 4 value heads over 2 key heads
+QWEN3_5 = dict(
+    TINY,
+    num_hidden_layers=4,
+    head_dim=16,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    max_position_embeddings=512,
+    pad_token_id=0,
+)
+FAMILIES = {"lfm2": ("lfm2", LFM2), "qwen3_5": ("qwen3_5_text", QWEN3_5)}
 
 
-@pytest.fixture(scope="module")
-def lfm2(tmp_path_factory, tiny_model_dir):
-    folder = tmp_path_factory.mktemp("lfm2")
-    config = AutoConfig.for_model("lfm2", **LFM2)
+def _checkpoint(folder, tiny_model_dir, name: str):
+    model_type, shape = FAMILIES[name]
+    config = AutoConfig.for_model(model_type, **shape)
     torch.manual_seed(5)
     model = AutoModelForCausalLM.from_config(config)
-    with torch.no_grad():  # norms start at 1: make their weights count
-        for name, weight in model.named_parameters():
-            if "norm" in name:
+    with torch.no_grad():  # norms start at 1 (or 0): make their weights count
+        for param, weight in model.named_parameters():
+            if "norm" in param:
                 weight.add_(torch.randn_like(weight) * 0.2)
     model.save_pretrained(folder)
     for file in ("tokenizer.json", "tokenizer_config.json"):
         (folder / file).write_bytes((tiny_model_dir / file).read_bytes())
     return folder
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def hybrid(request, tmp_path_factory, tiny_model_dir):
+    return _checkpoint(tmp_path_factory.mktemp(request.param), tiny_model_dir, request.param)
+
+
+@pytest.fixture(scope="module")
+def lfm2(tmp_path_factory, tiny_model_dir):
+    return _checkpoint(tmp_path_factory.mktemp("lfm2"), tiny_model_dir, "lfm2")
 
 
 def _prompts() -> list[list[int]]:
@@ -82,14 +105,14 @@ def _run(scheduler: Scheduler, prompts: list[list[int]], max_new: int) -> list[l
 
 
 @pytest.mark.parametrize("pool", [1024, 72], ids=["roomy", "preempted"])
-def test_lfm2_matches_transformers_batched_chunked_and_resent(lfm2, pool):
+def test_matches_transformers_batched_chunked_and_resent(hybrid, pool):
     """The four prompts together, then again: the second pass resumes from the snapshots the
     first left (each request's at its end, and one where the two sharing a prefix branch). With
     a pool of 72 tokens the four (193 tokens in all) cannot run together: some are retracted
     (leaving a snapshot where their computed tokens end) and admitted again."""
     prompts = _prompts()
-    expected = hf_greedy(lfm2, prompts, MAX_NEW)
-    scheduler = _scheduler(lfm2, pool)
+    expected = hf_greedy(hybrid, prompts, MAX_NEW)
+    scheduler = _scheduler(hybrid, pool)
     assert scheduler.runner.model.recurrent and scheduler.runner.state_bytes > 0
     assert _run(scheduler, prompts, MAX_NEW) == expected, "first"
     first = scheduler.stats()
@@ -103,17 +126,17 @@ def test_lfm2_matches_transformers_batched_chunked_and_resent(lfm2, pool):
         assert stats["state_cached_slots"] > 0
 
 
-def test_lfm2_agent_loop_resumes_each_turn_from_the_last(lfm2):
+def test_agent_loop_resumes_each_turn_from_the_last(hybrid):
     """Each turn resends the whole conversation and adds to it: every turn but the first
     resumes from the snapshot the previous turn left at its end (all but the new turn's
     tokens cached), and its tokens equal transformers' on the whole conversation. Pages of one
     token (the default), so every request's end is a page's end, where a snapshot is kept."""
-    scheduler = _scheduler(lfm2, 1024, page_size=1)
+    scheduler = _scheduler(hybrid, 1024, page_size=1)
     conversation = list(range(300, 330))
     before = 0
     for turn in range(4):
         got = _run(scheduler, [conversation], 8)[0]
-        assert [got] == hf_greedy(lfm2, [conversation], 8), turn
+        assert [got] == hf_greedy(hybrid, [conversation], 8), turn
         if turn:
             cached = scheduler.stats()["cached_prompt_tokens_total"] - before
             assert cached >= len(conversation) - 8 - 12, (turn, cached)

@@ -223,8 +223,9 @@ class StepPlanner:
             m = len(device.slots)
             extend = len(req.all_ids) - m
             n = self.budget.chunk(extend, left)
-            if match.unresumable:  # a recurrent model: its state is kept where this one branches
-                n = min(n or extend, match.unresumable)
+            req.snapshot_at = self.kv.snapshot_point(req, m, match.unresumable)
+            if req.snapshot_at:  # a recurrent model: a chunk ends where its state is kept
+                n = min(n or extend, req.snapshot_at - m)
             if n == 0:
                 if busy or plan.admitted:
                     self.kv.unlock(device.node)

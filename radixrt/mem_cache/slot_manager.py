@@ -28,7 +28,9 @@ A recurrent model's states (`state_pool.StatePool`) are handed over with the KV:
 holds one state slot while it has a row; a match is cut back to the deepest node holding a
 state snapshot (KV alone cannot resume the recurrence), and the tokens the tree's KV covers past
 it are the request's first chunk (`PrefixMatch.unresumable`), after which the request's state is
-copied into a snapshot there: the point where later requests branch off. A request that ends (or
+copied into a snapshot there: the point where later requests branch off. A prompt's prefill also
+stops for a snapshot every SNAPSHOT_INTERVAL tokens, so a request that branches off a prefix
+another is still computing (or computed in one chunk) resumes near the branch point. A request that ends (or
 is retracted) gives its slot to the node ending at its computed tokens when that node holds none.
 Snapshots go with their node's device KV, and the least recently used unlocked one is dropped
 when a request needs a slot and none is free.
@@ -55,6 +57,9 @@ from radixrt.mem_cache.storage import KVStorage
 # layer; 0.2 ms for 1 to 16 tokens of the default model on a 2-core CPU, 0.6 ms for 64) that a
 # few tokens riding along in the step's extend undercut on a fast device. SGLang's is 10.
 LOAD_BACK_MIN_TOKENS = 4
+# a recurrent model's prefill keeps a state snapshot at every multiple of this many tokens (of
+# whole pages): a prompt branching off another's resumes at most this far before the branch
+SNAPSHOT_INTERVAL = 256
 
 
 class SlotHolder(Protocol):
@@ -66,7 +71,7 @@ class SlotHolder(Protocol):
     tree_len: int  # row[:tree_len] belongs to the tree, locked through last_node
     last_node: TreeNode | None
     state_slot: int | None  # a recurrent model's state slot while it has a row
-    snapshot_at: int  # where its state is copied into a snapshot (a branch point); 0: nowhere
+    snapshot_at: int  # where its state is next kept as a snapshot (`snapshot_point`); 0: nowhere
 
     @property
     def cache_salt(self) -> str:
@@ -131,11 +136,13 @@ class KVSlotManager:
         swap: bool = False,
         publisher: ZmqEventPublisher | None = None,
         states: StatePool | None = None,
+        snapshot_interval: int = SNAPSHOT_INTERVAL,
     ):
         """`tree.host` (a `HostKVPool` or None) is the host tier; `storage` the disk tier (needs
         the host tier); `swap`: retraction backs a request's pages up to the host; `publisher`
         sends the tree's KV events (`end_event_batch`); `states`: a recurrent model's state
-        slots (neither the host tier nor swap holds states: refused at start)."""
+        slots (neither the host tier nor swap holds states: refused at start), kept as snapshots
+        every `snapshot_interval` tokens of a prefill too."""
         assert states is None or tree.host is None, "the host tier holds no states"
         assert storage is None or tree.host is not None, "the disk tier reads through the host"
         self.allocator = allocator
@@ -154,6 +161,8 @@ class KVSlotManager:
         self.peak_used_tokens = 0
         self.swapped_out_tokens = 0
         self.states = states
+        self.snapshot_interval = snapshot_interval - snapshot_interval % self.page_size
+        self.snapshot_interval = max(self.snapshot_interval, self.page_size)
         self.snapshots: set[TreeNode] = set()  # the nodes holding a state slot
         tree.drop_state = self._drop_snapshot
 
@@ -323,7 +332,6 @@ class KVSlotManager:
                 return False
             if match.node.state is not None:  # a copy: the node keeps its snapshot
                 self.states.copy(match.node.state, holder.state_slot)
-            holder.snapshot_at = len(match.slots) + match.unresumable if match.unresumable else 0
         m = len(match.slots)
         self.req_to_token[holder.row, :m] = match.slots.to(torch.int32)
         holder.kv_len = holder.tree_len = m
@@ -368,11 +376,11 @@ class KVSlotManager:
         self.tree.dec_lock_ref(_locked(holder))
         holder.last_node, holder.tree_len = match.node, aligned
         if self.states is not None and holder.snapshot_at == holder.kv_len == aligned:
-            holder.snapshot_at = 0
             if match.node.state is None and (slot := self._state_slot()) is not None:
                 assert holder.state_slot is not None, "a recurrent model's holder has a slot"
                 self.states.copy(holder.state_slot, slot)
                 self._keep_snapshot(match.node, slot)
+            holder.snapshot_at = self.snapshot_point(holder, holder.kv_len)
 
     def release(self, holder: SlotHolder) -> None:
         """Give back everything: computed whole pages to the tree, the rest freed, the lock and
@@ -392,6 +400,20 @@ class KVSlotManager:
         holder.row, holder.last_node = None, None
 
     # ---- a recurrent model's states -------------------------------------------------------
+    def snapshot_point(self, holder: SlotHolder, start: int, unresumable: int = 0) -> int:
+        """Where the holder, computed up to `start`, next stops for a state snapshot (0:
+        nowhere): the end of the tokens a match's KV covered past `start` (`unresumable`, the
+        branch point), or the next multiple of `snapshot_interval`, whichever comes first, short
+        of its last token (its end keeps its state when it ends). Its scheduler ends a chunk
+        there."""
+        if self.states is None or self.tree.disable:
+            return 0
+        interval = self.snapshot_interval
+        points = [(start // interval + 1) * interval]
+        if unresumable:
+            points.append(start + unresumable)
+        return min((p for p in points if p < len(holder.all_ids) - 1), default=0)
+
     def _state_slot(self) -> int | None:
         """A free state slot, dropping the least recently used unlocked snapshot if none is."""
         assert self.states is not None

@@ -144,6 +144,21 @@ def test_agent_loop_resumes_each_turn_from_the_last(hybrid):
         conversation = conversation + got + [400 + turn * 10 + i for i in range(12)]
 
 
+def test_a_shared_prompt_resumes_from_the_prefill_snapshot_then_the_branch_point(hybrid):
+    """Four requests share a 300-token prompt, sent at once. The first computes it whole, its
+    prefill stopping for a snapshot at 256 tokens; the others resume there (or, admitted after
+    one of them stopped at 300, where they branch, from there). A fifth, sent after, resumes at
+    the branch point. Every answer is transformers'."""
+    scheduler = _scheduler(hybrid, 4096, page_size=1)
+    shared = [1000 + (7 * i) % 3000 for i in range(300)]
+    prompts = [shared + [200 + 10 * r + j for j in range(10)] for r in range(5)]
+    assert _run(scheduler, prompts[:4], 4) == hf_greedy(hybrid, prompts[:4], 4)
+    before = scheduler.stats()["cached_prompt_tokens_total"]
+    assert before >= 3 * 256
+    assert _run(scheduler, prompts[4:], 4) == hf_greedy(hybrid, prompts[4:], 4)
+    assert scheduler.stats()["cached_prompt_tokens_total"] - before == 300
+
+
 def test_lfm2_snapshots_are_dropped_least_recent_first_when_slots_run_out(lfm2):
     """Three state slots. Eight different prompts one after the other each leave a snapshot at
     their end; the slots keep the last three, the earlier ones were dropped least recent first

@@ -28,6 +28,7 @@ CHUNK = 8
 HOST_TOKENS = 64
 BLOCK = 4  # disk-tier block: a whole number of pages for page sizes 1, 2 and 4
 STATE_SLOTS = 8  # a recurrent model's: more than ROWS, fewer than the snapshots a script makes
+SNAPSHOT_INTERVAL = 12  # a prefill's snapshots: some within CONTEXT, not at every chunk
 
 
 @dataclass(eq=False)
@@ -79,6 +80,7 @@ class Harness:
             storage=disk,
             swap=tier is not None,
             states=pool if states else None,
+            snapshot_interval=SNAPSHOT_INTERVAL,
         )
         self.running: list[Holder] = []
         self.ids: dict[tuple[int, ...], float] = {}  # prefix -> the number its KV is
@@ -92,7 +94,10 @@ class Harness:
         match = self.kv.match_prefix(holder.all_ids[:-1])  # at least one token is computed
         self.kv.lock(match.end_node)
         match = self.kv.load_back(match)
-        n = min(len(tokens) - len(match.slots), CHUNK, match.unresumable or CHUNK)
+        n = min(len(tokens) - len(match.slots), CHUNK)
+        holder.snapshot_at = self.kv.snapshot_point(holder, len(match.slots), match.unresumable)
+        if holder.snapshot_at:  # the planner's rule: a chunk ends there
+            n = min(n, holder.snapshot_at - len(match.slots))
         if self.kv.admit(holder, match, n):
             self.running.append(holder)
             self._compute(holder, n)

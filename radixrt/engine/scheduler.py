@@ -550,6 +550,7 @@ class Scheduler:
         allocated = self._plan.allocated.pop(req, None)
         if allocated is not None and req.row is not None:
             self.kv.trim(req, allocated)
+        self.kv.forget_state(req)  # a failed step may have left it past the computed tokens
         self._finish(req)
 
     def _guard(self, req: Req, work: Callable[..., Any], *args: Any) -> bool:

@@ -414,6 +414,14 @@ class KVSlotManager:
             points.append(start + unresumable)
         return min((p for p in points if p < len(holder.all_ids) - 1), default=0)
 
+    def forget_state(self, holder: SlotHolder) -> None:
+        """Free the holder's state slot without keeping it as a snapshot: it ends with an error,
+        and a failed step may have moved its state past its computed tokens."""
+        if holder.state_slot is not None:
+            assert self.states is not None
+            self.states.free(holder.state_slot)
+            holder.state_slot = None
+
     def _state_slot(self) -> int | None:
         """A free state slot, dropping the least recently used unlocked snapshot if none is."""
         assert self.states is not None

@@ -415,7 +415,8 @@ class GatedDeltaNet(StatefulMixer):
     value_dim] per head is decayed, corrected towards v along k (the delta rule: S += k (beta (v -
     S^T k))^T), and read by q; the output is RMS-normed per head (`norm_weight`, eps), times
     SiLU(z), and projected out. Its state per request: the convolution's last inputs and S (in
-    float32), updated token by token: decode rows together, a prefill's tokens in turn."""
+    float32): decode rows a token each, together; a prefill's tokens a chunk at a time
+    (`delta_chunk`)."""
 
     conv_state: torch.Tensor | None
     state: torch.Tensor | None
@@ -485,21 +486,16 @@ class GatedDeltaNet(StatefulMixer):
             s = self.state.index_select(0, slots).masked_fill_(fresh[:, None, None, None], 0.0)
             out = self._step(s, q, k, v, g, beta)
             self.state.index_copy_(0, slots, s)
-        else:
+        else:  # each request's tokens in chunks of DELTA_CHUNK
             start = 0
             for slot, prefix, n in zip(
                 batch.state_slots.tolist(), batch.prefix_lens, batch.extend_lens
             ):
-                s = (
-                    self.state[slot : slot + 1].clone()
-                    if prefix
-                    else self.state.new_zeros(1, *self.state.shape[1:])
-                )
-                for i in range(start, start + n):
-                    out[i : i + 1] = self._step(
-                        s, q[i : i + 1], k[i : i + 1], v[i : i + 1], g[i : i + 1], beta[i : i + 1]
-                    )
-                self.state[slot] = s[0]
+                s = self.state[slot] if prefix else self.state.new_zeros(self.state.shape[1:])
+                for a in range(start, start + n, DELTA_CHUNK):
+                    b = min(a + DELTA_CHUNK, start + n)
+                    out[a:b], s = delta_chunk(s, q[a:b], k[a:b], v[a:b], g[a:b], beta[a:b])
+                self.state[slot] = s
                 start += n
         normed = out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + self.eps)
         gated = (
@@ -526,6 +522,41 @@ class GatedDeltaNet(StatefulMixer):
         delta = (v - remembered) * beta[:, :, None]
         s.add_(k[:, :, :, None] * delta[:, :, None, :])
         return (s * q[:, :, :, None]).sum(dim=-2)
+
+
+DELTA_CHUNK = 64  # tokens of a prefill the gated delta rule takes in one chunk
+
+
+def delta_chunk(
+    s0: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """C tokens of one request through the gated delta rule at once, from state s0 [H, Dk, Dv]:
+    (outputs [C, H, Dv], the state after). The recurrence S_t = a_t (I - b_t k_t k_t^T) S_{t-1}
+    + b_t k_t v_t^T (a_t = exp(g_t)) unrolls, with G_t = g_1 + ... + g_t, to S_t = exp(G_t) S0 +
+    sum_{i<=t} exp(G_t - G_i) k_i w_i^T, where the corrections w solve the unit lower-triangular
+    system w_i + b_i sum_{j<i} exp(G_i - G_j) (k_i . k_j) w_j = b_i (v_i - exp(G_i) S0^T k_i);
+    then o_t = S_t^T q_t. Matrix products over the chunk in place of C steps."""
+    q, k, v = (x.transpose(0, 1) for x in (q, k, v))  # [H, C, D]
+    g, beta = g.T, beta.T  # [H, C]
+    cum = g.cumsum(-1)
+    c = cum.shape[-1]
+    lower = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
+    decay = (cum[:, :, None] - cum[:, None, :]).masked_fill(~lower, float("-inf")).exp()
+    eye = torch.eye(c, dtype=q.dtype, device=q.device)
+    system = (k @ k.transpose(-1, -2)) * decay * beta[:, :, None] * (1 - eye) + eye
+    grown = cum.exp()[:, :, None]
+    rhs = torch.cat([beta[:, :, None] * v, beta[:, :, None] * grown * k], dim=-1)
+    solved = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
+    w = solved[..., : v.shape[-1]] - solved[..., v.shape[-1] :] @ s0  # [H, C, Dv]
+    out = grown * (q @ s0) + ((q @ k.transpose(-1, -2)) * decay) @ w
+    tail = (cum[:, -1:] - cum).exp()[:, :, None]  # exp(G_C - G_i)
+    s = cum[:, -1].exp()[:, None, None] * s0 + (k * tail).transpose(-1, -2) @ w
+    return out.transpose(0, 1), s
 
 
 def _l2norm(x: torch.Tensor) -> torch.Tensor:

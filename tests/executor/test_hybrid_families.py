@@ -159,6 +159,31 @@ def test_a_shared_prompt_resumes_from_the_prefill_snapshot_then_the_branch_point
     assert scheduler.stats()["cached_prompt_tokens_total"] - before == 300
 
 
+def test_aborts_leave_no_state_slot_behind(hybrid):
+    """Requests aborted mid-prefill and mid-decode give their state slots back (or to the tree,
+    as snapshots of what they computed); the others still answer as transformers does, and once
+    all have ended every slot is free or a snapshot."""
+    scheduler = _scheduler(hybrid, 1024)
+    prompts = _prompts()
+    params = SamplingParams.from_dict(GREEDY)
+    reqs = [scheduler.make_request(f"a{i}", ids, params) for i, ids in enumerate(prompts)]
+    for req in reqs:
+        scheduler.add_request(req)
+    for step in range(6):
+        scheduler.step()
+        scheduler.check_invariants()
+        if step == 1:
+            scheduler.abort("a3")  # 45 tokens in chunks of 16: still prefilling
+        if step == 4:
+            scheduler.abort("a0")
+    while scheduler.has_work():
+        scheduler.step()
+        scheduler.check_invariants()
+    assert [reqs[1].output_ids, reqs[2].output_ids] == hf_greedy(hybrid, prompts[1:3], MAX_NEW)
+    stats = scheduler.stats()
+    assert stats["state_free_slots"] + stats["state_cached_slots"] == stats["state_total_slots"]
+
+
 def test_lfm2_snapshots_are_dropped_least_recent_first_when_slots_run_out(lfm2):
     """Three state slots. Eight different prompts one after the other each leave a snapshot at
     their end; the slots keep the last three, the earlier ones were dropped least recent first

@@ -5,8 +5,9 @@ Random checkpoints of one shape (hidden 512, 8 layers, 8 query and 4 KV heads of
 vocabulary 49152, tied embeddings) made with transformers' config classes, with `--model`'s
 tokenizer. The MoE families have 8 experts, top 2, each expert's MLP 768 wide: the two active
 experts hold as many weights as the dense MLP, so a token computes what a dense token does and
-only the weights read differ. The windowed families (Mistral, Gemma 2 and 3's local layers) have
-a window of 32, shorter than the prompts. An in-process Scheduler (float32, torch attention)
+only the weights read differ. LFM2 and Qwen3.5 hold a state per request in their
+convolution and Gated DeltaNet layers (`LFM2`, `QWEN3_5`). The windowed families (Mistral,
+Gemma 2 and 3's local layers) have a window of 32, shorter than the prompts. An in-process Scheduler (float32, torch attention)
 decodes each of `--batches` (1,32) of distinct 64-token prompts (`radixrt.bench.decode_step`); a
 batch's figure is the least of `--repeats` (3) medians of `--steps` (16) steps (the least: other
 processes on a shared machine only ever add time). Torch runs one thread: on a loaded 2-core
@@ -50,6 +51,20 @@ SHAPE: dict[str, Any] = dict(
 WINDOW = 32
 EXPERTS, TOP_K, EXPERT_MLP = 8, 2, 768  # TOP_K * EXPERT_MLP == the dense MLP's 1536
 GEMMA = dict(query_pre_attn_scalar=64, sliding_window=WINDOW)
+# Qwen3.5's linear attention at SHAPE's width: 4 key heads of 64 shared by 8 value heads of 64
+# (its mixer's projections hold about what an attention layer's do); six of its eight layers
+QWEN3_5 = dict(
+    linear_num_key_heads=4,
+    linear_num_value_heads=8,
+    linear_key_head_dim=64,
+    linear_value_head_dim=64,
+)
+# LFM2: short convolutions on five of the eight layers, the MLP SHAPE's (not adjusted)
+LFM2 = dict(
+    layer_types=["conv", "conv", "full_attention", "conv", "conv", "full_attention", "conv"]
+    + ["full_attention"],
+    block_auto_adjust_ff_dim=False,
+)
 FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "llama": ("llama", {}),
     "qwen3": ("qwen3", {}),
@@ -74,6 +89,8 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
             "norm_topk_prob": True,
         },
     ),
+    "lfm2": ("lfm2", LFM2),
+    "qwen3.5": ("qwen3_5_text", QWEN3_5),
 }
 PROMPT = 64
 THREADS = 1

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 from radixrt.bench.registry import register
 from radixrt.bench.report import BenchRun
 from radixrt.bench.results import RunResult
-from radixrt.bench.suites.families import SHAPE, checkpoint
+from radixrt.bench.suites.families import QWEN3_5, SHAPE, checkpoint
 
 if TYPE_CHECKING:  # the engine (torch) loads only when the suite runs
     from radixrt.engine.scheduler import Scheduler
@@ -33,14 +33,6 @@ if TYPE_CHECKING:  # the engine (torch) loads only when the suite runs
 CONVERSATIONS, TURNS, TURN_TOKENS = 4, 10, 50
 SHARED_REQUESTS, SYSTEM_TOKENS, QUESTION_TOKENS = 16, 300, 30
 ANSWER_TOKENS = 16
-# Qwen3.5's linear attention at SHAPE's width: 4 key heads of 64 shared by 8 value heads of 64
-# (its mixer's projections hold about what an attention layer's do)
-QWEN3_5 = dict(
-    linear_num_key_heads=4,
-    linear_num_value_heads=8,
-    linear_key_head_dim=64,
-    linear_value_head_dim=64,
-)
 # model, its checkpoint (model_type, shape over SHAPE), cache on
 SYSTEMS: dict[str, tuple[str, dict[str, Any], bool]] = {
     "llama": ("llama", {}, True),

@@ -454,7 +454,7 @@ class ModelRunner:
                 "request besides its KV, which the host tier does not hold"
             )
         slots = args.max_mamba_cache_size or 2 * args.max_running_requests
-        self.state_bytes = model.allocate_states(slots)
+        self.state_bytes = model.allocate_states(slots, getattr(torch, args.mamba_ssm_dtype))
         logger.info("%d state slots (%.1f MB)", slots, self.state_bytes / 1e6)
         return StatePool(slots, model.copy_state)
 

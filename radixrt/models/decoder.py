@@ -153,9 +153,9 @@ class Decoder(CausalLM):
         kv = self.kv_layer_of[i]
         return "self_attn", Attention(config, self.family, kv, self.head_dim, self.shard, self.tp)
 
-    def allocate_states(self, slots: int) -> int:
+    def allocate_states(self, slots: int, ssm_dtype: torch.dtype) -> int:
         """Every stateful mixer's states for `slots` state slots; their bytes."""
-        return sum(mixer.allocate_state(slots) for mixer in self._stateful())
+        return sum(mixer.allocate_state(slots, ssm_dtype) for mixer in self._stateful())
 
     def copy_state(self, src: int, dst: int) -> None:
         for mixer in self._stateful():

@@ -121,9 +121,10 @@ class CausalLM(nn.Module):
         """Every parameter (this rank's shard) from `reader`."""
         raise NotImplementedError
 
-    def allocate_states(self, slots: int) -> int:
+    def allocate_states(self, slots: int, ssm_dtype: torch.dtype) -> int:
         """Zeroed per-request states for `slots` state slots (a batch names each request's:
-        `ForwardBatch.state_slots`); their bytes. None for a model without (`recurrent` off)."""
+        `ForwardBatch.state_slots`), a recurrence's in `ssm_dtype`; their bytes. None for a
+        model without (`recurrent` off)."""
         return 0
 
     def copy_state(self, src: int, dst: int) -> None:

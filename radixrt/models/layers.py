@@ -329,8 +329,9 @@ class StatefulMixer(nn.Module):
     (`ForwardBatch.state_slots`); a request whose step starts at position 0 starts from zeros.
     Served on one rank."""
 
-    def allocate_state(self, slots: int) -> int:
-        """Zeroed state buffers of `slots` rows, in the model's dtype on its device; bytes."""
+    def allocate_state(self, slots: int, ssm_dtype: torch.dtype) -> int:
+        """Zeroed state buffers of `slots` rows on the model's device, a recurrence's in
+        `ssm_dtype` (`--mamba-ssm-dtype`), a convolution's in the model's dtype; bytes."""
         raise NotImplementedError
 
     def copy_state(self, src: int, dst: int) -> None:
@@ -384,7 +385,7 @@ class ShortConv(StatefulMixer):
         self.bias = nn.Parameter(torch.empty(hidden)) if bias else None
         self.state = None
 
-    def allocate_state(self, slots: int) -> int:
+    def allocate_state(self, slots: int, ssm_dtype: torch.dtype) -> int:
         self.state = self.weight.new_zeros(slots, self.hidden, self.kernel - 1)
         return self.state.nbytes
 
@@ -414,9 +415,9 @@ class GatedDeltaNet(StatefulMixer):
     softplus(a + dt_bias), and a write strength beta = sigmoid(b). The state S [key_dim,
     value_dim] per head is decayed, corrected towards v along k (the delta rule: S += k (beta (v -
     S^T k))^T), and read by q; the output is RMS-normed per head (`norm_weight`, eps), times
-    SiLU(z), and projected out. Its state per request: the convolution's last inputs and S (in
-    float32): decode rows a token each, together; a prefill's tokens a chunk at a time
-    (`delta_chunk`)."""
+    SiLU(z), and projected out. Its state per request: the convolution's last inputs and S (kept
+    in `--mamba-ssm-dtype`, computed in float32): decode rows a token each, together; a
+    prefill's tokens a chunk at a time (`delta_chunk`)."""
 
     conv_state: torch.Tensor | None
     state: torch.Tensor | None
@@ -445,10 +446,10 @@ class GatedDeltaNet(StatefulMixer):
         self.out_proj = nn.Linear(self.value_width, hidden, bias=False)
         self.conv_state = self.state = None
 
-    def allocate_state(self, slots: int) -> int:
+    def allocate_state(self, slots: int, ssm_dtype: torch.dtype) -> int:
         w = self.conv_weight
         self.conv_state = w.new_zeros(slots, self.conv_width, self.kernel - 1)
-        self.state = w.new_zeros(slots, self.v_heads, self.k_dim, self.v_dim, dtype=torch.float32)
+        self.state = w.new_zeros(slots, self.v_heads, self.k_dim, self.v_dim, dtype=ssm_dtype)
         return self.conv_state.nbytes + self.state.nbytes
 
     def copy_state(self, src: int, dst: int) -> None:
@@ -483,15 +484,16 @@ class GatedDeltaNet(StatefulMixer):
         if all(e == 1 for e in batch.extend_lens):  # one token per request: all at once
             slots = batch.state_slots
             fresh = torch.tensor([p == 0 for p in batch.prefix_lens], device=x.device)
-            s = self.state.index_select(0, slots).masked_fill_(fresh[:, None, None, None], 0.0)
+            s = self.state.index_select(0, slots).float()
+            s.masked_fill_(fresh[:, None, None, None], 0.0)
             out = self._step(s, q, k, v, g, beta)
-            self.state.index_copy_(0, slots, s)
+            self.state.index_copy_(0, slots, s.to(self.state.dtype))
         else:  # each request's tokens in chunks of DELTA_CHUNK
             start = 0
             for slot, prefix, n in zip(
                 batch.state_slots.tolist(), batch.prefix_lens, batch.extend_lens
             ):
-                s = self.state[slot] if prefix else self.state.new_zeros(self.state.shape[1:])
+                s = self.state[slot].float() if prefix else q.new_zeros(self.state.shape[1:])
                 for a in range(start, start + n, DELTA_CHUNK):
                     b = min(a + DELTA_CHUNK, start + n)
                     out[a:b], s = delta_chunk(s, q[a:b], k[a:b], v[a:b], g[a:b], beta[a:b])

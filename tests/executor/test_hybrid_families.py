@@ -220,3 +220,20 @@ def test_lfm2_is_served_on_one_rank(lfm2):
     config = AutoConfig.from_pretrained(lfm2)
     with torch.device("meta"), pytest.raises(ValueError, match="one rank"):
         Lfm2ForCausalLM(config, 64, TPGroup(size=2, rank=0))
+
+
+def test_the_recurrent_state_is_kept_in_mamba_ssm_dtype(tmp_path, tiny_model_dir):
+    """`--mamba-ssm-dtype bfloat16`: Qwen3.5's delta-rule states are held in bfloat16 (half
+    the bytes of float32's) and computed in float32; a request resumed from a snapshot so held
+    still decodes."""
+    folder = _checkpoint(tmp_path, tiny_model_dir, "qwen3_5")
+    sizes = {}
+    for dtype in ("float32", "bfloat16"):
+        scheduler = _scheduler(folder, 1024, page_size=1, mamba_ssm_dtype=dtype)
+        sizes[dtype] = scheduler.runner.state_bytes
+        states = [m.state for m in scheduler.runner.model.modules() if hasattr(m, "conv_state")]
+        assert {s.dtype for s in states} == {getattr(torch, dtype)}
+        first = _run(scheduler, [list(range(300, 330))], 4)[0]
+        again = _run(scheduler, [list(range(300, 330)) + first[:3] + [9]], 4)[0]
+        assert len(again) == 4 and scheduler.stats()["cached_prompt_tokens_total"] == 33
+    assert sizes["bfloat16"] < sizes["float32"]

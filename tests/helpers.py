@@ -82,6 +82,27 @@ def float_checkpoint(gguf: Path) -> Path:
     return out
 
 
+def random_checkpoint(
+    folder: Path, tokenizer_dir: Path, model_type: str, shape: dict, seed: int
+) -> Path:
+    """A random `model_type` checkpoint of `shape` made with transformers' own config class,
+    saved in `folder` with `tokenizer_dir`'s tokenizer. Norms start at 1 (or 0): their weights
+    get noise so that they count."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(model_type, **shape)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for param, weight in model.named_parameters():
+            if "norm" in param:
+                weight.add_(torch.randn_like(weight) * 0.2)
+    model.save_pretrained(folder)
+    for file in ("tokenizer.json", "tokenizer_config.json"):
+        (folder / file).write_bytes((tokenizer_dir / file).read_bytes())
+    return folder
+
+
 def _hf_model(folder: str):
     from transformers import AutoModelForCausalLM
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig
 
 from radixrt.config import ServerArgs
 from radixrt.distributed.group import TPGroup
@@ -19,7 +19,7 @@ from radixrt.engine.scheduler import Scheduler
 from radixrt.models.lfm2 import Lfm2ForCausalLM
 from radixrt.sampling_params import SamplingParams
 
-from helpers import TINY, hf_greedy
+from helpers import TINY, hf_greedy, random_checkpoint
 
 MAX_NEW = 24
 GREEDY = {"max_new_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True}
@@ -49,17 +49,7 @@ FAMILIES = {"lfm2": ("lfm2", LFM2), "qwen3_5": ("qwen3_5_text", QWEN3_5)}
 
 def _checkpoint(folder, tiny_model_dir, name: str):
     model_type, shape = FAMILIES[name]
-    config = AutoConfig.for_model(model_type, **shape)
-    torch.manual_seed(5)
-    model = AutoModelForCausalLM.from_config(config)
-    with torch.no_grad():  # norms start at 1 (or 0): make their weights count
-        for param, weight in model.named_parameters():
-            if "norm" in param:
-                weight.add_(torch.randn_like(weight) * 0.2)
-    model.save_pretrained(folder)
-    for file in ("tokenizer.json", "tokenizer_config.json"):
-        (folder / file).write_bytes((tiny_model_dir / file).read_bytes())
-    return folder
+    return random_checkpoint(folder, tiny_model_dir, model_type, shape, seed=5)
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig
 
 import radixrt as rt
 from radixrt.config import ServerArgs
@@ -22,7 +22,7 @@ from radixrt.models.linear import Int8Linear
 from radixrt.models.moe import GatedMLP, Routing, SparseMoE, grouped_experts, route
 from radixrt.sampling_params import SamplingParams
 
-from helpers import TINY, _hf_model, hf_greedy, run_in_process
+from helpers import TINY, _hf_model, hf_greedy, random_checkpoint, run_in_process
 from timeouts import REPLY_TIMEOUT_S
 
 MAX_NEW = 24
@@ -107,17 +107,7 @@ FAMILIES = {
 
 def _checkpoint(folder, tiny_model_dir, name: str):
     model_type, extra = FAMILIES[name]
-    config = AutoConfig.for_model(model_type, **{**SMALL, **extra})
-    torch.manual_seed(3)
-    model = AutoModelForCausalLM.from_config(config)
-    with torch.no_grad():  # norms start at 1 (Gemma's at 0): make their weights count
-        for param, weight in model.named_parameters():
-            if "norm" in param:
-                weight.add_(torch.randn_like(weight) * 0.2)
-    model.save_pretrained(folder)
-    for file in ("tokenizer.json", "tokenizer_config.json"):
-        (folder / file).write_bytes((tiny_model_dir / file).read_bytes())
-    return folder
+    return random_checkpoint(folder, tiny_model_dir, model_type, {**SMALL, **extra}, seed=3)
 
 
 WINDOWED = ["mistral-window", "qwen2-window", "gemma2", "gemma3"]

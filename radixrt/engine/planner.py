@@ -223,14 +223,14 @@ class StepPlanner:
             m = len(device.slots)
             extend = len(req.all_ids) - m
             n = self.budget.chunk(extend, left)
-            req.snapshot_at = self.kv.snapshot_point(req, m, match.unresumable)
-            if req.snapshot_at:  # a recurrent model: a chunk ends where its state is kept
-                n = min(n or extend, req.snapshot_at - m)
             if n == 0:
                 if busy or plan.admitted:
                     self.kv.unlock(device.node)
                     break
                 n = extend  # an unchunked prompt over the budget runs alone
+            req.snapshot_at = self.kv.snapshot_point(req, m, match.unresumable)
+            if req.snapshot_at:  # a recurrent model: a chunk ends where its state is kept
+                n = min(n, req.snapshot_at - m)
             future = self.budget.expected(extend - n, req.remaining_new_tokens())
             if (self.running or plan.admitted) and self.kv.available() - reserved < n + future:
                 self.kv.unlock(device.node)

@@ -443,8 +443,9 @@ class ModelRunner:
         self.state_pool = self._state_pool()
 
     def _state_pool(self) -> StatePool | None:
-        """A recurrent model's state slots (`--max-mamba-cache-size`, by default two per
-        running request: its own and as many snapshots in the tree); None for any other."""
+        """A recurrent model's state slots (`--max-mamba-cache-size`; by default two per
+        running request, its own and as many snapshots in the tree, but no more than the KV
+        pool's bytes hold); None for any other."""
         args, model = self.args, self.model
         if not model.recurrent:
             return None
@@ -453,8 +454,13 @@ class ModelRunner:
                 f"--enable-hierarchical-cache: {type(model).__name__} carries a state per "
                 "request besides its KV, which the host tier does not hold"
             )
-        slots = args.max_mamba_cache_size or 2 * args.max_running_requests
-        self.state_bytes = model.allocate_states(slots, getattr(torch, args.mamba_ssm_dtype))
+        ssm_dtype = getattr(torch, args.mamba_ssm_dtype)
+        slots = args.max_mamba_cache_size
+        if slots is None:
+            per_slot = model.allocate_states(1, ssm_dtype)
+            fit = self.kv_pool.bytes_per_token * self.allocator.total_tokens // per_slot
+            slots = max(2, min(2 * args.max_running_requests, fit))
+        self.state_bytes = model.allocate_states(slots, ssm_dtype)
         logger.info("%d state slots (%.1f MB)", slots, self.state_bytes / 1e6)
         return StatePool(slots, model.copy_state)
 

@@ -102,13 +102,13 @@ def test_matches_transformers_batched_chunked_and_resent(hybrid, pool):
     (leaving a snapshot where their computed tokens end) and admitted again."""
     prompts = _prompts()
     expected = hf_greedy(hybrid, prompts, MAX_NEW)
-    scheduler = _scheduler(hybrid, pool)
+    scheduler = _scheduler(hybrid, pool, max_mamba_cache_size=8)
     assert scheduler.runner.model.recurrent and scheduler.runner.state_bytes > 0
     assert _run(scheduler, prompts, MAX_NEW) == expected, "first"
     first = scheduler.stats()
     assert _run(scheduler, prompts, MAX_NEW) == expected, "resent"
     stats = scheduler.stats()
-    assert stats["state_total_slots"] == 2 * scheduler.args.max_running_requests
+    assert stats["state_total_slots"] == 8
     if pool < 1024:  # the pool evicts what the next requests would match
         assert stats["num_preemptions"] > 0
     else:
@@ -212,6 +212,16 @@ def test_lfm2_is_served_on_one_rank(lfm2):
         Lfm2ForCausalLM(config, 64, TPGroup(size=2, rank=0))
 
 
+def test_state_slots_by_default_take_no_more_than_the_kv_pools_bytes(hybrid):
+    """Unset, --max-mamba-cache-size is two slots per running request, but no more than the
+    KV pool's bytes hold (at least two)."""
+    for pool in (64, 4096):
+        scheduler = _scheduler(hybrid, pool)
+        slots, runner = scheduler.stats()["state_total_slots"], scheduler.runner
+        assert 2 <= slots <= 2 * scheduler.args.max_running_requests
+        assert slots == 2 or runner.state_bytes <= runner.kv_pool.bytes_per_token * pool
+
+
 def test_the_recurrent_state_is_kept_in_mamba_ssm_dtype(tmp_path, tiny_model_dir):
     """`--mamba-ssm-dtype bfloat16`: Qwen3.5's delta-rule states are held in bfloat16 (half
     the bytes of float32's) and computed in float32; a request resumed from a snapshot so held
@@ -220,7 +230,7 @@ def test_the_recurrent_state_is_kept_in_mamba_ssm_dtype(tmp_path, tiny_model_dir
     sizes = {}
     for dtype in ("float32", "bfloat16"):
         scheduler = _scheduler(folder, 1024, page_size=1, mamba_ssm_dtype=dtype)
-        sizes[dtype] = scheduler.runner.state_bytes
+        sizes[dtype] = scheduler.runner.state_bytes / scheduler.stats()["state_total_slots"]
         states = [m.state for m in scheduler.runner.model.modules() if hasattr(m, "conv_state")]
         assert {s.dtype for s in states} == {getattr(torch, dtype)}
         first = _run(scheduler, [list(range(300, 330))], 4)[0]

@@ -520,10 +520,10 @@ class GatedDeltaNet(StatefulMixer):
         """One token of each of B requests: states s [B, H, Dk, Dv] updated in place; the
         output [B, H, Dv]."""
         s.mul_(g.exp()[:, :, None, None])
-        remembered = (s * k[:, :, :, None]).sum(dim=-2)  # S^T k: [B, H, Dv]
+        remembered = (k[:, :, None, :] @ s)[:, :, 0]  # S^T k: [B, H, Dv]
         delta = (v - remembered) * beta[:, :, None]
         s.add_(k[:, :, :, None] * delta[:, :, None, :])
-        return (s * q[:, :, :, None]).sum(dim=-2)
+        return (q[:, :, None, :] @ s)[:, :, 0]
 
 
 DELTA_CHUNK = 64  # tokens of a prefill the gated delta rule takes in one chunk

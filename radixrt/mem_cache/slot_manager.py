@@ -30,10 +30,10 @@ state snapshot (KV alone cannot resume the recurrence), and the tokens the tree'
 it are the request's first chunk (`PrefixMatch.unresumable`), after which the request's state is
 copied into a snapshot there: the point where later requests branch off. A prompt's prefill also
 stops for a snapshot every SNAPSHOT_INTERVAL tokens, so a request that branches off a prefix
-another is still computing (or computed in one chunk) resumes near the branch point. A request that ends (or
-is retracted) gives its slot to the node ending at its computed tokens when that node holds none.
-Snapshots go with their node's device KV, and the least recently used unlocked one is dropped
-when a request needs a slot and none is free.
+another is still computing (or computed in one chunk) resumes near the branch point. A request
+that ends (or is retracted) gives its slot to the node ending at its computed tokens when that
+node holds none. Snapshots go with their node's device KV, and the least recently used unlocked
+one is dropped when a request needs a slot and none is free.
 
 The manager needs no model: the tests drive it with a pool, a tree and token ids.
 """

@@ -6,6 +6,7 @@ its `Family`, which its class's `family_of` reads from the config."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Callable
 
@@ -120,6 +121,9 @@ class Decoder(CausalLM):
                 raise ValueError(f"{type(self).__name__} is served on one rank (--tp-size 1)")
             self.graph_safe = False
         attention = [i for i, kind in enumerate(self.layer_kinds) if kind == "attention"]
+        if family.windows:  # the attention backend reads them by KV-pool layer
+            windows = tuple(family.windows[i] for i in attention)
+            self.family = family = dataclasses.replace(family, windows=windows)
         self.kv_layer_of = {layer: n for n, layer in enumerate(attention)}
         self.kv_layers = len(attention)
         self.layers = nn.ModuleList(

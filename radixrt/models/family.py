@@ -54,7 +54,8 @@ class Family:
         (Gemma 3's local and global theta); None: one table for every layer.
     windows: each layer's sliding window W (a query at position p sees the keys at positions
         p - W < k <= p, transformers' `sliding_window_overlay`), None where the layer attends
-        globally; empty: every layer global.
+        globally; empty: every layer global. A model keeps its attention layers' only, in the
+        order of the KV pool's layers, by which the attention backend reads them.
     attn_logit_softcap: attention scores become cap * tanh(scores / cap) before the softmax
         (Gemma 2); None: unchanged.
     attn_output_gate: q_proj holds each head's query then as many gate rows; the attention's

@@ -455,11 +455,16 @@ class ModelRunner:
                 "request besides its KV, which the host tier does not hold"
             )
         ssm_dtype = getattr(torch, args.mamba_ssm_dtype)
+        per_slot = model.allocate_states(1, ssm_dtype)
         slots = args.max_mamba_cache_size
         if slots is None:
-            per_slot = model.allocate_states(1, ssm_dtype)
             fit = self.kv_pool.bytes_per_token * self.allocator.total_tokens // per_slot
             slots = max(2, min(2 * args.max_running_requests, fit))
+        elif slots * per_slot > available_memory(self.device):
+            raise ValueError(
+                f"--max-mamba-cache-size {slots}: {slots} state slots of {per_slot} bytes do "
+                f"not fit in the {available_memory(self.device) / 1e9:.1f} GB free"
+            )
         self.state_bytes = model.allocate_states(slots, ssm_dtype)
         logger.info("%d state slots (%.1f MB)", slots, self.state_bytes / 1e6)
         return StatePool(slots, model.copy_state)

@@ -115,6 +115,11 @@ class Decoder(CausalLM):
             self.vocab_range, config.hidden_size, tp
         )
         self.layer_kinds = self.layer_kinds_of(config)
+        if len(self.layer_kinds) != config.num_hidden_layers:
+            raise ValueError(
+                f"config.json: layer_types names {len(self.layer_kinds)} layers, "
+                f"num_hidden_layers is {config.num_hidden_layers}"
+            )
         self.recurrent = any(kind != "attention" for kind in self.layer_kinds)
         if self.recurrent:  # its mixers' states are whole on one rank; its steps read the host
             if tp.size > 1:

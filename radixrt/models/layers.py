@@ -339,6 +339,9 @@ class StatefulMixer(nn.Module):
         raise NotImplementedError
 
 
+MAX_TAPS = 64  # a causal convolution's most taps (its state per request: taps - 1 inputs)
+
+
 def causal_conv(
     x: torch.Tensor,
     weight: torch.Tensor,

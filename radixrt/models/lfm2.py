@@ -16,7 +16,7 @@ from transformers import PretrainedConfig
 from radixrt.models.decoder import Decoder
 from radixrt.models.family import Family, decoder_family
 from radixrt.models.interface import Projection, WeightSource
-from radixrt.models.layers import ShortConv
+from radixrt.models.layers import MAX_TAPS, ShortConv
 
 
 class Lfm2ForCausalLM(Decoder):
@@ -55,7 +55,10 @@ class Lfm2ForCausalLM(Decoder):
 
     def make_mixer(self, kind: str, config: PretrainedConfig) -> tuple[str, nn.Module]:
         assert kind == "conv"
-        return "conv", ShortConv(config.hidden_size, config.conv_L_cache, config.conv_bias)
+        taps = config.conv_L_cache
+        if not 2 <= taps <= MAX_TAPS:
+            raise ValueError(f"config.json: conv_L_cache is {taps}; radixrt takes 2 to {MAX_TAPS}")
+        return "conv", ShortConv(config.hidden_size, taps, config.conv_bias)
 
     def load_mixer(
         self,

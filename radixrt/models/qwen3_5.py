@@ -16,7 +16,7 @@ from transformers import PretrainedConfig
 from radixrt.models.decoder import Decoder
 from radixrt.models.family import Family, decoder_family
 from radixrt.models.interface import Projection, WeightSource
-from radixrt.models.layers import GatedDeltaNet
+from radixrt.models.layers import MAX_TAPS, GatedDeltaNet
 
 # the Gated DeltaNet's tensors: ours -> the checkpoint's (under `linear_attn.` in both)
 LINEAR_ATTENTION = {
@@ -45,6 +45,17 @@ class Qwen3_5ForCausalLM(Decoder):
 
     def make_mixer(self, kind: str, config: PretrainedConfig) -> tuple[str, nn.Module]:
         assert kind == "linear"
+        k_heads, v_heads = config.linear_num_key_heads, config.linear_num_value_heads
+        if k_heads < 1 or v_heads % k_heads:
+            raise ValueError(
+                f"config.json: linear_num_value_heads ({v_heads}) is not a multiple of "
+                f"linear_num_key_heads ({k_heads})"
+            )
+        if not 2 <= config.linear_conv_kernel_dim <= MAX_TAPS:
+            raise ValueError(
+                f"config.json: linear_conv_kernel_dim is {config.linear_conv_kernel_dim}; "
+                f"radixrt takes 2 to {MAX_TAPS}"
+            )
         mixer = GatedDeltaNet(
             config.hidden_size,
             (config.linear_num_key_heads, config.linear_num_value_heads),

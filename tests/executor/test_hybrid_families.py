@@ -16,6 +16,7 @@ from transformers import AutoConfig
 from radixrt.config import ServerArgs
 from radixrt.distributed.group import TPGroup
 from radixrt.engine.scheduler import Scheduler
+from radixrt.models import model_class
 from radixrt.models.lfm2 import Lfm2ForCausalLM
 from radixrt.sampling_params import SamplingParams
 
@@ -204,6 +205,34 @@ def test_lfm2_refuses_what_its_state_cannot_follow(lfm2, flags, message):
     args = ServerArgs(model=str(lfm2), max_total_tokens=256, **flags)
     with pytest.raises(ValueError, match=message):
         Scheduler.from_server_args(args)
+
+
+@pytest.mark.parametrize(
+    "name, field, value, message",
+    [
+        ("lfm2", "conv_L_cache", 10**6, "conv_L_cache is 1000000; radixrt takes 2 to 64"),
+        ("lfm2", "layer_types", ["conv"] * 3, "layer_types names 3 layers, num_hidden_layers is 4"),
+        (
+            "qwen3_5",
+            "linear_num_value_heads",
+            3,
+            "linear_num_value_heads \\(3\\) is not a multiple",
+        ),
+        ("qwen3_5", "linear_conv_kernel_dim", 1, "linear_conv_kernel_dim is 1"),
+    ],
+)
+def test_a_config_out_of_bounds_is_refused_by_field(
+    tmp_path, tiny_model_dir, name, field, value, message
+):
+    config = AutoConfig.from_pretrained(_checkpoint(tmp_path, tiny_model_dir, name))
+    setattr(config, field, value)
+    with torch.device("meta"), pytest.raises(ValueError, match=message):
+        model_class(config)(config, 64)
+
+
+def test_a_huge_max_mamba_cache_size_is_refused_before_it_is_allocated(lfm2):
+    with pytest.raises(ValueError, match="--max-mamba-cache-size 1000000000000: .* do not fit"):
+        _scheduler(lfm2, 256, max_mamba_cache_size=10**12)
 
 
 def test_lfm2_is_served_on_one_rank(lfm2):

@@ -135,6 +135,8 @@ class Decoder(CausalLM):
             DecoderLayer(config, family, i, self._mixer(config, i), widths, self.expert_ids, tp)
             for i in range(config.num_hidden_layers)
         )
+        # found once: a snapshot's copy (at admissions and chunk ends) walks these, not every module
+        self.stateful = [m for m in self.layers.modules() if isinstance(m, StatefulMixer)]
         self.norm = RMSNorm(config.hidden_size, family.norm_eps)
         # rotary tables by layer type ("all" where one serves every layer)
         self.rope_of_layer = family.rope_by_layer or ("all",) * config.num_hidden_layers
@@ -164,14 +166,11 @@ class Decoder(CausalLM):
 
     def allocate_states(self, slots: int, ssm_dtype: torch.dtype) -> int:
         """Every stateful mixer's states for `slots` state slots; their bytes."""
-        return sum(mixer.allocate_state(slots, ssm_dtype) for mixer in self._stateful())
+        return sum(mixer.allocate_state(slots, ssm_dtype) for mixer in self.stateful)
 
     def copy_state(self, src: int, dst: int) -> None:
-        for mixer in self._stateful():
+        for mixer in self.stateful:
             mixer.copy_state(src, dst)
-
-    def _stateful(self) -> list[StatefulMixer]:
-        return [m for m in self.modules() if isinstance(m, StatefulMixer)]
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:

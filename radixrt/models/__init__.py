@@ -37,6 +37,8 @@ ARCHITECTURES = (
     Architecture("Gemma3ForCausalLM", "gemma3_text", "gemma", "Gemma3ForCausalLM"),
     Architecture("Lfm2ForCausalLM", "lfm2", "lfm2", "Lfm2ForCausalLM"),
     Architecture("Qwen3_5ForCausalLM", "qwen3_5_text", "qwen3_5", "Qwen3_5ForCausalLM"),
+    Architecture("Qwen3_5MoeForCausalLM", "qwen3_5_moe_text", "qwen3_5", "Qwen3_5MoeForCausalLM"),
+    Architecture("Qwen3NextForCausalLM", "qwen3_next", "qwen3_5", "Qwen3NextForCausalLM"),
 )
 
 

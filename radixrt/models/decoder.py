@@ -334,13 +334,25 @@ class Decoder(CausalLM):
         self, reader: WeightSource, hf: str, me: str, param: Callable[[str], torch.Tensor]
     ) -> None:
         """The router whole; this rank's experts' slice of gate and up (rows) and down (columns):
-        every expert's slice under TP, a share of the experts whole under EP."""
+        every expert's slice under TP, a share of the experts whole under EP; a shared expert
+        and its gate whole."""
         spec, (start, end) = self.family.moe, self.expert_range
         assert spec is not None  # called for a sparse layer only
         first, last = self.expert_ids
         gate, up, down = spec.names
         base = hf + spec.prefix + "."
         reader.copy_rows(param(me + "mlp.gate.weight"), base + "gate.weight")
+        if spec.shared_intermediate_size:
+            shared, mine = base + "shared_expert.", me + "mlp.shared_expert."
+            width = spec.shared_intermediate_size
+            reader.stack_rows(
+                param(mine + "gate_up_proj.weight"),
+                [(shared + f"{gate}.weight", 0, width), (shared + f"{up}.weight", 0, width)],
+            )
+            reader.copy_rows(param(mine + "down_proj.weight"), shared + f"{down}.weight")
+            reader.copy_rows(
+                param(me + "mlp.shared_expert_gate.weight"), base + "shared_expert_gate.weight"
+            )
         for e in range(spec.num_experts):
             theirs, mine = f"{base}experts.{e}.", f"{me}mlp.experts.{e - first}."
             if not first <= e < last:  # another rank's

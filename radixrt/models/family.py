@@ -21,7 +21,10 @@ class MoeSpec:
     """A sparse MLP: a router over `num_experts` experts, `top_k` of them run per token, their
     softmax weights renormalised to sum to 1 when `renormalize` (Mixtral always, Qwen3-MoE by
     `norm_topk_prob`). `prefix` and `names` (gate, up, down) say where the checkpoint keeps
-    expert e: `{layer}.{prefix}.experts.{e}.{name}.weight`, its router `{layer}.{prefix}.gate`."""
+    expert e: `{layer}.{prefix}.experts.{e}.{name}.weight`, its router `{layer}.{prefix}.gate`.
+    `shared_intermediate_size`: the width of a shared expert every token runs besides its
+    routed ones, its output scaled by sigmoid(`shared_expert_gate`(x)) (Qwen3-Next, Qwen3.5-MoE:
+    `{layer}.{prefix}.shared_expert.{name}.weight`); 0: none."""
 
     num_experts: int
     top_k: int
@@ -30,6 +33,7 @@ class MoeSpec:
     prefix: str
     names: tuple[str, str, str]
     sparse_layers: frozenset[int]
+    shared_intermediate_size: int = 0
 
 
 @dataclass(frozen=True)

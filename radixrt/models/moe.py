@@ -11,7 +11,8 @@ launches instead (`kernels/fused_moe.py`), over their weights stacked once by ex
 `--tp-size N` every rank holds every expert's slice of the intermediate dimension (as the dense
 MLP); with `--ep-size N` too, each rank holds a share of the experts whole and runs only the
 pairs routed to them. Either way every rank sees every token (the attention's all-reduce left
-the stream whole on each) and routes it, and one all-reduce sums the ranks' parts. (SGLang's
+the stream whole on each) and routes it, and one all-reduce sums the ranks' parts. A shared
+expert (Qwen3-Next, Qwen3.5-MoE) is whole on every rank and added after that all-reduce. (SGLang's
 first EP layout: no all-to-all dispatch, which pays only when tokens are spread over ranks.)
 The CPU's grouping reads the per-expert counts on the host; the fused path reads nothing back
 but has not yet run under CUDA-graph capture, so a decode step of an MoE model is not captured
@@ -112,7 +113,8 @@ def grouped_experts(
 
 class SparseMoE(nn.Module):
     """The whole router, and this rank's experts (`expert_ids`, first to last, default all),
-    each `intermediate` wide (its slice under TP, whole under EP)."""
+    each `intermediate` wide (its slice under TP, whole under EP); the shared expert and its
+    gate, whole, where the spec has one."""
 
     def __init__(
         self,
@@ -133,12 +135,22 @@ class SparseMoE(nn.Module):
             GatedMLP(hidden, intermediate, activation) for _ in range(last - self.first)
         )
         self._stacked: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.shared_expert: GatedMLP | None = None
+        self.shared_expert_gate: nn.Linear | None = None
+        if spec.shared_intermediate_size:
+            self.shared_expert = GatedMLP(hidden, spec.shared_intermediate_size, activation)
+            self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         routing = route(self.gate(x), self.spec.top_k, self.spec.renormalize)
         if x.is_cuda:
-            return self.tp.all_reduce(self.fused(x, routing))
-        return self.tp.all_reduce(grouped_experts(x, routing, self.experts, self.first))
+            out = self.tp.all_reduce(self.fused(x, routing))
+        else:
+            out = self.tp.all_reduce(grouped_experts(x, routing, self.experts, self.first))
+        if self.shared_expert is None or self.shared_expert_gate is None:
+            return out
+        shared: torch.Tensor = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out + shared
 
     def fused(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
         """`grouped_experts` as the fused Triton kernel computes it (the GPU's path; the tests

@@ -1,9 +1,12 @@
-"""Qwen3.5 (text, dense): three Gated DeltaNet layers (`layers.GatedDeltaNet`, "linear_attention"
-in `layer_types`) to each attention layer; attention with q/k norms per head, partial rotary and
-an output gate (q_proj's rows: each head's query, then its gate); zero-centred RMSNorms (scaled by
-1 + w) but the Gated DeltaNet's own output norm, which scales by w. The linear-attention layers
-carry a state per request (`recurrent`: state slots, snapshots of them in the radix tree); the
-model is served on one rank and without adapters."""
+"""Qwen3.5 (text, dense and MoE) and its predecessor Qwen3-Next: three Gated DeltaNet layers
+(`layers.GatedDeltaNet`, "linear_attention" in `layer_types`) to each attention layer; attention
+with q/k norms per head, partial rotary and an output gate (q_proj's rows: each head's query,
+then its gate); zero-centred RMSNorms (scaled by 1 + w) but the Gated DeltaNet's own output norm,
+which scales by w. The MoE models' experts come with a shared expert, gated by a sigmoid
+(`MoeSpec.shared_intermediate_size`). Qwen3-Next's checkpoints keep the Gated DeltaNet's input
+projections fused and interleaved by key head (`in_proj_qkvz`, `in_proj_ba`), read here as
+Qwen3.5's four. The linear-attention layers carry a state per request (`recurrent`: state slots,
+snapshots of them in the radix tree); the models are served on one rank and without adapters."""
 
 from __future__ import annotations
 
@@ -14,9 +17,10 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from radixrt.models.decoder import Decoder
-from radixrt.models.family import Family, decoder_family
+from radixrt.models.family import Family, MoeSpec, decoder_family
 from radixrt.models.interface import Projection, WeightSource
 from radixrt.models.layers import MAX_TAPS, GatedDeltaNet
+from radixrt.models.qwen import sparse_layers_of
 
 # the Gated DeltaNet's tensors: ours -> the checkpoint's (under `linear_attn.` in both)
 LINEAR_ATTENTION = {
@@ -79,3 +83,73 @@ class Qwen3_5ForCausalLM(Decoder):
     def projections(self) -> dict[tuple[int, str], Projection]:
         """None: adapters over Qwen3.5 are not served (refused at start by name)."""
         return {}
+
+
+class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
+    """Qwen3.5's layers over experts on every layer (their top k always renormalised) and a
+    shared expert; no dense MLP."""
+
+    @classmethod
+    def family_of(cls, config: PretrainedConfig) -> Family:
+        moe = MoeSpec(
+            num_experts=config.num_experts,
+            top_k=config.num_experts_per_tok,
+            intermediate_size=config.moe_intermediate_size,
+            renormalize=True,
+            prefix="mlp",
+            names=("gate_proj", "up_proj", "down_proj"),
+            sparse_layers=frozenset(range(config.num_hidden_layers)),
+            shared_intermediate_size=config.shared_expert_intermediate_size,
+        )
+        return decoder_family(config, qk_norm=True, norm_offset=1.0, attn_output_gate=True, moe=moe)
+
+    @classmethod
+    def intermediate_size_of(cls, config: PretrainedConfig) -> int:
+        return 0  # every layer is sparse
+
+
+class Qwen3NextForCausalLM(Qwen3_5ForCausalLM):
+    """Qwen3.5's layers (its norms, gated attention and Gated DeltaNet) over Qwen3-MoE's sparse
+    layers with a shared expert; the Gated DeltaNet's projections fused in the checkpoint."""
+
+    @classmethod
+    def family_of(cls, config: PretrainedConfig) -> Family:
+        moe = sparse_layers_of(config, shared=config.shared_expert_intermediate_size)
+        return decoder_family(config, qk_norm=True, norm_offset=1.0, attn_output_gate=True, moe=moe)
+
+    def load_mixer(
+        self,
+        reader: WeightSource,
+        kind: str,
+        hf: str,
+        me: str,
+        param: Callable[[str], torch.Tensor],
+    ) -> None:
+        """`in_proj_qkvz` holds, per key head, its query and key rows, then the value and z rows
+        of the value heads it serves; `in_proj_ba` per key head those value heads' b then a
+        rows. Each of our four projections stacks its rows from every key head in turn (the
+        convolution's channels are q, k, v each over all heads, as the checkpoint's)."""
+        c = self.config
+        k_heads, kd = c.linear_num_key_heads, c.linear_key_head_dim
+        per = c.linear_num_value_heads // k_heads  # value heads per key head
+        vd = per * c.linear_value_head_dim
+        spans = {"q": (0, kd), "k": (kd, 2 * kd), "v": (2 * kd, 2 * kd + vd)}
+        spans["z"] = (2 * kd + vd, 2 * kd + 2 * vd)
+        qkvz, ba = f"{hf}linear_attn.in_proj_qkvz.weight", f"{hf}linear_attn.in_proj_ba.weight"
+
+        def rows(name: str, width: int, span: tuple[int, int]) -> list[tuple[str, int, int]]:
+            return [(name, h * width + span[0], h * width + span[1]) for h in range(k_heads)]
+
+        group = 2 * kd + 2 * vd
+        ours = f"{me}linear_attn."
+        reader.stack_rows(
+            param(ours + "in_proj_qkv.weight"),
+            [part for p in "qkv" for part in rows(qkvz, group, spans[p])],
+        )
+        reader.stack_rows(param(ours + "in_proj_z.weight"), rows(qkvz, group, spans["z"]))
+        reader.stack_rows(param(ours + "in_proj_b.weight"), rows(ba, 2 * per, (0, per)))
+        reader.stack_rows(param(ours + "in_proj_a.weight"), rows(ba, 2 * per, (per, 2 * per)))
+        for name in LINEAR_ATTENTION:
+            if not name.startswith("in_proj"):
+                theirs = f"{hf}linear_attn.{LINEAR_ATTENTION[name]}"
+                reader.copy_rows(param(ours + name), theirs)

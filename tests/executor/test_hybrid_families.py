@@ -51,16 +51,34 @@ QWEN3_5 = dict(
     max_position_embeddings=512,
     pad_token_id=0,
 )
+# experts (two of four per token) and a shared expert on every layer but Qwen3-Next's second
+EXPERTS = dict(
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    shared_expert_intermediate_size=48,
+)
 FAMILIES = {"lfm2": ("lfm2", LFM2), "qwen3_5": ("qwen3_5_text", QWEN3_5)}
+# families checked for exactness (cold, warm, chunked, preempted, an agent loop) only: the rest
+# of this module's tests exercise the state slots, which they share with the two above
+MORE: dict[str, tuple[str, dict]] = {
+    "qwen3_5_moe": ("qwen3_5_moe_text", dict(QWEN3_5, **EXPERTS)),
+    "qwen3_next": ("qwen3_next", dict(QWEN3_5, **EXPERTS, mlp_only_layers=[1])),
+}
 
 
 def _checkpoint(folder, tiny_model_dir, name: str):
-    model_type, shape = FAMILIES[name]
+    model_type, shape = {**FAMILIES, **MORE}[name]
     return random_checkpoint(folder, tiny_model_dir, model_type, shape, seed=5)
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def hybrid(request, tmp_path_factory, tiny_model_dir):
+    return _checkpoint(tmp_path_factory.mktemp(request.param), tiny_model_dir, request.param)
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES) + list(MORE))
+def any_hybrid(request, tmp_path_factory, tiny_model_dir):
     return _checkpoint(tmp_path_factory.mktemp(request.param), tiny_model_dir, request.param)
 
 
@@ -102,14 +120,14 @@ def _run(scheduler: Scheduler, prompts: list[list[int]], max_new: int) -> list[l
 
 
 @pytest.mark.parametrize("pool", [1024, 72], ids=["roomy", "preempted"])
-def test_matches_transformers_batched_chunked_and_resent(hybrid, pool):
+def test_matches_transformers_batched_chunked_and_resent(any_hybrid, pool):
     """The four prompts together, then again: the second pass resumes from the snapshots the
     first left (each request's at its end, and one where the two sharing a prefix branch). With
     a pool of 72 tokens the four (193 tokens in all) cannot run together: some are retracted
     (leaving a snapshot where their computed tokens end) and admitted again."""
     prompts = _prompts()
-    expected = hf_greedy(hybrid, prompts, MAX_NEW)
-    scheduler = _scheduler(hybrid, pool, max_mamba_cache_size=8)
+    expected = hf_greedy(any_hybrid, prompts, MAX_NEW)
+    scheduler = _scheduler(any_hybrid, pool, max_mamba_cache_size=8)
     assert scheduler.runner.model.recurrent and scheduler.runner.state_bytes > 0
     assert _run(scheduler, prompts, MAX_NEW) == expected, "first"
     first = scheduler.stats()
@@ -123,17 +141,17 @@ def test_matches_transformers_batched_chunked_and_resent(hybrid, pool):
         assert stats["state_cached_slots"] > 0
 
 
-def test_agent_loop_resumes_each_turn_from_the_last(hybrid):
+def test_agent_loop_resumes_each_turn_from_the_last(any_hybrid):
     """Each turn resends the whole conversation and adds to it: every turn but the first
     resumes from the snapshot the previous turn left at its end (all but the new turn's
     tokens cached), and its tokens equal transformers' on the whole conversation. Pages of one
     token (the default), so every request's end is a page's end, where a snapshot is kept."""
-    scheduler = _scheduler(hybrid, 1024, page_size=1)
+    scheduler = _scheduler(any_hybrid, 1024, page_size=1)
     conversation = list(range(300, 330))
     before = 0
     for turn in range(4):
         got = _run(scheduler, [conversation], 8)[0]
-        assert [got] == hf_greedy(hybrid, [conversation], 8), turn
+        assert [got] == hf_greedy(any_hybrid, [conversation], 8), turn
         if turn:
             cached = scheduler.stats()["cached_prompt_tokens_total"] - before
             assert cached >= len(conversation) - 8 - 12, (turn, cached)

@@ -528,7 +528,7 @@ QUALITY_POSITIONS = 500  # teacher-forced positions the gates score
 
 def teacher_forced_logits(runner, ids: list[int]) -> torch.Tensor:
     """Logits [n, V] float64 of a ModelRunner at every position of `ids`, in one prefill over
-    slots 1..n."""
+    slots 1..n (and state slot 0, from zeros, for a recurrent model)."""
     from radixrt.forward_batch import ForwardBatch
 
     n = len(ids)
@@ -536,6 +536,8 @@ def teacher_forced_logits(runner, ids: list[int]) -> torch.Tensor:
     runner.req_to_token_pool.req_to_token[1, :n] = slots.to(torch.int32)
     positions = torch.arange(n)
     batch = ForwardBatch(torch.tensor(ids), positions, slots, torch.tensor([1]), [0], [n])
+    if runner.model.recurrent:
+        batch.state_slots = torch.tensor([0])
     return runner.logits(runner.forward(batch)).double()
 
 

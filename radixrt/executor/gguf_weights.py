@@ -87,7 +87,12 @@ IQ4_XS_BYTES = 136  # float16 d, 16 bits of scales' top bits, 4 bytes of their l
 # a 49152-row Q6_K output projection converted whole peaked 2.8 GB over its 84 MB of groups
 CONVERT_BYTES = 2 << 20
 # the GGUF architectures whose tensor names and row orders `plan` knows
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "lfm2")
+# a stateful mixer's linears: ours (under the layer) -> the file's (under `blk.N.`)
+MIXER_LINEARS = {
+    "conv.in_proj": "shortconv.in_proj.weight",  # LFM2
+    "conv.out_proj": "shortconv.out_proj.weight",
+}
 # `read_linears`' packed copy, beside the file's config: safetensors under a name that the
 # loader's *.safetensors glob (a folder's own float weights) never takes (`packed_cache` adds
 # its key)
@@ -135,12 +140,16 @@ def plan(path: Path, config: PretrainedConfig) -> GGUFPlan:
     wanted: dict[str, list[Part]] = {}
     for i in range(config.num_hidden_layers):
         b, me = f"blk.{i}.", f"layers.{i}."
-        wanted[me + "self_attn.qkv_proj"] = [
-            Part(b + "attn_q.weight", heads if rope else 0),
-            Part(b + "attn_k.weight", kv_heads if rope else 0),
-            Part(b + "attn_v.weight"),
-        ]
-        wanted[me + "self_attn.o_proj"] = [Part(b + "attn_output.weight")]
+        if b + "attn_q.weight" in types:  # else the layer mixes by something else (LFM2's)
+            wanted[me + "self_attn.qkv_proj"] = [
+                Part(b + "attn_q.weight", heads if rope else 0),
+                Part(b + "attn_k.weight", kv_heads if rope else 0),
+                Part(b + "attn_v.weight"),
+            ]
+            wanted[me + "self_attn.o_proj"] = [Part(b + "attn_output.weight")]
+        for ours, theirs in MIXER_LINEARS.items():
+            if b + theirs in types:
+                wanted[me + ours] = [Part(b + theirs)]
         wanted[me + "mlp.gate_up_proj"] = [Part(b + "ffn_gate.weight"), Part(b + "ffn_up.weight")]
         wanted[me + "mlp.down_proj"] = [Part(b + "ffn_down.weight")]
     wanted["lm_head"] = [Part("output.weight" if "output.weight" in types else "token_embd.weight")]

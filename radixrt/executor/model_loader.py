@@ -339,8 +339,21 @@ def gguf_config(file: gguf_file.GGUFFile) -> PretrainedConfig:
         values["vocab_size"] = len(tokens)
     model_type = values.pop("model_type")
     model_type = TEXT_MODELS.get(model_type, model_type)
+    if model_type == "lfm2":
+        _lfm2_layers(values)
     config: PretrainedConfig = CONFIG_MAPPING[model_type].from_dict(values)
     return config
+
+
+def _lfm2_layers(values: dict[str, Any]) -> None:
+    """LFM2's file names its attention layers by their KV heads (one count per layer, 0 for a
+    convolution) and stores the MLP's width as used (no adjusting it again)."""
+    heads = values["num_key_value_heads"]
+    if not isinstance(heads, list) or not heads or not all(isinstance(h, int) for h in heads):
+        raise ValueError(f"lfm2.attention.head_count_kv: one count per layer, not {heads!r}")
+    values["num_key_value_heads"] = max(heads)
+    values["layer_types"] = ["full_attention" if h else "conv" for h in heads]
+    values["block_auto_adjust_ff_dim"] = False
 
 
 # llama.cpp's architecture names that transformers spells otherwise, and the text model of a

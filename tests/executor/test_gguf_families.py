@@ -56,8 +56,10 @@ FAMILIES = {
     "mistral": {},
     "qwen3": {"head_dim": 32},
     "gemma3_text": {"head_dim": 32},
+    # a short convolution, then attention: its state per request as from a safetensors folder
+    "lfm2": {"layer_types": ["conv", "full_attention"], "conv_L_cache": 3},
 }
-PACKED = ("llama", "qwen3", "gemma3_text")  # their Q8_0 files, served packed
+PACKED = ("llama", "qwen3", "gemma3_text", "lfm2")  # their Q8_0 files, served packed
 PROMPTS = [[1, 504, 3000, 42, 7], [5, 6, 7, 8, 9, 10, 11, 12, 13]]
 GREEDY = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
 # a line's worth of a driver: the converter once per (checkpoint, type), imports paid once

@@ -144,7 +144,8 @@ def hf_greedy(
 ) -> list[list[int]]:
     """transformers' greedy continuation of each prompt with its own KV cache, one prompt at a
     time (no padding), never stopping early: EOS is just another token here. With `adapter`,
-    under that peft LoRA adapter."""
+    under that peft LoRA adapter. Each step names its token's position (Bamba's model numbers
+    a call's tokens from 0 when not told, its cache notwithstanding)."""
     model = _hf_model(str(folder)) if adapter is None else _peft_model(str(folder), str(adapter))
     outs = []
     with torch.inference_mode():
@@ -156,6 +157,7 @@ def hf_greedy(
                 out = model(
                     torch.tensor([[tokens[-1]]]),
                     past_key_values=out.past_key_values,
+                    position_ids=torch.tensor([[len(ids) + len(tokens) - 1]]),
                     use_cache=True,
                 )
             outs.append(tokens)

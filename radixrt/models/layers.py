@@ -2,7 +2,7 @@
 through the attention backend, the gated MLP (dense, or the experts of `moe.py`), the vocabulary's
 embedding (float or packed), the attention decoder's layer, and the mixers a layer may hold in
 attention's place, each carrying a state per request (LFM2's short convolution, the Gated
-DeltaNet of Qwen3.5 and Qwen3-Next). A family's module
+DeltaNet of Qwen3.5 and Qwen3-Next, Mamba-2's state space of Bamba). A family's module
 (`llama.py`, `qwen.py`, ...) builds its model from these; what it swaps in is its `Family`."""
 
 from __future__ import annotations
@@ -577,3 +577,151 @@ def expert_shard(moe: MoeSpec | None, tp: TPGroup) -> tuple[tuple[int, int], tup
     if tp.expert_parallel:
         return (0, moe.intermediate_size), split_range(moe.num_experts, tp.size, tp.rank)
     return split_range(moe.intermediate_size, tp.size, tp.rank), (0, moe.num_experts)
+
+
+class Mamba2Mixer(StatefulMixer):
+    """Mamba-2's selective state-space mixer (Bamba's, as Granite 4's hybrid layers). One projection
+    gives the gate z, the convolved channels xBC and a time step per head; xBC goes through a
+    depthwise causal convolution (`kernel` taps, with its bias where the checkpoint has one) and
+    SiLU, then splits into x (`heads` heads of `head_dim`), B and C (`groups` groups of `state`
+    values, each group shared by heads / groups heads). Per token and head h:
+    dt = clamp(softplus(dt_raw + dt_bias), *dt_limit), a = -exp(A_log), and the state
+    S [head_dim, state] follows S <- exp(dt a) S + dt x B^T, read as y = S C + D x. The heads'
+    outputs, times SiLU(z), are RMS-normed per group (`norm_weight`, eps) and projected out.
+    Its state per request: the convolution's last `kernel - 1` inputs (the model's dtype) and S
+    (`--mamba-ssm-dtype`, computed in float32): decode rows a token each, all together; a
+    prefill's tokens `chunk` at a time in the SSD form (`ssd_chunk`)."""
+
+    conv_state: torch.Tensor | None
+    state: torch.Tensor | None
+
+    def __init__(
+        self,
+        hidden: int,
+        heads: tuple[int, int, int],
+        state: int,
+        kernel: int,
+        chunk: int,
+        biases: tuple[bool, bool],
+        eps: float,
+        dt_limit: tuple[float, float],
+    ):
+        """`heads`: (heads, head_dim, groups); `biases`: (the projections', the convolution's)."""
+        super().__init__()
+        (self.heads, self.head_dim, self.groups), self.state_size = heads, state
+        self.inner = self.heads * self.head_dim
+        self.conv_width = self.inner + 2 * self.groups * state
+        self.kernel, self.chunk, self.eps, self.dt_limit = kernel, chunk, eps, dt_limit
+        proj_bias, conv_bias = biases
+        self.in_proj = nn.Linear(hidden, self.inner + self.conv_width + self.heads, bias=proj_bias)
+        self.conv_weight = nn.Parameter(torch.empty(self.conv_width, 1, kernel))
+        self.conv_bias = nn.Parameter(torch.empty(self.conv_width)) if conv_bias else None
+        self.dt_bias = nn.Parameter(torch.empty(self.heads))
+        self.A_log = nn.Parameter(torch.empty(self.heads))
+        self.D = nn.Parameter(torch.empty(self.heads))
+        self.norm_weight = nn.Parameter(torch.empty(self.inner))
+        self.out_proj = nn.Linear(self.inner, hidden, bias=proj_bias)
+        self.conv_state = self.state = None
+
+    def allocate_state(self, slots: int, ssm_dtype: torch.dtype) -> int:
+        w = self.conv_weight
+        self.conv_state = w.new_zeros(slots, self.conv_width, self.kernel - 1)
+        self.state = w.new_zeros(slots, self.heads, self.head_dim, self.state_size, dtype=ssm_dtype)
+        return self.conv_state.nbytes + self.state.nbytes
+
+    def copy_state(self, src: int, dst: int) -> None:
+        assert self.conv_state is not None and self.state is not None
+        self.conv_state[dst] = self.conv_state[src]
+        self.state[dst] = self.state[src]
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        batch: ForwardBatch,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        attn: AttentionBackend,
+    ) -> torch.Tensor:
+        assert (
+            self.conv_state is not None and self.state is not None and batch.state_slots is not None
+        )
+        t, width = x.shape[0], self.groups * self.state_size
+        z, xbc, dt = self.in_proj(x).split([self.inner, self.conv_width, self.heads], dim=-1)
+        xbc = F.silu(causal_conv(xbc, self.conv_weight, self.conv_bias, self.conv_state, batch))
+        xs, b, c = torch.split(xbc.float(), [self.inner, width, width], dim=-1)
+        xs = xs.reshape(t, self.heads, self.head_dim)
+        b, c = (
+            y.reshape(t, self.groups, self.state_size).repeat_interleave(
+                self.heads // self.groups, dim=1
+            )
+            for y in (b, c)
+        )
+        dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(*self.dt_limit)
+        a = -self.A_log.float().exp()
+        if all(e == 1 for e in batch.extend_lens):  # one token per request: all at once
+            slots = batch.state_slots
+            fresh = torch.tensor([p == 0 for p in batch.prefix_lens], device=x.device)
+            s = self.state.index_select(0, slots).float()
+            s.masked_fill_(fresh[:, None, None, None], 0.0)
+            out = self._step(s, xs, dt, a, b, c)
+            self.state.index_copy_(0, slots, s.to(self.state.dtype))
+        else:  # each request's tokens in chunks of `chunk`
+            out, start = torch.empty_like(xs), 0
+            for slot, prefix, n in zip(
+                batch.state_slots.tolist(), batch.prefix_lens, batch.extend_lens
+            ):
+                s = self.state[slot].float() if prefix else xs.new_zeros(self.state.shape[1:])
+                for lo in range(start, start + n, self.chunk):
+                    hi = min(lo + self.chunk, start + n)
+                    out[lo:hi], s = ssd_chunk(s, xs[lo:hi], dt[lo:hi], a, b[lo:hi], c[lo:hi])
+                self.state[slot] = s
+                start += n
+        out = out + self.D.float()[:, None] * xs
+        gated = out.reshape(t, self.groups, -1) * F.silu(z.float()).reshape(t, self.groups, -1)
+        normed = gated * torch.rsqrt(gated.pow(2).mean(-1, keepdim=True) + self.eps)
+        y: torch.Tensor = self.out_proj(self.norm_weight * normed.reshape(t, -1).to(x.dtype))
+        return y
+
+    @staticmethod
+    def _step(
+        s: torch.Tensor,
+        x: torch.Tensor,
+        dt: torch.Tensor,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        c: torch.Tensor,
+    ) -> torch.Tensor:
+        """One token of each of R requests (x [R, H, P], dt [R, H], b and c [R, H, N], a [H]):
+        states s [R, H, P, N] updated in place; S C [R, H, P] (without D x)."""
+        s.mul_((dt * a).exp()[:, :, None, None])
+        s.add_((dt[:, :, None, None] * b[:, :, None, :]) * x[:, :, :, None])
+        return (s @ c[:, :, :, None])[..., 0]
+
+
+def ssd_chunk(
+    s0: torch.Tensor,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """L tokens of one request through Mamba-2's recurrence at once (state space duality), from
+    state s0 [H, P, N]: (S C per token [L, H, P], without D x; the state after). With
+    l_t = dt_t a the log decays and G_t = l_1 + ... + l_t, the recurrence S_t = exp(l_t) S_{t-1}
+    + dt_t x_t B_t^T unrolls to S_t = exp(G_t) S0 + sum_{i<=t} exp(G_t - G_i) dt_i x_i B_i^T, so
+    y_t = S_t C_t = exp(G_t) S0 C_t + sum_{i<=t} (C_t . B_i) exp(G_t - G_i) dt_i x_i: matrix
+    products over the chunk in place of L steps. The decays exp(G_t - G_i) are sums of the l in
+    (i, t], summed as such (not a difference of two running sums, which loses the small ones)."""
+    xdt = (x * dt[:, :, None]).transpose(0, 1)  # [H, L, P]
+    b, c = b.transpose(0, 1), c.transpose(0, 1)  # [H, L, N]
+    logs = (dt * a).T  # [H, L]
+    n = logs.shape[-1]
+    lower = torch.ones(n, n, dtype=torch.bool, device=x.device).tril()
+    strictly = logs[:, :, None].expand(-1, n, n).masked_fill(~lower.tril(-1), 0.0)
+    segments = strictly.cumsum(1).masked_fill(~lower, float("-inf"))  # [H, t, i]: G_t - G_i
+    grown = logs.cumsum(-1)  # G_t
+    out = ((c @ b.transpose(-1, -2)) * segments.exp()) @ xdt
+    out = out + grown.exp()[:, :, None] * (c @ s0.transpose(-1, -2))
+    tail = segments[:, -1, :].exp()[:, :, None]  # exp(G_L - G_i)
+    s = grown[:, -1].exp()[:, None, None] * s0 + (xdt * tail).transpose(-1, -2) @ b
+    return out.transpose(0, 1), s

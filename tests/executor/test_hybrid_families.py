@@ -58,12 +58,27 @@ EXPERTS = dict(
     moe_intermediate_size=32,
     shared_expert_intermediate_size=48,
 )
+# three Mamba-2 layers to one attention layer; 8 heads of 16 in 2 groups of B and C; chunks
+# of 8 tokens, so a 16-token prefill chunk is two SSD chunks
+BAMBA = dict(
+    TINY,
+    num_hidden_layers=4,
+    attn_layer_indices=[1],
+    mamba_n_heads=8,
+    mamba_n_groups=2,
+    mamba_d_state=16,
+    mamba_d_conv=4,
+    mamba_chunk_size=8,
+    max_position_embeddings=512,
+    pad_token_id=0,
+)
 FAMILIES = {"lfm2": ("lfm2", LFM2), "qwen3_5": ("qwen3_5_text", QWEN3_5)}
 # families checked for exactness (cold, warm, chunked, preempted, an agent loop) only: the rest
 # of this module's tests exercise the state slots, which they share with the two above
 MORE: dict[str, tuple[str, dict]] = {
     "qwen3_5_moe": ("qwen3_5_moe_text", dict(QWEN3_5, **EXPERTS)),
     "qwen3_next": ("qwen3_next", dict(QWEN3_5, **EXPERTS, mlp_only_layers=[1])),
+    "bamba": ("bamba", BAMBA),
 }
 
 

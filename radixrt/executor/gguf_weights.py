@@ -87,11 +87,17 @@ IQ4_XS_BYTES = 136  # float16 d, 16 bits of scales' top bits, 4 bytes of their l
 # a 49152-row Q6_K output projection converted whole peaked 2.8 GB over its 84 MB of groups
 CONVERT_BYTES = 2 << 20
 # the GGUF architectures whose tensor names and row orders `plan` knows
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "lfm2")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "lfm2", "qwen35")
 # a stateful mixer's linears: ours (under the layer) -> the file's (under `blk.N.`)
 MIXER_LINEARS = {
     "conv.in_proj": "shortconv.in_proj.weight",  # LFM2
     "conv.out_proj": "shortconv.out_proj.weight",
+    # Qwen3.5's Gated DeltaNet, its value heads in the file's order (`gguf_families`)
+    "linear_attn.in_proj_qkv": "attn_qkv.weight",
+    "linear_attn.in_proj_z": "attn_gate.weight",
+    "linear_attn.in_proj_b": "ssm_beta.weight",
+    "linear_attn.in_proj_a": "ssm_alpha.weight",
+    "linear_attn.out_proj": "ssm_out.weight",
 }
 # `read_linears`' packed copy, beside the file's config: safetensors under a name that the
 # loader's *.safetensors glob (a folder's own float weights) never takes (`packed_cache` adds

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from radixrt.distributed.group import TPGroup
-from radixrt.executor import gguf_file, gguf_tokenizer
+from radixrt.executor import gguf_families, gguf_file, gguf_tokenizer
 from radixrt.kernels.int4_gemm import PackedGroups
 from radixrt.models import model_class
 from radixrt.models.interface import CausalLM
@@ -306,14 +306,19 @@ def gguf_config(file: gguf_file.GGUFFile) -> PretrainedConfig:
     through transformers' own tables (`GGUF_CONFIG_MAPPING`, its defaults), as transformers'
     `load_gguf_checkpoint` maps them: llama.cpp's `llama` with a Mistral name is Mistral, MoE
     architectures take transformers' spellings, Gemma 3's file is its text model, the output
-    projection is tied where the file has none, the vocabulary counts the tokens."""
+    projection is tied where the file has none, the vocabulary counts the tokens; and, for what
+    transformers' tables lack or read short, radixrt's own (`gguf_families`)."""
     from transformers import CONFIG_MAPPING
     from transformers.integrations.ggml import GGUF_CONFIG_DEFAULTS_MAPPING, GGUF_CONFIG_MAPPING
 
-    mapping = cast("dict[str, dict[str, Any]]", GGUF_CONFIG_MAPPING)  # typed as objects
+    # typed as objects; the families radixrt reads itself added
+    mapping = {
+        **cast("dict[str, dict[str, Any]]", GGUF_CONFIG_MAPPING),
+        **gguf_families.CONFIG_KEYS,
+    }
     arch = file.architecture
     name = file.metadata.get("general.name")
-    model_type = RENAMED_ARCHITECTURES.get(arch, arch)
+    model_type = {**RENAMED_ARCHITECTURES, **gguf_families.MODEL_TYPES}.get(arch, arch)
     if arch == "llama" and isinstance(name, str) and "mistral" in name.lower():
         model_type = "mistral"
     if arch not in mapping and model_type not in mapping:
@@ -339,21 +344,9 @@ def gguf_config(file: gguf_file.GGUFFile) -> PretrainedConfig:
         values["vocab_size"] = len(tokens)
     model_type = values.pop("model_type")
     model_type = TEXT_MODELS.get(model_type, model_type)
-    if model_type == "lfm2":
-        _lfm2_layers(values)
+    gguf_families.derived_fields(model_type, values)
     config: PretrainedConfig = CONFIG_MAPPING[model_type].from_dict(values)
     return config
-
-
-def _lfm2_layers(values: dict[str, Any]) -> None:
-    """LFM2's file names its attention layers by their KV heads (one count per layer, 0 for a
-    convolution) and stores the MLP's width as used (no adjusting it again)."""
-    heads = values["num_key_value_heads"]
-    if not isinstance(heads, list) or not heads or not all(isinstance(h, int) for h in heads):
-        raise ValueError(f"lfm2.attention.head_count_kv: one count per layer, not {heads!r}")
-    values["num_key_value_heads"] = max(heads)
-    values["layer_types"] = ["full_attention" if h else "conv" for h in heads]
-    values["block_auto_adjust_ff_dim"] = False
 
 
 # llama.cpp's architecture names that transformers spells otherwise, and the text model of a
@@ -656,9 +649,11 @@ class GGUFWeightReader(WeightReader):
         file = gguf_file.read(gguf)
         if file.architecture in GATHERED_ARCHITECTURES:
             raise ValueError(f"{gguf.name}: {file.architecture} GGUF files are not read in place")
-        processor_class = TENSOR_PROCESSORS.get(file.architecture, TensorProcessor)
-        # transformers leaves its GGUF helpers unannotated
-        self._processor = processor_class(config=config.to_dict())  # type: ignore[no-untyped-call]
+        # transformers' or radixrt's (`gguf_families`); transformers leaves its unannotated
+        processor_class: Any = gguf_families.PROCESSORS.get(
+            file.architecture, TENSOR_PROCESSORS.get(file.architecture, TensorProcessor)
+        )
+        self._processor = processor_class(config=config.to_dict())
         shapes = _skeleton_shapes(config, folder / SKELETON_FILE)
         self._names = _gguf_names(file.architecture, config.num_hidden_layers, shapes)
         self._sources: dict[str, gguf_file.TensorInfo] = {}
@@ -694,7 +689,7 @@ class GGUFWeightReader(WeightReader):
         data = raw.numpy().reshape(rows, -1)
         kind = gguf.GGMLQuantizationType(tensor.kind.id)
         weights = gguf.quants.dequantize(data, kind).reshape(tuple(reversed(tensor.shape)))
-        result = self._processor.process(  # type: ignore[no-untyped-call]
+        result = self._processor.process(
             weights=weights, name=tensor.name, tensor_key_mapping=self._names, parsed_parameters={}
         )
         out = torch.from_numpy(np.ascontiguousarray(result.weights, dtype=np.float32))
@@ -747,9 +742,14 @@ def _gguf_names(arch: str, layers: int, names: Iterable[str]) -> dict[str, str]:
     mapped: dict[str, str] = {}
     for name in names:
         module, _, kind = name.rpartition(".")
+        if kind in gguf_families.RENAMED_PARAMETERS:
+            renamed, kind = gguf_families.RENAMED_PARAMETERS[kind]
+            module = f"{module}.{renamed}"
         found = table.get_name(module)
         if found is not None:
             mapped[f"{found}.{kind}"] = name
+        elif (whole := table.get_name(name)) is not None:  # a bare parameter (Qwen3.5's A_log)
+            mapped[whole] = name
     return mapped
 
 

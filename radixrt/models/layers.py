@@ -420,7 +420,9 @@ class GatedDeltaNet(StatefulMixer):
     S^T k))^T), and read by q; the output is RMS-normed per head (`norm_weight`, eps), times
     SiLU(z), and projected out. Its state per request: the convolution's last inputs and S (kept
     in `--mamba-ssm-dtype`, computed in float32): decode rows a token each, together; a
-    prefill's tokens a chunk at a time (`delta_chunk`)."""
+    prefill's tokens a chunk at a time (`delta_chunk`). The value heads are grouped by the key
+    head they share (value head h reads key head h // (v_heads / k_heads)), or, `tiled`, in
+    llama.cpp's GGUF order (h reads key head h mod k_heads)."""
 
     conv_state: torch.Tensor | None
     state: torch.Tensor | None
@@ -432,9 +434,11 @@ class GatedDeltaNet(StatefulMixer):
         dims: tuple[int, int],
         kernel: int,
         eps: float,
+        tiled: bool = False,
     ):
         super().__init__()
         (self.k_heads, self.v_heads), (self.k_dim, self.v_dim) = heads, dims
+        self.tiled = tiled
         self.key_width, self.value_width = self.k_heads * self.k_dim, self.v_heads * self.v_dim
         self.conv_width = 2 * self.key_width + self.value_width
         self.kernel, self.eps = kernel, eps
@@ -477,7 +481,10 @@ class GatedDeltaNet(StatefulMixer):
         q, k, v = torch.split(mixed.float(), [self.key_width, self.key_width, self.value_width], -1)
         q, k = (y.reshape(t, self.k_heads, self.k_dim) for y in (q, k))
         if self.v_heads != self.k_heads:
-            q, k = (y.repeat_interleave(self.v_heads // self.k_heads, dim=1) for y in (q, k))
+            per = self.v_heads // self.k_heads
+            q, k = (
+                y.repeat(1, per, 1) if self.tiled else y.repeat_interleave(per, 1) for y in (q, k)
+            )
         q = _l2norm(q) * self.k_dim**-0.5
         k = _l2norm(k)
         v = v.reshape(t, self.v_heads, self.v_dim)

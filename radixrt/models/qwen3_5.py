@@ -22,6 +22,9 @@ from radixrt.models.interface import Projection, WeightSource
 from radixrt.models.layers import MAX_TAPS, GatedDeltaNet
 from radixrt.models.qwen import sparse_layers_of
 
+# a config field set on a model read from llama.cpp's GGUF, whose value heads are in its tiled
+# order (`GatedDeltaNet`'s `tiled`)
+TILED_VALUE_HEADS = "linear_value_heads_tiled"
 # the Gated DeltaNet's tensors: ours -> the checkpoint's (under `linear_attn.` in both)
 LINEAR_ATTENTION = {
     "in_proj_qkv.weight": "in_proj_qkv.weight",
@@ -66,6 +69,7 @@ class Qwen3_5ForCausalLM(Decoder):
             (config.linear_key_head_dim, config.linear_value_head_dim),
             config.linear_conv_kernel_dim,
             config.rms_norm_eps,
+            bool(getattr(config, TILED_VALUE_HEADS, False)),
         )
         return "linear_attn", mixer
 

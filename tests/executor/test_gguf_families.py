@@ -7,6 +7,8 @@ family, served read in place: config and tensors from the file, no float copy on
 - Q8_0 files (`--outtype q8_0`) at the defaults: served packed as stored (every family radixrt
   serves, not only llama and qwen2), held to the quality gates against the same file dequantized
   (teacher-forced top-1 agreement and logits' relative error);
+- the hybrid families' files (LFM2's short convolutions, Qwen3.5's Gated DeltaNet), float and
+  Q8_0, against llama.cpp's own server on the same file (teacher-forced greedy tokens);
 - mutated copies of a converted file (header, metadata, tensor table): each is served or
   refused in one line, in bounded time and memory, the whole start path included.
 """
@@ -28,6 +30,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from radixrt.bench.peers import LlamaServerTarget, llama_cpp_tool
 from radixrt.config import ServerArgs
 from radixrt.executor import gguf_file
 from radixrt.executor.model_loader import conversion_folder
@@ -58,17 +61,36 @@ FAMILIES = {
     "gemma3_text": {"head_dim": 32},
     # a short convolution, then attention: its state per request as from a safetensors folder
     "lfm2": {"layer_types": ["conv", "full_attention"], "conv_L_cache": 3},
+    # a Gated DeltaNet (4 value heads over 2 key heads, which the converter tiles), then gated
+    # attention rotating whole heads of 64 (llama.cpp's M-RoPE sections take 32 rotated pairs)
+    "qwen3_5_text": {
+        "layer_types": ["linear_attention", "full_attention"],
+        "head_dim": 64,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 1e4,
+            "partial_rotary_factor": 1.0,
+        },
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "linear_key_head_dim": 32,
+        "linear_value_head_dim": 32,
+    },
 }
-PACKED = ("llama", "qwen3", "gemma3_text", "lfm2")  # their Q8_0 files, served packed
+HYBRIDS = ("lfm2", "qwen3_5_text")  # their files against llama.cpp's own server
+SERVER = llama_cpp_tool("llama-server")
+PACKED = ("llama", "qwen3", "gemma3_text", "lfm2", "qwen3_5_text")  # Q8_0 files served packed
+CONVERTER_FLAGS = {"qwen3_5_text": "--no-mtp"}  # a checkpoint without the MTP head
 PROMPTS = [[1, 504, 3000, 42, 7], [5, 6, 7, 8, 9, 10, 11, 12, 13]]
 GREEDY = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
-# a line's worth of a driver: the converter once per (checkpoint, type), imports paid once
+# a line's worth of a driver: the converter once per (checkpoint, type, flags), imports paid once
 # (the converter's folder on the path for its `conversion` package: PYTHONSAFEPATH leaves it off)
 DRIVER = """
 import runpy, sys
 sys.path.insert(0, ".")
-for folder, outtype, outfile in zip(*[iter(sys.argv[1:])] * 3):
+for folder, outtype, outfile, flags in zip(*[iter(sys.argv[1:])] * 4):
     sys.argv = ["convert_hf_to_gguf.py", folder, "--outtype", outtype, "--outfile", outfile]
+    sys.argv += flags.split()
     try:
         runpy.run_path("convert_hf_to_gguf.py", run_name="__main__")
     except SystemExit as done:
@@ -92,7 +114,7 @@ def files(tmp_path_factory, default_model_dir) -> dict[tuple[str, str], tuple[Pa
             shutil.copy(default_model_dir / name, folder / name)
         for outtype in ("f32", "q8_0") if model_type in PACKED else ("f32",):
             out = root / f"{model_type}.{outtype}.gguf"
-            jobs += [str(folder), outtype, str(out)]
+            jobs += [str(folder), outtype, str(out), CONVERTER_FLAGS.get(model_type, "")]
             made[model_type, outtype] = (folder, out)
     subprocess.run(
         [sys.executable, "-c", DRIVER, *jobs],
@@ -136,6 +158,32 @@ def test_a_converted_q8_0_file_is_served_packed_within_the_gates(files, model_ty
     agreement = (packed.argmax(-1) == dense.argmax(-1)).double().mean().item()
     error = ((packed - dense).norm(dim=-1) / dense.norm(dim=-1)).max().item()
     assert agreement >= 0.9 and error <= 0.1, (agreement, error)
+
+
+@pytest.mark.skipif(SERVER is None, reason="llama.cpp's server: `make test` builds it")
+@pytest.mark.parametrize("outtype", ["f32", "q8_0"])
+@pytest.mark.parametrize("model_type", HYBRIDS)
+def test_a_converted_hybrid_file_predicts_llama_cpps_tokens(files, model_type, outtype):
+    """The same file in llama.cpp's own server: its greedy next token at each of 40 positions
+    of a random text (teacher-forced) against radixrt's, float32 (`--quantization none`) or
+    packed as stored (the defaults): the recurrent layers read as llama.cpp reads them (LFM2's
+    layers by KV heads; Qwen3.5's norms, decays and tiled value heads). Measured: 1.0 for both
+    float files, 0.95 to 0.97 packed (llama.cpp's 8-bit activations differ from radixrt's)."""
+    gguf = files[model_type, outtype][1]
+    random.seed(1)
+    ids = [random.randrange(TINY["vocab_size"]) for _ in range(48)]
+    quantization = "none" if outtype == "f32" else "auto"
+    args = {"model": str(gguf), "attention_backend": "torch", "max_total_tokens": 256}
+    runner = ModelRunner(ServerArgs(**args, quantization=quantization).executor)
+    assert runner.model.recurrent
+    ours = teacher_forced_logits(runner, ids)[7:-1].argmax(-1).tolist()
+    server = LlamaServerTarget(SERVER, gguf, slots=1, context_length=256)
+    try:
+        theirs = [server.next_token(ids[:n]) for n in range(8, len(ids))]
+    finally:
+        server.close()
+    agreement = sum(a == b for a, b in zip(ours, theirs)) / len(theirs)
+    assert agreement >= (0.95 if outtype == "f32" else 0.9), agreement
 
 
 SERVED = {"tried": 0, "served": 0, "refused": 0, "seconds": 0.0}

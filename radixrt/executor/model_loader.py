@@ -915,23 +915,27 @@ class PackingReader:
             read(out)
             return
         weight = _weight(self._model, linear)
-        if out.shape != weight.shape or linear in self.packed:
-            raise ValueError(f"{linear}'s weight must be read whole and once to be packed")
+        # `out` may be the weight viewed with a leading 1 (an expert read from a tensor of
+        # every expert's, one row of its first dimension)
+        if out.numel() != weight.numel() or out.shape[-weight.dim() :] != weight.shape:
+            raise ValueError(f"{linear}'s weight must be read whole to be packed")
+        if linear in self.packed:
+            raise ValueError(f"{linear}'s weight must be read once to be packed")
         quantized = self._quantized(parts)
         if quantized:
             checkpoint = self._packing.checkpoint
             assert checkpoint is not None
             packed = checkpoint.read(self._reader, self._names, quantized)
             inner = packed.weight if isinstance(packed, PermutedGroups) else packed
-            if (inner.out_features, inner.in_features) != tuple(out.shape):
-                raise ValueError(f"{quantized}: packed {tuple(out.shape)} expected (one rank)")
+            if (inner.out_features, inner.in_features) != tuple(weight.shape):
+                raise ValueError(f"{quantized}: packed {tuple(weight.shape)} expected (one rank)")
             self.packed[linear] = packed
             return
         if self._buffer is None:
             self._buffer = torch.empty(self._size, dtype=self._dtype, device=out.device)
-        into = self._buffer[: out.numel()].view(out.shape)
-        read(into)
-        self.packed[linear] = self._packing.pack(linear, into)
+        into = self._buffer[: out.numel()]
+        read(into.view(out.shape))
+        self.packed[linear] = self._packing.pack(linear, into.view(weight.shape))
 
     def _quantized(self, parts: Sequence[tuple[str, int | None, int | None]]) -> list[str]:
         """The checkpoint modules whose quantized weights `parts` read (none for float ones);

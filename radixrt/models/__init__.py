@@ -40,6 +40,12 @@ ARCHITECTURES = (
     Architecture("Qwen3_5MoeForCausalLM", "qwen3_5_moe_text", "qwen3_5", "Qwen3_5MoeForCausalLM"),
     Architecture("Qwen3NextForCausalLM", "qwen3_next", "qwen3_5", "Qwen3NextForCausalLM"),
     Architecture("BambaForCausalLM", "bamba", "bamba", "BambaForCausalLM"),
+    Architecture(
+        "GraniteMoeHybridForCausalLM",
+        "granitemoehybrid",
+        "granitemoehybrid",
+        "GraniteMoeHybridForCausalLM",
+    ),
 )
 
 

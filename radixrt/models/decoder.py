@@ -143,7 +143,11 @@ class Decoder(CausalLM):
         self.rope = nn.ModuleDict(
             {
                 kind: RotaryEmbedding(
-                    config, head_dim, max_positions, kind if rope_per_layer_type(config) else None
+                    config,
+                    head_dim,
+                    max_positions,
+                    kind if rope_per_layer_type(config) else None,
+                    family.rotary,
                 )
                 for kind in sorted(set(self.rope_of_layer))
             }
@@ -236,9 +240,12 @@ class Decoder(CausalLM):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits of this rank's vocabulary slice (soft-capped where the family caps them)."""
-        cap = self.family.final_logit_softcap
+        """Logits of this rank's vocabulary slice (divided, then soft-capped, where the family
+        says)."""
+        cap, divisor = self.family.final_logit_softcap, self.family.logits_divisor
         logits: torch.Tensor = self.lm_head(hidden)
+        if divisor != 1.0:
+            logits = logits / divisor
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
         return logits.float()
@@ -314,7 +321,7 @@ class Decoder(CausalLM):
             (s.kv_start * hd, s.kv_end * hd),
             (s.kv_start * hd, s.kv_end * hd),
         ]
-        if self.family.fused_checkpoint:  # rows of [q; k; v] in one tensor
+        if "qkv_proj" in self.family.fused_checkpoint:  # rows of [q; k; v] in one tensor
             offsets = (0, heads * hd, (heads + kv_heads) * hd)
             name = hf + f"self_attn.qkv_proj.{kind}"
             return [(name, o + a, o + b) for o, (a, b) in zip(offsets, spans)]
@@ -324,7 +331,7 @@ class Decoder(CausalLM):
     def _gate_up(self, prefix: str) -> list[tuple[str, int, int]]:
         """This rank's rows of the dense MLP's gate, then of its up projection."""
         start, end = self.mlp_range
-        if self.family.fused_checkpoint:  # rows of [gate; up] in one tensor
+        if "gate_up_proj" in self.family.fused_checkpoint:  # rows of [gate; up] in one tensor
             width = self.intermediate_size
             name = prefix + "gate_up_proj.weight"
             return [(name, start, end), (name, width + start, width + end)]

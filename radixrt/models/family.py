@@ -22,9 +22,14 @@ class MoeSpec:
     softmax weights renormalised to sum to 1 when `renormalize` (Mixtral always, Qwen3-MoE by
     `norm_topk_prob`). `prefix` and `names` (gate, up, down) say where the checkpoint keeps
     expert e: `{layer}.{prefix}.experts.{e}.{name}.weight`, its router `{layer}.{prefix}.gate`.
+    (Granite 4's checkpoint stacks every expert's tensors in one; its class reads them.)
     `shared_intermediate_size`: the width of a shared expert every token runs besides its
     routed ones, its output scaled by sigmoid(`shared_expert_gate`(x)) (Qwen3-Next, Qwen3.5-MoE:
-    `{layer}.{prefix}.shared_expert.{name}.weight`); 0: none."""
+    `{layer}.{prefix}.shared_expert.{name}.weight`), or added as it is where not `shared_gate`
+    (Granite 4's shared MLP); 0: none. `top_k_first`: the k largest router logits are picked
+    first and softmaxed among themselves (Granite 4): the renormalised weights, but summed as
+    transformers sums that family's, and picked from the logits, not from their rounded
+    probabilities."""
 
     num_experts: int
     top_k: int
@@ -34,6 +39,8 @@ class MoeSpec:
     names: tuple[str, str, str]
     sparse_layers: frozenset[int]
     shared_intermediate_size: int = 0
+    shared_gate: bool = True
+    top_k_first: bool = False
 
 
 @dataclass(frozen=True)
@@ -42,8 +49,9 @@ class Family:
 
     qkv_bias: q, k and v projections have biases (Qwen2, or `attention_bias`).
     qk_norm: an RMSNorm over each head's q and k before rotary (Qwen3, Qwen3-MoE).
-    fused_checkpoint: the checkpoint keeps `qkv_proj` and `gate_up_proj` fused (Phi-3/4);
-        they are split by rows at load, so a tensor-parallel rank still reads only its part.
+    fused_checkpoint: which of `qkv_proj` and `gate_up_proj` the checkpoint keeps fused (both:
+        Phi-3/4; `gate_up_proj`: Granite 4's shared MLP); they are split by rows at load, so a
+        tensor-parallel rank still reads only its part.
     moe: the sparse MLP on the layers it names, the dense MLP elsewhere; None when dense.
     norm_offset: added to every stored RMSNorm weight at load: Gemma's norms scale by (1 + w).
     embed_scale: the embeddings' factor (Gemma's sqrt(hidden_size)).
@@ -64,11 +72,17 @@ class Family:
         (Gemma 2); None: unchanged.
     attn_output_gate: q_proj holds each head's query then as many gate rows; the attention's
         output is multiplied by sigmoid(gate) before o_proj (Qwen3.5, Qwen3-Next).
+    rotary: the attention rotates q and k by position; False: no positions at all, the tables
+        rotating none of each head's dims (Granite 4's `position_embedding_type` "nope").
+    residual_scale: the mixer's and the MLP's outputs are multiplied by it before each joins
+        the residual stream (Granite 4's `residual_multiplier`); not with sandwich norms.
+    logits_divisor: the logits are divided by it (Granite 4's `logits_scaling`), before any
+        soft-cap.
     """
 
     qkv_bias: bool
     qk_norm: bool
-    fused_checkpoint: bool
+    fused_checkpoint: frozenset[str]
     moe: MoeSpec | None
     norm_offset: float = 0.0
     embed_scale: float = 1.0
@@ -81,6 +95,9 @@ class Family:
     windows: tuple[int | None, ...] = ()
     attn_logit_softcap: float | None = None
     attn_output_gate: bool = False
+    rotary: bool = True
+    residual_scale: float = 1.0
+    logits_divisor: float = 1.0
 
 
 ACTIVATIONS = {"silu", "gelu_pytorch_tanh"}
@@ -99,7 +116,7 @@ def decoder_family(
     *,
     qkv_bias: bool = False,
     qk_norm: bool = False,
-    fused_checkpoint: bool = False,
+    fused_checkpoint: frozenset[str] = frozenset(),
     moe: MoeSpec | None = None,
     windows_by_layer_type: bool = False,
     **parts: Any,

@@ -47,8 +47,10 @@ class RotaryEmbedding(nn.Module):
     the first `partial_rotary_factor` of each head (Phi-4's 0.75; the rest passes through).
     longrope's table is its short factors: exact while the context stays within
     `original_max_position_embeddings` (support.py caps it there). With `layer_type`, the
-    table of that type's own parameters (Gemma 3's local and global theta). The tables are
-    float32 on the CPU when built (moved with the model, never cast) and cast per use."""
+    table of that type's own parameters (Gemma 3's local and global theta). Without `rotary`
+    (a model without positions: Granite 4's "nope"), tables over none of each head's dims, which
+    `apply_rotary` passes whole. The tables are float32 on the CPU when built (moved with the
+    model, never cast) and cast per use."""
 
     cos: torch.Tensor  # [max_positions, rotated dims], a buffer
     sin: torch.Tensor
@@ -59,6 +61,7 @@ class RotaryEmbedding(nn.Module):
         head_dim: int,
         max_positions: int,
         layer_type: str | None = None,
+        rotary: bool = True,
     ):
         super().__init__()
         # computed, never loaded: real tables even while the model is built on the meta device
@@ -70,7 +73,9 @@ class RotaryEmbedding(nn.Module):
             if layer_type is not None:
                 rope = rope[layer_type]
             rope_type = rope.get("rope_type", "default")
-            if rope_type == "default":
+            if not rotary:
+                inv_freq, scaling = torch.empty(0), 1.0
+            elif rope_type == "default":
                 factor = rope.get(
                     "partial_rotary_factor", getattr(config, "partial_rotary_factor", 1)
                 )
@@ -273,7 +278,8 @@ class DecoderLayer(nn.Module):
     which name its checkpoint and the model keep it), norm, and the dense MLP (`mlp` wide on
     this rank) or, on the family's sparse layers, the experts (`expert_mlp` wide each); with
     sandwich norms (Gemma) the mixer's and the MLP's outputs are normed too before they join the
-    stream. A mixer is called as attention is: (x, batch, cos_sin, attn)."""
+    stream, else scaled by the family's `residual_scale` (Granite 4). A mixer is called as
+    attention is: (x, batch, cos_sin, attn)."""
 
     def __init__(
         self,
@@ -295,6 +301,7 @@ class DecoderLayer(nn.Module):
         if self.sandwich:
             self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, family.norm_eps)
             self.post_feedforward_layernorm = RMSNorm(config.hidden_size, family.norm_eps)
+        self.residual_scale = family.residual_scale
         moe = family.moe
         self.mlp = (
             SparseMoE(config.hidden_size, moe, expert_mlp, tp, family.activation, expert_ids)
@@ -319,8 +326,13 @@ class DecoderLayer(nn.Module):
                 self.post_attention_layernorm(h)[0], residual
             )
             return self.post_feedforward_layernorm(self.mlp(h))[0], residual
+        if self.residual_scale != 1.0:
+            h = h * self.residual_scale
         h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
+        out: torch.Tensor = self.mlp(h)
+        if self.residual_scale != 1.0:
+            out = out * self.residual_scale
+        return out, residual
 
 
 class StatefulMixer(nn.Module):

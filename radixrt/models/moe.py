@@ -1,10 +1,11 @@
-"""The sparse mixture-of-experts MLP (Mixtral, Qwen3-MoE): top-k routing, then each expert run
-once over the tokens routed to it.
+"""The sparse mixture-of-experts MLP (Mixtral, Qwen3-MoE, Granite 4): top-k routing, then each
+expert run once over the tokens routed to it.
 
 Routing is transformers' arithmetic: softmax of the router logits in float32, the top k, and
-(where the family renormalises) those k divided by their sum. Experts are grouped, not looped
-per token: the (token, expert) pairs are sorted by expert, so each expert is two matmuls over
-its own rows, and each token's outputs are summed in expert order, as transformers sums them.
+(where the family renormalises) those k divided by their sum; or, for Granite 4, the top k
+logits and the softmax of those k. Experts are grouped, not looped per token: the (token,
+expert) pairs are sorted by expert, so each expert is two matmuls over its own rows, and each
+token's outputs are summed in expert order, as transformers sums them.
 Experts are `GatedMLP`s, as the dense MLP, so the CPU's oneDNN prepacking and
 `--quantization int8` replace their linears too. On the GPU the experts run as two fused Triton
 launches instead (`kernels/fused_moe.py`), over their weights stacked once by expert. Under
@@ -12,8 +13,9 @@ launches instead (`kernels/fused_moe.py`), over their weights stacked once by ex
 MLP); with `--ep-size N` too, each rank holds a share of the experts whole and runs only the
 pairs routed to them. Either way every rank sees every token (the attention's all-reduce left
 the stream whole on each) and routes it, and one all-reduce sums the ranks' parts. A shared
-expert (Qwen3-Next, Qwen3.5-MoE) is whole on every rank and added after that all-reduce. (SGLang's
-first EP layout: no all-to-all dispatch, which pays only when tokens are spread over ranks.)
+expert (Qwen3-Next, Qwen3.5-MoE; Granite 4's shared MLP, ungated) is whole on every rank and
+added after that all-reduce. (SGLang's first EP layout: no all-to-all dispatch, which pays only
+when tokens are spread over ranks.)
 The CPU's grouping reads the per-expert counts on the host; the fused path reads nothing back
 but has not yet run under CUDA-graph capture, so a decode step of an MoE model is not captured
 (the model says so with `graph_safe`).
@@ -43,8 +45,14 @@ class Routing:
     weights: torch.Tensor
 
 
-def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> Routing:
-    """Top-k of the softmax of router `logits` [T, E], renormalised to sum to 1 if asked."""
+def route(
+    logits: torch.Tensor, top_k: int, renormalize: bool, top_k_first: bool = False
+) -> Routing:
+    """Top-k of the softmax of router `logits` [T, E], renormalised to sum to 1 if asked; or,
+    `top_k_first` (`MoeSpec`), the softmax of the top-k logits."""
+    if top_k_first:
+        top, experts = torch.topk(logits.float(), top_k, dim=-1)
+        return Routing(experts, torch.softmax(top, dim=-1))
     probs = torch.softmax(logits.float(), dim=-1)
     weights, experts = torch.topk(probs, top_k, dim=-1)
     if renormalize:
@@ -114,7 +122,7 @@ def grouped_experts(
 class SparseMoE(nn.Module):
     """The whole router, and this rank's experts (`expert_ids`, first to last, default all),
     each `intermediate` wide (its slice under TP, whole under EP); the shared expert and its
-    gate, whole, where the spec has one."""
+    gate (where `shared_gate`), whole, where the spec has one."""
 
     def __init__(
         self,
@@ -139,17 +147,21 @@ class SparseMoE(nn.Module):
         self.shared_expert_gate: nn.Linear | None = None
         if spec.shared_intermediate_size:
             self.shared_expert = GatedMLP(hidden, spec.shared_intermediate_size, activation)
-            self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
+            if spec.shared_gate:
+                self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        routing = route(self.gate(x), self.spec.top_k, self.spec.renormalize)
+        spec = self.spec
+        routing = route(self.gate(x), spec.top_k, spec.renormalize, spec.top_k_first)
         if x.is_cuda:
             out = self.tp.all_reduce(self.fused(x, routing))
         else:
             out = self.tp.all_reduce(grouped_experts(x, routing, self.experts, self.first))
-        if self.shared_expert is None or self.shared_expert_gate is None:
+        if self.shared_expert is None:
             return out
-        shared: torch.Tensor = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        shared: torch.Tensor = self.shared_expert(x)
+        if self.shared_expert_gate is not None:
+            shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
         return out + shared
 
     def fused(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:

@@ -13,4 +13,4 @@ from radixrt.models.family import Family, decoder_family
 class Phi3ForCausalLM(Decoder):
     @classmethod
     def family_of(cls, config: PretrainedConfig) -> Family:
-        return decoder_family(config, fused_checkpoint=True)
+        return decoder_family(config, fused_checkpoint=frozenset({"qkv_proj", "gate_up_proj"}))

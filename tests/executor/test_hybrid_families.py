@@ -72,6 +72,23 @@ BAMBA = dict(
     max_position_embeddings=512,
     pad_token_id=0,
 )
+# Granite 4: Bamba's Mamba-2 shape and its own scalars; dense (its shared MLP alone) without
+# positions in attention (the -h models' "nope"), or with four experts (two per token) beside
+# the shared MLP and rotary attention
+GRANITE4 = dict(
+    {k: v for k, v in BAMBA.items() if k != "attn_layer_indices"},
+    layer_types=["mamba", "attention", "mamba", "mamba"],
+    shared_intermediate_size=96,
+    num_local_experts=0,
+    position_embedding_type="nope",
+    embedding_multiplier=3.0,
+    residual_multiplier=0.5,
+    attention_multiplier=0.2,
+    logits_scaling=2.5,
+)
+GRANITE4_EXPERTS = dict(
+    num_local_experts=4, num_experts_per_tok=2, intermediate_size=32, position_embedding_type="rope"
+)
 FAMILIES = {"lfm2": ("lfm2", LFM2), "qwen3_5": ("qwen3_5_text", QWEN3_5)}
 # families checked for exactness (cold, warm, chunked, preempted, an agent loop) only: the rest
 # of this module's tests exercise the state slots, which they share with the two above
@@ -79,6 +96,8 @@ MORE: dict[str, tuple[str, dict]] = {
     "qwen3_5_moe": ("qwen3_5_moe_text", dict(QWEN3_5, **EXPERTS)),
     "qwen3_next": ("qwen3_next", dict(QWEN3_5, **EXPERTS, mlp_only_layers=[1])),
     "bamba": ("bamba", BAMBA),
+    "granite4": ("granitemoehybrid", GRANITE4),
+    "granite4_moe": ("granitemoehybrid", dict(GRANITE4, **GRANITE4_EXPERTS)),
 }
 
 

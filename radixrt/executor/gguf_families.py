@@ -12,7 +12,11 @@ for an older layout), the config fields it derives and the tensors' changes undo
   norms' 1 + w), A as -exp(A_log), the convolution as [channels, taps]; and the value heads in
   llama.cpp's tiled order (value head h reads key head h mod key heads), which the model is told
   to read as such (`qwen3_5.TILED_VALUE_HEADS`) rather than reordering every value projection,
-  so the quantized linears are served packed as stored.
+  so the quantized linears are served packed as stored. `qwen35moe` as `qwen35`, with experts.
+- mixtures of experts (`qwen3moe`, `qwen35moe`): their expert counts and widths under
+  `expert_*` (transformers' table names Qwen3-MoE's experts' width not at all), and each
+  layer's experts as one tensor per projection, read one expert at a time (`expert_tensors`)
+  under the names a transformers checkpoint gives each expert's matrix.
 """
 
 from __future__ import annotations
@@ -22,32 +26,43 @@ from typing import Any
 
 import numpy as np
 
+from radixrt.executor.gguf_file import GGUFFile, TensorInfo, experts
 from radixrt.models.qwen3_5 import TILED_VALUE_HEADS
 
-# llama.cpp's architecture -> transformers' model type, where radixrt reads the metadata itself
-MODEL_TYPES = {"qwen35": "qwen3_5_text"}
-# its metadata keys (after `{architecture}.`) -> config fields; a field starting with "_" is
-# derived from (`derived_fields`), then dropped
+# llama.cpp's architecture -> transformers' model type, where transformers knows none
+MODEL_TYPES = {"qwen35": "qwen3_5_text", "qwen35moe": "qwen3_5_moe_text"}
+# metadata keys (after `{architecture}.`) -> config fields, added to transformers' table of
+# the model type (or in its place where it has none); a field starting with "_" is derived from
+# (`derived_fields`), then dropped
+EXPERT_KEYS = {
+    "expert_count": "num_experts",
+    "expert_used_count": "num_experts_per_tok",
+    "expert_feed_forward_length": "moe_intermediate_size",
+    "expert_shared_feed_forward_length": "shared_expert_intermediate_size",
+}
+QWEN35_KEYS = {
+    "context_length": "max_position_embeddings",
+    "block_count": "num_hidden_layers",
+    "feed_forward_length": "intermediate_size",
+    "embedding_length": "hidden_size",
+    "attention.head_count": "num_attention_heads",
+    "attention.head_count_kv": "num_key_value_heads",
+    "attention.key_length": "head_dim",
+    "attention.layer_norm_rms_epsilon": "rms_norm_eps",
+    "attention.recurrent_layers": "_recurrent",
+    "rope.freq_base": "_rope_theta",
+    "rope.dimension_count": "_rotated",
+    "ssm.conv_kernel": "linear_conv_kernel_dim",
+    "ssm.state_size": "linear_key_head_dim",
+    "ssm.group_count": "linear_num_key_heads",
+    "ssm.time_step_rank": "linear_num_value_heads",
+    "ssm.inner_size": "_value_width",
+    "vocab_size": "vocab_size",
+}
 CONFIG_KEYS = {
-    "qwen3_5_text": {
-        "context_length": "max_position_embeddings",
-        "block_count": "num_hidden_layers",
-        "feed_forward_length": "intermediate_size",
-        "embedding_length": "hidden_size",
-        "attention.head_count": "num_attention_heads",
-        "attention.head_count_kv": "num_key_value_heads",
-        "attention.key_length": "head_dim",
-        "attention.layer_norm_rms_epsilon": "rms_norm_eps",
-        "attention.recurrent_layers": "_recurrent",
-        "rope.freq_base": "_rope_theta",
-        "rope.dimension_count": "_rotated",
-        "ssm.conv_kernel": "linear_conv_kernel_dim",
-        "ssm.state_size": "linear_key_head_dim",
-        "ssm.group_count": "linear_num_key_heads",
-        "ssm.time_step_rank": "linear_num_value_heads",
-        "ssm.inner_size": "_value_width",
-        "vocab_size": "vocab_size",
-    }
+    "qwen3_moe": EXPERT_KEYS,
+    "qwen3_5_text": QWEN35_KEYS,
+    "qwen3_5_moe_text": {**QWEN35_KEYS, **EXPERT_KEYS},
 }
 
 
@@ -61,7 +76,7 @@ def derived_fields(model_type: str, values: dict[str, Any]) -> None:
         values["num_key_value_heads"] = max(heads)
         values["layer_types"] = ["full_attention" if h else "conv" for h in heads]
         values["block_auto_adjust_ff_dim"] = False
-    elif model_type == "qwen3_5_text":
+    elif model_type in ("qwen3_5_text", "qwen3_5_moe_text"):
         _qwen35(values)
 
 
@@ -115,7 +130,29 @@ class Qwen35Tensors:
         return Processed(weights)
 
 
-PROCESSORS = {"qwen35": Qwen35Tensors}
+PROCESSORS = {"qwen35": Qwen35Tensors, "qwen35moe": Qwen35Tensors}
+# llama.cpp's tensors of every expert of a layer -> the projection each expert's slice is in
+# transformers' checkpoints (`{layer}.mlp.experts.{e}.{projection}.weight`) and in radixrt's
+# model (fused: gate and up rows in `gate_up_proj`)
+EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+
+
+def expert_tensors(file: GGUFFile) -> dict[str, TensorInfo]:
+    """Each expert's matrix in `file` (`gguf_file.experts`) by its name in a transformers
+    checkpoint, `model.layers.{i}.mlp.experts.{e}.{projection}.weight`: the names the
+    decoder reads experts by (`Decoder._load_experts`)."""
+    found = {}
+    for tensor in file.tensors.values():
+        block, _, rest = tensor.name.partition(".")
+        layer, _, kind = rest.partition(".")
+        projection = EXPERTS.get(kind.removesuffix(".weight"))
+        if block != "blk" or projection is None or not kind.endswith(".weight"):
+            continue
+        for e, part in enumerate(experts(tensor)):
+            found[f"model.layers.{layer}.mlp.experts.{e}.{projection}.weight"] = part
+    return found
+
+
 # transformers' parameter names (after the layer's module) that the converter renamed before
 # gguf's table maps them: ours -> the name the table knows, and the kind it is stored under
 RENAMED_PARAMETERS = {"dt_bias": ("dt_proj", "bias")}

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import mmap
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -154,6 +154,32 @@ class TensorInfo:
     offset: int
     n_bytes: int
     path: Path
+
+
+def experts(tensor: TensorInfo) -> list[TensorInfo]:
+    """A tensor of every expert's matrix (llama.cpp's `ffn_*_exps`: [K, N, E] in GGUF's order)
+    as E tensors [K, N] (named by `expert_name`): blocks run along K, so each expert's
+    rows are one run of the file's bytes and read, dequantize and pack as a matrix of its own.
+    GGUFError for a tensor that is not 3-D or whose bytes do not split evenly."""
+    if len(tensor.shape) != 3 or tensor.shape[2] < 1 or tensor.n_bytes % tensor.shape[2]:
+        raise GGUFError(f"tensor {tensor.name!r}: {tensor.shape} is not one matrix per expert")
+    k, n, count = tensor.shape
+    size = tensor.n_bytes // count
+    return [
+        replace(
+            tensor,
+            name=expert_name(tensor.name, e),
+            shape=(k, n),
+            offset=tensor.offset + e * size,
+            n_bytes=size,
+        )
+        for e in range(count)
+    ]
+
+
+def expert_name(name: str, expert: int) -> str:
+    """The name `experts` gives expert `expert`'s matrix of tensor `name`."""
+    return f"{name}[{expert}]"
 
 
 @dataclass(frozen=True)

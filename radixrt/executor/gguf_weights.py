@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from radixrt.executor import gguf_file
+from radixrt.executor import gguf_families, gguf_file
 from radixrt.executor.gguf_file import GGUFFile, TensorInfo
 from radixrt.executor.model_loader import SafetensorsWriter, read_into
 from radixrt.kernels import int4_gemm
@@ -87,7 +87,17 @@ IQ4_XS_BYTES = 136  # float16 d, 16 bits of scales' top bits, 4 bytes of their l
 # a 49152-row Q6_K output projection converted whole peaked 2.8 GB over its 84 MB of groups
 CONVERT_BYTES = 2 << 20
 # the GGUF architectures whose tensor names and row orders `plan` knows
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "lfm2", "qwen35")
+ARCHITECTURES = (
+    "llama",
+    "qwen2",
+    "qwen3",
+    "qwen3moe",
+    "gemma2",
+    "gemma3",
+    "lfm2",
+    "qwen35",
+    "qwen35moe",
+)
 # a stateful mixer's linears: ours (under the layer) -> the file's (under `blk.N.`)
 MIXER_LINEARS = {
     "conv.in_proj": "shortconv.in_proj.weight",  # LFM2
@@ -98,6 +108,11 @@ MIXER_LINEARS = {
     "linear_attn.in_proj_b": "ssm_beta.weight",
     "linear_attn.in_proj_a": "ssm_alpha.weight",
     "linear_attn.out_proj": "ssm_out.weight",
+}
+# a shared expert's linears (Qwen3.5-MoE's): ours (under the layer) -> the file's parts
+SHARED_EXPERT = {
+    "mlp.shared_expert.gate_up_proj": ("ffn_gate_shexp.weight", "ffn_up_shexp.weight"),
+    "mlp.shared_expert.down_proj": ("ffn_down_shexp.weight",),
 }
 # `read_linears`' packed copy, beside the file's config: safetensors under a name that the
 # loader's *.safetensors glob (a folder's own float weights) never takes (`packed_cache` adds
@@ -121,6 +136,7 @@ class GGUFPlan:
 
     header: GGUFFile
     linears: dict[str, list[Part]]
+    tensors: dict[str, TensorInfo]  # the file's, and each expert's matrix (`gguf_file.experts`)
 
     def meta_weights(self, tied: bool) -> frozenset[str]:
         """Parameters never to fill as float: the packed linears' and the embedding's weights
@@ -140,7 +156,9 @@ def plan(path: Path, config: PretrainedConfig) -> GGUFPlan:
         raise ValueError(
             f"packed GGUF weights need a {' or '.join(ARCHITECTURES)} GGUF, not {arch}"
         )
-    types = {t.name: t.kind.name for t in header.tensors.values()}
+    experts = gguf_families.expert_tensors(header).values()
+    tensors = {**header.tensors, **{t.name: t for t in experts}}
+    types = {name: t.kind.name for name, t in tensors.items()}
     rope = arch == "llama"  # the converter permutes q and k rows of Llama only
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     wanted: dict[str, list[Part]] = {}
@@ -156,6 +174,14 @@ def plan(path: Path, config: PretrainedConfig) -> GGUFPlan:
         for ours, theirs in MIXER_LINEARS.items():
             if b + theirs in types:
                 wanted[me + ours] = [Part(b + theirs)]
+        for ours, names in SHARED_EXPERT.items():
+            wanted[me + ours] = [Part(b + name) for name in names]
+        e = 0  # each expert's matrices, sliced from the tensors of every expert's
+        while (gate := gguf_file.expert_name(f"{b}ffn_gate_exps.weight", e)) in types:
+            up, down = (gguf_file.expert_name(f"{b}ffn_{p}_exps.weight", e) for p in ("up", "down"))
+            wanted[f"{me}mlp.experts.{e}.gate_up_proj"] = [Part(gate), Part(up)]
+            wanted[f"{me}mlp.experts.{e}.down_proj"] = [Part(down)]
+            e += 1
         wanted[me + "mlp.gate_up_proj"] = [Part(b + "ffn_gate.weight"), Part(b + "ffn_up.weight")]
         wanted[me + "mlp.down_proj"] = [Part(b + "ffn_down.weight")]
     wanted["lm_head"] = [Part("output.weight" if "output.weight" in types else "token_embd.weight")]
@@ -164,7 +190,7 @@ def plan(path: Path, config: PretrainedConfig) -> GGUFPlan:
     linears = {
         m: parts for m, parts in wanted.items() if _packable([types.get(p.name) for p in parts])
     }
-    return GGUFPlan(header, linears)
+    return GGUFPlan(header, linears, tensors)
 
 
 def packed_cache(folder: Path) -> Path:
@@ -188,7 +214,7 @@ def read_linears(plan: GGUFPlan, cache: Path | None = None) -> dict[str, PackedG
         cached = _read_cache(cache)
         if cached.keys() == plan.linears.keys():
             return cached
-    tensors = plan.header.tensors
+    tensors = plan.tensors
     packed = {
         module: _stack([tensors[p.name] for p in parts], parts)
         for module, parts in plan.linears.items()

@@ -278,10 +278,18 @@ def read_config(folder: Path) -> PretrainedConfig:
 
         return AutoConfig.from_pretrained(folder)  # type: ignore[no-any-return]
     values = json.loads((folder / "config.json").read_text())
+    for alias, stored in CONFIG_ALIASES.items():
+        if stored in values and alias not in values:
+            values[alias] = values[stored]
     family: type[PretrainedConfig] = type(
         "GGUFConfig", (PretrainedConfig,), {"model_type": values.get("model_type", "")}
     )
     return family.from_dict(values)
+
+
+# the names families read a field by where a transformers config class aliases it to the name
+# it stores (its `attribute_map`: Qwen3-MoE's experts), which a plain config lacks
+CONFIG_ALIASES = {"num_experts": "num_local_experts"}
 
 
 def read_tokenizer(folder: Path) -> PreTrainedTokenizerBase:
@@ -311,11 +319,10 @@ def gguf_config(file: gguf_file.GGUFFile) -> PretrainedConfig:
     from transformers import CONFIG_MAPPING
     from transformers.integrations.ggml import GGUF_CONFIG_DEFAULTS_MAPPING, GGUF_CONFIG_MAPPING
 
-    # typed as objects; the families radixrt reads itself added
-    mapping = {
-        **cast("dict[str, dict[str, Any]]", GGUF_CONFIG_MAPPING),
-        **gguf_families.CONFIG_KEYS,
-    }
+    # typed as objects; radixrt's own keys added (`gguf_families`)
+    mapping = dict(cast("dict[str, dict[str, Any]]", GGUF_CONFIG_MAPPING))
+    for family, keys in gguf_families.CONFIG_KEYS.items():
+        mapping[family] = {**mapping.get(family, {}), **keys}
     arch = file.architecture
     name = file.metadata.get("general.name")
     model_type = {**RENAMED_ARCHITECTURES, **gguf_families.MODEL_TYPES}.get(arch, arch)
@@ -637,9 +644,8 @@ class GGUFWeightReader(WeightReader):
     per-architecture processor (a Llama's q and k rows un-permuted, Gemma's norms less one)
     when it is first read, and held until another one is: a load holds the model in its own
     dtype and one tensor in float32 (the largest, the embedding or output projection), and
-    nothing is written to disk. Mixture-of-experts files, whose one tensor holds every
-    expert's, are refused by name (transformers' processors gather them into a whole model).
-    Which parameters transformers' model has, and their shapes, come from a skeleton of it on
+    nothing is written to disk. A mixture of experts' tensor of every expert's matrix is read
+    one expert at a time, under the checkpoint's per-expert names (`gguf_families`). Which parameters transformers' model has, and their shapes, come from a skeleton of it on
     the meta device, built once and kept in `folder` (the file's content-keyed folder,
     `SKELETON_FILE`): importing transformers' modeling code for it is 1.4 s of a start."""
 
@@ -647,8 +653,6 @@ class GGUFWeightReader(WeightReader):
         from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
         file = gguf_file.read(gguf)
-        if file.architecture in GATHERED_ARCHITECTURES:
-            raise ValueError(f"{gguf.name}: {file.architecture} GGUF files are not read in place")
         # transformers' or radixrt's (`gguf_families`); transformers leaves its unannotated
         processor_class: Any = gguf_families.PROCESSORS.get(
             file.architecture, TENSOR_PROCESSORS.get(file.architecture, TensorProcessor)
@@ -664,6 +668,15 @@ class GGUFWeightReader(WeightReader):
             if name is not None and name in shapes and name not in self._where:
                 self._sources[name] = tensor
                 self._where[name] = _Stored(None, 0, torch.float32, shapes[name])
+        # each expert's matrix under its checkpoint name, in place of transformers' tensors of
+        # every expert (which the decoder never reads)
+        self._experts = gguf_families.expert_tensors(file)
+        for name, tensor in self._experts.items():
+            self._sources[name] = tensor
+            self._where[name] = _Stored(None, 0, torch.float32, tuple(reversed(tensor.shape)))
+            layer_experts = name.rsplit(".", 3)[0]  # model.layers.{i}.mlp.experts
+            shapes.pop(f"{layer_experts}.gate_up_proj", None)
+            shapes.pop(f"{layer_experts}.down_proj", None)
         missing = sorted(set(shapes) - set(self._where))
         if missing:
             raise ValueError(f"{gguf.name}: no tensor for {missing[:4]} (transformers' names)")
@@ -689,10 +702,14 @@ class GGUFWeightReader(WeightReader):
         data = raw.numpy().reshape(rows, -1)
         kind = gguf.GGMLQuantizationType(tensor.kind.id)
         weights = gguf.quants.dequantize(data, kind).reshape(tuple(reversed(tensor.shape)))
-        result = self._processor.process(
-            weights=weights, name=tensor.name, tensor_key_mapping=self._names, parsed_parameters={}
-        )
-        out = torch.from_numpy(np.ascontiguousarray(result.weights, dtype=np.float32))
+        if name not in self._experts:  # an expert's matrix is stored as transformers has it
+            weights = self._processor.process(
+                weights=weights,
+                name=tensor.name,
+                tensor_key_mapping=self._names,
+                parsed_parameters={},
+            ).weights
+        out = torch.from_numpy(np.ascontiguousarray(weights, dtype=np.float32))
         if tuple(out.shape) != shape:
             raise ValueError(f"{tensor.name}: {tuple(out.shape)} read, {name} is {shape}")
         return out
@@ -751,10 +768,6 @@ def _gguf_names(arch: str, layers: int, names: Iterable[str]) -> dict[str, str]:
         elif (whole := table.get_name(name)) is not None:  # a bare parameter (Qwen3.5's A_log)
             mapped[whole] = name
     return mapped
-
-
-# GGUF architectures whose experts transformers' processors gather across tensors
-GATHERED_ARCHITECTURES = frozenset({"qwen2moe", "qwen3moe", "gpt-oss", "minimax-m2"})
 
 
 def open_weights(folder: Path, config: PretrainedConfig) -> WeightReader:

@@ -228,7 +228,7 @@ class StepPlanner:
                     self.kv.unlock(device.node)
                     break
                 n = extend  # an unchunked prompt over the budget runs alone
-            req.snapshot_at = self.kv.snapshot_point(req, m, match.unresumable)
+            req.snapshot_at = self.kv.snapshot_point(req, m, device.unresumable)
             if req.snapshot_at:  # a recurrent model: a chunk ends where its state is kept
                 n = min(n, req.snapshot_at - m)
             future = self.budget.expected(extend - n, req.remaining_new_tokens())

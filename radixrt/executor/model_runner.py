@@ -449,10 +449,10 @@ class ModelRunner:
         args, model = self.args, self.model
         if not model.recurrent:
             return None
-        if args.enable_hierarchical_cache:
+        if args.hicache_storage_dir is not None:
             raise ValueError(
-                f"--enable-hierarchical-cache: {type(model).__name__} carries a state per "
-                "request besides its KV, which the host tier does not hold"
+                f"--hicache-storage-dir: {type(model).__name__} carries a state per request "
+                "besides its KV, which the disk tier does not hold"
             )
         ssm_dtype = getattr(torch, args.mamba_ssm_dtype)
         per_slot = model.allocate_states(1, ssm_dtype)

@@ -200,7 +200,7 @@ class RadixCache:
     ):
         self.page_size = page_size
         self.free_slots = free_slots
-        self.drop_state = drop_state  # a node's state snapshot goes with its device KV
+        self.drop_state = drop_state  # a node's state snapshot goes with its KV
         self.disable = disable
         self.host = host
         self.write_policy = write_policy
@@ -409,7 +409,9 @@ class RadixCache:
         self._stored(node, MEDIUM_DEVICE)
 
     def _drop_device(self, node: TreeNode) -> None:
-        if node.state is not None and self.drop_state is not None:
+        """The node's device KV freed; its state snapshot stays while the host holds its KV
+        (a request resuming there loads that back), else goes with it."""
+        if node.state is not None and self.drop_state is not None and not node.on_host:
             self.drop_state(node)
         self.free_slots(node.device_slots())
         self.evicted_tokens += len(node.device_slots())
@@ -424,6 +426,8 @@ class RadixCache:
         """Take a node with no device copy out of the tree, its (host-only) subtree with it."""
         for child in list(node.children.values()):
             self._remove(child)
+        if node.state is not None and self.drop_state is not None:
+            self.drop_state(node)
         if node.host_value is not None:
             self._host().free(node.host_value)
             if self.events is not None:

@@ -32,8 +32,12 @@ copied into a snapshot there: the point where later requests branch off. A promp
 stops for a snapshot every SNAPSHOT_INTERVAL tokens, so a request that branches off a prefix
 another is still computing (or computed in one chunk) resumes near the branch point. A request
 that ends (or is retracted) gives its slot to the node ending at its computed tokens when that
-node holds none. Snapshots go with their node's device KV, and the least recently used unlocked
-one is dropped when a request needs a slot and none is free.
+node holds none. Snapshots stay with their node while the device or the host tier holds its KV
+(a state slot stands for a node's whole prefix, a small part of its KV's bytes, so it stays on
+the device when the KV goes to the host: loading the KV back resumes from it; with swap
+preemption a retracted request resumes where it stopped), go when the tree drops the node, and
+the least recently used unlocked one is dropped when a request needs a slot and none is free.
+The disk tier holds no states (refused at start for such a model).
 
 The manager needs no model: the tests drive it with a pool, a tree and token ids.
 """
@@ -141,9 +145,7 @@ class KVSlotManager:
         """`tree.host` (a `HostKVPool` or None) is the host tier; `storage` the disk tier (needs
         the host tier); `swap`: retraction backs a request's pages up to the host; `publisher`
         sends the tree's KV events (`end_event_batch`); `states`: a recurrent model's state
-        slots (neither the host tier nor swap holds states: refused at start), kept as snapshots
-        every `snapshot_interval` tokens of a prefill too."""
-        assert states is None or tree.host is None, "the host tier holds no states"
+        slots, kept as snapshots every `snapshot_interval` tokens of a prefill too."""
         assert storage is None or tree.host is not None, "the disk tier reads through the host"
         self.allocator = allocator
         self.rows = req_to_token_pool
@@ -250,13 +252,19 @@ class KVSlotManager:
             if short > 0:
                 self.tree.evict(short)  # the matched path is locked, so it stays
             slots = self.allocator.alloc_extend(0, 0, n)
-        if slots is None:
-            self.tree.inc_lock_ref(match.node)
+        if slots is None:  # the device part alone, cut back to a snapshot on it
+            unresumable = match.unresumable + n
+            device = PrefixMatch(match.slots, match.node, unresumable=unresumable)
+            if self.states is not None:
+                device = _resumable(device)
+            self.tree.inc_lock_ref(device.node)
             self.tree.dec_lock_ref(match.host_node)
-            return PrefixMatch(match.slots, match.node)
+            return device
         self.tree.load_back(match.host_node, slots)
         self.peak_used_tokens = max(self.peak_used_tokens, self.used_tokens())
-        return PrefixMatch(torch.cat([match.slots, slots]), match.host_node)
+        return PrefixMatch(
+            torch.cat([match.slots, slots]), match.host_node, unresumable=match.unresumable
+        )
 
     def _read_storage(self, key: list[int], match: PrefixMatch, salt: str) -> PrefixMatch:
         """Extend `match` by the whole blocks of `key` the disk tier holds right after it: read
@@ -613,16 +621,21 @@ class KVSlotManager:
 
 
 def _resumable(match: PrefixMatch) -> PrefixMatch:
-    """A recurrent model's match: cut back to the deepest node holding a state snapshot, the
-    tokens cut off counted in `unresumable` (device KV only: such a model has no host tier)."""
-    node, cut = match.node, 0
+    """A recurrent model's match: cut back to the deepest node holding a state snapshot, on
+    the device or the host part, the tokens cut off added to `unresumable`."""
+    node, cut = match.end_node, 0
     while node.parent is not None and node.state is None:
         cut += len(node.key)
         node = node.parent
     if not cut:
         return match
-    kept = len(match.slots) - cut
-    return PrefixMatch(match.slots[:kept], node, unresumable=cut)
+    unresumable, host = match.unresumable + cut, len(match.host_slots)
+    if cut < host:  # the snapshot's node is on the host
+        return match._replace(
+            host_slots=match.host_slots[: host - cut], host_node=node, unresumable=unresumable
+        )
+    kept = len(match.slots) - (cut - host)
+    return PrefixMatch(match.slots[:kept], node, unresumable=unresumable)
 
 
 def pool_snapshot(allocator: PageAllocator, tree: RadixCache) -> dict[str, Any]:

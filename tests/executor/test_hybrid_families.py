@@ -153,15 +153,25 @@ def _run(scheduler: Scheduler, prompts: list[list[int]], max_new: int) -> list[l
     return [r.output_ids for r in reqs]
 
 
-@pytest.mark.parametrize("pool", [1024, 72], ids=["roomy", "preempted"])
-def test_matches_transformers_batched_chunked_and_resent(any_hybrid, pool):
+PREEMPTED = {"enable_hierarchical_cache": False}
+SWAPPED = {"enable_hierarchical_cache": True, "preemption_mode": "swap", "hicache_ratio": 4.0}
+
+
+@pytest.mark.parametrize(
+    "pool, tiers",
+    [(1024, PREEMPTED), (72, PREEMPTED), (72, SWAPPED)],
+    ids=["roomy", "preempted", "swapped"],
+)
+def test_matches_transformers_batched_chunked_and_resent(any_hybrid, pool, tiers):
     """The four prompts together, then again: the second pass resumes from the snapshots the
     first left (each request's at its end, and one where the two sharing a prefix branch). With
     a pool of 72 tokens the four (193 tokens in all) cannot run together: some are retracted
-    (leaving a snapshot where their computed tokens end) and admitted again."""
+    (leaving a snapshot where their computed tokens end) and admitted again: recomputed, or,
+    swapped, their KV loaded back from the host tier and their state resumed from the snapshot
+    (which stays in its slot while the host holds the KV)."""
     prompts = _prompts()
     expected = hf_greedy(any_hybrid, prompts, MAX_NEW)
-    scheduler = _scheduler(any_hybrid, pool, max_mamba_cache_size=8)
+    scheduler = _scheduler(any_hybrid, pool, max_mamba_cache_size=8, **tiers)
     assert scheduler.runner.model.recurrent and scheduler.runner.state_bytes > 0
     assert _run(scheduler, prompts, MAX_NEW) == expected, "first"
     first = scheduler.stats()
@@ -173,6 +183,9 @@ def test_matches_transformers_batched_chunked_and_resent(any_hybrid, pool):
     else:
         assert stats["cached_prompt_tokens_total"] > first["cached_prompt_tokens_total"]
         assert stats["state_cached_slots"] > 0
+    if tiers is SWAPPED:  # retracted KV went to the host, and KV came back from it
+        assert stats["swapped_out_tokens"] > 0
+        assert stats["host_hit_tokens"] + stats["swapped_in_tokens"] > 0
 
 
 def test_agent_loop_resumes_each_turn_from_the_last(any_hybrid):
@@ -255,7 +268,10 @@ def test_lfm2_snapshots_are_dropped_least_recent_first_when_slots_run_out(lfm2):
     "flags, message",
     [
         ({"speculative_algorithm": "ngram"}, "--speculative-algorithm: Lfm2ForCausalLM"),
-        ({"enable_hierarchical_cache": True}, "--enable-hierarchical-cache: Lfm2ForCausalLM"),
+        (
+            {"enable_hierarchical_cache": True, "hicache_storage_dir": "/nonexistent"},
+            "--hicache-storage-dir: Lfm2ForCausalLM",
+        ),
         ({"enable_lora": True}, "Lfm2ForCausalLM declares no projections"),
     ],
 )

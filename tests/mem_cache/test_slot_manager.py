@@ -228,13 +228,19 @@ def test_random_hand_overs_keep_ownership_and_contents(page_size, tier, storage,
 
 
 @settings(max_examples=200, deadline=None)
-@given(page_size=st.sampled_from([1, 2, 4]), script=ops)
-def test_random_hand_overs_keep_a_recurrent_models_states(page_size, script):
-    """A recurrent model's state slots beside the pool: after every operation each slot has one
-    owner, every running request's state is that of its computed prefix and every snapshot that
-    of its node's path (checked by content: a state stands for the prefix it followed), so a
-    request resumed from a snapshot resumes the right state; a drain frees every slot."""
-    h = Harness(page_size, states=True)
+@given(
+    page_size=st.sampled_from([1, 2, 4]),
+    tier=st.sampled_from([None, *HICACHE_WRITE_POLICIES]),
+    script=ops,
+)
+def test_random_hand_overs_keep_a_recurrent_models_states(page_size, tier, script):
+    """A recurrent model's state slots beside the pool, with and without the host tier (swap
+    on): after every operation each slot has one owner, every running request's state is that
+    of its computed prefix and every snapshot that of its node's path (checked by content: a
+    state stands for the prefix it followed), so a request resumed from a snapshot, its KV on
+    the device or loaded back from the host, resumes the right state; a drain frees every
+    slot."""
+    h = Harness(page_size, tier, states=True)
     run_script(h, script)
     h.drain()
 

@@ -36,7 +36,8 @@ node holds none. Snapshots stay with their node while the device or the host tie
 (a state slot stands for a node's whole prefix, a small part of its KV's bytes, so it stays on
 the device when the KV goes to the host: loading the KV back resumes from it; with swap
 preemption a retracted request resumes where it stopped), go when the tree drops the node, and
-the least recently used unlocked one is dropped when a request needs a slot and none is free.
+the unlocked one worth least (`least_worth`: recency and the compute it saves) is dropped when
+a request needs a slot and none is free.
 The disk tier holds no states (refused at start for such a model).
 
 The manager needs no model: the tests drive it with a pool, a tree and token ids.
@@ -431,14 +432,15 @@ class KVSlotManager:
             holder.state_slot = None
 
     def _state_slot(self) -> int | None:
-        """A free state slot, dropping the least recently used unlocked snapshot if none is."""
+        """A free state slot, dropping the unlocked snapshot worth least (`least_worth`) if
+        none is."""
         assert self.states is not None
         slot = self.states.alloc()
         if slot is None:
             spare = [node for node in self.snapshots if not node.lock_ref]
             if not spare:
                 return None
-            self._drop_snapshot(min(spare, key=lambda node: node.last_access))
+            self._drop_snapshot(least_worth(spare))
             slot = self.states.alloc()
         return slot
 
@@ -618,6 +620,26 @@ class KVSlotManager:
                 assert node.lock_ref == locks.get(node, 0), (
                     "lock count differs from the holders of locks"
                 )
+
+
+def least_worth(snapshots: list[TreeNode]) -> TreeNode:
+    """The snapshot to drop of `snapshots` (unlocked, each in one state slot: all the same
+    bytes), by what keeping it saves per byte, as Marconi (arXiv 2411.19379) weighs them:
+    its recency (last access, scaled to [0, 1] over the candidates) plus the compute it saves
+    (scaled the same way): the tokens a request resuming there would otherwise recompute, from
+    the nearest snapshot above it (or the start). Among snapshots saving alike, the least
+    recently used goes, as LRU; a long conversation's end outlives a newer one-off prompt's."""
+    saved = {}
+    for node in snapshots:
+        tokens, up = len(node.key), node.up()
+        while up.parent is not None and up.state is None:
+            tokens += len(up.key)
+            up = up.parent
+        saved[node] = tokens
+    times = [node.last_access for node in snapshots]
+    first, span = min(times), (max(times) - min(times)) or 1.0
+    most = max(saved.values()) or 1
+    return min(snapshots, key=lambda n: (n.last_access - first) / span + saved[n] / most)
 
 
 def _resumable(match: PrefixMatch) -> PrefixMatch:

@@ -264,6 +264,22 @@ def test_lfm2_snapshots_are_dropped_least_recent_first_when_slots_run_out(lfm2):
     assert scheduler.stats()["cached_prompt_tokens_total"] - before == len(again[0]) - 1
 
 
+def test_lfm2_keeps_the_snapshot_that_saves_most_when_slots_run_out(lfm2):
+    """Three state slots: a 200-token conversation's end, then three newer 20-token one-off
+    prompts. The fourth request needs a slot: least recently used would drop the conversation's
+    snapshot; weighed by what each saves (`least_worth`), the first one-off prompt's goes, and
+    the conversation's next turn resumes from its end. Every answer is transformers'."""
+    scheduler = _scheduler(lfm2, 1024, page_size=1, max_mamba_cache_size=3)
+    conversation = [100 + (7 * i) % 900 for i in range(200)]
+    prompts = [conversation] + [[2000 + 30 * i + j for j in range(20)] for i in range(3)]
+    outs = [_run(scheduler, [ids], 4)[0] for ids in prompts]
+    assert outs == hf_greedy(lfm2, prompts, 4)
+    before = scheduler.stats()["cached_prompt_tokens_total"]
+    turn = conversation + outs[0][:3] + [9, 10]
+    assert _run(scheduler, [turn], 4) == hf_greedy(lfm2, [turn], 4)
+    assert scheduler.stats()["cached_prompt_tokens_total"] - before >= len(conversation)
+
+
 @pytest.mark.parametrize(
     "flags, message",
     [

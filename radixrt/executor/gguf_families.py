@@ -13,6 +13,10 @@ for an older layout), the config fields it derives and the tensors' changes undo
   llama.cpp's tiled order (value head h reads key head h mod key heads), which the model is told
   to read as such (`qwen3_5.TILED_VALUE_HEADS`) rather than reordering every value projection,
   so the quantized linears are served packed as stored. `qwen35moe` as `qwen35`, with experts.
+- `granitehybrid` (Granite 4's -h models, dense; Bamba): attention layers named by their KV
+  heads, Mamba-2's shape under `ssm.*`, Granite's scales (`embedding_scale`, `residual_scale`,
+  `logit_scale`, `attention.scale`); A as -exp(A_log), D and the gated norm reshaped, the dense
+  MLP as Granite's shared MLP. Files with experts are refused by name.
 - mixtures of experts (`qwen3moe`, `qwen35moe`): their expert counts and widths under
   `expert_*` (transformers' table names Qwen3-MoE's experts' width not at all), and each
   layer's experts as one tensor per projection, read one expert at a time (`expert_tensors`)
@@ -30,7 +34,11 @@ from radixrt.executor.gguf_file import GGUFFile, TensorInfo, experts
 from radixrt.models.qwen3_5 import TILED_VALUE_HEADS
 
 # llama.cpp's architecture -> transformers' model type, where transformers knows none
-MODEL_TYPES = {"qwen35": "qwen3_5_text", "qwen35moe": "qwen3_5_moe_text"}
+MODEL_TYPES = {
+    "qwen35": "qwen3_5_text",
+    "qwen35moe": "qwen3_5_moe_text",
+    "granitehybrid": "granitemoehybrid",
+}
 # metadata keys (after `{architecture}.`) -> config fields, added to transformers' table of
 # the model type (or in its place where it has none); a field starting with "_" is derived from
 # (`derived_fields`), then dropped
@@ -59,8 +67,33 @@ QWEN35_KEYS = {
     "ssm.inner_size": "_value_width",
     "vocab_size": "vocab_size",
 }
+GRANITE_HYBRID_KEYS = {
+    "context_length": "max_position_embeddings",
+    "block_count": "num_hidden_layers",
+    "feed_forward_length": "intermediate_size",
+    "expert_shared_feed_forward_length": "shared_intermediate_size",
+    "embedding_length": "hidden_size",
+    "attention.head_count": "num_attention_heads",
+    "attention.head_count_kv": "_kv_heads",
+    "attention.layer_norm_rms_epsilon": "rms_norm_eps",
+    "attention.scale": "attention_multiplier",
+    "embedding_scale": "embedding_multiplier",
+    "residual_scale": "residual_multiplier",
+    "logit_scale": "logits_scaling",
+    "rope.freq_base": "_rope_theta",
+    "rope.dimension_count": "_rotated",
+    "rope.scaling.finetuned": "_rope",
+    "ssm.conv_kernel": "mamba_d_conv",
+    "ssm.state_size": "mamba_d_state",
+    "ssm.group_count": "mamba_n_groups",
+    "ssm.time_step_rank": "mamba_n_heads",
+    "ssm.inner_size": "_inner",
+    "expert_count": "num_local_experts",
+    "vocab_size": "vocab_size",
+}
 CONFIG_KEYS = {
     "qwen3_moe": EXPERT_KEYS,
+    "granitemoehybrid": GRANITE_HYBRID_KEYS,
     "qwen3_5_text": QWEN35_KEYS,
     "qwen3_5_moe_text": {**QWEN35_KEYS, **EXPERT_KEYS},
 }
@@ -78,6 +111,8 @@ def derived_fields(model_type: str, values: dict[str, Any]) -> None:
         values["block_auto_adjust_ff_dim"] = False
     elif model_type in ("qwen3_5_text", "qwen3_5_moe_text"):
         _qwen35(values)
+    elif model_type == "granitemoehybrid":
+        _granite_hybrid(values)
 
 
 def _qwen35(values: dict[str, Any]) -> None:
@@ -105,6 +140,46 @@ def _qwen35(values: dict[str, Any]) -> None:
     values[TILED_VALUE_HEADS] = True
 
 
+def _granite_hybrid(values: dict[str, Any]) -> None:
+    """Granite 4's (and Bamba's) hybrid: attention layers named by their KV heads (0 for a
+    Mamba-2 layer), the Mamba heads' width from the inner size, positions rotated only where
+    `rope.scaling.finetuned` says (the -h models rotate none), attention scaled by
+    `attention.scale` (1/sqrt(head dim) where absent), the other scales 1 where absent."""
+    if values.get("num_local_experts"):
+        raise ValueError(
+            "granitehybrid GGUF files with experts are not read yet; serve the model's "
+            "safetensors checkpoint"
+        )
+    counts = ("hidden_size", "num_attention_heads", "mamba_n_heads", "_inner")
+    if not all(isinstance(values.get(key), int) and values[key] > 0 for key in counts):
+        raise ValueError(f"granitehybrid GGUF metadata: {counts} must be positive counts")
+    heads = values.pop("_kv_heads", None)
+    if not isinstance(heads, list) or len(heads) != values.get("num_hidden_layers"):
+        raise ValueError("granitehybrid.attention.head_count_kv: not one count per layer")
+    values["num_key_value_heads"] = max(heads) or values["num_attention_heads"]
+    values["layer_types"] = ["full_attention" if h else "linear_attention" for h in heads]
+    inner, mamba_heads, hidden = (
+        values.pop("_inner"),
+        values["mamba_n_heads"],
+        values["hidden_size"],
+    )
+    if inner % mamba_heads:
+        raise ValueError(f"granitehybrid.ssm.inner_size {inner} is not a multiple of {mamba_heads}")
+    if inner % hidden:
+        raise ValueError(f"granitehybrid.ssm.inner_size {inner} is not a multiple of {hidden}")
+    values["mamba_d_head"], values["mamba_expand"] = inner // mamba_heads, inner // hidden
+    head_dim = hidden // values["num_attention_heads"]
+    rotated = values.pop("_rotated", head_dim)
+    values["position_embedding_type"] = "rope" if values.pop("_rope", False) else "nope"
+    values["rope_parameters"] = {
+        "rope_type": "default",
+        "rope_theta": values.pop("_rope_theta", 10000.0),
+        "partial_rotary_factor": min(rotated, head_dim) / head_dim,
+    }
+    values.setdefault("attention_multiplier", head_dim**-0.5)
+    values["num_local_experts"] = 0
+
+
 @dataclass
 class Processed:
     """A tensor as transformers' layout holds it (the shape of its GGUF tensor processors'
@@ -130,7 +205,38 @@ class Qwen35Tensors:
         return Processed(weights)
 
 
-PROCESSORS = {"qwen35": Qwen35Tensors, "qwen35moe": Qwen35Tensors}
+class GraniteHybridTensors:
+    """A Mamba-2 layer's tensors as llama.cpp's converter wrote them, changed back: A as
+    -exp(A_log) and D each [1, heads], the convolution as [channels, taps], the gated norm's
+    weight by groups [groups, width / groups]."""
+
+    def __init__(self, config: dict[str, Any]):
+        self.config = config
+
+    def process(self, weights: np.ndarray, name: str, **_: Any) -> Processed:
+        if name.endswith(".ssm_a"):
+            weights = np.log(-weights).reshape(-1)
+        elif name.endswith((".ssm_d", ".ssm_norm.weight")):
+            weights = weights.reshape(-1)
+        elif name.endswith(".ssm_conv1d.weight"):
+            weights = weights[:, None, :]
+        return Processed(weights)
+
+
+PROCESSORS = {
+    "qwen35": Qwen35Tensors,
+    "qwen35moe": Qwen35Tensors,
+    "granitehybrid": GraniteHybridTensors,
+}
+# a checkpoint tensor the file keeps as several (stacked by rows), or under another name than
+# gguf's table gives it, by architecture: its name after `model.layers.{i}.` -> the file's
+# tensors after `blk.{i}.` (Granite 4's shared MLP, which a dense file keeps as its MLP)
+COMPOSED = {
+    "granitehybrid": {
+        "shared_mlp.input_linear.weight": ("ffn_gate.weight", "ffn_up.weight"),
+        "shared_mlp.output_linear.weight": ("ffn_down.weight",),
+    }
+}
 # llama.cpp's tensors of every expert of a layer -> the projection each expert's slice is in
 # transformers' checkpoints (`{layer}.mlp.experts.{e}.{projection}.weight`) and in radixrt's
 # model (fused: gate and up rows in `gate_up_proj`)

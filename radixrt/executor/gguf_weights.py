@@ -97,17 +97,25 @@ ARCHITECTURES = (
     "lfm2",
     "qwen35",
     "qwen35moe",
+    "granitehybrid",
 )
-# a stateful mixer's linears: ours (under the layer) -> the file's (under `blk.N.`)
-MIXER_LINEARS = {
-    "conv.in_proj": "shortconv.in_proj.weight",  # LFM2
-    "conv.out_proj": "shortconv.out_proj.weight",
-    # Qwen3.5's Gated DeltaNet, its value heads in the file's order (`gguf_families`)
+# a stateful mixer's linears by architecture: ours (under the layer) -> the file's (under
+# `blk.N.`)
+QWEN35_MIXER = {  # the Gated DeltaNet, its value heads in the file's order (`gguf_families`)
     "linear_attn.in_proj_qkv": "attn_qkv.weight",
     "linear_attn.in_proj_z": "attn_gate.weight",
     "linear_attn.in_proj_b": "ssm_beta.weight",
     "linear_attn.in_proj_a": "ssm_alpha.weight",
     "linear_attn.out_proj": "ssm_out.weight",
+}
+MIXER_LINEARS = {
+    "lfm2": {
+        "conv.in_proj": "shortconv.in_proj.weight",
+        "conv.out_proj": "shortconv.out_proj.weight",
+    },
+    "qwen35": QWEN35_MIXER,
+    "qwen35moe": QWEN35_MIXER,
+    "granitehybrid": {"mamba.in_proj": "ssm_in.weight", "mamba.out_proj": "ssm_out.weight"},
 }
 # a shared expert's linears (Qwen3.5-MoE's): ours (under the layer) -> the file's parts
 SHARED_EXPERT = {
@@ -171,7 +179,7 @@ def plan(path: Path, config: PretrainedConfig) -> GGUFPlan:
                 Part(b + "attn_v.weight"),
             ]
             wanted[me + "self_attn.o_proj"] = [Part(b + "attn_output.weight")]
-        for ours, theirs in MIXER_LINEARS.items():
+        for ours, theirs in MIXER_LINEARS.get(arch, {}).items():
             if b + theirs in types:
                 wanted[me + ours] = [Part(b + theirs)]
         for ours, names in SHARED_EXPERT.items():

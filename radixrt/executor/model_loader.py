@@ -201,10 +201,12 @@ def conversion_folder(gguf: Path) -> Path:
     """Where `convert_gguf` keeps what it reads from a GGUF file: keyed by the file's whole
     content (`file_digest`), not its path, so every virtualenv holding the same wheel shares
     one folder and no two files that differ anywhere ever share one; and by the code that
-    reads it (this module, the tokenizer's builder, transformers' version), so an edit to any
+    reads it (this module, the tokenizer's builder, the families' config readers,
+    transformers' version), so an edit to any
     of them reads the file anew."""
     code = hashlib.sha256(Path(__file__).read_bytes())
-    code.update(Path(gguf_tokenizer.__file__).read_bytes())
+    for module in (gguf_tokenizer, gguf_families):
+        code.update(Path(module.__file__).read_bytes())
     code.update(importlib.metadata.version("transformers").encode())
     return cache_dir() / "models" / f"{gguf.stem}-{file_digest(gguf)[:32]}-{code.hexdigest()[:8]}"
 
@@ -277,7 +279,7 @@ def read_config(folder: Path) -> PretrainedConfig:
         from transformers import AutoConfig
 
         return AutoConfig.from_pretrained(folder)  # type: ignore[no-any-return]
-    values = json.loads((folder / "config.json").read_text())
+    values = json.loads((folder / "config.json").read_text(), object_hook=_special_float)
     for alias, stored in CONFIG_ALIASES.items():
         if stored in values and alias not in values:
             values[alias] = values[stored]
@@ -285,6 +287,14 @@ def read_config(folder: Path) -> PretrainedConfig:
         "GGUFConfig", (PretrainedConfig,), {"model_type": values.get("model_type", "")}
     )
     return family.from_dict(values)
+
+
+def _special_float(value: dict[str, Any]) -> Any:
+    """A JSON object as `save_pretrained` writes a float JSON has no literal for (infinity,
+    NaN: {"__float__": "Infinity"}) as that float; any other object as it is."""
+    if value.keys() == {"__float__"} and isinstance(value["__float__"], str):
+        return float(value["__float__"])
+    return value
 
 
 # the names families read a field by where a transformers config class aliases it to the name
@@ -677,6 +687,14 @@ class GGUFWeightReader(WeightReader):
             layer_experts = name.rsplit(".", 3)[0]  # model.layers.{i}.mlp.experts
             shapes.pop(f"{layer_experts}.gate_up_proj", None)
             shapes.pop(f"{layer_experts}.down_proj", None)
+        # a checkpoint tensor the file keeps as several, stacked by rows (`gguf_families`)
+        self._parts: dict[str, list[gguf_file.TensorInfo]] = {}
+        for i in range(config.num_hidden_layers):
+            for ours, theirs in gguf_families.COMPOSED.get(file.architecture, {}).items():
+                name, parts = f"model.layers.{i}.{ours}", [f"blk.{i}.{t}" for t in theirs]
+                if name in shapes and all(p in file.tensors for p in parts):
+                    self._parts[name] = [file.tensors[p] for p in parts]
+                    self._where[name] = _Stored(None, 0, torch.float32, shapes[name])
         missing = sorted(set(shapes) - set(self._where))
         if missing:
             raise ValueError(f"{gguf.name}: no tensor for {missing[:4]} (transformers' names)")
@@ -692,9 +710,21 @@ class GGUFWeightReader(WeightReader):
 
     def _dequantized(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         """Tensor `name` as float32 in transformers' layout, `shape` (checked)."""
+        if name in self._parts:  # several of the file's, stacked by rows
+            rows = [self._tensor(name, part) for part in self._parts[name]]
+            out = torch.cat(rows)
+        else:
+            out = self._tensor(name, self._sources[name])
+        if tuple(out.shape) != shape:
+            raise ValueError(
+                f"{name}: {tuple(out.shape)} read from the file, the model has {shape}"
+            )
+        return out
+
+    def _tensor(self, name: str, tensor: gguf_file.TensorInfo) -> torch.Tensor:
+        """The file's `tensor` (read for `name`) as float32 in transformers' layout."""
         import gguf
 
-        tensor = self._sources[name]
         raw = torch.empty(tensor.n_bytes, dtype=torch.uint8)
         with open(tensor.path, "rb", buffering=0) as f:
             read_into(f.fileno(), raw, tensor.offset, tensor.path.name)
@@ -709,10 +739,7 @@ class GGUFWeightReader(WeightReader):
                 tensor_key_mapping=self._names,
                 parsed_parameters={},
             ).weights
-        out = torch.from_numpy(np.ascontiguousarray(weights, dtype=np.float32))
-        if tuple(out.shape) != shape:
-            raise ValueError(f"{tensor.name}: {tuple(out.shape)} read, {name} is {shape}")
-        return out
+        return torch.from_numpy(np.ascontiguousarray(weights, dtype=np.float32))
 
     def _pread(self, t: _Stored, offset: int, size: int) -> torch.Tensor:
         """Bytes of the tensor `_find` found last (the one being copied), dequantized at its

@@ -33,7 +33,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from radixrt.bench.peers import LlamaServerTarget, llama_cpp_tool
 from radixrt.config import ServerArgs
-from radixrt.executor import gguf_file
+from radixrt.executor import gguf_families, gguf_file
 from radixrt.executor.model_loader import conversion_folder
 from radixrt.executor.model_runner import ModelRunner
 from radixrt.kernels import int4_gemm
@@ -92,16 +92,38 @@ FAMILIES["qwen3_5_moe_text"] = {
     **EXPERTS,
     "shared_expert_intermediate_size": 96,
 }
+# Granite 4's -h shape, dense: a Mamba-2 layer, then attention without positions, its scalars
+FAMILIES["granitemoehybrid"] = {
+    "layer_types": ["mamba", "attention"],
+    "mamba_n_heads": 8,
+    "mamba_n_groups": 2,
+    "mamba_d_state": 16,
+    "mamba_chunk_size": 8,
+    "shared_intermediate_size": TINY["intermediate_size"],
+    "num_local_experts": 0,
+    "num_experts_per_tok": 0,
+    "position_embedding_type": "nope",
+    "embedding_multiplier": 3.0,
+    "residual_multiplier": 0.5,
+    "attention_multiplier": 0.2,
+    "logits_scaling": 2.5,
+}
 # their files against llama.cpp's own server
-AGAINST_LLAMA_CPP = ("lfm2", "qwen3_5_text", "qwen3_moe", "qwen3_5_moe_text")
+AGAINST_LLAMA_CPP = ("lfm2", "qwen3_5_text", "qwen3_moe", "qwen3_5_moe_text", "granitemoehybrid")
 SERVER = llama_cpp_tool("llama-server")
 PACKED = ("llama", "qwen3", "gemma3_text", *AGAINST_LLAMA_CPP)  # Q8_0 files served packed
 # a checkpoint without the MTP head
 CONVERTER_FLAGS = {"qwen3_5_text": "--no-mtp", "qwen3_5_moe_text": "--no-mtp"}
-# transformers loads a Qwen3.5-MoE checkpoint's tokenizer as its own class, whose split of the
-# test's (SmolLM2's) vocabulary llama.cpp's converter does not recognise (a real Qwen3.5's it
-# does): the converter reads a copy whose config names the dense model type for the tokenizer
-CONVERTED_AS = {"qwen3_5_moe_text": "qwen3_5_text"}
+# the converter reads a copy of the checkpoint with these config fields changed, as the Hub's
+# checkpoints hold them: transformers loads a Qwen3.5-MoE checkpoint's tokenizer as its own
+# class, whose split of the test's (SmolLM2's) vocabulary llama.cpp's converter does not
+# recognise (a real Qwen3.5's it does), so the copy names the dense model type for the
+# tokenizer; transformers saves Granite 4's layer types by its own names, the converter reads
+# the Hub's ("mamba", "attention")
+CONVERTED_AS = {
+    "qwen3_5_moe_text": {"model_type": "qwen3_5_text"},
+    "granitemoehybrid": {"layer_types": FAMILIES["granitemoehybrid"]["layer_types"]},
+}
 PROMPTS = [[1, 504, 3000, 42, 7], [5, 6, 7, 8, 9, 10, 11, 12, 13]]
 GREEDY = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
 # a line's worth of a driver: the converter once per (checkpoint, type, flags), imports paid once
@@ -138,8 +160,7 @@ def files(tmp_path_factory, default_model_dir) -> dict[tuple[str, str], tuple[Pa
             source = root / f"{model_type}-for-the-converter"
             shutil.copytree(folder, source)
             values = json.loads((source / "config.json").read_text())
-            values["model_type"] = CONVERTED_AS[model_type]
-            (source / "config.json").write_text(json.dumps(values))
+            (source / "config.json").write_text(json.dumps({**values, **CONVERTED_AS[model_type]}))
         for outtype in ("f32", "q8_0") if model_type in PACKED else ("f32",):
             out = root / f"{model_type}.{outtype}.gguf"
             jobs += [str(source), outtype, str(out), CONVERTER_FLAGS.get(model_type, "")]
@@ -188,7 +209,10 @@ def test_a_converted_q8_0_file_is_served_packed_within_the_gates(files, model_ty
     # with experts, a token whose 8-bit activations tip its router to another expert has other
     # logits altogether (measured: 1 or 2 of 64 positions, the rest within 0.07, as without)
     error = errors.quantile(0.95 if "num_experts" in FAMILIES[model_type] else 1.0).item()
-    assert agreement >= 0.9 and error <= 0.1, (agreement, error)
+    # a Mamba-2 layer carries every token's 8-bit rounding on in its state, through decays
+    # that rounding moves (measured: 0.84 of the greedy tokens, the logits within 0.07)
+    least = 0.8 if model_type == "granitemoehybrid" else 0.9
+    assert agreement >= least and error <= 0.1, (agreement, error)
 
 
 @pytest.mark.skipif(SERVER is None, reason="llama.cpp's server: `make test` builds it")
@@ -198,7 +222,8 @@ def test_a_converted_file_predicts_llama_cpps_tokens(files, model_type, outtype)
     """The same file in llama.cpp's own server: its greedy next token at each of 40 positions
     of a random text (teacher-forced) against radixrt's, float32 (`--quantization none`) or
     packed as stored (the defaults): the recurrent layers read as llama.cpp reads them (LFM2's
-    layers by KV heads; Qwen3.5's norms, decays and tiled value heads), and each expert's
+    layers by KV heads; Qwen3.5's norms, decays and tiled value heads; Granite 4's Mamba-2
+    layers and scalars), and each expert's
     matrix sliced from llama.cpp's tensor of every expert's. Measured: 1.0 for every float
     file, 0.95 to 1.0 packed (llama.cpp's 8-bit activations differ from radixrt's), 0.875 for
     Qwen3-MoE's, where the two round a few tokens' routers to different experts."""
@@ -258,3 +283,11 @@ def test_mutated_converted_files_are_served_or_refused_in_one_line(files, tmp_pa
     SERVED["seconds"] = max(SERVED["seconds"], seconds)
     grown = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss << 10) - before
     assert seconds < 10 and grown < 1 << 30, (seconds, grown)
+
+
+def test_a_granite_hybrid_file_with_experts_is_refused_by_name():
+    """Granite 4's -h-tiny/-h-small GGUF files (experts beside the shared MLP) are not read
+    yet: refused in one line naming what to serve instead."""
+    values = {"num_local_experts": 64, "num_hidden_layers": 4}
+    with pytest.raises(ValueError, match="granitehybrid GGUF files with experts .* safetensors"):
+        gguf_families.derived_fields("granitemoehybrid", values)

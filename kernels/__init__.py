@@ -14,6 +14,7 @@ _LAZY = {
     "decode_attention_fwd": ".decode_attention",
     "extend_attention_fwd": ".extend_attention",
     "fused_moe_fwd": ".fused_moe",
+    "gated_delta_fwd": ".gated_delta",
     "lora_sgmv_fwd": ".lora_sgmv",
     "packed_linear_fwd": ".packed_gemm",
     "decode_attention_ref": ".reference",

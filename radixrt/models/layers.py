@@ -13,6 +13,7 @@ from torch import nn
 from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from radixrt import kernels
 from radixrt.attention import AttentionBackend
 from radixrt.distributed.group import TPGroup
 from radixrt.distributed.sharding import HeadShard, split_range
@@ -503,7 +504,10 @@ class GatedDeltaNet(StatefulMixer):
         beta = torch.sigmoid(self.in_proj_b(x)).float()
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
         out = torch.empty_like(v)
-        if all(e == 1 for e in batch.extend_lens):  # one token per request: all at once
+        if x.is_cuda:  # Triton: every request's tokens, decode rows and prefill runs, in one launch
+            runs = (batch.state_slots, batch.prefix_lens, batch.extend_lens)
+            kernels.gated_delta_fwd(q, k, v, g, beta, out, self.state, *runs)
+        elif all(e == 1 for e in batch.extend_lens):  # one token per request: all at once
             slots = batch.state_slots
             fresh = torch.tensor([p == 0 for p in batch.prefix_lens], device=x.device)
             s = self.state.index_select(0, slots).float()

@@ -8,9 +8,16 @@ import inspect
 import pytest
 from triton.runtime.jit import KernelParam
 
-from radixrt.kernels import decode_attention, extend_attention, fused_moe, lora_sgmv, packed_gemm
+from radixrt.kernels import (
+    decode_attention,
+    extend_attention,
+    fused_moe,
+    gated_delta,
+    lora_sgmv,
+    packed_gemm,
+)
 
-MODULES = (decode_attention, extend_attention, fused_moe, lora_sgmv, packed_gemm)
+MODULES = (decode_attention, extend_attention, fused_moe, gated_delta, lora_sgmv, packed_gemm)
 
 
 def _kernels() -> list[tuple[str, object]]:

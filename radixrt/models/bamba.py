@@ -9,6 +9,7 @@ served on one rank and without adapters."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -35,12 +36,14 @@ MAMBA = {
 }
 
 
-def mamba2_of(config: PretrainedConfig) -> Mamba2Mixer:
-    """The Mamba-2 mixer the config's `mamba_*` fields describe (Bamba's, Granite 4's), after a
+def mamba2_of(config: PretrainedConfig, **options: Any) -> Mamba2Mixer:
+    """The Mamba-2 mixer the config's `mamba_*` fields describe (Bamba's, Granite 4's,
+    Falcon-H1's, whose heads fill `mamba_d_ssm` where it sets one, else `mamba_expand` times the
+    hidden size), with the family's `options` (`Mamba2Mixer`'s keyword arguments), after a
     ValueError naming the field for a shape the mixer cannot take: its convolution's state and
     its heads' split into groups are sized from them."""
     heads, groups, head_dim = config.mamba_n_heads, config.mamba_n_groups, config.mamba_d_head
-    inner = int(config.mamba_expand * config.hidden_size)
+    inner = getattr(config, "mamba_d_ssm", None) or int(config.mamba_expand * config.hidden_size)
     if not 2 <= config.mamba_d_conv <= MAX_TAPS:
         raise ValueError(
             f"config.json: mamba_d_conv is {config.mamba_d_conv}; radixrt takes 2 to {MAX_TAPS}"
@@ -52,7 +55,7 @@ def mamba2_of(config: PretrainedConfig) -> Mamba2Mixer:
     if heads * head_dim != inner:
         raise ValueError(
             f"config.json: mamba_n_heads ({heads}) times mamba_d_head ({head_dim}) is not "
-            f"mamba_expand * hidden_size ({inner})"
+            f"the Mamba layers' width ({inner})"
         )
     for field in ("mamba_chunk_size", "mamba_d_state"):
         if getattr(config, field) < 1:
@@ -69,6 +72,7 @@ def mamba2_of(config: PretrainedConfig) -> Mamba2Mixer:
         (bool(config.mamba_proj_bias), bool(config.mamba_conv_bias)),
         config.rms_norm_eps,
         (float(low), float(high)),
+        **options,
     )
 
 

@@ -46,12 +46,16 @@ class Decoder(CausalLM):
     A family's class derives it and says, in `family_of`, which parts its config swaps in; a
     family whose layers mix by something other than attention on some layers (LFM2's short
     convolutions) names each layer's kind (`layer_kinds_of`) and builds and loads those mixers
-    (`make_mixer`, `load_mixer`). The KV pool holds the attention layers only (`kv_layers`;
-    attention layer i writes the pool's layer `kv_layer_of[i]`)."""
+    (`make_mixer`, `load_mixer`). The KV pool holds the attending layers only (`kv_layers`;
+    attending layer i writes the pool's layer `kv_layer_of[i]`)."""
 
     # the checkpoint's tensor names where they differ from Llama's: Llama's name (within a
     # layer, after `model.layers.N.`, or whole) -> the checkpoint's
     CHECKPOINT_NAMES: dict[str, str] = {}
+    # the layer kinds that attend, each layer of them writing a KV-pool layer of its own:
+    # attention, and a family's kind whose mixer holds an attention beside another mixer
+    # (Falcon-H1's "hybrid", its mixer built by `mixer_of`)
+    ATTENDING: frozenset[str] = frozenset({"attention"})
 
     @classmethod
     def family_of(cls, config: PretrainedConfig) -> Family:
@@ -125,14 +129,14 @@ class Decoder(CausalLM):
             if tp.size > 1:
                 raise ValueError(f"{type(self).__name__} is served on one rank (--tp-size 1)")
             self.graph_safe = False
-        attention = [i for i, kind in enumerate(self.layer_kinds) if kind == "attention"]
+        attention = [i for i, kind in enumerate(self.layer_kinds) if kind in self.ATTENDING]
         if family.windows:  # the attention backend reads them by KV-pool layer
             windows = tuple(family.windows[i] for i in attention)
             self.family = family = dataclasses.replace(family, windows=windows)
         self.kv_layer_of = {layer: n for n, layer in enumerate(attention)}
         self.kv_layers = len(attention)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, family, i, self._mixer(config, i), widths, self.expert_ids, tp)
+            DecoderLayer(config, family, i, self.mixer_of(config, i), widths, self.expert_ids, tp)
             for i in range(config.num_hidden_layers)
         )
         # found once: a snapshot's copy (at admissions and chunk ends) walks these, not every module
@@ -161,12 +165,20 @@ class Decoder(CausalLM):
         self._fused: FusedDecode | None = None
         self._fused_checked = False
 
-    def _mixer(self, config: PretrainedConfig, i: int) -> tuple[str, nn.Module]:
+    def mixer_of(self, config: PretrainedConfig, i: int) -> tuple[str, nn.Module]:
+        """Layer i's mixer (its name in the layer, the module): attention (`attention_of`), or
+        what `make_mixer` builds for its kind. A family whose mixer holds the layer's own
+        attention (an `ATTENDING` kind) overrides it: the layer's KV-pool layer is its own."""
         kind = self.layer_kinds[i]
         if kind != "attention":
             return self.make_mixer(kind, config)
+        return "self_attn", self.attention_of(config, i)
+
+    def attention_of(self, config: PretrainedConfig, i: int) -> Attention:
+        """Layer i's attention over this rank's heads, writing the KV pool's layer
+        `kv_layer_of[i]` (i must be an attending layer)."""
         kv = self.kv_layer_of[i]
-        return "self_attn", Attention(config, self.family, kv, self.head_dim, self.shard, self.tp)
+        return Attention(config, self.family, kv, self.head_dim, self.shard, self.tp)
 
     def allocate_states(self, slots: int, ssm_dtype: torch.dtype) -> int:
         """Every stateful mixer's states for `slots` state slots; their bytes."""
@@ -240,10 +252,12 @@ class Decoder(CausalLM):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits of this rank's vocabulary slice (divided, then soft-capped, where the family
-        says)."""
+        """Logits of this rank's vocabulary slice (multiplied or divided, then soft-capped,
+        where the family says)."""
         cap, divisor = self.family.final_logit_softcap, self.family.logits_divisor
         logits: torch.Tensor = self.lm_head(hidden)
+        if self.family.logits_scale != 1.0:
+            logits = logits * self.family.logits_scale
         if divisor != 1.0:
             logits = logits / divisor
         if cap is not None:
@@ -267,22 +281,13 @@ class Decoder(CausalLM):
             data: torch.Tensor = own[name].data
             return data
 
-        q = (self.shard.q_start * self.head_dim, self.shard.q_end * self.head_dim)
         for i, layer in enumerate(self.layers):
             hf, me = f"model.layers.{i}.", f"layers.{i}."
             norms = ["input_layernorm", "post_attention_layernorm"]
             if self.layer_kinds[i] != "attention":
                 self.load_mixer(reader, self.layer_kinds[i], hf, me, param)
             else:
-                for kind in ("weight", "bias"):
-                    if me + f"self_attn.qkv_proj.{kind}" in own:
-                        qkv = param(me + f"self_attn.qkv_proj.{kind}")
-                        reader.stack_rows(qkv, self._qkv(hf, kind))
-                reader.copy_cols(
-                    param(me + "self_attn.o_proj.weight"), hf + "self_attn.o_proj.weight", *q
-                )
-                if self.family.qk_norm:
-                    norms += ["self_attn.q_norm", "self_attn.k_norm"]
+                self.load_attention(reader, hf + "self_attn.", me + "self_attn.", param)
             if self.family.sandwich_norms:
                 norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
             for norm in norms:
@@ -306,13 +311,28 @@ class Decoder(CausalLM):
         if missing:
             raise ValueError(f"weights missing from the checkpoint: {sorted(missing)[:8]}")
 
+    def load_attention(
+        self, reader: WeightSource, hf: str, me: str, param: Callable[[str], torch.Tensor]
+    ) -> None:
+        """An `attention_of` module's tensors (`hf`: its checkpoint prefix, `me`: its module's,
+        each ending in `self_attn.`): this rank's rows of q, k and v fused (their biases too
+        where the family has them), its columns of o, and the family's q/k norms."""
+        for kind in ("weight", "bias") if self.family.qkv_bias else ("weight",):
+            reader.stack_rows(param(me + f"qkv_proj.{kind}"), self._qkv(hf, kind))
+        q = (self.shard.q_start * self.head_dim, self.shard.q_end * self.head_dim)
+        reader.copy_cols(param(me + "o_proj.weight"), hf + "o_proj.weight", *q)
+        if self.family.qk_norm:
+            for norm in ("q_norm", "k_norm"):
+                param(me + f"{norm}.weight").copy_(self._norm(reader, hf + f"{norm}.weight"))
+
     def _norm(self, reader: WeightSource, name: str) -> torch.Tensor:
         """An RMSNorm's weight as the norm multiplies by it: Gemma stores it less 1 (added in
         the stored dtype, as before any cast)."""
         return reader.whole(name) + self.family.norm_offset
 
     def _qkv(self, hf: str, kind: str) -> list[tuple[str, int, int]]:
-        """This rank's rows of q, k and v, one after the other: (name, start, end) each."""
+        """This rank's rows of q, k and v, one after the other, under the attention's checkpoint
+        prefix `hf`: (name, start, end) each."""
         s, hd, heads = self.shard, self.head_dim, self.config.num_attention_heads
         kv_heads = self.config.num_key_value_heads
         q = 2 * hd if self.family.attn_output_gate else hd  # a gate's rows after each query's
@@ -323,9 +343,9 @@ class Decoder(CausalLM):
         ]
         if "qkv_proj" in self.family.fused_checkpoint:  # rows of [q; k; v] in one tensor
             offsets = (0, heads * hd, (heads + kv_heads) * hd)
-            name = hf + f"self_attn.qkv_proj.{kind}"
+            name = hf + f"qkv_proj.{kind}"
             return [(name, o + a, o + b) for o, (a, b) in zip(offsets, spans)]
-        names = [hf + f"self_attn.{p}_proj.{kind}" for p in "qkv"]
+        names = [hf + f"{p}_proj.{kind}" for p in "qkv"]
         return [(n, *span) for n, span in zip(names, spans)]
 
     def _gate_up(self, prefix: str) -> list[tuple[str, int, int]]:

@@ -78,6 +78,11 @@ class Family:
         the residual stream (Granite 4's `residual_multiplier`); not with sandwich norms.
     logits_divisor: the logits are divided by it (Granite 4's `logits_scaling`), before any
         soft-cap.
+    logits_scale: the logits are multiplied by it (Falcon-H1's `lm_head_multiplier`), as
+        transformers multiplies: not a divisor, whose reciprocal would round otherwise.
+    key_scale: each key's factor as projected, before rotary (Falcon-H1's `key_multiplier`).
+    mlp_scales: the dense MLP's gate projection's output is multiplied by the first before the
+        activation, the MLP's output by the second (Falcon-H1's `mlp_multipliers`).
     """
 
     qkv_bias: bool
@@ -98,6 +103,9 @@ class Family:
     rotary: bool = True
     residual_scale: float = 1.0
     logits_divisor: float = 1.0
+    logits_scale: float = 1.0
+    key_scale: float = 1.0
+    mlp_scales: tuple[float, float] = (1.0, 1.0)
 
 
 ACTIVATIONS = {"silu", "gelu_pytorch_tanh"}

@@ -21,7 +21,7 @@ from radixrt.forward_batch import ForwardBatch
 from radixrt.kernels import cpu_fused
 from radixrt.kernels.int4_gemm import PackedGroups
 from radixrt.models.family import Family, MoeSpec
-from radixrt.models.moe import GatedMLP, SparseMoE
+from radixrt.models.moe import GatedMLP, SparseMoE, gated
 
 
 class RMSNorm(nn.Module):
@@ -120,8 +120,8 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 class Attention(nn.Module):
     """This rank's attention heads (`shard`): a column-parallel fused qkv projection, the
-    family's per-head q/k RMSNorms if it has them, a row-parallel output projection, and one
-    all-reduce of its output."""
+    family's per-head q/k RMSNorms if it has them (or its key factor, `key_scale`), a
+    row-parallel output projection, and one all-reduce of its output."""
 
     def __init__(
         self,
@@ -149,7 +149,7 @@ class Attention(nn.Module):
         if self.qk_norm:
             self.q_norm = RMSNorm(head_dim, family.norm_eps)
             self.k_norm = RMSNorm(head_dim, family.norm_eps)
-        self.query_scale = family.query_scale
+        self.query_scale, self.key_scale = family.query_scale, family.key_scale
 
     def forward(
         self,
@@ -160,7 +160,7 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         qkv = self.qkv_proj(x)
         whole_heads_rotated = cos_sin[0].shape[-1] == self.head_dim
-        plain = not self.qk_norm and not self.gated
+        plain = not self.qk_norm and not self.gated and self.key_scale == 1.0
         if cpu_fused.supports(qkv) and whole_heads_rotated and plain:
             # q rotated; k rotated and v stored in the pool
             cos, sin = cos_sin
@@ -187,6 +187,8 @@ class Attention(nn.Module):
         if self.qk_norm:  # over each head's D values: rows of [T * heads, D]
             q = self.q_norm(q.reshape(-1, self.head_dim))[0]
             k = self.k_norm(k.reshape(-1, self.head_dim))[0]
+        if self.key_scale != 1.0:
+            k = k * self.key_scale
         q = apply_rotary(q.reshape(-1, self.num_heads, self.head_dim), cos_sin)
         k = apply_rotary(k.reshape(-1, self.num_kv_heads, self.head_dim), cos_sin)
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
@@ -212,14 +214,28 @@ class Attention(nn.Module):
 
 class MLP(GatedMLP):
     """This rank's slice of the intermediate size: column-parallel gate/up, row-parallel down,
-    one all-reduce of its output."""
+    one all-reduce of its output. `scales` (the family's `mlp_scales`): the gate's output is
+    multiplied by the first before the activation, down's output by the second."""
 
-    def __init__(self, hidden: int, intermediate: int, tp: TPGroup, activation: str):
+    def __init__(
+        self,
+        hidden: int,
+        intermediate: int,
+        tp: TPGroup,
+        activation: str,
+        scales: tuple[float, float] = (1.0, 1.0),
+    ):
         super().__init__(hidden, intermediate, activation)
-        self.tp = tp
+        self.tp, self.scales = tp, scales
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(super().forward(x))
+        if self.scales == (1.0, 1.0):
+            return self.tp.all_reduce(super().forward(x))
+        gate, down = self.scales
+        gate_up = self.gate_up_proj(x)
+        gate_up[..., : gate_up.shape[-1] // 2] *= gate
+        out = self.down_proj(gated(gate_up, self.activation)) * down
+        return self.tp.all_reduce(out)
 
 
 class VocabSlice(nn.Module):
@@ -307,7 +323,7 @@ class DecoderLayer(nn.Module):
         self.mlp = (
             SparseMoE(config.hidden_size, moe, expert_mlp, tp, family.activation, expert_ids)
             if moe is not None and layer_id in moe.sparse_layers
-            else MLP(config.hidden_size, mlp, tp, family.activation)
+            else MLP(config.hidden_size, mlp, tp, family.activation, family.mlp_scales)
         )
 
     def forward(
@@ -610,13 +626,20 @@ class Mamba2Mixer(StatefulMixer):
     values, each group shared by heads / groups heads). Per token and head h:
     dt = clamp(softplus(dt_raw + dt_bias), *dt_limit), a = -exp(A_log), and the state
     S [head_dim, state] follows S <- exp(dt a) S + dt x B^T, read as y = S C + D x. The heads'
-    outputs, times SiLU(z), are RMS-normed per group (`norm_weight`, eps) and projected out.
+    outputs, times SiLU(z), are RMS-normed per group (`norm_weight`, eps) and projected out
+    (`gate_norm` "after_gate"); or normed first and then gated ("before_gate"), or gated and
+    not normed at all (None: no `norm_weight`), as Falcon-H1's `mamba_norm_before_gate` and
+    `mamba_rms_norm` say. `proj_scales` multiply the projection's z, x, B, C and dt parts
+    (Falcon-H1's `ssm_multipliers`, transformers' mup vector), before anything reads them.
     Its state per request: the convolution's last `kernel - 1` inputs (the model's dtype) and S
     (`--mamba-ssm-dtype`, computed in float32): decode rows a token each, all together; a
     prefill's tokens `chunk` at a time in the SSD form (`ssd_chunk`)."""
 
     conv_state: torch.Tensor | None
     state: torch.Tensor | None
+    proj_scale: torch.Tensor | None  # `proj_scales` by column of the projection, a buffer
+
+    GATE_NORMS = ("after_gate", "before_gate", None)
 
     def __init__(
         self,
@@ -628,9 +651,16 @@ class Mamba2Mixer(StatefulMixer):
         biases: tuple[bool, bool],
         eps: float,
         dt_limit: tuple[float, float],
+        *,
+        out_bias: bool | None = None,
+        gate_norm: str | None = "after_gate",
+        proj_scales: tuple[float, float, float, float, float] = (1.0,) * 5,
     ):
-        """`heads`: (heads, head_dim, groups); `biases`: (the projections', the convolution's)."""
+        """`heads`: (heads, head_dim, groups); `biases`: (the in projection's, the
+        convolution's); `out_bias`: the out projection's where it differs from the in
+        projection's (Falcon-H1's `projectors_bias`); `gate_norm`: one of `GATE_NORMS`."""
         super().__init__()
+        assert gate_norm in self.GATE_NORMS
         (self.heads, self.head_dim, self.groups), self.state_size = heads, state
         self.inner = self.heads * self.head_dim
         self.conv_width = self.inner + 2 * self.groups * state
@@ -642,8 +672,19 @@ class Mamba2Mixer(StatefulMixer):
         self.dt_bias = nn.Parameter(torch.empty(self.heads))
         self.A_log = nn.Parameter(torch.empty(self.heads))
         self.D = nn.Parameter(torch.empty(self.heads))
-        self.norm_weight = nn.Parameter(torch.empty(self.inner))
-        self.out_proj = nn.Linear(self.inner, hidden, bias=proj_bias)
+        self.gate_norm = gate_norm
+        if gate_norm is not None:
+            self.norm_weight = nn.Parameter(torch.empty(self.inner))
+        self.out_proj = nn.Linear(
+            self.inner, hidden, bias=proj_bias if out_bias is None else out_bias
+        )
+        scale = None
+        if any(f != 1.0 for f in proj_scales):  # computed, never loaded: real even on meta
+            bc = self.groups * state
+            widths = (self.inner, self.inner, bc, bc, self.heads)
+            with torch.device("cpu"):
+                scale = torch.cat([torch.full((w,), f) for w, f in zip(widths, proj_scales)])
+        self.register_buffer("proj_scale", scale, persistent=False)
         self.conv_state = self.state = None
 
     def allocate_state(self, slots: int, ssm_dtype: torch.dtype) -> int:
@@ -668,7 +709,10 @@ class Mamba2Mixer(StatefulMixer):
             self.conv_state is not None and self.state is not None and batch.state_slots is not None
         )
         t, width = x.shape[0], self.groups * self.state_size
-        z, xbc, dt = self.in_proj(x).split([self.inner, self.conv_width, self.heads], dim=-1)
+        projected = self.in_proj(x)
+        if self.proj_scale is not None:
+            projected = projected * self.proj_scale.to(projected.dtype)
+        z, xbc, dt = projected.split([self.inner, self.conv_width, self.heads], dim=-1)
         xbc = F.silu(causal_conv(xbc, self.conv_weight, self.conv_bias, self.conv_state, batch))
         xs, b, c = torch.split(xbc.float(), [self.inner, width, width], dim=-1)
         xs = xs.reshape(t, self.heads, self.head_dim)
@@ -698,11 +742,22 @@ class Mamba2Mixer(StatefulMixer):
                     out[lo:hi], s = ssd_chunk(s, xs[lo:hi], dt[lo:hi], a, b[lo:hi], c[lo:hi])
                 self.state[slot] = s
                 start += n
-        out = out + self.D.float()[:, None] * xs
-        gated = out.reshape(t, self.groups, -1) * F.silu(z.float()).reshape(t, self.groups, -1)
-        normed = gated * torch.rsqrt(gated.pow(2).mean(-1, keepdim=True) + self.eps)
-        y: torch.Tensor = self.out_proj(self.norm_weight * normed.reshape(t, -1).to(x.dtype))
+        out = (out + self.D.float()[:, None] * xs).reshape(t, -1)
+        gate = F.silu(z.float())
+        if self.gate_norm == "after_gate":
+            mixed = self.norm_weight * self._group_norm(out * gate).to(x.dtype)
+        elif self.gate_norm == "before_gate":
+            mixed = (self.norm_weight * self._group_norm(out) * gate).to(x.dtype)
+        else:
+            mixed = (out * gate).to(x.dtype)
+        y: torch.Tensor = self.out_proj(mixed)
         return y
+
+    def _group_norm(self, y: torch.Tensor) -> torch.Tensor:
+        """y [T, inner] RMS-normed over each group's channels (no weight)."""
+        grouped = y.reshape(y.shape[0], self.groups, -1)
+        normed = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.reshape(y.shape)
 
     @staticmethod
     def _step(

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from functools import cache
 from pathlib import Path
 
 import pytest
@@ -89,6 +90,34 @@ GRANITE4 = dict(
 GRANITE4_EXPERTS = dict(
     num_local_experts=4, num_experts_per_tok=2, intermediate_size=32, position_embedding_type="rope"
 )
+# Falcon-H1: attention and Mamba-2 side by side on every layer, the Mamba width its own
+# (`mamba_d_ssm`: 8 heads of 12), every multiplier other than 1 so that each counts; as the
+# released models, no gated norm; or one normed before the gate, biased projections
+FALCON_H1 = dict(
+    TINY,
+    num_hidden_layers=3,
+    mamba_d_ssm=96,
+    mamba_n_heads=8,
+    mamba_n_groups=2,
+    mamba_d_state=16,
+    mamba_d_conv=4,
+    mamba_chunk_size=8,
+    mamba_rms_norm=False,
+    embedding_multiplier=4.0,
+    lm_head_multiplier=0.6,
+    mlp_multipliers=[0.7, 1.3],
+    key_multiplier=0.5,
+    attention_in_multiplier=0.9,
+    attention_out_multiplier=1.2,
+    ssm_in_multiplier=1.1,
+    ssm_out_multiplier=0.1,
+    ssm_multipliers=[0.8, 1.25, 0.9, 1.1, 0.5],
+    max_position_embeddings=512,
+    pad_token_id=0,
+)
+FALCON_H1_NORMED = dict(
+    mamba_rms_norm=True, mamba_norm_before_gate=True, mamba_proj_bias=True, projectors_bias=True
+)
 FAMILIES = {"lfm2": ("lfm2", LFM2), "qwen3_5": ("qwen3_5_text", QWEN3_5)}
 # families checked for exactness (cold, warm, chunked, preempted, an agent loop) only: the rest
 # of this module's tests exercise the state slots, which they share with the two above
@@ -98,6 +127,8 @@ MORE: dict[str, tuple[str, dict]] = {
     "bamba": ("bamba", BAMBA),
     "granite4": ("granitemoehybrid", GRANITE4),
     "granite4_moe": ("granitemoehybrid", dict(GRANITE4, **GRANITE4_EXPERTS)),
+    "falcon_h1": ("falcon_h1", FALCON_H1),
+    "falcon_h1_normed": ("falcon_h1", dict(FALCON_H1, **FALCON_H1_NORMED)),
 }
 
 
@@ -153,6 +184,13 @@ def _run(scheduler: Scheduler, prompts: list[list[int]], max_new: int) -> list[l
     return [r.output_ids for r in reqs]
 
 
+@cache
+def _expected(folder: Path) -> list[list[int]]:
+    """transformers' greedy tokens for `_prompts()` (the same for each pool a checkpoint runs
+    with)."""
+    return hf_greedy(folder, _prompts(), MAX_NEW)
+
+
 PREEMPTED = {"enable_hierarchical_cache": False}
 SWAPPED = {"enable_hierarchical_cache": True, "preemption_mode": "swap", "hicache_ratio": 4.0}
 
@@ -170,7 +208,7 @@ def test_matches_transformers_batched_chunked_and_resent(any_hybrid, pool, tiers
     swapped, their KV loaded back from the host tier and their state resumed from the snapshot
     (which stays in its slot while the host holds the KV)."""
     prompts = _prompts()
-    expected = hf_greedy(any_hybrid, prompts, MAX_NEW)
+    expected = _expected(any_hybrid)
     scheduler = _scheduler(any_hybrid, pool, max_mamba_cache_size=8, **tiers)
     assert scheduler.runner.model.recurrent and scheduler.runner.state_bytes > 0
     assert _run(scheduler, prompts, MAX_NEW) == expected, "first"

@@ -82,6 +82,21 @@ def float_checkpoint(gguf: Path) -> Path:
     return out
 
 
+# a tiny Qwen3.5 (its text model): three Gated DeltaNet layers to one attention layer, 4 value
+# heads over 2 key heads
+QWEN3_5 = dict(
+    TINY,
+    num_hidden_layers=4,
+    head_dim=16,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    max_position_embeddings=4096,
+    pad_token_id=0,
+)
+
+
 def random_checkpoint(
     folder: Path, tokenizer_dir: Path, model_type: str, shape: dict, seed: int
 ) -> Path:
@@ -162,6 +177,30 @@ def hf_greedy(
                 )
             outs.append(tokens)
     return outs
+
+
+def assert_prompt_logprobs_match(folder: Path, ids: list[int]) -> None:
+    """Every position of `ids` but the first: the log-probability radixrt's scheduler gives
+    the next token (`return_logprob` from position 0) equals transformers' float32, within
+    1e-4: finer than greedy tokens (a soft-cap or a divisor of the logits leaves the argmax
+    where it was)."""
+    from radixrt.config import ServerArgs
+    from radixrt.engine.scheduler import Scheduler
+    from radixrt.sampling_params import SamplingParams
+
+    scheduler = Scheduler.from_server_args(
+        ServerArgs(model=str(folder), attention_backend="torch", max_total_tokens=512)
+    )
+    params = {"max_new_tokens": 0, "logprob_start_len": 0, "return_logprob": True}
+    req = scheduler.make_request("score", ids, SamplingParams.from_dict(params))
+    scheduler.add_request(req)
+    while scheduler.has_work():
+        scheduler.step()
+    with torch.inference_mode():
+        logits = _hf_model(str(folder))(torch.tensor([ids])).logits[0]
+    expected = torch.log_softmax(logits, dim=-1)[torch.arange(len(ids) - 1), ids[1:]]
+    got = torch.tensor([lp for lp, _ in req.input_token_logprobs[1:]])  # the first's is None
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
 
 
 def shared_prefix_prompts(tokenizer, n: int = 12) -> list[list[int]]:

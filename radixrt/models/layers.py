@@ -368,6 +368,29 @@ class StatefulMixer(nn.Module):
         raise NotImplementedError
 
 
+class ConvRecurrence(StatefulMixer):
+    """A mixer whose state per request is a depthwise causal convolution's last inputs
+    (`conv_state` [slots, channels, taps - 1], the model's dtype, the taps from `conv_weight`
+    [channels, 1, taps]) and a recurrence's state (`state` [slots, *`state_shape`], kept in
+    `--mamba-ssm-dtype`): the Gated DeltaNet's, Mamba-2's."""
+
+    conv_weight: nn.Parameter
+    state_shape: tuple[int, ...]
+    conv_state: torch.Tensor | None = None
+    state: torch.Tensor | None = None
+
+    def allocate_state(self, slots: int, ssm_dtype: torch.dtype) -> int:
+        w = self.conv_weight
+        self.conv_state = w.new_zeros(slots, w.shape[0], w.shape[-1] - 1)
+        self.state = w.new_zeros(slots, *self.state_shape, dtype=ssm_dtype)
+        return self.conv_state.nbytes + self.state.nbytes
+
+    def copy_state(self, src: int, dst: int) -> None:
+        assert self.conv_state is not None and self.state is not None
+        self.conv_state[dst] = self.conv_state[src]
+        self.state[dst] = self.state[src]
+
+
 MAX_TAPS = 64  # a causal convolution's most taps (its state per request: taps - 1 inputs)
 
 
@@ -439,7 +462,7 @@ class ShortConv(StatefulMixer):
         return y
 
 
-class GatedDeltaNet(StatefulMixer):
+class GatedDeltaNet(ConvRecurrence):
     """Gated DeltaNet, the linear attention of Qwen3.5 and Qwen3-Next: q, k and v from one
     projection through a depthwise causal convolution (`kernel` taps) and SiLU; q and k
     L2-normed per head (q scaled by 1/sqrt(key_dim)), each of `k_heads` shared by
@@ -452,9 +475,6 @@ class GatedDeltaNet(StatefulMixer):
     prefill's tokens a chunk at a time (`delta_chunk`). The value heads are grouped by the key
     head they share (value head h reads key head h // (v_heads / k_heads)), or, `tiled`, in
     llama.cpp's GGUF order (h reads key head h mod k_heads)."""
-
-    conv_state: torch.Tensor | None
-    state: torch.Tensor | None
 
     def __init__(
         self,
@@ -480,18 +500,7 @@ class GatedDeltaNet(StatefulMixer):
         self.A_log = nn.Parameter(torch.empty(self.v_heads))
         self.norm_weight = nn.Parameter(torch.empty(self.v_dim))
         self.out_proj = nn.Linear(self.value_width, hidden, bias=False)
-        self.conv_state = self.state = None
-
-    def allocate_state(self, slots: int, ssm_dtype: torch.dtype) -> int:
-        w = self.conv_weight
-        self.conv_state = w.new_zeros(slots, self.conv_width, self.kernel - 1)
-        self.state = w.new_zeros(slots, self.v_heads, self.k_dim, self.v_dim, dtype=ssm_dtype)
-        return self.conv_state.nbytes + self.state.nbytes
-
-    def copy_state(self, src: int, dst: int) -> None:
-        assert self.conv_state is not None and self.state is not None
-        self.conv_state[dst] = self.conv_state[src]
-        self.state[dst] = self.state[src]
+        self.state_shape = (self.v_heads, self.k_dim, self.v_dim)
 
     def forward(
         self,
@@ -618,7 +627,7 @@ def expert_shard(moe: MoeSpec | None, tp: TPGroup) -> tuple[tuple[int, int], tup
     return split_range(moe.intermediate_size, tp.size, tp.rank), (0, moe.num_experts)
 
 
-class Mamba2Mixer(StatefulMixer):
+class Mamba2Mixer(ConvRecurrence):
     """Mamba-2's selective state-space mixer (Bamba's, as Granite 4's hybrid layers). One projection
     gives the gate z, the convolved channels xBC and a time step per head; xBC goes through a
     depthwise causal convolution (`kernel` taps, with its bias where the checkpoint has one) and
@@ -685,18 +694,7 @@ class Mamba2Mixer(StatefulMixer):
             with torch.device("cpu"):
                 scale = torch.cat([torch.full((w,), f) for w, f in zip(widths, proj_scales)])
         self.register_buffer("proj_scale", scale, persistent=False)
-        self.conv_state = self.state = None
-
-    def allocate_state(self, slots: int, ssm_dtype: torch.dtype) -> int:
-        w = self.conv_weight
-        self.conv_state = w.new_zeros(slots, self.conv_width, self.kernel - 1)
-        self.state = w.new_zeros(slots, self.heads, self.head_dim, self.state_size, dtype=ssm_dtype)
-        return self.conv_state.nbytes + self.state.nbytes
-
-    def copy_state(self, src: int, dst: int) -> None:
-        assert self.conv_state is not None and self.state is not None
-        self.conv_state[dst] = self.conv_state[src]
-        self.state[dst] = self.state[src]
+        self.state_shape = (self.heads, self.head_dim, self.state_size)
 
     def forward(
         self,

@@ -88,6 +88,7 @@ class SoakConfig:
     seed: int = 0
     max_total_tokens: int = 4096
     kill_every_s: float = 15.0
+    server_flags: tuple[str, ...] = ()  # more of `radixrt serve`'s flags (a host tier, swap)
 
 
 @dataclass
@@ -102,6 +103,7 @@ class SoakReport:
     rss_growth: float | None = None
     leaked_slots: int | None = None
     leaked_rows: int | None = None
+    leaked_state_slots: int | None = None  # a recurrent model's (0 for any other)
     abort_times_s: list[float] = field(default_factory=list)
     server_deaths: int = 0
     restart_exit_code: int | None = None
@@ -116,6 +118,7 @@ class SoakReport:
         return (
             self.leaked_slots == 0
             and self.leaked_rows == 0
+            and not self.leaked_state_slots
             and self.server_deaths == 0
             and self.restart_exit_code == 0
             and self.final_exit_code == 0
@@ -286,6 +289,7 @@ class SoakServer:
             "10",
             "--log-level",
             "warning",
+            *cfg.server_flags,
         )
         self.env = {**os.environ, "RADIXRT_API_KEY": ADMIN_KEY, "RADIXRT_ADMIN_API_KEY": ADMIN_KEY}
         self.log = log.open("ab")
@@ -477,6 +481,7 @@ class Soak:
         stats = self.admin.stats()
         self.report.leaked_slots = stats["total_tokens"] - stats["free_tokens"]
         self.report.leaked_rows = self.free_rows - stats["free_request_rows"]
+        self.report.leaked_state_slots = stats["state_total_slots"] - stats["state_free_slots"]
         self.admin.close()
         self.report.final_exit_code = self.server.drain_and_stop()
         self._summarize()
@@ -531,7 +536,8 @@ def markdown(r: SoakReport) -> str:
         f"outcomes by kind: {json.dumps(r.outcomes_by_kind, sort_keys=True)}",
         *[f"{p}: {json.dumps(v)}" for p, v in r.latency.items()],
         f"RSS growth after warm-up: {r.rss_growth}",
-        f"leaked slots: {r.leaked_slots}, leaked rows: {r.leaked_rows}",
+        f"leaked slots: {r.leaked_slots}, leaked rows: {r.leaked_rows}, "
+        f"leaked state slots: {r.leaked_state_slots}",
         f"killed clients' abort times (s): {r.abort_times_s}",
         f"server deaths: {r.server_deaths}; restart exit code {r.restart_exit_code}; "
         f"final exit code {r.final_exit_code}",

@@ -26,7 +26,7 @@ from radixrt.models import model_class
 from radixrt.models.lfm2 import Lfm2ForCausalLM
 from radixrt.sampling_params import SamplingParams
 
-from helpers import TINY, hf_greedy, launch_runtime, random_checkpoint
+from helpers import QWEN3_5, TINY, hf_greedy, launch_runtime, random_checkpoint
 from timeouts import REPLY_TIMEOUT_S
 
 MAX_NEW = 24
@@ -37,18 +37,6 @@ LFM2 = dict(
     layer_types=["conv", "full_attention", "conv", "conv"],
     conv_L_cache=3,
     block_multiple_of=32,
-    max_position_embeddings=512,
-    pad_token_id=0,
-)
-# three Gated DeltaNet layers to one attention layer; 4 value heads over 2 key heads
-QWEN3_5 = dict(
-    TINY,
-    num_hidden_layers=4,
-    head_dim=16,
-    linear_num_key_heads=2,
-    linear_num_value_heads=4,
-    linear_key_head_dim=16,
-    linear_value_head_dim=16,
     max_position_embeddings=512,
     pad_token_id=0,
 )

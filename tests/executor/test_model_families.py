@@ -20,9 +20,8 @@ from radixrt.executor.model_runner import ModelRunner
 from radixrt.kernels import int8_gemm
 from radixrt.models.linear import Int8Linear
 from radixrt.models.moe import GatedMLP, Routing, SparseMoE, grouped_experts, route
-from radixrt.sampling_params import SamplingParams
 
-from helpers import TINY, _hf_model, hf_greedy, random_checkpoint, run_in_process
+from helpers import TINY, assert_prompt_logprobs_match, hf_greedy, random_checkpoint, run_in_process
 from timeouts import REPLY_TIMEOUT_S
 
 MAX_NEW = 24
@@ -161,19 +160,7 @@ def test_family_prompt_logprobs_equal_transformers(name, tmp_path, tiny_model_di
     finer than greedy tokens (Gemma 2's final soft-cap leaves the argmax where it was)."""
     folder = _checkpoint(tmp_path, tiny_model_dir, name)
     ids = _prompts()[3]
-    scheduler = Scheduler.from_server_args(
-        ServerArgs(model=str(folder), attention_backend="torch", max_total_tokens=512)
-    )
-    params = {"max_new_tokens": 0, "logprob_start_len": 0, "return_logprob": True}
-    req = scheduler.make_request("score", ids, SamplingParams.from_dict(params))
-    scheduler.add_request(req)
-    while scheduler.has_work():
-        scheduler.step()
-    with torch.inference_mode():
-        logits = _hf_model(str(folder))(torch.tensor([ids])).logits[0]
-    expected = torch.log_softmax(logits, dim=-1)[torch.arange(len(ids) - 1), ids[1:]]
-    got = torch.tensor([lp for lp, _ in req.input_token_logprobs[1:]])  # the first's is None
-    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+    assert_prompt_logprobs_match(folder, ids)
 
 
 @pytest.mark.parametrize("name, ep_size", [("qwen3", 1), ("mixtral", 1), ("mixtral", 2)])

@@ -11,14 +11,11 @@ import pytest
 import torch
 from transformers import AutoConfig
 
-from radixrt.config import ServerArgs
-from radixrt.engine.scheduler import Scheduler
 from radixrt.models import model_class
 from radixrt.models.falcon_h1 import FalconH1ForCausalLM
 from radixrt.models.layers import Mamba2Mixer
-from radixrt.sampling_params import SamplingParams
 
-from helpers import TINY, _hf_model, random_checkpoint
+from helpers import TINY, assert_prompt_logprobs_match, random_checkpoint
 
 # two layers, the Mamba mixer 96 wide (8 heads of 12, 2 groups), normed after the gate; the
 # logits' multiplier other than 1
@@ -60,19 +57,7 @@ def test_every_layer_attends_and_keeps_a_state():
 def test_scores_prompts_as_transformers(falcon):
     """Every prompt position's log-probability of the next token equals transformers'."""
     ids = list(range(700, 745))
-    scheduler = Scheduler.from_server_args(
-        ServerArgs(model=str(falcon), attention_backend="torch", max_total_tokens=512)
-    )
-    params = {"max_new_tokens": 0, "logprob_start_len": 0, "return_logprob": True}
-    req = scheduler.make_request("score", ids, SamplingParams.from_dict(params))
-    scheduler.add_request(req)
-    while scheduler.has_work():
-        scheduler.step()
-    with torch.inference_mode():
-        logits = _hf_model(str(falcon))(torch.tensor([ids])).logits[0]
-    expected = torch.log_softmax(logits, dim=-1)[torch.arange(len(ids) - 1), ids[1:]]
-    got = torch.tensor([lp for lp, _ in req.input_token_logprobs[1:]])  # the first's is None
-    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+    assert_prompt_logprobs_match(falcon, ids)
 
 
 @pytest.mark.parametrize(

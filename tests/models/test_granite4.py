@@ -16,9 +16,8 @@ from radixrt.distributed.group import TPGroup
 from radixrt.engine.scheduler import Scheduler
 from radixrt.models import model_class
 from radixrt.models.moe import route
-from radixrt.sampling_params import SamplingParams
 
-from helpers import TINY, _hf_model, hf_greedy, random_checkpoint, run_in_process
+from helpers import TINY, assert_prompt_logprobs_match, hf_greedy, random_checkpoint, run_in_process
 
 GREEDY = {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True}
 # Granite-4.0-micro's shape, tiny: every layer attention, the shared MLP alone, rotary
@@ -94,19 +93,7 @@ def test_an_all_attention_granite_scores_prompts_as_transformers(micro):
     """Every prompt position's log-probability of the next token: the logits divided by
     `logits_scaling` as transformers divides them (greedy tokens alone would not see it)."""
     ids = list(range(700, 745))
-    scheduler = Scheduler.from_server_args(
-        ServerArgs(model=str(micro), attention_backend="torch", max_total_tokens=512)
-    )
-    params = {"max_new_tokens": 0, "logprob_start_len": 0, "return_logprob": True}
-    req = scheduler.make_request("score", ids, SamplingParams.from_dict(params))
-    scheduler.add_request(req)
-    while scheduler.has_work():
-        scheduler.step()
-    with torch.inference_mode():
-        logits = _hf_model(str(micro))(torch.tensor([ids])).logits[0]
-    expected = torch.log_softmax(logits, dim=-1)[torch.arange(len(ids) - 1), ids[1:]]
-    got = torch.tensor([lp for lp, _ in req.input_token_logprobs[1:]])  # the first's is None
-    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+    assert_prompt_logprobs_match(micro, ids)
 
 
 def test_experts_split_by_tensor_parallelism_are_refused(micro):

@@ -5,10 +5,11 @@ Random checkpoints of one shape (hidden 512, 8 layers, 8 query and 4 KV heads of
 vocabulary 49152, tied embeddings) made with transformers' config classes, with `--model`'s
 tokenizer. The MoE families have 8 experts, top 2, each expert's MLP 768 wide: the two active
 experts hold as many weights as the dense MLP, so a token computes what a dense token does and
-only the weights read differ. LFM2 and Qwen3.5 hold a state per request in their
-convolution and Gated DeltaNet layers (`LFM2`, `QWEN3_5`). The windowed families (Mistral,
-Gemma 2 and 3's local layers) have a window of 32, shorter than the prompts. An in-process Scheduler (float32, torch attention)
-decodes each of `--batches` (1,32) of distinct 64-token prompts (`radixrt.bench.decode_step`); a
+only the weights read differ. LFM2, Qwen3.5 and Bamba hold a state per request in their
+convolution, Gated DeltaNet and Mamba-2 layers (`LFM2`, `QWEN3_5`, `BAMBA`). The windowed
+families (Mistral, Gemma 2 and 3's local layers) have a window of 32, shorter than the prompts.
+An in-process Scheduler (float32, torch attention) decodes each of `--batches` (1,32) of
+distinct prompts of the first of `--contexts` (64) tokens (`radixrt.bench.decode_step`); a
 batch's figure is the least of `--repeats` (3) medians of `--steps` (16) steps (the least: other
 processes on a shared machine only ever add time). Torch runs one thread: on a loaded 2-core
 machine two threads wait on each other at every barrier (a Llama step took 0.5 s, not 25 ms).
@@ -44,7 +45,7 @@ SHAPE: dict[str, Any] = dict(
     num_attention_heads=8,
     num_key_value_heads=4,
     head_dim=64,
-    max_position_embeddings=2048,
+    max_position_embeddings=4096,
     tie_word_embeddings=True,
     pad_token_id=0,
 )
@@ -64,6 +65,17 @@ LFM2 = dict(
     layer_types=["conv", "conv", "full_attention", "conv", "conv", "full_attention", "conv"]
     + ["full_attention"],
     block_auto_adjust_ff_dim=False,
+)
+# Bamba: Mamba-2 layers (16 heads of 64 over a 64-wide state, one group) on six of the eight
+# layers, attention on the fourth and the last
+BAMBA = dict(
+    attn_layer_indices=[3, 7],
+    mamba_n_heads=16,
+    mamba_d_head=64,
+    mamba_n_groups=1,
+    mamba_d_state=64,
+    mamba_expand=2,
+    mamba_chunk_size=256,
 )
 FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "llama": ("llama", {}),
@@ -91,6 +103,7 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     ),
     "lfm2": ("lfm2", LFM2),
     "qwen3.5": ("qwen3_5_text", QWEN3_5),
+    "bamba": ("bamba", BAMBA),
 }
 PROMPT = 64
 THREADS = 1
@@ -127,6 +140,7 @@ def run_family_steps(run: BenchRun) -> dict[str, list[RunResult]]:
 
     config = run.config
     batches = config.batch_sizes or [1, 32]
+    context = (config.context_lens or [PROMPT])[0]
     tokenizer = resolve_model_path(config.model)
     threads = torch.get_num_threads()
     torch.set_num_threads(THREADS)
@@ -139,17 +153,19 @@ def run_family_steps(run: BenchRun) -> dict[str, list[RunResult]]:
                     params = checkpoint(Path(tmp), model_type, extra, tokenizer)
                     steps = []
                     for batch in batches:
-                        steps.append(_measure(run, Path(tmp), batch))
+                        steps.append(_measure(run, Path(tmp), batch, context))
                         bar.update()
                     rows.append(FamilySteps(name, params, steps))
     finally:
         torch.set_num_threads(threads)
+    print(f"contexts of {context} tokens")
     print(table(rows, batches))
     run.write(
         "family-step-times",
         {
             "workload": "family-step-times",
             "shape": SHAPE,
+            "context": context,
             "batches": batches,
             "threads": THREADS,
             "results": [{**asdict(r), "params": str(r.params)} for r in rows],
@@ -176,28 +192,38 @@ def checkpoint(folder: Path, model_type: str, extra: dict[str, Any], tokenizer: 
     return Params(total, total - experts + experts * TOP_K // EXPERTS)
 
 
-def _measure(run: BenchRun, folder: Path, batch: int) -> StepTime:
-    """The least of `--repeats` medians of `--steps` steps at `batch`, on a scheduler of the
-    checkpoint in `folder` warmed by a step at batch 4 (the C glue built, oneDNN's kernels
-    chosen)."""
+def _measure(run: BenchRun, folder: Path, batch: int, context: int) -> StepTime:
+    """The least of `--repeats` medians of `--steps` steps at `batch` over private `context`
+    token prompts, on a scheduler of the checkpoint in `folder` warmed by a step at batch 4
+    (the C glue built, oneDNN's kernels chosen)."""
     from radixrt.config import ServerArgs
     from radixrt.engine.scheduler import Scheduler
 
     config = run.config
     steps, repeats = config.steps or 16, config.repeats or 3
+    rows = max(batch, 4)
+    pool = max(8192, rows * (context + 2 * steps + 16))
     args = ServerArgs(
-        model=str(folder), attention_backend="torch", max_total_tokens=8192, log_level="warning"
+        model=str(folder),
+        attention_backend="torch",
+        max_total_tokens=pool,
+        # a recurrent model's state slots: one per row decoding (by default no more than the
+        # pool's bytes hold, fewer than 32 rows at this shape's 8192 tokens), and a snapshot each
+        max_mamba_cache_size=2 * rows,
+        log_level="warning",
     )
     scheduler = Scheduler.from_server_args(args)
     try:
-        _decode(scheduler, 4, 4, config.seed)
-        return min(_decode(scheduler, batch, steps, config.seed + r) for r in range(repeats))
+        _decode(scheduler, 4, 4, config.seed, context)
+        return min(
+            _decode(scheduler, batch, steps, config.seed + r, context) for r in range(repeats)
+        )
     finally:
         scheduler.close()
 
 
-def _decode(scheduler: Scheduler, batch: int, steps: int, seed: int) -> StepTime:
-    reqs = start_decoding(scheduler, private_prompts(batch, PROMPT, seed), steps)
+def _decode(scheduler: Scheduler, batch: int, steps: int, seed: int, context: int) -> StepTime:
+    reqs = start_decoding(scheduler, private_prompts(batch, context, seed), steps)
     step = time_steps(scheduler, reqs, steps)
     release(scheduler, reqs)
     return step

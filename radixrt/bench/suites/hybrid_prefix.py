@@ -2,7 +2,8 @@
 Llama of the same shape and against the hybrid with the cache off.
 
 Random checkpoints of `families.SHAPE` (hidden 512, 8 layers) made with transformers' config
-classes: Llama, and Qwen3.5 (six Gated DeltaNet layers, two gated attention layers), with
+classes: Llama, Qwen3.5 (six Gated DeltaNet layers, two gated attention layers) and Bamba (six
+Mamba-2 layers, two attention layers), with
 `--model`'s tokenizer. Two workloads on an in-process Scheduler (float32, torch attention):
 - agent loop: CONVERSATIONS conversations of TURNS turns; each turn resends its conversation
   (the previous turns' prompts and answers) with TURN_TOKENS new tokens and generates
@@ -25,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 from radixrt.bench.registry import register
 from radixrt.bench.report import BenchRun
 from radixrt.bench.results import RunResult
-from radixrt.bench.suites.families import QWEN3_5, SHAPE, checkpoint
+from radixrt.bench.suites.families import BAMBA, QWEN3_5, SHAPE, checkpoint
 
 if TYPE_CHECKING:  # the engine (torch) loads only when the suite runs
     from radixrt.engine.scheduler import Scheduler
@@ -38,7 +39,42 @@ SYSTEMS: dict[str, tuple[str, dict[str, Any], bool]] = {
     "llama": ("llama", {}, True),
     "qwen3.5": ("qwen3_5_text", QWEN3_5, True),
     "qwen3.5, cache off": ("qwen3_5_text", QWEN3_5, False),
+    "bamba": ("bamba", BAMBA, True),
+    "bamba, cache off": ("bamba", BAMBA, False),
 }
+# Qwen3.5-0.8B's layers (24: 18 Gated DeltaNet, 6 gated attention; 16 key and value heads of
+# 128 in the linear attention) at the default model's vocabulary: about 0.5B parameters, and a
+# Llama of its attention and MLP
+SHAPE_0_8B: dict[str, Any] = dict(
+    hidden_size=1024,
+    num_hidden_layers=24,
+    intermediate_size=3584,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    head_dim=256,
+)
+QWEN3_5_0_8B = dict(
+    SHAPE_0_8B,
+    linear_num_key_heads=16,
+    linear_num_value_heads=16,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+)
+SHAPES: dict[str, dict[str, tuple[str, dict[str, Any], bool]]] = {
+    "small": SYSTEMS,
+    "qwen3.5-0.8b": {
+        "llama": ("llama", SHAPE_0_8B, True),
+        "qwen3.5": ("qwen3_5_text", QWEN3_5_0_8B, True),
+        "qwen3.5, cache off": ("qwen3_5_text", QWEN3_5_0_8B, False),
+    },
+}
+POOL = 16384  # tokens of KV every system holds
+# a hybrid's state slots per shape: about the bytes a Llama of the shape spends on the KV of the
+# attention layers the hybrid replaces, over POOL tokens (small: 6 of 8 layers' 16 KB a token,
+# 201 MB, in 0.8 MB slots; 0.8B: 18 of 24 layers' 98 KB a token, 1.2 GB, in 19 MB slots): the
+# same memory as the Llama's (the default, no more than the hybrid's own KV bytes, would give it
+# a quarter of that)
+STATE_SLOTS = {"small": 256, "qwen3.5-0.8b": 64}
 
 
 @dataclass(frozen=True)
@@ -64,11 +100,12 @@ def run_hybrid_prefix(run: BenchRun) -> dict[str, list[RunResult]]:
 
     tokenizer = resolve_model_path(run.config.model)
     rows: list[Figures] = []
-    for system, (model_type, extra, cache) in SYSTEMS.items():
+    systems = SHAPES[run.config.hybrid_shape]
+    for system, (model_type, extra, cache) in systems.items():
         with tempfile.TemporaryDirectory() as tmp:
             checkpoint(Path(tmp), model_type, extra, tokenizer)
             for workload, drive in (("agent loop", _agent_loop), ("shared prompt", _shared)):
-                scheduler = _scheduler(Path(tmp), cache)
+                scheduler = _scheduler(Path(tmp), cache, STATE_SLOTS[run.config.hybrid_shape])
                 start = time.perf_counter()
                 drive(scheduler)
                 stats = scheduler.stats()
@@ -87,7 +124,10 @@ def run_hybrid_prefix(run: BenchRun) -> dict[str, list[RunResult]]:
         "hybrid-prefix",
         {
             "workload": "hybrid-prefix",
-            "shape": SHAPE,
+            "shape": run.config.hybrid_shape,
+            "checkpoints": {
+                system: {**SHAPE, **extra} for system, (_, extra, _) in systems.items()
+            },
             "results": [{**asdict(r), "hit_rate": r.hit_rate} for r in rows],
         },
     )
@@ -95,14 +135,15 @@ def run_hybrid_prefix(run: BenchRun) -> dict[str, list[RunResult]]:
     return {}
 
 
-def _scheduler(folder: Path, cache: bool) -> Scheduler:
+def _scheduler(folder: Path, cache: bool, state_slots: int) -> Scheduler:
     from radixrt.config import ServerArgs
     from radixrt.engine.scheduler import Scheduler
 
     args = ServerArgs(
         model=str(folder),
         attention_backend="torch",
-        max_total_tokens=16384,
+        max_total_tokens=POOL,
+        max_mamba_cache_size=state_slots,  # a Llama ignores it
         disable_radix_cache=not cache,
         log_level="warning",
     )

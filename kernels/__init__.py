@@ -17,6 +17,7 @@ _LAZY = {
     "gated_delta_fwd": ".gated_delta",
     "lora_sgmv_fwd": ".lora_sgmv",
     "packed_linear_fwd": ".packed_gemm",
+    "ssd_fwd": ".ssd",
     "decode_attention_ref": ".reference",
     "extend_attention_ref": ".reference",
 }

@@ -92,6 +92,21 @@ def _gated_delta_kernel(
     tl.store(tile, s.to(State.dtype.element_ty), mask=in_tile)
 
 
+def run_table(
+    prefix_lens: list[int], extend_lens: list[int], device: torch.device
+) -> tuple[torch.Tensor, bool]:
+    """The `runs` table of a kernel that carries one recurrent state per request through its
+    tokens (this one, `ssd`'s), and whether every run is a single token (`ONE_TOKEN`). Int64 on
+    `device`, a row of B per field: whether each request starts fresh (`prefix_lens[b] == 0`, so
+    its slot is not read), then, unless ONE_TOKEN (run b is then row b alone, and the kernel is
+    compiled without the lookups), its first row (the requests' tokens back to back) and its
+    length."""
+    one_token = all(n == 1 for n in extend_lens)
+    fresh = [int(p == 0) for p in prefix_lens]
+    table = [fresh] if one_token else [fresh, [0, *accumulate(extend_lens)][:-1], extend_lens]
+    return torch.tensor(table, dtype=torch.int64, device=device), one_token
+
+
 BLOCK_V = 32  # state columns per program: a [128, 32] float32 tile is 32 registers a thread
 
 
@@ -129,10 +144,7 @@ def gated_delta_fwd(
     assert slots.dtype == torch.int64
     if not extend_lens:
         return
-    one_token = all(n == 1 for n in extend_lens)
-    fresh = [int(p == 0) for p in prefix_lens]
-    table = [fresh] if one_token else [fresh, [0, *accumulate(extend_lens)][:-1], extend_lens]
-    runs = torch.tensor(table, dtype=torch.int64, device=q.device)
+    runs, one_token = run_table(prefix_lens, extend_lens, q.device)
     block_v = min(BLOCK_V, triton.next_power_of_2(dv))
     grid = (len(extend_lens), heads, triton.cdiv(dv, block_v))
     _gated_delta_kernel[grid](

@@ -722,7 +722,11 @@ class Mamba2Mixer(ConvRecurrence):
         )
         dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(*self.dt_limit)
         a = -self.A_log.float().exp()
-        if all(e == 1 for e in batch.extend_lens):  # one token per request: all at once
+        if x.is_cuda:  # Triton: the whole batch's decode rows and prefill runs in one launch
+            out = torch.empty_like(xs)
+            runs = (batch.state_slots, batch.prefix_lens, batch.extend_lens)
+            kernels.ssd_fwd(xs, dt, a, b, c, out, self.state, *runs)
+        elif all(e == 1 for e in batch.extend_lens):  # one token per request: all at once
             slots = batch.state_slots
             fresh = torch.tensor([p == 0 for p in batch.prefix_lens], device=x.device)
             s = self.state.index_select(0, slots).float()

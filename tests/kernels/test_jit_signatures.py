@@ -15,9 +15,18 @@ from radixrt.kernels import (
     gated_delta,
     lora_sgmv,
     packed_gemm,
+    ssd,
 )
 
-MODULES = (decode_attention, extend_attention, fused_moe, gated_delta, lora_sgmv, packed_gemm)
+MODULES = (
+    decode_attention,
+    extend_attention,
+    fused_moe,
+    gated_delta,
+    lora_sgmv,
+    packed_gemm,
+    ssd,
+)
 
 
 def _kernels() -> list[tuple[str, object]]:

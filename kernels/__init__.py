@@ -11,6 +11,7 @@ from importlib import import_module
 from typing import Any
 
 _LAZY = {
+    "causal_conv_fwd": ".causal_conv",
     "decode_attention_fwd": ".decode_attention",
     "extend_attention_fwd": ".extend_attention",
     "fused_moe_fwd": ".fused_moe",

@@ -405,6 +405,10 @@ def causal_conv(
     `state`: [slots, C, taps - 1] of the last ones, updated in place) by `weight` [C, 1, taps]:
     [T, C]. Decode rows in one call; a request's several new rows in one call of their own."""
     assert batch.state_slots is not None, "a recurrent model's batch names its state slots"
+    if x.is_cuda:  # Triton: the whole batch's decode rows and prefill runs in one launch
+        runs = (batch.state_slots, batch.prefix_lens, batch.extend_lens)
+        out: torch.Tensor = kernels.causal_conv_fwd(x, weight, bias, state, *runs)
+        return out
     channels, keep = x.shape[1], weight.shape[-1] - 1
     if all(e == 1 for e in batch.extend_lens):
         slots = batch.state_slots

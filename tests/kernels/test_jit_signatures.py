@@ -9,6 +9,7 @@ import pytest
 from triton.runtime.jit import KernelParam
 
 from radixrt.kernels import (
+    causal_conv,
     decode_attention,
     extend_attention,
     fused_moe,
@@ -19,6 +20,7 @@ from radixrt.kernels import (
 )
 
 MODULES = (
+    causal_conv,
     decode_attention,
     extend_attention,
     fused_moe,

@@ -10,8 +10,12 @@ from __future__ import annotations
 
 import inspect
 import json
+import os
 import re
+import subprocess
+import sys
 from collections import Counter
+from pathlib import Path
 
 import triton
 from triton.backends.compiler import GPUTarget
@@ -108,6 +112,44 @@ def _loads(fn, signature: dict[str, str], constants: dict, arch: int) -> dict[st
         source, target=GPUTarget("cuda", arch, 32), options={"num_warps": 4, "num_stages": 2}
     )
     return dict(Counter(re.findall(r"ld\.global(?:\.\w+)+", compiled.asm["ptx"])))
+
+
+def slot_kernel_ptx(fn, constants: dict, pointers: dict[str, str], arch: int) -> str:
+    """The PTX of a kernel over per-request state slots (`gated_delta`, `ssd`, `causal_conv`)
+    compiled for sm_`arch` with `constants`, `pointers` the types of its pointer arguments
+    (every other one i32): pointers 16-byte aligned and strides multiples of 16, as torch
+    allocates them at the tests' shapes and as Triton specializes such arguments on launch."""
+    names = list(inspect.signature(fn.fn).parameters)
+    signature = {n: "constexpr" if n in constants else pointers.get(n, "i32") for n in names}
+    aligned = [n for n in names if n in pointers or n.startswith("stride")]
+    source = ASTSource(
+        fn=fn,
+        signature=signature,
+        constexprs={(names.index(n),): v for n, v in constants.items()},
+        attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned},
+    )
+    compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": 4})
+    ptx: str = compiled.asm["ptx"]
+    return ptx
+
+
+def global_accesses(ptx: str) -> dict[str, int]:
+    """A PTX's global loads and stores by instruction (e.g. `st.global.v4.b32`)."""
+    return dict(Counter(re.findall(r"(?:ld|st)\.global(?:\.\w+)+", ptx)))
+
+
+def compiled_in_child(script: str) -> dict:
+    """What `script` prints (its last line, JSON) run as a program with Triton compiling rather
+    than interpreting (a test's process interprets the kernels, and an interpreted kernel
+    compiles nothing), this folder importable."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(Path(__file__).parent)
+    child = subprocess.run(
+        [sys.executable, "-P", script], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert child.returncode == 0, child.stderr[-2000:]
+    result: dict = json.loads(child.stdout.splitlines()[-1])
+    return result
 
 
 if __name__ == "__main__":

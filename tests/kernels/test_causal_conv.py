@@ -18,26 +18,18 @@ global loads and stores by instruction and its shared memory in bytes.
 
 from __future__ import annotations
 
-import inspect
 import json
-import os
 import re
-import subprocess
-import sys
 from collections import Counter
-from pathlib import Path
 
+import gpu_compile
 import pytest
 import torch
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 
 from radixrt.forward_batch import ForwardBatch
 from radixrt.kernels import causal_conv as conv_kernel
 from radixrt.models.layers import causal_conv
 
-REPO = Path(__file__).resolve().parents[2]
 CHANNELS, SLOTS = 10, 6
 TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: {}}
 SHAPES = [(4, False), (3, True)]  # taps, and whether there is a bias
@@ -107,23 +99,12 @@ def compiled_kernel(dtype: str, one_token: bool, arch: int) -> dict[str, dict[st
     local (spilled) accesses, by instruction. Pointers 16-byte aligned and strides multiples of
     16, as torch allocates them at this shape and as Triton specializes such arguments on
     launch."""
-    fn = conv_kernel._causal_conv_kernel
-    names = list(inspect.signature(fn.fn).parameters)
     constants = {**AOT_SHAPE, "ONE_TOKEN": one_token}
     pointers = {name: f"*{dtype}" for name in ("X", "Weight", "Bias", "Out", "State")}
     pointers |= {"slots": "*i64", "runs": "*i64"}
-    signature = {n: "constexpr" if n in constants else pointers.get(n, "i32") for n in names}
-    aligned = [n for n in names if n in pointers or n.startswith("stride")]
-    source = ASTSource(
-        fn=fn,
-        signature=signature,
-        constexprs={(names.index(n),): v for n, v in constants.items()},
-        attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned},
-    )
-    compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": 4})
-    ptx = compiled.asm["ptx"]
+    ptx = gpu_compile.slot_kernel_ptx(conv_kernel._causal_conv_kernel, constants, pointers, arch)
     return {
-        "global": dict(Counter(re.findall(r"(?:ld|st)\.global(?:\.\w+)+", ptx))),
+        "global": gpu_compile.global_accesses(ptx),
         "other": dict(Counter(re.findall(r"shfl\.sync\.\w+|(?:ld|st)\.local", ptx))),
     }
 
@@ -133,17 +114,7 @@ def test_compiles_for_sm80_and_sm90_sliding_the_window_in_registers():
     (the 4 columns of a row on 4 lanes): the shift is one shuffle an element between lanes,
     never a trip through memory, and nothing spills. Each token's output leaves as one store a
     thread, its 2 channels together."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    child = subprocess.run(
-        [sys.executable, "-P", __file__],
-        env=env,
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert child.returncode == 0, child.stderr[-2000:]
-    compiled = json.loads(child.stdout.splitlines()[-1])
+    compiled = gpu_compile.compiled_in_child(__file__)
     assert set(compiled) == {_case(*case) for case in AOT_CASES}
     for dtype, one_token, arch in AOT_CASES:
         case = _case(dtype, one_token, arch)

@@ -17,26 +17,16 @@ global loads and stores by instruction.
 
 from __future__ import annotations
 
-import inspect
 import json
 import math
-import os
-import re
-import subprocess
-import sys
-from collections import Counter
-from pathlib import Path
 
+import gpu_compile
 import pytest
 import torch
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 
 from radixrt.kernels import ssd
 from radixrt.models.layers import Mamba2Mixer, ssd_chunk
 
-REPO = Path(__file__).resolve().parents[2]
 HEADS, P, N, SLOTS, CHUNK = 3, 10, 12, 6, 4
 TOLERANCE = dict(atol=1e-5, rtol=1e-5)  # float32 outputs, and float32 states
 
@@ -125,37 +115,17 @@ def global_accesses(state_dtype: str, one_token: bool, arch: int) -> dict[str, i
     compiled for sm_`arch` at `AOT_SHAPE`: its PTX's global loads and stores by instruction.
     Pointers 16-byte aligned and strides multiples of 16, as torch allocates them at this shape
     and as Triton specializes such arguments on launch."""
-    fn = ssd._ssd_kernel
-    names = list(inspect.signature(fn.fn).parameters)
     constants = {**AOT_SHAPE, "ONE_TOKEN": one_token}
     pointers = {name: "*fp32" for name in ("X", "DT", "A", "B", "C", "Y")}
     pointers |= {"State": f"*{state_dtype}", "slots": "*i64", "runs": "*i64"}
-    signature = {n: "constexpr" if n in constants else pointers.get(n, "i32") for n in names}
-    aligned = [n for n in names if n in pointers or n.startswith("stride")]
-    source = ASTSource(
-        fn=fn,
-        signature=signature,
-        constexprs={(names.index(n),): v for n, v in constants.items()},
-        attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned},
-    )
-    compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": 4})
-    return dict(Counter(re.findall(r"(?:ld|st)\.global(?:\.\w+)+", compiled.asm["ptx"])))
+    ptx = gpu_compile.slot_kernel_ptx(ssd._ssd_kernel, constants, pointers, arch)
+    return gpu_compile.global_accesses(ptx)
 
 
 def test_compiles_for_sm80_and_sm90_moving_the_state_in_16_byte_vectors():
     """Each of the 128 threads holds 32 of a [32, 128] state tile's elements, contiguous along N
     in memory: they load and store as 16-byte vectors in either dtype, never one at a time."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    child = subprocess.run(
-        [sys.executable, "-P", __file__],
-        env=env,
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert child.returncode == 0, child.stderr[-2000:]
-    accesses = json.loads(child.stdout.splitlines()[-1])
+    accesses = gpu_compile.compiled_in_child(__file__)
     assert set(accesses) == {_case(*case) for case in AOT_CASES}
     for dtype, one_token, arch in AOT_CASES:
         case = _case(dtype, one_token, arch)

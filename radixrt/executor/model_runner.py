@@ -449,13 +449,8 @@ class ModelRunner:
         args, model = self.args, self.model
         if not model.recurrent:
             return None
-        if args.hicache_storage_dir is not None:
-            raise ValueError(
-                f"--hicache-storage-dir: {type(model).__name__} carries a state per request "
-                "besides its KV, which the disk tier does not hold"
-            )
         ssm_dtype = getattr(torch, args.mamba_ssm_dtype)
-        per_slot = model.allocate_states(1, ssm_dtype)
+        per_slot = sum(t.nbytes for t in model.allocate_states(1, ssm_dtype))
         slots = args.max_mamba_cache_size
         if slots is None:
             fit = self.kv_pool.bytes_per_token * self.allocator.total_tokens // per_slot
@@ -465,9 +460,10 @@ class ModelRunner:
                 f"--max-mamba-cache-size {slots}: {slots} state slots of {per_slot} bytes do "
                 f"not fit in the {available_memory(self.device) / 1e9:.1f} GB free"
             )
-        self.state_bytes = model.allocate_states(slots, ssm_dtype)
+        pool = StatePool(slots, model.allocate_states(slots, ssm_dtype))
+        self.state_bytes = pool.nbytes
         logger.info("%d state slots (%.1f MB)", slots, self.state_bytes / 1e6)
-        return StatePool(slots, model.copy_state)
+        return pool
 
     def _init_lora(self) -> LoraManager | None:
         """The adapters' pool over the model's projections, with `--lora-paths` loaded (None

@@ -38,7 +38,11 @@ the device when the KV goes to the host: loading the KV back resumes from it; wi
 preemption a retracted request resumes where it stopped), go when the tree drops the node, and
 the unlocked one worth least (`least_worth`: recency and the compute it saves) is dropped when
 a request needs a slot and none is free.
-The disk tier holds no states (refused at start for such a model).
+With a disk tier a snapshot that ends at a block boundary is stored too (`KVStorage.write_state`,
+beside the blocks' KV), and a prompt's prefill stops for one at its last block boundary as
+well, so a restarted server resumes a seen prompt from disk: a match that ends early reads the
+following blocks up to the deepest one with a state stored after it, that state into a slot of
+its own as the snapshot of the node read.
 
 The manager needs no model: the tests drive it with a pool, a tree and token ids.
 """
@@ -269,34 +273,51 @@ class KVSlotManager:
 
     def _read_storage(self, key: list[int], match: PrefixMatch, salt: str) -> PrefixMatch:
         """Extend `match` by the whole blocks of `key` the disk tier holds right after it: read
-        them into new host pages hung under the match's end as one host-only node."""
-        storage, host = self.storage, self.host
+        them into new host pages hung under the match's end as one host-only node. A recurrent
+        model reads them only up to the deepest block with a state stored after it (the KV past
+        it would be recomputed), that state into a slot of its own: the node's snapshot."""
+        storage, host, states = self.storage, self.host, self.states
         assert storage is not None and host is not None, "there is a disk tier"
         b = storage.block_tokens
         start, count = match.length, len(key) // b
         if start // b >= count:
             return match
-        keys = storage.block_keys(key, count, salt)
+        keys = storage.block_keys(key, count, salt)[start // b :]
+        if states is not None:
+            stored = [i for i, k in enumerate(keys) if storage.contains_state(k)]
+            keys = keys[: stored[-1] + 1] if stored else []
         blocks = []
-        for block_key in keys[start // b :]:
+        for block_key in keys:
             kv = storage.read(block_key)
             if kv is None:
                 break
             blocks.append(kv)
+        state = None
+        if states is not None:
+            while blocks and (state := storage.read_state(keys[len(blocks) - 1])) is None:
+                blocks.pop()  # resumable only where the state is: read the one before
         if not blocks:
             return match
         end = (start // b + len(blocks)) * b
         parent = match.end_node
-        self.tree.inc_lock_ref(parent)  # reclaiming host room must not take the matched path
-        slots = host.alloc(end - start)
-        if slots is None:
-            self.tree.evict_host(end - start - host.available())
+        self.tree.inc_lock_ref(parent)  # reclaiming room must not take the matched path
+        state_slot = self._state_slot() if state is not None else None
+        slots = None
+        if state is None or state_slot is not None:  # without a slot to resume in: no use
             slots = host.alloc(end - start)
+            if slots is None:
+                self.tree.evict_host(end - start - host.available())
+                slots = host.alloc(end - start)
         self.tree.dec_lock_ref(parent)
         if slots is None:
+            if states is not None and state_slot is not None:
+                states.free(state_slot)
             return match
         host.put(slots, blocks, start % b)
         node = self.tree.attach_host(parent, key[start:end], slots)
+        if states is not None and state is not None and state_slot is not None:
+            states.load(state_slot, state)
+            self._keep_snapshot(node, state_slot)
         return PrefixMatch(
             match.slots, match.node, torch.cat([match.host_slots, slots]), node, end - start
         )
@@ -389,6 +410,7 @@ class KVSlotManager:
                 assert holder.state_slot is not None, "a recurrent model's holder has a slot"
                 self.states.copy(holder.state_slot, slot)
                 self._keep_snapshot(match.node, slot)
+                self._store_state(holder, aligned, slot)
             holder.snapshot_at = self.snapshot_point(holder, holder.kv_len)
 
     def release(self, holder: SlotHolder) -> None:
@@ -421,7 +443,11 @@ class KVSlotManager:
         points = [(start // interval + 1) * interval]
         if unresumable:
             points.append(start + unresumable)
-        return min((p for p in points if p < len(holder.all_ids) - 1), default=0)
+        if self.storage is not None:  # the last block boundary: what a restart resumes from
+            b = self.storage.block_tokens
+            points.append((len(holder.all_ids) - 2) // b * b)
+        last = len(holder.all_ids) - 1
+        return min((p for p in points if start < p < last), default=0)
 
     def forget_state(self, holder: SlotHolder) -> None:
         """Free the holder's state slot without keeping it as a snapshot: it ends with an error,
@@ -448,6 +474,18 @@ class KVSlotManager:
         node.state = slot
         self.snapshots.add(node)
 
+    def _store_state(self, holder: SlotHolder, length: int, slot: int) -> None:
+        """With a disk tier, queue the state in `slot` (the holder's after `length` tokens)
+        when that ends a block and the tier lacks it."""
+        storage = self.storage
+        if storage is None or length % storage.block_tokens:
+            return
+        assert self.states is not None
+        blocks = length // storage.block_tokens
+        key = storage.block_keys(holder.all_ids, blocks, holder.cache_salt)[-1]
+        if not storage.contains_state(key):
+            storage.write_state(key, self.states.save(slot))
+
     def _drop_snapshot(self, node: TreeNode) -> None:
         """The tree drops `node`'s KV (or everything): its snapshot goes too."""
         assert self.states is not None and node.state is not None
@@ -465,6 +503,7 @@ class KVSlotManager:
             node = self.tree.match_prefix(holder.all_ids[:aligned], holder.cache_salt).node
             if node.parent is not None and node.state is None:
                 self._keep_snapshot(node, slot)
+                self._store_state(holder, aligned, slot)
                 return
         self.states.free(slot)
 

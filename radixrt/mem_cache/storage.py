@@ -5,13 +5,18 @@ is named by a chained hash: block i's key hashes block i-1's key and block i's t
 block 0's hashes a fingerprint of the model (`model_loader.model_fingerprint`: weights, config,
 dtype, quantization) and the KV layout, so one key names one prefix of one model. A file holds
 tensors `k` and `v` (`[layers, block_tokens, kv_heads, head_dim]`) and, in the safetensors
-header, an HMAC-SHA256 of its key and their bytes under the directory's secret (`SECRET_NAME`,
+header, an HMAC-SHA256 of its name and their bytes under the directory's secret (`SECRET_NAME`,
 32 random bytes made on first use): a corrupt, truncated or planted file (one whose checksum is
 right but unkeyed, or keyed by another directory's secret) does not verify, is deleted, counted
 in `rejected_blocks` and treated as a miss. A file that cannot be read (an OSError: EACCES,
 EIO) is a miss too but stays: that is no proof of corruption. The directory is bounded by
 `max_bytes`, least recently used first (file modification times carry the order across
 restarts).
+
+A recurrent model's state after a block (`state_pool.StatePool.save`: one tensor per state
+buffer, `s0`, `s1`, ...) is a file of its own beside the block's, named by the block's key and
+`STATE_TAG`, checked the same way against the pool's state layout: the KV blocks up to a prefix
+and the state at its end are what a restart needs to resume there.
 
 Files are written by one background thread; a block becomes visible once its file is complete:
 each write goes to its own temporary name (`<key>.<pid>.<random>.tmp`, so writers in several
@@ -37,6 +42,7 @@ import tempfile
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import NamedTuple
@@ -56,6 +62,8 @@ STORAGE_BLOCK_TOKENS = 64  # rounded up to whole pages
 DIR_MODE = 0o700
 STALE_TMP_S = 600.0
 FILE_MODE = 0o600
+STATE_TAG = "-state"  # a state file's name: its block's key and this
+Layout = list[tuple[torch.Size, torch.dtype]]
 
 
 class BlockKV(NamedTuple):
@@ -65,13 +73,14 @@ class BlockKV(NamedTuple):
     v: torch.Tensor
 
 
-def block_checksum(secret: bytes, key: str, kv: BlockKV) -> str:
-    """HMAC-SHA256 of a block's key and K/V bytes under the directory's secret: binding the key
-    makes a valid file renamed to another key fail too."""
+def block_checksum(secret: bytes, key: str, tensors: Sequence[torch.Tensor]) -> str:
+    """HMAC-SHA256 of a file's name (a block's key, or a state's) and its tensors' bytes in
+    order (K and V, or a state's) under the directory's secret: binding the name makes a valid
+    file renamed to another name fail too."""
     mac = hmac.new(secret, key.encode(), hashlib.sha256)
-    for t in kv:
+    for t in tensors:
         # an ndarray is a buffer; numpy declares `__buffer__` for Python 3.12 and later only
-        mac.update(t.contiguous().view(torch.uint8).numpy())  # type: ignore[arg-type]
+        mac.update(t.contiguous().reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
     return mac.hexdigest()
 
 
@@ -154,12 +163,17 @@ class KVStorage:
         block_tokens: int,
         fingerprint: str,
         like: BlockKV,
+        state_layout: Layout | None = None,
     ):
-        """`like`: a block of the right shapes and dtype (what a read must return); the
-        fingerprint names the model whose KV this is. Raises PermissionError for a directory
-        or secret this process must not trust."""
+        """`like`: a block of the right shapes and dtype (what a read must return);
+        `state_layout`: a recurrent model's state's (`StatePool.layout`), which enters the
+        fingerprint; the fingerprint names the model whose KV this is. Raises PermissionError
+        for a directory or secret this process must not trust."""
         self.dir = Path(directory)
-        self.like = [(t.shape, t.dtype) for t in like]
+        self.like: Layout = [(t.shape, t.dtype) for t in like]
+        self.state_layout = state_layout
+        if state_layout is not None:
+            fingerprint += f"|states={state_layout}"
         open_directory(self.dir)
         self._secret = load_secret(self.dir)
         self.max_bytes = max_bytes
@@ -214,6 +228,10 @@ class KVStorage:
         with self._lock:
             return key in self._index or key in self._pending
 
+    def contains_state(self, key: str) -> bool:
+        """Whether the state after block `key` is stored (or being written)."""
+        return self.contains(key + STATE_TAG)
+
     @property
     def used_bytes(self) -> int:
         with self._lock:
@@ -222,19 +240,26 @@ class KVStorage:
     # ---- write -----------------------------------------------------------------------------
     def write(self, key: str, kv: BlockKV) -> None:
         """Queue a block's file for the writer thread (nothing when it is there already)."""
+        self._queue(key, {"k": kv.k, "v": kv.v})
+
+    def write_state(self, key: str, state: Sequence[torch.Tensor]) -> None:
+        """Queue the file of the state after block `key` (CPU tensors of `state_layout`)."""
+        assert self.state_layout is not None, "a recurrent model's storage"
+        self._queue(key + STATE_TAG, {f"s{i}": t for i, t in enumerate(state)})
+
+    def _queue(self, key: str, tensors: dict[str, torch.Tensor]) -> None:
         with self._lock:
             if key in self._index or key in self._pending:
                 return
             self._pending.add(key)
         self._futures = [f for f in self._futures if not f.done()]
-        self._futures.append(self._writer.submit(self._write, key, kv))
+        self._futures.append(self._writer.submit(self._write, key, tensors))
 
-    def _write(self, key: str, kv: BlockKV) -> None:
+    def _write(self, key: str, tensors: dict[str, torch.Tensor]) -> None:
         path = self.dir / (key + SUFFIX)
-        checksum = block_checksum(self._secret, key, kv)
-        data = save_safetensors(
-            {"k": kv.k.contiguous(), "v": kv.v.contiguous()}, {"checksum": checksum}
-        )
+        tensors = {name: t.contiguous() for name, t in tensors.items()}
+        checksum = block_checksum(self._secret, key, list(tensors.values()))
+        data = save_safetensors(tensors, {"checksum": checksum})
         try:
             os.replace(write_temporary(self.dir, key, data), path)
         except OSError as e:  # a full disk or a vanished directory costs the block, not the server
@@ -273,6 +298,16 @@ class KVStorage:
         """The block stored under `key`; None when there is none, when its file cannot be read
         (an OSError: the file stays, a later read may succeed), or when it is malformed, does
         not verify under the secret or has another shape (then it is deleted and counted)."""
+        tensors = self._read(key, ("k", "v"), self.like)
+        return None if tensors is None else BlockKV(*tensors)
+
+    def read_state(self, key: str) -> list[torch.Tensor] | None:
+        """The state stored after block `key`, as `read` reads a block (of `state_layout`)."""
+        assert self.state_layout is not None, "a recurrent model's storage"
+        names = tuple(f"s{i}" for i in range(len(self.state_layout)))
+        return self._read(key + STATE_TAG, names, self.state_layout)
+
+    def _read(self, key: str, names: tuple[str, ...], layout: Layout) -> list[torch.Tensor] | None:
         with self._lock:
             if key not in self._index:
                 return None
@@ -287,36 +322,40 @@ class KVStorage:
         except OSError as e:
             logger.warning("could not read KV block %s (%s): a miss; the file stays", path, e)
             return None
-        kv = self._verified(key, data)
-        if kv is None:
+        tensors = self._verified(key, data, names, layout)
+        if tensors is None:
             self._reject(key)
             return None
         try:
             os.utime(path)  # the recency order survives a restart
         except OSError:
             pass  # removed by the size bound meanwhile: the block was read all the same
-        return kv
+        return tensors
 
-    def _verified(self, key: str, data: bytes) -> BlockKV | None:
-        """The block a file's bytes hold, or None (logged) when they do not parse, their
-        checksum is not the HMAC of `key` and their tensors under this directory's secret, or
-        the tensors are not of this pool's shapes and dtype."""
+    def _verified(
+        self, key: str, data: bytes, names: tuple[str, ...], layout: Layout
+    ) -> list[torch.Tensor] | None:
+        """The tensors `names` a file's bytes hold, or None (logged) when they do not parse
+        (or hold other names), their checksum is not the HMAC of `key` and their bytes under
+        this directory's secret, or they are not of `layout`'s shapes and dtypes."""
         path = self.dir / (key + SUFFIX)
         try:
-            tensors = load_safetensors(data)
-            kv = BlockKV(tensors["k"], tensors["v"])
+            stored = load_safetensors(data)
+            if sorted(stored) != sorted(names):
+                raise ValueError(f"tensors {sorted(stored)}, not {sorted(names)}")
+            tensors = [stored[name] for name in names]
             recorded = _header_checksum(data)
         except Exception as e:  # safetensors raises its own error types on a malformed file
             logger.warning("KV block %s is malformed (%s); deleting it", path, e)
             return None
-        expected = block_checksum(self._secret, key, kv)
+        expected = block_checksum(self._secret, key, tensors)
         if not isinstance(recorded, str) or not hmac.compare_digest(recorded, expected):
             logger.warning("KV block %s does not verify under the secret; deleting it", path)
             return None
-        if [(t.shape, t.dtype) for t in kv] != self.like:
+        if [(t.shape, t.dtype) for t in tensors] != layout:
             logger.warning("KV block %s has another layout; deleting it", path)
             return None
-        return kv
+        return tensors
 
     def _reject(self, key: str) -> None:
         self.rejected_blocks += 1

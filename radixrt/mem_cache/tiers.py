@@ -62,7 +62,7 @@ def build_slot_manager(
     )
     storage = None
     if tiers.hicache_storage_dir and host is not None:
-        storage = _storage(pool.allocator.page_size, host, tiers, fingerprint())
+        storage = _storage(pool, host, tiers, fingerprint())
     mode = tiers.preemption_mode or ("swap" if host else "recompute")
     return KVSlotManager(
         pool.allocator,
@@ -95,13 +95,14 @@ def _host_pool(pool: DevicePool, tiers: CacheSettings) -> HostKVPool:
     return host
 
 
-def _storage(page_size: int, host: HostKVPool, tiers: CacheSettings, model: str) -> KVStorage:
+def _storage(pool: DevicePool, host: HostKVPool, tiers: CacheSettings, model: str) -> KVStorage:
     """The disk tier: blocks of whole pages, named for the model and the K/V's shapes and
     dtype, and for a quantized pool its format too (int8 and fp8 rows have one shape and
     dtype) and, for int8, its rows' rotation (`kv_quant.rotation`; blocks written before it
-    hold unrotated rows): a block written under one KV dtype or layout is never found under
-    another."""
+    hold unrotated rows), and a recurrent model's state layout (`--mamba-ssm-dtype`): a block
+    written under one KV dtype or layout is never found under another."""
     assert tiers.hicache_storage_dir is not None, "there is a disk tier"
+    page_size = pool.allocator.page_size
     block = -(-STORAGE_BLOCK_TOKENS // page_size) * page_size
     like = host.device_block(torch.zeros(block, dtype=torch.long))
     fingerprint = f"{model}|{[(t.shape, t.dtype) for t in like]}"
@@ -114,4 +115,5 @@ def _storage(page_size: int, host: HostKVPool, tiers: CacheSettings, model: str)
         block,
         fingerprint,
         like,
+        pool.states.layout if pool.states is not None else None,
     )

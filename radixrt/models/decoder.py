@@ -180,13 +180,9 @@ class Decoder(CausalLM):
         kv = self.kv_layer_of[i]
         return Attention(config, self.family, kv, self.head_dim, self.shard, self.tp)
 
-    def allocate_states(self, slots: int, ssm_dtype: torch.dtype) -> int:
-        """Every stateful mixer's states for `slots` state slots; their bytes."""
-        return sum(mixer.allocate_state(slots, ssm_dtype) for mixer in self.stateful)
-
-    def copy_state(self, src: int, dst: int) -> None:
-        for mixer in self.stateful:
-            mixer.copy_state(src, dst)
+    def allocate_states(self, slots: int, ssm_dtype: torch.dtype) -> list[torch.Tensor]:
+        """Every stateful mixer's state buffers for `slots` state slots, in layer order."""
+        return [t for mixer in self.stateful for t in mixer.allocate_state(slots, ssm_dtype)]
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:

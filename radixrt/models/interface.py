@@ -121,15 +121,12 @@ class CausalLM(nn.Module):
         """Every parameter (this rank's shard) from `reader`."""
         raise NotImplementedError
 
-    def allocate_states(self, slots: int, ssm_dtype: torch.dtype) -> int:
-        """Zeroed per-request states for `slots` state slots (a batch names each request's:
-        `ForwardBatch.state_slots`), a recurrence's in `ssm_dtype`; their bytes. None for a
-        model without (`recurrent` off)."""
-        return 0
-
-    def copy_state(self, src: int, dst: int) -> None:
-        """Slot src's state into slot dst (a snapshot taken, or resumed from)."""
-        raise NotImplementedError
+    def allocate_states(self, slots: int, ssm_dtype: torch.dtype) -> list[torch.Tensor]:
+        """Zeroed per-request state buffers for `slots` state slots (a batch names each
+        request's: `ForwardBatch.state_slots`), a recurrence's in `ssm_dtype`; a slot's state
+        is row `slot` of each (`state_pool.StatePool` copies, snapshots and stores them). None
+        for a model without (`recurrent` off)."""
+        return []
 
     def projections(self) -> dict[tuple[int, str], Projection]:
         """Each layer's adaptable linears by (layer, call site): "qkv", "o", "gate_up", "down"

@@ -358,13 +358,10 @@ class StatefulMixer(nn.Module):
     (`ForwardBatch.state_slots`); a request whose step starts at position 0 starts from zeros.
     Served on one rank."""
 
-    def allocate_state(self, slots: int, ssm_dtype: torch.dtype) -> int:
+    def allocate_state(self, slots: int, ssm_dtype: torch.dtype) -> list[torch.Tensor]:
         """Zeroed state buffers of `slots` rows on the model's device, a recurrence's in
-        `ssm_dtype` (`--mamba-ssm-dtype`), a convolution's in the model's dtype; bytes."""
-        raise NotImplementedError
-
-    def copy_state(self, src: int, dst: int) -> None:
-        """Slot src's state into slot dst."""
+        `ssm_dtype` (`--mamba-ssm-dtype`), a convolution's in the model's dtype; returns them
+        (a slot's state is row `slot` of each: what is copied, snapshotted and stored)."""
         raise NotImplementedError
 
 
@@ -379,16 +376,11 @@ class ConvRecurrence(StatefulMixer):
     conv_state: torch.Tensor | None = None
     state: torch.Tensor | None = None
 
-    def allocate_state(self, slots: int, ssm_dtype: torch.dtype) -> int:
+    def allocate_state(self, slots: int, ssm_dtype: torch.dtype) -> list[torch.Tensor]:
         w = self.conv_weight
         self.conv_state = w.new_zeros(slots, w.shape[0], w.shape[-1] - 1)
         self.state = w.new_zeros(slots, *self.state_shape, dtype=ssm_dtype)
-        return self.conv_state.nbytes + self.state.nbytes
-
-    def copy_state(self, src: int, dst: int) -> None:
-        assert self.conv_state is not None and self.state is not None
-        self.conv_state[dst] = self.conv_state[src]
-        self.state[dst] = self.state[src]
+        return [self.conv_state, self.state]
 
 
 MAX_TAPS = 64  # a causal convolution's most taps (its state per request: taps - 1 inputs)
@@ -444,13 +436,9 @@ class ShortConv(StatefulMixer):
         self.bias = nn.Parameter(torch.empty(hidden)) if bias else None
         self.state = None
 
-    def allocate_state(self, slots: int, ssm_dtype: torch.dtype) -> int:
+    def allocate_state(self, slots: int, ssm_dtype: torch.dtype) -> list[torch.Tensor]:
         self.state = self.weight.new_zeros(slots, self.hidden, self.kernel - 1)
-        return self.state.nbytes
-
-    def copy_state(self, src: int, dst: int) -> None:
-        assert self.state is not None
-        self.state[dst] = self.state[src]
+        return [self.state]
 
     def forward(
         self,

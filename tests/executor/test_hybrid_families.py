@@ -232,6 +232,26 @@ def test_agent_loop_resumes_each_turn_from_the_last(any_hybrid):
         conversation = conversation + got + [400 + turn * 10 + i for i in range(12)]
 
 
+def test_a_restarted_server_resumes_a_seen_conversation_from_disk(hybrid, tmp_path):
+    """The disk tier holds states too: a 150-token prompt's prefill stops at its last block
+    boundary (128: blocks of 64), where its state is stored beside the blocks' KV. After a
+    restart (another scheduler on the same directory) the conversation's next turn reads the
+    two blocks and that state from disk and resumes there; every answer is transformers'."""
+    tiers = {"enable_hierarchical_cache": True, "hicache_storage_dir": str(tmp_path)}
+    prompt = [100 + (7 * i) % 900 for i in range(150)]
+    scheduler = _scheduler(hybrid, 1024, page_size=1, **tiers)
+    first = _run(scheduler, [prompt], 4)[0]
+    scheduler.close()
+    assert [first] == hf_greedy(hybrid, [prompt], 4)
+    assert len(list(tmp_path.glob("*-state.safetensors"))) == 1
+    turn = prompt + first + [9, 10, 11]
+    scheduler = _scheduler(hybrid, 1024, page_size=1, **tiers)
+    assert _run(scheduler, [turn], 4) == hf_greedy(hybrid, [turn], 4)
+    stats = scheduler.stats()
+    scheduler.close()
+    assert stats["storage_hit_tokens"] == stats["cached_prompt_tokens_total"] == 128
+
+
 def test_a_shared_prompt_resumes_from_the_prefill_snapshot_then_the_branch_point(hybrid):
     """Four requests share a 300-token prompt, sent at once. The first computes it whole, its
     prefill stopping for a snapshot at 256 tokens; the others resume there (or, admitted after
@@ -310,10 +330,6 @@ def test_lfm2_keeps_the_snapshot_that_saves_most_when_slots_run_out(lfm2):
     "flags, message",
     [
         ({"speculative_algorithm": "ngram"}, "--speculative-algorithm: Lfm2ForCausalLM"),
-        (
-            {"enable_hierarchical_cache": True, "hicache_storage_dir": "/nonexistent"},
-            "--hicache-storage-dir: Lfm2ForCausalLM",
-        ),
         ({"enable_lora": True}, "Lfm2ForCausalLM declares no projections"),
     ],
 )

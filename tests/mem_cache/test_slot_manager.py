@@ -67,12 +67,15 @@ class Harness:
         tree = RadixCache(
             page_size, allocator.free, host=host, write_policy=tier or HICACHE_WRITE_POLICIES[0]
         )
-        like = host.device_block(torch.zeros(BLOCK, dtype=torch.long)) if storage else None
-        disk = KVStorage(storage, 64 * 2**10, BLOCK, "harness", like) if storage else None
         rows = ReqToTokenPool(ROWS, CONTEXT, torch.device("cpu"))
         # a recurrent model's state per slot: the number of the prefix it followed (0: none)
         self.state = torch.zeros(STATE_SLOTS)
-        pool = StatePool(STATE_SLOTS, lambda src, dst: self.state.__setitem__(dst, self.state[src]))
+        pool = StatePool(STATE_SLOTS, [self.state])
+        disk = None
+        if storage:
+            like = host.device_block(torch.zeros(BLOCK, dtype=torch.long))
+            layout = pool.layout if states else None
+            disk = KVStorage(storage, 64 * 2**10, BLOCK, "harness", like, layout)
         self.kv = KVSlotManager(
             allocator,
             rows,
@@ -231,18 +234,45 @@ def test_random_hand_overs_keep_ownership_and_contents(page_size, tier, storage,
 @given(
     page_size=st.sampled_from([1, 2, 4]),
     tier=st.sampled_from([None, *HICACHE_WRITE_POLICIES]),
+    storage=st.booleans(),
     script=ops,
 )
-def test_random_hand_overs_keep_a_recurrent_models_states(page_size, tier, script):
+def test_random_hand_overs_keep_a_recurrent_models_states(page_size, tier, storage, script):
     """A recurrent model's state slots beside the pool, with and without the host tier (swap
-    on): after every operation each slot has one owner, every running request's state is that
-    of its computed prefix and every snapshot that of its node's path (checked by content: a
-    state stands for the prefix it followed), so a request resumed from a snapshot, its KV on
-    the device or loaded back from the host, resumes the right state; a drain frees every
-    slot."""
-    h = Harness(page_size, tier, states=True)
-    run_script(h, script)
-    h.drain()
+    on) and the disk tier: after every operation each slot has one owner, every running
+    request's state is that of its computed prefix and every snapshot that of its node's path
+    (checked by content: a state stands for the prefix it followed), so a request resumed from
+    a snapshot, its KV on the device, loaded back from the host or read from disk, resumes the
+    right state; a drain frees every slot."""
+    with tempfile.TemporaryDirectory() as directory:
+        h = Harness(page_size, tier, directory if tier and storage else None, states=True)
+        run_script(h, script)
+        h.drain()
+
+
+def test_a_restart_resumes_a_recurrent_prompt_from_its_stored_state(tmp_path):
+    """A recurrent model with a disk tier: a prompt's prefill stops at its last block boundary
+    (and every snapshot interval), the states there are stored beside the blocks, and after a
+    restart the same prompt with a new turn matches from disk up to the last stored state, its
+    snapshot read into a slot of its own (the harness checks it is that prefix's state)."""
+    h = Harness(page_size=2, tier="write_through", storage=str(tmp_path), states=True)
+    tokens = list(range(1, 20)) + [0, 1, 2, 3]  # 23 tokens: interval 12, last block 20
+    h.admit(tokens)
+    while h.running[0].kv_len < len(tokens):
+        h.step(0)
+    h.finish(0)
+    assert len(list(tmp_path.glob("*-state.safetensors"))) == 2  # after 12 and after 20
+    assert h.kv.flush()
+    fresh = Harness(page_size=2, tier="write_through", storage=str(tmp_path), states=True)
+    fresh.ids = h.ids
+    turn = [*tokens, 3, 2, 1]
+    match = fresh.kv.match_prefix(turn[:-1])
+    assert match.length == 20 and match.end_node.state is not None and not match.unresumable
+    fresh.kv.lock(match.end_node)
+    fresh.kv.unlock(fresh.kv.load_back(match).node)
+    fresh.admit(turn)  # resumes at 20 from the state read from disk, contents checked
+    fresh.check()
+    fresh.drain()
 
 
 def test_second_request_reads_the_first_ones_pages():

@@ -23,6 +23,7 @@ from radixrt.executor.model_loader import model_fingerprint
 from radixrt.mem_cache.storage import (
     SECRET_NAME,
     STALE_TMP_S,
+    STATE_TAG,
     SUFFIX,
     BlockKV,
     KVStorage,
@@ -212,3 +213,33 @@ def test_a_reseed_leaves_the_blocks_of_older_weights_unfound(tmp_path):
     (after,) = storage.block_keys(ids, 1)
     assert after != before and not storage.contains(after) and storage.read(after) is None
     storage.close()
+
+
+def test_a_state_is_stored_beside_its_block_and_checked_as_one(tmp_path):
+    """A recurrent model's state after a block is a file of its own (named by the block's key
+    and STATE_TAG), read back equal; a block's file renamed to a state's name (the key is bound
+    into the checksum) and a state of another layout are rejected, counted and deleted; and the
+    state layout enters the fingerprint, so a storage of another `--mamba-ssm-dtype` finds none
+    of it."""
+    layout = [(torch.Size([3, 2]), torch.float32), (torch.Size([4]), torch.bfloat16)]
+    state = [torch.randn(3, 2), torch.randn(4).to(torch.bfloat16)]
+    storage = KVStorage(str(tmp_path), 2**20, SHAPE[1], "test-model", _block(0), layout)
+    key, other = storage.block_keys([1, 2, 3, 4, 5, 6, 7, 8], 2)
+    storage.write(key, _block(1))
+    storage.write_state(key, state)
+    storage.write(other, _block(2))
+    storage.wait()
+    read = storage.read_state(key)
+    assert read is not None and all(torch.equal(a, b) for a, b in zip(read, state))
+    assert storage.read_state(other) is None and storage.rejected_blocks == 0
+    shutil.copy(tmp_path / (other + SUFFIX), tmp_path / (other + STATE_TAG + SUFFIX))
+    storage._index[other + STATE_TAG] = 1  # as a restart's scan would index it
+    assert storage.read_state(other) is None and storage.rejected_blocks == 1
+    storage.close()
+    wider = [(torch.Size([3, 2]), torch.float32), (torch.Size([4]), torch.float32)]
+    restarted = KVStorage(str(tmp_path), 2**20, SHAPE[1], "test-model", _block(0), wider)
+    assert restarted.block_keys([1, 2, 3, 4], 1)[0] != key  # never looked up under key
+    restarted._index[key + STATE_TAG] = 1  # the other layout's file, named as this one's
+    assert restarted.read_state(key) is None and restarted.rejected_blocks == 1
+    assert not (tmp_path / (key + STATE_TAG + SUFFIX)).exists()
+    restarted.close()

@@ -7,6 +7,8 @@ DeltaNet of Qwen3.5 and Qwen3-Next, Mamba-2's state space of Bamba). A family's 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -382,6 +384,41 @@ class ConvRecurrence(StatefulMixer):
         self.state = w.new_zeros(slots, *self.state_shape, dtype=ssm_dtype)
         return [self.conv_state, self.state]
 
+    def recur(
+        self,
+        batch: ForwardBatch,
+        rows: tuple[torch.Tensor, ...],
+        out: torch.Tensor,
+        step: Callable[..., torch.Tensor],
+        chunk: Callable[..., tuple[torch.Tensor, torch.Tensor]],
+        chunk_len: int,
+    ) -> torch.Tensor:
+        """The recurrence on the CPU over the batch's per-token `rows` (each [T, ...]), into
+        `out` [T, ...] (float32): decode rows all at once (`step(s, *rows)` on their states
+        gathered from their slots, zeros for a fresh one, [R, ...] updated in place, then
+        scattered back), or each request's tokens `chunk_len` at a time (`chunk(s, *rows of
+        the chunk)` -> its output and the state after it)."""
+        assert self.state is not None and batch.state_slots is not None
+        if all(e == 1 for e in batch.extend_lens):
+            slots = batch.state_slots
+            fresh = torch.tensor([p == 0 for p in batch.prefix_lens], device=out.device)
+            s = self.state.index_select(0, slots).float()
+            s.masked_fill_(fresh.view(-1, *[1] * (s.dim() - 1)), 0.0)
+            out = step(s, *rows)
+            self.state.index_copy_(0, slots, s.to(self.state.dtype))
+            return out
+        start = 0
+        for slot, prefix, n in zip(
+            batch.state_slots.tolist(), batch.prefix_lens, batch.extend_lens
+        ):
+            s = self.state[slot].float() if prefix else out.new_zeros(self.state.shape[1:])
+            for lo in range(start, start + n, chunk_len):
+                hi = min(lo + chunk_len, start + n)
+                out[lo:hi], s = chunk(s, *(r[lo:hi] for r in rows))
+            self.state[slot] = s
+            start += n
+        return out
+
 
 MAX_TAPS = 64  # a causal convolution's most taps (its state per request: taps - 1 inputs)
 
@@ -524,24 +561,8 @@ class GatedDeltaNet(ConvRecurrence):
         if x.is_cuda:  # Triton: every request's tokens, decode rows and prefill runs, in one launch
             runs = (batch.state_slots, batch.prefix_lens, batch.extend_lens)
             kernels.gated_delta_fwd(q, k, v, g, beta, out, self.state, *runs)
-        elif all(e == 1 for e in batch.extend_lens):  # one token per request: all at once
-            slots = batch.state_slots
-            fresh = torch.tensor([p == 0 for p in batch.prefix_lens], device=x.device)
-            s = self.state.index_select(0, slots).float()
-            s.masked_fill_(fresh[:, None, None, None], 0.0)
-            out = self._step(s, q, k, v, g, beta)
-            self.state.index_copy_(0, slots, s.to(self.state.dtype))
-        else:  # each request's tokens in chunks of DELTA_CHUNK
-            start = 0
-            for slot, prefix, n in zip(
-                batch.state_slots.tolist(), batch.prefix_lens, batch.extend_lens
-            ):
-                s = self.state[slot].float() if prefix else q.new_zeros(self.state.shape[1:])
-                for a in range(start, start + n, DELTA_CHUNK):
-                    b = min(a + DELTA_CHUNK, start + n)
-                    out[a:b], s = delta_chunk(s, q[a:b], k[a:b], v[a:b], g[a:b], beta[a:b])
-                self.state[slot] = s
-                start += n
+        else:
+            out = self.recur(batch, (q, k, v, g, beta), out, self._step, delta_chunk, DELTA_CHUNK)
         normed = out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + self.eps)
         gated = (
             self.norm_weight
@@ -714,28 +735,19 @@ class Mamba2Mixer(ConvRecurrence):
         )
         dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(*self.dt_limit)
         a = -self.A_log.float().exp()
+        out = torch.empty_like(xs)
         if x.is_cuda:  # Triton: the whole batch's decode rows and prefill runs in one launch
-            out = torch.empty_like(xs)
             runs = (batch.state_slots, batch.prefix_lens, batch.extend_lens)
             kernels.ssd_fwd(xs, dt, a, b, c, out, self.state, *runs)
-        elif all(e == 1 for e in batch.extend_lens):  # one token per request: all at once
-            slots = batch.state_slots
-            fresh = torch.tensor([p == 0 for p in batch.prefix_lens], device=x.device)
-            s = self.state.index_select(0, slots).float()
-            s.masked_fill_(fresh[:, None, None, None], 0.0)
-            out = self._step(s, xs, dt, a, b, c)
-            self.state.index_copy_(0, slots, s.to(self.state.dtype))
-        else:  # each request's tokens in chunks of `chunk`
-            out, start = torch.empty_like(xs), 0
-            for slot, prefix, n in zip(
-                batch.state_slots.tolist(), batch.prefix_lens, batch.extend_lens
-            ):
-                s = self.state[slot].float() if prefix else xs.new_zeros(self.state.shape[1:])
-                for lo in range(start, start + n, self.chunk):
-                    hi = min(lo + self.chunk, start + n)
-                    out[lo:hi], s = ssd_chunk(s, xs[lo:hi], dt[lo:hi], a, b[lo:hi], c[lo:hi])
-                self.state[slot] = s
-                start += n
+        else:
+            out = self.recur(
+                batch,
+                (xs, dt, b, c),
+                out,
+                lambda s, xs, dt, b, c: self._step(s, xs, dt, a, b, c),
+                lambda s, xs, dt, b, c: ssd_chunk(s, xs, dt, a, b, c),
+                self.chunk,
+            )
         out = (out + self.D.float()[:, None] * xs).reshape(t, -1)
         gate = F.silu(z.float())
         if self.gate_norm == "after_gate":

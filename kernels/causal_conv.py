@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .gated_delta import run_table
+from .gated_delta import run_of, run_table
 from .jit import jit
 
 
@@ -59,12 +59,7 @@ def _causal_conv_kernel(
     cs = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     js = tl.arange(0, WINDOW)
     c_in = cs < C
-    if ONE_TOKEN:
-        first = r.to(tl.int64)
-        n = 1
-    else:
-        first = tl.load(runs + num_runs + r)
-        n = tl.load(runs + 2 * num_runs + r)
+    first, n, fresh = run_of(runs, num_runs, r, ONE_TOKEN)
     tap = js - (WINDOW - TAPS)  # column j's tap, negative left of the taps
     taps_in = c_in[:, None] & (tap >= 0)[None, :]
     weight = tl.load(Weight + cs[:, None] * TAPS + tap[None, :], mask=taps_in, other=0.0)
@@ -73,7 +68,7 @@ def _causal_conv_kernel(
     held = tap - 1
     cells = State + tl.load(slots + r) * stride_slot + cs[:, None] * (TAPS - 1) + held[None, :]
     in_tile = c_in[:, None] & (held >= 0)[None, :]
-    stored = tl.where(tl.load(runs + r) == 0, TAPS - 1, 0)  # the slot's inputs: none if fresh
+    stored = tl.where(fresh, 0, TAPS - 1)  # the slot's inputs: none if fresh
     window = tl.load(cells, mask=in_tile & (held < stored)[None, :], other=0.0).to(tl.float32)
     source = tl.where(tap >= 0, tl.minimum(js + 1, WINDOW - 1), 0)  # the column each one takes
     source = tl.broadcast_to(source[None, :], (BLOCK_C, WINDOW))

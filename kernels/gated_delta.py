@@ -29,6 +29,22 @@ from .jit import jit
 
 
 @jit
+def run_of(
+    runs: tl.tensor, num_runs: tl.tensor, r: tl.tensor, ONE_TOKEN: tl.constexpr
+) -> tuple[tl.tensor, tl.tensor, tl.tensor]:
+    """Run r of a `run_table`: its first row, its length and whether it starts fresh (its
+    slot then unread). The kernels that carry a state per request (this one, `ssd`'s,
+    `causal_conv`'s) start with it."""
+    if ONE_TOKEN:
+        first = r.to(tl.int64)
+        n = 1
+    else:
+        first = tl.load(runs + num_runs + r)
+        n = tl.load(runs + 2 * num_runs + r)
+    return first, n, tl.load(runs + r) != 0
+
+
+@jit
 def _gated_delta_kernel(
     Q: tl.tensor,
     K: tl.tensor,
@@ -67,15 +83,10 @@ def _gated_delta_kernel(
     vs = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
     k_in = ks < DK
     v_in = vs < DV
-    if ONE_TOKEN:
-        first = r.to(tl.int64)
-        n = 1
-    else:
-        first = tl.load(runs + num_runs + r)
-        n = tl.load(runs + 2 * num_runs + r)
+    first, n, fresh = run_of(runs, num_runs, r, ONE_TOKEN)
     tile = State + tl.load(slots + r) * stride_slot + h * DK * DV + ks[:, None] * DV + vs[None, :]
     in_tile = k_in[:, None] & v_in[None, :]
-    stored = tl.where(tl.load(runs + r) == 0, DK, 0)  # the slot's rows to read: none if fresh
+    stored = tl.where(fresh, 0, DK)  # the slot's rows to read: none if fresh
     s = tl.load(tile, mask=(ks[:, None] < stored) & v_in[None, :], other=0.0).to(tl.float32)
     for t in range(0, n):
         row = first + t

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .gated_delta import run_table
+from .gated_delta import run_of, run_table
 from .jit import jit
 
 
@@ -65,15 +65,10 @@ def _ssd_kernel(
     ns = tl.arange(0, BLOCK_N)
     p_in = ps < P
     n_in = ns < N
-    if ONE_TOKEN:
-        first = r.to(tl.int64)
-        n = 1
-    else:
-        first = tl.load(runs + num_runs + r)
-        n = tl.load(runs + 2 * num_runs + r)
+    first, n, fresh = run_of(runs, num_runs, r, ONE_TOKEN)
     tile = State + tl.load(slots + r) * stride_slot + h * P * N + ps[:, None] * N + ns[None, :]
     in_tile = p_in[:, None] & n_in[None, :]
-    stored = tl.where(tl.load(runs + r) == 0, P, 0)  # the slot's rows to read: none if fresh
+    stored = tl.where(fresh, 0, P)  # the slot's rows to read: none if fresh
     s = tl.load(tile, mask=(ps[:, None] < stored) & n_in[None, :], other=0.0).to(tl.float32)
     a = tl.load(A + h).to(tl.float32)
     for t in range(0, n):

@@ -29,6 +29,7 @@ ALLOWED = {
         "sampling_params",
         "lifecycle",
         "logs",
+        "multimodal",
     },
     "engine": {
         "mem_cache",
@@ -39,6 +40,7 @@ ALLOWED = {
         "config",
         "sampling_params",
         "forward_batch",
+        "multimodal",
     },
     # the cache settings; the C writer of quantized KV rows; the KV events' throttled warnings
     "mem_cache": {"config", "kernels", "logs"},
@@ -51,6 +53,7 @@ ALLOWED = {
         "lifecycle",
         "forward_batch",
         "kernels",  # gguf_weights: GGUF blocks copied into int4_gemm's packed layout
+        "multimodal",
     },
     "models": {"attention", "distributed", "kernels", "forward_batch"},
     "distributed": {"forward_batch"},  # the commands rank 0 sends carry a step's batch
@@ -58,6 +61,8 @@ ALLOWED = {
     # kernels: bitmask, the C pass that applies masks to CPU logits; protocol: nesting_depth
     "structured": {"kernels", "protocol"},
     "speculative": set(),
+    # images: the image settings and the refusals' codes; processors: numpy and Pillow only
+    "multimodal": {"config", "protocol"},
     "kernels": set(),
     "frontend": {"client", "frontend", "structured"},  # structured.tools: calls, no torch
     # Ray Serve: rt.Engine in each replica, the gateway's handlers, the router's policy and trees

@@ -43,6 +43,15 @@ MIN_FRAME_BYTES = 4096  # a smaller frame limit would refuse ordinary requests
 REASONING_PARSER_NAMES = ("deepseek-r1", "qwen3")  # structured/reasoning.py has each one
 HICACHE_WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 ROUTER_POLICIES = ("cache-aware", "round-robin", "shortest-queue")
+# a remote image's fetch (radixrt/multimodal/images.py): vLLM's default timeout
+# (VLLM_IMAGE_FETCH_TIMEOUT), and the redirects followed, each one's host checked again
+MEDIA_FETCH_TIMEOUT_S = 5.0
+MAX_MEDIA_REDIRECTS = 3
+IMAGES_PER_PROMPT = 32  # --limit-mm-per-prompt's "image" when it names none
+# An image's smallest side: a ViT patch (14 pixels: CLIP's ViT-L/14 under LLaVA, SigLIP under
+# Gemma 3, Qwen2.5-VL's); smaller carries less than one patch, and a side of 1 or 3 is what
+# transformers' channel-axis guess takes for channels (vLLM's crash on a 1x1 image).
+MIN_IMAGE_SIDE = 14
 
 
 def is_loopback_host(host: str) -> bool:
@@ -737,6 +746,46 @@ class HttpSettings(Settings):
 
 
 @dataclass(frozen=True, kw_only=True)
+class ImageSettings(Settings):
+    """What a request's images may be, checked from their bytes and headers before any is
+    decoded (radixrt/multimodal/images.py); the names are vLLM's."""
+
+    section: ClassVar[str] = "images"
+    # fmt: off
+    limit_mm_per_prompt: str = setting(json.dumps({"image": IMAGES_PER_PROMPT}), 'the most items of each modality one request may carry, as vLLM\'s JSON (\'{"image": 4}\'; 0 refuses them): a request with more is refused (\'invalid_request\') before any is decoded. Images are the one modality served')
+    max_image_bytes: int = setting(20 << 20, "the largest image, in encoded bytes (base64 is measured before it is decoded; a remote image is cut off past it while it streams): a larger one is refused ('invalid_request')")
+    max_image_pixels: int = setting(1 << 25, f"the most pixels (width x height, read from the image's header) one image may have, about 100 MiB decoded as RGB: a larger one, a decompression bomb too, is refused ('invalid_request') before anything is allocated for it, as is one with a side under {MIN_IMAGE_SIDE}")
+    allowed_media_domains: tuple[str, ...] = setting((), f"hosts whose http:// and https:// image URLs a request may name; such an image is fetched only when every address its host resolves to is public (no private, loopback, link-local, multicast or reserved one), checked again at each of at most {MAX_MEDIA_REDIRECTS} redirects, within {MEDIA_FETCH_TIMEOUT_S:g} s and --max-image-bytes. Empty (the default): every remote URL is refused. A request's local path or file:// URL is never read", nargs="+")
+    # fmt: on
+
+    @property
+    def max_images(self) -> int:
+        """Images one request may carry: `limit_mm_per_prompt`'s "image", IMAGES_PER_PROMPT
+        when it names other modalities only (vLLM's rule; vLLM's default is 999)."""
+        try:
+            limits = json.loads(self.limit_mm_per_prompt)
+        except json.JSONDecodeError:
+            limits = None
+        if not isinstance(limits, dict) or not all(
+            isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in limits.values()
+        ):
+            raise ValueError(
+                f"limit_mm_per_prompt takes JSON like '{{\"image\": 4}}' (counts >= 0), not "
+                f"{self.limit_mm_per_prompt!r}"
+            )
+        return int(limits.get("image", IMAGES_PER_PROMPT))
+
+    def check(self) -> None:
+        _ = self.max_images  # parsed at start, so a bad --limit-mm-per-prompt is refused then
+        _at_least_one(max_image_bytes=self.max_image_bytes, max_image_pixels=self.max_image_pixels)
+        bad = [h for h in self.allowed_media_domains if not h or any(c in h for c in "/:@*")]
+        if bad:
+            raise ValueError(
+                f"allowed_media_domains takes host names (images.example.com), not {bad[0]!r}"
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
 class LoggingSettings(Settings):
     section: ClassVar[str] = "logging"
     # fmt: off
@@ -761,6 +810,7 @@ class ServerArgs(
     ServePorts,
     KeySettings,
     HttpSettings,
+    ImageSettings,
     LoggingSettings,
 ):
     """Every setting of `radixrt serve`, `rt.Engine` and `rt.Runtime`: its groups', flat."""
@@ -864,6 +914,6 @@ class SchedulerArgs(
 
 
 @dataclass(frozen=True, kw_only=True)
-class GatewaySettings(FrontSettings, HttpSettings):
+class GatewaySettings(FrontSettings, HttpSettings, ImageSettings):
     """What the HTTP gateway bounds: a body (and the frame it packs to: the runtime's
-    `max_frame_bytes`), the wait for one request, a pin's lease."""
+    `max_frame_bytes`), the wait for one request, a pin's lease, the images it decodes."""

@@ -671,9 +671,9 @@ def rss_mib(pid: int) -> float:
 
 
 def mutated_header(data, original: bytes, header: int) -> bytes:
-    """`original` (a GGUF file's bytes) with 1 to 4 mutations drawn by hypothesis's `data` in
-    its first `header` bytes (header, metadata, tensor table): a byte overwritten, a u64 set to
-    an edge value, bytes cut or inserted."""
+    """`original` (a GGUF file's bytes, an image's) with 1 to 4 mutations drawn by hypothesis's
+    `data` in its first `header` bytes (a GGUF's header, metadata and tensor table; an image's
+    headers): a byte overwritten, a u64 set to an edge value, bytes cut or inserted."""
     import struct
 
     from hypothesis import strategies as st

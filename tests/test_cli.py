@@ -15,6 +15,7 @@ from radixrt.config import (
     CacheSettings,
     FrontSettings,
     HttpSettings,
+    ImageSettings,
     LoraSettings,
     ModelSettings,
     ParallelSettings,
@@ -85,6 +86,9 @@ BAD_SETTINGS = [
     (FrontSettings, {"drain_timeout": -1.0}, "drain_timeout"),
     (HttpSettings, {"http_request_timeout": 0.0}, "http_request_timeout"),
     (HttpSettings, {"http_pin_lease": -1.0}, "http_pin_lease"),
+    (ImageSettings, {"limit_mm_per_prompt": "image=4"}, "limit_mm_per_prompt"),
+    (ImageSettings, {"max_image_pixels": 0}, "max_image_pixels"),
+    (ImageSettings, {"allowed_media_domains": ("https://a.example",)}, "allowed_media_domains"),
 ]
 
 

@@ -4,7 +4,9 @@ Paths, best first: `amx` (on CPUs with AMX-INT8 tiles whose OS grants them, Sapp
 and later: `int4_gemm`'s many-row multiplies on the tile unit, 16 weight rows by 16 activation
 rows a tile, and everything else avx512-vnni's code; the same bits out), `avx512-vnni` (the same C kernels of `int4_gemm` and `int8_gemm` with their
 integer dot products in `vpdpbusd`/`vpdpwssd`, 256 bits wide on the same 8-row panels: one
-weight layout for every path, and the same bits out as avx2's, since both sums are exact),
+weight layout for every path, and the same bits out as avx2's, since both sums are exact; the
+16-bit widths' float multiply-adds 512 bits wide, a panel's pair of inputs a vector, the same
+bits too),
 `avx-vnni` (the same source and instructions in their VEX form, for CPUs with AVX-VNNI and no
 AVX-512: Alder Lake and later client cores; it builds on any host with GCC 11+, and runs only
 where the CPU has it), `avx2` (`vpmaddubsw`/`vpmaddwd`; needs AVX2, FMA and F16C, and a C
@@ -38,8 +40,11 @@ class Isa(str, enum.Enum):
     @property
     def cflags(self) -> tuple[str, ...]:
         """The compiler flags a native path's kernels are built with, beyond `native.FLAGS`
-        (`-march=native` already names the host's; these say what the source relies on)."""
-        avx512 = ("-DVNNI", "-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512vnni")
+        (`-march=native` already names the host's; these say what the source relies on):
+        `VNNI` for the integer dot products, `AVX512` for 512-bit vectors (`int4_gemm`'s 16-bit
+        widths), which the source cannot read off `-march=native` (an avx2 build on an AVX-512
+        host has it)."""
+        avx512 = ("-DVNNI", "-DAVX512", "-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512vnni")
         if self is Isa.AMX:
             return (*avx512, "-DAMX", "-mamx-tile", "-mamx-int8")
         if self is Isa.AVX512_VNNI:

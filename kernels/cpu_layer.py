@@ -1,7 +1,8 @@
-"""A decode step's decoder layers in one native call (CPU, float32 activations, 4- or 8-bit grouped
-weights or int8 channels): per layer, norm -> qkv -> RoPE and the K/V store -> paged attention -> o and the
-residual -> norm -> gate_up -> SiLU -> down, every layer of the step inside one OpenMP parallel
-region, a barrier between stages, the scratch allocated once per step.
+"""A decode step's decoder layers in one native call (CPU, float32 activations, grouped weights of
+any `int4_gemm` width, 16-bit ones included, or int8 channels): per layer, norm -> qkv -> RoPE
+and the K/V store -> paged attention -> o and the residual -> norm -> gate_up -> SiLU -> down,
+every layer of the step inside one OpenMP parallel region, a barrier between stages, the scratch
+allocated once per step.
 
 Why: a decode step of a small model is mostly structure, not arithmetic. Per layer the Python
 path makes nine ctypes calls, about twenty `torch.empty` and as many OpenMP regions, each region
@@ -30,7 +31,7 @@ P, I = native.POINTER, native.INT64
 SIGNATURES = (("decode_layers", (P, I, P, P, P)),)
 
 
-INT8_CHANNELS = 1  # Packed.kind of an `int8_gemm.PackedInt8` (4, 5 and 8: grouped bits)
+INT8_CHANNELS = 1  # Packed.kind of an `int8_gemm.PackedInt8` (the others: `int4_gemm.Bits`)
 Weight = int4_gemm.PackedGroups | int8_gemm.PackedInt8
 
 

@@ -1,7 +1,8 @@
 """Weight-only grouped matrix multiply for the CPU (AVX2; AVX-512 VNNI): `x @ dequant(w).T + bias`, with 4-bit
 weights (`--quantization int4`, GGUF Q4_0/Q4_1/Q4_K), 4-bit indices of IQ4_NL's 16 levels (GGUF
 IQ4_NL/IQ4_XS), 5-bit ones (GGUF Q5_0/Q5_1/Q5_K), 6-bit ones (GGUF Q6_K) or 8-bit ones (GGUF Q8_0)
-in groups of 32 inputs.
+in groups of 32 inputs; and 16-bit weights, float16 or bfloat16 (GGUF F16/BF16), at their own
+size (`HALF_DTYPES`; the last paragraph).
 
 A group of 32 weights of one output row is `w = d * q + m`: q unsigned 4-bit (0..15) with a
 scale d and an offset m (asymmetric; symmetric is m = -8 d, which is how GGUF's Q4_0 reads), or
@@ -42,6 +43,17 @@ with `vpdpbusd` in two int32 chains (the instruction's latency sits in its chain
 (`--cpu-isa amx`) 16 rows and more go to the tile unit (`amx_body`): each group's products of 16
 weight rows by 16 activation rows in one `tdpbusd`, then the same float steps; fewer rows take
 the VNNI code.
+
+16-bit widths (`Bits.F16`, `Bits.BF16`): a panel's group holds its 32 inputs in 16 pairs, a
+pair its 8 rows' two weights each (32 bytes), the values as stored, and no scales: 2 bytes a
+weight, half of float32's. The kernel (`half_body`) converts them to float32 as it reads them
+(exact: `vcvtph2ps` for F16, a 16-bit shift for BF16) and multiplies the float activations, not
+quantized, in fused multiply-adds, a pair's two activations broadcast as one 64-bit word: each
+output sums its even inputs and its odd ones in two chains, in order, then adds the two and the
+bias. So a row's result does not depend on the rows computed beside it, avx2 and AVX-512 (a
+panel's pair in one 512-bit vector) give the same bits, and neither shuffles; K is any (an odd
+K's last input pairs with a zero). A decode row takes 4 panels at a time, each read once;
+prefill takes tiles of up to 6 rows.
 """
 
 from __future__ import annotations
@@ -66,6 +78,7 @@ SIGNATURES = (
     ("iq4_linear", (P,) * 8 + (I,) * 5),
     ("q8_linear", (P,) * 8 + (I,) * 5),
     ("quantize_row", (P,) * 4 + (I,) * 2),
+    ("half_linear", (P,) * 4 + (I,) * 5),
 )
 AMX_SIGNATURES = (
     ("int4_linear_amx", (P,) * 8 + (I,) * 5),
@@ -96,17 +109,25 @@ class Bits(enum.IntEnum):
     (bit k: input k's, GGUF's Q5_0 `qh`), values 0 to 31; those and 8 bytes of 2 high bits
     (`six_high`), values q - 32 in [-32, 31] with a d for each half of the group (Q6_K's
     sub-blocks of 16) and no offset; or 32 signed bytes; or (IQ4, the kernel's kind 3) 16
-    bytes of nibbles that index `IQ4_LEVELS`, IQ4_NL's, with no offset."""
+    bytes of nibbles that index `IQ4_LEVELS`, IQ4_NL's, with no offset; or (F16 and BF16, the
+    kernel's kinds 16 and 17) the 32 weights themselves, 2 bytes each, no scale."""
 
     IQ4 = 3
     INT4 = 4
     INT5 = 5
     INT6 = 6
     INT8 = 8
+    F16 = 16
+    BF16 = 17
 
     @property
     def group_bytes(self) -> int:
-        return GROUP * (4 if self == Bits.IQ4 else int(self)) // 8
+        stored = 4 if self == Bits.IQ4 else 16 if self in HALF_DTYPES else int(self)
+        return GROUP * stored // 8
+
+
+# the 16-bit widths: their weights' own dtypes
+HALF_DTYPES = {Bits.F16: torch.float16, Bits.BF16: torch.bfloat16}
 
 
 # llama.cpp's kvalues_iq4nl: the 16 int8 levels an IQ4_NL or IQ4_XS nibble stands for
@@ -155,12 +176,13 @@ class PackedGroups:
     """A weight [N, K] as panels of 8 rows interleaved by lane (the module's docstring), with
     each panel's float16 scales and, for asymmetric groups (`offsets`), offsets; the symmetric
     forms (8-bit groups, Q4_0's 4-bit ones) imply theirs (`implied_offsets`) and read 2 bytes a
-    group less. The kernel's arguments that never change are read once here rather than on
-    every call. Built by `quantize` (from float weights) or `from_blocks` (GGUF's blocks, as
-    stored)."""
+    group less; the 16-bit widths have none. The kernel's arguments that never change are read
+    once here rather than on every call. Built by `quantize` (from float weights),
+    `from_blocks` (GGUF's blocks, as stored) or `from_halves` (16-bit weights, as stored)."""
 
     tiles: torch.Tensor  # uint8 [ceil(N/8), G, 8 * group bytes], G = ceil(K/32)
-    scales: torch.Tensor  # float16 [ceil(N/8), G, 16]: the 8 rows' d, then their m (or 8: d)
+    # float16 [ceil(N/8), G, 16]: the 8 rows' d, then their m (or 8: d; 0: a 16-bit width)
+    scales: torch.Tensor
     out_features: int
     in_features: int
     bits: Bits
@@ -171,11 +193,16 @@ class PackedGroups:
 
     def __post_init__(self) -> None:
         assert self.tiles.is_contiguous() and self.scales.is_contiguous()
-        assert self.scales.shape[2] in (PANEL, 2 * PANEL)
+        assert self.scales.shape[2] in ((0,) if self.half else (PANEL, 2 * PANEL))
         self.groups = self.tiles.shape[1]
         # 6-bit groups' second 8 scales are their second halves' d, not offsets
         self.offsets = self.scales.shape[2] == 2 * PANEL and self.bits != Bits.INT6
         self.tiles_ptr, self.scales_ptr = self.tiles.data_ptr(), self.scales.data_ptr()
+
+    @property
+    def half(self) -> bool:
+        """Whether the weights are 16-bit (`HALF_DTYPES`), not groups of integers."""
+        return self.bits in HALF_DTYPES
 
     @property
     def nbytes(self) -> int:
@@ -198,6 +225,8 @@ class PackedGroups:
         result is the same as in one pass). On the CPU, wherever `weight` lies."""
         if bits in (Bits.IQ4, Bits.INT5, Bits.INT6):
             raise ValueError(f"{int(bits)}-bit groups come from GGUF's blocks (from_blocks)")
+        if bits in HALF_DTYPES:
+            raise ValueError(f"{bits.name} weights are packed as stored (from_halves)")
         n, k = weight.shape
         groups = -(-k // GROUP)
         width = 2 * PANEL if bits == Bits.INT4 and not symmetric else PANEL
@@ -243,6 +272,27 @@ class PackedGroups:
             bits,
         )
 
+    @classmethod
+    def from_halves(cls, weight: torch.Tensor) -> PackedGroups:
+        """A float16 or bfloat16 weight [N, K] (F16 or BF16 by its dtype) in panels of pairs of
+        inputs (the module's docstring), its values moved, never converted; zeros past N and K.
+        Rows are laid out `QUANTIZE_BYTES` at a time, straight into the result: a load holds the
+        weight, its panels and no more than that of temporaries."""
+        bits = {dtype: bits for bits, dtype in HALF_DTYPES.items()}[weight.dtype]
+        n, k = weight.shape
+        groups = -(-k // GROUP)
+        kp = groups * GROUP
+        panels = torch.empty(-(-n // PANEL), kp // 2, PANEL, 2, dtype=weight.dtype)
+        step = max(1, QUANTIZE_BYTES // (kp * 2 * PANEL)) * PANEL
+        for start in range(0, n, step):
+            part = weight[start : start + step]
+            rows = torch.zeros(-(-len(part) // PANEL) * PANEL, kp, dtype=weight.dtype)
+            rows[: len(part), :k] = part
+            at = start // PANEL
+            panels[at : at + len(rows) // PANEL] = rows.view(-1, PANEL, kp // 2, 2).transpose(1, 2)
+        tiles = panels.view(torch.uint8).view(len(panels), groups, -1)
+        return cls(tiles, torch.empty(len(panels), groups, 0, dtype=torch.float16), n, k, bits)
+
     def blocks(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """`from_blocks`' inverse: q uint8 [N, G, group bytes] (GGUF's order), d and m float16
         [N, G] (m implied where not stored: `implied_offsets`; 6-bit groups: d [N, G, 2])."""
@@ -256,11 +306,18 @@ class PackedGroups:
 
     def dequantize(self) -> torch.Tensor:
         """The float32 weight [N, K] this stands for."""
+        if self.half:
+            panels = self._halves()
+            whole = panels.transpose(1, 2).reshape(len(panels) * PANEL, -1)
+            return whole[: self.out_features, : self.in_features].float()
         return self._floats(*self.blocks())
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` (int64 [M], each in [0, N)) of the float32 weight, [M, K]: the same values
         as `dequantize()[ids]`, from those rows' blocks alone (an embedding table kept packed)."""
+        if self.half:
+            pairs = self._halves()[ids // PANEL, :, ids % PANEL]  # [M, Kp / 2, 2]
+            return pairs.reshape(len(ids), -1)[:, : self.in_features].float()
         panels, groups = self.tiles.shape[:2]
         panel, lane = ids // PANEL, ids % PANEL
         q = self.tiles.view(panels, groups, -1, PANEL, 4)[panel, :, :, lane]
@@ -268,6 +325,11 @@ class PackedGroups:
         sc = self.scales.view(panels, groups, kinds, PANEL)[panel, :, :, lane]
         q = q.reshape(len(ids), groups, self.bits.group_bytes)
         return self._floats(q, *self._scales_of(sc))
+
+    def _halves(self) -> torch.Tensor:
+        """A 16-bit width's panels [ceil(N/8), G * 16, 8, 2] (pairs of inputs by rows) in its
+        dtype: a view of `tiles`."""
+        return self.tiles.view(HALF_DTYPES[self.bits]).view(len(self.tiles), -1, PANEL, 2)
 
     def _scales_of(self, sc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """d and m of scales sc [..., 1 or 2] (d, then m where stored; m implied where not;
@@ -374,13 +436,26 @@ def grouped_linear(
     x = x.contiguous()
     m, groups = x.shape[0], w.groups
     lib = native.built(_library(isa))
+    out = torch.empty(m, w.out_features, dtype=torch.float32)
+    if w.half:  # no scratch: the activations stay float
+        lib.half_linear(
+            x.data_ptr(),
+            w.tiles_ptr,
+            None if bias is None else bias.data_ptr(),
+            out.data_ptr(),
+            m,
+            w.out_features,
+            w.in_features,
+            groups * GROUP,
+            int(w.bits),
+        )
+        return out
     # 6-bit groups have no AMX path: int6_linear is its VNNI code there
     amx = isa is cpu_isa.Isa.AMX and m >= AMX_MIN_ROWS and w.bits != Bits.INT6
     rows = -(-m // 16) * 16 if amx else m  # the tile unit reads activations 16 rows at a time
     a = torch.empty(rows, groups * GROUP, dtype=torch.int8)
     xs = torch.empty(rows, groups, dtype=torch.float32)
     xsum = torch.empty(rows, groups, dtype=torch.float32)
-    out = torch.empty(m, w.out_features, dtype=torch.float32)
     if w.bits == Bits.INT4:
         run = lib.int4_linear_amx if amx else lib.int4_linear
     elif w.bits == Bits.INT5:

@@ -6,8 +6,9 @@
 #include "cpu_fused.c"
 
 /* A linear's packed weight: N outputs, K inputs in G groups of 32 (padded), and its kind: 4, 5, 6,
-   8 or IQ4 (3) for `int4_gemm.PackedGroups` (float16 scales, and offsets where `offs`),
-   INT8_CHANNELS for `int8_gemm.PackedInt8` (float32 scales, one per output). */
+   8 or IQ4 (3) for `int4_gemm.PackedGroups` (float16 scales, and offsets where `offs`), F16 (16)
+   or BF16 (17) for its 16-bit widths (no scales), INT8_CHANNELS for `int8_gemm.PackedInt8`
+   (float32 scales, one per output). */
 #define INT8_CHANNELS 1
 typedef struct {
     const void *w;
@@ -55,6 +56,10 @@ static inline void linear(const Packed *p, const float *x, float *out, const Ste
         GROUPED(8, 1);
     else if (p->kind == 8)
         GROUPED(8, 0);
+    else if (p->kind == F16)
+        half_body(x, p->w, 0, out, s->T, p->N, p->K, p->G * GROUP, F16);
+    else if (p->kind == BF16)
+        half_body(x, p->w, 0, out, s->T, p->N, p->K, p->G * GROUP, BF16);
     else
         int8_body(x, (int16_t *)s->a, s->xs, p->w, p->sc, 0, out, s->T, p->N, p->K, p->G * 32);
 #pragma omp barrier

@@ -288,6 +288,145 @@ static inline AI void linear_body(const float *x, int8_t *a, float *xs, float *x
     }
 }
 
+/* 16-bit widths (`Bits.F16`, `Bits.BF16`; kinds 16 and 17): a panel's group holds its 32 inputs
+   in 16 pairs (2i, 2i + 1), a pair its 8 rows' two weights each, row after row (32 bytes), as
+   the file stores them and with no scales. A vector of 16 (AVX-512: one; AVX2: two of 8) becomes
+   float32 as it is read (F16 by `vcvtph2ps`; BF16, float32's top half, by a 16-bit shift: both
+   exact) and meets the pair's two activations, broadcast as one 64-bit word, in a fused
+   multiply-add: lane 2j sums row j's even inputs, lane 2j + 1 its odd ones, in order, from zero;
+   the output is their sum, then its bias. No shuffle anywhere, two chains an output, and its
+   bits depend on neither the rows computed beside it, nor the tile, nor the path (AVX2 and
+   AVX-512 do the same operations lane by lane). An odd K's last input pairs with a zero. */
+#define F16 16
+#define BF16 17
+#define HALF_MR 6   /* activation rows of a register tile, at most */
+#define HALF_QUAD 4 /* panels a thread takes at a time */
+
+/* half_load: vector v of the pair at w, as float32; half_pair: a pair's two activations (one
+   64-bit word) in every pair of lanes. */
+#ifdef AVX512
+/* AVX-512 (`-DAVX512`: the avx512-vnni and amx paths): a panel's pair is one vector */
+#define HALF_VECS 1
+typedef __m512 hvec;
+#define hzero _mm512_setzero_ps
+#define hfmadd _mm512_fmadd_ps
+#define hstoreu _mm512_storeu_ps
+static inline AI hvec half_load(const uint16_t *w, int v, const int kind) {
+    (void)v;
+    const __m256i h = _mm256_loadu_si256((const __m256i *)w);
+    return kind == F16 ? _mm512_cvtph_ps(h)
+                       : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+static inline AI hvec half_pair(double pair) {
+    return _mm512_castpd_ps(_mm512_set1_pd(pair));
+}
+#else
+/* AVX2: a panel's pair is two vectors, rows 0-3 and rows 4-7 */
+#define HALF_VECS 2
+typedef __m256 hvec;
+#define hzero _mm256_setzero_ps
+#define hfmadd _mm256_fmadd_ps
+#define hstoreu _mm256_storeu_ps
+static inline AI hvec half_load(const uint16_t *w, int v, const int kind) {
+    const __m128i h = _mm_loadu_si128((const __m128i *)(w + 8 * v));
+    return kind == F16 ? _mm256_cvtph_ps(h)
+                       : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+static inline AI hvec half_pair(double pair) {
+    return _mm256_castpd_ps(_mm256_set1_pd(pair));
+}
+#endif
+
+/* Inputs k and k + 1 (`last`: k alone, the last of an odd K, its partner zero) of MT rows of x
+   [., K] against NP panels from panel p (w: [panels, Kp / 2, 8, 2] uint16), into acc. */
+static inline AI void half_step(hvec acc[HALF_MR][HALF_QUAD][HALF_VECS], const float *x, int64_t K,
+                                const uint16_t *w, int64_t Kp, int64_t p, int64_t k, const int MT,
+                                const int NP, const int last, const int kind) {
+    for (int q = 0; q < NP; q++) {
+        const uint16_t *pair = w + (p + q) * Kp * PANEL + k * PANEL;
+        hvec wv[HALF_VECS];
+        for (int v = 0; v < HALF_VECS; v++) wv[v] = half_load(pair, v, kind);
+        for (int i = 0; i < MT; i++) {
+            const float two[2] = {x[i * K + k], last ? 0.0f : x[i * K + k + 1]};
+            double word;
+            memcpy(&word, two, sizeof word);
+            const hvec a = half_pair(word);
+            for (int v = 0; v < HALF_VECS; v++) acc[i][q][v] = hfmadd(a, wv[v], acc[i][q][v]);
+        }
+    }
+}
+
+/* MT rows of x [., K] against NP panels from panel p (every one exists): out[i, n], the bias
+   added, for the n < N they hold. */
+static inline AI void half_tile(const float *x, int64_t K, const uint16_t *w, int64_t Kp, int64_t p,
+                                const float *bias, float *out, int64_t N, const int MT,
+                                const int NP, const int kind) {
+    hvec acc[HALF_MR][HALF_QUAD][HALF_VECS];
+    for (int i = 0; i < MT; i++)
+        for (int q = 0; q < NP; q++)
+            for (int v = 0; v < HALF_VECS; v++) acc[i][q][v] = hzero();
+    int64_t k = 0;
+    for (; k + 2 <= K; k += 2) half_step(acc, x, K, w, Kp, p, k, MT, NP, 0, kind);
+    if (k < K) half_step(acc, x, K, w, Kp, p, k, MT, NP, 1, kind);
+    for (int i = 0; i < MT; i++) {
+        for (int q = 0; q < NP; q++) {
+            float sums[2 * PANEL];
+            for (int v = 0; v < HALF_VECS; v++) hstoreu(sums + v * 16 / HALF_VECS, acc[i][q][v]);
+            const int64_t n0 = (p + q) * PANEL;
+            for (int64_t j = 0; j < PANEL && n0 + j < N; j++) {
+                const float sum = sums[2 * j] + sums[2 * j + 1];
+                out[i * N + n0 + j] = bias ? sum + bias[n0 + j] : sum;
+            }
+        }
+    }
+}
+
+/* MT rows against the HALF_QUAD panels from panel p that exist, NP at a time: as many as the
+   registers hold sums of (AVX2's 16: 4 panels of 1 row, 2 of 2, 1 of 3 to 6; AVX-512's 32: 4 of
+   up to 6), so that a decode row keeps several chains in flight (AVX2: 8 vectors). */
+static inline AI void half_rows(const float *x, int64_t K, const uint16_t *w, int64_t Kp,
+                                int64_t panels, int64_t p, const float *bias, float *out, int64_t N,
+                                const int MT, const int kind) {
+    const int NP = HALF_VECS == 1 || MT == 1 ? 4 : MT == 2 ? 2 : 1;
+    for (int64_t q = p; q < p + HALF_QUAD && q < panels; q += NP) {
+        if (q + NP <= panels) {
+            half_tile(x, K, w, Kp, q, bias, out, N, MT, NP, kind);
+        } else {
+            for (int64_t r = q; r < panels; r++)
+                half_tile(x, K, w, Kp, r, bias, out, N, MT, 1, kind);
+        }
+    }
+}
+
+/* out [M, N] = x @ w.T + bias, x [M, K] float, w 16-bit [ceil(N/8), Kp / 2, 8, 2] (`kind` F16 or
+   BF16). Called by every thread of one parallel region, like linear_body: blocks of rows that
+   stay in L2, each walked past every HALF_QUAD panels (shared out over the threads), HALF_MR rows
+   at a time; no barrier after. */
+static inline AI void half_body(const float *x, const uint16_t *w, const float *bias, float *out,
+                                int64_t M, int64_t N, int64_t K, int64_t Kp, const int kind) {
+    const int64_t panels = (N + PANEL - 1) / PANEL, quads = (panels + HALF_QUAD - 1) / HALF_QUAD;
+    int64_t rows = BLOCK_BYTES / (4 * K) / HALF_MR * HALF_MR;
+    rows = rows < HALF_MR ? HALF_MR : rows;
+    for (int64_t m0 = 0; m0 < M; m0 += rows) {
+        const int64_t m1 = m0 + rows < M ? m0 + rows : M;
+#pragma omp for schedule(static) nowait
+        for (int64_t t = 0; t < quads; t++) {
+#define HALF_ROWS(m, n) \
+    half_rows(x + (m) * K, K, w, Kp, panels, t * HALF_QUAD, bias, out + (m) * N, N, n, kind)
+            int64_t m = m0;
+            for (; m + HALF_MR <= m1; m += HALF_MR) HALF_ROWS(m, HALF_MR);
+            switch (m1 - m) {
+            case 1: HALF_ROWS(m, 1); break;
+            case 2: HALF_ROWS(m, 2); break;
+            case 3: HALF_ROWS(m, 3); break;
+            case 4: HALF_ROWS(m, 4); break;
+            case 5: HALF_ROWS(m, 5); break;
+            }
+#undef HALF_ROWS
+        }
+    }
+}
+
 #ifdef AMX
 /* AMX (`--cpu-isa amx`), for many rows: the same panels and quantized rows, each group's products
    summed by the tile unit, 16 activation rows by 16 weight rows (two panels) a `tdpbsud` (signed
@@ -564,4 +703,16 @@ void q8_linear(const float *x, int8_t *a, float *xs, float *xsum, const uint8_t 
                int64_t G, int64_t offs) {
 #pragma omp parallel
     GROUPED_BODY(8, offs);
+}
+
+/* 16-bit widths (`half_body`): `kind` F16 or BF16, Kp the padded inputs of a panel. */
+void half_linear(const float *x, const uint16_t *w, const float *bias, float *out, int64_t M,
+                 int64_t N, int64_t K, int64_t Kp, int64_t kind) {
+#pragma omp parallel
+    {
+        if (kind == F16)
+            half_body(x, w, bias, out, M, N, K, Kp, F16);
+        else
+            half_body(x, w, bias, out, M, N, K, Kp, BF16);
+    }
 }

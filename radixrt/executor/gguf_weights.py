@@ -1,6 +1,6 @@
-"""A GGUF file's quantized linears read straight into the grouped kernel's packed layout
-(`kernels/int4_gemm.py`, groups of 32): serving them holds no float32 copy of those weights
-(`--quantization gguf`, and `int4` on a GGUF model).
+"""A GGUF file's quantized and 16-bit linears read straight into the grouped kernel's packed
+layout (`kernels/int4_gemm.py`, groups of 32): serving them holds no float32 copy of those
+weights (`--quantization gguf`, and `int4` on a GGUF model, which takes the quantized ones only).
 
 GGUF stores a linear [N, K] as N rows of blocks:
 - Q4_0: per 32, a float16 scale d and 16 bytes of nibbles (w = d (q - 8)); Q4_1 adds an offset
@@ -24,10 +24,16 @@ GGUF stores a linear [N, K] as N rows of blocks:
 - IQ4_NL (per 32: d and 16 bytes of indices into 16 non-uniform int8 levels) and IQ4_XS (per
   256: d, a 6-bit scale per 32, the indices): IQ4 groups, the indices as stored, d (times the
   sub-block's scale - 32, rounded once to float16, for IQ4_XS).
+- F16 and BF16 (a converter's `--outtype f16`/`bf16`, or what llama-quantize keeps at 16 bits
+  beside quantized tensors): the 16-bit widths, 2 bytes a weight, the values moved into panels
+  as stored, never converted; on the CPU and under `gguf` only (`plan`'s `halves`: `int4`
+  quantizes them, and a GPU's float linears are 16-bit in its own dtype already).
 Tensors stacked into one linear (q/k/v, gate/up) share a width, the widest: 4-bit ones become
 5-bit exactly (a file's Q4_K q and k beside a Q5_0 v); beside an 8-bit one (a Q8_0 v), or a
 6-bit one beside others (a Q4_K_M file's Q6_K v beside Q4_K q and k), every part becomes 8-bit
-groups by Q8_0's rule (at most half an 8-bit step, 1/254 of a group's largest magnitude). llama.cpp's
+groups by Q8_0's rule (at most half an 8-bit step, 1/254 of a group's largest magnitude). A 16-bit
+tensor stacks only with tensors of its own type: no width holds its values and a quantized
+group's (or the other 16-bit type's) exactly, so such a mix stays float, as before. llama.cpp's
 converter reorders the rows of a Llama's q and k projections (the two halves of each
 head's rotary pairs interleaved); `_unpermute` puts them back, as transformers does when it
 dequantizes.
@@ -50,6 +56,7 @@ from radixrt.executor.model_loader import SafetensorsWriter, read_into
 from radixrt.kernels import int4_gemm
 from radixrt.kernels.int4_gemm import (
     GROUP,
+    HALF_DTYPES,
     Bits,
     PackedGroups,
     implied_offsets,
@@ -61,7 +68,7 @@ from radixrt.models.linear import EMBEDDING
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-# GGUF type name -> the width of the groups its blocks become
+# GGUF type name -> the width of the groups its blocks (or 16-bit values) become
 PACKED_TYPES = {
     "Q4_0": Bits.INT4,
     "Q4_1": Bits.INT4,
@@ -75,6 +82,8 @@ PACKED_TYPES = {
     "Q2_K": Bits.INT8,
     "IQ4_NL": Bits.IQ4,
     "IQ4_XS": Bits.IQ4,
+    "F16": Bits.F16,
+    "BF16": Bits.BF16,
 }
 SUPER = 256  # values in a K-quant super-block
 Q4_K_BYTES = 144  # d, dmin (float16), 12 bytes of 6-bit scales and mins, 128 of nibbles
@@ -155,9 +164,10 @@ class GGUFPlan:
         return frozenset(names)
 
 
-def plan(path: Path, config: PretrainedConfig) -> GGUFPlan:
+def plan(path: Path, config: PretrainedConfig, halves: bool = True) -> GGUFPlan:
     """Which linears of a model of `ARCHITECTURES` (fused q/k/v and gate/up, as `models/layers.py`
-    builds them) `path` holds in packed types; none for an architecture it cannot map."""
+    builds them) `path` holds in packed types (the 16-bit ones only with `halves`); none for an
+    architecture it cannot map."""
     header = gguf_file.read(path)
     arch = header.architecture
     if arch not in ARCHITECTURES:
@@ -196,7 +206,9 @@ def plan(path: Path, config: PretrainedConfig) -> GGUFPlan:
     if not getattr(config, "tie_word_embeddings", False):  # tied, it is the output projection's
         wanted[EMBEDDING] = [Part("token_embd.weight")]
     linears = {
-        m: parts for m, parts in wanted.items() if _packable([types.get(p.name) for p in parts])
+        m: parts
+        for m, parts in wanted.items()
+        if _packable([types.get(p.name) for p in parts], halves)
     }
     return GGUFPlan(header, linears, tensors)
 
@@ -261,15 +273,27 @@ def _read_cache(cache: Path) -> dict[str, PackedGroups]:
     return packed
 
 
+def _raw(tensor: TensorInfo) -> torch.Tensor:
+    """A tensor's bytes as the file stores them, uint8 [n_bytes]."""
+    raw = torch.empty(tensor.n_bytes, dtype=torch.uint8)
+    with open(tensor.path, "rb", buffering=0) as f:
+        read_into(f.fileno(), raw, tensor.offset, f.name)
+    return raw
+
+
+def _half_rows(tensor: TensorInfo) -> torch.Tensor:
+    """An F16 or BF16 tensor's rows [N, K] in its dtype, as stored."""
+    k, n = tensor.shape
+    return _raw(tensor).view(HALF_DTYPES[PACKED_TYPES[tensor.kind.name]]).view(n, k)
+
+
 def blocks(tensor: TensorInfo) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, Bits]:
     """A packed-type GGUF tensor's rows as groups of 32: values [N, G, group bytes] (nibbles in
     Q4_0's order, or int8 viewed as uint8), d and m float16 [N, G] (m None for the symmetric
     forms, Q4_0 and 8-bit groups: their offsets are implied; 6-bit groups: d [N, G, 2], each
     half's), and their width. Super-blocks are converted `CONVERT_BYTES` at a time."""
     kind = tensor.kind.name
-    raw = torch.empty(tensor.n_bytes, dtype=torch.uint8)
-    with open(tensor.path, "rb", buffering=0) as f:
-        read_into(f.fileno(), raw, tensor.offset, f.name)
+    raw = _raw(tensor)
     k, n = tensor.shape
     bits = PACKED_TYPES[kind]
     if kind in SUPER_BLOCKS:
@@ -438,9 +462,14 @@ def _stack(tensors: list[TensorInfo], parts: list[Part]) -> PackedGroups:
     """Several tensors' rows, one after the other, as one packed weight of the widest width
     (the module's docstring: 4-bit beside 5-bit widens exactly, any other mix to 8-bit groups).
     A tensor alone, in its own order (the output projection, the embedding: the largest), is
-    not copied on the way (each copy of the largest is the load's peak)."""
+    not copied on the way (each copy of the largest is the load's peak). 16-bit tensors stack
+    only with their own type (`_packable`)."""
     k = tensors[0].shape[0]
     widths = {PACKED_TYPES[t.kind.name] for t in tensors}
+    if widths & HALF_DTYPES.keys():
+        rows = [_half_rows(t) for t in tensors]
+        rows = [r[_unpermute(len(r), p.heads)] if p.heads else r for r, p in zip(rows, parts)]
+        return PackedGroups.from_halves(_joined(rows))
     if len(widths) == 1:
         bits = widths.pop()
     elif widths == {Bits.INT4, Bits.INT5}:  # 4-bit groups become 5-bit exactly
@@ -483,9 +512,15 @@ def _widened(
     return q8.view(torch.uint8), d8, None
 
 
-def _packable(kinds: list[str | None]) -> bool:
-    """Whether tensors of these GGUF types stack into one packed weight: all of packed types."""
-    return all(k in PACKED_TYPES for k in kinds)
+def _packable(kinds: list[str | None], halves: bool) -> bool:
+    """Whether tensors of these GGUF types stack into one packed weight: all of quantized packed
+    types, or, with `halves`, all of one 16-bit type (the module's docstring)."""
+    widths = {PACKED_TYPES.get(k or "") for k in kinds}
+    if None in widths:
+        return False
+    if widths & HALF_DTYPES.keys():
+        return halves and len(widths) == 1
+    return True
 
 
 def _unpermute(rows: int, heads: int) -> torch.Tensor:

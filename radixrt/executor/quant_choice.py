@@ -2,12 +2,13 @@
 both).
 
 `auto`, the default, serves a model given as a GGUF file (`--model default` or a `.gguf` path)
-the way it is stored: its quantized linears packed (`gguf`), never dequantized to float first,
-wherever that path runs (one rank, the CPU's kernels or a CUDA GPU, no fixed-order mode). Every
-other model, and a GGUF where packing cannot run, is served as its checkpoint says: float, or the
-checkpoint's own `quantization_config`. A converted model folder is a float checkpoint: given by
-its path, it stays float. `none` (and None, the Python API's spelling) always serves float
-linears; `int8`, `int4` and `gguf` are taken as asked, or refused where they cannot run.
+the way it is stored: its quantized linears packed (`gguf`), and on a CPU its F16/BF16 ones at 2
+bytes a weight, never dequantized to float first, wherever that path runs (one rank, the CPU's
+kernels or a CUDA GPU, no fixed-order mode). Every other model, and a GGUF where packing cannot
+run, is served as its checkpoint says: float, or the checkpoint's own `quantization_config`. A
+converted model folder is a float checkpoint: given by its path, it stays float. `none` (and
+None, the Python API's spelling) always serves float linears; `int8`, `int4` and `gguf` are
+taken as asked, or refused where they cannot run.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 
 from radixrt.executor import gguf_weights
 from radixrt.kernels.cpu_isa import Isa
+from radixrt.kernels.int4_gemm import HALF_DTYPES
 from radixrt.models.linear import check_quantization
 
 if TYPE_CHECKING:
@@ -60,24 +62,44 @@ def choose(requested: str | None, ground: Ground, config: PretrainedConfig) -> Q
     if requested in (None, "none"):
         return QuantChoice(None, "--quantization none: float linears")
     plan = _plan(requested, ground, config)
-    return QuantChoice(requested, f"--quantization {requested}", plan)
+    stored = f" ({_stored(plan)})" if plan is not None and plan.linears else ""
+    return QuantChoice(requested, f"--quantization {requested}{stored}", plan)
 
 
 def _plan(name: str, ground: Ground, config: PretrainedConfig) -> gguf_weights.GGUFPlan | None:
     """The linears to take packed from the GGUF file the model came from: under `gguf` (which
-    needs one), and under `int4` where there is one (else int4 quantizes the float weights).
-    One rank only: the packed rows are not cut into shards."""
+    needs one), and under `int4` where there is one (else int4 quantizes the float weights). The
+    16-bit ones under `gguf` on a CPU only: `int4` quantizes them, and on a GPU, whose Triton
+    kernel reads quantized groups only, float linears are 16-bit in the run's dtype already. One
+    rank only: the packed rows are not cut into shards."""
     source = ground.source
     if name == "gguf" and (source is None or ground.tp_size > 1):
         raise ValueError("--quantization gguf needs a GGUF model (default, a .gguf path), tp 1")
     if name not in ("int4", "gguf") or source is None or ground.tp_size > 1:
         return None
-    packed = gguf_weights.plan(source, config)
+    halves = name == "gguf" and ground.compute_device.type == "cpu"
+    packed = gguf_weights.plan(source, config, halves)
     if name == "gguf" and not packed.linears:
-        kinds = "/".join(gguf_weights.PACKED_TYPES)
+        kinds = "/".join(
+            kind
+            for kind, bits in gguf_weights.PACKED_TYPES.items()
+            if halves or bits not in HALF_DTYPES
+        )
         families = "/".join(gguf_weights.ARCHITECTURES)
         raise ValueError(f"{source} has no {kinds} linears of a {families} model")
     return packed
+
+
+def _stored(plan: gguf_weights.GGUFPlan) -> str:
+    """The GGUF types its planned linears are held in, for the reason: the quantized ones
+    packed, the 16-bit ones at 16 bits a weight."""
+    kinds = {plan.tensors[p.name].kind.name for parts in plan.linears.values() for p in parts}
+    halves = sorted(k for k in kinds if gguf_weights.PACKED_TYPES[k] in HALF_DTYPES)
+    packed = sorted(kinds.difference(halves))
+    held = [f"{'/'.join(packed)} packed"] if packed else []
+    if halves:
+        held.append(f"{'/'.join(halves)} at 16 bits a weight")
+    return "; ".join(held)
 
 
 def _auto(ground: Ground, config: PretrainedConfig) -> QuantChoice:
@@ -90,7 +112,9 @@ def _auto(ground: Ground, config: PretrainedConfig) -> QuantChoice:
         except ValueError as e:
             why_not = str(e)
         else:
-            return QuantChoice("gguf", "auto: the GGUF file's quantized linears, as stored", plan)
+            assert plan is not None  # `gguf` plans, or refuses
+            reason = f"auto: the GGUF file's linears, as stored ({_stored(plan)})"
+            return QuantChoice("gguf", reason, plan)
     if ground.prequantized:
         return QuantChoice(None, "auto: the checkpoint's own quantization")
     return QuantChoice(None, f"auto: float linears ({why_not})")

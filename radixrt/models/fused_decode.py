@@ -3,7 +3,7 @@
 A model qualifies once, at its first step: the attention decoder's layer (`decoder.py`) as the
 per-op path runs it (RMSNorms,
 RoPE over whole heads, SiLU, no q/k norms, sandwich norms, experts, soft-caps, sliding windows,
-query, key, residual or MLP scaling), on one rank, float32 on the CPU, its four linears a layer grouped 4- or 8-bit
+query, key, residual or MLP scaling), on one rank, float32 on the CPU, its four linears a layer grouped (4 to 16-bit)
 weights or int8 channels on a native `--cpu-isa` path with no bias, input permutation or
 adapter, and a float32 KV pool read in place. A step qualifies when every row attends as a
 decode row with no shared prefix split off (`TorchMetadata`): one stream, or several without a

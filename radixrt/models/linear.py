@@ -1,7 +1,7 @@
 """CPU replacements for `nn.Linear`, packed as the loader reads each weight (`LinearPacking`):
 float32 weights prepacked for oneDNN (the default), weight-only int8 (`--quantization int8`) and
-grouped 4- or 8-bit weights (`--quantization int4`, and GGUF's Q4_0/Q4_1/Q8_0 blocks kept
-packed: `gguf`). On a CUDA GPU the quantized ones hold the same packed tensors, moved to the
+grouped weights (`--quantization int4`, and a GGUF's blocks kept packed at their own widths,
+4 to 8 bits, or its F16/BF16 values at 16: `gguf`). On a CUDA GPU the quantized ones hold the same packed tensors, moved to the
 device, and multiply them with the Triton kernel `kernels/packed_gemm.py` (isa None); its float
 linears stay `nn.Linear`.
 
@@ -108,7 +108,7 @@ class Int8Linear(nn.Module):
 
 
 class GroupedLinear(nn.Module):
-    """Weight-only 4- or 8-bit groups of 32 inputs (`int4_gemm.PackedGroups`); activations stay
+    """Weight-only groups of 32 inputs (`int4_gemm.PackedGroups`, 4 to 16 bits); activations stay
     float. Built from float weights (`quantize`, asymmetric), from GGUF blocks or from a
     pre-quantized checkpoint's groups as stored (`models/quantized.py`). `perm`: the order the
     weight takes its inputs in (GPTQ's act-order: sorted by group), gathered from the

@@ -1,8 +1,9 @@
 """Weight-only grouped matrix multiply for the CPU (AVX2; AVX-512 VNNI): `x @ dequant(w).T + bias`, with 4-bit
 weights (`--quantization int4`, GGUF Q4_0/Q4_1/Q4_K), 4-bit indices of IQ4_NL's 16 levels (GGUF
 IQ4_NL/IQ4_XS), 5-bit ones (GGUF Q5_0/Q5_1/Q5_K), 6-bit ones (GGUF Q6_K) or 8-bit ones (GGUF Q8_0)
-in groups of 32 inputs; and 16-bit weights, float16 or bfloat16 (GGUF F16/BF16), at their own
-size (`HALF_DTYPES`; the last paragraph).
+in groups of 32 inputs; 3-bit and 2-bit ones with an integer scale for each half (GGUF
+Q3_K/Q2_K, `SUB_SCALED`; the paragraph before the last); and 16-bit weights, float16 or
+bfloat16 (GGUF F16/BF16), at their own size (`HALF_DTYPES`; the last paragraph).
 
 A group of 32 weights of one output row is `w = d * q + m`: q unsigned 4-bit (0..15) with a
 scale d and an offset m (asymmetric; symmetric is m = -8 d, which is how GGUF's Q4_0 reads), or
@@ -44,6 +45,19 @@ with `vpdpbusd` in two int32 chains (the instruction's latency sits in its chain
 weight rows by 16 activation rows in one `tdpbusd`, then the same float steps; fewer rows take
 the VNNI code.
 
+Sub-scaled widths (`Bits.INT3`, `Bits.INT2`: GGUF's Q3_K and Q2_K, whose sub-blocks of 16 each
+scale the super-block's d by a small integer): a panel's group is 2 vectors of 2-bit fields
+(vector h's lane j: row j's half h, byte b holding inputs b, 4 + b, 8 + b, 12 + b of the half at
+bits 0-1, 2-3, 4-5, 6-7, as `six_high`), and for INT3 a vector of high bits (`three_high`);
+beside the panel's d (and INT2's dmin), each row's two scale bytes as stored: 4 bits a weight
+for INT3 (Q3_K: 3.44), 3.5 for INT2 (Q2_K: 2.625). One shift and mask unpacks vector q; INT3's
+values are signed (q - 4) and take the sign path. Each half's integer sum (at most 16 * 4 * 127:
+int16) meets its row's integer scale in one `vpmaddwd`, exact, and the group's float scales
+apply once: (sc0 s0 + sc1 s1) d xs, less INT2's (mn0 a0 + mn1 a1) dmin xs, a0 and a1 the
+quantized activations' integer sums over the halves (`vpsadbw`). Every path sums the same
+integers, so avx2 and AVX-512 give the same bits, each row alone; the AMX path takes their
+VNNI code. The values are gguf's dequantization bit for bit (d (sc q) is d sc q exactly).
+
 16-bit widths (`Bits.F16`, `Bits.BF16`): a panel's group holds its 32 inputs in 16 pairs, a
 pair its 8 rows' two weights each (32 bytes), the values as stored, and no scales: 2 bytes a
 weight, half of float32's. The kernel (`half_body`) converts them to float32 as it reads them
@@ -75,6 +89,8 @@ SIGNATURES = (
     ("int4_linear", (P,) * 8 + (I,) * 5),
     ("int5_linear", (P,) * 8 + (I,) * 5),
     ("int6_linear", (P,) * 8 + (I,) * 5),
+    ("int3_linear", (P,) * 8 + (I,) * 5),
+    ("int2_linear", (P,) * 8 + (I,) * 5),
     ("iq4_linear", (P,) * 8 + (I,) * 5),
     ("q8_linear", (P,) * 8 + (I,) * 5),
     ("quantize_row", (P,) * 4 + (I,) * 2),
@@ -108,26 +124,44 @@ class Bits(enum.IntEnum):
     """How a group's weights are stored: 16 bytes of nibbles; those and 4 bytes of high bits
     (bit k: input k's, GGUF's Q5_0 `qh`), values 0 to 31; those and 8 bytes of 2 high bits
     (`six_high`), values q - 32 in [-32, 31] with a d for each half of the group (Q6_K's
-    sub-blocks of 16) and no offset; or 32 signed bytes; or (IQ4, the kernel's kind 3) 16
+    sub-blocks of 16) and no offset; or 32 signed bytes; or (IQ4, the kernel's kind 9) 16
     bytes of nibbles that index `IQ4_LEVELS`, IQ4_NL's, with no offset; or (F16 and BF16, the
-    kernel's kinds 16 and 17) the 32 weights themselves, 2 bytes each, no scale."""
+    kernel's kinds 16 and 17) the 32 weights themselves, 2 bytes each, no scale; or the
+    `SUB_SCALED` widths (GGUF's Q3_K and Q2_K: sub-blocks of 16 with integer scales of a
+    float16 d), whose halves each carry a small integer scale: INT3, 8 bytes of 2-bit fields
+    (`six_high`'s order) and 4 of high bits (`three_high`), values q - 4 in [-4, 3], w = d sc q
+    with sc an int8 (Q3_K's 6-bit scale - 32); INT2, the 2-bit fields alone, values 0..3, w = d
+    sc q - dmin mn with sc and mn the 4-bit halves of Q2_K's scale byte (m holds dmin)."""
 
-    IQ4 = 3
+    INT2 = 2
+    INT3 = 3
     INT4 = 4
     INT5 = 5
     INT6 = 6
     INT8 = 8
+    IQ4 = 9
     F16 = 16
     BF16 = 17
 
     @property
-    def group_bytes(self) -> int:
+    def tile_bytes(self) -> int:
+        """Bytes a group's values take in the panels."""
         stored = 4 if self == Bits.IQ4 else 16 if self in HALF_DTYPES else int(self)
         return GROUP * stored // 8
+
+    @property
+    def group_bytes(self) -> int:
+        """Bytes of a group in `PackedGroups.from_blocks`' q: its values, then (`SUB_SCALED`)
+        its halves' two scale bytes, which the panels keep beside the float16 scales."""
+        return self.tile_bytes + (2 if self in SUB_SCALED else 0)
 
 
 # the 16-bit widths: their weights' own dtypes
 HALF_DTYPES = {Bits.F16: torch.float16, Bits.BF16: torch.bfloat16}
+# the widths whose halves (sub-blocks of 16) scale their values by an integer of their own
+SUB_SCALED = (Bits.INT3, Bits.INT2)
+# the widths the AMX path takes (the others' halves need K = 16 tiles: their VNNI code runs)
+AMX_WIDTHS = (Bits.INT4, Bits.INT5, Bits.IQ4, Bits.INT8)
 
 
 # llama.cpp's kvalues_iq4nl: the 16 int8 levels an IQ4_NL or IQ4_XS nibble stands for
@@ -180,8 +214,10 @@ class PackedGroups:
     once here rather than on every call. Built by `quantize` (from float weights),
     `from_blocks` (GGUF's blocks, as stored) or `from_halves` (16-bit weights, as stored)."""
 
-    tiles: torch.Tensor  # uint8 [ceil(N/8), G, 8 * group bytes], G = ceil(K/32)
-    # float16 [ceil(N/8), G, 16]: the 8 rows' d, then their m (or 8: d; 0: a 16-bit width)
+    tiles: torch.Tensor  # uint8 [ceil(N/8), G, 8 * tile bytes], G = ceil(K/32)
+    # float16 [ceil(N/8), G, 16]: the 8 rows' d, then their m (or 8: d; 0: a 16-bit width);
+    # `SUB_SCALED` widths add 8 slots of the rows' two scale bytes (int8 for INT3, Q2_K's
+    # scale and min nibbles for INT2), stored in float16's place as they are
     scales: torch.Tensor
     out_features: int
     in_features: int
@@ -193,10 +229,11 @@ class PackedGroups:
 
     def __post_init__(self) -> None:
         assert self.tiles.is_contiguous() and self.scales.is_contiguous()
-        assert self.scales.shape[2] in ((0,) if self.half else (PANEL, 2 * PANEL))
+        assert self.scales.shape[2] in ((0,) if self.half else (PANEL, 2 * PANEL, 3 * PANEL))
         self.groups = self.tiles.shape[1]
         # 6-bit groups' second 8 scales are their second halves' d, not offsets
-        self.offsets = self.scales.shape[2] == 2 * PANEL and self.bits != Bits.INT6
+        floats = self.scales.shape[2] // PANEL - (self.bits in SUB_SCALED)
+        self.offsets = floats == 2 and self.bits != Bits.INT6
         self.tiles_ptr, self.scales_ptr = self.tiles.data_ptr(), self.scales.data_ptr()
 
     @property
@@ -210,7 +247,12 @@ class PackedGroups:
         return self.tiles.nbytes + self.scales.nbytes
 
     def to(self, device: torch.device) -> PackedGroups:
-        """The same packing on `device` (a GPU's Triton kernel reads it as stored)."""
+        """The same packing on `device` (a GPU's Triton kernel reads it as stored), but the
+        `SUB_SCALED` widths, which that kernel does not read: on a GPU they become 8-bit groups
+        by Q8_0's rule (`quantize`; within half an 8-bit step of each group's largest
+        magnitude), as GGUF's Q2_K was before they existed, and Q3_K in 8 bits, not 6."""
+        if device.type != "cpu" and self.bits in SUB_SCALED:
+            return PackedGroups.quantize(self.dequantize(), Bits.INT8).to(device)
         return replace(self, tiles=self.tiles.to(device), scales=self.scales.to(device))
 
     @classmethod
@@ -223,7 +265,7 @@ class PackedGroups:
         rounded and packed `QUANTIZE_BYTES` of float at a time, straight into the result: the
         temporaries stay that small whatever the weight (rows round independently, so the
         result is the same as in one pass). On the CPU, wherever `weight` lies."""
-        if bits in (Bits.IQ4, Bits.INT5, Bits.INT6):
+        if bits in (Bits.IQ4, Bits.INT5, Bits.INT6, *SUB_SCALED):
             raise ValueError(f"{int(bits)}-bit groups come from GGUF's blocks (from_blocks)")
         if bits in HALF_DTYPES:
             raise ValueError(f"{bits.name} weights are packed as stored (from_halves)")
@@ -245,17 +287,20 @@ class PackedGroups:
         cls, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, in_features: int, bits: Bits
     ) -> PackedGroups:
         """Rows of blocks as GGUF stores them: q [N, G, group bytes] (nibbles in GGUF's order,
-        or int8 values viewed as uint8), d and m float16 [N, G] (m None: the symmetric form's,
-        `implied_offsets`, and none stored; 6-bit groups: d [N, G, 2], each half's, m None).
-        The bytes are moved into panels (a transpose of 4-byte words), never converted."""
+        or int8 values viewed as uint8; `SUB_SCALED` widths: the values, then the halves' two
+        scale bytes), d and m float16 [N, G] (m None: the symmetric form's, `implied_offsets`,
+        and none stored; 6-bit groups: d [N, G, 2], each half's, m None; INT2: m is dmin).
+        The values are moved into panels (a transpose of 4-byte words), the scale bytes beside
+        d, never converted."""
         n, groups = d.shape[:2]
-        np_ = -(-n // PANEL) * PANEL
-        padded = torch.zeros(np_, groups, bits.group_bytes, dtype=torch.uint8)
-        padded[:n] = q.view(torch.uint8)
-        words = padded.view(np_ // PANEL, PANEL, groups, bits.group_bytes // 4, 4)
+        np_, tb = -(-n // PANEL) * PANEL, bits.tile_bytes
+        padded = torch.zeros(np_, groups, tb, dtype=torch.uint8)
+        padded[:n] = q.view(torch.uint8)[..., :tb]
+        words = padded.view(np_ // PANEL, PANEL, groups, tb // 4, 4)
         tiles = words.permute(0, 2, 3, 1, 4).reshape(np_ // PANEL, groups, -1).contiguous()
         del padded, words
-        kinds = 1 if m is None and bits != Bits.INT6 else 2  # d, d and m, or both halves' d
+        # d, d and m, or both halves' d; then the scale bytes
+        kinds = (1 if m is None and bits != Bits.INT6 else 2) + (bits in SUB_SCALED)
         scales = torch.zeros(np_, groups, kinds, dtype=torch.float16)
         if bits == Bits.INT6:
             scales[:n] = d
@@ -263,6 +308,10 @@ class PackedGroups:
             scales[:n, :, 0] = d
         if m is not None:
             scales[:n, :, 1] = m
+        if bits in SUB_SCALED:
+            scales[:n, :, -1] = (
+                q.view(torch.uint8)[..., tb:].contiguous().view(torch.float16)[..., 0]
+            )
         scales = scales.view(np_ // PANEL, PANEL, groups, kinds).permute(0, 2, 3, 1)
         return cls(
             tiles,
@@ -295,14 +344,15 @@ class PackedGroups:
 
     def blocks(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """`from_blocks`' inverse: q uint8 [N, G, group bytes] (GGUF's order), d and m float16
-        [N, G] (m implied where not stored: `implied_offsets`; 6-bit groups: d [N, G, 2])."""
+        [N, G] (m implied where not stored: `implied_offsets`; 6-bit groups: d [N, G, 2];
+        INT3: m zeros)."""
         panels, groups = self.tiles.shape[:2]
         words = self.tiles.view(panels, groups, -1, PANEL, 4).permute(0, 3, 1, 2, 4)
         q = words.reshape(panels * PANEL, groups, -1)[: self.out_features]
         kinds = self.scales.shape[2] // PANEL
         sc = self.scales.view(panels, groups, kinds, PANEL).permute(0, 3, 1, 2)
         sc = sc.reshape(panels * PANEL, groups, kinds)[: self.out_features]
-        return (q, *self._scales_of(sc))
+        return self._groups(q, sc)
 
     def dequantize(self) -> torch.Tensor:
         """The float32 weight [N, K] this stands for."""
@@ -323,25 +373,36 @@ class PackedGroups:
         q = self.tiles.view(panels, groups, -1, PANEL, 4)[panel, :, :, lane]
         kinds = self.scales.shape[2] // PANEL
         sc = self.scales.view(panels, groups, kinds, PANEL)[panel, :, :, lane]
-        q = q.reshape(len(ids), groups, self.bits.group_bytes)
-        return self._floats(q, *self._scales_of(sc))
+        q = q.reshape(len(ids), groups, self.bits.tile_bytes)
+        return self._floats(*self._groups(q, sc))
 
     def _halves(self) -> torch.Tensor:
         """A 16-bit width's panels [ceil(N/8), G * 16, 8, 2] (pairs of inputs by rows) in its
         dtype: a view of `tiles`."""
         return self.tiles.view(HALF_DTYPES[self.bits]).view(len(self.tiles), -1, PANEL, 2)
 
-    def _scales_of(self, sc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """d and m of scales sc [..., 1 or 2] (d, then m where stored; m implied where not;
-        6-bit groups: both halves' d, [..., 2], and no offset)."""
-        if self.bits == Bits.INT6:
-            return sc, torch.zeros_like(sc[..., 0])
+    def _groups(
+        self, q: torch.Tensor, sc: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Groups' values q [..., tile bytes] and scale slots sc [..., slots] (the panels'
+        order undone) as `blocks`' q, d and m: d, then m where stored, implied where not;
+        6-bit groups: both halves' d, [..., 2], and no offset (zeros, as INT3's); the
+        `SUB_SCALED` widths' scale bytes (the last slot) back after their values."""
+        if self.bits in SUB_SCALED:
+            pair = sc[..., -1:].view(torch.int16)  # the two bytes, little-endian
+            scale_bytes = torch.cat([pair & 0xFF, (pair >> 8) & 0xFF], dim=-1).to(torch.uint8)
+            q = torch.cat([q, scale_bytes], dim=-1)
+            sc = sc[..., :-1]
+        if self.bits in (Bits.INT6, Bits.INT3):
+            return q, sc if self.bits == Bits.INT6 else sc[..., 0], torch.zeros_like(sc[..., 0])
         m = sc[..., 1] if self.offsets else implied_offsets(sc[..., 0], self.bits)
-        return sc[..., 0], m
+        return q, sc[..., 0], m
 
     def _floats(self, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
         """Blocks q [R, G, group bytes], d and m [R, G] (`blocks`' form) as float32 [R, K]."""
         groups = q.shape[1]
+        if self.bits in SUB_SCALED:
+            return self._sub_scaled(q, d, m).reshape(len(q), -1)[:, : self.in_features]
         if self.bits == Bits.INT8:
             q = q.view(torch.int8)
         else:
@@ -359,6 +420,20 @@ class PackedGroups:
             w = q.float() * d.float()[..., None] + m.float()[..., None]
         return w.reshape(len(q), groups * GROUP)[:, : self.in_features]
 
+    def _sub_scaled(self, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+        """`SUB_SCALED` groups q [R, G, group bytes], d and m [R, G] as float32 [R, G, 32]: d
+        times each half's integer scale times its values (an integer: exact), less INT2's
+        dmin times each half's min, as gguf's dequantization does in float32 (its d sc and
+        dmin mn are exact products too), so the values are gguf's bit for bit."""
+        tb = self.bits.tile_bytes
+        low = six_high(q[..., :8]).int()  # the 2-bit fields
+        scale_bytes = q[..., tb:].repeat_interleave(16, dim=-1)  # [R, G, 32]: each half's
+        if self.bits == Bits.INT3:
+            values = low + 4 * three_high(q[..., 8:12]).int() - 4
+            return d.float()[..., None] * (scale_bytes.view(torch.int8).int() * values).float()
+        scaled = ((scale_bytes & 0xF).int() * low).float()
+        return d.float()[..., None] * scaled - m.float()[..., None] * (scale_bytes >> 4).float()
+
 
 def high_bits(qh: torch.Tensor) -> torch.Tensor:
     """5-bit groups' high bits qh uint8 [..., 4] (bit k of the little-endian word: input k's)
@@ -368,12 +443,28 @@ def high_bits(qh: torch.Tensor) -> torch.Tensor:
 
 
 def six_high(qh: torch.Tensor) -> torch.Tensor:
-    """6-bit groups' top 2 bits qh uint8 [..., 8] as values 0..3, uint8 [..., 32]: a half's 4
+    """6-bit groups' top 2 bits (and the `SUB_SCALED` widths' 2-bit fields) qh uint8 [..., 8]
+    as values 0..3, uint8 [..., 32]: a half's 4
     bytes (the first half's, then the second's), byte b holding inputs b, 4 + b, 8 + b and
     12 + b of the half at bits 0-1, 2-3, 4-5 and 6-7 (so the kernel shifts once a vector)."""
     halves = qh.reshape(*qh.shape[:-1], 2, 1, 4).int()  # [..., half, 1, b]
     top = (halves >> (2 * torch.arange(4, dtype=torch.int32))[:, None]) & 3  # [..., half, q, b]
     return top.reshape(*qh.shape[:-1], GROUP).to(torch.uint8)
+
+
+def three_high(qh: torch.Tensor) -> torch.Tensor:
+    """INT3 groups' high bits qh uint8 [..., 4] as values 0 or 1, uint8 [..., 32]: bit j of byte
+    b is input 4j + b's (so the kernel's one shift by q, or 4 + q, brings vector q's to bit 0
+    of every byte)."""
+    bits = qh[..., None, :].int() >> torch.arange(8, dtype=torch.int32)[:, None]  # [..., j, b]
+    return (bits & 1).reshape(*qh.shape[:-1], GROUP).to(torch.uint8)
+
+
+def three_high_packed(high: torch.Tensor) -> torch.Tensor:
+    """`three_high`'s inverse: values 0 or 1 uint8 [..., 32] -> the 4 bytes that hold them."""
+    parts = high.reshape(*high.shape[:-1], 8, 4).int()  # [..., j, b]
+    shifts = torch.arange(8, dtype=torch.int32)[:, None]
+    return (parts << shifts).sum(-2).to(torch.uint8)
 
 
 def six_high_packed(top: torch.Tensor) -> torch.Tensor:
@@ -450,8 +541,8 @@ def grouped_linear(
             int(w.bits),
         )
         return out
-    # 6-bit groups have no AMX path: int6_linear is its VNNI code there
-    amx = isa is cpu_isa.Isa.AMX and m >= AMX_MIN_ROWS and w.bits != Bits.INT6
+    # the widths AMX lacks: their entry points are their VNNI code there
+    amx = isa is cpu_isa.Isa.AMX and m >= AMX_MIN_ROWS and w.bits in AMX_WIDTHS
     rows = -(-m // 16) * 16 if amx else m  # the tile unit reads activations 16 rows at a time
     a = torch.empty(rows, groups * GROUP, dtype=torch.int8)
     xs = torch.empty(rows, groups, dtype=torch.float32)
@@ -462,6 +553,10 @@ def grouped_linear(
         run = lib.int5_linear_amx if amx else lib.int5_linear
     elif w.bits == Bits.INT6:
         run = lib.int6_linear
+    elif w.bits == Bits.INT3:
+        run = lib.int3_linear
+    elif w.bits == Bits.INT2:
+        run = lib.int2_linear
     elif w.bits == Bits.IQ4:
         run = lib.iq4_linear_amx if amx else lib.iq4_linear
     else:

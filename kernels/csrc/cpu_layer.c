@@ -6,7 +6,8 @@
 #include "cpu_fused.c"
 
 /* A linear's packed weight: N outputs, K inputs in G groups of 32 (padded), and its kind: 4, 5, 6,
-   8 or IQ4 (3) for `int4_gemm.PackedGroups` (float16 scales, and offsets where `offs`), F16 (16)
+   8, IQ4 (9), INT3 (3) or INT2 (2) for `int4_gemm.PackedGroups` (float16 scales, and offsets
+   where `offs`; the sub-scaled INT3 and INT2 their halves' integer scales too), F16 (16)
    or BF16 (17) for its 16-bit widths (no scales), INT8_CHANNELS for `int8_gemm.PackedInt8`
    (float32 scales, one per output). */
 #define INT8_CHANNELS 1
@@ -52,6 +53,10 @@ static inline void linear(const Packed *p, const float *x, float *out, const Ste
         GROUPED(6, 0);
     else if (p->kind == IQ4)
         GROUPED(IQ4, 0);
+    else if (p->kind == INT3)
+        GROUPED(INT3, 0);
+    else if (p->kind == INT2)
+        GROUPED(INT2, 0);
     else if (p->kind == 8 && p->offs)
         GROUPED(8, 1);
     else if (p->kind == 8)

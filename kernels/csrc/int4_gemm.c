@@ -103,15 +103,68 @@ static inline AI __m256i six_bits(__m256i nibbles, __m256i qh, int q) {
                            _mm256_set1_epi8(32));
 }
 
+/* The sub-scaled widths (`int4_gemm.SUB_SCALED`, GGUF's Q3_K and Q2_K): each half of a group
+   (a sub-block of 16) scales its values by a small integer of its own. INT3: 2-bit fields as
+   6-bit groups' top bits (`six_bits`' order: a vector for each half) and a vector of high bits
+   (`three_bits`), values q - 4 in [-4, 3], signed; INT2: the 2-bit fields alone, 0..3. */
+#define INT3 3
+#define INT2 2
+#define SUB_SCALED(bits) ((bits) == INT3 || (bits) == INT2)
 /* A group's scales: d and m (`offs`), or for 6 bits each half's d (first 16 inputs, last 16);
-   else d alone. */
-#define SCALES_WIDTH(bits, offs) ((offs) || (bits) == 6 ? 2 * PANEL : PANEL)
+   else d alone. INT3: d, then the halves' int8 scales (a pair of bytes a row); INT2: d, dmin,
+   then the halves' Q2_K scale bytes (scale in the low nibble, min in the high). */
+#define SCALES_WIDTH(bits, offs) \
+    ((bits) == INT2 ? 3 * PANEL : (offs) || (bits) == 6 || (bits) == INT3 ? 2 * PANEL : PANEL)
 /* IQ4_NL's groups (`bits` IQ4): nibbles as 4-bit ones', each an index into llama.cpp's 16
    non-uniform int8 levels (kvalues_iq4nl), w = d level; no offset. */
-#define IQ4 3
+#define IQ4 9
 #define STORED_BITS(bits) ((bits) == IQ4 ? 4 : (bits))
-/* 6-bit, IQ4 and 8-bit values are signed: their sign moves onto the activation; no offset */
-#define SIGNED_VALUES(bits) ((bits) >= 6 || (bits) == IQ4)
+/* 6-bit, IQ4, INT3 and 8-bit values are signed: their sign moves onto the activation; no
+   offset */
+#define SIGNED_VALUES(bits) ((bits) >= 6 || (bits) == INT3)
+/* whose halves' sums stay apart for a scale each */
+#define HALVES(bits) ((bits) == 6 || SUB_SCALED(bits))
+
+/* The sub-scaled widths' values of vector q: its low nibbles' inputs from the first half's 2-bit
+   fields (f0), its high ones' from the second's (f1), both in `six_bits`' order (one shift by 2q
+   brings vector q's to bits 0-1 of every byte); INT3 adds the high bit (bit j of byte b of a
+   lane's word `h`: input 4j + b's, so a shift by q or 4 + q brings it to bit 0), worth 4, less
+   4. */
+static inline AI void sub_scaled_values(const uint8_t *wg, int q, const int bits, __m256i *lo,
+                                        __m256i *hi) {
+    const __m256i three = _mm256_set1_epi8(3);
+    *lo =
+        _mm256_and_si256(_mm256_srli_epi32(_mm256_loadu_si256((const __m256i *)wg), 2 * q), three);
+    *hi = _mm256_and_si256(_mm256_srli_epi32(_mm256_loadu_si256((const __m256i *)(wg + 32)), 2 * q),
+                           three);
+    if (bits == INT3) {
+        const __m256i h = _mm256_loadu_si256((const __m256i *)(wg + 64)), one = _mm256_set1_epi8(1);
+        const __m256i four = _mm256_set1_epi8(4);
+        const __m256i hl = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi32(h, q), one), 2);
+        const __m256i hh = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi32(h, q + 4), one), 2);
+        *lo = _mm256_sub_epi8(_mm256_or_si256(*lo, hl), four);
+        *hi = _mm256_sub_epi8(_mm256_or_si256(*hi, hh), four);
+    }
+}
+
+/* The sub-scaled widths' integer sum of a group for MT rows: the halves' sums s and t (each at
+   most 16 * 4 * 127 in magnitude: int16) times their rows' integer scales (`pairs`: lane j holds
+   row j's two, int16), sc0 s + sc1 t, exact. */
+static inline AI __m256i sub_scaled_sum(__m256i s, __m256i t, __m256i pairs) {
+    return _mm256_madd_epi16(_mm256_blend_epi16(s, _mm256_slli_epi32(t, 16), 0xAA), pairs);
+}
+
+/* INT2's activation halves' sums of a group (16 * 127 at most: int16), as a pair in every lane:
+   the bytes biased to unsigned and summed 8 at a time (`vpsadbw`), the bias taken off. */
+static inline AI __m256i half_sums(const int8_t *ag) {
+    const __m256i sad = _mm256_sad_epu8(
+        _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)ag), _mm256_set1_epi8((char)0x80)),
+        _mm256_setzero_si256());
+    const __m128i lo = _mm256_castsi256_si128(sad), hi = _mm256_extracti128_si256(sad, 1);
+    const int32_t s0 = _mm_cvtsi128_si32(lo) + _mm_extract_epi32(lo, 2) - 16 * 128;
+    const int32_t s1 = _mm_cvtsi128_si32(hi) + _mm_extract_epi32(hi, 2) - 16 * 128;
+    return _mm256_set1_epi32((int32_t)(((uint32_t)s0 & 0xFFFF) | ((uint32_t)s1 << 16)));
+}
 
 static inline AI __m256i iq4_levels(void) {
     return _mm256_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89,
@@ -144,7 +197,9 @@ static inline AI void panel_rows(const int8_t *a, int64_t Kp, const float *xs, c
         for (int i = 0; i < MT; i++) s[i] = t[i] = _mm256_setzero_si256();
         for (int q = 0; q < 4; q++) {
             __m256i lo, hi;
-            if (bits != 8) {
+            if (SUB_SCALED(bits)) {
+                sub_scaled_values(wg, q, bits, &lo, &hi);
+            } else if (bits != 8) {
                 const __m256i v = _mm256_loadu_si256((const __m256i *)(wg + 32 * q));
                 lo = _mm256_and_si256(v, low);
                 hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
@@ -185,11 +240,17 @@ static inline AI void panel_rows(const int8_t *a, int64_t Kp, const float *xs, c
                     const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, al),
                                                        _mm256_maddubs_epi16(hi, ah));
                     s[i] = _mm256_add_epi32(s[i], _mm256_madd_epi16(p, ones));
-                } else if (bits == 6) { /* the halves apart: each has its own scale */
+                } else if (HALVES(bits) && SIGNED) { /* the halves apart: a scale each */
                     const __m256i pl = _mm256_maddubs_epi16(lo_abs, _mm256_sign_epi8(al, lo));
                     const __m256i ph = _mm256_maddubs_epi16(hi_abs, _mm256_sign_epi8(ah, hi));
                     s[i] = _mm256_add_epi32(s[i], _mm256_madd_epi16(pl, ones));
                     t[i] = _mm256_add_epi32(t[i], _mm256_madd_epi16(ph, ones));
+                    KEEP(t[i]);
+                } else if (bits == INT2) {
+                    s[i] = _mm256_add_epi32(s[i],
+                                            _mm256_madd_epi16(_mm256_maddubs_epi16(lo, al), ones));
+                    t[i] = _mm256_add_epi32(t[i],
+                                            _mm256_madd_epi16(_mm256_maddubs_epi16(hi, ah), ones));
                     KEEP(t[i]);
                 } else {
                     const __m256i pl = _mm256_maddubs_epi16(lo_abs, _mm256_sign_epi8(al, lo));
@@ -202,6 +263,26 @@ static inline AI void panel_rows(const int8_t *a, int64_t Kp, const float *xs, c
             }
         }
         const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + g * scw)));
+        if (SUB_SCALED(bits)) { /* the halves' integer scales, then d (and INT2's mins, dmin) */
+            const __m128i bytes = _mm_loadu_si128((const __m128i *)(sc + g * scw + scw - PANEL));
+            const __m256i scales = bits == INT3 ? _mm256_cvtepi8_epi16(bytes)
+                                                : _mm256_and_si256(_mm256_cvtepu8_epi16(bytes),
+                                                                   _mm256_set1_epi16(0xF));
+            const __m256i mins = _mm256_srli_epi16(_mm256_cvtepu8_epi16(bytes), 4);
+            const __m256 dmin =
+                _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + g * scw + PANEL)));
+            for (int i = 0; i < MT; i++) {
+                const __m256 x = _mm256_set1_ps(xs[i * G + g]);
+                const __m256i isum = sub_scaled_sum(s[i], t[i], scales);
+                acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d, x), acc[i]);
+                if (bits == INT2) {
+                    const __m256i msum = _mm256_madd_epi16(mins, half_sums(a + i * Kp + g * GROUP));
+                    acc[i] =
+                        _mm256_fnmadd_ps(_mm256_cvtepi32_ps(msum), _mm256_mul_ps(dmin, x), acc[i]);
+                }
+            }
+            continue;
+        }
         if (bits == 6) { /* the second half's d where the offsets would be */
             const __m256 d2 =
                 _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + g * scw + PANEL)));
@@ -703,6 +784,24 @@ void q8_linear(const float *x, int8_t *a, float *xs, float *xsum, const uint8_t 
                int64_t G, int64_t offs) {
 #pragma omp parallel
     GROUPED_BODY(8, offs);
+}
+
+/* The sub-scaled widths: their scales' slots are fixed (`offs` unused) and, like 6-bit groups',
+   they have no AMX path: an AMX host takes these, their VNNI code. */
+void int3_linear(const float *x, int8_t *a, float *xs, float *xsum, const uint8_t *w,
+                 const uint16_t *sc, const float *bias, float *out, int64_t M, int64_t N, int64_t K,
+                 int64_t G, int64_t offs) {
+    (void)offs;
+#pragma omp parallel
+    linear_body(x, a, xs, xsum, w, sc, bias, out, M, N, K, G, INT3, 0);
+}
+
+void int2_linear(const float *x, int8_t *a, float *xs, float *xsum, const uint8_t *w,
+                 const uint16_t *sc, const float *bias, float *out, int64_t M, int64_t N, int64_t K,
+                 int64_t G, int64_t offs) {
+    (void)offs;
+#pragma omp parallel
+    linear_body(x, a, xs, xsum, w, sc, bias, out, M, N, K, G, INT2, 0);
 }
 
 /* 16-bit widths (`half_body`): `kind` F16 or BF16, Kp the padded inputs of a panel. */

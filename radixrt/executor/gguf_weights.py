@@ -17,10 +17,17 @@ GGUF stores a linear [N, K] as N rows of blocks:
   d): 6-bit groups, a d for each half (d times the sub-block's scale, rounded once to float16,
   as Q4_K's), 7 bits a weight (Q6_K: 6.56).
 - Q3_K (per 256: 3-bit signed values -4..3, their low 2 bits and a high bit stored apart, in
-  sub-blocks of 16, each with a 6-bit scale - 32 of the super-block's d): 6-bit groups as Q6_K's,
-  its values exactly (7 bits a weight where the file holds 3.44: no 3-bit kernel yet).
+  sub-blocks of 16, each with a 6-bit scale - 32 of the super-block's d): 3-bit groups
+  (`Bits.INT3`), the values, their high bits and each half's scale - 32 (an int8) moved as
+  stored, d beside them: 4 bits a weight (the file: 3.44). The kernel multiplies each half's
+  integer sum by its integer scale, exactly, and d once; what they stand for is gguf's
+  dequantization bit for bit (its d sc, float16 times a small integer, is exact in float32).
 - Q2_K (per 256: 2-bit values in sub-blocks of 16, each with a 4-bit scale and min of the
-  super-block's d and dmin): 8-bit groups by Q8_0's rule (no group of 32 holds two offsets).
+  super-block's d and dmin): 2-bit groups (`Bits.INT2`), the values and each half's scale byte
+  (scale and min) moved as stored, d and dmin beside them: 3.5 bits a weight (the file: 2.625),
+  gguf's values bit for bit (w = d (sc q) - dmin mn, each product exact in float32). On a GPU
+  (whose Triton kernel reads neither) both become 8-bit groups by Q8_0's rule as they move there
+  (`PackedGroups.to`).
 - IQ4_NL (per 32: d and 16 bytes of indices into 16 non-uniform int8 levels) and IQ4_XS (per
   256: d, a 6-bit scale per 32, the indices): IQ4 groups, the indices as stored, d (times the
   sub-block's scale - 32, rounded once to float16, for IQ4_XS).
@@ -30,7 +37,8 @@ GGUF stores a linear [N, K] as N rows of blocks:
   quantizes them, and a GPU's float linears are 16-bit in its own dtype already).
 Tensors stacked into one linear (q/k/v, gate/up) share a width, the widest: 4-bit ones become
 5-bit exactly (a file's Q4_K q and k beside a Q5_0 v); beside an 8-bit one (a Q8_0 v), or a
-6-bit one beside others (a Q4_K_M file's Q6_K v beside Q4_K q and k), every part becomes 8-bit
+6-, 3- or 2-bit one beside others (a Q4_K_M file's Q6_K v beside Q4_K q and k; a Q3_K_M file's
+Q5_K v beside Q3_K q and k), every part becomes 8-bit
 groups by Q8_0's rule (at most half an 8-bit step, 1/254 of a group's largest magnitude). A 16-bit
 tensor stacks only with tensors of its own type: no width holds its values and a quantized
 group's (or the other 16-bit type's) exactly, so such a mix stays float, as before. llama.cpp's
@@ -62,6 +70,7 @@ from radixrt.kernels.int4_gemm import (
     implied_offsets,
     int8_groups,
     six_high_packed,
+    three_high_packed,
 )
 from radixrt.models.linear import EMBEDDING
 
@@ -78,8 +87,8 @@ PACKED_TYPES = {
     "Q4_K": Bits.INT4,
     "Q5_K": Bits.INT5,
     "Q6_K": Bits.INT6,
-    "Q3_K": Bits.INT6,
-    "Q2_K": Bits.INT8,
+    "Q3_K": Bits.INT3,
+    "Q2_K": Bits.INT2,
     "IQ4_NL": Bits.IQ4,
     "IQ4_XS": Bits.IQ4,
     "F16": Bits.F16,
@@ -291,7 +300,8 @@ def blocks(tensor: TensorInfo) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
     """A packed-type GGUF tensor's rows as groups of 32: values [N, G, group bytes] (nibbles in
     Q4_0's order, or int8 viewed as uint8), d and m float16 [N, G] (m None for the symmetric
     forms, Q4_0 and 8-bit groups: their offsets are implied; 6-bit groups: d [N, G, 2], each
-    half's), and their width. Super-blocks are converted `CONVERT_BYTES` at a time."""
+    half's; Q3_K's and Q2_K's groups: the halves' scale bytes after the values, m Q2_K's dmin),
+    and their width. Super-blocks are converted `CONVERT_BYTES` at a time."""
     kind = tensor.kind.name
     raw = _raw(tensor)
     k, n = tensor.shape
@@ -414,37 +424,48 @@ def _q6_k(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return _six_bit(values), (d * scales).half().reshape(n, s * 8, 2)
 
 
+def _super_d(raw: torch.Tensor, at: int) -> torch.Tensor:
+    """The float16 at byte `at` of each super-block [N, S, bytes] (d, dmin), for each of its
+    groups: [N, 8S]."""
+    n, s, _ = raw.shape
+    return raw[..., at : at + 2].contiguous().view(torch.float16).expand(n, s, 8).reshape(n, s * 8)
+
+
 def _q3_k(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Q3_K super-blocks [N, S, 110] -> 6-bit groups [N, 8S, 24] holding its values + 32 (the
-    kernel's 6-bit values are stored + 32) and each half's d float16 [N, 8S, 2]: d times the
-    scale - 32 of its sub-block of 16, rounded once to float16 (as Q6_K's). Value l of group
-    g (llama.cpp's dequantize_row_q3_K): the 2-bit quarter as Q2_K's, less 4 where bit g of
-    high-bit byte l is clear. The 16 scales: the nibbles of bytes 0-7 (low nibbles first), over
-    the bit pairs of bytes 8-11 (pair 0 for scales 0-3, then 4-7, 8-11, 12-15)."""
+    """Q3_K super-blocks [N, S, 110] -> INT3 groups [N, 8S, 14] (the 2-bit fields as
+    `int4_gemm.six_high` holds them, the high bits as `int4_gemm.three_high`, then the halves'
+    scales - 32 as int8) and the super-block's d float16 [N, 8S]: every value and scale as
+    stored, only moved. Value l of group g (llama.cpp's dequantize_row_q3_K): the 2-bit quarter
+    as Q2_K's, less 4 where bit g of high-bit byte l is clear. The 16 scales: the nibbles of
+    bytes 0-7 (low nibbles first), over the bit pairs of bytes 8-11 (pair 0 for scales 0-3,
+    then 4-7, 8-11, 12-15)."""
     n, s, _ = raw.shape
     low = _two_bit_quarters(raw[..., 32:96])
     high = (raw[..., :32].reshape(n, s, 1, 32) >> torch.arange(8, dtype=torch.uint8)[:, None]) & 1
-    values = low + 28 + 4 * high.reshape(n, s * 8, GROUP)  # (low - 4 + 4 high) + 32
     b = raw[..., 96:108].to(torch.int32)
     nibbles = torch.cat([b[..., 0:8] & 0xF, b[..., 0:8] >> 4], -1)  # scales' low 4 bits
     tops = torch.cat([(b[..., 8:12] >> (2 * i)) & 3 for i in range(4)], -1)
-    d = raw[..., 108:110].contiguous().view(torch.float16).float()  # [N, S, 1]
-    scales = (nibbles | (tops << 4)) - 32
-    return _six_bit(values), (d * scales).half().reshape(n, s * 8, 2)
+    scales = ((nibbles | (tops << 4)) - 32).to(torch.int8).view(torch.uint8)
+    q = torch.cat(
+        [
+            six_high_packed(low),
+            three_high_packed(high.reshape(n, s * 8, GROUP)),
+            scales.reshape(n, s * 8, 2),
+        ],
+        dim=-1,
+    )
+    return q, _super_d(raw, 108)
 
 
-def _q2_k(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Q2_K super-blocks [N, S, 84] -> 8-bit groups [N, 8S, 32] (as uint8) and their d float16
-    [N, 8S], by Q8_0's rule from gguf's values (llama.cpp's dequantize_row_q2_K: sub-block i of
-    16 is d (scale i & 15) q - dmin (scale i >> 4), in float32)."""
+def _q2_k(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q2_K super-blocks [N, S, 84] -> INT2 groups [N, 8S, 10] (the 2-bit fields as
+    `int4_gemm.six_high` holds them, then the halves' scale bytes as stored: scale in the low
+    nibble, min in the high), the super-block's d and dmin float16 [N, 8S] (llama.cpp's
+    dequantize_row_q2_K: sub-block i of 16 is d (scale i & 15) q - dmin (scale i >> 4))."""
     n, s, _ = raw.shape
-    q = _two_bit_quarters(raw[..., 16:80]).view(n, s, 16, 16).float()
-    sc = raw[..., :16].to(torch.int32)  # [N, S, 16]
-    d = raw[..., 80:82].contiguous().view(torch.float16).float()  # [N, S, 1]
-    dmin = raw[..., 82:84].contiguous().view(torch.float16).float()
-    w = (d * (sc & 0xF)).unsqueeze(-1) * q - (dmin * (sc >> 4)).unsqueeze(-1)
-    q8, d8 = int8_groups(w.view(n, s * 8, GROUP))
-    return q8.view(torch.uint8), d8
+    fields = six_high_packed(_two_bit_quarters(raw[..., 16:80]))
+    q = torch.cat([fields, raw[..., :16].reshape(n, s * 8, 2)], dim=-1)
+    return q, _super_d(raw, 80), _super_d(raw, 82)
 
 
 # K-quant (and IQ4_XS) type -> (bytes a super-block, its rows' conversion into groups)

@@ -21,7 +21,7 @@ import torch
 
 from radixrt.executor import gguf_weights
 from radixrt.kernels.cpu_isa import Isa
-from radixrt.kernels.int4_gemm import HALF_DTYPES
+from radixrt.kernels.int4_gemm import HALF_DTYPES, SUB_SCALED
 from radixrt.models.linear import check_quantization
 
 if TYPE_CHECKING:
@@ -62,7 +62,7 @@ def choose(requested: str | None, ground: Ground, config: PretrainedConfig) -> Q
     if requested in (None, "none"):
         return QuantChoice(None, "--quantization none: float linears")
     plan = _plan(requested, ground, config)
-    stored = f" ({_stored(plan)})" if plan is not None and plan.linears else ""
+    stored = f" ({_stored(plan, ground)})" if plan is not None and plan.linears else ""
     return QuantChoice(requested, f"--quantization {requested}{stored}", plan)
 
 
@@ -90,13 +90,23 @@ def _plan(name: str, ground: Ground, config: PretrainedConfig) -> gguf_weights.G
     return packed
 
 
-def _stored(plan: gguf_weights.GGUFPlan) -> str:
+def _stored(plan: gguf_weights.GGUFPlan, ground: Ground) -> str:
     """The GGUF types its planned linears are held in, for the reason: the quantized ones
-    packed, the 16-bit ones at 16 bits a weight."""
+    packed (Q3_K and Q2_K named with their widths: their own 3- and 2-bit groups on a CPU,
+    8-bit ones on a GPU, `PackedGroups.to`), the 16-bit ones at 16 bits a weight."""
     kinds = {plan.tensors[p.name].kind.name for parts in plan.linears.values() for p in parts}
     halves = sorted(k for k in kinds if gguf_weights.PACKED_TYPES[k] in HALF_DTYPES)
     packed = sorted(kinds.difference(halves))
     held = [f"{'/'.join(packed)} packed"] if packed else []
+    on_cpu = ground.compute_device.type == "cpu"
+    widths = {k: int(w) if on_cpu else 8 for k, w in gguf_weights.PACKED_TYPES.items()}
+    own = [
+        f"{k} in {widths[k]}-bit groups"
+        for k in packed
+        if gguf_weights.PACKED_TYPES[k] in SUB_SCALED
+    ]
+    if own:
+        held[0] += f", {', '.join(own)}"
     if halves:
         held.append(f"{'/'.join(halves)} at 16 bits a weight")
     return "; ".join(held)
@@ -113,7 +123,7 @@ def _auto(ground: Ground, config: PretrainedConfig) -> QuantChoice:
             why_not = str(e)
         else:
             assert plan is not None  # `gguf` plans, or refuses
-            reason = f"auto: the GGUF file's linears, as stored ({_stored(plan)})"
+            reason = f"auto: the GGUF file's linears, as stored ({_stored(plan, ground)})"
             return QuantChoice("gguf", reason, plan)
     if ground.prequantized:
         return QuantChoice(None, "auto: the checkpoint's own quantization")

@@ -151,13 +151,14 @@ def _k_quant_tensor(tmp_path, kind, rows: int = 24):
 
 
 # block type -> the groups it becomes and their bytes: K-quants' sub-blocks as groups of their own
-# width (Q6_K's pairs of sub-blocks of 16, a d for each half), IQ4's level indices as stored
+# width (Q6_K's pairs of sub-blocks of 16, a d for each half; Q3_K's and Q2_K's, an integer scale
+# for each half, its two bytes after the values), IQ4's level indices as stored
 GROUPS = {
     T.Q4_K: (int4_gemm.Bits.INT4, 16),
     T.Q5_K: (int4_gemm.Bits.INT5, 20),
     T.Q6_K: (int4_gemm.Bits.INT6, 24),
-    T.Q3_K: (int4_gemm.Bits.INT6, 24),
-    T.Q2_K: (int4_gemm.Bits.INT8, 32),
+    T.Q3_K: (int4_gemm.Bits.INT3, 14),
+    T.Q2_K: (int4_gemm.Bits.INT2, 10),
     T.IQ4_NL: (int4_gemm.Bits.IQ4, 16),
     T.IQ4_XS: (int4_gemm.Bits.IQ4, 16),
 }
@@ -165,26 +166,27 @@ GROUPS = {
 
 @pytest.mark.parametrize("kind", list(GROUPS))
 def test_super_blocks_become_groups_of_their_width_within_float16_rounding(tmp_path, kind):
-    """Each sub-block of 32 (Q6_K: pair of 16) is one group of the type's width, its values as
-    stored (reordered), its scale (d sc, or d times IQ4_XS's scale - 32) and Q4_K/Q5_K's offset
-    -dmin mn rounded once to float16, the kernel's scale type; IQ4_NL's stored d: gguf's values
-    exactly; Q3_K's pairs of sub-blocks of 16 as Q6_K's. Q6_K and Q3_K are 7 bits a weight
-    (8-bit groups took 8.5). Q2_K, whose sub-blocks of 16 each have an offset, becomes 8-bit
-    groups: within half an 8-bit step of each group's largest magnitude."""
+    """Each sub-block of 32 (Q6_K, Q3_K, Q2_K: pair of 16) is one group of the type's width, its
+    values as stored (reordered), its scale (d sc, or d times IQ4_XS's scale - 32) and
+    Q4_K/Q5_K's offset -dmin mn rounded once to float16, the kernel's scale type; IQ4_NL's
+    stored d, and Q3_K's and Q2_K's d (and dmin) beside each half's integer scale (and min), as
+    stored: gguf's values bit for bit. Bits a weight: Q6_K 7 (8-bit groups took 8.5); Q3_K 4
+    (the file 3.44; 6-bit groups took 7) and Q2_K 3.5 (the file 2.625; 8-bit groups took 8.5),
+    `rows` reads the same values as the whole."""
     tensor, info = _k_quant_tensor(tmp_path, kind)
     q, d, m, bits = gguf_weights.blocks(info)
     assert (bits, q.shape[2]) == GROUPS[kind] and q.shape[:2] == (24, KQ // 32)
     packed = int4_gemm.PackedGroups.from_blocks(q, d, m, KQ, bits)
     got, want = packed.dequantize(), _dequantized(tensor)
-    if kind == T.IQ4_NL:
+    if kind in (T.IQ4_NL, T.Q3_K, T.Q2_K):
         assert torch.equal(got, want)
-    elif kind == T.Q2_K:
-        largest = want.view(24, -1, 32).abs().amax(-1, keepdim=True)
-        assert ((got - want).view(24, -1, 32).abs() <= largest / 254 * 1.01).all()
     else:
         torch.testing.assert_close(got, want, rtol=2**-10, atol=2**-10 * float(want.abs().max()))
-    if kind in (T.Q6_K, T.Q3_K):
-        assert packed.nbytes * 8 / (24 * KQ) == 7
+    ids = torch.tensor([0, 5, 23])
+    assert torch.equal(packed.rows(ids), got[ids])
+    bits_a_weight = {T.Q6_K: 7, T.Q3_K: 4, T.Q2_K: 3.5}
+    if kind in bits_a_weight:
+        assert packed.nbytes * 8 / (24 * KQ) == bits_a_weight[kind]
 
 
 def test_super_blocks_are_converted_a_few_rows_at_a_time(tmp_path, monkeypatch):

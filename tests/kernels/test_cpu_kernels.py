@@ -113,12 +113,15 @@ def test_int8_long_sums_do_not_overflow(isa):
 def _grouped_reference(x: torch.Tensor, w: int4_gemm.PackedGroups, bias) -> torch.Tensor:
     """What the grouped kernel computes, in float64: the activations as the kernel quantizes
     them (checked on their own by `test_activation_quantization_is_round_to_nearest`) times
-    d q; plus the offsets m times the exact activations' group sums."""
+    d q; plus the offsets m times the exact activations' group sums (the `SUB_SCALED` widths:
+    none, INT2's mins meet the quantized activations' halves, as the rest of the weight)."""
     m, k = x.shape
     rows = int4_gemm.quantize_rows(x)
     groups = rows.scales.shape[1]
     xq = rows.values.double().view(m, groups, 32) * rows.scales.double()[..., None]
-    _, _, offsets = w.blocks()
+    offsets = w.blocks()[2]
+    if w.bits in int4_gemm.SUB_SCALED:
+        offsets = torch.zeros_like(offsets)
     dq = w.dequantize().double() - offsets.double().repeat_interleave(32, 1)[:, :k]
     return (
         xq.view(m, -1)[:, :k] @ dq.T
@@ -167,7 +170,8 @@ def test_activation_quantization_is_round_to_nearest():
     ],
 )
 @pytest.mark.parametrize(
-    "kind", ["asymmetric", "symmetric", "iq4", "q5", "q5 offsets", "q6", "q8", "q8 offsets"]
+    "kind",
+    ["asymmetric", "symmetric", "iq4", "q5", "q5 offsets", "q6", "q8", "q8 offsets", "q3", "q2"],
 )
 @pytest.mark.parametrize("isa", NATIVE_PATHS)
 def test_grouped_linear_matches_its_dequantized_weight(m, n, k, kind, isa):
@@ -177,20 +181,24 @@ def test_grouped_linear_matches_its_dequantized_weight(m, n, k, kind, isa):
     short of, one past or inside a group, with and without a bias; 4-bit both ways and signed
     8-bit groups (GGUF's Q8_0, values to -128, the largest products; and with offsets of their
     own, as asymmetric 8-bit checkpoints give); 5-bit groups (GGUF's Q5_0, and with offsets:
-    Q5_1, Q5_K), 6-bit ones (Q6_K's: signed, a d for each half) and IQ4_NL's levels, random
-    bytes, so every value occurs. Every path gives avx2's bits: each sums
-    a group's products exactly, in int16 pairs or in int32."""
+    Q5_1, Q5_K), 6-bit ones (Q6_K's: signed, a d for each half), IQ4_NL's levels, and the
+    `SUB_SCALED` widths (Q3_K's 3-bit values and Q2_K's 2-bit ones and mins, an integer scale
+    for each half: any byte, past the files' ranges), random bytes, so every value occurs.
+    Every path gives avx2's bits: each sums a group's products exactly, in int16 pairs or in
+    int32; and a row computed alone gets the bits it gets in the batch."""
     gen = torch.Generator().manual_seed(m * n + k)
     w, x = torch.randn(n, k, generator=gen), torch.randn(m, k, generator=gen)
     bias = torch.randn(n, generator=gen) if m % 2 else None
-    if kind.startswith(("q8", "q5", "q6", "iq4")):
+    if kind.startswith(("q8", "q5", "q6", "iq4", "q3", "q2")):
         groups = -(-k // 32)
         bits = int4_gemm.Bits.IQ4 if kind == "iq4" else int4_gemm.Bits(int(kind[1]))
         q = torch.randint(0, 256, (n, groups, bits.group_bytes), dtype=torch.uint8, generator=gen)
         halves = (2,) if bits == int4_gemm.Bits.INT6 else ()  # 6 bits: a d for each half
         d = (torch.rand(n, groups, *halves, generator=gen) / 64).half()
         offsets = (
-            (torch.randn(n, groups, generator=gen) / 8).half() if kind.endswith("offsets") else None
+            (torch.randn(n, groups, generator=gen) / 8).half()
+            if kind.endswith("offsets") or bits == int4_gemm.Bits.INT2  # INT2's m: dmin
+            else None
         )
         packed = int4_gemm.PackedGroups.from_blocks(q, d, offsets, k, bits)
     else:
@@ -202,6 +210,10 @@ def test_grouped_linear_matches_its_dequantized_weight(m, n, k, kind, isa):
         out.double(), expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max())
     )
     assert torch.equal(out, int4_gemm.grouped_linear(x, packed, bias, Isa.AVX2))
+    for i in (0, m - 1):
+        assert torch.equal(
+            out[i : i + 1], int4_gemm.grouped_linear(x[i : i + 1], packed, bias, isa)
+        )
 
 
 @needs_int4

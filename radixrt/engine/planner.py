@@ -294,5 +294,7 @@ class StepPlanner:
         req.storage_cached_tokens = from_storage
         c.prompt_tokens_total += len(req.input_ids)
         c.cached_tokens_total += req.cached_tokens
+        c.image_tokens_total += req.image_tokens(len(req.input_ids))
+        c.cached_image_tokens_total += req.image_tokens(req.cached_tokens)
         c.host_hit_tokens += loaded - from_storage
         c.storage_hit_tokens += from_storage

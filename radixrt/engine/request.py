@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 import torch
 
 from radixrt.engine.detokenizer import IncrementalDetokenizer
+from radixrt.engine.images import ImageSpan
 from radixrt.engine.stop_strings import StopRegexes, StopScanner
 from radixrt.mem_cache.kv_events import Adapter
 from radixrt.mem_cache.radix_cache import TreeNode
@@ -174,6 +175,9 @@ class Req:
     generator: torch.Generator
     arrival: float = field(default_factory=time.monotonic)
     scope: RequestScope = field(default_factory=RequestScope)
+    # its images' placeholders in the prompt (engine/images.py): `input_ids` holds the model's
+    # image token there, `all_ids` each image's pseudo id
+    images: tuple[ImageSpan, ...] = ()
 
     output_ids: list[int] = field(default_factory=list)
     all_ids: list[int] = field(default_factory=list)  # input_ids + output_ids
@@ -220,6 +224,12 @@ class Req:
 
     def __post_init__(self) -> None:
         self.all_ids = list(self.input_ids)
+        for image in self.images:
+            self.all_ids[image.start : image.start + image.length] = [image.token] * image.length
+
+    def image_tokens(self, end: int) -> int:
+        """The prompt's image placeholders before position `end`."""
+        return sum(max(0, min(end, i.start + i.length) - i.start) for i in self.images)
 
     @property
     def cache_salt(self) -> str:

@@ -109,7 +109,9 @@ def _apply_penalties(row: torch.Tensor, req: Req) -> None:
         counts = torch.bincount(out, minlength=row.shape[0])[: row.shape[0]].to(row.dtype)
         row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
     if p.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(req.all_ids)), dtype=torch.long)
+        # the prompt as sent (an image's placeholders as the image token, as transformers
+        # penalizes them; `all_ids` holds ids past the vocabulary there) and the output
+        seen = torch.tensor(sorted(set(req.input_ids).union(req.output_ids)), dtype=torch.long)
         vals = row[seen]
         row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
 

@@ -20,7 +20,7 @@ import shutil
 import tempfile
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -31,6 +31,7 @@ from safetensors.torch import save_file
 from radixrt.config import CacheSettings, SchedulerArgs, ServerArgs
 from radixrt.engine.constraints import Constraints
 from radixrt.engine.detokenizer import IncrementalDetokenizer
+from radixrt.engine.images import ImageSpan, place_images
 from radixrt.engine.output_processor import OutputProcessor, RequestEnds
 from radixrt.engine.pins import PinBook, PinLimits
 from radixrt.engine.planner import Accounts, PlannerHooks, StepPlan, StepPlanner
@@ -52,9 +53,10 @@ from radixrt.executor.model_loader import model_fingerprint
 from radixrt.executor.model_runner import ModelRunner, WeightCounts
 from radixrt.executor.tp_worker import TPDriver
 from radixrt.executor.weight_update import TensorSpec
-from radixrt.forward_batch import ForwardBatch
+from radixrt.forward_batch import ForwardBatch, ImagePart
 from radixrt.mem_cache.slot_manager import KVSlotManager
 from radixrt.mem_cache.tiers import DevicePool, build_slot_manager
+from radixrt.multimodal.images import DecodedImage
 from radixrt.protocol import ErrorCode, RequestError, internal_error_text, tensor_handoff_dir
 from radixrt.sampling_params import SamplingParams, generation_defaults
 
@@ -249,10 +251,16 @@ class Scheduler:
         params: SamplingParams,
         sample_index: int = 0,
         scope: RequestScope = DEFAULT_SCOPE,
+        images: Sequence[DecodedImage] = (),
     ) -> Req:
         """A request for `input_ids`, checked against the vocabulary, the context and the pool
-        (ValueError, `context_length_exceeded`); its constraint starts compiling."""
+        (ValueError, `context_length_exceeded`); its constraint starts compiling. `images`, in
+        prompt order, decoded and checked by the caller (`multimodal.images.load_image`, off
+        the serving loop), go where `input_ids` holds the model's image token: one per image,
+        or each image's run already expanded (`place_images`); ValueError for images to a
+        model without a vision tower, or placeholders that do not match them."""
         r = self.runner
+        input_ids, spans = self._place_images(input_ids, images)
         check_prompt(input_ids, params, r.vocab_size, r.context_length, self.kv.total_tokens)
         check_prompt_logprobs(input_ids, params, self.args.max_prompt_logprob_entries)
         if r.pooling is not None and params.max_new_tokens != 0:
@@ -278,6 +286,7 @@ class Scheduler:
             ),
             torch.Generator().manual_seed(seed),
             scope=scope,
+            images=spans,
             stops=self._stop_scanner(params),
             stop_regexes=StopRegexes(params.stop_regex) if params.stop_regex else None,
             pooling=r.pooling,
@@ -286,6 +295,26 @@ class Scheduler:
             self.spec.start(req)
         self.constraints.start(req, params)
         return req
+
+    def _place_images(
+        self, input_ids: list[int], images: Sequence[DecodedImage]
+    ) -> tuple[list[int], tuple[ImageSpan, ...]]:
+        """The prompt with its images' placeholders expanded, and their spans (none for a
+        model without a vision tower, which is refused any image)."""
+        features = self.runner.image_features
+        if features is None:
+            if images:
+                name = type(self.runner.model).__name__
+                raise ValueError(f"{name} takes no images (it has no vision tower)")
+            return input_ids, ()
+        return place_images(
+            input_ids,
+            images,
+            features.image_token_index,
+            features.tokens_per_image,
+            features.preprocessing,
+            self.runner.vocab_size,
+        )
 
     def _stop_scanner(self, params: SamplingParams) -> StopScanner | None:
         """A walk over a request's text for `params.stop`. Its automaton (up to 32 x 1,024
@@ -606,6 +635,9 @@ class Scheduler:
             compiles=self.constraints.stats(),
             spec=self.spec.counters if self.spec is not None else SpecCounters(),
             max_loras=self.args.max_loras_per_batch,
+            image_encoder_calls=self.runner.image_features.encoder_calls
+            if self.runner.image_features is not None
+            else 0,
         )
         return {
             **scheduler_stats(self.counters, inputs),
@@ -635,14 +667,16 @@ class Scheduler:
 
 def build_batch(plan: list[Scheduled], kv: KVSlotManager, device: torch.device) -> ForwardBatch:
     """The forward's flattened ragged batch for `plan`: each request's new tokens, their
-    positions after its computed KV, the slots their K/V are written to, and (when any has
-    one) each request's adapter."""
+    positions after its computed KV, the slots their K/V are written to, (when any has one)
+    each request's adapter, and the image placeholders among the new tokens (`image_parts`)."""
     ids: list[int] = []
     positions: list[int] = []
     slots: list[torch.Tensor] = []
+    images: list[ImagePart] = []
     any_adapter = any(s.req.scope.lora_path for s in plan)
     for item in plan:
         req, n = item.req, item.n
+        images += image_parts(req, len(ids), n - len(item.draft))
         ids.extend(item.input_ids())
         positions.extend(range(req.kv_len, req.kv_len + n))
         slots.append(kv.slots(req, req.kv_len, n))
@@ -657,7 +691,24 @@ def build_batch(plan: list[Scheduled], kv: KVSlotManager, device: torch.device) 
         state_slots=torch.tensor([s.req.state_slot for s in plan], dtype=torch.long, device=device)
         if kv.states is not None
         else None,
+        images=images or None,
     )
+
+
+def image_parts(req: Req, row: int, n: int) -> list[ImagePart]:
+    """The placeholders among `req`'s next `n` tokens (positions [kv_len, kv_len + n), at the
+    batch's rows from `row`): of each image whose span they meet, the rows of its features
+    they take. A prefix hit or an earlier chunk that ended inside an image leaves its first
+    rows out."""
+    start, end = req.kv_len, req.kv_len + n
+    parts = []
+    for image in req.images:
+        lo, hi = max(start, image.start), min(end, image.start + image.length)
+        if lo < hi:
+            parts.append(
+                ImagePart(row + lo - start, image.key, image.picture, lo - image.start, hi - lo)
+            )
+    return parts
 
 
 def _sampling_defaults(args: SchedulerArgs, generation_config: dict[str, Any]) -> dict[str, Any]:

@@ -27,6 +27,8 @@ class Counters:
 
     prompt_tokens_total: int = 0
     cached_tokens_total: int = 0  # prompt tokens not recomputed at first admission
+    image_tokens_total: int = 0  # of the prompt tokens, images' placeholders
+    cached_image_tokens_total: int = 0  # of the cached ones, images' placeholders
     host_hit_tokens: int = 0  # prompt tokens loaded back from the host tier at admission
     storage_hit_tokens: int = 0  # of which the disk tier had read into the host
     swapped_in_tokens: int = 0  # retracted requests' tokens loaded back at readmission
@@ -68,6 +70,7 @@ class StatsInputs:
     compiles: CompileStats
     spec: SpecCounters
     max_loras: int  # adapters one batch may hold (`--max-loras-per-batch`)
+    image_encoder_calls: int  # images the runner's vision encoder ran on (features cached)
 
 
 def scheduler_stats(c: Counters, x: StatsInputs) -> dict[str, Any]:
@@ -87,6 +90,10 @@ def scheduler_stats(c: Counters, x: StatsInputs) -> dict[str, Any]:
         # the rate's two sides, so a router can add them up over its workers
         "prompt_tokens_total": c.prompt_tokens_total,
         "cached_prompt_tokens_total": c.cached_tokens_total,
+        # of which images' placeholders, and the images encoded (once per content while cached)
+        "image_tokens_total": c.image_tokens_total,
+        "cached_image_tokens_total": c.cached_image_tokens_total,
+        "image_encoder_calls": x.image_encoder_calls,
         "num_preemptions": c.num_preemptions,
         "priority_preemptions": c.priority_preemptions,
         "timed_out_requests": c.timed_out_requests,

@@ -19,6 +19,7 @@ from radixrt.attention import create_backend
 from radixrt.config import ExecutorArgs
 from radixrt.distributed.group import TPGroup
 from radixrt.executor import gguf_weights, host_memory, quant_choice
+from radixrt.executor.image_features import ImageFeatures
 from radixrt.executor.lora_manager import LoraManager, default_max_rank, parse_lora_paths
 from radixrt.executor.model_loader import (
     check_file_sizes,
@@ -54,6 +55,7 @@ from radixrt.models.linear import (
     check_quantization,
     features,
 )
+from radixrt.models.llava import LlavaForConditionalGeneration
 from radixrt.models.pooling import Pooling
 from radixrt.models.quantized import CheckpointQuant
 from radixrt.models.support import check_supported
@@ -179,7 +181,11 @@ class ModelRunner:
         )
         for folder in {self.model_path, self.tokenizer_path}:
             check_file_sizes(folder)
-        self.config = read_config(self.model_path)
+        # the checkpoint's config (what the model class is built from), and its text model's,
+        # which everything that serves tokens reads (the same object but for a vision-language
+        # model, whose text model's config is its `text_config`)
+        self.checkpoint_config = read_config(self.model_path)
+        self.config = self.checkpoint_config.get_text_config()
         self.tokenizer = read_tokenizer(self.tokenizer_path)
         if args.chat_template:
             self.tokenizer.chat_template = load_chat_template(args.chat_template)
@@ -195,7 +201,7 @@ class ModelRunner:
             else None
         )
         self.kv_format = resolve_kv_format(args.kv_cache_dtype, self.device, args.attention_backend)
-        self.checkpoint_quant = CheckpointQuant.of(self.config)
+        self.checkpoint_quant = CheckpointQuant.of(self.checkpoint_config)
         self.quant = self._choose_quantization()
         check_quantization(self.quant.name, self.device, self.cpu_isa)
         if args.enable_deterministic_inference:
@@ -206,7 +212,7 @@ class ModelRunner:
         with host_memory.loading():
             self.model = load_model(
                 self.model_path,
-                self.config,
+                self.checkpoint_config,
                 self.context_length,
                 self.tp,
                 self.dtype,
@@ -224,6 +230,11 @@ class ModelRunner:
         self.packing = packing  # what weight updates pack their linears with too
         self.vocab_size = self.config.vocab_size
         self.lora = self._init_lora()
+        self.image_features = (
+            ImageFeatures(self.model, self.model_path)
+            if isinstance(self.model, LlavaForConditionalGeneration)
+            else None
+        )
 
         self._init_pools()
         self.attn_backend = create_backend(
@@ -378,13 +389,22 @@ class ModelRunner:
                 f"a {self.checkpoint_quant.method} checkpoint is served as read: it takes no new weights"
             )
         if checkpoint:
-            check_same_architecture(self.config, folder)
+            check_same_architecture(self.checkpoint_config, folder)
         with host_memory.loading():
             staged = load_model(
-                folder, self.config, self.context_length, self.tp, self.dtype, packing=self.packing
+                folder,
+                self.checkpoint_config,
+                self.context_length,
+                self.tp,
+                self.dtype,
+                packing=self.packing,
             )
             self._replace_linears(staged, None, self.packing)
         adopt_weights(self.model, staged)
+        if isinstance(self.model, LlavaForConditionalGeneration):
+            assert isinstance(staged, LlavaForConditionalGeneration) and self.image_features
+            self.model.adopt_image_encoder(staged)
+            self.image_features.clear()
         if self.graph_runner is not None and self.packing is not None:
             # packed linears are swapped whole: graphs captured before read the old tensors
             self.graph_runner = self._graph_runner()
@@ -512,7 +532,12 @@ class ModelRunner:
         """Hidden states of the batch's new tokens (a replayed graph's buffer for a decode
         batch on CUDA: read before the next forward). A batch with adapters runs eagerly: its
         segments' count and lengths are host data that change every step, which a captured
-        graph cannot take (the graphs hold the base model alone)."""
+        graph cannot take (the graphs hold the base model alone). A batch with image
+        placeholders gets their features here (`image_features`, encoding the images it has
+        none of yet), and runs eagerly (a last chunk of one token looks like a decode)."""
+        if batch.images:
+            assert self.image_features is not None  # the scheduler places images only then
+            batch.image_embeds = self.image_features.rows(batch.images)
         if batch.has_adapters:
             assert self.lora is not None  # the scheduler admits adapter requests only then
             self.lora.prepare(batch)
@@ -521,7 +546,7 @@ class ModelRunner:
                 return self.model(batch, self.attn_backend)
             finally:
                 self.lora.finish()
-        if self.graph_runner is not None and self.graph_runner.can_run(batch):
+        if self.graph_runner is not None and not batch.images and self.graph_runner.can_run(batch):
             return self.graph_runner.replay(batch)
         self.attn_backend.init_forward_metadata(batch)
         return self.model(batch, self.attn_backend)

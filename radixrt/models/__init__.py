@@ -47,6 +47,9 @@ ARCHITECTURES = (
         "GraniteMoeHybridForCausalLM",
     ),
     Architecture("FalconH1ForCausalLM", "falcon_h1", "falcon_h1", "FalconH1ForCausalLM"),
+    Architecture(
+        "LlavaForConditionalGeneration", "llava", "llava", "LlavaForConditionalGeneration"
+    ),
 )
 
 

@@ -187,9 +187,7 @@ class Decoder(CausalLM):
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
         """Hidden states after the final norm, one row per new token (the same on every rank)."""
-        x, residual = self.embed_tokens(batch.input_ids), None
-        if self.family.embed_scale != 1.0:
-            x = x * torch.tensor(self.family.embed_scale, dtype=x.dtype)
+        x, residual = self.embed(batch), None
         tables = {kind: rope(batch.positions, x.dtype) for kind, rope in self.rope.items()}
         fused = self._fused_decode()
         done = fused.run(x, batch, attn, tables["all"]) if fused else None
@@ -200,6 +198,14 @@ class Decoder(CausalLM):
                 x, residual = layer(x, residual, batch, tables[kind], attn)
         hidden: torch.Tensor = self.norm(x, residual)[0]
         return hidden
+
+    def embed(self, batch: ForwardBatch) -> torch.Tensor:
+        """The first layer's input: the new tokens' embeddings, scaled where the family says. A
+        model whose inputs are not all tokens (images') overrides it."""
+        x: torch.Tensor = self.embed_tokens(batch.input_ids)
+        if self.family.embed_scale != 1.0:
+            x = x * torch.tensor(self.family.embed_scale, dtype=x.dtype)
+        return x
 
     def keep_embedding_packed(self, weight: PackedGroups, lm_head: nn.Module | None) -> None:
         """Look tokens up in `weight` (this rank's rows of the table, packed) from now on, and

@@ -9,30 +9,33 @@ without each image's first token where `vision_feature_select_strategy` is "defa
 class token; "full" keeps every token), through the projector: linear_1, the config's
 `projector_hidden_act`, linear_2 (biased where `multimodal_projector_bias`, the default).
 
-How the text model takes them (the serving step; nothing here is wired into it yet): the
+How the text model takes them (`LlavaForConditionalGeneration`, the served model): the
 processor (`LlavaProcessor`) expands each `<image>` of a prompt into `tokens_per_image` copies of
 the config's `image_token_index` ((S / P)^2 patches for images of S x S pixels in patches of P,
 plus the class token, less one where the strategy is "default": 576 for LLaVA-1.5's 336-pixel
-CLIP ViT-L/14). A request then carries its images' features in prompt order (a list of
-[tokens_per_image, text hidden] tensors, or their concatenation) and the positions of its
-placeholder tokens; after `embed_tokens` looks its ids up, the decoder writes the features' row j
-over the embedding at the j-th placeholder position (transformers' `masked_scatter` of the image
-features into `inputs_embeds`, before the first layer). A step that extends a request from a
-cached prefix, or one chunk of a long prefill, covers only the placeholders at positions in
-[prefix, prefix + extend): it takes the features' rows of those, so an image's features must stay
-at hand (cached by the image's content) until its last placeholder has been prefilled. The ids at
-the placeholders are never looked up for their own embedding, so the radix tree may key them by
-the image's content instead, as long as the decoder is given `image_token_index` (or any id in
-the vocabulary) there.
+CLIP ViT-L/14), and the image's features row j is written over the embedding at its j-th
+placeholder (transformers' `masked_scatter` of the image features into `inputs_embeds`, before
+the first layer). A step that extends a request from a cached prefix, or one chunk of a long
+prefill, covers only the placeholders at positions in [prefix, prefix + extend): the batch
+names those rows and the features' rows they take (`ForwardBatch.image_embeds`, which the
+runner fills from its cache of features by image content). The ids at the placeholders are
+never looked up for their own embedding, so the radix tree keys them by the image's content
+(ids past the vocabulary, each image's own): the decoder clamps every id into the vocabulary
+before its lookup, and the rows those ids got are overwritten.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from radixrt.distributed.group import TPGroup
+from radixrt.forward_batch import ForwardBatch
 from radixrt.models.interface import WeightSource
+from radixrt.models.llama import LlamaForCausalLM
 from radixrt.models.vision import FeedForward, VisionTower
 
 # where the savers put the vision tower's and the projector's tensors: (tower, projector)
@@ -43,6 +46,14 @@ CHECKPOINT_LAYOUTS = (
     ("model.vision_tower.vision_model.", "model.multi_modal_projector."),  # LlavaModel's own
     ("model.vision_tower.", "model.multi_modal_projector."),
 )
+# where the savers put the text model's tensors: the prefixes that stand for Llama's `model.`
+# and `lm_head.`, the first a checkpoint holds an embedding under is read
+LANGUAGE_LAYOUTS = (
+    ("language_model.model.", "language_model.lm_head."),  # the Hub's, transformers 5's save
+    ("model.language_model.", "lm_head."),  # transformers 5's module names
+)
+# the text models' `model_type`s the Llama decoder serves under LLaVA
+TEXT_MODELS = ("llama", "mistral")
 # the projector's linears: ours (`FeedForward`) -> the checkpoint's
 PROJECTOR_NAMES = {"fc1": "linear_1", "fc2": "linear_2"}
 # `vision_feature_select_strategy` -> the tokens dropped from the front of each hidden state
@@ -125,3 +136,115 @@ def checkpoint_layout(reader: WeightSource) -> tuple[str, str]:
         return tower, projector
     tried = [tower + probe for tower, _ in CHECKPOINT_LAYOUTS]
     raise ValueError(f"the checkpoint has no vision tower: none of {tried}")
+
+
+class LlavaForConditionalGeneration(LlamaForCausalLM):
+    """The served LLaVA: the Llama decoder over `config.text_config` (its tensors under the
+    first of `LANGUAGE_LAYOUTS` the checkpoint has), and beside it the image encoder, which the
+    runner calls once per image content (`encode`). `embed` writes a step's image features
+    (`ForwardBatch.image_embeds`) over the placeholders' embeddings.
+
+    The encoder is kept out of the module tree: what the loader and the runner do to the
+    model's modules (packing or quantizing its linears, LoRA, the weight counts of the bench's
+    floors) is the text model's alone; it is given storage, in the text model's dtype and on
+    its device, by `load_weights`, and a weight update hands it over (`adopt_image_encoder`).
+    One rank: the runner encodes on rank 0, and a step's features are not sent to the others."""
+
+    def __init__(self, config: PretrainedConfig, max_positions: int, tp: TPGroup | None = None):
+        if tp is not None and tp.size > 1:
+            raise ValueError("LlavaForConditionalGeneration is served on one rank (--tp-size 1)")
+        text = config.text_config
+        if text.model_type not in TEXT_MODELS:
+            raise ValueError(
+                f"config.json: a LLaVA text model of type {text.model_type!r} is not served; "
+                f"supported: {list(TEXT_MODELS)}"
+            )
+        super().__init__(text, max_positions, tp)
+        self.image_token_index: int = config.image_token_index
+        self._encoder = [LlavaImageEncoder(config)]  # a list: not registered as a submodule
+
+    @property
+    def image_encoder(self) -> LlavaImageEncoder:
+        return self._encoder[0]
+
+    @property
+    def tokens_per_image(self) -> int:
+        """The placeholders each image fills (its features' rows)."""
+        return self.image_encoder.tokens_per_image
+
+    @torch.inference_mode()
+    def encode(self, pixels: torch.Tensor) -> torch.Tensor:
+        """Pixel values [images, 3, S, S] -> their features [images, tokens_per_image, hidden]."""
+        features: torch.Tensor = self.image_encoder(pixels)
+        return features
+
+    def embed(self, batch: ForwardBatch) -> torch.Tensor:
+        """The tokens' embeddings, each id clamped into the vocabulary first (an image's
+        placeholders carry ids past it, keyed by the image's content; a speculative draft copied
+        from the prompt may too, and is rejected), then the step's image features written over
+        their placeholders' rows."""
+        ids = batch.input_ids.clamp(max=self.config.vocab_size - 1)
+        x = super().embed(dataclasses.replace(batch, input_ids=ids))
+        for row, features in batch.image_embeds or ():
+            x[row : row + len(features)] = features.to(x.dtype)
+        return x
+
+    def load_weights(self, reader: WeightSource) -> None:
+        """The text model's tensors through `LanguageModel` (its layout found first), then the
+        image encoder's, into storage made like the text model's parameters."""
+        super().load_weights(LanguageModel(reader, *language_layout(reader)))
+        like = self.norm.weight
+        encoder = self.image_encoder.to_empty(device=like.device).to(like.dtype)
+        encoder.requires_grad_(False)
+        encoder.load_weights(reader)
+        encoder.eval()
+
+    def adopt_image_encoder(self, staged: LlavaForConditionalGeneration) -> None:
+        """Serve `staged`'s image encoder (loaded from new weights) from now on."""
+        self._encoder = [staged.image_encoder]
+
+
+def language_layout(reader: WeightSource) -> tuple[str, str]:
+    """The (decoder, output projection) prefixes of the first of `LANGUAGE_LAYOUTS` whose
+    embedding the checkpoint holds (found as `checkpoint_layout` finds the tower's)."""
+    probe = "embed_tokens.weight"
+    for decoder, head in LANGUAGE_LAYOUTS:
+        try:
+            reader.skip(decoder + probe)
+        except ValueError:
+            continue
+        return decoder, head
+    tried = [decoder + probe for decoder, _ in LANGUAGE_LAYOUTS]
+    raise ValueError(f"the checkpoint has no text model: none of {tried}")
+
+
+class LanguageModel:
+    """A `WeightSource` that reads a LLaVA checkpoint's text model by Llama's names: `model.X`
+    as `decoder` + X, `lm_head.X` as `head` + X."""
+
+    def __init__(self, reader: WeightSource, decoder: str, head: str):
+        self.reader, self.decoder, self.head = reader, decoder, head
+
+    def name(self, ours: str) -> str:
+        if ours.startswith("model."):
+            return self.decoder + ours.removeprefix("model.")
+        if ours.startswith("lm_head."):
+            return self.head + ours.removeprefix("lm_head.")
+        raise ValueError(f"{ours!r} is no tensor of a Llama decoder")
+
+    def whole(self, name: str) -> torch.Tensor:
+        return self.reader.whole(self.name(name))
+
+    def copy_rows(
+        self, out: torch.Tensor, name: str, start: int | None = None, end: int | None = None
+    ) -> None:
+        self.reader.copy_rows(out, self.name(name), start, end)
+
+    def stack_rows(self, out: torch.Tensor, parts: list[tuple[str, int, int]]) -> None:
+        self.reader.stack_rows(out, [(self.name(n), a, b) for n, a, b in parts])
+
+    def copy_cols(self, out: torch.Tensor, name: str, start: int, end: int) -> None:
+        self.reader.copy_cols(out, self.name(name), start, end)
+
+    def skip(self, name: str) -> None:
+        self.reader.skip(self.name(name))

@@ -397,20 +397,14 @@ class Decoder(CausalLM):
             )
 
 
-class Renamed:
-    """A `WeightSource` that reads a checkpoint by its own names: Llama's name of a tensor
-    (within a layer, or whole) mapped through `names`, the rest as they are."""
+class RenamedSource:
+    """A `WeightSource` over another one (`reader`), each tensor read by the name `name` gives
+    for ours."""
 
-    LAYER = re.compile(r"(model\.layers\.\d+\.)(.*)")
-
-    def __init__(self, reader: WeightSource, names: dict[str, str]):
-        self.reader, self.names = reader, names
+    reader: WeightSource
 
     def name(self, ours: str) -> str:
-        match = self.LAYER.fullmatch(ours)
-        if match is None:
-            return self.names.get(ours, ours)
-        return match[1] + self.names.get(match[2], match[2])
+        raise NotImplementedError
 
     def whole(self, name: str) -> torch.Tensor:
         return self.reader.whole(self.name(name))
@@ -428,3 +422,19 @@ class Renamed:
 
     def skip(self, name: str) -> None:
         self.reader.skip(self.name(name))
+
+
+class Renamed(RenamedSource):
+    """A `WeightSource` that reads a checkpoint by its own names: Llama's name of a tensor
+    (within a layer, or whole) mapped through `names`, the rest as they are."""
+
+    LAYER = re.compile(r"(model\.layers\.\d+\.)(.*)")
+
+    def __init__(self, reader: WeightSource, names: dict[str, str]):
+        self.reader, self.names = reader, names
+
+    def name(self, ours: str) -> str:
+        match = self.LAYER.fullmatch(ours)
+        if match is None:
+            return self.names.get(ours, ours)
+        return match[1] + self.names.get(match[2], match[2])

@@ -34,6 +34,7 @@ from transformers import PretrainedConfig
 
 from radixrt.distributed.group import TPGroup
 from radixrt.forward_batch import ForwardBatch
+from radixrt.models.decoder import RenamedSource
 from radixrt.models.interface import WeightSource
 from radixrt.models.llama import LlamaForCausalLM
 from radixrt.models.vision import FeedForward, VisionTower
@@ -218,7 +219,7 @@ def language_layout(reader: WeightSource) -> tuple[str, str]:
     raise ValueError(f"the checkpoint has no text model: none of {tried}")
 
 
-class LanguageModel:
+class LanguageModel(RenamedSource):
     """A `WeightSource` that reads a LLaVA checkpoint's text model by Llama's names: `model.X`
     as `decoder` + X, `lm_head.X` as `head` + X."""
 
@@ -231,20 +232,3 @@ class LanguageModel:
         if ours.startswith("lm_head."):
             return self.head + ours.removeprefix("lm_head.")
         raise ValueError(f"{ours!r} is no tensor of a Llama decoder")
-
-    def whole(self, name: str) -> torch.Tensor:
-        return self.reader.whole(self.name(name))
-
-    def copy_rows(
-        self, out: torch.Tensor, name: str, start: int | None = None, end: int | None = None
-    ) -> None:
-        self.reader.copy_rows(out, self.name(name), start, end)
-
-    def stack_rows(self, out: torch.Tensor, parts: list[tuple[str, int, int]]) -> None:
-        self.reader.stack_rows(out, [(self.name(n), a, b) for n, a, b in parts])
-
-    def copy_cols(self, out: torch.Tensor, name: str, start: int, end: int) -> None:
-        self.reader.copy_cols(out, self.name(name), start, end)
-
-    def skip(self, name: str) -> None:
-        self.reader.skip(self.name(name))

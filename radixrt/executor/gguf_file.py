@@ -413,12 +413,14 @@ MAX_VOCAB = 1 << 21  # tokens (the largest served vocabularies hold 262,144)
 MAX_MERGES_PER_TOKEN = 4  # BPE merges per token (Llama 3: 2.2)
 MAX_ARRAY = 1 << 16  # elements of an array outside the tokenizer's (per-layer values)
 TOKENIZER = "tokenizer.ggml."
+EXPERTS_SUFFIX = "_exps.weight"  # llama.cpp's tensors of every expert's matrix (`experts`)
 
 
 def check(file: GGUFFile) -> None:
     """Refuse, by the field's name, metadata that would size what is built from it past what
-    the file holds: a block count without its blocks' tensors, a vocabulary that is not the
-    embedding's rows, arrays and a context length beyond `MAX_*`. `read` has checked the file's
+    the file holds: a block count without its blocks' tensors, an expert count that is not
+    the experts' tensors' (`experts`), a vocabulary that is not the embedding's rows, arrays
+    and a context length beyond `MAX_*`. `read` has checked the file's
     own structure; this checks what the model's config and tokenizer take from it."""
     name, arch = file.path.name, file.architecture
     if shown(arch) != arch:
@@ -435,6 +437,14 @@ def check(file: GGUFFile) -> None:
     context = file.number(f"{arch}.context_length", 0)
     if not 0 <= context <= MAX_CONTEXT:
         raise GGUFError(f"{name}: {arch}.context_length {context} is beyond {MAX_CONTEXT:,} tokens")
+    if f"{arch}.expert_count" in file.metadata:  # the model builds this many experts a layer
+        count = file.number(f"{arch}.expert_count")
+        held = {t.shape[-1] for t in file.tensors.values() if t.name.endswith(EXPERTS_SUFFIX)}
+        if held != ({count} if count else set()):
+            raise GGUFError(
+                f"{name}: {arch}.expert_count is {count}, but the tensors of every expert's"
+                f" (*{EXPERTS_SUFFIX}) hold {sorted(held) or 'none'}"
+            )
     tokens = file.metadata.get(f"{TOKENIZER}tokens")
     vocab = len(tokens) if isinstance(tokens, StringArray) else 0
     if vocab > MAX_VOCAB:

@@ -115,7 +115,9 @@ ARCHITECTURES = (
     "lfm2",
     "qwen35",
     "qwen35moe",
+    "qwen3next",
     "granitehybrid",
+    "falcon-h1",
 )
 # a stateful mixer's linears by architecture: ours (under the layer) -> the file's (under
 # `blk.N.`)
@@ -133,9 +135,23 @@ MIXER_LINEARS = {
     },
     "qwen35": QWEN35_MIXER,
     "qwen35moe": QWEN35_MIXER,
+    # Qwen3-Next's b and a rows interleave in one tensor (`ssm_ba`): served float
+    "qwen3next": {
+        "linear_attn.in_proj_qkv": "attn_qkv.weight",
+        "linear_attn.in_proj_z": "attn_gate.weight",
+        "linear_attn.out_proj": "ssm_out.weight",
+    },
     "granitehybrid": {"mamba.in_proj": "ssm_in.weight", "mamba.out_proj": "ssm_out.weight"},
+    "falcon-h1": {
+        "hybrid.mamba.in_proj": "ssm_in.weight",
+        "hybrid.mamba.out_proj": "ssm_out.weight",
+    },
 }
-# a shared expert's linears (Qwen3.5-MoE's): ours (under the layer) -> the file's parts
+# where a layer's attention lies in radixrt's model, where not at `self_attn` (Falcon-H1's,
+# beside its Mamba-2 mixer: `falcon_h1.ParallelMixer`)
+ATTENTION = {"falcon-h1": "hybrid.self_attn"}
+# a shared expert's linears (Qwen3.5-MoE's, Qwen3-Next's, Granite 4's shared MLP beside its
+# experts): ours (under the layer) -> the file's parts
 SHARED_EXPERT = {
     "mlp.shared_expert.gate_up_proj": ("ffn_gate_shexp.weight", "ffn_up_shexp.weight"),
     "mlp.shared_expert.down_proj": ("ffn_down_shexp.weight",),
@@ -191,13 +207,14 @@ def plan(path: Path, config: PretrainedConfig, halves: bool = True) -> GGUFPlan:
     wanted: dict[str, list[Part]] = {}
     for i in range(config.num_hidden_layers):
         b, me = f"blk.{i}.", f"layers.{i}."
+        attention = f"{me}{ATTENTION.get(arch, 'self_attn')}."
         if b + "attn_q.weight" in types:  # else the layer mixes by something else (LFM2's)
-            wanted[me + "self_attn.qkv_proj"] = [
+            wanted[attention + "qkv_proj"] = [
                 Part(b + "attn_q.weight", heads if rope else 0),
                 Part(b + "attn_k.weight", kv_heads if rope else 0),
                 Part(b + "attn_v.weight"),
             ]
-            wanted[me + "self_attn.o_proj"] = [Part(b + "attn_output.weight")]
+            wanted[attention + "o_proj"] = [Part(b + "attn_output.weight")]
         for ours, theirs in MIXER_LINEARS.get(arch, {}).items():
             if b + theirs in types:
                 wanted[me + ours] = [Part(b + theirs)]

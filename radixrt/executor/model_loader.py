@@ -324,7 +324,9 @@ def gguf_config(file: gguf_file.GGUFFile) -> PretrainedConfig:
     `load_gguf_checkpoint` maps them: llama.cpp's `llama` with a Mistral name is Mistral, MoE
     architectures take transformers' spellings, Gemma 3's file is its text model, the output
     projection is tied where the file has none, the vocabulary counts the tokens; and, for what
-    transformers' tables lack or read short, radixrt's own (`gguf_families`)."""
+    transformers' tables lack or read short, radixrt's own (`gguf_families`). What the config
+    class refuses (a value of the wrong type: its strict fields' multi-line errors) is a one-line
+    ValueError naming the file, and the metadata key and config field where they are known."""
     from transformers import CONFIG_MAPPING
     from transformers.integrations.ggml import GGUF_CONFIG_DEFAULTS_MAPPING, GGUF_CONFIG_MAPPING
 
@@ -343,6 +345,7 @@ def gguf_config(file: gguf_file.GGUFFile) -> PretrainedConfig:
         "tie_word_embeddings": "output.weight" not in file.tensors,
         **GGUF_CONFIG_DEFAULTS_MAPPING.get(model_type, {}),
     }
+    sources: dict[str, str] = {}  # config field -> the metadata key it was read from
     for key, value in file.metadata.items():
         prefix, _, rest = key.replace(arch, model_type, 1).partition(".")
         renamed = mapping.get(prefix, {}).get(rest)
@@ -350,6 +353,7 @@ def gguf_config(file: gguf_file.GGUFFile) -> PretrainedConfig:
             renamed = SHARED_CONFIG_KEYS.get(rest)
         if renamed is None or renamed == -1:
             continue
+        sources[renamed] = key
         plain: Any = value
         if isinstance(value, gguf_file.StringArray | np.ndarray):  # one value: as a scalar
             plain = value.tolist()
@@ -360,9 +364,26 @@ def gguf_config(file: gguf_file.GGUFFile) -> PretrainedConfig:
         values["vocab_size"] = len(tokens)
     model_type = values.pop("model_type")
     model_type = TEXT_MODELS.get(model_type, model_type)
-    gguf_families.derived_fields(model_type, values)
-    config: PretrainedConfig = CONFIG_MAPPING[model_type].from_dict(values)
+    gguf_families.derived_fields(model_type, values, file.tensors.keys())
+    try:
+        config: PretrainedConfig = CONFIG_MAPPING[model_type].from_dict(values)
+    except Exception as e:  # whatever the class raises (strict fields, validators): one line
+        raise ValueError(_config_refused(file, e, sources)) from None
     return config
+
+
+def _config_refused(file: gguf_file.GGUFFile, error: Exception, sources: dict[str, str]) -> str:
+    """One line for the config class's `error` on `file`'s metadata: the file, the field
+    huggingface_hub's strict validation names (its first line: "Validation error for field
+    'x':") and the metadata key it came from (`sources`), where known, and the error's own
+    words."""
+    named = re.search(r"field '([^']+)'", str(error))
+    field = named[1] if named else None
+    where = field
+    if field is not None and field in sources:
+        where = f"metadata {gguf_file.shown(sources[field])} ({field})"
+    cause = gguf_file.shown(" ".join(str(error).split()), limit=200)
+    return f"{file.path.name}: {where or 'metadata'}: {cause}"
 
 
 # llama.cpp's architecture names that transformers spells otherwise, and the text model of a
@@ -654,9 +675,15 @@ class GGUFWeightReader(WeightReader):
     when it is first read, and held until another one is: a load holds the model in its own
     dtype and one tensor in float32 (the largest, the embedding or output projection), and
     nothing is written to disk. A mixture of experts' tensor of every expert's matrix is read
-    one expert at a time, under the checkpoint's per-expert names (`gguf_families`). Which parameters transformers' model has, and their shapes, come from a skeleton of it on
-    the meta device, built once and kept in `folder` (the file's content-keyed folder,
-    `SKELETON_FILE`): importing transformers' modeling code for it is 1.4 s of a start."""
+    one expert at a time, under the checkpoint's per-expert names, or as rows of the checkpoint's
+    stack of experts where it keeps one (Granite 4's; `gguf_families`). Which parameters
+    transformers' model has, and their shapes, come from a skeleton of it on the meta device
+    (its names as its checkpoints give them, `gguf_families.CHECKPOINT_NAMES`), built once and
+    kept in `folder` (the file's content-keyed folder, `SKELETON_FILE`): importing
+    transformers' modeling code for it is 1.4 s of a start. Each of the file's tensors must
+    hold as many values as the skeleton's parameter it fills: a size in the metadata that the
+    tensors do not hold (a mutated file's) is refused by the tensor's name before any model is
+    allocated by it."""
 
     def __init__(self, gguf: Path, config: PretrainedConfig, folder: Path):
         from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
@@ -667,38 +694,81 @@ class GGUFWeightReader(WeightReader):
             file.architecture, TENSOR_PROCESSORS.get(file.architecture, TensorProcessor)
         )
         self._processor = processor_class(config=config.to_dict())
-        shapes = _skeleton_shapes(config, folder / SKELETON_FILE)
-        self._names = _gguf_names(file.architecture, config.num_hidden_layers, shapes)
-        self._sources: dict[str, gguf_file.TensorInfo] = {}
+        arch, layers = file.architecture, range(config.num_hidden_layers)
+        renamed = gguf_families.CHECKPOINT_NAMES.get(arch, {})
+        try:  # transformers' model of a mutated file's config may fail in its own ways
+            skeleton = _skeleton_shapes(config, folder / SKELETON_FILE)
+        except Exception as e:  # whatever it raises (a count of 0 divides): one line
+            why = gguf_file.shown(" ".join(f"{type(e).__name__}: {e}".split()), limit=200)
+            raise ValueError(f"{gguf.name}: no model of its metadata's sizes ({why})") from None
+        shapes = {_layer_renamed(name, renamed): shape for name, shape in skeleton.items()}
+        self._names = _gguf_names(arch, config.num_hidden_layers, shapes)
+        # each parameter's tensors of the file, stacked by rows (most: one); a stack of experts'
+        # matrices, each expert's (`gguf_families.STACKED_EXPERTS`)
+        self._parts: dict[str, list[gguf_file.TensorInfo]] = {}
+        self._stacked: dict[str, list[list[gguf_file.TensorInfo]]] = {}
         self._files = []
         self._where = {}
+        experts = gguf_families.expert_tensors(file)
+        for i in layers:
+            for ours, projections in gguf_families.STACKED_EXPERTS.get(arch, {}).items():
+                name, each = (
+                    f"model.layers.{i}.{ours}",
+                    f"model.layers.{i}.mlp.experts.{{}}.{{}}.weight",
+                )
+                stack: list[list[gguf_file.TensorInfo]] = []
+                while all(each.format(len(stack), p) in experts for p in projections):
+                    stack.append([experts.pop(each.format(len(stack), p)) for p in projections])
+                if name in shapes and stack:
+                    self._stacked[name] = stack
+                    self._where[name] = _Stored(None, 0, torch.float32, shapes[name])
         for tensor in file.tensors.values():
-            name = self._names.get(tensor.name)
-            if name is not None and name in shapes and name not in self._where:
-                self._sources[name] = tensor
-                self._where[name] = _Stored(None, 0, torch.float32, shapes[name])
+            found = self._names.get(tensor.name)
+            if found is not None and found in shapes and found not in self._where:
+                self._parts[found] = [tensor]
+                self._where[found] = _Stored(None, 0, torch.float32, shapes[found])
         # each expert's matrix under its checkpoint name, in place of transformers' tensors of
-        # every expert (which the decoder never reads)
-        self._experts = gguf_families.expert_tensors(file)
-        for name, tensor in self._experts.items():
-            self._sources[name] = tensor
-            self._where[name] = _Stored(None, 0, torch.float32, tuple(reversed(tensor.shape)))
-            layer_experts = name.rsplit(".", 3)[0]  # model.layers.{i}.mlp.experts
-            shapes.pop(f"{layer_experts}.gate_up_proj", None)
-            shapes.pop(f"{layer_experts}.down_proj", None)
+        # every expert (which the decoder never reads), of the shape one expert's part of those
+        # has: gate and up rows [E, 2I, H], down [E, H, I]
+        self._experts = experts
+        for name, tensor in experts.items():
+            layer_experts, _, projection, _ = name.rsplit(".", 3)  # model.layers.{i}.mlp.experts
+            shape = tuple(reversed(tensor.shape))
+            down, gate_up = (
+                shapes.get(f"{layer_experts}.{p}") for p in ("down_proj", "gate_up_proj")
+            )
+            if projection == "down_proj" and down is not None:
+                shape = down[1:]
+            elif projection != "down_proj" and gate_up is not None:
+                shape = (gate_up[1] // 2, gate_up[2])
+            self._parts[name] = [tensor]
+            self._where[name] = _Stored(None, 0, torch.float32, shape)
+        for name in {name.rsplit(".", 3)[0] for name in experts}:
+            shapes.pop(f"{name}.gate_up_proj", None)
+            shapes.pop(f"{name}.down_proj", None)
         # a checkpoint tensor the file keeps as several, stacked by rows (`gguf_families`)
-        self._parts: dict[str, list[gguf_file.TensorInfo]] = {}
-        for i in range(config.num_hidden_layers):
-            for ours, theirs in gguf_families.COMPOSED.get(file.architecture, {}).items():
-                name, parts = f"model.layers.{i}.{ours}", [f"blk.{i}.{t}" for t in theirs]
-                if name in shapes and all(p in file.tensors for p in parts):
-                    self._parts[name] = [file.tensors[p] for p in parts]
+        for i in layers:
+            for ours, choices in gguf_families.COMPOSED.get(arch, {}).items():
+                name = f"model.layers.{i}.{ours}"
+                held = [p for p in choices if all(f"blk.{i}.{t}" in file.tensors for t in p)]
+                if name in shapes and held:
+                    self._parts[name] = [file.tensors[f"blk.{i}.{t}"] for t in held[0]]
                     self._where[name] = _Stored(None, 0, torch.float32, shapes[name])
         missing = sorted(set(shapes) - set(self._where))
         if missing:
             raise ValueError(f"{gguf.name}: no tensor for {missing[:4]} (transformers' names)")
+        for name, stored in self._where.items():  # before any model is sized by the config
+            parts = self._parts.get(name) or [p for e in self._stacked[name] for p in e]
+            stored_values = sum(math.prod(p.shape) for p in parts)
+            wanted = math.prod(stored.shape)
+            if stored_values != wanted:
+                raise ValueError(
+                    f"{gguf.name}: {name} holds {stored_values:,} values, its metadata's model"
+                    f" {wanted:,} {list(stored.shape)}"
+                )
         self.read = set()
-        self._held: tuple[str, torch.Tensor] | None = None
+        # the float32 rows last dequantized: (name, first row, end row) and them
+        self._held: tuple[tuple[str, int, int], torch.Tensor] | None = None
         self._wanted = ""
         self._scratch = torch.empty(0, dtype=torch.uint8)
 
@@ -707,13 +777,13 @@ class GGUFWeightReader(WeightReader):
         self._wanted = name
         return stored
 
-    def _dequantized(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        """Tensor `name` as float32 in transformers' layout, `shape` (checked)."""
-        if name in self._parts:  # several of the file's, stacked by rows
-            rows = [self._tensor(name, part) for part in self._parts[name]]
-            out = torch.cat(rows)
-        else:
-            out = self._tensor(name, self._sources[name])
+    def _dequantized(
+        self, name: str, shape: tuple[int, ...], parts: list[gguf_file.TensorInfo]
+    ) -> torch.Tensor:
+        """The file's `parts` (read for tensor `name`), stacked by rows, as float32 in
+        transformers' layout, `shape` (checked)."""
+        rows = [self._tensor(name, part) for part in parts]
+        out = rows[0] if len(rows) == 1 else torch.cat(rows)
         if tuple(out.shape) != shape:
             raise ValueError(
                 f"{name}: {tuple(out.shape)} read from the file, the model has {shape}"
@@ -731,23 +801,35 @@ class GGUFWeightReader(WeightReader):
         data = raw.numpy().reshape(rows, -1)
         kind = gguf.GGMLQuantizationType(tensor.kind.id)
         weights = gguf.quants.dequantize(data, kind).reshape(tuple(reversed(tensor.shape)))
-        if name not in self._experts:  # an expert's matrix is stored as transformers has it
+        if name not in self._experts and name not in self._stacked:  # experts' matrices are
             weights = self._processor.process(
                 weights=weights,
                 name=tensor.name,
                 tensor_key_mapping=self._names,
                 parsed_parameters={},
-            ).weights
+            ).weights  # stored as transformers has them
         return torch.from_numpy(np.ascontiguousarray(weights, dtype=np.float32))
 
     def _pread(self, t: _Stored, offset: int, size: int) -> torch.Tensor:
         """Bytes of the tensor `_find` found last (the one being copied), dequantized at its
         first read: a tensor found but never read (a linear packed from its blocks, whose
-        float parameter stays on the meta device) is never dequantized."""
-        name = self._wanted
-        if self._held is None or self._held[0] != name:
+        float parameter stays on the meta device) is never dequantized. Of a stack of experts'
+        matrices, only the experts (its rows) being copied: one at a time, as the decoder reads
+        them."""
+        name, stack = self._wanted, self._stacked.get(self._wanted)
+        first, end = 0, 1
+        if stack is not None:  # `_copy` reads whole rows: here, whole experts
+            row = math.prod(t.shape[1:]) * t.dtype.itemsize
+            first, end = offset // row, -(-(offset + size) // row)
+            offset -= first * row
+        if self._held is None or self._held[0] != (name, first, end):
             self._held = None  # the previous tensor freed before the next is made
-            self._held = (name, self._dequantized(name, t.shape))
+            if stack is None:
+                held = self._dequantized(name, t.shape, self._parts[name])
+            else:
+                experts = [self._dequantized(name, t.shape[1:], e) for e in stack[first:end]]
+                held = torch.stack(experts)
+            self._held = ((name, first, end), held)
         return self._held[1].view(-1).view(torch.uint8)[offset : offset + size]
 
 
@@ -770,6 +852,12 @@ def _skeleton_shapes(config: PretrainedConfig, kept: Path) -> dict[str, tuple[in
         shapes.pop("lm_head.weight", None)
     _write_atomically(kept, json.dumps(shapes))
     return shapes
+
+
+def _layer_renamed(name: str, renamed: dict[str, str]) -> str:
+    """`name` with its part after `model.layers.{i}.` renamed by `renamed` (where it names it)."""
+    *layer, rest = name.split(".", 3)
+    return ".".join([*layer, renamed.get(rest, rest)]) if len(layer) == 3 else name
 
 
 def _gguf_names(arch: str, layers: int, names: Iterable[str]) -> dict[str, str]:

@@ -5,7 +5,7 @@ then its gate); zero-centred RMSNorms (scaled by 1 + w) but the Gated DeltaNet's
 which scales by w. The MoE models' experts come with a shared expert, gated by a sigmoid
 (`MoeSpec.shared_intermediate_size`). Qwen3-Next's checkpoints keep the Gated DeltaNet's input
 projections fused and interleaved by key head (`in_proj_qkvz`, `in_proj_ba`), read here as
-Qwen3.5's four. The linear-attention layers carry a state per request (`recurrent`: state slots,
+Qwen3.5's four (a GGUF file's `in_proj_qkvz` holds its rows by projection: `QKVZ_BY_PROJECTION`). The linear-attention layers carry a state per request (`recurrent`: state slots,
 snapshots of them in the radix tree); the models are served on one rank and without adapters."""
 
 from __future__ import annotations
@@ -25,6 +25,9 @@ from radixrt.models.qwen import sparse_layers_of
 # a config field set on a model read from llama.cpp's GGUF, whose value heads are in its tiled
 # order (`GatedDeltaNet`'s `tiled`)
 TILED_VALUE_HEADS = "linear_value_heads_tiled"
+# a config field set on Qwen3-Next read from llama.cpp's GGUF, whose `in_proj_qkvz` holds every
+# key head's q rows, then k, v and z (the converter's split, stacked back: `gguf_families`)
+QKVZ_BY_PROJECTION = "linear_qkvz_by_projection"
 # the Gated DeltaNet's tensors: ours -> the checkpoint's (under `linear_attn.` in both)
 LINEAR_ATTENTION = {
     "in_proj_qkv.weight": "in_proj_qkv.weight",
@@ -130,27 +133,30 @@ class Qwen3NextForCausalLM(Qwen3_5ForCausalLM):
         param: Callable[[str], torch.Tensor],
     ) -> None:
         """`in_proj_qkvz` holds, per key head, its query and key rows, then the value and z rows
-        of the value heads it serves; `in_proj_ba` per key head those value heads' b then a
-        rows. Each of our four projections stacks its rows from every key head in turn (the
+        of the value heads it serves (or, `QKVZ_BY_PROJECTION`, every key head's q rows, then
+        their k, v and z rows); `in_proj_ba` per key head those value heads' b then a rows.
+        Each of our four projections stacks its rows from every key head in turn (the
         convolution's channels are q, k, v each over all heads, as the checkpoint's)."""
         c = self.config
         k_heads, kd = c.linear_num_key_heads, c.linear_key_head_dim
         per = c.linear_num_value_heads // k_heads  # value heads per key head
         vd = per * c.linear_value_head_dim
-        spans = {"q": (0, kd), "k": (kd, 2 * kd), "v": (2 * kd, 2 * kd + vd)}
-        spans["z"] = (2 * kd + vd, 2 * kd + 2 * vd)
         qkvz, ba = f"{hf}linear_attn.in_proj_qkvz.weight", f"{hf}linear_attn.in_proj_ba.weight"
 
         def rows(name: str, width: int, span: tuple[int, int]) -> list[tuple[str, int, int]]:
             return [(name, h * width + span[0], h * width + span[1]) for h in range(k_heads)]
 
-        group = 2 * kd + 2 * vd
+        widths = {"q": kd, "k": kd, "v": vd, "z": vd}  # a key head's rows of each
+        by_projection = getattr(c, QKVZ_BY_PROJECTION, False)
+        parts, at = {}, 0  # at: where head 0's rows of the projection start
+        for p, width in widths.items():
+            if by_projection:  # head h's after h heads' of the same projection
+                parts[p], at = rows(qkvz, width, (at, at + width)), at + k_heads * width
+            else:  # head h's in the h-th group of all four's
+                parts[p], at = rows(qkvz, sum(widths.values()), (at, at + width)), at + width
         ours = f"{me}linear_attn."
-        reader.stack_rows(
-            param(ours + "in_proj_qkv.weight"),
-            [part for p in "qkv" for part in rows(qkvz, group, spans[p])],
-        )
-        reader.stack_rows(param(ours + "in_proj_z.weight"), rows(qkvz, group, spans["z"]))
+        reader.stack_rows(param(ours + "in_proj_qkv.weight"), parts["q"] + parts["k"] + parts["v"])
+        reader.stack_rows(param(ours + "in_proj_z.weight"), parts["z"])
         reader.stack_rows(param(ours + "in_proj_b.weight"), rows(ba, 2 * per, (0, per)))
         reader.stack_rows(param(ours + "in_proj_a.weight"), rows(ba, 2 * per, (per, 2 * per)))
         for name in LINEAR_ATTENTION:

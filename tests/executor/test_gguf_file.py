@@ -1,7 +1,8 @@
 """radixrt's own GGUF reader (`executor/gguf_file.py`) against gguf-py, the reader llama.cpp
 ships: the same metadata and tensor table on a file gguf-py's writer made; and against hostile
 files: each is refused with a `GGUFError` naming the field, in bounded time and memory, never
-another exception (a fuzz test mutates a valid file's header, metadata and tensor table)."""
+another exception (a fuzz test mutates a valid file's header, metadata and tensor table); and
+a value the model's config class refuses, in one line naming its key."""
 
 from __future__ import annotations
 
@@ -20,22 +21,26 @@ from hypothesis import strategies as st
 
 from radixrt.executor import gguf_file
 from radixrt.executor.gguf_file import GGUFError
+from radixrt.executor.model_loader import gguf_config
 
 from helpers import mutated_header
 
 VOCAB = ["<unk>", "<s>", "</s>", *(f"tok{i}" for i in range(29)), "héllo", ""]
 HIDDEN = 32
+EPSILON = "llama.attention.layer_norm_rms_epsilon"
+# gguf-py's writer of a metadata value, by the value's type (`write`'s `extra`)
+ADD = {list: "add_array", str: "add_string", float: "add_float32", int: "add_uint32"}
 
 
 def write(path, *, blocks=1, vocab=VOCAB, extra=None, embedding_rows=None):
-    """A small llama GGUF by gguf-py's writer: metadata of every value type, a vocabulary and
-    one block's tensors (F32, F16, Q8_0)."""
+    """A small llama GGUF by gguf-py's writer: metadata of every value type (`extra`'s in place
+    of the defaults, each as its Python type: `ADD`), a vocabulary and one block's tensors (F32,
+    F16, Q8_0)."""
     writer = gguf.GGUFWriter(path, "llama")
     writer.add_block_count(blocks)
     writer.add_context_length(256)
     writer.add_embedding_length(HIDDEN)
     writer.add_head_count(4)
-    writer.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
     writer.add_bool("tokenizer.ggml.add_bos_token", True)
     writer.add_int8("test.i8", -3)
     writer.add_uint64("test.u64", 2**63 + 5)
@@ -45,8 +50,8 @@ def write(path, *, blocks=1, vocab=VOCAB, extra=None, embedding_rows=None):
     writer.add_token_list(vocab)
     writer.add_token_scores([float(-i) for i in range(len(vocab))])
     writer.add_chat_template("{{ messages }}")
-    for key, value in (extra or {}).items():
-        writer.add_array(key, value) if isinstance(value, list) else writer.add_uint32(key, value)
+    for key, value in {EPSILON: 1e-5, **(extra or {})}.items():
+        getattr(writer, ADD[type(value)])(key, value)
     rng = np.random.default_rng(0)
     rows = embedding_rows or len(vocab)
     writer.add_tensor("token_embd.weight", rng.standard_normal((rows, HIDDEN), dtype=np.float32))
@@ -184,12 +189,14 @@ def test_hostile_headers_are_refused_by_field(valid, tmp_path, probe, field):
         ({"extra": {"test.big": [0] * (gguf_file.MAX_ARRAY + 1)}}, "test.big"),
         ({"extra": {"test.empty": [""] * (gguf_file.MAX_ARRAY + 1)}}, "test.empty"),
         ({"embedding_rows": len(VOCAB) + 1}, "token_embd.weight"),
+        ({"extra": {"llama.expert_count": 8}}, "llama.expert_count"),  # no tensors of experts
         ({"extra": {"tokenizer.ggml.merges": ["a b"] * (4 * len(VOCAB) + 1)}}, "merges"),
     ],
 )
 def test_metadata_past_what_the_model_can_use_is_refused(tmp_path, kwargs, field):
-    """Arrays larger than any model's (2M empty strings, 40M numbers in the issue's probes) and
-    a vocabulary that is not the embedding's rows: refused before anything is built from them."""
+    """Arrays larger than any model's (2M empty strings, 40M numbers in the issue's probes), a
+    vocabulary that is not the embedding's rows and experts the file does not hold: refused
+    before anything is built from them."""
     with pytest.raises(GGUFError, match=field):
         gguf_file.check(gguf_file.read(write(tmp_path / "m.gguf", **kwargs)))
 
@@ -241,3 +248,14 @@ def test_mutated_files_are_read_or_refused_in_bounded_time_and_memory(valid_path
         tracemalloc.stop()
     WORST["seconds"], WORST["bytes"] = max(WORST["seconds"], seconds), max(WORST["bytes"], peak)
     assert seconds < 10 and peak < 64 << 20
+
+
+def test_a_value_of_the_wrong_type_is_refused_in_one_line(tmp_path):
+    """A string where transformers' config class wants a float: its strict fields' error (over
+    two lines) becomes one, naming the file, the metadata key and the config field."""
+    path = write(tmp_path / "typed.gguf", extra={EPSILON: "small"})
+    with pytest.raises(ValueError) as refused:
+        gguf_config(gguf_file.read(path))
+    message = str(refused.value)
+    assert "\n" not in message, message
+    assert message.startswith(f"typed.gguf: metadata {EPSILON} (rms_norm_eps): "), message

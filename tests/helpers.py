@@ -692,3 +692,20 @@ def mutated_header(data, original: bytes, header: int) -> bytes:
         else:
             mutated[at:at] = data.draw(st.binary(min_size=1, max_size=16))
     return bytes(mutated)
+
+
+def write_random_gguf(path, tensors: dict, width: int) -> None:
+    """A llama GGUF at `path` (gguf's own writer) holding, for each name -> (rows, type) of
+    `tensors`, random normal weights [rows, width] quantized by gguf to that type (seed 0)."""
+    import gguf
+    import numpy as np
+
+    writer = gguf.GGUFWriter(path, "llama")
+    rng = np.random.default_rng(0)
+    for name, (rows, kind) in tensors.items():
+        w = rng.standard_normal((rows, width)).astype(np.float32)
+        writer.add_tensor(name, gguf.quants.quantize(w, kind), raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()

@@ -21,7 +21,6 @@ import sys
 from pathlib import Path
 
 import gguf
-import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as T
@@ -35,7 +34,13 @@ from radixrt.kernels.int4_gemm import Bits
 from radixrt.models.layers import PackedEmbedding
 from radixrt.models.linear import GroupedLinear
 
-from helpers import TINY, make_scheduler, requests_in_process, teacher_forced_logits
+from helpers import (
+    TINY,
+    make_scheduler,
+    requests_in_process,
+    teacher_forced_logits,
+    write_random_gguf,
+)
 
 CONVERTER = Path(os.environ.get("RADIXRT_LLAMA_CPP_CONVERTER", "/nonexistent"))
 needs_converter = pytest.mark.skipif(
@@ -156,15 +161,7 @@ TENSORS = {
 def written(tmp_path_factory):
     """A llama GGUF of TENSORS (random weights) and gguf's float32 reading of each."""
     path = tmp_path_factory.mktemp("gguf") / "mixed.gguf"
-    writer = gguf.GGUFWriter(path, "llama")
-    rng = np.random.default_rng(0)
-    for name, (rows, kind) in TENSORS.items():
-        w = rng.standard_normal((rows, K)).astype(np.float32)
-        writer.add_tensor(name, gguf.quants.quantize(w, kind), raw_dtype=kind)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    write_random_gguf(path, TENSORS, K)
     floats = {
         t.name: torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy())
         for t in gguf.GGUFReader(path).tensors

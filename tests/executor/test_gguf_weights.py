@@ -14,6 +14,8 @@ from transformers import LlamaConfig
 from radixrt.executor import gguf_file, gguf_weights
 from radixrt.kernels import int4_gemm
 
+from helpers import write_random_gguf
+
 K = 96  # three groups
 CONFIG = LlamaConfig(
     hidden_size=K, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=1
@@ -36,15 +38,7 @@ TENSORS = {
 def written(tmp_path_factory):
     """A llama GGUF of TENSORS (random weights, quantized by gguf) and its reader."""
     path = tmp_path_factory.mktemp("gguf") / "small.gguf"
-    writer = gguf.GGUFWriter(path, "llama")
-    rng = np.random.default_rng(0)
-    for name, (rows, kind) in TENSORS.items():
-        w = rng.standard_normal((rows, K)).astype(np.float32)
-        writer.add_tensor(name, gguf.quants.quantize(w, kind), raw_dtype=kind)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    write_random_gguf(path, TENSORS, K)
     return path, {t.name: t for t in gguf.GGUFReader(path).tensors}
 
 

@@ -124,19 +124,27 @@ class LlavaImageEncoder(nn.Module):
             reader.copy_rows(param.data, f"{projector}{PROJECTOR_NAMES[linear]}.{kind}")
 
 
-def checkpoint_layout(reader: WeightSource) -> tuple[str, str]:
-    """The (tower, projector) prefixes of the first of `CHECKPOINT_LAYOUTS` whose patch
-    embedding the checkpoint holds (`WeightSource` lists no names: `skip` checks one is present,
-    counting it read, as its load will)."""
-    probe = "embeddings.patch_embedding.weight"
-    for tower, projector in CHECKPOINT_LAYOUTS:
+def first_layout(
+    reader: WeightSource, layouts: tuple[tuple[str, str], ...], probe: str, what: str
+) -> tuple[str, str]:
+    """The first of `layouts` (prefix pairs) whose first prefix + `probe` the checkpoint holds
+    (`WeightSource` lists no names: `skip` checks one is present, counting it read, as its
+    load will); ValueError naming `what` when none is."""
+    for first, second in layouts:
         try:
-            reader.skip(tower + probe)
+            reader.skip(first + probe)
         except ValueError:
             continue
-        return tower, projector
-    tried = [tower + probe for tower, _ in CHECKPOINT_LAYOUTS]
-    raise ValueError(f"the checkpoint has no vision tower: none of {tried}")
+        return first, second
+    tried = [first + probe for first, _ in layouts]
+    raise ValueError(f"the checkpoint has no {what}: none of {tried}")
+
+
+def checkpoint_layout(reader: WeightSource) -> tuple[str, str]:
+    """The (tower, projector) prefixes of the first of `CHECKPOINT_LAYOUTS` whose patch
+    embedding the checkpoint holds."""
+    probe = "embeddings.patch_embedding.weight"
+    return first_layout(reader, CHECKPOINT_LAYOUTS, probe, "vision tower")
 
 
 class LlavaForConditionalGeneration(LlamaForCausalLM):
@@ -207,16 +215,8 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
 
 def language_layout(reader: WeightSource) -> tuple[str, str]:
     """The (decoder, output projection) prefixes of the first of `LANGUAGE_LAYOUTS` whose
-    embedding the checkpoint holds (found as `checkpoint_layout` finds the tower's)."""
-    probe = "embed_tokens.weight"
-    for decoder, head in LANGUAGE_LAYOUTS:
-        try:
-            reader.skip(decoder + probe)
-        except ValueError:
-            continue
-        return decoder, head
-    tried = [decoder + probe for decoder, _ in LANGUAGE_LAYOUTS]
-    raise ValueError(f"the checkpoint has no text model: none of {tried}")
+    embedding the checkpoint holds."""
+    return first_layout(reader, LANGUAGE_LAYOUTS, "embed_tokens.weight", "text model")
 
 
 class LanguageModel(RenamedSource):
